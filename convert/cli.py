@@ -1,0 +1,204 @@
+"""The ``kimi-convert`` command line.
+
+A user error (bad input, refused output folder, a rule that cannot be satisfied) prints one line,
+``kimi-convert: error: ...``, and exits 2; Ctrl-C exits 130. No traceback reaches the user for either.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import sys
+
+import click
+
+from . import __version__
+from .errors import ConvertError
+from .plan import DEFAULT_MAX_SHARD, Options, Plan
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MB or 2GiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise click.BadParameter("must be positive")
+    return size
+
+
+class Cli(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ConvertError as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            click.echo("kimi-convert: interrupted", err=True)
+            sys.exit(130)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT):
+                _fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
+            raise
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"kimi-convert: error: {msg}", err=True)
+    sys.exit(2)
+
+
+@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kimi-convert")
+def cli() -> None:
+    """Convert a sharded safetensors MoE checkpoint (Kimi K3, Kimi Linear) into pre-packed NVFP4."""
+
+
+def plan_options(f):
+    opts = [
+        click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+                     help="Keep source modules matching GLOB in high precision (repeatable)."),
+        click.option("--exclude-from", "exclude_from", multiple=True, metavar="FILE",
+                     help="Patterns from FILE: one per line, a JSON list, or an hf_quant_config.json."),
+        click.option("--no-default-excludes", is_flag=True, help="Do not apply the mapping's default recipe."),
+        click.option("--keep-partial", is_flag=True,
+                     help="Keep a fused module (or MoE layer) whole in high precision when only some of "
+                          "its shards are excluded."),
+        click.option("--fuse", multiple=True, metavar="GROUP", help="Enable an opt-in fused group of the mapping."),
+        click.option("--no-fuse", multiple=True, metavar="GROUP", help="Do not build this fused group."),
+        click.option("--max-shard-size", default=str(DEFAULT_MAX_SHARD), show_default="5GB",
+                     help="Largest output shard, e.g. 5GB, 500MB."),
+        click.option("--mapping", metavar="NAME|FILE", help="Architecture table (default: chosen from config.json)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _options(kw: dict) -> Options:
+    return Options(
+        exclude=tuple(kw["exclude"]),
+        exclude_from=tuple(kw["exclude_from"]),
+        default_excludes=not kw["no_default_excludes"],
+        keep_partial=kw["keep_partial"],
+        max_shard_size=parse_size(kw["max_shard_size"]),
+        fuse=tuple(kw["fuse"]),
+        no_fuse=tuple(kw["no_fuse"]),
+    )
+
+
+@cli.command()
+@click.argument("preset")
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
+@click.option("--layers", type=int, help="Override the preset's layer count.")
+@click.option("--experts", type=int, help="Override the preset's experts per MoE layer.")
+def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None) -> None:
+    """Write a synthetic checkpoint shaped like a real release.
+
+    Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB).
+    """
+    from .synth import PRESETS, write_synth
+
+    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    click.echo(f"wrote {out}/: {PRESETS[preset].description}; {size / 1e6:.1f} MB on disk")
+
+
+@cli.command(name="inspect")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect_cmd(path: str, as_json: bool) -> None:
+    """Architecture, layer kinds and MoE parameters (E, top-k, sizes) of a checkpoint or config.json."""
+    from .modelinfo import inspect_path, render
+
+    info = inspect_path(path)
+    click.echo(json.dumps(info.to_dict(), indent=2) if as_json else render(info))
+
+
+@cli.command()
+@click.argument("input_dir", metavar="INPUT", type=click.Path(file_okay=False))
+@plan_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(input_dir: str, as_json: bool, **kw) -> None:
+    """Print what pack would do, without reading tensor data."""
+    from .manifest import plan_dict
+    from .pack import load_plan
+
+    _, p = load_plan(input_dir, _options(kw), kw["mapping"])
+    if as_json:
+        click.echo(json.dumps(plan_dict(p), indent=2))
+    else:
+        click.echo(render_plan(p, input_dir))
+    for w in p.warnings:
+        click.echo(f"kimi-convert: warning: {w}", err=True)
+
+
+@cli.command()
+@click.argument("input_dir", metavar="INPUT", type=click.Path(file_okay=False))
+@click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False))
+@plan_options
+@click.option("--device", default="cpu", show_default=True, help="cpu, or cuda[:N] (the Triton kernel).")
+@click.option("--overwrite", is_flag=True, help="Replace a previous output in OUTPUT.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, quiet: bool, **kw) -> None:
+    """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
+    from .pack import pack as run
+
+    res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device,
+              overwrite=overwrite, progress=not quiet)
+    for w in res.plan.warnings:
+        click.echo(f"kimi-convert: warning: {w}", err=True)
+    items = res.plan.items
+    click.echo(
+        f"wrote {output_dir}/: {len(res.plan.shards)} shards, {_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "
+        f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'keep' for i in items)} kept, "
+        f"{sum(i.kind == 'copy' for i in items)} tensors copied; manifest.json"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+def _shape(dtype: str, shape) -> str:
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def render_plan(p: Plan, input_dir: str) -> str:
+    shard_of = p.shard_of()
+    lines = [f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})", ""]
+    for u in p.units:
+        for it in u.items:
+            srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
+            out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
+            lines.append(f"{it.kind:5} {it.name}  {out}  -> {shard_of[it.outputs[0].name]}")
+            if it.kind != "copy":
+                extra = f"; shared scale {u.shared_scale}" if u.shared_scale else ""
+                lines.append(f"        why: {it.rule}{extra}")
+            if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
+                lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
+                for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
+                    lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file})")
+    t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "keep", "copy")}
+    lines += [
+        "",
+        f"totals: {t['nvfp4']} NVFP4 modules, {t['keep']} kept linear modules, {t['copy']} tensors copied",
+        f"bytes in {p.bytes_in} ({_mb(p.bytes_in)}), bytes out {p.bytes_out} ({_mb(p.bytes_out)}) "
+        f"in {len(p.shards)} shard(s)",
+        f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    cli(prog_name="kimi-convert")
+
+
+if __name__ == "__main__":
+    main()

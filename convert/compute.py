@@ -1,0 +1,108 @@
+"""Compute stage: turn one planned unit into output bytes.
+
+Kept and copied tensors are the source bytes themselves (memory-map views, concatenated in member
+order), so they are byte-identical to their sources. NVFP4 tensors are built from the members one
+at a time under one global scale taken over the whole fused module (or scale group): the fused
+high-precision tensor is never materialised, and its quantized rows are the members' rows in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, reference
+
+from .errors import ConvertError
+from .plan import Item, Source, Unit
+from .source import TensorReader
+
+Chunk = memoryview | np.ndarray
+
+
+@dataclass
+class Output:
+    chunks: list[Chunk]  # written back to back at the tensor's offset
+
+
+@dataclass
+class UnitResult:
+    outputs: dict[str, Output]
+    notes: dict[str, dict] = field(default_factory=dict)  # per item: how it was produced
+    source_hashes: dict[str, str] = field(default_factory=dict)  # stored tensor name -> sha256
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat uint8 array (fp8 and bf16 have no numpy dtype)."""
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def decode(src: Source, reader: TensorReader, block: tuple[int, int]) -> torch.Tensor:
+    """The source's values: a zero-copy view for dense tensors, decoded fp32 for MXFP4 / FP8."""
+    try:
+        if src.encoding == "mxfp4":
+            return decode_mxfp4(reader.tensor(src.parts[0]), reader.tensor(src.parts[1]))
+        if src.encoding == "fp8_block":
+            return decode_fp8_block(reader.tensor(src.parts[0]), reader.tensor(src.parts[1]), block)
+    except DecodeError as e:
+        raise ConvertError(f"{src.parts[1].file}: tensor {src.parts[1].name}: {e}") from None
+    return reader.tensor(src.parts[0])
+
+
+def _raw_chunks(item: Item, reader: TensorReader) -> list[Chunk]:
+    return [reader.raw(p) for s in item.sources for p in s.parts[:1]]
+
+
+def _keep_decoded(item: Item, reader: TensorReader, block) -> list[Chunk]:
+    """A kept linear layer whose source is MXFP4 or FP8: decoded to bf16 (exact for MXFP4)."""
+    return [as_bytes(decode(s, reader, block).to(torch.bfloat16)) for s in item.sources]
+
+
+def compute_unit(unit: Unit, reader: TensorReader, backend: Backend, block: tuple[int, int]) -> UnitResult:
+    res = UnitResult({})
+    for item in unit.items:
+        for s in item.sources:
+            for p in s.parts:
+                res.source_hashes[p.name] = hashlib.sha256(reader.raw(p)).hexdigest()
+    quant = [it for it in unit.items if it.kind == "nvfp4"]
+    for it in unit.items:
+        if it.kind == "nvfp4":
+            continue
+        dense = all(s.encoding == "dense" for s in it.sources)
+        chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block)
+        res.outputs[it.outputs[0].name] = Output(chunks)
+        if not dense:
+            res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
+    if quant:
+        _quantize(quant, reader, backend, block, res)
+    return res
+
+
+def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, res: UnitResult) -> None:
+    values = {s.name: decode(s, reader, block) for it in items for s in it.sources}
+    amax = None
+    for name, v in values.items():
+        a = backend.amax(v)
+        if not bool(torch.isfinite(a)):
+            src = next(s for it in items for s in it.sources if s.name == name)
+            raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
+        amax = a if amax is None else torch.maximum(amax, a)
+    s2 = reference.global_scale(amax)
+    for it in items:
+        packed, scales = [], []
+        for s in it.sources:
+            p, sc = backend.quantize(values[s.name], s2)
+            packed.append(as_bytes(p))
+            scales.append(as_bytes(sc))
+        w, ws, ws2 = it.outputs
+        res.outputs[w.name] = Output(packed)
+        res.outputs[ws.name] = Output(scales)
+        res.outputs[ws2.name] = Output([as_bytes(s2.cpu().reshape(1))])
+        res.notes[it.name] = {
+            "amax": float(amax),
+            "source_encoding": it.sources[0].encoding,
+            "method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
+        }

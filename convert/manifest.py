@@ -1,0 +1,88 @@
+"""The manifest: the plan, made concrete with hashes. It is what verify-manifest checks an output
+against, and it says for every output tensor where its bytes came from.
+
+It holds no timestamps and no absolute paths, so the same input and options give the same bytes.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from . import __version__
+from .plan import GROUP_SIZE, Item, Plan
+from .write import QUANT_ALGO
+
+FORMAT = "kimi-convert-manifest"
+FORMAT_VERSION = 1
+
+
+def plan_dict(plan: Plan) -> dict:
+    """The plan as data (no hashes): printed by ``kimi-convert plan --json``, the manifest's skeleton."""
+    shard_of = plan.shard_of()
+    return {
+        "mapping": {"name": plan.mapping.name, "file": plan.mapping.path, "sha256": plan.mapping.sha256},
+        "options": plan.options.to_dict(),
+        "rules": [{"pattern": p.text, "origin": p.origin, "reason": p.reason} for p in plan.patterns],
+        "warnings": list(plan.warnings),
+        "exclude_modules": list(plan.exclude_modules),
+        "modules": [_item(it, u.shared_scale, shard_of) for u in plan.units for it in u.items],
+        "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
+        "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
+                   "nvfp4": sum(it.kind == "nvfp4" for it in plan.items),
+                   "kept": sum(it.kind == "keep" for it in plan.items),
+                   "copied": sum(it.kind == "copy" for it in plan.items)},
+    }
+
+
+def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
+    d: dict = {"name": it.name, "kind": it.kind, "rule": it.rule}
+    if it.group:
+        d["group"] = it.group
+    d["op"] = it.op
+    if it.kind == "nvfp4":
+        d["quantization"] = {"format": "nvfp4", "group_size": GROUP_SIZE, "quant_algo": QUANT_ALGO,
+                             "shared_scale": shared_scale}
+    d["sources"] = [
+        {
+            "name": s.name,
+            "module": s.module,
+            "file": s.file,
+            "encoding": s.encoding,
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "rows": list(r),
+            "parts": [{"name": p.name, "file": p.file, "dtype": p.dtype, "shape": list(p.shape)} for p in s.parts],
+        }
+        for s, r in zip(it.sources, it.row_ranges(), strict=True)
+    ]
+    d["tensors"] = [
+        {"name": t.name, "file": shard_of[t.name], "dtype": t.dtype, "shape": list(t.shape)} for t in it.outputs
+    ]
+    return d
+
+
+def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str],
+          tensor_hashes: dict[str, str], source_hashes: dict[str, str], notes: dict[str, dict],
+          output_sizes: dict[str, int]) -> dict:
+    body = plan_dict(plan)
+    for mod in body["modules"]:
+        for s in mod["sources"]:
+            for p in s["parts"]:
+                p["sha256"] = source_hashes[p["name"]]
+        for t in mod["tensors"]:
+            t["sha256"] = tensor_hashes[t["name"]]
+        note = notes.get(mod["name"])
+        if note and mod["kind"] == "nvfp4":
+            mod["quantization"].update(note)
+        elif note:
+            mod["decoded"] = note
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tool": {"name": "kimi-convert", "version": __version__},
+        "mapping_table": tomllib.loads(plan.mapping.source),
+        "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
+        "side_files": list(plan.side_files),
+        "outputs": [{"file": f, "size": output_sizes[f], "sha256": h} for f, h in sorted(output_hashes.items())],
+        **body,
+    }

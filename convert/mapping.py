@@ -1,0 +1,311 @@
+"""Architectures as data: the tables in ``mappings/*.toml`` and their typed form.
+
+A table says, for one model family: where the text config lives, how layer kinds are read from it,
+which modules the engines build as linear layers, which tensors they fuse (member order, cat or
+stack, where a group applies), which members share one global scale without being fused, and the
+default exclusion recipe. Adding a model means adding a table, not editing the pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from importlib import resources
+from pathlib import Path
+
+from .errors import ConvertError
+
+PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
+
+
+def template_regex(template: str) -> re.Pattern[str]:
+    """``model.layers.{layer}.mlp`` -> a regex that captures the layer number."""
+    out, pos = [], 0
+    for m in re.finditer(r"\{(\w+)\}", template):
+        if m.group(1) not in PLACEHOLDERS:
+            raise ValueError(f"unknown placeholder {{{m.group(1)}}} in {template!r}")
+        out.append(re.escape(template[pos : m.start()]))
+        out.append(PLACEHOLDERS[m.group(1)])
+        pos = m.end()
+    out.append(re.escape(template[pos:]))
+    return re.compile("".join(out))
+
+
+@dataclass(frozen=True)
+class Group:
+    """A packed module of the runtime: its members are concatenated (or stacked) along dim 0."""
+
+    name: str
+    members: tuple[str, ...]
+    op: str  # "cat" or "stack"
+    parents: tuple[str, ...]  # templates of the parent module, relative to the text prefix
+    layer_type: str | None = None
+    when: tuple[tuple[str, object], ...] = ()
+    quantize: bool = True  # False: engines build it as a linear layer, but it is never NVFP4
+    reason: str = ""  # why quantize is False
+    enabled: bool = True  # False: only with --fuse NAME
+
+    def parent_regexes(self) -> list[re.Pattern[str]]:
+        return [template_regex(p) for p in self.parents]
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """Modules stored separately whose engine kernel holds one global scale for all of them."""
+
+    name: str
+    members: tuple[str, ...]
+    parents: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LayerType:
+    name: str
+    config: str  # dotted path in the text config to a list of layer numbers
+    base: int  # 1 when the list is 1-based
+
+
+@dataclass(frozen=True)
+class Mapping:
+    name: str
+    description: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    text_config: str  # key of the nested text config, "" for a flat config
+    text_prefix: str  # prefix of the text model's tensor names
+    layer_types: tuple[LayerType, ...]
+    linear: tuple[str, ...]  # globs of module names the engines build as linear layers
+    keep: tuple[Rule, ...]  # linear modules that are never NVFP4, whatever the user says
+    exclude: tuple[Rule, ...]  # the default exclusion recipe
+    groups: tuple[Group, ...]
+    scale_groups: tuple[ScaleGroup, ...]
+    expert_sets: tuple[str, ...]  # parents whose children the engine quantizes all-or-nothing
+    config_defaults: dict = field(default_factory=dict)
+    source: str = ""  # the table's text, for the manifest
+    path: str = ""
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def text_config_of(self, config: dict) -> dict:
+        if not self.text_config:
+            return config
+        sub = config.get(self.text_config)
+        if not isinstance(sub, dict):
+            raise ConvertError(f"config.json: {self.name} needs a {self.text_config!r} object")
+        return sub
+
+    def config_value(self, config: dict, dotted: str) -> object:
+        value: object = self.text_config_of(config)
+        for part in dotted.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return self.config_defaults.get(dotted)
+            value = value[part]
+        return value
+
+    def layer_kinds(self, config: dict) -> dict[int, str]:
+        """0-based layer number -> layer type name, from the config's layer lists."""
+        kinds: dict[int, str] = {}
+        for lt in self.layer_types:
+            layers = self.config_value(config, lt.config)
+            if layers is None:
+                continue
+            if not isinstance(layers, list) or not all(type(i) is int for i in layers):
+                raise ConvertError(f"config.json: {lt.config} must be a list of layer numbers")
+            for i in layers:
+                if kinds.get(i - lt.base, lt.name) != lt.name:
+                    raise ConvertError(f"config.json: layer {i} is listed as both {kinds[i - lt.base]} and {lt.name}")
+                kinds[i - lt.base] = lt.name
+        return kinds
+
+    def strip(self, name: str) -> str:
+        if self.text_prefix and name.startswith(self.text_prefix):
+            return name[len(self.text_prefix) :]
+        return name
+
+    def is_linear(self, module: str) -> bool:
+        short = self.strip(module)
+        return any(fnmatchcase(short, p) or fnmatchcase(module, p) for p in self.linear)
+
+    def keep_rule(self, module: str) -> Rule | None:
+        short = self.strip(module)
+        return next((r for r in self.keep if fnmatchcase(short, r.pattern) or fnmatchcase(module, r.pattern)), None)
+
+
+TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
+            "linear", "config_defaults", "layer_types", "keep", "exclude", "group", "scale_group"}
+GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled"}
+
+
+def _known(table: dict, keys: set[str], where: str) -> None:
+    """Refuse unknown keys: in TOML a key after a [table] header silently lands in that table."""
+    extra = sorted(set(table) - keys)
+    if extra:
+        raise ConvertError(f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(keys))})")
+
+
+def _req(table: dict, key: str, kind: type, where: str):
+    if key not in table:
+        raise ConvertError(f"{where}: missing key {key!r}")
+    value = table[key]
+    if not isinstance(value, kind):
+        raise ConvertError(f"{where}: {key!r} must be a {kind.__name__}")
+    return value
+
+
+def _strs(table: dict, key: str, where: str, default: tuple = ()) -> tuple[str, ...]:
+    value = table.get(key, list(default))
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConvertError(f"{where}: {key!r} must be a list of strings")
+    return tuple(value)
+
+
+def _rules(items: object, where: str) -> tuple[Rule, ...]:
+    if not isinstance(items, list):
+        raise ConvertError(f"{where}: must be an array of tables")
+    out = []
+    for i, r in enumerate(items):
+        w = f"{where}[{i}]"
+        if not isinstance(r, dict):
+            raise ConvertError(f"{w}: must be a table")
+        _known(r, {"pattern", "reason"}, w)
+        out.append(Rule(_req(r, "pattern", str, w), r.get("reason", "")))
+    return tuple(out)
+
+
+def _group(g: object, where: str) -> Group:
+    if not isinstance(g, dict):
+        raise ConvertError(f"{where}: must be a table")
+    _known(g, GROUP_KEYS, where)
+    op = g.get("op", "cat")
+    if op not in ("cat", "stack"):
+        raise ConvertError(f"{where}: op must be 'cat' or 'stack', not {op!r}")
+    members = _strs(g, "members", where)
+    if len(members) < 2 or len(set(members)) != len(members):
+        raise ConvertError(f"{where}: members must name two or more distinct modules")
+    parents = _strs(g, "parents", where)
+    if not parents:
+        raise ConvertError(f"{where}: parents must name at least one parent module template")
+    when = g.get("when", {})
+    if not isinstance(when, dict):
+        raise ConvertError(f"{where}: when must be a table of config values")
+    grp = Group(
+        name=_req(g, "name", str, where),
+        members=members,
+        op=op,
+        parents=parents,
+        layer_type=g.get("layer_type"),
+        when=tuple(sorted(when.items())),
+        quantize=bool(g.get("quantize", True)),
+        reason=str(g.get("reason", "")),
+        enabled=bool(g.get("enabled", True)),
+    )
+    try:
+        grp.parent_regexes()
+    except ValueError as e:
+        raise ConvertError(f"{where}: {e}") from None
+    return grp
+
+
+def parse_mapping(text: str, path: str) -> Mapping:
+    """Parse and validate one table; errors name the file and the key (or TOML line)."""
+    try:
+        t = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConvertError(f"{path}: {e}") from None
+    _known(t, TOP_KEYS, path)
+    lts = []
+    for name, lt in t.get("layer_types", {}).items():
+        w = f"{path}: layer_types.{name}"
+        if not isinstance(lt, dict):
+            raise ConvertError(f"{w}: must be a table")
+        _known(lt, {"config", "base"}, w)
+        lts.append(LayerType(name, _req(lt, "config", str, w), int(lt.get("base", 0))))
+    groups = tuple(_group(g, f"{path}: group[{i}]") for i, g in enumerate(t.get("group", [])))
+    names = [g.name for g in groups]
+    scale_groups = []
+    for i, s in enumerate(t.get("scale_group", [])):
+        w = f"{path}: scale_group[{i}]"
+        if not isinstance(s, dict):
+            raise ConvertError(f"{w}: must be a table")
+        _known(s, {"name", "members", "parents"}, w)
+        scale_groups.append(ScaleGroup(_req(s, "name", str, w), _strs(s, "members", w), _strs(s, "parents", w)))
+    known_types = {lt.name for lt in lts}
+    for g in groups:
+        if g.layer_type is not None and g.layer_type not in known_types:
+            raise ConvertError(f"{path}: group {g.name}: unknown layer_type {g.layer_type!r}")
+    if len(set(names)) != len(names):
+        raise ConvertError(f"{path}: group names must be unique")
+    return Mapping(
+        name=_req(t, "name", str, path),
+        description=t.get("description", ""),
+        architectures=_strs(t, "architectures", path),
+        model_types=_strs(t, "model_types", path),
+        text_config=t.get("text_config", ""),
+        text_prefix=t.get("text_prefix", ""),
+        layer_types=tuple(lts),
+        linear=_strs(t, "linear", path),
+        keep=_rules(t.get("keep", []), f"{path}: keep"),
+        exclude=_rules(t.get("exclude", []), f"{path}: exclude"),
+        groups=groups,
+        scale_groups=tuple(scale_groups),
+        expert_sets=_strs(t, "expert_sets", path),
+        config_defaults=dict(t.get("config_defaults", {})),
+        source=text,
+        path=path,
+    )
+
+
+def builtin_mappings() -> list[Mapping]:
+    folder = resources.files("kimi_convert.mappings")
+    return [
+        parse_mapping(f.read_text(encoding="utf-8"), f"mappings/{f.name}")
+        for f in sorted(folder.iterdir(), key=lambda f: f.name)
+        if f.name.endswith(".toml")
+    ]
+
+
+def load_mapping(path: str | Path) -> Mapping:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConvertError(f"{p}: cannot read mapping: {e.strerror or e}") from None
+    return parse_mapping(text, str(p))
+
+
+def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
+    """The table for ``config`` (by architecture, then model_type), or the one given with --mapping."""
+    if override is not None:
+        m = builtin_by_name(str(override)) if not Path(str(override)).exists() else None
+        return m or load_mapping(override)
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    tables = builtin_mappings()
+    for m in tables:
+        if any(a in m.architectures for a in archs):
+            return m
+    for m in tables:
+        if model_type in m.model_types:
+            return m
+    raise ConvertError(
+        f"config.json: unknown architecture {archs or model_type!r}; "
+        f"known: {', '.join(sorted(a for m in tables for a in m.architectures))}; "
+        "pass --mapping FILE.toml for another model"
+    )
+
+
+def builtin_by_name(name: str) -> Mapping | None:
+    return next((m for m in builtin_mappings() if m.name == name), None)

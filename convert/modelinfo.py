@@ -1,0 +1,182 @@
+"""``inspect``: architecture, layer kinds and the MoE parameters a kernel tuner needs, from
+config.json alone, checked against the tensors' real shapes where the weights are present.
+
+vLLM's ``benchmark_moe.py`` once fell through to Mixtral's ``num_local_experts`` on Kimi K3; this
+reads the text config (nested ``text_config`` or flat) and every family's spelling of the fields.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ConvertError
+from .source import load_json, open_checkpoint
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOPK_KEYS = ("num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k")
+INTER_KEYS = ("moe_intermediate_size",)
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    model_type: str
+    text_config: str  # "text_config" or "(flat)"
+    hidden_size: int | None
+    num_layers: int | None
+    layer_kinds: dict[str, list[int]] = field(default_factory=dict)  # kind -> 0-based layers
+    num_experts: int | None = None
+    top_k: int | None = None
+    moe_intermediate_size: int | None = None
+    moe_layers: list[int] = field(default_factory=list)
+    expert_input_size: int | None = None  # routed_expert_hidden_size, or hidden_size
+    weights_present: bool = False
+    tensor_experts: int | None = None
+    tensor_expert_shape: list[int] | None = None  # [intermediate, input] of one expert's gate weight
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _first(cfg: dict, keys: tuple[str, ...]) -> tuple[str | None, object]:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return k, cfg[k]
+    return None, None
+
+
+def text_config(config: dict) -> tuple[dict, str]:
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(config.get(key), dict):
+            return config[key], key
+    return config, "(flat)"
+
+
+def from_config(config: dict) -> ModelInfo:
+    text, where = text_config(config)
+    archs = config.get("architectures") or ["?"]
+    info = ModelInfo(
+        architecture=archs[0],
+        model_type=str(config.get("model_type", "?")),
+        text_config=where,
+        hidden_size=text.get("hidden_size"),
+        num_layers=text.get("num_hidden_layers"),
+    )
+    _, info.num_experts = _first(text, EXPERT_KEYS)
+    _, info.top_k = _first(text, TOPK_KEYS)
+    _, info.moe_intermediate_size = _first(text, INTER_KEYS)
+    if info.moe_intermediate_size is None and info.num_experts:
+        info.moe_intermediate_size = text.get("intermediate_size")  # Mixtral: experts use intermediate_size
+    info.expert_input_size = text.get("routed_expert_hidden_size") or info.hidden_size
+    lac = text.get("linear_attn_config") or {}
+    n = info.num_layers or 0
+    if isinstance(lac, dict) and lac.get("kda_layers") is not None:
+        info.layer_kinds = {"kda": [i - 1 for i in lac.get("kda_layers", [])],
+                            "mla": [i - 1 for i in lac.get("full_attn_layers", [])]}
+    elif isinstance(text.get("layer_types"), list):
+        kinds: dict[str, list[int]] = {}
+        for i, k in enumerate(text["layer_types"]):
+            kinds.setdefault(str(k), []).append(i)
+        info.layer_kinds = kinds
+    elif n:
+        info.layer_kinds = {"mla" if "kv_lora_rank" in text else "attention": list(range(n))}
+    if info.num_experts:
+        first = int(text.get("first_k_dense_replace", 0) or 0)
+        freq = int(text.get("moe_layer_freq", 1) or 1)
+        step = int(text.get("decoder_sparse_step", 1) or 1)
+        info.moe_layers = [i for i in range(n) if i >= first and i % freq == 0 and (i + 1) % step == 0]
+    return info
+
+
+_EXPERT = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
+)
+
+
+def add_tensors(info: ModelInfo, tensors: dict) -> None:
+    """Report the experts' real shapes and flag config fields that disagree with them."""
+    info.weights_present = True
+    found: dict[int, set[int]] = {}
+    shape = None
+    for name, t in tensors.items():
+        m = _EXPERT.search(name)
+        if not m:
+            continue
+        found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+        if shape is None:
+            shape = [t.shape[0], t.shape[1] * (2 if m.group(4) else 1)]
+    if not found:
+        if info.num_experts:
+            info.warnings.append("config declares experts but no expert weights were found")
+        return
+    info.tensor_experts = max(len(v) for v in found.values())
+    info.tensor_expert_shape = shape
+    if info.num_experts is not None and info.tensor_experts != info.num_experts:
+        info.warnings.append(f"num_experts={info.num_experts} but layers hold {info.tensor_experts} experts")
+    if shape and info.moe_intermediate_size is not None and shape[0] != info.moe_intermediate_size:
+        info.warnings.append(
+            f"moe_intermediate_size={info.moe_intermediate_size} but expert weights have {shape[0]} rows"
+        )
+    if shape and info.hidden_size is not None and shape[1] != info.hidden_size:
+        info.warnings.append(
+            f"hidden_size={info.hidden_size} but experts take {shape[1]} inputs "
+            + ("(routed_expert_hidden_size: latent MoE; tune kernels for the tensors' width)"
+               if shape[1] == info.expert_input_size else "(config disagrees with the tensors)")
+        )
+
+
+def inspect_path(path: str | Path) -> ModelInfo:
+    path = Path(path)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.exists():
+        raise ConvertError(f"{cfg_path}: missing")
+    info = from_config(load_json(cfg_path, str(cfg_path)))
+    if path.is_dir() and (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()):
+        add_tensors(info, open_checkpoint(path).tensors)
+    return info
+
+
+def render(info: ModelInfo) -> str:
+    lines = [
+        f"architecture     {info.architecture} (model_type {info.model_type}, text config: {info.text_config})",
+        f"hidden_size      {info.hidden_size}",
+        f"layers           {info.num_layers}: "
+        + ", ".join(f"{k} {len(v)} {_ranges(v)}" for k, v in info.layer_kinds.items()),
+    ]
+    if info.num_experts:
+        lines += [
+            f"MoE layers       {len(info.moe_layers)} {_ranges(info.moe_layers)}",
+            "benchmark_moe    "
+            f"E={info.num_experts} topk={info.top_k} moe_intermediate_size={info.moe_intermediate_size} "
+            f"hidden_size={info.hidden_size}",
+        ]
+        if info.expert_input_size != info.hidden_size:
+            lines.append(f"expert input     {info.expert_input_size} (routed_expert_hidden_size: latent MoE)")
+    else:
+        lines.append("MoE              none (dense model)")
+    if info.weights_present:
+        lines.append(
+            f"tensors          {info.tensor_experts} experts per layer, expert gate weight {info.tensor_expert_shape}"
+            if info.tensor_experts else "tensors          no expert weights"
+        )
+    else:
+        lines.append("tensors          not present (config only)")
+    lines += [f"warning          {w}" for w in info.warnings]
+    return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "[]"
+    out, start, prev = [], xs[0], xs[0]
+    for x in [*xs[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return "[" + ",".join(out) + "]"

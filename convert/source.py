@@ -1,0 +1,293 @@
+"""Read stage: safetensors headers, the shard index, config.json, memory-mapped tensor data.
+
+The safetensors library's ``safe_open`` is not used for reading: it exposes neither the raw byte
+range of a tensor (needed for byte-identical pass-through and for hashing) nor a way to drop pages
+after use, and its errors do not name the shard. Parsing a header is ~40 lines of validation, so
+the tool does it itself and answers bad input with one line that names the file and tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import ConvertError
+
+#: The safetensors library refuses headers above 100 MB; so do we.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    itemsize: int
+    torch: torch.dtype | None
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("F64", 8, torch.float64),
+        DType("F32", 4, torch.float32),
+        DType("F16", 2, torch.float16),
+        DType("BF16", 2, torch.bfloat16),
+        DType("F8_E4M3", 1, torch.float8_e4m3fn),
+        DType("F8_E5M2", 1, torch.float8_e5m2),
+        DType("I64", 8, torch.int64),
+        DType("I32", 4, torch.int32),
+        DType("I16", 2, torch.int16),
+        DType("I8", 1, torch.int8),
+        DType("U8", 1, torch.uint8),
+        DType("BOOL", 1, torch.bool),
+    )
+}
+
+TORCH_TO_ST = {d.torch: d.name for d in DTYPES.values()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one stored tensor lives: file (relative to the checkpoint), dtype, shape, byte range."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def parse_header(path: Path, rel: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Validate and parse one safetensors header; return its tensors and its metadata."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConvertError(f"{rel}: truncated safetensors file ({size} bytes, no header length)")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                raise ConvertError(f"{rel}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            if 8 + n > size:
+                raise ConvertError(f"{rel}: header length {n} is larger than the file ({size} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise ConvertError(f"{rel}: cannot read: {e.strerror or e}") from None
+    return _parse_header_bytes(raw, rel, size)
+
+
+def _parse_header_bytes(raw: bytes, rel: str, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConvertError(f"{rel}: header is not valid JSON ({e.__class__.__name__})") from None
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{rel}: header is not a JSON object")
+    data_start = 8 + len(raw)
+    data_len = size - data_start
+    meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ConvertError(f"{rel}: __metadata__ must be a map of strings")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in obj.items():
+        tensors[name] = _parse_entry(name, entry, rel, data_start)
+    _check_layout(tensors, rel, data_start, data_len)
+    return tensors, meta
+
+
+def _parse_entry(name: str, entry: object, rel: str, data_start: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise ConvertError(f"{rel}: tensor {name}: entry is not an object")
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise ConvertError(f"{rel}: tensor {name}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ConvertError(f"{rel}: tensor {name}: shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(type(o) is int and o >= 0 for o in offs)
+        or offs[1] < offs[0]
+    ):
+        raise ConvertError(f"{rel}: tensor {name}: data_offsets {offs!r} are not [begin, end]")
+    want = math.prod(shape) * DTYPES[dtype].itemsize
+    if offs[1] - offs[0] != want:
+        raise ConvertError(
+            f"{rel}: tensor {name}: {dtype}{shape} needs {want} bytes but data_offsets span {offs[1] - offs[0]}"
+        )
+    return TensorInfo(name, rel, dtype, tuple(shape), data_start + offs[0], data_start + offs[1])
+
+
+def _check_layout(tensors: dict[str, TensorInfo], rel: str, data_start: int, data_len: int) -> None:
+    """Data must be contiguous, without overlap or holes, and end with the file (as safetensors checks)."""
+    pos = data_start
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start != pos:
+            what = "overlaps the previous tensor" if t.start < pos else "leaves a hole before it"
+            raise ConvertError(f"{rel}: tensor {t.name}: data at offset {t.start - data_start} {what}")
+        pos = t.end
+    if pos - data_start > data_len:
+        raise ConvertError(
+            f"{rel}: truncated: tensors need {pos - data_start} data bytes, the file holds {data_len}"
+        )
+    if pos - data_start < data_len:
+        raise ConvertError(f"{rel}: {data_len - (pos - data_start)} trailing bytes after the last tensor")
+
+
+def load_json(path: Path, rel: str) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConvertError(f"{rel}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{rel}: not valid JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{rel}: not a JSON object")
+    return obj
+
+
+def _inside(folder: Path, rel: str, what: str) -> Path:
+    """Resolve ``rel`` under ``folder``; refuse absolute paths, ``..`` and symlinks escaping it."""
+    if os.path.isabs(rel) or any(p == ".." for p in Path(rel).parts):
+        raise ConvertError(f"{what}: file {rel!r} is outside the input folder")
+    path = folder / rel
+    real = path.resolve()
+    if not real.is_relative_to(folder.resolve()):
+        raise ConvertError(f"{what}: file {rel!r} resolves outside the input folder")
+    if not real.is_file():
+        raise ConvertError(f"{what}: names missing file {rel!r}")
+    return path
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder's headers and config: everything the plan needs, no tensor data."""
+
+    folder: Path
+    config: dict
+    files: list[str]  # shard files in index order
+    tensors: dict[str, TensorInfo]  # every stored tensor by name
+    file_sizes: dict[str, int] = field(default_factory=dict)
+    side_files: list[str] = field(default_factory=list)  # non-weight files to copy
+    has_index: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Checkpoint:
+    """Read config.json, the index and every shard header of ``folder`` (no tensor data)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConvertError(f"{folder}: not a folder")
+    config = load_json(folder / "config.json", f"{folder}/config.json")
+    index_path = folder / INDEX_NAME
+    tensors: dict[str, TensorInfo] = {}
+    files: list[str]
+    weight_map: dict[str, str] | None = None
+    if index_path.exists():
+        index = load_json(index_path, INDEX_NAME)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ConvertError(f"{INDEX_NAME}: weight_map is not a map of tensor name to file")
+        files = list(dict.fromkeys(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files and need_weights:
+            raise ConvertError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
+    sizes: dict[str, int] = {}
+    for rel in files:
+        path = _inside(folder, rel, INDEX_NAME if weight_map is not None else str(folder))
+        sizes[rel] = path.stat().st_size
+        found, _meta = parse_header(path, rel)
+        for name, info in found.items():
+            if name in tensors:
+                raise ConvertError(f"{rel}: tensor {name} is also stored in {tensors[name].file}")
+            if weight_map is not None and weight_map.get(name) != rel:
+                where = weight_map.get(name)
+                raise ConvertError(
+                    f"{rel}: tensor {name} is not listed in {INDEX_NAME}"
+                    if where is None
+                    else f"{rel}: tensor {name} is stored here but {INDEX_NAME} says {where}"
+                )
+            tensors[name] = info
+    if weight_map is not None:
+        for name, rel in weight_map.items():
+            if name not in tensors:
+                raise ConvertError(f"{INDEX_NAME}: tensor {name} is not in {rel}")
+    side = sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file()
+        and not p.name.endswith(".safetensors")
+        and p.name not in (INDEX_NAME, "config.json", "hf_quant_config.json")
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    return Checkpoint(folder, config, files, tensors, sizes, side, weight_map is not None)
+
+
+class TensorReader:
+    """Zero-copy, read-only views of stored tensors over one memory map per shard.
+
+    Pages a finished group touched are dropped from the process (``release``), so resident memory
+    follows the group being converted, not the part of the checkpoint read so far.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def _map(self, rel: str) -> mmap.mmap:
+        m = self._maps.get(rel)
+        if m is None:
+            with open(self.folder / rel, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[rel] = m
+        return m
+
+    def raw(self, t: TensorInfo) -> memoryview:
+        return memoryview(self._map(t.file))[t.start : t.end]
+
+    def tensor(self, t: TensorInfo) -> torch.Tensor:
+        dt = DTYPES[t.dtype].torch
+        if t.nbytes == 0:
+            return torch.empty(t.shape, dtype=dt)
+        with warnings.catch_warnings():
+            # The map is read-only on purpose; torch warns that it cannot write through it.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._map(t.file), dtype=dt, count=t.nbytes // DTYPES[t.dtype].itemsize,
+                                    offset=t.start)
+        return flat.view(t.shape)
+
+    def release(self, t: TensorInfo) -> None:
+        m = self._maps.get(t.file)
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        lo = t.start - t.start % page
+        hi = min(len(m), -(-t.end // page) * page)
+        if hi > lo:
+            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):  # a view is still alive: it closes when collected
+                m.close()
+        self._maps.clear()

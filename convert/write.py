@@ -1,0 +1,171 @@
+"""Write stage: shard files streamed from the plan's headers, the index, configs, side files.
+
+The safetensors library cannot write a file incrementally (``save_file`` needs every tensor in
+memory to build the header), so shards are written here: the header computed by the plan first,
+then each tensor's bytes at the offset the plan gave it. Every file is written under a temporary
+name and renamed into place once complete and flushed, and the manifest is written last, so a
+folder without its manifest is never mistaken for a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from . import __version__
+from .compute import Chunk
+from .errors import ConvertError
+from .plan import GROUP_SIZE, Placed, Plan, Shard
+from .source import INDEX_NAME
+
+PARTIAL = ".partial"
+QUANT_ALGO = "W4A16_NVFP4"  # weight-only: no calibrated activation scales are written
+
+#: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
+OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json")
+
+
+def check_output_dir(input_dir: Path, output_dir: Path, overwrite: bool) -> None:
+    src, dst = input_dir.resolve(), output_dir.resolve()
+    if dst == src or dst.is_relative_to(src):
+        raise ConvertError(f"{output_dir}: the output folder must not be the input folder or inside it")
+    if src.is_relative_to(dst):
+        raise ConvertError(f"{output_dir}: the output folder must not contain the input folder")
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError(f"{output_dir}: exists and is not a folder")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise ConvertError(f"{output_dir}: not empty; pass --overwrite to replace a previous output")
+
+
+def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
+    """Remove what an earlier pack wrote (shards, index, configs, manifest, side files), nothing else."""
+    for p in output_dir.iterdir():
+        if p.is_file() and (p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES):
+            p.unlink()
+    for rel in side_files:
+        p = output_dir / rel
+        if p.is_file():
+            p.unlink()
+
+
+class ShardWriter:
+    """Writes one shard: header first, then each tensor's chunks at its planned offset."""
+
+    def __init__(self, output_dir: Path, shard: Shard):
+        self.shard = shard
+        self.final = output_dir / shard.file
+        self.tmp = output_dir / (shard.file + PARTIAL)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, shard.size)
+        self._pwrite(shard.header, 0)
+        self.placed = {p.tensor.name: p for p in shard.placed}
+
+    def _pwrite(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def write(self, name: str, chunks: list[Chunk]) -> str:
+        """Write tensor ``name``; return the sha256 of its bytes."""
+        p: Placed = self.placed[name]
+        h = hashlib.sha256()
+        pos = p.start
+        for c in chunks:
+            h.update(c)
+            self._pwrite(c, pos)
+            pos += memoryview(c).nbytes
+        if pos != p.end:
+            raise ConvertError(
+                f"{self.shard.file}: tensor {name}: wrote {pos - p.start} bytes, planned {p.end - p.start}"
+            )
+        return h.hexdigest()
+
+    def finish(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        os.replace(self.tmp, self.final)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def dumps(obj: dict, compact_lists: tuple[str, ...] = ()) -> str:
+    """Indented JSON, except that the lists named in ``compact_lists`` hold one compact entry a line
+    (a real K3 manifest has ~250k modules: indenting each would make it several hundred MB)."""
+    if not compact_lists:
+        return json.dumps(obj, indent=2) + "\n"
+    parts = []
+    for k, v in obj.items():
+        if k in compact_lists and isinstance(v, list):
+            body = ",\n".join("    " + json.dumps(x, separators=(",", ":")) for x in v)
+            parts.append(f"  {json.dumps(k)}: [\n{body}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "))
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def write_json_atomic(path: Path, obj: dict, compact_lists: tuple[str, ...] = ()) -> None:
+    tmp = path.with_name(path.name + PARTIAL)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(dumps(obj, compact_lists))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def index_json(plan: Plan) -> dict:
+    weight_map = {p.tensor.name: s.file for s in plan.shards for p in s.placed}
+    total = sum(p.tensor.nbytes for s in plan.shards for p in s.placed)
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def producer() -> dict:
+    return {"name": "kimi-convert", "version": __version__}
+
+
+def hf_quant_config(plan: Plan) -> dict:
+    return {
+        "producer": producer(),
+        "quantization": {
+            "quant_algo": QUANT_ALGO,
+            "kv_cache_quant_algo": None,
+            "group_size": GROUP_SIZE,
+            "exclude_modules": list(plan.exclude_modules),
+        },
+    }
+
+
+def output_config(config: dict, plan: Plan) -> dict:
+    """The input's config.json with a ModelOpt quantization_config replacing any earlier one."""
+    out = dict(config)
+    weights = {"num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
+    out["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": QUANT_ALGO,
+        "kv_cache_quant_algo": None,
+        "group_size": GROUP_SIZE,
+        "ignore": list(plan.exclude_modules),
+        "producer": producer(),
+        "config_groups": {"group_0": {"weights": weights, "input_activations": None, "targets": ["Linear"]}},
+    }
+    return out
+
+
+def copy_side_files(input_dir: Path, output_dir: Path, side_files: tuple[str, ...]) -> None:
+    for rel in side_files:
+        dst = output_dir / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + PARTIAL)
+        shutil.copyfile(input_dir / rel, tmp)
+        os.replace(tmp, dst)
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

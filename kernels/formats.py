@@ -1,0 +1,38 @@
+"""Decoding the quantized formats checkpoints arrive in: MXFP4 (Kimi K3's routed experts) and
+DeepSeek-style FP8 with 128x128 block scales. Both decode exactly to fp32 (MXFP4 values are
+E2M1 codes times powers of two; FP8 times an fp32 scale is one fp32 multiply, as the format defines).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import code_values
+
+MXFP4_GROUP = 32
+
+
+class DecodeError(ValueError):
+    """A quantized tensor whose scales cannot be decoded (E8M0 NaN, or values beyond fp32)."""
+
+
+def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values ``e2m1[code] * 2**(scale - 127)`` of an MXFP4 tensor (group 32)."""
+    if bool((scale == 255).any()):
+        raise DecodeError("E8M0 scale 255 (NaN)")
+    vals = code_values(packed)
+    k = vals.shape[-1]
+    exp = scale.to(torch.int32) - 127
+    blocks = vals.reshape(*vals.shape[:-1], k // MXFP4_GROUP, MXFP4_GROUP)
+    out = torch.ldexp(blocks, exp.unsqueeze(-1).to(torch.float32)).reshape(vals.shape)
+    if not bool(torch.isfinite(out).all()):
+        raise DecodeError("E8M0 scales too large: decoded values overflow fp32")
+    return out
+
+
+def decode_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``."""
+    m, n = weight.shape
+    bm, bn = block
+    s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
+    return weight.float() * s

@@ -1,0 +1,1 @@
+"""Architecture tables (``*.toml``), one per model family; read by ``kimi_convert.mapping``."""
