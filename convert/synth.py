@@ -302,6 +302,19 @@ SIDE_FILES = {
 }
 
 
+def _cuts(specs: list, shards: int) -> list[int]:
+    """Equal-count shard boundaries, each moved onto the next k_proj/up_proj so that, as in real
+    releases, fused groups take their members from two files."""
+    per = -(-len(specs) // shards)
+    cuts = [0]
+    for b in range(per, len(specs), per):
+        while b < len(specs) and not specs[b][0].endswith((".k_proj.weight", ".up_proj.weight")):
+            b += 1
+        if cuts[-1] < b < len(specs):
+            cuts.append(b)
+    return [*cuts, len(specs)]
+
+
 def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
                 experts: int | None = None) -> Path:
     if preset not in PRESETS:
@@ -318,12 +331,12 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     specs = list(tensor_specs(p))
     weight_map: dict[str, str] = {}
     total = 0
-    n = p.shards
-    per = -(-len(specs) // n)
+    cuts = _cuts(specs, p.shards)
+    n = len(cuts) - 1
     for s in range(n):
         fname = f"model-{s + 1:05d}-of-{n:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
-        for name, shape, dtype in specs[s * per : (s + 1) * per]:
+        for name, shape, dtype in specs[cuts[s] : cuts[s + 1]]:
             if dtype == torch.uint8:
                 wide = name.endswith("layers.1.block_sparse_moe.experts.0.w2.weight")
                 base = name[: -len(".weight")]

@@ -1,0 +1,42 @@
+"""How serving engines read an exclude list, re-implemented from shared/reference/nvfp4.md.
+
+Used to prove that the exclude list pack writes selects exactly the kept modules under every
+engine's rules (tests, and later verify-manifest), so no engine quantizes a kept module or skips a
+quantized one, whatever its matching quirks (substrings, ``*`` crossing dots, fused-shard checks).
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import fnmatch
+
+
+class MixedShards(ValueError):
+    """vLLM: 'Detected some but not all shards of {prefix} are quantized'."""
+
+
+def vllm_is_skipped(prefix: str, ignore: list[str], packed: dict[str, list[str]]) -> bool:
+    """vLLM's ``is_layer_skipped`` with its legacy substring and fnmatch tests."""
+    proj = prefix.split(".")[-1]
+    if proj in packed:
+        flags = [prefix.replace(proj, shard) in ignore for shard in packed[proj]]
+        if any(flags) != all(flags):
+            raise MixedShards(f"Detected some but not all shards of {prefix} are quantized")
+        skipped = all(flags)
+    else:
+        skipped = prefix in ignore
+    return skipped or any(e in prefix for e in ignore) or any(fnmatch(prefix, e) for e in ignore)
+
+
+def _sglang_regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern.replace(".", r"\.").replace("*", r".*"))
+
+
+def sglang_is_excluded(prefix: str, patterns: list[str], text_prefix: str = "language_model.") -> bool:
+    """SGLang: each pattern full-matches the prefix, the prefix without the text prefix, or one part."""
+    names = [prefix]
+    if text_prefix and prefix.startswith(text_prefix):
+        names.append(prefix[len(text_prefix) :])
+    names += prefix.split(".")
+    rxs = [_sglang_regex(p) for p in patterns]
+    return any(rx.fullmatch(n) for rx in rxs for n in names)

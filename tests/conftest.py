@@ -1,0 +1,41 @@
+"""Shared fixtures: the two tiny synthetic checkpoints, written and packed once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kimi_convert.pack import pack
+from kimi_convert.plan import Options
+from kimi_convert.synth import write_synth
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_k3(tmp_path_factory) -> Path:
+    return write_synth("tiny-k3", tmp_path_factory.mktemp("in") / "tiny-k3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_kl(tmp_path_factory) -> Path:
+    return write_synth("tiny-kimi-linear", tmp_path_factory.mktemp("in") / "tiny-kl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def packed_k3(tiny_k3, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "k3"
+    pack(tiny_k3, out, Options(max_shard_size=400_000), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def packed_kl(tiny_kl, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "kl"
+    pack(tiny_kl, out, Options(), progress=False)
+    return out

@@ -1,0 +1,207 @@
+"""The plan: a pure function of headers, config, mapping and rules. No tensor data is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import copy_ckpt, edit_config, rewrite_tensors, run
+
+from kimi_convert.errors import ConvertError
+from kimi_convert.mapping import builtin_by_name
+from kimi_convert.pack import load_plan
+from kimi_convert.plan import Options
+
+
+def plan_of(folder, **kw):
+    return load_plan(folder, Options(**kw))[1]
+
+
+def by_name(plan):
+    return {it.name: it for it in plan.items}
+
+
+def test_k3_plan_has_each_group_that_applies(tiny_k3):
+    p = plan_of(tiny_k3)
+    groups = {it.group for it in p.items if it.group}
+    assert {"fused_qkvg_proj", "qkv_conv1d", "gate_up_proj"} <= groups
+    # K3 has the full-rank gate: the low-rank groups do not apply, and nothing else was fused.
+    assert groups == {"fused_qkvg_proj", "qkv_conv1d", "gate_up_proj"}
+    items = by_name(p)
+    f = items["language_model.model.layers.0.self_attn.fused_qkvg_proj"]
+    assert [s.module.rsplit(".", 1)[1] for s in f.sources] == ["q_proj", "k_proj", "v_proj", "g_proj"]
+    assert f.op == "cat" and f.kind == "nvfp4"
+    assert f.row_ranges() == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    # shared experts fuse too
+    assert items["language_model.model.layers.1.block_sparse_moe.shared_experts.gate_up_proj"].kind == "nvfp4"
+
+
+def test_mla_q_proj_never_fused_with_kda(tiny_kl):
+    p = plan_of(tiny_kl)
+    items = by_name(p)
+    mla_q = items["model.layers.2.self_attn.q_proj"]  # layer 3 (1-based) is MLA
+    assert mla_q.group is None and mla_q.kind == "nvfp4"
+    for it in p.items:
+        if it.group:
+            assert not it.name.startswith("model.layers.2.self_attn"), it.name
+
+
+def test_kimi_linear_groups(tiny_kl):
+    p = plan_of(tiny_kl)
+    items = by_name(p)
+    a = items["model.layers.0.self_attn.fused_qkvbfg_a_proj"]
+    assert [s.module.rsplit(".", 1)[1] for s in a.sources] == ["q_proj", "k_proj", "v_proj", "b_proj",
+                                                               "f_a_proj", "g_a_proj"]
+    assert a.outputs[0].shape == (128 * 3 + 4 + 32 + 32, 64)
+    fb = items["model.layers.0.self_attn.fused_fg_b_proj"]
+    assert fb.op == "stack" and fb.outputs[0].shape == (2, 128, 32)
+    assert [s.module.rsplit(".", 1)[1] for s in fb.sources] == ["f_b_proj", "g_b_proj"]
+
+
+def test_fused_sources_can_span_files(tiny_k3):
+    p = plan_of(tiny_k3)
+    assert any(len({s.file for s in it.sources}) > 1 for it in p.items if it.group)
+
+
+def test_nvidia_exclude_style_keeps_qkv_conv1d(tiny_k3, tmp_path):
+    f = tmp_path / "nvidia.txt"
+    f.write_text("\n".join(f"language_model.model.layers.{i}.self_attn.{x}_conv1d"
+                           for i in (0, 1, 3) for x in "qkv") + "\n")
+    p = plan_of(tiny_k3, exclude_from=(str(f),))
+    items = by_name(p)
+    conv = items["language_model.model.layers.0.self_attn.qkv_conv1d"]
+    assert conv.kind == "keep"
+    for name in ("qkv_conv1d", "q_conv1d", "k_conv1d", "v_conv1d"):
+        assert f"language_model.model.layers.0.self_attn.{name}" in p.exclude_modules
+    # even with no user pattern at all, conv1d is never NVFP4 and is always listed
+    p0 = plan_of(tiny_k3, default_excludes=False)
+    assert "language_model.model.layers.3.self_attn.qkv_conv1d" in p0.exclude_modules
+
+
+def test_substring_pattern_never_matches_fused_name(tiny_k3):
+    # 'v_conv1d' is a substring of 'qkv_conv1d'; as a pattern it names only v_conv1d shards
+    # (conv1d is kept anyway); 'v_proj' names only v_proj shards, so fused_qkvg_proj is partial.
+    with pytest.raises(ConvertError) as e:
+        plan_of(tiny_k3, exclude=("v_proj",))
+    msg = str(e.value)
+    assert "fused_qkvg_proj" in msg and "excluded language_model.model.layers.0.self_attn.v_proj" in msg
+    assert "not excluded" in msg and "q_proj" in msg and "g_proj" in msg
+
+
+def test_partial_exclusion_fails_naming_shards(tiny_k3):
+    with pytest.raises(ConvertError, match=r"module language_model\.model\.layers\.0\.self_attn\.fused_qkvg_proj: "
+                                          r"only some shards are excluded: excluded .*v_proj; not excluded .*q_proj"):
+        plan_of(tiny_k3, exclude=("language_model.model.layers.0.self_attn.v_proj",))
+
+
+def test_keep_partial_keeps_whole_module(tiny_k3):
+    p = plan_of(tiny_k3, exclude=("*.layers.0.self_attn.v_proj",), keep_partial=True)
+    it = by_name(p)["language_model.model.layers.0.self_attn.fused_qkvg_proj"]
+    assert it.kind == "keep" and "--keep-partial" in it.rule
+    assert "language_model.model.layers.0.self_attn.q_proj" in p.exclude_modules
+
+
+def test_all_shards_excluded_keeps_module(tiny_k3):
+    p = plan_of(tiny_k3, exclude=("*.layers.1.self_attn.[qkvg]_proj",))
+    it = by_name(p)["language_model.model.layers.1.self_attn.fused_qkvg_proj"]
+    assert it.kind == "keep" and it.outputs[0].dtype == "BF16"
+    assert "--exclude" in it.rule
+
+
+def test_pattern_matching_nothing_is_reported(tiny_k3):
+    p = plan_of(tiny_k3, exclude=("*.qkv_conv1d", "no.such.module"))
+    assert any("'no.such.module'" in w and "matches no" in w for w in p.warnings)
+    assert any("'*.qkv_conv1d'" in w and "fused module" in w for w in p.warnings)
+
+
+def test_patterns_with_and_without_prefix(tiny_k3):
+    a = plan_of(tiny_k3, exclude=("model.layers.1.self_attn.o_proj",))
+    b = plan_of(tiny_k3, exclude=("language_model.model.layers.1.self_attn.o_proj.weight",))
+    for p in (a, b):
+        assert by_name(p)["language_model.model.layers.1.self_attn.o_proj"].kind == "keep"
+        assert by_name(p)["language_model.model.layers.0.self_attn.o_proj"].kind == "nvfp4"
+
+
+def test_experts_are_all_or_nothing_per_layer(tiny_k3):
+    with pytest.raises(ConvertError, match="all-or-nothing"):
+        plan_of(tiny_k3, exclude=("*.layers.1.block_sparse_moe.experts.0.*",))
+    p = plan_of(tiny_k3, exclude=("*.layers.1.block_sparse_moe.experts.*",))
+    assert "language_model.model.layers.1.block_sparse_moe.experts" in p.exclude_modules
+    kept = [it for it in p.items if ".layers.1.block_sparse_moe.experts." in it.name and it.kind == "keep"]
+    assert len(kept) == 24 and all(it.outputs[0].dtype == "BF16" for it in kept)
+
+
+def test_w1_w3_share_a_scale_unit(tiny_k3):
+    p = plan_of(tiny_k3)
+    shared = [u for u in p.units if u.shared_scale]
+    assert len(shared) == 3 * 8
+    assert [it.name.rsplit(".", 1)[1] for it in shared[0].items] == ["w1", "w3"]
+
+
+def test_missing_member_fails(tiny_k3, tmp_path):
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    rewrite_tensors(ck, lambda t: t.pop("language_model.model.layers.1.self_attn.g_proj.weight", None))
+    with pytest.raises(ConvertError, match=r"layers\.1\.self_attn\.fused_qkvg_proj: fused group is missing g_proj"):
+        plan_of(ck)
+
+
+def test_unfusable_shapes_fail(tiny_k3, tmp_path):
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    name = "language_model.model.layers.0.self_attn.k_proj.weight"
+
+    def fn(t):
+        if name in t:
+            t[name] = torch.zeros(128, 96, dtype=torch.bfloat16)
+    rewrite_tensors(ck, fn)
+    with pytest.raises(ConvertError, match="cannot concatenate .*k_proj.weight \\[128, 96\\]"):
+        plan_of(ck)
+
+
+def test_k_not_multiple_of_16_fails(tiny_k3, tmp_path):
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    name = "language_model.model.layers.1.self_attn.o_proj.weight"
+
+    def fn(t):
+        if name in t:
+            t[name] = torch.zeros(128, 120, dtype=torch.bfloat16)
+    rewrite_tensors(ck, fn)
+    with pytest.raises(ConvertError, match=r"o_proj: weight \[128, 120\] selected for NVFP4 but K=120"):
+        plan_of(ck)
+    # excluding it resolves the error
+    assert by_name(plan_of(ck, exclude=("*.layers.1.self_attn.o_proj",)))[name[:-7]].kind == "keep"
+
+
+def test_index_naming_missing_or_outside_file(tiny_k3, tmp_path):
+    import json
+    for bad in ("missing.safetensors", "../escape.safetensors", "/etc/passwd"):
+        ck = copy_ckpt(tiny_k3, tmp_path / f"c{abs(hash(bad))}")
+        idx = json.loads((ck / "model.safetensors.index.json").read_text())
+        first = next(iter(idx["weight_map"]))
+        idx["weight_map"][first] = bad
+        (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+        with pytest.raises(ConvertError, match="outside the input folder|missing file"):
+            plan_of(ck)
+
+
+def test_use_full_rank_gate_false_selects_low_rank_groups(tiny_kl, tmp_path):
+    # A K3-mapped config without the full-rank gate must not want g_proj
+    ck = copy_ckpt(tiny_kl, tmp_path / "c")
+    edit_config(ck, lambda c: c.update(use_full_rank_gate=False))
+    assert "model.layers.0.self_attn.fused_qkvbfg_a_proj" in by_name(plan_of(ck))
+
+
+def test_mapping_tables_parse_and_have_the_six_groups():
+    m = builtin_by_name("kimi_k3")
+    names = {g.name for g in m.groups}
+    assert {"gate_up_proj", "qkv_proj", "qkv_conv1d", "fused_qkvg_proj", "fused_qkvbfg_a_proj",
+            "fused_fg_b_proj"} <= names
+    assert {g.name: g.op for g in m.groups}["fused_fg_b_proj"] == "stack"
+
+
+def test_plan_cli_prints_totals_and_shards(tiny_k3):
+    r = run("plan", tiny_k3)
+    assert r.exit_code == 0, r.output
+    assert "fused_qkvg_proj" in r.output and "bytes in" in r.output and "model-00001-of-00001" in r.output
+    r = run("plan", tiny_k3, "--json")
+    import json
+    d = json.loads(r.output)
+    assert d["totals"]["nvfp4"] > 0 and d["exclude_modules"]
