@@ -1,0 +1,235 @@
+"""pack end to end: every output byte checked against its sources through an independent path.
+
+Outputs are read with the safetensors library (not the tool's reader), NVFP4 tensors are compared
+bit for bit with tests/oracle.py quantizing the fused sources, kept and copied tensors byte for byte
+with their sources, and the exclude list is re-read with the engines' matching rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import oracle
+import pytest
+import torch
+from helpers import run
+from safetensors import safe_open
+
+from kimi_convert.engines import sglang_is_excluded, vllm_is_skipped
+from kimi_convert.mapping import builtin_by_name
+
+
+def load_all(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for f in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open is not a dict
+                out[k] = h.get_tensor(k)
+                assert index["weight_map"][k] == f
+    return out
+
+
+def manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def source_values(src: dict, inp: dict[str, torch.Tensor]) -> np.ndarray:
+    if src["encoding"] == "mxfp4":
+        packed, scale = (inp[p["name"]].numpy() for p in src["parts"])
+        return oracle.decode_mxfp4(packed, scale)
+    return oracle.to_f32(inp[src["name"]])
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@pytest.mark.parametrize("which", ["k3", "kl"])
+def test_every_output_tensor_against_its_sources(which, tiny_k3, tiny_kl, packed_k3, packed_kl):
+    inp_dir, out_dir = (tiny_k3, packed_k3) if which == "k3" else (tiny_kl, packed_kl)
+    inp, out, man = load_all(inp_dir), load_all(out_dir), manifest(out_dir)
+    modules = man["modules"]
+    assert sorted(t["name"] for m in modules for t in m["tensors"]) == sorted(out)
+    shared: dict[str, float] = {}
+    for m in modules:
+        if m["kind"] == "nvfp4" and m["quantization"]["shared_scale"]:
+            vals = [source_values(s, inp) for s in m["sources"]]
+            key = m["quantization"]["shared_scale"]
+            shared[key] = max(shared.get(key, 0.0), max(float(np.abs(v).max()) for v in vals))
+    n_nvfp4 = 0
+    for m in modules:
+        name = m["name"]
+        if m["kind"] == "nvfp4":
+            n_nvfp4 += 1
+            vals = [source_values(s, inp) for s in m["sources"]]
+            fused = np.concatenate([v.reshape(-1, v.shape[-1]) for v in vals])
+            amax = shared.get(m["quantization"]["shared_scale"])
+            p, s, s2 = oracle.quantize(fused, amax)
+            w, ws, ws2 = out[f"{name}.weight"], out[f"{name}.weight_scale"], out[f"{name}.weight_scale_2"]
+            assert w.dtype == torch.uint8 and ws.dtype == torch.float8_e4m3fn and ws2.dtype == torch.float32
+            assert ws2.shape == () and w.shape[-1] * 2 == fused.shape[-1]
+            np.testing.assert_array_equal(w.reshape(-1, w.shape[-1]).numpy(), p, err_msg=name)
+            np.testing.assert_array_equal(ws.view(torch.uint8).reshape(p.shape[0], -1).numpy(), s, err_msg=name)
+            assert ws2.numpy().tobytes() == s2.tobytes(), name
+            deq = oracle.dequantize(w.reshape(-1, w.shape[-1]).numpy(), ws.view(torch.uint8).reshape(p.shape[0], -1)
+                                    .numpy(), float(ws2))
+            rel = np.linalg.norm(deq - fused) / max(np.linalg.norm(fused), 1e-30)
+            assert rel < 0.2, (name, rel)
+            # each manifest row range slices the fused rows back to exactly its source's quantization
+            for src, v in zip(m["sources"], vals, strict=True):
+                a, b = src["rows"]
+                sp, _, _ = oracle.quantize(v.reshape(-1, v.shape[-1]), amax if amax is not None else np.abs(fused).max())
+                np.testing.assert_array_equal(w.reshape(-1, w.shape[-1]).numpy()[a:b], sp, err_msg=src["name"])
+        else:
+            t = out[m["tensors"][0]["name"]]
+            srcs = m["sources"]
+            if all(s["encoding"] == "dense" for s in srcs):
+                # kept and copied tensors: byte-identical to the concatenated sources
+                assert raw_bytes(t) == b"".join(raw_bytes(inp[s["name"]]) for s in srcs), name
+                for s in srcs:
+                    a, b = s["rows"]
+                    part = t[a:b] if m["op"] == "cat" else (t[a] if m["op"] == "stack" else t)
+                    assert raw_bytes(part) == raw_bytes(inp[s["name"]]), s["name"]
+            else:
+                want = np.concatenate([source_values(s, inp) for s in srcs])
+                assert t.dtype == torch.bfloat16
+                np.testing.assert_array_equal(t.float().numpy(), want)
+    assert n_nvfp4 > 50
+
+
+def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):
+    import hashlib
+    man = manifest(packed_k3)
+    assert man["tool"]["name"] == "kimi-convert" and man["mapping"]["name"] == "kimi_k3"
+    assert man["mapping"]["sha256"] == hashlib.sha256((Path(__file__).parents[1] / "mappings/kimi_k3.toml")
+                                                      .read_bytes()).hexdigest()
+    for f in man["inputs"]:
+        data = (tiny_k3 / f["file"]).read_bytes()
+        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+    for f in man["outputs"]:
+        data = (packed_k3 / f["file"]).read_bytes()
+        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+    out = load_all(packed_k3)
+    inp = load_all(tiny_k3)
+    fused = 0
+    for m in man["modules"]:
+        for t in m["tensors"]:
+            assert t["sha256"] == hashlib.sha256(raw_bytes(out[t["name"]])).hexdigest()
+            assert t["dtype"] in ("U8", "F8_E4M3", "F32", "BF16")
+        for s in m["sources"]:
+            for p in s["parts"]:
+                assert p["sha256"] == hashlib.sha256(raw_bytes(inp[p["name"]])).hexdigest()
+        if m.get("group"):
+            fused += 1
+            rows = [tuple(s["rows"]) for s in m["sources"]]
+            assert rows[0][0] == 0 and all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+        if m["kind"] == "keep":
+            assert m["rule"]
+    assert fused > 0
+    assert man["options"]["max_shard_size"] == 400_000 and man["rules"]
+
+
+def test_index_config_and_side_files(tiny_k3, packed_k3):
+    index = json.loads((packed_k3 / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1  # 400 kB shards
+    total = 0
+    for f in files:
+        with safe_open(str(packed_k3 / f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118
+                t = h.get_tensor(k)
+                total += t.numel() * t.element_size()
+        assert (packed_k3 / f).stat().st_size <= 400_000 + 100_000
+        head = (packed_k3 / f).read_bytes()[:8]
+        assert (8 + struct.unpack("<Q", head)[0]) % 16 == 0  # data starts 16-byte aligned
+    assert index["metadata"]["total_size"] == total
+    cfg = json.loads((packed_k3 / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert q["quant_method"] == "modelopt" and q["quant_algo"] == "W4A16_NVFP4" and q["group_size"] == 16
+    hq = json.loads((packed_k3 / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["exclude_modules"] == q["ignore"]
+    assert cfg["text_config"] == json.loads((tiny_k3 / "config.json").read_text())["text_config"]
+    for f in ("tokenizer_config.json", "tiktoken.model", "chat_template.jinja", "configuration_kimi_k3.py"):
+        assert (packed_k3 / f).read_bytes() == (tiny_k3 / f).read_bytes()
+    assert not list(packed_k3.glob("*.partial"))
+
+
+@pytest.mark.parametrize("which", ["k3", "kl"])
+def test_exclude_list_read_by_engine_rules_selects_exactly_kept(which, packed_k3, packed_kl):
+    out_dir = packed_k3 if which == "k3" else packed_kl
+    man = manifest(out_dir)
+    m = builtin_by_name(man["mapping"]["name"])
+    ignore = man["exclude_modules"]
+    assert not any("*" in e or "?" in e for e in ignore)
+    packed = {g.name: list(g.members) for g in m.groups}
+    engine_modules: dict[str, bool] = {}
+    experts: dict[str, list[bool]] = {}
+    for mod in man["modules"]:
+        if mod["kind"] in ("nvfp4", "keep"):
+            engine_modules[mod["name"]] = mod["kind"] == "keep"
+            if ".experts." in mod["name"]:
+                experts.setdefault(mod["name"].rsplit(".", 2)[0], []).append(mod["kind"] == "keep")
+    engine_modules.update({k: all(v) for k, v in experts.items()})
+    assert any(engine_modules.values()) and not all(engine_modules.values())
+    for prefix, kept in engine_modules.items():
+        assert vllm_is_skipped(prefix, ignore, packed) == kept, prefix
+        assert sglang_is_excluded(prefix, ignore, m.text_prefix) == kept, prefix
+
+
+def test_nvidia_style_excludes_in_output(tiny_k3, tmp_path):
+    f = tmp_path / "nv.json"
+    f.write_text(json.dumps({"quantization": {"exclude_modules": [
+        f"language_model.model.layers.{i}.self_attn.{x}_conv1d" for i in (0, 1, 3) for x in "qkv"]}}))
+    r = run("pack", tiny_k3, tmp_path / "o", "--exclude-from", f, "-q")
+    assert r.exit_code == 0, r.output
+    ex = json.loads((tmp_path / "o/hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    for x in ("qkv_conv1d", "q_conv1d", "k_conv1d", "v_conv1d"):
+        assert f"language_model.model.layers.1.self_attn.{x}" in ex
+
+
+def test_deterministic_and_input_untouched(tiny_kl, tmp_path):
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tiny_kl.iterdir()}
+    for d in ("a", "b"):
+        assert run("pack", tiny_kl, tmp_path / d, "-q").exit_code == 0
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for n in names:
+        assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tiny_kl.iterdir()}
+    assert before == after
+
+
+def test_output_folder_refusals(tiny_kl, tmp_path):
+    r = run("pack", tiny_kl, tiny_kl)
+    assert r.exit_code == 2 and "must not be the input folder" in r.output
+    r = run("pack", tiny_kl, tiny_kl / "sub")
+    assert r.exit_code == 2 and "inside it" in r.output
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("x")
+    r = run("pack", tiny_kl, tmp_path / "busy", "-q")
+    assert r.exit_code == 2 and "not empty" in r.output and "--overwrite" in r.output
+    r = run("pack", tiny_kl, tmp_path / "busy", "-q", "--overwrite")
+    assert r.exit_code == 0 and (tmp_path / "busy" / "keep.txt").exists()
+    assert not os.path.exists(tiny_kl / "sub")
+
+
+def test_nan_in_weight_is_bad_input(tiny_kl, tmp_path):
+    from helpers import copy_ckpt, rewrite_tensors
+    ck = copy_ckpt(tiny_kl, tmp_path / "c")
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def fn(t):
+        if name in t:
+            t[name] = t[name].clone()
+            t[name][3, 5] = float("nan")
+    rewrite_tensors(ck, fn)
+    r = run("pack", ck, tmp_path / "o", "-q")
+    assert r.exit_code == 2
+    assert f"tensor {name}: holds NaN or Inf" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "o" / "manifest.json").exists()
+    assert not list((tmp_path / "o").glob("*.safetensors"))
