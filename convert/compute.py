@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, reference
 
 from .errors import ConvertError

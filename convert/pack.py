@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from kimi_convert.kernels import get_backend
 from tqdm import tqdm
+
+from kimi_convert.kernels import get_backend
 
 from . import manifest as manifest_mod
 from . import write

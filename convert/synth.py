@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from kimi_convert.kernels.reference import e2m1_codes, pack
 from safetensors.torch import save_file
+
+from kimi_convert.kernels.reference import e2m1_codes, pack
 
 from .errors import ConvertError
 from .source import INDEX_NAME

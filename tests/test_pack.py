@@ -7,18 +7,19 @@ with their sources, and the exclude list is re-read with the engines' matching r
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
 from pathlib import Path
 
 import numpy as np
-import oracle
 import pytest
 import torch
-from helpers import run
 from safetensors import safe_open
 
+import oracle
+from helpers import run
 from kimi_convert.engines import sglang_is_excluded, vllm_is_skipped
 from kimi_convert.mapping import builtin_by_name
 
@@ -81,9 +82,10 @@ def test_every_output_tensor_against_its_sources(which, tiny_k3, tiny_kl, packed
             rel = np.linalg.norm(deq - fused) / max(np.linalg.norm(fused), 1e-30)
             assert rel < 0.2, (name, rel)
             # each manifest row range slices the fused rows back to exactly its source's quantization
+            joint = amax if amax is not None else np.abs(fused).max()
             for src, v in zip(m["sources"], vals, strict=True):
                 a, b = src["rows"]
-                sp, _, _ = oracle.quantize(v.reshape(-1, v.shape[-1]), amax if amax is not None else np.abs(fused).max())
+                sp, _, _ = oracle.quantize(v.reshape(-1, v.shape[-1]), joint)
                 np.testing.assert_array_equal(w.reshape(-1, w.shape[-1]).numpy()[a:b], sp, err_msg=src["name"])
         else:
             t = out[m["tensors"][0]["name"]]
@@ -127,7 +129,7 @@ def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):
         if m.get("group"):
             fused += 1
             rows = [tuple(s["rows"]) for s in m["sources"]]
-            assert rows[0][0] == 0 and all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+            assert rows[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(rows))
         if m["kind"] == "keep":
             assert m["rule"]
     assert fused > 0

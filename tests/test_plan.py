@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import copy_ckpt, edit_config, rewrite_tensors, run
 
+from helpers import copy_ckpt, edit_config, rewrite_tensors, run
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import builtin_by_name
 from kimi_convert.pack import load_plan

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import oracle
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import oracle
 from kimi_convert.kernels import get_backend, reference
 
 
@@ -64,7 +64,7 @@ def test_zero_block_scale_is_one_and_underflow_clamps():
     w = torch.zeros(2, 48)
     w[0, :16] = torch.linspace(-1, 1, 16)
     w[1, 16:32] = 1e-7  # block scale underflows: clamped to 2^-9
-    p, s, s2 = quantize_ref(w)
+    _p, s, _s2 = quantize_ref(w)
     sc = torch.from_numpy(s).view(torch.float8_e4m3fn).float()
     assert sc[0, 1] == 1.0 and sc[0, 2] == 1.0
     assert sc[1, 1] == 2.0**-9
@@ -99,7 +99,8 @@ def test_property_reference_equals_oracle(n, kb, exp, dtype, seed, outliers):
     for _ in range(outliers):
         i = torch.randint(0, w.numel(), (1,), generator=g)
         w.view(-1)[i] *= 50
-    assert_same(w.to(dtype))
+    big = torch.finfo(dtype).max
+    assert_same(w.clamp(-big, big).to(dtype))  # inputs with inf are rejected before quantization
 
 
 def test_backend_chunks_rows_identically(monkeypatch):

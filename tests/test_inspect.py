@@ -1,0 +1,65 @@
+"""inspect: MoE parameters from config.json alone, for every family's field names."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import run
+from kimi_convert.modelinfo import from_config
+
+K3_TEXT = {
+    "model_type": "kimi_linear", "hidden_size": 7168, "num_hidden_layers": 93, "num_experts": 896,
+    "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
+    "routed_expert_hidden_size": 3584, "use_full_rank_gate": True, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "first_k_dense_replace": 1,
+    "linear_attn_config": {"num_heads": 96, "head_dim": 128,
+                           "kda_layers": [i for i in range(1, 94) if i % 4 != 0],
+                           "full_attn_layers": [i for i in range(1, 94) if i % 4 == 0]},
+}
+
+
+def test_k3_released_values_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+        "text_config": K3_TEXT, "vision_config": {"hidden_size": 1152}}))
+    r = run("inspect", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "E=896 topk=16 moe_intermediate_size=3072 hidden_size=7168" in r.output
+    assert "not present" in r.output and "3584" in r.output
+    d = json.loads(run("inspect", tmp_path, "--json").output)
+    assert (d["num_experts"], d["top_k"], d["moe_intermediate_size"], d["hidden_size"]) == (896, 16, 3072, 7168)
+    assert len(d["layer_kinds"]["kda"]) == 70 and len(d["layer_kinds"]["mla"]) == 23
+    assert d["weights_present"] is False
+
+
+def test_other_families():
+    mixtral = from_config({"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+                           "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336})
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.moe_intermediate_size) == (8, 2, 14336)
+    ds = from_config({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
+                      "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                      "first_k_dense_replace": 3, "kv_lora_rank": 512})
+    assert (ds.num_experts, ds.top_k, ds.moe_intermediate_size) == (256, 8, 2048)
+    assert ds.moe_layers[0] == 3 and len(ds.moe_layers) == 58
+    qwen = from_config({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
+                        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768})
+    assert (qwen.num_experts, qwen.top_k, qwen.moe_intermediate_size) == (128, 8, 768)
+    kl = from_config({"architectures": ["KimiLinearForCausalLM"], "hidden_size": 2304, "num_hidden_layers": 27,
+                      "num_experts": 256, "num_experts_per_token": 8, "moe_intermediate_size": 1024})
+    assert (kl.num_experts, kl.top_k, kl.text_config) == (256, 8, "(flat)")
+
+
+def test_tensors_checked_against_config(tiny_k3, tmp_path):
+    d = json.loads(run("inspect", tiny_k3, "--json").output)
+    assert d["weights_present"] and d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [64, 64]
+    assert any("latent" in w for w in d["warnings"])
+    import shutil
+    ck = tmp_path / "c"
+    shutil.copytree(tiny_k3, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["num_experts"] = 16
+    cfg["text_config"]["moe_intermediate_size"] = 96
+    (ck / "config.json").write_text(json.dumps(cfg))
+    d = json.loads(run("inspect", ck, "--json").output)
+    assert any("num_experts=16 but layers hold 8" in w for w in d["warnings"])
+    assert any("moe_intermediate_size=96 but expert weights have 64 rows" in w for w in d["warnings"])
