@@ -98,14 +98,15 @@ def _options(kw: dict) -> Options:
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
 @click.option("--layers", type=int, help="Override the preset's layer count.")
 @click.option("--experts", type=int, help="Override the preset's experts per MoE layer.")
-def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint in OUTPUT.")
+def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None, overwrite: bool) -> None:
     """Write a synthetic checkpoint shaped like a real release.
 
     Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB).
     """
     from .synth import PRESETS, write_synth
 
-    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts)
+    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     click.echo(f"wrote {out}/: {PRESETS[preset].description}; {size / 1e6:.1f} MB on disk")
 

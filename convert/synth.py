@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -317,7 +318,7 @@ def _cuts(specs: list, shards: int) -> list[int]:
 
 
 def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
-                experts: int | None = None) -> Path:
+                experts: int | None = None, overwrite: bool = False) -> Path:
     if preset not in PRESETS:
         raise ConvertError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -327,7 +328,11 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
         p = replace(p, experts=experts)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        raise ConvertError(f"{out}: not empty")
+        if not overwrite:
+            raise ConvertError(f"{out}: not empty; pass --overwrite to replace it")
+        if not (out / "config.json").exists():
+            raise ConvertError(f"{out}: not empty and not a checkpoint; refusing to replace it")
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     specs = list(tensor_specs(p))
     weight_map: dict[str, str] = {}
