@@ -144,7 +144,8 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @click.argument("input_dir", metavar="INPUT", type=click.Path(file_okay=False))
 @click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False))
 @plan_options
-@click.option("--device", default="cpu", show_default=True, help="cpu, or cuda[:N] (the Triton kernel).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the GPU when torch sees one), cpu (the C kernel), or cuda[:N] (the Triton kernel).")
 @click.option("--overwrite", is_flag=True, help="Replace a previous output in OUTPUT.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, quiet: bool, **kw) -> None:

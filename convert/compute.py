@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, reference
+from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, reference, transcode
 
 from .errors import ConvertError
 from .plan import Item, Source, Unit
@@ -41,25 +41,27 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def decode(src: Source, reader: TensorReader, block: tuple[int, int]) -> torch.Tensor:
-    """The source's values: a zero-copy view for dense tensors, decoded fp32 for MXFP4 / FP8."""
+def decode(src: Source, reader: TensorReader, block: tuple[int, int], backend: Backend) -> torch.Tensor:
+    """The source's values on the backend's device: the stored tensor for dense sources (a zero-copy
+    view on the CPU), decoded fp32 for MXFP4 / FP8 (decoded on the GPU when there is one)."""
+    parts = [backend.to_device(reader.tensor(p)) for p in src.parts]
     try:
         if src.encoding == "mxfp4":
-            return decode_mxfp4(reader.tensor(src.parts[0]), reader.tensor(src.parts[1]))
+            return decode_mxfp4(parts[0], parts[1])
         if src.encoding == "fp8_block":
-            return decode_fp8_block(reader.tensor(src.parts[0]), reader.tensor(src.parts[1]), block)
+            return decode_fp8_block(parts[0], parts[1], block)
     except DecodeError as e:
         raise ConvertError(f"{src.parts[1].file}: tensor {src.parts[1].name}: {e}") from None
-    return reader.tensor(src.parts[0])
+    return parts[0]
 
 
 def _raw_chunks(item: Item, reader: TensorReader) -> list[Chunk]:
     return [reader.raw(p) for s in item.sources for p in s.parts[:1]]
 
 
-def _keep_decoded(item: Item, reader: TensorReader, block) -> list[Chunk]:
+def _keep_decoded(item: Item, reader: TensorReader, block, backend: Backend) -> list[Chunk]:
     """A kept linear layer whose source is MXFP4 or FP8: decoded to bf16 (exact for MXFP4)."""
-    return [as_bytes(decode(s, reader, block).to(torch.bfloat16)) for s in item.sources]
+    return [as_bytes(decode(s, reader, block, backend).to(torch.bfloat16)) for s in item.sources]
 
 
 def compute_unit(unit: Unit, reader: TensorReader, backend: Backend, block: tuple[int, int]) -> UnitResult:
@@ -73,17 +75,43 @@ def compute_unit(unit: Unit, reader: TensorReader, backend: Backend, block: tupl
         if it.kind == "nvfp4":
             continue
         dense = all(s.encoding == "dense" for s in it.sources)
-        chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block)
+        chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block, backend)
         res.outputs[it.outputs[0].name] = Output(chunks)
         if not dense:
             res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
+        if all(s.encoding == "mxfp4" for it in quant for s in it.sources) and _transcode(quant, reader, res):
+            return res
         _quantize(quant, reader, backend, block, res)
     return res
 
 
+def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor, res: UnitResult,
+          note: dict) -> None:
+    w, ws, ws2 = it.outputs
+    res.outputs[w.name] = Output([as_bytes(p) for p in packed])
+    res.outputs[ws.name] = Output([as_bytes(s) for s in scales])
+    res.outputs[ws2.name] = Output([as_bytes(s2.reshape(1))])
+    res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
+
+
+def _transcode(items: list[Item], reader: TensorReader, res: UnitResult) -> bool:
+    """MXFP4 sources whose exponents fit: keep every code, re-express the scales (exact)."""
+    members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
+    fit = transcode.fit(list(members.values()))
+    if not fit.exact:
+        res.notes["_requantized_because"] = {"reason": fit.reason}
+        return False
+    s2 = transcode.global_scale(fit.m)
+    for it in items:
+        outs = [transcode.transcode(*members[s.name], fit.m) for s in it.sources]
+        _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res,
+              {"method": "transcoded-exact", "detail": f"{fit.reason}; global scale 2^{fit.m}"})
+    return True
+
+
 def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, res: UnitResult) -> None:
-    values = {s.name: decode(s, reader, block) for it in items for s in it.sources}
+    values = {s.name: decode(s, reader, block, backend) for it in items for s in it.sources}
     amax = None
     for name, v in values.items():
         a = backend.amax(v)
@@ -92,18 +120,11 @@ def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, 
             raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
         amax = a if amax is None else torch.maximum(amax, a)
     s2 = reference.global_scale(amax)
+    why = res.notes.pop("_requantized_because", None)
     for it in items:
-        packed, scales = [], []
-        for s in it.sources:
-            p, sc = backend.quantize(values[s.name], s2)
-            packed.append(as_bytes(p))
-            scales.append(as_bytes(sc))
-        w, ws, ws2 = it.outputs
-        res.outputs[w.name] = Output(packed)
-        res.outputs[ws.name] = Output(scales)
-        res.outputs[ws2.name] = Output([as_bytes(s2.cpu().reshape(1))])
-        res.notes[it.name] = {
-            "amax": float(amax),
-            "source_encoding": it.sources[0].encoding,
-            "method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
-        }
+        outs = [backend.quantize(values[s.name], s2) for s in it.sources]
+        note = {"method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
+                "amax": float(amax)}
+        if why:
+            note["detail"] = why["reason"]
+        _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res, note)

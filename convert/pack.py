@@ -20,6 +20,7 @@ from kimi_convert.kernels import get_backend
 from . import manifest as manifest_mod
 from . import write
 from .compute import compute_unit
+from .errors import ConvertError
 from .mapping import find_mapping
 from .plan import Options, Plan, _fp8_block, make_plan
 from .source import Checkpoint, TensorReader, open_checkpoint
@@ -45,7 +46,7 @@ def pack(
     opts: Options,
     *,
     mapping: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     overwrite: bool = False,
     progress: bool = True,
 ) -> PackResult:
@@ -54,7 +55,10 @@ def pack(
     ckpt, plan = load_plan(input_dir, opts, mapping)
     output_dir.mkdir(parents=True, exist_ok=True)
     write.clear_previous(output_dir, plan.side_files)
-    backend = get_backend(device)
+    try:
+        backend = get_backend(device)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
     block = _fp8_block(ckpt.config)
     reader = TensorReader(input_dir)
     tensor_hashes: dict[str, str] = {}

@@ -1,52 +1,93 @@
-"""Compute kernels: NVFP4 quantization (reference, fast CPU, Triton) and input-format decoding.
+"""Compute kernels: NVFP4 quantization (reference, fast CPU, Triton), MXFP4 transcoding, decoding.
 
-The pipeline only calls :func:`get_backend` and the :class:`Backend` methods, so every
-quantizer plugs into the same code path and is held to the same bytes as ``reference``.
+The pipeline only calls :func:`get_backend` and the :class:`Backend` methods, so every quantizer
+plugs into the same code path and is held to the same bytes as ``reference``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import reference, transcode
 from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
-__all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "get_backend", "reference"]
+__all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "get_backend", "reference", "transcode"]
 
-#: Elements a CPU chunk holds: bounds the fp32 temporaries of the torch reference path.
+#: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
 CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
 class Backend:
-    """Where and how tensors are quantized."""
+    """Where and how tensors are quantized: ``reference`` (torch), ``cpu`` (C) or ``triton``."""
 
-    name: str  # "reference"
+    name: str
     device: torch.device
 
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
     def amax(self, w: torch.Tensor) -> torch.Tensor:
-        """fp32 amax of |w| (NaN if w holds a NaN, inf if an inf: the caller rejects both)."""
-        w = w.to(self.device)
+        """fp32 amax of |w| on the device; NaN or inf when w holds a NaN or an Inf (callers reject it)."""
         if w.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return w.abs().amax().float()
+        if self.name == "cpu":
+            from . import nvfp4_cpu
+
+            return nvfp4_cpu.amax(nvfp4_cpu.load(), w)
+        if self.name == "triton":
+            from . import nvfp4_triton
+
+            return nvfp4_triton.amax(self.to_device(w))
+        return self.to_device(w).abs().amax().float()
 
     def quantize(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``w`` [..., K], on the CPU."""
+        """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``w`` [..., K] under global scale ``s2``."""
+        if self.name == "cpu":
+            from . import nvfp4_cpu
+
+            return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2)
+        if self.name == "triton":
+            from . import nvfp4_triton
+
+            return nvfp4_triton.quantize(self.to_device(w), s2.to(self.device))
+        return self._reference_chunked(w, s2)
+
+    def _reference_chunked(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w2 = w.reshape(-1, w.shape[-1])
         rows = max(1, CHUNK_ELEMENTS // max(1, w2.shape[1]))
         s2 = s2.to(self.device)
-        packed, scales = [], []
-        for i in range(0, w2.shape[0], rows):
-            p, s = reference.quantize(w2[i : i + rows].to(self.device), s2)
-            packed.append(p.cpu())
-            scales.append(s.cpu())
-        p = torch.cat(packed) if packed else torch.empty((0, w.shape[-1] // 2), dtype=torch.uint8)
-        s = torch.cat(scales) if scales else torch.empty((0, w.shape[-1] // 16), dtype=torch.float8_e4m3fn)
+        parts = [reference.quantize(self.to_device(w2[i : i + rows]), s2) for i in range(0, w2.shape[0], rows)]
+        k = w.shape[-1]
+        p = torch.cat([x[0] for x in parts]) if parts else torch.empty((0, k // 2), dtype=torch.uint8)
+        s = torch.cat([x[1] for x in parts]) if parts else torch.empty((0, k // 16), dtype=torch.float8_e4m3fn)
         return p.reshape(*w.shape[:-1], -1), s.reshape(*w.shape[:-1], -1)
 
 
-def get_backend(device: str = "cpu") -> Backend:
-    return Backend("reference", torch.device(device))
+def get_backend(device: str = "auto") -> Backend:
+    """``auto`` (the GPU when torch sees one), ``cpu``, ``cuda[:N]``, or ``reference``.
+
+    ``triton`` runs the Triton kernel on the CPU under ``TRITON_INTERPRET=1`` (tests) or on the GPU.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "reference":
+        return Backend("reference", torch.device("cpu"))
+    if device == "cpu":
+        from . import nvfp4_cpu
+
+        return Backend("cpu" if nvfp4_cpu.load() is not None else "reference", torch.device("cpu"))
+    if device == "triton":
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        return Backend("triton", torch.device("cpu" if interpret or not torch.cuda.is_available() else "cuda"))
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch sees no CUDA device")
+        dev = torch.device(device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return Backend("triton", dev)
+    raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")

@@ -62,10 +62,13 @@ def test_every_output_tensor_against_its_sources(which, tiny_k3, tiny_kl, packed
             vals = [source_values(s, inp) for s in m["sources"]]
             key = m["quantization"]["shared_scale"]
             shared[key] = max(shared.get(key, 0.0), max(float(np.abs(v).max()) for v in vals))
-    n_nvfp4 = 0
+    n_nvfp4 = n_exact = 0
     for m in modules:
         name = m["name"]
-        if m["kind"] == "nvfp4":
+        if m["kind"] == "nvfp4" and m["quantization"]["method"] == "transcoded-exact":
+            n_exact += 1
+            check_transcoded(m, inp, out)
+        elif m["kind"] == "nvfp4":
             n_nvfp4 += 1
             vals = [source_values(s, inp) for s in m["sources"]]
             fused = np.concatenate([v.reshape(-1, v.shape[-1]) for v in vals])
@@ -101,7 +104,28 @@ def test_every_output_tensor_against_its_sources(which, tiny_k3, tiny_kl, packed
                 want = np.concatenate([source_values(s, inp) for s in srcs])
                 assert t.dtype == torch.bfloat16
                 np.testing.assert_array_equal(t.float().numpy(), want)
-    assert n_nvfp4 > 50
+    assert n_nvfp4 > 30
+    if which == "k3":  # MXFP4 experts: all but the one planted with a too-wide exponent span are exact
+        assert n_exact == 3 * 8 * 3 - 1
+        wide = next(m for m in modules if m["name"].endswith("layers.1.block_sparse_moe.experts.0.w2"))
+        assert wide["quantization"]["method"] == "requantized" and "wider than e4m3" in wide["quantization"]["detail"]
+
+
+def check_transcoded(m: dict, inp: dict, out: dict) -> None:
+    """Exact transcoding: codes unchanged, power-of-two scales, dequantized values identical."""
+    name = m["name"]
+    (src,) = m["sources"]
+    packed, scale = (inp[p["name"]].numpy() for p in src["parts"])
+    w, ws, ws2 = out[f"{name}.weight"].numpy(), out[f"{name}.weight_scale"], float(out[f"{name}.weight_scale_2"])
+    np.testing.assert_array_equal(w, packed)
+    assert np.log2(ws2) == int(np.log2(ws2))
+    sv = ws.float().numpy()
+    assert (np.log2(sv) == np.round(np.log2(sv))).all()
+    deq = oracle.dequantize(w, ws.view(torch.uint8).numpy(), ws2)
+    np.testing.assert_array_equal(deq, oracle.decode_mxfp4(packed, scale).astype(np.float64))
+    if m["quantization"]["shared_scale"]:
+        mate = name[:-1] + ("3" if name.endswith("1") else "1")
+        assert float(out[f"{mate}.weight_scale_2"]) == ws2
 
 
 def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):

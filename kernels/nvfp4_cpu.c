@@ -1,0 +1,107 @@
+/* NVFP4 quantization on the CPU, bit-identical to kernels/reference.py (ModelOpt's math).
+ *
+ * Hand-written because no library quantizes NVFP4 bit-exactly on the CPU at speed: ModelOpt's own
+ * torch path moves 0.055 GB/s on 2 cores. Built at first use with the system C compiler
+ * (kernels/nvfp4_cpu.py), with -ffp-contract=off so no multiply-add is fused: every operation is
+ * one IEEE fp32 operation, as in the reference. Rows are independent, so the OpenMP split cannot
+ * change a byte.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CLONES_AMAX __attribute__((target_clones("avx2", "default")))
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* amax of |x| over n bf16 values, as the bits of the fp32 result; 0x7F800000 (inf) if any value
+ * is NaN or Inf. For finite values |x| orders like its bits, so this is an integer max. */
+CLONES_AMAX uint32_t kc_amax_bf16(const uint16_t *x, int64_t n) {
+    uint16_t m = 0;
+#pragma omp parallel for reduction(max : m) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t a = x[i] & 0x7FFF;
+        m = a > m ? a : m;
+    }
+    return m >= 0x7F80 ? 0x7F800000u : (uint32_t)m << 16;
+}
+
+CLONES_AMAX uint32_t kc_amax_f32(const uint32_t *x, int64_t n) {
+    uint32_t m = 0;
+#pragma omp parallel for reduction(max : m) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = x[i] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m >= 0x7F800000u ? 0x7F800000u : m;
+}
+
+/* Round sb in [2^-9, 448] to e4m3, ties to even; returns the value, stores the byte. */
+static inline float e4m3_rne(float sb, uint8_t *byte) {
+    int e = (int)((bits_of_f32(sb) >> 23) & 0xFF) - 127;
+    if (e < -6) e = -6;
+    float q = f32_of_bits((uint32_t)(e - 3 + 127) << 23);
+    float inv_q = f32_of_bits((uint32_t)(127 - (e - 3)) << 23);
+    float y = sb * inv_q + 8388608.0f; /* exact product; the add rounds to an integer, ties to even */
+    float r = y - 8388608.0f;
+    float v = r * q;
+    *byte = v >= 0.015625f ? (uint8_t)((bits_of_f32(v) >> 20) - (120 << 3)) : (uint8_t)r;
+    return v;
+}
+
+static inline uint8_t e2m1(float x) {
+    float a = x < 0 ? -x : x; /* NaN fails every comparison: code 7, like the reference */
+    int mag = 7 - (a <= 5.0f) - (a < 3.5f) - (a <= 2.5f) - (a < 1.75f) - (a <= 1.25f) - (a < 0.75f) - (a <= 0.25f);
+    return (uint8_t)(mag | ((x < 0.0f) << 3));
+}
+
+/* One row of k fp32 values: block scales first, then one branch-free, vectorizable pass of
+ * divisions and codes. denom: scratch of k/16 floats. */
+static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packed, uint8_t *scales, float *denom) {
+    for (int64_t b = 0; b < k / 16; b++) {
+        float bamax = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            float a = v[b * 16 + j] < 0 ? -v[b * 16 + j] : v[b * 16 + j];
+            bamax = a > bamax ? a : bamax;
+        }
+        float sb = bamax / (6.0f * s2);
+        if (sb == 0.0f) sb = 1.0f;
+        if (sb < 0.001953125f) sb = 0.001953125f;
+        if (sb > 448.0f) sb = 448.0f;
+        denom[b] = e4m3_rne(sb, scales + b) * s2;
+    }
+    for (int64_t i = 0; i < k / 2; i++) {
+        float d = denom[i / 8];
+        packed[i] = (uint8_t)(e2m1(v[2 * i] / d) | (e2m1(v[2 * i + 1] / d) << 4));
+    }
+}
+
+#define CLONES __attribute__((target_clones("avx2", "default")))
+
+/* x: rows x k bf16 (as uint16); packed: rows x k/2; scales: rows x k/16 e4m3 bytes. */
+CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
+    if (!(s2 > 0.0f)) s2 = 1.0f;
+#pragma omp parallel
+    {
+        float *v = malloc(sizeof(float) * (size_t)(k + k / 16));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t j = 0; j < k; j++) v[j] = f32_of_bits((uint32_t)x[r * k + j] << 16);
+            quant_row(v, k, s2, packed + r * (k / 2), scales + r * (k / 16), v + k);
+        }
+        free(v);
+    }
+}
+
+CLONES void kc_quant_f32(const float *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
+    if (!(s2 > 0.0f)) s2 = 1.0f;
+#pragma omp parallel
+    {
+        float *d = malloc(sizeof(float) * (size_t)(k / 16 + 1));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d);
+        free(d);
+    }
+}

@@ -1,0 +1,97 @@
+"""The fast CPU path: ``nvfp4_cpu.c`` built at first use with the system C compiler, called via ctypes.
+
+The shared library is cached per source, flags and compiler (``$KIMI_CONVERT_CACHE`` or
+``~/.cache/kimi-convert``), written under a temporary name and renamed, so concurrent first uses
+are safe. Without a compiler, :func:`load` returns None and the caller falls back to the torch
+reference (same bytes, slower) with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KIMI_CONVERT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kimi-convert")
+    return Path(root)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("KIMI_CONVERT_CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(src: bytes, cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"nvfp4_cpu-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        c = Path(tmp) / "nvfp4_cpu.c"
+        c.write_bytes(src)
+        so = Path(tmp) / "out.so"
+        r = subprocess.run([cc, *FLAGS, str(c), "-o", str(so)], capture_output=True, text=True)
+        if r.returncode:
+            raise OSError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "compiler failed")
+        os.replace(so, out)
+    return out
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    cc = _compiler()
+    src = resources.files("kimi_convert.kernels").joinpath("nvfp4_cpu.c").read_bytes()
+    try:
+        if cc is None:
+            raise OSError("no C compiler (cc, gcc or clang) on PATH")
+        lib = ctypes.CDLL(str(_build(src, cc)))
+    except OSError as e:
+        warnings.warn(f"kimi-convert: fast CPU kernel unavailable ({e}); using the slower torch reference",
+                      stacklevel=2)
+        return None
+    i64, f32, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.kc_amax_bf16.argtypes = lib.kc_amax_f32.argtypes = [p, i64]
+    lib.kc_amax_bf16.restype = lib.kc_amax_f32.restype = ctypes.c_uint32
+    lib.kc_quant_bf16.argtypes = lib.kc_quant_f32.argtypes = [p, i64, i64, f32, p, p]
+    return lib
+
+
+def _prepare(x: torch.Tensor) -> torch.Tensor:
+    """bf16 and fp32 go in as they are; fp16 (rare) is widened to fp32, which is exact."""
+    x = x.contiguous()
+    return x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+
+
+def amax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    x = _prepare(x)
+    fn = lib.kc_amax_bf16 if x.dtype == torch.bfloat16 else lib.kc_amax_f32
+    bits = fn(x.data_ptr(), x.numel()) if x.numel() else 0
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(())
+
+
+def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    x2 = _prepare(x).reshape(-1, k)
+    m = x2.shape[0]
+    packed = torch.empty((m, k // 2), dtype=torch.uint8)
+    scales = torch.empty((m, k // 16), dtype=torch.uint8)
+    fn = lib.kc_quant_bf16 if x2.dtype == torch.bfloat16 else lib.kc_quant_f32
+    if m:
+        fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr())
+    lead = x.shape[:-1]
+    return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
