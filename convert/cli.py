@@ -186,7 +186,8 @@ def render_plan(p: Plan, input_dir: str) -> str:
             if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
                 lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
                 for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
-                    lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file})")
+                    extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
+                    lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
     t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "keep", "copy")}
     lines += [
         "",

@@ -50,12 +50,13 @@ class Preset:
     vision_blocks: int = 0
     mxfp4_experts: bool = False
     full_rank_gate: bool = False
+    fp8: bool = False  # DeepSeek-style FP8 weights with 128x128 weight_scale_inv
     shards: int = 4
     description: str = ""
 
     def kinds(self) -> list[str]:
-        """K3's pattern: every fourth layer is MLA (full attention), the others KDA."""
-        return ["mla" if i % 4 == 2 else "kda" for i in range(self.layers)]
+        """K3's pattern: every fourth layer is MLA (full attention), the others KDA; DeepSeek: all MLA."""
+        return ["mla" if i % 4 == 2 or self.arch == "deepseek_v3" else "kda" for i in range(self.layers)]
 
 
 PRESETS: dict[str, Preset] = {
@@ -69,6 +70,12 @@ PRESETS: dict[str, Preset] = {
         "kimi_linear", hidden=128, layers=4, kda_heads=4, kda_head_dim=32, conv=4, mla_heads=4, q_lora=0,
         kv_lora=32, nope=32, rope=16, v_head=32, experts=8, topk=2, moe_inter=64, latent=128, shared=1,
         dense_inter=256, first_dense=1, vocab=1000, description="Kimi Linear layout, hidden 128, 4 layers (~2 MB)",
+    ),
+    "tiny-deepseek-fp8": Preset(
+        "deepseek_v3", hidden=256, layers=3, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=4, q_lora=96,
+        kv_lora=64, nope=32, rope=32, v_head=32, experts=4, topk=2, moe_inter=128, latent=256, shared=1,
+        dense_inter=384, first_dense=1, vocab=1000, fp8=True,
+        description="DeepSeek V3 layout, FP8 weights with 128x128 block scales, hidden 256 (~2 MB)",
     ),
     "bench-kimi-linear": Preset(
         "kimi_linear", hidden=7168, layers=2, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=0,
@@ -184,7 +191,11 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
 
 
 def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Every stored tensor: name, logical shape, dtype (uint8 marks an MXFP4 weight)."""
+    """Every stored tensor: name, logical shape, dtype (uint8 marks an MXFP4 weight, float8 an FP8
+    block-scaled one)."""
+    if p.arch == "deepseek_v3":
+        yield from _deepseek(p)
+        return
     lm = "language_model." if p.arch == "kimi_k3" else ""
     h = p.hidden
     yield f"{lm}model.embed_tokens.weight", (p.vocab, h), torch.bfloat16
@@ -223,6 +234,46 @@ def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]
         yield "mm_projector.proj.2.weight", (h, h), torch.bfloat16
         yield "mm_projector.proj.2.bias", (h,), torch.bfloat16
         yield "mm_projector.post_norm.weight", (h,), torch.bfloat16
+
+
+def _deepseek(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    h = p.hidden
+    for name, shape, dtype in _deepseek_bf16(p):
+        fp8 = name.endswith("_proj.weight") and dtype == torch.bfloat16
+        yield name, shape, (torch.float8_e4m3fn if fp8 else dtype)
+    yield "lm_head.weight", (p.vocab, h), torch.bfloat16
+
+
+def _deepseek_bf16(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    h = p.hidden
+    yield "model.embed_tokens.weight", (p.vocab, h), torch.bfloat16
+    for i in range(p.layers):
+        pre = f"model.layers.{i}"
+        yield f"{pre}.input_layernorm.weight", (h,), torch.bfloat16
+        yield f"{pre}.post_attention_layernorm.weight", (h,), torch.bfloat16
+        yield from _mla(p, f"{pre}.self_attn")
+        if i < p.first_dense:
+            yield from _mlp(f"{pre}.mlp", h, p.dense_inter)
+            continue
+        yield f"{pre}.mlp.gate.weight", (p.experts, h), torch.bfloat16
+        yield f"{pre}.mlp.gate.e_score_correction_bias", (p.experts,), torch.float32
+        yield from _mlp(f"{pre}.mlp.shared_experts", h, p.moe_inter * p.shared)
+        for e in range(p.experts):
+            yield from _mlp(f"{pre}.mlp.experts.{e}", h, p.moe_inter)
+    yield "model.norm.weight", (h,), torch.bfloat16
+
+
+def fp8_block(name: str, shape: tuple[int, int], seed: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 e4m3 weight and its fp32 weight_scale_inv [ceil(M/128), ceil(N/128)], DeepSeek style."""
+    w = weight(name, shape, seed, torch.float32)
+    m, n = shape
+    bm, bn = -(-m // block), -(-n // block)
+    pad = torch.zeros(bm * block, bn * block)
+    pad[:m, :n] = w
+    amax = pad.view(bm, block, bn, block).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / 448.0
+    q = (pad.view(bm, block, bn, block) / scale[:, None, :, None]).view(bm * block, bn * block)[:m, :n]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
 
 
 def _text_config(p: Preset) -> dict:
@@ -265,7 +316,23 @@ def _text_config(p: Preset) -> dict:
     return cfg
 
 
+def _deepseek_config(p: Preset) -> dict:
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": p.hidden,
+        "num_hidden_layers": p.layers, "vocab_size": p.vocab, "intermediate_size": p.dense_inter,
+        "num_attention_heads": p.mla_heads, "q_lora_rank": p.q_lora, "kv_lora_rank": p.kv_lora,
+        "qk_nope_head_dim": p.nope, "qk_rope_head_dim": p.rope, "v_head_dim": p.v_head,
+        "n_routed_experts": p.experts, "num_experts_per_tok": p.topk, "n_shared_experts": p.shared,
+        "moe_intermediate_size": p.moe_inter, "first_k_dense_replace": p.first_dense, "moe_layer_freq": 1,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]},
+    }
+
+
 def config(p: Preset) -> dict:
+    if p.arch == "deepseek_v3":
+        return _deepseek_config(p)
     text = _text_config(p)
     if p.arch == "kimi_linear":
         return {**text, "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig",
@@ -339,11 +406,16 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     total = 0
     cuts = _cuts(specs, p.shards)
     n = len(cuts) - 1
+    deferred: dict[str, torch.Tensor] = {}  # FP8 scales stored in another shard than their weight
     for s in range(n):
         fname = f"model-{s + 1:05d}-of-{n:05d}.safetensors"
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = deferred if s == n - 1 else {}
         for name, shape, dtype in specs[cuts[s] : cuts[s + 1]]:
-            if dtype == torch.uint8:
+            if dtype == torch.float8_e4m3fn:
+                base = name[: -len(".weight")]
+                tensors[name], scale = fp8_block(name, shape, seed)
+                (deferred if ".layers.1." in name and s < n - 1 else tensors)[f"{base}.weight_scale_inv"] = scale
+            elif dtype == torch.uint8:
                 wide = name.endswith("layers.1.block_sparse_moe.experts.0.w2.weight")
                 base = name[: -len(".weight")]
                 tensors[f"{base}.weight_packed"], tensors[f"{base}.weight_scale"] = mxfp4(name, shape, seed, wide)
@@ -357,7 +429,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                              indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config(p), indent=2) + "\n")
-    code = "configuration_kimi_k3.py" if p.arch == "kimi_k3" else "configuration_kimi.py"
+    code = {"kimi_k3": "configuration_kimi_k3.py", "kimi_linear": "configuration_kimi.py"}.get(
+        p.arch, "configuration_deepseek.py")
     for name, text in {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}.items():
         (out / name).write_text(text)
     return out

@@ -28,14 +28,26 @@ def tiny_kl(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ds(tmp_path_factory) -> Path:
+    return write_synth("tiny-deepseek-fp8", tmp_path_factory.mktemp("in") / "tiny-ds", seed=0)
+
+
+@pytest.fixture(scope="session")
+def packed_ds(tiny_ds, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "ds"
+    pack(tiny_ds, out, Options(), device="cpu", progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def packed_k3(tiny_k3, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("out") / "k3"
-    pack(tiny_k3, out, Options(max_shard_size=400_000), progress=False)
+    pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False)
     return out
 
 
 @pytest.fixture(scope="session")
 def packed_kl(tiny_kl, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("out") / "kl"
-    pack(tiny_kl, out, Options(), progress=False)
+    pack(tiny_kl, out, Options(), device="cpu", progress=False)
     return out

@@ -43,6 +43,10 @@ def source_values(src: dict, inp: dict[str, torch.Tensor]) -> np.ndarray:
     if src["encoding"] == "mxfp4":
         packed, scale = (inp[p["name"]].numpy() for p in src["parts"])
         return oracle.decode_mxfp4(packed, scale)
+    if src["encoding"] == "fp8_block":
+        w, s = (oracle.to_f32(inp[p["name"]]) for p in src["parts"])
+        full = np.repeat(np.repeat(s, 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
+        return (w * full).astype(np.float32)
     return oracle.to_f32(inp[src["name"]])
 
 
@@ -50,9 +54,10 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-@pytest.mark.parametrize("which", ["k3", "kl"])
-def test_every_output_tensor_against_its_sources(which, tiny_k3, tiny_kl, packed_k3, packed_kl):
-    inp_dir, out_dir = (tiny_k3, packed_k3) if which == "k3" else (tiny_kl, packed_kl)
+@pytest.mark.parametrize("which", ["k3", "kl", "ds"])
+def test_every_output_tensor_against_its_sources(which, request):
+    inp_dir = request.getfixturevalue({"k3": "tiny_k3", "kl": "tiny_kl", "ds": "tiny_ds"}[which])
+    out_dir = request.getfixturevalue({"k3": "packed_k3", "kl": "packed_kl", "ds": "packed_ds"}[which])
     inp, out, man = load_all(inp_dir), load_all(out_dir), manifest(out_dir)
     modules = man["modules"]
     assert sorted(t["name"] for m in modules for t in m["tensors"]) == sorted(out)
@@ -105,6 +110,9 @@ def test_every_output_tensor_against_its_sources(which, tiny_k3, tiny_kl, packed
                 assert t.dtype == torch.bfloat16
                 np.testing.assert_array_equal(t.float().numpy(), want)
     assert n_nvfp4 > 30
+    if which == "ds":  # FP8 scales are consumed, never copied
+        assert not [k for k in out if k.endswith("weight_scale_inv")]
+        assert all(s["encoding"] == "fp8_block" for m in modules if m["kind"] == "nvfp4" for s in m["sources"])
     if which == "k3":  # MXFP4 experts: all but the one planted with a too-wide exponent span are exact
         assert n_exact == 3 * 8 * 3 - 1
         wide = next(m for m in modules if m["name"].endswith("layers.1.block_sparse_moe.experts.0.w2"))
@@ -185,9 +193,9 @@ def test_index_config_and_side_files(tiny_k3, packed_k3):
     assert not list(packed_k3.glob("*.partial"))
 
 
-@pytest.mark.parametrize("which", ["k3", "kl"])
-def test_exclude_list_read_by_engine_rules_selects_exactly_kept(which, packed_k3, packed_kl):
-    out_dir = packed_k3 if which == "k3" else packed_kl
+@pytest.mark.parametrize("which", ["k3", "kl", "ds"])
+def test_exclude_list_read_by_engine_rules_selects_exactly_kept(which, request):
+    out_dir = request.getfixturevalue({"k3": "packed_k3", "kl": "packed_kl", "ds": "packed_ds"}[which])
     man = manifest(out_dir)
     m = builtin_by_name(man["mapping"]["name"])
     ignore = man["exclude_modules"]
@@ -228,6 +236,18 @@ def test_deterministic_and_input_untouched(tiny_kl, tmp_path):
         assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
     after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tiny_kl.iterdir()}
     assert before == after
+
+
+def test_triton_path_gives_the_same_output(tiny_kl, packed_kl, tmp_path, monkeypatch):
+    """A whole pack through the Triton kernel (interpreted here; compiled on the GPU) == the CPU kernel's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kimi_convert.pack import pack
+    from kimi_convert.plan import Options
+    pack(tiny_kl, tmp_path / "t", Options(), device="triton", progress=False)
+    names = sorted(p.name for p in packed_kl.iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "t").iterdir())
+    for n in names:
+        assert (packed_kl / n).read_bytes() == (tmp_path / "t" / n).read_bytes(), n
 
 
 def test_output_folder_refusals(tiny_kl, tmp_path):

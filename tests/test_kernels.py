@@ -1,0 +1,173 @@
+"""Every quantizer gives the reference's bytes: Triton (interpreted on CPU in CI, compiled on the GPU),
+the C CPU kernel and the torch reference; exact MXFP4 transcoding; backend selection."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from kimi_convert.kernels import Backend, get_backend, nvfp4_cpu, reference, transcode
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+BACKENDS = [get_backend("reference"), get_backend("cpu"), get_backend("triton")]
+
+
+def run(backend: Backend, w: torch.Tensor):
+    a = backend.amax(w).cpu()
+    s2 = reference.global_scale(a)
+    p, s = backend.quantize(w, s2)
+    return a, p.cpu(), s.cpu().view(torch.uint8), s2
+
+
+def assert_all_equal(w: torch.Tensor):
+    ra, rp, rs, rs2 = run(BACKENDS[0], w)
+    for b in BACKENDS[1:]:
+        a, p, s, _s2 = run(b, w)
+        assert a.item() == ra.item() or (np.isnan(a.item()) and np.isnan(ra.item())), b.name
+        assert torch.equal(p, rp), b.name
+        assert torch.equal(s, rs), b.name
+    op, os_, os2 = oracle.quantize(oracle.to_f32(w))
+    assert rs2.numpy().tobytes() == os2.tobytes()
+    np.testing.assert_array_equal(rp.reshape(op.shape).numpy(), op)
+    np.testing.assert_array_equal(rs.reshape(os_.shape).numpy(), os_)
+
+
+def test_backends_present():
+    assert [b.name for b in BACKENDS] == ["reference", "cpu", "triton"]
+
+
+def edge_tensors():
+    g = torch.Generator().manual_seed(7)
+    ties = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -2.5, -3.5, -5.0, 4.0])
+    t = torch.stack([ties, torch.full((16,), 6.0)])
+    t[1, 0] = 2688.0  # s2 = 1, block scale 1: x == W, every tie hit exactly
+    zero_block = torch.randn(3, 48, generator=g)
+    zero_block[1, 16:32] = 0
+    underflow = torch.randn(2, 32, generator=g)
+    underflow[0, :16] *= 1e-7  # block scale below 2^-9: clamped
+    neg_zero = torch.tensor([[-1e-8, -0.0, 0.0, 1.0] * 4])
+    return {
+        "K=16,N=1": torch.randn(1, 16, generator=g),
+        "odd N": torch.randn(7, 32, generator=g),
+        "N=33 K=272": torch.randn(33, 272, generator=g),
+        "huge": torch.randn(5, 64, generator=g) * 1e37,
+        "tiny": torch.randn(5, 64, generator=g) * 1e-36,
+        "ties": t,
+        "zero block": zero_block,
+        "all zero": torch.zeros(4, 32),
+        "underflow": underflow,
+        "negatives to zero": neg_zero,
+        "wide rows": torch.randn(3, 1024, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]]),
+    }
+
+
+@pytest.mark.parametrize("name", list(edge_tensors()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_edge_cases_every_backend(name, dtype):
+    w = edge_tensors()[name]
+    if dtype == torch.float16 and name in ("huge", "tiny"):
+        pytest.skip("outside fp16's range")
+    assert_all_equal(w.to(dtype))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), kb=st.integers(1, 20), exp=st.integers(-60, 60), seed=st.integers(0, 2**20),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_property_all_backends_equal(n, kb, exp, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, kb * 16, generator=g) * 2.0**exp
+    w.view(-1)[torch.randint(0, w.numel(), (2,), generator=g)] *= 30
+    assert_all_equal(w.to(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_amax_is_flagged(backend, bad):
+    w = torch.randn(5, 64)
+    w[2, 17] = bad
+    for dt in (torch.bfloat16, torch.float32):
+        assert not torch.isfinite(backend.amax(w.to(dt))).item()
+
+
+def test_fused_members_match_quantizing_the_concatenation():
+    g = torch.Generator().manual_seed(1)
+    members = [torch.randn(n, 64, generator=g) * s for n, s in ((5, 1.0), (9, 30.0), (3, 0.01))]
+    for b in BACKENDS:
+        amax = torch.stack([b.amax(m).cpu() for m in members]).max()
+        s2 = reference.global_scale(amax)
+        parts = [b.quantize(m, s2) for m in members]
+        whole = reference.quantize(torch.cat(members), reference.global_scale(torch.cat(members).abs().amax()))
+        assert torch.equal(torch.cat([p[0].cpu() for p in parts]), whole[0])
+        assert torch.equal(torch.cat([p[1].cpu().view(torch.uint8) for p in parts]), whole[1].view(torch.uint8))
+
+
+def test_cpu_kernel_is_threads_independent(tmp_path):
+    import subprocess
+    import sys
+    code = ("import torch,sys; from kimi_convert.kernels import nvfp4_cpu, reference; torch.manual_seed(5); "
+            "w=torch.randn(257,512).to(torch.bfloat16); s2=reference.global_scale(w.abs().amax().float()); "
+            "p,s=nvfp4_cpu.quantize(nvfp4_cpu.load(),w,s2); sys.stdout.buffer.write(p.numpy().tobytes()+"
+            "s.view(torch.uint8).numpy().tobytes())")
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                           env={**os.environ, "OMP_NUM_THREADS": n}).stdout for n in ("1", "2", "7")]
+    assert len(outs[0]) == 257 * (256 + 32) and outs[0] == outs[1] == outs[2]
+
+
+def test_cpu_kernel_without_compiler_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_CONVERT_CACHE", str(tmp_path))
+    with pytest.raises(OSError):
+        nvfp4_cpu._build(b"this is not C", "cc")
+
+
+def test_get_backend_rejects_bad_devices():
+    with pytest.raises(ValueError, match="expected auto, cpu"):
+        get_backend("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            get_backend("cuda:0")
+        assert get_backend("auto").device.type == "cpu"
+
+
+# --- exact MXFP4 transcoding ---------------------------------------------------------------
+
+def test_e4m3_pow2_bytes_match_torch_cast():
+    j = torch.arange(-9, 9)
+    want = torch.ldexp(torch.ones(18), j.float()).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(transcode.e4m3_pow2_byte(j), want)
+
+
+def mxfp4_tensor(n: int, k: int, exps: torch.Tensor, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    return packed, exps.to(torch.uint8).reshape(n, k // 32)
+
+
+def test_transcode_exact_dequantizes_identically():
+    g = torch.Generator().manual_seed(3)
+    a = mxfp4_tensor(8, 128, torch.randint(110, 128, (8, 4), generator=g))  # span 17: fits
+    b = mxfp4_tensor(8, 128, torch.randint(112, 126, (8, 4), generator=g), seed=1)
+    fit = transcode.fit([a, b])
+    assert fit.exact
+    s2 = transcode.global_scale(fit.m)
+    for packed, scale in (a, b):
+        p, s = transcode.transcode(packed, scale, fit.m)
+        assert torch.equal(p, packed)
+        got = oracle.dequantize(p.numpy(), s.view(torch.uint8).numpy(), float(s2))
+        np.testing.assert_array_equal(got, oracle.decode_mxfp4(packed.numpy(), scale.numpy()))
+
+
+def test_transcode_refuses_wide_span_and_ignores_zero_blocks():
+    exps = torch.full((2, 2), 120)
+    exps[0, 0] = 100  # span 20: does not fit ...
+    packed, scale = mxfp4_tensor(2, 64, exps)
+    assert not transcode.fit([(packed, scale)]).exact
+    packed[0, :16] = 0  # ... unless that block is all zero codes (its exponent says nothing)
+    assert transcode.fit([(packed, scale)]).exact
+    packed[0, :16] = 0x88  # negative zeros are zero too
+    assert transcode.fit([(packed, scale)]).exact
