@@ -122,7 +122,7 @@ def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, 
     s2 = reference.global_scale(amax)
     why = res.notes.pop("_requantized_because", None)
     for it in items:
-        outs = [backend.quantize(values[s.name], s2) for s in it.sources]
+        outs = [backend.quantize(values[s.name], amax) for s in it.sources]
         note = {"method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
                 "amax": float(amax)}
         if why:

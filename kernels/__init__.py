@@ -44,16 +44,18 @@ class Backend:
             return nvfp4_triton.amax(self.to_device(w))
         return self.to_device(w).abs().amax().float()
 
-    def quantize(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``w`` [..., K] under global scale ``s2``."""
+    def quantize(self, w: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``w`` [..., K] under the global scale
+        of ``amax`` (the joint amax of a fused module or scale group: ``reference.global_scale``)."""
+        if self.name == "triton":
+            from . import nvfp4_triton
+
+            return nvfp4_triton.quantize(self.to_device(w), amax.to(self.device))
+        s2 = reference.global_scale(amax.cpu())
         if self.name == "cpu":
             from . import nvfp4_cpu
 
             return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2)
-        if self.name == "triton":
-            from . import nvfp4_triton
-
-            return nvfp4_triton.quantize(self.to_device(w), s2.to(self.device))
         return self._reference_chunked(w, s2)
 
     def _reference_chunked(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,25 +56,30 @@ static inline uint8_t e2m1(float x) {
     return (uint8_t)(mag | ((x < 0.0f) << 3));
 }
 
-/* One row of k fp32 values: block scales first, then one branch-free, vectorizable pass of
- * divisions and codes. denom: scratch of k/16 floats. */
-static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packed, uint8_t *scales, float *denom) {
+/* One row of k fp32 values, in vectorizable passes: block amax (an integer max over |v|'s bits,
+ * which orders like |v| for finite values; NaN/Inf were rejected by the amax pass), block scales,
+ * codes (a division and a comparison chain, branch-free), packing.
+ * scratch: k/16 floats for the denominators, then k bytes of codes. */
+static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packed, uint8_t *scales, float *denom,
+                             uint8_t *codes) {
+    const uint32_t *bits = (const uint32_t *)v;
     for (int64_t b = 0; b < k / 16; b++) {
-        float bamax = 0.0f;
+        uint32_t m = 0;
         for (int j = 0; j < 16; j++) {
-            float a = v[b * 16 + j] < 0 ? -v[b * 16 + j] : v[b * 16 + j];
-            bamax = a > bamax ? a : bamax;
+            uint32_t a = bits[b * 16 + j] & 0x7FFFFFFFu;
+            m = a > m ? a : m;
         }
-        float sb = bamax / (6.0f * s2);
+        float sb = f32_of_bits(m) / (6.0f * s2);
         if (sb == 0.0f) sb = 1.0f;
         if (sb < 0.001953125f) sb = 0.001953125f;
         if (sb > 448.0f) sb = 448.0f;
         denom[b] = e4m3_rne(sb, scales + b) * s2;
     }
-    for (int64_t i = 0; i < k / 2; i++) {
-        float d = denom[i / 8];
-        packed[i] = (uint8_t)(e2m1(v[2 * i] / d) | (e2m1(v[2 * i + 1] / d) << 4));
+    for (int64_t b = 0; b < k / 16; b++) {
+        const float d = denom[b];
+        for (int j = 0; j < 16; j++) codes[b * 16 + j] = e2m1(v[b * 16 + j] / d);
     }
+    for (int64_t i = 0; i < k / 2; i++) packed[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
 #define CLONES __attribute__((target_clones("avx2", "default")))
@@ -84,11 +89,11 @@ CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, 
     if (!(s2 > 0.0f)) s2 = 1.0f;
 #pragma omp parallel
     {
-        float *v = malloc(sizeof(float) * (size_t)(k + k / 16));
+        float *v = malloc(sizeof(float) * (size_t)(k + k / 16) + (size_t)k);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t j = 0; j < k; j++) v[j] = f32_of_bits((uint32_t)x[r * k + j] << 16);
-            quant_row(v, k, s2, packed + r * (k / 2), scales + r * (k / 16), v + k);
+            quant_row(v, k, s2, packed + r * (k / 2), scales + r * (k / 16), v + k, (uint8_t *)(v + k + k / 16));
         }
         free(v);
     }
@@ -98,10 +103,10 @@ CLONES void kc_quant_f32(const float *x, int64_t rows, int64_t k, float s2, uint
     if (!(s2 > 0.0f)) s2 = 1.0f;
 #pragma omp parallel
     {
-        float *d = malloc(sizeof(float) * (size_t)(k / 16 + 1));
+        float *d = malloc(sizeof(float) * (size_t)(k / 16 + 1) + (size_t)k);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d);
+            quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d, (uint8_t *)(d + k / 16 + 1));
         free(d);
     }
 }

@@ -47,10 +47,10 @@ def _e4m3_rne(sb):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, s2_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s2 = tl.load(s2_ptr)
+    s2 = tl.math.div_rn(tl.load(amax_ptr), 2688.0)  # the global scale, as reference.global_scale
     s2 = tl.where(s2 > 0, s2, 1.0)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -99,9 +99,10 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(())
 
 
-def quantize(x: torch.Tensor, s2: torch.Tensor, packed: torch.Tensor | None = None,
+def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = None,
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``x`` [..., K] under global scale ``s2``.
+    """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``x`` [..., K] under the global scale of
+    ``amax`` (a fused module's joint amax; the kernel divides it by 2688 itself).
 
     ``packed`` / ``scales`` may be given: views of a fused module's output rows to write into.
     """
@@ -112,9 +113,9 @@ def quantize(x: torch.Tensor, s2: torch.Tensor, packed: torch.Tensor | None = No
         packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     if scales is None:
         scales = torch.empty((m, k // 16), dtype=torch.uint8, device=x.device)
-    s2 = s2.reshape(1).to(device=x.device, dtype=torch.float32)
+    amax = amax.reshape(1).to(device=x.device, dtype=torch.float32)
     if m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
-        _quant_kernel[grid](x2, s2, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+        _quant_kernel[grid](x2, amax, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     lead = x.shape[:-1]
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
