@@ -70,64 +70,79 @@ def same_bytes(a, b) -> bool:
         return False
 
 
-def gpu(shapes) -> list[dict]:
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written per second."""
     import triton.testing as tt
 
-    dev = torch.device("cuda")
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB
-    dst = torch.empty_like(big)
-    t_copy = tt.do_bench(lambda: dst.copy_(big), warmup=50, rep=500, return_mode="median")
-    bw = 2 * big.numel() / (t_copy * 1e-3)  # bytes read + written per second
-    del big, dst
-    print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)")
-    mo, mo_err = modelopt_fn()
-    ct, ct_err = ct_fn()
-    lib = nvfp4_cpu.load()
-    rows = []
-    for n, k in shapes:
-        g = torch.Generator(device=dev).manual_seed(n * k)
-        ws = [torch.randn(n, k, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16) for _ in range(8)]
-        it = iter(range(1 << 62))
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = tt.do_bench(lambda: dst.copy_(src), warmup=50, rep=500, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
 
-        def nxt():
-            return ws[next(it) % len(ws)]
-        in_bytes = n * k * 2
-        floor_ms = (2 * in_bytes + n * k // 2 + n * k // 16) / bw * 1e3
-        row = {"shape": f"{n}x{k}", "floor_ms": floor_ms}
-        row["ours_ms"] = tt.do_bench(lambda: ours_gpu(nxt()), warmup=50, rep=500, return_mode="median")
-        try:
-            row["ours_graph_ms"] = tt.do_bench_cudagraph(lambda: ours_gpu(ws[0]), rep=500, return_mode="median")
-        except Exception as e:
-            row["ours_graph_ms"] = None
-            print("cudagraph:", e)
-        p, s = ours_gpu(ws[0])
-        amax = ws[0].abs().amax().float().cpu()
-        cp, cs = nvfp4_cpu.quantize(lib, ws[0].cpu(), reference.global_scale(amax))
-        row["ours_eq_cpu_kernel"] = same_bytes(p, cp) and same_bytes(s, cs)
-        for name, fn, err in (("modelopt", mo, mo_err), ("ct", ct, ct_err)):
-            if fn is None:
-                row[f"{name}_ms"] = None
-                row[f"{name}_note"] = err
-                continue
-            row[f"{name}_ms"] = tt.do_bench(lambda fn=fn: fn(nxt()), warmup=20, rep=300, return_mode="median")
-            q, sc, _ = fn(ws[0])
-            row[f"{name}_same_bytes"] = same_bytes(q, p) and same_bytes(sc, s)
-        rows.append(row)
-        del ws
-        torch.cuda.empty_cache()
+
+class Rotating:
+    """Eight random inputs of one shape, handed out in turn so that no timed run is served from L2."""
+
+    def __init__(self, n: int, k: int):
+        g = torch.Generator(device="cuda").manual_seed(n * k)
+        self.ws = [torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) for _ in range(8)]
+        self.i = 0
+
+    def next(self) -> torch.Tensor:
+        self.i += 1
+        return self.ws[self.i % len(self.ws)]
+
+
+def _fmt(x: float | None, floor: float | None = None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x / floor:.1f}x" if floor else f"{x:.4f}"
+
+
+def bench_shape(n: int, k: int, bw: float, mo, ct, lib) -> dict:
+    import triton.testing as tt
+
+    rot = Rotating(n, k)
+    w0 = rot.ws[0]
+    floor_ms = (2 * n * k * 2 + n * k // 2 + n * k // 16) / bw * 1e3
+    row = {"shape": f"{n}x{k}", "floor_ms": floor_ms}
+    row["ours_ms"] = tt.do_bench(lambda: ours_gpu(rot.next()), warmup=50, rep=500, return_mode="median")
+    try:
+        row["ours_graph_ms"] = tt.do_bench_cudagraph(lambda: ours_gpu(w0), rep=500, return_mode="median")
+    except Exception as e:
+        row["ours_graph_ms"] = None
+        print("cudagraph:", e)
+    p, s = ours_gpu(w0)
+    amax = w0.abs().amax().float().cpu()
+    cp, cs = nvfp4_cpu.quantize(lib, w0.cpu(), reference.global_scale(amax))
+    row["ours_eq_cpu_kernel"] = same_bytes(p, cp) and same_bytes(s, cs)
+    for name, (fn, err) in (("modelopt", mo), ("ct", ct)):
+        if fn is None:
+            row[f"{name}_ms"] = None
+            row[f"{name}_note"] = err
+            continue
+        row[f"{name}_ms"] = tt.do_bench(lambda fn=fn: fn(rot.next()), warmup=20, rep=300, return_mode="median")
+        q, sc, _ = fn(w0)
+        row[f"{name}_same_bytes"] = same_bytes(q, p) and same_bytes(sc, s)
+    return row
+
+
+def gpu(shapes) -> list[dict]:
+
+    bw = copy_bandwidth()
+    print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)")
+    mo, ct = modelopt_fn(), ct_fn()
+    lib = nvfp4_cpu.load()
+    rows = [bench_shape(n, k, bw, mo, ct, lib) for n, k in shapes]
     print("\n| shape | floor ms | ours ms | ours / floor | ours (CUDA graph) ms | ModelOpt ms | ModelOpt / floor "
           "| compressed-tensors ms | c-t / floor | ours == C kernel | ModelOpt same bytes | c-t same bytes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        def f(x):
-            return "n/a" if x is None else f"{x:.4f}"
-
-        def ratio(x):
-            return "n/a" if x is None else f"{x / r['floor_ms']:.1f}x"
-        print(f"| {r['shape']} | {r['floor_ms']:.4f} | {r['ours_ms']:.4f} | {r['ours_ms'] / r['floor_ms']:.2f}x | "
-              f"{f(r['ours_graph_ms'])} | {f(r['modelopt_ms'])} | {ratio(r['modelopt_ms'])} | {f(r['ct_ms'])} | "
-              f"{ratio(r['ct_ms'])} | {r['ours_eq_cpu_kernel']} | {r.get('modelopt_same_bytes', 'n/a')} | "
-              f"{r.get('ct_same_bytes', 'n/a')} |")
+        fl = r["floor_ms"]
+        print(f"| {r['shape']} | {fl:.4f} | {r['ours_ms']:.4f} | {r['ours_ms'] / fl:.2f}x | "
+              f"{_fmt(r['ours_graph_ms'])} | {_fmt(r['modelopt_ms'])} | {_fmt(r['modelopt_ms'], fl)} | "
+              f"{_fmt(r['ct_ms'])} | {_fmt(r['ct_ms'], fl)} | {r['ours_eq_cpu_kernel']} | "
+              f"{r.get('modelopt_same_bytes', 'n/a')} | {r.get('ct_same_bytes', 'n/a')} |")
     return [{"copy_TBps": bw / 1e12}, *rows]
 
 
