@@ -18,6 +18,8 @@ import triton.language as tl
 BLOCK_AMAX = 8192
 BLOCK_M = 32
 BLOCK_K = 256
+#: bf16 kernel tile: rows, blocks of 16 values, warps (chosen by benchmarks/kernel_variants.py on the H200)
+BF16_TILE = (16, 16, 4)
 
 
 @triton.jit
@@ -47,6 +49,23 @@ def _e4m3_rne(sb):
 
 
 @triton.jit
+def _e2m1(xs):
+    """E2M1 code (sign in bit 3): nearest value, ties to even, saturating; NaN gives 7 as in the reference."""
+    a = tl.abs(xs)
+    mag = (
+        7
+        - (a <= 5.0).to(tl.int32)
+        - (a < 3.5).to(tl.int32)
+        - (a <= 2.5).to(tl.int32)
+        - (a < 1.75).to(tl.int32)
+        - (a <= 1.25).to(tl.int32)
+        - (a < 0.75).to(tl.int32)
+        - (a <= 0.25).to(tl.int32)
+    )
+    return mag | ((xs < 0).to(tl.int32) << 3)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -63,19 +82,7 @@ def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BL
     sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
     v, byte = _e4m3_rne(sb)
     denom = v * s2
-    xs = tl.math.div_rn(xb, denom[:, :, None])
-    a = tl.abs(xs)
-    mag = (
-        7
-        - (a <= 5.0).to(tl.int32)
-        - (a < 3.5).to(tl.int32)
-        - (a <= 2.5).to(tl.int32)
-        - (a < 1.75).to(tl.int32)
-        - (a <= 1.25).to(tl.int32)
-        - (a < 0.75).to(tl.int32)
-        - (a <= 0.25).to(tl.int32)
-    )
-    code = mag | ((xs < 0).to(tl.int32) << 3)
+    code = _e2m1(tl.math.div_rn(xb, denom[:, :, None]))
     lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
     pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -86,10 +93,62 @@ def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BL
              mask=(rows[:, None] < M) & (scols[None, :] < K // 16))
 
 
+@triton.jit
+def _amax_bf16_kernel(x_ptr, n_pairs, out_ptr, BLOCK: tl.constexpr):
+    """bf16 read as int32 pairs: |x| orders like its low 15 bits, so the amax is an integer max of
+    bits, accumulated into ``out`` (the fp32 bits of the amax, as int32); NaN/Inf give inf's bits."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(x_ptr + offs, mask=offs < n_pairs, other=0)
+    m = tl.max(tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF), axis=0)
+    m = tl.where(m >= 0x7F80, 0x7F80, m)
+    tl.atomic_max(out_ptr, m << 16)
+
+
+@triton.jit
+def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                       EXACT_DIV: tl.constexpr):
+    """bf16 weights read as int32 pairs [M, K/2] (element 2i in the low half): the even/odd codes of a
+    byte come from one load, with no shuffle. Tile: BLOCK_M rows x BLOCK_B blocks of 16 values."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    s2 = tl.math.div_rn(tl.load(amax_ptr), 2688.0)
+    s2 = tl.where(s2 > 0, s2, 1.0)
+    rows = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None, None]
+    blk = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B))[None, :, None]
+    pair = blk * 8 + tl.arange(0, 8)[None, None, :]
+    mask = (rows < M) & (blk < K // 16)
+    u = tl.load(x_ptr + rows * (K // 2) + pair, mask=mask, other=0)
+    lo = (u << 16).to(tl.float32, bitcast=True)
+    hi = (u & -65536).to(tl.float32, bitcast=True)
+    bamax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+    sb = tl.math.div_rn(bamax, 6.0 * s2)
+    sb = tl.where(sb == 0.0, 1.0, sb)
+    sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
+    v, byte = _e4m3_rne(sb)
+    denom = (v * s2)[:, :, None]
+    if EXACT_DIV:
+        xl = tl.math.div_rn(lo, denom)
+        xh = tl.math.div_rn(hi, denom)
+    else:  # timing experiments only: not the reference's rounding
+        xl = lo * (1.0 / denom)
+        xh = hi * (1.0 / denom)
+    packed = (_e2m1(xl) | (_e2m1(xh) << 4)).to(tl.uint8)
+    tl.store(q_ptr + rows * (K // 2) + pair, packed, mask=mask)
+    rows2 = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
+    blk2 = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B))[None, :]
+    tl.store(s_ptr + rows2 * (K // 16) + blk2, byte.to(tl.uint8), mask=(rows2 < M) & (blk2 < K // 16))
+
+
 def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
     """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf."""
     n = x.numel()
-    if n:
+    if not n:
+        return
+    if x.dtype == torch.bfloat16 and n % 2 == 0:
+        pairs = x.reshape(-1).view(torch.int32)
+        _amax_bf16_kernel[(triton.cdiv(n // 2, BLOCK_AMAX),)](pairs, n // 2, out.view(torch.int32), BLOCK=BLOCK_AMAX)
+    else:
         _amax_kernel[(triton.cdiv(n, BLOCK_AMAX),)](x.reshape(-1), n, out, BLOCK=BLOCK_AMAX)
 
 
@@ -114,7 +173,12 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
     if scales is None:
         scales = torch.empty((m, k // 16), dtype=torch.uint8, device=x.device)
     amax = amax.reshape(1).to(device=x.device, dtype=torch.float32)
-    if m:
+    if m and x2.dtype == torch.bfloat16:
+        bm, bb, warps = BF16_TILE
+        grid = (triton.cdiv(m, bm), triton.cdiv(k // 16, bb))
+        _quant_bf16_kernel[grid](x2.view(torch.int32), amax, packed, scales, m, k, BLOCK_M=bm, BLOCK_B=bb,
+                                 EXACT_DIV=True, num_warps=warps)
+    elif m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
         _quant_kernel[grid](x2, amax, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     lead = x.shape[:-1]
