@@ -50,19 +50,39 @@ def _e4m3_rne(sb):
 
 @triton.jit
 def _e2m1(xs):
-    """E2M1 code (sign in bit 3): nearest value, ties to even, saturating; NaN gives 7 as in the reference."""
+    """E2M1 code (sign in bit 3) of fp32 ``xs``: nearest value, ties to even, saturating at 6.
+
+    Rounds to the quantum of |x|'s range (0.5 below 2, 1 below 4, 2 above) by adding and removing
+    2^22, 2^23 or 2^24 (an fp32 add rounds to nearest even), then maps the rounded value to its code.
+    Exact for every fp32 input; NaN gives 7, as in the reference's comparison chain.
+    """
     a = tl.abs(xs)
-    mag = (
-        7
-        - (a <= 5.0).to(tl.int32)
-        - (a < 3.5).to(tl.int32)
-        - (a <= 2.5).to(tl.int32)
-        - (a < 1.75).to(tl.int32)
-        - (a <= 1.25).to(tl.int32)
-        - (a < 0.75).to(tl.int32)
-        - (a <= 0.25).to(tl.int32)
-    )
+    small = a < 2.0
+    mid = a < 4.0
+    c = tl.where(small, 4194304.0, tl.where(mid, 8388608.0, 16777216.0))
+    r = (a + c) - c
+    f = tl.where(small, r * 2.0, tl.where(mid, r + 2.0, r * 0.5 + 4.0))
+    mag = tl.where(f < 7.0, f, 7.0).to(tl.int32)
     return mag | ((xs < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _divide(x, d, s2):
+    """fp32 x / d, correctly rounded.
+
+    For s2 in [2^-80, 2^80] (every real checkpoint): one reciprocal per block, then Markstein's
+    correction (q0 = x * RN(1/d); q = q0 + (x - q0 d) RN(1/d), both with one rounding): correctly
+    rounded when 1/d is and the residual is exact, which this range guarantees near every E2M1
+    threshold (benchmarks/gpu_division_check.py compares it with div_rn on every bf16 value).
+    Outside it: the full IEEE division.
+    """
+    if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
+        r = tl.math.div_rn(1.0, d)
+        q0 = x * r
+        q = tl.fma(tl.fma(-q0, d, x), r, q0)
+    else:
+        q = tl.math.div_rn(x, d)
+    return q
 
 
 @triton.jit
@@ -128,8 +148,8 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     v, byte = _e4m3_rne(sb)
     denom = (v * s2)[:, :, None]
     if EXACT_DIV:
-        xl = tl.math.div_rn(lo, denom)
-        xh = tl.math.div_rn(hi, denom)
+        xl = _divide(lo, denom, s2)
+        xh = _divide(hi, denom, s2)
     else:  # timing experiments only: not the reference's rounding
         xl = lo * (1.0 / denom)
         xh = hi * (1.0 / denom)

@@ -1,0 +1,62 @@
+"""Check the Triton kernel's fast division against the full IEEE division on the GPU, exhaustively
+over x: every finite bf16 value, for ~1M divisors d = v * s2 (every e4m3 block scale v in
+[2^-9, 448] times random global scales s2 across [2^-80, 2^80], the range the fast path serves).
+
+    python benchmarks/gpu_division_check.py
+
+Prints how many quotients and how many E2M1 codes differ (both must be 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_convert.kernels.nvfp4_triton import _e2m1
+
+X_BLOCK = 4096
+
+
+@triton.jit
+def _check(d_ptr, bad_q_ptr, bad_code_ptr, XB: tl.constexpr):
+    d = tl.load(d_ptr + tl.program_id(0))
+    r = tl.math.div_rn(1.0, d)
+    bad_q = 0
+    bad_c = 0
+    for start in range(0, 65536, XB):
+        bits = start + tl.arange(0, XB)
+        x = (bits << 16).to(tl.float32, bitcast=True)
+        finite = (bits & 0x7F80) != 0x7F80
+        exact = tl.math.div_rn(x, d)
+        q0 = x * r
+        fast = tl.fma(tl.fma(-q0, d, x), r, q0)
+        same_q = exact.to(tl.int32, bitcast=True) == fast.to(tl.int32, bitcast=True)
+        bad_q += tl.sum((finite & ~same_q).to(tl.int32))
+        bad_c += tl.sum((finite & (_e2m1(exact) != _e2m1(fast))).to(tl.int32))
+    tl.store(bad_q_ptr + tl.program_id(0), bad_q)
+    tl.store(bad_code_ptr + tl.program_id(0), bad_c)
+
+
+def divisors(n_s2: int) -> torch.Tensor:
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[(e4m3 >= 2.0**-9) & (e4m3 <= 448)]
+    g = torch.Generator().manual_seed(0)
+    s2 = torch.ldexp(1 + torch.rand(n_s2, generator=g), torch.randint(-80, 80, (n_s2,), generator=g).float())
+    s2 = torch.cat([s2, torch.ldexp(torch.ones(161), torch.arange(-80, 81).float())])  # powers of two too
+    return (e4m3[:, None] * s2[None, :]).reshape(-1).float()
+
+
+def main() -> None:
+    d = divisors(8192).cuda()
+    bad_q = torch.zeros(d.numel(), dtype=torch.int32, device="cuda")
+    bad_c = torch.zeros_like(bad_q)
+    _check[(d.numel(),)](d, bad_q, bad_c, XB=X_BLOCK)
+    torch.cuda.synchronize()
+    n = d.numel() * 65536
+    print(f"{d.numel()} divisors x 65536 bf16 values = {n / 1e9:.1f}G quotients: "
+          f"{int(bad_q.sum())} differ from div_rn, {int(bad_c.sum())} E2M1 codes differ")
+
+
+if __name__ == "__main__":
+    main()
