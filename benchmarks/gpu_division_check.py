@@ -2,9 +2,12 @@
 over x: every finite bf16 value, for ~1M divisors d = v * s2 (every e4m3 block scale v in
 [2^-9, 448] times random global scales s2 across [2^-80, 2^80], the range the fast path serves).
 
+Counted where the kernel uses the fast path: quotients not flagged tiny, and at most 2^22 (a real
+quotient is at most amax / (2^-9 s2) = 2688 * 512 < 2^21).
+
     python benchmarks/gpu_division_check.py
 
-Prints how many quotients and how many E2M1 codes differ (both must be 0).
+Prints how many E2M1 codes differ (must be 0) and how many quotients differ in their last bit.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_convert.kernels.nvfp4_triton import _e2m1
+from kimi_convert.kernels.nvfp4_triton import _e2m1, _fast_div
 
 X_BLOCK = 4096
 
@@ -29,11 +32,11 @@ def _check(d_ptr, bad_q_ptr, bad_code_ptr, XB: tl.constexpr):
         x = (bits << 16).to(tl.float32, bitcast=True)
         finite = (bits & 0x7F80) != 0x7F80
         exact = tl.math.div_rn(x, d)
-        q0 = x * r
-        fast = tl.fma(tl.fma(-q0, d, x), r, q0)
+        fast, tiny = _fast_div(x, d, r)
+        used = finite & ~tiny & (tl.abs(exact) <= 4194304.0)
         same_q = exact.to(tl.int32, bitcast=True) == fast.to(tl.int32, bitcast=True)
-        bad_q += tl.sum((finite & ~same_q).to(tl.int32))
-        bad_c += tl.sum((finite & (_e2m1(exact) != _e2m1(fast))).to(tl.int32))
+        bad_q += tl.sum((used & ~same_q).to(tl.int32))
+        bad_c += tl.sum((used & (_e2m1(exact) != _e2m1(fast))).to(tl.int32))
     tl.store(bad_q_ptr + tl.program_id(0), bad_q)
     tl.store(bad_code_ptr + tl.program_id(0), bad_c)
 
@@ -55,7 +58,7 @@ def main() -> None:
     torch.cuda.synchronize()
     n = d.numel() * 65536
     print(f"{d.numel()} divisors x 65536 bf16 values = {n / 1e9:.1f}G quotients: "
-          f"{int(bad_q.sum())} differ from div_rn, {int(bad_c.sum())} E2M1 codes differ")
+          f"{int(bad_c.sum())} E2M1 codes differ from div_rn's, {int(bad_q.sum())} quotients differ")
 
 
 if __name__ == "__main__":

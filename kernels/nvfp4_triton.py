@@ -67,22 +67,16 @@ def _e2m1(xs):
 
 
 @triton.jit
-def _divide(x, d, s2):
-    """fp32 x / d, correctly rounded.
-
-    For s2 in [2^-80, 2^80] (every real checkpoint): one reciprocal per block, then Markstein's
-    correction (q0 = x * RN(1/d); q = q0 + (x - q0 d) RN(1/d), both with one rounding): correctly
-    rounded when 1/d is and the residual is exact, which this range guarantees near every E2M1
-    threshold (benchmarks/gpu_division_check.py compares it with div_rn on every bf16 value).
-    Outside it: the full IEEE division.
-    """
-    if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
-        r = tl.math.div_rn(1.0, d)
-        q0 = x * r
-        q = tl.fma(tl.fma(-q0, d, x), r, q0)
-    else:
-        q = tl.math.div_rn(x, d)
-    return q
+def _fast_div(x, d, r):
+    """x / d from r = RN(1/d) and Markstein's correction: q0 = RN(x r); q = RN(q0 + RN(x - q0 d) r),
+    the inner residual exact (one fma). Correctly rounded wherever the residual is exact, i.e. unless
+    the quotient is tiny: ``tiny`` flags nonzero x whose quotient is below 2^-100, where the caller
+    falls back to the full division (only its sign could differ, but the sign is part of the code).
+    benchmarks/gpu_division_check.py compares the codes with div_rn's on every bf16 value."""
+    q0 = x * r
+    q = tl.fma(tl.fma(-q0, d, x), r, q0)
+    tiny = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x0D800000) & (x != 0.0)
+    return q, tiny
 
 
 @triton.jit
@@ -148,8 +142,18 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     v, byte = _e4m3_rne(sb)
     denom = (v * s2)[:, :, None]
     if EXACT_DIV:
-        xl = _divide(lo, denom, s2)
-        xh = _divide(hi, denom, s2)
+        # One reciprocal a block when 1/d and the residuals stay normal (s2 in [2^-80, 2^80]: every
+        # real checkpoint), else, or when a tile holds a tiny quotient, the full IEEE division.
+        if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
+            r = tl.math.div_rn(1.0, denom)
+            xl, tiny_l = _fast_div(lo, denom, r)
+            xh, tiny_h = _fast_div(hi, denom, r)
+            if tl.max((tiny_l | tiny_h).to(tl.int32)) > 0:
+                xl = tl.math.div_rn(lo, denom)
+                xh = tl.math.div_rn(hi, denom)
+        else:
+            xl = tl.math.div_rn(lo, denom)
+            xh = tl.math.div_rn(hi, denom)
     else:  # timing experiments only: not the reference's rounding
         xl = lo * (1.0 / denom)
         xh = hi * (1.0 / denom)

@@ -52,6 +52,7 @@ def edge_tensors():
     underflow = torch.randn(2, 32, generator=g)
     underflow[0, :16] *= 1e-7  # block scale below 2^-9: clamped
     neg_zero = torch.tensor([[-1e-8, -0.0, 0.0, 1.0] * 4])
+    tiny_quotients = torch.tensor([[1.0, -1e-37, -1e-39, 3e-39] * 4, [0.5, -2e-36, 1e-30, -1.0] * 4])
     return {
         "K=16,N=1": torch.randn(1, 16, generator=g),
         "odd N": torch.randn(7, 32, generator=g),
@@ -63,6 +64,7 @@ def edge_tensors():
         "all zero": torch.zeros(4, 32),
         "underflow": underflow,
         "negatives to zero": neg_zero,
+        "tiny quotients (full-division fallback)": tiny_quotients,
         "wide rows": torch.randn(3, 1024, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]]),
     }
 
