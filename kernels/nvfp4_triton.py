@@ -49,34 +49,42 @@ def _e4m3_rne(sb):
 
 
 @triton.jit
-def _e2m1(xs):
-    """E2M1 code (sign in bit 3) of fp32 ``xs``: nearest value, ties to even, saturating at 6.
+def _e2m1_mag(a):
+    """E2M1 magnitude code (0..7) of fp32 a = |x|: nearest value, ties to even, saturating at 6.
 
-    Rounds to the quantum of |x|'s range (0.5 below 2, 1 below 4, 2 above) by adding and removing
+    Rounds to the quantum of a's range (0.5 below 2, 1 below 4, 2 above) by adding and removing
     2^22, 2^23 or 2^24 (an fp32 add rounds to nearest even), then maps the rounded value to its code.
     Exact for every fp32 input; NaN gives 7, as in the reference's comparison chain.
     """
-    a = tl.abs(xs)
     small = a < 2.0
     mid = a < 4.0
     c = tl.where(small, 4194304.0, tl.where(mid, 8388608.0, 16777216.0))
     r = (a + c) - c
     f = tl.where(small, r * 2.0, tl.where(mid, r + 2.0, r * 0.5 + 4.0))
-    mag = tl.where(f < 7.0, f, 7.0).to(tl.int32)
-    return mag | ((xs < 0).to(tl.int32) << 3)
+    return tl.where(f < 7.0, f, 7.0).to(tl.int32)
 
 
 @triton.jit
-def _fast_div(x, d, r):
-    """x / d from r = RN(1/d) and Markstein's correction: q0 = RN(x r); q = RN(q0 + RN(x - q0 d) r),
-    the inner residual exact (one fma). Correctly rounded wherever the residual is exact, i.e. unless
-    the quotient is tiny: ``tiny`` flags nonzero x whose quotient is below 2^-100, where the caller
-    falls back to the full division (only its sign could differ, but the sign is part of the code).
-    benchmarks/gpu_division_check.py compares the codes with div_rn's on every bf16 value."""
+def _e2m1(xs):
+    """E2M1 code, sign in bit 3 (set when xs < 0, as in the reference)."""
+    return _e2m1_mag(tl.abs(xs)) | ((xs < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _fast_code(x, d, r, d_low):
+    """E2M1 code of RN(x / d) without a division per element, for d in [2^-89, 2^89].
+
+    r = RN(1/d) once per block; q0 = RN(x r) and Markstein's correction q = RN(q0 + RN(x - q0 d) r)
+    (one fma each, the residual exact): the same code as the correctly rounded quotient wherever a
+    code boundary is near. Where the quotient is tiny its magnitude code is 0 either way and only its
+    sign matters: RN(x/d) is negative iff x < 0 and |x| > 2^-150 d, tested exactly as
+    |x| 2^120 > d 2^-30 (``d_low``), both sides scaled into the normal range.
+    benchmarks/gpu_division_check.py compares these codes with div_rn's on every bf16 value.
+    """
     q0 = x * r
     q = tl.fma(tl.fma(-q0, d, x), r, q0)
-    tiny = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x0D800000) & (x != 0.0)
-    return q, tiny
+    neg = (x < 0) & (tl.abs(x) * 1.329227995784916e36 > d_low)
+    return _e2m1_mag(tl.abs(q)) | (neg.to(tl.int32) << 3)
 
 
 @triton.jit
@@ -142,22 +150,20 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     v, byte = _e4m3_rne(sb)
     denom = (v * s2)[:, :, None]
     if EXACT_DIV:
-        # One reciprocal a block when 1/d and the residuals stay normal (s2 in [2^-80, 2^80]: every
-        # real checkpoint), else, or when a tile holds a tiny quotient, the full IEEE division.
+        # One reciprocal a block when 1/d stays normal (s2 in [2^-80, 2^80]: every real checkpoint),
+        # else the full IEEE division per element.
         if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
             r = tl.math.div_rn(1.0, denom)
-            xl, tiny_l = _fast_div(lo, denom, r)
-            xh, tiny_h = _fast_div(hi, denom, r)
-            if tl.max((tiny_l | tiny_h).to(tl.int32)) > 0:
-                xl = tl.math.div_rn(lo, denom)
-                xh = tl.math.div_rn(hi, denom)
+            d_low = denom * 9.313225746154785e-10
+            cl = _fast_code(lo, denom, r, d_low)
+            ch = _fast_code(hi, denom, r, d_low)
         else:
-            xl = tl.math.div_rn(lo, denom)
-            xh = tl.math.div_rn(hi, denom)
+            cl = _e2m1(tl.math.div_rn(lo, denom))
+            ch = _e2m1(tl.math.div_rn(hi, denom))
     else:  # timing experiments only: not the reference's rounding
-        xl = lo * (1.0 / denom)
-        xh = hi * (1.0 / denom)
-    packed = (_e2m1(xl) | (_e2m1(xh) << 4)).to(tl.uint8)
+        cl = _e2m1(lo * (1.0 / denom))
+        ch = _e2m1(hi * (1.0 / denom))
+    packed = (cl | (ch << 4)).to(tl.uint8)
     tl.store(q_ptr + rows * (K // 2) + pair, packed, mask=mask)
     rows2 = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
     blk2 = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B))[None, :]
