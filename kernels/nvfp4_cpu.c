@@ -3,8 +3,9 @@
  * Hand-written because no library quantizes NVFP4 bit-exactly on the CPU at speed: ModelOpt's own
  * torch path moves 0.055 GB/s on 2 cores. Built at first use with the system C compiler
  * (kernels/nvfp4_cpu.py), with -ffp-contract=off so no multiply-add is fused: every operation is
- * one IEEE fp32 operation, as in the reference. Rows are independent, so the OpenMP split cannot
- * change a byte.
+ * one IEEE fp32 operation, as in the reference. Single-threaded on purpose: the caller splits rows
+ * across Python threads (ctypes releases the GIL), because an OpenMP runtime of our own could spin
+ * against torch's. Rows are independent, so no split can change a byte.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,7 +20,6 @@ static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); ret
  * is NaN or Inf. For finite values |x| orders like its bits, so this is an integer max. */
 CLONES_AMAX uint32_t kc_amax_bf16(const uint16_t *x, int64_t n) {
     uint16_t m = 0;
-#pragma omp parallel for reduction(max : m) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         uint16_t a = x[i] & 0x7FFF;
         m = a > m ? a : m;
@@ -29,7 +29,6 @@ CLONES_AMAX uint32_t kc_amax_bf16(const uint16_t *x, int64_t n) {
 
 CLONES_AMAX uint32_t kc_amax_f32(const uint32_t *x, int64_t n) {
     uint32_t m = 0;
-#pragma omp parallel for reduction(max : m) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         uint32_t a = x[i] & 0x7FFFFFFFu;
         m = a > m ? a : m;
@@ -87,26 +86,18 @@ static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packe
 /* x: rows x k bf16 (as uint16); packed: rows x k/2; scales: rows x k/16 e4m3 bytes. */
 CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
     if (!(s2 > 0.0f)) s2 = 1.0f;
-#pragma omp parallel
-    {
-        float *v = malloc(sizeof(float) * (size_t)(k + k / 16) + (size_t)k);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t j = 0; j < k; j++) v[j] = f32_of_bits((uint32_t)x[r * k + j] << 16);
-            quant_row(v, k, s2, packed + r * (k / 2), scales + r * (k / 16), v + k, (uint8_t *)(v + k + k / 16));
-        }
-        free(v);
+    float *v = malloc(sizeof(float) * (size_t)(k + k / 16) + (size_t)k);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = 0; j < k; j++) v[j] = f32_of_bits((uint32_t)x[r * k + j] << 16);
+        quant_row(v, k, s2, packed + r * (k / 2), scales + r * (k / 16), v + k, (uint8_t *)(v + k + k / 16));
     }
+    free(v);
 }
 
 CLONES void kc_quant_f32(const float *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
     if (!(s2 > 0.0f)) s2 = 1.0f;
-#pragma omp parallel
-    {
-        float *d = malloc(sizeof(float) * (size_t)(k / 16 + 1) + (size_t)k);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d, (uint8_t *)(d + k / 16 + 1));
-        free(d);
-    }
+    float *d = malloc(sizeof(float) * (size_t)(k / 16 + 1) + (size_t)k);
+    for (int64_t r = 0; r < rows; r++)
+        quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d, (uint8_t *)(d + k / 16 + 1));
+    free(d);
 }

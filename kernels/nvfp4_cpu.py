@@ -15,13 +15,16 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+#: Elements below which one thread does the whole tensor.
+MIN_SPLIT = 1 << 16
 
 
 def _cache_dir() -> Path:
@@ -71,6 +74,24 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def threads() -> int:
+    """Worker threads: $KIMI_CONVERT_THREADS, else the CPUs this process may run on."""
+    env = os.environ.get("KIMI_CONVERT_THREADS")
+    return max(1, int(env)) if env else len(os.sched_getaffinity(0))
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="kimi-convert-cpu")
+
+
+def _split(rows: int, k: int) -> list[tuple[int, int]]:
+    """Row ranges, one a thread (ctypes releases the GIL while the C code runs)."""
+    n = 1 if rows * k < MIN_SPLIT else min(threads(), rows)
+    step = -(-rows // n)
+    return [(i, min(rows, i + step)) for i in range(0, rows, step)]
+
+
 def _prepare(x: torch.Tensor) -> torch.Tensor:
     """bf16 and fp32 go in as they are; fp16 (rare) is widened to fp32, which is exact."""
     x = x.contiguous()
@@ -78,9 +99,11 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
 
 
 def amax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
-    x = _prepare(x)
+    x = _prepare(x).reshape(-1)
     fn = lib.kc_amax_bf16 if x.dtype == torch.bfloat16 else lib.kc_amax_f32
-    bits = fn(x.data_ptr(), x.numel()) if x.numel() else 0
+    size = x.element_size()
+    parts = _split(x.numel(), 1) if x.numel() else []
+    bits = max(_pool().map(lambda r: fn(x.data_ptr() + r[0] * size, r[1] - r[0]), parts), default=0)
     return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(())
 
 
@@ -91,7 +114,13 @@ def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor) -> tuple[torch
     packed = torch.empty((m, k // 2), dtype=torch.uint8)
     scales = torch.empty((m, k // 16), dtype=torch.uint8)
     fn = lib.kc_quant_bf16 if x2.dtype == torch.bfloat16 else lib.kc_quant_f32
+    size, s2f = x2.element_size(), float(s2)
+
+    def run(r: tuple[int, int]) -> None:
+        a, b = r
+        fn(x2.data_ptr() + a * k * size, b - a, k, s2f, packed.data_ptr() + a * (k // 2),
+           scales.data_ptr() + a * (k // 16))
     if m:
-        fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr())
+        list(_pool().map(run, _split(m, k)))
     lead = x.shape[:-1]
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)

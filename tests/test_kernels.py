@@ -116,7 +116,7 @@ def test_cpu_kernel_is_threads_independent(tmp_path):
             "p,s=nvfp4_cpu.quantize(nvfp4_cpu.load(),w,s2); sys.stdout.buffer.write(p.numpy().tobytes()+"
             "s.view(torch.uint8).numpy().tobytes())")
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
-                           env={**os.environ, "OMP_NUM_THREADS": n}).stdout for n in ("1", "2", "7")]
+                           env={**os.environ, "KIMI_CONVERT_THREADS": n}).stdout for n in ("1", "2", "7")]
     assert len(outs[0]) == 257 * (256 + 32) and outs[0] == outs[1] == outs[2]
 
 
