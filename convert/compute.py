@@ -80,9 +80,12 @@ def compute_unit(unit: Unit, reader: TensorReader, backend: Backend, block: tupl
         if not dense:
             res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
-        if all(s.encoding == "mxfp4" for it in quant for s in it.sources) and _transcode(quant, reader, res):
-            return res
-        _quantize(quant, reader, backend, block, res)
+        why = None
+        if all(s.encoding == "mxfp4" for it in quant for s in it.sources):
+            why = _transcode(quant, reader, res)
+            if why is None:
+                return res
+        _quantize(quant, reader, backend, block, res, why)
     return res
 
 
@@ -95,22 +98,23 @@ def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: 
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
 
 
-def _transcode(items: list[Item], reader: TensorReader, res: UnitResult) -> bool:
-    """MXFP4 sources whose exponents fit: keep every code, re-express the scales (exact)."""
+def _transcode(items: list[Item], reader: TensorReader, res: UnitResult) -> str | None:
+    """MXFP4 sources whose exponents fit: keep every code, re-express the scales (exact).
+    Returns None when done, else why they must be re-quantized."""
     members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
     fit = transcode.fit(list(members.values()))
     if not fit.exact:
-        res.notes["_requantized_because"] = {"reason": fit.reason}
-        return False
+        return fit.reason
     s2 = transcode.global_scale(fit.m)
     for it in items:
         outs = [transcode.transcode(*members[s.name], fit.m) for s in it.sources]
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res,
               {"method": "transcoded-exact", "detail": f"{fit.reason}; global scale 2^{fit.m}"})
-    return True
+    return None
 
 
-def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, res: UnitResult) -> None:
+def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, res: UnitResult,
+              why: str | None = None) -> None:
     values = {s.name: decode(s, reader, block, backend) for it in items for s in it.sources}
     amax = None
     for name, v in values.items():
@@ -120,11 +124,10 @@ def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, 
             raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
         amax = a if amax is None else torch.maximum(amax, a)
     s2 = reference.global_scale(amax)
-    why = res.notes.pop("_requantized_because", None)
     for it in items:
         outs = [backend.quantize(values[s.name], amax) for s in it.sources]
         note = {"method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
                 "amax": float(amax)}
         if why:
-            note["detail"] = why["reason"]
+            note["detail"] = why
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res, note)

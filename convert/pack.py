@@ -22,7 +22,7 @@ from . import write
 from .compute import compute_unit
 from .errors import ConvertError
 from .mapping import find_mapping
-from .plan import Options, Plan, _fp8_block, make_plan
+from .plan import Options, Plan, fp8_block_size, make_plan
 from .source import Checkpoint, TensorReader, open_checkpoint
 
 
@@ -59,7 +59,7 @@ def pack(
         backend = get_backend(device)
     except ValueError as e:
         raise ConvertError(str(e)) from None
-    block = _fp8_block(ckpt.config)
+    block = fp8_block_size(ckpt.config)
     reader = TensorReader(input_dir)
     tensor_hashes: dict[str, str] = {}
     source_hashes: dict[str, str] = {}

@@ -178,7 +178,7 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
     t = ckpt.tensors
     consumed: set[str] = set()
     out: dict[str, dict[str, Source]] = defaultdict(dict)
-    block = _fp8_block(ckpt.config)
+    block = fp8_block_size(ckpt.config)
     for name in t:
         mod, suffix = _module_of(name)
         if suffix == "weight_global_scale" or (suffix == "weight_packed" and f"{mod}.weight_global_scale" in t):
@@ -217,7 +217,7 @@ def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> Source:
     return Source(mod, f"{mod}.weight", "mxfp4", "MXFP4", (n, k), (packed, scale))
 
 
-def _fp8_block(config: dict) -> tuple[int, int]:
+def fp8_block_size(config: dict) -> tuple[int, int]:
     q = config.get("quantization_config") or {}
     b = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else [128, 128]
     if not (isinstance(b, list) and len(b) == 2 and all(type(v) is int and v > 0 for v in b)):
@@ -441,15 +441,20 @@ def build_items(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rule
     return items
 
 
-def _check_expert_sets(items: list[Item], m: Mapping, opts: Options) -> list[Item]:
-    """Engines quantize one MoE layer's experts all-or-nothing: a mix fails (or, with --keep-partial, keeps all)."""
+def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
+    """Indices of the linear items under each MoE ``experts`` module (``...experts.{e}.{w}``)."""
     rxs = [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
     sets: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
         if it.kind in ("nvfp4", "keep") and any(rx.fullmatch(m.strip(it.name)) for rx in rxs):
             sets[it.name.rsplit(".", 2)[0]].append(i)
+    return sets
+
+
+def _check_expert_sets(items: list[Item], m: Mapping, opts: Options) -> list[Item]:
+    """Engines quantize one MoE layer's experts all-or-nothing: a mix fails (or, with --keep-partial, keeps all)."""
     out = list(items)
-    for parent, idx in sets.items():
+    for parent, idx in _expert_sets(items, m).items():
         kinds = {items[i].kind for i in idx}
         if len(kinds) == 1:
             continue
@@ -534,13 +539,7 @@ def exclude_list(items: list[Item], m: Mapping) -> list[str]:
         names.add(it.name)
         if it.group is not None:
             names.update(s.module for s in it.sources)
-    rxs = [template_regex(t) for t in m.expert_sets]
-    sets: dict[str, list[bool]] = defaultdict(list)
-    for it in items:
-        parent = it.name.rsplit(".", 2)[0] if it.name.count(".") >= 2 else ""
-        if it.kind in ("nvfp4", "keep") and any(rx.fullmatch(m.strip(parent)) for rx in rxs):
-            sets[parent].append(it.kind == "keep")
-    names.update(p for p, kept in sets.items() if all(kept))
+    names.update(p for p, idx in _expert_sets(items, m).items() if all(items[i].kind == "keep" for i in idx))
     return sorted(names)
 
 

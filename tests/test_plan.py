@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import copy_ckpt, edit_config, rewrite_tensors, run
+from helpers import copy_ckpt, edit_config, replace_tensor, rewrite_tensors, run
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import builtin_by_name
 from kimi_convert.pack import load_plan
@@ -147,11 +147,7 @@ def test_missing_member_fails(tiny_k3, tmp_path):
 def test_unfusable_shapes_fail(tiny_k3, tmp_path):
     ck = copy_ckpt(tiny_k3, tmp_path / "c")
     name = "language_model.model.layers.0.self_attn.k_proj.weight"
-
-    def fn(t):
-        if name in t:
-            t[name] = torch.zeros(128, 96, dtype=torch.bfloat16)
-    rewrite_tensors(ck, fn)
+    replace_tensor(ck, name, torch.zeros(128, 96, dtype=torch.bfloat16))
     with pytest.raises(ConvertError, match="cannot concatenate .*k_proj.weight \\[128, 96\\]"):
         plan_of(ck)
 
@@ -159,11 +155,7 @@ def test_unfusable_shapes_fail(tiny_k3, tmp_path):
 def test_k_not_multiple_of_16_fails(tiny_k3, tmp_path):
     ck = copy_ckpt(tiny_k3, tmp_path / "c")
     name = "language_model.model.layers.1.self_attn.o_proj.weight"
-
-    def fn(t):
-        if name in t:
-            t[name] = torch.zeros(128, 120, dtype=torch.bfloat16)
-    rewrite_tensors(ck, fn)
+    replace_tensor(ck, name, torch.zeros(128, 120, dtype=torch.bfloat16))
     with pytest.raises(ConvertError, match=r"o_proj: weight \[128, 120\] selected for NVFP4 but K=120"):
         plan_of(ck)
     # excluding it resolves the error
