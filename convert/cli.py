@@ -9,7 +9,11 @@ from __future__ import annotations
 import errno
 import json
 import re
+import shlex
+import signal
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -33,19 +37,36 @@ def parse_size(text: str) -> int:
     return size
 
 
+#: OS errors that are the user's environment, not a bug: one line, exit 2.
+USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
+               errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
+
+
+#: Set by a command whose interruption leaves something to resume: says what and how.
+_interrupt_hint: Callable[[], str] = lambda: ""  # noqa: E731
+
+
 class Cli(click.Group):
     def invoke(self, ctx: click.Context):
+        previous = signal.signal(signal.SIGTERM, _terminate)
         try:
             return super().invoke(ctx)
         except ConvertError as e:
             _fail(str(e))
         except KeyboardInterrupt:
-            click.echo("kimi-convert: interrupted", err=True)
+            click.echo(f"kimi-convert: interrupted{_interrupt_hint()}", err=True)
             sys.exit(130)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT):
+            if e.errno in USER_ERRNOS:
                 _fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
             raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame) -> None:
+    """SIGTERM stops like Ctrl-C: cleanly, with a resumable state."""
+    raise KeyboardInterrupt
 
 
 def _fail(msg: str) -> None:
@@ -147,20 +168,37 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @click.option("--device", default="auto", show_default=True,
               help="auto (the GPU when torch sees one), cpu (the C kernel), or cuda[:N] (the Triton kernel).")
 @click.option("--overwrite", is_flag=True, help="Replace a previous output in OUTPUT.")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted pack in OUTPUT: finished shards are verified and kept.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, quiet: bool, **kw) -> None:
+def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, resume: bool, quiet: bool, **kw) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
+    from .journal import Journal
     from .pack import pack as run
 
+    if overwrite and resume:
+        raise click.UsageError("--overwrite and --resume exclude each other")
+    args = [a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")]
+    command = shlex.join(["kimi-convert", *args, "--resume"]) if args[:1] == ["pack"] else None
+
+    def interrupted() -> str:
+        j = Journal.load(Path(output_dir)) if Path(output_dir).is_dir() else None
+        return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
+    global _interrupt_hint
+    _interrupt_hint = interrupted
     res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device,
-              overwrite=overwrite, progress=not quiet)
+              overwrite=overwrite, resume=resume, progress=not quiet, command=command)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
+    if res.already_complete:
+        click.echo(f"{output_dir}/ is already complete and matches its manifest; nothing to do")
+        return
     items = res.plan.items
     click.echo(
         f"wrote {output_dir}/: {len(res.plan.shards)} shards, {_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "
         f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'keep' for i in items)} kept, "
         f"{sum(i.kind == 'copy' for i in items)} tensors copied; manifest.json"
+        + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
 
 

@@ -71,7 +71,7 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
                 p["sha256"] = source_hashes[p["name"]]
         for t in mod["tensors"]:
             t["sha256"] = tensor_hashes[t["name"]]
-        note = notes.get(mod["name"])
+        note = dict(sorted(notes.get(mod["name"], {}).items()))  # key order must not depend on a resume
         if note and mod["kind"] == "nvfp4":
             mod["quantization"].update(note)
         elif note:

@@ -116,12 +116,14 @@ class Mapping:
     def layer_kinds(self, config: dict) -> dict[int, str]:
         """0-based layer number -> layer type name, from the config's layer lists."""
         kinds: dict[int, str] = {}
+        where = f"{self.text_config}." if self.text_config else ""
         for lt in self.layer_types:
             layers = self.config_value(config, lt.config)
             if layers is None:
-                continue
+                raise ConvertError(f"config.json: {where}{lt.config} is missing (mapping {self.name} needs it "
+                                   f"to tell {lt.name} layers)")
             if not isinstance(layers, list) or not all(type(i) is int for i in layers):
-                raise ConvertError(f"config.json: {lt.config} must be a list of layer numbers")
+                raise ConvertError(f"config.json: {where}{lt.config} must be a list of layer numbers")
             for i in layers:
                 if kinds.get(i - lt.base, lt.name) != lt.name:
                     raise ConvertError(f"config.json: layer {i} is listed as both {kinds[i - lt.base]} and {lt.name}")

@@ -186,7 +186,9 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
         if suffix == "weight_packed":
             out[mod]["weight"] = _mxfp4_source(mod, t)
             consumed.update(p.name for p in out[mod]["weight"].parts)
-        elif suffix == "weight" and t[name].dtype == "F8_E4M3" and f"{mod}.weight_scale_inv" in t:
+        elif suffix == "weight" and t[name].dtype == "F8_E4M3":
+            if f"{mod}.weight_scale_inv" not in t:
+                raise ConvertError(f"{t[name].file}: tensor {name}: FP8 weight without its {mod}.weight_scale_inv")
             out[mod]["weight"] = _fp8_source(mod, t, block)
             consumed.update(p.name for p in out[mod]["weight"].parts)
     for name, info in t.items():

@@ -212,9 +212,11 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
         files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files and need_weights:
             raise ConvertError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
+    # Every named file must exist inside the folder before any header is read: a missing or
+    # escaping file is the more useful error than the tensors it leaves unaccounted for.
+    paths = {rel: _inside(folder, rel, INDEX_NAME if weight_map is not None else str(folder)) for rel in files}
     sizes: dict[str, int] = {}
-    for rel in files:
-        path = _inside(folder, rel, INDEX_NAME if weight_map is not None else str(folder))
+    for rel, path in paths.items():
         sizes[rel] = path.stat().st_size
         found, _meta = parse_header(path, rel)
         for name, info in found.items():

@@ -14,9 +14,10 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
-from . import __version__
+from . import __version__, faults, journal
 from .compute import Chunk
 from .errors import ConvertError
 from .plan import GROUP_SIZE, Placed, Plan, Shard
@@ -26,10 +27,11 @@ PARTIAL = ".partial"
 QUANT_ALGO = "W4A16_NVFP4"  # weight-only: no calibrated activation scales are written
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
-OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json")
+OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json", journal.NAME)
 
 
-def check_output_dir(input_dir: Path, output_dir: Path, overwrite: bool) -> None:
+def check_output_dir(input_dir: Path, output_dir: Path) -> None:
+    """Where the output may go (whether it may be non-empty is the journal's business)."""
     src, dst = input_dir.resolve(), output_dir.resolve()
     if dst == src or dst.is_relative_to(src):
         raise ConvertError(f"{output_dir}: the output folder must not be the input folder or inside it")
@@ -37,8 +39,16 @@ def check_output_dir(input_dir: Path, output_dir: Path, overwrite: bool) -> None
         raise ConvertError(f"{output_dir}: the output folder must not contain the input folder")
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"{output_dir}: exists and is not a folder")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise ConvertError(f"{output_dir}: not empty; pass --overwrite to replace a previous output")
+
+
+def own_files_only(output_dir: Path, side_files: tuple[str, ...]) -> bool:
+    """Whether every file in the folder is one pack writes (so starting afresh loses nothing)."""
+    side = set(side_files)
+    return all(
+        p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES
+        for p in output_dir.iterdir() if p.is_file()
+    ) and all(str(p.relative_to(output_dir)) in side for p in output_dir.rglob("*") if p.is_file()
+              and p.parent != output_dir)
 
 
 def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
@@ -53,22 +63,44 @@ def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
 
 
 class ShardWriter:
-    """Writes one shard: header first, then each tensor's chunks at its planned offset."""
+    """Writes one shard: header first, then each tensor's chunks at its planned offset.
+
+    The file's space is reserved up front (posix_fallocate), so a full disk fails at the start of a
+    shard rather than in the middle of one; every OS error names the file.
+    """
 
     def __init__(self, output_dir: Path, shard: Shard):
         self.shard = shard
         self.final = output_dir / shard.file
         self.tmp = output_dir / (shard.file + PARTIAL)
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, shard.size)
-        self._pwrite(shard.header, 0)
+        self.fd = -1
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if hasattr(os, "posix_fallocate") and shard.size:
+                os.posix_fallocate(self.fd, 0, shard.size)
+            else:
+                os.ftruncate(self.fd, shard.size)
+        except OSError as e:
+            self.abort()
+            raise self._error(e) from None
+        half = len(shard.header) // 2
+        self._pwrite(shard.header[:half], 0)
+        faults.point("header")
+        self._pwrite(shard.header[half:], half)
         self.placed = {p.tensor.name: p for p in shard.placed}
+
+    def _error(self, e: OSError) -> ConvertError:
+        return ConvertError(f"{self.tmp}: cannot write: {e.strerror or e}; the finished shards are kept, "
+                            "rerun with --resume once it is fixed")
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(self.fd, view, offset)
-            view, offset = view[n:], offset + n
+        try:
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            raise self._error(e) from None
 
     def write(self, name: str, chunks: list[Chunk]) -> str:
         """Write tensor ``name``; return the sha256 of its bytes."""
@@ -77,8 +109,11 @@ class ShardWriter:
         pos = p.start
         for c in chunks:
             h.update(c)
-            self._pwrite(c, pos)
-            pos += memoryview(c).nbytes
+            n = memoryview(c).nbytes
+            self._pwrite(memoryview(c).cast("B")[: n // 2], pos)
+            faults.point("tensor")
+            self._pwrite(memoryview(c).cast("B")[n // 2 :], pos + n // 2)
+            pos += n
         if pos != p.end:
             raise ConvertError(
                 f"{self.shard.file}: tensor {name}: wrote {pos - p.start} bytes, planned {p.end - p.start}"
@@ -86,13 +121,19 @@ class ShardWriter:
         return h.hexdigest()
 
     def finish(self) -> None:
-        os.fsync(self.fd)
-        os.close(self.fd)
-        os.replace(self.tmp, self.final)
+        try:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.final)
+        except OSError as e:
+            raise self._error(e) from None
 
     def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 def dumps(obj: dict, compact_lists: tuple[str, ...] = ()) -> str:
@@ -112,11 +153,17 @@ def dumps(obj: dict, compact_lists: tuple[str, ...] = ()) -> str:
 
 def write_json_atomic(path: Path, obj: dict, compact_lists: tuple[str, ...] = ()) -> None:
     tmp = path.with_name(path.name + PARTIAL)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(dumps(obj, compact_lists))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = dumps(obj, compact_lists)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text[: len(text) // 2])
+            faults.point("json")
+            f.write(text[len(text) // 2 :])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConvertError(f"{tmp}: cannot write: {e.strerror or e}") from None
 
 
 def index_json(plan: Plan) -> dict:
@@ -160,12 +207,36 @@ def output_config(config: dict, plan: Plan) -> dict:
 def copy_side_files(input_dir: Path, output_dir: Path, side_files: tuple[str, ...]) -> None:
     for rel in side_files:
         dst = output_dir / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + PARTIAL)
-        shutil.copyfile(input_dir / rel, tmp)
-        os.replace(tmp, dst)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(input_dir / rel, tmp)
+            os.replace(tmp, dst)
+        except OSError as e:
+            raise ConvertError(f"{dst}: cannot write: {e.strerror or e}") from None
 
 
-def sha256_file(path: Path) -> str:
+class Stopped(Exception):
+    """A background hash was asked to stop (the pack is failing or interrupted)."""
+
+
+def load_manifest(output_dir: Path) -> dict:
+    path = output_dir / "manifest.json"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable ({e})") from None
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{path}: not a JSON object")
+    return obj
+
+
+def sha256_file(path: Path, stop: threading.Event | None = None, chunk: int = 16 << 20) -> str:
+    """sha256 of a file, in chunks, so that a stop request ends it within one chunk."""
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while block := f.read(chunk):
+            if stop is not None and stop.is_set():
+                raise Stopped(str(path))
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,29 @@
+"""Named fault points for the kill-and-resume tests (tests/test_resume.py, scripts/fault_inject.py).
+
+``KIMI_CONVERT_FAULT=NAME:N`` makes the process SIGKILL itself the N-th time it reaches point NAME
+(``header``: mid-header; ``tensor``: mid-tensor; ``shard``: a shard renamed, not yet journaled;
+``journal``: mid-journal write; ``json``: mid-write of config, index or manifest);
+``NAME:N:pause`` makes it sleep there instead, for a test to deliver Ctrl-C at that exact point.
+Unset, a point costs one string comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+_NAME, _AT, _MODE = ([*os.environ.get("KIMI_CONVERT_FAULT", "").split(":"), "", ""])[:3]
+_hits: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    if name != _NAME:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] != int(_AT or 1):
+        return
+    if _MODE == "pause":
+        time.sleep(3600)
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
