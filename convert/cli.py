@@ -202,6 +202,49 @@ def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, resume: 
     )
 
 
+@cli.command(name="verify-manifest")
+@click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False))
+@click.option("--input", "input_dir", type=click.Path(file_okay=False),
+              help="Also prove OUTPUT was derived from INPUT: hashes, re-plan, pass-through and re-quantization.")
+@click.option("--full", is_flag=True, help="With --input: re-quantize every NVFP4 tensor, not a sample.")
+@click.option("--device", default="cpu", show_default=True, help="Where --input re-quantizes: cpu, cuda[:N].")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, as_json: bool,
+                    quiet: bool) -> None:
+    """Check OUTPUT against its manifest.json (exit 0 only if everything holds)."""
+    from tqdm import tqdm
+
+    from .verify import verify
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=quiet or as_json,
+               dynamic_ncols=True)
+
+    def add_total(n: int) -> None:
+        bar.total += n
+        bar.refresh()
+    try:
+        rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=add_total)
+    finally:
+        bar.close()
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        click.echo(render_report(rep, output_dir))
+    sys.exit(0 if rep.ok else 1)
+
+
+def render_report(rep, output_dir: str) -> str:
+    lines = [f"{'ok  ' if ok else 'FAIL'}  {name}" + (f" ({detail})" if detail else "")
+             for name, ok, detail in rep.checks]
+    shown = rep.problems[:40]
+    lines += [f"  - {p}" for p in shown]
+    if len(rep.problems) > len(shown):
+        lines.append(f"  ... and {len(rep.problems) - len(shown)} more (--json lists all)")
+    lines.append(f"{output_dir}: verified" if rep.ok else f"{output_dir}: {len(rep.problems)} problem(s)")
+    return "\n".join(lines)
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tomllib
 
 from . import __version__
+from .journal import fingerprint
 from .plan import GROUP_SIZE, Item, Plan
 from .write import QUANT_ALGO
 
@@ -63,8 +64,10 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
 
 def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str],
           tensor_hashes: dict[str, str], source_hashes: dict[str, str], notes: dict[str, dict],
-          output_sizes: dict[str, int]) -> dict:
+          output_sizes: dict[str, int], files: list[dict]) -> dict:
+    """``files``: every other file of the output (configs, index, side files) with size and sha256."""
     body = plan_dict(plan)
+    plan_sha256 = fingerprint(body)
     for mod in body["modules"]:
         for s in mod["sources"]:
             for p in s["parts"]:
@@ -80,9 +83,12 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tool": {"name": "kimi-convert", "version": __version__},
+        "plan_sha256": plan_sha256,
         "mapping_table": tomllib.loads(plan.mapping.source),
+        "mapping_source": plan.mapping.source,
         "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
         "side_files": list(plan.side_files),
         "outputs": [{"file": f, "size": output_sizes[f], "sha256": h} for f, h in sorted(output_hashes.items())],
+        "files": files,
         **body,
     }

@@ -208,6 +208,9 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
     write.write_json_atomic(output_dir / "hf_quant_config.json", write.hf_quant_config(plan))
     write.copy_side_files(input_dir, output_dir, plan.side_files)
     write.write_json_atomic(output_dir / write.INDEX_NAME, write.index_json(plan))
+    others = ["config.json", "hf_quant_config.json", write.INDEX_NAME, *plan.side_files]
+    files = [{"file": f, "size": (output_dir / f).stat().st_size, "sha256": write.sha256_file(output_dir / f)}
+             for f in others]
     recs = [j.shards[s.file] for s in plan.shards]
     man = manifest_mod.build(
         plan,
@@ -217,6 +220,7 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
         {k: v for r in recs for k, v in r.sources.items()},
         {k: v for r in recs for k, v in r.notes.items()},
         {s.file: s.size for s in plan.shards},
+        files,
     )
     write.write_json_atomic(output_dir / "manifest.json", man, compact_lists=("modules",))
     (output_dir / journal.NAME).unlink()

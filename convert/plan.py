@@ -545,14 +545,20 @@ def exclude_list(items: list[Item], m: Mapping) -> list[str]:
     return sorted(names)
 
 
-def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options) -> Plan:
+def collect_patterns(ckpt: Checkpoint, m: Mapping, opts: Options) -> list[rules.Pattern]:
+    """The exclusion rules in force: the mapping's recipe, --exclude, --exclude-from, the input's own list."""
     patterns: list[rules.Pattern] = []
     if opts.default_excludes:
         patterns += [rules.Pattern(r.pattern, f"default ({m.name})", r.reason) for r in m.exclude]
     patterns += rules.from_cli(opts.exclude)
     for f in opts.exclude_from:
         patterns += rules.from_file(f)
-    patterns += rules.from_quant_config(ckpt.folder)
+    return patterns + rules.from_quant_config(ckpt.folder)
+
+
+def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None) -> Plan:
+    """``patterns`` replaces the collected rules (verify-manifest re-plans with the recorded ones)."""
+    patterns = collect_patterns(ckpt, m, opts) if patterns is None else patterns
     used: dict[rules.Pattern, int] = defaultdict(int)
     items = _check_expert_sets(build_items(ckpt, m, opts, patterns, used), m, opts)
     units, shards = _layout(_units(items, m, ckpt), opts.max_shard_size)

@@ -1,0 +1,374 @@
+"""``verify-manifest``: prove that an output folder is what its manifest says, and, given the input,
+that it was derived from it correctly.
+
+Offline, every file is read once, in parallel: one sequential pass per shard computes the file's
+sha256 and every tensor's sha256 from the same bytes. With ``input``, the input files are hashed the
+same way, the plan is rebuilt from the input and the recorded options and rules (its hash must equal
+the manifest's), pass-through tensors are compared with their sources' bytes, and NVFP4 tensors are
+re-quantized from their sources (a deterministic sample, or all with ``full``) and compared byte for
+byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import engines, journal
+from .errors import ConvertError
+from .manifest import FORMAT, plan_dict
+from .mapping import parse_mapping
+from .plan import Options, make_plan
+from .rules import Pattern
+from .source import INDEX_NAME, open_checkpoint, parse_header
+
+CHUNK = 16 << 20
+SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
+
+
+@dataclass
+class Report:
+    checks: list[tuple[str, bool, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(ok for _, ok, _ in self.checks)
+
+    def check(self, name: str, problems: list[str], detail: str = "") -> None:
+        self.checks.append((name, not problems, detail))
+        self.problems += problems
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in self.checks],
+                "problems": self.problems}
+
+
+def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable[[int], None] | None = None
+              ) -> tuple[str, int, dict[str, str]]:
+    """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read."""
+    fh = hashlib.sha256()
+    order = sorted(ranges.items(), key=lambda kv: kv[1])
+    th = {name: hashlib.sha256() for name in ranges}
+    pos, i = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            fh.update(block)
+            end = pos + len(block)
+            while i < len(order) and order[i][1][0] < end:
+                name, (a, b) = order[i]
+                lo, hi = max(a, pos), min(b, end)
+                if hi > lo:
+                    th[name].update(memoryview(block)[lo - pos : hi - pos])
+                if b <= end:
+                    i += 1
+                else:
+                    break
+            pos = end
+            if progress:
+                progress(len(block))
+    return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
+
+
+def load(output: Path) -> dict:
+    if (output / journal.NAME).exists():
+        try:
+            j = journal.Journal.load(output)
+        except ConvertError:
+            j = None
+        raise ConvertError(f"{output}: an unfinished pack, not a finished checkpoint"
+                           + (f"; resume it with: {j.command}" if j else ""))
+    path = output / "manifest.json"
+    if not path.exists():
+        raise ConvertError(f"{output}: no manifest.json: not a finished kimi-convert output")
+    try:
+        man = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable ({e})") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise ConvertError(f"{path}: not a kimi-convert manifest")
+    return man
+
+
+def verify(output: str | Path, input_dir: str | Path | None = None, *, full: bool = False,
+           device: str = "cpu", progress: Callable[[int], None] | None = None,
+           total: Callable[[int], None] | None = None) -> Report:
+    output = Path(output)
+    man = load(output)
+    rep = Report()
+    try:
+        _offline(output, man, rep, progress, total)
+        if input_dir is not None:
+            _against_input(Path(input_dir), output, man, rep, full, device, progress, total)
+    except (KeyError, TypeError, ValueError) as e:
+        rep.check("manifest structure", [f"manifest.json: malformed ({type(e).__name__}: {e})"])
+    return rep
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
+    tensors = {t["name"]: t for m in man["modules"] for t in m["tensors"]}
+    by_file: dict[str, dict[str, dict]] = {}
+    for t in tensors.values():
+        by_file.setdefault(t["file"], {})[t["name"]] = t
+    shards = {f["file"]: f for f in man["outputs"]}
+    others = {f["file"]: f for f in man.get("files", [])}
+    problems: list[str] = []
+    headers: dict[str, dict] = {}
+    for name in shards:
+        path = output / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        try:
+            headers[name], _ = parse_header(path, name)
+        except ConvertError as e:
+            problems.append(str(e))
+    for name in others:
+        if not (output / name).is_file():
+            problems.append(f"{name}: missing")
+    if total:
+        total(sum((output / n).stat().st_size for n in [*headers, *others] if (output / n).is_file()))
+
+    def job(name: str):
+        ranges = {t: (i.start, i.end) for t, i in headers[name].items()} if name in headers else {}
+        return name, hash_file(output / name, ranges, progress)
+    names = [n for n in [*headers, *others] if (output / n).is_file()]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = dict(pool.map(job, names))
+    for name, rec in {**shards, **others}.items():
+        if name not in results:
+            continue
+        sha, size, _ = results[name]
+        if size != rec["size"]:
+            problems.append(f"{name}: size {size}, manifest says {rec['size']}")
+        if sha != rec["sha256"]:
+            problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
+    rep.check("files: present, sizes and sha256", problems, f"{len(shards)} shards, {len(others)} other files")
+
+    problems = []
+    for fname, header in headers.items():
+        listed = by_file.get(fname, {})
+        for tname, info in header.items():
+            t = listed.get(tname)
+            if t is None:
+                problems.append(f"{fname}: tensor {tname} is not in the manifest")
+                continue
+            if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
+                problems.append(f"{fname}: tensor {tname} is {info.dtype}{list(info.shape)}, "
+                                f"manifest says {t['dtype']}{t['shape']}")
+            if results[fname][2][tname] != t["sha256"]:
+                problems.append(f"{fname}: tensor {tname}: bytes do not match the manifest's sha256")
+        for tname in listed:
+            if tname not in header:
+                problems.append(f"{fname}: tensor {tname} (in the manifest) is missing")
+    for fname in by_file:
+        if fname not in shards:
+            problems.append(f"manifest.json: tensors name file {fname}, which is not among its outputs")
+    rep.check("tensors: names, dtypes, shapes and sha256", problems, f"{len(tensors)} tensors")
+    _check_index(output, man, by_file, rep)
+    _check_configs(output, man, rep)
+    _check_row_ranges(man, rep)
+    _check_engine_rules(man, rep)
+
+
+def _read_json(path: Path, problems: list[str]) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{path.name}: unreadable ({e.__class__.__name__})")
+        return None
+
+
+def _check_index(output: Path, man: dict, by_file: dict, rep: Report) -> None:
+    problems: list[str] = []
+    index = _read_json(output / INDEX_NAME, problems)
+    if index is not None:
+        want = {t: f for f, ts in by_file.items() for t in ts}
+        got = index.get("weight_map", {})
+        for t in sorted(set(got) - set(want)):
+            problems.append(f"{INDEX_NAME}: lists {t}, which the manifest does not")
+        for t in sorted(set(want) - set(got)):
+            problems.append(f"{INDEX_NAME}: does not list {t}")
+        for t in sorted(set(want) & set(got)):
+            if got[t] != want[t]:
+                problems.append(f"{INDEX_NAME}: {t} in {got[t]}, manifest says {want[t]}")
+        size = sum(_nbytes(t) for ts in by_file.values() for t in ts.values())
+        if index.get("metadata", {}).get("total_size") != size:
+            problems.append(f"{INDEX_NAME}: total_size {index.get('metadata', {}).get('total_size')}, "
+                            f"tensors hold {size}")
+    rep.check("index: weight_map and total_size", problems)
+
+
+def _nbytes(t: dict) -> int:
+    from .source import DTYPES
+    n = DTYPES[t["dtype"]].itemsize
+    for d in t["shape"]:
+        n *= d
+    return n
+
+
+def _check_configs(output: Path, man: dict, rep: Report) -> None:
+    problems: list[str] = []
+    want = man["exclude_modules"]
+    cfg = _read_json(output / "config.json", problems)
+    hq = _read_json(output / "hf_quant_config.json", problems)
+    if cfg is not None:
+        q = cfg.get("quantization_config") or {}
+        if q.get("quant_method") != "modelopt":
+            problems.append(f"config.json: quantization_config.quant_method is {q.get('quant_method')!r}, "
+                            "not 'modelopt'")
+        if q.get("ignore") != want:
+            problems.append("config.json: quantization_config.ignore differs from the manifest's exclude_modules")
+        if q.get("group_size") != 16:
+            problems.append("config.json: quantization_config.group_size is not 16")
+    if hq is not None:
+        q = hq.get("quantization") or {}
+        if q.get("exclude_modules") != want:
+            problems.append("hf_quant_config.json: exclude_modules differs from the manifest's")
+        if cfg is not None and q.get("quant_algo") != (cfg.get("quantization_config") or {}).get("quant_algo"):
+            problems.append("hf_quant_config.json: quant_algo differs from config.json's")
+    kept = {m["name"] for m in man["modules"] if m["kind"] == "keep"}
+    quantized = {m["name"] for m in man["modules"] if m["kind"] == "nvfp4"}
+    problems += [f"manifest.json: kept module {n} is not in exclude_modules" for n in sorted(kept - set(want))]
+    problems += [f"manifest.json: NVFP4 module {n} is in exclude_modules" for n in sorted(quantized & set(want))]
+    rep.check("configs agree with the manifest", problems)
+
+
+def _check_row_ranges(man: dict, rep: Report) -> None:
+    problems: list[str] = []
+    for m in man["modules"]:
+        if m["op"] == "none":
+            continue
+        pos = 0
+        for s in m["sources"]:
+            a, b = s["rows"]
+            n = 1 if m["op"] == "stack" else s["shape"][0]
+            if a != pos or b - a != n:
+                problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
+                                f"with its {n} rows")
+            pos = b
+        rows = m["tensors"][0]["shape"][0]
+        if pos != rows:
+            problems.append(f"module {m['name']}: sources cover {pos} rows of {rows}")
+    rep.check("fused modules: row ranges tile the fused tensors", problems)
+
+
+def _check_engine_rules(man: dict, rep: Report) -> None:
+    """The exclude list, read as vLLM and SGLang read it, selects exactly the kept modules."""
+    table = man["mapping_table"]
+    packed = {g["name"]: list(g["members"]) for g in table.get("group", [])}
+    prefix = table.get("text_prefix", "")
+    ignore = man["exclude_modules"]
+    modules = {m["name"]: m["kind"] == "keep" for m in man["modules"] if m["kind"] in ("nvfp4", "keep")}
+    experts: dict[str, list[bool]] = {}
+    for name, kept in modules.items():
+        if ".experts." in name:
+            experts.setdefault(name.rsplit(".", 2)[0], []).append(kept)
+    modules.update({k: all(v) for k, v in experts.items()})
+    problems: list[str] = []
+    for prefix_name, kept in sorted(modules.items()):
+        try:
+            v = engines.vllm_is_skipped(prefix_name, ignore, packed)
+        except engines.MixedShards as e:
+            problems.append(f"vLLM: {e}")
+            continue
+        s = engines.sglang_is_excluded(prefix_name, ignore, prefix)
+        for engine, got in (("vLLM", v), ("SGLang", s)):
+            if got != kept:
+                problems.append(f"{engine} would {'skip' if got else 'quantize'} {prefix_name}, which is "
+                                f"{'kept' if kept else 'NVFP4'}")
+    rep.check("exclude list under vLLM's and SGLang's matching rules", problems, f"{len(modules)} modules")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: bool, device: str,
+                   progress, total) -> None:
+    problems: list[str] = []
+    recorded = {f["file"]: f for f in man["inputs"]}
+    missing = [f for f in recorded if not (input_dir / f).is_file()]
+    problems += [f"{input_dir / f}: missing" for f in missing]
+    present = [f for f in recorded if f not in missing]
+    if total:
+        total(sum((input_dir / f).stat().st_size for f in present))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        hashes = dict(pool.map(lambda f: (f, hash_file(input_dir / f, {}, progress)), present))
+    for f, (sha, size, _) in hashes.items():
+        if size != recorded[f]["size"] or sha != recorded[f]["sha256"]:
+            problems.append(f"{input_dir / f}: differs from the input recorded in the manifest")
+    rep.check("input files: sizes and sha256", problems, f"{len(recorded)} files")
+    if problems:
+        return
+    ckpt = open_checkpoint(input_dir)
+    m = parse_mapping(man["mapping_source"], man["mapping"]["file"])
+    o = man["options"]
+    opts = Options(exclude=tuple(o["exclude"]), exclude_from=tuple(o["exclude_from"]),
+                   default_excludes=o["default_excludes"], keep_partial=o["keep_partial"],
+                   max_shard_size=o["max_shard_size"], fuse=tuple(o["fuse"]), no_fuse=tuple(o["no_fuse"]))
+    patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
+    plan = make_plan(ckpt, m, opts, patterns)
+    same = journal.fingerprint(plan_dict(plan)) == man["plan_sha256"]
+    rep.check("re-plan from the input and the recorded options", [] if same else
+              ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
+    if not same:
+        return
+    _recompute(plan, input_dir, man, rep, full, device)
+
+
+def _recompute(plan, input_dir: Path, man: dict, rep: Report, full: bool, device: str) -> None:
+    from kimi_convert.kernels import get_backend
+
+    from .compute import compute_unit
+    from .plan import fp8_block_size
+    from .source import TensorReader
+
+    hashes = {t["name"]: t["sha256"] for mod in man["modules"] for t in mod["tensors"]}
+    quant_units = [u for u in plan.units if any(it.kind == "nvfp4" for it in u.items)]
+    keep = {id(u) for u in quant_units[:1] + quant_units[-1:]}
+    chosen = [u for u in plan.units if not any(it.kind == "nvfp4" for it in u.items) or full or id(u) in keep
+              or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
+    backend = get_backend(device)
+    reader = TensorReader(input_dir)
+    block = fp8_block_size(open_checkpoint(input_dir).config)
+    passthrough, quantized, problems = 0, 0, []
+    stop = threading.Event()
+    try:
+        for u in chosen:
+            if stop.is_set():
+                break
+            if all(it.kind != "nvfp4" and all(s.encoding == "dense" for s in it.sources) for it in u.items):
+                for it in u.items:  # pass-through: the output's bytes are the sources' bytes
+                    h = hashlib.sha256()
+                    for s in it.sources:
+                        h.update(reader.raw(s.parts[0]))
+                    passthrough += 1
+                    if h.hexdigest() != hashes[it.outputs[0].name]:
+                        problems.append(f"tensor {it.outputs[0].name}: not byte-identical to its sources")
+            else:
+                res = compute_unit(u, reader, backend, block)
+                quantized += 1
+                for name, out in res.outputs.items():
+                    h = hashlib.sha256()
+                    for c in out.chunks:
+                        h.update(c)
+                    if h.hexdigest() != hashes[name]:
+                        problems.append(f"tensor {name}: re-quantized from its sources, the bytes differ")
+            for it in u.items:
+                for s in it.sources:
+                    for p in s.parts:
+                        reader.release(p)
+    finally:
+        reader.close()
+    n_quant = len(quant_units)
+    rep.check("outputs re-derived from the input", problems,
+              f"{passthrough} pass-through tensors compared; {quantized} quantized/decoded units recomputed "
+              f"({'all' if full else 'sample'} of {n_quant} NVFP4 units)")
