@@ -208,10 +208,13 @@ def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, resume: 
               help="Also prove OUTPUT was derived from INPUT: hashes, re-plan, pass-through and re-quantization.")
 @click.option("--full", is_flag=True, help="With --input: re-quantize every NVFP4 tensor, not a sample.")
 @click.option("--device", default="cpu", show_default=True, help="Where --input re-quantizes: cpu, cuda[:N].")
+@click.option("--remote", metavar="REPO_ID", help="Also check a Hub repo's files against the manifest (no download).")
+@click.option("--revision", help="With --remote: the branch, tag or refs/pr/N to check.")
+@click.option("--token", help="With --remote: Hub token (default: HF_TOKEN or the cached login).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, as_json: bool,
-                    quiet: bool) -> None:
+def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, remote: str | None,
+                    revision: str | None, token: str | None, as_json: bool, quiet: bool) -> None:
     """Check OUTPUT against its manifest.json (exit 0 only if everything holds)."""
     from tqdm import tqdm
 
@@ -227,11 +230,43 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=add_total)
     finally:
         bar.close()
+    if remote:
+        from .hub import verify_remote
+
+        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True))
+        rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=2))
     else:
         click.echo(render_report(rep, output_dir))
     sys.exit(0 if rep.ok else 1)
+
+
+@cli.command()
+@click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False, exists=True))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repo as private.")
+@click.option("--revision", help="Branch to commit to (default: main).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
+@click.option("--token", help="Hub token (default: HF_TOKEN or the cached login). Never printed or stored.")
+@click.option("--base-model", help="base_model for the model card (default: config.json's _name_or_path).")
+def upload(output_dir: str, repo_id: str, private: bool, revision: str | None, create_pr: bool,
+           token: str | None, base_model: str | None) -> None:
+    """Verify OUTPUT, upload it to the Hub repo REPO_ID, and check what arrived against the manifest."""
+    from .hub import upload as run
+
+    if create_pr and revision:
+        raise click.UsageError("--create-pr opens a PR against the default branch; drop --revision")
+    res = run(output_dir, repo_id, private=private, revision=revision, create_pr=create_pr, token=token,
+              base_model=base_model, say=lambda m: click.echo(m, err=True))
+    if res.card_written:
+        click.echo(f"wrote {output_dir}/README.md (model card)")
+    click.echo(f"committed: {res.pr_url or res.commit_url}")
+    if res.remote.problems:
+        for p in res.remote.problems:
+            click.echo(f"  - {p}", err=True)
+        raise ConvertError(f"{repo_id}: {len(res.remote.problems)} file(s) on the Hub do not match the manifest")
+    click.echo(f"{repo_id}: all {res.remote.checked} files present, sizes and sha256 match the manifest")
 
 
 def render_report(rep, output_dir: str) -> str:

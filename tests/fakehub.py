@@ -1,0 +1,281 @@
+"""A local server speaking the part of the Hugging Face Hub HTTP API that huggingface_hub's
+``create_repo``, ``upload_folder`` (Xet off: preupload, LFS batch and basic transfer, NDJSON commit)
+and ``list_repo_tree`` use, so that the real client can be tested without the network.
+
+Faults: ``hub.fail(method, path_regex, status, times)`` answers the next ``times`` matching requests
+with ``status`` (``status=0`` drops the connection without an answer).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+
+@dataclass
+class Repo:
+    private: bool
+    files: dict[str, dict] = field(default_factory=dict)  # path -> {"size", "blob", "lfs": sha256 | None}
+    commits: list[dict] = field(default_factory=list)
+    prs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Fault:
+    method: str
+    path: re.Pattern[str]
+    status: int
+    times: int
+
+
+class FakeHub:
+    def __init__(self, token: str, read_only_token: str = "read-only"):
+        self.token = token
+        self.read_only_token = read_only_token
+        self.repos: dict[str, Repo] = {}
+        self.lfs: dict[str, bytes] = {}
+        self.faults: list[Fault] = []
+        self.log: list[tuple[str, str, int]] = []
+        self.headers_seen: list[str] = []
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def fail(self, method: str, path: str, status: int, times: int = 1) -> None:
+        self.faults.append(Fault(method, re.compile(path), status, times))
+
+    def file_bytes(self, repo_id: str, path: str) -> bytes:
+        f = self.repos[repo_id].files[path]
+        return self.lfs[f["lfs"]] if f["lfs"] else f["content"]
+
+    # --------------------------------------------------------------------------------------
+
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                n = int(self.headers.get("Content-Length") or 0)
+                if n:
+                    return self.rfile.read(n)
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                return b""
+
+            def _send(self, status: int, obj=None, headers: dict | None = None) -> None:
+                data = b"" if obj is None else json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _fault(self, method: str, path: str) -> bool:
+                with hub.lock:
+                    for f in hub.faults:
+                        if f.times > 0 and f.method == method and f.path.search(path):
+                            f.times -= 1
+                            status = f.status
+                            break
+                    else:
+                        return False
+                self._body()
+                hub.log.append((method, path, status))
+                if status == 0:  # drop the connection, no answer
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return True
+                headers = {"Retry-After": "0"} if status == 429 else {}
+                self._send(status, {"error": f"injected {status}"}, headers)
+                return True
+
+            def _auth(self, write: bool) -> bool:
+                auth = self.headers.get("Authorization", "")
+                hub.headers_seen.append(auth)
+                if auth == f"Bearer {hub.token}":
+                    return True
+                if auth == f"Bearer {hub.read_only_token}":
+                    if not write:
+                        return True
+                    self._send(403, {"error": "You don't have the rights to create or write this repo"})
+                    return False
+                self._send(401, {"error": "Invalid credentials in Authorization header"})
+                return False
+
+            def do_GET(self):
+                self._route("GET")
+
+            def do_POST(self):
+                self._route("POST")
+
+            def do_PUT(self):
+                self._route("PUT")
+
+            def _route(self, method: str) -> None:
+                url = urlparse(self.path)
+                path = url.path
+                if self._fault(method, path):
+                    return
+                status = 200
+                try:
+                    status = self._dispatch(method, path, parse_qs(url.query))
+                finally:
+                    hub.log.append((method, path, status))
+
+            def _repo(self, ns: str, name: str) -> Repo | None:
+                repo = hub.repos.get(f"{ns}/{name}")
+                if repo is None:
+                    self._send(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+                return repo
+
+            def _dispatch(self, method: str, path: str, query: dict) -> int:
+                m = re.fullmatch(r"/api/repos/create", path)
+                if m and method == "POST":
+                    body = json.loads(self._body() or b"{}")
+                    if not self._auth(write=True):
+                        return 401
+                    repo_id = f"{body.get('organization') or 'user'}/{body['name']}"
+                    if repo_id in hub.repos:
+                        self._send(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"})
+                        return 409
+                    private = bool(body.get("private")) or body.get("visibility") in ("private", "protected")
+                    hub.repos[repo_id] = Repo(private=private)
+                    self._send(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
+                    return 200
+                if path == "/api/validate-yaml" and method == "POST":
+                    self._body()
+                    self._send(200, {"errors": [], "warnings": []})
+                    return 200
+                m = re.fullmatch(r"/api/whoami-v2", path)
+                if m:
+                    if not self._auth(write=False):
+                        return 401
+                    self._send(200, {"name": "user", "type": "user", "orgs": []})
+                    return 200
+                m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/(.+)", path)
+                if m and method == "POST":
+                    body = json.loads(self._body())
+                    if not self._auth(write=True) or (repo := self._repo(m[1], m[2])) is None:
+                        return 401
+                    files = [{"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(".safetensors")
+                              or f["size"] > 100_000 else "regular", "shouldIgnore": False,
+                              "oid": repo.files.get(f["path"], {}).get("blob")} for f in body["files"]]
+                    self._send(200, {"files": files, "commitOid": "0" * 40})
+                    return 200
+                m = re.fullmatch(r"/([^/]+)/([^/]+)\.git/info/lfs/objects/batch", path)
+                if m and method == "POST":
+                    body = json.loads(self._body())
+                    if not self._auth(write=True) or self._repo(m[1], m[2]) is None:
+                        return 401
+                    objs = []
+                    for o in body["objects"]:
+                        entry = {"oid": o["oid"], "size": o["size"]}
+                        if o["oid"] not in hub.lfs:
+                            entry["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}",
+                                                           "header": {}}}
+                        objs.append(entry)
+                    self._send(200, {"transfer": "basic", "objects": objs, "hash_algo": "sha256"})
+                    return 200
+                m = re.fullmatch(r"/lfs-upload/([0-9a-f]{64})", path)
+                if m and method == "PUT":
+                    data = self._body()
+                    if hashlib.sha256(data).hexdigest() != m[1]:
+                        self._send(400, {"error": "sha256 mismatch"})
+                        return 400
+                    hub.lfs[m[1]] = data
+                    self._send(200, {})
+                    return 200
+                m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/(.+)", path)
+                if m and method == "POST":
+                    return self._commit(m[1], m[2], m[3], query)
+                m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/tree/([^/]+)(/.*)?", path)
+                if m and method == "GET":
+                    if not self._auth(write=False) or (repo := self._repo(m[1], m[2])) is None:
+                        return 401
+                    files = self._at_revision(repo, m[3])
+                    out = [{"type": "file", "oid": f["blob"], "size": f["size"], "path": p,
+                            **({"lfs": {"oid": f["lfs"], "size": f["size"], "pointerSize": 134}} if f["lfs"] else {})}
+                           for p, f in sorted(files.items())]
+                    self._send(200, out)
+                    return 200
+                m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(/revision/.+)?", path)
+                if m and method == "GET":
+                    if not self._auth(write=False) or (repo := self._repo(m[1], m[2])) is None:
+                        return 401
+                    self._send(200, {"id": f"{m[1]}/{m[2]}", "private": repo.private, "sha": "0" * 40,
+                                     "siblings": [{"rfilename": p} for p in repo.files]})
+                    return 200
+                self._send(404, {"error": f"no route {method} {path}"})
+                return 404
+
+            def _at_revision(self, repo: Repo, revision: str) -> dict:
+                m = re.fullmatch(r"refs%2Fpr%2F(\d+)|refs/pr/(\d+)", revision)
+                if m:
+                    return repo.prs[int(m[1] or m[2]) - 1]["files"]
+                return repo.files
+
+            def _commit(self, ns: str, name: str, revision: str, query: dict) -> int:
+                body = self._body()
+                if not self._auth(write=True) or (repo := self._repo(ns, name)) is None:
+                    return 401
+                lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+                create_pr = query.get("create_pr", ["0"])[0] in ("1", "true")
+                files = dict(repo.files)
+                for entry in lines:
+                    key, value = entry["key"], entry["value"]
+                    if key == "file":
+                        content = base64.b64decode(value["content"])
+                        blob = hashlib.sha1(f"blob {len(content)}\0".encode() + content).hexdigest()
+                        files[value["path"]] = {"size": len(content), "blob": blob, "lfs": None, "content": content}
+                    elif key == "lfsFile":
+                        if value["oid"] not in hub.lfs:
+                            self._send(422, {"error": f"LFS object {value['oid']} was never uploaded"})
+                            return 422
+                        pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{value['oid']}\n"
+                                   f"size {value['size']}\n").encode()
+                        blob = hashlib.sha1(f"blob {len(pointer)}\0".encode() + pointer).hexdigest()
+                        files[value["path"]] = {"size": value["size"], "blob": blob, "lfs": value["oid"]}
+                    elif key == "deletedFile":
+                        files.pop(value["path"], None)
+                sha = hashlib.sha1(body).hexdigest()
+                result = {"commitUrl": f"{hub.url}/{ns}/{name}/commit/{sha}", "commitOid": sha,
+                          "commitMessage": lines[0]["value"].get("summary", "")}
+                if create_pr:
+                    repo.prs.append({"files": files})
+                    result["pullRequestUrl"] = f"{hub.url}/{ns}/{name}/discussions/{len(repo.prs)}"
+                else:
+                    repo.files = files
+                repo.commits.append({"sha": sha, "summary": result["commitMessage"]})
+                self._send(200, result)
+                return 200
+
+        return Handler
