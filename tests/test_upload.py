@@ -153,3 +153,10 @@ def test_remote_tampering_is_reported(hub, out, tmp_path):
     assert r.returncode == 1 and not rep["ok"]
     text = "\n".join(rep["problems"])
     assert f"{shard}: the Hub's sha256" in text and "config.json is missing" in text
+
+
+def test_quota_error_is_not_retried(hub, out, tmp_path):
+    hub.fail("POST", r"/commit/", 403, times=100)
+    r = cli(hub, "upload", out, "user/quota", tmp=tmp_path)
+    assert r.returncode == 2 and "forbidden (403)" in r.stderr and "quota" in r.stderr
+    assert sum(1 for m, p, s in hub.log if "/commit/" in p) == 1  # a 403 is final: no retry loop
