@@ -18,11 +18,15 @@ def copy_ckpt(src: Path, dst: Path) -> Path:
     return dst
 
 
+def edit_json(path: Path, fn) -> None:
+    """Load a JSON file, let ``fn`` change it in place, write it back."""
+    obj = json.loads(path.read_text())
+    fn(obj)
+    path.write_text(json.dumps(obj))
+
+
 def edit_config(folder: Path, fn) -> None:
-    p = folder / "config.json"
-    cfg = json.loads(p.read_text())
-    fn(cfg)
-    p.write_text(json.dumps(cfg))
+    edit_json(folder / "config.json", fn)
 
 
 def rewrite_tensors(folder: Path, fn) -> None:

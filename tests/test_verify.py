@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import edit_json
 from kimi_convert.source import parse_header
 
 
@@ -84,9 +85,7 @@ def test_renamed_tensor(out):
 
 
 def test_edited_config(out):
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"]["ignore"] = cfg["quantization_config"]["ignore"][1:]
-    (out / "config.json").write_text(json.dumps(cfg))
+    edit_json(out / "config.json", lambda c: c["quantization_config"]["ignore"].pop(0))
     rc, rep = verify(out)
     assert rc == 1
     assert "config.json: sha256" in problems(rep)
@@ -96,8 +95,7 @@ def test_edited_config(out):
 def test_edited_manifest(out):
     man = json.loads((out / "manifest.json").read_text())
     mod = next(m for m in man["modules"] if m["kind"] == "keep" and "lm_head" in m["name"])
-    man["exclude_modules"].remove(mod["name"])  # as if lm_head were quantized
-    (out / "manifest.json").write_text(json.dumps(man))
+    edit_json(out / "manifest.json", lambda m: m["exclude_modules"].remove(mod["name"]))  # as if quantized
     rc, rep = verify(out)
     assert rc == 1
     assert f"kept module {mod['name']} is not in exclude_modules" in problems(rep)
@@ -105,9 +103,8 @@ def test_edited_manifest(out):
 
 
 def test_index_lists_extra_tensor(out):
-    idx = json.loads((out / "model.safetensors.index.json").read_text())
-    idx["weight_map"]["ghost.weight"] = first_shard(out).name
-    (out / "model.safetensors.index.json").write_text(json.dumps(idx))
+    name = first_shard(out).name
+    edit_json(out / "model.safetensors.index.json", lambda i: i["weight_map"].update({"ghost.weight": name}))
     rc, rep = verify(out)
     assert rc == 1 and "lists ghost.weight, which the manifest does not" in problems(rep)
 
