@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from .errors import ConvertError
 from .verify import load, verify
+from .write import sha256_file
 
 T = TypeVar("T")
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -151,7 +152,7 @@ def check_remote(api, repo_id: str, revision: str | None, output: Path, man: dic
         sha = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
         if rec is None:
             local = output / name
-            if local.exists() and e.blob_id != git_blob_sha1(local) and sha != _sha256(local):
+            if local.exists() and e.blob_id != git_blob_sha1(local) and sha != sha256_file(local):
                 problems.append(f"{repo_id}: {name} differs from the local manifest.json")
             continue
         if e.size != rec["size"]:
@@ -162,11 +163,6 @@ def check_remote(api, repo_id: str, revision: str | None, output: Path, man: dic
         elif (output / name).exists() and e.blob_id != git_blob_sha1(output / name):
             problems.append(f"{repo_id}: {name}: the Hub's blob id does not match the local file")
     return RemoteCheck(len(expected), problems)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass
