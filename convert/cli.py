@@ -42,8 +42,12 @@ USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROF
                errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
 
 
+def _no_hint() -> str:
+    return ""
+
+
 #: Set by a command whose interruption leaves something to resume: says what and how.
-_interrupt_hint: Callable[[], str] = lambda: ""  # noqa: E731
+_interrupt_hint: Callable[[], str] = _no_hint
 
 
 class Cli(click.Group):
