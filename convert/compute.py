@@ -8,7 +8,6 @@ high-precision tensor is never materialised, and its quantized rows are the memb
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +31,6 @@ class Output:
 class UnitResult:
     outputs: dict[str, Output]
     notes: dict[str, dict] = field(default_factory=dict)  # per item: how it was produced
-    source_hashes: dict[str, str] = field(default_factory=dict)  # stored tensor name -> sha256
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -66,10 +64,6 @@ def _keep_decoded(item: Item, reader: TensorReader, block, backend: Backend) -> 
 
 def compute_unit(unit: Unit, reader: TensorReader, backend: Backend, block: tuple[int, int]) -> UnitResult:
     res = UnitResult({})
-    for item in unit.items:
-        for s in item.sources:
-            for p in s.parts:
-                res.source_hashes[p.name] = hashlib.sha256(reader.raw(p)).hexdigest()
     quant = [it for it in unit.items if it.kind == "nvfp4"]
     for it in unit.items:
         if it.kind == "nvfp4":

@@ -12,10 +12,12 @@ writes only the rest, so the result is byte-identical to an uninterrupted run.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -175,26 +177,54 @@ def _write_shards(ckpt: Checkpoint, plan: Plan, output_dir: Path, backend: Backe
         reader.close()
 
 
+#: Units whose outputs may wait for the writer while the next unit computes (bounds memory).
+WRITE_DEPTH = 2
+
+
 def _write_shard(output_dir: Path, shard: Shard, units: list[Unit], reader: TensorReader, backend: Backend,
                  block, bar) -> ShardRecord:
+    """Compute on this thread; hash and write on another, so that the two overlap.
+
+    The writer hashes the unit's source tensors and writes its outputs, then drops the source pages;
+    at most WRITE_DEPTH computed units wait for it. The next unit's sources are prefetched."""
     rec = ShardRecord(size=shard.size, sha256="", tensors={}, sources={}, notes={})
     writer = write.ShardWriter(output_dir, shard)
+
+    def store(unit: Unit, res) -> None:
+        for it in unit.items:
+            for s in it.sources:
+                for p in s.parts:
+                    rec.sources[p.name] = hashlib.sha256(reader.raw(p)).hexdigest()
+        for name, out in res.outputs.items():
+            rec.tensors[name] = writer.write(name, out.chunks)
+        for it in unit.items:
+            for s in it.sources:
+                for p in s.parts:
+                    reader.release(p)
+        bar.update(unit.nbytes_in)
+
+    pending: deque[Future] = deque()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimi-convert-write")
     try:
-        for unit in units:
+        for i, unit in enumerate(units):
+            if i + 1 < len(units):
+                for it in units[i + 1].items:
+                    for s in it.sources:
+                        for p in s.parts:
+                            reader.prefetch(p)
             res = compute_unit(unit, reader, backend, block)
-            for name, out in res.outputs.items():
-                rec.tensors[name] = writer.write(name, out.chunks)
-            rec.sources.update(res.source_hashes)
             rec.notes.update(res.notes)
+            pending.append(pool.submit(store, unit, res))
             del res
-            for it in unit.items:
-                for s in it.sources:
-                    for p in s.parts:
-                        reader.release(p)
-            bar.update(unit.nbytes_in)
+            while len(pending) > WRITE_DEPTH:
+                pending.popleft().result()
+        while pending:
+            pending.popleft().result()
     except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
         raise
+    pool.shutdown()
     writer.finish()
     faults.point("shard")
     rec.sha256 = write.sha256_file(output_dir / shard.file)

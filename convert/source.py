@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,14 +256,16 @@ class TensorReader:
     def __init__(self, folder: Path):
         self.folder = folder
         self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()  # the compute thread and the writer thread both map files
 
     def _map(self, rel: str) -> mmap.mmap:
-        m = self._maps.get(rel)
-        if m is None:
-            with open(self.folder / rel, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[rel] = m
-        return m
+        with self._lock:
+            m = self._maps.get(rel)
+            if m is None:
+                with open(self.folder / rel, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._maps[rel] = m
+            return m
 
     def raw(self, t: TensorInfo) -> memoryview:
         return memoryview(self._map(t.file))[t.start : t.end]
@@ -278,15 +281,24 @@ class TensorReader:
                                     offset=t.start)
         return flat.view(t.shape)
 
-    def release(self, t: TensorInfo) -> None:
-        m = self._maps.get(t.file)
-        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+    def _advise(self, t: TensorInfo, advice: int | None) -> None:
+        m = self._map(t.file) if advice is not None else None
+        if m is None:
             return
         page = mmap.PAGESIZE
         lo = t.start - t.start % page
         hi = min(len(m), -(-t.end // page) * page)
         if hi > lo:
-            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            m.madvise(advice, lo, hi - lo)
+
+    def prefetch(self, t: TensorInfo) -> None:
+        """Ask the kernel to start reading ``t`` now (asynchronous readahead)."""
+        self._advise(t, getattr(mmap, "MADV_WILLNEED", None))
+
+    def release(self, t: TensorInfo) -> None:
+        """Drop ``t``'s pages from this process (they stay in the page cache)."""
+        if t.file in self._maps:
+            self._advise(t, getattr(mmap, "MADV_DONTNEED", None))
 
     def close(self) -> None:
         for m in self._maps.values():
