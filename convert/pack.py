@@ -191,27 +191,20 @@ def _write_shard(output_dir: Path, shard: Shard, units: list[Unit], reader: Tens
     writer = write.ShardWriter(output_dir, shard)
 
     def store(unit: Unit, res) -> None:
-        for it in unit.items:
-            for s in it.sources:
-                for p in s.parts:
-                    rec.sources[p.name] = hashlib.sha256(reader.raw(p)).hexdigest()
+        for p in unit.parts:
+            rec.sources[p.name] = hashlib.sha256(reader.raw(p)).hexdigest()
         for name, out in res.outputs.items():
             rec.tensors[name] = writer.write(name, out.chunks)
-        for it in unit.items:
-            for s in it.sources:
-                for p in s.parts:
-                    reader.release(p)
+        for p in unit.parts:
+            reader.release(p)
         bar.update(unit.nbytes_in)
 
     pending: deque[Future] = deque()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimi-convert-write")
     try:
         for i, unit in enumerate(units):
-            if i + 1 < len(units):
-                for it in units[i + 1].items:
-                    for s in it.sources:
-                        for p in s.parts:
-                            reader.prefetch(p)
+            for p in units[i + 1].parts if i + 1 < len(units) else []:
+                reader.prefetch(p)
             res = compute_unit(unit, reader, backend, block)
             rec.notes.update(res.notes)
             pending.append(pool.submit(store, unit, res))

@@ -94,6 +94,11 @@ class Unit:
     def nbytes_in(self) -> int:
         return sum(s.nbytes for it in self.items for s in it.sources)
 
+    @property
+    def parts(self) -> list[TensorInfo]:
+        """Every stored input tensor the unit reads."""
+        return [p for it in self.items for s in it.sources for p in s.parts]
+
 
 @dataclass(frozen=True)
 class Placed:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,8 +25,8 @@ from .mapping import parse_mapping
 from .plan import Options, make_plan
 from .rules import Pattern
 from .source import INDEX_NAME, open_checkpoint, parse_header
+from .write import hash_file, load_manifest
 
-CHUNK = 16 << 20
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
 
 
@@ -49,32 +48,6 @@ class Report:
                 "problems": self.problems}
 
 
-def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable[[int], None] | None = None
-              ) -> tuple[str, int, dict[str, str]]:
-    """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read."""
-    fh = hashlib.sha256()
-    order = sorted(ranges.items(), key=lambda kv: kv[1])
-    th = {name: hashlib.sha256() for name in ranges}
-    pos, i = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            fh.update(block)
-            end = pos + len(block)
-            while i < len(order) and order[i][1][0] < end:
-                name, (a, b) = order[i]
-                lo, hi = max(a, pos), min(b, end)
-                if hi > lo:
-                    th[name].update(memoryview(block)[lo - pos : hi - pos])
-                if b <= end:
-                    i += 1
-                else:
-                    break
-            pos = end
-            if progress:
-                progress(len(block))
-    return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
-
-
 def load(output: Path) -> dict:
     if (output / journal.NAME).exists():
         try:
@@ -83,15 +56,11 @@ def load(output: Path) -> dict:
             j = None
         raise ConvertError(f"{output}: an unfinished pack, not a finished checkpoint"
                            + (f"; resume it with: {j.command}" if j else ""))
-    path = output / "manifest.json"
-    if not path.exists():
+    if not (output / "manifest.json").exists():
         raise ConvertError(f"{output}: no manifest.json: not a finished kimi-convert output")
-    try:
-        man = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable ({e})") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        raise ConvertError(f"{path}: not a kimi-convert manifest")
+    man = load_manifest(output)
+    if man.get("format") != FORMAT:
+        raise ConvertError(f"{output / 'manifest.json'}: not a kimi-convert manifest")
     return man
 
 
@@ -321,10 +290,10 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:
         return
-    _recompute(plan, input_dir, man, rep, full, device)
+    _recompute(plan, input_dir, ckpt.config, man, rep, full, device)
 
 
-def _recompute(plan, input_dir: Path, man: dict, rep: Report, full: bool, device: str) -> None:
+def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full: bool, device: str) -> None:
     from kimi_convert.kernels import get_backend
 
     from .compute import compute_unit
@@ -338,13 +307,10 @@ def _recompute(plan, input_dir: Path, man: dict, rep: Report, full: bool, device
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
     backend = get_backend(device)
     reader = TensorReader(input_dir)
-    block = fp8_block_size(open_checkpoint(input_dir).config)
+    block = fp8_block_size(config)
     passthrough, quantized, problems = 0, 0, []
-    stop = threading.Event()
     try:
         for u in chosen:
-            if stop.is_set():
-                break
             if all(it.kind != "nvfp4" and all(s.encoding == "dense" for s in it.sources) for it in u.items):
                 for it in u.items:  # pass-through: the output's bytes are the sources' bytes
                     h = hashlib.sha256()
@@ -362,10 +328,8 @@ def _recompute(plan, input_dir: Path, man: dict, rep: Report, full: bool, device
                         h.update(c)
                     if h.hexdigest() != hashes[name]:
                         problems.append(f"tensor {name}: re-quantized from its sources, the bytes differ")
-            for it in u.items:
-                for s in it.sources:
-                    for p in s.parts:
-                        reader.release(p)
+            for p in u.parts:
+                reader.release(p)
     finally:
         reader.close()
     n_quant = len(quant_units)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__, faults, journal
@@ -24,6 +25,7 @@ from .plan import GROUP_SIZE, Placed, Plan, Shard
 from .source import INDEX_NAME
 
 PARTIAL = ".partial"
+CHUNK = 16 << 20
 QUANT_ALGO = "W4A16_NVFP4"  # weight-only: no calibrated activation scales are written
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
@@ -231,12 +233,34 @@ def load_manifest(output_dir: Path) -> dict:
     return obj
 
 
-def sha256_file(path: Path, stop: threading.Event | None = None, chunk: int = 16 << 20) -> str:
-    """sha256 of a file, in chunks, so that a stop request ends it within one chunk."""
-    h = hashlib.sha256()
+def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable[[int], None] | None = None,
+              stop: threading.Event | None = None) -> tuple[str, int, dict[str, str]]:
+    """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read;
+    a stop request ends it within one chunk."""
+    fh = hashlib.sha256()
+    order = sorted(ranges.items(), key=lambda kv: kv[1])
+    th = {name: hashlib.sha256() for name in ranges}
+    pos, i = 0, 0
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(CHUNK):
             if stop is not None and stop.is_set():
                 raise Stopped(str(path))
-            h.update(block)
-    return h.hexdigest()
+            fh.update(block)
+            end = pos + len(block)
+            while i < len(order) and order[i][1][0] < end:
+                name, (a, b) = order[i]
+                lo, hi = max(a, pos), min(b, end)
+                if hi > lo:
+                    th[name].update(memoryview(block)[lo - pos : hi - pos])
+                if b <= end:
+                    i += 1
+                else:
+                    break
+            pos = end
+            if progress:
+                progress(len(block))
+    return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
+
+
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    return hash_file(path, {}, stop=stop)[0]
