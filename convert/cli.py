@@ -171,11 +171,15 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @plan_options
 @click.option("--device", default="auto", show_default=True,
               help="auto (the GPU when torch sees one), cpu (the C kernel), or cuda[:N] (the Triton kernel).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes that split the output shards (same bytes for any number). "
+                   "Default: one per visible GPU for --device auto/cuda, else 1.")
 @click.option("--overwrite", is_flag=True, help="Replace a previous output in OUTPUT.")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted pack in OUTPUT: finished shards are verified and kept.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, resume: bool, quiet: bool, **kw) -> None:
+def pack(input_dir: str, output_dir: str, device: str, workers: int | None, overwrite: bool, resume: bool,
+         quiet: bool, **kw) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
@@ -190,7 +194,7 @@ def pack(input_dir: str, output_dir: str, device: str, overwrite: bool, resume: 
         return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
     global _interrupt_hint
     _interrupt_hint = interrupted
-    res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device,
+    res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device, workers=workers,
               overwrite=overwrite, resume=resume, progress=not quiet, command=command)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)

@@ -17,7 +17,7 @@ from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_
 
 from .errors import ConvertError
 from .plan import Item, Source, Unit
-from .source import TensorReader
+from .source import TensorSource
 
 Chunk = memoryview | np.ndarray
 
@@ -39,7 +39,7 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def decode(src: Source, reader: TensorReader, block: tuple[int, int], backend: Backend) -> torch.Tensor:
+def decode(src: Source, reader: TensorSource, block: tuple[int, int], backend: Backend) -> torch.Tensor:
     """The source's values on the backend's device: the stored tensor for dense sources (a zero-copy
     view on the CPU), decoded fp32 for MXFP4 / FP8 (decoded on the GPU when there is one)."""
     parts = [backend.to_device(reader.tensor(p)) for p in src.parts]
@@ -53,16 +53,16 @@ def decode(src: Source, reader: TensorReader, block: tuple[int, int], backend: B
     return parts[0]
 
 
-def _raw_chunks(item: Item, reader: TensorReader) -> list[Chunk]:
+def _raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
     return [reader.raw(p) for s in item.sources for p in s.parts[:1]]
 
 
-def _keep_decoded(item: Item, reader: TensorReader, block, backend: Backend) -> list[Chunk]:
+def _keep_decoded(item: Item, reader: TensorSource, block, backend: Backend) -> list[Chunk]:
     """A kept linear layer whose source is MXFP4 or FP8: decoded to bf16 (exact for MXFP4)."""
     return [as_bytes(decode(s, reader, block, backend).to(torch.bfloat16)) for s in item.sources]
 
 
-def compute_unit(unit: Unit, reader: TensorReader, backend: Backend, block: tuple[int, int]) -> UnitResult:
+def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tuple[int, int]) -> UnitResult:
     res = UnitResult({})
     quant = [it for it in unit.items if it.kind == "nvfp4"]
     for it in unit.items:
@@ -92,7 +92,7 @@ def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: 
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
 
 
-def _transcode(items: list[Item], reader: TensorReader, res: UnitResult) -> str | None:
+def _transcode(items: list[Item], reader: TensorSource, res: UnitResult) -> str | None:
     """MXFP4 sources whose exponents fit: keep every code, re-express the scales (exact).
     Returns None when done, else why they must be re-quantized."""
     members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
@@ -107,7 +107,7 @@ def _transcode(items: list[Item], reader: TensorReader, res: UnitResult) -> str 
     return None
 
 
-def _quantize(items: list[Item], reader: TensorReader, backend: Backend, block, res: UnitResult,
+def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, res: UnitResult,
               why: str | None = None) -> None:
     values = {s.name: decode(s, reader, block, backend) for it in items for s in it.sources}
     amax = None

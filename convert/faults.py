@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import threading
 
 _NAME, _AT, _MODE = ([*os.environ.get("KIMI_CONVERT_FAULT", "").split(":"), "", ""])[:3]
 _hits: dict[str, int] = {}
+_released = threading.Event()
+
+
+def release() -> None:
+    """End a pause (the pipeline is stopping: a paused background thread must not hold it up)."""
+    _released.set()
 
 
 def point(name: str) -> None:
@@ -24,6 +30,6 @@ def point(name: str) -> None:
     if _hits[name] != int(_AT or 1):
         return
     if _MODE == "pause":
-        time.sleep(3600)
+        _released.wait(3600)
     else:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,8 +1,5 @@
-"""``pack``: read -> plan -> compute -> write, one unit at a time, shards in order.
-
-Peak memory is one unit's decoded sources and quantized outputs (a fused module or an expert's
-w1/w3), whatever the checkpoint's size: sources are memory-map views whose pages are dropped once
-their unit is written.
+"""``pack``: plan, then convert the shards (``pipeline``: read, compute and write overlapped, in one
+or several worker processes), then configs, index and manifest.
 
 Crash safety: each shard is written under a ``.partial`` name, flushed, renamed, hashed and recorded
 in the resume journal; configs, index and manifest come last, the manifest very last, and the
@@ -12,28 +9,24 @@ writes only the rest, so the result is byte-identical to an uninterrupted run.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import groupby
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kimi_convert.kernels import Backend, get_backend
 
-from . import faults, journal, write
+from . import journal, pipeline, write
 from . import manifest as manifest_mod
-from .compute import compute_unit
+from . import workers as workers_mod
 from .errors import ConvertError
 from .journal import Journal, ShardRecord
 from .mapping import find_mapping
 from .plan import Options, Plan, Shard, Unit, fp8_block_size, make_plan
-from .source import Checkpoint, TensorReader, open_checkpoint
+from .source import Checkpoint, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -44,6 +37,9 @@ class PackResult:
     bytes_out: int
     resumed_shards: int = 0  # shards a resumed run found finished and verified
     already_complete: bool = False
+    workers: int = 1
+    hash_from_pipeline: int = 0  # input bytes hashed from the pipeline's own reads
+    hash_reread: int = 0  # input bytes read a second time to hash their file
 
 
 def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None) -> tuple[Checkpoint, Plan]:
@@ -59,11 +55,14 @@ def pack(
     *,
     mapping: str | None = None,
     device: str = "auto",
+    workers: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
     command: str | None = None,
 ) -> PackResult:
+    """``workers``: processes that split the output shards (None: one per visible GPU with a GPU
+    device, else one). Any number of workers gives the same bytes."""
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
     ckpt, plan = load_plan(input_dir, opts, mapping)
@@ -77,21 +76,97 @@ def pack(
     if j is None:
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True)
     resumed = _verify_finished(output_dir, plan, j)
-    _check_space(output_dir, [s for s in plan.shards if s.file not in j.shards])
-    stop = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kimi-convert-hash")
+    todo = [s for s in plan.shards if s.file not in j.shards]
+    _check_space(output_dir, todo)
+    n = workers_for(device, backend, workers)
+    jobs = split_jobs(ckpt, plan, todo, n, output_dir)
+    done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
+    bar = tqdm(total=plan.bytes_in, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+               desc="pack", disable=not progress, dynamic_ncols=True)
+    lock = threading.Lock()
+
+    def on_shard(file: str, rec: ShardRecord) -> None:
+        with lock:
+            j.shards[file] = rec
+            j.save(output_dir)
+
     try:
-        # Input file hashes run beside the conversion (hashlib releases the GIL).
-        input_futs = {f: pool.submit(write.sha256_file, input_dir / f, stop) for f, _ in plan.inputs}
-        _write_shards(ckpt, plan, output_dir, backend, j, progress)
-        input_hashes = {f: fut.result() for f, fut in input_futs.items()}
-    except BaseException:
-        stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown()
+        if len(jobs) == 1:
+            results = [pipeline.run_job(jobs[0], backend, on_shard, bar.update)]
+        else:
+            results = workers_mod.run(jobs, worker_devices(device, backend, len(jobs)), on_shard, bar.update)
+    finally:
+        bar.close()
+    input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
     _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
-    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed)
+    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed,
+                      workers=len(jobs), hash_reread=sum(r.reread for r in results),
+                      hash_from_pipeline=sum(r.from_pipeline for r in results))
+
+
+def workers_for(device: str, backend: Backend, workers: int | None) -> int:
+    """One worker per visible GPU when the device is a GPU without an index, else one."""
+    if workers is not None:
+        if workers < 1:
+            raise ConvertError(f"--workers {workers}: must be at least 1")
+        return workers
+    if backend.device.type == "cuda" and backend.device.index is None and device in ("auto", "cuda"):
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def worker_devices(device: str, backend: Backend, n: int) -> list[str]:
+    """Each worker's device: GPUs in turn from the one named (or 0); the CPU split in equal thread counts."""
+    if backend.device.type != "cuda":
+        return [backend.name if backend.name != "cpu" else "cpu"] * n
+    import torch
+
+    count = torch.cuda.device_count()
+    first = backend.device.index or 0
+    if device not in ("auto", "cuda"):
+        return [f"cuda:{first}"] * n
+    return [f"cuda:{(first + k) % count}" for k in range(n)]
+
+
+def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path) -> list[pipeline.Job]:
+    """The shards to write cut into at most ``n`` runs of consecutive shards of about equal input
+    bytes (consecutive: a worker then reads whole stretches of input files), and each input file
+    given to the worker that reads most of it, which hashes it from its own reads."""
+    units_of: dict[str, list[Unit]] = {s.file: [] for s in plan.shards}
+    for u in plan.units:
+        units_of[u.shard].append(u)
+    weight = [sum(u.nbytes_in for u in units_of[s.file]) for s in todo]
+    n = max(1, min(n, len(todo)))
+    total, acc, k = sum(weight), 0, 0
+    parts: list[list[Shard]] = [[] for _ in range(n)]
+    for s, w in zip(todo, weight, strict=True):
+        if parts[k] and k < n - 1 and acc + w / 2 > total * (k + 1) / n:
+            k += 1
+        parts[k].append(s)
+        acc += w
+    parts = [p for p in parts if p] or [[]]
+    reads = [dict.fromkeys(ckpt.files, 0) for _ in parts]
+    for i, p in enumerate(parts):
+        for s in p:
+            for u in units_of[s.file]:
+                for t in u.parts:
+                    reads[i][t.file] += t.nbytes
+    owner: dict[str, int] = {}
+    load = [0] * len(parts)
+    for f, size in plan.inputs:
+        best = max(range(len(parts)), key=lambda i: (reads[i][f], -load[i]))
+        owner[f] = best
+        load[best] += size - reads[best][f]
+    order = {f: i for i, f in enumerate(ckpt.files)}
+    block = fp8_block_size(ckpt.config)
+    return [
+        pipeline.Job(ckpt.folder, output_dir, p, [u for s in p for u in units_of[s.file]], order,
+                     {f: size for f, size in plan.inputs if owner[f] == i}, block,
+                     hash_threads=pipeline.default_hash_threads(len(parts)))
+        for i, p in enumerate(parts)
+    ]
 
 
 def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,
@@ -156,72 +231,6 @@ def _check_space(output_dir: Path, todo: list[Shard]) -> None:
     if need > free:
         raise ConvertError(f"{output_dir}: needs {need / 1e9:.2f} GB for {len(todo)} shard(s), "
                            f"{free / 1e9:.2f} GB free")
-
-
-def _write_shards(ckpt: Checkpoint, plan: Plan, output_dir: Path, backend: Backend, j: Journal,
-                  progress: bool) -> None:
-    block = fp8_block_size(ckpt.config)
-    reader = TensorReader(ckpt.folder)
-    by_shard = {f: list(us) for f, us in groupby(plan.units, key=lambda u: u.shard)}
-    done_bytes = sum(u.nbytes_in for f in j.shards for u in by_shard.get(f, []))
-    bar = tqdm(total=plan.bytes_in, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-               desc="pack", disable=not progress, dynamic_ncols=True)
-    try:
-        for shard in plan.shards:
-            if shard.file not in j.shards:
-                j.shards[shard.file] = _write_shard(output_dir, shard, by_shard[shard.file], reader, backend,
-                                                    block, bar)
-                j.save(output_dir)
-    finally:
-        bar.close()
-        reader.close()
-
-
-#: Units whose outputs may wait for the writer while the next unit computes (bounds memory).
-WRITE_DEPTH = 2
-
-
-def _write_shard(output_dir: Path, shard: Shard, units: list[Unit], reader: TensorReader, backend: Backend,
-                 block, bar) -> ShardRecord:
-    """Compute on this thread; hash and write on another, so that the two overlap.
-
-    The writer hashes the unit's source tensors and writes its outputs, then drops the source pages;
-    at most WRITE_DEPTH computed units wait for it. The next unit's sources are prefetched."""
-    rec = ShardRecord(size=shard.size, sha256="", tensors={}, sources={}, notes={})
-    writer = write.ShardWriter(output_dir, shard)
-
-    def store(unit: Unit, res) -> None:
-        for p in unit.parts:
-            rec.sources[p.name] = hashlib.sha256(reader.raw(p)).hexdigest()
-        for name, out in res.outputs.items():
-            rec.tensors[name] = writer.write(name, out.chunks)
-        for p in unit.parts:
-            reader.release(p)
-        bar.update(unit.nbytes_in)
-
-    pending: deque[Future] = deque()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimi-convert-write")
-    try:
-        for i, unit in enumerate(units):
-            for p in units[i + 1].parts if i + 1 < len(units) else []:
-                reader.prefetch(p)
-            res = compute_unit(unit, reader, backend, block)
-            rec.notes.update(res.notes)
-            pending.append(pool.submit(store, unit, res))
-            del res
-            while len(pending) > WRITE_DEPTH:
-                pending.popleft().result()
-        while pending:
-            pending.popleft().result()
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        writer.abort()
-        raise
-    pool.shutdown()
-    writer.finish()
-    faults.point("shard")
-    rec.sha256 = write.sha256_file(output_dir / shard.file)
-    return rec
 
 
 def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: Journal,

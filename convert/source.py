@@ -1,4 +1,4 @@
-"""Read stage: safetensors headers, the shard index, config.json, memory-mapped tensor data.
+"""Read stage: safetensors headers, the shard index, config.json, tensor data (read or memory-mapped).
 
 The safetensors library's ``safe_open`` is not used for reading: it exposes neither the raw byte
 range of a tensor (needed for byte-identical pass-through and for hashing) nor a way to drop pages
@@ -17,7 +17,9 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from .errors import ConvertError
@@ -305,3 +307,74 @@ class TensorReader:
             with contextlib.suppress(BufferError):  # a view is still alive: it closes when collected
                 m.close()
         self._maps.clear()
+
+
+class TensorSource(Protocol):
+    """What the compute stage reads stored tensors from: a memory map, or buffers read for it."""
+
+    def tensor(self, t: TensorInfo) -> torch.Tensor: ...
+
+    def raw(self, t: TensorInfo) -> memoryview | np.ndarray: ...
+
+
+def _typed(buf: torch.Tensor, t: TensorInfo) -> torch.Tensor:
+    dt = DTYPES[t.dtype].torch
+    if t.nbytes == 0:
+        return torch.empty(t.shape, dtype=dt)
+    return buf.view(dt).view(t.shape)
+
+
+class RangeReader:
+    """Reads byte ranges of stored tensors into new buffers with ``pread``: the pipeline's reader.
+
+    Explicit reads rather than memory-map faults: one large read on the reader thread overlaps the
+    compute of the previous group and yields the very buffers the hashers need; and a GPU copies from
+    pinned buffers asynchronously at full speed, from mapped pages only through a staging copy."""
+
+    def __init__(self, folder: Path, pinned: bool = False):
+        self.folder = folder
+        self.pinned = pinned
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = self._fds[rel] = os.open(self.folder / rel, os.O_RDONLY)
+        return fd
+
+    def read(self, t: TensorInfo, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Bytes [lo, hi) of ``t`` (relative to its start) as a new uint8 tensor."""
+        hi = t.nbytes if hi is None else hi
+        buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=self.pinned)
+        view = memoryview(buf.numpy())
+        fd, pos = self._fd(t.file), t.start + lo
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n == 0:
+                raise ConvertError(f"{t.file}: tensor {t.name}: file ends before the tensor's data (truncated?)")
+            view, pos = view[n:], pos + n
+        return buf
+
+    def will_need(self, t: TensorInfo, lo: int = 0, hi: int | None = None) -> None:
+        """Start reading a later range into the page cache now (asynchronous readahead)."""
+        hi = t.nbytes if hi is None else hi
+        if hi > lo and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(t.file), t.start + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class Loaded:
+    """A group's stored tensors, read into buffers (the compute stage's view of a ``RangeReader``)."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]):
+        self.buffers = buffers
+
+    def tensor(self, t: TensorInfo) -> torch.Tensor:
+        return _typed(self.buffers[t.name], t)
+
+    def raw(self, t: TensorInfo) -> np.ndarray:
+        return self.buffers[t.name].numpy()

@@ -90,6 +90,7 @@ class ShardWriter:
         faults.point("header")
         self._pwrite(shard.header[half:], half)
         self.placed = {p.tensor.name: p for p in shard.placed}
+        self.written: dict[str, int] = {}
 
     def _error(self, e: OSError) -> ConvertError:
         return ConvertError(f"{self.tmp}: cannot write: {e.strerror or e}; the finished shards are kept, "
@@ -104,25 +105,29 @@ class ShardWriter:
         except OSError as e:
             raise self._error(e) from None
 
-    def write(self, name: str, chunks: list[Chunk]) -> str:
-        """Write tensor ``name``; return the sha256 of its bytes."""
+    def write(self, name: str, chunks: list[Chunk], offset: int = 0) -> None:
+        """Write ``chunks`` back to back into tensor ``name``, from ``offset`` bytes into it."""
         p: Placed = self.placed[name]
-        h = hashlib.sha256()
-        pos = p.start
+        pos = p.start + offset
         for c in chunks:
-            h.update(c)
-            n = memoryview(c).nbytes
-            self._pwrite(memoryview(c).cast("B")[: n // 2], pos)
+            view = memoryview(c).cast("B")
+            n = view.nbytes
+            if pos + n > p.end:
+                raise ConvertError(f"{self.shard.file}: tensor {name}: {pos + n - p.start} bytes, "
+                                   f"planned {p.end - p.start}")
+            self._pwrite(view[: n // 2], pos)
             faults.point("tensor")
-            self._pwrite(memoryview(c).cast("B")[n // 2 :], pos + n // 2)
+            self._pwrite(view[n // 2 :], pos + n // 2)
             pos += n
-        if pos != p.end:
-            raise ConvertError(
-                f"{self.shard.file}: tensor {name}: wrote {pos - p.start} bytes, planned {p.end - p.start}"
-            )
-        return h.hexdigest()
+        self.written[name] = self.written.get(name, 0) + pos - p.start - offset
 
     def finish(self) -> None:
+        """Check every planned byte was written, flush, and move the file to its final name."""
+        for name, p in self.placed.items():
+            if self.written.get(name, 0) != p.end - p.start:
+                self.abort()
+                raise ConvertError(f"{self.shard.file}: tensor {name}: wrote {self.written.get(name, 0)} bytes, "
+                                   f"planned {p.end - p.start}")
         try:
             os.fsync(self.fd)
             os.close(self.fd)

@@ -81,7 +81,8 @@ def test_random_kills_short(tmp_path):
 def test_resume_reverifies_finished_shards(medium, tmp_path):
     src, ref = medium
     out = tmp_path / "out"
-    assert cli("pack", src, out, *PACK_ARGS, env={"KIMI_CONVERT_FAULT": "header:2"}).returncode == -signal.SIGKILL
+    # killed once shard 2 is renamed, before its journal entry: shard 1 is finished and journaled
+    assert cli("pack", src, out, *PACK_ARGS, env={"KIMI_CONVERT_FAULT": "shard:2"}).returncode == -signal.SIGKILL
     finished = out / "model-00001-of-00002.safetensors"
     data = bytearray(finished.read_bytes())
     data[-1] ^= 0xFF  # a finished shard damaged after the fact: not trusted, redone

@@ -1,0 +1,199 @@
+"""sha256 of streams that arrive out of thread order, computed on a shared pool.
+
+The pipeline hashes every byte it reads or writes (each input file and each source tensor, each
+output tensor and each output file), and hashlib releases the GIL on large buffers, so hashing runs
+beside reading, computing and writing. A sha256 is sequential, though: the pieces of one stream must
+be fed in order even when several pool threads run. ``SerialHasher`` keeps that order for one stream;
+``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads anyway, reading
+from the file itself only what the pipeline does not read (the header, or ranges other workers own).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import threading
+from collections import deque
+from concurrent.futures import Executor, Future
+
+CHUNK = 16 << 20
+
+
+class SerialHasher:
+    """One sha256 fed from any thread, updated in feed order on ``pool``.
+
+    Each ``feed`` returns a future that is done once those bytes are hashed, so the caller knows when
+    it may reuse or drop the buffer. At most one pool thread works on a stream at a time (no thread
+    ever blocks waiting for its turn)."""
+
+    def __init__(self, pool: Executor):
+        self._pool = pool
+        self._h = hashlib.sha256()
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[object, Future]] = deque()
+        self._running = False
+
+    def feed(self, data) -> Future:
+        """Hash ``data`` (a buffer, or a callable that feeds the hash itself) after what came before."""
+        fut: Future = Future()
+        with self._lock:
+            self._queue.append((data, fut))
+            if self._running:
+                return fut
+            self._running = True
+        self._pool.submit(self._drain)
+        return fut
+
+    def hexdigest(self) -> Future:
+        """A future of the digest of everything fed so far."""
+        return self.feed(None)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                data, fut = self._queue.popleft()
+            try:
+                if data is None:
+                    fut.set_result(self._h.hexdigest())
+                    continue
+                if callable(data):
+                    data(self._h.update)
+                else:
+                    self._h.update(data)
+                fut.set_result(None)
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+
+class FileHasher:
+    """A file's sha256 from the ranges the pipeline reads, in file order, plus the gaps between them.
+
+    ``expected`` are the (start, end) ranges the pipeline will ``offer`` (each exactly once). The
+    cursor hashes offered bytes as soon as everything before them is hashed; a range offered ahead
+    of the cursor is held while the hold budget allows, else dropped and later read again from the
+    file; bytes nobody offers (the header, tensors this worker does not convert) are read from the
+    file when the cursor reaches them. The digest is the file's sha256 whatever the order of offers.
+    """
+
+    def __init__(self, path: os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
+                 budget: HoldBudget, stop: threading.Event | None = None):
+        self.path = path
+        self.size = size
+        self._hasher = SerialHasher(pool)
+        self._lock = threading.Lock()
+        self._ends = {a: b for a, b in expected if b > a}
+        self._starts = sorted(self._ends)  # still to be offered, or held
+        self._held: dict[int, object] = {}
+        self._cursor = 0
+        self._budget = budget
+        self._stop = stop or threading.Event()
+        self.from_pipeline = 0  # bytes hashed from the pipeline's own reads
+        self.reread = 0  # bytes read from the file again for the hash
+        self._done: Future | None = None
+        with self._lock:
+            self._advance()  # the header, and anything before the first range the pipeline reads
+
+    def offer(self, start: int, data) -> Future | None:
+        """Bytes [start, start + len) of the file, as read by the pipeline. Returns the future of
+        their hashing when they are hashed now (the buffer must live until it is done), else None
+        (held within the budget, or to be read again)."""
+        n = memoryview(data).nbytes
+        with self._lock:
+            if self._ends.get(start) != start + n:
+                return None  # not expected (any more): the cursor reads these bytes from the file
+            if start != self._cursor:
+                if self._budget.take(n):
+                    self._held[start] = data
+                else:
+                    self._forget(start)  # read again when the cursor gets there
+                return None
+            self._forget(start)
+            fut = self._feed(data, n, pipeline=True)
+            self._advance()
+            return fut
+
+    def finish(self) -> Future:
+        """Hash whatever is left (nothing more will be offered); a future of the hex digest."""
+        with self._lock:
+            for s in list(self._starts):
+                if s not in self._held:
+                    self._forget(s)
+            self._advance()
+            if self._done is None:
+                self._done = self._hasher.hexdigest()
+            return self._done
+
+    def _forget(self, start: int) -> None:
+        del self._ends[start]
+        self._starts.pop(bisect.bisect_left(self._starts, start))
+
+    def _feed(self, data, n: int, pipeline: bool) -> Future:
+        self._cursor += n
+        if pipeline:
+            self.from_pipeline += n
+        else:
+            self.reread += n
+        return self._hasher.feed(data)
+
+    def _advance(self) -> None:
+        """Move the cursor over held ranges and gaps until it reaches a range still to come."""
+        while self._cursor < self.size:
+            c = self._cursor
+            if c in self._held:
+                data = self._held.pop(c)
+                n = memoryview(data).nbytes
+                self._budget.give(n)
+                self._forget(c)
+                self._feed(data, n, pipeline=True)
+                continue
+            if c in self._ends:
+                return  # the pipeline reads it next
+            i = bisect.bisect_right(self._starts, c)
+            nxt = self._starts[i] if i < len(self._starts) else self.size
+            self._feed(_reader(self.path, c, nxt, self._stop), nxt - c, pipeline=False)
+
+
+class Stopped(Exception):
+    """The pipeline is stopping: a long read for a hash ends early."""
+
+
+def _reader(path: os.PathLike, lo: int, hi: int, stop: threading.Event):
+    """A feed that reads [lo, hi) of the file in chunks (run on the hashing pool)."""
+
+    def run(update) -> None:
+        with open(path, "rb", buffering=0) as f:
+            pos = lo
+            while pos < hi:
+                if stop.is_set():
+                    raise Stopped(str(path))
+                block = os.pread(f.fileno(), min(CHUNK, hi - pos), pos)
+                if not block:
+                    raise OSError(f"{path}: file shorter than its header says")
+                update(block)
+                pos += len(block)
+
+    return run
+
+
+class HoldBudget:
+    """Bytes that ``FileHasher`` may hold out of order, shared by a worker's files (bounds memory)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.held + n > self.limit:
+                return False
+            self.held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n

@@ -1,0 +1,290 @@
+"""One worker's conversion: read -> compute -> write, the three stages overlapped.
+
+- A reader thread ``pread``s the sources of the next pieces into buffers (pinned host memory when a
+  GPU computes), asks the kernel to start reading the piece after, and hands each buffer to the
+  hashers: each source tensor's sha256, and its file's sha256 (``hashing.FileHasher``), come from
+  these same bytes, not from a second read.
+- The calling thread computes (a kernel per unit; a pass-through slice needs nothing).
+- A writer thread ``pwrite``s the results at their planned offsets and hashes them; a finisher
+  thread flushes, renames and hashes each completed shard while the next one is written, and reports
+  it (``on_shard``) for the journal.
+
+A piece is a unit (a fused module, an expert's w1/w3), or a slice of at most ``SLICE`` bytes of a
+pass-through tensor, so a huge embedding streams through like the rest. At most ``READ_AHEAD``
+pieces are read ahead of the compute and ``WRITE_DEPTH`` wait for the writer, and a piece's buffers
+are dropped once written and hashed: memory is bounded by the pipeline depth times the largest
+piece, plus the file hashers' hold budget, whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kimi_convert.kernels import Backend
+
+from . import faults, write
+from .compute import Chunk, compute_unit
+from .hashing import FileHasher, HoldBudget, SerialHasher
+from .journal import ShardRecord
+from .plan import Shard, Unit
+from .source import Loaded, RangeReader, TensorInfo
+
+SLICE = 64 << 20
+READ_AHEAD = 2
+WRITE_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class Read:
+    part: TensorInfo
+    lo: int  # byte range within the stored tensor
+    hi: int
+
+    @property
+    def file_range(self) -> tuple[int, int]:
+        return self.part.start + self.lo, self.part.start + self.hi
+
+
+@dataclass(frozen=True)
+class Piece:
+    unit: Unit
+    reads: tuple[Read, ...]
+    copy_at: int | None  # a pass-through slice: its byte offset in the output tensor; None: computed
+    last: bool  # the unit's last piece
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.hi - r.lo for r in self.reads)
+
+
+def is_pass_through(unit: Unit) -> bool:
+    """Output bytes = the concatenated stored bytes of its sources (nothing to compute)."""
+    return len(unit.items) == 1 and unit.items[0].kind != "nvfp4" and all(
+        s.encoding == "dense" for s in unit.items[0].sources)
+
+
+def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int = SLICE) -> list[Piece]:
+    """The units cut into pieces: pass-through units in slices, the others whole (their reads in
+    file order, so that file hashes mostly advance without holding anything)."""
+    out = []
+    for u in units:
+        if not is_pass_through(u):
+            reads = sorted((Read(p, 0, p.nbytes) for p in u.parts), key=lambda r: (file_order[r.part.file],
+                                                                                      r.part.start))
+            out.append(Piece(u, tuple(reads), None, True))
+            continue
+        cur: list[Read] = []
+        size = at = 0
+        for p in u.parts:  # every part gets a read, an empty one too (its hash is recorded)
+            take = 0
+            while True:
+                n = min(p.nbytes - take, slice_bytes - size)
+                cur.append(Read(p, take, take + n))
+                size, take = size + n, take + n
+                if size == slice_bytes:
+                    out.append(Piece(u, tuple(cur), at, False))
+                    at, cur, size = at + size, [], 0
+                if take >= p.nbytes:
+                    break
+        if cur:
+            out.append(Piece(u, tuple(cur), at, False))
+        out[-1] = Piece(u, out[-1].reads, out[-1].copy_at, True)
+    return out
+
+
+@dataclass
+class Job:
+    """What one worker converts: some of the plan's shards, and the input files it hashes."""
+
+    input_dir: Path
+    output_dir: Path
+    shards: list[Shard]
+    units: list[Unit]  # the units of those shards, in plan order
+    file_order: dict[str, int]
+    hash_files: dict[str, int]  # input file -> size: the files whose sha256 this worker computes
+    block: tuple[int, int]
+    hash_threads: int = 2
+    hold_budget: int = 256 << 20
+
+
+@dataclass
+class JobResult:
+    input_hashes: dict[str, str]
+    from_pipeline: int  # input bytes the file hashes took from the pipeline's reads
+    reread: int  # input bytes read a second time for them
+
+
+@dataclass
+class _ShardState:
+    writer: write.ShardWriter
+    units_left: int
+    tensors: dict[str, Future] = field(default_factory=dict)
+    sources: dict[str, Future] = field(default_factory=dict)
+    notes: dict[str, dict] = field(default_factory=dict)
+
+
+class _Run:
+    def __init__(self, job: Job, backend: Backend, on_shard: Callable[[str, ShardRecord], None],
+                 on_progress: Callable[[int], None], stop: threading.Event):
+        self.job, self.backend, self.on_shard, self.on_progress, self.stop = job, backend, on_shard, on_progress, stop
+        self.hash_pool = ThreadPoolExecutor(job.hash_threads, thread_name_prefix="kimi-convert-hash")
+        self.reader = RangeReader(job.input_dir, pinned=backend.device.type == "cuda")
+        budget = HoldBudget(job.hold_budget)
+        mine = pieces(job.units, job.file_order)
+        self.pieces = mine
+        expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
+        for pc in mine:
+            for r in pc.reads:
+                if r.part.file in expected:
+                    expected[r.part.file].append(r.file_range)
+        self.files = {f: FileHasher(job.input_dir / f, size, expected[f], self.hash_pool, budget, stop)
+                      for f, size in job.hash_files.items()}
+        self.source_hashers: dict[str, SerialHasher] = {}
+        self.units_per_shard = {s.file: 0 for s in job.shards}
+        for u in job.units:
+            self.units_per_shard[u.shard] += 1
+        self.shard_of = {s.file: s for s in job.shards}
+        self.open: dict[str, _ShardState] = {}
+        self.out_hashers: dict[str, SerialHasher] = {}
+
+    # -- read stage (reader thread) ---------------------------------------------------------------
+    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future]]:
+        """Read piece ``i``, start the hashes of its bytes, hint the kernel about piece ``i + 1``."""
+        if self.stop.is_set():
+            raise write.Stopped("pack")
+        if i + 1 < len(self.pieces):
+            for r in self.pieces[i + 1].reads:
+                self.reader.will_need(r.part, r.lo, r.hi)
+        bufs, feeds, digests = {}, [], {}
+        for r in self.pieces[i].reads:
+            buf = self.reader.read(r.part, r.lo, r.hi)
+            key = f"{r.part.name}@{r.lo}" if self.pieces[i].copy_at is not None else r.part.name
+            bufs[key] = buf
+            h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool))
+            feeds.append(h.feed(buf.numpy()))
+            if r.hi == r.part.nbytes:
+                digests[r.part.name] = h.hexdigest()
+                del self.source_hashers[r.part.name]
+            fh = self.files.get(r.part.file)
+            if fh is not None and (f := fh.offer(r.part.start + r.lo, buf.numpy())) is not None:
+                feeds.append(f)
+        return Loaded(bufs), feeds, digests
+
+    # -- compute stage (calling thread) -----------------------------------------------------------
+    def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict]]:
+        if pc.copy_at is not None:
+            name = pc.unit.items[0].outputs[0].name
+            return {name: [b.numpy() for b in loaded.buffers.values()]}, {}
+        res = compute_unit(pc.unit, loaded, self.backend, self.job.block)
+        return {n: o.chunks for n, o in res.outputs.items()}, res.notes
+
+    # -- write stage (writer thread) --------------------------------------------------------------
+    def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
+              digests: dict[str, Future], finisher: ThreadPoolExecutor, finishing: list[Future]) -> None:
+        if self.stop.is_set():
+            raise write.Stopped("pack")
+        file = pc.unit.shard
+        st = self.open.get(file)
+        if st is None:
+            st = self.open[file] = _ShardState(write.ShardWriter(self.job.output_dir, self.shard_of[file]),
+                                               self.units_per_shard[file])
+        st.sources.update(digests)
+        st.notes.update(notes)
+        single = pc.copy_at is not None and len(pc.unit.parts) == 1
+        for name, chunks in outputs.items():
+            st.writer.write(name, chunks, pc.copy_at or 0)
+            if single:  # a one-tensor pass-through: its bytes are the source's, hashed once
+                if pc.last:
+                    st.tensors[name] = digests[pc.unit.parts[0].name]
+                continue
+            h = self.out_hashers.setdefault(name, SerialHasher(self.hash_pool))
+            feeds += [h.feed(c) for c in chunks]
+            if pc.last:
+                st.tensors[name] = h.hexdigest()
+                del self.out_hashers[name]
+        for f in feeds:
+            f.result()  # the buffers may go once hashed: this bounds memory by the pipeline's depth
+        self.on_progress(pc.nbytes)
+        if pc.last:
+            st.units_left -= 1
+            if st.units_left == 0:
+                del self.open[file]
+                finishing.append(finisher.submit(self.finish_shard, file, st))
+
+    def finish_shard(self, file: str, st: _ShardState) -> None:
+        st.writer.finish()
+        faults.point("shard")
+        sha = write.sha256_file(self.job.output_dir / file, self.stop)
+        rec = ShardRecord(size=self.shard_of[file].size, sha256=sha,
+                          tensors={k: f.result() for k, f in st.tensors.items()},
+                          sources={k: f.result() for k, f in st.sources.items()}, notes=st.notes)
+        self.on_shard(file, rec)
+
+    def run(self) -> JobResult:
+        reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
+        writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
+        finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
+        finishing: list[Future] = []
+        loading: deque[Future] = deque()
+        writing: deque[Future] = deque()
+        try:
+            for i in range(min(READ_AHEAD, len(self.pieces))):
+                loading.append(reads.submit(self.load, i))
+            for i, pc in enumerate(self.pieces):
+                loaded, feeds, digests = loading.popleft().result()
+                if i + READ_AHEAD < len(self.pieces):
+                    loading.append(reads.submit(self.load, i + READ_AHEAD))
+                outputs, notes = self.compute(pc, loaded)
+                del loaded
+                writing.append(writes.submit(self.store, pc, outputs, notes, feeds, digests, finisher, finishing))
+                del outputs
+                while len(writing) > WRITE_DEPTH or (writing and writing[0].done()):
+                    writing.popleft().result()
+                _raise_failed(finishing)
+            while writing:
+                writing.popleft().result()
+            for f in list(finishing):
+                f.result()
+            hashes = {f: h.finish() for f, h in self.files.items()}
+            result = JobResult({f: fut.result() for f, fut in hashes.items()},
+                               sum(h.from_pipeline for h in self.files.values()),
+                               sum(h.reread for h in self.files.values()))
+        except BaseException:
+            self.stop.set()
+            faults.release()
+            for ex in (reads, writes, finisher):
+                ex.shutdown(wait=True, cancel_futures=True)
+            for st in self.open.values():
+                st.writer.abort()
+            self.hash_pool.shutdown(wait=True, cancel_futures=True)
+            self.reader.close()
+            raise
+        for ex in (reads, writes, finisher, self.hash_pool):
+            ex.shutdown()
+        self.reader.close()
+        return result
+
+
+def _raise_failed(futs: list[Future]) -> None:
+    for f in futs:
+        if f.done() and f.exception() is not None:
+            f.result()
+
+
+def run_job(job: Job, backend: Backend, on_shard: Callable[[str, ShardRecord], None],
+            on_progress: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> JobResult:
+    """Convert ``job``'s shards (calling ``on_shard`` as each is complete) and hash its input files."""
+    return _Run(job, backend, on_shard, on_progress, stop or threading.Event()).run()
+
+
+def default_hash_threads(workers: int = 1) -> int:
+    """Hashing threads of one worker: its share of the CPUs, 2 to 8 (hashlib releases the GIL)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(2, min(8, cpus // max(1, workers)))
+

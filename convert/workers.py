@@ -1,0 +1,119 @@
+"""Several worker processes, one per GPU (or a share of the CPUs each), each running the pipeline
+on its own consecutive output shards.
+
+Processes rather than threads: each GPU is driven by its own host process, so the Python work of
+one (launching kernels, hashing, writing) never waits on another's GIL. The parent owns the resume
+journal and the progress bar: a worker reports each finished shard's record and its progress on a
+queue, and at the end the hashes of the input files it was given. Workers are started with
+``spawn`` (CUDA cannot be used in a forked child) and with SIGINT ignored: Ctrl-C reaches the whole
+process group, and the parent alone decides to stop them, so no worker prints a traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import traceback
+from collections.abc import Callable
+
+from .errors import ConvertError
+from .journal import ShardRecord
+from .pipeline import Job, JobResult, run_job
+
+#: A worker reports progress at most every this many bytes (a queue message each time).
+PROGRESS_STEP = 64 << 20
+
+
+def _main(index: int, job: Job, device: str, threads: int, q) -> None:
+    os.environ["KIMI_CONVERT_THREADS"] = str(threads)
+    from kimi_convert.kernels import get_backend
+
+    pending = 0
+
+    def progress(n: int) -> None:
+        nonlocal pending
+        pending += n
+        if pending >= PROGRESS_STEP:
+            q.put(("progress", index, pending))
+            pending = 0
+
+    try:
+        res = run_job(job, get_backend(device), lambda f, rec: q.put(("shard", index, (f, rec))), progress)
+        q.put(("progress", index, pending))
+        q.put(("done", index, res))
+    except ConvertError as e:
+        q.put(("error", index, str(e)))
+    except BaseException:  # a bug: the parent shows it, with where it happened
+        q.put(("crash", index, traceback.format_exc()))
+
+
+def _cpu_share(n: int) -> int:
+    env = os.environ.get("KIMI_CONVERT_THREADS")
+    cpus = int(env) if env else len(os.sched_getaffinity(0))
+    return max(1, cpus // n)
+
+
+def run(jobs: list[Job], devices: list[str], on_shard: Callable[[str, ShardRecord], None],
+        on_progress: Callable[[int], None]) -> list[JobResult]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    threads = _cpu_share(len(jobs))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec by the workers
+    try:
+        procs = [ctx.Process(target=_main, args=(i, job, devices[i], threads, q), name=f"kimi-convert-worker-{i}")
+                 for i, job in enumerate(jobs)]
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    results: dict[int, JobResult] = {}
+
+    def handle(kind: str, i: int, payload) -> None:
+        if kind == "progress":
+            on_progress(payload)
+        elif kind == "shard":
+            on_shard(*payload)
+        elif kind == "done":
+            results[i] = payload
+        elif kind == "error":
+            raise ConvertError(payload)
+        else:
+            raise RuntimeError(f"worker {i} ({devices[i]}) failed:\n{payload}")
+
+    try:
+        while len(results) < len(jobs):
+            try:
+                handle(*q.get(timeout=0.5))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if i not in results and p.exitcode is not None]
+                if dead:
+                    _drain(q, handle)
+                    for i in dead:
+                        if i not in results:
+                            raise ConvertError(f"worker {i} ({devices[i]}) ended without finishing (exit code "
+                                               f"{procs[i].exitcode}); the finished shards are kept, rerun with "
+                                               "--resume") from None
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+        # the shards workers finished before they stopped are still worth journaling
+        _drain(q, lambda kind, i, payload: on_shard(*payload) if kind == "shard" else None)
+        raise
+    for p in procs:
+        p.join()
+    return [results[i] for i in range(len(jobs))]
+
+
+def _drain(q, handle: Callable) -> None:
+    """Handle what is left on the queue (the workers have stopped or are stopping)."""
+    while True:
+        try:
+            msg = q.get(timeout=0.1)
+        except (queue.Empty, OSError, EOFError, ValueError):
+            return
+        handle(*msg)
