@@ -4,8 +4,9 @@ The pipeline hashes every byte it reads or writes (each input file and each sour
 output tensor and each output file), and hashlib releases the GIL on large buffers, so hashing runs
 beside reading, computing and writing. A sha256 is sequential, though: the pieces of one stream must
 be fed in order even when several pool threads run. ``SerialHasher`` keeps that order for one stream;
-``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads anyway, reading
-from the file itself only what the pipeline does not read (the header, or ranges other workers own).
+``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or writes anyway,
+reading from the file itself only what the pipeline does not hand it (an input's header, ranges
+another worker converts, ranges that came too far out of order to hold).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class SerialHasher:
         self._lock = threading.Lock()
         self._queue: deque[tuple[object, Future]] = deque()
         self._running = False
+        self._error: BaseException | None = None  # a failed feed fails every later one
 
     def feed(self, data) -> Future:
         """Hash ``data`` (a buffer, or a callable that feeds the hash itself) after what came before."""
@@ -57,6 +59,8 @@ class SerialHasher:
                     return
                 data, fut = self._queue.popleft()
             try:
+                if self._error is not None:
+                    raise self._error
                 if data is None:
                     fut.set_result(self._h.hexdigest())
                     continue
@@ -66,6 +70,7 @@ class SerialHasher:
                     self._h.update(data)
                 fut.set_result(None)
             except BaseException as e:  # handed to whoever waits on the future
+                self._error = e
                 fut.set_exception(e)
 
 
@@ -97,24 +102,25 @@ class FileHasher:
         with self._lock:
             self._advance()  # the header, and anything before the first range the pipeline reads
 
-    def offer(self, start: int, data) -> Future | None:
-        """Bytes [start, start + len) of the file, as read by the pipeline. Returns the future of
-        their hashing when they are hashed now (the buffer must live until it is done), else None
-        (held within the budget, or to be read again)."""
-        n = memoryview(data).nbytes
+    def offer(self, start: int, chunks: list) -> tuple[Future | None, bool]:
+        """Bytes [start, start + their length) of the file, as read or written by the pipeline (one
+        or more buffers back to back). Returns the future of their hashing if they are hashed now
+        (the buffers must live until it is done), and whether they are held for later (the buffers
+        must not be reused)."""
+        n = sum(memoryview(c).nbytes for c in chunks)
         with self._lock:
             if self._ends.get(start) != start + n:
-                return None  # not expected (any more): the cursor reads these bytes from the file
+                return None, False  # not expected (any more): the cursor reads these bytes from the file
             if start != self._cursor:
                 if self._budget.take(n):
-                    self._held[start] = data
-                else:
-                    self._forget(start)  # read again when the cursor gets there
-                return None
+                    self._held[start] = chunks
+                    return None, True
+                self._forget(start)  # read again when the cursor gets there
+                return None, False
             self._forget(start)
-            fut = self._feed(data, n, pipeline=True)
+            fut = self._feed(chunks, n, pipeline=True)
             self._advance()
-            return fut
+            return fut, False
 
     def finish(self) -> Future:
         """Hash whatever is left (nothing more will be offered); a future of the hex digest."""
@@ -132,23 +138,25 @@ class FileHasher:
         self._starts.pop(bisect.bisect_left(self._starts, start))
 
     def _feed(self, data, n: int, pipeline: bool) -> Future:
+        """``data``: a list of buffers, or a callable that reads from the file."""
         self._cursor += n
         if pipeline:
             self.from_pipeline += n
         else:
             self.reread += n
-        return self._hasher.feed(data)
+        futs = [self._hasher.feed(c) for c in data] if isinstance(data, list) else [self._hasher.feed(data)]
+        return futs[-1] if futs else self._hasher.feed(b"")
 
     def _advance(self) -> None:
         """Move the cursor over held ranges and gaps until it reaches a range still to come."""
         while self._cursor < self.size:
             c = self._cursor
             if c in self._held:
-                data = self._held.pop(c)
-                n = memoryview(data).nbytes
+                chunks = self._held.pop(c)
+                n = self._ends[c] - c
                 self._budget.give(n)
                 self._forget(c)
-                self._feed(data, n, pipeline=True)
+                self._feed(chunks, n, pipeline=True)
                 continue
             if c in self._ends:
                 return  # the pipeline reads it next

@@ -26,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kimi_convert.kernels import Backend
 
 from . import faults, write
@@ -33,7 +35,7 @@ from .compute import Chunk, compute_unit
 from .hashing import FileHasher, HoldBudget, SerialHasher
 from .journal import ShardRecord
 from .plan import Shard, Unit
-from .source import Loaded, RangeReader, TensorInfo
+from .source import BufferPool, Loaded, RangeReader, TensorInfo
 
 SLICE = 64 << 20
 READ_AHEAD = 2
@@ -69,9 +71,10 @@ def is_pass_through(unit: Unit) -> bool:
         s.encoding == "dense" for s in unit.items[0].sources)
 
 
-def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int = SLICE) -> list[Piece]:
+def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:
     """The units cut into pieces: pass-through units in slices, the others whole (their reads in
     file order, so that file hashes mostly advance without holding anything)."""
+    slice_bytes = slice_bytes or SLICE
     out = []
     for u in units:
         if not is_pass_through(u):
@@ -123,10 +126,26 @@ class JobResult:
 @dataclass
 class _ShardState:
     writer: write.ShardWriter
+    file_hash: FileHasher
     units_left: int
     tensors: dict[str, Future] = field(default_factory=dict)
     sources: dict[str, Future] = field(default_factory=dict)
     notes: dict[str, dict] = field(default_factory=dict)
+
+
+def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
+    """Per shard, the byte ranges the writer hands to the shard's file hash: the header, each
+    computed tensor whole, each pass-through slice."""
+    out = {f: [(0, len(s.header))] for f, s in shards.items()}
+    for pc in mine:
+        placed = {p.tensor.name: p for p in shards[pc.unit.shard].placed}
+        if pc.copy_at is not None:
+            start = placed[pc.unit.items[0].outputs[0].name].start + pc.copy_at
+            out[pc.unit.shard].append((start, start + pc.nbytes))
+        else:
+            out[pc.unit.shard] += [(placed[t.name].start, placed[t.name].end) for it in pc.unit.items
+                                   for t in it.outputs]
+    return out
 
 
 class _Run:
@@ -134,47 +153,56 @@ class _Run:
                  on_progress: Callable[[int], None], stop: threading.Event):
         self.job, self.backend, self.on_shard, self.on_progress, self.stop = job, backend, on_shard, on_progress, stop
         self.hash_pool = ThreadPoolExecutor(job.hash_threads, thread_name_prefix="kimi-convert-hash")
-        self.reader = RangeReader(job.input_dir, pinned=backend.device.type == "cuda")
+        self.reader = RangeReader(job.input_dir)
         budget = HoldBudget(job.hold_budget)
         mine = pieces(job.units, job.file_order)
         self.pieces = mine
+        # free buffers kept for reuse: as many as can be in flight at once, of the largest sizes
+        keep = sum(sorted((pc.nbytes for pc in mine), reverse=True)[: READ_AHEAD + WRITE_DEPTH + 2])
+        self.pool = BufferPool(pinned=backend.device.type == "cuda", keep=keep)
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
         for pc in mine:
             for r in pc.reads:
                 if r.part.file in expected:
                     expected[r.part.file].append(r.file_range)
+        self.budget = budget
         self.files = {f: FileHasher(job.input_dir / f, size, expected[f], self.hash_pool, budget, stop)
                       for f, size in job.hash_files.items()}
+        self.shard_of = {s.file: s for s in job.shards}
+        self.written = _write_ranges(mine, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
         self.units_per_shard = {s.file: 0 for s in job.shards}
         for u in job.units:
             self.units_per_shard[u.shard] += 1
-        self.shard_of = {s.file: s for s in job.shards}
         self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
 
     # -- read stage (reader thread) ---------------------------------------------------------------
-    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future]]:
-        """Read piece ``i``, start the hashes of its bytes, hint the kernel about piece ``i + 1``."""
+    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], torch.Tensor | None]:
+        """Read piece ``i`` into one pooled buffer, start the hashes of its bytes, and ask the kernel
+        to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
         if self.stop.is_set():
             raise write.Stopped("pack")
         if i + 1 < len(self.pieces):
             for r in self.pieces[i + 1].reads:
                 self.reader.will_need(r.part, r.lo, r.hi)
-        bufs, feeds, digests = {}, [], {}
-        for r in self.pieces[i].reads:
-            buf = self.reader.read(r.part, r.lo, r.hi)
-            key = f"{r.part.name}@{r.lo}" if self.pieces[i].copy_at is not None else r.part.name
-            bufs[key] = buf
+        pc = self.pieces[i]
+        base = self.pool.get(pc.nbytes)
+        bufs, feeds, digests, held, off = {}, [], {}, False, 0
+        for r in pc.reads:
+            buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
+            off += r.hi - r.lo
+            bufs[f"{r.part.name}@{r.lo}" if pc.copy_at is not None else r.part.name] = buf
             h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool))
             feeds.append(h.feed(buf.numpy()))
             if r.hi == r.part.nbytes:
                 digests[r.part.name] = h.hexdigest()
                 del self.source_hashers[r.part.name]
-            fh = self.files.get(r.part.file)
-            if fh is not None and (f := fh.offer(r.part.start + r.lo, buf.numpy())) is not None:
-                feeds.append(f)
-        return Loaded(bufs), feeds, digests
+            if (fh := self.files.get(r.part.file)) is not None:
+                fut, kept = fh.offer(r.part.start + r.lo, [buf.numpy()])
+                feeds += [fut] if fut is not None else []
+                held = held or kept
+        return Loaded(bufs), feeds, digests, None if held else base
 
     # -- compute stage (calling thread) -----------------------------------------------------------
     def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict]]:
@@ -186,19 +214,27 @@ class _Run:
 
     # -- write stage (writer thread) --------------------------------------------------------------
     def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
-              digests: dict[str, Future], finisher: ThreadPoolExecutor, finishing: list[Future]) -> None:
+              digests: dict[str, Future], base: torch.Tensor | None, finisher: ThreadPoolExecutor,
+              finishing: list[Future]) -> None:
         if self.stop.is_set():
             raise write.Stopped("pack")
         file = pc.unit.shard
         st = self.open.get(file)
         if st is None:
-            st = self.open[file] = _ShardState(write.ShardWriter(self.job.output_dir, self.shard_of[file]),
-                                               self.units_per_shard[file])
+            shard = self.shard_of[file]
+            w = write.ShardWriter(self.job.output_dir, shard)
+            st = self.open[file] = _ShardState(w, FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool,
+                                                             self.budget, self.stop), self.units_per_shard[file])
+            st.file_hash.offer(0, [shard.header])
         st.sources.update(digests)
         st.notes.update(notes)
         single = pc.copy_at is not None and len(pc.unit.parts) == 1
-        for name, chunks in outputs.items():
+        held = False
+        for name, chunks in sorted(outputs.items(), key=lambda kv: st.writer.placed[kv[0]].start):
             st.writer.write(name, chunks, pc.copy_at or 0)
+            fut, kept = st.file_hash.offer(st.writer.placed[name].start + (pc.copy_at or 0), chunks)
+            feeds += [fut] if fut is not None else []
+            held = held or kept
             if single:  # a one-tensor pass-through: its bytes are the source's, hashed once
                 if pc.last:
                     st.tensors[name] = digests[pc.unit.parts[0].name]
@@ -210,6 +246,8 @@ class _Run:
                 del self.out_hashers[name]
         for f in feeds:
             f.result()  # the buffers may go once hashed: this bounds memory by the pipeline's depth
+        if base is not None and not (held and pc.copy_at is not None):
+            self.pool.put(base)
         self.on_progress(pc.nbytes)
         if pc.last:
             st.units_left -= 1
@@ -218,9 +256,9 @@ class _Run:
                 finishing.append(finisher.submit(self.finish_shard, file, st))
 
     def finish_shard(self, file: str, st: _ShardState) -> None:
+        sha = st.file_hash.finish().result()  # before the rename: a re-read, if any, reads the .partial
         st.writer.finish()
         faults.point("shard")
-        sha = write.sha256_file(self.job.output_dir / file, self.stop)
         rec = ShardRecord(size=self.shard_of[file].size, sha256=sha,
                           tensors={k: f.result() for k, f in st.tensors.items()},
                           sources={k: f.result() for k, f in st.sources.items()}, notes=st.notes)
@@ -237,13 +275,14 @@ class _Run:
             for i in range(min(READ_AHEAD, len(self.pieces))):
                 loading.append(reads.submit(self.load, i))
             for i, pc in enumerate(self.pieces):
-                loaded, feeds, digests = loading.popleft().result()
+                loaded, feeds, digests, base = loading.popleft().result()
                 if i + READ_AHEAD < len(self.pieces):
                     loading.append(reads.submit(self.load, i + READ_AHEAD))
                 outputs, notes = self.compute(pc, loaded)
                 del loaded
-                writing.append(writes.submit(self.store, pc, outputs, notes, feeds, digests, finisher, finishing))
-                del outputs
+                writing.append(writes.submit(self.store, pc, outputs, notes, feeds, digests, base, finisher,
+                                             finishing))
+                del outputs, base
                 while len(writing) > WRITE_DEPTH or (writing and writing[0].done()):
                     writing.popleft().result()
                 _raise_failed(finishing)

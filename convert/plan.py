@@ -516,13 +516,34 @@ def _layout(units: list[Unit], max_size: int) -> tuple[list[Unit], list[Shard]]:
     for i, b in enumerate(bins, 1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
         placed_units += [Unit(u.items, u.shared_scale, name) for u in b]
-        shards.append(_shard(name, [t for u in b for it in u.items for t in it.outputs]))
+        shards.append(_shard(name, [[t for it in u.items for t in it.outputs] for u in b]))
     return placed_units, shards
 
 
-def _shard(name: str, tensors: list[OutTensor]) -> Shard:
-    """Header first: wider dtypes first (as safetensors does) so every tensor is aligned to its item size."""
-    ordered = sorted(tensors, key=lambda t: -DTYPES[t.dtype].itemsize)
+def _itemsize(t: OutTensor) -> int:
+    return DTYPES[t.dtype].itemsize
+
+
+def _in_write_order(units: list[list[OutTensor]]) -> list[OutTensor] | None:
+    """The tensors in the order the pipeline produces them (unit by unit, wider dtypes first in a
+    unit), if that keeps every tensor aligned to its item size; else None.
+
+    In this order the shard is written front to back, so its sha256 is computed from the bytes as
+    they are written, with no second read of the file."""
+    out, pos = [], 0
+    for ts in units:
+        for t in sorted(ts, key=lambda t: -_itemsize(t)):
+            if pos % _itemsize(t):
+                return None
+            out.append(t)
+            pos += t.nbytes
+    return out
+
+
+def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
+    """Header first, then the tensors in write order when that keeps them aligned, else wider dtypes
+    first (as safetensors does) so that every tensor is aligned to its item size."""
+    ordered = _in_write_order(units) or sorted((t for ts in units for t in ts), key=lambda t: -_itemsize(t))
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offs, pos = [], 0
     for t in ordered:

@@ -1,0 +1,215 @@
+"""The streaming pipeline's parts: ordered hashing, pieces, buffer reuse, write-order layout, and
+whole packs that must not depend on slice size, hold budget or the number of workers."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import copy_ckpt
+from kimi_convert import pipeline
+from kimi_convert import plan as plan_mod
+from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher
+from kimi_convert.pack import load_plan, pack
+from kimi_convert.plan import Options, OutTensor
+from kimi_convert.source import BufferPool
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ThreadPoolExecutor(4) as ex:
+        yield ex
+
+
+def test_serial_hasher_keeps_feed_order_across_threads(pool):
+    blocks = [random.Random(i).randbytes(random.Random(i).randint(0, 5000)) for i in range(200)]
+    h = SerialHasher(pool)
+    futs = [h.feed(b) for b in blocks]
+    assert h.hexdigest().result() == hashlib.sha256(b"".join(blocks)).hexdigest()
+    assert all(f.done() for f in futs)
+
+
+def _ranges(rng: random.Random, size: int) -> list[tuple[int, int]]:
+    """Disjoint ranges over [0, size) with gaps between some of them (like tensors after a header)."""
+    cuts = sorted(rng.sample(range(1, size), 40))
+    spans = list(zip([0, *cuts], [*cuts, size], strict=True))
+    return [s for s in spans if rng.random() < 0.7]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [0, 3000, 1 << 30])
+def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, seed, budget):
+    rng = random.Random(seed)
+    data = rng.randbytes(20_000 + seed)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    expected = _ranges(rng, len(data))
+    order = expected[:]
+    if seed % 2:
+        rng.shuffle(order)  # out of order: held within the budget, else read again
+    fh = FileHasher(path, len(data), expected, pool, HoldBudget(budget))
+    for a, b in order:
+        fut, held = fh.offer(a, [data[a : (a + b) // 2], data[(a + b) // 2 : b]])
+        assert not (fut is not None and held)
+    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.from_pipeline + fh.reread == len(data)
+    gaps = len(data) - sum(b - a for a, b in expected)
+    if seed % 2 == 0:  # in order: only the gaps are read from the file
+        assert fh.reread == gaps
+    elif budget == 0:
+        assert fh.from_pipeline <= sum(b - a for a, b in expected)
+
+
+def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
+    data = bytes(range(256)) * 100
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fh = FileHasher(path, len(data), [(100, 200)], pool, HoldBudget(0))
+    assert fh.offer(150, [data[150:200]]) == (None, False)  # not a planned range: read from the file
+    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Exception, match="f.bin"):
+        FileHasher(path, len(data), [], pool, HoldBudget(0), stop).finish().result()
+
+
+def test_buffer_pool_reuses_and_bounds_what_it_keeps():
+    bp = BufferPool(pinned=False, keep=1000)
+    a = bp.get(600)
+    bp.put(a)
+    assert bp.get(500).data_ptr() == a.data_ptr()  # the smallest free buffer that fits
+    b, c = bp.get(600), bp.get(700)
+    bp.put(b)
+    bp.put(c)  # 1300 bytes free > keep: the largest goes
+    assert [x.numel() for x in bp._free] == [600]
+
+
+def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
+    ckpt, p = load_plan(tiny_k3, Options())
+    order = {f: i for i, f in enumerate(ckpt.files)}
+    ps = pipeline.pieces(list(p.units), order, slice_bytes=1000)
+    assert all(pc.nbytes <= 1000 for pc in ps if pc.copy_at is not None)
+    assert any(pc.copy_at is not None and not pc.last for pc in ps)  # some tensor did need slices
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for pc in ps:
+        for r in pc.reads:
+            seen.setdefault(r.part.name, []).append((r.lo, r.hi))
+    for u in p.units:
+        for t in u.parts:
+            spans = seen[t.name]
+            assert spans[0][0] == 0 and spans[-1][1] == t.nbytes
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    assert sum(pc.last for pc in ps) == len(p.units)
+    copies = [pc for pc in ps if pc.copy_at is not None]
+    for a, b in itertools.pairwise(copies):  # a sliced tensor's output offsets run on
+        if a.unit is b.unit:
+            assert b.copy_at == a.copy_at + a.nbytes
+
+
+def test_write_order_layout_and_its_alignment_fallback():
+    t = [OutTensor("a.w", "U8", (3, 8)), OutTensor("a.s", "F8_E4M3", (3,)), OutTensor("a.g", "F32", ())]
+    u = [OutTensor("b.w", "BF16", (4,)), OutTensor("b.g", "F32", ())]
+    assert [x.name for x in plan_mod._in_write_order([t[:1] + t[2:], u])] == ["a.g", "a.w", "b.g", "b.w"]
+    assert plan_mod._in_write_order([t, u]) is None  # 3 bytes of scales would misalign b.g
+    shard = plan_mod._shard("s", [t, u])
+    starts = {p.tensor.name: p.start - len(shard.header) for p in shard.placed}
+    assert all(starts[p.tensor.name] % max(1, {"F32": 4, "BF16": 2}.get(p.tensor.dtype, 1)) == 0
+               for p in shard.placed)
+
+
+def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_path, monkeypatch):
+    ref = tmp_path / "ref"
+    pack(tiny_k3, ref, Options(max_shard_size=400_000), device="cpu", progress=False)
+    monkeypatch.setattr(pipeline, "SLICE", 4096)
+    monkeypatch.setattr(pipeline, "READ_AHEAD", 1)
+    monkeypatch.setattr(pipeline.Job, "hold_budget", 0)
+    out = tmp_path / "sliced"
+    r = pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False)
+    assert tree(out) == tree(ref)
+    assert r.hash_from_pipeline > 0
+    # the safetensors-style layout (wider dtypes first) is written out of order: the shard hashes
+    # then read parts of the file back, and must still be the files' sha256
+    monkeypatch.setattr(plan_mod, "_in_write_order", lambda units: None)
+    other = tmp_path / "sorted"
+    pack(tiny_k3, other, Options(max_shard_size=400_000), device="cpu", progress=False)
+    import json
+
+    man = json.loads((other / "manifest.json").read_text())
+    for f in man["outputs"]:
+        assert hashlib.sha256((other / f["file"]).read_bytes()).hexdigest() == f["sha256"]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_give_the_same_bytes_as_one(tiny_k3, tmp_path, workers):
+    ref = tmp_path / "one"
+    pack(tiny_k3, ref, Options(max_shard_size=300_000), device="cpu", progress=False, workers=1)
+    out = tmp_path / f"w{workers}"
+    r = pack(tiny_k3, out, Options(max_shard_size=300_000), device="cpu", progress=False, workers=workers)
+    assert r.workers == workers
+    assert tree(out) == tree(ref)
+
+
+def test_split_jobs_is_consecutive_balanced_and_hashes_each_input_once(tmp_path):
+    from kimi_convert.pack import split_jobs
+    from kimi_convert.synth import write_synth
+
+    src = write_synth("tiny-k3", tmp_path / "in", seed=1, experts=16)
+    ckpt, p = load_plan(src, Options(max_shard_size=200_000))
+    jobs = split_jobs(ckpt, p, list(p.shards), 3, tmp_path / "out")
+    assert [s.file for j in jobs for s in j.shards] == [s.file for s in p.shards]
+    assert sorted(f for j in jobs for f in j.hash_files) == sorted(f for f, _ in p.inputs)
+    loads = [sum(u.nbytes_in for u in j.units) for j in jobs]
+    assert max(loads) < 2 * min(loads)
+
+
+def test_a_worker_killed_midway_fails_cleanly_and_resumes_identically(tiny_k3, tmp_path):
+    from test_resume import cli, one_line_error
+
+    src = copy_ckpt(tiny_k3, tmp_path / "in")
+    args = ["--max-shard-size", "300KB", "-q", "--device", "cpu", "--workers", "2"]
+    ref = tmp_path / "ref"
+    assert cli("pack", src, ref, *args).returncode == 0
+    out = tmp_path / "out"
+    err = one_line_error(cli("pack", src, out, *args, env={"KIMI_CONVERT_FAULT": "tensor:5"}))
+    assert "worker" in err and "--resume" in err
+    assert not (out / "manifest.json").exists()
+    r = cli("pack", src, out, *args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert tree(out) == tree(ref)
+
+
+def test_interrupting_workers_exits_130_without_traceback(tiny_k3, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "KIMI_CONVERT_FAULT": "header:1:pause"}
+    p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
+                          "--device", "cpu", "--workers", "2", "--max-shard-size", "300KB"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 60
+    while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "resume with:" in err, err
+    assert not (out / "manifest.json").exists()
+
+
+def test_pinned_buffers_only_for_a_gpu():
+    assert BufferPool(pinned=False, keep=0).get(10).dtype == torch.uint8
