@@ -14,19 +14,26 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from kimi_convert.kernels import Backend, get_backend
-
-from . import journal, pipeline, write
+from . import journal, write
 from . import manifest as manifest_mod
-from . import workers as workers_mod
 from .errors import ConvertError
 from .journal import Journal, ShardRecord
 from .mapping import find_mapping
 from .plan import Options, Plan, Shard, Unit, fp8_block_size, make_plan
-from .source import Checkpoint, open_checkpoint
+from .source import Checkpoint, open_checkpoint, readahead
+
+if TYPE_CHECKING:
+    from kimi_convert.kernels import Backend
+
+    from . import pipeline
+
+#: Input bytes the kernel is asked to start reading while torch loads (about a second at start-up);
+#: $KIMI_CONVERT_STARTUP_READAHEAD (bytes) overrides it, 0 turns it off.
+STARTUP_READAHEAD = int(os.environ.get("KIMI_CONVERT_STARTUP_READAHEAD", 512 << 20))
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,6 @@ def pack(
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
     ckpt, plan = load_plan(input_dir, opts, mapping)
-    try:
-        backend = get_backend(device)
-    except ValueError as e:
-        raise ConvertError(str(e)) from None
     command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
     output_dir.mkdir(parents=True, exist_ok=True)
     j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
@@ -78,6 +81,20 @@ def pack(
     resumed = _verify_finished(output_dir, plan, j)
     todo = [s for s in plan.shards if s.file not in j.shards]
     _check_space(output_dir, todo)
+    # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
+    # (on a thread: queueing that much readahead can block until the disk has taken it)
+    threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
+                     args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
+                           STARTUP_READAHEAD)).start()
+    from kimi_convert.kernels import get_backend
+
+    from . import pipeline
+    from . import workers as workers_mod
+
+    try:
+        backend = get_backend(device)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
     n = workers_for(device, backend, workers)
     jobs = split_jobs(ckpt, plan, todo, n, output_dir)
     done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
@@ -134,6 +151,8 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
     """The shards to write cut into at most ``n`` runs of consecutive shards of about equal input
     bytes (consecutive: a worker then reads whole stretches of input files), and each input file
     given to the worker that reads most of it, which hashes it from its own reads."""
+    from . import pipeline
+
     units_of: dict[str, list[Unit]] = {s.file: [] for s in plan.shards}
     for u in plan.units:
         units_of[u.shard].append(u)

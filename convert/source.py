@@ -17,12 +17,13 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import ConvertError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: planning needs only the headers, and
+    import numpy as np  # pack starts reading the input while torch loads (about a second)
+    import torch
 
 #: The safetensors library refuses headers above 100 MB; so do we.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -34,28 +35,32 @@ INDEX_NAME = "model.safetensors.index.json"
 class DType:
     name: str
     itemsize: int
-    torch: torch.dtype | None
+    torch_name: str  # the torch dtype's attribute name
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name)
 
 
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        DType("F64", 8, torch.float64),
-        DType("F32", 4, torch.float32),
-        DType("F16", 2, torch.float16),
-        DType("BF16", 2, torch.bfloat16),
-        DType("F8_E4M3", 1, torch.float8_e4m3fn),
-        DType("F8_E5M2", 1, torch.float8_e5m2),
-        DType("I64", 8, torch.int64),
-        DType("I32", 4, torch.int32),
-        DType("I16", 2, torch.int16),
-        DType("I8", 1, torch.int8),
-        DType("U8", 1, torch.uint8),
-        DType("BOOL", 1, torch.bool),
+        DType("F64", 8, "float64"),
+        DType("F32", 4, "float32"),
+        DType("F16", 2, "float16"),
+        DType("BF16", 2, "bfloat16"),
+        DType("F8_E4M3", 1, "float8_e4m3fn"),
+        DType("F8_E5M2", 1, "float8_e5m2"),
+        DType("I64", 8, "int64"),
+        DType("I32", 4, "int32"),
+        DType("I16", 2, "int16"),
+        DType("I8", 1, "int8"),
+        DType("U8", 1, "uint8"),
+        DType("BOOL", 1, "bool"),
     )
 }
-
-TORCH_TO_ST = {d.torch: d.name for d in DTYPES.values()}
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,8 @@ class TensorReader:
         return memoryview(self._map(t.file))[t.start : t.end]
 
     def tensor(self, t: TensorInfo) -> torch.Tensor:
+        import torch
+
         dt = DTYPES[t.dtype].torch
         if t.nbytes == 0:
             return torch.empty(t.shape, dtype=dt)
@@ -309,6 +316,28 @@ class TensorReader:
         self._maps.clear()
 
 
+def readahead(folder: Path, parts: list[TensorInfo], budget: int) -> None:
+    """Ask the kernel to start reading the first ``budget`` bytes of ``parts`` into the page cache
+    (asynchronous: returns at once; a hint the kernel may drop under memory pressure)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fds: dict[str, int] = {}
+    try:
+        for t in parts:
+            if budget <= 0:
+                break
+            if t.file not in fds:
+                fds[t.file] = os.open(folder / t.file, os.O_RDONLY)
+            n = min(t.nbytes, budget)
+            os.posix_fadvise(fds[t.file], t.start, n, os.POSIX_FADV_WILLNEED)
+            budget -= n
+    except OSError:
+        pass  # only a hint
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 class TensorSource(Protocol):
     """What the compute stage reads stored tensors from: a memory map, or buffers read for it."""
 
@@ -318,6 +347,8 @@ class TensorSource(Protocol):
 
 
 def _typed(buf: torch.Tensor, t: TensorInfo) -> torch.Tensor:
+    import torch
+
     dt = DTYPES[t.dtype].torch
     if t.nbytes == 0:
         return torch.empty(t.shape, dtype=dt)
@@ -344,6 +375,8 @@ class RangeReader:
 
     def read(self, t: TensorInfo, lo: int = 0, hi: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """Bytes [lo, hi) of ``t`` (relative to its start), into ``into`` or a new uint8 tensor."""
+        import torch
+
         hi = t.nbytes if hi is None else hi
         buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=self.pinned) if into is None else into
         view = memoryview(buf.numpy())
@@ -385,12 +418,14 @@ class BufferPool:
             for i, b in enumerate(self._free):  # sorted by size: the first that fits is the smallest
                 if b.numel() >= n:
                     return self._free.pop(i)
+        import torch
+
         return torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=self.pinned)
 
     def put(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buf)
-            self._free.sort(key=torch.Tensor.numel)
+            self._free.sort(key=lambda b: b.numel())
             while sum(b.numel() for b in self._free) > self.keep:
                 self._free.pop()
 

@@ -17,12 +17,15 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__, faults, journal
-from .compute import Chunk
 from .errors import ConvertError
 from .plan import GROUP_SIZE, Placed, Plan, Shard
 from .source import INDEX_NAME
+
+if TYPE_CHECKING:
+    from .compute import Chunk
 
 PARTIAL = ".partial"
 CHUNK = 16 << 20
