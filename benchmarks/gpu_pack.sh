@@ -1,33 +1,35 @@
 #!/bin/bash
 # Issue 6 on a GPU machine: pack against the disk floor (cuda and cpu), warm-cache worker scaling,
 # peak RSS as the checkpoint grows, and cuda/cpu/workers byte equality. Logs go to $OUT (or
-# benchmarks/results/gpu-pack). Usage: bash benchmarks/gpu_pack.sh [throughput|rss|equal|all]
+# benchmarks/results/gpu-pack). Usage: bash benchmarks/gpu_pack.sh [throughput|cpu|warm|rss|equal]...
 set -u
 OUT=${OUT:-benchmarks/results/gpu-pack}
 W=${WORK:-/tmp/kc}
+L=${LAYERS:-4}
 mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1
-{ nproc; free -g; df -h "$W"; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } \
-    > "$OUT/machine.log" 2>&1
-what=${1:-all}
+{ nproc; free -g; df -h "$W"; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  python3 -c "import hashlib, os, time; b = os.urandom(1 << 28); t = time.perf_counter(); hashlib.sha256(b).digest(); print('sha256 GB/s', round(0.268 / (time.perf_counter() - t), 2))"
+} > "$OUT/machine.log" 2>&1
 T=benchmarks/pack_throughput.py
-if [[ $what == throughput || $what == all ]]; then
-    python3 $T --device cuda --layers 4 --drop-caches --quantize-alone --workers 1 2 --repeat 2 --workdir "$W" \
+for what in "$@"; do
+case $what in
+throughput) python3 $T --device cuda --layers "$L" --drop-caches --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
         2>&1 | tee "$OUT/throughput-cuda.log"
-    python3 $T --device cpu --layers 4 --drop-caches --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
-        2>&1 | tee "$OUT/throughput-cpu.log"
-    python3 $T --device cuda --layers 4 --workers 1 2 --repeat 3 --workdir "$W" 2>&1 | tee "$OUT/throughput-cuda-warm.log"
-fi
-if [[ $what == rss || $what == all ]]; then
-    python3 benchmarks/pack_rss.py --device cuda --layers 2 4 8 --workdir "$W" 2>&1 | tee "$OUT/rss-cuda.log"
-fi
-if [[ $what == equal || $what == all ]]; then
-    S="$W/bench-kimi-linear-L4"
+    python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --streams 1 --repeat 1 --workdir "$W" \
+        2>&1 | tee "$OUT/throughput-cuda-1stream.log" ;;
+cpu) python3 $T --device cpu --layers "$L" --drop-caches --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
+        2>&1 | tee "$OUT/throughput-cpu.log" ;;
+warm) n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    python3 $T --device cuda --layers "$L" --workers 1 "$n" --repeat 3 --workdir "$W" 2>&1 | tee "$OUT/throughput-cuda-warm.log" ;;
+rss) python3 benchmarks/pack_rss.py --device cuda --layers 2 4 8 --workdir "$W" 2>&1 | tee "$OUT/rss-cuda.log" ;;
+equal) S="$W/bench-kimi-linear-L$L"
     {
         kimi-convert pack "$S" "$W/eq-cpu" -q --device cpu --workers 1 --max-shard-size 500MB --overwrite
         n=$(python3 -c "import torch; print(torch.cuda.device_count())")
         kimi-convert pack "$S" "$W/eq-cuda" -q --device cuda --workers "$n" --max-shard-size 500MB --overwrite
-        diff -r "$W/eq-cpu" "$W/eq-cuda" && echo "IDENTICAL: cpu (1 worker) and cuda ($n workers), every file"
+        diff -r "$W/eq-cpu" "$W/eq-cuda" && echo "IDENTICAL: cpu (1 worker, 1 stream) and cuda ($n workers), every file"
         kimi-convert verify-manifest "$W/eq-cuda" --input "$S" --device cuda 2>&1 | grep -v '%|' | tail -3
-    } 2>&1 | tee "$OUT/equal.log"
-fi
+    } 2>&1 | tee "$OUT/equal.log" ;;
+esac
+done

@@ -7,7 +7,8 @@
 2. with --quantize-alone: the time the kernels alone take on the checkpoint's NVFP4 modules, their
    sources already in memory (no reading, hashing or writing);
 3. ``kimi-convert pack`` end to end (process start included), once per --workers value: wall time,
-   peak RSS (wait4) and the bytes the process read from storage (rusage inblock).
+   the conversion's own time and torch's start-up (from ``pack --stats``), peak RSS (wait4) and
+   the bytes the process read from storage (rusage inblock).
 
 --drop-caches (root only) empties the page cache before each timed step, so reads come from the disk;
 without it the input is in the page cache (the disk is not the bound). Results are printed as Markdown.
@@ -16,6 +17,7 @@ without it the input is in the page cache (the disk is not the bound). Results a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -91,20 +93,23 @@ def quantize_alone(src: Path, device: str) -> tuple[float, int]:
     return total, nbytes
 
 
-def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_shard: str) -> tuple[float, int, int]:
+def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_shard: str,
+             streams: int | None) -> tuple[float, int, int, dict]:
     shutil.rmtree(out, ignore_errors=True)
+    stats = out.with_name("stats.json")
     drop_caches(drop)
     t = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(out), "-q",
-                              "--device", device, "--workers", str(workers),
-                              "--max-shard-size", max_shard], stdout=subprocess.DEVNULL)
+                              "--device", device, "--workers", str(workers), "--stats", str(stats),
+                              "--max-shard-size", max_shard] + (["--streams", str(streams)] if streams else []),
+                             stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - t
     if os.waitstatus_to_exitcode(status):
         sys.exit("pack failed")
     # wait4 gives the pack process's usage together with its reaped children (the workers):
     # ru_maxrss is the largest single process, ru_inblock the sum of their reads from storage.
-    return wall, usage.ru_maxrss * 1024, usage.ru_inblock * 512
+    return wall, usage.ru_maxrss * 1024, usage.ru_inblock * 512, json.loads(stats.read_text())
 
 
 def main() -> None:
@@ -113,6 +118,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, nargs="+", default=[1])
+    ap.add_argument("--streams", type=int, help="pipelines per worker (default: pack's)")
     ap.add_argument("--quantize-alone", action="store_true")
     ap.add_argument("--max-shard-size", default="500MB",
                     help="output shard size (workers split the shards: several are needed to use several)")
@@ -147,16 +153,16 @@ def main() -> None:
         print(f"quantize alone ({a.device}): {q:.2f} s for {qbytes / 1e9:.2f} GB of NVFP4 sources "
               f"({qbytes / q / 1e9:.2f} GB/s)")
         bound, what = floor + q, "disk floor + quantize alone"
-    print(f"\n| workers | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | peak RSS (largest process) "
-          "| read from storage |")
-    print("|---|---|---|---|---|")
+    print(f"\n| workers x streams | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | converting s "
+          "| torch + device start s (overlapped) | peak RSS (largest process) | read from storage |")
+    print("|---|---|---|---|---|---|---|")
     for w in a.workers:
-        runs = sorted((run_pack(src, out, a.device, w, a.drop_caches, a.max_shard_size) for _ in range(a.repeat)),
-                      key=lambda r: r[0])
-        wall, rss, read = runs[len(runs) // 2]
+        runs = sorted((run_pack(src, out, a.device, w, a.drop_caches, a.max_shard_size, a.streams)
+                       for _ in range(a.repeat)), key=lambda r: r[0])
+        wall, rss, read, st = runs[len(runs) // 2]
         every = ", ".join(f"{r[0]:.2f}" for r in runs)
-        print(f"| {w} | {wall:.2f} ({every}) | {wall / bound:.2f}x | {rss / 1e9:.2f} GB | {read / 1e9:.2f} GB |",
-              flush=True)
+        print(f"| {st['workers']} x {st['streams'] // st['workers']} | {wall:.2f} ({every}) | {wall / bound:.2f}x | "
+              f"{st['convert_s']:.2f} | {st['backend_s']:.2f} | {rss / 1e9:.2f} GB | {read / 1e9:.2f} GB |", flush=True)
     shutil.rmtree(out, ignore_errors=True)
 
 

@@ -6,6 +6,7 @@ A user error (bad input, refused output folder, a rule that cannot be satisfied)
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import re
@@ -172,14 +173,19 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @click.option("--device", default="auto", show_default=True,
               help="auto (the GPU when torch sees one), cpu (the C kernel), or cuda[:N] (the Triton kernel).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Worker processes that split the output shards (same bytes for any number). "
+              help="Worker processes that split the output shards, one device each (same bytes for any number). "
                    "Default: one per visible GPU for --device auto/cuda, else 1.")
+@click.option("--streams", type=click.IntRange(min=1), default=None,
+              help="Pipelines per worker, each on its own consecutive shards (a file's sha256 runs on one core). "
+                   "Default: one per 4 CPUs of a worker, at most 4.")
+@click.option("--stats", "stats_path", type=click.Path(dir_okay=False),
+              help="Write how the run went (workers, streams, start-up and conversion seconds, hashing) as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace a previous output in OUTPUT.")
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted pack in OUTPUT: finished shards are verified and kept.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(input_dir: str, output_dir: str, device: str, workers: int | None, overwrite: bool, resume: bool,
-         quiet: bool, **kw) -> None:
+def pack(input_dir: str, output_dir: str, device: str, workers: int | None, streams: int | None,
+         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, **kw) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
@@ -195,12 +201,14 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, over
     global _interrupt_hint
     _interrupt_hint = interrupted
     res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device, workers=workers,
-              overwrite=overwrite, resume=resume, progress=not quiet, command=command)
+              streams=streams, overwrite=overwrite, resume=resume, progress=not quiet, command=command)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:
         click.echo(f"{output_dir}/ is already complete and matches its manifest; nothing to do")
         return
+    if stats_path and res.stats:
+        Path(stats_path).write_text(json.dumps(dataclasses.asdict(res.stats), indent=2) + "\n")
     items = res.plan.items
     click.echo(
         f"wrote {output_dir}/: {len(res.plan.shards)} shards, {_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "

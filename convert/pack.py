@@ -12,28 +12,19 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from . import journal, write
+from . import devices, journal, pipeline, write
 from . import manifest as manifest_mod
 from .errors import ConvertError
 from .journal import Journal, ShardRecord
 from .mapping import find_mapping
 from .plan import Options, Plan, Shard, Unit, fp8_block_size, make_plan
 from .source import Checkpoint, open_checkpoint, readahead
-
-if TYPE_CHECKING:
-    from kimi_convert.kernels import Backend
-
-    from . import pipeline
-
-#: Input bytes the kernel is asked to start reading while torch loads (about a second at start-up);
-#: $KIMI_CONVERT_STARTUP_READAHEAD (bytes) overrides it, 0 turns it off.
-STARTUP_READAHEAD = int(os.environ.get("KIMI_CONVERT_STARTUP_READAHEAD", 512 << 20))
 
 
 @dataclass(frozen=True)
@@ -44,9 +35,19 @@ class PackResult:
     bytes_out: int
     resumed_shards: int = 0  # shards a resumed run found finished and verified
     already_complete: bool = False
-    workers: int = 1
-    hash_from_pipeline: int = 0  # input bytes hashed from the pipeline's own reads
-    hash_reread: int = 0  # input bytes read a second time to hash their file
+    stats: PackStats | None = None
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """How the conversion ran (``kimi-convert pack --stats FILE`` writes it as JSON)."""
+
+    workers: int
+    streams: int  # pipelines in all
+    convert_s: float  # from the start of the workers to their end (configs and manifest excluded)
+    backend_s: float  # the slowest worker's time to load torch and start its device (overlapped with reading)
+    hashed_from_pipeline: int  # input bytes whose file sha256 came from the pipeline's own reads
+    hash_reread: int  # input bytes read a second time for their file's sha256
 
 
 def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None) -> tuple[Checkpoint, Plan]:
@@ -63,17 +64,19 @@ def pack(
     mapping: str | None = None,
     device: str = "auto",
     workers: int | None = None,
+    streams: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
     command: str | None = None,
 ) -> PackResult:
-    """``workers``: processes that split the output shards (None: one per visible GPU with a GPU
-    device, else one). Any number of workers gives the same bytes."""
+    """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
+    device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
+    worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4)."""
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
     ckpt, plan = load_plan(input_dir, opts, mapping)
-    command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
+    devices_ = devices.worker_devices(device, workers)
     output_dir.mkdir(parents=True, exist_ok=True)
     j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
     if j is None:
@@ -85,74 +88,55 @@ def pack(
     # (on a thread: queueing that much readahead can block until the disk has taken it)
     threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                      args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
-                           STARTUP_READAHEAD)).start()
-    from kimi_convert.kernels import get_backend
-
-    from . import pipeline
-    from . import workers as workers_mod
-
-    try:
-        backend = get_backend(device)
-    except ValueError as e:
-        raise ConvertError(str(e)) from None
-    n = workers_for(device, backend, workers)
-    jobs = split_jobs(ckpt, plan, todo, n, output_dir)
+                           startup_readahead())).start()
+    n_streams = streams or pipeline.default_streams(len(devices_))
+    jobs = split_jobs(ckpt, plan, todo, len(devices_) * n_streams, output_dir)
+    per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
+    per_worker = [w for w in per_worker if w] or [jobs]
     done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
     bar = tqdm(total=plan.bytes_in, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                desc="pack", disable=not progress, dynamic_ncols=True)
-    lock = threading.Lock()
 
     def on_shard(file: str, rec: ShardRecord) -> None:
-        with lock:
-            j.shards[file] = rec
-            j.save(output_dir)
+        j.shards[file] = rec
+        j.save(output_dir)
 
+    t = time.perf_counter()
     try:
-        if len(jobs) == 1:
-            results = [pipeline.run_job(jobs[0], backend, on_shard, bar.update)]
+        if len(per_worker) == 1:
+            results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update)
         else:
-            results = workers_mod.run(jobs, worker_devices(device, backend, len(jobs)), on_shard, bar.update)
+            from . import workers as workers_mod
+
+            results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update)
     finally:
         bar.close()
+    convert_s = time.perf_counter() - t
     input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
     _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
-    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed,
-                      workers=len(jobs), hash_reread=sum(r.reread for r in results),
-                      hash_from_pipeline=sum(r.from_pipeline for r in results))
+    stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
+                      backend_s=max((r.backend_s for r in results), default=0.0),
+                      hashed_from_pipeline=sum(r.from_pipeline for r in results),
+                      hash_reread=sum(r.reread for r in results))
+    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats)
 
 
-def workers_for(device: str, backend: Backend, workers: int | None) -> int:
-    """One worker per visible GPU when the device is a GPU without an index, else one."""
-    if workers is not None:
-        if workers < 1:
-            raise ConvertError(f"--workers {workers}: must be at least 1")
-        return workers
-    if backend.device.type == "cuda" and backend.device.index is None and device in ("auto", "cuda"):
-        import torch
-
-        return max(1, torch.cuda.device_count())
-    return 1
-
-
-def worker_devices(device: str, backend: Backend, n: int) -> list[str]:
-    """Each worker's device: GPUs in turn from the one named (or 0); the CPU split in equal thread counts."""
-    if backend.device.type != "cuda":
-        return [backend.name if backend.name != "cpu" else "cpu"] * n
-    import torch
-
-    count = torch.cuda.device_count()
-    first = backend.device.index or 0
-    if device not in ("auto", "cuda"):
-        return [f"cuda:{first}"] * n
-    return [f"cuda:{(first + k) % count}" for k in range(n)]
+def startup_readahead() -> int:
+    """$KIMI_CONVERT_STARTUP_READAHEAD, else an eighth of the available memory, at most 4 GiB."""
+    env = os.environ.get("KIMI_CONVERT_STARTUP_READAHEAD")
+    if env:
+        return int(env)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 512 << 20
+    return min(4 << 30, avail // 8)
 
 
 def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path) -> list[pipeline.Job]:
     """The shards to write cut into at most ``n`` runs of consecutive shards of about equal input
     bytes (consecutive: a worker then reads whole stretches of input files), and each input file
     given to the worker that reads most of it, which hashes it from its own reads."""
-    from . import pipeline
-
     units_of: dict[str, list[Unit]] = {s.file: [] for s in plan.shards}
     for u in plan.units:
         units_of[u.shard].append(u)
@@ -182,8 +166,7 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
     block = fp8_block_size(ckpt.config)
     return [
         pipeline.Job(ckpt.folder, output_dir, p, [u for s in p for u in units_of[s.file]], order,
-                     {f: size for f, size in plan.inputs if owner[f] == i}, block,
-                     hash_threads=pipeline.default_hash_threads(len(parts)))
+                     {f: size for f, size in plan.inputs if owner[f] == i}, block)
         for i, p in enumerate(parts)
     ]
 

@@ -1,45 +1,55 @@
 """One worker's conversion: read -> compute -> write, the three stages overlapped.
 
-- A reader thread ``pread``s the sources of the next pieces into buffers (pinned host memory when a
-  GPU computes), asks the kernel to start reading the piece after, and hands each buffer to the
-  hashers: each source tensor's sha256, and its file's sha256 (``hashing.FileHasher``), come from
-  these same bytes, not from a second read.
-- The calling thread computes (a kernel per unit; a pass-through slice needs nothing).
-- A writer thread ``pwrite``s the results at their planned offsets and hashes them; a finisher
-  thread flushes, renames and hashes each completed shard while the next one is written, and reports
-  it (``on_shard``) for the journal.
+- A reader thread ``pread``s the sources of the next pieces into pooled buffers, asks the kernel to
+  start reading the piece after, and hands each buffer to the hashers: each source tensor's sha256,
+  and its file's sha256 (``hashing.FileHasher``), come from these same bytes, not a second read.
+- A compute thread runs the kernels (a pass-through slice needs nothing).
+- A writer thread ``pwrite``s the results at their planned offsets and hashes them (the shard's own
+  sha256 too, from the bytes written); a finisher thread flushes and renames each completed shard
+  while the next is written, and reports it (``on_shard``) for the journal.
+
+A worker runs several such streams on consecutive runs of its shards, in threads: a file's sha256
+is sequential (about 1-2 GB/s a core), so one stream could not hash as fast as a disk reads.
+Streams start reading and hashing before torch has loaded (about a second, more on some machines);
+the backend is made once the first pieces are in flight.
 
 A piece is a unit (a fused module, an expert's w1/w3), or a slice of at most ``SLICE`` bytes of a
-pass-through tensor, so a huge embedding streams through like the rest. At most ``READ_AHEAD``
-pieces are read ahead of the compute and ``WRITE_DEPTH`` wait for the writer, and a piece's buffers
-are dropped once written and hashed: memory is bounded by the pipeline depth times the largest
-piece, plus the file hashers' hold budget, whatever the checkpoint's size.
+pass-through tensor, so a huge embedding streams through like the rest. A piece is read only once
+its bytes (and its outputs' estimated bytes) fit the worker's in-flight budget, shared by its
+streams, and gives them back once written and hashed: memory is bounded by that budget plus the
+file hashers' hold budget, whatever the checkpoint's size.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-
-from kimi_convert.kernels import Backend
+from typing import TYPE_CHECKING
 
 from . import faults, write
-from .compute import Chunk, compute_unit
 from .hashing import FileHasher, HoldBudget, SerialHasher
 from .journal import ShardRecord
 from .plan import Shard, Unit
 from .source import BufferPool, Loaded, RangeReader, TensorInfo
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kimi_convert.kernels import Backend
+
+    from .compute import Chunk
+
 SLICE = 64 << 20
-READ_AHEAD = 2
-WRITE_DEPTH = 2
+READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
+WRITE_DEPTH = 2  # computed pieces waiting for the writer
+#: The in-flight budget of a worker: at least this, and at least three of its largest pieces.
+MIN_IN_FLIGHT = 768 << 20
 
 
 @dataclass(frozen=True)
@@ -103,17 +113,15 @@ def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | Non
 
 @dataclass
 class Job:
-    """What one worker converts: some of the plan's shards, and the input files it hashes."""
+    """What one stream converts: consecutive shards of the plan, and the input files it hashes."""
 
     input_dir: Path
     output_dir: Path
     shards: list[Shard]
     units: list[Unit]  # the units of those shards, in plan order
     file_order: dict[str, int]
-    hash_files: dict[str, int]  # input file -> size: the files whose sha256 this worker computes
+    hash_files: dict[str, int]  # input file -> size: the files whose sha256 this stream computes
     block: tuple[int, int]
-    hash_threads: int = 2
-    hold_budget: int = 256 << 20
 
 
 @dataclass
@@ -121,6 +129,8 @@ class JobResult:
     input_hashes: dict[str, str]
     from_pipeline: int  # input bytes the file hashes took from the pipeline's reads
     reread: int  # input bytes read a second time for them
+    seconds: float = 0.0  # the stream's run
+    backend_s: float = 0.0  # its worker's time to load torch and start the device, overlapped with reading
 
 
 @dataclass
@@ -131,6 +141,67 @@ class _ShardState:
     tensors: dict[str, Future] = field(default_factory=dict)
     sources: dict[str, Future] = field(default_factory=dict)
     notes: dict[str, dict] = field(default_factory=dict)
+
+
+class ByteBudget:
+    """Bytes a worker's streams may hold in flight (read, not yet written and hashed).
+
+    A request larger than the whole budget is granted when nothing else is held, so a huge piece
+    still passes (alone)."""
+
+    def __init__(self, limit: int, stop: threading.Event):
+        self.limit = limit
+        self.held = 0
+        self._cond = threading.Condition()
+        self._stop = stop
+
+    def take(self, n: int) -> None:
+        with self._cond:
+            while self.held and self.held + n > self.limit:
+                if self._stop.is_set():
+                    raise write.Stopped("pack")
+                self._cond.wait(0.1)
+            self.held += n
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+
+class Shared:
+    """What a worker's streams share: the hashing threads, the buffers, the memory budgets."""
+
+    def __init__(self, jobs: list[Job], hash_threads: int, stop: threading.Event):
+        self.stop = stop
+        self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
+        sizes = sorted((pc_cost(pc) for j in jobs for pc in pieces(j.units, j.file_order)), reverse=True)
+        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:3])), stop)
+        self.hold = HoldBudget(min(256 << 20, self.in_flight.limit // 4))
+        self.buffers = BufferPool(keep=self.in_flight.limit)
+        self._backend: Backend | None = None
+        self._lock = threading.Lock()
+        self.backend_s = 0.0
+
+    def backend(self, device: str) -> Backend:
+        """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams."""
+        with self._lock:
+            if self._backend is None:
+                t = time.perf_counter()
+                from kimi_convert.kernels import get_backend
+
+                self._backend = get_backend(device)
+                self.backend_s = time.perf_counter() - t
+            return self._backend
+
+    def close(self, wait: bool = True) -> None:
+        self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def pc_cost(pc: Piece) -> int:
+    """A piece's bytes in flight: its sources, plus its outputs when computed (a pass-through slice
+    is written from its own buffer)."""
+    return pc.nbytes + (pc.unit.nbytes_out if pc.copy_at is None else 0)
 
 
 def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
@@ -148,74 +219,82 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
     return out
 
 
-class _Run:
-    def __init__(self, job: Job, backend: Backend, on_shard: Callable[[str, ShardRecord], None],
-                 on_progress: Callable[[int], None], stop: threading.Event):
-        self.job, self.backend, self.on_shard, self.on_progress, self.stop = job, backend, on_shard, on_progress, stop
-        self.hash_pool = ThreadPoolExecutor(job.hash_threads, thread_name_prefix="kimi-convert-hash")
+class _Stream:
+    def __init__(self, job: Job, shared: Shared, device: str, on_shard: Callable[[str, ShardRecord], None],
+                 on_progress: Callable[[int], None]):
+        self.job, self.shared, self.device = job, shared, device
+        self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
+        self.hash_pool = shared.hash_pool
         self.reader = RangeReader(job.input_dir)
-        budget = HoldBudget(job.hold_budget)
-        mine = pieces(job.units, job.file_order)
-        self.pieces = mine
-        # free buffers kept for reuse: as many as can be in flight at once, of the largest sizes
-        keep = sum(sorted((pc.nbytes for pc in mine), reverse=True)[: READ_AHEAD + WRITE_DEPTH + 2])
-        self.pool = BufferPool(pinned=backend.device.type == "cuda", keep=keep)
+        self.pieces = pieces(job.units, job.file_order)
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
-        for pc in mine:
+        for pc in self.pieces:
             for r in pc.reads:
                 if r.part.file in expected:
                     expected[r.part.file].append(r.file_range)
-        self.budget = budget
-        self.files = {f: FileHasher(job.input_dir / f, size, expected[f], self.hash_pool, budget, stop)
+        self.files = {f: FileHasher(job.input_dir / f, size, expected[f], self.hash_pool, shared.hold, self.stop)
                       for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
-        self.written = _write_ranges(mine, self.shard_of)
+        self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
         self.units_per_shard = {s.file: 0 for s in job.shards}
         for u in job.units:
             self.units_per_shard[u.shard] += 1
         self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
+        self.backend: Backend | None = None
 
     # -- read stage (reader thread) ---------------------------------------------------------------
-    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], torch.Tensor | None]:
+    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], np.ndarray | None]:
         """Read piece ``i`` into one pooled buffer, start the hashes of its bytes, and ask the kernel
         to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
+        pc = self.pieces[i]
+        self.shared.in_flight.take(pc_cost(pc))
         if self.stop.is_set():
             raise write.Stopped("pack")
         if i + 1 < len(self.pieces):
             for r in self.pieces[i + 1].reads:
                 self.reader.will_need(r.part, r.lo, r.hi)
-        pc = self.pieces[i]
-        base = self.pool.get(pc.nbytes)
+        base = self.shared.buffers.get(pc.nbytes)
         bufs, feeds, digests, held, off = {}, [], {}, False, 0
         for r in pc.reads:
             buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
             off += r.hi - r.lo
             bufs[f"{r.part.name}@{r.lo}" if pc.copy_at is not None else r.part.name] = buf
             h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool))
-            feeds.append(h.feed(buf.numpy()))
+            feeds.append(h.feed(buf))
             if r.hi == r.part.nbytes:
                 digests[r.part.name] = h.hexdigest()
                 del self.source_hashers[r.part.name]
             if (fh := self.files.get(r.part.file)) is not None:
-                fut, kept = fh.offer(r.part.start + r.lo, [buf.numpy()])
+                fut, kept = fh.offer(r.part.start + r.lo, [buf])
                 feeds += [fut] if fut is not None else []
                 held = held or kept
         return Loaded(bufs), feeds, digests, None if held else base
 
-    # -- compute stage (calling thread) -----------------------------------------------------------
+    # -- compute stage (the stream's own thread) --------------------------------------------------
     def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict]]:
         if pc.copy_at is not None:
             name = pc.unit.items[0].outputs[0].name
-            return {name: [b.numpy() for b in loaded.buffers.values()]}, {}
+            return {name: list(loaded.buffers.values())}, {}
+        if self.backend is None:
+            self.backend = self.shared.backend(self.device)
+        from .compute import compute_unit
         res = compute_unit(pc.unit, loaded, self.backend, self.job.block)
         return {n: o.chunks for n, o in res.outputs.items()}, res.notes
 
     # -- write stage (writer thread) --------------------------------------------------------------
     def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
-              digests: dict[str, Future], base: torch.Tensor | None, finisher: ThreadPoolExecutor,
+              digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
               finishing: list[Future]) -> None:
+        try:
+            self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
+        finally:
+            self.shared.in_flight.give(pc_cost(pc))
+
+    def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
+               digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
+               finishing: list[Future]) -> None:
         if self.stop.is_set():
             raise write.Stopped("pack")
         file = pc.unit.shard
@@ -224,7 +303,7 @@ class _Run:
             shard = self.shard_of[file]
             w = write.ShardWriter(self.job.output_dir, shard)
             st = self.open[file] = _ShardState(w, FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool,
-                                                             self.budget, self.stop), self.units_per_shard[file])
+                                                             self.shared.hold, self.stop), self.units_per_shard[file])
             st.file_hash.offer(0, [shard.header])
         st.sources.update(digests)
         st.notes.update(notes)
@@ -245,9 +324,9 @@ class _Run:
                 st.tensors[name] = h.hexdigest()
                 del self.out_hashers[name]
         for f in feeds:
-            f.result()  # the buffers may go once hashed: this bounds memory by the pipeline's depth
+            f.result()  # the buffers may go once hashed
         if base is not None and not (held and pc.copy_at is not None):
-            self.pool.put(base)
+            self.shared.buffers.put(base)
         self.on_progress(pc.nbytes)
         if pc.last:
             st.units_left -= 1
@@ -265,6 +344,7 @@ class _Run:
         self.on_shard(file, rec)
 
     def run(self) -> JobResult:
+        t0 = time.perf_counter()
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
@@ -291,9 +371,7 @@ class _Run:
             for f in list(finishing):
                 f.result()
             hashes = {f: h.finish() for f, h in self.files.items()}
-            result = JobResult({f: fut.result() for f, fut in hashes.items()},
-                               sum(h.from_pipeline for h in self.files.values()),
-                               sum(h.reread for h in self.files.values()))
+            done = {f: fut.result() for f, fut in hashes.items()}
         except BaseException:
             self.stop.set()
             faults.release()
@@ -301,13 +379,13 @@ class _Run:
                 ex.shutdown(wait=True, cancel_futures=True)
             for st in self.open.values():
                 st.writer.abort()
-            self.hash_pool.shutdown(wait=True, cancel_futures=True)
             self.reader.close()
             raise
-        for ex in (reads, writes, finisher, self.hash_pool):
+        for ex in (reads, writes, finisher):
             ex.shutdown()
         self.reader.close()
-        return result
+        return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
+                         sum(h.reread for h in self.files.values()), time.perf_counter() - t0)
 
 
 def _raise_failed(futs: list[Future]) -> None:
@@ -316,14 +394,52 @@ def _raise_failed(futs: list[Future]) -> None:
             f.result()
 
 
-def run_job(job: Job, backend: Backend, on_shard: Callable[[str, ShardRecord], None],
-            on_progress: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> JobResult:
-    """Convert ``job``'s shards (calling ``on_shard`` as each is complete) and hash its input files."""
-    return _Run(job, backend, on_shard, on_progress, stop or threading.Event()).run()
+def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord], None],
+             on_progress: Callable[[int], None] = lambda n: None, hash_threads: int | None = None,
+             stop: threading.Event | None = None) -> list[JobResult]:
+    """Convert each job's shards on its own stream (threads of this process), calling ``on_shard``
+    as each shard is complete; the first failure stops every stream."""
+    stop = stop or threading.Event()
+    shared = Shared(jobs, hash_threads or default_hash_threads(), stop)
+    lock = threading.Lock()
+
+    def report(f: str, rec: ShardRecord) -> None:
+        with lock:
+            on_shard(f, rec)
+
+    streams = [_Stream(j, shared, device, report, on_progress) for j in jobs]
+    if len(streams) == 1:
+        try:
+            results = [streams[0].run()]
+        finally:
+            shared.close(wait=not stop.is_set())
+        results[0].backend_s = shared.backend_s
+        return results
+    pool = ThreadPoolExecutor(len(streams), thread_name_prefix="kimi-convert-stream")
+    futs = [pool.submit(s.run) for s in streams]
+    try:
+        results = [f.result() for f in futs]
+        for r in results:
+            r.backend_s = shared.backend_s
+        return results
+    except BaseException:
+        stop.set()
+        faults.release()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        shared.close(wait=not stop.is_set())
 
 
-def default_hash_threads(workers: int = 1) -> int:
-    """Hashing threads of one worker: its share of the CPUs, 2 to 8 (hashlib releases the GIL)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(2, min(8, cpus // max(1, workers)))
+def default_hash_threads(share: int | None = None) -> int:
+    """Hashing threads of one worker: its share of the CPUs, 2 to 16 (hashlib releases the GIL)."""
+    return max(2, min(16, share or cpus()))
 
+
+def default_streams(workers: int = 1) -> int:
+    """Streams of one worker: one per 4 of its CPUs, 1 to 4."""
+    return max(1, min(4, cpus() // max(1, workers) // 4))
+
+
+def cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2

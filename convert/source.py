@@ -346,40 +346,41 @@ class TensorSource(Protocol):
     def raw(self, t: TensorInfo) -> memoryview | np.ndarray: ...
 
 
-def _typed(buf: torch.Tensor, t: TensorInfo) -> torch.Tensor:
+def _typed(buf: np.ndarray, t: TensorInfo) -> torch.Tensor:
     import torch
 
     dt = DTYPES[t.dtype].torch
     if t.nbytes == 0:
         return torch.empty(t.shape, dtype=dt)
-    return buf.view(dt).view(t.shape)
+    return torch.from_numpy(buf).view(dt).view(t.shape)
 
 
 class RangeReader:
-    """Reads byte ranges of stored tensors into new buffers with ``pread``: the pipeline's reader.
+    """Reads byte ranges of stored tensors into buffers with ``pread``: the pipeline's reader.
 
-    Explicit reads rather than memory-map faults: one large read on the reader thread overlaps the
-    compute of the previous group and yields the very buffers the hashers need; and a GPU copies from
-    pinned buffers asynchronously at full speed, from mapped pages only through a staging copy."""
+    Explicit reads rather than memory-map faults: one large read on a reader thread overlaps the
+    compute of the previous group and yields the very buffers the hashers need. The buffers are
+    numpy arrays, so reading and hashing start before torch has loaded."""
 
-    def __init__(self, folder: Path, pinned: bool = False):
+    def __init__(self, folder: Path):
         self.folder = folder
-        self.pinned = pinned
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            fd = self._fds[rel] = os.open(self.folder / rel, os.O_RDONLY)
-        return fd
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.folder / rel, os.O_RDONLY)
+            return fd
 
-    def read(self, t: TensorInfo, lo: int = 0, hi: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Bytes [lo, hi) of ``t`` (relative to its start), into ``into`` or a new uint8 tensor."""
-        import torch
+    def read(self, t: TensorInfo, lo: int = 0, hi: int | None = None, into: np.ndarray | None = None) -> np.ndarray:
+        """Bytes [lo, hi) of ``t`` (relative to its start), into ``into`` or a new uint8 array."""
+        import numpy as np
 
         hi = t.nbytes if hi is None else hi
-        buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=self.pinned) if into is None else into
-        view = memoryview(buf.numpy())
+        buf = np.empty(hi - lo, dtype=np.uint8) if into is None else into
+        view = memoryview(buf)
         fd, pos = self._fd(t.file), t.start + lo
         while view:
             n = os.preadv(fd, [view], pos)
@@ -395,49 +396,49 @@ class RangeReader:
             os.posix_fadvise(self._fd(t.file), t.start + lo, hi - lo, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class BufferPool:
     """Read buffers, reused: a new buffer costs a page fault and a zeroed page per 4 KB on first
-    touch (measured: more system time than the read itself), and a pinned one costs more still.
+    touch (measured: more system time than the read itself).
 
     ``get`` returns the smallest free buffer that fits; ``put`` takes it back, and keeps at most
     ``keep`` bytes of free buffers (the largest ones go first), so memory stays bounded."""
 
-    def __init__(self, pinned: bool, keep: int):
-        self.pinned = pinned
+    def __init__(self, keep: int):
         self.keep = keep
-        self._free: list[torch.Tensor] = []
+        self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
 
-    def get(self, n: int) -> torch.Tensor:
+    def get(self, n: int) -> np.ndarray:
+        import numpy as np
+
         with self._lock:
             for i, b in enumerate(self._free):  # sorted by size: the first that fits is the smallest
-                if b.numel() >= n:
+                if b.nbytes >= n:
                     return self._free.pop(i)
-        import torch
+        return np.empty(max(n, 1), dtype=np.uint8)
 
-        return torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=self.pinned)
-
-    def put(self, buf: torch.Tensor) -> None:
+    def put(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-            self._free.sort(key=lambda b: b.numel())
-            while sum(b.numel() for b in self._free) > self.keep:
+            self._free.sort(key=lambda b: b.nbytes)
+            while sum(b.nbytes for b in self._free) > self.keep:
                 self._free.pop()
 
 
 class Loaded:
     """A group's stored tensors, read into buffers (the compute stage's view of a ``RangeReader``)."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor]):
+    def __init__(self, buffers: dict[str, np.ndarray]):
         self.buffers = buffers
 
     def tensor(self, t: TensorInfo) -> torch.Tensor:
         return _typed(self.buffers[t.name], t)
 
     def raw(self, t: TensorInfo) -> np.ndarray:
-        return self.buffers[t.name].numpy()
+        return self.buffers[t.name]

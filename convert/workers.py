@@ -20,16 +20,14 @@ from collections.abc import Callable
 
 from .errors import ConvertError
 from .journal import ShardRecord
-from .pipeline import Job, JobResult, run_job
+from .pipeline import Job, JobResult, default_hash_threads, run_jobs
 
 #: A worker reports progress at most every this many bytes (a queue message each time).
 PROGRESS_STEP = 64 << 20
 
 
-def _main(index: int, job: Job, device: str, threads: int, q) -> None:
+def _main(index: int, jobs: list[Job], device: str, threads: int, q) -> None:
     os.environ["KIMI_CONVERT_THREADS"] = str(threads)
-    from kimi_convert.kernels import get_backend
-
     pending = 0
 
     def progress(n: int) -> None:
@@ -40,7 +38,8 @@ def _main(index: int, job: Job, device: str, threads: int, q) -> None:
             pending = 0
 
     try:
-        res = run_job(job, get_backend(device), lambda f, rec: q.put(("shard", index, (f, rec))), progress)
+        res = run_jobs(jobs, device, lambda f, rec: q.put(("shard", index, (f, rec))), progress,
+                       hash_threads=default_hash_threads(threads))
         q.put(("progress", index, pending))
         q.put(("done", index, res))
     except ConvertError as e:
@@ -52,11 +51,12 @@ def _main(index: int, job: Job, device: str, threads: int, q) -> None:
 def _cpu_share(n: int) -> int:
     env = os.environ.get("KIMI_CONVERT_THREADS")
     cpus = int(env) if env else len(os.sched_getaffinity(0))
-    return max(1, cpus // n)
+    return max(1, cpus // n)  # each worker's share: for the C kernel and its hashing threads
 
 
-def run(jobs: list[Job], devices: list[str], on_shard: Callable[[str, ShardRecord], None],
+def run(jobs: list[list[Job]], devices: list[str], on_shard: Callable[[str, ShardRecord], None],
         on_progress: Callable[[int], None]) -> list[JobResult]:
+    """Worker ``i`` runs the streams ``jobs[i]`` on ``devices[i]``; returns every stream's result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = _cpu_share(len(jobs))
@@ -68,7 +68,7 @@ def run(jobs: list[Job], devices: list[str], on_shard: Callable[[str, ShardRecor
             p.start()
     finally:
         signal.signal(signal.SIGINT, previous)
-    results: dict[int, JobResult] = {}
+    results: dict[int, list[JobResult]] = {}
 
     def handle(kind: str, i: int, payload) -> None:
         if kind == "progress":
@@ -106,7 +106,7 @@ def run(jobs: list[Job], devices: list[str], on_shard: Callable[[str, ShardRecor
         raise
     for p in procs:
         p.join()
-    return [results[i] for i in range(len(jobs))]
+    return [r for i in range(len(jobs)) for r in results[i]]
 
 
 def _drain(q, handle: Callable) -> None:

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import copy_ckpt
 from kimi_convert import pipeline
@@ -85,14 +84,31 @@ def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
 
 
 def test_buffer_pool_reuses_and_bounds_what_it_keeps():
-    bp = BufferPool(pinned=False, keep=1000)
+    bp = BufferPool(keep=1000)
     a = bp.get(600)
     bp.put(a)
-    assert bp.get(500).data_ptr() == a.data_ptr()  # the smallest free buffer that fits
+    assert bp.get(500).ctypes.data == a.ctypes.data  # the smallest free buffer that fits
     b, c = bp.get(600), bp.get(700)
     bp.put(b)
     bp.put(c)  # 1300 bytes free > keep: the largest goes
-    assert [x.numel() for x in bp._free] == [600]
+    assert [x.nbytes for x in bp._free] == [600]
+
+
+def test_in_flight_budget_blocks_until_given_back_and_lets_a_huge_piece_pass_alone():
+    stop = threading.Event()
+    b = pipeline.ByteBudget(100, stop)
+    b.take(500)  # larger than the budget: granted because nothing else is held
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (b.take(10), got.set()))
+    t.start()
+    assert not got.wait(0.3)
+    b.give(500)
+    assert got.wait(5)
+    t.join()
+    b.take(90)
+    stop.set()
+    with pytest.raises(Exception, match="pack"):
+        b.take(50)
 
 
 def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
@@ -133,11 +149,11 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
     pack(tiny_k3, ref, Options(max_shard_size=400_000), device="cpu", progress=False)
     monkeypatch.setattr(pipeline, "SLICE", 4096)
     monkeypatch.setattr(pipeline, "READ_AHEAD", 1)
-    monkeypatch.setattr(pipeline.Job, "hold_budget", 0)
+    monkeypatch.setattr(pipeline, "MIN_IN_FLIGHT", 1)  # a tiny budget: little held, more read again
     out = tmp_path / "sliced"
-    r = pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False)
+    r = pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False, streams=2)
     assert tree(out) == tree(ref)
-    assert r.hash_from_pipeline > 0
+    assert r.stats.hashed_from_pipeline > 0 and r.stats.streams == 2
     # the safetensors-style layout (wider dtypes first) is written out of order: the shard hashes
     # then read parts of the file back, and must still be the files' sha256
     monkeypatch.setattr(plan_mod, "_in_write_order", lambda units: None)
@@ -150,13 +166,14 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
         assert hashlib.sha256((other / f["file"]).read_bytes()).hexdigest() == f["sha256"]
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_workers_give_the_same_bytes_as_one(tiny_k3, tmp_path, workers):
+@pytest.mark.parametrize(("workers", "streams"), [(1, 3), (2, 1), (3, 2)])
+def test_workers_and_streams_give_the_same_bytes_as_one(tiny_k3, tmp_path, workers, streams):
     ref = tmp_path / "one"
-    pack(tiny_k3, ref, Options(max_shard_size=300_000), device="cpu", progress=False, workers=1)
+    pack(tiny_k3, ref, Options(max_shard_size=300_000), device="cpu", progress=False, workers=1, streams=1)
     out = tmp_path / f"w{workers}"
-    r = pack(tiny_k3, out, Options(max_shard_size=300_000), device="cpu", progress=False, workers=workers)
-    assert r.workers == workers
+    r = pack(tiny_k3, out, Options(max_shard_size=300_000), device="cpu", progress=False, workers=workers,
+             streams=streams)
+    assert (r.stats.workers, r.stats.streams) == (workers, workers * streams)
     assert tree(out) == tree(ref)
 
 
@@ -210,6 +227,3 @@ def test_interrupting_workers_exits_130_without_traceback(tiny_k3, tmp_path):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "resume with:" in err, err
     assert not (out / "manifest.json").exists()
 
-
-def test_pinned_buffers_only_for_a_gpu():
-    assert BufferPool(pinned=False, keep=0).get(10).dtype == torch.uint8
