@@ -77,12 +77,15 @@ def quantize_alone(src: Path, device: str) -> tuple[float, int]:
     ckpt, plan = load_plan(src, Options())
     backend = get_backend(device)
     block = fp8_block_size(ckpt.config)
-    reader = RangeReader(src, pinned=backend.device.type == "cuda")
+    reader = RangeReader(src)
     total, nbytes = 0.0, 0
     for u in plan.units:
         if not any(it.kind == "nvfp4" for it in u.items):
             continue
-        loaded = Loaded({p.name: reader.read(p) for p in u.parts})
+        bufs = {p.name: reader.read(p) for p in u.parts}
+        if backend.device.type == "cuda":  # from pinned memory, as pack does once the GPU is up
+            bufs = {k: torch.from_numpy(b).pin_memory().numpy() for k, b in bufs.items()}
+        loaded = Loaded(bufs)
         if backend.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -156,6 +159,7 @@ def main() -> None:
     print(f"\n| workers x streams | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | converting s "
           "| torch + device start s (overlapped) | peak RSS (largest process) | read from storage |")
     print("|---|---|---|---|---|---|---|")
+    stages = []
     for w in a.workers:
         runs = sorted((run_pack(src, out, a.device, w, a.drop_caches, a.max_shard_size, a.streams)
                        for _ in range(a.repeat)), key=lambda r: r[0])
@@ -163,6 +167,10 @@ def main() -> None:
         every = ", ".join(f"{r[0]:.2f}" for r in runs)
         print(f"| {st['workers']} x {st['streams'] // st['workers']} | {wall:.2f} ({every}) | {wall / bound:.2f}x | "
               f"{st['convert_s']:.2f} | {st['backend_s']:.2f} | {rss / 1e9:.2f} GB | {read / 1e9:.2f} GB |", flush=True)
+        stages.append((w, st["stages_s"]))
+    for w, st in stages:  # where the median run's streams spent their time (summed over streams)
+        print(f"\nworkers {w}, seconds per stage summed over streams: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
     shutil.rmtree(out, ignore_errors=True)
 
 

@@ -48,6 +48,7 @@ class PackStats:
     backend_s: float  # the slowest worker's time to load torch and start its device (overlapped with reading)
     hashed_from_pipeline: int  # input bytes whose file sha256 came from the pipeline's own reads
     hash_reread: int  # input bytes read a second time for their file's sha256
+    stages_s: dict[str, float]  # seconds per stage, summed over streams (stages of a stream overlap)
 
 
 def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None) -> tuple[Checkpoint, Plan]:
@@ -117,7 +118,9 @@ def pack(
     stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
                       backend_s=max((r.backend_s for r in results), default=0.0),
                       hashed_from_pipeline=sum(r.from_pipeline for r in results),
-                      hash_reread=sum(r.reread for r in results))
+                      hash_reread=sum(r.reread for r in results),
+                      stages_s={k: round(sum(r.stages.get(k, 0.0) for r in results), 3)
+                                for k in sorted({k for r in results for k in r.stages})})
     return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats)
 
 

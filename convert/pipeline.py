@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -131,6 +131,7 @@ class JobResult:
     reread: int  # input bytes read a second time for them
     seconds: float = 0.0  # the stream's run
     backend_s: float = 0.0  # its worker's time to load torch and start the device, overlapped with reading
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (threads of one stream)
 
 
 @dataclass
@@ -191,6 +192,8 @@ class Shared:
                 from kimi_convert.kernels import get_backend
 
                 self._backend = get_backend(device)
+                if self._backend.device.type == "cuda" and os.environ.get("KIMI_CONVERT_PINNED", "1") != "0":
+                    self.buffers.pin()
                 self.backend_s = time.perf_counter() - t
             return self._backend
 
@@ -243,13 +246,21 @@ class _Stream:
         self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
         self.backend: Backend | None = None
+        self.seconds: dict[str, float] = defaultdict(float)  # time each stage spent, for --stats
+
+    def _clock(self, key: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[key] += now - since
+        return now
 
     # -- read stage (reader thread) ---------------------------------------------------------------
     def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], np.ndarray | None]:
         """Read piece ``i`` into one pooled buffer, start the hashes of its bytes, and ask the kernel
         to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
         pc = self.pieces[i]
+        t = time.perf_counter()
         self.shared.in_flight.take(pc_cost(pc))
+        t = self._clock("read: wait for the memory budget", t)
         if self.stop.is_set():
             raise write.Stopped("pack")
         if i + 1 < len(self.pieces):
@@ -270,6 +281,7 @@ class _Stream:
                 fut, kept = fh.offer(r.part.start + r.lo, [buf])
                 feeds += [fut] if fut is not None else []
                 held = held or kept
+        self._clock("read: pread and start hashing", t)
         return Loaded(bufs), feeds, digests, None if held else base
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
@@ -277,10 +289,14 @@ class _Stream:
         if pc.copy_at is not None:
             name = pc.unit.items[0].outputs[0].name
             return {name: list(loaded.buffers.values())}, {}
+        t = time.perf_counter()
         if self.backend is None:
             self.backend = self.shared.backend(self.device)
+            t = self._clock("compute: wait for torch and the device", t)
         from .compute import compute_unit
+
         res = compute_unit(pc.unit, loaded, self.backend, self.job.block)
+        self._clock("compute: kernels and copies", t)
         return {n: o.chunks for n, o in res.outputs.items()}, res.notes
 
     # -- write stage (writer thread) --------------------------------------------------------------
@@ -310,7 +326,9 @@ class _Stream:
         single = pc.copy_at is not None and len(pc.unit.parts) == 1
         held = False
         for name, chunks in sorted(outputs.items(), key=lambda kv: st.writer.placed[kv[0]].start):
+            t = time.perf_counter()
             st.writer.write(name, chunks, pc.copy_at or 0)
+            self._clock("write: pwrite", t)
             fut, kept = st.file_hash.offer(st.writer.placed[name].start + (pc.copy_at or 0), chunks)
             feeds += [fut] if fut is not None else []
             held = held or kept
@@ -323,8 +341,10 @@ class _Stream:
             if pc.last:
                 st.tensors[name] = h.hexdigest()
                 del self.out_hashers[name]
+        t = time.perf_counter()
         for f in feeds:
             f.result()  # the buffers may go once hashed
+        self._clock("write: wait for the hashes", t)
         if base is not None and not (held and pc.copy_at is not None):
             self.shared.buffers.put(base)
         self.on_progress(pc.nbytes)
@@ -335,8 +355,11 @@ class _Stream:
                 finishing.append(finisher.submit(self.finish_shard, file, st))
 
     def finish_shard(self, file: str, st: _ShardState) -> None:
+        t = time.perf_counter()
         sha = st.file_hash.finish().result()  # before the rename: a re-read, if any, reads the .partial
+        t = self._clock("finish: shard sha256", t)
         st.writer.finish()
+        self._clock("finish: fsync and rename", t)
         faults.point("shard")
         rec = ShardRecord(size=self.shard_of[file].size, sha256=sha,
                           tensors={k: f.result() for k, f in st.tensors.items()},
@@ -355,7 +378,9 @@ class _Stream:
             for i in range(min(READ_AHEAD, len(self.pieces))):
                 loading.append(reads.submit(self.load, i))
             for i, pc in enumerate(self.pieces):
+                t = time.perf_counter()
                 loaded, feeds, digests, base = loading.popleft().result()
+                self._clock("compute: wait for the reader", t)
                 if i + READ_AHEAD < len(self.pieces):
                     loading.append(reads.submit(self.load, i + READ_AHEAD))
                 outputs, notes = self.compute(pc, loaded)
@@ -363,8 +388,10 @@ class _Stream:
                 writing.append(writes.submit(self.store, pc, outputs, notes, feeds, digests, base, finisher,
                                              finishing))
                 del outputs, base
+                t = time.perf_counter()
                 while len(writing) > WRITE_DEPTH or (writing and writing[0].done()):
                     writing.popleft().result()
+                self._clock("compute: wait for the writer", t)
                 _raise_failed(finishing)
             while writing:
                 writing.popleft().result()
@@ -385,7 +412,8 @@ class _Stream:
             ex.shutdown()
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
-                         sum(h.reread for h in self.files.values()), time.perf_counter() - t0)
+                         sum(h.reread for h in self.files.values()), time.perf_counter() - t0,
+                         stages=dict(self.seconds))
 
 
 def _raise_failed(futs: list[Future]) -> None:

@@ -407,12 +407,20 @@ class BufferPool:
     touch (measured: more system time than the read itself).
 
     ``get`` returns the smallest free buffer that fits; ``put`` takes it back, and keeps at most
-    ``keep`` bytes of free buffers (the largest ones go first), so memory stays bounded."""
+    ``keep`` bytes of free buffers (the largest ones go first), so memory stays bounded. Once a GPU
+    is up (``pin``), new buffers are page-locked: the GPU then copies from them by DMA at full
+    speed, where pageable memory goes through a driver staging copy."""
 
     def __init__(self, keep: int):
         self.keep = keep
+        self.pinned = False
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
+
+    def pin(self) -> None:
+        with self._lock:
+            self.pinned = True
+            self._free.clear()  # pageable ones are not reused
 
     def get(self, n: int) -> np.ndarray:
         import numpy as np
@@ -421,14 +429,27 @@ class BufferPool:
             for i, b in enumerate(self._free):  # sorted by size: the first that fits is the smallest
                 if b.nbytes >= n:
                     return self._free.pop(i)
+            pinned = self.pinned
+        if pinned:
+            import torch
+
+            return torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True).numpy()
         return np.empty(max(n, 1), dtype=np.uint8)
 
     def put(self, buf: np.ndarray) -> None:
         with self._lock:
+            if self.pinned and not _is_pinned(buf):
+                return
             self._free.append(buf)
             self._free.sort(key=lambda b: b.nbytes)
             while sum(b.nbytes for b in self._free) > self.keep:
                 self._free.pop()
+
+
+def _is_pinned(buf: np.ndarray) -> bool:
+    import torch
+
+    return isinstance(buf.base, torch.Tensor) and buf.base.is_pinned()
 
 
 class Loaded:
