@@ -18,6 +18,8 @@ throughput) python3 $T --device cuda --layers "$L" --drop-caches --quantize-alon
         2>&1 | tee "$OUT/throughput-cuda.log"
     python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --streams 1 --repeat 1 --workdir "$W" \
         2>&1 | tee "$OUT/throughput-cuda-1stream.log" ;;
+unpinned) KIMI_CONVERT_PINNED=0 python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --repeat 1 --workdir "$W" \
+        2>&1 | tee "$OUT/throughput-cuda-unpinned.log" ;;
 cpu) python3 $T --device cpu --layers "$L" --drop-caches --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
         2>&1 | tee "$OUT/throughput-cpu.log" ;;
 warm) n=$(python3 -c "import torch; print(torch.cuda.device_count())")
