@@ -14,16 +14,17 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 T=benchmarks/pack_throughput.py
 for what in "$@"; do
 case $what in
-throughput) python3 $T --device cuda --layers "$L" --drop-caches --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
-        2>&1 | tee "$OUT/throughput-cuda.log"
-    python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --streams 1 --repeat 1 --workdir "$W" \
-        2>&1 | tee "$OUT/throughput-cuda-1stream.log" ;;
-unpinned) KIMI_CONVERT_PINNED=0 python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --repeat 1 --workdir "$W" \
-        2>&1 | tee "$OUT/throughput-cuda-unpinned.log" ;;
-cpu) python3 $T --device cpu --layers "$L" --drop-caches --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
+throughput) n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    python3 $T --device cuda --layers "$L" --cold input --quantize-alone --workers 1 "$n" --repeat 2 --workdir "$W" \
+        2>&1 | tee "$OUT/throughput-cuda.log" ;;
+allcold) python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --repeat 1 --workdir "$W" \
+        2>&1 | tee "$OUT/throughput-cuda-dropcaches.log" ;;
+cpu) python3 $T --device cpu --layers "$L" --cold input --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
         2>&1 | tee "$OUT/throughput-cpu.log" ;;
 warm) n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-    python3 $T --device cuda --layers "$L" --workers 1 "$n" --repeat 3 --workdir "$W" 2>&1 | tee "$OUT/throughput-cuda-warm.log" ;;
+    python3 $T --device cuda --layers "$L" --cold warm --workers 1 "$n" --repeat 3 --workdir "$W" 2>&1 \
+        | tee "$OUT/throughput-cuda-warm.log" ;;
+copy) python3 benchmarks/gpu_copy.py --checkpoint "$W/bench-kimi-linear-L$L" 2>&1 | tee "$OUT/copy.log" ;;
 rss) python3 benchmarks/pack_rss.py --device cuda --layers 2 4 8 --workdir "$W" 2>&1 | tee "$OUT/rss-cuda.log" ;;
 equal) S="$W/bench-kimi-linear-L$L"
     {

@@ -1,7 +1,7 @@
 """pack against the disk floor on the same disk (issue 6), in one run.
 
     python benchmarks/pack_throughput.py [--preset bench-kimi-linear] [--layers 4] [--device cpu|cuda]
-        [--workers 1 2] [--quantize-alone] [--drop-caches] [--workdir DIR]
+        [--workers 1 2] [--quantize-alone] [--cold input|all|warm] [--workdir DIR]
 
 1. disk floor: read every input file once, then write and fsync a file of the output's size;
 2. with --quantize-alone: the time the kernels alone take on the checkpoint's NVFP4 modules, their
@@ -10,8 +10,10 @@
    the conversion's own time and torch's start-up (from ``pack --stats``), peak RSS (wait4) and
    the bytes the process read from storage (rusage inblock).
 
---drop-caches (root only) empties the page cache before each timed step, so reads come from the disk;
-without it the input is in the page cache (the disk is not the bound). Results are printed as Markdown.
+--cold input (the default) evicts the input files' pages before each timed step, so the input comes
+from the disk while Python and torch stay cached; --cold all (or --drop-caches; root only) empties the
+whole page cache; --cold warm leaves the input in the page cache (the disk is not the bound).
+Results are printed as Markdown.
 """
 
 from __future__ import annotations
@@ -28,13 +30,25 @@ from pathlib import Path
 CHUNK = 16 << 20
 
 
-def drop_caches(enabled: bool) -> str:
-    if not enabled:
+COLD = "warm"  # set by --cold: "input" (evict the input's pages) or "all" (drop the whole page cache)
+SRC: Path | None = None
+
+
+def drop_caches(enabled: bool = True) -> str:
+    """Make the next step read the input from the disk: evict the input files' pages (any user:
+    torch and Python stay cached, as on a machine that converts often), or drop every page (root)."""
+    if COLD == "warm" or not enabled:
         return "warm page cache"
+    os.sync()
+    if COLD == "input":
+        for p in files(SRC):
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "input files evicted from the page cache before each step"
     try:
-        os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "page cache dropped before each step"
+        return "whole page cache dropped before each step (Python and torch too)"
     except OSError as e:
         return f"page cache NOT dropped ({e.strerror})"
 
@@ -126,15 +140,20 @@ def main() -> None:
     ap.add_argument("--max-shard-size", default="500MB",
                     help="output shard size (workers split the shards: several are needed to use several)")
     ap.add_argument("--workdir", default="/tmp/kimi-convert-throughput")
-    ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--cold", choices=["warm", "input", "all"], default="input",
+                    help="before each timed step: nothing, evict the input's pages, or drop the whole page cache")
+    ap.add_argument("--drop-caches", action="store_true", help="the same as --cold all")
     ap.add_argument("--repeat", type=int, default=1, help="pack runs per --workers value (the median is shown)")
     a = ap.parse_args()
+    global COLD, SRC
+    COLD = "all" if a.drop_caches else a.cold
     work = Path(a.workdir)
     src, out = work / f"{a.preset}-L{a.layers or 'd'}", work / "out"
     if not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         cmd = [sys.executable, "-m", "kimi_convert.cli", "synth", a.preset, str(src)]
         subprocess.run(cmd + (["--layers", str(a.layers)] if a.layers else []), check=True)
+    SRC = src
     size_in = sum(p.stat().st_size for p in files(src))
     # one untimed pack gives the output size and warms the kernels' caches (C build, Triton JIT)
     shutil.rmtree(out, ignore_errors=True)
@@ -143,8 +162,8 @@ def main() -> None:
                     "--max-shard-size", a.max_shard_size], check=True, stdout=subprocess.DEVNULL)
     size_out = sum(p.stat().st_size for p in files(out))
     shutil.rmtree(out)
-    cache = drop_caches(a.drop_caches)
-    read_s, write_s = disk_floor(src, size_out, work / "floor.bin", a.drop_caches)
+    cache = drop_caches()
+    read_s, write_s = disk_floor(src, size_out, work / "floor.bin", True)
     floor = read_s + write_s
     print(f"{a.preset} (layers {a.layers or 'default'}), {size_in / 1e9:.2f} GB in, {size_out / 1e9:.2f} GB out, "
           f"device {a.device}, {cache}, {len(os.sched_getaffinity(0))} CPUs")
@@ -161,7 +180,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     stages = []
     for w in a.workers:
-        runs = sorted((run_pack(src, out, a.device, w, a.drop_caches, a.max_shard_size, a.streams)
+        runs = sorted((run_pack(src, out, a.device, w, True, a.max_shard_size, a.streams)
                        for _ in range(a.repeat)), key=lambda r: r[0])
         wall, rss, read, st = runs[len(runs) // 2]
         every = ", ".join(f"{r[0]:.2f}" for r in runs)

@@ -76,8 +76,11 @@ def pack(
     worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4)."""
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
-    ckpt, plan = load_plan(input_dir, opts, mapping)
     devices_ = devices.worker_devices(device, workers)
+    if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
+        threading.Thread(target=pipeline.warm_up, args=(devices_[0],), daemon=True,
+                         name="kimi-convert-warm-up").start()
+    ckpt, plan = load_plan(input_dir, opts, mapping)
     output_dir.mkdir(parents=True, exist_ok=True)
     j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
     if j is None:

@@ -459,6 +459,19 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
         shared.close(wait=not stop.is_set())
 
 
+def warm_up(device: str) -> None:
+    """Import torch and the kernels (and start CUDA) ahead of need, on a thread: this takes one to
+    several seconds, which then overlap planning and the first reads. A failure here is ignored:
+    the backend is made again where it is needed, and fails there with its own message."""
+    try:
+        from kimi_convert.kernels import get_backend
+
+        get_backend(device)
+        from . import compute  # noqa: F401 - imported for its side effect: loaded now, not later
+    except Exception:
+        pass
+
+
 def default_hash_threads(share: int | None = None) -> int:
     """Hashing threads of one worker: its share of the CPUs, 2 to 16 (hashlib releases the GIL)."""
     return max(2, min(16, share or cpus()))
