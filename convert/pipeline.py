@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 SLICE = 64 << 20
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
-#: The in-flight budget of a worker: at least this, and at least three of its largest pieces.
-MIN_IN_FLIGHT = 768 << 20
+#: The in-flight budget of a worker: at least this, and at least two of its largest pieces.
+MIN_IN_FLIGHT = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,9 @@ class Shared:
         self.stop = stop
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
         sizes = sorted((pc_cost(pc) for j in jobs for pc in pieces(j.units, j.file_order)), reverse=True)
-        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:3])), stop)
-        self.hold = HoldBudget(min(256 << 20, self.in_flight.limit // 4))
-        self.buffers = BufferPool(keep=self.in_flight.limit)
+        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop)
+        self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
+        self.buffers = BufferPool(limit=self.in_flight.limit)
         self._backend: Backend | None = None
         self._lock = threading.Lock()
         self.backend_s = 0.0
@@ -192,8 +192,6 @@ class Shared:
                 from kimi_convert.kernels import get_backend
 
                 self._backend = get_backend(device)
-                if self._backend.device.type == "cuda" and os.environ.get("KIMI_CONVERT_PINNED", "1") != "0":
-                    self.buffers.pin()
                 self.backend_s = time.perf_counter() - t
             return self._backend
 
@@ -282,6 +280,8 @@ class _Stream:
                 feeds += [fut] if fut is not None else []
                 held = held or kept
         self._clock("read: pread and start hashing", t)
+        if held:  # a file hash keeps a view of it: never reused, only counted out
+            self.shared.buffers.put(base, reuse=False)
         return Loaded(bufs), feeds, digests, None if held else base
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
@@ -345,8 +345,8 @@ class _Stream:
         for f in feeds:
             f.result()  # the buffers may go once hashed
         self._clock("write: wait for the hashes", t)
-        if base is not None and not (held and pc.copy_at is not None):
-            self.shared.buffers.put(base)
+        if base is not None:
+            self.shared.buffers.put(base, reuse=not (held and pc.copy_at is not None))
         self.on_progress(pc.nbytes)
         if pc.last:
             st.units_left -= 1
@@ -428,7 +428,7 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
     """Convert each job's shards on its own stream (threads of this process), calling ``on_shard``
     as each shard is complete; the first failure stops every stream."""
     stop = stop or threading.Event()
-    shared = Shared(jobs, hash_threads or default_hash_threads(), stop)
+    shared = Shared(jobs, hash_threads or default_hash_threads(len(jobs)), stop)
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
@@ -464,17 +464,23 @@ def warm_up(device: str) -> None:
     several seconds, which then overlap planning and the first reads. A failure here is ignored:
     the backend is made again where it is needed, and fails there with its own message."""
     try:
+        import torch
+
         from kimi_convert.kernels import get_backend
 
-        get_backend(device)
         from . import compute  # noqa: F401 - imported for its side effect: loaded now, not later
+
+        backend = get_backend(device)
+        w = torch.ones((16, 32), dtype=torch.bfloat16)  # starts CUDA and loads the compiled kernels
+        backend.quantize(backend.to_device(w), backend.amax(backend.to_device(w)))
     except Exception:
         pass
 
 
-def default_hash_threads(share: int | None = None) -> int:
-    """Hashing threads of one worker: its share of the CPUs, 2 to 16 (hashlib releases the GIL)."""
-    return max(2, min(16, share or cpus()))
+def default_hash_threads(streams: int, share: int | None = None) -> int:
+    """Hashing threads of one worker: two a stream and two more, within its share of the CPUs
+    (a file's sha256 and a tensor's run one thread each; hashlib releases the GIL)."""
+    return max(2, min(2 * streams + 2, share or cpus()))
 
 
 def default_streams(workers: int = 1) -> int:

@@ -406,50 +406,45 @@ class BufferPool:
     """Read buffers, reused: a new buffer costs a page fault and a zeroed page per 4 KB on first
     touch (measured: more system time than the read itself).
 
-    ``get`` returns the smallest free buffer that fits; ``put`` takes it back, and keeps at most
-    ``keep`` bytes of free buffers (the largest ones go first), so memory stays bounded. Once a GPU
-    is up (``pin``), new buffers are page-locked: the GPU then copies from them by DMA at full
-    speed, where pageable memory goes through a driver staging copy."""
+    ``get`` returns the smallest free buffer that fits (if at most about twice the size asked for);
+    ``put`` takes it back, and free buffers are dropped (the largest first) while free and in-use
+    buffers together exceed ``limit`` bytes.
 
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.pinned = False
+    Buffers are pageable, also for a GPU: page-locked ones copy to the GPU 7x faster, but over a
+    whole pack that is well under the disk's time (measured, benchmarks/RESULTS.md), and torch's
+    page-locked allocator keeps every block it ever made (peak memory grew with the checkpoint)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
         self._free: list[np.ndarray] = []
+        self._in_use = 0
         self._lock = threading.Lock()
-
-    def pin(self) -> None:
-        with self._lock:
-            self.pinned = True
-            self._free.clear()  # pageable ones are not reused
 
     def get(self, n: int) -> np.ndarray:
         import numpy as np
 
         with self._lock:
             for i, b in enumerate(self._free):  # sorted by size: the first that fits is the smallest
-                if b.nbytes >= n:
+                if n <= b.nbytes <= 2 * n + (1 << 20):  # not a large buffer for a small read
+                    self._in_use += b.nbytes
                     return self._free.pop(i)
-            pinned = self.pinned
-        if pinned:
-            import torch
+            buf = np.empty(max(n, 1), dtype=np.uint8)
+            self._in_use += buf.nbytes
+            self._trim()
+            return buf
 
-            return torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True).numpy()
-        return np.empty(max(n, 1), dtype=np.uint8)
-
-    def put(self, buf: np.ndarray) -> None:
+    def put(self, buf: np.ndarray, reuse: bool = True) -> None:
+        """Give ``buf`` back (``reuse=False``: it stays referenced elsewhere, only count it out)."""
         with self._lock:
-            if self.pinned and not _is_pinned(buf):
-                return
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.nbytes)
-            while sum(b.nbytes for b in self._free) > self.keep:
-                self._free.pop()
+            self._in_use -= buf.nbytes
+            if reuse:
+                self._free.append(buf)
+                self._free.sort(key=lambda b: b.nbytes)
+            self._trim()
 
-
-def _is_pinned(buf: np.ndarray) -> bool:
-    import torch
-
-    return isinstance(buf.base, torch.Tensor) and buf.base.is_pinned()
+    def _trim(self) -> None:
+        while self._free and self._in_use + sum(b.nbytes for b in self._free) > self.limit:
+            self._free.pop()
 
 
 class Loaded:

@@ -39,7 +39,7 @@ def _main(index: int, jobs: list[Job], device: str, threads: int, q) -> None:
 
     try:
         res = run_jobs(jobs, device, lambda f, rec: q.put(("shard", index, (f, rec))), progress,
-                       hash_threads=default_hash_threads(threads))
+                       hash_threads=default_hash_threads(len(jobs), threads))
         q.put(("progress", index, pending))
         q.put(("done", index, res))
     except ConvertError as e:

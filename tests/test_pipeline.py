@@ -83,15 +83,19 @@ def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
         FileHasher(path, len(data), [], pool, HoldBudget(0), stop).finish().result()
 
 
-def test_buffer_pool_reuses_and_bounds_what_it_keeps():
-    bp = BufferPool(keep=1000)
+def test_buffer_pool_reuses_and_bounds_what_it_holds():
+    bp = BufferPool(limit=1000)
     a = bp.get(600)
     bp.put(a)
     assert bp.get(500).ctypes.data == a.ctypes.data  # the smallest free buffer that fits
-    b, c = bp.get(600), bp.get(700)
+    b = bp.get(300)  # 600 + 300 in use
+    bp.put(a)
     bp.put(b)
-    bp.put(c)  # 1300 bytes free > keep: the largest goes
-    assert [x.nbytes for x in bp._free] == [600]
+    assert sorted(x.nbytes for x in bp._free) == [300, 600]
+    c = bp.get(700)  # none fits: a new one, and free buffers go while the total exceeds the limit
+    assert [x.nbytes for x in bp._free] == [300] and bp._in_use == 700
+    bp.put(c, reuse=False)  # still referenced elsewhere: counted out, not kept
+    assert [x.nbytes for x in bp._free] == [300] and bp._in_use == 0
 
 
 def test_in_flight_budget_blocks_until_given_back_and_lets_a_huge_piece_pass_alone():
