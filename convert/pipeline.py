@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 SLICE = 64 << 20
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
+#: Bytes at the start of each stream whose file hashes do not wait for the pipeline (see _Stream).
+EAGER_HASH = 1 << 30
 #: The in-flight budget of a worker: at least this, and at least two of its largest pieces.
 MIN_IN_FLIGHT = 512 << 20
 
@@ -147,21 +149,25 @@ class _ShardState:
 class ByteBudget:
     """Bytes a worker's streams may hold in flight (read, not yet written and hashed).
 
-    A request larger than the whole budget is granted when nothing else is held, so a huge piece
-    still passes (alone)."""
+    A read ahead of what its stream needs next leaves ``reserve`` bytes free, which only a stream's
+    next piece may take: otherwise streams that read ahead could hold the whole budget while another
+    stream's compute waits for its first piece. A request larger than the whole budget is granted
+    when nothing else is held, so a huge piece still passes (alone)."""
 
-    def __init__(self, limit: int, stop: threading.Event):
+    def __init__(self, limit: int, stop: threading.Event, reserve: int = 0):
         self.limit = limit
+        self.reserve = min(reserve, limit // 2)
         self.held = 0
         self._cond = threading.Condition()
         self._stop = stop
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, urgent: Callable[[], bool] = lambda: True) -> None:
+        """Wait until ``n`` bytes fit; ``urgent()`` says whether they are the stream's next piece."""
         with self._cond:
-            while self.held and self.held + n > self.limit:
+            while self.held and self.held + n + (0 if urgent() else self.reserve) > self.limit:
                 if self._stop.is_set():
                     raise write.Stopped("pack")
-                self._cond.wait(0.1)
+                self._cond.wait(0.05)
             self.held += n
 
     def give(self, n: int) -> None:
@@ -177,7 +183,7 @@ class Shared:
         self.stop = stop
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
         sizes = sorted((pc_cost(pc) for j in jobs for pc in pieces(j.units, j.file_order)), reverse=True)
-        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop)
+        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
         self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
         self.buffers = BufferPool(limit=self.in_flight.limit)
         self._backend: Backend | None = None
@@ -228,10 +234,17 @@ class _Stream:
         self.hash_pool = shared.hash_pool
         self.reader = RangeReader(job.input_dir)
         self.pieces = pieces(job.units, job.file_order)
+        self.next_compute = 0  # the piece the compute thread needs next
+        # The first EAGER_HASH bytes of the stream's reads are hashed for their files by the hashers
+        # themselves, at once: a file's sha256 is a sequential chain, and this starts it while torch
+        # loads, from the page cache the start-up readahead fills (one disk read either way).
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
+        eager = EAGER_HASH
         for pc in self.pieces:
             for r in pc.reads:
-                if r.part.file in expected:
+                if eager > 0:
+                    eager -= r.hi - r.lo
+                elif r.part.file in expected:
                     expected[r.part.file].append(r.file_range)
         self.files = {f: FileHasher(job.input_dir / f, size, expected[f], self.hash_pool, shared.hold, self.stop)
                       for f, size in job.hash_files.items()}
@@ -257,7 +270,7 @@ class _Stream:
         to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
         pc = self.pieces[i]
         t = time.perf_counter()
-        self.shared.in_flight.take(pc_cost(pc))
+        self.shared.in_flight.take(pc_cost(pc), urgent=lambda: self.next_compute >= i)
         t = self._clock("read: wait for the memory budget", t)
         if self.stop.is_set():
             raise write.Stopped("pack")
@@ -379,6 +392,7 @@ class _Stream:
                 loading.append(reads.submit(self.load, i))
             for i, pc in enumerate(self.pieces):
                 t = time.perf_counter()
+                self.next_compute = i
                 loaded, feeds, digests, base = loading.popleft().result()
                 self._clock("compute: wait for the reader", t)
                 if i + READ_AHEAD < len(self.pieces):

@@ -154,6 +154,7 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
     monkeypatch.setattr(pipeline, "SLICE", 4096)
     monkeypatch.setattr(pipeline, "READ_AHEAD", 1)
     monkeypatch.setattr(pipeline, "MIN_IN_FLIGHT", 1)  # a tiny budget: little held, more read again
+    monkeypatch.setattr(pipeline, "EAGER_HASH", 50_000)  # file hashes: a head start, then the pipeline's bytes
     out = tmp_path / "sliced"
     r = pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False, streams=2)
     assert tree(out) == tree(ref)
