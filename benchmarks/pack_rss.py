@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/kimi-convert-bench")
     a = ap.parse_args()
     work = Path(a.workdir)
-    rows = []
+    rows, fit = [], []
     print(f"{a.preset}, device {a.device}, workers {a.workers}, {len(os.sched_getaffinity(0))} CPUs\n")
     print("| layers | input | output | wall s | peak RSS | RSS / input | largest unit (input bytes) |")
     print("|---|---|---|---|---|---|---|")
@@ -67,10 +67,21 @@ def main() -> None:
         size_in, size_out = folder_bytes(src), folder_bytes(out)
         name, big = largest_fused(src)
         rows.append(rss)
+        fit.append((size_in / 1e9, wall))
         print(f"| {layers} | {size_in / 1e9:.2f} GB | {size_out / 1e9:.2f} GB | {wall:.1f} | {rss / 1e9:.2f} GB | "
               f"{rss / size_in:.2f} | {big / 1e6:.0f} MB ({name}) |", flush=True)
         shutil.rmtree(out, ignore_errors=True)
     print(f"\npeak RSS, largest / smallest: {max(rows) / min(rows):.2f}")
+    if len(fit) > 1:  # wall = a + b * GB: a is what does not grow with the input (start-up, finish)
+        a, b = linear_fit(fit)
+        print(f"wall s = {a:.2f} + {b:.3f} * input GB (least squares): fixed {a:.2f} s, marginal {1 / b:.2f} GB/s")
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
 
 
 if __name__ == "__main__":

@@ -232,3 +232,34 @@ def test_interrupting_workers_exits_130_without_traceback(tiny_k3, tmp_path):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "resume with:" in err, err
     assert not (out / "manifest.json").exists()
 
+
+
+def test_cli_stats_and_streams(tiny_k3, tmp_path):
+    import json
+
+    from test_resume import cli
+
+    out, stats = tmp_path / "out", tmp_path / "stats.json"
+    r = cli("pack", tiny_k3, out, "-q", "--device", "cpu", "--streams", "2", "--max-shard-size", "300KB",
+            "--stats", stats)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(stats.read_text())
+    assert st["workers"] == 1 and st["streams"] == 2
+    assert st["hashed_from_pipeline"] + st["hash_reread"] >= sum(
+        p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
+    assert st["stages_s"]["compute: kernels and copies"] > 0
+    assert cli("verify-manifest", out, "--input", tiny_k3).returncode == 0
+
+
+def test_a_gpu_device_without_a_gpu_is_a_one_line_error_before_any_output(tiny_k3, tmp_path, monkeypatch):
+    from test_resume import cli, one_line_error
+
+    from kimi_convert import devices
+
+    if devices.gpu_count():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "out"
+    for dev in ("cuda", "cuda:1", "tpu"):
+        err = one_line_error(cli("pack", tiny_k3, out, "--device", dev))
+        assert dev in err
+        assert not out.exists()
