@@ -179,10 +179,10 @@ class ByteBudget:
 class Shared:
     """What a worker's streams share: the hashing threads, the buffers, the memory budgets."""
 
-    def __init__(self, jobs: list[Job], hash_threads: int, stop: threading.Event):
+    def __init__(self, streams: list[list[Piece]], hash_threads: int, stop: threading.Event):
         self.stop = stop
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
-        sizes = sorted((pc_cost(pc) for j in jobs for pc in pieces(j.units, j.file_order)), reverse=True)
+        sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
         self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
         self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
         self.buffers = BufferPool(limit=self.in_flight.limit)
@@ -227,13 +227,12 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
 
 
 class _Stream:
-    def __init__(self, job: Job, shared: Shared, device: str, on_shard: Callable[[str, ShardRecord], None],
-                 on_progress: Callable[[int], None]):
-        self.job, self.shared, self.device = job, shared, device
+    def __init__(self, job: Job, mine: list[Piece], shared: Shared, device: str,
+                 on_shard: Callable[[str, ShardRecord], None], on_progress: Callable[[int], None]):
+        self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
         self.reader = RangeReader(job.input_dir)
-        self.pieces = pieces(job.units, job.file_order)
         self.next_compute = 0  # the piece the compute thread needs next
         # The first EAGER_HASH bytes of the stream's reads are hashed for their files by the hashers
         # themselves, at once: a file's sha256 is a sequential chain, and this starts it while torch
@@ -442,14 +441,15 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
     """Convert each job's shards on its own stream (threads of this process), calling ``on_shard``
     as each shard is complete; the first failure stops every stream."""
     stop = stop or threading.Event()
-    shared = Shared(jobs, hash_threads or default_hash_threads(len(jobs)), stop)
+    mine = [pieces(j.units, j.file_order) for j in jobs]
+    shared = Shared(mine, hash_threads or default_hash_threads(len(jobs)), stop)
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
         with lock:
             on_shard(f, rec)
 
-    streams = [_Stream(j, shared, device, report, on_progress) for j in jobs]
+    streams = [_Stream(j, ps, shared, device, report, on_progress) for j, ps in zip(jobs, mine, strict=True)]
     if len(streams) == 1:
         try:
             results = [streams[0].run()]

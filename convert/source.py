@@ -300,10 +300,6 @@ class TensorReader:
         if hi > lo:
             m.madvise(advice, lo, hi - lo)
 
-    def prefetch(self, t: TensorInfo) -> None:
-        """Ask the kernel to start reading ``t`` now (asynchronous readahead)."""
-        self._advise(t, getattr(mmap, "MADV_WILLNEED", None))
-
     def release(self, t: TensorInfo) -> None:
         """Drop ``t``'s pages from this process (they stay in the page cache)."""
         if t.file in self._maps:
