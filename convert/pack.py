@@ -47,7 +47,8 @@ class PackStats:
     convert_s: float  # from the start of the workers to their end (configs and manifest excluded)
     backend_s: float  # the slowest worker's time to load torch and start its device (overlapped with reading)
     hashed_from_pipeline: int  # input bytes whose file sha256 came from the pipeline's own reads
-    hash_reread: int  # input bytes read a second time for their file's sha256
+    hash_reread: int  # input bytes the file hashes read themselves (each stream's first GiB, headers,
+    #                   ranges other streams convert, ranges too far out of order to hold)
     stages_s: dict[str, float]  # seconds per stage, summed over streams (stages of a stream overlap)
 
 
@@ -81,6 +82,7 @@ def pack(
         threading.Thread(target=pipeline.warm_up, args=(devices_[0],), daemon=True,
                          name="kimi-convert-warm-up").start()
     ckpt, plan = load_plan(input_dir, opts, mapping)
+    command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
     output_dir.mkdir(parents=True, exist_ok=True)
     j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
     if j is None:
@@ -131,6 +133,8 @@ def startup_readahead() -> int:
     """$KIMI_CONVERT_STARTUP_READAHEAD, else an eighth of the available memory, at most 4 GiB."""
     env = os.environ.get("KIMI_CONVERT_STARTUP_READAHEAD")
     if env:
+        if not env.isdigit():
+            raise ConvertError(f"KIMI_CONVERT_STARTUP_READAHEAD={env!r}: expected a number of bytes")
         return int(env)
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
