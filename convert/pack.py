@@ -78,6 +78,7 @@ def pack(
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
     devices_ = devices.worker_devices(device, workers)
+    ahead = startup_readahead()
     if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
         threading.Thread(target=pipeline.warm_up, args=(devices_[0],), daemon=True,
                          name="kimi-convert-warm-up").start()
@@ -94,7 +95,7 @@ def pack(
     # (on a thread: queueing that much readahead can block until the disk has taken it)
     threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                      args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
-                           startup_readahead())).start()
+                           ahead)).start()
     n_streams = streams or pipeline.default_streams(len(devices_))
     jobs = split_jobs(ckpt, plan, todo, len(devices_) * n_streams, output_dir)
     per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
