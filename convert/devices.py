@@ -8,8 +8,10 @@ are, which the CUDA driver answers directly (``cuDeviceGetCount``, honouring CUD
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import re
 from functools import cache
+from pathlib import Path
 
 from .errors import ConvertError
 
@@ -29,10 +31,20 @@ def gpu_count() -> int:
     return n.value
 
 
+@cache
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build (its CUDA library is there), without importing it."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(p) / "lib" / "libtorch_cuda.so").exists() for p in spec.submodule_search_locations)
+
+
 def check(device: str) -> str:
-    """The device with ``auto`` resolved: ``cuda`` when a GPU is visible, else ``cpu``."""
+    """The device with ``auto`` resolved: ``cuda`` when a GPU is visible and torch can use it, else
+    ``cpu``."""
     if device == "auto":
-        return "cuda" if gpu_count() else "cpu"
+        return "cuda" if gpu_count() and torch_has_cuda() else "cpu"
     if device in ("cpu", "reference", "triton"):
         return device
     m = _CUDA.match(device)

@@ -50,6 +50,8 @@ class PackStats:
     hash_reread: int  # input bytes the file hashes read themselves (each stream's first GiB, headers,
     #                   ranges other streams convert, ranges too far out of order to hold)
     stages_s: dict[str, float]  # seconds per stage, summed over streams (stages of a stream overlap)
+    in_flight_peak: int  # the most source and output bytes a worker held at once
+    in_flight_limit: int  # a worker's budget for them
 
 
 def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None) -> tuple[Checkpoint, Plan]:
@@ -126,7 +128,9 @@ def pack(
                       hashed_from_pipeline=sum(r.from_pipeline for r in results),
                       hash_reread=sum(r.reread for r in results),
                       stages_s={k: round(sum(r.stages.get(k, 0.0) for r in results), 3)
-                                for k in sorted({k for r in results for k in r.stages})})
+                                for k in sorted({k for r in results for k in r.stages})},
+                      in_flight_peak=max((r.in_flight_peak for r in results), default=0),
+                      in_flight_limit=max((r.in_flight_limit for r in results), default=0))
     return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import faults, write
+from .errors import ConvertError
 from .hashing import FileHasher, HoldBudget, SerialHasher
 from .journal import ShardRecord
 from .plan import Shard, Unit
@@ -134,6 +135,8 @@ class JobResult:
     seconds: float = 0.0  # the stream's run
     backend_s: float = 0.0  # its worker's time to load torch and start the device, overlapped with reading
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (threads of one stream)
+    in_flight_peak: int = 0  # its worker's most bytes in flight at once
+    in_flight_limit: int = 0  # its worker's budget
 
 
 @dataclass
@@ -158,6 +161,7 @@ class ByteBudget:
         self.limit = limit
         self.reserve = min(reserve, limit // 2)
         self.held = 0
+        self.peak = 0  # the most ever held
         self._cond = threading.Condition()
         self._stop = stop
 
@@ -169,6 +173,7 @@ class ByteBudget:
                     raise write.Stopped("pack")
                 self._cond.wait(0.05)
             self.held += n
+            self.peak = max(self.peak, self.held)
 
     def give(self, n: int) -> None:
         with self._cond:
@@ -197,7 +202,10 @@ class Shared:
                 t = time.perf_counter()
                 from kimi_convert.kernels import get_backend
 
-                self._backend = get_backend(device)
+                try:
+                    self._backend = get_backend(device)
+                except ValueError as e:  # e.g. a CPU-only torch asked for cuda
+                    raise ConvertError(str(e)) from None
                 self.backend_s = time.perf_counter() - t
             return self._backend
 
@@ -455,14 +463,13 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
             results = [streams[0].run()]
         finally:
             shared.close(wait=not stop.is_set())
-        results[0].backend_s = shared.backend_s
+        _shared_figures(results, shared)
         return results
     pool = ThreadPoolExecutor(len(streams), thread_name_prefix="kimi-convert-stream")
     futs = [pool.submit(s.run) for s in streams]
     try:
         results = [f.result() for f in futs]
-        for r in results:
-            r.backend_s = shared.backend_s
+        _shared_figures(results, shared)
         return results
     except BaseException:
         stop.set()
@@ -471,6 +478,12 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
     finally:
         pool.shutdown(wait=True)
         shared.close(wait=not stop.is_set())
+
+
+def _shared_figures(results: list[JobResult], shared: Shared) -> None:
+    for r in results:
+        r.backend_s = shared.backend_s
+        r.in_flight_peak, r.in_flight_limit = shared.in_flight.peak, shared.in_flight.limit
 
 
 def warm_up(device: str) -> None:

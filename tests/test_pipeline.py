@@ -159,6 +159,11 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
     r = pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False, streams=2)
     assert tree(out) == tree(ref)
     assert r.stats.hashed_from_pipeline > 0 and r.stats.streams == 2
+    # memory: never more in flight than the budget (two of the largest pieces here)
+    ckpt, p = load_plan(tiny_k3, Options(max_shard_size=400_000))
+    order = {f: i for i, f in enumerate(ckpt.files)}
+    largest = max(pipeline.pc_cost(pc) for pc in pipeline.pieces(list(p.units), order, 4096))
+    assert 0 < r.stats.in_flight_peak <= r.stats.in_flight_limit <= 2 * largest
     # the safetensors-style layout (wider dtypes first) is written out of order: the shard hashes
     # then read parts of the file back, and must still be the files' sha256
     monkeypatch.setattr(plan_mod, "_in_write_order", lambda units: None)
@@ -263,3 +268,27 @@ def test_a_gpu_device_without_a_gpu_is_a_one_line_error_before_any_output(tiny_k
         err = one_line_error(cli("pack", tiny_k3, out, "--device", dev))
         assert dev in err
         assert not out.exists()
+
+
+def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
+    import importlib.machinery
+
+    from kimi_convert import devices
+
+    pkg = tmp_path / "torch"
+    (pkg / "lib").mkdir(parents=True)
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(pkg)]
+    monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    devices.torch_has_cuda.cache_clear()
+    try:
+        assert devices.check("auto") == "cpu"  # a CPU build of torch: the GPUs cannot be used
+        (pkg / "lib" / "libtorch_cuda.so").write_bytes(b"")
+        devices.torch_has_cuda.cache_clear()
+        assert devices.check("auto") == "cuda"
+        assert devices.worker_devices("cuda", None) == ["cuda:0", "cuda:1"]
+        assert devices.worker_devices("cuda:1", 3) == ["cuda:1"] * 3
+        assert devices.worker_devices("cuda", 3) == ["cuda:0", "cuda:1", "cuda:0"]
+    finally:
+        devices.torch_has_cuda.cache_clear()
