@@ -11,6 +11,8 @@ process group, and the parent alone decides to stop them, so no worker prints a 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import queue
@@ -26,7 +28,17 @@ from .pipeline import Job, JobResult, default_hash_threads, run_jobs
 PROGRESS_STEP = 64 << 20
 
 
-def _main(index: int, jobs: list[Job], device: str, threads: int, q) -> None:
+def _die_with(parent: int) -> None:
+    """A worker must not outlive its parent: a killed pack would leave it writing into files that a
+    resumed pack writes too. Linux: the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
+def _main(index: int, jobs: list[Job], device: str, threads: int, q, parent: int) -> None:
+    _die_with(parent)
     os.environ["KIMI_CONVERT_THREADS"] = str(threads)
     pending = 0
 
@@ -62,8 +74,8 @@ def run(jobs: list[list[Job]], devices: list[str], on_shard: Callable[[str, Shar
     threads = _cpu_share(len(jobs))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec by the workers
     try:
-        procs = [ctx.Process(target=_main, args=(i, job, devices[i], threads, q), name=f"kimi-convert-worker-{i}")
-                 for i, job in enumerate(jobs)]
+        procs = [ctx.Process(target=_main, args=(i, job, devices[i], threads, q, os.getpid()),
+                             name=f"kimi-convert-worker-{i}") for i, job in enumerate(jobs)]
         for p in procs:
             p.start()
     finally:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 def point_counts(src: Path, pack_args: list[str]) -> dict[str, int]:
     """How often each fault point is reached in a full run, from the plan."""
-    plan_args = [a for a in pack_args if a not in ("-q", "--device", "cpu")]
+    plan_args = pack_args[: pack_args.index("-q")]
     plan = json.loads(cli("plan", str(src), *plan_args, "--json").stdout)
     shards = len(plan["shards"])
     tensors = sum(s["tensors"] for s in plan["shards"])
@@ -67,7 +67,8 @@ def trial(src: Path, ref: Path, out: Path, pack_args: list[str], rng: random.Ran
         r = cli("pack", str(src), str(out), *pack_args, env={"KIMI_CONVERT_FAULT": f"{name}:{at}"})
         if r.returncode == 0:
             return f"{how}: not reached (run finished)"
-        if r.returncode != -signal.SIGKILL:
+        worker_died = r.returncode == 2 and "worker" in r.stderr  # the point was in a worker process
+        if r.returncode != -signal.SIGKILL and not worker_died:
             return f"{how}: FAILED: exit {r.returncode}: {r.stderr.strip()[-300:]}"
     else:
         delay = rng.uniform(0.2, full_s)
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None)
     ap.add_argument("--preset", default="tiny-k3")
     ap.add_argument("--experts", default="32")
+    ap.add_argument("--workers", default="1", help="pack --workers (a fault point in a worker stops it: exit 2)")
+    ap.add_argument("--streams", default="1", help="pack --streams")
     a = ap.parse_args(argv)
     work = Path(a.work) if a.work else Path(os.environ.get("TMPDIR", "/tmp")) / "kimi-convert-faults"
     shutil.rmtree(work, ignore_errors=True)
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     src, ref, out = work / "in", work / "ref", work / "out"
     r = cli("synth", a.preset, str(src), "--experts", a.experts)
     assert r.returncode == 0, r.stderr
-    pack_args = ["--max-shard-size", "1MB", "-q", "--device", "cpu"]
+    pack_args = ["--max-shard-size", "1MB", "-q", "--device", "cpu", "--workers", a.workers, "--streams", a.streams]
     t = time.perf_counter()
     r = cli("pack", str(src), str(ref), *pack_args)
     full_s = time.perf_counter() - t

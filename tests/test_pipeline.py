@@ -292,3 +292,35 @@ def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
         assert devices.worker_devices("cuda", 3) == ["cuda:0", "cuda:1", "cuda:0"]
     finally:
         devices.torch_has_cuda.cache_clear()
+
+
+def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):
+    """A SIGKILLed pack must not leave workers writing into files a resumed pack will write."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "KIMI_CONVERT_FAULT": "header:1:pause"}
+    p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
+                          "--device", "cpu", "--workers", "2", "--max-shard-size", "300KB"],
+                         stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 60
+    while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    children = [int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    assert len(children) >= 2
+    p.kill()
+    p.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.time() + 10
+    while any(alive(c) for c in children) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(c) for c in children)
