@@ -458,32 +458,21 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
             on_shard(f, rec)
 
     streams = [_Stream(j, ps, shared, device, report, on_progress) for j, ps in zip(jobs, mine, strict=True)]
-    if len(streams) == 1:
-        try:
-            results = [streams[0].run()]
-        finally:
-            shared.close(wait=not stop.is_set())
-        _shared_figures(results, shared)
-        return results
     pool = ThreadPoolExecutor(len(streams), thread_name_prefix="kimi-convert-stream")
     futs = [pool.submit(s.run) for s in streams]
     try:
         results = [f.result() for f in futs]
-        _shared_figures(results, shared)
-        return results
-    except BaseException:
+    except BaseException:  # a stream failed, or Ctrl-C reached this thread: every stream stops
         stop.set()
         faults.release()
         raise
     finally:
         pool.shutdown(wait=True)
         shared.close(wait=not stop.is_set())
-
-
-def _shared_figures(results: list[JobResult], shared: Shared) -> None:
     for r in results:
         r.backend_s = shared.backend_s
         r.in_flight_peak, r.in_flight_limit = shared.in_flight.peak, shared.in_flight.limit
+    return results
 
 
 def warm_up(device: str) -> None:
