@@ -1,7 +1,7 @@
 """Compute stage: turn one planned unit into output bytes.
 
-Kept and copied tensors are the source bytes themselves (memory-map views, concatenated in member
-order), so they are byte-identical to their sources. NVFP4 tensors are built from the members one
+Kept and copied tensors are the source bytes themselves (views of the buffers they were read into,
+concatenated in member order), so they are byte-identical to their sources. NVFP4 tensors are built from the members one
 at a time under one global scale taken over the whole fused module (or scale group): the fused
 high-precision tensor is never materialised, and its quantized rows are the members' rows in order.
 """

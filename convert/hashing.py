@@ -166,7 +166,7 @@ class FileHasher:
 
 
 class Stopped(Exception):
-    """The pipeline is stopping: a long read for a hash ends early."""
+    """The pack is stopping (failing or interrupted): a long read or hash ends early."""
 
 
 def _reader(path: os.PathLike, lo: int, hi: int, stop: threading.Event):

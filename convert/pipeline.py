@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from . import faults, write
 from .errors import ConvertError
-from .hashing import FileHasher, HoldBudget, SerialHasher
+from .hashing import FileHasher, HoldBudget, SerialHasher, Stopped
 from .journal import ShardRecord
 from .plan import Shard, Unit
 from .source import BufferPool, Loaded, RangeReader, TensorInfo
@@ -132,7 +132,6 @@ class JobResult:
     input_hashes: dict[str, str]
     from_pipeline: int  # input bytes the file hashes took from the pipeline's reads
     reread: int  # input bytes read a second time for them
-    seconds: float = 0.0  # the stream's run
     backend_s: float = 0.0  # its worker's time to load torch and start the device, overlapped with reading
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (threads of one stream)
     in_flight_peak: int = 0  # its worker's most bytes in flight at once
@@ -170,7 +169,7 @@ class ByteBudget:
         with self._cond:
             while self.held and self.held + n + (0 if urgent() else self.reserve) > self.limit:
                 if self._stop.is_set():
-                    raise write.Stopped("pack")
+                    raise Stopped("pack")
                 self._cond.wait(0.05)
             self.held += n
             self.peak = max(self.peak, self.held)
@@ -280,7 +279,7 @@ class _Stream:
         self.shared.in_flight.take(pc_cost(pc), urgent=lambda: self.next_compute >= i)
         t = self._clock("read: wait for the memory budget", t)
         if self.stop.is_set():
-            raise write.Stopped("pack")
+            raise Stopped("pack")
         if i + 1 < len(self.pieces):
             for r in self.pieces[i + 1].reads:
                 self.reader.will_need(r.part, r.lo, r.hi)
@@ -332,7 +331,7 @@ class _Stream:
                digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
                finishing: list[Future]) -> None:
         if self.stop.is_set():
-            raise write.Stopped("pack")
+            raise Stopped("pack")
         file = pc.unit.shard
         st = self.open.get(file)
         if st is None:
@@ -387,7 +386,6 @@ class _Stream:
         self.on_shard(file, rec)
 
     def run(self) -> JobResult:
-        t0 = time.perf_counter()
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
@@ -433,8 +431,7 @@ class _Stream:
             ex.shutdown()
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
-                         sum(h.reread for h in self.files.values()), time.perf_counter() - t0,
-                         stages=dict(self.seconds))
+                         sum(h.reread for h in self.files.values()), stages=dict(self.seconds))
 
 
 def _raise_failed(futs: list[Future]) -> None:

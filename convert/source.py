@@ -314,24 +314,20 @@ class TensorReader:
 
 def readahead(folder: Path, parts: list[TensorInfo], budget: int) -> None:
     """Ask the kernel to start reading the first ``budget`` bytes of ``parts`` into the page cache
-    (asynchronous: returns at once; a hint the kernel may drop under memory pressure)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fds: dict[str, int] = {}
+    (a hint the kernel may drop under memory pressure; queueing it can block, so callers run it on
+    a thread)."""
+    reader = RangeReader(folder)
     try:
         for t in parts:
             if budget <= 0:
                 break
-            if t.file not in fds:
-                fds[t.file] = os.open(folder / t.file, os.O_RDONLY)
             n = min(t.nbytes, budget)
-            os.posix_fadvise(fds[t.file], t.start, n, os.POSIX_FADV_WILLNEED)
+            reader.will_need(t, 0, n)
             budget -= n
     except OSError:
         pass  # only a hint
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        reader.close()
 
 
 class TensorSource(Protocol):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from .errors import ConvertError
 from .journal import ShardRecord
 from .pipeline import Job, JobResult, default_hash_threads, run_jobs
+from .pipeline import cpus as pipeline_cpus
 
 #: A worker reports progress at most every this many bytes (a queue message each time).
 PROGRESS_STEP = 64 << 20
@@ -62,7 +63,7 @@ def _main(index: int, jobs: list[Job], device: str, threads: int, q, parent: int
 
 def _cpu_share(n: int) -> int:
     env = os.environ.get("KIMI_CONVERT_THREADS")
-    cpus = int(env) if env else len(os.sched_getaffinity(0))
+    cpus = int(env) if env else pipeline_cpus()
     return max(1, cpus // n)  # each worker's share: for the C kernel and its hashing threads
 
 

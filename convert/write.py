@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__, faults, journal
 from .errors import ConvertError
+from .hashing import Stopped
 from .plan import GROUP_SIZE, Placed, Plan, Shard
 from .source import INDEX_NAME
 
@@ -224,10 +225,6 @@ def copy_side_files(input_dir: Path, output_dir: Path, side_files: tuple[str, ..
             os.replace(tmp, dst)
         except OSError as e:
             raise ConvertError(f"{dst}: cannot write: {e.strerror or e}") from None
-
-
-class Stopped(Exception):
-    """A background hash was asked to stop (the pack is failing or interrupted)."""
 
 
 def load_manifest(output_dir: Path) -> dict:
