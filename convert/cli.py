@@ -20,7 +20,7 @@ import click
 
 from . import __version__
 from .errors import ConvertError
-from .plan import DEFAULT_MAX_SHARD, Options, Plan
+from .plan import DEFAULT_MAX_SHARD, LAYOUTS, Options, Plan
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
@@ -100,6 +100,14 @@ def plan_options(f):
         click.option("--max-shard-size", default=str(DEFAULT_MAX_SHARD), show_default="5GB",
                      help="Largest output shard, e.g. 5GB, 500MB."),
         click.option("--mapping", metavar="NAME|FILE", help="Architecture table (default: chosen from config.json)."),
+        click.option("--recipe", metavar="NAME|FILE",
+                     help="What is quantized how: nvidia-k3 (the default for Kimi K3), nvfp4-w4a16 (the default "
+                          "otherwise), or a recipe file."),
+        click.option("--layout", type=click.Choice(LAYOUTS), default="source", show_default=True,
+                     help="source: the input's tensor names and files (loads in vLLM and SGLang); sglang: "
+                          "SGLang's fused names on disk (SGLang only)."),
+        click.option("--input-scale", type=float, metavar="X",
+                     help="Replace the recipe's constant activation input_scale (nvidia-k3: 1.0)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -115,7 +123,16 @@ def _options(kw: dict) -> Options:
         max_shard_size=parse_size(kw["max_shard_size"]),
         fuse=tuple(kw["fuse"]),
         no_fuse=tuple(kw["no_fuse"]),
+        recipe=kw["recipe"],
+        layout=kw["layout"],
+        input_scale=_input_scale(kw["input_scale"]),
     )
+
+
+def _input_scale(x: float | None) -> float | None:
+    if x is not None and not (0 < x < float("inf")):
+        raise click.BadParameter(f"{x} is not a positive finite number", param_hint="--input-scale")
+    return x
 
 
 @cli.command()
@@ -210,10 +227,13 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
     if stats_path and res.stats:
         Path(stats_path).write_text(json.dumps(dataclasses.asdict(res.stats), indent=2) + "\n")
     items = res.plan.items
+    cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
     click.echo(
-        f"wrote {output_dir}/: {len(res.plan.shards)} shards, {_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "
-        f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'keep' for i in items)} kept, "
-        f"{sum(i.kind == 'copy' for i in items)} tensors copied; manifest.json"
+        f"wrote {output_dir.rstrip('/')}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
+        f"{_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "
+        f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'fp8-block' for i in items)} "
+        f"block FP8, {sum(i.kind == 'keep' for i in items)} kept, "
+        f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
 
@@ -227,33 +247,77 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
 @click.option("--remote", metavar="REPO_ID", help="Also check a Hub repo's files against the manifest (no download).")
 @click.option("--revision", help="With --remote: the branch, tag or refs/pr/N to check.")
 @click.option("--token", help="With --remote: Hub token (default: HF_TOKEN or the cached login).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
+              help="Also load OUTPUT with this engine's own loading code, on the CPU (repeatable); "
+                   "fails on an engine error, an unfilled parameter, a skipped tensor or a bad cast.")
+@click.option("--engine-python", type=click.Path(dir_okay=False),
+              help="With one --engine: the python that has the engine installed (default: "
+                   "KIMI_CONVERT_VLLM_PYTHON / KIMI_CONVERT_SGLANG_PYTHON, else scripts/engine-envs.sh's environment).")
+@click.option("--engine-any-version", is_flag=True,
+              help="With --engine: run an engine version other than the tested one.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable report (with --engine: every parameter's details).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, remote: str | None,
-                    revision: str | None, token: str | None, as_json: bool, quiet: bool) -> None:
-    """Check OUTPUT against its manifest.json (exit 0 only if everything holds)."""
+                    revision: str | None, token: str | None, engines: tuple[str, ...], engine_python: str | None,
+                    engine_any_version: bool, as_json: bool, quiet: bool) -> None:
+    """Check OUTPUT against its manifest.json (exit 0 only if everything holds).
+
+    With --engine and no manifest.json in OUTPUT (any checkpoint), only the engine checks run.
+    """
     from tqdm import tqdm
 
-    from .verify import verify
+    from .verify import Report, verify
 
-    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=quiet or as_json,
-               dynamic_ncols=True)
+    engines = tuple(dict.fromkeys(engines))
+    if engine_python and len(engines) != 1:
+        raise click.UsageError("--engine-python needs exactly one --engine")
+    if engine_any_version and not engines:
+        raise click.UsageError("--engine-any-version needs --engine")
+    manifest = Path(output_dir, "manifest.json").exists() or not engines
+    if engines and not Path(output_dir).is_dir():
+        raise ConvertError(f"{output_dir}: no such folder")
+    if manifest:
+        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=quiet or as_json,
+                   dynamic_ncols=True)
 
-    def add_total(n: int) -> None:
-        bar.total += n
-        bar.refresh()
-    try:
-        rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=add_total)
-    finally:
-        bar.close()
+        def add_total(n: int) -> None:
+            bar.total += n
+            bar.refresh()
+        try:
+            rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=add_total)
+        finally:
+            bar.close()
+    else:
+        if input_dir or remote:
+            raise ConvertError(f"{output_dir}: no manifest.json, so --input and --remote have nothing to check")
+        rep = Report()
     if remote:
         from .hub import verify_remote
 
         rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True))
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
+    engine_reports = []
+    if engines:
+        from .enginecheck import check
+
+        for engine in engines:
+            if not (quiet or as_json):
+                click.echo(f"loading {output_dir} with {engine} (its own loader, on the CPU)...", err=True)
+            er = check(output_dir, engine, python=engine_python, any_version=engine_any_version)
+            engine_reports.append(er)
+            rep.check(f"{engine} {er.version} loads it (engine's own loader, {er.seconds:.0f} s)",
+                      [] if er.ok else [er.verdict], er.verdict if er.ok else "")
     if as_json:
-        click.echo(json.dumps(rep.to_dict(), indent=2))
+        d = rep.to_dict()
+        if not manifest:
+            d["manifest"] = "absent: manifest checks skipped"
+        if engine_reports:
+            d["engines"] = [er.to_dict() for er in engine_reports]
+        click.echo(json.dumps(d, indent=2))
     else:
+        if not manifest:
+            click.echo(f"{output_dir}: no manifest.json: manifest checks skipped, engine checks only")
         click.echo(render_report(rep, output_dir))
     sys.exit(0 if rep.ok else 1)
 
@@ -306,12 +370,15 @@ def _shape(dtype: str, shape) -> str:
 
 def render_plan(p: Plan, input_dir: str) -> str:
     shard_of = p.shard_of()
-    lines = [f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})", ""]
+    lines = [f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
+             f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
+             f"layout {p.options.layout}; quantization_config: {p.recipe.quant_method} / {p.recipe.quant_algo}",
+             *(f"note: {n}" for n in p.notes), ""]
     for u in p.units:
         for it in u.items:
             srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
             out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
-            lines.append(f"{it.kind:5} {it.name}  {out}  -> {shard_of[it.outputs[0].name]}")
+            lines.append(f"{it.kind:9} {it.name}  {out}  -> {shard_of[it.outputs[0].name]}")
             if it.kind != "copy":
                 extra = f"; shared scale {u.shared_scale}" if u.shared_scale else ""
                 lines.append(f"        why: {it.rule}{extra}")
@@ -320,10 +387,16 @@ def render_plan(p: Plan, input_dir: str) -> str:
                 for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
                     extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
                     lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
-    t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "keep", "copy")}
+    if p.engine_groups:
+        lines += ["", "engine packed modules (stored apart; quantized members share one global scale):"]
+        for g in p.engine_groups:
+            rows = ", ".join(f"{mod.rsplit('.', 1)[-1]} {a}:{b}" for mod, (a, b) in zip(g.members, g.rows, strict=True))
+            lines.append(f"  {g.name} [{', '.join(g.engines)}]: {rows}")
+    t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "fp8-block", "keep", "copy")}
     lines += [
         "",
-        f"totals: {t['nvfp4']} NVFP4 modules, {t['keep']} kept linear modules, {t['copy']} tensors copied",
+        f"totals: {t['nvfp4']} NVFP4 modules, {t['fp8-block']} block FP8 modules, {t['keep']} kept linear modules, "
+        f"{t['copy']} tensors copied",
         f"bytes in {p.bytes_in} ({_mb(p.bytes_in)}), bytes out {p.bytes_out} ({_mb(p.bytes_out)}) "
         f"in {len(p.shards)} shard(s)",
         f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",

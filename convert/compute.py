@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, reference, transcode
+from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, fp8_block, mxfp4_cast, reference
 
 from .errors import ConvertError
-from .plan import Item, Source, Unit
+from .plan import FP8, NVFP4, Item, Source, Unit
 from .source import TensorSource
 
 Chunk = memoryview | np.ndarray
@@ -64,51 +64,62 @@ def _keep_decoded(item: Item, reader: TensorSource, block, backend: Backend) -> 
 
 def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tuple[int, int]) -> UnitResult:
     res = UnitResult({})
-    quant = [it for it in unit.items if it.kind == "nvfp4"]
+    quant = [it for it in unit.items if it.kind == NVFP4]
     for it in unit.items:
-        if it.kind == "nvfp4":
-            continue
-        dense = all(s.encoding == "dense" for s in it.sources)
-        chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block, backend)
-        res.outputs[it.outputs[0].name] = Output(chunks)
-        if not dense:
-            res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
+        if it.kind == FP8:
+            _fp8_block(it, reader, block, backend, res)
+        elif it.kind != NVFP4:
+            dense = all(s.encoding == "dense" for s in it.sources)
+            chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block, backend)
+            res.outputs[it.outputs[0].name] = Output(chunks)
+            if not dense:
+                res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
-        why = None
         if all(s.encoding == "mxfp4" for it in quant for s in it.sources):
-            why = _transcode(quant, reader, res)
-            if why is None:
-                return res
-        _quantize(quant, reader, backend, block, res, why)
+            _cast_mxfp4(quant, reader, res)
+        else:
+            _quantize(quant, reader, backend, block, res)
     return res
 
 
 def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor, res: UnitResult,
           note: dict) -> None:
-    w, ws, ws2 = it.outputs
+    w, ws, ws2 = it.outputs[:3]
     res.outputs[w.name] = Output([as_bytes(p) for p in packed])
     res.outputs[ws.name] = Output([as_bytes(s) for s in scales])
     res.outputs[ws2.name] = Output([as_bytes(s2.reshape(1))])
+    if it.input_scale is not None:
+        res.outputs[it.outputs[3].name] = Output([as_bytes(torch.tensor([it.input_scale], dtype=torch.float32))])
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
 
 
-def _transcode(items: list[Item], reader: TensorSource, res: UnitResult) -> str | None:
-    """MXFP4 sources whose exponents fit: keep every code, re-express the scales (exact).
-    Returns None when done, else why they must be re-quantized."""
+def _cast_mxfp4(items: list[Item], reader: TensorSource, res: UnitResult) -> None:
+    """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit (w1 and w3)."""
     members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
-    fit = transcode.fit(list(members.values()))
-    if not fit.exact:
-        return fit.reason
-    s2 = transcode.global_scale(fit.m)
+    shared = max(mxfp4_cast.k_max(scale) for _, scale in members.values())
     for it in items:
-        outs = [transcode.transcode(*members[s.name], fit.m) for s in it.sources]
-        _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res,
-              {"method": "transcoded-exact", "detail": f"{fit.reason}; global scale 2^{fit.m}"})
-    return None
+        outs = [mxfp4_cast.cast(*members[s.name], shared) for s in it.sources]
+        blocks, lossless = sum(o[3].blocks for o in outs), sum(o[3].lossless for o in outs)
+        _emit(it, [o[0] for o in outs], [o[1] for o in outs], outs[0][2], res,
+              {"method": "mxfp4-cast", "k_max": shared, "blocks": blocks, "lossless_blocks": lossless})
 
 
-def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, res: UnitResult,
-              why: str | None = None) -> None:
+def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: Backend, res: UnitResult) -> None:
+    """128x128 block FP8 of a 2-D weight (an MXFP4 or FP8 source is decoded to BF16 first)."""
+    (src,) = it.sources
+    w = decode(src, reader, block, backend)
+    if src.encoding != "dense":
+        w = w.to(torch.bfloat16)
+    if not bool(torch.isfinite(backend.amax(w))):
+        raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+    q, scale = fp8_block.quantize(w)
+    res.outputs[it.outputs[0].name] = Output([as_bytes(q)])
+    res.outputs[it.outputs[1].name] = Output([as_bytes(scale)])
+    res.notes[it.name] = {"source_encoding": src.encoding, "method": "fp8-block",
+                          "zero_tiles": int((scale == 0).sum())}
+
+
+def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, res: UnitResult) -> None:
     values = {s.name: decode(s, reader, block, backend) for it in items for s in it.sources}
     amax = None
     for name, v in values.items():
@@ -122,6 +133,4 @@ def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, 
         outs = [backend.quantize(values[s.name], amax) for s in it.sources]
         note = {"method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
                 "amax": float(amax)}
-        if why:
-            note["detail"] = why
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res, note)

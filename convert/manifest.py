@@ -10,8 +10,9 @@ import tomllib
 
 from . import __version__
 from .journal import fingerprint
-from .plan import GROUP_SIZE, Item, Plan
-from .write import QUANT_ALGO
+from .plan import FP8, GROUP_SIZE, NVFP4, Item, Plan
+from .recipe import FP8_BLOCK
+from .write import layer_algo
 
 FORMAT = "kimi-convert-manifest"
 FORMAT_VERSION = 1
@@ -20,16 +21,24 @@ FORMAT_VERSION = 1
 def plan_dict(plan: Plan) -> dict:
     """The plan as data (no hashes): printed by ``kimi-convert plan --json``, the manifest's skeleton."""
     shard_of = plan.shard_of()
+    scale_of = {it.name: u.shared_scale for u in plan.units if u.shared_scale for it in u.items}
     return {
         "mapping": {"name": plan.mapping.name, "file": plan.mapping.path, "sha256": plan.mapping.sha256},
+        "recipe": {"name": plan.recipe.name, "file": plan.recipe.path, "sha256": plan.recipe.sha256,
+                   "quant_method": plan.recipe.quant_method, "quant_algo": plan.recipe.quant_algo},
         "options": plan.options.to_dict(),
+        "notes": list(plan.notes),
         "rules": [{"pattern": p.text, "origin": p.origin, "reason": p.reason} for p in plan.patterns],
         "warnings": list(plan.warnings),
         "exclude_modules": list(plan.exclude_modules),
         "modules": [_item(it, u.shared_scale, shard_of) for u in plan.units for it in u.items],
+        "engine_groups": [{"name": g.name, "engines": list(g.engines), "members": list(g.members),
+                           "rows": [list(r) for r in g.rows], "shared_scale": scale_of.get(g.members[0])}
+                          for g in plan.engine_groups],
         "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
         "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
-                   "nvfp4": sum(it.kind == "nvfp4" for it in plan.items),
+                   "nvfp4": sum(it.kind == NVFP4 for it in plan.items),
+                   "fp8_block": sum(it.kind == FP8 for it in plan.items),
                    "kept": sum(it.kind == "keep" for it in plan.items),
                    "copied": sum(it.kind == "copy" for it in plan.items)},
     }
@@ -40,9 +49,11 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
     if it.group:
         d["group"] = it.group
     d["op"] = it.op
-    if it.kind == "nvfp4":
-        d["quantization"] = {"format": "nvfp4", "group_size": GROUP_SIZE, "quant_algo": QUANT_ALGO,
-                             "shared_scale": shared_scale}
+    if it.kind == NVFP4:
+        d["quantization"] = {"format": NVFP4, "group_size": GROUP_SIZE, "quant_algo": layer_algo(it.kind, it.input_scale),
+                             "shared_scale": shared_scale, "input_scale": it.input_scale}
+    elif it.kind == FP8:
+        d["quantization"] = {"format": FP8, "block": [FP8_BLOCK, FP8_BLOCK], "quant_algo": layer_algo(it.kind, None)}
     d["sources"] = [
         {
             "name": s.name,
@@ -75,7 +86,7 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
         for t in mod["tensors"]:
             t["sha256"] = tensor_hashes[t["name"]]
         note = dict(sorted(notes.get(mod["name"], {}).items()))  # key order must not depend on a resume
-        if note and mod["kind"] == "nvfp4":
+        if note and mod["kind"] in (NVFP4, FP8):
             mod["quantization"].update(note)
         elif note:
             mod["decoded"] = note

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .errors import ConvertError
 
+ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
 
 
@@ -46,19 +47,13 @@ class Group:
     when: tuple[tuple[str, object], ...] = ()
     quantize: bool = True  # False: engines build it as a linear layer, but it is never NVFP4
     reason: str = ""  # why quantize is False
-    enabled: bool = True  # False: only with --fuse NAME
+    enabled: bool = True  # False: fused on disk only with --fuse NAME
+    engines: tuple[str, ...] = ENGINES  # the engines that build this packed module
+    unquantized_only: bool = False  # the engine builds it only for an unquantized model
+    on_disk: bool = True  # False: fused inside the engine only (never written fused)
 
     def parent_regexes(self) -> list[re.Pattern[str]]:
         return [template_regex(p) for p in self.parents]
-
-
-@dataclass(frozen=True)
-class ScaleGroup:
-    """Modules stored separately whose engine kernel holds one global scale for all of them."""
-
-    name: str
-    members: tuple[str, ...]
-    parents: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -83,11 +78,11 @@ class Mapping:
     text_config: str  # key of the nested text config, "" for a flat config
     text_prefix: str  # prefix of the text model's tensor names
     layer_types: tuple[LayerType, ...]
-    linear: tuple[str, ...]  # globs of module names the engines build as linear layers
+    linear: tuple[str, ...]  # globs of modules built as linear layers although their weight is not 2-D
+    not_linear: tuple[str, ...]  # globs of modules whose 2-D weight is not a linear layer (embeddings)
     keep: tuple[Rule, ...]  # linear modules that are never NVFP4, whatever the user says
     exclude: tuple[Rule, ...]  # the default exclusion recipe
     groups: tuple[Group, ...]
-    scale_groups: tuple[ScaleGroup, ...]
     expert_sets: tuple[str, ...]  # parents whose children the engine quantizes all-or-nothing
     config_defaults: dict = field(default_factory=dict)
     source: str = ""  # the table's text, for the manifest
@@ -106,6 +101,7 @@ class Mapping:
         return sub
 
     def config_value(self, config: dict, dotted: str) -> object:
+        """The text config's value at a dotted path; the mapping's default (or None) where it is absent."""
         value: object = self.text_config_of(config)
         for part in dotted.split("."):
             if not isinstance(value, dict) or part not in value:
@@ -135,9 +131,17 @@ class Mapping:
             return name[len(self.text_prefix) :]
         return name
 
-    def is_linear(self, module: str) -> bool:
+    def _hit(self, module: str, globs: tuple[str, ...]) -> bool:
         short = self.strip(module)
-        return any(fnmatchcase(short, p) or fnmatchcase(module, p) for p in self.linear)
+        return any(fnmatchcase(short, p) or fnmatchcase(module, p) for p in globs)
+
+    def is_linear(self, module: str, shape: tuple[int, ...]) -> bool:
+        """A linear layer is found by what it is, not by its name: a 2-D ``.weight`` (``kv_a_proj_with_mqa``
+        has no ``_proj`` suffix) unless the mapping says it is not one, or a module the mapping lists
+        (depthwise conv weights [P, 1, K] that the engines build as linear layers)."""
+        if self._hit(module, self.not_linear):
+            return False
+        return len(shape) == 2 or self._hit(module, self.linear)
 
     def keep_rule(self, module: str) -> Rule | None:
         short = self.strip(module)
@@ -145,8 +149,9 @@ class Mapping:
 
 
 TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
-            "linear", "config_defaults", "layer_types", "keep", "exclude", "group", "scale_group"}
-GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled"}
+            "linear", "not_linear", "config_defaults", "layer_types", "keep", "exclude", "group", "scale_group"}
+GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
+              "unquantized_only", "on_disk"}
 
 
 def _known(table: dict, keys: set[str], where: str) -> None:
@@ -203,6 +208,9 @@ def _group(g: object, where: str) -> Group:
     when = g.get("when", {})
     if not isinstance(when, dict):
         raise ConvertError(f"{where}: when must be a table of config values")
+    engines = _strs(g, "engines", where, ENGINES)
+    if not engines or set(engines) - set(ENGINES):
+        raise ConvertError(f"{where}: engines must name some of {', '.join(ENGINES)}")
     grp = Group(
         name=_req(g, "name", str, where),
         members=members,
@@ -213,6 +221,9 @@ def _group(g: object, where: str) -> Group:
         quantize=bool(g.get("quantize", True)),
         reason=str(g.get("reason", "")),
         enabled=bool(g.get("enabled", True)),
+        engines=engines,
+        unquantized_only=bool(g.get("unquantized_only", False)),
+        on_disk=bool(g.get("on_disk", True)),
     )
     try:
         grp.parent_regexes()
@@ -236,20 +247,21 @@ def parse_mapping(text: str, path: str) -> Mapping:
         _known(lt, {"config", "base"}, w)
         lts.append(LayerType(name, _req(lt, "config", str, w), int(lt.get("base", 0))))
     groups = tuple(_group(g, f"{path}: group[{i}]") for i, g in enumerate(t.get("group", [])))
-    names = [g.name for g in groups]
-    scale_groups = []
+    # A scale_group is a packed module the engines build inside a layer (MoE w13) and that is never
+    # written fused: sugar for a group with on_disk = false.
     for i, s in enumerate(t.get("scale_group", [])):
         w = f"{path}: scale_group[{i}]"
         if not isinstance(s, dict):
             raise ConvertError(f"{w}: must be a table")
         _known(s, {"name", "members", "parents"}, w)
-        scale_groups.append(ScaleGroup(_req(s, "name", str, w), _strs(s, "members", w), _strs(s, "parents", w)))
+        groups += (_group({**s, "on_disk": False}, w),)
     known_types = {lt.name for lt in lts}
     for g in groups:
         if g.layer_type is not None and g.layer_type not in known_types:
             raise ConvertError(f"{path}: group {g.name}: unknown layer_type {g.layer_type!r}")
-    if len(set(names)) != len(names):
-        raise ConvertError(f"{path}: group names must be unique")
+    keys = [(g.name, g.engines, g.when) for g in groups]
+    if len(set(keys)) != len(keys):
+        raise ConvertError(f"{path}: two groups of one name need different engines or conditions")
     return Mapping(
         name=_req(t, "name", str, path),
         description=t.get("description", ""),
@@ -259,10 +271,10 @@ def parse_mapping(text: str, path: str) -> Mapping:
         text_prefix=t.get("text_prefix", ""),
         layer_types=tuple(lts),
         linear=_strs(t, "linear", path),
+        not_linear=_strs(t, "not_linear", path),
         keep=_rules(t.get("keep", []), f"{path}: keep"),
         exclude=_rules(t.get("exclude", []), f"{path}: exclude"),
         groups=groups,
-        scale_groups=tuple(scale_groups),
         expert_sets=_strs(t, "expert_sets", path),
         config_defaults=dict(t.get("config_defaults", {})),
         source=text,

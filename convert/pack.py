@@ -36,6 +36,8 @@ class PackResult:
     resumed_shards: int = 0  # shards a resumed run found finished and verified
     already_complete: bool = False
     stats: PackStats | None = None
+    cast_blocks: int = 0  # MXFP4 blocks cast to NVFP4
+    cast_lossless: int = 0  # of which exact (NVIDIA's count)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ def pack(
         bar.close()
     convert_s = time.perf_counter() - t
     input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
-    _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
+    notes = _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
+    cast = [n for n in notes.values() if n.get("method") == "mxfp4-cast"]
     stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
                       backend_s=max((r.backend_s for r in results), default=0.0),
                       hashed_from_pipeline=sum(r.from_pipeline for r in results),
@@ -131,7 +134,8 @@ def pack(
                                 for k in sorted({k for r in results for k in r.stages})},
                       in_flight_peak=max((r.in_flight_peak for r in results), default=0),
                       in_flight_limit=max((r.in_flight_limit for r in results), default=0))
-    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats)
+    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
+                      cast_blocks=sum(n["blocks"] for n in cast), cast_lossless=sum(n["lossless_blocks"] for n in cast))
 
 
 def startup_readahead() -> int:
@@ -261,16 +265,18 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
     files = [{"file": f, "size": (output_dir / f).stat().st_size, "sha256": write.sha256_file(output_dir / f)}
              for f in others]
     recs = [j.shards[s.file] for s in plan.shards]
+    notes = {k: v for r in recs for k, v in r.notes.items()}
     man = manifest_mod.build(
         plan,
         input_hashes,
         {s.file: r.sha256 for s, r in zip(plan.shards, recs, strict=True)},
         {k: v for r in recs for k, v in r.tensors.items()},
         {k: v for r in recs for k, v in r.sources.items()},
-        {k: v for r in recs for k, v in r.notes.items()},
+        notes,
         {s.file: s.size for s in plan.shards},
         files,
     )
     write.write_json_atomic(output_dir / "manifest.json", man, compact_lists=("modules",))
     (output_dir / journal.NAME).unlink()
+    return notes
 

@@ -80,7 +80,7 @@ class Piece:
 
 def is_pass_through(unit: Unit) -> bool:
     """Output bytes = the concatenated stored bytes of its sources (nothing to compute)."""
-    return len(unit.items) == 1 and unit.items[0].kind != "nvfp4" and all(
+    return len(unit.items) == 1 and unit.items[0].kind in ("keep", "copy") and all(
         s.encoding == "dense" for s in unit.items[0].sources)
 
 

@@ -14,15 +14,20 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 from . import rules
 from .errors import ConvertError
-from .mapping import Group, Mapping, template_regex
+from .mapping import ENGINES, Group, Mapping, template_regex
+from .recipe import FP8_BLOCK, Format, Recipe, find_recipe
 from .source import DTYPES, Checkpoint, TensorInfo
 
 GROUP_SIZE = 16
 MXFP4_GROUP = 32
 DEFAULT_MAX_SHARD = 5 * 1000**3
+LAYOUTS = ("source", "sglang")
+NVFP4, FP8, KEEP, COPY = Format.NVFP4.value, Format.FP8_BLOCK.value, Format.KEEP.value, "copy"
+QUANTIZED = (NVFP4, FP8)
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,13 @@ class Item:
     """One output module (or loose tensor) and the sources it is built from."""
 
     name: str  # output module name (or tensor name for a copy)
-    kind: str  # "nvfp4", "keep" (a linear layer kept in high precision) or "copy"
+    kind: str  # "nvfp4", "fp8-block", "keep" (a linear layer kept in high precision) or "copy"
     op: str  # "none", "cat" (dim 0) or "stack"
-    group: str | None  # the mapping group that fused it
+    group: str | None  # the mapping group that fused it on disk
     sources: tuple[Source, ...]
     outputs: tuple[OutTensor, ...]
-    rule: str  # why NVFP4 or kept
+    rule: str  # why quantized or kept
+    input_scale: float | None = None  # nvfp4: the constant activation scale written with it
 
     def row_ranges(self) -> list[tuple[int, int]]:
         """Rows (dim 0) of the fused tensor each source occupies, in order."""
@@ -83,7 +89,7 @@ class Unit:
     """Items computed together: one item, or stored-apart modules sharing one global scale."""
 
     items: tuple[Item, ...]
-    shared_scale: str | None
+    shared_scale: str | None  # the engine fusion group(s) whose members share one global scale
     shard: str = ""
 
     @property
@@ -127,9 +133,15 @@ class Options:
     max_shard_size: int = DEFAULT_MAX_SHARD
     fuse: tuple[str, ...] = ()
     no_fuse: tuple[str, ...] = ()
+    recipe: str | None = None  # NAME or FILE; None: the mapping's default recipe
+    layout: str = "source"  # "source": the input's names and files; "sglang": SGLang's fused names
+    input_scale: float | None = None  # replaces every constant input_scale of the recipe
 
     def to_dict(self) -> dict:
         return {
+            "recipe": self.recipe,
+            "layout": self.layout,
+            "input_scale": self.input_scale,
             "exclude": list(self.exclude),
             "exclude_from": list(self.exclude_from),
             "default_excludes": self.default_excludes,
@@ -143,6 +155,7 @@ class Options:
 @dataclass(frozen=True)
 class Plan:
     mapping: Mapping
+    recipe: Recipe
     options: Options
     patterns: tuple[rules.Pattern, ...]
     units: tuple[Unit, ...]
@@ -152,6 +165,8 @@ class Plan:
     side_files: tuple[str, ...]
     inputs: tuple[tuple[str, int], ...]  # (file, size)
     layer_kinds: dict[int, str] = field(default_factory=dict)
+    engine_groups: tuple[EngineGroup, ...] = ()
+    notes: tuple[str, ...] = ()  # decisions worth saying (e.g. a condition decided from the tensors)
 
     @property
     def items(self) -> list[Item]:
@@ -254,13 +269,26 @@ class Fused:
     group: Group
     parent: str
     members: tuple[str, ...]  # full module names in member order
+    engine: str = ""  # the engine whose packed module this is ("" when fused on disk)
 
     @property
     def name(self) -> str:
         return f"{self.parent}.{self.group.name}"
 
 
-def _group_applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict) -> bool:
+@dataclass(frozen=True)
+class EngineGroup:
+    """One packed module an engine builds from stored-apart members: recorded in the plan and manifest,
+    and the reason its quantized members share one global scale."""
+
+    name: str  # full name of the engine's packed module
+    engines: tuple[str, ...]
+    members: tuple[str, ...]  # source modules in the engine's order
+    rows: tuple[tuple[int, int], ...]  # each member's rows in the engine's fused weight
+
+
+def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict) -> bool | None:
+    """True or False; None when a config condition is absent (the tensors present decide)."""
     for rx in g.parent_regexes():
         hit = rx.fullmatch(short_parent)
         if hit is None:
@@ -269,51 +297,80 @@ def _group_applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mappin
             layer = hit.groupdict().get("layer")
             if layer is None or kinds.get(int(layer)) != g.layer_type:
                 return False
-        return all(m.config_value(config, k) == v for k, v in g.when)
+        values = [(m.config_value(config, k), v) for k, v in g.when]
+        if any(have is not None and have != want for have, want in values):
+            return False
+        return None if any(have is None for have, _ in values) else True
     return False
 
 
-def resolve_fusions(
-    modules: dict[str, dict[str, Source]], m: Mapping, config: dict, opts: Options
-) -> list[Fused]:
-    """Per parent module, the largest complete applicable group first; a partial group fails."""
-    known = {g.name for g in m.groups}
-    for n in (*opts.fuse, *opts.no_fuse):
-        if n not in known:
-            raise ConvertError(f"--fuse/--no-fuse: {m.name} has no group {n!r} (known: {', '.join(sorted(known))})")
-    groups = [
-        g for g in m.groups if (g.enabled or g.name in opts.fuse) and g.name not in opts.no_fuse
-    ]
+def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: dict, groups: list[Group],
+                    engine: str = "", notes: list[str] | None = None) -> list[Fused]:
+    """Per parent module, the largest complete applicable group first; a partial group fails.
+
+    A group whose config condition is absent from the config applies where all its members are
+    present (the tensors decide; ``notes`` says so once per condition)."""
     kinds = m.layer_kinds(config)
     children: dict[str, dict[str, str]] = defaultdict(dict)
     for mod, params in modules.items():
         if "weight" in params and "." in mod:
             parent, leaf = mod.rsplit(".", 1)
             children[parent][leaf] = mod
+    said: set[str] = set()
     chosen: list[Fused] = []
     for parent in sorted(children):
         leaves = children[parent]
         short = m.strip(parent)
         complete = []
         for order, g in enumerate(groups):
-            if not _group_applies(g, short, kinds, m, config):
+            applies = _applies(g, short, kinds, m, config)
+            if applies is False:
                 continue
             present = [x for x in g.members if x in leaves]
             if not present:
                 continue
             if len(present) != len(g.members):
+                if applies is None:
+                    continue
                 missing = [x for x in g.members if x not in leaves]
                 raise ConvertError(
                     f"module {parent}.{g.name}: fused group is missing {', '.join(missing)} "
                     f"(has {', '.join(present)}); the {g.name} group applies to this layer"
                 )
+            if applies is None and notes is not None:
+                cond = ", ".join(f"{k} = {v}" for k, v in g.when)
+                if cond not in said:
+                    said.add(cond)
+                    notes.append(f"config.json does not say {cond.split(' = ')[0]}: decided from the tensors "
+                                 f"present ({g.name} where {', '.join(g.members)} exist)")
             complete.append((-len(g.members), order, g))
         taken: set[str] = set()
         for _, _, g in sorted(complete, key=lambda c: (c[0], c[1])):
             if taken.isdisjoint(g.members):
                 taken.update(g.members)
-                chosen.append(Fused(g, parent, tuple(leaves[x] for x in g.members)))
+                chosen.append(Fused(g, parent, tuple(leaves[x] for x in g.members), engine))
     return chosen
+
+
+def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
+    """The groups written fused on disk: none for the source layout; SGLang's for --layout sglang."""
+    known = {g.name for g in m.groups}
+    for n in (*opts.fuse, *opts.no_fuse):
+        if n not in known:
+            raise ConvertError(f"--fuse/--no-fuse: {m.name} has no group {n!r} (known: {', '.join(sorted(known))})")
+    if opts.layout not in LAYOUTS:
+        raise ConvertError(f"--layout {opts.layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if opts.layout == "source":
+        if opts.fuse:
+            raise ConvertError("--fuse writes fused modules: it needs --layout sglang")
+        return []
+    return [g for g in m.groups if opts.layout in g.engines and g.on_disk and not g.unquantized_only
+            and (g.enabled or g.name in opts.fuse) and g.name not in opts.no_fuse]
+
+
+def _engine_groups(m: Mapping) -> dict[str, list[Group]]:
+    """Per engine, the packed modules it builds for a quantized model."""
+    return {e: [g for g in m.groups if e in g.engines and not g.unquantized_only] for e in ENGINES}
 
 
 def _fuse_shape(f: Fused, srcs: list[Source], suffix: str) -> tuple[int, ...]:
@@ -347,46 +404,85 @@ def _fuse_shape(f: Fused, srcs: list[Source], suffix: str) -> tuple[int, ...]:
 class _Decision:
     kind: str
     rule: str
+    input_scale: float | None = None
 
 
-def _decide(
-    name: str, members: list[str], group: Group | None, m: Mapping, patterns: list[rules.Pattern],
-    used: dict[rules.Pattern, int], opts: Options,
-) -> _Decision:
+@dataclass
+class _Context:
+    """What deciding a module's format needs: the mapping, the recipe, the rules and their use counts."""
+
+    m: Mapping
+    recipe: Recipe
+    opts: Options
+    patterns: list[rules.Pattern]
+    used: dict[rules.Pattern, int]
+    expert_rx: list[re.Pattern[str]]
+
+    def is_expert(self, module: str) -> bool:
+        return any(rx.fullmatch(self.m.strip(module)) for rx in self.expert_rx)
+
+
+def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -> _Decision:
+    """The format of one linear module (or a module fused on disk from ``members``): the mapping's
+    keeps first (what the engines build unquantized), then the exclusion rules (decided per source
+    shard), then the recipe's first matching rule."""
+    m = ctx.m
     if group is not None and not group.quantize:
-        return _Decision("keep", f"mapping {m.name}: {group.name}: {group.reason}")
+        return _Decision(KEEP, f"mapping {m.name}: {group.name}: {group.reason}")
     for mod in members:
         k = m.keep_rule(mod)
         if k is not None:
-            return _Decision("keep", f"mapping {m.name}: keep {k.pattern!r}: {k.reason}")
-    hits = {mod: rules.first_match(patterns, mod, m.text_prefix) for mod in members}
+            return _Decision(KEEP, f"mapping {m.name}: keep {k.pattern!r}: {k.reason}")
+    hits = {mod: rules.first_match(ctx.patterns, mod, m.text_prefix) for mod in members}
     for p in hits.values():
         if p is not None:
-            used[p] += 1
+            ctx.used[p] += 1
     excluded = [mod for mod, p in hits.items() if p is not None]
-    if not excluded:
-        return _Decision("nvfp4", "quantized: no exclusion rule matches")
-    why = "; ".join(dict.fromkeys(p.describe() for p in hits.values() if p is not None))
-    if len(excluded) == len(members):
-        return _Decision("keep", f"excluded by {why}")
-    kept = [mod for mod in members if mod not in excluded]
-    if opts.keep_partial:
-        return _Decision("keep", f"--keep-partial: shards {', '.join(excluded)} excluded by {why}")
-    raise ConvertError(
-        f"module {name}: only some shards are excluded: excluded {', '.join(excluded)}; "
-        f"not excluded {', '.join(kept)}; exclude all of them, or pass --keep-partial to keep "
-        f"the whole module in high precision"
-    )
+    if excluded:
+        why = "; ".join(dict.fromkeys(p.describe() for p in hits.values() if p is not None))
+        if len(excluded) == len(members):
+            return _Decision(KEEP, f"excluded by {why}")
+        kept = [mod for mod in members if mod not in excluded]
+        if ctx.opts.keep_partial:
+            return _Decision(KEEP, f"--keep-partial: shards {', '.join(excluded)} excluded by {why}")
+        raise ConvertError(
+            f"module {name}: only some shards are excluded: excluded {', '.join(excluded)}; "
+            f"not excluded {', '.join(kept)}; exclude all of them, or pass --keep-partial to keep "
+            f"the whole module in high precision"
+        )
+    rule = ctx.recipe.decide(members[0], m.strip(members[0]), ctx.is_expert(members[0]))
+    if rule is None:
+        return _Decision(KEEP, f"recipe {ctx.recipe.name}: no rule matches: kept")
+    scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
+    why = rule.reason or rule.describe()
+    return _Decision(rule.format.value, f"recipe {ctx.recipe.name}: {why}", scale)
 
 
 # ---------------------------------------------------------------------------------------------
 # Items, units, shards
 
 
+def _outputs(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+             ) -> tuple[OutTensor, ...]:
+    if kind == NVFP4:
+        lead = shape[:-1]
+        outs = (
+            OutTensor(f"{name}.weight", "U8", (*lead, shape[-1] // 2)),
+            OutTensor(f"{name}.weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
+            OutTensor(f"{name}.weight_scale_2", "F32", ()),
+        )
+        return outs + ((OutTensor(f"{name}.input_scale", "F32", ()),) if input_scale is not None else ())
+    if kind == FP8:
+        n, k = shape
+        return (OutTensor(f"{name}.weight", "F8_E4M3", shape),
+                OutTensor(f"{name}.weight_scale", "F32", (-(-n // FP8_BLOCK), 1, -(-k // FP8_BLOCK), 1)))
+    return (OutTensor(f"{name}.weight", src_dtype, shape),)
+
+
 def _weight_item(name: str, srcs: list[Source], op: str, group: Group | None, shape: tuple[int, ...],
                  dec: _Decision) -> Item:
-    if dec.kind == "nvfp4":
-        where = f"module {name}: weight {list(shape)}"
+    where = f"module {name}: weight {list(shape)}"
+    if dec.kind == NVFP4:
         if group is None and len(shape) != 2:
             raise ConvertError(f"{where} selected for NVFP4 is not 2-D; exclude it (--exclude '{name}')")
         if shape[-1] % GROUP_SIZE:
@@ -394,33 +490,32 @@ def _weight_item(name: str, srcs: list[Source], op: str, group: Group | None, sh
                 f"{where} selected for NVFP4 but K={shape[-1]} is not a multiple of {GROUP_SIZE}; "
                 f"exclude it (--exclude '{name}')"
             )
-        lead = shape[:-1]
-        outs = (
-            OutTensor(f"{name}.weight", "U8", (*lead, shape[-1] // 2)),
-            OutTensor(f"{name}.weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
-            OutTensor(f"{name}.weight_scale_2", "F32", ()),
-        )
-    else:
-        dtype = "BF16" if srcs[0].encoding != "dense" else srcs[0].dtype
-        outs = (OutTensor(f"{name}.weight", dtype, shape),)
-    return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule)
+    elif dec.kind == FP8:
+        if len(shape) != 2 or op == "stack":
+            raise ConvertError(f"{where} selected for block FP8 is not 2-D; exclude it (--exclude '{name}')")
+        if shape[1] % FP8_BLOCK:
+            raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
+                               f"(the engines refuse it); exclude it (--exclude '{name}')")
+    dtype = "BF16" if srcs[0].encoding != "dense" else srcs[0].dtype
+    outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale)
+    return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
+                dec.input_scale if dec.kind == NVFP4 else None)
 
 
 def _copy_item(out_name: str, srcs: list[Source], op: str, group: Group | None, shape, rule: str) -> Item:
     dtype = srcs[0].dtype
     if srcs[0].encoding != "dense":
         raise ConvertError(f"tensor {srcs[0].name}: {srcs[0].encoding} tensor of a module that is not a linear layer")
-    return Item(out_name, "copy", op, group.name if group else None, tuple(srcs),
+    return Item(out_name, COPY, op, group.name if group else None, tuple(srcs),
                 (OutTensor(out_name, dtype, shape),), rule)
 
 
-def build_items(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern],
-                used: dict[rules.Pattern, int]) -> list[Item]:
-    modules = discover_sources(ckpt)
-    fused = resolve_fusions(modules, m, ckpt.config, opts)
-    in_group = {mod: f for f in fused for mod in f.members}
+def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: list[Fused], ctx: _Context
+                ) -> list[Item]:
+    m = ctx.m
+    in_group = {mod: f for f in disk for mod in f.members}
     items: list[Item] = []
-    for f in fused:
+    for f in disk:
         suffixes = [set(modules[mod]) for mod in f.members]
         if any(s != suffixes[0] for s in suffixes):
             raise ConvertError(
@@ -431,7 +526,7 @@ def build_items(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rule
             srcs = [modules[mod][suffix] for mod in f.members]
             shape = _fuse_shape(f, srcs, suffix)
             if suffix == "weight":
-                dec = _decide(f.name, list(f.members), f.group, m, patterns, used, opts)
+                dec = _decide(f.name, list(f.members), f.group, ctx)
                 items.append(_weight_item(f.name, srcs, f.group.op, f.group, shape, dec))
             else:
                 items.append(_copy_item(f"{f.name}.{suffix}", srcs, f.group.op, f.group, shape,
@@ -440,66 +535,124 @@ def build_items(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rule
         if mod in in_group:
             continue
         for suffix, src in sorted(modules[mod].items()):
-            if suffix == "weight" and m.is_linear(mod):
-                dec = _decide(mod, [mod], None, m, patterns, used, opts)
+            if suffix == "weight" and m.is_linear(mod, src.shape):
+                dec = _decide(mod, [mod], None, ctx)
                 items.append(_weight_item(mod, [src], "none", None, src.shape, dec))
             else:
                 items.append(_copy_item(src.name, [src], "none", None, src.shape, "not a linear weight: copied"))
     return items
 
 
+def _rekeep(it: Item, why: str) -> Item:
+    """The item kept in high precision instead (--keep-partial)."""
+    shape = it.sources[0].shape if it.op == "none" else _fused_shape_of(it)
+    return _weight_item(it.name, list(it.sources), it.op, None, shape, _Decision(KEEP, why))
+
+
+def _fused_shape_of(it: Item) -> tuple[int, ...]:
+    first = it.sources[0].shape
+    if it.op == "stack":
+        return (len(it.sources), *first)
+    return (sum(s.shape[0] for s in it.sources), *first[1:])
+
+
 def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     """Indices of the linear items under each MoE ``experts`` module (``...experts.{e}.{w}``)."""
-    rxs = [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
+    rxs = _expert_regexes(m)
     sets: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
-        if it.kind in ("nvfp4", "keep") and any(rx.fullmatch(m.strip(it.name)) for rx in rxs):
+        if it.kind != COPY and any(rx.fullmatch(m.strip(it.name)) for rx in rxs):
             sets[it.name.rsplit(".", 2)[0]].append(i)
     return sets
 
 
-def _check_expert_sets(items: list[Item], m: Mapping, opts: Options) -> list[Item]:
-    """Engines quantize one MoE layer's experts all-or-nothing: a mix fails (or, with --keep-partial, keeps all)."""
-    out = list(items)
+def _expert_regexes(m: Mapping) -> list[re.Pattern[str]]:
+    return [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
+
+
+def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) -> None:
+    """The modules one engine layer is built from must share one format (engines pick one quant
+    method per layer): a mix fails, or with --keep-partial keeps them all."""
+    kinds = {items[i].kind for i in idx}
+    if len(kinds) <= 1:
+        return
+    if not opts.keep_partial:
+        detail = ", ".join(f"{items[i].name.rsplit('.', 1)[-1]}: {items[i].kind}" for i in idx[:8])
+        raise ConvertError(f"{what}: its members must share one format, but they are {detail}"
+                           f"{' ...' if len(idx) > 8 else ''}; exclude all of them, or pass --keep-partial")
+    for i in idx:
+        if items[i].kind != KEEP:
+            items[i] = _rekeep(items[i], f"--keep-partial: {what} mixes formats")
+
+
+def _check_engine_layers(items: list[Item], fusions: list[Fused], m: Mapping, opts: Options) -> None:
+    """MoE layers (experts all-or-nothing) and every engine packed module: one format each."""
     for parent, idx in _expert_sets(items, m).items():
-        kinds = {items[i].kind for i in idx}
-        if len(kinds) == 1:
-            continue
-        kept = [items[i].name for i in idx if items[i].kind == "keep"]
-        if not opts.keep_partial:
-            raise ConvertError(
-                f"module {parent}: the engines quantize a layer's experts all-or-nothing, but "
-                f"{len(kept)} of {len(idx)} are excluded (first: {kept[0]}); exclude all, or pass --keep-partial"
-            )
-        for i in idx:
-            it = items[i]
-            if it.kind == "nvfp4":
-                dec = _Decision("keep", f"--keep-partial: other experts of {parent} are excluded")
-                out[i] = _weight_item(it.name, list(it.sources), it.op, None, it.sources[0].shape, dec)
-    return out
+        _same_format(items, idx, f"module {parent} (the engines quantize a layer's experts all-or-nothing)", opts)
+    index = {it.name: i for i, it in enumerate(items)}
+    for f in fusions:
+        idx = [index[mod] for mod in f.members if mod in index]
+        _same_format(items, idx, f"module {f.name} ({f.engine}'s packed module)", opts)
 
 
-def _units(items: list[Item], m: Mapping, ckpt: Checkpoint) -> list[Unit]:
+class _Union:
+    """Union-find over module names: the engine fusion groups that share one global scale."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        while self.parent.setdefault(x, x) != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, a: str, b: str) -> None:
+        self.parent[self.find(b)] = self.find(a)
+
+
+def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Unit]:
+    """One unit per set of NVFP4 modules that share a global scale (the union of every engine's
+    packed modules over them), one per other item; in input order."""
     order = {f: i for i, f in enumerate(ckpt.files)}
 
     def pos(it: Item) -> tuple:
         return min((order[p.file], p.start) for s in it.sources for p in s.parts)
 
     by_name = {it.name: it for it in items}
-    grouped: set[str] = set()
-    units: list[Unit] = []
-    for sg in m.scale_groups:
-        rxs = [template_regex(p) for p in sg.parents]
-        for it in items:
-            parent, _, leaf = it.name.rpartition(".")
-            if leaf != sg.members[0] or it.kind != "nvfp4" or not any(rx.fullmatch(m.strip(parent)) for rx in rxs):
-                continue
-            mates = [by_name.get(f"{parent}.{x}") for x in sg.members]
-            if all(x is not None and x.kind == "nvfp4" for x in mates):
-                units.append(Unit(tuple(mates), f"{parent}.{sg.name}"))
-                grouped.update(x.name for x in mates)
+    uf = _Union()
+    shared: list[tuple[str, str]] = []  # (a member, packed module name)
+    for f in fusions:
+        quant = [mod for mod in f.members if mod in by_name and by_name[mod].kind == NVFP4]
+        for mod in quant[1:]:
+            uf.join(quant[0], mod)
+        if len(quant) > 1:
+            shared.append((quant[0], f.name))
+    label: dict[str, set[str]] = defaultdict(set)
+    for mod, name in shared:
+        label[uf.find(mod)].add(name)
+    sets: dict[str, list[Item]] = defaultdict(list)
+    for it in items:
+        if it.name in uf.parent:
+            sets[uf.find(it.name)].append(it)
+    grouped = {it.name for its in sets.values() for it in its}
+    units = [Unit(tuple(sorted(its, key=pos)), " + ".join(sorted(label[root]))) for root, its in sets.items()]
     units += [Unit((it,), None) for it in items if it.name not in grouped]
     return sorted(units, key=lambda u: min(pos(it) for it in u.items))
+
+
+def _layout_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:
+    """Each unit in the input file of its first source tensor, under the input file's name."""
+    by_file: dict[str, list[Unit]] = defaultdict(list)
+    for u in units:
+        by_file[u.items[0].sources[0].parts[0].file].append(u)
+    placed_units, shards = [], []
+    for f in ckpt.files:
+        if f not in by_file:
+            continue
+        placed_units += [Unit(u.items, u.shared_scale, f) for u in by_file[f]]
+        shards.append(_shard(f, [[t for it in u.items for t in it.outputs] for u in by_file[f]]))
+    return placed_units, shards
 
 
 def _layout(units: list[Unit], max_size: int) -> tuple[list[Unit], list[Shard]]:
@@ -558,16 +711,37 @@ def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
     return Shard(name, placed, head)
 
 
-def exclude_list(items: list[Item], m: Mapping) -> list[str]:
-    """Every kept linear module by its full name, each fused module's shards, and whole MoE expert sets."""
+def exclude_list(items: list[Item], m: Mapping, recipe: Recipe) -> list[str]:
+    """The recipe's own list (if it has one) plus every kept linear module it does not already name,
+    each fused module's shards, and whole MoE expert sets."""
     names: set[str] = set()
     for it in items:
-        if it.kind != "keep":
+        if it.kind != KEEP:
             continue
         names.add(it.name)
         if it.group is not None:
             names.update(s.module for s in it.sources)
-    names.update(p for p, idx in _expert_sets(items, m).items() if all(items[i].kind == "keep" for i in idx))
+    names.update(p for p, idx in _expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
+    if recipe.exclude_modules is None:
+        return sorted(names)
+    listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
+    extra = sorted(n for n in names if not any(fnmatchcase(n, p) for p in recipe.exclude_modules))
+    return list(dict.fromkeys([*listed, *extra]))
+
+
+def aliases(name: str, on: bool) -> list[str]:
+    """Every spelling of a module name the engines' runtime prefixes probe (NVIDIA's converter writes
+    them all): the checkpoint name, ``block_sparse_moe`` -> ``mlp`` (SGLang's mapper), and the names
+    without ``language_model.model.`` and without ``language_model.``."""
+    if not on:
+        return [name]
+    names = {name}
+    if "block_sparse_moe" in name:
+        names.add(name.replace("block_sparse_moe", "mlp"))
+    for n in list(names):
+        if n.startswith("language_model.model."):
+            rest = n[len("language_model.model."):]
+            names.update({"model." + rest, rest})
     return sorted(names)
 
 
@@ -582,24 +756,53 @@ def collect_patterns(ckpt: Checkpoint, m: Mapping, opts: Options) -> list[rules.
     return patterns + rules.from_quant_config(ckpt.folder)
 
 
+def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, Source]]) -> tuple[EngineGroup, ...]:
+    """One record per packed module name, the engines that build it merged."""
+    merged: dict[tuple[str, tuple[str, ...]], list[str]] = defaultdict(list)
+    for f in fusions:
+        merged[(f.name, f.members)].append(f.engine)
+    out = []
+    for (name, members), engines in sorted(merged.items()):
+        rows, pos = [], 0
+        for mod in members:
+            n = modules[mod]["weight"].shape[0]
+            rows.append((pos, pos + n))
+            pos += n
+        out.append(EngineGroup(name, tuple(sorted(set(engines))), members, tuple(rows)))
+    return tuple(out)
+
+
 def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None) -> Plan:
     """``patterns`` replaces the collected rules (verify-manifest re-plans with the recorded ones)."""
+    recipe = find_recipe(opts.recipe, m.name)
     patterns = collect_patterns(ckpt, m, opts) if patterns is None else patterns
-    used: dict[rules.Pattern, int] = defaultdict(int)
-    items = _check_expert_sets(build_items(ckpt, m, opts, patterns, used), m, opts)
-    units, shards = _layout(_units(items, m, ckpt), opts.max_shard_size)
-    warnings = [_unmatched(p, items, m) for p in dict.fromkeys(patterns) if not used[p]]
+    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), _expert_regexes(m))
+    notes: list[str] = []
+    modules = discover_sources(ckpt)
+    disk = resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes)
+    fused_on_disk = {mod for f in disk for mod in f.members}
+    fusions = [f for e, gs in _engine_groups(m).items()
+               for f in resolve_fusions(modules, m, ckpt.config, gs, e, notes)
+               if fused_on_disk.isdisjoint(f.members)]
+    items = build_items(ckpt, modules, disk, ctx)
+    _check_engine_layers(items, fusions, m, opts)
+    units = _units(items, fusions, ckpt)
+    units, shards = _layout_source(units, ckpt) if opts.layout == "source" else _layout(units, opts.max_shard_size)
+    warnings = [_unmatched(p, items, m) for p in dict.fromkeys(patterns) if not ctx.used[p]]
     return Plan(
         mapping=m,
+        recipe=recipe,
         options=opts,
         patterns=tuple(patterns),
         units=tuple(units),
         shards=tuple(shards),
-        exclude_modules=tuple(exclude_list(items, m)),
+        exclude_modules=tuple(exclude_list(items, m, recipe)),
         warnings=tuple(warnings),
         side_files=tuple(ckpt.side_files),
         inputs=tuple((f, ckpt.file_sizes[f]) for f in ckpt.files),
         layer_kinds=m.layer_kinds(ckpt.config),
+        engine_groups=_engine_records(fusions, modules),
+        notes=tuple(dict.fromkeys(notes)),
     )
 
 

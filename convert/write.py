@@ -13,8 +13,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +24,8 @@ from typing import TYPE_CHECKING
 from . import __version__, faults, journal
 from .errors import ConvertError
 from .hashing import Stopped
-from .plan import GROUP_SIZE, Placed, Plan, Shard
+from .mapping import template_regex
+from .plan import FP8, GROUP_SIZE, NVFP4, Placed, Plan, Shard, aliases
 from .source import INDEX_NAME
 
 if TYPE_CHECKING:
@@ -30,7 +33,6 @@ if TYPE_CHECKING:
 
 PARTIAL = ".partial"
 CHUNK = 16 << 20
-QUANT_ALGO = "W4A16_NVFP4"  # weight-only: no calibrated activation scales are written
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
 OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json", journal.NAME)
@@ -187,31 +189,82 @@ def producer() -> dict:
     return {"name": "kimi-convert", "version": __version__}
 
 
+def layer_algo(kind: str, input_scale: float | None) -> str:
+    """ModelOpt's quant_algo of one module: NVFP4 with a (constant) input_scale is W4A4."""
+    if kind == FP8:
+        return "FP8_PB_WO"
+    return "NVFP4" if input_scale is not None else "W4A16_NVFP4"
+
+
+def quantized_layers(plan: Plan) -> dict[str, dict]:
+    """MIXED_PRECISION's per-layer map: each quantized module (a MoE layer's experts as one bank),
+    and each engine packed module whose members share one format, in every spelling the recipe asks for."""
+    m, rec = plan.mapping, plan.recipe
+    entry: dict[str, dict] = {}
+    kind_of: dict[str, tuple[str, float | None]] = {}
+    banks = [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
+    for it in plan.items:
+        if it.kind not in (NVFP4, FP8):
+            continue
+        kind_of[it.name] = (it.kind, it.input_scale)
+        name = it.name.rsplit(".", 2)[0] if any(rx.fullmatch(m.strip(it.name)) for rx in banks) else it.name
+        entry[name] = _algo_entry(it.kind, it.input_scale)
+    for g in plan.engine_groups:
+        kinds = {kind_of.get(mod) for mod in g.members}
+        if len(kinds) == 1 and None not in kinds:
+            entry[g.name] = _algo_entry(*kinds.pop())
+    return {a: e for name, e in sorted(entry.items()) for a in aliases(name, rec.aliases)}
+
+
+def _algo_entry(kind: str, input_scale: float | None) -> dict:
+    algo = layer_algo(kind, input_scale)
+    return {"quant_algo": algo} if kind == FP8 else {"quant_algo": algo, "group_size": GROUP_SIZE}
+
+
 def hf_quant_config(plan: Plan) -> dict:
-    return {
-        "producer": producer(),
-        "quantization": {
-            "quant_algo": QUANT_ALGO,
-            "kv_cache_quant_algo": None,
-            "group_size": GROUP_SIZE,
-            "exclude_modules": list(plan.exclude_modules),
-        },
-    }
+    q: dict = {"quant_algo": plan.recipe.quant_algo, "kv_cache_quant_algo": None, "group_size": GROUP_SIZE}
+    if plan.recipe.quant_method == "modelopt_mixed":
+        q["quantized_layers"] = quantized_layers(plan)
+    q["exclude_modules"] = list(plan.exclude_modules)
+    return {"producer": producer(), "quantization": q}
+
+
+def _group_config(algo: str) -> dict:
+    """ModelOpt's compressed-tensors-style config group of one quant_algo (its convert_hf_config;
+    written here because ModelOpt is not a dependency of this tool)."""
+    weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
+    if algo == "NVFP4":
+        return {"input_activations": dict(weights), "weights": weights}
+    if algo == "W4A16_NVFP4":
+        return {"weights": weights}
+    return {"quant_algo": algo}
 
 
 def output_config(config: dict, plan: Plan) -> dict:
-    """The input's config.json with a ModelOpt quantization_config replacing any earlier one."""
+    """The input's config.json with its quantization_config (also the one nested in the text config,
+    which a loader would otherwise read the NVFP4 experts by, as MXFP4) replaced by the recipe's."""
     out = dict(config)
-    weights = {"num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
-    out["quantization_config"] = {
-        "quant_method": "modelopt",
-        "quant_algo": QUANT_ALGO,
-        "kv_cache_quant_algo": None,
-        "group_size": GROUP_SIZE,
-        "ignore": list(plan.exclude_modules),
-        "producer": producer(),
-        "config_groups": {"group_0": {"weights": weights, "input_activations": None, "targets": ["Linear"]}},
-    }
+    key = plan.mapping.text_config
+    if key and isinstance(out.get(key), dict):
+        out[key] = {k: v for k, v in out[key].items() if k != "quantization_config"}
+    hq = hf_quant_config(plan)["quantization"]
+    q: dict = {}
+    if "quantized_layers" in hq:
+        by_algo: dict[str, list[str]] = defaultdict(list)
+        for name, e in hq["quantized_layers"].items():
+            by_algo[json.dumps(sorted(e.items()))].append(name)
+        q["config_groups"] = {f"group_{i}": {**_group_config(dict(json.loads(k))["quant_algo"]), "targets": sorted(v)}
+                              for i, (k, v) in enumerate(by_algo.items())}
+        q["quantized_layers"] = hq["quantized_layers"]
+    else:
+        q["config_groups"] = {"group_0": {**_group_config(hq["quant_algo"]), "targets": ["Linear"]}}
+        q["group_size"] = GROUP_SIZE
+        q["kv_cache_quant_algo"] = None
+    q["ignore"] = hq["exclude_modules"]
+    q["quant_algo"] = hq["quant_algo"]
+    q["producer"] = producer()
+    q["quant_method"] = plan.recipe.quant_method
+    out["quantization_config"] = q
     return out
 
 

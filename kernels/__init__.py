@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference, transcode
+from . import fp8_block, mxfp4_cast, reference
 from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
-__all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "get_backend", "reference", "transcode"]
+__all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend", "mxfp4_cast",
+           "reference"]
 
 #: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
 CHUNK_ELEMENTS = 1 << 22

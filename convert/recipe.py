@@ -1,0 +1,183 @@
+"""Recipes as data: which output format each linear module gets, and the quantization config written.
+
+A recipe (``recipes/*.toml``, or a file given with ``--recipe FILE``) is an ordered list of rules;
+the first rule whose module globs match a linear module decides its format:
+
+- ``nvfp4``: packed E2M1 weight, e4m3 block scales, fp32 global scale (shared over the engine
+  fusion group), and optionally a constant ``input_scale``;
+- ``fp8-block``: e4m3 weight with one fp32 scale per 128x128 tile, weight only;
+- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16).
+
+The mapping still has the last word: modules the engines build unquantized are kept whatever a
+recipe says, and user exclusions (``--exclude``) keep a module too. Adding a recipe means adding a
+file, not editing the pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass
+from enum import StrEnum
+from fnmatch import fnmatchcase
+from importlib import resources
+from pathlib import Path
+
+from .errors import ConvertError
+
+
+class Format(StrEnum):
+    NVFP4 = "nvfp4"
+    FP8_BLOCK = "fp8-block"
+    KEEP = "keep"
+
+
+FP8_BLOCK = 128  # the tile of the fp8-block format (rows and columns)
+
+
+@dataclass(frozen=True)
+class RecipeRule:
+    modules: tuple[str, ...]  # globs (``*`` crosses dots) on the module name, with or without the text prefix
+    experts: bool  # also (or only) every routed expert module of the mapping's expert sets
+    format: Format
+    input_scale: float | None  # nvfp4: a constant activation scale written per module
+    reason: str
+
+    def describe(self) -> str:
+        what = ", ".join(self.modules) if self.modules else "routed experts"
+        return f"{self.format} ({what})"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    default_for: tuple[str, ...]  # mapping names this recipe is the default of ("*": any)
+    quant_method: str  # "modelopt" (one quant_algo) or "modelopt_mixed" (quantized_layers)
+    quant_algo: str  # "W4A16_NVFP4", "NVFP4" or "MIXED_PRECISION"
+    aliases: bool  # write every runtime spelling of a module name (NVIDIA's converter does)
+    exclude_modules: tuple[str, ...] | None  # the exclude list to write as is (else: computed)
+    rules: tuple[RecipeRule, ...]
+    source: str = ""
+    path: str = ""
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def decide(self, module: str, short: str, is_expert: bool) -> RecipeRule | None:
+        """The first rule for this module (``short``: without the text prefix)."""
+        for r in self.rules:
+            if r.experts and is_expert:
+                return r
+            if any(fnmatchcase(short, p) or fnmatchcase(module, p) for p in r.modules):
+                return r
+        return None
+
+
+TOP_KEYS = {"name", "description", "default_for", "quant_method", "quant_algo", "aliases", "rule", "config"}
+RULE_KEYS = {"modules", "experts", "format", "input_scale", "reason"}
+QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"}}
+
+
+def _rule(r: object, where: str) -> RecipeRule:
+    if not isinstance(r, dict):
+        raise ConvertError(f"{where}: must be a table")
+    extra = sorted(set(r) - RULE_KEYS)
+    if extra:
+        raise ConvertError(f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(RULE_KEYS))})")
+    mods = r.get("modules", [])
+    if isinstance(mods, str):
+        mods = [mods]
+    if not isinstance(mods, list) or not all(isinstance(m, str) and m for m in mods):
+        raise ConvertError(f"{where}: 'modules' must be a list of globs")
+    experts = r.get("experts", False)
+    if not isinstance(experts, bool) or (not mods and not experts):
+        raise ConvertError(f"{where}: a rule needs 'modules' globs or 'experts = true'")
+    try:
+        fmt = Format(r.get("format"))
+    except ValueError:
+        raise ConvertError(f"{where}: 'format' must be one of {', '.join(f.value for f in Format)}, "
+                           f"not {r.get('format')!r}") from None
+    scale = r.get("input_scale")
+    if scale is not None:
+        if fmt is not Format.NVFP4:
+            raise ConvertError(f"{where}: 'input_scale' applies to the nvfp4 format only")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < float(scale) < float("inf"):
+            raise ConvertError(f"{where}: 'input_scale' must be a positive finite number")
+        scale = float(scale)
+    return RecipeRule(tuple(mods), experts, fmt, scale, str(r.get("reason", "")))
+
+
+def parse_recipe(text: str, path: str) -> Recipe:
+    """Parse and validate one recipe; errors name the file and the key."""
+    try:
+        t = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConvertError(f"{path}: {e}") from None
+    extra = sorted(set(t) - TOP_KEYS)
+    if extra:
+        raise ConvertError(f"{path}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(TOP_KEYS))})")
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConvertError(f"{path}: missing key 'name'")
+    method, algo = t.get("quant_method", "modelopt"), t.get("quant_algo", "W4A16_NVFP4")
+    if algo not in QUANT_METHODS.get(method, ()):
+        raise ConvertError(f"{path}: quant_method {method!r} with quant_algo {algo!r} is not supported "
+                           f"(supported: {', '.join(f'{m}/{a}' for m, s in QUANT_METHODS.items() for a in sorted(s))})")
+    rules = tuple(_rule(r, f"{path}: rule[{i}]") for i, r in enumerate(t.get("rule", [])))
+    if not rules:
+        raise ConvertError(f"{path}: a recipe needs at least one [[rule]]")
+    if method == "modelopt" and any(r.format is Format.FP8_BLOCK for r in rules):
+        raise ConvertError(f"{path}: fp8-block modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
+    cfg = t.get("config", {})
+    if not isinstance(cfg, dict) or set(cfg) - {"exclude_modules"}:
+        raise ConvertError(f"{path}: [config] takes only 'exclude_modules'")
+    excl = cfg.get("exclude_modules")
+    if excl is not None and not (isinstance(excl, list) and all(isinstance(x, str) for x in excl)):
+        raise ConvertError(f"{path}: config.exclude_modules must be a list of strings")
+    default_for = t.get("default_for", [])
+    return Recipe(
+        name=name,
+        description=str(t.get("description", "")),
+        default_for=tuple(default_for if isinstance(default_for, list) else [default_for]),
+        quant_method=method,
+        quant_algo=algo,
+        aliases=bool(t.get("aliases", False)),
+        exclude_modules=tuple(excl) if excl is not None else None,
+        rules=rules,
+        source=text,
+        path=path,
+    )
+
+
+def builtin_recipes() -> list[Recipe]:
+    folder = resources.files("kimi_convert.recipes")
+    return [
+        parse_recipe(f.read_text(encoding="utf-8"), f"recipes/{f.name}")
+        for f in sorted(folder.iterdir(), key=lambda f: f.name)
+        if f.name.endswith(".toml")
+    ]
+
+
+def find_recipe(name_or_file: str | None, mapping_name: str) -> Recipe:
+    """``--recipe NAME|FILE``, or the default recipe of the mapping (a specific one before ``*``)."""
+    tables = builtin_recipes()
+    if name_or_file is None:
+        for wanted in (mapping_name, "*"):
+            hit = next((r for r in tables if wanted in r.default_for), None)
+            if hit is not None:
+                return hit
+        raise ConvertError(f"no default recipe for {mapping_name}; pass --recipe NAME|FILE")
+    hit = next((r for r in tables if r.name == name_or_file), None)
+    if hit is not None:
+        return hit
+    p = Path(name_or_file)
+    if not p.is_file():
+        raise ConvertError(f"--recipe {name_or_file}: no such recipe or file "
+                           f"(built-in: {', '.join(r.name for r in tables)})")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{p}: cannot read recipe: {e}") from None
+    return parse_recipe(text, str(p))
