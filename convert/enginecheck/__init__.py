@@ -1,0 +1,241 @@
+"""Prove by a serving engine's own loading code that an output checkpoint loads.
+
+``check(output_dir, "vllm" | "sglang")`` runs a runner script (``vllm_runner.py`` /
+``sglang_runner.py``, shipped next to this file) in the engine's own python, as a subprocess: the
+engine builds the model its registry picks for the checkpoint's ``architectures`` with its own
+config and quantization-config parsing, on the CPU at TP=1 (the device presented as a Blackwell
+B200, sm_100), and runs its own weight iterator and ``load_weights`` over every tensor. The runner
+reports, per parameter, what was never written (unfilled), which checkpoint tensors reached no
+parameter (skipped), which writes changed a tensor's dtype (bad casts), and the engine's own
+exception. This module turns that into a :class:`Report` with a one-line verdict.
+
+The engine's python: the ``python`` argument, else ``KIMI_CONVERT_VLLM_PYTHON`` /
+``KIMI_CONVERT_SGLANG_PYTHON``, else the environment ``scripts/engine-envs.sh`` creates under
+``~/.cache/kimi-convert/engines/`` (``KIMI_CONVERT_ENGINE_ENVS`` moves it). The tool never installs
+an engine. Engine versions are pinned (:data:`PINNED`); another version is refused unless
+``any_version``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import ConvertError
+
+ENGINES = ("vllm", "sglang")
+#: The engine versions the runners are written and tested against.
+PINNED = {"vllm": "0.33.0", "sglang": "0.5.23"}
+PYTHON_ENV_VARS = {"vllm": "KIMI_CONVERT_VLLM_PYTHON", "sglang": "KIMI_CONVERT_SGLANG_PYTHON"}
+RUNNERS = {"vllm": "vllm_runner.py", "sglang": "sglang_runner.py"}
+DEFAULT_TIMEOUT = 1800
+
+
+class EngineUnavailable(ConvertError):
+    """No python with the engine installed (or not the pinned version)."""
+
+
+def envs_root() -> Path:
+    return Path(os.environ.get("KIMI_CONVERT_ENGINE_ENVS") or Path.home() / ".cache" / "kimi-convert" / "engines")
+
+
+def default_python(engine: str) -> Path:
+    return envs_root() / f"{engine}-{PINNED[engine]}" / "bin" / "python"
+
+
+def find_python(engine: str, python: str | os.PathLike | None = None) -> Path:
+    if engine not in ENGINES:
+        raise ConvertError(f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    if python:
+        where, p = "--engine-python", Path(python)
+    elif os.environ.get(PYTHON_ENV_VARS[engine]):
+        where, p = PYTHON_ENV_VARS[engine], Path(os.environ[PYTHON_ENV_VARS[engine]])
+    else:
+        where, p = "the default engine environment", default_python(engine)
+        if not p.exists():
+            raise EngineUnavailable(
+                f"no {engine} environment at {p.parent.parent}; create it with scripts/engine-envs.sh {engine}, "
+                f"or point {PYTHON_ENV_VARS[engine]} / --engine-python at a python that has {engine} "
+                f"{PINNED[engine]} installed")
+    if not p.exists():
+        raise EngineUnavailable(f"{where}: {p} does not exist")
+    if not os.access(p, os.X_OK) or p.is_dir():
+        raise EngineUnavailable(f"{where}: {p} is not an executable python")
+    return p
+
+
+@dataclass
+class Probe:
+    python: str
+    version: str | None
+    site_packages: list[str]
+
+
+_PROBE = r"""
+import importlib.metadata as m, json, site, sys, sysconfig
+try:
+    v = m.version(sys.argv[1])
+except m.PackageNotFoundError:
+    v = None
+paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+print(json.dumps({"version": v, "site_packages": sorted(set(paths))}))
+"""
+
+
+def probe(python: Path, engine: str) -> Probe:
+    """The engine's installed version and the environment's site-packages (without importing the engine)."""
+    try:
+        r = subprocess.run([str(python), "-c", _PROBE, engine], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EngineUnavailable(f"{python}: cannot run it ({e})") from None
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise EngineUnavailable(f"{python}: not a working python ({last})")
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    return Probe(str(python), d["version"], d["site_packages"])
+
+
+def check_version(engine: str, pr: Probe, any_version: bool) -> None:
+    if pr.version is None:
+        raise EngineUnavailable(f"{pr.python} has no {engine} installed; create an environment with "
+                                f"scripts/engine-envs.sh {engine}")
+    if pr.version != PINNED[engine] and not any_version:
+        raise EngineUnavailable(f"{engine} {pr.version} at {pr.python} is not the tested version {PINNED[engine]}; "
+                                "pass --engine-any-version to try it anyway")
+
+
+@dataclass
+class Report:
+    engine: str
+    version: str | None
+    output_dir: str
+    python: str
+    loaded: bool = False
+    architectures: list[str] = field(default_factory=list)
+    model_class: str | None = None
+    quant_config: str | None = None
+    params: int = 0
+    offered: int = 0
+    error: dict | None = None
+    unfilled: list[dict] = field(default_factory=list)
+    allowed_unfilled: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    bad_casts: list[dict] = field(default_factory=list)
+    widening_casts: list[dict] = field(default_factory=list)
+    created_during_load: list[str] = field(default_factory=list)
+    buffers_never_written: list[str] = field(default_factory=list)
+    stored: dict = field(default_factory=dict)
+    patches: list[str] = field(default_factory=list)
+    observer_errors: list[str] = field(default_factory=list)
+    post_load: dict | None = None
+    timings: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    log_tail: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded and not (self.unfilled or self.skipped or self.bad_casts or self.observer_errors)
+
+    @property
+    def verdict(self) -> str:
+        head = f"{self.engine} {self.version or '?'}"
+        where = self.output_dir
+        if self.error:
+            frame = self.error.get("frames") or []
+            at = f" (at {frame[-1].split(': ', 1)[0].rsplit('/', 1)[-1]})" if frame else ""
+            msg = " ".join(str(self.error.get("message", "")).split())
+            if len(msg) > 240:
+                msg = msg[:240] + "..."
+            return f"{head}: {where} does NOT load: {self.error.get('type')}: {msg}{at}"
+        arch = ", ".join(self.architectures) or "?"
+        if self.ok:
+            extra = f"; {len(self.allowed_unfilled)} engine-optional parameter(s) left unset" \
+                if self.allowed_unfilled else ""
+            return (f"{head}: {where} loads as {arch}: all {self.params} parameters filled from {self.offered} "
+                    f"tensors, none skipped, no bad cast{extra}")
+        parts = []
+        if self.unfilled:
+            parts.append(f"{len(self.unfilled)} unfilled parameter(s) (first: {self.unfilled[0]['param']})")
+        if self.skipped:
+            parts.append(f"{len(self.skipped)} skipped tensor(s) (first: {self.skipped[0]['tensor']})")
+        if self.bad_casts:
+            c = self.bad_casts[0]
+            parts.append(f"{len(self.bad_casts)} bad cast(s) (first: {c['tensor']} {c['from']} -> {c['to']} "
+                         f"{c['param']})")
+        if self.observer_errors:
+            parts.append(f"{len(self.observer_errors)} observer error(s)")
+        return f"{head}: {where} loads as {arch} but " + "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["verdict"] = self.verdict
+        return d
+
+
+def runner_path(engine: str) -> Path:
+    return Path(__file__).with_name(RUNNERS[engine])
+
+
+def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike | None = None,
+          any_version: bool = False, timeout: float = DEFAULT_TIMEOUT) -> Report:
+    """Load ``output_dir`` with ``engine``'s own code in its own python and report what it did."""
+    out = Path(output_dir)
+    if not (out / "config.json").is_file():
+        raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
+    py = find_python(engine, python)
+    pr = probe(py, engine)
+    check_version(engine, pr, any_version)
+    from . import stubcuda
+
+    stub = stubcuda.build(pr.site_packages)
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(stub), env.get("LD_LIBRARY_PATH")) if p)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONNOUSERSITE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1"})
+    env.pop("PYTHONPATH", None)  # the engine's environment, not this one's
+    t0 = time.perf_counter()
+    rep = Report(engine=engine, version=pr.version, output_dir=str(out), python=str(py))
+    with tempfile.TemporaryDirectory(prefix="kimi-enginecheck-") as tmp:
+        res = Path(tmp, "result.json")
+        log = Path(tmp, "runner.log")
+        with open(log, "w") as lf:
+            try:
+                proc = subprocess.run([str(py), str(runner_path(engine)), str(out.resolve()), "--out", str(res)],
+                                      stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=tmp)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        rep.seconds = round(time.perf_counter() - t0, 2)
+        rep.log_tail = log.read_text(errors="replace").splitlines()[-40:]
+        if not res.is_file():
+            why = f"timed out after {timeout:.0f} s" if rc is None else f"exited with status {rc}"
+            last = next((ln for ln in reversed(rep.log_tail) if ln.strip()), "")
+            rep.error = {"type": "RunnerCrashed", "message": f"the {engine} runner {why} without a result: {last}",
+                         "frames": []}
+            return rep
+        d = json.loads(res.read_text())
+    for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
+              "allowed_unfilled", "skipped", "bad_casts", "widening_casts", "created_during_load",
+              "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
+        if d.get(k) is not None:
+            setattr(rep, k, d[k])
+    rep.version = d.get("version") or rep.version
+    rep.loaded = d.get("error") is None and d.get("phase") == "done"
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kimi_convert.enginecheck OUTPUT ENGINE [--json]`` (a debugging entry point)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
+    rep = check(args[0], args[1])
+    print(json.dumps(rep.to_dict(), indent=1) if as_json else rep.verdict)
+    return 0 if rep.ok else 1

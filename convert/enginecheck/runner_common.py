@@ -1,0 +1,407 @@
+"""What both engine runners share: the load tracker and the result file.
+
+Runs inside an engine's own python (vLLM's or SGLang's virtual environment), started by
+``kimi_convert.enginecheck`` as a script: it must not import ``kimi_convert`` (that environment does
+not have it), only the standard library and torch.
+
+The tracker never changes what the engine does; it watches:
+
+* **unfilled**: before loading, every parameter is filled with a sentinel (NaN for 16/32/64-bit
+  floats, 0xFF bytes for 8-bit types and all-ones for integers). An element that still holds the
+  sentinel afterwards, and that no observed write covered, was never written by the engine's loader.
+* **skipped**: every checkpoint tensor the engine's weight iterator offers to ``load_weights`` is
+  tainted; a ``TorchDispatchMode`` that only observes (it runs each op unchanged) carries the taint
+  through every op (views, casts, ``cat``, ``narrow``...) and records which parameters each write
+  (any op whose schema marks an argument as written) lands in. An offered tensor whose data reached
+  no parameter was skipped.
+* **casts**: a write whose checkpoint tensor had another dtype than the parameter it lands in
+  (``reinterpret``: between integer/8-bit and float types, e.g. packed uint8 into bf16; ``narrowing``:
+  a float type to one with fewer bits; ``widening``: the opposite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_WIDE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _is_8bit(dt: torch.dtype) -> bool:
+    return torch.empty((), dtype=dt).element_size() == 1
+
+
+def _kind(dt: torch.dtype) -> str:
+    """'float' for 16/32/64-bit floats; 'raw' for 8-bit types (uint8/int8/fp8: packed or scale bytes); 'int'."""
+    if dt in _WIDE_FLOATS:
+        return "float"
+    if _is_8bit(dt):
+        return "raw"
+    return "int"
+
+
+def _bits(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size() * 8
+
+
+def cast_class(src: torch.dtype, dst: torch.dtype) -> str | None:
+    """None when the dtypes match; else 'reinterpret', 'narrowing' or 'widening'."""
+    if src == dst:
+        return None
+    ks, kd = _kind(src), _kind(dst)
+    if ks != kd or ks == "raw":
+        return "reinterpret"
+    return "narrowing" if _bits(dst) < _bits(src) else "widening"
+
+
+def fill_sentinel(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        if t.dtype in _WIDE_FLOATS:
+            t.fill_(float("nan"))
+        elif _is_8bit(t.dtype) or t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(0xFF)
+        else:
+            t.fill_(-1)
+
+
+def sentinel_mask(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if t.dtype in _WIDE_FLOATS:
+            return torch.isnan(t)
+        if _is_8bit(t.dtype) or t.dtype == torch.bool:
+            return t.view(torch.uint8) == 0xFF
+        return t == -1
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(obj)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        if t.device.type == "meta":
+            return None
+        s = t.untyped_storage()
+        return s.data_ptr() if s.nbytes() else None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Observe(TorchDispatchMode):
+    """Runs every op unchanged; carries checkpoint taint and records writes into parameter storages."""
+
+    def __init__(self, tracker: Tracker):
+        super().__init__()
+        self.tr = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self.tr._observe(func, args, kwargs, out)
+        except Exception as e:  # an observer bug must not look like an engine failure
+            self.tr.observer_errors.append(f"{func}: {type(e).__name__}: {e}")
+        return out
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.taint: dict[int, dict[str, torch.dtype]] = {}
+        self._refs: list[torch.Tensor] = []  # keep tainted storages alive so addresses are not reused
+        self.offered: dict[str, dict] = {}
+        self.offered_order: list[str] = []
+        self.stored: dict[str, set[str]] = defaultdict(set)
+        self.casts: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.pstore: dict[int, list[str]] = defaultdict(list)  # storage -> parameter names
+        self.written: dict[int, torch.Tensor] = {}  # storage -> byte mask of written bytes
+        self.observer_errors: list[str] = []
+        self.shared_storage_offers: list[str] = []
+
+    # -- before loading --------------------------------------------------------------------------
+    def arm(self, model: torch.nn.Module) -> None:
+        """Fill every parameter and buffer with the sentinel and index their storages."""
+        for name, p in model.named_parameters():  # a parameter reachable under two names is reported once
+            self.params[name] = p
+        for name, b in model.named_buffers():
+            self.buffers[name] = b
+        for t in list(self.params.values()) + list(self.buffers.values()):
+            if t.numel() and t.device.type != "meta":
+                fill_sentinel(t.data)
+        for name, p in self.params.items():
+            k = _key(p)
+            if k is None:
+                continue
+            self.pstore[k].append(name)
+            if k not in self.written:
+                self.written[k] = torch.zeros(p.untyped_storage().nbytes(), dtype=torch.bool)
+
+    def weights(self, it):
+        """Wrap the engine's weight iterator: taint what it offers, pass it on unchanged."""
+        seen: dict[int, str] = {}
+        for item in it:
+            name, t = item[0], item[1]
+            self.offered_order.append(name)
+            self.offered[name] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+            k = _key(t)
+            if k is not None:
+                if k in seen:
+                    self.shared_storage_offers.append(f"{name} shares storage with {seen[k]}")
+                seen[k] = name
+                self.taint.setdefault(k, {})[name] = t.dtype
+                self._refs.append(t)
+            yield item
+
+    def mode(self) -> _Observe:
+        return _Observe(self)
+
+    # -- during loading --------------------------------------------------------------------------
+    def _observe(self, func, args, kwargs, out) -> None:
+        ins = _tensors((args, kwargs))
+        names: dict[str, torch.dtype] = {}
+        for t in ins:
+            k = _key(t)
+            if k is not None and k in self.taint:
+                names.update(self.taint[k])
+        written: list[torch.Tensor] = []
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            written += _tensors(v)
+        for w in written:
+            k = _key(w)
+            if k is None:
+                continue
+            if k in self.pstore:
+                self._mark(w, k)
+                for pname in self.pstore[k]:
+                    pdt = self.params[pname].dtype
+                    for n, sdt in names.items():
+                        self.stored[n].add(pname)
+                        c = cast_class(sdt, pdt)
+                        if c:
+                            self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),
+                                                      str(pdt).replace("torch.", ""))
+        if names:
+            for t in _tensors(out) + written:
+                k = _key(t)
+                if k is not None and k not in self.pstore:
+                    self.taint.setdefault(k, {}).update(names)
+                    self._refs.append(t)
+                elif k is not None:
+                    self.taint.setdefault(k, {}).update(names)
+
+    def _mark(self, w: torch.Tensor, k: int) -> None:
+        mask = self.written[k]
+        es = w.element_size()
+        base = w.storage_offset() * es
+        if w.numel() == 0:
+            return
+        if w.is_contiguous():
+            mask[base: base + w.numel() * es] = True
+            return
+        view = mask.as_strided([*list(w.shape), es], [s * es for s in w.stride()] + [1], base)
+        view.fill_(True)
+
+    # -- after loading ---------------------------------------------------------------------------
+    def _unwritten(self, name: str, p: torch.Tensor) -> int:
+        """Elements of parameter ``name`` that still hold the sentinel and no observed write covered."""
+        if p.numel() == 0 or p.device.type == "meta":
+            return 0
+        sent = sentinel_mask(p.data)
+        k = _key(p)
+        if k in self.written:
+            es = p.element_size()
+            m = self.written[k]
+            if p.untyped_storage().nbytes() == m.numel():
+                wv = m.as_strided([*list(p.shape), es], [s * es for s in p.stride()] + [1],
+                                  p.storage_offset() * es)
+                sent = sent & ~wv.all(-1)
+        return int(sent.sum())
+
+    def result(self, model: torch.nn.Module, optional: list[tuple[str, str]]) -> dict:
+        """``optional``: (regex, why) pairs naming parameters the engine legitimately leaves unwritten."""
+        import re
+
+        opt = [(re.compile(rx), why) for rx, why in optional]
+        unfilled, allowed = [], []
+        now = dict(model.named_parameters())
+        for name, p in self.params.items():
+            cur = now.get(name, p)
+            n = self._unwritten(name, cur)
+            if not n:
+                continue
+            entry = {"param": name, "dtype": str(cur.dtype).replace("torch.", ""), "shape": list(cur.shape),
+                     "unfilled": n, "numel": cur.numel()}
+            why = next((w for rx, w in opt if rx.search(name)), None)
+            if why:
+                allowed.append({**entry, "why": why})
+            else:
+                unfilled.append(entry)
+        created = sorted(set(now) - set(self.params))
+        buffers_unfilled = []
+        nowb = dict(model.named_buffers())
+        for name, b in self.buffers.items():
+            cur = nowb.get(name, b)
+            if cur.numel() and cur.device.type != "meta" and bool(sentinel_mask(cur.data).all()):
+                buffers_unfilled.append(name)
+        skipped = [n for n in self.offered_order if not self.stored.get(n)]
+        casts = [{"tensor": n, "param": p, "class": c, "from": a, "to": b}
+                 for (n, p), (c, a, b) in sorted(self.casts.items())]
+        return {
+            "params": len(self.params),
+            "offered": len(self.offered),
+            "unfilled": unfilled,
+            "allowed_unfilled": allowed,
+            "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
+            "bad_casts": [c for c in casts if c["class"] in ("reinterpret", "narrowing")],
+            "widening_casts": [c for c in casts if c["class"] == "widening"],
+            "created_during_load": created,
+            "buffers_never_written": buffers_unfilled,
+            "stored": {n: sorted(self.stored.get(n, ())) for n in self.offered_order},
+            "observer_errors": self.observer_errors[:20],
+            "shared_storage_offers": self.shared_storage_offers[:20],
+        }
+
+
+
+# -- GPU-specific pieces, shared by the runners' patch lists -----------------------------------------
+
+
+class Inert:
+    """A CUDA stream or event that does nothing (nothing runs on a device here)."""
+
+    def __init__(self, *a, **k):
+        self.device = torch.device("cpu")
+        self.cuda_stream = 0
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cpu(dev):
+    if isinstance(dev, torch.device) and dev.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(dev, str) and dev.startswith("cuda"):
+        return "cpu"
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return "cpu"
+    return dev
+
+
+class CpuDevices(TorchFunctionMode):
+    """Moves explicit CUDA allocations and transfers to the CPU; values, dtypes and shapes are unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda" and args:
+            return args[0]
+        if name == "to" and len(args) > 1:
+            args = (args[0], _cpu(args[1]), *args[2:])
+        if name == "pin_memory" and args:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def patch_torch_cuda(capability: tuple[int, int], name: str, memory: int, available: bool):
+    """torch.cuda's device queries answer for one presented GPU; streams and events are inert."""
+    import torch.cuda
+
+    props = type("Props", (), {"name": name, "major": capability[0], "minor": capability[1],
+                               "total_memory": memory, "multi_processor_count": 148,
+                               "L2_cache_size": 126 * 1024**2, "warp_size": 32, "gcnArchName": "",
+                               "max_shared_memory_per_block_optin": 232448,
+                               "uuid": "GPU-00000000-0000-0000-0000-000000000000"})()
+    torch.cuda.Stream = Inert
+    torch.cuda.Event = Inert
+    torch.cuda.ExternalStream = Inert
+    torch.cuda.current_stream = lambda *a, **k: Inert()
+    torch.cuda.default_stream = lambda *a, **k: Inert()
+    torch.cuda.stream = lambda *a, **k: Inert()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_device_capability = lambda *a, **k: capability
+    torch.cuda.get_device_properties = lambda *a, **k: props
+    torch.cuda.get_device_name = lambda *a, **k: name
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.cuda.mem_get_info = lambda *a, **k: (memory, memory)
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.memory_allocated = lambda *a, **k: 0
+    torch.cuda.memory_reserved = lambda *a, **k: 0
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    if available:
+        torch.cuda.is_available = lambda: True
+    return props
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exception_info(e: BaseException) -> dict:
+    frames = traceback.extract_tb(e.__traceback__)[-6:]
+    return {
+        "type": type(e).__name__,
+        "message": str(e)[:4000],
+        "frames": [f"{f.filename}:{f.lineno} in {f.name}: {f.line}" for f in frames],
+    }
+
+
+def main(engine: str, run) -> None:
+    """``run(model_dir, result)`` fills ``result``; this writes it as JSON to ``--out`` (or stdout)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--out", help="write the JSON result here (default: stdout)")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    result: dict = {"engine": engine, "model_dir": os.path.abspath(a.model_dir), "error": None,
+                    "phase": "start", "patches": [], "timings": {}}
+    try:
+        run(os.path.abspath(a.model_dir), result)
+    except BaseException as e:  # the engine's own exception is the result, not a crash of the runner
+        result["error"] = exception_info(e)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+    result["timings"]["total_s"] = round(time.perf_counter() - t0, 2)
+    text = json.dumps(result, indent=1, default=str)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text + "\n")

@@ -1,0 +1,145 @@
+"""Load a checkpoint with SGLang's own code, on the CPU, and report what every parameter received.
+
+Run by ``kimi_convert.enginecheck`` in SGLang's python: ``python sglang_runner.py MODEL_DIR --out FILE``.
+Must not import ``kimi_convert``. SGLang parses the checkpoint with its own ``ServerArgs`` and
+``ModelConfig``, picks the model class from its registry, resolves the quantization config with
+its loader's ``_get_quantization_config``, builds the model with ``_initialize_model`` and loads it
+with ``DefaultModelLoader.load_weights_only`` over ``_get_all_weights`` (its weight iterator and the
+model's ``load_weights``). Quant methods' ``process_weights_after_loading`` (repacking into GPU
+kernel layouts) is not run: the check reads the parameters as the loader left them.
+
+Every patch is in ``PATCHES`` / ``apply_patches`` below, with why it is safe. None touches config
+parsing, ``load_weights``, weight loaders, quant methods' ``create_weights`` or parameter classes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import runner_common as rc
+import torch
+
+#: The GPU presented to the engine: Blackwell B200, compute capability 10.0 (sm_100).
+CAPABILITY = (10, 0)
+DEVICE_NAME = "NVIDIA B200"
+DEVICE_MEMORY = 192 * 1024**3
+
+#: Parameters SGLang legitimately leaves unwritten by a checkpoint (regex on the parameter name, why).
+OPTIONAL = [
+    (r"\.(k|v|q)_scale$", "KV-cache quantization scale: SGLang uses 1.0 when a checkpoint has none"),
+]
+
+#: Every patch, with why it is safe (README "Engine checks" lists the same).
+PATCHES = [
+    ("torch.cuda device queries",
+     "torch.cuda.is_available/current_device/set_device/get_device_capability/get_device_properties/"
+     "device_count/memory stats answer for one presented B200 (capability 10.0): SGLang's module-level "
+     "is_cuda()/sm100 flags pick the Blackwell code paths; queries only, no loading code changed"),
+    ("torch.cuda streams/events",
+     "torch.cuda.Stream/Event (and current/default stream) made in constructors return inert objects: they "
+     "only order kernels at run time, never hold weights"),
+    ("cuda allocations on the CPU",
+     "a TorchFunctionMode rewrites an explicit device='cuda' (and .cuda()/.to('cuda')) to the CPU; values, "
+     "dtypes and shapes are unchanged"),
+    ("distributed",
+     "a single-process gloo group (world size 1, TP=1) through SGLang's own init_distributed_environment, "
+     "initialize_model_parallel and initialize_dp_attention; no collective moves weights at TP=1"),
+    ("weight iterator observed",
+     "the weights DefaultModelLoader._get_all_weights yields are recorded on their way to load_weights, "
+     "unchanged"),
+    ("post_load_weights deferred",
+     "the model's post_load_weights (called at the end of its load_weights: derives kernel buffers such as "
+     "MLA w_kc/w_vc and warms Triton kernels from already-stored parameters) runs after the check, and its "
+     "outcome is reported separately: it stores no checkpoint tensor"),
+]
+
+
+def apply_patches(result: dict) -> None:
+    rc.patch_torch_cuda(CAPABILITY, DEVICE_NAME, DEVICE_MEMORY, available=True)
+    result["patches"] = [name for name, _ in PATCHES]
+
+
+def run(model_dir: str, result: dict) -> None:
+    t0 = time.perf_counter()
+    result["phase"] = "import"
+    apply_patches(result)
+    with rc.CpuDevices():
+        import sglang
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.model_loader.loader import (
+            DefaultModelLoader,
+            _get_quantization_config,
+            _initialize_model,
+            get_model_loader,
+            set_default_torch_dtype,
+        )
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        from sglang.srt.server_args import ServerArgs
+    result["version"] = getattr(sglang, "__version__", None)
+    result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
+
+    result["phase"] = "config"
+    t = time.perf_counter()
+    with rc.CpuDevices():
+        server_args = ServerArgs(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
+                                 load_format="auto", skip_server_warmup=True)
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        initialize_moe_config()
+        model_config = ModelConfig.from_server_args(server_args)
+        load_config = LoadConfig(load_format="auto")
+        loader = get_model_loader(load_config=load_config, model_config=model_config)
+        quant_config = _get_quantization_config(model_config, load_config)
+    result["architectures"] = list(getattr(model_config.hf_config, "architectures", None) or [])
+    result["quantization"] = model_config.quantization
+    result["quant_config"] = type(quant_config).__name__ if quant_config is not None else None
+    result["timings"]["config_s"] = round(time.perf_counter() - t, 2)
+
+    result["phase"] = "init"
+    t = time.perf_counter()
+    with rc.CpuDevices():
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{rc.free_port()}")
+        initialize_model_parallel()
+        initialize_dp_attention(server_args=server_args)
+        init_dp_gathered_buffer(model_config)
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+            model = _initialize_model(model_config, load_config, quant_config)
+    result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
+    result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
+
+    result["phase"] = "load"
+    t = time.perf_counter()
+    tracker = rc.Tracker()
+    tracker.arm(model)
+    post_load = getattr(type(model), "post_load_weights", None)
+    if post_load is not None:
+        model.post_load_weights = lambda *a, **k: None  # deferred; see PATCHES
+    error = None
+    try:
+        with rc.CpuDevices(), set_default_torch_dtype(model_config.dtype), tracker.mode():
+            weights = tracker.weights(loader._get_all_weights(model_config, model))
+            DefaultModelLoader.load_weights_only(model, weights, torch.device("cpu"))
+    except Exception as e:
+        error = e
+    result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
+    result["phase"] = "check"
+    result.update(tracker.result(model, OPTIONAL))
+    if post_load is not None and error is None:
+        del model.post_load_weights
+        try:
+            with rc.CpuDevices():
+                post_load(model)
+            result["post_load"] = {"ok": True}
+        except Exception as e:
+            result["post_load"] = {"ok": False, **rc.exception_info(e)}
+    result["phase"] = "done"
+    if error is not None:
+        raise error
+
+
+if __name__ == "__main__":
+    rc.main("sglang", run)

@@ -1,0 +1,167 @@
+"""Load a checkpoint with vLLM's own code, on the CPU, and report what every parameter received.
+
+Run by ``kimi_convert.enginecheck`` in vLLM's python: ``python vllm_runner.py MODEL_DIR --out FILE``.
+Must not import ``kimi_convert``. vLLM builds the model its registry picks for ``architectures``
+from its own ``EngineArgs(...).create_engine_config()`` (config and quantization-config parsing),
+initialises it with its own ``initialize_model`` and loads it with ``DefaultModelLoader.load_weights``
+(its weight iterator, the model's ``load_weights``, its own "weights not initialized" check).
+``process_weights_after_loading`` (repacking into GPU kernel layouts) is not run: the check reads
+the parameters as the loader left them.
+
+Every patch is in ``PATCHES`` / ``apply_patches`` below, with why it is safe. None touches config
+parsing, ``load_weights``, weight loaders, quant methods' ``create_weights`` or parameter classes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import runner_common as rc
+import torch
+
+#: The GPU presented to the engine: Blackwell B200, compute capability 10.0 (sm_100).
+CAPABILITY = (10, 0)
+DEVICE_NAME = "NVIDIA B200"
+DEVICE_MEMORY = 192 * 1024**3
+
+#: Parameters vLLM legitimately leaves unwritten by a checkpoint (regex on the parameter name, why).
+OPTIONAL = [
+    (r"\.(k|v|q|prob)_scale$", "KV-cache/attention quantization scale: vLLM sets 1.0 when a checkpoint has none"),
+]
+
+#: Every patch, with why it is safe (README "Engine checks" lists the same).
+PATCHES = [
+    ("platform",
+     "current_platform is vLLM's own CudaPlatform class with the device queries answered as one B200 "
+     "(capability 10.0, name, memory, count 1): the engine picks the Blackwell code paths; no loading code "
+     "is changed"),
+    ("torch.cuda streams/events",
+     "torch.cuda.Stream/Event (and current/default stream) made in constructors return inert objects: they only "
+     "order kernels at run time, never hold weights"),
+    ("torch.cuda device queries",
+     "torch.cuda.current_device/set_device/get_device_capability/get_device_properties/device_count answer "
+     "for the presented B200: queries only"),
+    ("cuda allocations on the CPU",
+     "a TorchFunctionMode rewrites an explicit device='cuda' (and .cuda()/.to('cuda')) to the CPU; values, "
+     "dtypes and shapes are unchanged"),
+    ("distributed",
+     "a single-process gloo group (world size 1, TP=1) through vLLM's own init_distributed_environment and "
+     "initialize_model_parallel; no collective moves weights at TP=1"),
+    ("weight iterator observed",
+     "DefaultModelLoader.get_all_weights is wrapped to record each (name, tensor) it yields, unchanged"),
+]
+
+
+def apply_patches(result: dict) -> None:
+    props = rc.patch_torch_cuda(CAPABILITY, DEVICE_NAME, DEVICE_MEMORY, available=False)
+
+    import vllm.platforms as platforms
+    from vllm.platforms.cuda import CudaPlatform
+    from vllm.platforms.interface import DeviceCapability
+
+    class PresentedBlackwell(CudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0):
+            return DeviceCapability(*CAPABILITY)
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return DEVICE_NAME
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return DEVICE_MEMORY
+
+        @classmethod
+        def get_device_uuid(cls, device_id: int = 0) -> str:
+            return props.uuid
+
+        @classmethod
+        def device_count(cls) -> int:
+            return 1
+
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids) -> bool:
+            return True
+
+        @classmethod
+        def set_device(cls, device) -> None:
+            return None
+
+        @classmethod
+        def get_device_numa_node(cls, device_id: int = 0):
+            return None
+
+        @classmethod
+        def get_all_device_numa_nodes(cls):
+            return None
+
+        @classmethod
+        def is_pin_memory_available(cls) -> bool:
+            return False
+
+    platforms._current_platform = PresentedBlackwell()
+    platforms.current_platform = platforms._current_platform
+    result["patches"] = [name for name, _ in PATCHES]
+
+
+def run(model_dir: str, result: dict) -> None:
+    t0 = time.perf_counter()
+    result["phase"] = "import"
+    apply_patches(result)
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    result["version"] = vllm.__version__
+    result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
+
+    result["phase"] = "config"
+    t = time.perf_counter()
+    with rc.CpuDevices():
+        args = EngineArgs(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
+                          max_model_len=4096, trust_remote_code=False)
+        vllm_config = args.create_engine_config()
+    mc = vllm_config.model_config
+    result["architectures"] = list(getattr(mc.hf_config, "architectures", None) or [])
+    result["quantization"] = mc.quantization
+    result["quant_config"] = type(vllm_config.quant_config).__name__ if vllm_config.quant_config else None
+    result["timings"]["config_s"] = round(time.perf_counter() - t, 2)
+
+    result["phase"] = "init"
+    t = time.perf_counter()
+    loader = get_model_loader(vllm_config.load_config)
+    with set_current_vllm_config(vllm_config), rc.CpuDevices():
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{rc.free_port()}")
+        initialize_model_parallel(1, 1)
+        with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
+            model = loader.create_model(vllm_config=vllm_config, model_config=mc)
+    result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
+    result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
+
+    result["phase"] = "load"
+    t = time.perf_counter()
+    tracker = rc.Tracker()
+    tracker.arm(model)
+    inner = loader.get_all_weights
+    loader.get_all_weights = lambda model_config, m: tracker.weights(inner(model_config, m))
+    error = None
+    try:
+        with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype), tracker.mode():
+            loader.load_weights(model, mc)
+    except Exception as e:
+        error = e
+    result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
+    result["phase"] = "check"
+    result.update(tracker.result(model, OPTIONAL))
+    result["phase"] = "done"
+    if error is not None:
+        raise error
+
+
+if __name__ == "__main__":
+    rc.main("vllm", run)
