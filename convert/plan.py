@@ -779,6 +779,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     ctx = _Context(m, recipe, opts, patterns, defaultdict(int), _expert_regexes(m))
     notes: list[str] = []
     modules = discover_sources(ckpt)
+    resolve_fusions(modules, m, ckpt.config, list(m.groups))  # any group the config says applies must be whole
     disk = resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes)
     fused_on_disk = {mod for f in disk for mod in f.members}
     fusions = [f for e, gs in _engine_groups(m).items()
