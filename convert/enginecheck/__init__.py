@@ -152,7 +152,8 @@ class Report:
             msg = " ".join(str(self.error.get("message", "")).split())
             if len(msg) > 240:
                 msg = msg[:240] + "..."
-            return f"{head}: {where} does NOT load: {self.error.get('type')}: {msg}{at}"
+            during = f" while loading {self.error['tensor']}" if self.error.get("tensor") else ""
+            return f"{head}: {where} does NOT load: {self.error.get('type')}: {msg}{at}{during}"
         arch = ", ".join(self.architectures) or "?"
         if self.ok:
             extra = f"; {len(self.allowed_unfilled)} engine-optional parameter(s) left unset" \

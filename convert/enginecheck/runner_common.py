@@ -120,6 +120,7 @@ class Tracker:
         self._refs: list[torch.Tensor] = []  # keep tainted storages alive so addresses are not reused
         self.offered: dict[str, dict] = {}
         self.offered_order: list[str] = []
+        self.current: str | None = None  # the tensor load_weights is working on (the last one offered)
         self.stored: dict[str, set[str]] = defaultdict(set)
         self.casts: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.params: dict[str, torch.Tensor] = {}
@@ -152,6 +153,7 @@ class Tracker:
         seen: dict[int, str] = {}
         for item in it:
             name, t = item[0], item[1]
+            self.current = name
             self.offered_order.append(name)
             self.offered[name] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
             k = _key(t)
@@ -267,7 +269,7 @@ class Tracker:
             "unfilled": unfilled,
             "allowed_unfilled": allowed,
             "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
-            "bad_casts": [c for c in casts if c["class"] in ("reinterpret", "narrowing")],
+            "bad_casts": [c for c in casts if c["class"] in ("reinterpret", "narrowing")],  # widening loses nothing
             "widening_casts": [c for c in casts if c["class"] == "widening"],
             "created_during_load": created,
             "buffers_never_written": buffers_unfilled,
@@ -373,7 +375,10 @@ def free_port() -> int:
 
 
 def exception_info(e: BaseException) -> dict:
-    frames = traceback.extract_tb(e.__traceback__)[-6:]
+    """Type, message and the last frames of the engine's code (torch internals and this runner left out)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/torch/" not in f.filename and not f.filename.endswith("runner_common.py")]
+    frames = frames[-6:] or traceback.extract_tb(e.__traceback__)[-6:]
     return {
         "type": type(e).__name__,
         "message": str(e)[:4000],

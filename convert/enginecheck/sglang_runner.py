@@ -138,7 +138,9 @@ def run(model_dir: str, result: dict) -> None:
             result["post_load"] = {"ok": False, **rc.exception_info(e)}
     result["phase"] = "done"
     if error is not None:
-        raise error
+        result["error"] = rc.exception_info(error)
+        result["error"]["tensor"] = tracker.current
+        result["phase"] = "load-failed"
 
 
 if __name__ == "__main__":

@@ -160,7 +160,9 @@ def run(model_dir: str, result: dict) -> None:
     result.update(tracker.result(model, OPTIONAL))
     result["phase"] = "done"
     if error is not None:
-        raise error
+        result["error"] = rc.exception_info(error)
+        result["error"]["tensor"] = tracker.current
+        result["phase"] = "load-failed"
 
 
 if __name__ == "__main__":
