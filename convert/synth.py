@@ -3,6 +3,65 @@
 The tiny presets are the built-in examples and test fixtures; the bench presets are a few GB with
 real-size expert matrices. Values are deterministic for a seed (each tensor draws from its own
 generator seeded by its name) with realistic spread: per-row scale variation and rare outliers.
+
+Evidence for the K3 / Kimi Linear layout (engine files as pinned: vLLM 0.33.0 ``vllm/``, SGLang 0.5.23
+``sglang/srt/``; "release" = moonshotai/Kimi-K3 config.json and its 497,220-tensor index, 96 shards):
+
+config (text_config for K3, flat for Kimi Linear)
+- linear_attn_config.use_full_rank_gate / gate_lower_bound -5.0 sit INSIDE linear_attn_config:
+  vLLM models/kimi_k3/nvidia/model.py:720 and :1247-1271 (kda_config.get), kda.py:618,625;
+  SGLang models/kimi_k3.py:1547 and :3129-3131. kda_layers/full_attn_layers are 1-based and asserted
+  (both configs/kimi_linear.py: vLLM :118-120, SGLang :119-121). Release pattern: MLA at 4, 8, ... and
+  the last layer (K3 4..92 + 93, Kimi-Linear-48B 4..24 + 27); kinds() follows it.
+- mla_use_nope: vLLM model.py:744 asserts it (MLA is NoPE-only, K3 and Kimi Linear alike).
+- mla_use_output_gate: vLLM model.py:753 (use_output_gate) -> mla.py:220 fused_qkv_a_g_proj /
+  :277 g_proj; SGLang kimi_k3.py:2175, :2273 g_proj. Default False in both configs.
+- attn_res_block_size: vLLM model.py:796-821 (per-layer res tensors), :1003-1015 (output_attn_res_*);
+  SGLang kimi_k3.py:2588 (per layer), :2771-2778 (output_attn_res_*). Unset -> no res tensors built.
+- latent_moe_use_norm: vLLM model.py:390,484; SGLang kimi_k3.py:672. Unset -> no routed_expert_norm.
+- routed_expert_hidden_size: vLLM model.py:385-389 (use_latent_moe), SGLang kimi_k3.py:427-431.
+- hidden_act "situ" + activation_situ_beta/linear_beta (K3 release); SGLang kimi_linear.py:98 needs
+  "silu" for Kimi Linear. num_experts / num_experts_per_token / topk_method noaux_tc (SGLang's
+  MoEGate builds e_score_correction_bias only for noaux_tc, deepseek_v2.py:518).
+- vision_config: KimiK3VisionConfig (vLLM transformers_utils/configs/kimi_k3.py:13-83, SGLang
+  configs/kimi_k3.py:6-76, identical) with the release's vt_* / qkv_hidden_size / rmsnorm / no-bias /
+  patchmergerv2 values. The release keeps the compressed-tensors quantization_config in text_config only
+  (KimiK3Config copies it up: vLLM kimi_k3.py:128, SGLang :113).
+
+tensor names (checkpoint names; the engines' own renames in brackets)
+- KDA (K3): q/k/v/g_proj [P,H] [vLLM in_proj_qkvgfab shards 0-3 model.py:1259-1271; SGLang
+  fused_qkvg_proj kimi_k3.py:3135-3140], f_a_proj, b_proj [vLLM in_proj shards 4/5; SGLang separate],
+  f_b_proj, q/k/v_conv1d [P,1,K] fp32 [vLLM conv1d; SGLang qkv_conv1d :1723], A_log [head_dim] fp32 zero
+  past num_heads (vLLM kda.py:83-103 narrows 1-D or 4-D; SGLang kimi_k3.py:1733-1756 "Checkpoint stores
+  A_log as [head_dim]"), dt_bias [P] fp32, o_norm [hd] fp32 (release), o_proj.
+- KDA (Kimi Linear): g_a_proj/g_b_proj (vLLM layers/mamba/gdn/kimi_gdn_linear_attn.py:289-303, SGLang
+  kimi_linear.py:369-383), A_log [1,1,heads,1]: SGLang's loader shards dim 2 (kimi_linear.py:410-415),
+  so only the 4-D form loads there; vLLM takes either (kimi_gdn_linear_attn.py:47-67).
+- MLA (K3): q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj,
+  g_proj [heads*v_head, H] [vLLM fused_qkv_a_g_proj model.py:1273-1277; SGLang fused_qkv_a_proj_with_mqa
+  kimi_k3.py:3213 + g_proj]. Kimi Linear: q_proj, no gate (vLLM mla.py:263, SGLang deepseek_v2.py:2087).
+- MoE: block_sparse_moe.gate.weight, gate.e_score_correction_bias fp32, shared_experts.*, latent
+  routed_expert_down_proj [Hx,H] / routed_expert_norm [Hx] / routed_expert_up_proj [H,Hx], experts.{e}.
+  w1/w3 [I,Hx] w2 [Hx,I] as weight_packed + weight_scale (vLLM model.py:343-360, 1320-1325; SGLang
+  kimi_k3.py:3209 renames weight_packed; SGLang maps block_sparse_moe -> mlp, :3481).
+- attention residuals: layers.N.{self_attention,mlp}_res_{norm,proj} ([1,H] proj) and
+  model.output_attn_res_{norm,proj} (release shard 94, next to model.norm).
+- vision (K3): vision_tower.patch_embed.proj.weight [vt,3,14,14] (no bias), patch_embed.pos_emb.weight
+  [init_pos_emb_height, init_pos_emb_width, vt], encoder.blocks.j.{norm0,norm1} (RMSNorm, weight only),
+  wqkv [3*qkv_hidden, vt], wo [vt, qkv_hidden], mlp.fc0 [vt_inter, vt], mlp.fc1 (no biases),
+  encoder.final_layernorm; mm_projector.proj.0 [4vt,4vt], proj.2 [H,4vt], post_norm [H], no pre_norm:
+  vLLM model_executor/models/kimi_k25_vit.py:141,213-218,401-430,563,910-927 (proj.0/2 ->
+  linear_1/linear_2 by the WeightsMapper, model.py:1584-1590); SGLang models/kimi_k3_vl.py:198,267-273,
+  372-373,411-415,558,871-893.
+
+engines disagree (the release's names are used)
+- unknown names: vLLM raises (params_dict KeyError / AutoWeightsLoader); SGLang skips them silently
+  (kimi_k3.py text loader) or warns "Unmapped vision weight" (kimi_k3.py:3852-3856).
+- Kimi Linear A_log: 4-D only in SGLang, 1-D or 4-D in vLLM.
+- latent routed_expert_{down,up}_proj: SGLang builds them with quant_config=None (kimi_k3.py:651-663);
+  vLLM 0.33 passes the model's quant_config (model.py:477-499), so a quantized checkpoint must name
+  them in its exclude list for vLLM to build them BF16.
+- vision projector: vLLM renames proj.0/proj.2 to linear_1/linear_2; SGLang keeps nn.Sequential names.
 """
 
 from __future__ import annotations
@@ -26,7 +85,7 @@ from .source import INDEX_NAME
 
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # "kimi_k3" or "kimi_linear"
+    arch: str  # "kimi_k3", "kimi_linear" or "deepseek_v3"
     hidden: int
     layers: int
     kda_heads: int
@@ -46,8 +105,13 @@ class Preset:
     dense_inter: int
     first_dense: int
     vocab: int
-    vision_hidden: int = 0
-    vision_blocks: int = 0
+    vision_hidden: int = 0  # vt_hidden_size (== mm_hidden_size)
+    vision_blocks: int = 0  # vt_num_hidden_layers
+    vision_heads: int = 0  # vt_num_attention_heads
+    vision_qkv: int = 0  # qkv_hidden_size (attention width, != vt_hidden_size in K3)
+    vision_inter: int = 0  # vt_intermediate_size
+    vision_pos: int = 0  # init_pos_emb_height == init_pos_emb_width
+    attn_res_block: int = 0  # attn_res_block_size (0: no attention residuals)
     mxfp4_experts: bool = False
     full_rank_gate: bool = False
     fp8: bool = False  # DeepSeek-style FP8 weights with 128x128 weight_scale_inv
@@ -55,15 +119,20 @@ class Preset:
     description: str = ""
 
     def kinds(self) -> list[str]:
-        """K3's pattern: every fourth layer is MLA (full attention), the others KDA; DeepSeek: all MLA."""
-        return ["mla" if i % 4 == 2 or self.arch == "deepseek_v3" else "kda" for i in range(self.layers)]
+        """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
+        attention), the others KDA (Kimi-K3: full_attn_layers 4..92 and 93; Kimi-Linear-48B: 4..24 and
+        27); DeepSeek: all MLA."""
+        if self.arch == "deepseek_v3":
+            return ["mla"] * self.layers
+        return ["mla" if (i + 1) % 4 == 0 or i == self.layers - 1 else "kda" for i in range(self.layers)]
 
 
 PRESETS: dict[str, Preset] = {
     "tiny-k3": Preset(
-        "kimi_k3", hidden=128, layers=4, kda_heads=4, kda_head_dim=32, conv=4, mla_heads=4, q_lora=64,
-        kv_lora=32, nope=32, rope=16, v_head=32, experts=8, topk=2, moe_inter=64, latent=64, shared=1,
-        dense_inter=256, first_dense=1, vocab=1000, vision_hidden=64, vision_blocks=2, mxfp4_experts=True,
+        "kimi_k3", hidden=128, layers=4, kda_heads=2, kda_head_dim=128, conv=4, mla_heads=2, q_lora=128,
+        kv_lora=128, nope=64, rope=32, v_head=64, experts=8, topk=2, moe_inter=64, latent=64, shared=1,
+        dense_inter=256, first_dense=1, vocab=1000, vision_hidden=64, vision_blocks=2, vision_heads=2,
+        vision_qkv=128, vision_inter=128, vision_pos=8, attn_res_block=2, mxfp4_experts=True,
         full_rank_gate=True, description="Kimi K3 layout, hidden 128, 4 layers, 8 MXFP4 experts (~3 MB)",
     ),
     "tiny-kimi-linear": Preset(
@@ -81,14 +150,15 @@ PRESETS: dict[str, Preset] = {
         "kimi_linear", hidden=7168, layers=2, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=0,
         kv_lora=512, nope=128, rope=64, v_head=128, experts=6, topk=2, moe_inter=3072, latent=7168, shared=1,
         dense_inter=18432, first_dense=0, vocab=8192, shards=4,
-        description="Kimi Linear layout at K3 width: bf16 experts 3072 x 7168, ~2.7 GB per 2 layers",
+        description="Kimi Linear layout at K3 width: bf16 experts 3072 x 7168, one KDA + one MLA layer",
     ),
     "bench-k3": Preset(
         "kimi_k3", hidden=7168, layers=2, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=1536,
         kv_lora=512, nope=128, rope=64, v_head=128, experts=32, topk=8, moe_inter=3072, latent=3584, shared=2,
-        dense_inter=18432, first_dense=0, vocab=8192, vision_hidden=256, vision_blocks=1, mxfp4_experts=True,
+        dense_inter=18432, first_dense=0, vocab=8192, vision_hidden=256, vision_blocks=1, vision_heads=4,
+        vision_qkv=384, vision_inter=1024, vision_pos=16, attn_res_block=12, mxfp4_experts=True,
         full_rank_gate=True, shards=4,
-        description="Kimi K3 at real width: MXFP4 experts 3072 x 3584, latent MoE, ~1.6 GB per 2 layers",
+        description="Kimi K3 at real width: MXFP4 experts 3072 x 3584, latent MoE, one KDA + one MLA layer",
     ),
 }
 
@@ -110,7 +180,7 @@ def weight(name: str, shape: tuple[int, ...], seed: int, dtype=torch.bfloat16) -
         idx = torch.randint(0, w.numel(), (n_out,), generator=g)
         w.view(-1)[idx] *= 8 + 24 * torch.rand(n_out, generator=g)
     else:
-        w.mul_(0.05).add_(1.0 if name.endswith("norm.weight") else 0.0)
+        w.mul_(0.05).add_(1.0 if name.endswith(("norm.weight", "norm0.weight", "norm1.weight")) else 0.0)
     return w.to(dtype)
 
 
@@ -142,14 +212,14 @@ def _kda(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
     yield f"{pre}.f_b_proj.weight", (P, hd), torch.bfloat16
     if p.full_rank_gate:
         yield f"{pre}.g_proj.weight", (P, h), torch.bfloat16
-        yield f"{pre}.A_log", (hd,), torch.float32
+        yield f"{pre}.A_log", (hd,), torch.float32  # [head_dim], zero past num_heads (needs hd >= heads)
     else:
         yield f"{pre}.g_a_proj.weight", (hd, h), torch.bfloat16
         yield f"{pre}.g_b_proj.weight", (P, hd), torch.bfloat16
         yield f"{pre}.A_log", (1, 1, heads, 1), torch.float32
     yield f"{pre}.b_proj.weight", (heads, h), torch.bfloat16
     yield f"{pre}.dt_bias", (P,), torch.float32
-    yield f"{pre}.o_norm.weight", (hd,), torch.bfloat16
+    yield f"{pre}.o_norm.weight", (hd,), (torch.float32 if p.arch == "kimi_k3" else torch.bfloat16)
     yield f"{pre}.o_proj.weight", (h, P), torch.bfloat16
 
 
@@ -181,7 +251,7 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
     yield f"{pre}.gate.weight", (e, h), torch.bfloat16
     yield f"{pre}.gate.e_score_correction_bias", (e,), torch.float32
     yield from _mlp(f"{pre}.shared_experts", h, p.moe_inter * p.shared)
-    if hx != h:
+    if hx != h:  # latent MoE (routed_expert_hidden_size); the norm with latent_moe_use_norm, set for K3
         yield f"{pre}.routed_expert_down_proj.weight", (hx, h), torch.bfloat16
         yield f"{pre}.routed_expert_norm.weight", (hx,), torch.bfloat16
         yield f"{pre}.routed_expert_up_proj.weight", (h, hx), torch.bfloat16
@@ -208,32 +278,37 @@ def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]
             yield from _mlp(f"{pre}.mlp", h, p.dense_inter)
         else:
             yield from _moe(p, f"{pre}.block_sparse_moe")
-        if p.arch == "kimi_k3":
+        if p.attn_res_block:
             for r in ("self_attention", "mlp"):
                 yield f"{pre}.{r}_res_norm.weight", (h,), torch.bfloat16
                 yield f"{pre}.{r}_res_proj.weight", (1, h), torch.bfloat16
     yield f"{lm}model.norm.weight", (h,), torch.bfloat16
+    if p.attn_res_block:
+        yield f"{lm}model.output_attn_res_norm.weight", (h,), torch.bfloat16
+        yield f"{lm}model.output_attn_res_proj.weight", (1, h), torch.bfloat16
     yield f"{lm}lm_head.weight", (p.vocab, h), torch.bfloat16
     if p.vision_blocks:
-        vh = p.vision_hidden
-        yield "vision_tower.patch_embed.proj.weight", (vh, 3, 14, 14), torch.bfloat16
-        yield "vision_tower.patch_embed.proj.bias", (vh,), torch.bfloat16
-        for j in range(p.vision_blocks):
-            b = f"vision_tower.encoder.blocks.{j}"
-            for mod, shape in (("wqkv", (3 * vh, vh)), ("wo", (vh, vh)), ("mlp.fc0", (4 * vh, vh)),
-                               ("mlp.fc1", (vh, 4 * vh))):
-                yield f"{b}.{mod}.weight", shape, torch.bfloat16
-                yield f"{b}.{mod}.bias", (shape[0],), torch.bfloat16
-            for n in ("norm0", "norm1"):
-                yield f"{b}.{n}.weight", (vh,), torch.bfloat16
-                yield f"{b}.{n}.bias", (vh,), torch.bfloat16
-        yield "vision_tower.encoder.final_layernorm.weight", (vh,), torch.bfloat16
-        yield "mm_projector.pre_norm.weight", (4 * vh,), torch.bfloat16
-        yield "mm_projector.proj.0.weight", (h, 4 * vh), torch.bfloat16
-        yield "mm_projector.proj.0.bias", (h,), torch.bfloat16
-        yield "mm_projector.proj.2.weight", (h, h), torch.bfloat16
-        yield "mm_projector.proj.2.bias", (h,), torch.bfloat16
-        yield "mm_projector.post_norm.weight", (h,), torch.bfloat16
+        yield from _vision(p)
+
+
+def _vision(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """K3's MoonViT3d tower (rmsnorm, no biases, qkv width qkv_hidden_size) and its patchmergerv2
+    projector (no pre-norm, bias-free proj.0/proj.2, post_norm)."""
+    vh, qkv, merged = p.vision_hidden, p.vision_qkv, 4 * p.vision_hidden  # merge_kernel_size [2, 2]
+    yield "mm_projector.proj.0.weight", (merged, merged), torch.bfloat16
+    yield "mm_projector.proj.2.weight", (p.hidden, merged), torch.bfloat16
+    yield "mm_projector.post_norm.weight", (p.hidden,), torch.bfloat16
+    yield "vision_tower.patch_embed.proj.weight", (vh, 3, 14, 14), torch.bfloat16
+    yield "vision_tower.patch_embed.pos_emb.weight", (p.vision_pos, p.vision_pos, vh), torch.bfloat16
+    for j in range(p.vision_blocks):
+        b = f"vision_tower.encoder.blocks.{j}"
+        yield f"{b}.norm0.weight", (vh,), torch.bfloat16
+        yield f"{b}.norm1.weight", (vh,), torch.bfloat16
+        yield f"{b}.wqkv.weight", (3 * qkv, vh), torch.bfloat16
+        yield f"{b}.wo.weight", (vh, qkv), torch.bfloat16
+        yield f"{b}.mlp.fc0.weight", (p.vision_inter, vh), torch.bfloat16
+        yield f"{b}.mlp.fc1.weight", (vh, p.vision_inter), torch.bfloat16
+    yield "vision_tower.encoder.final_layernorm.weight", (vh,), torch.bfloat16
 
 
 def _deepseek(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -277,43 +352,122 @@ def fp8_block(name: str, shape: tuple[int, int], seed: int, block: int = 128) ->
 
 
 def _text_config(p: Preset) -> dict:
+    """The text config as the releases spell it (flat for Kimi Linear, ``text_config`` for K3)."""
     kinds = p.kinds()
-    cfg = {
+    k3 = p.arch == "kimi_k3"
+    lac: dict = {
+        "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "kda"],
+        "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "mla"],
+        "num_heads": p.kda_heads,
+        "head_dim": p.kda_head_dim,
+        "short_conv_kernel_size": p.conv,
+    }
+    if p.full_rank_gate:  # read as linear_attn_config["use_full_rank_gate"] by both engines
+        lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
+    cfg: dict = {
         "model_type": "kimi_linear",
         "architectures": ["KimiLinearForCausalLM"],
-        "hidden_size": p.hidden,
-        "num_hidden_layers": p.layers,
         "vocab_size": p.vocab,
+        "hidden_size": p.hidden,
         "intermediate_size": p.dense_inter,
+        "num_hidden_layers": p.layers,
         "num_attention_heads": p.mla_heads,
         "num_key_value_heads": p.mla_heads,
+        "hidden_act": "situ" if k3 else "silu",
         "q_lora_rank": p.q_lora or None,
         "kv_lora_rank": p.kv_lora,
         "qk_nope_head_dim": p.nope,
         "qk_rope_head_dim": p.rope,
         "v_head_dim": p.v_head,
+        "mla_use_nope": True,  # vLLM asserts it (its Kimi MLA is NoPE-only)
         "num_experts": p.experts,
         "num_experts_per_token": p.topk,
         "num_shared_experts": p.shared,
         "moe_intermediate_size": p.moe_inter,
         "first_k_dense_replace": p.first_dense,
         "moe_layer_freq": 1,
+        "moe_renormalize": True,
         "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 1.0,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 0,
         "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "linear_attn_config": {
-            "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "kda"],
-            "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "mla"],
-            "num_heads": p.kda_heads,
-            "head_dim": p.kda_head_dim,
-            "short_conv_kernel_size": p.conv,
-        },
+        "dtype" if k3 else "torch_dtype": "bfloat16",
+        "linear_attn_config": lac,
     }
-    if p.arch == "kimi_k3":
-        cfg["routed_expert_hidden_size"] = p.latent
-        cfg["use_full_rank_gate"] = p.full_rank_gate
+    if k3:
+        cfg.update(
+            mla_use_output_gate=True,
+            activation_situ_beta=4.0,
+            activation_situ_linear_beta=25.0,
+            routed_expert_hidden_size=p.latent,
+            latent_moe_use_norm=True,
+        )
+        if p.attn_res_block:
+            cfg["attn_res_block_size"] = p.attn_res_block
+        cfg["auto_map"] = {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
+                           "AutoModel": "modeling_kimi_linear.KimiLinearModel",
+                           "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM"}
+    if p.mxfp4_experts:  # the release keeps it in text_config only (KimiK3Config copies it up when loaded)
+        cfg["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
     return cfg
+
+
+# The released K3 text_config.quantization_config (compressed-tensors MXFP4, group 32, E8M0 scales):
+# targets every Linear; what stays BF16 is named by `ignore`.
+MXFP4_QUANTIZATION_CONFIG = {
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized",
+        "input_activations": None,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
+                    "strategy": "group", "symmetric": True, "type": "float", "zp_dtype": None},
+    }},
+    "format": "mxfp4-pack-quantized",
+    "global_compression_ratio": None,
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+
+
+def _vision_config(p: Preset) -> dict:
+    """K3's vision_config with the release's keys (KimiK3VisionConfig in both engines)."""
+    return {
+        "activation_func": "gelu_pytorch_tanh",
+        "attn_bias": False,
+        "init_pos_emb_height": p.vision_pos,
+        "init_pos_emb_time": 4,
+        "init_pos_emb_width": p.vision_pos,
+        "linear_bias": False,
+        "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
+        "mlp_type": "mlp2",
+        "mm_hidden_size": p.vision_hidden,
+        "mm_projector_type": "patchmergerv2",
+        "norm_type": "rmsnorm",
+        "patch_embed_proj_bias": False,
+        "patch_size": 14,
+        "pos_emb_interpolation_mode": "bilinear",
+        "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "qkv_hidden_size": p.vision_qkv,
+        "text_hidden_size": p.hidden,
+        "vt_hidden_size": p.vision_hidden,
+        "vt_intermediate_size": p.vision_inter,
+        "vt_num_attention_heads": p.vision_heads,
+        "vt_num_hidden_layers": p.vision_blocks,
+    }
 
 
 def _deepseek_config(p: Preset) -> dict:
@@ -339,24 +493,16 @@ def config(p: Preset) -> dict:
                                      "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"}}
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
-        "model_type": "kimi_k3",
         "auto_map": {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
-                     "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration"},
-        "torch_dtype": "bfloat16",
+                     "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+                     "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"},
+        "dtype": "bfloat16",
+        "ignore_index": -100,
+        "image_placeholder": "<|kimi_image_placeholder|>",
+        "model_type": "kimi_k3",
         "text_config": text,
-        "vision_config": {"model_type": "moonvit", "hidden_size": p.vision_hidden,
-                          "num_hidden_layers": p.vision_blocks, "patch_size": 14, "merge_kernel_size": [2, 2]},
-        "quantization_config": {
-            "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
-            "config_groups": {"group_0": {
-                "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
-                "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                            "scale_dtype": "torch.uint8"},
-                "input_activations": None,
-            }},
-            "ignore": ["re:^(?!.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$).*"],
-        },
+        "tie_word_embeddings": False,
+        "vision_config": _vision_config(p),
     }
 
 
@@ -421,6 +567,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
                 tensors[f"{base}.weight_packed"], tensors[f"{base}.weight_scale"] = mxfp4(name, shape, seed, wide)
             else:
                 tensors[name] = weight(name, shape, seed, dtype)
+                if name.endswith(".A_log") and len(shape) == 1:
+                    tensors[name][p.kda_heads:] = 0  # K3 stores A_log [head_dim], zero past num_heads
         for k, v in tensors.items():
             weight_map[k] = fname
             total += v.numel() * v.element_size()
