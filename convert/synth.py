@@ -127,6 +127,11 @@ class Preset:
         return ["mla" if (i + 1) % 4 == 0 or i == self.layers - 1 else "kda" for i in range(self.layers)]
 
 
+# tiny-k3 keeps the release's ratios where an engine or the nvidia-k3 recipe checks them: KDA head_dim 128
+# (A_log [head_dim] covers the heads; f_b_proj's K is head_dim), and every module the recipe stores as
+# 128x128 block FP8 has K a multiple of 128 (f_b_proj 128, q_b_proj q_lora 128, kv_b_proj kv_lora 128,
+# o_proj heads*v_head 128), as vLLM's validate_fp8_block_shape asks
+# (model_executor/layers/quantization/utils/fp8_utils.py:1319-1330); MLA heads == KDA heads, as released.
 PRESETS: dict[str, Preset] = {
     "tiny-k3": Preset(
         "kimi_k3", hidden=128, layers=4, kda_heads=2, kda_head_dim=128, conv=4, mla_heads=2, q_lora=128,

@@ -308,3 +308,19 @@ def test_some_fused_group_spans_two_shard_files(fixture, request):
 def test_tiny_presets_stay_tiny(tiny_k3, tiny_kl):
     for ck in (tiny_k3, tiny_kl):
         assert sum(f.stat().st_size for f in ck.glob("*.safetensors")) < 4_000_000
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "bench-k3"])
+def test_k3_block_fp8_modules_have_k_a_multiple_of_128(preset):
+    """NVIDIA's K3 recipe stores these attention projections as 128x128 block FP8; vLLM's
+    validate_fp8_block_shape refuses a K that is not a multiple of the block (the release's K are 7168,
+    128, 1536, 512, 12288)."""
+    fp8 = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "g_proj")
+    seen = set()
+    for name, (_, shape) in _specs(preset).items():
+        mod = name.rsplit(".", 2)[-2]
+        if ".self_attn." in name and mod in fp8:
+            seen.add(mod)
+            assert shape[1] % 128 == 0, (name, shape)
+    assert seen == set(fp8)
