@@ -299,8 +299,10 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
     engine_reports = []
     if engines:
-        from .enginecheck import check
+        from .enginecheck import check, resolve
 
+        for engine in engines:  # every engine's python checked before any engine runs
+            resolve(engine, engine_python, engine_any_version)
         for engine in engines:
             if not (quiet or as_json):
                 click.echo(f"loading {output_dir} with {engine} (its own loader, on the CPU)...", err=True)

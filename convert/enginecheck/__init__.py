@@ -180,6 +180,13 @@ class Report:
         return d
 
 
+def resolve(engine: str, python: str | os.PathLike | None = None, any_version: bool = False) -> Probe:
+    """The engine's python, checked: exists, has the engine, at the pinned version (unless any_version)."""
+    pr = probe(find_python(engine, python), engine)
+    check_version(engine, pr, any_version)
+    return pr
+
+
 def runner_path(engine: str) -> Path:
     return Path(__file__).with_name(RUNNERS[engine])
 
@@ -190,9 +197,8 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     out = Path(output_dir)
     if not (out / "config.json").is_file():
         raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
-    py = find_python(engine, python)
-    pr = probe(py, engine)
-    check_version(engine, pr, any_version)
+    pr = resolve(engine, python, any_version)
+    py = Path(pr.python)
     from . import stubcuda
 
     stub = stubcuda.build(pr.site_packages)

@@ -27,6 +27,12 @@ DEVICE_MEMORY = 192 * 1024**3
 #: Parameters SGLang legitimately leaves unwritten by a checkpoint (regex on the parameter name, why).
 OPTIONAL = [
     (r"\.(k|v|q)_scale$", "KV-cache quantization scale: SGLang uses 1.0 when a checkpoint has none"),
+    (r"experts\.w(13|2)_weight_bias$",
+     "Mxfp4MoEMethod.create_weights makes zero expert biases on CUDA whatever the checkpoint (gpt-oss has "
+     "them; Kimi has none)"),
+    (r"experts\.w(13|2)_blockscale_swizzled$",
+     "ModelOptNvFp4FusedMoEMethod.create_weights makes it as swizzle(w13/w2_weight_scale) before loading; "
+     "process_weights_after_loading recomputes it from the loaded weight_scale"),
 ]
 
 #: Every patch, with why it is safe (README "Engine checks" lists the same).
