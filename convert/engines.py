@@ -40,3 +40,33 @@ def sglang_is_excluded(prefix: str, patterns: list[str], text_prefix: str = "lan
     names += prefix.split(".")
     rxs = [_sglang_regex(p) for p in patterns]
     return any(rx.fullmatch(n) for rx in rxs for n in names)
+
+
+def _candidates(prefix: str) -> list[str]:
+    out = [prefix]
+    if prefix.endswith(".lm_head"):
+        out.append("lm_head")
+    if prefix.startswith("language_model.model."):
+        out.append("model.language_model." + prefix[len("language_model.model."):])
+    return out
+
+
+def mixed_algo(prefix: str, quantized_layers: dict[str, dict], packed: dict[str, list[str]]) -> str | None:
+    """vLLM's ``ModelOptMixedPrecisionConfig._resolve_quant_algo`` (SGLang's is the same lookup): the
+    layer itself, then a packed layer through its shards (one algo, or an error), then any child."""
+    for c in _candidates(prefix):
+        if c in quantized_layers:
+            return quantized_layers[c]["quant_algo"].upper()
+    base, _, leaf = prefix.rpartition(".")
+    if leaf in packed:
+        algos = {quantized_layers[f"{c}.{s}"]["quant_algo"].upper() for c in _candidates(base) for s in packed[leaf]
+                 if f"{c}.{s}" in quantized_layers}
+        if len(algos) > 1:
+            raise MixedShards(f"Mixed quant_algo within fused layer {prefix}: {sorted(algos)}")
+        if algos:
+            return algos.pop()
+    for c in _candidates(prefix):
+        hit = next((v for k, v in quantized_layers.items() if k.startswith(c + ".")), None)
+        if hit is not None:
+            return hit["quant_algo"].upper()
+    return None

@@ -12,7 +12,7 @@ from . import __version__
 from .journal import fingerprint
 from .plan import FP8, GROUP_SIZE, NVFP4, Item, Plan
 from .recipe import FP8_BLOCK
-from .write import layer_algo
+from .write import layer_algo, quantized_layers
 
 FORMAT = "kimi-convert-manifest"
 FORMAT_VERSION = 1
@@ -31,6 +31,7 @@ def plan_dict(plan: Plan) -> dict:
         "rules": [{"pattern": p.text, "origin": p.origin, "reason": p.reason} for p in plan.patterns],
         "warnings": list(plan.warnings),
         "exclude_modules": list(plan.exclude_modules),
+        "quantized_layers": quantized_layers(plan) if plan.recipe.quant_method == "modelopt_mixed" else None,
         "modules": [_item(it, u.shared_scale, shard_of) for u in plan.units for it in u.items],
         "engine_groups": [{"name": g.name, "engines": list(g.engines), "members": list(g.members),
                            "rows": [list(r) for r in g.rows], "shared_scale": scale_of.get(g.members[0])}
@@ -50,8 +51,9 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
         d["group"] = it.group
     d["op"] = it.op
     if it.kind == NVFP4:
-        d["quantization"] = {"format": NVFP4, "group_size": GROUP_SIZE, "quant_algo": layer_algo(it.kind, it.input_scale),
-                             "shared_scale": shared_scale, "input_scale": it.input_scale}
+        d["quantization"] = {"format": NVFP4, "group_size": GROUP_SIZE,
+                             "quant_algo": layer_algo(it.kind, it.input_scale), "shared_scale": shared_scale,
+                             "input_scale": it.input_scale}
     elif it.kind == FP8:
         d["quantization"] = {"format": FP8, "block": [FP8_BLOCK, FP8_BLOCK], "quant_algo": layer_algo(it.kind, None)}
     d["sources"] = [
@@ -97,6 +99,7 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
         "plan_sha256": plan_sha256,
         "mapping_table": tomllib.loads(plan.mapping.source),
         "mapping_source": plan.mapping.source,
+        "recipe_source": plan.recipe.source,
         "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
         "side_files": list(plan.side_files),
         "outputs": [{"file": f, "size": output_sizes[f], "sha256": h} for f, h in sorted(output_hashes.items())],

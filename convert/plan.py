@@ -772,9 +772,11 @@ def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, Source]])
     return tuple(out)
 
 
-def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None) -> Plan:
-    """``patterns`` replaces the collected rules (verify-manifest re-plans with the recorded ones)."""
-    recipe = find_recipe(opts.recipe, m.name)
+def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None,
+              recipe: Recipe | None = None) -> Plan:
+    """``patterns`` and ``recipe`` replace the collected rules and the named recipe (verify-manifest
+    re-plans with the recorded ones)."""
+    recipe = recipe or find_recipe(opts.recipe, m.name)
     patterns = collect_patterns(ckpt, m, opts) if patterns is None else patterns
     ctx = _Context(m, recipe, opts, patterns, defaultdict(int), _expert_regexes(m))
     notes: list[str] = []

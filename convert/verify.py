@@ -22,7 +22,8 @@ from . import engines, journal
 from .errors import ConvertError
 from .manifest import FORMAT, plan_dict
 from .mapping import parse_mapping
-from .plan import Options, make_plan
+from .plan import QUANTIZED, Options, make_plan
+from .recipe import parse_recipe
 from .rules import Pattern
 from .source import INDEX_NAME, open_checkpoint, parse_header
 from .write import hash_file, load_manifest
@@ -187,27 +188,28 @@ def _nbytes(t: dict) -> int:
 def _check_configs(output: Path, man: dict, rep: Report) -> None:
     problems: list[str] = []
     want = man["exclude_modules"]
+    recipe = man.get("recipe") or {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
     cfg = _read_json(output / "config.json", problems)
     hq = _read_json(output / "hf_quant_config.json", problems)
     if cfg is not None:
         q = cfg.get("quantization_config") or {}
-        if q.get("quant_method") != "modelopt":
-            problems.append(f"config.json: quantization_config.quant_method is {q.get('quant_method')!r}, "
-                            "not 'modelopt'")
+        for key in ("quant_method", "quant_algo"):
+            if q.get(key) != recipe[key]:
+                problems.append(f"config.json: quantization_config.{key} is {q.get(key)!r}, not {recipe[key]!r}")
         if q.get("ignore") != want:
             problems.append("config.json: quantization_config.ignore differs from the manifest's exclude_modules")
-        if q.get("group_size") != 16:
-            problems.append("config.json: quantization_config.group_size is not 16")
+        text = cfg.get(man["mapping_table"].get("text_config") or "", {})
+        if isinstance(text, dict) and "quantization_config" in text:
+            problems.append("config.json: the text config still holds the source's quantization_config")
     if hq is not None:
         q = hq.get("quantization") or {}
         if q.get("exclude_modules") != want:
             problems.append("hf_quant_config.json: exclude_modules differs from the manifest's")
         if cfg is not None and q.get("quant_algo") != (cfg.get("quantization_config") or {}).get("quant_algo"):
             problems.append("hf_quant_config.json: quant_algo differs from config.json's")
-    kept = {m["name"] for m in man["modules"] if m["kind"] == "keep"}
-    quantized = {m["name"] for m in man["modules"] if m["kind"] == "nvfp4"}
-    problems += [f"manifest.json: kept module {n} is not in exclude_modules" for n in sorted(kept - set(want))]
-    problems += [f"manifest.json: NVFP4 module {n} is in exclude_modules" for n in sorted(quantized & set(want))]
+        if cfg is not None and q.get("quantized_layers") != (cfg.get("quantization_config") or {}).get(
+                "quantized_layers"):
+            problems.append("hf_quant_config.json: quantized_layers differs from config.json's")
     rep.check("configs agree with the manifest", problems)
 
 
@@ -230,31 +232,57 @@ def _check_row_ranges(man: dict, rep: Report) -> None:
     rep.check("fused modules: row ranges tile the fused tensors", problems)
 
 
-def _check_engine_rules(man: dict, rep: Report) -> None:
-    """The exclude list, read as vLLM and SGLang read it, selects exactly the kept modules."""
-    table = man["mapping_table"]
-    packed = {g["name"]: list(g["members"]) for g in table.get("group", [])}
-    prefix = table.get("text_prefix", "")
-    ignore = man["exclude_modules"]
-    modules = {m["name"]: m["kind"] == "keep" for m in man["modules"] if m["kind"] in ("nvfp4", "keep")}
-    experts: dict[str, list[bool]] = {}
-    for name, kept in modules.items():
+def _layer_kinds(man: dict) -> tuple[dict[str, str], dict[str, dict[str, list[str]]]]:
+    """Every layer an engine builds from the output (each linear module, each MoE layer's experts, each
+    engine packed module) -> the format written ('nvfp4', 'fp8-block' or 'keep'); and per engine its
+    packed modules {leaf name: member leaves}."""
+    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] not in ("copy",)}
+    experts: dict[str, set[str]] = {}
+    for name, kind in kinds.items():
         if ".experts." in name:
-            experts.setdefault(name.rsplit(".", 2)[0], []).append(kept)
-    modules.update({k: all(v) for k, v in experts.items()})
+            experts.setdefault(name.rsplit(".", 2)[0], set()).add(kind)
+    layers = {k: v for k, v in kinds.items() if k.rsplit(".", 2)[0] not in experts}  # a MoE layer is one layer
+    layers.update({k: v.pop() for k, v in experts.items() if len(v) == 1})
+    packed: dict[str, dict[str, list[str]]] = {"vllm": {}, "sglang": {}}
+    for g in man.get("engine_groups", []):
+        ks = {kinds.get(mod) for mod in g["members"]}
+        if len(ks) == 1 and None not in ks and ".experts." not in g["name"]:
+            layers[g["name"]] = ks.pop()
+        for e in g["engines"]:
+            packed[e][g["name"].rsplit(".", 1)[1]] = [mod.rsplit(".", 1)[1] for mod in g["members"]]
+    return layers, packed
+
+
+def _check_engine_rules(man: dict, rep: Report) -> None:
+    """Each engine layer resolves, under vLLM's and SGLang's own matching rules, to the format written:
+    the exclude list (quant_method modelopt), or quantized_layers and the exclude list (modelopt_mixed)."""
+    prefix = man["mapping_table"].get("text_prefix", "")
+    ignore = man["exclude_modules"]
+    method = (man.get("recipe") or {}).get("quant_method", "modelopt")
+    layers, packed = _layer_kinds(man)
     problems: list[str] = []
-    for prefix_name, kept in sorted(modules.items()):
-        try:
-            v = engines.vllm_is_skipped(prefix_name, ignore, packed)
-        except engines.MixedShards as e:
-            problems.append(f"vLLM: {e}")
+    quantized_layers = man.get("quantized_layers") or {}
+    for name, kind in sorted(layers.items()):
+        if method == "modelopt_mixed":
+            got = engines.mixed_algo(name, quantized_layers, packed["vllm"])
+            want = {"keep": None, "fp8-block": "FP8_PB_WO"}.get(kind, "NVFP4")
+            if kind == "nvfp4" and got == "W4A16_NVFP4":
+                want = got
+            if got != want and not (kind == "keep" and engines.vllm_is_skipped(name, ignore, {})):
+                problems.append(f"quantized_layers resolve {name} to {got}, but it is written {kind}")
             continue
-        s = engines.sglang_is_excluded(prefix_name, ignore, prefix)
-        for engine, got in (("vLLM", v), ("SGLang", s)):
+        kept = kind == "keep"
+        for engine in ("vllm", "sglang"):
+            try:
+                got = (engines.vllm_is_skipped(name, ignore, packed["vllm"]) if engine == "vllm"
+                       else engines.sglang_is_excluded(name, ignore, prefix))
+            except engines.MixedShards as e:
+                problems.append(f"vLLM: {e}")
+                continue
             if got != kept:
-                problems.append(f"{engine} would {'skip' if got else 'quantize'} {prefix_name}, which is "
-                                f"{'kept' if kept else 'NVFP4'}")
-    rep.check("exclude list under vLLM's and SGLang's matching rules", problems, f"{len(modules)} modules")
+                problems.append(f"{engine} would {'skip' if got else 'quantize'} {name}, which is written {kind}")
+    rep.check("exclude list / quantized_layers under vLLM's and SGLang's matching rules", problems,
+              f"{len(layers)} layers")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,9 +310,11 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
     o = man["options"]
     opts = Options(exclude=tuple(o["exclude"]), exclude_from=tuple(o["exclude_from"]),
                    default_excludes=o["default_excludes"], keep_partial=o["keep_partial"],
-                   max_shard_size=o["max_shard_size"], fuse=tuple(o["fuse"]), no_fuse=tuple(o["no_fuse"]))
+                   max_shard_size=o["max_shard_size"], fuse=tuple(o["fuse"]), no_fuse=tuple(o["no_fuse"]),
+                   recipe=o.get("recipe"), layout=o.get("layout", "source"), input_scale=o.get("input_scale"))
     patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
-    plan = make_plan(ckpt, m, opts, patterns)
+    recipe = parse_recipe(man["recipe_source"], man["recipe"]["file"]) if man.get("recipe_source") else None
+    plan = make_plan(ckpt, m, opts, patterns, recipe)
     same = journal.fingerprint(plan_dict(plan)) == man["plan_sha256"]
     rep.check("re-plan from the input and the recorded options", [] if same else
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
@@ -301,9 +331,9 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     from .source import TensorReader
 
     hashes = {t["name"]: t["sha256"] for mod in man["modules"] for t in mod["tensors"]}
-    quant_units = [u for u in plan.units if any(it.kind == "nvfp4" for it in u.items)]
+    quant_units = [u for u in plan.units if any(it.kind in QUANTIZED for it in u.items)]
     keep = {id(u) for u in quant_units[:1] + quant_units[-1:]}
-    chosen = [u for u in plan.units if not any(it.kind == "nvfp4" for it in u.items) or full or id(u) in keep
+    chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
     backend = get_backend(device)
     reader = TensorReader(input_dir)
@@ -311,7 +341,7 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     passthrough, quantized, problems = 0, 0, []
     try:
         for u in chosen:
-            if all(it.kind != "nvfp4" and all(s.encoding == "dense" for s in it.sources) for it in u.items):
+            if all(it.kind not in QUANTIZED and all(s.encoding == "dense" for s in it.sources) for it in u.items):
                 for it in u.items:  # pass-through: the output's bytes are the sources' bytes
                     h = hashlib.sha256()
                     for s in it.sources:
@@ -335,4 +365,4 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     n_quant = len(quant_units)
     rep.check("outputs re-derived from the input", problems,
               f"{passthrough} pass-through tensors compared; {quantized} quantized/decoded units recomputed "
-              f"({'all' if full else 'sample'} of {n_quant} NVFP4 units)")
+              f"({'all' if full else 'sample'} of {n_quant} quantized units)")

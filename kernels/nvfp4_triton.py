@@ -11,6 +11,10 @@ quantizes each member into its rows of the output, so the concatenation is never
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -170,8 +174,19 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     tl.store(s_ptr + rows2 * (K // 16) + blk2, byte.to(tl.uint8), mask=(rows2 < M) & (blk2 < K // 16))
 
 
+#: Triton's interpreter (TRITON_INTERPRET=1) keeps the grid of the running launch in one global
+#: builder, so two threads launching at once corrupt each other's grid ("x >= grid_dim[0]"); the
+#: interpreter's launches are serialised. Compiled launches need no lock.
+_INTERPRETER = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
+
+
 def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
     """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf."""
+    with _INTERPRETER:
+        _amax_into(x, out)
+
+
+def _amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
     n = x.numel()
     if not n:
         return
@@ -203,6 +218,13 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
     if scales is None:
         scales = torch.empty((m, k // 16), dtype=torch.uint8, device=x.device)
     amax = amax.reshape(1).to(device=x.device, dtype=torch.float32)
+    with _INTERPRETER:
+        _launch_quant(x2, amax, packed, scales, m, k)
+    lead = x.shape[:-1]
+    return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
+
+
+def _launch_quant(x2, amax, packed, scales, m: int, k: int) -> None:
     if m and x2.dtype == torch.bfloat16:
         bm, bb, warps = BF16_TILE
         grid = (triton.cdiv(m, bm), triton.cdiv(k // 16, bb))
@@ -211,5 +233,3 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
     elif m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
         _quant_kernel[grid](x2, amax, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-    lead = x.shape[:-1]
-    return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)

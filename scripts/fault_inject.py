@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     src, ref, out = work / "in", work / "ref", work / "out"
     r = cli("synth", a.preset, str(src), "--experts", a.experts)
     assert r.returncode == 0, r.stderr
-    pack_args = ["--max-shard-size", "1MB", "-q", "--device", "cpu", "--workers", a.workers, "--streams", a.streams]
+    pack_args = ["--layout", "sglang", "--recipe", "nvfp4-w4a16",  # many shards: the fused layout's own size
+                 "--max-shard-size", "1MB", "-q", "--device", "cpu", "--workers", a.workers, "--streams", a.streams]
     t = time.perf_counter()
     r = cli("pack", str(src), str(ref), *pack_args)
     full_s = time.perf_counter() - t

@@ -81,7 +81,7 @@ def convert_shard(path: Path, input_scale: float) -> dict[str, torch.Tensor]:
         shared = {}
         for p in pairs.values():  # w1 and w3 share k_max when both are in this shard (as NVIDIA does)
             if "w1" in p and "w3" in p:
-                k = max(_k_max(f.get_tensor(p["w1"] + ".weight_scale")), _k_max(f.get_tensor(p["w3"] + ".weight_scale")))
+                k = max(_k_max(f.get_tensor(p[w] + ".weight_scale")) for w in ("w1", "w3"))
                 shared[p["w1"]] = shared[p["w3"]] = k
         scales = {b + ".weight_scale" for b in bases}
         for key in keys:

@@ -31,7 +31,8 @@ def test_user_errors_are_one_line_exit_2(tmp_path, tiny_k3):
     r = cli("plan", tmp_path / "cfg")
     assert r.returncode == 2 and "unknown architecture" in r.stderr and "--mapping" in r.stderr
     r = cli("plan", tiny_k3, "--exclude", "language_model.model.layers.0.self_attn.v_proj")
-    assert r.returncode == 2 and "fused_qkvg_proj" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "in_proj_qkvgfab" in r.stderr and "Traceback" not in r.stderr
+    assert "v_proj: keep" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_bad_mapping_and_exclude_files(tmp_path, tiny_k3):

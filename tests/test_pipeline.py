@@ -20,6 +20,10 @@ from kimi_convert.pack import load_plan, pack
 from kimi_convert.plan import Options, OutTensor
 from kimi_convert.source import BufferPool
 
+# Many small shards: SGLang's fused layout with its own shard size (the source layout keeps the input's files).
+SGLANG = {"layout": "sglang", "recipe": "nvfp4-w4a16"}
+SGLANG_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16"]
+
 
 def tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -150,17 +154,17 @@ def test_write_order_layout_and_its_alignment_fallback():
 
 def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_path, monkeypatch):
     ref = tmp_path / "ref"
-    pack(tiny_k3, ref, Options(max_shard_size=400_000), device="cpu", progress=False)
+    pack(tiny_k3, ref, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
     monkeypatch.setattr(pipeline, "SLICE", 4096)
     monkeypatch.setattr(pipeline, "READ_AHEAD", 1)
     monkeypatch.setattr(pipeline, "MIN_IN_FLIGHT", 1)  # a tiny budget: little held, more read again
     monkeypatch.setattr(pipeline, "EAGER_HASH", 50_000)  # file hashes: a head start, then the pipeline's bytes
     out = tmp_path / "sliced"
-    r = pack(tiny_k3, out, Options(max_shard_size=400_000), device="cpu", progress=False, streams=2)
+    r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False, streams=2)
     assert tree(out) == tree(ref)
     assert r.stats.hashed_from_pipeline > 0 and r.stats.streams == 2
     # memory: never more in flight than the budget (two of the largest pieces here)
-    ckpt, p = load_plan(tiny_k3, Options(max_shard_size=400_000))
+    ckpt, p = load_plan(tiny_k3, Options(**SGLANG, max_shard_size=400_000))
     order = {f: i for i, f in enumerate(ckpt.files)}
     largest = max(pipeline.pc_cost(pc) for pc in pipeline.pieces(list(p.units), order, 4096))
     assert 0 < r.stats.in_flight_peak <= r.stats.in_flight_limit <= 2 * largest
@@ -168,7 +172,7 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
     # then read parts of the file back, and must still be the files' sha256
     monkeypatch.setattr(plan_mod, "_in_write_order", lambda units: None)
     other = tmp_path / "sorted"
-    pack(tiny_k3, other, Options(max_shard_size=400_000), device="cpu", progress=False)
+    pack(tiny_k3, other, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
     import json
 
     man = json.loads((other / "manifest.json").read_text())
@@ -179,9 +183,9 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
 @pytest.mark.parametrize(("workers", "streams"), [(1, 3), (2, 1), (3, 2)])
 def test_workers_and_streams_give_the_same_bytes_as_one(tiny_k3, tmp_path, workers, streams):
     ref = tmp_path / "one"
-    pack(tiny_k3, ref, Options(max_shard_size=300_000), device="cpu", progress=False, workers=1, streams=1)
+    pack(tiny_k3, ref, Options(**SGLANG, max_shard_size=300_000), device="cpu", progress=False, workers=1, streams=1)
     out = tmp_path / f"w{workers}"
-    r = pack(tiny_k3, out, Options(max_shard_size=300_000), device="cpu", progress=False, workers=workers,
+    r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=300_000), device="cpu", progress=False, workers=workers,
              streams=streams)
     assert (r.stats.workers, r.stats.streams) == (workers, workers * streams)
     assert tree(out) == tree(ref)
@@ -192,7 +196,7 @@ def test_split_jobs_is_consecutive_balanced_and_hashes_each_input_once(tmp_path)
     from kimi_convert.synth import write_synth
 
     src = write_synth("tiny-k3", tmp_path / "in", seed=1, experts=16)
-    ckpt, p = load_plan(src, Options(max_shard_size=200_000))
+    ckpt, p = load_plan(src, Options(**SGLANG, max_shard_size=200_000))
     jobs = split_jobs(ckpt, p, list(p.shards), 3, tmp_path / "out")
     assert [s.file for j in jobs for s in j.shards] == [s.file for s in p.shards]
     assert sorted(f for j in jobs for f in j.hash_files) == sorted(f for f, _ in p.inputs)
@@ -204,7 +208,7 @@ def test_a_worker_killed_midway_fails_cleanly_and_resumes_identically(tiny_k3, t
     from test_resume import cli, one_line_error
 
     src = copy_ckpt(tiny_k3, tmp_path / "in")
-    args = ["--max-shard-size", "300KB", "-q", "--device", "cpu", "--workers", "2"]
+    args = [*SGLANG_ARGS, "--max-shard-size", "300KB", "-q", "--device", "cpu", "--workers", "2"]
     ref = tmp_path / "ref"
     assert cli("pack", src, ref, *args).returncode == 0
     out = tmp_path / "out"
@@ -226,7 +230,7 @@ def test_interrupting_workers_exits_130_without_traceback(tiny_k3, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "KIMI_CONVERT_FAULT": "header:1:pause"}
     p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
-                          "--device", "cpu", "--workers", "2", "--max-shard-size", "300KB"],
+                          "--device", "cpu", "--workers", "2", *SGLANG_ARGS, "--max-shard-size", "300KB"],
                          stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 60
     while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
@@ -245,7 +249,7 @@ def test_cli_stats_and_streams(tiny_k3, tmp_path):
     from test_resume import cli
 
     out, stats = tmp_path / "out", tmp_path / "stats.json"
-    r = cli("pack", tiny_k3, out, "-q", "--device", "cpu", "--streams", "2", "--max-shard-size", "300KB",
+    r = cli("pack", tiny_k3, out, "-q", "--device", "cpu", "--streams", "2", *SGLANG_ARGS, "--max-shard-size", "300KB",
             "--stats", stats)
     assert r.returncode == 0, r.stderr
     st = json.loads(stats.read_text())
@@ -304,7 +308,7 @@ def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "KIMI_CONVERT_FAULT": "header:1:pause"}
     p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
-                          "--device", "cpu", "--workers", "2", "--max-shard-size", "300KB"],
+                          "--device", "cpu", "--workers", "2", *SGLANG_ARGS, "--max-shard-size", "300KB"],
                          stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 60
     while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:

@@ -13,6 +13,9 @@ from kimi_convert.plan import Options
 
 
 def plan_of(folder, **kw):
+    """The plan with SGLang's fused-on-disk layout and weight-only NVFP4 (the fusion machinery under
+    test); tests of the default layout and recipes pass ``layout`` / ``recipe``."""
+    kw = {"layout": "sglang", "recipe": "nvfp4-w4a16", **kw}
     return load_plan(folder, Options(**kw))[1]
 
 
@@ -30,7 +33,8 @@ def test_k3_plan_has_each_group_that_applies(tiny_k3):
     f = items["language_model.model.layers.0.self_attn.fused_qkvg_proj"]
     assert [s.module.rsplit(".", 1)[1] for s in f.sources] == ["q_proj", "k_proj", "v_proj", "g_proj"]
     assert f.op == "cat" and f.kind == "nvfp4"
-    assert f.row_ranges() == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    p_ = f.sources[0].shape[0]  # P = num_heads * head_dim
+    assert f.row_ranges() == [(0, p_), (p_, 2 * p_), (2 * p_, 3 * p_), (3 * p_, 4 * p_)]
     # shared experts fuse too
     assert items["language_model.model.layers.1.block_sparse_moe.shared_experts.gate_up_proj"].kind == "nvfp4"
 
@@ -38,23 +42,29 @@ def test_k3_plan_has_each_group_that_applies(tiny_k3):
 def test_mla_q_proj_never_fused_with_kda(tiny_kl):
     p = plan_of(tiny_kl)
     items = by_name(p)
-    mla_q = items["model.layers.2.self_attn.q_proj"]  # layer 3 (1-based) is MLA
+    mla_q = items["model.layers.3.self_attn.q_proj"]  # layer 4 (1-based) is MLA, as in the release
     assert mla_q.group is None and mla_q.kind == "nvfp4"
     for it in p.items:
         if it.group:
-            assert not it.name.startswith("model.layers.2.self_attn"), it.name
+            assert not it.name.startswith("model.layers.3.self_attn"), it.name
+    assert not [g for g in plan_of(tiny_kl, layout="source").engine_groups if ".layers.3.self_attn." in g.name]
 
 
 def test_kimi_linear_groups(tiny_kl):
+    """SGLang builds fused_qkvbfg_a_proj and fused_fg_b_proj only for an unquantized model: a quantized
+    Kimi Linear gets qkv_proj (and the rest unfused) on disk; vLLM's in_proj_qkvgfab shares their scale."""
     p = plan_of(tiny_kl)
     items = by_name(p)
-    a = items["model.layers.0.self_attn.fused_qkvbfg_a_proj"]
-    assert [s.module.rsplit(".", 1)[1] for s in a.sources] == ["q_proj", "k_proj", "v_proj", "b_proj",
-                                                               "f_a_proj", "g_a_proj"]
-    assert a.outputs[0].shape == (128 * 3 + 4 + 32 + 32, 64)
-    fb = items["model.layers.0.self_attn.fused_fg_b_proj"]
-    assert fb.op == "stack" and fb.outputs[0].shape == (2, 128, 32)
-    assert [s.module.rsplit(".", 1)[1] for s in fb.sources] == ["f_b_proj", "g_b_proj"]
+    assert "model.layers.0.self_attn.fused_qkvbfg_a_proj" not in items
+    assert "model.layers.0.self_attn.fused_fg_b_proj" not in items
+    a = items["model.layers.0.self_attn.qkv_proj"]
+    assert [s.module.rsplit(".", 1)[1] for s in a.sources] == ["q_proj", "k_proj", "v_proj"]
+    assert items["model.layers.0.self_attn.g_a_proj"].kind == "nvfp4"
+    unit = next(u for u in p.units if any(it.name == "model.layers.0.self_attn.b_proj" for it in u.items))
+    assert unit.shared_scale is None  # the vLLM group overlaps a module fused on disk: SGLang layout only
+    src = plan_of(tiny_kl, layout="source")
+    unit = next(u for u in src.units if any(it.name == "model.layers.0.self_attn.b_proj" for it in u.items))
+    assert {it.name.rsplit(".", 1)[1] for it in unit.items} == {"q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"}
 
 
 def test_fused_sources_can_span_files(tiny_k3):
@@ -74,7 +84,7 @@ def test_nvidia_exclude_style_keeps_qkv_conv1d(tiny_k3, tmp_path):
         assert f"language_model.model.layers.0.self_attn.{name}" in p.exclude_modules
     # even with no user pattern at all, conv1d is never NVFP4 and is always listed
     p0 = plan_of(tiny_k3, default_excludes=False)
-    assert "language_model.model.layers.3.self_attn.qkv_conv1d" in p0.exclude_modules
+    assert "language_model.model.layers.2.self_attn.qkv_conv1d" in p0.exclude_modules
 
 
 def test_substring_pattern_never_matches_fused_name(tiny_k3):
@@ -132,9 +142,9 @@ def test_experts_are_all_or_nothing_per_layer(tiny_k3):
 
 def test_w1_w3_share_a_scale_unit(tiny_k3):
     p = plan_of(tiny_k3)
-    shared = [u for u in p.units if u.shared_scale]
+    shared = [u for u in p.units if u.shared_scale and u.shared_scale.endswith(".w13")]
     assert len(shared) == 3 * 8
-    assert [it.name.rsplit(".", 1)[1] for it in shared[0].items] == ["w1", "w3"]
+    assert all([it.name.rsplit(".", 1)[1] for it in u.items] == ["w1", "w3"] for u in shared)
 
 
 def test_missing_member_fails(tiny_k3, tmp_path):
@@ -175,10 +185,16 @@ def test_index_naming_missing_or_outside_file(tiny_k3, tmp_path):
 
 
 def test_use_full_rank_gate_false_selects_low_rank_groups(tiny_kl, tmp_path):
-    # A K3-mapped config without the full-rank gate must not want g_proj
+    # Said where the engines read it (linear_attn_config), the low-rank groups apply: vLLM's
+    # in_proj_qkvgfab without g_proj; a flag at the top of the config is not read.
     ck = copy_ckpt(tiny_kl, tmp_path / "c")
-    edit_config(ck, lambda c: c.update(use_full_rank_gate=False))
-    assert "model.layers.0.self_attn.fused_qkvbfg_a_proj" in by_name(plan_of(ck))
+    edit_config(ck, lambda c: c["linear_attn_config"].update(use_full_rank_gate=False))
+    p = plan_of(ck, layout="source")
+    g = next(g for g in p.engine_groups if g.name == "model.layers.0.self_attn.in_proj_qkvgfab")
+    assert [m.rsplit(".", 1)[1] for m in g.members] == ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"]
+    assert not p.notes
+    edit_config(ck, lambda c: (c["linear_attn_config"].pop("use_full_rank_gate"), c.update(use_full_rank_gate=True)))
+    assert plan_of(ck, layout="source").notes  # not where the engines look: decided from the tensors
 
 
 def test_mapping_tables_parse_and_have_the_six_groups():
@@ -192,7 +208,10 @@ def test_mapping_tables_parse_and_have_the_six_groups():
 def test_plan_cli_prints_totals_and_shards(tiny_k3):
     r = run("plan", tiny_k3)
     assert r.exit_code == 0, r.output
-    assert "fused_qkvg_proj" in r.output and "bytes in" in r.output and "model-00001-of-00001" in r.output
+    assert "recipe nvidia-k3" in r.output and "bytes in" in r.output and "model-00001-of-00003" in r.output
+    assert "in_proj_qkvgfab [vllm]" in r.output and "fused_qkvg_proj [sglang]" in r.output
+    r = run("plan", tiny_k3, "--layout", "sglang", "--recipe", "nvfp4-w4a16")
+    assert "fused_qkvg_proj" in r.output and "model-00001-of-00001" in r.output
     r = run("plan", tiny_k3, "--json")
     import json
     d = json.loads(r.output)

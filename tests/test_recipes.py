@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import copy_ckpt, edit_config, run
 from safetensors import safe_open
 
+from helpers import copy_ckpt, edit_config, run
 from kimi_convert import engines
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import find_mapping

@@ -25,7 +25,8 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import fault_inject  # noqa: E402
 
-PACK_ARGS = ["--max-shard-size", "1MB", "-q", "--device", "cpu"]
+# SGLang's fused layout with its own shard size: two shards of 1 MB (the source layout keeps the input's files)
+PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
 
 
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
@@ -83,7 +84,7 @@ def test_resume_reverifies_finished_shards(medium, tmp_path):
     out = tmp_path / "out"
     # killed once shard 2 is renamed, before its journal entry: shard 1 is finished and journaled
     assert cli("pack", src, out, *PACK_ARGS, env={"KIMI_CONVERT_FAULT": "shard:2"}).returncode == -signal.SIGKILL
-    finished = out / "model-00001-of-00002.safetensors"
+    finished = sorted(out.glob("model-*.safetensors"))[0]
     data = bytearray(finished.read_bytes())
     data[-1] ^= 0xFF  # a finished shard damaged after the fact: not trusted, redone
     finished.write_bytes(bytes(data))
@@ -110,7 +111,7 @@ def test_resume_of_a_complete_output(medium, tmp_path):
     shutil.copytree(ref, out)
     r = cli("pack", src, out, *PACK_ARGS, "--resume")
     assert r.returncode == 0 and "already complete" in r.stdout
-    shard = out / "model-00002-of-00002.safetensors"
+    shard = sorted(out.glob("model-*.safetensors"))[-1]
     data = bytearray(shard.read_bytes())
     data[100] ^= 1
     shard.write_bytes(bytes(data))
@@ -324,9 +325,10 @@ HOSTILE = {
     "config lacks text_config": (lambda f: edit_config(f, lambda c: c.pop("text_config")), "needs a 'text_config'"),
     "unknown architecture": (lambda f: edit_config(f, lambda c: c.update(architectures=["Foo"], model_type="foo")),
                              "unknown architecture"),
-    "fused members of different dtypes": (_set(f"{L1}.self_attn.k_proj.weight", lambda t: t.half()), "dtypes differ"),
+    "fused members of different dtypes": (_set(f"{L1}.self_attn.k_proj.weight", lambda t: t.half()), "dtypes differ",
+                                          "--layout", "sglang"),
     "NaN in a weight": (_set(f"{L1}.self_attn.o_proj.weight", _nan), "holds NaN or Inf"),
-    "Inf in a weight": (_set("language_model.model.layers.0.mlp.down_proj.weight", _inf), "holds NaN or Inf"),
+    "Inf in a weight": (_set("language_model.model.layers.0.self_attn.q_proj.weight", _inf), "holds NaN or Inf"),
     "MXFP4 scale missing": (_drop(f"{EXPERT}.weight_scale"), "MXFP4 weight without its"),
     "MXFP4 scale mis-shaped": (_set(f"{EXPERT}.weight_scale", lambda t: t[:, :1].contiguous()), "MXFP4 scale must be"),
 }
@@ -334,11 +336,11 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_input(tiny_k3, tmp_path, case):
-    corrupt, msg = HOSTILE[case]
+    corrupt, msg, *args = HOSTILE[case]
     ck = copy_ckpt(tiny_k3, tmp_path / "c")
     corrupt(ck)
     before = {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()}
-    err = one_line_error(cli("pack", ck, tmp_path / "out", "-q", "--device", "cpu"))
+    err = one_line_error(cli("pack", ck, tmp_path / "out", "-q", "--device", "cpu", *args))
     assert msg in err, err
     assert_not_finished(tmp_path / "out")
     assert before == {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()}  # input untouched

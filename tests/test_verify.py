@@ -98,8 +98,9 @@ def test_edited_manifest(out):
     edit_json(out / "manifest.json", lambda m: m["exclude_modules"].remove(mod["name"]))  # as if quantized
     rc, rep = verify(out)
     assert rc == 1
-    assert f"kept module {mod['name']} is not in exclude_modules" in problems(rep)
-    assert f"would quantize {mod['name']}" in problems(rep)
+    assert "quantization_config.ignore differs from the manifest's exclude_modules" in problems(rep)
+    assert f"vllm would quantize {mod['name']}" in problems(rep)
+    assert f"sglang would quantize {mod['name']}" in problems(rep)
 
 
 def test_index_lists_extra_tensor(out):
