@@ -269,7 +269,9 @@ class Tracker:
             "unfilled": unfilled,
             "allowed_unfilled": allowed,
             "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
-            "bad_casts": [c for c in casts if c["class"] in ("reinterpret", "narrowing")],  # widening loses nothing
+            # widening loses nothing; reinterpretations (the worst) first
+            "bad_casts": sorted((c for c in casts if c["class"] in ("reinterpret", "narrowing")),
+                                key=lambda c: c["class"] != "reinterpret"),
             "widening_casts": [c for c in casts if c["class"] == "widening"],
             "created_during_load": created,
             "buffers_never_written": buffers_unfilled,
