@@ -308,8 +308,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
                 click.echo(f"loading {output_dir} with {engine} (its own loader, on the CPU)...", err=True)
             er = check(output_dir, engine, python=engine_python, any_version=engine_any_version)
             engine_reports.append(er)
-            rep.check(f"{engine} {er.version} loads it (engine's own loader, {er.seconds:.0f} s)",
-                      [] if er.ok else [er.verdict], er.verdict if er.ok else "")
+            rep.check(f"{engine} {er.version}: its own loader ({er.seconds:.0f} s)", [] if er.ok else [er.verdict],
+                      er.verdict if er.ok else "")
     if as_json:
         d = rep.to_dict()
         if not manifest:
@@ -321,6 +321,9 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         if not manifest:
             click.echo(f"{output_dir}: no manifest.json: manifest checks skipped, engine checks only")
         click.echo(render_report(rep, output_dir))
+        for er in engine_reports:  # the engines' one-line verdicts last, where a failure is seen
+            if not er.ok:
+                click.echo(er.verdict, err=True)
     sys.exit(0 if rep.ok else 1)
 
 
