@@ -14,6 +14,7 @@ parsing, ``load_weights``, weight loaders, quant methods' ``create_weights`` or 
 
 from __future__ import annotations
 
+import re
 import time
 
 import runner_common as rc
@@ -34,6 +35,18 @@ OPTIONAL = [
      "ModelOptNvFp4FusedMoEMethod.create_weights makes it as swizzle(w13/w2_weight_scale) before loading; "
      "process_weights_after_loading recomputes it from the loaded weight_scale"),
 ]
+
+def optional_for(model) -> list[tuple[str, str]]:
+    """Parameters optional for this model as SGLang built it (decided from its own quant methods)."""
+    out = []
+    for name, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if getattr(qm, "quant_mode", None) == "w4a16" and hasattr(module, "input_scale"):
+            out.append((rf"^{re.escape(name)}\.input_scale$",
+                        "weight-only (W4A16) NVFP4 linear: SGLang's ModelOptFp4LinearMethod reads input_scale only "
+                        "in quant_mode w4a4; w4a16 builds its GEMM alpha from weight_scale_2 alone"))
+    return out
+
 
 #: Every patch, with why it is safe (README "Engine checks" lists the same).
 PATCHES = [
@@ -133,7 +146,7 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL))
+    result.update(tracker.result(model, OPTIONAL + optional_for(model)))
     if post_load is not None and error is None:
         del model.post_load_weights
         try:
