@@ -130,19 +130,21 @@ class Preset:
 # tiny-k3 keeps the release's ratios where an engine or the nvidia-k3 recipe checks them: KDA head_dim 128
 # (A_log [head_dim] covers the heads; f_b_proj's K is head_dim), and every module the recipe stores as
 # 128x128 block FP8 has K a multiple of 128 (f_b_proj 128, q_b_proj q_lora 128, kv_b_proj kv_lora 128,
-# o_proj heads*v_head 128), as vLLM's validate_fp8_block_shape asks
+# o_proj heads*v_head 256), as vLLM's validate_fp8_block_shape asks
 # (model_executor/layers/quantization/utils/fp8_utils.py:1319-1330); MLA heads == KDA heads, as released.
+# Both Kimi presets keep the release's MLA head dims (nope 128, rope 64, v 128): vLLM's MLA prefill
+# backend selection accepts no other (v1/attention/backends/mla/prefill/flash_attn.py:313-330).
 PRESETS: dict[str, Preset] = {
     "tiny-k3": Preset(
         "kimi_k3", hidden=128, layers=4, kda_heads=2, kda_head_dim=128, conv=4, mla_heads=2, q_lora=128,
-        kv_lora=128, nope=64, rope=32, v_head=64, experts=8, topk=2, moe_inter=64, latent=64, shared=1,
+        kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=64, latent=64, shared=1,
         dense_inter=256, first_dense=1, vocab=1000, vision_hidden=64, vision_blocks=2, vision_heads=2,
         vision_qkv=128, vision_inter=128, vision_pos=8, attn_res_block=2, mxfp4_experts=True,
         full_rank_gate=True, description="Kimi K3 layout, hidden 128, 4 layers, 8 MXFP4 experts (~3 MB)",
     ),
     "tiny-kimi-linear": Preset(
         "kimi_linear", hidden=128, layers=4, kda_heads=4, kda_head_dim=32, conv=4, mla_heads=4, q_lora=0,
-        kv_lora=32, nope=32, rope=16, v_head=32, experts=8, topk=2, moe_inter=64, latent=128, shared=1,
+        kv_lora=32, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=64, latent=128, shared=1,
         dense_inter=256, first_dense=1, vocab=1000, description="Kimi Linear layout, hidden 128, 4 layers (~2 MB)",
     ),
     "tiny-deepseek-fp8": Preset(
