@@ -63,6 +63,15 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Restrict:
+    """Modules an engine can load only in some formats (what else a recipe asks for is kept instead)."""
+
+    pattern: str
+    formats: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class LayerType:
     name: str
     config: str  # dotted path in the text config to a list of layer numbers
@@ -81,6 +90,7 @@ class Mapping:
     linear: tuple[str, ...]  # globs of modules built as linear layers although their weight is not 2-D
     not_linear: tuple[str, ...]  # globs of modules whose 2-D weight is not a linear layer (embeddings)
     keep: tuple[Rule, ...]  # linear modules that are never NVFP4, whatever the user says
+    restrict: tuple[Restrict, ...]  # modules an engine loads only in some formats
     exclude: tuple[Rule, ...]  # the default exclusion recipe
     groups: tuple[Group, ...]
     expert_sets: tuple[str, ...]  # parents whose children the engine quantizes all-or-nothing
@@ -143,13 +153,19 @@ class Mapping:
             return False
         return len(shape) == 2 or self._hit(module, self.linear)
 
+    def restriction(self, module: str) -> Restrict | None:
+        short = self.strip(module)
+        return next((r for r in self.restrict if fnmatchcase(short, r.pattern) or fnmatchcase(module, r.pattern)),
+                    None)
+
     def keep_rule(self, module: str) -> Rule | None:
         short = self.strip(module)
         return next((r for r in self.keep if fnmatchcase(short, r.pattern) or fnmatchcase(module, r.pattern)), None)
 
 
 TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
-            "linear", "not_linear", "config_defaults", "layer_types", "keep", "exclude", "group", "scale_group"}
+            "linear", "not_linear", "config_defaults", "layer_types", "keep", "restrict", "exclude", "group",
+            "scale_group"}
 GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
               "unquantized_only", "on_disk"}
 
@@ -189,6 +205,19 @@ def _rules(items: object, where: str) -> tuple[Rule, ...]:
             raise ConvertError(f"{w}: must be a table")
         _known(r, {"pattern", "reason"}, w)
         out.append(Rule(_req(r, "pattern", str, w), r.get("reason", "")))
+    return tuple(out)
+
+
+def _restricts(items: object, where: str) -> tuple[Restrict, ...]:
+    if not isinstance(items, list):
+        raise ConvertError(f"{where}: must be an array of tables")
+    out = []
+    for i, r in enumerate(items):
+        w = f"{where}[{i}]"
+        if not isinstance(r, dict):
+            raise ConvertError(f"{w}: must be a table")
+        _known(r, {"pattern", "formats", "reason"}, w)
+        out.append(Restrict(_req(r, "pattern", str, w), _strs(r, "formats", w), r.get("reason", "")))
     return tuple(out)
 
 
@@ -273,6 +302,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         linear=_strs(t, "linear", path),
         not_linear=_strs(t, "not_linear", path),
         keep=_rules(t.get("keep", []), f"{path}: keep"),
+        restrict=_restricts(t.get("restrict", []), f"{path}: restrict"),
         exclude=_rules(t.get("exclude", []), f"{path}: exclude"),
         groups=groups,
         expert_sets=_strs(t, "expert_sets", path),

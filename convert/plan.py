@@ -28,6 +28,7 @@ DEFAULT_MAX_SHARD = 5 * 1000**3
 LAYOUTS = ("source", "sglang")
 NVFP4, FP8, KEEP, COPY = Format.NVFP4.value, Format.FP8_BLOCK.value, Format.KEEP.value, "copy"
 QUANTIZED = (NVFP4, FP8)
+KEPT_FOR_ENGINE = "kept for the engines: "
 
 
 @dataclass(frozen=True)
@@ -455,6 +456,10 @@ def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -
         return _Decision(KEEP, f"recipe {ctx.recipe.name}: no rule matches: kept")
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
     why = rule.reason or rule.describe()
+    r = m.restriction(members[0])
+    if r is not None and rule.format.value not in r.formats:
+        return _Decision(KEEP, f"{KEPT_FOR_ENGINE}mapping {m.name}: {rule.format.value} asked by recipe "
+                               f"{ctx.recipe.name}, but {r.reason}")
     return _Decision(rule.format.value, f"recipe {ctx.recipe.name}: {why}", scale)
 
 
@@ -585,8 +590,28 @@ def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) ->
             items[i] = _rekeep(items[i], f"--keep-partial: {what} mixes formats")
 
 
+def _engine_formats(items: list[Item], fusions: list[Fused]) -> None:
+    """A module kept because an engine cannot load the recipe's format there takes every member of
+    each engine packed module it belongs to (transitively) along: they must share one format."""
+    index = {it.name: i for i, it in enumerate(items)}
+    changed = True
+    while changed:
+        changed = False
+        for f in fusions:
+            idx = [index[mod] for mod in f.members if mod in index]
+            why = next((items[i].rule for i in idx if items[i].rule.startswith(KEPT_FOR_ENGINE)), None)
+            if why is None:
+                continue
+            for i in idx:
+                if items[i].kind != KEEP:
+                    items[i] = _rekeep(items[i], f"{KEPT_FOR_ENGINE}{f.name} ({f.engine}'s packed module) "
+                                                 f"shares one format: {why[len(KEPT_FOR_ENGINE):]}")
+                    changed = True
+
+
 def _check_engine_layers(items: list[Item], fusions: list[Fused], m: Mapping, opts: Options) -> None:
     """MoE layers (experts all-or-nothing) and every engine packed module: one format each."""
+    _engine_formats(items, fusions)
     for parent, idx in _expert_sets(items, m).items():
         _same_format(items, idx, f"module {parent} (the engines quantize a layer's experts all-or-nothing)", opts)
     index = {it.name: i for i, it in enumerate(items)}

@@ -232,22 +232,23 @@ def _check_row_ranges(man: dict, rep: Report) -> None:
     rep.check("fused modules: row ranges tile the fused tensors", problems)
 
 
-def _layer_kinds(man: dict) -> tuple[dict[str, str], dict[str, dict[str, list[str]]]]:
-    """Every layer an engine builds from the output (each linear module, each MoE layer's experts, each
-    engine packed module) -> the format written ('nvfp4', 'fp8-block' or 'keep'); and per engine its
-    packed modules {leaf name: member leaves}."""
-    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] not in ("copy",)}
+def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
+    """Every layer an engine builds from the output -> (the format written: 'nvfp4', 'fp8-block' or 'keep';
+    the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
+    packed module (by its own engines only); and per engine its packed modules {leaf name: member leaves}."""
+    both = ("vllm", "sglang")
+    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != "copy"}
     experts: dict[str, set[str]] = {}
     for name, kind in kinds.items():
         if ".experts." in name:
             experts.setdefault(name.rsplit(".", 2)[0], set()).add(kind)
-    layers = {k: v for k, v in kinds.items() if k.rsplit(".", 2)[0] not in experts}  # a MoE layer is one layer
-    layers.update({k: v.pop() for k, v in experts.items() if len(v) == 1})
-    packed: dict[str, dict[str, list[str]]] = {"vllm": {}, "sglang": {}}
+    layers = {k: (v, both) for k, v in kinds.items() if k.rsplit(".", 2)[0] not in experts}
+    layers.update({k: (v.pop(), both) for k, v in experts.items() if len(v) == 1})
+    packed: dict[str, dict[str, list[str]]] = {e: {} for e in both}
     for g in man.get("engine_groups", []):
         ks = {kinds.get(mod) for mod in g["members"]}
         if len(ks) == 1 and None not in ks and ".experts." not in g["name"]:
-            layers[g["name"]] = ks.pop()
+            layers[g["name"]] = (ks.pop(), tuple(g["engines"]))
         for e in g["engines"]:
             packed[e][g["name"].rsplit(".", 1)[1]] = [mod.rsplit(".", 1)[1] for mod in g["members"]]
     return layers, packed
@@ -262,9 +263,13 @@ def _check_engine_rules(man: dict, rep: Report) -> None:
     layers, packed = _layer_kinds(man)
     problems: list[str] = []
     quantized_layers = man.get("quantized_layers") or {}
-    for name, kind in sorted(layers.items()):
+    for name, (kind, built_by) in sorted(layers.items()):
         if method == "modelopt_mixed":
-            got = engines.mixed_algo(name, quantized_layers, packed["vllm"])
+            try:
+                got = engines.mixed_algo(name, quantized_layers, packed["vllm"])
+            except engines.MixedShards as e:
+                problems.append(f"vLLM: {e}")
+                continue
             want = {"keep": None, "fp8-block": "FP8_PB_WO"}.get(kind, "NVFP4")
             if kind == "nvfp4" and got == "W4A16_NVFP4":
                 want = got
@@ -272,12 +277,13 @@ def _check_engine_rules(man: dict, rep: Report) -> None:
                 problems.append(f"quantized_layers resolve {name} to {got}, but it is written {kind}")
             continue
         kept = kind == "keep"
-        for engine in ("vllm", "sglang"):
-            try:
-                got = (engines.vllm_is_skipped(name, ignore, packed["vllm"]) if engine == "vllm"
-                       else engines.sglang_is_excluded(name, ignore, prefix))
+        for engine in built_by:
+            try:  # both engines first ask is_layer_skipped (a packed layer through its shards)
+                got = engines.vllm_is_skipped(name, ignore, packed[engine])
+                if engine == "sglang":
+                    got = got or engines.sglang_is_excluded(name, ignore, prefix)
             except engines.MixedShards as e:
-                problems.append(f"vLLM: {e}")
+                problems.append(f"{engine}: {e}")
                 continue
             if got != kept:
                 problems.append(f"{engine} would {'skip' if got else 'quantize'} {name}, which is written {kind}")

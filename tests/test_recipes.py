@@ -86,11 +86,15 @@ def test_condition_that_contradicts_the_tensors_fails_naming_the_group(tiny_k3, 
         load_plan(ck, Options(recipe="nvfp4-w4a16"))
 
 
-def test_kv_a_proj_with_mqa_is_a_linear_layer_and_quantized(tiny_k3):
-    for recipe, kind in (("nvfp4-w4a16", "nvfp4"), ("nvidia-k3", "fp8-block")):
-        _, plan = load_plan(tiny_k3, Options(recipe=recipe))
+def test_kv_a_proj_with_mqa_is_a_linear_layer(tiny_k3, tiny_kl):
+    """Not a ``*_proj`` name, but a linear layer: quantized as the recipe says, or named in the exclude list."""
+    for ckpt, recipe, kind in ((tiny_k3, "nvidia-k3", "fp8-block"), (tiny_kl, "nvfp4-w4a16", "nvfp4"),
+                               (tiny_k3, "nvfp4-w4a16", "keep")):
+        _, plan = load_plan(ckpt, Options(recipe=recipe))
         kv = [it for it in plan.items if it.name.endswith("kv_a_proj_with_mqa")]
         assert kv and all(it.kind == kind for it in kv), recipe
+        if kind == "keep":
+            assert all(it.name in plan.exclude_modules for it in kv)
 
 
 @pytest.mark.parametrize("out", OUTPUTS)
@@ -134,12 +138,29 @@ def test_every_engine_packed_module_shares_one_global_scale(out, request):
     assert checked
 
 
-def test_engine_groups_union_both_engines(k3_w4a16):
-    man = json.loads((k3_w4a16 / "manifest.json").read_text())
-    g = next(x for x in man["engine_groups"] if x["name"].endswith("layers.0.self_attn.in_proj_qkvgfab"))
-    assert [m.rsplit(".", 1)[1] for m in g["members"]] == ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj",
-                                                           "b_proj"]
-    assert "fused_qkvg_proj" in g["shared_scale"] and "in_proj_qkvgfab" in g["shared_scale"]
+def test_engine_groups_union_both_engines(kl_w4a16):
+    man = json.loads((kl_w4a16 / "manifest.json").read_text())
+    g = next(x for x in man["engine_groups"] if x["name"] == "model.layers.0.self_attn.in_proj_qkvgfab")
+    assert [m.rsplit(".", 1)[1] for m in g["members"]] == ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"]
+    assert g["engines"] == ["vllm"] and "qkv_proj" in g["shared_scale"] and "in_proj_qkvgfab" in g["shared_scale"]
+    sg = next(x for x in man["engine_groups"] if x["name"] == "model.layers.0.self_attn.qkv_proj")
+    assert sg["engines"] == ["sglang"] and sg["shared_scale"] == g["shared_scale"]
+
+
+def test_formats_an_engine_cannot_load_are_kept_with_their_packed_modules(tiny_k3):
+    """SGLang's K3 reads raw f_a/b/f_b weights (tiny GEMM) and copies q_a/kv_a row-wise: NVFP4 there is
+    kept in BF16, and vLLM's in_proj_qkvgfab / fused_qkv_a_g_proj members follow (one format each)."""
+    _, plan = load_plan(tiny_k3, Options(recipe="nvfp4-w4a16"))
+    kinds = {it.name.split("self_attn.")[1]: (it.kind, it.rule) for it in plan.items
+             if ".layers.0.self_attn." in it.name or ".layers.3.self_attn." in it.name}
+    for leaf in ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj", "f_b_proj", "q_a_proj",
+                 "kv_a_proj_with_mqa"):
+        kind, rule = kinds[leaf]
+        assert kind == "keep" and rule.startswith("kept for the engines: "), leaf
+    assert "in_proj_qkvgfab" in kinds["q_proj"][1] and "_merge_bfa_weights" in kinds["q_proj"][1]
+    assert kinds["o_proj"][0] == "nvfp4" and kinds["q_b_proj"][0] == "nvfp4" and kinds["kv_b_proj"][0] == "nvfp4"
+    _, nv = load_plan(tiny_k3, Options(recipe="nvidia-k3"))  # block FP8 is loadable there: nothing kept
+    assert all(it.kind == "fp8-block" for it in nv.items if it.name.endswith(("f_a_proj", "b_proj", "q_a_proj")))
 
 
 @pytest.mark.parametrize("out", OUTPUTS)
@@ -223,13 +244,13 @@ def test_nvidia_cast_counts_lossless_blocks_and_out_of_window_costs_one_block(k3
     assert len(lossy) == 1 and lossy[0]["blocks"] - lossy[0]["lossless_blocks"] == 1
 
 
-def test_weight_only_recipe_matches_modelopt_on_joint_amax(k3_w4a16, tiny_k3):
+def test_weight_only_recipe_matches_modelopt_on_joint_amax(kl_w4a16, tiny_kl):
     pytest.importorskip("modelopt.torch.quantization.qtensor", exc_type=ImportError)
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
-    man = json.loads((k3_w4a16 / "manifest.json").read_text())
-    src, got = tensors(tiny_k3), tensors(k3_w4a16)
-    g = next(x for x in man["engine_groups"] if x["name"].endswith("layers.0.self_attn.in_proj_qkvgfab"))
+    man = json.loads((kl_w4a16 / "manifest.json").read_text())
+    src, got = tensors(tiny_kl), tensors(kl_w4a16)
+    g = next(x for x in man["engine_groups"] if x["name"] == "model.layers.0.self_attn.in_proj_qkvgfab")
     ws = [src[f"{m}.weight"] for m in g["members"]]
     s2 = torch.stack([w.abs().amax().float() for w in ws]).amax() / (6 * 448)
     for m, w in zip(g["members"], ws, strict=True):

@@ -128,6 +128,7 @@ class Report:
     skipped: list[dict] = field(default_factory=list)
     bad_casts: list[dict] = field(default_factory=list)
     widening_casts: list[dict] = field(default_factory=list)
+    source_casts: list[dict] = field(default_factory=list)  # narrowing of tensors copied unchanged from the input
     created_during_load: list[str] = field(default_factory=list)
     buffers_never_written: list[str] = field(default_factory=list)
     stored: dict = field(default_factory=dict)
@@ -158,6 +159,8 @@ class Report:
         if self.ok:
             extra = f"; {len(self.allowed_unfilled)} engine-optional parameter(s) left unset" \
                 if self.allowed_unfilled else ""
+            if self.source_casts:
+                extra += f"; {len(self.source_casts)} input tensor(s) narrowed as the engine reads the input itself"
             return (f"{head}: {where} loads as {arch}: all {self.params} parameters filled from {self.offered} "
                     f"tensors, none skipped, no bad cast{extra}")
         parts = []
@@ -235,7 +238,23 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
             setattr(rep, k, d[k])
     rep.version = d.get("version") or rep.version
     rep.loaded = d.get("error") is None and d.get("phase") == "done"
+    _separate_source_casts(rep, out)
     return rep
+
+
+def _separate_source_casts(rep: Report, out: Path) -> None:
+    """A float narrowed on load (fp32 ``o_norm`` into a bf16 parameter, say) is the engine's reading of
+    the input checkpoint itself when the output holds that tensor byte for byte as the input does (the
+    manifest says so): listed as a source cast, not a conversion defect. Reinterpretations always fail."""
+    try:
+        man = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return
+    unchanged = {t["name"] for m in man.get("modules", []) if m.get("kind") in ("copy", "keep")
+                 and all(s.get("encoding") == "dense" for s in m.get("sources", [])) and m.get("op") == "none"
+                 for t in m.get("tensors", [])}
+    rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c.get("tensor") in unchanged]
+    rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
 
 
 def main(argv: list[str] | None = None) -> int:

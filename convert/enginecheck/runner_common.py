@@ -234,11 +234,12 @@ class Tracker:
                 sent = sent & ~wv.all(-1)
         return int(sent.sum())
 
-    def result(self, model: torch.nn.Module, optional: list[tuple[str, str]]) -> dict:
-        """``optional``: (regex, why) pairs naming parameters the engine legitimately leaves unwritten."""
+    def result(self, model: torch.nn.Module, optional: list[tuple]) -> dict:
+        """``optional``: (regex, why) or (regex, why, count) naming parameters the engine legitimately
+        leaves unwritten (with a count: exactly that many elements, e.g. a module's padding rows)."""
         import re
 
-        opt = [(re.compile(rx), why) for rx, why in optional]
+        opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
         unfilled, allowed = [], []
         now = dict(model.named_parameters())
         for name, p in self.params.items():
@@ -248,7 +249,7 @@ class Tracker:
                 continue
             entry = {"param": name, "dtype": str(cur.dtype).replace("torch.", ""), "shape": list(cur.shape),
                      "unfilled": n, "numel": cur.numel()}
-            why = next((w for rx, w in opt if rx.search(name)), None)
+            why = next((w for rx, w, count in opt if rx.search(name) and count in (None, n)), None)
             if why:
                 allowed.append({**entry, "why": why})
             else:

@@ -41,7 +41,11 @@ def optional_for(model) -> list[tuple[str, str]]:
     out = []
     for name, module in model.named_modules():
         qm = getattr(module, "quant_method", None)
-        if getattr(qm, "quant_mode", None) == "w4a16" and hasattr(module, "input_scale"):
+        if type(qm).__name__ == "ModelOptNvFp4A16LinearMethod" and hasattr(module, "input_scale"):
+            out.append((rf"^{re.escape(name)}\.input_scale$",
+                        "weight-only (W4A16_NVFP4) linear: SGLang's ModelOptNvFp4A16LinearMethod registers input_scale "
+                        "only for fused-loader compatibility and deletes it after loading"))
+        elif getattr(qm, "quant_mode", None) == "w4a16" and hasattr(module, "input_scale"):
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16) NVFP4 linear: SGLang's ModelOptFp4LinearMethod reads input_scale only "
                         "in quant_mode w4a4; w4a16 builds its GEMM alpha from weight_scale_2 alone"))

@@ -39,6 +39,16 @@ def optional_for(model) -> list[tuple[str, str]]:
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16) NVFP4 layer: vLLM's _DropInputScale registers input_scale only to accept "
                         "older checkpoints that carry one, and deletes it after loading"))
+        pad = getattr(module, "in_proj_padding", 0)
+        proj = getattr(module, "in_proj_qkvgfab", None)
+        if pad and proj is not None:
+            why = (f"alignment padding of {name}.in_proj_qkvgfab ({pad} rows, kda.py in_proj_padding): no checkpoint "
+                   "shard maps there; vLLM zeroes the padding weight rows after loading and never reads their scales")
+            for pname, p in proj.named_parameters():
+                if pname == "weight_scale" and p.dim() == 2:
+                    out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.weight_scale$", why, pad * p.shape[1]))
+                elif pname in ("weight_scale_2", "input_scale") and p.dim() == 1:
+                    out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.{pname}$", why, 1))
     return out
 
 
