@@ -105,18 +105,23 @@ def _cast_mxfp4(items: list[Item], reader: TensorSource, res: UnitResult) -> Non
 
 
 def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: Backend, res: UnitResult) -> None:
-    """128x128 block FP8 of a 2-D weight (an MXFP4 or FP8 source is decoded to BF16 first)."""
-    (src,) = it.sources
-    w = decode(src, reader, block, backend)
-    if src.encoding != "dense":
-        w = w.to(torch.bfloat16)
-    if not bool(torch.isfinite(backend.amax(w))):
-        raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
-    q, scale = fp8_block.quantize(w)
-    res.outputs[it.outputs[0].name] = Output([as_bytes(q)])
-    res.outputs[it.outputs[1].name] = Output([as_bytes(scale)])
-    res.notes[it.name] = {"source_encoding": src.encoding, "method": "fp8-block",
-                          "zero_tiles": int((scale == 0).sum())}
+    """128x128 block FP8 of a 2-D weight (an MXFP4 or FP8 source is decoded to BF16 first). A module fused
+    on disk is its members' quantizations stacked row-wise (the plan keeps their boundaries on tiles), so
+    its bytes are those the engine's per-shard loader would assemble."""
+    qs, scales, zero = [], [], 0
+    for src in it.sources:
+        w = decode(src, reader, block, backend)
+        if src.encoding != "dense":
+            w = w.to(torch.bfloat16)
+        if not bool(torch.isfinite(backend.amax(w))):
+            raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+        q, scale = fp8_block.quantize(w)
+        qs.append(as_bytes(q))
+        scales.append(as_bytes(scale))
+        zero += int((scale == 0).sum())
+    res.outputs[it.outputs[0].name] = Output(qs)
+    res.outputs[it.outputs[1].name] = Output(scales)
+    res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "fp8-block", "zero_tiles": zero}
 
 
 def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, res: UnitResult) -> None:

@@ -95,6 +95,7 @@ class Mapping:
     groups: tuple[Group, ...]
     expert_sets: tuple[str, ...]  # parents whose children the engine quantizes all-or-nothing
     config_defaults: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
 
@@ -165,7 +166,7 @@ class Mapping:
 
 TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
             "linear", "not_linear", "config_defaults", "layer_types", "keep", "restrict", "exclude", "group",
-            "scale_group"}
+            "scale_group", "layout"}
 GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
               "unquantized_only", "on_disk"}
 
@@ -219,6 +220,18 @@ def _restricts(items: object, where: str) -> tuple[Restrict, ...]:
         _known(r, {"pattern", "formats", "reason"}, w)
         out.append(Restrict(_req(r, "pattern", str, w), _strs(r, "formats", w), r.get("reason", "")))
     return tuple(out)
+
+
+def _layouts(table: object, where: str) -> dict[str, tuple[tuple[str, ...], str]]:
+    if not isinstance(table, dict):
+        raise ConvertError(f"{where}: must be a table of layouts")
+    out = {}
+    for name, lt in table.items():
+        if name not in ENGINES or not isinstance(lt, dict):
+            raise ConvertError(f"{where}.{name}: a layout is named after an engine ({', '.join(ENGINES)})")
+        _known(lt, {"formats", "reason"}, f"{where}.{name}")
+        out[name] = (_strs(lt, "formats", f"{where}.{name}"), str(lt.get("reason", "")))
+    return out
 
 
 def _group(g: object, where: str) -> Group:
@@ -307,6 +320,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         groups=groups,
         expert_sets=_strs(t, "expert_sets", path),
         config_defaults=dict(t.get("config_defaults", {})),
+        layouts=_layouts(t.get("layout", {}), f"{path}: layout"),
         source=text,
         path=path,
     )

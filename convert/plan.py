@@ -369,6 +369,28 @@ def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
             and (g.enabled or g.name in opts.fuse) and g.name not in opts.no_fuse]
 
 
+def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> list[Fused]:
+    """Only the fused modules the layout's engine loads fused on disk in the format decided for them (the
+    mapping's [layout.ENGINE] formats, found with verify-manifest --engine); the others stay unfused."""
+    allowed = ctx.m.layouts.get(ctx.opts.layout)
+    if allowed is None:
+        return disk
+    probe = _Context(ctx.m, ctx.recipe, ctx.opts, ctx.patterns, defaultdict(int), ctx.expert_rx)
+    out, said = [], set()
+    for f in disk:
+        try:
+            kind = _decide(f.name, list(f.members), f.group, probe).kind
+        except ConvertError:
+            out.append(f)  # the real decision below says what is wrong
+            continue
+        if kind in allowed[0]:
+            out.append(f)
+        elif (f.group.name, kind) not in said:
+            said.add((f.group.name, kind))
+            notes.append(f"{f.group.name} ({kind}) written unfused with --layout {ctx.opts.layout}: {allowed[1]}")
+    return out
+
+
 def _engine_groups(m: Mapping) -> dict[str, list[Group]]:
     """Per engine, the packed modules it builds for a quantized model."""
     return {e: [g for g in m.groups if e in g.engines and not g.unquantized_only] for e in ENGINES}
@@ -501,6 +523,9 @@ def _weight_item(name: str, srcs: list[Source], op: str, group: Group | None, sh
         if shape[1] % FP8_BLOCK:
             raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
                                f"(the engines refuse it); exclude it (--exclude '{name}')")
+        if any(s.shape[0] % FP8_BLOCK for s in srcs[:-1]):
+            raise ConvertError(f"{where}: block FP8 fused on disk needs every member but the last to have a multiple "
+                               f"of {FP8_BLOCK} rows (tiles must not straddle members); use --layout source")
     dtype = "BF16" if srcs[0].encoding != "dense" else srcs[0].dtype
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale)
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
@@ -807,7 +832,8 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     notes: list[str] = []
     modules = discover_sources(ckpt)
     resolve_fusions(modules, m, ckpt.config, list(m.groups))  # any group the config says applies must be whole
-    disk = resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes)
+    disk = _loadable_on_disk(resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes),
+                             ctx, notes)
     fused_on_disk = {mod for f in disk for mod in f.members}
     fusions = [f for e, gs in _engine_groups(m).items()
                for f in resolve_fusions(modules, m, ckpt.config, gs, e, notes)
