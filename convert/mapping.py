@@ -46,7 +46,7 @@ class Group:
     layer_type: str | None = None
     when: tuple[tuple[str, object], ...] = ()
     quantize: bool = True  # False: engines build it as a linear layer, but it is never NVFP4
-    reason: str = ""  # why quantize is False
+    reason: str = ""  # why quantize (or on_disk) is False
     enabled: bool = True  # False: fused on disk only with --fuse NAME
     engines: tuple[str, ...] = ENGINES  # the engines that build this packed module
     unquantized_only: bool = False  # the engine builds it only for an unquantized model

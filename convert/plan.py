@@ -25,7 +25,7 @@ from .source import DTYPES, Checkpoint, TensorInfo
 GROUP_SIZE = 16
 MXFP4_GROUP = 32
 DEFAULT_MAX_SHARD = 5 * 1000**3
-LAYOUTS = ("source", "sglang")
+LAYOUTS = ("source", "sglang", "vllm")
 NVFP4, FP8, KEEP, COPY = Format.NVFP4.value, Format.FP8_BLOCK.value, Format.KEEP.value, "copy"
 QUANTIZED = (NVFP4, FP8)
 KEPT_FOR_ENGINE = "kept for the engines: "
@@ -369,13 +369,26 @@ def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
             and (g.enabled or g.name in opts.fuse) and g.name not in opts.no_fuse]
 
 
+def _not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[str]:
+    """Why a packed module of the layout's engine present in this checkpoint is still written unfused."""
+    if opts.layout == "source":
+        return []
+    out = {}
+    for f in fusions:
+        g = f.group
+        if f.engine == opts.layout and (not g.on_disk or g.unquantized_only) and g.name not in out:
+            why = g.reason if not g.on_disk else "built only for an unquantized model"
+            out[g.name] = f"{g.name} written unfused with --layout {opts.layout}: {why or 'not fused on disk'}"
+    return list(out.values())
+
+
 def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> list[Fused]:
     """Only the fused modules the layout's engine loads fused on disk in the format decided for them (the
     mapping's [layout.ENGINE] formats, found with verify-manifest --engine); the others stay unfused."""
     allowed = ctx.m.layouts.get(ctx.opts.layout)
     if allowed is None:
         return disk
-    probe = _Context(ctx.m, ctx.recipe, ctx.opts, ctx.patterns, defaultdict(int), ctx.expert_rx)
+    probe = _Context(ctx.m, ctx.recipe, ctx.opts, ctx.patterns, defaultdict(int), ctx.expert_rx, ctx.modules)
     out, said = [], set()
     for f in disk:
         try:
@@ -383,11 +396,17 @@ def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> lis
         except ConvertError:
             out.append(f)  # the real decision below says what is wrong
             continue
-        if kind in allowed[0]:
+        rows = [ctx.modules[mod]["weight"].shape[0] for mod in f.members]
+        why = None
+        if kind not in allowed[0]:
+            why = allowed[1]
+        elif kind == FP8 and any(n % FP8_BLOCK for n in rows[:-1]):
+            why = f"block FP8 tiles would straddle its members (rows {rows}, tiles of {FP8_BLOCK})"
+        if why is None:
             out.append(f)
         elif (f.group.name, kind) not in said:
             said.add((f.group.name, kind))
-            notes.append(f"{f.group.name} ({kind}) written unfused with --layout {ctx.opts.layout}: {allowed[1]}")
+            notes.append(f"{f.group.name} ({kind}) written unfused with --layout {ctx.opts.layout}: {why}")
     return out
 
 
@@ -440,6 +459,7 @@ class _Context:
     patterns: list[rules.Pattern]
     used: dict[rules.Pattern, int]
     expert_rx: list[re.Pattern[str]]
+    modules: dict[str, dict[str, Source]] = field(default_factory=dict)
 
     def is_expert(self, module: str) -> bool:
         return any(rx.fullmatch(self.m.strip(module)) for rx in self.expert_rx)
@@ -831,6 +851,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     ctx = _Context(m, recipe, opts, patterns, defaultdict(int), _expert_regexes(m))
     notes: list[str] = []
     modules = discover_sources(ckpt)
+    ctx.modules = modules
     resolve_fusions(modules, m, ckpt.config, list(m.groups))  # any group the config says applies must be whole
     disk = _loadable_on_disk(resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes),
                              ctx, notes)
@@ -838,6 +859,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     fusions = [f for e, gs in _engine_groups(m).items()
                for f in resolve_fusions(modules, m, ckpt.config, gs, e, notes)
                if fused_on_disk.isdisjoint(f.members)]
+    notes += _not_on_disk_notes(m, opts, fusions)
     items = build_items(ckpt, modules, disk, ctx)
     _check_engine_layers(items, fusions, m, opts)
     units = _units(items, fusions, ckpt)

@@ -13,6 +13,7 @@ at others). Each check runs the engine in its own python (20-40 s on the CPU).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -63,15 +64,45 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+# Every recipe and layout of each model: (model, recipe, layout, the engines that read that layout).
+OUTPUTS = {
+    "k3": ("k3", None, "source", ENGINES),  # the defaults: nvidia-k3, source names
+    "k3-w4a16": ("k3", "nvfp4-w4a16", "source", ENGINES),
+    "kl": ("kl", None, "source", ENGINES),  # nvfp4-w4a16
+    "k3-sglang": ("k3", None, "sglang", ("sglang",)),
+    "k3-w4a16-sglang": ("k3", "nvfp4-w4a16", "sglang", ("sglang",)),
+    "kl-sglang": ("kl", None, "sglang", ("sglang",)),
+    "k3-vllm": ("k3", None, "vllm", ("vllm",)),
+    "k3-w4a16-vllm": ("k3", "nvfp4-w4a16", "vllm", ("vllm",)),
+    "kl-vllm": ("kl", None, "vllm", ("vllm",)),
+}
+
+
 @pytest.fixture(scope="module")
 def outputs(inputs, tmp_path_factory) -> dict[str, Path | str]:
-    """The default pack of each input; a pack that fails is recorded as its error line."""
+    """The pack of each input with each recipe and layout; a pack that fails is recorded as its error line."""
     root = tmp_path_factory.mktemp("engine-outputs")
     out: dict[str, Path | str] = {}
-    for key, src in inputs.items():
-        r = cli("pack", src, root / key, "-q", "--device", "cpu")
+    for key, (model, recipe, layout, _) in OUTPUTS.items():
+        extra = (["--recipe", recipe] if recipe else []) + ["--layout", layout]
+        r = cli("pack", inputs[model], root / key, "-q", "--device", "cpu", *extra)
         out[key] = root / key if r.returncode == 0 else (r.stderr.strip().splitlines() or ["pack failed"])[-1]
     return out
+
+
+def record(engine: str, key: str, folder: Path, rep: dict) -> None:
+    """Append the row of the README's compatibility table (scripts/compat_table.py renders it) when
+    KIMI_CONVERT_COMPAT_OUT names a file."""
+    path = os.environ.get("KIMI_CONVERT_COMPAT_OUT")
+    if not path:
+        return
+    man = json.loads((folder / "manifest.json").read_text())
+    row = {"engine": engine, "version": rep.get("version"), "model": MODELS[OUTPUTS[key][0]],
+           "recipe": man["recipe"]["name"], "layout": man["options"]["layout"], "loads": rep.get("error") is None,
+           "filled": not rep["unfilled"], "skipped": len(rep["skipped"]), "bad_casts": len(rep["bad_casts"]),
+           "optional_unset": len(rep.get("allowed_unfilled", [])), "ok": rep["ok"]}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def engine_check(folder: Path, engine: str) -> tuple[int, dict]:
@@ -144,16 +175,49 @@ def test_synthetic_input_loads(engine, model, inputs):
     assert rep["ok"] and rc == 0, describe(rep)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("engine", ENGINE_PARAMS)
-def test_default_output_loads(engine, model, outputs):
-    """The issue's bar: loads, every parameter filled, no skipped tensor, no bad cast."""
-    out = outputs[model]
+OUTPUT_PARAMS = [pytest.param(key, engine.values[0], marks=engine.marks, id=f"{key}-{engine.id}")
+                 for key, (*_, readers) in OUTPUTS.items() for engine in ENGINE_PARAMS if engine.id in readers]
+
+
+@pytest.mark.parametrize(("key", "engine"), OUTPUT_PARAMS)
+def test_output_loads(key, engine, outputs):
+    """The issue's bar, for every recipe and layout: loads, every parameter filled, no skipped tensor, no
+    bad cast (engine-optional parameters excepted, each named by the runner)."""
+    out = outputs[key]
     assert isinstance(out, Path), f"pack failed: {out}"
     rc, rep = engine_check(out, engine)
+    record(engine, key, out, rep)
     assert rep["ok"], describe(rep)
     assert not rep["unfilled"] and not rep["skipped"] and not rep["bad_casts"] and rep["error"] is None
     assert rc == 0
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_sglang_layout_is_sglangs_fused_names(engine, outputs):
+    """--layout sglang writes SGLang's fused modules where its loader takes them (BF16, block FP8) and
+    leaves NVFP4 packed modules unfused (SGLang would fill one weight_scale_2 slot of several)."""
+    if engine != "sglang":
+        pytest.skip("the sglang layout is for SGLang")
+    names = json.loads((outputs["k3-sglang"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.endswith("self_attn.fused_qkvg_proj.weight") for n in names)
+    assert any(n.endswith("self_attn.qkv_conv1d.weight") for n in names)
+    kl = json.loads((outputs["kl-sglang"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.endswith("self_attn.qkv_conv1d.weight") for n in kl)
+    assert not any(n.endswith(("qkv_proj.weight", "gate_up_proj.weight")) for n in kl)  # NVFP4: unfused
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_vllm_layout_is_vllms_fused_names(engine, outputs):
+    """--layout vllm writes vLLM's packed modules fused where its loader takes them: Kimi Linear's
+    in_proj_qkvgfab and gate_up_proj (NVFP4, one scale into every slot); not K3's padded in_proj_qkvgfab."""
+    if engine != "vllm":
+        pytest.skip("the vllm layout is for vLLM")
+    kl = json.loads((outputs["kl-vllm"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.endswith("self_attn.in_proj_qkvgfab.weight_scale_2") for n in kl)
+    assert any(n.endswith("mlp.gate_up_proj.weight") for n in kl)
+    k3 = json.loads((outputs["k3-vllm"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any("in_proj_qkvgfab" in n for n in k3) and not any(n.endswith("conv1d.weight") and ".conv1d" in n
+                                                                    for n in k3)
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
