@@ -1,4 +1,4 @@
-"""How serving engines read an exclude list, re-implemented from shared/reference/nvfp4.md.
+"""How serving engines read an exclude list, re-implemented from docs/nvfp4.md and docs/engines.md.
 
 Used to prove that the exclude list pack writes selects exactly the kept modules under every
 engine's rules (tests, and later verify-manifest), so no engine quantizes a kept module or skips a

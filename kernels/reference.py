@@ -1,7 +1,7 @@
 """The reference NVFP4 quantizer: ModelOpt's ``NVFP4QTensor`` dynamic weight path, step by step.
 
 Every other path (the fast CPU kernel, the Triton kernel) must produce the same bytes as this one;
-the tests hold them to it. The steps and their rounding are those of shared/reference/nvfp4.md:
+the tests hold them to it. The steps and their rounding are those of docs/nvfp4.md:
 
 1. ``s2 = fp32(amax|W|) / 2688`` (true IEEE division);
 2. ``sb = block_amax / (6 * s2)``; ``sb == 0 -> 1``; clamp to [2^-9, 448]; round to e4m3 (RNE);

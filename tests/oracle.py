@@ -1,4 +1,4 @@
-"""An independent re-implementation of shared/reference/nvfp4.md in numpy, for the tests.
+"""An independent re-implementation of docs/nvfp4.md in numpy, for the tests.
 
 It shares no code with kimi_convert: e4m3 and E2M1 rounding are done by searching the tables of
 representable values (nearest, ties to the even code), not by casts or comparison chains.
