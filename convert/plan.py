@@ -376,7 +376,8 @@ def _not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[
     out = {}
     for f in fusions:
         g = f.group
-        if f.engine == opts.layout and (not g.on_disk or g.unquantized_only) and g.name not in out:
+        if f.engine == opts.layout and (not g.on_disk or g.unquantized_only) and g.name not in out \
+                and (g.reason or g.unquantized_only):
             why = g.reason if not g.on_disk else "built only for an unquantized model"
             out[g.name] = f"{g.name} written unfused with --layout {opts.layout}: {why or 'not fused on disk'}"
     return list(out.values())

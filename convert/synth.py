@@ -135,12 +135,15 @@ class Preset:
 # Both Kimi presets keep the release's MLA head dims (nope 128, rope 64, v 128): vLLM's MLA prefill
 # backend selection accepts no other (v1/attention/backends/mla/prefill/flash_attn.py:313-330).
 PRESETS: dict[str, Preset] = {
+    # moe_inter 128 / latent 256 (< hidden 384, as the release's 3584 < 7168): the engines' MXFP4 MoE
+    # backends pad smaller expert sizes (vLLM's TRTLLM backend to 128/256, SGLang's _load_w13 refuses 64),
+    # so below these the engines cannot load the input.
     "tiny-k3": Preset(
-        "kimi_k3", hidden=128, layers=4, kda_heads=2, kda_head_dim=128, conv=4, mla_heads=2, q_lora=128,
-        kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=64, latent=64, shared=1,
+        "kimi_k3", hidden=384, layers=4, kda_heads=2, kda_head_dim=128, conv=4, mla_heads=2, q_lora=128,
+        kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=128, latent=256, shared=1,
         dense_inter=256, first_dense=1, vocab=1000, vision_hidden=64, vision_blocks=2, vision_heads=2,
         vision_qkv=128, vision_inter=128, vision_pos=8, attn_res_block=2, mxfp4_experts=True,
-        full_rank_gate=True, description="Kimi K3 layout, hidden 128, 4 layers, 8 MXFP4 experts (~3 MB)",
+        full_rank_gate=True, description="Kimi K3 layout, hidden 384, 4 layers, 8 MXFP4 experts (~10 MB)",
     ),
     "tiny-kimi-linear": Preset(
         "kimi_linear", hidden=128, layers=4, kda_heads=4, kda_head_dim=32, conv=4, mla_heads=4, q_lora=0,

@@ -42,9 +42,9 @@ def packed_ds(tiny_ds, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def packed_k3(tiny_k3, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("out") / "k3"
-    # weight-only NVFP4 in SGLang's fused layout: every quantized byte is checked against tests/oracle.py
-    # (NVIDIA's recipe, the K3 default, is checked against Model Optimizer in test_recipes.py)
-    pack(tiny_k3, out, Options(max_shard_size=400_000, recipe="nvfp4-w4a16", layout="sglang"), device="cpu",
+    # weight-only NVFP4 in vLLM's fused layout (NVFP4 fused on disk: gate_up_proj): every quantized byte is
+    # checked against tests/oracle.py (NVIDIA's recipe, the K3 default, against Model Optimizer in test_recipes.py)
+    pack(tiny_k3, out, Options(max_shard_size=1_000_000, recipe="nvfp4-w4a16", layout="vllm"), device="cpu",
          progress=False)
     return out
 

@@ -109,7 +109,7 @@ def test_every_output_tensor_against_its_sources(which, request):
                 want = np.concatenate([source_values(s, inp) for s in srcs])
                 assert t.dtype == torch.bfloat16
                 np.testing.assert_array_equal(t.float().numpy(), want)
-    assert n_nvfp4 >= 20
+    assert n_nvfp4 >= 10
     if which == "ds":  # FP8 scales are consumed, never copied
         assert not [k for k in out if k.endswith("weight_scale_inv")]
         # every FP8 weight is re-quantized, and kv_a_proj_with_mqa (bf16 here) is found as a linear layer by shape
@@ -174,7 +174,7 @@ def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):
         if m["kind"] == "keep":
             assert m["rule"]
     assert fused > 0
-    assert man["options"]["max_shard_size"] == 400_000 and man["recipe"]["name"] == "nvfp4-w4a16"
+    assert man["options"]["max_shard_size"] == 1_000_000 and man["recipe"]["name"] == "nvfp4-w4a16"
 
 
 def test_index_config_and_side_files(tiny_k3, packed_k3):
@@ -187,7 +187,7 @@ def test_index_config_and_side_files(tiny_k3, packed_k3):
             for k in h.keys():  # noqa: SIM118
                 t = h.get_tensor(k)
                 total += t.numel() * t.element_size()
-        assert (packed_k3 / f).stat().st_size <= 400_000 + 100_000
+        assert (packed_k3 / f).stat().st_size <= 1_000_000 + 100_000
         head = (packed_k3 / f).read_bytes()[:8]
         assert (8 + struct.unpack("<Q", head)[0]) % 16 == 0  # data starts 16-byte aligned
     assert index["metadata"]["total_size"] == total

@@ -24,19 +24,24 @@ def by_name(plan):
 
 
 def test_k3_plan_has_each_group_that_applies(tiny_k3):
-    p = plan_of(tiny_k3)
-    groups = {it.group for it in p.items if it.group}
-    assert {"fused_qkvg_proj", "qkv_conv1d", "gate_up_proj"} <= groups
-    # K3 has the full-rank gate: the low-rank groups do not apply, and nothing else was fused.
-    assert groups == {"fused_qkvg_proj", "qkv_conv1d", "gate_up_proj"}
+    # vLLM's layout: its packed modules fused where its loader takes them
+    p = plan_of(tiny_k3, layout="vllm")
+    assert {it.group for it in p.items if it.group} == {"gate_up_proj", "fused_qkv_a_g_proj"}
     items = by_name(p)
-    f = items["language_model.model.layers.0.self_attn.fused_qkvg_proj"]
-    assert [s.module.rsplit(".", 1)[1] for s in f.sources] == ["q_proj", "k_proj", "v_proj", "g_proj"]
-    assert f.op == "cat" and f.kind == "nvfp4"
-    p_ = f.sources[0].shape[0]  # P = num_heads * head_dim
-    assert f.row_ranges() == [(0, p_), (p_, 2 * p_), (2 * p_, 3 * p_), (3 * p_, 4 * p_)]
-    # shared experts fuse too
+    f = items["language_model.model.layers.0.mlp.gate_up_proj"]
+    assert [s.module.rsplit(".", 1)[1] for s in f.sources] == ["gate_proj", "up_proj"]
+    n = f.sources[0].shape[0]
+    assert f.op == "cat" and f.kind == "nvfp4" and f.row_ranges() == [(0, n), (n, 2 * n)]
     assert items["language_model.model.layers.1.block_sparse_moe.shared_experts.gate_up_proj"].kind == "nvfp4"
+    assert any(n.startswith("in_proj_qkvgfab written unfused") for n in p.notes)  # K3's is padded
+    assert any(n.startswith("conv1d written unfused") for n in p.notes)
+    # SGLang's layout, with the KDA projections kept BF16 (fused on disk) by excluding them
+    p = plan_of(tiny_k3, exclude=("*.self_attn.[qkvg]_proj", "*.self_attn.[fb]_*_proj", "*.self_attn.b_proj"))
+    f = by_name(p)["language_model.model.layers.0.self_attn.fused_qkvg_proj"]
+    assert [s.module.rsplit(".", 1)[1] for s in f.sources] == ["q_proj", "k_proj", "v_proj", "g_proj"]
+    p_ = f.sources[0].shape[0]  # P = num_heads * head_dim
+    assert f.kind == "keep" and f.row_ranges() == [(0, p_), (p_, 2 * p_), (2 * p_, 3 * p_), (3 * p_, 4 * p_)]
+    assert "language_model.model.layers.0.self_attn.qkv_conv1d" in by_name(p)
 
 
 def test_mla_q_proj_never_fused_with_kda(tiny_kl):
@@ -51,17 +56,17 @@ def test_mla_q_proj_never_fused_with_kda(tiny_kl):
 
 
 def test_kimi_linear_groups(tiny_kl):
-    """SGLang builds fused_qkvbfg_a_proj and fused_fg_b_proj only for an unquantized model: a quantized
-    Kimi Linear gets qkv_proj (and the rest unfused) on disk; vLLM's in_proj_qkvgfab shares their scale."""
+    """SGLang builds fused_qkvbfg_a_proj and fused_fg_b_proj only for an unquantized model, and cannot load
+    an NVFP4 module fused on disk: its layout fuses only the conv; vLLM's fuses in_proj_qkvgfab."""
     p = plan_of(tiny_kl)
     items = by_name(p)
-    assert "model.layers.0.self_attn.fused_qkvbfg_a_proj" not in items
-    assert "model.layers.0.self_attn.fused_fg_b_proj" not in items
-    a = items["model.layers.0.self_attn.qkv_proj"]
-    assert [s.module.rsplit(".", 1)[1] for s in a.sources] == ["q_proj", "k_proj", "v_proj"]
-    assert items["model.layers.0.self_attn.g_a_proj"].kind == "nvfp4"
-    unit = next(u for u in p.units if any(it.name == "model.layers.0.self_attn.b_proj" for it in u.items))
-    assert unit.shared_scale is None  # the vLLM group overlaps a module fused on disk: SGLang layout only
+    for name in ("fused_qkvbfg_a_proj", "fused_fg_b_proj", "qkv_proj"):
+        assert f"model.layers.0.self_attn.{name}" not in items
+    assert items["model.layers.0.self_attn.qkv_conv1d"].kind == "keep"
+    assert any(n.startswith("qkv_proj (nvfp4) written unfused with --layout sglang") for n in p.notes)
+    v = by_name(plan_of(tiny_kl, layout="vllm"))["model.layers.0.self_attn.in_proj_qkvgfab"]
+    assert [s.module.rsplit(".", 1)[1] for s in v.sources] == ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"]
+    assert v.kind == "nvfp4"
     src = plan_of(tiny_kl, layout="source")
     unit = next(u for u in src.units if any(it.name == "model.layers.0.self_attn.b_proj" for it in u.items))
     assert {it.name.rsplit(".", 1)[1] for it in unit.items} == {"q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"}
@@ -154,12 +159,12 @@ def test_missing_member_fails(tiny_k3, tmp_path):
         plan_of(ck)
 
 
-def test_unfusable_shapes_fail(tiny_k3, tmp_path):
-    ck = copy_ckpt(tiny_k3, tmp_path / "c")
-    name = "language_model.model.layers.0.self_attn.k_proj.weight"
+def test_unfusable_shapes_fail(tiny_kl, tmp_path):
+    ck = copy_ckpt(tiny_kl, tmp_path / "c")
+    name = "model.layers.0.self_attn.k_proj.weight"
     replace_tensor(ck, name, torch.zeros(128, 96, dtype=torch.bfloat16))
     with pytest.raises(ConvertError, match="cannot concatenate .*k_proj.weight \\[128, 96\\]"):
-        plan_of(ck)
+        plan_of(ck, layout="vllm")
 
 
 def test_k_not_multiple_of_16_fails(tiny_k3, tmp_path):
