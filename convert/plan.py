@@ -813,6 +813,8 @@ def aliases(name: str, on: bool) -> list[str]:
         if n.startswith("language_model.model."):
             rest = n[len("language_model.model."):]
             names.update({"model." + rest, rest})
+        elif n.startswith("language_model."):
+            names.add(n[len("language_model."):])
     return sorted(names)
 
 

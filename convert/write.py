@@ -210,6 +210,8 @@ def quantized_layers(plan: Plan) -> dict[str, dict]:
         name = it.name.rsplit(".", 2)[0] if any(rx.fullmatch(m.strip(it.name)) for rx in banks) else it.name
         entry[name] = _algo_entry(it.kind, it.input_scale)
     for g in plan.engine_groups:
+        if any(rx.fullmatch(m.strip(mod)) for mod in g.members for rx in banks):
+            continue  # a MoE layer's experts are named once, as their bank
         kinds = {kind_of.get(mod) for mod in g.members}
         if len(kinds) == 1 and None not in kinds:
             entry[g.name] = _algo_entry(*kinds.pop())
