@@ -196,7 +196,8 @@ def _strs(table: dict, key: str, where: str, default: tuple = ()) -> tuple[str, 
     return tuple(value)
 
 
-def _rules(items: object, where: str) -> tuple[Rule, ...]:
+def _tables(items: object, where: str, keys: set[str], build) -> tuple:
+    """An array of TOML tables, each checked for unknown keys and built by ``build(table, where)``."""
     if not isinstance(items, list):
         raise ConvertError(f"{where}: must be an array of tables")
     out = []
@@ -204,22 +205,19 @@ def _rules(items: object, where: str) -> tuple[Rule, ...]:
         w = f"{where}[{i}]"
         if not isinstance(r, dict):
             raise ConvertError(f"{w}: must be a table")
-        _known(r, {"pattern", "reason"}, w)
-        out.append(Rule(_req(r, "pattern", str, w), r.get("reason", "")))
+        _known(r, keys, w)
+        out.append(build(r, w))
     return tuple(out)
+
+
+def _rules(items: object, where: str) -> tuple[Rule, ...]:
+    return _tables(items, where, {"pattern", "reason"},
+                   lambda r, w: Rule(_req(r, "pattern", str, w), r.get("reason", "")))
 
 
 def _restricts(items: object, where: str) -> tuple[Restrict, ...]:
-    if not isinstance(items, list):
-        raise ConvertError(f"{where}: must be an array of tables")
-    out = []
-    for i, r in enumerate(items):
-        w = f"{where}[{i}]"
-        if not isinstance(r, dict):
-            raise ConvertError(f"{w}: must be a table")
-        _known(r, {"pattern", "formats", "reason"}, w)
-        out.append(Restrict(_req(r, "pattern", str, w), _strs(r, "formats", w), r.get("reason", "")))
-    return tuple(out)
+    return _tables(items, where, {"pattern", "formats", "reason"},
+                   lambda r, w: Restrict(_req(r, "pattern", str, w), _strs(r, "formats", w), r.get("reason", "")))
 
 
 def _layouts(table: object, where: str) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -326,13 +324,15 @@ def parse_mapping(text: str, path: str) -> Mapping:
     )
 
 
+def builtin_tables(folder: str, parse):
+    """Every ``*.toml`` shipped in ``kimi_convert.FOLDER``, parsed (mappings, recipes)."""
+    files = resources.files(f"kimi_convert.{folder}")
+    return [parse(f.read_text(encoding="utf-8"), f"{folder}/{f.name}")
+            for f in sorted(files.iterdir(), key=lambda f: f.name) if f.name.endswith(".toml")]
+
+
 def builtin_mappings() -> list[Mapping]:
-    folder = resources.files("kimi_convert.mappings")
-    return [
-        parse_mapping(f.read_text(encoding="utf-8"), f"mappings/{f.name}")
-        for f in sorted(folder.iterdir(), key=lambda f: f.name)
-        if f.name.endswith(".toml")
-    ]
+    return builtin_tables("mappings", parse_mapping)
 
 
 def load_mapping(path: str | Path) -> Mapping:

@@ -20,10 +20,10 @@ import tomllib
 from dataclasses import dataclass
 from enum import StrEnum
 from fnmatch import fnmatchcase
-from importlib import resources
 from pathlib import Path
 
 from .errors import ConvertError
+from .mapping import builtin_tables
 
 
 class Format(StrEnum):
@@ -152,12 +152,7 @@ def parse_recipe(text: str, path: str) -> Recipe:
 
 
 def builtin_recipes() -> list[Recipe]:
-    folder = resources.files("kimi_convert.recipes")
-    return [
-        parse_recipe(f.read_text(encoding="utf-8"), f"recipes/{f.name}")
-        for f in sorted(folder.iterdir(), key=lambda f: f.name)
-        if f.name.endswith(".toml")
-    ]
+    return builtin_tables("recipes", parse_recipe)
 
 
 def find_recipe(name_or_file: str | None, mapping_name: str) -> Recipe:

@@ -35,6 +35,12 @@ from torch.utils._pytree import tree_flatten
 
 _WIDE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+#: The GPU presented to the engines: Blackwell B200, compute capability 10.0 (sm_100), so they take the
+#: code paths a deployment takes.
+CAPABILITY = (10, 0)
+DEVICE_NAME = "NVIDIA B200"
+DEVICE_MEMORY = 192 * 1024**3
+
 
 def _is_8bit(dt: torch.dtype) -> bool:
     return torch.empty((), dtype=dt).element_size() == 1

@@ -20,11 +20,6 @@ import time
 import runner_common as rc
 import torch
 
-#: The GPU presented to the engine: Blackwell B200, compute capability 10.0 (sm_100).
-CAPABILITY = (10, 0)
-DEVICE_NAME = "NVIDIA B200"
-DEVICE_MEMORY = 192 * 1024**3
-
 #: Parameters SGLang legitimately leaves unwritten by a checkpoint (regex on the parameter name, why).
 OPTIONAL = [
     (r"\.(k|v|q)_scale$", "KV-cache quantization scale: SGLang uses 1.0 when a checkpoint has none"),
@@ -78,7 +73,7 @@ PATCHES = [
 
 
 def apply_patches(result: dict) -> None:
-    rc.patch_torch_cuda(CAPABILITY, DEVICE_NAME, DEVICE_MEMORY, available=True)
+    rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=True)
     result["patches"] = [name for name, _ in PATCHES]
 
 

@@ -20,11 +20,6 @@ import time
 import runner_common as rc
 import torch
 
-#: The GPU presented to the engine: Blackwell B200, compute capability 10.0 (sm_100).
-CAPABILITY = (10, 0)
-DEVICE_NAME = "NVIDIA B200"
-DEVICE_MEMORY = 192 * 1024**3
-
 #: Parameters vLLM legitimately leaves unwritten by a checkpoint (regex on the parameter name, why).
 OPTIONAL = [
     (r"\.(k|v|q|prob)_scale$", "KV-cache/attention quantization scale: vLLM sets 1.0 when a checkpoint has none"),
@@ -76,7 +71,7 @@ PATCHES = [
 
 
 def apply_patches(result: dict) -> None:
-    props = rc.patch_torch_cuda(CAPABILITY, DEVICE_NAME, DEVICE_MEMORY, available=False)
+    props = rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=False)
 
     import vllm.platforms as platforms
     from vllm.platforms.cuda import CudaPlatform
@@ -85,15 +80,15 @@ def apply_patches(result: dict) -> None:
     class PresentedBlackwell(CudaPlatform):
         @classmethod
         def get_device_capability(cls, device_id: int = 0):
-            return DeviceCapability(*CAPABILITY)
+            return DeviceCapability(*rc.CAPABILITY)
 
         @classmethod
         def get_device_name(cls, device_id: int = 0) -> str:
-            return DEVICE_NAME
+            return rc.DEVICE_NAME
 
         @classmethod
         def get_device_total_memory(cls, device_id: int = 0) -> int:
-            return DEVICE_MEMORY
+            return rc.DEVICE_MEMORY
 
         @classmethod
         def get_device_uuid(cls, device_id: int = 0) -> str:
