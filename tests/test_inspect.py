@@ -51,7 +51,7 @@ def test_other_families():
 
 def test_tensors_checked_against_config(tiny_k3, tmp_path):
     d = json.loads(run("inspect", tiny_k3, "--json").output)
-    assert d["weights_present"] and d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [64, 64]
+    assert d["weights_present"] and d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [128, 256]
     assert any("latent" in w for w in d["warnings"])
     import shutil
     ck = tmp_path / "c"
@@ -62,4 +62,4 @@ def test_tensors_checked_against_config(tiny_k3, tmp_path):
     (ck / "config.json").write_text(json.dumps(cfg))
     d = json.loads(run("inspect", ck, "--json").output)
     assert any("num_experts=16 but layers hold 8" in w for w in d["warnings"])
-    assert any("moe_intermediate_size=96 but expert weights have 64 rows" in w for w in d["warnings"])
+    assert any("moe_intermediate_size=96 but expert weights have 128 rows" in w for w in d["warnings"])

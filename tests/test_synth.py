@@ -307,7 +307,8 @@ def test_some_fused_group_spans_two_shard_files(fixture, request):
 
 def test_tiny_presets_stay_tiny(tiny_k3, tiny_kl):
     for ck in (tiny_k3, tiny_kl):
-        assert sum(f.stat().st_size for f in ck.glob("*.safetensors")) < 4_000_000
+        # tiny-k3 is ~10.5 MB: the engines' MXFP4 MoE kernels need experts of at least 128 x 256
+        assert sum(f.stat().st_size for f in ck.glob("*.safetensors")) < 12_000_000
 
 
 @pytest.mark.parametrize("preset", ["tiny-k3", "bench-k3"])

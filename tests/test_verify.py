@@ -123,7 +123,7 @@ def test_unfinished_or_foreign_folder(out, tmp_path):
 def test_consistent_lie_is_caught_only_by_rederiving(out, tiny_k3):
     """Wrong NVFP4 bytes with every hash rewritten to match: offline checks pass, --input --full does not."""
     man = json.loads((out / "manifest.json").read_text())
-    mod = next(m for m in man["modules"] if m["kind"] == "nvfp4" and m.get("group") == "fused_qkvg_proj")
+    mod = next(m for m in man["modules"] if m["kind"] == "nvfp4" and m.get("group") == "gate_up_proj")
     t = mod["tensors"][0]
     shard = out / t["file"]
     header, _ = parse_header(shard, shard.name)
