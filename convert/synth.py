@@ -145,10 +145,11 @@ PRESETS: dict[str, Preset] = {
         vision_qkv=128, vision_inter=128, vision_pos=8, attn_res_block=2, mxfp4_experts=True,
         full_rank_gate=True, description="Kimi K3 layout, hidden 384, 4 layers, 8 MXFP4 experts (~10 MB)",
     ),
+    # moe_inter 128: vLLM's BF16 MoE pads a smaller intermediate size (its w13 padding stays unloaded).
     "tiny-kimi-linear": Preset(
         "kimi_linear", hidden=128, layers=4, kda_heads=4, kda_head_dim=32, conv=4, mla_heads=4, q_lora=0,
-        kv_lora=32, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=64, latent=128, shared=1,
-        dense_inter=256, first_dense=1, vocab=1000, description="Kimi Linear layout, hidden 128, 4 layers (~2 MB)",
+        kv_lora=32, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=128, latent=128, shared=1,
+        dense_inter=256, first_dense=1, vocab=1000, description="Kimi Linear layout, hidden 128, 4 layers (~4 MB)",
     ),
     "tiny-deepseek-fp8": Preset(
         "deepseek_v3", hidden=256, layers=3, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=4, q_lora=96,
