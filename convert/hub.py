@@ -82,8 +82,10 @@ def with_retries(fn: Callable[[], T], what: str, repo_id: str, say: Callable[[st
 
 def model_card(man: dict, config: dict, base_model: str | None) -> str:
     mods = man["modules"]
-    counts = {k: sum(m["kind"] == k for m in mods) for k in ("nvfp4", "keep", "copy")}
-    exact = sum(m.get("quantization", {}).get("method") == "transcoded-exact" for m in mods)
+    counts = {k: sum(m["kind"] == k for m in mods) for k in ("nvfp4", "fp8-block", "keep", "copy")}
+    cast = [m["quantization"] for m in mods if m.get("quantization", {}).get("method") == "mxfp4-cast"]
+    lossless = f"{sum(q['lossless_blocks'] for q in cast)} of {sum(q['blocks'] for q in cast)}"
+    recipe = man.get("recipe") or {"name": "?", "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
     base = base_model or config.get("_name_or_path") or ""
     front = ["---", *([f"base_model: {base}"] if base else []), "library_name: transformers",
              "tags:", "- nvfp4", "- modelopt", "- kimi-convert", "- quantized", "---", ""]
@@ -94,15 +96,18 @@ def model_card(man: dict, config: dict, base_model: str | None) -> str:
     body = [
         f"# {(config.get('architectures') or ['model'])[0]}, NVFP4",
         "",
-        "Pre-packed NVFP4 checkpoint (ModelOpt layout: `weight` U8, `weight_scale` F8_E4M3, `weight_scale_2` "
-        "F32; `quant_algo` W4A16_NVFP4) written by "
+        f"NVFP4 checkpoint (ModelOpt layout; recipe `{recipe['name']}`, `quant_method` {recipe['quant_method']}, "
+        f"`quant_algo` {recipe['quant_algo']}) written by "
         f"kimi-convert {man['tool']['version']}"
         + (f" from `{base}`" if base else "") + ". `manifest.json` records the source of every tensor and "
-        "the sha256 of every file; `kimi-convert verify-manifest` checks it.",
+        "the sha256 of every file; `kimi-convert verify-manifest` checks it (`--engine vllm|sglang` loads it "
+        "with the engine's own code).",
         "",
         "| | modules |",
         "|---|---|",
-        f"| quantized to NVFP4 | {counts['nvfp4']} (of which {exact} MXFP4 experts transcoded exactly) |",
+        f"| quantized to NVFP4 | {counts['nvfp4']}"
+        + (f" ({len(cast)} cast from MXFP4; {lossless} blocks lossless)" if cast else "") + " |",
+        f"| quantized to 128x128 block FP8 | {counts['fp8-block']} |",
         f"| linear layers kept in high precision | {counts['keep']} |",
         f"| other tensors copied unchanged | {counts['copy']} |",
         "",
