@@ -419,3 +419,12 @@ def main(engine: str, run) -> None:
             f.write(text)
     else:
         sys.stdout.write(text + "\n")
+
+
+def finish(result: dict, error: BaseException | None, tracker) -> None:
+    """The run's last phase: done, or the load's exception with the checkpoint tensor being loaded."""
+    result["phase"] = "done"
+    if error is not None:
+        result["error"] = exception_info(error)
+        result["error"]["tensor"] = tracker.current
+        result["phase"] = "load-failed"

@@ -154,11 +154,7 @@ def run(model_dir: str, result: dict) -> None:
             result["post_load"] = {"ok": True}
         except Exception as e:
             result["post_load"] = {"ok": False, **rc.exception_info(e)}
-    result["phase"] = "done"
-    if error is not None:
-        result["error"] = rc.exception_info(error)
-        result["error"]["tensor"] = tracker.current
-        result["phase"] = "load-failed"
+    rc.finish(result, error, tracker)
 
 
 if __name__ == "__main__":

@@ -176,11 +176,7 @@ def run(model_dir: str, result: dict) -> None:
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
     result.update(tracker.result(model, OPTIONAL + optional_for(model)))
-    result["phase"] = "done"
-    if error is not None:
-        result["error"] = rc.exception_info(error)
-        result["error"]["tensor"] = tracker.current
-        result["phase"] = "load-failed"
+    rc.finish(result, error, tracker)
 
 
 if __name__ == "__main__":
