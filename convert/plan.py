@@ -595,21 +595,14 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: l
 
 
 def _rekeep(it: Item, why: str) -> Item:
-    """The item kept in high precision instead (--keep-partial)."""
-    shape = it.sources[0].shape if it.op == "none" else _fused_shape_of(it)
-    return _weight_item(it.name, list(it.sources), it.op, None, shape, _Decision(KEEP, why))
-
-
-def _fused_shape_of(it: Item) -> tuple[int, ...]:
-    first = it.sources[0].shape
-    if it.op == "stack":
-        return (len(it.sources), *first)
-    return (sum(s.shape[0] for s in it.sources), *first[1:])
+    """The item kept in high precision instead. Only modules stored apart are re-decided (members of an
+    engine packed module, a MoE layer's experts); a module fused on disk is decided as a whole."""
+    return _weight_item(it.name, list(it.sources), "none", None, it.sources[0].shape, _Decision(KEEP, why))
 
 
 def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     """Indices of the linear items under each MoE ``experts`` module (``...experts.{e}.{w}``)."""
-    rxs = _expert_regexes(m)
+    rxs = expert_regexes(m)
     sets: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
         if it.kind != COPY and any(rx.fullmatch(m.strip(it.name)) for rx in rxs):
@@ -617,7 +610,8 @@ def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     return sets
 
 
-def _expert_regexes(m: Mapping) -> list[re.Pattern[str]]:
+def expert_regexes(m: Mapping) -> list[re.Pattern[str]]:
+    """Full-match regexes of routed expert modules (``...experts.{e}.{w}``, without the text prefix)."""
     return [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
 
 
@@ -851,7 +845,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     re-plans with the recorded ones)."""
     recipe = recipe or find_recipe(opts.recipe, m.name)
     patterns = collect_patterns(ckpt, m, opts) if patterns is None else patterns
-    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), _expert_regexes(m))
+    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), expert_regexes(m))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import threading
 from collections import defaultdict
@@ -24,8 +23,7 @@ from typing import TYPE_CHECKING
 from . import __version__, faults, journal
 from .errors import ConvertError
 from .hashing import Stopped
-from .mapping import template_regex
-from .plan import FP8, GROUP_SIZE, NVFP4, Placed, Plan, Shard, aliases
+from .plan import FP8, GROUP_SIZE, NVFP4, Placed, Plan, Shard, aliases, expert_regexes
 from .source import INDEX_NAME
 
 if TYPE_CHECKING:
@@ -202,7 +200,7 @@ def quantized_layers(plan: Plan) -> dict[str, dict]:
     m, rec = plan.mapping, plan.recipe
     entry: dict[str, dict] = {}
     kind_of: dict[str, tuple[str, float | None]] = {}
-    banks = [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
+    banks = expert_regexes(m)
     for it in plan.items:
         if it.kind not in (NVFP4, FP8):
             continue
