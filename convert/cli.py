@@ -108,6 +108,9 @@ def plan_options(f):
                           "SGLang's fused names on disk (SGLang only)."),
         click.option("--input-scale", type=float, metavar="X",
                      help="Replace the recipe's constant activation input_scale (nvidia-k3: 1.0)."),
+        click.option("--strict", is_flag=True,
+                     help="Warnings are errors: a mapping for another architecture, a mapping entry or an "
+                          "exclusion pattern that matches no module of the input."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -174,7 +177,7 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
     from .manifest import plan_dict
     from .pack import load_plan
 
-    _, p = load_plan(input_dir, _options(kw), kw["mapping"])
+    _, p = load_plan(input_dir, _options(kw), kw["mapping"], kw["strict"])
     if as_json:
         click.echo(json.dumps(plan_dict(p), indent=2))
     else:
@@ -218,7 +221,8 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
     global _interrupt_hint
     _interrupt_hint = interrupted
     res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device, workers=workers,
-              streams=streams, overwrite=overwrite, resume=resume, progress=not quiet, command=command)
+              streams=streams, overwrite=overwrite, resume=resume, progress=not quiet, command=command,
+              strict=kw["strict"])
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:

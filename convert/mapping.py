@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from importlib import resources
@@ -162,6 +163,42 @@ class Mapping:
     def keep_rule(self, module: str) -> Rule | None:
         short = self.strip(module)
         return next((r for r in self.keep if fnmatchcase(short, r.pattern) or fnmatchcase(module, r.pattern)), None)
+
+    def fits(self, config: dict) -> str | None:
+        """Why this table is not for ``config`` (a ``--mapping`` given by hand), or None."""
+        archs = config.get("architectures") or []
+        if any(a in self.architectures for a in archs) or config.get("model_type") in self.model_types:
+            return None
+        says = ", ".join(archs) or f"model_type {config.get('model_type')!r}"
+        return (f"mapping {self.name} ({self.path}) is for {', '.join(self.architectures + self.model_types)}; "
+                f"config.json says {says}")
+
+    def unmatched(self, modules: Iterable[str]) -> list[str]:
+        """The table's entries that name nothing in the input (a misspelt glob is otherwise silent:
+        the weights are just copied or left unfused)."""
+        shorts = {self.strip(mod) for mod in modules}
+        parents = {s.rpartition(".")[0] for s in shorts}
+
+        names = shorts | set(modules)
+
+        def hit(pattern: str) -> bool:
+            return any(fnmatchcase(x, pattern) for x in names)
+
+        me = f"mapping {self.name} ({self.path})"
+        out = [f"{me}: {what} {pat!r} matches no module of the input"
+               for what, pats in (("linear", self.linear), ("not_linear", self.not_linear),
+                                  ("keep", tuple(r.pattern for r in self.keep)),
+                                  ("restrict", tuple(r.pattern for r in self.restrict)))
+               for pat in pats if not hit(pat)]
+        for g in self.groups:
+            for parent, rx in zip(g.parents, g.parent_regexes(), strict=True):
+                if not any(rx.fullmatch(p) for p in parents):
+                    out.append(f"{me}: group {g.name}: parents {parent!r} matches no module of the input")
+        for tmpl in self.expert_sets:
+            rx = re.compile(template_regex(tmpl).pattern + r"\.")
+            if not any(rx.match(x) for x in shorts):
+                out.append(f"{me}: expert_sets {tmpl!r} matches no module of the input")
+        return list(dict.fromkeys(out))
 
 
 TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
@@ -347,8 +384,16 @@ def load_mapping(path: str | Path) -> Mapping:
 def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
     """The table for ``config`` (by architecture, then model_type), or the one given with --mapping."""
     if override is not None:
-        m = builtin_by_name(str(override)) if not Path(str(override)).exists() else None
-        return m or load_mapping(override)
+        if Path(str(override)).exists():
+            return load_mapping(override)
+        m = builtin_by_name(str(override))
+        if m is None and ("/" in str(override) or str(override).endswith(".toml")):
+            raise ConvertError(f"{override}: mapping file does not exist")
+        if m is None:
+            known = ", ".join(t.name for t in builtin_mappings())
+            raise ConvertError(f"--mapping {override}: no such table or file; known tables: {known}; "
+                               "or the path of a FILE.toml")
+        return m
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
     tables = builtin_mappings()

@@ -56,10 +56,21 @@ class PackStats:
     in_flight_limit: int  # a worker's budget for them
 
 
-def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None) -> tuple[Checkpoint, Plan]:
+def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None, strict: bool = False
+              ) -> tuple[Checkpoint, Plan]:
+    """``strict``: a plan warning (a mapping entry or exclusion pattern that names nothing, a mapping
+    for another architecture) is an error, before any work."""
     ckpt = open_checkpoint(input_dir)
     m = find_mapping(ckpt.config, mapping)
-    return ckpt, make_plan(ckpt, m, opts)
+    try:
+        plan = make_plan(ckpt, m, opts)
+    except ConvertError as e:
+        unfit = m.fits(ckpt.config)
+        raise (ConvertError(f"{e} (note: {unfit})") if unfit else e) from None
+    if strict and plan.warnings:
+        more = f" (and {len(plan.warnings) - 1} more warning(s))" if len(plan.warnings) > 1 else ""
+        raise ConvertError(f"{plan.warnings[0]}{more}; --strict makes warnings errors")
+    return ckpt, plan
 
 
 def pack(
@@ -75,6 +86,7 @@ def pack(
     resume: bool = False,
     progress: bool = True,
     command: str | None = None,
+    strict: bool = False,
 ) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
@@ -86,7 +98,7 @@ def pack(
     if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
         threading.Thread(target=pipeline.warm_up, args=(devices_[0],), daemon=True,
                          name="kimi-convert-warm-up").start()
-    ckpt, plan = load_plan(input_dir, opts, mapping)
+    ckpt, plan = load_plan(input_dir, opts, mapping, strict)
     command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
     output_dir.mkdir(parents=True, exist_ok=True)
     j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)

@@ -194,6 +194,66 @@ def _module_of(name: str) -> tuple[str, str]:
     return mod, suffix
 
 
+#: Source formats a checkpoint's ``quantization_config`` may declare: the formats this tool reads
+#: (K3's MXFP4 experts in compressed-tensors, DeepSeek's 128x128 block FP8). Anything else is an
+#: already-converted checkpoint, which converting again would only degrade.
+SOURCE_FORMATS = {"compressed-tensors": {"mxfp4-pack-quantized"}, "fp8": {"e4m3"}}
+_ORIGINAL = "convert the original (BF16, MXFP4 or block-FP8) checkpoint instead"
+
+
+def check_convertible(ckpt: Checkpoint) -> None:
+    """Refuse an input that is already a converted checkpoint (ours, ModelOpt's, llm-compressor's,
+    GPTQ/AWQ...), before any planning: the plan would otherwise treat packed codes as weights and
+    fail mid-write, or quietly quantize twice."""
+    where = f"{ckpt.folder}"
+    marker = ckpt.folder / "manifest.json"
+    if marker.is_file():
+        made = _json_field(marker, "format")
+        if made == "kimi-convert-manifest":
+            raise ConvertError(f"{where}: this is an output of kimi-convert (manifest.json): {_ORIGINAL}; "
+                               "check this one with `kimi-convert verify-manifest`")
+    hq = ckpt.folder / "hf_quant_config.json"
+    if hq.is_file():
+        algo = (_json_field(hq, "quantization") or {}).get("quant_algo") if hq.stat().st_size < 1 << 26 else None
+        raise ConvertError(f"{where}: already quantized by NVIDIA Model Optimizer (hf_quant_config.json, "
+                           f"quant_algo {algo or 'unknown'}): {_ORIGINAL}")
+    for cfg in (ckpt.config, ckpt.config.get("text_config")):
+        q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if isinstance(q, dict):
+            _check_quant_config(q, where)
+    for name, info in ckpt.tensors.items():
+        mod, suffix = _module_of(name)
+        quantized = (suffix in ("weight_scale_2", "weight_global_scale", "qweight", "qzeros", "SCB")
+                     or (suffix == "weight" and info.dtype in ("U8", "I8", "I32") and f"{mod}.weight_scale" in
+                         ckpt.tensors))
+        if quantized:
+            raise ConvertError(f"{info.file}: tensor {name}: {mod} is already quantized ({info.dtype} "
+                               f"{suffix}): {_ORIGINAL}")
+
+
+def _json_field(path, key: str):
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return obj.get(key) if isinstance(obj, dict) else None
+
+
+def _check_quant_config(q: dict, where: str) -> None:
+    method = q.get("quant_method")
+    formats = SOURCE_FORMATS.get(method)
+    if formats is None:
+        algo = q.get("quant_algo") or q.get("format") or q.get("bits")
+        raise ConvertError(f"{where}: config.json: quantization_config says the input is already quantized "
+                           f"({method}{f', {algo}' if algo else ''}): {_ORIGINAL}")
+    found = {str(g.get("format", q.get("format"))) for g in (q.get("config_groups") or {}).values()
+             if isinstance(g, dict)} or {str(q.get("format") or q.get("fmt") or next(iter(formats)))}
+    if not found <= formats:
+        raise ConvertError(f"{where}: config.json: quantization_config: {method} format "
+                           f"{', '.join(sorted(found - formats))} is not a source format this tool reads "
+                           f"({', '.join(sorted(formats))}): {_ORIGINAL}")
+
+
 def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
     """module -> {suffix: Source}; MXFP4 and FP8 block-scaled weights become one logical weight."""
     t = ckpt.tensors
@@ -202,8 +262,6 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
     block = fp8_block_size(ckpt.config)
     for name in t:
         mod, suffix = _module_of(name)
-        if suffix == "weight_global_scale" or (suffix == "weight_packed" and f"{mod}.weight_global_scale" in t):
-            raise ConvertError(f"{t[name].file}: tensor {name}: {mod} is already NVFP4; nothing to convert")
         if suffix == "weight_packed":
             out[mod]["weight"] = _mxfp4_source(mod, t)
             consumed.update(p.name for p in out[mod]["weight"].parts)
@@ -812,15 +870,15 @@ def aliases(name: str, on: bool) -> list[str]:
     return sorted(names)
 
 
-def collect_patterns(ckpt: Checkpoint, m: Mapping, opts: Options) -> list[rules.Pattern]:
-    """The exclusion rules in force: the mapping's recipe, --exclude, --exclude-from, the input's own list."""
+def collect_patterns(m: Mapping, opts: Options) -> list[rules.Pattern]:
+    """The exclusion rules in force: the mapping's recipe, --exclude, --exclude-from."""
     patterns: list[rules.Pattern] = []
     if opts.default_excludes:
         patterns += [rules.Pattern(r.pattern, f"default ({m.name})", r.reason) for r in m.exclude]
     patterns += rules.from_cli(opts.exclude)
     for f in opts.exclude_from:
         patterns += rules.from_file(f)
-    return patterns + rules.from_quant_config(ckpt.folder)
+    return patterns
 
 
 def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, Source]]) -> tuple[EngineGroup, ...]:
@@ -843,8 +901,9 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
               recipe: Recipe | None = None) -> Plan:
     """``patterns`` and ``recipe`` replace the collected rules and the named recipe (verify-manifest
     re-plans with the recorded ones)."""
+    check_convertible(ckpt)
     recipe = recipe or find_recipe(opts.recipe, m.name)
-    patterns = collect_patterns(ckpt, m, opts) if patterns is None else patterns
+    patterns = collect_patterns(m, opts) if patterns is None else patterns
     ctx = _Context(m, recipe, opts, patterns, defaultdict(int), expert_regexes(m))
     notes: list[str] = []
     modules = discover_sources(ckpt)
@@ -861,7 +920,15 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     _check_engine_layers(items, fusions, m, opts)
     units = _units(items, fusions, ckpt)
     units, shards = _layout_source(units, ckpt) if opts.layout == "source" else _layout(units, opts.max_shard_size)
-    warnings = [_unmatched(p, items, m) for p in dict.fromkeys(patterns) if not ctx.used[p]]
+    warnings = list(m.unmatched(modules))
+    if (unfit := m.fits(ckpt.config)) is not None:
+        warnings.insert(0, unfit)
+    more, already = _unused_patterns([p for p in dict.fromkeys(patterns) if not ctx.used[p]], items, modules, m)
+    warnings += more
+    if already:
+        notes.append(f"{len(already)} exclusion pattern(s) name modules kept anyway (by the mapping, the recipe "
+                     f"or an earlier pattern): {', '.join(repr(p.text) for p in already[:5])}"
+                     + (" ..." if len(already) > 5 else ""))
     return Plan(
         mapping=m,
         recipe=recipe,
@@ -879,9 +946,35 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     )
 
 
-def _unmatched(p: rules.Pattern, items: list[Item], m: Mapping) -> str:
-    msg = f"exclusion pattern {p.text!r} ({p.origin}) matches no linear module's source shard"
-    fused = [it.name for it in items if it.group and rules.matches(p.text, it.name, m.text_prefix)]
-    if fused:
-        msg += f"; it names fused module {fused[0]}: exclusion is per source shard, name its shards instead"
-    return msg
+def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: dict[str, dict[str, Source]],
+                    m: Mapping) -> tuple[list[str], list[rules.Pattern]]:
+    """Warnings for patterns that decided nothing, and the patterns that were not needed.
+
+    A pattern naming a module that something else already keeps (the mapping, the recipe, an earlier
+    pattern: re-using an output's own exclude list does this for every name) is no mistake: it is
+    reported once, as a plan note. Only a pattern that names nothing in the input, or names a fused
+    module instead of its source shards, gets a warning."""
+    warnings, already = [], []
+    nothing: dict[str, list[str]] = defaultdict(list)  # origin -> patterns: one line per file
+    names = set(modules)
+    for p in unused:
+        fused = [it.name for it in items if it.group and rules.matches(p.text, it.name, m.text_prefix)]
+        if fused:
+            warnings.append(f"exclusion pattern {p.text!r} ({p.origin}) names fused module {fused[0]}: exclusion "
+                            "is per source shard, name its shards instead")
+        elif _names_a_module(p.text, names, m.text_prefix):
+            already.append(p)
+        else:
+            nothing[p.origin].append(repr(p.text))
+    for origin, texts in nothing.items():
+        what = f"exclusion pattern {texts[0]}" if len(texts) == 1 else f"{len(texts)} exclusion patterns"
+        warnings.append(f"{what} ({origin}) match{'es' if len(texts) == 1 else ''} no module of the input"
+                        + (f": {', '.join(texts)}" if len(texts) > 1 else ""))
+    return warnings, already
+
+
+def _names_a_module(pattern: str, modules: set[str], text_prefix: str) -> bool:
+    if not any(c in pattern for c in "*?[") and "." in pattern:  # a plain name: a lookup, not a scan
+        bare = pattern.removesuffix(".weight")
+        return bare in modules or text_prefix + bare in modules
+    return any(rules.matches(pattern, mod, text_prefix) for mod in modules)

@@ -94,16 +94,3 @@ def exclude_list_of(obj: object, where: str) -> list[str]:
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         raise ConvertError(f"{where}: no list of module patterns (exclude_modules or ignore) found")
     return values
-
-
-def from_quant_config(folder: Path) -> list[Pattern]:
-    """Patterns of an input's own hf_quant_config.json, so a re-export keeps what NVIDIA kept."""
-    path = folder / "hf_quant_config.json"
-    if not path.exists():
-        return []
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"hf_quant_config.json: not valid JSON ({e})") from None
-    return [Pattern(_check(v, "hf_quant_config.json"), "hf_quant_config.json")
-            for v in exclude_list_of(obj, "hf_quant_config.json")]

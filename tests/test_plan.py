@@ -223,12 +223,13 @@ def test_plan_cli_prints_totals_and_shards(tiny_k3):
     assert d["totals"]["nvfp4"] > 0 and d["exclude_modules"]
 
 
-def test_input_hf_quant_config_exclude_list_applies(tiny_k3, tmp_path):
+def test_input_hf_quant_config_exclude_list_is_usable_with_exclude_from(tiny_k3, tmp_path):
+    """NVIDIA's exclude list is re-used by naming the file; it is not read from the input on its own."""
     import json
-    ck = copy_ckpt(tiny_k3, tmp_path / "c")
-    (ck / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+    hq = tmp_path / "hf_quant_config.json"
+    hq.write_text(json.dumps({"quantization": {
         "quant_algo": "NVFP4", "exclude_modules": ["language_model.model.layers.3.self_attn.o_proj", "nothing.here"]}}))
-    p = plan_of(ck)
+    p = plan_of(tiny_k3, exclude_from=(str(hq),))
     it = by_name(p)["language_model.model.layers.3.self_attn.o_proj"]
-    assert it.kind == "keep" and "hf_quant_config.json" in it.rule
-    assert any("'nothing.here' (hf_quant_config.json)" in w for w in p.warnings)
+    assert it.kind == "keep" and str(hq) in it.rule
+    assert any(f"'nothing.here' ({hq})" in w for w in p.warnings)
