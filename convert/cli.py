@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from . import __version__, devices, paths
 from .errors import ConvertError
 from .plan import DEFAULT_MAX_SHARD, LAYOUTS, Options, Plan
 
@@ -85,11 +85,24 @@ def cli() -> None:
     """Convert a sharded safetensors MoE checkpoint (Kimi K3, Kimi Linear) into pre-packed NVFP4."""
 
 
+def _checked(check, *args):
+    """A click callback running one of ``paths``' checks (or another), so a bad value is refused in
+    the tool's one-line form before any work, never in click's own wording."""
+    def callback(ctx: click.Context, param: click.Parameter, value):
+        if value is None:
+            return value
+        for v in value if isinstance(value, tuple) else (value,):
+            check(v, *args)
+        return value
+    return callback
+
+
 def plan_options(f):
     opts = [
         click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
                      help="Keep source modules matching GLOB in high precision (repeatable)."),
         click.option("--exclude-from", "exclude_from", multiple=True, metavar="FILE",
+                     callback=_checked(paths.file, "an exclude file"),
                      help="Patterns from FILE: one per line, a JSON list, or an hf_quant_config.json."),
         click.option("--no-default-excludes", is_flag=True, help="Do not apply the mapping's default recipe."),
         click.option("--keep-partial", is_flag=True,
@@ -140,7 +153,7 @@ def _input_scale(x: float | None) -> float | None:
 
 @cli.command()
 @click.argument("preset")
-@click.argument("output", type=click.Path(file_okay=False))
+@click.argument("output", callback=_checked(paths.output_folder))
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
 @click.option("--layers", type=int, help="Override the preset's layer count.")
 @click.option("--experts", type=int, help="Override the preset's experts per MoE layer.")
@@ -154,11 +167,11 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
 
     out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    click.echo(f"wrote {out}/: {PRESETS[preset].description}; {size / 1e6:.1f} MB on disk")
+    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}; {size / 1e6:.1f} MB on disk")
 
 
 @cli.command(name="inspect")
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", callback=_checked(paths.existing))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect_cmd(path: str, as_json: bool) -> None:
     """Architecture, layer kinds and MoE parameters (E, top-k, sizes) of a checkpoint or config.json."""
@@ -169,7 +182,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", type=click.Path(file_okay=False))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
 @plan_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, as_json: bool, **kw) -> None:
@@ -187,18 +200,20 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", type=click.Path(file_okay=False))
-@click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
+@click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.output_folder))
 @plan_options
-@click.option("--device", default="auto", show_default=True,
-              help="auto (the GPU when torch sees one), cpu (the C kernel), or cuda[:N] (the Triton kernel).")
+@click.option("--device", default="auto", show_default=True, callback=_checked(devices.valid),
+              help="auto (the GPU when torch sees one), cpu (the C kernel), cuda[:N] (the Triton kernel); "
+                   "for tests: reference (the torch code), triton (the Triton kernel; on the CPU under "
+                   "TRITON_INTERPRET=1).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Worker processes that split the output shards, one device each (same bytes for any number). "
                    "Default: one per visible GPU for --device auto/cuda, else 1.")
 @click.option("--streams", type=click.IntRange(min=1), default=None,
               help="Pipelines per worker, each on its own consecutive shards (a file's sha256 runs on one core). "
                    "Default: one per 4 CPUs of a worker, at most 4.")
-@click.option("--stats", "stats_path", type=click.Path(dir_okay=False),
+@click.option("--stats", "stats_path", callback=_checked(paths.output_file),
               help="Write how the run went (workers, streams, start-up and conversion seconds, hashing) as JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace a previous output in OUTPUT.")
 @click.option("--resume", is_flag=True,
@@ -226,14 +241,14 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:
-        click.echo(f"{output_dir}/ is already complete and matches its manifest; nothing to do")
+        click.echo(f"{paths.shown(output_dir)}/ is already complete and matches its manifest; nothing to do")
         return
     if stats_path and res.stats:
         Path(stats_path).write_text(json.dumps(dataclasses.asdict(res.stats), indent=2) + "\n")
     items = res.plan.items
     cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
     click.echo(
-        f"wrote {output_dir.rstrip('/')}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
+        f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
         f"{_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "
         f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'fp8-block' for i in items)} "
         f"block FP8, {sum(i.kind == 'keep' for i in items)} kept, "
@@ -243,18 +258,19 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
 
 
 @cli.command(name="verify-manifest")
-@click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False))
-@click.option("--input", "input_dir", type=click.Path(file_okay=False),
+@click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.folder, "a kimi-convert output folder"))
+@click.option("--input", "input_dir", callback=_checked(paths.folder),
               help="Also prove OUTPUT was derived from INPUT: hashes, re-plan, pass-through and re-quantization.")
 @click.option("--full", is_flag=True, help="With --input: re-quantize every NVFP4 tensor, not a sample.")
-@click.option("--device", default="cpu", show_default=True, help="Where --input re-quantizes: cpu, cuda[:N].")
+@click.option("--device", default="cpu", show_default=True, callback=_checked(devices.valid),
+              help="Where --input re-quantizes: cpu, cuda[:N], auto (or reference, triton).")
 @click.option("--remote", metavar="REPO_ID", help="Also check a Hub repo's files against the manifest (no download).")
 @click.option("--revision", help="With --remote: the branch, tag or refs/pr/N to check.")
 @click.option("--token", help="With --remote: Hub token (default: HF_TOKEN or the cached login).")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
               help="Also load OUTPUT with this engine's own loading code, on the CPU (repeatable); "
                    "fails on an engine error, an unfilled parameter, a skipped tensor or a bad cast.")
-@click.option("--engine-python", type=click.Path(dir_okay=False),
+@click.option("--engine-python", callback=_checked(paths.file, "a python executable"),
               help="With one --engine: the python that has the engine installed (default: "
                    "KIMI_CONVERT_VLLM_PYTHON / KIMI_CONVERT_SGLANG_PYTHON, else scripts/engine-envs.sh's environment).")
 @click.option("--engine-any-version", is_flag=True,
@@ -269,8 +285,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 
     With --engine and no manifest.json in OUTPUT (any checkpoint), only the engine checks run.
     """
-    from tqdm import tqdm
-
+    from .progress import Progress
     from .verify import Report, verify
 
     engines = tuple(dict.fromkeys(engines))
@@ -279,19 +294,9 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     if engine_any_version and not engines:
         raise click.UsageError("--engine-any-version needs --engine")
     manifest = Path(output_dir, "manifest.json").exists() or not engines
-    if engines and not Path(output_dir).is_dir():
-        raise ConvertError(f"{output_dir}: no such folder")
     if manifest:
-        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=quiet or as_json,
-                   dynamic_ncols=True)
-
-        def add_total(n: int) -> None:
-            bar.total += n
-            bar.refresh()
-        try:
-            rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=add_total)
-        finally:
-            bar.close()
+        with Progress("verify", not (quiet or as_json)) as bar:
+            rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=bar.grow)
     else:
         if input_dir or remote:
             raise ConvertError(f"{output_dir}: no manifest.json, so --input and --remote have nothing to check")
@@ -332,7 +337,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 
 
 @cli.command()
-@click.argument("output_dir", metavar="OUTPUT", type=click.Path(file_okay=False, exists=True))
+@click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.folder, "a kimi-convert output folder"))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repo as private.")
 @click.option("--revision", help="Branch to commit to (default: main).")
@@ -349,7 +354,7 @@ def upload(output_dir: str, repo_id: str, private: bool, revision: str | None, c
     res = run(output_dir, repo_id, private=private, revision=revision, create_pr=create_pr, token=token,
               base_model=base_model, say=lambda m: click.echo(m, err=True))
     if res.card_written:
-        click.echo(f"wrote {output_dir}/README.md (model card)")
+        click.echo(f"wrote {paths.shown(output_dir)}/README.md (model card)")
     click.echo(f"committed: {res.pr_url or res.commit_url}")
     if res.remote.problems:
         for p in res.remote.problems:

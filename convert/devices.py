@@ -40,6 +40,18 @@ def torch_has_cuda() -> bool:
     return any((Path(p) / "lib" / "libtorch_cuda.so").exists() for p in spec.submodule_search_locations)
 
 
+#: Every value --device takes, in the words of the error that lists them.
+ACCEPTED = "auto, cpu, cuda, cuda:N, reference (the torch code), triton (the Triton kernel; on the CPU under " \
+    "TRITON_INTERPRET=1)"
+
+
+def valid(device: str) -> str:
+    """``device`` if it is one of the accepted spellings (what the machine has is checked later)."""
+    if device in ("auto", "cpu", "reference", "triton") or _CUDA.match(device):
+        return device
+    raise ConvertError(f"--device {device!r}: expected one of {ACCEPTED}")
+
+
 def check(device: str) -> str:
     """The device with ``auto`` resolved: ``cuda`` when a GPU is visible and torch can use it, else
     ``cpu``."""
@@ -47,9 +59,8 @@ def check(device: str) -> str:
         return "cuda" if gpu_count() and torch_has_cuda() else "cpu"
     if device in ("cpu", "reference", "triton"):
         return device
-    m = _CUDA.match(device)
-    if not m:
-        raise ConvertError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    m = _CUDA.match(valid(device))
+    assert m is not None
     n = gpu_count()
     if n == 0:
         raise ConvertError(f"--device {device}: no CUDA device visible")

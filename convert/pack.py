@@ -16,14 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from . import devices, journal, pipeline, write
 from . import manifest as manifest_mod
 from .errors import ConvertError
 from .journal import Journal, ShardRecord
 from .mapping import find_mapping
 from .plan import Options, Plan, Shard, Unit, fp8_block_size, make_plan
+from .progress import Progress
 from .source import Checkpoint, open_checkpoint, readahead
 
 
@@ -117,8 +116,7 @@ def pack(
     per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
     per_worker = [w for w in per_worker if w] or [jobs]
     done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
-    bar = tqdm(total=plan.bytes_in, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-               desc="pack", disable=not progress, dynamic_ncols=True)
+    bar = Progress("pack", progress, total=plan.bytes_in, initial=done_bytes)
 
     def on_shard(file: str, rec: ShardRecord) -> None:
         j.shards[file] = rec

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from . import paths
 from .errors import ConvertError
 
 
@@ -63,7 +64,7 @@ def from_cli(values: tuple[str, ...]) -> list[Pattern]:
 
 def from_file(path: str | Path) -> list[Pattern]:
     """One pattern per line (``#`` comments), or a JSON list, or an hf_quant_config.json / config.json."""
-    p = Path(path)
+    p = paths.file(path, "an exclude file")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

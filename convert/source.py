@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from . import paths
 from .errors import ConvertError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: planning needs only the headers, and
@@ -200,9 +201,7 @@ class Checkpoint:
 
 def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Checkpoint:
     """Read config.json, the index and every shard header of ``folder`` (no tensor data)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ConvertError(f"{folder}: not a folder")
+    folder = paths.folder(folder)
     config = load_json(folder / "config.json", f"{folder}/config.json")
     index_path = folder / INDEX_NAME
     tensors: dict[str, TensorInfo] = {}
@@ -222,9 +221,9 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
             raise ConvertError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
     # Every named file must exist inside the folder before any header is read: a missing or
     # escaping file is the more useful error than the tensors it leaves unaccounted for.
-    paths = {rel: _inside(folder, rel, INDEX_NAME if weight_map is not None else str(folder)) for rel in files}
+    shard_paths = {rel: _inside(folder, rel, INDEX_NAME if weight_map is not None else str(folder)) for rel in files}
     sizes: dict[str, int] = {}
-    for rel, path in paths.items():
+    for rel, path in shard_paths.items():
         sizes[rel] = path.stat().st_size
         found, _meta = parse_header(path, rel)
         for name, info in found.items():

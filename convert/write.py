@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import __version__, faults, journal
+from . import __version__, faults, journal, paths
 from .errors import ConvertError
 from .hashing import Stopped
 from .plan import FP8, GROUP_SIZE, NVFP4, Placed, Plan, Shard, aliases, expert_regexes
@@ -43,8 +43,7 @@ def check_output_dir(input_dir: Path, output_dir: Path) -> None:
         raise ConvertError(f"{output_dir}: the output folder must not be the input folder or inside it")
     if src.is_relative_to(dst):
         raise ConvertError(f"{output_dir}: the output folder must not contain the input folder")
-    if dst.exists() and not dst.is_dir():
-        raise ConvertError(f"{output_dir}: exists and is not a folder")
+    paths.output_folder(output_dir)
 
 
 def own_files_only(output_dir: Path, side_files: tuple[str, ...]) -> bool:

@@ -93,4 +93,4 @@ def get_backend(device: str = "auto") -> Backend:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
         return Backend("triton", dev)
-    raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    raise ValueError(f"--device {device!r}: expected one of auto, cpu, cuda, cuda:N, reference, triton")

@@ -13,8 +13,9 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
-import warnings
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib import resources
@@ -55,8 +56,17 @@ def _build(src: bytes, cc: str) -> Path:
     return out
 
 
-@cache
+_LOAD_LOCK = threading.Lock()
+
+
 def load() -> ctypes.CDLL | None:
+    """The built library, or None (with one warning per process) where it cannot be built."""
+    with _LOAD_LOCK:  # pack's warm-up thread and its streams ask at once: build (and warn) once
+        return _load()
+
+
+@cache
+def _load() -> ctypes.CDLL | None:
     cc = _compiler()
     src = resources.files("kimi_convert.kernels").joinpath("nvfp4_cpu.c").read_bytes()
     try:
@@ -64,8 +74,11 @@ def load() -> ctypes.CDLL | None:
             raise OSError("no C compiler (cc, gcc or clang) on PATH")
         lib = ctypes.CDLL(str(_build(src, cc)))
     except OSError as e:
-        warnings.warn(f"kimi-convert: fast CPU kernel unavailable ({e}); using the slower torch reference",
-                      stacklevel=2)
+        # one line on stderr, like the CLI's other warnings (a UserWarning prints a source line too);
+        # load() is cached, so it is said once per process
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kimi-convert: warning: fast CPU kernel unavailable ({reason}); using the torch reference "
+              "(same bytes, slower)", file=sys.stderr, flush=True)
         return None
     i64, f32, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.kc_amax_bf16.argtypes = lib.kc_amax_f32.argtypes = [p, i64]

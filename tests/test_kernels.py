@@ -120,14 +120,33 @@ def test_cpu_kernel_is_threads_independent(tmp_path):
     assert len(outs[0]) == 257 * (256 + 32) and outs[0] == outs[1] == outs[2]
 
 
-def test_cpu_kernel_without_compiler_falls_back(tmp_path, monkeypatch):
+def test_cpu_kernel_without_compiler_falls_back(tmp_path, tiny_kl, packed_kl):
+    """No C compiler and no cached build: pack still runs (the torch reference), says so in one line,
+    and writes the same bytes as the C kernel."""
+    import subprocess
+    import sys
+    env = {**os.environ, "KIMI_CONVERT_CACHE": str(tmp_path / "empty-cache"),
+           "KIMI_CONVERT_CC": str(tmp_path / "no-such-cc"), "TQDM_DISABLE": "1"}
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_kl), str(out), "--device", "cpu",
+                        "-q"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi-convert: warning: fast CPU kernel unavailable"), r.stderr
+    assert "no-such-cc" in lines[0] and "UserWarning" not in r.stderr
+    assert not any((tmp_path / "empty-cache").rglob("*.so")), "nothing was built"
+    for f in sorted(p.name for p in packed_kl.glob("*.safetensors")):
+        assert (out / f).read_bytes() == (packed_kl / f).read_bytes(), f
+
+
+def test_cpu_kernel_build_error_is_an_oserror(tmp_path, monkeypatch):
     monkeypatch.setenv("KIMI_CONVERT_CACHE", str(tmp_path))
     with pytest.raises(OSError):
         nvfp4_cpu._build(b"this is not C", "cc")
 
 
 def test_get_backend_rejects_bad_devices():
-    with pytest.raises(ValueError, match="expected auto, cpu"):
+    with pytest.raises(ValueError, match="expected one of auto, cpu"):
         get_backend("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
