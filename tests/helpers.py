@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -53,3 +55,34 @@ def replace_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
 
 def run(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+#: The versions the Triton interpreter's byte-equality tests were checked with (the interpreter is numpy
+#: code inside triton: a new triton or numpy may round differently on the CPU without any kernel change;
+#: pyproject's test extras pin triton to this version).
+INTERPRETER_HELD_FOR = {"torch": "2.13.0", "triton": "3.9.0", "numpy": "2.4.6"}
+
+
+def interpreter_note(backend: str = "triton") -> str:
+    """Assertion text for a Triton-interpreter byte comparison: the versions it held for, and these."""
+    if backend != "triton":
+        return backend
+    import numpy
+    import torch
+    import triton
+    now = {"torch": torch.__version__.split("+")[0], "triton": triton.__version__, "numpy": numpy.__version__}
+    held = ", ".join(f"{k} {v}" for k, v in INTERPRETER_HELD_FOR.items())
+    return f"triton (interpreter bytes held for {held}; installed: {', '.join(f'{k} {v}' for k, v in now.items())})"
+
+
+@contextlib.contextmanager
+def child(args: list, **kw):
+    """A child process that is killed if the test fails or times out before it ends (a paused
+    ``pack`` would otherwise outlive the test run)."""
+    p = subprocess.Popen([str(a) for a in args], **kw)
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
+from helpers import interpreter_note
 from kimi_convert.kernels import Backend, get_backend, mxfp4_cast, nvfp4_cpu, reference
 
 if not torch.cuda.is_available():  # CI: the Triton kernels run in the interpreter on CPU tensors
@@ -29,9 +30,9 @@ def assert_all_equal(w: torch.Tensor):
     ra, rp, rs, rs2 = run(BACKENDS[0], w)
     for b in BACKENDS[1:]:
         a, p, s, _s2 = run(b, w)
-        assert a.item() == ra.item() or (np.isnan(a.item()) and np.isnan(ra.item())), b.name
-        assert torch.equal(p, rp), b.name
-        assert torch.equal(s, rs), b.name
+        assert a.item() == ra.item() or (np.isnan(a.item()) and np.isnan(ra.item())), interpreter_note(b.name)
+        assert torch.equal(p, rp), interpreter_note(b.name)
+        assert torch.equal(s, rs), interpreter_note(b.name)
     op, os_, os2 = oracle.quantize(oracle.to_f32(w))
     assert rs2.numpy().tobytes() == os2.tobytes()
     np.testing.assert_array_equal(rp.reshape(op.shape).numpy(), op)

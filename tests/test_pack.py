@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import oracle
-from helpers import run
+from helpers import interpreter_note, run
 from kimi_convert.engines import sglang_is_excluded, vllm_is_skipped
 from kimi_convert.mapping import builtin_by_name
 
@@ -260,7 +260,7 @@ def test_triton_path_gives_the_same_output(tiny_kl, packed_kl, tmp_path, monkeyp
     names = sorted(p.name for p in packed_kl.iterdir())
     assert names == sorted(p.name for p in (tmp_path / "t").iterdir())
     for n in names:
-        assert (packed_kl / n).read_bytes() == (tmp_path / "t" / n).read_bytes(), n
+        assert (packed_kl / n).read_bytes() == (tmp_path / "t" / n).read_bytes(), f"{n}: {interpreter_note()}"
 
 
 def test_output_folder_refusals(tiny_kl, tmp_path):

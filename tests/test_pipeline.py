@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_ckpt
+from helpers import child, copy_ckpt
 from kimi_convert import pipeline
 from kimi_convert import plan as plan_mod
 from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher
@@ -229,14 +229,14 @@ def test_interrupting_workers_exits_130_without_traceback(tiny_k3, tmp_path):
 
     out = tmp_path / "out"
     env = {**os.environ, "KIMI_CONVERT_FAULT": "header:1:pause"}
-    p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
-                          "--device", "cpu", "--workers", "2", *SGLANG_ARGS, "--max-shard-size", "300KB"],
-                         stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + 60
-    while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=30)
+    with child([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
+                "--device", "cpu", "--workers", "2", *SGLANG_ARGS, "--max-shard-size", "300KB"],
+               stderr=subprocess.PIPE, text=True, env=env) as p:
+        deadline = time.time() + 60
+        while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
     assert p.returncode == 130, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "resume with:" in err, err
     assert not (out / "manifest.json").exists()
@@ -307,16 +307,16 @@ def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):
 
     out = tmp_path / "out"
     env = {**os.environ, "KIMI_CONVERT_FAULT": "header:1:pause"}
-    p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
-                          "--device", "cpu", "--workers", "2", *SGLANG_ARGS, "--max-shard-size", "300KB"],
-                         stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 60
-    while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    children = [int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
-    assert len(children) >= 2
-    p.kill()
-    p.wait()
+    with child([sys.executable, "-m", "kimi_convert.cli", "pack", str(tiny_k3), str(out), "-q",
+                "--device", "cpu", "--workers", "2", *SGLANG_ARGS, "--max-shard-size", "300KB"],
+               stderr=subprocess.DEVNULL, env=env) as p:
+        deadline = time.time() + 60
+        while len(list(out.glob("*.partial"))) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        children = [int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+        assert len(children) >= 2
+        p.kill()
+        p.wait()
 
     def alive(pid: int) -> bool:
         try:

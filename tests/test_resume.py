@@ -19,14 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_ckpt, edit_config, replace_tensor, rewrite_tensors
+from helpers import child, copy_ckpt, edit_config, replace_tensor, rewrite_tensors
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import fault_inject  # noqa: E402
 
-# SGLang's fused layout with its own shard size: two shards of 1 MB (the source layout keeps the input's files)
-PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
+# SGLang's fused layout with its own shard size: two shards of 1 MB (the source layout keeps the input's files);
+# one worker and one stream, pinned: which shards a kill leaves finished depends on them (the default streams
+# follow the CPU count)
+PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu",
+             "--workers", "1", "--streams", "1"]
 
 
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
@@ -124,27 +127,27 @@ def test_interrupt_stops_within_two_seconds_and_resumes(medium, tmp_path, sig):
     out = tmp_path / "out"
     # the run pauses mid-header of the second shard, where the signal arrives
     env = {**os.environ, "KIMI_CONVERT_FAULT": "header:2:pause"}
-    p = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", src, out, *PACK_ARGS],
-                         stderr=subprocess.PIPE, text=True, env=env)
-    partial = out / "model-00002-of-00002.safetensors.partial"
-    deadline = time.time() + 60
-    while not partial.exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.01)
-    time.sleep(0.5)
-    t = time.perf_counter()
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=30)
-    took = time.perf_counter() - t
-    assert p.returncode == 130, err
-    assert took < 2.0, took
-    line = err.strip()
-    assert len(line.splitlines()) == 1 and "interrupted" in line and "resume with:" in line, line
-    assert_not_finished(out)
-    assert "1 shard(s) finished" in line
-    cmd = line.split("resume with: ", 1)[1]
-    r = cli(*shlex.split(cmd)[1:])
-    assert r.returncode == 0, r.stderr
-    assert fault_inject.same_tree(ref, out) == []
+    with child([sys.executable, "-m", "kimi_convert.cli", "pack", src, out, *PACK_ARGS],
+               stderr=subprocess.PIPE, text=True, env=env) as p:
+        partial = out / "model-00002-of-00002.safetensors.partial"
+        deadline = time.time() + 60
+        while not partial.exists() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        t = time.perf_counter()
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=30)
+        took = time.perf_counter() - t
+        assert p.returncode == 130, err
+        assert took < 2.0, took
+        line = err.strip()
+        assert len(line.splitlines()) == 1 and "interrupted" in line and "resume with:" in line, line
+        assert_not_finished(out)
+        assert "1 shard(s) finished" in line
+        cmd = line.split("resume with: ", 1)[1]
+        r = cli(*shlex.split(cmd)[1:])
+        assert r.returncode == 0, r.stderr
+        assert fault_inject.same_tree(ref, out) == []
 
 
 def _mount_tmpfs(path: Path, size: str, ro: bool = False) -> bool:
