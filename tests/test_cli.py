@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from helpers import run
 
 
@@ -16,9 +14,12 @@ def cli(*args, **kw):
                           text=True, **kw)
 
 
-@pytest.mark.parametrize("cmd", ["synth", "inspect", "plan", "pack"])
-def test_help(cmd):
-    assert run(cmd, "--help").exit_code == 0
+def test_help_for_every_command():
+    from kimi_convert.cli import cli as group
+    assert set(group.commands) == {"synth", "inspect", "plan", "pack", "verify-manifest", "upload"}
+    for cmd in group.commands:
+        r = run(cmd, "--help")
+        assert r.exit_code == 0 and f"Usage: cli {cmd}" in r.output.replace("kimi-convert", "cli"), (cmd, r.output)
 
 
 def test_user_errors_are_one_line_exit_2(tmp_path, tiny_k3):
@@ -63,3 +64,70 @@ def test_synth_is_deterministic(tmp_path):
     assert run("synth", "tiny-kimi-linear", tmp_path / "c", "--seed", "4").exit_code == 0
     assert (tmp_path / "c/model-00002-of-00004.safetensors").read_bytes() != \
         (tmp_path / "a/model-00002-of-00004.safetensors").read_bytes()
+
+
+# ---- wrong paths: one form in every subcommand, before any work (no progress bar, no click wording)
+
+def _one_line(r, needle):
+    err = r.stderr.strip()
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(err.splitlines()) == 1 and err == f"kimi-convert: error: {needle}", err
+    assert "Usage:" not in r.stderr and "%|" not in r.stderr
+
+
+def test_missing_and_wrong_kind_paths_read_the_same_in_every_subcommand(tmp_path, packed_kl):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    nope = tmp_path / "nope"
+    missing = {
+        ("plan", nope): nope, ("pack", nope, tmp_path / "o"): nope, ("inspect", nope): nope,
+        ("verify-manifest", nope): nope, ("verify-manifest", packed_kl, "--input", nope): nope,
+        ("upload", nope, "me/repo"): nope, ("plan", packed_kl, "--exclude-from", nope): nope,
+    }
+    for args, path in missing.items():
+        _one_line(cli(*args), f"{path}: does not exist")
+    is_file = {
+        ("plan", f): "a checkpoint folder", ("pack", f, tmp_path / "o"): "a checkpoint folder",
+        ("verify-manifest", f): "a kimi-convert output folder",
+        ("upload", f, "me/repo"): "a kimi-convert output folder",
+        ("verify-manifest", packed_kl, "--input", f): "a checkpoint folder",
+        ("pack", packed_kl, f): "an output folder", ("synth", "tiny-k3", f): "an output folder",
+    }
+    for args, what in is_file.items():
+        _one_line(cli(*args), f"{f}: is a file, expected {what}")
+    _one_line(cli("plan", packed_kl, "--exclude-from", tmp_path), f"{tmp_path}: is a folder, expected an exclude file")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_device_is_a_usage_error_listing_every_value(packed_kl, tiny_kl, tmp_path):
+    for args in (("verify-manifest", packed_kl, "--device", "gpu"),
+                 ("pack", tiny_kl, tmp_path / "o", "--device", "gpu")):
+        r = cli(*args)
+        _one_line(r, r.stderr.strip().removeprefix("kimi-convert: error: "))
+        for value in ("auto", "cpu", "cuda", "cuda:N", "reference", "triton"):
+            assert value in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_of_a_folder_without_manifest_prints_no_bar(tiny_kl):
+    r = cli("verify-manifest", tiny_kl, env={**__import__("os").environ, "TQDM_DISABLE": ""})
+    _one_line(r, f"{tiny_kl}: no manifest.json: not a finished kimi-convert output")
+
+
+def test_progress_is_decimal_and_has_no_eta_at_the_start(capsys):
+    from kimi_convert.progress import ETA_AFTER, Progress
+    bar = Progress("pack", total=10_000_000_000)
+    bar._shown().disable = False
+    bar.update(10_000_000)  # 0.1 %: too early for an estimate
+    early = str(bar._shown())
+    bar.update(int(ETA_AFTER * 10_000_000_000))
+    later = str(bar._shown())
+    bar.close()
+    assert "GB" in early and "GiB" not in early and "<" not in early, early
+    assert "<" in later, later  # elapsed<remaining once there is something to estimate from
+
+
+def test_output_paths_are_printed_without_doubled_slashes(tiny_kl, tmp_path):
+    r = cli("pack", tiny_kl, f"{tmp_path}/o/", "-q")
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {tmp_path}/o/ (recipe" in r.stdout and "//" not in r.stdout
