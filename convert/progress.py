@@ -19,6 +19,7 @@ class Progress:
     def __init__(self, desc: str, enabled: bool = True, total: int = 0, initial: int = 0):
         self.desc, self.enabled, self.total, self.done = desc, enabled, total, initial
         self._bar: tqdm | None = None
+        self._eta = False
 
     def _shown(self) -> tqdm | None:
         if self._bar is None and self.enabled and self.total > 0:
@@ -38,8 +39,9 @@ class Progress:
         bar = self._shown()
         if bar is None:
             return
-        if bar.bar_format is _NO_ETA and self.total and self.done >= ETA_AFTER * self.total:
-            bar.bar_format = _ETA
+        if not self._eta and self.done >= ETA_AFTER * self.total:
+            self._eta = True
+            bar.bar_format = _ETA  # (a tqdm disabled by TQDM_DISABLE takes the attribute and ignores it)
         bar.update(n)
 
     def close(self) -> None:

@@ -257,7 +257,8 @@ def test_cli_stats_and_streams(tiny_k3, tmp_path):
     assert st["hashed_from_pipeline"] + st["hash_reread"] >= sum(
         p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
     assert st["stages_s"]["compute: kernels and copies"] > 0
-    assert cli("verify-manifest", out, "--input", tiny_k3).returncode == 0
+    v = cli("verify-manifest", out, "--input", tiny_k3)
+    assert v.returncode == 0, v.stdout + v.stderr
 
 
 def test_a_gpu_device_without_a_gpu_is_a_one_line_error_before_any_output(tiny_k3, tmp_path, monkeypatch):
