@@ -277,6 +277,11 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     manifest = Path(output_dir, "manifest.json").exists() or not engines
     if engines and not Path(output_dir).is_dir():
         raise ConvertError(f"{output_dir}: no such folder")
+    hub_api = None
+    if remote and manifest:  # the repo id, the Hub and the repo checked before any hashing
+        from .hub import connect
+
+        hub_api = connect(remote, token, write=False, revision=revision, say=lambda m: click.echo(m, err=True))
     if manifest:
         bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=quiet or as_json,
                    dynamic_ncols=True)
@@ -295,7 +300,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     if remote:
         from .hub import verify_remote
 
-        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True))
+        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
     engine_reports = []
     if engines:

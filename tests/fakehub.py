@@ -179,7 +179,9 @@ class FakeHub:
                 if m:
                     if not self._auth(write=False):
                         return 401
-                    self._send(200, {"name": "user", "type": "user", "orgs": []})
+                    role = "read" if self.headers.get("Authorization") == f"Bearer {hub.read_only_token}" else "write"
+                    self._send(200, {"name": "user", "type": "user", "orgs": [],
+                                     "auth": {"type": "access_token", "accessToken": {"role": role}}})
                     return 200
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/(.+)", path)
                 if m and method == "POST":
