@@ -42,7 +42,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import parse_ratelimit_headers, set_client_factory, validate_repo_id
+from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_client_factory, validate_repo_id
 
 from .errors import ConvertError
 from .verify import load, verify
@@ -68,6 +68,12 @@ NO_TOKEN = ("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth 
 
 def _retry_base() -> float:
     return float(os.environ.get("KIMI_CONVERT_RETRY_BASE", "2.0"))
+
+
+def _retry_budget() -> float:
+    """Seconds a step may keep failing and be retried with backoff: a Hub still failing after a
+    minute is down, not blipping, and re-running later resumes (where anything can)."""
+    return float(os.environ.get("KIMI_CONVERT_RETRY_BUDGET", "60"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,25 +151,37 @@ def bound_library() -> None:
 
 
 def connect(repo_id: str, token: str | None, *, write: bool, revision: str | None = None,
-            say: Callable[[str], None] = print):
+            say: Callable[[str], None] = print) -> HfApi:
     """Everything that can fail without reading the output, in the order it costs: the id, the token,
-    then one request. For an upload, ``whoami``: the Hub is reachable and the token valid and not
-    read-only. For a remote check, ``repo_info``: the repo (and revision) exists and is visible.
-    A network error here is not retried: nothing has worked yet, so there is nothing to ride out."""
+    then one request with a short timeout. For an upload, ``whoami``: the Hub is reachable and the
+    token valid and not read-only. For a remote check, ``repo_info``: the repo (and revision) exists
+    and is visible. A network error here is not retried: nothing has worked yet, so there is no blip
+    to ride out, only a network (or HF_ENDPOINT) to fix."""
     check_repo_id(repo_id)
     token = resolve_token(token, repo_id, required=write)
     bound_library()
     api = HfApi(token=token)
     if write:
-        me = with_retries(api.whoami, "checking the token", repo_id, say, contacted=False, hint=None)
+        me = with_retries(lambda: _whoami(api), "checking the token", repo_id, say, contacted=False)
         role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
         if role == "read":
             raise ConvertError(f"{repo_id}: the token of {me.get('name', '?')!r} is read-only: pass one with write "
                                "access (https://huggingface.co/settings/tokens) with --token or HF_TOKEN")
     else:
         with_retries(lambda: api.repo_info(repo_id, revision=revision, timeout=CONNECT_TIMEOUT),
-                     "looking up the repository", repo_id, say, contacted=False, hint=None)
+                     "looking up the repository", repo_id, say, contacted=False)
     return api
+
+
+def _whoami(api: HfApi) -> dict:
+    """``whoami`` within CONNECT_TIMEOUT (it takes no timeout): a server that accepts the connection and
+    never answers must not hold the probe for IDLE_TIMEOUT."""
+    client = get_session()
+    saved, client.timeout = client.timeout, httpx2.Timeout(CONNECT_TIMEOUT)
+    try:
+        return api.whoami()
+    finally:
+        client.timeout = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,39 +294,50 @@ def _classify(e: BaseException, contacted: bool) -> Failure:
     return Failure(f"{type(root).__name__}: {text}" if text else type(root).__name__, final=False)
 
 
-def _explain(f: Failure, what: str, repo_id: str, hint: str | None, file: str | None, attempts: int) -> ConvertError:
+def _explain(f: Failure, what: str, repo_id: str, hint: str | None, file: str | None, attempts: int,
+             seconds: float) -> ConvertError:
     where = f"{what} {file}" if file else what
     text = f.text
     if attempts > 1:
-        text += f" (after {attempts} attempts)"
+        text += f" (after {attempts} attempts in {seconds:.0f} s)"
     if f.wait is not None and f.wait > MAX_WAIT:
         text += f"; the Hub asks to wait {f.wait:.0f} s"
     return ConvertError(f"{repo_id}: {where}: {text}" + (f"; {hint}" if hint and not f.final else ""))
 
 
-def _delay(f: Failure, attempt: int) -> float | None:
-    """Seconds before the next attempt, or None: waiting cannot help, or is not worth it in-process."""
+def _delay(f: Failure, attempt: int, failing_for: float) -> float | None:
+    """Seconds before the next attempt, or None: waiting cannot help, or is not worth it in-process.
+    The server's Retry-After is honoured up to MAX_WAIT; backoff stops once the step has been failing
+    for the retry budget (what the library retried inside each attempt counts)."""
     if not f.retry or attempt >= MAX_ATTEMPTS:
         return None
     if f.wait is not None:
         return f.wait if f.wait <= MAX_WAIT else None
-    return min(_retry_base() * 2 ** (attempt - 1), 60.0)
+    delay = min(_retry_base() * 2 ** (attempt - 1), 60.0)
+    return delay if failing_for + delay <= _retry_budget() else None
 
 
 def with_retries(fn: Callable[[], T], what: str, repo_id: str, say: Callable[[str], None], *,
                  contacted: bool = True, hint: str | None = "try again later") -> T:
-    """Run one step; retry it (MAX_ATTEMPTS in all) only on what a later attempt can get past: 429 after
-    its Retry-After, 408 and 5xx with backoff, a dropped connection once the Hub has answered before
-    (``contacted``). Anything else fails at once, as one line; ``hint`` (what re-running does) is added
-    only where re-running can help."""
+    """Run one step; retry it only on what a later attempt can get past: 429 after its Retry-After,
+    408 and 5xx with backoff, a dropped connection once the Hub has answered before (``contacted``);
+    at most MAX_ATTEMPTS times and, backing off, for the retry budget. Anything else fails at once, as
+    one line; ``hint`` (what re-running does) is added only where re-running can help."""
+    failing_since = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
+        started = time.monotonic()
         try:
             return fn()
         except Exception as e:  # the library's HTTP errors, the transport's, and its own wrappers
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = started
+            if now - started > _retry_budget():  # it worked for a while before failing: a new outage
+                failing_since = now
             f = _classify(e, contacted)
-            delay = _delay(f, attempt)
+            delay = _delay(f, attempt, now - failing_since)
             if delay is None:
-                raise _explain(f, what, repo_id, hint, _file(e), attempt) from None
+                raise _explain(f, what, repo_id, hint, _file(e), attempt, now - failing_since) from None
             say(f"{repo_id}: {what}: {f.text}; retry {attempt}/{MAX_ATTEMPTS - 1} in {delay:.1f} s")
             time.sleep(delay)
     raise AssertionError("unreachable")
