@@ -71,9 +71,20 @@ def _retry_base() -> float:
 
 
 def _retry_budget() -> float:
-    """Seconds a step may keep failing and be retried with backoff: a Hub still failing after a
-    minute is down, not blipping, and re-running later resumes (where anything can)."""
+    """Seconds the Hub may go without a useful answer while a step is retried with backoff: still
+    failing after a minute, it is down, not blipping, and re-running later resumes (where anything can)."""
     return float(os.environ.get("KIMI_CONVERT_RETRY_BUDGET", "60"))
+
+
+_last_answer = 0.0  # time.monotonic() of the Hub's last answer that was not a retriable error
+
+
+def _saw_answer(response) -> None:
+    """A response hook on the library's client: the retry budget counts from the Hub's last useful
+    answer, so the library's own retries count, and a long upload that was working is not out of it."""
+    global _last_answer
+    if response.status_code not in RETRY_STATUS:
+        _last_answer = time.monotonic()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,10 +133,15 @@ def bound_library() -> None:
       connect, IDLE_TIMEOUT s without a byte. Calls that pass ``timeout=None`` themselves (the tree
       listing's pages) keep no read timeout; the probe has already proved the route by then.
     - ``http_backoff`` (preupload, LFS batch and PUT, the Xet commit, tree pages) retries 408/429/5xx
-      and network errors 5 times, sleeping 1+2+4+8+8 s, or the 429's Retry-After: about 25 s per
-      request, at most about 75 s more with no route (5 connect timeouts). Left as it is: that is the
-      retry of a transfer dropped midway, and it never runs for "no network at start", which the
-      probe (a plain request, not retried on a network error) reports first.
+      and network errors 5 times, sleeping 1+2+4+8+8 s (a 429's Retry-After instead): 23 s of sleep per
+      request, plus 6 connect timeouts (60 s) with no route. It takes no setting; left as it is: it is
+      the retry of a transfer dropped midway, and it never runs for "no network at start", which the
+      probe (a plain request, not retried on a network error) reports first. What the tool adds on
+      top (``with_retries``) stops once the Hub has given no useful answer for the retry budget
+      (60 s; a response hook on the client keeps the time), the library's retries included, so the
+      two do not multiply: a Hub answering 503 to everything ends a step in about 75 s, a route gone
+      midway in about 85 s. Only a server that accepts connections and then stalls can hold a request
+      longer: 6 idle timeouts.
     - hf_xet retries each transfer for up to 360 s with a 60 s connect timeout: bounded to 60 s and
       CONNECT_TIMEOUT through its own HF_XET_CLIENT_* settings (a value the user set wins); re-running
       ``upload_folder`` resumes what Xet gave up on, deduplicated.
@@ -145,6 +161,8 @@ def bound_library() -> None:
     def bounded_client():
         client = default_client_factory()
         client.timeout = httpx2.Timeout(IDLE_TIMEOUT, connect=CONNECT_TIMEOUT)
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks, "response": [*hooks.get("response", []), _saw_answer]}
         return client
     set_client_factory(bounded_client)
     _bounded = True
@@ -294,12 +312,11 @@ def _classify(e: BaseException, contacted: bool) -> Failure:
     return Failure(f"{type(root).__name__}: {text}" if text else type(root).__name__, final=False)
 
 
-def _explain(f: Failure, what: str, repo_id: str, hint: str | None, file: str | None, attempts: int,
-             seconds: float) -> ConvertError:
+def _explain(f: Failure, what: str, repo_id: str, hint: str | None, file: str | None, attempts: int) -> ConvertError:
     where = f"{what} {file}" if file else what
     text = f.text
     if attempts > 1:
-        text += f" (after {attempts} attempts in {seconds:.0f} s)"
+        text += f" (after {attempts} attempts)"
     if f.wait is not None and f.wait > MAX_WAIT:
         text += f"; the Hub asks to wait {f.wait:.0f} s"
     return ConvertError(f"{repo_id}: {where}: {text}" + (f"; {hint}" if hint and not f.final else ""))
@@ -307,8 +324,8 @@ def _explain(f: Failure, what: str, repo_id: str, hint: str | None, file: str | 
 
 def _delay(f: Failure, attempt: int, failing_for: float) -> float | None:
     """Seconds before the next attempt, or None: waiting cannot help, or is not worth it in-process.
-    The server's Retry-After is honoured up to MAX_WAIT; backoff stops once the step has been failing
-    for the retry budget (what the library retried inside each attempt counts)."""
+    The server's Retry-After is honoured up to MAX_WAIT; backoff stops once the Hub has given no
+    useful answer for the retry budget (the library's retries inside the step count)."""
     if not f.retry or attempt >= MAX_ATTEMPTS:
         return None
     if f.wait is not None:
@@ -323,21 +340,16 @@ def with_retries(fn: Callable[[], T], what: str, repo_id: str, say: Callable[[st
     408 and 5xx with backoff, a dropped connection once the Hub has answered before (``contacted``);
     at most MAX_ATTEMPTS times and, backing off, for the retry budget. Anything else fails at once, as
     one line; ``hint`` (what re-running does) is added only where re-running can help."""
-    failing_since = None
+    started = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        started = time.monotonic()
         try:
             return fn()
         except Exception as e:  # the library's HTTP errors, the transport's, and its own wrappers
-            now = time.monotonic()
-            if failing_since is None:
-                failing_since = started
-            if now - started > _retry_budget():  # it worked for a while before failing: a new outage
-                failing_since = now
+            failing_for = time.monotonic() - max(started, _last_answer)
             f = _classify(e, contacted)
-            delay = _delay(f, attempt, now - failing_since)
+            delay = _delay(f, attempt, failing_for)
             if delay is None:
-                raise _explain(f, what, repo_id, hint, _file(e), attempt, now - failing_since) from None
+                raise _explain(f, what, repo_id, hint, _file(e), attempt) from None
             say(f"{repo_id}: {what}: {f.text}; retry {attempt}/{MAX_ATTEMPTS - 1} in {delay:.1f} s")
             time.sleep(delay)
     raise AssertionError("unreachable")
