@@ -342,7 +342,10 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 @click.option("--base-model", help="base_model for the model card (default: config.json's _name_or_path).")
 def upload(output_dir: str, repo_id: str, private: bool, revision: str | None, create_pr: bool,
            token: str | None, base_model: str | None) -> None:
-    """Verify OUTPUT, upload it to the Hub repo REPO_ID, and check what arrived against the manifest."""
+    """Verify OUTPUT, upload it to the Hub repo REPO_ID, and check what arrived against the manifest.
+
+    REPO_ID's form, the token and the Hub's answer are checked first, in seconds, before verifying.
+    """
     from .hub import upload as run
 
     if create_pr and revision:

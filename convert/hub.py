@@ -265,9 +265,9 @@ def _http_failure(e) -> Failure:
         return Failure(f"revision not found ({status})")
     if isinstance(e, DisabledRepoError):
         return Failure(f"the repository is disabled ({status})")
-    if status == 401:
-        return Failure("not authenticated (401): the token is invalid or expired; pass --token, set HF_TOKEN or "
-                       "run `hf auth login`")
+    if status == 401:  # the library's text says which token it used (HF_TOKEN, the stored login)
+        return Failure(f"not authenticated (401: {server}): pass a valid token with --token, HF_TOKEN or "
+                       "`hf auth login`")
     if status == 403:
         return Failure(f"forbidden (403): the token lacks write access to this repo, or a quota is exceeded "
                        f"({server})")

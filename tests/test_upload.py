@@ -121,12 +121,10 @@ def test_token_from_the_stored_login(hub, out, tmp_path):
 
 def test_no_token_fails_before_verifying(hub, out, tmp_path):
     break_verification(out)
-    t = time.monotonic()
-    r = cli(hub, "upload", out, "user/no-token", token=None, tmp=tmp_path)
-    line = one_line_error(r)
+    line = one_line_error(cli(hub, "upload", out, "user/no-token", token=None, tmp=tmp_path))
     assert "user/no-token: no Hugging Face token" in line
     assert "--token" in line and "HF_TOKEN" in line and "hf auth login" in line and "resume" not in line
-    assert hub.log == [] and time.monotonic() - t < 30  # nothing sent, nothing verified
+    assert "refusing" not in line and hub.log == []  # nothing verified, nothing sent
 
 
 @pytest.mark.parametrize("repo_id", ["no-owner", "a/b/c", "user/bad name", "user/x..y", "user/-x"])
@@ -168,8 +166,9 @@ def test_no_network_fails_fast_with_one_line(out, tmp_path, command, network):
     assert elapsed < 10, elapsed
 
 
-@pytest.mark.parametrize(("token", "msg"), [("hf_wrong", "checking the token: not authenticated (401)"),
-                                            ("read-only", "the token of 'user' is read-only")])
+@pytest.mark.parametrize(("token", "msg"), [
+    ("hf_wrong", "checking the token: not authenticated (401: Invalid user token."),
+    ("read-only", "the token of 'user' is read-only")])
 def test_auth_errors_fail_before_verifying_and_are_not_retried(hub, out, tmp_path, token, msg):
     break_verification(out)
     line = one_line_error(cli(hub, "upload", out, "user/auth", token=token, tmp=tmp_path))
@@ -198,6 +197,7 @@ def test_missing_repo_for_remote_check_fails_before_hashing(hub, out, tmp_path, 
     assert requests_to(hub, "/user/nope") == 1  # one lookup, not retried, no tree listing
     # in-process, to see that the local verification (hashing every file) never started
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.url)
+    monkeypatch.setattr("kimi_convert.hub._bounded", True)  # leave this process's HTTP client and environment be
     verified = []
     monkeypatch.setattr("kimi_convert.verify.verify", lambda *a, **k: verified.append(a))
     r = run("verify-manifest", out, "--remote", "user/nope", "--token", TOKEN)
