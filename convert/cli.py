@@ -294,6 +294,11 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     if engine_any_version and not engines:
         raise click.UsageError("--engine-any-version needs --engine")
     manifest = Path(output_dir, "manifest.json").exists() or not engines
+    hub_api = None
+    if remote and manifest:  # the repo id, the Hub and the repo checked before any hashing
+        from .hub import connect
+
+        hub_api = connect(remote, token, write=False, revision=revision, say=lambda m: click.echo(m, err=True))
     if manifest:
         with Progress("verify", not (quiet or as_json)) as bar:
             rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=bar.grow)
@@ -304,7 +309,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     if remote:
         from .hub import verify_remote
 
-        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True))
+        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
     engine_reports = []
     if engines:
@@ -346,7 +351,10 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 @click.option("--base-model", help="base_model for the model card (default: config.json's _name_or_path).")
 def upload(output_dir: str, repo_id: str, private: bool, revision: str | None, create_pr: bool,
            token: str | None, base_model: str | None) -> None:
-    """Verify OUTPUT, upload it to the Hub repo REPO_ID, and check what arrived against the manifest."""
+    """Verify OUTPUT, upload it to the Hub repo REPO_ID, and check what arrived against the manifest.
+
+    REPO_ID's form, the token and the Hub's answer are checked first, in seconds, before verifying.
+    """
     from .hub import upload as run
 
     if create_pr and revision:

@@ -2,8 +2,10 @@
 ``create_repo``, ``upload_folder`` (Xet off: preupload, LFS batch and basic transfer, NDJSON commit)
 and ``list_repo_tree`` use, so that the real client can be tested without the network.
 
-Faults: ``hub.fail(method, path_regex, status, times)`` answers the next ``times`` matching requests
-with ``status`` (``status=0`` drops the connection without an answer).
+Faults: ``hub.fail(method, path_regex, status, times, headers)`` answers the next ``times`` matching
+requests with ``status`` and ``headers`` (``status=0`` drops the connection without an answer; a 429
+says ``Retry-After: 0`` unless told otherwise). ``hub.log`` lists every request answered, ``hub.times``
+when (monotonic seconds), for tests that check a wait.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -32,6 +35,7 @@ class Fault:
     path: re.Pattern[str]
     status: int
     times: int
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class FakeHub:
@@ -42,6 +46,7 @@ class FakeHub:
         self.lfs: dict[str, bytes] = {}
         self.faults: list[Fault] = []
         self.log: list[tuple[str, str, int]] = []
+        self.times: list[float] = []
         self.headers_seen: list[str] = []
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -56,8 +61,13 @@ class FakeHub:
         self.server.shutdown()
         self.server.server_close()
 
-    def fail(self, method: str, path: str, status: int, times: int = 1) -> None:
-        self.faults.append(Fault(method, re.compile(path), status, times))
+    def fail(self, method: str, path: str, status: int, times: int = 1, headers: dict | None = None) -> None:
+        self.faults.append(Fault(method, re.compile(path), status, times, headers or {}))
+
+    def record(self, method: str, path: str, status: int) -> None:
+        with self.lock:
+            self.log.append((method, path, status))
+            self.times.append(time.monotonic())
 
     def file_bytes(self, repo_id: str, path: str) -> bytes:
         f = self.repos[repo_id].files[path]
@@ -104,17 +114,18 @@ class FakeHub:
                     for f in hub.faults:
                         if f.times > 0 and f.method == method and f.path.search(path):
                             f.times -= 1
-                            status = f.status
+                            status, headers = f.status, f.headers
                             break
                     else:
                         return False
                 self._body()
-                hub.log.append((method, path, status))
+                hub.record(method, path, status)
                 if status == 0:  # drop the connection, no answer
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return True
-                headers = {"Retry-After": "0"} if status == 429 else {}
+                if status == 429 and "Retry-After" not in headers:
+                    headers = {**headers, "Retry-After": "0"}
                 self._send(status, {"error": f"injected {status}"}, headers)
                 return True
 
@@ -149,7 +160,7 @@ class FakeHub:
                 try:
                     status = self._dispatch(method, path, parse_qs(url.query))
                 finally:
-                    hub.log.append((method, path, status))
+                    hub.record(method, path, status)
 
             def _repo(self, ns: str, name: str) -> Repo | None:
                 repo = hub.repos.get(f"{ns}/{name}")
@@ -179,7 +190,9 @@ class FakeHub:
                 if m:
                     if not self._auth(write=False):
                         return 401
-                    self._send(200, {"name": "user", "type": "user", "orgs": []})
+                    role = "read" if self.headers.get("Authorization") == f"Bearer {hub.read_only_token}" else "write"
+                    self._send(200, {"name": "user", "type": "user", "orgs": [],
+                                     "auth": {"type": "access_token", "accessToken": {"role": role}}})
                     return 200
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/preupload/(.+)", path)
                 if m and method == "POST":

@@ -1,18 +1,25 @@
 """upload and verify-manifest --remote against a local server speaking the Hub's HTTP API, through the
-real huggingface_hub client (Xet off). Faults: 401/403/404, 429 and 5xx, a dropped connection,
-an interrupted upload resumed by re-running; the token never appears in any output."""
+real huggingface_hub client (Xet off). Checked before any verification: the repo id's form, a token,
+the Hub's answer (no network: one line in seconds). Faults: 401/403/404 (never retried, never
+"resume"), 429 (Retry-After) and 5xx (retried), dropped connections midway (retried), an interrupted
+upload resumed by re-running; the token never appears in any output. Every environment is
+hermetic: no HF_* variable of the caller's, and HF_HOME in the test's own folder."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from fakehub import FakeHub
+
+from helpers import run
 
 TOKEN = "hf_kimiConvertTestSecret0123456789"
 
@@ -28,11 +35,13 @@ def out(packed_k3, tmp_path) -> Path:
     return Path(shutil.copytree(packed_k3, tmp_path / "out"))
 
 
-def cli(hub: FakeHub, *args, token: str | None = TOKEN, env_token: str | None = None, tmp: Path | None = None):
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
-    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HOME=str(tmp or Path(os.environ.get("TMPDIR", "/tmp")) / "kc-hf-home"),
-               KIMI_CONVERT_RETRY_BASE="0.01", TQDM_DISABLE="1")
+def cli(hub: FakeHub | None, *args, tmp: Path, token: str | None = TOKEN, env_token: str | None = None,
+        endpoint: str | None = None, **env_extra: str):
+    """Run kimi-convert in a clean environment: HF_HOME (the stored login) is ``tmp/hf-home``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
+    env.update(HF_ENDPOINT=endpoint or hub.url, HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HOME=str(tmp / "hf-home"), KIMI_CONVERT_RETRY_BASE="0.01", TQDM_DISABLE="1")
+    env.update(env_extra)
     if env_token:
         env["HF_TOKEN"] = env_token
     extra = ["--token", token] if token else []
@@ -40,6 +49,28 @@ def cli(hub: FakeHub, *args, token: str | None = TOKEN, env_token: str | None = 
                        text=True, env=env, timeout=300)
     assert TOKEN not in r.stdout and TOKEN not in r.stderr, "the token leaked into the output"
     return r
+
+
+def one_line_error(r) -> str:
+    """The failure is exactly one line, ``kimi-convert: error: ...``, exit 2, no traceback; returns it."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("kimi-convert: error: "), r.stderr
+    return lines[0]
+
+
+def requests_to(hub: FakeHub, path_part: str) -> int:
+    return sum(1 for _, p, _ in hub.log if path_part in p)
+
+
+def break_verification(out: Path) -> None:
+    """Make the offline verification fail: a check that ran it would say 'refusing to upload'."""
+    (out / "hf_quant_config.json").write_text("{}")
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_arrived(hub: FakeHub, repo_id: str, out: Path, files: dict | None = None) -> None:
@@ -55,6 +86,7 @@ def assert_arrived(hub: FakeHub, repo_id: str, out: Path, files: dict | None = N
 def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     r = cli(hub, "upload", out, "user/k3-nvfp4", "--private", tmp=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert hub.log[0][1] == "/api/whoami-v2"  # the probe, before anything else
     man = json.loads((out / "manifest.json").read_text())
     n = len(man["outputs"]) + len(man["files"]) + 1  # shards, configs/index/side files, the manifest
     assert f"all {n} files present, sizes and sha256 match the manifest" in r.stdout
@@ -79,24 +111,97 @@ def test_token_from_environment(hub, out, tmp_path):
     assert_arrived(hub, "user/env-token", out)
 
 
-def test_refuses_to_upload_what_fails_verification(hub, out, tmp_path):
-    (out / "hf_quant_config.json").write_text("{}")
-    r = cli(hub, "upload", out, "user/bad", tmp=tmp_path)
-    assert r.returncode == 2 and "refusing to upload" in r.stderr
-    assert hub.log == [] or all("/repos/create" not in p for _, p, _ in hub.log)
+def test_token_from_the_stored_login(hub, out, tmp_path):
+    (tmp_path / "hf-home").mkdir()
+    (tmp_path / "hf-home" / "token").write_text(TOKEN)  # where `hf auth login` stores it, under HF_HOME
+    r = cli(hub, "upload", out, "user/login-token", token=None, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert_arrived(hub, "user/login-token", out)
 
 
-@pytest.mark.parametrize(("token", "msg"), [("hf_wrong", "not authenticated (401)"),
-                                            ("read-only", "forbidden (403)")])
-def test_auth_errors(hub, out, tmp_path, token, msg):
-    r = cli(hub, "upload", out, "user/auth", token=token, tmp=tmp_path)
-    assert r.returncode == 2 and msg in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+def test_no_token_fails_before_verifying(hub, out, tmp_path):
+    break_verification(out)
+    line = one_line_error(cli(hub, "upload", out, "user/no-token", token=None, tmp=tmp_path))
+    assert "user/no-token: no Hugging Face token" in line
+    assert "--token" in line and "HF_TOKEN" in line and "hf auth login" in line and "resume" not in line
+    assert "refusing" not in line and hub.log == []  # nothing verified, nothing sent
 
 
-def test_missing_repo_for_remote_check(hub, out, tmp_path):
-    r = cli(hub, "verify-manifest", out, "--remote", "user/nope", tmp=tmp_path)
-    assert r.returncode == 2 and "not found (404)" in r.stderr
+@pytest.mark.parametrize("repo_id", ["no-owner", "a/b/c", "user/bad name", "user/x..y", "user/-x"])
+def test_bad_repo_id_fails_before_verifying(hub, out, tmp_path, repo_id):
+    break_verification(out)
+    line = one_line_error(cli(hub, "upload", out, repo_id, tmp=tmp_path))
+    assert f"{repo_id!r} is not a Hub repo id" in line and "owner/name" in line, line
+    assert "refusing" not in line and "resume" not in line
+    assert hub.log == []
+
+
+def test_bad_repo_id_for_remote_check(hub, out, tmp_path):
+    line = one_line_error(cli(hub, "verify-manifest", out, "--remote", "user/a/b", tmp=tmp_path))
+    assert "'user/a/b' is not a Hub repo id" in line and hub.log == []
+
+
+@pytest.mark.parametrize("command", ["upload", "verify-manifest"])
+@pytest.mark.parametrize("network", ["refused", "silent"])
+def test_no_network_fails_fast_with_one_line(out, tmp_path, command, network):
+    """No Hub at HF_ENDPOINT: a closed port (refused at once), or a server that accepts connections and
+    never answers (the probe's short timeout, here 1 s). Not retried (at the default retry base, 2 s,
+    a retry would show), one line, no "resume". Before: 63 s (upload) and 207 s (verify-manifest
+    --remote) for a closed port, and a silent server held them for good."""
+    args = ["upload", out, "user/offline"] if command == "upload" else ["verify-manifest", out, "--remote",
+                                                                         "user/offline"]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the kernel's backlog; nothing reads them
+        port = silent.getsockname()[1] if network == "silent" else closed_port()
+        t = time.monotonic()
+        r = cli(None, *args, tmp=tmp_path, endpoint=f"http://127.0.0.1:{port}", KIMI_CONVERT_RETRY_BASE="2",
+                KIMI_CONVERT_CONNECT_TIMEOUT="1")
+        elapsed = time.monotonic() - t
+    line = one_line_error(r)
+    step = "checking the token" if command == "upload" else "looking up the repository"
+    what = "cannot connect (" if network == "refused" else "no answer (ReadTimeout)"
+    assert f"user/offline: {step}: 127.0.0.1: {what}" in line and "check the network or HF_ENDPOINT" in line, line
+    assert "resume" not in line and "retry" not in r.stderr
+    assert elapsed < 10, elapsed
+
+
+@pytest.mark.parametrize(("token", "msg"), [
+    ("hf_wrong", "checking the token: not authenticated (401: Invalid user token."),
+    ("read-only", "the token of 'user' is read-only")])
+def test_auth_errors_fail_before_verifying_and_are_not_retried(hub, out, tmp_path, token, msg):
+    break_verification(out)
+    line = one_line_error(cli(hub, "upload", out, "user/auth", token=token, tmp=tmp_path))
+    assert f"user/auth: {msg}" in line and "resume" not in line and "refusing" not in line, line
+    assert hub.log == [("GET", "/api/whoami-v2", 401 if token == "hf_wrong" else 200)]  # once, nothing else
+
+
+def test_forbidden_is_not_retried(hub, out, tmp_path):
+    hub.fail("POST", r"/repos/create", 403, times=100, headers={"X-Error-Message": "no write access to 'user'"})
+    line = one_line_error(cli(hub, "upload", out, "user/forbidden", tmp=tmp_path))
+    assert "user/forbidden: creating the repository: forbidden (403)" in line and "resume" not in line, line
+    assert requests_to(hub, "/repos/create") == 1
+
+
+def test_repo_gone_midway_is_not_retried_and_not_resumable(hub, out, tmp_path):
+    """A 404 during the upload step (where other failures say "resume") is final: no retry, no resume."""
+    hub.fail("POST", r"/preupload/", 404, times=100, headers={"X-Error-Code": "RepoNotFound"})
+    line = one_line_error(cli(hub, "upload", out, "user/gone", tmp=tmp_path))
+    assert "user/gone: uploading: repository not found (404)" in line and "resume" not in line, line
+    assert requests_to(hub, "/preupload/") == 1
+
+
+def test_missing_repo_for_remote_check_fails_before_hashing(hub, out, tmp_path, monkeypatch):
+    line = one_line_error(cli(hub, "verify-manifest", out, "--remote", "user/nope", tmp=tmp_path))
+    assert "user/nope: looking up the repository: repository not found (404)" in line and "resume" not in line
+    assert requests_to(hub, "/user/nope") == 1  # one lookup, not retried, no tree listing
+    # in-process, to see that the local verification (hashing every file) never started
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.url)
+    monkeypatch.setattr("kimi_convert.hub._bounded", True)  # leave this process's HTTP client and environment be
+    verified = []
+    monkeypatch.setattr("kimi_convert.verify.verify", lambda *a, **k: verified.append(a))
+    r = run("verify-manifest", out, "--remote", "user/nope", "--token", TOKEN)
+    assert r.exit_code == 2 and "repository not found (404)" in r.output and verified == []
 
 
 def test_rate_limits_and_server_errors_are_retried(hub, out, tmp_path):
@@ -109,17 +214,56 @@ def test_rate_limits_and_server_errors_are_retried(hub, out, tmp_path):
     assert sum(1 for m, p, s in hub.log if s in (429, 500, 503)) == 5
 
 
+def test_server_errors_are_retried_within_a_budget(hub, out, tmp_path):
+    """Backoff 0.4 s then 0.8 s against a 1 s budget: with no useful answer since the step began, the
+    second retry would end past it, so it is not made; the step before the upload says to try again
+    later, not to resume. A step that keeps getting answers (the commit fails, the uploads before it
+    work) is not out of budget."""
+    slow = {"KIMI_CONVERT_RETRY_BASE": "0.4", "KIMI_CONVERT_RETRY_BUDGET": "1"}
+    hub.fail("POST", r"/repos/create", 503, times=100)
+    r = cli(hub, "upload", out, "user/down", tmp=tmp_path, **slow)
+    assert r.returncode == 2 and requests_to(hub, "/repos/create") == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert "user/down: creating the repository: the Hub answered 503" in line and "(after 2 attempts)" in line
+    assert line.endswith("; try again later") and "resume" not in r.stderr
+    hub.faults.clear()
+    hub.fail("POST", r"/commit/", 503, times=2)
+    r = cli(hub, "upload", out, "user/blips", tmp=tmp_path, **slow)
+    assert r.returncode == 0, r.stderr
+    assert requests_to(hub, "/commit/") == 3 and "retry 2/3 in 0.8 s" in r.stderr
+
+
+def test_retry_after_is_honoured(hub, out, tmp_path):
+    hub.fail("POST", r"/repos/create", 429, times=1, headers={"Retry-After": "1"})
+    r = cli(hub, "upload", out, "user/patient", tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    first, second = [t for t, (_, p, _) in zip(hub.times, hub.log, strict=True) if "/repos/create" in p]
+    assert second - first >= 1.0  # the retry base is 0.01 s: only the server's Retry-After explains the wait
+
+
+def test_retry_after_beyond_reason_is_not_waited_for(hub, out, tmp_path):
+    hub.fail("POST", r"/repos/create", 429, times=1, headers={"Retry-After": "3600"})
+    line = one_line_error(cli(hub, "upload", out, "user/later", tmp=tmp_path))
+    assert "rate limited (429)" in line and "asks to wait 3600 s" in line and "resume" not in line, line
+    assert requests_to(hub, "/repos/create") == 1
+
+
 def test_dropped_connection_mid_upload(hub, out, tmp_path):
-    hub.fail("PUT", r"/lfs-upload/", 0, times=1)
+    hub.fail("PUT", r"/lfs-upload/", 0, times=1)  # retried by the library's own backoff
+    hub.fail("POST", r"/commit/", 0, times=1)  # the library sends the commit once: retried here
     r = cli(hub, "upload", out, "user/dropped", tmp=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert "connection dropped" in r.stderr and "retry 1/" in r.stderr
     assert_arrived(hub, "user/dropped", out)
+    assert requests_to(hub, "/commit/") == 2
 
 
 def test_interrupted_upload_resumes_by_rerunning(hub, out, tmp_path):
     hub.fail("POST", r"/commit/", 500, times=100)  # the commit never goes through this time
     r = cli(hub, "upload", out, "user/resume", tmp=tmp_path)
     assert r.returncode == 2 and "re-run the same command to resume" in r.stderr, r.stderr
+    assert "uploading: the Hub answered 500" in r.stderr and "(after 4 attempts)" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("kimi-convert: error: user/resume: ")
     assert hub.repos["user/resume"].files == {}
     puts_first = sum(1 for m, p, s in hub.log if m == "PUT" and s == 200)
     assert puts_first == len([p for p in out.iterdir() if p.suffix == ".safetensors"]) + 1  # + manifest.json
@@ -158,5 +302,6 @@ def test_remote_tampering_is_reported(hub, out, tmp_path):
 def test_quota_error_is_not_retried(hub, out, tmp_path):
     hub.fail("POST", r"/commit/", 403, times=100)
     r = cli(hub, "upload", out, "user/quota", tmp=tmp_path)
-    assert r.returncode == 2 and "forbidden (403)" in r.stderr and "quota" in r.stderr
+    line = one_line_error(r)
+    assert "forbidden (403)" in line and "quota" in line and "resume" not in line
     assert sum(1 for m, p, s in hub.log if "/commit/" in p) == 1  # a 403 is final: no retry loop
