@@ -192,7 +192,9 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 
     _, p = load_plan(input_dir, _options(kw), kw["mapping"], kw["strict"])
     if as_json:
-        click.echo(json.dumps(plan_dict(p), indent=2))
+        from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
+
+        click.echo(json.dumps({**plan_dict(p), **side_dict(p)}, indent=2))
     else:
         click.echo(render_plan(p, input_dir))
     for w in p.warnings:
@@ -245,6 +247,10 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
         return
     if stats_path and res.stats:
         Path(stats_path).write_text(json.dumps(dataclasses.asdict(res.stats), indent=2) + "\n")
+    if res.plan.skipped_files:  # side files (convert/sidefiles.py): what was not copied, and why
+        from .sidefiles import summary
+
+        click.echo(summary(res.plan.skipped_files))
     items = res.plan.items
     cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
     click.echo(
@@ -423,7 +429,9 @@ def render_plan(p: Plan, input_dir: str) -> str:
         f"in {len(p.shards)} shard(s)",
         f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",
     ]
-    return "\n".join(lines)
+    from .sidefiles import render  # side files (convert/sidefiles.py)
+
+    return "\n".join([*lines, *render(p.side_files, p.side_folders, p.skipped_files)])
 
 
 def main() -> None:

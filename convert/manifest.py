@@ -15,7 +15,9 @@ from .recipe import FP8_BLOCK
 from .write import layer_algo, quantized_layers
 
 FORMAT = "kimi-convert-manifest"
-FORMAT_VERSION = 1
+#: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
+#: Version 1 manifests (``side_files`` a list of names) are still read.
+FORMAT_VERSION = 2
 
 
 def plan_dict(plan: Plan) -> dict:
@@ -42,6 +44,18 @@ def plan_dict(plan: Plan) -> dict:
                    "fp8_block": sum(it.kind == FP8 for it in plan.items),
                    "kept": sum(it.kind == "keep" for it in plan.items),
                    "copied": sum(it.kind == "copy" for it in plan.items)},
+    }
+
+
+def side_dict(plan: Plan, side_files: list[dict] | None = None) -> dict:
+    """What the input tree gave besides the weights: the files copied (with size and sha256 once
+    pack has copied them; names only for ``plan``), the empty folders recreated, and the files
+    skipped with the reason. Kept out of ``plan_dict``: the plan's hash covers the weights only, so
+    manifests written before side files were recorded still re-plan to their ``plan_sha256``."""
+    return {
+        "side_files": side_files if side_files is not None else [{"file": f} for f in plan.side_files],
+        "side_folders": list(plan.side_folders),
+        "skipped_files": [s.to_dict() for s in plan.skipped_files],
     }
 
 
@@ -77,8 +91,9 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
 
 def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str],
           tensor_hashes: dict[str, str], source_hashes: dict[str, str], notes: dict[str, dict],
-          output_sizes: dict[str, int], files: list[dict]) -> dict:
-    """``files``: every other file of the output (configs, index, side files) with size and sha256."""
+          output_sizes: dict[str, int], files: list[dict], side_files: list[dict]) -> dict:
+    """``files``: every other file of the output (configs, index, side files) with size and sha256;
+    ``side_files``: those of them copied from the input (the same bytes: the input's hashes too)."""
     body = plan_dict(plan)
     plan_sha256 = fingerprint(body)
     for mod in body["modules"]:
@@ -101,7 +116,7 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
         "mapping_source": plan.mapping.source,
         "recipe_source": plan.recipe.source,
         "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
-        "side_files": list(plan.side_files),
+        **side_dict(plan, side_files),
         "outputs": [{"file": f, "size": output_sizes[f], "sha256": h} for f, h in sorted(output_hashes.items())],
         "files": files,
         **body,

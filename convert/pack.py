@@ -225,7 +225,7 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
         raise ConvertError(f"{output_dir}: nothing to resume (no journal) and the folder holds other files; "
                            "pass --overwrite to start again")
     write.clear_previous(output_dir, plan.side_files)
-    for p in output_dir.glob("*" + write.PARTIAL):
+    for p in output_dir.rglob("*" + write.PARTIAL):  # side files' are in sub-folders
         p.unlink()
     j = Journal(fp, command, stamps)
     j.save(output_dir)
@@ -235,7 +235,7 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
 def _check_complete(output_dir: Path) -> None:
     """A resumed run that finds a finished output checks its files against the manifest."""
     man = write.load_manifest(output_dir)
-    for f in man.get("outputs", []):
+    for f in [*man.get("outputs", []), *man.get("files", [])]:
         path = output_dir / f["file"]
         if not path.is_file() or path.stat().st_size != f["size"] or write.sha256_file(path) != f["sha256"]:
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
@@ -265,15 +265,14 @@ def _check_space(output_dir: Path, todo: list[Shard]) -> None:
 
 
 def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: Journal,
-            input_hashes: dict[str, str]) -> None:
-    """Configs, side files and index, then the manifest, then the journal goes."""
+            input_hashes: dict[str, str]) -> dict[str, dict]:
+    """Configs, side files and index, then the manifest, then the journal goes. Side files are
+    copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's."""
     write.write_json_atomic(output_dir / "config.json", write.output_config(ckpt.config, plan))
     write.write_json_atomic(output_dir / "hf_quant_config.json", write.hf_quant_config(plan))
-    write.copy_side_files(input_dir, output_dir, plan.side_files)
+    side = write.copy_side_files(input_dir, output_dir, plan.side_files, plan.side_folders)
     write.write_json_atomic(output_dir / write.INDEX_NAME, write.index_json(plan))
-    others = ["config.json", "hf_quant_config.json", write.INDEX_NAME, *plan.side_files]
-    files = [{"file": f, "size": (output_dir / f).stat().st_size, "sha256": write.sha256_file(output_dir / f)}
-             for f in others]
+    own = [write.record(output_dir, f) for f in ("config.json", "hf_quant_config.json", write.INDEX_NAME)]
     recs = [j.shards[s.file] for s in plan.shards]
     notes = {k: v for r in recs for k, v in r.notes.items()}
     man = manifest_mod.build(
@@ -284,9 +283,9 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
         {k: v for r in recs for k, v in r.sources.items()},
         notes,
         {s.file: s.size for s in plan.shards},
-        files,
+        [r.to_dict() for r in [*own, *side]],
+        [r.to_dict() for r in side],
     )
     write.write_json_atomic(output_dir / "manifest.json", man, compact_lists=("modules",))
     (output_dir / journal.NAME).unlink()
     return notes
-

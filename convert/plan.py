@@ -20,6 +20,7 @@ from . import rules
 from .errors import ConvertError
 from .mapping import ENGINES, Group, Mapping, template_regex
 from .recipe import FP8_BLOCK, Format, Recipe, find_recipe
+from .sidefiles import Skipped
 from .source import DTYPES, Checkpoint, TensorInfo
 
 GROUP_SIZE = 16
@@ -168,6 +169,8 @@ class Plan:
     layer_kinds: dict[int, str] = field(default_factory=dict)
     engine_groups: tuple[EngineGroup, ...] = ()
     notes: tuple[str, ...] = ()  # decisions worth saying (e.g. a condition decided from the tensors)
+    side_folders: tuple[str, ...] = ()  # empty input folders, recreated (sidefiles.scan)
+    skipped_files: tuple[Skipped, ...] = ()  # input files neither read nor copied, with the reason
 
     @property
     def items(self) -> list[Item]:
@@ -943,6 +946,8 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
         layer_kinds=m.layer_kinds(ckpt.config),
         engine_groups=_engine_records(fusions, modules),
         notes=tuple(dict.fromkeys(notes)),
+        side_folders=tuple(ckpt.side_folders),
+        skipped_files=tuple(ckpt.skipped_files),
     )
 
 

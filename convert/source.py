@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from . import paths
 from .errors import ConvertError
+from .sidefiles import Skipped, scan
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: planning needs only the headers, and
     import numpy as np  # pack starts reading the input while torch loads (about a second)
@@ -191,8 +192,10 @@ class Checkpoint:
     files: list[str]  # shard files in index order
     tensors: dict[str, TensorInfo]  # every stored tensor by name
     file_sizes: dict[str, int] = field(default_factory=dict)
-    side_files: list[str] = field(default_factory=list)  # non-weight files to copy
+    side_files: list[str] = field(default_factory=list)  # non-weight files to copy (sidefiles.scan)
     has_index: bool = False
+    side_folders: list[str] = field(default_factory=list)  # empty folders to recreate
+    skipped_files: list[Skipped] = field(default_factory=list)  # input files not copied, with the reason
 
     @property
     def total_bytes(self) -> int:
@@ -241,15 +244,14 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
         for name, rel in weight_map.items():
             if name not in tensors:
                 raise ConvertError(f"{INDEX_NAME}: tensor {name} is not in {rel}")
-    side = sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file()
-        and not p.name.endswith(".safetensors")
-        and p.name not in (INDEX_NAME, "config.json", "hf_quant_config.json")
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-    return Checkpoint(folder, config, files, tensors, sizes, side, weight_map is not None)
+    side = scan(folder, consumed(files))
+    return Checkpoint(folder, config, files, tensors, sizes, list(side.copied), weight_map is not None,
+                      list(side.folders), list(side.skipped))
+
+
+def consumed(files: list[str]) -> list[str]:
+    """The input files pack reads and writes anew: the shards, ``config.json`` and the index."""
+    return [*files, "config.json", INDEX_NAME]
 
 
 class TensorReader:

@@ -69,6 +69,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -81,6 +82,7 @@ from kimi_convert.kernels.reference import e2m1_codes, pack
 
 from .errors import ConvertError
 from .source import INDEX_NAME
+from .write import default_mode
 
 
 @dataclass(frozen=True)
@@ -525,6 +527,9 @@ SIDE_FILES = {
     "chat_template.jinja": "{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>{% endfor %}\n",
     "generation_config.json": json.dumps({"max_length": 262144, "eos_token_id": 163586}, indent=2),
     "tokenization_kimi.py": "# synthetic stand-in for the release's custom tokenizer code\n",
+    # as a Hub download has them: the repo's LFS rules, and documents in a sub-folder
+    ".gitattributes": "".join(f"*.{x} filter=lfs diff=lfs merge=lfs -text\n" for x in ("safetensors", "model")),
+    "docs/deploy_guidance.md": "# Deployment\n\nSynthetic stand-in for the release's deployment notes.\n",
 }
 
 
@@ -584,6 +589,7 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
             weight_map[k] = fname
             total += v.numel() * v.element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, default_mode())  # save_file makes 0o600; every file of the folder the same
         del tensors
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                              indent=2) + "\n")
@@ -591,5 +597,6 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     code = {"kimi_k3": "configuration_kimi_k3.py", "kimi_linear": "configuration_kimi.py"}.get(
         p.arch, "configuration_deepseek.py")
     for name, text in {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}.items():
+        (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)
     return out

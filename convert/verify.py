@@ -25,8 +25,9 @@ from .mapping import parse_mapping
 from .plan import QUANTIZED, Options, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
-from .source import INDEX_NAME, open_checkpoint, parse_header
-from .write import hash_file, load_manifest
+from .sidefiles import scan
+from .source import INDEX_NAME, consumed, open_checkpoint, parse_header
+from .write import hash_file, is_inside, load_manifest
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
 
@@ -90,7 +91,7 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
         by_file.setdefault(t["file"], {})[t["name"]] = t
     shards = {f["file"]: f for f in man["outputs"]}
     others = {f["file"]: f for f in man.get("files", [])}
-    problems: list[str] = []
+    problems: list[str] = _side_records(man, others)
     headers: dict[str, dict] = {}
     for name in shards:
         path = output / name
@@ -104,6 +105,8 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
     for name in others:
         if not (output / name).is_file():
             problems.append(f"{name}: missing")
+    problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
+                 if not (output / d).is_dir()]
     if total:
         total(sum((output / n).stat().st_size for n in [*headers, *others] if (output / n).is_file()))
 
@@ -147,6 +150,30 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
     _check_configs(output, man, rep)
     _check_row_ranges(man, rep)
     _check_engine_rules(man, rep)
+
+
+def _side_records(man: dict, others: dict[str, dict]) -> list[str]:
+    """Side files as ``side_files`` records them, added to ``others`` (the ``files`` records) so that
+    each is checked once; a side file recorded differently in the two lists is a problem. A version 1
+    manifest lists side files by name: those must be among ``files``."""
+    problems = []
+    for e in man.get("side_files", []):
+        rec = e if isinstance(e, dict) else {"file": e}
+        name = rec["file"]
+        if not is_inside(name):
+            problems.append(f"manifest.json: side file {name!r} is not a relative path inside the output")
+            continue
+        known = others.get(name)
+        if known is None and "sha256" in rec:
+            others[name] = rec
+        elif known is None:
+            problems.append(f"{name}: a side file the manifest lists without size and sha256")
+        elif "sha256" in rec and (known["size"], known["sha256"]) != (rec["size"], rec["sha256"]):
+            problems.append(f"manifest.json: side file {name} is recorded with two different hashes")
+    for name in [n for n in others if not is_inside(n)]:  # never read a file outside the output
+        problems.append(f"manifest.json: file {name!r} is not a relative path inside the output")
+        del others[name]
+    return problems
 
 
 def _read_json(path: Path, problems: list[str]) -> dict | None:
@@ -309,6 +336,7 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
         if size != recorded[f]["size"] or sha != recorded[f]["sha256"]:
             problems.append(f"{input_dir / f}: differs from the input recorded in the manifest")
     rep.check("input files: sizes and sha256", problems, f"{len(recorded)} files")
+    _check_input_side_files(input_dir, man, rep)
     if problems:
         return
     ckpt = open_checkpoint(input_dir)
@@ -327,6 +355,39 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
     if not same:
         return
     _recompute(plan, input_dir, ckpt.config, man, rep, full, device)
+
+
+def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
+    """The input's side files hash to the recorded values, and every input file is accounted for:
+    read (a shard, config.json, the index), copied, recreated (an empty folder) or skipped with a
+    reason; a file the manifest does not account for was dropped silently."""
+    name = "input side files: copied as recorded, none dropped"
+    if "skipped_files" not in man:
+        rep.check(name, [], "not recorded (a manifest of kimi-convert before format_version 2)")
+        return
+    try:
+        now = scan(input_dir, consumed([f["file"] for f in man["inputs"]]))
+    except ConvertError as e:
+        rep.check(name, [str(e)])
+        return
+    side = {e["file"]: e for e in man["side_files"]}
+    problems = [f"{input_dir / f}: neither copied nor skipped in the manifest (dropped)" for f in now.copied
+                if f not in side]
+    problems += [f"{input_dir / f}: copied by the manifest, not a side file of the input" for f in side
+                 if f not in now.copied]
+    skipped = {e["file"] for e in man["skipped_files"]}
+    problems += [f"{input_dir / s.file}: skipped now ({s.reason}), not in the manifest's skipped_files"
+                 for s in now.skipped if s.file not in skipped]
+    problems += [f"{input_dir / f}: in the manifest's skipped_files, not skipped in the input" for f in sorted(skipped)
+                 if f not in {s.file for s in now.skipped}]
+    if set(now.folders) != set(man.get("side_folders", [])):
+        problems.append(f"{input_dir}: empty folders {sorted(now.folders)}, the manifest records "
+                        f"{sorted(man.get('side_folders', []))}")
+    for f in sorted(set(now.copied) & set(side)):
+        sha, size, _ = hash_file(input_dir / f, {})
+        if (size, sha) != (side[f]["size"], side[f]["sha256"]):
+            problems.append(f"{input_dir / f}: differs from the copy the manifest records")
+    rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
 
 def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full: bool, device: str) -> None:

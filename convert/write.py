@@ -13,11 +13,11 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from . import __version__, faults, journal, paths
@@ -49,22 +49,43 @@ def check_output_dir(input_dir: Path, output_dir: Path) -> None:
 def own_files_only(output_dir: Path, side_files: tuple[str, ...]) -> bool:
     """Whether every file in the folder is one pack writes (so starting afresh loses nothing)."""
     side = set(side_files)
-    return all(
-        p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES
-        for p in output_dir.iterdir() if p.is_file()
-    ) and all(str(p.relative_to(output_dir)) in side for p in output_dir.rglob("*") if p.is_file()
-              and p.parent != output_dir)
+    for p in output_dir.rglob("*"):
+        if p.is_dir() and not p.is_symlink():
+            continue
+        top = p.parent == output_dir and (p.name.endswith(".safetensors") or p.name in OWN_FILES)
+        if not (top or p.name.endswith(PARTIAL) or p.relative_to(output_dir).as_posix() in side):
+            return False
+    return True
 
 
 def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
-    """Remove what an earlier pack wrote (shards, index, configs, manifest, side files), nothing else."""
+    """Remove what an earlier pack wrote (shards, index, configs, manifest, side files: this plan's
+    and those the previous manifest lists, which another input may have had), nothing else."""
+    previous = previous_side_files(output_dir)
     for p in output_dir.iterdir():
         if p.is_file() and (p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES):
             p.unlink()
-    for rel in side_files:
+    for rel in dict.fromkeys([*side_files, *previous]):
         p = output_dir / rel
-        if p.is_file():
+        if p.is_file() or p.is_symlink():
             p.unlink()
+
+
+def previous_side_files(output_dir: Path) -> list[str]:
+    """The side files an earlier manifest in ``output_dir`` lists (relative paths inside it only:
+    the manifest is not trusted to name a file elsewhere); [] without a readable one."""
+    try:
+        man = load_manifest(output_dir)
+    except ConvertError:
+        return []
+    entries = man.get("side_files")
+    names = [e.get("file") if isinstance(e, dict) else e for e in entries] if isinstance(entries, list) else []
+    return [n for n in names if isinstance(n, str) and is_inside(n)]
+
+
+def is_inside(rel: str) -> bool:
+    """A relative path that stays inside the folder it is joined to (no absolute path, no ``..``)."""
+    return bool(rel) and not PurePosixPath(rel).is_absolute() and ".." not in PurePosixPath(rel).parts
 
 
 class ShardWriter:
@@ -80,7 +101,8 @@ class ShardWriter:
         self.tmp = output_dir / (shard.file + PARTIAL)
         self.fd = -1
         try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # 0o666 less the umask, as open(..., "w") gives every other file of the output
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             if hasattr(os, "posix_fallocate") and shard.size:
                 os.posix_fallocate(self.fd, 0, shard.size)
             else:
@@ -267,16 +289,78 @@ def output_config(config: dict, plan: Plan) -> dict:
     return out
 
 
-def copy_side_files(input_dir: Path, output_dir: Path, side_files: tuple[str, ...]) -> None:
-    for rel in side_files:
-        dst = output_dir / rel
-        tmp = dst.with_name(dst.name + PARTIAL)
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(input_dir / rel, tmp)
-            os.replace(tmp, dst)
-        except OSError as e:
-            raise ConvertError(f"{dst}: cannot write: {e.strerror or e}") from None
+@dataclass(frozen=True)
+class FileRecord:
+    """A file of the output other than a shard, as the manifest lists it."""
+
+    file: str  # relative path, forward slashes
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "size": self.size, "sha256": self.sha256}
+
+
+def record(output_dir: Path, rel: str) -> FileRecord:
+    path = output_dir / rel
+    return FileRecord(rel, path.stat().st_size, sha256_file(path))
+
+
+def copy_side_files(input_dir: Path, output_dir: Path, side_files: tuple[str, ...],
+                    folders: tuple[str, ...] = ()) -> list[FileRecord]:
+    """Copy each side file byte for byte (a symlink as its target's content) and recreate the empty
+    folders; the records hash the bytes written, in the same pass."""
+    for rel in folders:
+        _mkdir(output_dir / _inside(rel))
+    return [copy_file(input_dir / _inside(rel), output_dir / rel, rel) for rel in side_files]
+
+
+def _inside(rel: str) -> str:
+    """Side-file paths come from walking the input, so they are relative; a guard, not a check."""
+    if not is_inside(rel):
+        raise ConvertError(f"side file {rel!r}: not a relative path inside the folder")
+    return rel
+
+
+def _mkdir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConvertError(f"{path}: cannot create: {e.strerror or e}") from None
+
+
+def copy_file(src: Path, dst: Path, rel: str) -> FileRecord:
+    """Atomic like the shards: written under a temporary name, hashed as written, flushed, renamed."""
+    tmp = dst.with_name(dst.name + PARTIAL)
+    _mkdir(dst.parent)
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            while block := fi.read(CHUNK):
+                h.update(block)
+                fo.write(block)
+                size += len(block)
+            fo.flush()
+            os.fsync(fo.fileno())
+        os.replace(tmp, dst)
+    except OSError as e:
+        raise ConvertError(f"{e.filename or dst}: cannot copy {rel}: {e.strerror or e}") from None
+    return FileRecord(rel, size, h.hexdigest())
+
+
+def default_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0o666 less the umask. (For files a library
+    writes with another mode: safetensors' ``save_file`` makes them 0o600.) The umask is read from
+    /proc where it can be, so that no other thread ever creates a file under a borrowed one."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def load_manifest(output_dir: Path) -> dict:

@@ -1,0 +1,167 @@
+"""Side files: what of the input tree, besides the weights the plan reads, goes into the output.
+
+One function (``scan``) decides it for pack (which copies), plan (which shows it), the manifest (which
+records it) and ``verify-manifest --input`` (which re-derives it from the input and checks that
+nothing was dropped silently). Every file or folder of the input tree ends up in exactly one place:
+
+- read by the plan (a weight shard), or rewritten by pack (the top-level ``config.json`` and index);
+- copied byte for byte (``copied``; a symlink to a file inside the input is copied as its content),
+  or recreated (``folders``: empty folders, which a sentence-transformers model needs on disk);
+- skipped, with the reason (``skipped``), listed in the manifest and printed by pack and plan.
+
+Anything else, a symlink that leaves the input folder, dangles or names a folder, is refused: copying
+it could publish a file from elsewhere, dropping it would lose part of the model.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from . import journal
+from .errors import ConvertError
+
+#: Folders never descended into, at any depth (the Hub itself refuses .git/ and .cache/ folders).
+SKIP_DIRS = {
+    ".git": "version control",
+    ".hg": "version control",
+    ".svn": "version control",
+    ".cache": "download cache (huggingface_hub's metadata)",
+    "__pycache__": "Python bytecode cache",
+}
+
+#: Top-level files the output writes itself and pack does not read: skipped.
+OWN_TOP = {"hf_quant_config.json": "the output writes its own", "manifest.json": "the output writes its own"}
+
+#: Weight formats. Such a file that the plan does not read (a safetensors file the index does not
+#: list, ``consolidated.safetensors``, ``pytorch_model-*.bin``, ``original/*.pth``, an ONNX export)
+#: is skipped, not copied and not refused: copying it would put unconverted (often full-size BF16)
+#: weights next to the NVFP4 ones, on disk and on the Hub, and no loader reads them from there;
+#: refusing would block the many repos that ship a second format beside the safetensors shards.
+#: The skip is listed in the manifest and printed, so a needed one (a sentence-transformers
+#: ``2_Dense/model.safetensors`` head) can be copied by hand.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    file: str  # relative path, forward slashes; a skipped folder ends with "/"
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class SideFiles:
+    copied: tuple[str, ...] = ()  # relative paths, forward slashes, sorted
+    folders: tuple[str, ...] = ()  # empty folders recreated in the output
+    skipped: tuple[Skipped, ...] = field(default_factory=tuple)
+
+
+def posix(rel: Path | str) -> str:
+    """The manifest's spelling of a relative path: forward slashes, no ``./``."""
+    return PurePosixPath(Path(rel).as_posix()).as_posix()
+
+
+def scan(folder: Path, consumed: Iterable[str]) -> SideFiles:
+    """Classify every entry of ``folder`` (sub-folders included, symlinks not followed); ``consumed``:
+    the files pack reads and writes anew (the shards the plan reads, the top-level ``config.json`` and
+    index; ``source.consumed``), relative to ``folder``. Reads names and link targets, no data: a
+    sub-folder's ``config.json`` (``1_Pooling/config.json``) is not the model's, and is copied."""
+    consumed = {posix(w) for w in consumed}
+    root = folder.resolve()
+    copied: list[str] = []
+    folders: list[str] = []
+    skipped: list[Skipped] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(folder)
+        if rel_dir != Path(".") and not dirnames and not filenames:
+            folders.append(posix(rel_dir))
+        descend = []
+        for d in sorted(dirnames):
+            rel = posix(rel_dir / d)
+            if d in SKIP_DIRS:
+                skipped.append(Skipped(rel + "/", SKIP_DIRS[d]))
+            elif (here / d).is_symlink():
+                raise ConvertError(f"{folder}: {rel} is a symlink to a folder, which pack does not follow; "
+                                   "replace it with the folder itself, or remove it")
+            else:
+                descend.append(d)
+        dirnames[:] = descend
+        for f in sorted(filenames):
+            rel = posix(rel_dir / f)
+            if rel in consumed:
+                continue
+            reason = skip_reason(rel, here / f)
+            if reason:
+                skipped.append(Skipped(rel, reason))
+            else:
+                _check_link(folder, root, rel, here / f)
+                copied.append(rel)
+    return SideFiles(tuple(sorted(copied)), tuple(sorted(folders)), tuple(sorted(skipped, key=lambda s: s.file)))
+
+
+def skip_reason(rel: str, path: Path) -> str | None:
+    """Why an input file (not a weight the plan reads) is not copied; None: it is copied."""
+    name = PurePosixPath(rel).name
+    top = "/" not in rel
+    if name.endswith(".partial"):
+        return "an unfinished write (.partial)"
+    if name == journal.NAME:
+        return "a resume journal of kimi-convert"
+    if top and name in OWN_TOP:
+        return OWN_TOP[name]
+    if name == ".git":  # a submodule's or worktree's pointer file
+        return "version control"
+    suffix = PurePosixPath(name).suffix.lower()
+    if suffix in WEIGHT_SUFFIXES:
+        return "unconverted weights: not among the shards pack reads"
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # a dangling symlink: _check_link refuses it
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a FIFO, socket or device)"
+    return None
+
+
+def _check_link(folder: Path, root: Path, rel: str, path: Path) -> None:
+    """A symlink is copied as its target's content only when the target is a file inside the input."""
+    if not path.is_symlink():
+        return
+    target = path.resolve()
+    if not target.exists():
+        raise ConvertError(f"{folder}: {rel} is a dangling symlink; remove it or replace it with the file")
+    if not target.is_relative_to(root):
+        raise ConvertError(f"{folder}: {rel} is a symlink to {target}, outside the input folder; pack would "
+                           "copy that file into the output: copy it into the input folder instead, or remove it")
+
+
+def summary(skipped: Iterable[Skipped], most: int = 3) -> str:
+    """One line: ``skipped N input files: a, b (reason); c/ (reason)``; at most ``most`` names a reason."""
+    skipped = list(skipped)
+    by_reason: dict[str, list[str]] = {}
+    for s in skipped:
+        by_reason.setdefault(s.reason, []).append(s.file)
+    parts = []
+    for reason, names in by_reason.items():
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+        parts.append(f"{', '.join(names[:most])}{more} ({reason})")
+    noun = "file" if len(skipped) == 1 else "files"
+    return f"skipped {len(skipped)} input {noun}: " + "; ".join(parts)
+
+
+def render(copied: Iterable[str], folders: Iterable[str], skipped: Iterable[Skipped]) -> list[str]:
+    """``plan``'s lines: each side file copied, each empty folder recreated, the skipped files."""
+    copied, folders, skipped = list(copied), list(folders), list(skipped)
+    lines = ["", f"side files copied as they are: {len(copied)}"
+             + (f"; empty folders recreated: {', '.join(f + '/' for f in folders)}" if folders else "")]
+    lines += [f"  {f}" for f in copied]
+    if skipped:
+        lines.append(summary(skipped, most=len(skipped)))
+    return lines
