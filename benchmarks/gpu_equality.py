@@ -53,11 +53,11 @@ def main() -> None:
             pack(src, work / f"{preset}-{dev}", Options(max_shard_size=500_000_000), device=dev, progress=False)
             times[dev] = time.perf_counter() - t
         a, b = work / f"{preset}-cuda", work / f"{preset}-cpu"
-        names = sorted(p.name for p in a.iterdir())
-        same = names == sorted(p.name for p in b.iterdir()) and all(
+        names = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())  # side files in sub-folders too
+        same = names == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and all(
             filecmp.cmp(a / n, b / n, shallow=False) for n in names)
         ok &= same
-        size = sum(p.stat().st_size for p in src.iterdir()) / 1e9
+        size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) / 1e9
         print(f"pack {preset} ({size:.2f} GB): --device cuda == --device cpu byte for byte: {same} "
               f"(cuda {times['cuda']:.1f} s, cpu {times['cpu']:.1f} s)")
         for d in (src, a, b):

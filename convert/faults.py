@@ -2,7 +2,8 @@
 
 ``KIMI_CONVERT_FAULT=NAME:N`` makes the process SIGKILL itself the N-th time it reaches point NAME
 (``header``: mid-header; ``tensor``: mid-tensor; ``shard``: a shard renamed, not yet journaled;
-``journal``: mid-journal write; ``json``: mid-write of config, index or manifest);
+``journal``: mid-journal write; ``json``: mid-write of config, index or manifest; ``side``: mid-copy
+of a side file);
 ``NAME:N:pause`` makes it sleep there instead, for a test to deliver Ctrl-C at that exact point.
 Unset, a point costs one string comparison.
 """

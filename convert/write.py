@@ -338,7 +338,9 @@ def copy_file(src: Path, dst: Path, rel: str) -> FileRecord:
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
             while block := fi.read(CHUNK):
                 h.update(block)
-                fo.write(block)
+                fo.write(block[: len(block) // 2])
+                faults.point("side")
+                fo.write(block[len(block) // 2 :])
                 size += len(block)
             fo.flush()
             os.fsync(fo.fileno())

@@ -31,8 +31,10 @@ def point_counts(src: Path, pack_args: list[str]) -> dict[str, int]:
     plan = json.loads(cli("plan", str(src), *plan_args, "--json").stdout)
     shards = len(plan["shards"])
     tensors = sum(s["tensors"] for s in plan["shards"])
-    # journal: created, re-saved after verifying, once per shard; json: configs, index, manifest
-    return {"header": shards, "shard": shards, "tensor": tensors, "journal": shards + 2, "json": 4}
+    # journal: created, re-saved after verifying, once per shard; json: configs, index, manifest;
+    # side: once per 16 MiB of each side file (at least once each but an empty one)
+    return {"header": shards, "shard": shards, "tensor": tensors, "journal": shards + 2, "json": 4,
+            "side": max(1, len(plan.get("side_files", [])))}
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -41,11 +43,14 @@ def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess
 
 
 def same_tree(a: Path, b: Path) -> list[str]:
-    names_a = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
-    names_b = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    """Files and folders (empty ones too) by name, files by content and mode."""
+    names_a = sorted(str(p.relative_to(a)) + "/" * p.is_dir() for p in a.rglob("*"))
+    names_b = sorted(str(p.relative_to(b)) + "/" * p.is_dir() for p in b.rglob("*"))
     if names_a != names_b:
         return [f"files differ: {sorted(set(names_a) ^ set(names_b))}"]
-    return [n for n in names_a if not filecmp.cmp(a / n, b / n, shallow=False)]
+    files = [n for n in names_a if not n.endswith("/")]
+    return ([n for n in files if not filecmp.cmp(a / n, b / n, shallow=False)]
+            + [f"{n}: mode" for n in files if (a / n).stat().st_mode != (b / n).stat().st_mode])
 
 
 def resume(src: Path, out: Path, pack_args: list[str]) -> subprocess.CompletedProcess:

@@ -59,8 +59,10 @@ def test_max_shard_size_parsing(tiny_kl):
 def test_synth_is_deterministic(tmp_path):
     for d in ("a", "b"):
         assert run("synth", "tiny-kimi-linear", tmp_path / d, "--seed", "3").exit_code == 0
-    for p in (tmp_path / "a").iterdir():
-        assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes()
+    files = [p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file()]
+    assert len(files) == len([p for p in (tmp_path / "b").rglob("*") if p.is_file()])
+    for rel in files:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
     assert run("synth", "tiny-kimi-linear", tmp_path / "c", "--seed", "4").exit_code == 0
     assert (tmp_path / "c/model-00002-of-00004.safetensors").read_bytes() != \
         (tmp_path / "a/model-00002-of-00004.safetensors").read_bytes()

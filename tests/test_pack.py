@@ -202,7 +202,7 @@ def test_index_config_and_side_files(tiny_k3, packed_k3):
     assert cfg["text_config"] == src_text
     for f in ("tokenizer_config.json", "tiktoken.model", "chat_template.jinja", "configuration_kimi_k3.py"):
         assert (packed_k3 / f).read_bytes() == (tiny_k3 / f).read_bytes()
-    assert not list(packed_k3.glob("*.partial"))
+    assert not list(packed_k3.rglob("*.partial"))
 
 
 @pytest.mark.parametrize("which", ["k3", "kl", "ds"])
@@ -238,16 +238,20 @@ def test_nvidia_style_excludes_in_output(tiny_k3, tmp_path):
         assert f"language_model.model.layers.1.self_attn.{x}" in ex
 
 
+def _tree(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
 def test_deterministic_and_input_untouched(tiny_kl, tmp_path):
-    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tiny_kl.iterdir()}
+    before = _tree(tiny_kl)
     for d in ("a", "b"):
         assert run("pack", tiny_kl, tmp_path / d, "-q").exit_code == 0
-    names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
-    for n in names:
-        assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
-    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tiny_kl.iterdir()}
-    assert before == after
+    a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
+    assert sorted(a) == sorted(b) and "docs/deploy_guidance.md" in a
+    for n in a:
+        assert a[n][0] == b[n][0], n
+    assert _tree(tiny_kl) == before
 
 
 def test_triton_path_gives_the_same_output(tiny_kl, packed_kl, tmp_path, monkeypatch):
@@ -257,10 +261,10 @@ def test_triton_path_gives_the_same_output(tiny_kl, packed_kl, tmp_path, monkeyp
     from kimi_convert.pack import pack
     from kimi_convert.plan import Options
     pack(tiny_kl, tmp_path / "t", Options(), device="triton", progress=False)
-    names = sorted(p.name for p in packed_kl.iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "t").iterdir())
-    for n in names:
-        assert (packed_kl / n).read_bytes() == (tmp_path / "t" / n).read_bytes(), f"{n}: {interpreter_note()}"
+    a, b = _tree(packed_kl), _tree(tmp_path / "t")
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n][0] == b[n][0], f"{n}: {interpreter_note()}"
 
 
 def test_output_folder_refusals(tiny_kl, tmp_path):

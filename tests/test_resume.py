@@ -74,7 +74,7 @@ def test_killed_at_a_fault_point_resumes_identically(medium, tmp_path, point, at
     r = cli(*shlex.split(cmd)[1:])
     assert r.returncode == 0, r.stderr
     assert fault_inject.same_tree(ref, out) == []
-    assert not list(out.glob("*.partial")) and not (out / ".kimi-convert-pack.json").exists()
+    assert not list(out.rglob("*.partial")) and not (out / ".kimi-convert-pack.json").exists()
 
 
 def test_random_kills_short(tmp_path):
