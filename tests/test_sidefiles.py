@@ -263,3 +263,24 @@ def test_resumed_pack_copies_side_files_identically(st_in, st_out, tmp_path):
 
     assert fault_inject.same_tree(ref, out) == []
     assert (out / "manifest.json").read_bytes() == (ref / "manifest.json").read_bytes()
+
+
+def test_upload_sends_and_checks_sub_folder_side_files(st_out, tmp_path):
+    """upload sends the whole tree (sub-folders and dot-files included) and verify-manifest --remote
+    checks the sub-folder files against the manifest like the others."""
+    from fakehub import FakeHub
+    from test_upload import TOKEN, assert_arrived, cli
+
+    out = Path(shutil.copytree(st_out[0], tmp_path / "out"))
+    with FakeHub(TOKEN) as hub:
+        r = cli(hub, "upload", out, "user/st", tmp=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert_arrived(hub, "user/st", out)  # every local file, 1_Pooling/config.json and .gitattributes too
+        files = hub.repos["user/st"].files
+        assert {"1_Pooling/config.json", "tokenizer/vocab/merges.txt", ".gitattributes"} <= set(files)
+        del files["1_Pooling/config.json"]
+        files["tokenizer/vocab/merges.txt"] = {**files["tokenizer/vocab/merges.txt"], "blob": "0" * 40}
+        r = cli(hub, "verify-manifest", out, "--remote", "user/st", "--json", tmp=tmp_path)
+    text = "\n".join(json.loads(r.stdout)["problems"])
+    assert r.returncode == 1
+    assert "1_Pooling/config.json is missing" in text and "tokenizer/vocab/merges.txt: the Hub's blob id" in text
