@@ -284,3 +284,35 @@ def test_upload_sends_and_checks_sub_folder_side_files(st_out, tmp_path):
     text = "\n".join(json.loads(r.stdout)["problems"])
     assert r.returncode == 1
     assert "1_Pooling/config.json is missing" in text and "tokenizer/vocab/merges.txt: the Hub's blob id" in text
+
+
+def test_overwrite_removes_the_previous_runs_side_files_only(st_out, tiny_kl, tmp_path):
+    """--overwrite with another input: the side files the previous manifest lists go (they would be
+    stale: in the folder, in no manifest), a file of the user's stays, and the manifest cannot name
+    a file outside the output for removal."""
+    out = Path(shutil.copytree(st_out[0], tmp_path / "out"))
+    (out / "1_Pooling" / "mine.txt").write_text("the user's")
+    outside = tmp_path / "keep.txt"
+    outside.write_text("outside")
+    man = json.loads((out / "manifest.json").read_text())
+    man["side_files"].append({"file": "../keep.txt", "size": 7, "sha256": "0" * 64})
+    (out / "manifest.json").write_text(json.dumps(man))
+    r = run("pack", tiny_kl, out, "-q", "--device", "cpu", "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert not (out / "1_Pooling" / "config.json").exists() and not (out / "tokenizer/vocab/merges.txt").exists()
+    assert (out / "1_Pooling" / "mine.txt").read_text() == "the user's" and outside.read_text() == "outside"
+    assert verify(out, tiny_kl).ok
+
+
+def test_resume_without_journal_accepts_top_level_side_files(st_in, st_out, tmp_path):
+    """A folder holding only what pack writes (top-level side files included) may be started afresh by
+    --resume when it has neither journal nor manifest; a file of someone else's still refuses it."""
+    out = Path(shutil.copytree(st_out[0], tmp_path / "out"))
+    (out / "manifest.json").unlink()
+    r = run("pack", st_in, out, "-q", "--device", "cpu", "--resume")
+    assert r.exit_code == 0, r.output
+    assert (out / "manifest.json").read_bytes() == (st_out[0] / "manifest.json").read_bytes()
+    (out / "manifest.json").unlink()
+    (out / "notes-of-mine.txt").write_text("x")
+    r = run("pack", st_in, out, "-q", "--device", "cpu", "--resume")
+    assert r.exit_code == 2 and "nothing to resume" in r.output
