@@ -131,3 +131,65 @@ def test_reusing_an_outputs_exclude_list_warns_only_for_names_absent_from_the_in
     assert len(warnings) == 2, warnings  # one line for --exclude, one for the file
     notes = [ln for ln in r.output.splitlines() if "kept anyway" in ln]
     assert len(notes) == 1, notes  # said once, as a plan note
+
+
+# ---- a model no preset wrote: a sentence-transformers BERT with a user mapping table
+
+BERT_MAPPING = '''
+name = "bert"
+description = "BERT encoder (sentence-transformers): a user table"
+architectures = ["BertModel"]
+model_types = ["bert"]
+not_linear = ["embeddings.*"]
+
+[[group]]
+name = "qkv_proj"
+members = ["query", "key", "value"]
+parents = ["encoder.layer.{layer}.attention.self"]
+on_disk = false
+'''
+
+
+def _bert(folder):
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(0)
+    h, inter = 64, 128
+    t = {"embeddings.word_embeddings.weight": torch.randn(100, h, generator=g),
+         "embeddings.position_embeddings.weight": torch.randn(32, h, generator=g),
+         "embeddings.LayerNorm.weight": torch.ones(h), "embeddings.LayerNorm.bias": torch.zeros(h)}
+    for i in range(2):
+        p = f"encoder.layer.{i}."
+        for name, shape in (("attention.self.query", (h, h)), ("attention.self.key", (h, h)),
+                            ("attention.self.value", (h, h)), ("attention.output.dense", (h, h)),
+                            ("intermediate.dense", (inter, h)), ("output.dense", (h, inter))):
+            t[p + name + ".weight"] = torch.randn(*shape, generator=g)
+            t[p + name + ".bias"] = torch.zeros(shape[0])
+    folder.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in t.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert",
+                                                    "hidden_size": h, "num_hidden_layers": 2}))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": h}))
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "path": ""}, {"idx": 1, "path": "1_Pooling"}]))
+    (folder / "config_sentence_transformers.json").write_text("{}")
+    return folder
+
+
+def test_a_bert_with_a_user_mapping_packs_and_verifies_with_its_side_files(tmp_path):
+    src = _bert(tmp_path / "bert")
+    table = tmp_path / "bert.toml"
+    table.write_text(BERT_MAPPING)
+    r = run("plan", src, "--mapping", table, "--strict")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out"
+    r = run("pack", src, out, "--mapping", table, "--strict", "-q", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    for side in ("1_Pooling/config.json", "modules.json", "config_sentence_transformers.json"):
+        assert (out / side).read_bytes() == (src / side).read_bytes(), side
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["recipe"]["name"] == "nvfp4-w4a16"
+    r = run("verify-manifest", out, "--input", src, "--full", "-q")
+    assert r.exit_code == 0, r.output
+    (out / "1_Pooling" / "config.json").write_text("{}")
+    r = run("verify-manifest", out, "-q")
+    assert r.exit_code == 1 and "1_Pooling/config.json" in r.output, r.output
