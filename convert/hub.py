@@ -31,7 +31,7 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 import httpx2  # huggingface_hub's transport: its exception types say what happened on the wire
-from huggingface_hub import HfApi, constants, get_token
+from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.errors import (
     DisabledRepoError,
     GatedRepoError,
@@ -362,8 +362,9 @@ def model_card(man: dict, config: dict, base_model: str | None) -> str:
     lossless = f"{sum(q['lossless_blocks'] for q in cast)} of {sum(q['blocks'] for q in cast)}"
     recipe = man.get("recipe") or {"name": "?", "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
     base = base_model or config.get("_name_or_path") or ""
-    front = ["---", *([f"base_model: {base}"] if base else []), "library_name: transformers",
-             "tags:", "- nvfp4", "- modelopt", "- kimi-convert", "- quantized", "---", ""]
+    # the metadata block is huggingface_hub's (ModelCardData writes the YAML the Hub parses)
+    data = ModelCardData(base_model=base or None, library_name="transformers",
+                         tags=["nvfp4", "modelopt", "kimi-convert", "quantized"])
     kept = [m for m in mods if m["kind"] == "keep"]
     reasons: dict[str, int] = {}
     for m in kept:
@@ -396,7 +397,7 @@ def model_card(man: dict, config: dict, base_model: str | None) -> str:
         f"{len(man['exclude_modules'])} names in `exclude_modules`.",
         "",
     ]
-    return "\n".join(front + body)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
 
 
 def git_blob_sha1(path: Path) -> str:

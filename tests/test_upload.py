@@ -97,6 +97,9 @@ def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "- nvfp4" in card and "- modelopt" in card and "library_name:" in card
     assert "quantized to NVFP4" in card and "Kept in high precision" in card
+    from huggingface_hub import ModelCard
+    parsed = ModelCard.load(out / "README.md")  # the Hub's own parser reads the metadata back
+    assert "nvfp4" in parsed.data.tags and parsed.data.library_name == "transformers"
     # the token went to the server in the Authorization header, nowhere else
     assert all(h in ("", f"Bearer {TOKEN}") for h in hub.headers_seen)
     # and verify-manifest --remote agrees, without downloading any weights
