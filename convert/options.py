@@ -86,8 +86,9 @@ class PositiveFloat(click.ParamType):
 SIZE = Size()
 
 
-def _opt(default, help: str, *, flag: str | None = None, metavar: str | None = None, type: click.ParamType | None
-         = None, show_default: str | bool | None = None, check: tuple | None = None, manifest: bool = True) -> Any:
+def _opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
+         type: click.ParamType | None = None, show_default: str | bool | None = None, check: tuple | None = None,
+         manifest: bool = True) -> Any:
     """A field of :class:`Options` and how the command line and the manifest spell it."""
     meta = {"help": help, "flag": flag, "metavar": metavar, "type": type, "show_default": show_default,
             "check": check, "manifest": manifest}
@@ -135,8 +136,12 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's ``options``."""
-        return {f.name: list(v) if isinstance(v, tuple) else v
-                for f in fields(self) if f.metadata["manifest"] for v in (getattr(self, f.name),)}
+        out = {}
+        for f in fields(self):
+            if f.metadata["manifest"]:
+                v = getattr(self, f.name)
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Options:
