@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kimi_convert.devices import cpus
 from kimi_convert.kernels import nvfp4_cpu, reference
 
 SHAPES = [(3072, 7168), (7168, 3072), (6144, 7168), (32768, 7168)]
@@ -114,7 +115,7 @@ def bench_shape(n: int, k: int, bw: float, mo, ct, lib) -> dict:
         print("cudagraph:", e)
     p, s = ours_gpu(w0)
     amax = w0.abs().amax().float().cpu()
-    cp, cs = nvfp4_cpu.quantize(lib, w0.cpu(), reference.global_scale(amax))
+    cp, cs = nvfp4_cpu.quantize(lib, w0.cpu(), reference.global_scale(amax), cpus())
     row["ours_eq_cpu_kernel"] = same_bytes(p, cp) and same_bytes(s, cs)
     for name, (fn, err) in (("modelopt", mo), ("ct", ct)):
         if fn is None:
@@ -163,8 +164,8 @@ def cpu(shape) -> list[dict]:
     lib = nvfp4_cpu.load()
 
     def ours():
-        a = nvfp4_cpu.amax(lib, w)
-        return nvfp4_cpu.quantize(lib, w, reference.global_scale(a))
+        a = nvfp4_cpu.amax(lib, w, cpus())
+        return nvfp4_cpu.quantize(lib, w, reference.global_scale(a), cpus())
 
     def ref():
         return reference.quantize(w, reference.global_scale(w.abs().amax().float()))

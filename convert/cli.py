@@ -1,6 +1,6 @@
 """The ``kimi-convert`` command line.
 
-A user error (bad input, refused output folder, a rule that cannot be satisfied) prints one line,
+A user error (bad input, a bad option value, refused output folder, a rule that cannot be satisfied) prints one line,
 ``kimi-convert: error: ...``, and exits 2; Ctrl-C exits 130. No traceback reaches the user for either.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import re
 import shlex
 import signal
 import sys
@@ -19,24 +18,11 @@ from pathlib import Path
 import click
 
 from . import __version__, devices, paths
+from .devices import Device, resolve_device
 from .errors import ConvertError
-from .plan import DEFAULT_MAX_SHARD, LAYOUTS, Options, Plan
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.I)
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text)
-    unit = (m.group(2) or "").upper() if m else None
-    if not m or unit not in _UNITS:
-        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MB or 2GiB")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise click.BadParameter("must be positive")
-    return size
-
+from .options import Options, click_options
+from .options import checked as _checked
+from .plan import Plan
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -58,6 +44,10 @@ class Cli(click.Group):
             return super().invoke(ctx)
         except ConvertError as e:
             _fail(str(e))
+        except click.BadParameter as e:  # a bad option value (a size, a choice, a number): one line too
+            hint = e.param_hint or (e.param.opts if e.param else None)
+            hint = hint if isinstance(hint, str) or hint is None else "/".join(hint)
+            _fail(f"{hint}: {e.message}" if hint else e.message)
         except KeyboardInterrupt:
             click.echo(f"kimi-convert: interrupted{_interrupt_hint()}", err=True)
             sys.exit(130)
@@ -83,72 +73,6 @@ def _fail(msg: str) -> None:
 @click.version_option(__version__, prog_name="kimi-convert")
 def cli() -> None:
     """Convert a sharded safetensors MoE checkpoint (Kimi K3, Kimi Linear) into pre-packed NVFP4."""
-
-
-def _checked(check, *args):
-    """A click callback running one of ``paths``' checks (or another), so a bad value is refused in
-    the tool's one-line form before any work, never in click's own wording."""
-    def callback(ctx: click.Context, param: click.Parameter, value):
-        if value is None:
-            return value
-        for v in value if isinstance(value, tuple) else (value,):
-            check(v, *args)
-        return value
-    return callback
-
-
-def plan_options(f):
-    opts = [
-        click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
-                     help="Keep source modules matching GLOB in high precision (repeatable)."),
-        click.option("--exclude-from", "exclude_from", multiple=True, metavar="FILE",
-                     callback=_checked(paths.file, "an exclude file"),
-                     help="Patterns from FILE: one per line, a JSON list, or an hf_quant_config.json."),
-        click.option("--no-default-excludes", is_flag=True, help="Do not apply the mapping's default recipe."),
-        click.option("--keep-partial", is_flag=True,
-                     help="Keep a fused module (or MoE layer) whole in high precision when only some of "
-                          "its shards are excluded."),
-        click.option("--fuse", multiple=True, metavar="GROUP", help="Enable an opt-in fused group of the mapping."),
-        click.option("--no-fuse", multiple=True, metavar="GROUP", help="Do not build this fused group."),
-        click.option("--max-shard-size", default=str(DEFAULT_MAX_SHARD), show_default="5GB",
-                     help="Largest output shard, e.g. 5GB, 500MB."),
-        click.option("--mapping", metavar="NAME|FILE", help="Architecture table (default: chosen from config.json)."),
-        click.option("--recipe", metavar="NAME|FILE",
-                     help="What is quantized how: nvidia-k3 (the default for Kimi K3), nvfp4-w4a16 (the default "
-                          "otherwise), or a recipe file."),
-        click.option("--layout", type=click.Choice(LAYOUTS), default="source", show_default=True,
-                     help="source: the input's tensor names and files (loads in vLLM and SGLang); sglang: "
-                          "SGLang's fused names on disk (SGLang only)."),
-        click.option("--input-scale", type=float, metavar="X",
-                     help="Replace the recipe's constant activation input_scale (nvidia-k3: 1.0)."),
-        click.option("--strict", is_flag=True,
-                     help="Warnings are errors: a mapping for another architecture, a mapping entry or an "
-                          "exclusion pattern that matches no module of the input."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-def _options(kw: dict) -> Options:
-    return Options(
-        exclude=tuple(kw["exclude"]),
-        exclude_from=tuple(kw["exclude_from"]),
-        default_excludes=not kw["no_default_excludes"],
-        keep_partial=kw["keep_partial"],
-        max_shard_size=parse_size(kw["max_shard_size"]),
-        fuse=tuple(kw["fuse"]),
-        no_fuse=tuple(kw["no_fuse"]),
-        recipe=kw["recipe"],
-        layout=kw["layout"],
-        input_scale=_input_scale(kw["input_scale"]),
-    )
-
-
-def _input_scale(x: float | None) -> float | None:
-    if x is not None and not (0 < x < float("inf")):
-        raise click.BadParameter(f"{x} is not a positive finite number", param_hint="--input-scale")
-    return x
 
 
 @cli.command()
@@ -183,14 +107,14 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
-@plan_options
+@click_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(input_dir: str, as_json: bool, **kw) -> None:
+def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     """Print what pack would do, without reading tensor data."""
     from .manifest import plan_dict
     from .pack import load_plan
 
-    _, p = load_plan(input_dir, _options(kw), kw["mapping"], kw["strict"])
+    _, p = load_plan(input_dir, opts)
     if as_json:
         from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
 
@@ -204,11 +128,11 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @cli.command()
 @click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.output_folder))
-@plan_options
-@click.option("--device", default="auto", show_default=True, callback=_checked(devices.valid),
-              help="auto (the GPU when torch sees one), cpu (the C kernel), cuda[:N] (the Triton kernel); "
-                   "for tests: reference (the torch code), triton (the Triton kernel; on the CPU under "
-                   "TRITON_INTERPRET=1).")
+@click_options
+@click.option("--device", default="auto", show_default=True, callback=lambda ctx, param, v: resolve_device(v),
+              help="auto (the GPU when the CUDA driver sees one and torch is a CUDA build), cpu (the C kernel), "
+                   "cuda[:N] (the Triton kernel); for tests: reference (the torch code), triton (the Triton "
+                   "kernel; on the CPU under TRITON_INTERPRET=1).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Worker processes that split the output shards, one device each (same bytes for any number). "
                    "Default: one per visible GPU for --device auto/cuda, else 1.")
@@ -221,8 +145,8 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted pack in OUTPUT: finished shards are verified and kept.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(input_dir: str, output_dir: str, device: str, workers: int | None, streams: int | None,
-         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, **kw) -> None:
+def pack(input_dir: str, output_dir: str, opts: Options, device: Device, workers: int | None, streams: int | None,
+         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
@@ -237,9 +161,8 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
         return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
     global _interrupt_hint
     _interrupt_hint = interrupted
-    res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device, workers=workers,
-              streams=streams, overwrite=overwrite, resume=resume, progress=not quiet, command=command,
-              strict=kw["strict"])
+    res = run(input_dir, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
+              resume=resume, progress=not quiet, command=command)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:

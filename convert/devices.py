@@ -1,4 +1,4 @@
-"""Which device each worker uses, decided without importing torch.
+"""Which device each worker uses, and how many CPUs, decided without importing torch.
 
 ``pack`` plans and starts reading before torch loads (about a second, several on some machines),
 and a GPU worker is a process of its own: the parent never needs torch, only how many GPUs there
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import re
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from .errors import ConvertError
-
-_CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
 
 @cache
@@ -43,37 +43,74 @@ def torch_has_cuda() -> bool:
 #: Every value --device takes, in the words of the error that lists them.
 ACCEPTED = "auto, cpu, cuda, cuda:N, reference (the torch code), triton (the Triton kernel; on the CPU under " \
     "TRITON_INTERPRET=1)"
+_DEVICE = re.compile(r"^(auto|cpu|reference|triton|cuda)(?::(\d+))?$")
 
 
-def valid(device: str) -> str:
-    """``device`` if it is one of the accepted spellings (what the machine has is checked later)."""
-    if device in ("auto", "cpu", "reference", "triton") or _CUDA.match(device):
-        return device
-    raise ConvertError(f"--device {device!r}: expected one of {ACCEPTED}")
+@dataclass(frozen=True)
+class Device:
+    """A resolved ``--device``: ``cpu`` (the C kernel), ``cuda`` (the Triton kernel on a GPU),
+    ``reference`` (the torch code) or ``triton`` (the Triton kernel; on the CPU under
+    TRITON_INTERPRET=1). ``index``: cuda's GPU; None: the workers spread over every visible GPU (one
+    backend alone: the current GPU)."""
+
+    kind: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
 
 
-def check(device: str) -> str:
-    """The device with ``auto`` resolved: ``cuda`` when a GPU is visible and torch can use it, else
-    ``cpu``."""
-    if device == "auto":
-        return "cuda" if gpu_count() and torch_has_cuda() else "cpu"
-    if device in ("cpu", "reference", "triton"):
-        return device
-    m = _CUDA.match(valid(device))
-    assert m is not None
-    n = gpu_count()
-    if n == 0:
-        raise ConvertError(f"--device {device}: no CUDA device visible")
-    if m.group(1) is not None and int(m.group(1)) >= n:
-        raise ConvertError(f"--device {device}: only {n} CUDA device(s) visible")
-    return device
+def _parse(text: str) -> tuple[str, int | None]:
+    m = _DEVICE.match(text)
+    if m is None or (m.group(2) is not None and m.group(1) != "cuda"):
+        raise ConvertError(f"--device {text!r}: expected one of {ACCEPTED}")
+    return m.group(1), None if m.group(2) is None else int(m.group(2))
 
 
-def worker_devices(device: str, workers: int | None) -> list[str]:
+def valid(text: str) -> str:
+    """``text`` if it is one of the accepted spellings (what the machine has is checked by
+    :func:`resolve_device`, where the device is used)."""
+    _parse(text)
+    return text
+
+
+def resolve_device(text: str | Device) -> Device:
+    """The one reading of ``--device``: ``cuda[:N]`` needs that GPU visible to the CUDA driver and a
+    CUDA build of torch; ``auto`` is ``cuda`` where that holds, else ``cpu``."""
+    if isinstance(text, Device):
+        return text
+    kind, index = _parse(text)
+    if kind == "auto":
+        return Device("cuda" if gpu_count() and torch_has_cuda() else "cpu")
+    if kind == "cuda":
+        n = gpu_count()
+        if n == 0:
+            raise ConvertError(f"--device {text}: no CUDA device visible")
+        if index is not None and index >= n:
+            raise ConvertError(f"--device {text}: only {n} CUDA device(s) visible")
+        if not torch_has_cuda():
+            raise ConvertError(f"--device {text}: the installed torch is not a CUDA build")
+    return Device(kind, index)
+
+
+def worker_devices(device: str | Device, workers: int | None) -> list[Device]:
     """One device per worker: ``cuda`` spreads workers over every visible GPU (one each by
     default), ``cuda:N`` puts them all on GPU N, the CPU backends give every worker the CPU."""
-    device = check(device)
-    if device != "cuda":
+    device = resolve_device(device)
+    if device.kind != "cuda" or device.index is not None:
         return [device] * (workers or 1)
     n = gpu_count()
-    return [f"cuda:{k % n}" for k in range(workers or n)]
+    return [Device("cuda", k % n) for k in range(workers or n)]
+
+
+def cpus() -> int:
+    """CPUs this process may use: ``$KIMI_CONVERT_THREADS`` when set, else its affinity mask. The
+    one count behind every default (workers' shares, streams, hashing and C-kernel threads), passed
+    on as an argument."""
+    env = os.environ.get("KIMI_CONVERT_THREADS", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ConvertError(f"KIMI_CONVERT_THREADS={env!r}: expected a number of threads") from None
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from . import devices, journal, pipeline, write
 from . import manifest as manifest_mod
+from .devices import Device
 from .errors import ConvertError
 from .journal import Journal, ShardRecord
 from .mapping import find_mapping
-from .plan import Options, Plan, Shard, Unit, fp8_block_size, make_plan
+from .options import Options
+from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .progress import Progress
 from .source import Checkpoint, open_checkpoint, readahead
 
@@ -55,18 +57,18 @@ class PackStats:
     in_flight_limit: int  # a worker's budget for them
 
 
-def load_plan(input_dir: str | os.PathLike, opts: Options, mapping: str | None = None, strict: bool = False
-              ) -> tuple[Checkpoint, Plan]:
-    """``strict``: a plan warning (a mapping entry or exclusion pattern that names nothing, a mapping
-    for another architecture) is an error, before any work."""
+def load_plan(input_dir: str | os.PathLike, opts: Options) -> tuple[Checkpoint, Plan]:
+    """``opts.mapping``: the table (default: chosen from config.json); ``opts.strict``: a plan warning
+    (a mapping entry or exclusion pattern that names nothing, a mapping for another architecture) is
+    an error, before any work."""
     ckpt = open_checkpoint(input_dir)
-    m = find_mapping(ckpt.config, mapping)
+    m = find_mapping(ckpt.config, opts.mapping)
     try:
         plan = make_plan(ckpt, m, opts)
     except ConvertError as e:
         unfit = m.fits(ckpt.config)
         raise (ConvertError(f"{e} (note: {unfit})") if unfit else e) from None
-    if strict and plan.warnings:
+    if opts.strict and plan.warnings:
         more = f" (and {len(plan.warnings) - 1} more warning(s))" if len(plan.warnings) > 1 else ""
         raise ConvertError(f"{plan.warnings[0]}{more}; --strict makes warnings errors")
     return ckpt, plan
@@ -77,15 +79,13 @@ def pack(
     output_dir: str | os.PathLike,
     opts: Options,
     *,
-    mapping: str | None = None,
-    device: str = "auto",
+    device: Device | str = "auto",
     workers: int | None = None,
     streams: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
     command: str | None = None,
-    strict: bool = False,
 ) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
@@ -93,11 +93,12 @@ def pack(
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
     devices_ = devices.worker_devices(device, workers)
+    cpus = devices.cpus()  # the one CPU count: every worker's share of it is passed on as an argument
     ahead = startup_readahead()
     if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
-        threading.Thread(target=pipeline.warm_up, args=(devices_[0],), daemon=True,
+        threading.Thread(target=pipeline.warm_up, args=(devices_[0], cpus), daemon=True,
                          name="kimi-convert-warm-up").start()
-    ckpt, plan = load_plan(input_dir, opts, mapping, strict)
+    ckpt, plan = load_plan(input_dir, opts)
     command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
     output_dir.mkdir(parents=True, exist_ok=True)
     j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
@@ -111,7 +112,7 @@ def pack(
     threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                      args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
                            ahead)).start()
-    n_streams = streams or pipeline.default_streams(len(devices_))
+    n_streams = streams or pipeline.default_streams(cpus, len(devices_))
     jobs = split_jobs(ckpt, plan, todo, len(devices_) * n_streams, output_dir)
     per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
     per_worker = [w for w in per_worker if w] or [jobs]
@@ -125,11 +126,11 @@ def pack(
     t = time.perf_counter()
     try:
         if len(per_worker) == 1:
-            results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update)
+            results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus)
         else:
             from . import workers as workers_mod
 
-            results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update)
+            results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update, cpus=cpus)
     finally:
         bar.close()
     convert_s = time.perf_counter() - t

@@ -22,7 +22,6 @@ file hashers' hold budget, whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from kimi_convert.kernels import Backend
 
     from .compute import Chunk
+    from .devices import Device
 
 SLICE = 64 << 20
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
@@ -183,8 +183,8 @@ class ByteBudget:
 class Shared:
     """What a worker's streams share: the hashing threads, the buffers, the memory budgets."""
 
-    def __init__(self, streams: list[list[Piece]], hash_threads: int, stop: threading.Event):
-        self.stop = stop
+    def __init__(self, streams: list[list[Piece]], threads: int, hash_threads: int, stop: threading.Event):
+        self.stop, self.threads = stop, threads
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
         sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
         self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
@@ -194,7 +194,7 @@ class Shared:
         self._lock = threading.Lock()
         self.backend_s = 0.0
 
-    def backend(self, device: str) -> Backend:
+    def backend(self, device: Device) -> Backend:
         """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams."""
         with self._lock:
             if self._backend is None:
@@ -202,7 +202,7 @@ class Shared:
                 from kimi_convert.kernels import get_backend
 
                 try:
-                    self._backend = get_backend(device)
+                    self._backend = get_backend(device, self.threads)
                 except ValueError as e:  # e.g. a CPU-only torch asked for cuda
                     raise ConvertError(str(e)) from None
                 self.backend_s = time.perf_counter() - t
@@ -234,7 +234,7 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
 
 
 class _Stream:
-    def __init__(self, job: Job, mine: list[Piece], shared: Shared, device: str,
+    def __init__(self, job: Job, mine: list[Piece], shared: Shared, device: Device,
                  on_shard: Callable[[str, ShardRecord], None], on_progress: Callable[[int], None]):
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
@@ -440,14 +440,15 @@ def _raise_failed(futs: list[Future]) -> None:
             f.result()
 
 
-def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord], None],
-             on_progress: Callable[[int], None] = lambda n: None, hash_threads: int | None = None,
+def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardRecord], None],
+             on_progress: Callable[[int], None] = lambda n: None, *, threads: int,
              stop: threading.Event | None = None) -> list[JobResult]:
     """Convert each job's shards on its own stream (threads of this process), calling ``on_shard``
-    as each shard is complete; the first failure stops every stream."""
+    as each shard is complete; the first failure stops every stream. ``threads``: the CPUs this
+    worker may use (its C kernel's threads, and the bound on its hashing threads)."""
     stop = stop or threading.Event()
     mine = [pieces(j.units, j.file_order) for j in jobs]
-    shared = Shared(mine, hash_threads or default_hash_threads(len(jobs)), stop)
+    shared = Shared(mine, threads, default_hash_threads(len(jobs), threads), stop)
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
@@ -472,7 +473,7 @@ def run_jobs(jobs: list[Job], device: str, on_shard: Callable[[str, ShardRecord]
     return results
 
 
-def warm_up(device: str) -> None:
+def warm_up(device: Device, threads: int) -> None:
     """Import torch and the kernels (and start CUDA) ahead of need, on a thread: this takes one to
     several seconds, which then overlap planning and the first reads. A failure here is ignored:
     the backend is made again where it is needed, and fails there with its own message."""
@@ -483,23 +484,24 @@ def warm_up(device: str) -> None:
 
         from . import compute  # noqa: F401 - imported for its side effect: loaded now, not later
 
-        backend = get_backend(device)
+        backend = get_backend(device, threads)
         w = torch.ones((16, 32), dtype=torch.bfloat16)  # starts CUDA and loads the compiled kernels
         backend.quantize(backend.to_device(w), backend.amax(backend.to_device(w)))
     except Exception:
         pass
 
 
-def default_hash_threads(streams: int, share: int | None = None) -> int:
+def default_hash_threads(streams: int, share: int) -> int:
     """Hashing threads of one worker: two a stream and two more, within its share of the CPUs
     (a file's sha256 and a tensor's run one thread each; hashlib releases the GIL)."""
-    return max(2, min(2 * streams + 2, share or cpus()))
+    return max(2, min(2 * streams + 2, share))
 
 
-def default_streams(workers: int = 1) -> int:
+def cpu_share(cpus: int, workers: int) -> int:
+    """Each worker's share of ``cpus`` (``devices.cpus()``): for its C kernel and its hashing threads."""
+    return max(1, cpus // max(1, workers))
+
+
+def default_streams(cpus: int, workers: int = 1) -> int:
     """Streams of one worker: one per 4 of its CPUs, 1 to 4."""
-    return max(1, min(4, cpus() // max(1, workers) // 4))
-
-
-def cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(4, cpu_share(cpus, workers) // 4))

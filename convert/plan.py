@@ -19,14 +19,13 @@ from fnmatch import fnmatchcase
 from . import rules
 from .errors import ConvertError
 from .mapping import ENGINES, Group, Mapping, template_regex
+from .options import DEFAULT_MAX_SHARD, LAYOUTS, Options  # noqa: F401 - re-exported: plan.Options
 from .recipe import FP8_BLOCK, Format, Recipe, find_recipe
 from .sidefiles import Skipped
 from .source import DTYPES, Checkpoint, TensorInfo
 
 GROUP_SIZE = 16
 MXFP4_GROUP = 32
-DEFAULT_MAX_SHARD = 5 * 1000**3
-LAYOUTS = ("source", "sglang", "vllm")
 NVFP4, FP8, KEEP, COPY = Format.NVFP4.value, Format.FP8_BLOCK.value, Format.KEEP.value, "copy"
 QUANTIZED = (NVFP4, FP8)
 KEPT_FOR_ENGINE = "kept for the engines: "
@@ -124,34 +123,6 @@ class Shard:
     @property
     def size(self) -> int:
         return self.placed[-1].end if self.placed else len(self.header)
-
-
-@dataclass(frozen=True)
-class Options:
-    exclude: tuple[str, ...] = ()
-    exclude_from: tuple[str, ...] = ()
-    default_excludes: bool = True
-    keep_partial: bool = False
-    max_shard_size: int = DEFAULT_MAX_SHARD
-    fuse: tuple[str, ...] = ()
-    no_fuse: tuple[str, ...] = ()
-    recipe: str | None = None  # NAME or FILE; None: the mapping's default recipe
-    layout: str = "source"  # "source": the input's names and files; "sglang": SGLang's fused names
-    input_scale: float | None = None  # replaces every constant input_scale of the recipe
-
-    def to_dict(self) -> dict:
-        return {
-            "recipe": self.recipe,
-            "layout": self.layout,
-            "input_scale": self.input_scale,
-            "exclude": list(self.exclude),
-            "exclude_from": list(self.exclude_from),
-            "default_excludes": self.default_excludes,
-            "keep_partial": self.keep_partial,
-            "max_shard_size": self.max_shard_size,
-            "fuse": list(self.fuse),
-            "no_fuse": list(self.no_fuse),
-        }
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import engines, journal
+from .devices import Device, cpus
 from .errors import ConvertError
 from .manifest import FORMAT, plan_dict
 from .mapping import parse_mapping
-from .plan import QUANTIZED, Options, make_plan
+from .options import Options
+from .plan import QUANTIZED, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
 from .sidefiles import scan
@@ -67,7 +69,7 @@ def load(output: Path) -> dict:
 
 
 def verify(output: str | Path, input_dir: str | Path | None = None, *, full: bool = False,
-           device: str = "cpu", progress: Callable[[int], None] | None = None,
+           device: str | Device = "cpu", progress: Callable[[int], None] | None = None,
            total: Callable[[int], None] | None = None) -> Report:
     output = Path(output)
     man = load(output)
@@ -321,7 +323,7 @@ def _check_engine_rules(man: dict, rep: Report) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: bool, device: str,
+def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: bool, device: str | Device,
                    progress, total) -> None:
     problems: list[str] = []
     recorded = {f["file"]: f for f in man["inputs"]}
@@ -341,11 +343,7 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
         return
     ckpt = open_checkpoint(input_dir)
     m = parse_mapping(man["mapping_source"], man["mapping"]["file"])
-    o = man["options"]
-    opts = Options(exclude=tuple(o["exclude"]), exclude_from=tuple(o["exclude_from"]),
-                   default_excludes=o["default_excludes"], keep_partial=o["keep_partial"],
-                   max_shard_size=o["max_shard_size"], fuse=tuple(o["fuse"]), no_fuse=tuple(o["no_fuse"]),
-                   recipe=o.get("recipe"), layout=o.get("layout", "source"), input_scale=o.get("input_scale"))
+    opts = Options.from_dict(man["options"])
     patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
     recipe = parse_recipe(man["recipe_source"], man["recipe"]["file"]) if man.get("recipe_source") else None
     plan = make_plan(ckpt, m, opts, patterns, recipe)
@@ -390,7 +388,8 @@ def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
 
-def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full: bool, device: str) -> None:
+def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full: bool, device: str | Device
+               ) -> None:
     from kimi_convert.kernels import get_backend
 
     from .compute import compute_unit
@@ -402,7 +401,7 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     keep = {id(u) for u in quant_units[:1] + quant_units[-1:]}
     chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
-    backend = get_backend(device)
+    backend = get_backend(device, cpus())
     reader = TensorReader(input_dir)
     block = fp8_block_size(config)
     passthrough, quantized, problems = 0, 0, []

@@ -20,10 +20,10 @@ import signal
 import traceback
 from collections.abc import Callable
 
+from .devices import Device
 from .errors import ConvertError
 from .journal import ShardRecord
-from .pipeline import Job, JobResult, default_hash_threads, run_jobs
-from .pipeline import cpus as pipeline_cpus
+from .pipeline import Job, JobResult, cpu_share, run_jobs
 
 #: A worker reports progress at most every this many bytes (a queue message each time).
 PROGRESS_STEP = 64 << 20
@@ -38,9 +38,8 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _main(index: int, jobs: list[Job], device: str, threads: int, q, parent: int) -> None:
+def _main(index: int, jobs: list[Job], device: Device, threads: int, q, parent: int) -> None:
     _die_with(parent)
-    os.environ["KIMI_CONVERT_THREADS"] = str(threads)
     pending = 0
 
     def progress(n: int) -> None:
@@ -51,8 +50,7 @@ def _main(index: int, jobs: list[Job], device: str, threads: int, q, parent: int
             pending = 0
 
     try:
-        res = run_jobs(jobs, device, lambda f, rec: q.put(("shard", index, (f, rec))), progress,
-                       hash_threads=default_hash_threads(len(jobs), threads))
+        res = run_jobs(jobs, device, lambda f, rec: q.put(("shard", index, (f, rec))), progress, threads=threads)
         q.put(("progress", index, pending))
         q.put(("done", index, res))
     except ConvertError as e:
@@ -61,18 +59,13 @@ def _main(index: int, jobs: list[Job], device: str, threads: int, q, parent: int
         q.put(("crash", index, traceback.format_exc()))
 
 
-def _cpu_share(n: int) -> int:
-    env = os.environ.get("KIMI_CONVERT_THREADS")
-    cpus = int(env) if env else pipeline_cpus()
-    return max(1, cpus // n)  # each worker's share: for the C kernel and its hashing threads
-
-
-def run(jobs: list[list[Job]], devices: list[str], on_shard: Callable[[str, ShardRecord], None],
-        on_progress: Callable[[int], None]) -> list[JobResult]:
-    """Worker ``i`` runs the streams ``jobs[i]`` on ``devices[i]``; returns every stream's result."""
+def run(jobs: list[list[Job]], devices: list[Device], on_shard: Callable[[str, ShardRecord], None],
+        on_progress: Callable[[int], None], *, cpus: int) -> list[JobResult]:
+    """Worker ``i`` runs the streams ``jobs[i]`` on ``devices[i]`` with an equal share of ``cpus``
+    (``devices.cpus()``, handed to it as an argument); returns every stream's result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    threads = _cpu_share(len(jobs))
+    threads = cpu_share(cpus, len(jobs))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec by the workers
     try:
         procs = [ctx.Process(target=_main, args=(i, job, devices[i], threads, q, os.getpid()),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kimi_convert.devices import Device, cpus, resolve_device
+
 from . import fp8_block, mxfp4_cast, reference
 from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
@@ -27,6 +29,7 @@ class Backend:
 
     name: str
     device: torch.device
+    threads: int = 1  # the C kernel's threads (cpu)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
@@ -38,7 +41,7 @@ class Backend:
         if self.name == "cpu":
             from . import nvfp4_cpu
 
-            return nvfp4_cpu.amax(nvfp4_cpu.load(), w)
+            return nvfp4_cpu.amax(nvfp4_cpu.load(), w, self.threads)
         if self.name == "triton":
             from . import nvfp4_triton
 
@@ -56,7 +59,7 @@ class Backend:
         if self.name == "cpu":
             from . import nvfp4_cpu
 
-            return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2)
+            return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2, self.threads)
         return self._reference_chunked(w, s2)
 
     def _reference_chunked(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,27 +73,24 @@ class Backend:
         return p.reshape(*w.shape[:-1], -1), s.reshape(*w.shape[:-1], -1)
 
 
-def get_backend(device: str = "auto") -> Backend:
-    """``auto`` (the GPU when torch sees one), ``cpu``, ``cuda[:N]``, or ``reference``.
+def get_backend(device: Device | str = "auto", threads: int | None = None) -> Backend:
+    """The backend of a resolved device (a string is resolved by ``resolve_device``: ``auto``, ``cpu``,
+    ``cuda[:N]``, ``reference``, ``triton``). ``threads``: the C kernel's threads (default: ``cpus()``).
 
     ``triton`` runs the Triton kernel on the CPU under ``TRITON_INTERPRET=1`` (tests) or on the GPU.
     """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "reference":
-        return Backend("reference", torch.device("cpu"))
-    if device == "cpu":
+    device = resolve_device(device)
+    threads = threads or cpus()
+    if device.kind == "reference":
+        return Backend("reference", torch.device("cpu"), threads)
+    if device.kind == "cpu":
         from . import nvfp4_cpu
 
-        return Backend("cpu" if nvfp4_cpu.load() is not None else "reference", torch.device("cpu"))
-    if device == "triton":
+        return Backend("cpu" if nvfp4_cpu.load() is not None else "reference", torch.device("cpu"), threads)
+    if device.kind == "triton":
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        return Backend("triton", torch.device("cpu" if interpret or not torch.cuda.is_available() else "cuda"))
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: torch sees no CUDA device")
-        dev = torch.device(device)
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        return Backend("triton", dev)
-    raise ValueError(f"--device {device!r}: expected one of auto, cpu, cuda, cuda:N, reference, triton")
+        return Backend("triton", torch.device("cpu" if interpret or not torch.cuda.is_available() else "cuda"),
+                       threads)
+    if not torch.cuda.is_available():  # cuda: resolve_device saw the GPU; torch must be able to start it
+        raise ValueError(f"--device {device}: torch sees no CUDA device")
+    return Backend("triton", torch.device("cuda", device.index), threads)

@@ -87,20 +87,14 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
-def threads() -> int:
-    """Worker threads: $KIMI_CONVERT_THREADS, else the CPUs this process may run on."""
-    env = os.environ.get("KIMI_CONVERT_THREADS")
-    return max(1, int(env)) if env else len(os.sched_getaffinity(0))
-
-
 @cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="kimi-convert-cpu")
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kimi-convert-cpu")
 
 
-def _split(rows: int, k: int) -> list[tuple[int, int]]:
+def _split(rows: int, k: int, threads: int) -> list[tuple[int, int]]:
     """Row ranges, one a thread (ctypes releases the GIL while the C code runs)."""
-    n = 1 if rows * k < MIN_SPLIT else min(threads(), rows)
+    n = 1 if rows * k < MIN_SPLIT else max(1, min(threads, rows))
     step = -(-rows // n)
     return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
@@ -111,16 +105,16 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
 
 
-def amax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+def amax(lib: ctypes.CDLL, x: torch.Tensor, threads: int) -> torch.Tensor:
     x = _prepare(x).reshape(-1)
     fn = lib.kc_amax_bf16 if x.dtype == torch.bfloat16 else lib.kc_amax_f32
     size = x.element_size()
-    parts = _split(x.numel(), 1) if x.numel() else []
-    bits = max(_pool().map(lambda r: fn(x.data_ptr() + r[0] * size, r[1] - r[0]), parts), default=0)
+    parts = _split(x.numel(), 1, threads) if x.numel() else []
+    bits = max(_pool(threads).map(lambda r: fn(x.data_ptr() + r[0] * size, r[1] - r[0]), parts), default=0)
     return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(())
 
 
-def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     x2 = _prepare(x).reshape(-1, k)
     m = x2.shape[0]
@@ -134,6 +128,6 @@ def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor) -> tuple[torch
         fn(x2.data_ptr() + a * k * size, b - a, k, s2f, packed.data_ptr() + a * (k // 2),
            scales.data_ptr() + a * (k // 16))
     if m:
-        list(_pool().map(run, _split(m, k)))
+        list(_pool(threads).map(run, _split(m, k, threads)))
     lead = x.shape[:-1]
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)

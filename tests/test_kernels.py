@@ -109,16 +109,32 @@ def test_fused_members_match_quantizing_the_concatenation():
         assert torch.equal(torch.cat([p[1].cpu().view(torch.uint8) for p in parts]), whole[1].view(torch.uint8))
 
 
-def test_cpu_kernel_is_threads_independent(tmp_path):
-    import subprocess
-    import sys
-    code = ("import torch,sys; from kimi_convert.kernels import nvfp4_cpu, reference; torch.manual_seed(5); "
-            "w=torch.randn(257,512).to(torch.bfloat16); s2=reference.global_scale(w.abs().amax().float()); "
-            "p,s=nvfp4_cpu.quantize(nvfp4_cpu.load(),w,s2); sys.stdout.buffer.write(p.numpy().tobytes()+"
-            "s.view(torch.uint8).numpy().tobytes())")
-    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
-                           env={**os.environ, "KIMI_CONVERT_THREADS": n}).stdout for n in ("1", "2", "7")]
+def test_cpu_kernel_is_threads_independent():
+    """The thread count is an argument (the caller's share of ``devices.cpus()``), never read from the
+    environment; any count gives the same bytes."""
+    torch.manual_seed(5)
+    w = torch.randn(257, 512).to(torch.bfloat16)
+    s2 = reference.global_scale(w.abs().amax().float())
+    lib = nvfp4_cpu.load()
+    outs = []
+    for n in (1, 2, 7):
+        p, s = nvfp4_cpu.quantize(lib, w, s2, n)
+        assert nvfp4_cpu.amax(lib, w, n) == w.abs().amax().float()
+        outs.append(p.numpy().tobytes() + s.view(torch.uint8).numpy().tobytes())
     assert len(outs[0]) == 257 * (256 + 32) and outs[0] == outs[1] == outs[2]
+    assert len(nvfp4_cpu._split(257, 512, 7)) == 7 and len(nvfp4_cpu._split(257, 512, 1)) == 1
+
+
+def test_backend_threads_are_an_argument(monkeypatch):
+    monkeypatch.setenv("KIMI_CONVERT_THREADS", "3")
+    assert get_backend("cpu").threads == 3  # the default: devices.cpus()
+    assert get_backend("cpu", threads=5).threads == 5
+    seen = []
+    monkeypatch.setattr(nvfp4_cpu, "quantize", lambda lib, w, s2, threads: seen.append(threads))
+    b = get_backend("cpu", threads=2)
+    if b.name == "cpu":
+        b.quantize(torch.ones(16, 32), torch.tensor(1.0))
+        assert seen == [2]
 
 
 def test_cpu_kernel_without_compiler_falls_back(tmp_path, tiny_kl, packed_kl):
@@ -147,12 +163,16 @@ def test_cpu_kernel_build_error_is_an_oserror(tmp_path, monkeypatch):
 
 
 def test_get_backend_rejects_bad_devices():
-    with pytest.raises(ValueError, match="expected one of auto, cpu"):
+    from kimi_convert.devices import Device
+    from kimi_convert.errors import ConvertError
+
+    with pytest.raises(ConvertError, match="expected one of auto, cpu"):
         get_backend("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA device"):
+        with pytest.raises(ConvertError, match="no CUDA device"):
             get_backend("cuda:0")
         assert get_backend("auto").device.type == "cpu"
+    assert get_backend(Device("reference")).name == "reference"  # a resolved device is taken as it is
 
 
 # --- MXFP4 -> NVFP4, NVIDIA's closed-form cast ---------------------------------------------

@@ -279,6 +279,8 @@ def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
     import importlib.machinery
 
     from kimi_convert import devices
+    from kimi_convert.devices import Device, resolve_device
+    from kimi_convert.errors import ConvertError
 
     pkg = tmp_path / "torch"
     (pkg / "lib").mkdir(parents=True)
@@ -288,15 +290,128 @@ def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
     monkeypatch.setattr(devices, "gpu_count", lambda: 2)
     devices.torch_has_cuda.cache_clear()
     try:
-        assert devices.check("auto") == "cpu"  # a CPU build of torch: the GPUs cannot be used
+        assert resolve_device("auto") == Device("cpu")  # a CPU build of torch: the GPUs cannot be used
+        with pytest.raises(ConvertError, match="--device cuda: the installed torch is not a CUDA build"):
+            resolve_device("cuda")
         (pkg / "lib" / "libtorch_cuda.so").write_bytes(b"")
         devices.torch_has_cuda.cache_clear()
-        assert devices.check("auto") == "cuda"
-        assert devices.worker_devices("cuda", None) == ["cuda:0", "cuda:1"]
-        assert devices.worker_devices("cuda:1", 3) == ["cuda:1"] * 3
-        assert devices.worker_devices("cuda", 3) == ["cuda:0", "cuda:1", "cuda:0"]
+        assert resolve_device("auto") == Device("cuda")
+        assert resolve_device("cuda:1") == Device("cuda", 1)
+        with pytest.raises(ConvertError, match="--device cuda:2: only 2 CUDA device"):
+            resolve_device("cuda:2")
+        assert devices.worker_devices("cuda", None) == [Device("cuda", 0), Device("cuda", 1)]
+        assert devices.worker_devices("cuda:1", 3) == [Device("cuda", 1)] * 3
+        assert devices.worker_devices("cuda", 3) == [Device("cuda", 0), Device("cuda", 1), Device("cuda", 0)]
+        assert devices.worker_devices("auto", None) == [Device("cuda", 0), Device("cuda", 1)]
     finally:
         devices.torch_has_cuda.cache_clear()
+
+
+def test_resolve_device_reads_every_accepted_value_and_refuses_the_rest(monkeypatch):
+    from kimi_convert import devices
+    from kimi_convert.devices import Device, resolve_device, valid
+    from kimi_convert.errors import ConvertError
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    for text in ("cpu", "reference", "triton"):
+        assert resolve_device(text) == Device(text) and str(resolve_device(text)) == text
+        assert devices.worker_devices(text, 2) == [Device(text)] * 2
+    assert resolve_device("auto") == Device("cpu")  # no GPU: the C kernel
+    assert resolve_device(Device("cuda", 3)) == Device("cuda", 3)  # already resolved: as it is
+    assert str(Device("cuda", 3)) == "cuda:3"
+    for text in ("cuda", "cuda:0"):
+        assert valid(text) == text
+        with pytest.raises(ConvertError, match=f"--device {text}: no CUDA device visible"):
+            resolve_device(text)
+    for bad in ("tpu", "", "CPU", "cuda:", "cuda:x", "cuda:-1", "cpu:0", "auto:1", "triton:0", " cpu", "cuda 0"):
+        with pytest.raises(ConvertError) as e:
+            resolve_device(bad)
+        assert str(e.value) == f"--device {bad!r}: expected one of auto, cpu, cuda, cuda:N, reference (the torch " \
+            "code), triton (the Triton kernel; on the CPU under TRITON_INTERPRET=1)"
+        with pytest.raises(ConvertError, match="expected one of auto, cpu, cuda, cuda:N, reference"):
+            valid(bad)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr(devices, "torch_has_cuda", lambda: True)
+    assert resolve_device("cuda:0") == Device("cuda", 0) and resolve_device("cuda") == Device("cuda")
+    assert resolve_device("auto") == Device("cuda")
+    with pytest.raises(ConvertError, match="--device cuda:1: only 1 CUDA device"):
+        resolve_device("cuda:1")
+
+
+def test_cpus_honours_kimi_convert_threads(monkeypatch):
+    import os
+
+    from kimi_convert.devices import cpus
+    from kimi_convert.errors import ConvertError
+
+    monkeypatch.delenv("KIMI_CONVERT_THREADS", raising=False)
+    assert cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("KIMI_CONVERT_THREADS", "7")
+    assert cpus() == 7
+    assert pipeline.default_streams(cpus()) == 1 and pipeline.default_streams(64, 2) == 4
+    assert pipeline.cpu_share(cpus(), 2) == 3 and pipeline.cpu_share(1, 4) == 1
+    monkeypatch.setenv("KIMI_CONVERT_THREADS", "0")
+    assert cpus() == 1
+    monkeypatch.setenv("KIMI_CONVERT_THREADS", "many")
+    with pytest.raises(ConvertError, match="KIMI_CONVERT_THREADS='many'"):
+        cpus()
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_pack_passes_cpus_to_its_one_worker(tiny_k3, tmp_path, monkeypatch):
+    """pack reads ``cpus()`` once and hands it on as an argument: the stream threads, the warm-up."""
+    seen = {}
+
+    def run_jobs(jobs, device, on_shard, on_progress, *, threads, stop=None):
+        seen["threads"], seen["device"] = threads, device
+        raise _Stop
+
+    monkeypatch.setenv("KIMI_CONVERT_THREADS", "5")
+    monkeypatch.setattr(pipeline, "run_jobs", run_jobs)
+    monkeypatch.setattr(pipeline, "warm_up", lambda device, threads: seen.setdefault("warm_up", threads))
+    with pytest.raises(_Stop):
+        pack(tiny_k3, tmp_path / "out", Options(), device="cpu", progress=False, workers=1)
+    from kimi_convert.devices import Device
+    assert seen == {"threads": 5, "device": Device("cpu"), "warm_up": 5}
+
+
+def test_workers_receive_their_share_of_cpus_as_an_argument(tiny_k3, tmp_path, monkeypatch):
+    """pack hands ``cpus()`` to workers.run, which gives each worker process an equal share as an
+    argument of its main function (os.environ is left alone). The processes run as threads here."""
+    import os
+    import queue
+
+    from kimi_convert import workers
+
+    class Thread(threading.Thread):
+        exitcode = None
+
+        def __init__(self, target, args, name):
+            super().__init__(target=target, args=args, name=name)
+
+    class Context:
+        Queue = queue.Queue
+        Process = Thread
+
+    got, real = [], workers.run_jobs
+
+    def run_jobs(jobs, device, on_shard, on_progress, *, threads, stop=None):
+        got.append((str(device), threads))
+        return real(jobs, device, on_shard, on_progress, threads=threads, stop=stop)
+
+    monkeypatch.setenv("KIMI_CONVERT_THREADS", "6")
+    monkeypatch.setattr(workers.mp, "get_context", lambda method: Context())
+    monkeypatch.setattr(workers, "_die_with", lambda parent: None)
+    monkeypatch.setattr(workers, "run_jobs", run_jobs)
+    env = dict(os.environ)
+    r = pack(tiny_k3, tmp_path / "out", Options(**SGLANG, max_shard_size=300_000), device="cpu", progress=False,
+             workers=2, streams=1)
+    assert r.stats.workers == 2 and sorted(got) == [("cpu", 3), ("cpu", 3)]  # 6 CPUs, 2 workers: 3 each
+    assert dict(os.environ) == env
+    assert (tmp_path / "out" / "manifest.json").is_file()
 
 
 def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):

@@ -1,0 +1,182 @@
+"""The options of ``plan`` and ``pack``, defined once.
+
+:class:`Options` is the one definition: each field carries its command-line flag, help, metavar and
+click type in its metadata, and everything else is derived from the fields, in their order:
+
+- :func:`click_options`, the decorator that adds the flags to ``plan`` and ``pack`` and hands the
+  command one ``opts: Options`` (``Options.from_cli`` of the flags' values);
+- :meth:`Options.to_dict`, the manifest's ``options`` (every field marked ``manifest``, in field
+  order: the JSON, and so the manifest's bytes, follow from this class);
+- :meth:`Options.from_dict`, what ``verify-manifest --input`` re-plans with (an older manifest's
+  missing keys take their defaults).
+
+``mapping`` and ``strict`` are options of the run, not recorded under ``options`` (the manifest
+records the mapping table itself; ``--strict`` only turns warnings into errors): they are left out of
+the manifest dict and out of equality, so an ``Options`` equals the one read back from its manifest.
+
+A bool field is a flag: default False, ``--name`` sets it; default True, its flag (``--no-...``)
+clears it. A tuple field is a repeatable option; it is a list in the manifest.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import click
+
+from . import paths
+
+DEFAULT_MAX_SHARD = 5 * 1000**3
+LAYOUTS = ("source", "sglang", "vllm")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
+
+
+def checked(check, *args):
+    """A click callback running one of ``paths``' checks (or another), so a bad value is refused in
+    the tool's one-line form before any work, never in click's own wording."""
+    def callback(ctx: click.Context, param: click.Parameter, value):
+        if value is None:
+            return value
+        for v in value if isinstance(value, tuple) else (value,):
+            check(v, *args)
+        return value
+    return callback
+
+
+class Size(click.ParamType):
+    """A byte count: ``5GB``, ``500MB``, ``2GiB``, ``300KB`` or plain bytes (an int passes through)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            size = value
+        else:
+            m = _SIZE.match(str(value))
+            unit = (m.group(2) or "").upper() if m else None
+            if not m or unit not in _UNITS:
+                self.fail(f"{value!r} is not a size like 5GB, 500MB or 2GiB", param, ctx)
+            size = int(float(m.group(1)) * _UNITS[unit])
+        if size <= 0:
+            self.fail(f"{value!r} is not a positive size", param, ctx)
+        return size
+
+
+class PositiveFloat(click.ParamType):
+    """A positive finite number."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not (0 < x < math.inf):
+            self.fail(f"{x} is not a positive finite number", param, ctx)
+        return x
+
+
+SIZE = Size()
+
+
+def _opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
+         type: click.ParamType | None = None, show_default: str | bool | None = None, check: tuple | None = None,
+         manifest: bool = True) -> Any:
+    """A field of :class:`Options` and how the command line and the manifest spell it."""
+    meta = {"help": help, "flag": flag, "metavar": metavar, "type": type, "show_default": show_default,
+            "check": check, "manifest": manifest}
+    return field(default=default, compare=manifest, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``plan`` and ``pack`` were asked; field order is the manifest's key order."""
+
+    mapping: str | None = _opt(
+        None, "Architecture table (default: chosen from config.json).", metavar="NAME|FILE", manifest=False)
+    recipe: str | None = _opt(
+        None, "What is quantized how: nvidia-k3 (the default for Kimi K3), nvfp4-w4a16 (the default otherwise), "
+              "or a recipe file.", metavar="NAME|FILE")
+    layout: str = _opt(
+        "source", "source: the input's tensor names and files (loads in vLLM and SGLang); sglang: SGLang's fused "
+                  "names on disk (SGLang only).", type=click.Choice(LAYOUTS), show_default=True)
+    input_scale: float | None = _opt(
+        None, "Replace the recipe's constant activation input_scale (nvidia-k3: 1.0).", metavar="X",
+        type=PositiveFloat())
+    exclude: tuple[str, ...] = _opt(
+        (), "Keep source modules matching GLOB in high precision (repeatable).", metavar="GLOB")
+    exclude_from: tuple[str, ...] = _opt(
+        (), "Patterns from FILE: one per line, a JSON list, or an hf_quant_config.json.", metavar="FILE",
+        check=(paths.file, "an exclude file"))
+    default_excludes: bool = _opt(
+        True, "Do not apply the mapping's default recipe.", flag="--no-default-excludes")
+    keep_partial: bool = _opt(
+        False, "Keep a fused module (or MoE layer) whole in high precision when only some of its shards are "
+               "excluded.")
+    max_shard_size: int = _opt(
+        DEFAULT_MAX_SHARD, "Largest output shard, e.g. 5GB, 500MB.", type=SIZE, show_default="5GB")
+    fuse: tuple[str, ...] = _opt((), "Enable an opt-in fused group of the mapping.", metavar="GROUP")
+    no_fuse: tuple[str, ...] = _opt((), "Do not build this fused group.", metavar="GROUP")
+    strict: bool = _opt(
+        False, "Warnings are errors: a mapping for another architecture, a mapping entry or an exclusion "
+               "pattern that matches no module of the input.", manifest=False)
+
+    @classmethod
+    def from_cli(cls, kw: dict[str, Any]) -> Options:
+        """From the values of :func:`click_options`' flags (keyed by field name; other keys ignored)."""
+        return cls(**{f.name: tuple(kw[f.name]) if isinstance(f.default, tuple) else kw[f.name]
+                      for f in fields(cls) if f.name in kw})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``options``."""
+        out = {}
+        for f in fields(self):
+            if f.metadata["manifest"]:
+                v = getattr(self, f.name)
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Options:
+        """From a manifest's ``options``: a key an older manifest lacks takes its default."""
+        return cls(**{f.name: tuple(d[f.name]) if isinstance(f.default, tuple) else d[f.name]
+                      for f in fields(cls) if f.metadata["manifest"] and f.name in d})
+
+
+def _flag(name: str, meta) -> str:
+    return meta["flag"] or "--" + name.replace("_", "-")
+
+
+def click_options(command):
+    """Adds every :class:`Options` field as a flag of ``command``, which receives them as one
+    keyword argument, ``opts``."""
+    @functools.wraps(command)
+    def wrapper(*args, **kw):
+        names = [f.name for f in fields(Options)]
+        opts = Options.from_cli({n: kw.pop(n) for n in names})
+        return command(*args, opts=opts, **kw)
+
+    f: Any = wrapper
+    for fl in reversed(fields(Options)):
+        m = fl.metadata
+        kw: dict[str, Any] = {"help": m["help"]}
+        if isinstance(fl.default, bool):
+            kw.update(is_flag=True, flag_value=not fl.default, default=fl.default)
+        elif isinstance(fl.default, tuple):
+            kw.update(multiple=True)
+        else:
+            kw.update(default=fl.default)
+        for key in ("metavar", "type", "show_default"):
+            if m[key] is not None:
+                kw[key] = m[key]
+        if m["check"]:
+            kw["callback"] = checked(*m["check"])
+        f = click.option(_flag(fl.name, m), fl.name, **kw)(f)
+    return f
