@@ -16,7 +16,9 @@ import hashlib
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from pathlib import Path
 
 CHUNK = 16 << 20
 
@@ -205,3 +207,36 @@ class HoldBudget:
     def give(self, n: int) -> None:
         with self._lock:
             self.held -= n
+
+
+def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable[[int], None] | None = None,
+              stop: threading.Event | None = None) -> tuple[str, int, dict[str, str]]:
+    """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read;
+    a stop request ends it within one chunk."""
+    fh = hashlib.sha256()
+    order = sorted(ranges.items(), key=lambda kv: kv[1])
+    th = {name: hashlib.sha256() for name in ranges}
+    pos, i = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            if stop is not None and stop.is_set():
+                raise Stopped(str(path))
+            fh.update(block)
+            end = pos + len(block)
+            while i < len(order) and order[i][1][0] < end:
+                name, (a, b) = order[i]
+                lo, hi = max(a, pos), min(b, end)
+                if hi > lo:
+                    th[name].update(memoryview(block)[lo - pos : hi - pos])
+                if b <= end:
+                    i += 1
+                else:
+                    break
+            pos = end
+            if progress:
+                progress(len(block))
+    return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
+
+
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    return hash_file(path, {}, stop=stop)[0]

@@ -45,8 +45,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_client_factory, validate_repo_id
 
 from .errors import ConvertError
+from .hashing import sha256_file
 from .verify import load, verify
-from .write import sha256_file
 
 T = TypeVar("T")
 #: Statuses a later attempt can get past: a timeout, a rate limit, the server's own trouble.

@@ -10,17 +10,15 @@ headers, mapping and options) and to the input files' sizes and modification tim
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import faults
+from .atomic import write_atomic
 from .errors import ConvertError
 
 NAME = ".kimi-convert-pack.json"
-VERSION = 1
+VERSION = 2  # 2: fingerprint renamed plan_sha256
 
 
 @dataclass
@@ -34,22 +32,14 @@ class ShardRecord:
 
 @dataclass
 class Journal:
-    fingerprint: str
+    plan_sha256: str  # the plan's hash (manifest.plan_hash): a resume refuses another plan's output
     command: str  # the command that resumes this pack
     inputs: dict[str, list[int]]  # file -> [size, mtime_ns]
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     version: int = VERSION
 
     def save(self, folder: Path) -> None:
-        data = json.dumps(asdict(self), sort_keys=True).encode()
-        tmp = folder / (NAME + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data[: len(data) // 2])
-            faults.point("journal")
-            f.write(data[len(data) // 2 :])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / NAME)
+        write_atomic(folder / NAME, json.dumps(asdict(self), sort_keys=True).encode(), fault="journal")
 
     @staticmethod
     def load(folder: Path) -> Journal | None:
@@ -65,10 +55,6 @@ class Journal:
         if j.version != VERSION:
             raise ConvertError(f"{path}: journal version {j.version} is not {VERSION}; start again with --overwrite")
         return j
-
-
-def fingerprint(plan_dict: dict) -> str:
-    return hashlib.sha256(json.dumps(plan_dict, sort_keys=True).encode()).hexdigest()
 
 
 def input_stamps(folder: Path, files: list[str]) -> dict[str, list[int]]:

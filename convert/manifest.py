@@ -6,13 +6,16 @@ It holds no timestamps and no absolute paths, so the same input and options give
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tomllib
+from pathlib import Path
 
 from . import __version__
-from .journal import fingerprint
+from .configs import layer_algo, quantized_layers
+from .errors import ConvertError
 from .plan import FP8, GROUP_SIZE, NVFP4, Item, Plan
 from .recipe import FP8_BLOCK
-from .write import layer_algo, quantized_layers
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
@@ -95,7 +98,7 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
     """``files``: every other file of the output (configs, index, side files) with size and sha256;
     ``side_files``: those of them copied from the input (the same bytes: the input's hashes too)."""
     body = plan_dict(plan)
-    plan_sha256 = fingerprint(body)
+    plan_sha256 = plan_hash(body)
     for mod in body["modules"]:
         for s in mod["sources"]:
             for p in s["parts"]:
@@ -121,3 +124,19 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
         "files": files,
         **body,
     }
+
+
+def plan_hash(plan_dict: dict) -> str:
+    """The plan's identity (the manifest's ``plan_sha256``; a resume refuses another plan's output)."""
+    return hashlib.sha256(json.dumps(plan_dict, sort_keys=True).encode()).hexdigest()
+
+
+def load_manifest(output_dir: Path) -> dict:
+    path = output_dir / "manifest.json"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable ({e})") from None
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{path}: not a JSON object")
+    return obj

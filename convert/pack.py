@@ -16,16 +16,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import devices, journal, pipeline, write
+from . import configs, devices, journal, pipeline, write
 from . import manifest as manifest_mod
+from .atomic import write_json_atomic
 from .devices import Device
 from .errors import ConvertError
+from .hashing import sha256_file
 from .journal import Journal, ShardRecord
 from .mapping import find_mapping
 from .options import Options
 from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .progress import Progress
-from .source import Checkpoint, open_checkpoint, readahead
+from .source import INDEX_NAME, Checkpoint, open_checkpoint, readahead
 
 
 @dataclass(frozen=True)
@@ -204,11 +206,11 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
 def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,
                   command: str) -> Journal | None:
     """The journal to continue, or a fresh one; None when a resumed output is already complete."""
-    fp = journal.fingerprint(manifest_mod.plan_dict(plan))
+    plan_sha = manifest_mod.plan_hash(manifest_mod.plan_dict(plan))
     stamps = journal.input_stamps(input_dir, [f for f, _ in plan.inputs])
     existing = Journal.load(output_dir)
     if resume and existing is not None:
-        if existing.fingerprint != fp or existing.inputs != stamps:
+        if existing.plan_sha256 != plan_sha or existing.inputs != stamps:
             what = ("input files changed" if existing.inputs != stamps
                     else "the plan (input headers, mapping or options) differs")
             raise ConvertError(f"{output_dir}: cannot resume: {what} since the interrupted run; "
@@ -228,17 +230,17 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
     write.clear_previous(output_dir, plan.side_files)
     for p in output_dir.rglob("*" + write.PARTIAL):  # side files' are in sub-folders
         p.unlink()
-    j = Journal(fp, command, stamps)
+    j = Journal(plan_sha, command, stamps)
     j.save(output_dir)
     return j
 
 
 def _check_complete(output_dir: Path) -> None:
     """A resumed run that finds a finished output checks its files against the manifest."""
-    man = write.load_manifest(output_dir)
+    man = manifest_mod.load_manifest(output_dir)
     for f in [*man.get("outputs", []), *man.get("files", [])]:
         path = output_dir / f["file"]
-        if not path.is_file() or path.stat().st_size != f["size"] or write.sha256_file(path) != f["sha256"]:
+        if not path.is_file() or path.stat().st_size != f["size"] or sha256_file(path) != f["sha256"]:
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
 
 
@@ -249,7 +251,7 @@ def _verify_finished(output_dir: Path, plan: Plan, j: Journal) -> int:
     for name, rec in list(j.shards.items()):
         path = output_dir / name
         ok = name in planned and path.is_file() and path.stat().st_size == rec.size
-        if ok and write.sha256_file(path) == rec.sha256:
+        if ok and sha256_file(path) == rec.sha256:
             kept += 1
         else:
             del j.shards[name]
@@ -269,11 +271,11 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
             input_hashes: dict[str, str]) -> dict[str, dict]:
     """Configs, side files and index, then the manifest, then the journal goes. Side files are
     copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's."""
-    write.write_json_atomic(output_dir / "config.json", write.output_config(ckpt.config, plan))
-    write.write_json_atomic(output_dir / "hf_quant_config.json", write.hf_quant_config(plan))
+    write_json_atomic(output_dir / "config.json", configs.output_config(ckpt.config, plan))
+    write_json_atomic(output_dir / "hf_quant_config.json", configs.hf_quant_config(plan))
     side = write.copy_side_files(input_dir, output_dir, plan.side_files, plan.side_folders)
-    write.write_json_atomic(output_dir / write.INDEX_NAME, write.index_json(plan))
-    own = [write.record(output_dir, f) for f in ("config.json", "hf_quant_config.json", write.INDEX_NAME)]
+    write_json_atomic(output_dir / INDEX_NAME, configs.index_json(plan))
+    own = [write.record(output_dir, f) for f in ("config.json", "hf_quant_config.json", INDEX_NAME)]
     recs = [j.shards[s.file] for s in plan.shards]
     notes = {k: v for r in recs for k, v in r.notes.items()}
     man = manifest_mod.build(
@@ -287,6 +289,6 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
         [r.to_dict() for r in [*own, *side]],
         [r.to_dict() for r in side],
     )
-    write.write_json_atomic(output_dir / "manifest.json", man, compact_lists=("modules",))
+    write_json_atomic(output_dir / "manifest.json", man, compact_lists=("modules",))
     (output_dir / journal.NAME).unlink()
     return notes

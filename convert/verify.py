@@ -21,7 +21,8 @@ from pathlib import Path
 from . import engines, journal
 from .devices import Device, cpus
 from .errors import ConvertError
-from .manifest import FORMAT, plan_dict
+from .hashing import hash_file
+from .manifest import FORMAT, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
 from .options import Options
 from .plan import QUANTIZED, make_plan
@@ -29,7 +30,7 @@ from .recipe import parse_recipe
 from .rules import Pattern
 from .sidefiles import scan
 from .source import INDEX_NAME, consumed, open_checkpoint, parse_header
-from .write import hash_file, is_inside, load_manifest
+from .write import is_inside
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
 
@@ -347,7 +348,7 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
     patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
     recipe = parse_recipe(man["recipe_source"], man["recipe"]["file"]) if man.get("recipe_source") else None
     plan = make_plan(ckpt, m, opts, patterns, recipe)
-    same = journal.fingerprint(plan_dict(plan)) == man["plan_sha256"]
+    same = plan_hash(plan_dict(plan)) == man["plan_sha256"]
     rep.check("re-plan from the input and the recorded options", [] if same else
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:

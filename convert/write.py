@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import threading
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from . import __version__, faults, journal, paths
+from . import faults, journal, paths
+from .atomic import PARTIAL
 from .errors import ConvertError
-from .hashing import Stopped
-from .plan import FP8, GROUP_SIZE, NVFP4, Placed, Plan, Shard, aliases, expert_regexes
+from .hashing import sha256_file
+from .manifest import load_manifest
+from .plan import Placed, Shard
 from .source import INDEX_NAME
 
 if TYPE_CHECKING:
     from .compute import Chunk
 
-PARTIAL = ".partial"
 CHUNK = 16 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
@@ -168,127 +165,6 @@ class ShardWriter:
             self.fd = -1
 
 
-def dumps(obj: dict, compact_lists: tuple[str, ...] = ()) -> str:
-    """Indented JSON, except that the lists named in ``compact_lists`` hold one compact entry a line
-    (a real K3 manifest has ~250k modules: indenting each would make it several hundred MB)."""
-    if not compact_lists:
-        return json.dumps(obj, indent=2) + "\n"
-    parts = []
-    for k, v in obj.items():
-        if k in compact_lists and isinstance(v, list):
-            body = ",\n".join("    " + json.dumps(x, separators=(",", ":")) for x in v)
-            parts.append(f"  {json.dumps(k)}: [\n{body}\n  ]")
-        else:
-            parts.append(f"  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "))
-    return "{\n" + ",\n".join(parts) + "\n}\n"
-
-
-def write_json_atomic(path: Path, obj: dict, compact_lists: tuple[str, ...] = ()) -> None:
-    tmp = path.with_name(path.name + PARTIAL)
-    text = dumps(obj, compact_lists)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text[: len(text) // 2])
-            faults.point("json")
-            f.write(text[len(text) // 2 :])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ConvertError(f"{tmp}: cannot write: {e.strerror or e}") from None
-
-
-def index_json(plan: Plan) -> dict:
-    weight_map = {p.tensor.name: s.file for s in plan.shards for p in s.placed}
-    total = sum(p.tensor.nbytes for s in plan.shards for p in s.placed)
-    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-
-
-def producer() -> dict:
-    return {"name": "kimi-convert", "version": __version__}
-
-
-def layer_algo(kind: str, input_scale: float | None) -> str:
-    """ModelOpt's quant_algo of one module: NVFP4 with a (constant) input_scale is W4A4."""
-    if kind == FP8:
-        return "FP8_PB_WO"
-    return "NVFP4" if input_scale is not None else "W4A16_NVFP4"
-
-
-def quantized_layers(plan: Plan) -> dict[str, dict]:
-    """MIXED_PRECISION's per-layer map: each quantized module (a MoE layer's experts as one bank),
-    and each engine packed module whose members share one format, in every spelling the recipe asks for."""
-    m, rec = plan.mapping, plan.recipe
-    entry: dict[str, dict] = {}
-    kind_of: dict[str, tuple[str, float | None]] = {}
-    banks = expert_regexes(m)
-    for it in plan.items:
-        if it.kind not in (NVFP4, FP8):
-            continue
-        kind_of[it.name] = (it.kind, it.input_scale)
-        name = it.name.rsplit(".", 2)[0] if any(rx.fullmatch(m.strip(it.name)) for rx in banks) else it.name
-        entry[name] = _algo_entry(it.kind, it.input_scale)
-    for g in plan.engine_groups:
-        if any(rx.fullmatch(m.strip(mod)) for mod in g.members for rx in banks):
-            continue  # a MoE layer's experts are named once, as their bank
-        kinds = {kind_of.get(mod) for mod in g.members}
-        if len(kinds) == 1 and None not in kinds:
-            entry[g.name] = _algo_entry(*kinds.pop())
-    return {a: e for name, e in sorted(entry.items()) for a in aliases(name, rec.aliases)}
-
-
-def _algo_entry(kind: str, input_scale: float | None) -> dict:
-    algo = layer_algo(kind, input_scale)
-    return {"quant_algo": algo} if kind == FP8 else {"quant_algo": algo, "group_size": GROUP_SIZE}
-
-
-def hf_quant_config(plan: Plan) -> dict:
-    q: dict = {"quant_algo": plan.recipe.quant_algo, "kv_cache_quant_algo": None, "group_size": GROUP_SIZE}
-    if plan.recipe.quant_method == "modelopt_mixed":
-        q["quantized_layers"] = quantized_layers(plan)
-    q["exclude_modules"] = list(plan.exclude_modules)
-    return {"producer": producer(), "quantization": q}
-
-
-def _group_config(algo: str) -> dict:
-    """ModelOpt's compressed-tensors-style config group of one quant_algo (its convert_hf_config;
-    written here because ModelOpt is not a dependency of this tool)."""
-    weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
-    if algo == "NVFP4":
-        return {"input_activations": dict(weights), "weights": weights}
-    if algo == "W4A16_NVFP4":
-        return {"weights": weights}
-    return {"quant_algo": algo}
-
-
-def output_config(config: dict, plan: Plan) -> dict:
-    """The input's config.json with its quantization_config (also the one nested in the text config,
-    which a loader would otherwise read the NVFP4 experts by, as MXFP4) replaced by the recipe's."""
-    out = dict(config)
-    key = plan.mapping.text_config
-    if key and isinstance(out.get(key), dict):
-        out[key] = {k: v for k, v in out[key].items() if k != "quantization_config"}
-    hq = hf_quant_config(plan)["quantization"]
-    q: dict = {}
-    if "quantized_layers" in hq:
-        by_algo: dict[str, list[str]] = defaultdict(list)
-        for name, e in hq["quantized_layers"].items():
-            by_algo[json.dumps(sorted(e.items()))].append(name)
-        q["config_groups"] = {f"group_{i}": {**_group_config(dict(json.loads(k))["quant_algo"]), "targets": sorted(v)}
-                              for i, (k, v) in enumerate(by_algo.items())}
-        q["quantized_layers"] = hq["quantized_layers"]
-    else:
-        q["config_groups"] = {"group_0": {**_group_config(hq["quant_algo"]), "targets": ["Linear"]}}
-        q["group_size"] = GROUP_SIZE
-        q["kv_cache_quant_algo"] = None
-    q["ignore"] = hq["exclude_modules"]
-    q["quant_algo"] = hq["quant_algo"]
-    q["producer"] = producer()
-    q["quant_method"] = plan.recipe.quant_method
-    out["quantization_config"] = q
-    return out
-
-
 @dataclass(frozen=True)
 class FileRecord:
     """A file of the output other than a shard, as the manifest lists it."""
@@ -363,47 +239,3 @@ def default_mode() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
-
-
-def load_manifest(output_dir: Path) -> dict:
-    path = output_dir / "manifest.json"
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable ({e})") from None
-    if not isinstance(obj, dict):
-        raise ConvertError(f"{path}: not a JSON object")
-    return obj
-
-
-def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable[[int], None] | None = None,
-              stop: threading.Event | None = None) -> tuple[str, int, dict[str, str]]:
-    """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read;
-    a stop request ends it within one chunk."""
-    fh = hashlib.sha256()
-    order = sorted(ranges.items(), key=lambda kv: kv[1])
-    th = {name: hashlib.sha256() for name in ranges}
-    pos, i = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            if stop is not None and stop.is_set():
-                raise Stopped(str(path))
-            fh.update(block)
-            end = pos + len(block)
-            while i < len(order) and order[i][1][0] < end:
-                name, (a, b) = order[i]
-                lo, hi = max(a, pos), min(b, end)
-                if hi > lo:
-                    th[name].update(memoryview(block)[lo - pos : hi - pos])
-                if b <= end:
-                    i += 1
-                else:
-                    break
-            pos = end
-            if progress:
-                progress(len(block))
-    return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
-
-
-def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
-    return hash_file(path, {}, stop=stop)[0]

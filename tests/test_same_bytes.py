@@ -1,0 +1,78 @@
+"""Structural changes keep the output bytes: a pack of each synth preset with the code of
+``BEFORE`` (the last commit before the one-home-per-concept restructuring, issue 13) and with
+the code here give the same files, byte for byte, the manifest included.
+
+The "before" is not a stored expected output: it is the earlier code itself, taken from git and run
+from a temporary folder laid out as the installed package is (convert/ -> kimi_convert, ...). Skipped
+where the checkout has no git history to take it from."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+BEFORE = "6e2401f"  # main after issue 12, before issue 13's moves
+PACKAGE = {"convert": "kimi_convert", "kernels": "kimi_convert/kernels", "mappings": "kimi_convert/mappings",
+           "recipes": "kimi_convert/recipes"}
+CASES = {
+    "tiny-k3": [],
+    "tiny-kimi-linear": [],
+    "tiny-deepseek-fp8": [],
+    "tiny-k3-sglang": ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB"],
+}
+
+
+def _old_package(dest: Path) -> Path | None:
+    if shutil.which("git") is None:
+        return None
+    r = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", BEFORE, *PACKAGE],
+                       capture_output=True)
+    if r.returncode:
+        return None
+    with tarfile.open(fileobj=BytesIO(r.stdout)) as tar:
+        for m in tar.getmembers():
+            top, _, rest = m.name.partition("/")
+            if top in PACKAGE and m.isfile():
+                out = dest / PACKAGE[top] / rest
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(tar.extractfile(m).read())
+    return dest
+
+
+def _run(pythonpath: Path | None, *args) -> None:
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", *map(str, args)], capture_output=True, text=True,
+                       env=env, cwd=pythonpath or ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_every_preset_packs_to_the_same_bytes_as_before_the_restructuring(tmp_path):
+    old = _old_package(tmp_path / "old")
+    if old is None:
+        pytest.skip(f"no git history with commit {BEFORE} to take the earlier code from")
+    for case, opts in CASES.items():
+        preset = case.removesuffix("-sglang")
+        src = tmp_path / "in" / preset
+        if not src.exists():
+            _run(None, "synth", preset, src)
+        _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
+        _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
+        before, after = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
+        assert sorted(before) == sorted(after), case
+        changed = [f for f in before if before[f] != after[f]]
+        assert changed == [], f"{case}: {changed}"
