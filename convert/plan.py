@@ -324,11 +324,11 @@ def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: d
         short = m.strip(parent)
         complete = []
         for order, g in enumerate(groups):
-            applies = _applies(g, short, kinds, m, config)
-            if applies is False:
-                continue
             present = [x for x in g.members if x in leaves]
             if not present:
+                continue
+            applies = _applies(g, short, kinds, m, config)
+            if applies is False:
                 continue
             if len(present) != len(g.members):
                 if applies is None:
