@@ -55,7 +55,7 @@ class Group:
     on_disk: bool = True  # False: fused inside the engine only (never written fused)
 
     def parent_regexes(self) -> list[re.Pattern[str]]:
-        return [template_regex(p) for p in self.parents]
+        return [template_regex(p) for p in self.parents]  # each cached
 
 
 @dataclass(frozen=True)
