@@ -175,12 +175,14 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, as_json: bool, **kw) -> None:
     """Print what pack would do, without reading tensor data."""
-    from .manifest import plan_dict
+    from .manifest import plan_json
     from .pack import load_plan
 
     _, p = load_plan(input_dir, _options(kw), kw["mapping"])
-    if as_json:
-        click.echo(json.dumps(plan_dict(p), indent=2))
+    if as_json:  # json.dumps(plan_dict(p), indent=2), written in pieces (680 MB for the released K3)
+        for piece in plan_json(p):
+            click.echo(piece, nl=False)
+        click.echo()
     else:
         click.echo(render_plan(p, input_dir))
     for w in p.warnings:
@@ -378,29 +380,27 @@ def _shape(dtype: str, shape) -> str:
 
 
 def render_plan(p: Plan, input_dir: str) -> str:
-    shard_of = p.shard_of()
-    lines = [f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
-             f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
-             f"layout {p.options.layout}; quantization_config: {p.recipe.quant_method} / {p.recipe.quant_algo}",
-             *(f"note: {n}" for n in p.notes), ""]
+    """Every module with its decision and sources; a MoE layer's routed experts as banks: the experts whose
+    lines differ only in their index are one entry (the index written {e}, then which experts). ``--json``
+    lists every module (the released K3: 250,000 modules, a million lines of text)."""
+    shard_of = p.shard_of() if any(not u.shard for u in p.units) else None
+    lines: list[str | _Bank] = [
+        f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
+        f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
+        f"layout {p.options.layout}; quantization_config: {p.recipe.quant_method} / {p.recipe.quant_algo}",
+        *(f"note: {n}" for n in p.notes), ""]
+    expert = _expert_index(p.mapping)
+    banks: dict[tuple[str, ...], _Bank] = {}
     for u in p.units:
         for it in u.items:
-            srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
-            out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
-            lines.append(f"{it.kind:9} {it.name}  {out}  -> {shard_of[it.outputs[0].name]}")
-            if it.kind != "copy":
-                extra = f"; shared scale {u.shared_scale}" if u.shared_scale else ""
-                lines.append(f"        why: {it.rule}{extra}")
-            if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
-                lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
-                for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
-                    extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
-                    lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
+            item = _item_lines(it, u.shared_scale, shard_of[it.outputs[0].name] if shard_of else u.shard)
+            _add(lines, banks, item, expert(it.name))
     if p.engine_groups:
         lines += ["", "engine packed modules (stored apart; quantized members share one global scale):"]
         for g in p.engine_groups:
             rows = ", ".join(f"{mod.rsplit('.', 1)[-1]} {a}:{b}" for mod, (a, b) in zip(g.members, g.rows, strict=True))
-            lines.append(f"  {g.name} [{', '.join(g.engines)}]: {rows}")
+            _add(lines, banks, [f"  {g.name} [{', '.join(g.engines)}]: {rows}"], expert(g.members[0]))
+    lines = [x for line in lines for x in (line.lines() if isinstance(line, _Bank) else (line,))]
     t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "fp8-block", "keep", "copy")}
     lines += [
         "",
@@ -411,6 +411,72 @@ def render_plan(p: Plan, input_dir: str) -> str:
         f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",
     ]
     return "\n".join(lines)
+
+
+def _item_lines(it, shared_scale: str | None, shard: str) -> list[str]:
+    srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
+    out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
+    lines = [f"{it.kind:9} {it.name}  {out}  -> {shard}"]
+    if it.kind != "copy":
+        extra = f"; shared scale {shared_scale}" if shared_scale else ""
+        lines.append(f"        why: {it.rule}{extra}")
+    if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
+        lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
+        for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
+            extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
+            lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
+    return lines
+
+
+class _Bank:
+    """Routed experts whose plan lines are the same but for their index."""
+
+    def __init__(self, lines: tuple[str, ...]):
+        self.text, self.experts = lines, []
+
+    def lines(self) -> list[str]:
+        runs: list[list[int]] = []
+        for e in sorted(set(self.experts)):
+            if runs and e == runs[-1][1] + 1:
+                runs[-1][1] = e
+            else:
+                runs.append([e, e])
+        which = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+        n = len(self.experts)
+        return [self.text[0], f"{' ' * 8 if self.text[0][:1] != ' ' else '    '}for e in {which} "
+                              f"({n} module{'s' if n > 1 else ''})", *self.text[1:]]
+
+
+def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | None) -> None:
+    if expert is None:
+        lines += item
+        return
+    prefix, e = expert
+    key = tuple(x.replace(f"{prefix}.{e}.", f"{prefix}.{{e}}.") for x in item)
+    bank = banks.get(key)
+    if bank is None:
+        bank = banks[key] = _Bank(key)
+        lines.append(bank)
+    bank.experts.append(int(e))
+
+
+def _expert_index(m):
+    """name -> (the name up to its expert index, the index) for routed expert modules (and the names
+    under them); None for others."""
+    from .mapping import template_regex
+
+    rxs = [re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.") for t in m.expert_sets]
+
+    def find(name: str) -> tuple[str, str] | None:
+        short = m.strip(name)
+        for rx in rxs:
+            hit = rx.match(short)
+            if hit is not None:
+                a, b = hit.span("_expert_index")
+                off = len(name) - len(short)
+                return name[: off + a - 1], name[off + a : off + b]
+        return None
+    return find
 
 
 def main() -> None:
