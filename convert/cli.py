@@ -393,8 +393,25 @@ def render_plan(p: Plan, input_dir: str) -> str:
     banks: dict[tuple[str, ...], _Bank] = {}
     for u in p.units:
         for it in u.items:
-            item = _item_lines(it, u.shared_scale, shard_of[it.outputs[0].name] if shard_of else u.shard)
-            _add(lines, banks, item, expert(it.name))
+            shard = shard_of[it.outputs[0].name] if shard_of else u.shard
+            where = expert(it.name)
+            if where is None:
+                lines += _item_lines(it, u.shared_scale, shard)
+                continue
+            tag, norm = f"{where[0]}.{where[1]}.", f"{where[0]}.{{e}}."
+            # what _item_lines shows, the index written {e}: experts alike by it are alike in their lines
+            key = (it.kind, it.op, it.rule.replace(tag, norm), it.name.replace(tag, norm),
+                   (u.shared_scale or "").replace(tag, norm), shard.replace(tag, norm),
+                   it.outputs[0].name.replace(tag, norm), *((t.dtype, t.shape) for t in it.outputs), None,
+                   *((s.name.replace(tag, norm), s.encoding, s.file.replace(tag, norm), s.dtype, s.shape,
+                      *((x.name.replace(tag, norm), x.file.replace(tag, norm)) for x in s.parts[1:]), None)
+                     for s in it.sources))
+            bank = banks.get(key)
+            if bank is None:
+                item = _item_lines(it, u.shared_scale, shard)
+                bank = banks[key] = _Bank(tuple(x.replace(tag, norm) for x in item))
+                lines.append(bank)
+            bank.experts.append(int(where[1]))
     if p.engine_groups:
         lines += ["", "engine packed modules (stored apart; quantized members share one global scale):"]
         for g in p.engine_groups:
@@ -452,10 +469,10 @@ def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | No
         lines += item
         return
     prefix, e = expert
-    key = tuple(x.replace(f"{prefix}.{e}.", f"{prefix}.{{e}}.") for x in item)
+    key = ("", *(x.replace(f"{prefix}.{e}.", f"{prefix}.{{e}}.") for x in item))
     bank = banks.get(key)
     if bank is None:
-        bank = banks[key] = _Bank(key)
+        bank = banks[key] = _Bank(key[1:])
         lines.append(bank)
     bank.experts.append(int(e))
 

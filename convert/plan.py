@@ -10,6 +10,7 @@ partly excluded, a weight whose K is not a multiple of 16) fails here, before an
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -175,7 +176,7 @@ class Plan:
 
     @property
     def bytes_in(self) -> int:
-        return sum(u.nbytes_in for u in self.units)
+        return sum(p.end - p.start for u in self.units for it in u.items for s in it.sources for p in s.parts)
 
     @property
     def bytes_out(self) -> int:
@@ -213,7 +214,8 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
             raise ConvertError(f"{t[name].file}: tensor {name}: {mod} is already NVFP4; nothing to convert")
         if suffix == "weight_packed":
             src = out[mod]["weight"] = _mxfp4_source(mod, t)
-            consumed.update(p.name for p in src.parts)
+            for p in src.parts:
+                consumed.add(p.name)
         elif suffix == "weight" and t[name].dtype == "F8_E4M3":
             if f"{mod}.weight_scale_inv" not in t:
                 raise ConvertError(f"{t[name].file}: tensor {name}: FP8 weight without its {mod}.weight_scale_inv")
@@ -561,9 +563,8 @@ def _index_blind(glob: str) -> bool:
     return True
 
 
-def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context) -> bool:
-    """Mapping.is_linear, once per expert template (and weight rank)."""
-    key = ctx.template(mod)
+def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context, key: str | None) -> bool:
+    """Mapping.is_linear, once per expert template ``key`` (and weight rank)."""
     if key is None:
         return ctx.m.is_linear(mod, shape)
     key = ("linear", key, len(shape) == 2)
@@ -573,10 +574,9 @@ def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context) -> bool:
     return hit[0]
 
 
-def _decide_apart(mod: str, ctx: _Context) -> _Decision:
+def _decide_apart(mod: str, ctx: _Context, key: str | None) -> _Decision:
     """_decide for a module stored apart; a routed expert's decision is made once per expert template
-    (the rules' use counts still count every module)."""
-    key = ctx.template(mod)
+    ``key`` (the rules' use counts still count every module)."""
     if key is None:
         return _decide(mod, [mod], None, ctx)
     hit = ctx.memo.get(("decide", key))
@@ -713,9 +713,11 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: l
     for mod in sorted(modules):
         if mod in in_group:
             continue
-        for suffix, src in sorted(modules[mod].items()):
-            if suffix == "weight" and _is_linear(mod, src.shape, ctx):
-                dec = _decide_apart(mod, ctx)
+        params = modules[mod]
+        key = ctx.template(mod) if "weight" in params else None
+        for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
+            if suffix == "weight" and _is_linear(mod, src.shape, ctx, key):
+                dec = _decide_apart(mod, ctx, key)
                 items.append(_weight_item(mod, [src], "none", None, src.shape, dec))
             else:
                 items.append(_copy_item(src.name, [src], "none", None, src.shape, "not a linear weight: copied"))
@@ -733,8 +735,12 @@ def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     rxs = expert_regexes(m)
     sets: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
-        if it.kind != COPY and any(rx.fullmatch(m.strip(it.name)) for rx in rxs):
-            sets[it.name.rsplit(".", 2)[0]].append(i)
+        if it.kind != COPY:
+            short = m.strip(it.name)
+            for rx in rxs:
+                if rx.fullmatch(short):
+                    sets[it.name.rsplit(".", 2)[0]].append(i)
+                    break
     return sets
 
 
@@ -834,7 +840,7 @@ def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Un
     grouped = {it.name for its in sets.values() for it in its}
     units = [Unit(tuple(sorted(its, key=pos)), " + ".join(sorted(label[root]))) for root, its in sets.items()]
     units += [Unit((it,), None) for it in items if it.name not in grouped]
-    return sorted(units, key=lambda u: min(pos(it) for it in u.items))
+    return sorted(units, key=lambda u: at[id(u.items[0])])  # a unit's items are in position order
 
 
 def _layout_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:
@@ -880,9 +886,16 @@ def _in_write_order(units: list[list[OutTensor]]) -> list[OutTensor] | None:
     In this order the shard is written front to back, so its sha256 is computed from the bytes as
     they are written, with no second read of the file."""
     out, pos = [], 0
+    orders: dict[tuple[str, ...], list[int]] = {}  # dtypes of a unit's tensors -> their write order
     for ts in units:
-        for t in (sorted(ts, key=lambda t: -_itemsize(t)) if len(ts) > 1 else ts):
-            if pos % _itemsize(t):
+        if len(ts) > 1:
+            dtypes = tuple([t.dtype for t in ts])
+            order = orders.get(dtypes)
+            if order is None:
+                order = orders[dtypes] = sorted(range(len(ts)), key=lambda i: -DTYPES[dtypes[i]].itemsize)
+            ts = [ts[i] for i in order]
+        for t in ts:
+            if pos % DTYPES[t.dtype].itemsize:
                 return None
             out.append(t)
             pos += _nbytes(t)
@@ -898,19 +911,25 @@ def _nbytes(t: OutTensor) -> int:
     return _size_of(t.dtype, t.shape)
 
 
-def _header_text(ordered: list[OutTensor], offs: list[tuple[int, int]]) -> str | None:
+def _header_text(ordered: list[OutTensor], starts: list[int], ends: list[int]) -> str | None:
     """``json.dumps(header, separators=(",", ":"))`` of a shard header, written directly (a million
     tensors for the released K3); None when a name repeats (the dict would keep one)."""
-    if len({t.name for t in ordered}) != len(ordered):
+    names = [t.name for t in ordered]
+    if len(set(names)) != len(names):
         return None
+    joined = "".join(names)  # names json.dumps writes as they are (in ASCII it escapes '"', '\\', controls)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        names = [f'"{n}"' for n in names]
+    else:
+        names = [_json_str(n) for n in names]
     frags: dict[tuple[str, tuple[int, ...]], str] = {}
     parts = ['{"__metadata__":{"format":"pt"}']
-    for t, (a, b) in zip(ordered, offs, strict=True):
+    for t, name, a, b in zip(ordered, names, starts, ends, strict=True):
         frag = frags.get((t.dtype, t.shape))
         if frag is None:
             shape = ",".join(map(str, t.shape))
             frag = frags[t.dtype, t.shape] = f'{{"dtype":{_json_str(t.dtype)},"shape":[{shape}],"data_offsets":['
-        parts.append(f",{_json_str(t.name)}:{frag}{a},{b}]}}")
+        parts.append(f",{name}:{frag}{a},{b}]}}")
     parts.append("}")
     return "".join(parts)
 
@@ -919,22 +938,19 @@ def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
     """Header first, then the tensors in write order when that keeps them aligned, else wider dtypes
     first (as safetensors does) so that every tensor is aligned to its item size."""
     ordered = _in_write_order(units) or sorted((t for ts in units for t in ts), key=lambda t: -_itemsize(t))
-    offs, pos = [], 0
-    for t in ordered:
-        n = _nbytes(t)
-        offs.append((pos, pos + n))
-        pos += n
-    text = _header_text(ordered, offs)
+    ends = list(itertools.accumulate(map(_nbytes, ordered)))
+    starts = [0, *ends[:-1]]
+    text = _header_text(ordered, starts, ends)
     if text is None:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        for t, (a, b) in zip(ordered, offs, strict=True):
+        for t, a, b in zip(ordered, starts, ends, strict=True):
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [a, b]}
         text = json.dumps(header, separators=(",", ":"))
     text = text.encode()
     text += b" " * (-(8 + len(text)) % 16)
     head = len(text).to_bytes(8, "little") + text
     base = len(head)
-    placed = tuple(Placed(t, base + a, base + b) for t, (a, b) in zip(ordered, offs, strict=True))
+    placed = tuple(map(Placed, ordered, [base + a for a in starts], [base + b for b in ends]))
     return Shard(name, placed, head)
 
 
