@@ -234,11 +234,11 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
 def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> Source:
     packed = t[f"{mod}.weight_packed"]
     scale = t.get(f"{mod}.weight_scale")
-    where = f"{packed.file}: tensor {packed.name}"
     if scale is None:
-        raise ConvertError(f"{where}: MXFP4 weight without its {mod}.weight_scale")
+        raise ConvertError(f"{packed.file}: tensor {packed.name}: MXFP4 weight without its {mod}.weight_scale")
     if packed.dtype != "U8" or len(packed.shape) != 2:
-        raise ConvertError(f"{where}: MXFP4 packed weight must be U8 [N, K/2], is {packed.dtype}{list(packed.shape)}")
+        raise ConvertError(f"{packed.file}: tensor {packed.name}: MXFP4 packed weight must be U8 [N, K/2], "
+                           f"is {packed.dtype}{list(packed.shape)}")
     n, k = packed.shape[0], packed.shape[1] * 2
     want = [n, math.ceil(k / MXFP4_GROUP)]
     if scale.dtype != "U8" or scale.shape != tuple(want) or k % MXFP4_GROUP:
@@ -297,8 +297,10 @@ class EngineGroup:
     rows: tuple[tuple[int, int], ...]  # each member's rows in the engine's fused weight
 
 
-def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict) -> bool | None:
-    """True or False; None when a config condition is absent (the tensors present decide)."""
+def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict,
+             when: bool | str | None = "") -> bool | None:
+    """True or False; None when a config condition is absent (the tensors present decide). ``when``:
+    _when(g, m, config), if known."""
     for rx in g.parent_regexes():
         hit = rx.fullmatch(short_parent)
         if hit is None:
@@ -307,11 +309,16 @@ def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, con
             layer = hit.groupdict().get("layer")
             if layer is None or kinds.get(int(layer)) != g.layer_type:
                 return False
-        values = [(m.config_value(config, k), v) for k, v in g.when]
-        if any(have is not None and have != want for have, want in values):
-            return False
-        return None if any(have is None for have, _ in values) else True
+        return _when(g, m, config) if when == "" else when
     return False
+
+
+def _when(g: Group, m: Mapping, config: dict) -> bool | None:
+    """The group's config condition: False, True, or None when the config does not say."""
+    values = [(m.config_value(config, k), v) for k, v in g.when]
+    if any(have is not None and have != want for have, want in values):
+        return False
+    return None if any(have is None for have, _ in values) else True
 
 
 def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: dict, groups: list[Group],
@@ -327,6 +334,7 @@ def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: d
         for x in dict.fromkeys(g.members):
             with_leaf[x].append(order)
     candidates: dict[tuple[str, ...], list[tuple[int, Group]]] = {}  # leaves -> groups with a member among them
+    when = [_when(g, m, config) for g in groups]
     said: set[str] = set()
     chosen: list[Fused] = []
     for parent in parents:
@@ -341,7 +349,7 @@ def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: d
         complete = []
         for order, g in todo:
             present = [x for x in g.members if x in leaves]
-            applies = _applies(g, short, kinds, m, config)
+            applies = _applies(g, short, kinds, m, config, when[order])
             if applies is False:
                 continue
             if len(present) != len(g.members):
@@ -641,6 +649,20 @@ def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -
 
 def _outputs(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
              ) -> tuple[OutTensor, ...]:
+    """The output tensors of a linear module (their shapes made once per kind and shape: a million
+    output tensors share a few dozen shape tuples in the released K3)."""
+    return tuple(OutTensor(name + suffix, dtype, shp)
+                 for suffix, dtype, shp in _output_specs(kind, shape, src_dtype, input_scale is not None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+                  ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    return tuple((t.name, t.dtype, t.shape) for t in _output_tensors("", kind, shape, src_dtype, input_scale or None))
+
+
+def _output_tensors(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+                    ) -> tuple[OutTensor, ...]:
     if kind == NVFP4:
         lead = shape[:-1]
         outs = (
