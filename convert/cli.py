@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import json
 import re
 import shlex
@@ -179,6 +180,7 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
     from .pack import load_plan
 
     _, p = load_plan(input_dir, _options(kw), kw["mapping"])
+    gc.freeze()  # the plan (a few million objects for the released K3) lives until exit: out of the collector's walks
     if as_json:  # json.dumps(plan_dict(p), indent=2), written in pieces (680 MB for the released K3)
         for piece in plan_json(p):
             click.echo(piece, nl=False)
