@@ -961,7 +961,7 @@ def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
     first (as safetensors does) so that every tensor is aligned to its item size."""
     ordered = _in_write_order(units) or sorted((t for ts in units for t in ts), key=lambda t: -_itemsize(t))
     ends = list(itertools.accumulate(map(_nbytes, ordered)))
-    starts = [0, *ends[:-1]]
+    starts = [0, *ends[:-1]] if ends else []
     text = _header_text(ordered, starts, ends)
     if text is None:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}

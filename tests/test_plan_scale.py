@@ -87,6 +87,7 @@ def test_shard_header_is_json_dumps_of_the_header():
             header[pl.tensor.name] = {"dtype": pl.tensor.dtype, "shape": list(pl.tensor.shape), "data_offsets": [a, b]}
         text = json.dumps(header, separators=(",", ":")).encode()
         assert shard.header[8:].rstrip(b" ") == text
+    assert P._shard("empty", []).header[8:].rstrip(b" ") == b'{"__metadata__":{"format":"pt"}}'
 
 
 def test_index_blind_globs():
