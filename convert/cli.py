@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import json
+import re
 import shlex
 import signal
 import sys
@@ -85,13 +87,17 @@ def cli() -> None:
 def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None, overwrite: bool) -> None:
     """Write a synthetic checkpoint shaped like a real release.
 
-    Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB).
+    Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB),
+    k3-full-sparse (the released K3's 497,220 tensors in 96 shards: real headers, data regions are holes).
     """
     from .synth import PRESETS, write_synth
 
     out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite)
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}; {size / 1e6:.1f} MB on disk")
+    stats = [p.stat() for p in out.iterdir() if p.is_file()]
+    size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
+    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""
+    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}; "
+               f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 
 @cli.command(name="inspect")
@@ -111,14 +117,21 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     """Print what pack would do, without reading tensor data."""
-    from .manifest import plan_dict
+    from .manifest import plan_json
     from .pack import load_plan
 
     _, p = load_plan(input_dir, opts)
-    if as_json:
+    gc.freeze()  # the plan (a few million objects for the released K3) lives until exit: out of the collector's walks
+    if as_json:  # json.dumps({**plan_dict(p), **side_dict(p)}, indent=2), in pieces (680 MB for the released K3)
         from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
 
-        click.echo(json.dumps({**plan_dict(p), **side_dict(p)}, indent=2))
+        pieces = list(plan_json(p))
+        pieces[-1] = pieces[-1].rstrip().removesuffix("}").rstrip()
+        for piece in pieces:
+            click.echo(piece, nl=False)
+        for k, v in side_dict(p).items():
+            click.echo(f",\n  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "), nl=False)
+        click.echo("\n}")
     else:
         click.echo(render_plan(p, input_dir))
     for w in p.warnings:
@@ -320,29 +333,44 @@ def _shape(dtype: str, shape) -> str:
 
 
 def render_plan(p: Plan, input_dir: str) -> str:
-    shard_of = p.shard_of()
-    lines = [f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
-             f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
-             f"layout {p.options.layout}; quantization_config: {p.recipe.quant_method} / {p.recipe.quant_algo}",
-             *(f"note: {n}" for n in p.notes), ""]
+    """Every module with its decision and sources; a MoE layer's routed experts as banks: the experts whose
+    lines differ only in their index are one entry (the index written {e}, then which experts). ``--json``
+    lists every module (the released K3: 250,000 modules, a million lines of text)."""
+    shard_of = p.shard_of() if any(not u.shard for u in p.units) else None
+    lines: list[str | _Bank] = [
+        f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
+        f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
+        f"layout {p.options.layout}; quantization_config: {p.recipe.quant_method} / {p.recipe.quant_algo}",
+        *(f"note: {n}" for n in p.notes), ""]
+    expert = _expert_index(p.mapping)
+    banks: dict[tuple[str, ...], _Bank] = {}
     for u in p.units:
         for it in u.items:
-            srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
-            out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
-            lines.append(f"{it.kind:9} {it.name}  {out}  -> {shard_of[it.outputs[0].name]}")
-            if it.kind != "copy":
-                extra = f"; shared scale {u.shared_scale}" if u.shared_scale else ""
-                lines.append(f"        why: {it.rule}{extra}")
-            if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
-                lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
-                for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
-                    extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
-                    lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
+            shard = shard_of[it.outputs[0].name] if shard_of else u.shard
+            where = expert(it.name)
+            if where is None:
+                lines += _item_lines(it, u.shared_scale, shard)
+                continue
+            tag, norm = f"{where[0]}.{where[1]}.", f"{where[0]}.{{e}}."
+            # what _item_lines shows, the index written {e}: experts alike by it are alike in their lines
+            key = (it.kind, it.op, it.rule.replace(tag, norm), it.name.replace(tag, norm),
+                   (u.shared_scale or "").replace(tag, norm), shard.replace(tag, norm),
+                   it.outputs[0].name.replace(tag, norm), *((t.dtype, t.shape) for t in it.outputs), None,
+                   *((s.name.replace(tag, norm), s.encoding, s.file.replace(tag, norm), s.dtype, s.shape,
+                      *((x.name.replace(tag, norm), x.file.replace(tag, norm)) for x in s.parts[1:]), None)
+                     for s in it.sources))
+            bank = banks.get(key)
+            if bank is None:
+                item = _item_lines(it, u.shared_scale, shard)
+                bank = banks[key] = _Bank(tuple(x.replace(tag, norm) for x in item))
+                lines.append(bank)
+            bank.experts.append(int(where[1]))
     if p.engine_groups:
         lines += ["", "engine packed modules (stored apart; quantized members share one global scale):"]
         for g in p.engine_groups:
             rows = ", ".join(f"{mod.rsplit('.', 1)[-1]} {a}:{b}" for mod, (a, b) in zip(g.members, g.rows, strict=True))
-            lines.append(f"  {g.name} [{', '.join(g.engines)}]: {rows}")
+            _add(lines, banks, [f"  {g.name} [{', '.join(g.engines)}]: {rows}"], expert(g.members[0]))
+    lines = [x for line in lines for x in (line.lines() if isinstance(line, _Bank) else (line,))]
     t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "fp8-block", "keep", "copy")}
     lines += [
         "",
@@ -355,6 +383,72 @@ def render_plan(p: Plan, input_dir: str) -> str:
     from .sidefiles import render  # side files (convert/sidefiles.py)
 
     return "\n".join([*lines, *render(p.side_files, p.side_folders, p.skipped_files)])
+
+
+def _item_lines(it, shared_scale: str | None, shard: str) -> list[str]:
+    srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
+    out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
+    lines = [f"{it.kind:9} {it.name}  {out}  -> {shard}"]
+    if it.kind != "copy":
+        extra = f"; shared scale {shared_scale}" if shared_scale else ""
+        lines.append(f"        why: {it.rule}{extra}")
+    if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
+        lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
+        for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
+            extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
+            lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
+    return lines
+
+
+class _Bank:
+    """Routed experts whose plan lines are the same but for their index."""
+
+    def __init__(self, lines: tuple[str, ...]):
+        self.text, self.experts = lines, []
+
+    def lines(self) -> list[str]:
+        runs: list[list[int]] = []
+        for e in sorted(set(self.experts)):
+            if runs and e == runs[-1][1] + 1:
+                runs[-1][1] = e
+            else:
+                runs.append([e, e])
+        which = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+        n = len(self.experts)
+        return [self.text[0], f"{' ' * 8 if self.text[0][:1] != ' ' else '    '}for e in {which} "
+                              f"({n} module{'s' if n > 1 else ''})", *self.text[1:]]
+
+
+def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | None) -> None:
+    if expert is None:
+        lines += item
+        return
+    prefix, e = expert
+    key = ("", *(x.replace(f"{prefix}.{e}.", f"{prefix}.{{e}}.") for x in item))
+    bank = banks.get(key)
+    if bank is None:
+        bank = banks[key] = _Bank(key[1:])
+        lines.append(bank)
+    bank.experts.append(int(e))
+
+
+def _expert_index(m):
+    """name -> (the name up to its expert index, the index) for routed expert modules (and the names
+    under them); None for others."""
+    from .mapping import template_regex
+
+    rxs = [re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.") for t in m.expert_sets]
+
+    def find(name: str) -> tuple[str, str] | None:
+        short = m.strip(name)
+        for rx in rxs:
+            hit = rx.match(short)
+            if hit is not None:
+                a, b = hit.span("_expert_index")
+                off = len(name) - len(short)
+                return name[: off + a - 1], name[off + a : off + b]
+        return None
+    return find
 
 
 def main() -> None:

@@ -7,8 +7,11 @@ It holds no timestamps and no absolute paths, so the same input and options give
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import tomllib
+from collections.abc import Iterator
+from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 
 from . import __version__
@@ -16,6 +19,7 @@ from .configs import layer_algo, quantized_layers
 from .errors import ConvertError
 from .plan import FP8, GROUP_SIZE, NVFP4, Item, Plan
 from .recipe import FP8_BLOCK
+from .source import gc_paused
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
@@ -26,7 +30,25 @@ FORMAT_VERSION = 2
 def plan_dict(plan: Plan) -> dict:
     """The plan as data (no hashes): printed by ``kimi-convert plan --json``, the manifest's skeleton."""
     shard_of = plan.shard_of()
-    scale_of = {it.name: u.shared_scale for u in plan.units if u.shared_scale for it in u.items}
+    scale_of = _scale_of(plan)
+    body = _plan_head(plan)
+    body["modules"] = [_item(it, u.shared_scale, shard_of) for u in plan.units for it in u.items]
+    body["engine_groups"] = [_engine_group(g, scale_of) for g in plan.engine_groups]
+    return body
+
+
+def _scale_of(plan: Plan) -> dict[str, str]:
+    return {it.name: u.shared_scale for u in plan.units if u.shared_scale for it in u.items}
+
+
+def _engine_group(g, scale_of: dict[str, str]) -> dict:
+    return {"name": g.name, "engines": list(g.engines), "members": list(g.members),
+            "rows": [list(r) for r in g.rows], "shared_scale": scale_of.get(g.members[0])}
+
+
+def _plan_head(plan: Plan) -> dict:
+    """plan_dict in its key order, the lists "modules" and "engine_groups" left empty."""
+    items = plan.items
     return {
         "mapping": {"name": plan.mapping.name, "file": plan.mapping.path, "sha256": plan.mapping.sha256},
         "recipe": {"name": plan.recipe.name, "file": plan.recipe.path, "sha256": plan.recipe.sha256,
@@ -37,16 +59,14 @@ def plan_dict(plan: Plan) -> dict:
         "warnings": list(plan.warnings),
         "exclude_modules": list(plan.exclude_modules),
         "quantized_layers": quantized_layers(plan) if plan.recipe.quant_method == "modelopt_mixed" else None,
-        "modules": [_item(it, u.shared_scale, shard_of) for u in plan.units for it in u.items],
-        "engine_groups": [{"name": g.name, "engines": list(g.engines), "members": list(g.members),
-                           "rows": [list(r) for r in g.rows], "shared_scale": scale_of.get(g.members[0])}
-                          for g in plan.engine_groups],
+        "modules": [],
+        "engine_groups": [],
         "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
         "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
-                   "nvfp4": sum(it.kind == NVFP4 for it in plan.items),
-                   "fp8_block": sum(it.kind == FP8 for it in plan.items),
-                   "kept": sum(it.kind == "keep" for it in plan.items),
-                   "copied": sum(it.kind == "copy" for it in plan.items)},
+                   "nvfp4": sum(it.kind == NVFP4 for it in items),
+                   "fp8_block": sum(it.kind == FP8 for it in items),
+                   "kept": sum(it.kind == "keep" for it in items),
+                   "copied": sum(it.kind == "copy" for it in items)},
     }
 
 
@@ -60,6 +80,129 @@ def side_dict(plan: Plan, side_files: list[dict] | None = None) -> dict:
         "side_folders": list(plan.side_folders),
         "skipped_files": [s.to_dict() for s in plan.skipped_files],
     }
+
+
+# ``plan --json`` of the released K3 is 680 MB: 250,000 modules. json.dumps(indent=2) is pure Python
+# (a minute), and the dict behind it several GB. plan_json writes the same text in pieces instead: each
+# module and engine packed module from a template made once per structure (the JSON of the first one with
+# its strings taken out), filled with the strings of the next by %-formatting.
+_MARK = "\x00"
+_MARK_JSON = json.dumps(_MARK)
+_BATCH = 4096  # elements per piece
+
+
+def plan_json(plan: Plan) -> Iterator[str]:
+    """``json.dumps(plan_dict(plan), indent=2)``, in pieces, without building plan_dict."""
+    with gc_paused():  # (while suspended too: it makes only acyclic objects)
+        yield from _plan_json(plan)
+
+
+def _plan_json(plan: Plan) -> Iterator[str]:
+    head = _plan_head(plan)
+    head["modules"], head["engine_groups"] = _MARK + "modules", _MARK + "engine_groups"
+    text = json.dumps(head, indent=2)
+    before, rest = text.split(json.dumps(_MARK + "modules"))
+    between, after = rest.split(json.dumps(_MARK + "engine_groups"))
+    yield before
+    stamp = _Stamp()
+    yield from _elements(stamp.item(it, u.shared_scale, u.shard) for u in plan.units for it in u.items)
+    yield between
+    scale_of = _scale_of(plan)
+    yield from _elements(stamp.group(g, scale_of) for g in plan.engine_groups)
+    yield after
+
+
+def _elements(texts: Iterator[str]) -> Iterator[str]:
+    """A list's elements (at depth 2) as json.dumps(indent=2) writes the list at depth 1."""
+    first = True
+    for batch in iter(lambda: list(itertools.islice(texts, _BATCH)), []):
+        yield ("[\n" if first else ",\n") + ",\n".join(batch)
+        first = False
+    yield "[]" if first else "\n  ]"
+
+
+def _at_depth_2(d: object) -> str:
+    return "    " + json.dumps(d, indent=2).replace("\n", "\n    ")
+
+
+def _take_strings(d: object, out: list[str]) -> object:
+    """``d`` with every string value replaced by _MARK (the strings appended to ``out``, in JSON order)."""
+    if isinstance(d, str):
+        out.append(d)
+        return _MARK
+    if isinstance(d, dict):
+        return {k: _take_strings(v, out) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_take_strings(v, out) for v in d]
+    return d
+
+
+class _Stamp:
+    """JSON texts from templates, one per structure key. The first element of a key is rendered by
+    json.dumps from its dict (_item, _engine_group); its strings must be the ones _item_parts /
+    _group_parts list for it, else that key is always rendered from its dict. A template is the text
+    cut around its strings (quotes kept); strings that need no JSON escape go in as they are."""
+
+    def __init__(self) -> None:
+        self.templates: dict[tuple, list[str] | None] = {}
+
+    def _text(self, key: tuple, strings: list[str], build) -> str:
+        pieces = self.templates.get(key, ())
+        if pieces:
+            raw = "".join(strings)  # json.dumps escapes in ASCII only '"', '\\' and controls (not printable)
+            if not (raw.isascii() and raw.isprintable()) or '"' in raw or "\\" in raw:
+                strings = [_json_str(x)[1:-1] for x in strings]
+            out = pieces.copy()
+            out[1::2] = strings
+            return "".join(out)
+        d = build()
+        if pieces is None:
+            return _at_depth_2(d)
+        taken: list[str] = []
+        cut = _at_depth_2(_take_strings(d, taken)).split(_MARK_JSON)  # around each string, its quotes cut off
+        pieces = [f'"{c}"' for c in cut]
+        pieces[0], pieces[-1] = pieces[0][1:], pieces[-1][:-1]
+        self.templates[key] = [x for p in pieces for x in (p, "")][:-1] if taken == strings else None
+        return _at_depth_2(d)
+
+    def item(self, it: Item, shared_scale: str | None, shard: str) -> str:
+        key, strings = _item_parts(it, shared_scale, shard)
+        return self._text(key, strings,
+                          lambda: _item(it, shared_scale, dict.fromkeys((t.name for t in it.outputs), shard)))
+
+    def group(self, g, scale_of: dict[str, str]) -> str:
+        shared = scale_of.get(g.members[0])
+        key = ("group", len(g.engines), len(g.members), g.rows, shared is None)
+        strings = [g.name, *g.engines, *g.members, *(() if shared is None else (shared,))]
+        return self._text(key, strings, lambda: _engine_group(g, scale_of))
+
+
+def _item_parts(it: Item, shared_scale: str | None, shard: str) -> tuple[tuple, list[str]]:
+    """What _item(it, ...) renders: a key for all but its strings, and its strings in JSON order
+    (mirrors _item; checked once per key)."""
+    key: list = ["item", it.kind, it.op, bool(it.group)]
+    out = [it.name, it.kind, it.rule]
+    if it.group:
+        out.append(it.group)
+    out.append(it.op)
+    if it.kind == NVFP4:
+        key += (it.input_scale, shared_scale is None)
+        out += (NVFP4, layer_algo(it.kind, it.input_scale))
+        if shared_scale is not None:
+            out.append(shared_scale)
+    elif it.kind == FP8:
+        out += (FP8, layer_algo(it.kind, None))
+    for s in it.sources:
+        key += (s.shape, len(s.parts))
+        out += (s.name, s.module, s.file, s.encoding, s.dtype)
+        for p in s.parts:
+            key.append(p.shape)
+            out += (p.name, p.file, p.dtype)
+    key.append(None)
+    for t in it.outputs:
+        key.append(t.shape)
+        out += (t.name, shard, t.dtype)
+    return tuple(key), out
 
 
 def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:

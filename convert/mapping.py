@@ -8,6 +8,7 @@ default exclusion recipe. Adding a model means adding a table, not editing the p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import tomllib
@@ -23,8 +24,9 @@ ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
 
 
+@functools.lru_cache(maxsize=1024)
 def template_regex(template: str) -> re.Pattern[str]:
-    """``model.layers.{layer}.mlp`` -> a regex that captures the layer number."""
+    """``model.layers.{layer}.mlp`` -> a regex that captures the layer number (cached: the plan asks per module)."""
     out, pos = [], 0
     for m in re.finditer(r"\{(\w+)\}", template):
         if m.group(1) not in PLACEHOLDERS:
@@ -54,7 +56,7 @@ class Group:
     on_disk: bool = True  # False: fused inside the engine only (never written fused)
 
     def parent_regexes(self) -> list[re.Pattern[str]]:
-        return [template_regex(p) for p in self.parents]
+        return [template_regex(p) for p in self.parents]  # each cached
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,16 @@ partly excluded, a weight whose K is not a multiple of 16) fails here, before an
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from json.encoder import encode_basestring_ascii as _json_str
+from typing import NamedTuple
 
 from . import rules
 from .errors import ConvertError
@@ -22,7 +26,7 @@ from .mapping import ENGINES, Group, Mapping, template_regex
 from .options import DEFAULT_MAX_SHARD, LAYOUTS, Options  # noqa: F401 - re-exported: plan.Options
 from .recipe import FP8_BLOCK, Format, Recipe, find_recipe
 from .sidefiles import Skipped
-from .source import DTYPES, Checkpoint, TensorInfo
+from .source import DTYPES, Checkpoint, TensorInfo, gc_paused
 
 GROUP_SIZE = 16
 MXFP4_GROUP = 32
@@ -31,8 +35,7 @@ QUANTIZED = (NVFP4, FP8)
 KEPT_FOR_ENGINE = "kept for the engines: "
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):  # a tuple: one per stored module (250,000 in the released K3)
     """One logical source tensor: stored dense, or as MXFP4 / FP8 parts that decode to it."""
 
     module: str
@@ -51,8 +54,7 @@ class Source:
         return sum(p.nbytes for p in self.parts)
 
 
-@dataclass(frozen=True)
-class OutTensor:
+class OutTensor(NamedTuple):  # a tuple: one per output tensor (a million in the released K3)
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -62,7 +64,7 @@ class OutTensor:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Item:
     """One output module (or loose tensor) and the sources it is built from."""
 
@@ -85,7 +87,7 @@ class Item:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     """Items computed together: one item, or stored-apart modules sharing one global scale."""
 
@@ -107,14 +109,13 @@ class Unit:
         return [p for it in self.items for s in it.sources for p in s.parts]
 
 
-@dataclass(frozen=True)
-class Placed:
+class Placed(NamedTuple):  # a tuple: one per output tensor
     tensor: OutTensor
     start: int  # absolute offset in the shard file
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shard:
     file: str
     placed: tuple[Placed, ...]
@@ -149,7 +150,7 @@ class Plan:
 
     @property
     def bytes_in(self) -> int:
-        return sum(u.nbytes_in for u in self.units)
+        return sum(p.end - p.start for u in self.units for it in u.items for s in it.sources for p in s.parts)
 
     @property
     def bytes_out(self) -> int:
@@ -228,17 +229,25 @@ def _check_quant_config(q: dict, where: str) -> None:
                            f"({', '.join(sorted(formats))}): {_ORIGINAL}")
 
 
+class _Modules(defaultdict):
+    """discover_sources' module map. It also holds, once made, the parents' children that each
+    resolve_fusions call (one per engine) would otherwise derive again from 250,000 modules."""
+
+    children: tuple[dict[str, dict[str, str]], list[str]] | None = None
+
+
 def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
     """module -> {suffix: Source}; MXFP4 and FP8 block-scaled weights become one logical weight."""
     t = ckpt.tensors
     consumed: set[str] = set()
-    out: dict[str, dict[str, Source]] = defaultdict(dict)
+    out: dict[str, dict[str, Source]] = _Modules(dict)
     block = fp8_block_size(ckpt.config)
     for name in t:
-        mod, suffix = _module_of(name)
+        mod, _, suffix = name.rpartition(".")
         if suffix == "weight_packed":
-            out[mod]["weight"] = _mxfp4_source(mod, t)
-            consumed.update(p.name for p in out[mod]["weight"].parts)
+            src = out[mod]["weight"] = _mxfp4_source(mod, t)
+            for p in src.parts:
+                consumed.add(p.name)
         elif suffix == "weight" and t[name].dtype == "F8_E4M3":
             if f"{mod}.weight_scale_inv" not in t:
                 raise ConvertError(f"{t[name].file}: tensor {name}: FP8 weight without its {mod}.weight_scale_inv")
@@ -247,7 +256,7 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
     for name, info in t.items():
         if name in consumed:
             continue
-        mod, suffix = _module_of(name)
+        mod, _, suffix = name.rpartition(".")
         if suffix in ("weight_scale", "weight_scale_inv") and f"{mod}.weight" not in t:
             raise ConvertError(f"{info.file}: tensor {name}: scale without its weight {mod}.weight(_packed)")
         out[mod][suffix] = Source(mod, name, "dense", info.dtype, info.shape, (info,))
@@ -257,14 +266,14 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
 def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> Source:
     packed = t[f"{mod}.weight_packed"]
     scale = t.get(f"{mod}.weight_scale")
-    where = f"{packed.file}: tensor {packed.name}"
     if scale is None:
-        raise ConvertError(f"{where}: MXFP4 weight without its {mod}.weight_scale")
+        raise ConvertError(f"{packed.file}: tensor {packed.name}: MXFP4 weight without its {mod}.weight_scale")
     if packed.dtype != "U8" or len(packed.shape) != 2:
-        raise ConvertError(f"{where}: MXFP4 packed weight must be U8 [N, K/2], is {packed.dtype}{list(packed.shape)}")
+        raise ConvertError(f"{packed.file}: tensor {packed.name}: MXFP4 packed weight must be U8 [N, K/2], "
+                           f"is {packed.dtype}{list(packed.shape)}")
     n, k = packed.shape[0], packed.shape[1] * 2
     want = [n, math.ceil(k / MXFP4_GROUP)]
-    if scale.dtype != "U8" or list(scale.shape) != want or k % MXFP4_GROUP:
+    if scale.dtype != "U8" or scale.shape != tuple(want) or k % MXFP4_GROUP:
         raise ConvertError(
             f"{scale.file}: tensor {scale.name}: MXFP4 scale must be U8 {want} for a [{n}, {k}] weight "
             f"(K a multiple of {MXFP4_GROUP}), is {scale.dtype}{list(scale.shape)}"
@@ -297,7 +306,7 @@ def _fp8_source(mod: str, t: dict[str, TensorInfo], block: tuple[int, int]) -> S
 # Fusion: which modules each group instance takes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fused:
     group: Group
     parent: str
@@ -309,7 +318,7 @@ class Fused:
         return f"{self.parent}.{self.group.name}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineGroup:
     """One packed module an engine builds from stored-apart members: recorded in the plan and manifest,
     and the reason its quantized members share one global scale."""
@@ -320,8 +329,10 @@ class EngineGroup:
     rows: tuple[tuple[int, int], ...]  # each member's rows in the engine's fused weight
 
 
-def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict) -> bool | None:
-    """True or False; None when a config condition is absent (the tensors present decide)."""
+def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict,
+             when: bool | str | None = "") -> bool | None:
+    """True or False; None when a config condition is absent (the tensors present decide). ``when``:
+    _when(g, m, config), if known."""
     for rx in g.parent_regexes():
         hit = rx.fullmatch(short_parent)
         if hit is None:
@@ -330,11 +341,16 @@ def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, con
             layer = hit.groupdict().get("layer")
             if layer is None or kinds.get(int(layer)) != g.layer_type:
                 return False
-        values = [(m.config_value(config, k), v) for k, v in g.when]
-        if any(have is not None and have != want for have, want in values):
-            return False
-        return None if any(have is None for have, _ in values) else True
+        return _when(g, m, config) if when == "" else when
     return False
+
+
+def _when(g: Group, m: Mapping, config: dict) -> bool | None:
+    """The group's config condition: False, True, or None when the config does not say."""
+    values = [(m.config_value(config, k), v) for k, v in g.when]
+    if any(have is not None and have != want for have, want in values):
+        return False
+    return None if any(have is None for have, _ in values) else True
 
 
 def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: dict, groups: list[Group],
@@ -344,23 +360,29 @@ def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: d
     A group whose config condition is absent from the config applies where all its members are
     present (the tensors decide; ``notes`` says so once per condition)."""
     kinds = m.layer_kinds(config)
-    children: dict[str, dict[str, str]] = defaultdict(dict)
-    for mod, params in modules.items():
-        if "weight" in params and "." in mod:
-            parent, leaf = mod.rsplit(".", 1)
-            children[parent][leaf] = mod
+    children, parents = _children(modules)
+    with_leaf: dict[str, list[int]] = defaultdict(list)  # leaf -> the groups (by order) it is a member of
+    for order, g in enumerate(groups):
+        for x in dict.fromkeys(g.members):
+            with_leaf[x].append(order)
+    candidates: dict[tuple[str, ...], list[tuple[int, Group]]] = {}  # leaves -> groups with a member among them
+    when = [_when(g, m, config) for g in groups]
     said: set[str] = set()
     chosen: list[Fused] = []
-    for parent in sorted(children):
+    for parent in parents:
         leaves = children[parent]
+        key = tuple(leaves)
+        todo = candidates.get(key)
+        if todo is None:
+            todo = candidates[key] = [(o, groups[o]) for o in sorted({o for x in key for o in with_leaf.get(x, ())})]
+        if not todo:
+            continue
         short = m.strip(parent)
         complete = []
-        for order, g in enumerate(groups):
-            applies = _applies(g, short, kinds, m, config)
-            if applies is False:
-                continue
+        for order, g in todo:
             present = [x for x in g.members if x in leaves]
-            if not present:
+            applies = _applies(g, short, kinds, m, config, when[order])
+            if applies is False:
                 continue
             if len(present) != len(g.members):
                 if applies is None:
@@ -383,6 +405,21 @@ def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: d
                 taken.update(g.members)
                 chosen.append(Fused(g, parent, tuple(leaves[x] for x in g.members), engine))
     return chosen
+
+
+def _children(modules: dict[str, dict[str, Source]]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """parent -> {leaf: module} of the modules with a weight, and the parents sorted."""
+    if isinstance(modules, _Modules) and modules.children is not None:
+        return modules.children
+    children: dict[str, dict[str, str]] = defaultdict(dict)
+    for mod, params in modules.items():
+        if "weight" in params and "." in mod:
+            parent, _, leaf = mod.rpartition(".")
+            children[parent][leaf] = mod
+    out = (children, sorted(children))
+    if isinstance(modules, _Modules):
+        modules.children = out
+    return out
 
 
 def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
@@ -493,9 +530,109 @@ class _Context:
     used: dict[rules.Pattern, int]
     expert_rx: list[re.Pattern[str]]
     modules: dict[str, dict[str, Source]] = field(default_factory=dict)
+    memo: dict[tuple, tuple] = field(default_factory=dict)  # per expert template: is_linear, decisions
+    template_rx: list[re.Pattern[str]] | None = None  # made on first use; [] when rules tell experts apart
 
     def is_expert(self, module: str) -> bool:
         return any(rx.fullmatch(self.m.strip(module)) for rx in self.expert_rx)
+
+    def template(self, module: str) -> str | None:
+        """A routed expert module's name with its expert index replaced (``...experts.#.w1``) when no
+        glob in force can tell two expert indices apart (what is decided for one expert then holds for
+        all); None for any other module, or when some glob can (``--exclude '*.experts.1?.*'``)."""
+        if self.template_rx is None:
+            m, rec = self.m, self.recipe
+            globs = [*m.linear, *m.not_linear, *(r.pattern for r in m.keep), *(r.pattern for r in m.restrict),
+                     *(g for r in rec.rules for g in r.modules), *(p.text for p in self.patterns)]
+            self.template_rx = ([re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.[^.]+")
+                                 for t in m.expert_sets] if all(map(_index_blind, globs)) else [])
+        if not self.template_rx:
+            return None
+        short = self.m.strip(module)
+        for rx in self.template_rx:
+            hit = rx.fullmatch(short)
+            if hit is not None:
+                a, b = hit.span("_expert_index")
+                off = len(module) - len(short)
+                return f"{module[:off + a]}#{module[off + b:]}"
+        return None
+
+
+def _index_blind(glob: str) -> bool:
+    """Whether a glob matches all expert indices alike (an index: ASCII digits between dots). It must
+    have no ``?`` and no ``[...]`` class that takes a digit (fnmatch's own parsing), and each run of
+    literal digits must touch a literal that is neither a digit nor a dot (``conv1d``, ``w13``): such a
+    run cannot lie inside an index. Every other token is a ``*`` or matches only non-digits, so an index
+    lies inside what one ``*`` matches, and another index matches the same way."""
+    tokens: list[str | None] = []  # literal characters; None for a '*' or a class
+    i, n = 0, len(glob)
+    while i < n:
+        c = glob[i]
+        i += 1
+        if c == "?":
+            return False
+        if c == "[":
+            j = i
+            if j < n and glob[j] == "!":
+                j += 1
+            if j < n and glob[j] == "]":
+                j += 1
+            while j < n and glob[j] != "]":
+                j += 1
+            if j < n:  # a class (else '[' is a literal)
+                if any(fnmatchcase(d, glob[i - 1 : j + 1]) for d in "0123456789"):
+                    return False
+                tokens.append(None)
+                i = j + 1
+                continue
+        tokens.append(None if c == "*" else c)
+
+    def digit(k: int) -> bool:
+        return 0 <= k < len(tokens) and tokens[k] is not None and tokens[k] in "0123456789"
+
+    def stops(k: int) -> bool:  # a literal an index cannot contain or end at
+        return 0 <= k < len(tokens) and tokens[k] is not None and not digit(k) and tokens[k] != "."
+
+    for k in range(len(tokens)):
+        if digit(k) and not digit(k - 1):
+            end = k
+            while digit(end):
+                end += 1
+            if not (stops(k - 1) or stops(end)):
+                return False
+    return True
+
+
+def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context, key: str | None) -> bool:
+    """Mapping.is_linear, once per expert template ``key`` (and weight rank)."""
+    if key is None:
+        return ctx.m.is_linear(mod, shape)
+    key = ("linear", key, len(shape) == 2)
+    hit = ctx.memo.get(key)
+    if hit is None:
+        hit = ctx.memo[key] = (ctx.m.is_linear(mod, shape),)
+    return hit[0]
+
+
+def _decide_apart(mod: str, ctx: _Context, key: str | None) -> _Decision:
+    """_decide for a module stored apart; a routed expert's decision is made once per expert template
+    ``key`` (the rules' use counts still count every module)."""
+    if key is None:
+        return _decide(mod, [mod], None, ctx)
+    hit = ctx.memo.get(("decide", key))
+    if hit is None:
+        used, ctx.used = ctx.used, defaultdict(int)
+        try:
+            dec = _decide(mod, [mod], None, ctx)
+        finally:
+            counted, ctx.used = ctx.used, used
+        hit = (dec, tuple(counted.items()))
+        if mod not in dec.rule and ctx.m.strip(mod) not in dec.rule:  # a rule that names its module is its own
+            ctx.memo["decide", key] = hit
+    dec, counted = hit
+    for p, n in counted:
+        ctx.used[p] += n
+    return dec
 
 
 def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -> _Decision:
@@ -544,6 +681,20 @@ def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -
 
 def _outputs(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
              ) -> tuple[OutTensor, ...]:
+    """The output tensors of a linear module (their shapes made once per kind and shape: a million
+    output tensors share a few dozen shape tuples in the released K3)."""
+    return tuple(OutTensor(name + suffix, dtype, shp)
+                 for suffix, dtype, shp in _output_specs(kind, shape, src_dtype, input_scale is not None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+                  ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    return tuple((t.name, t.dtype, t.shape) for t in _output_tensors("", kind, shape, src_dtype, input_scale or None))
+
+
+def _output_tensors(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+                    ) -> tuple[OutTensor, ...]:
     if kind == NVFP4:
         lead = shape[:-1]
         outs = (
@@ -595,7 +746,6 @@ def _copy_item(out_name: str, srcs: list[Source], op: str, group: Group | None, 
 
 def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: list[Fused], ctx: _Context
                 ) -> list[Item]:
-    m = ctx.m
     in_group = {mod: f for f in disk for mod in f.members}
     items: list[Item] = []
     for f in disk:
@@ -617,9 +767,11 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: l
     for mod in sorted(modules):
         if mod in in_group:
             continue
-        for suffix, src in sorted(modules[mod].items()):
-            if suffix == "weight" and m.is_linear(mod, src.shape):
-                dec = _decide(mod, [mod], None, ctx)
+        params = modules[mod]
+        key = ctx.template(mod) if "weight" in params else None
+        for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
+            if suffix == "weight" and _is_linear(mod, src.shape, ctx, key):
+                dec = _decide_apart(mod, ctx, key)
                 items.append(_weight_item(mod, [src], "none", None, src.shape, dec))
             else:
                 items.append(_copy_item(src.name, [src], "none", None, src.shape, "not a linear weight: copied"))
@@ -637,8 +789,12 @@ def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     rxs = expert_regexes(m)
     sets: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
-        if it.kind != COPY and any(rx.fullmatch(m.strip(it.name)) for rx in rxs):
-            sets[it.name.rsplit(".", 2)[0]].append(i)
+        if it.kind != COPY:
+            short = m.strip(it.name)
+            for rx in rxs:
+                if rx.fullmatch(short):
+                    sets[it.name.rsplit(".", 2)[0]].append(i)
+                    break
     return sets
 
 
@@ -665,12 +821,14 @@ def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) ->
 def _engine_formats(items: list[Item], fusions: list[Fused]) -> None:
     """A module kept because an engine cannot load the recipe's format there takes every member of
     each engine packed module it belongs to (transitively) along: they must share one format."""
+    if not any(it.rule.startswith(KEPT_FOR_ENGINE) for it in items):
+        return
     index = {it.name: i for i, it in enumerate(items)}
+    members = [[index[mod] for mod in f.members if mod in index] for f in fusions]
     changed = True
     while changed:
         changed = False
-        for f in fusions:
-            idx = [index[mod] for mod in f.members if mod in index]
+        for f, idx in zip(fusions, members, strict=True):
             why = next((items[i].rule for i in idx if items[i].rule.startswith(KEPT_FOR_ENGINE)), None)
             if why is None:
                 continue
@@ -712,9 +870,10 @@ def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Un
     """One unit per set of NVFP4 modules that share a global scale (the union of every engine's
     packed modules over them), one per other item; in input order."""
     order = {f: i for i, f in enumerate(ckpt.files)}
+    at = {id(it): min((order[p.file], p.start) for s in it.sources for p in s.parts) for it in items}
 
     def pos(it: Item) -> tuple:
-        return min((order[p.file], p.start) for s in it.sources for p in s.parts)
+        return at[id(it)]
 
     by_name = {it.name: it for it in items}
     uf = _Union()
@@ -735,7 +894,7 @@ def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Un
     grouped = {it.name for its in sets.values() for it in its}
     units = [Unit(tuple(sorted(its, key=pos)), " + ".join(sorted(label[root]))) for root, its in sets.items()]
     units += [Unit((it,), None) for it in items if it.name not in grouped]
-    return sorted(units, key=lambda u: min(pos(it) for it in u.items))
+    return sorted(units, key=lambda u: at[id(u.items[0])])  # a unit's items are in position order
 
 
 def _layout_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:
@@ -781,30 +940,71 @@ def _in_write_order(units: list[list[OutTensor]]) -> list[OutTensor] | None:
     In this order the shard is written front to back, so its sha256 is computed from the bytes as
     they are written, with no second read of the file."""
     out, pos = [], 0
+    orders: dict[tuple[str, ...], list[int]] = {}  # dtypes of a unit's tensors -> their write order
     for ts in units:
-        for t in sorted(ts, key=lambda t: -_itemsize(t)):
-            if pos % _itemsize(t):
+        if len(ts) > 1:
+            dtypes = tuple([t.dtype for t in ts])
+            order = orders.get(dtypes)
+            if order is None:
+                order = orders[dtypes] = sorted(range(len(ts)), key=lambda i: -DTYPES[dtypes[i]].itemsize)
+            ts = [ts[i] for i in order]
+        for t in ts:
+            if pos % DTYPES[t.dtype].itemsize:
                 return None
             out.append(t)
-            pos += t.nbytes
+            pos += _nbytes(t)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _size_of(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def _nbytes(t: OutTensor) -> int:
+    return _size_of(t.dtype, t.shape)
+
+
+def _header_text(ordered: list[OutTensor], starts: list[int], ends: list[int]) -> str | None:
+    """``json.dumps(header, separators=(",", ":"))`` of a shard header, written directly (a million
+    tensors for the released K3); None when a name repeats (the dict would keep one)."""
+    names = [t.name for t in ordered]
+    if len(set(names)) != len(names):
+        return None
+    joined = "".join(names)  # names json.dumps writes as they are (in ASCII it escapes '"', '\\', controls)
+    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
+        names = [f'"{n}"' for n in names]
+    else:
+        names = [_json_str(n) for n in names]
+    frags: dict[tuple[str, tuple[int, ...]], str] = {}
+    parts = ['{"__metadata__":{"format":"pt"}']
+    for t, name, a, b in zip(ordered, names, starts, ends, strict=True):
+        frag = frags.get((t.dtype, t.shape))
+        if frag is None:
+            shape = ",".join(map(str, t.shape))
+            frag = frags[t.dtype, t.shape] = f'{{"dtype":{_json_str(t.dtype)},"shape":[{shape}],"data_offsets":['
+        parts.append(f",{name}:{frag}{a},{b}]}}")
+    parts.append("}")
+    return "".join(parts)
 
 
 def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
     """Header first, then the tensors in write order when that keeps them aligned, else wider dtypes
     first (as safetensors does) so that every tensor is aligned to its item size."""
     ordered = _in_write_order(units) or sorted((t for ts in units for t in ts), key=lambda t: -_itemsize(t))
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offs, pos = [], 0
-    for t in ordered:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-        offs.append((pos, pos + t.nbytes))
-        pos += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    ends = list(itertools.accumulate(map(_nbytes, ordered)))
+    starts = [0, *ends[:-1]] if ends else []
+    text = _header_text(ordered, starts, ends)
+    if text is None:
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        for t, a, b in zip(ordered, starts, ends, strict=True):
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [a, b]}
+        text = json.dumps(header, separators=(",", ":"))
+    text = text.encode()
     text += b" " * (-(8 + len(text)) % 16)
     head = len(text).to_bytes(8, "little") + text
     base = len(head)
-    placed = tuple(Placed(t, base + a, base + b) for t, (a, b) in zip(ordered, offs, strict=True))
+    placed = tuple(map(Placed, ordered, [base + a for a in starts], [base + b for b in ends]))
     return Shard(name, placed, head)
 
 
@@ -871,6 +1071,7 @@ def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, Source]])
     return tuple(out)
 
 
+@gc_paused()
 def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None,
               recipe: Recipe | None = None) -> Plan:
     """``patterns`` and ``recipe`` replace the collected rules and the named recipe (verify-manifest

@@ -76,3 +76,24 @@ def test_every_preset_packs_to_the_same_bytes_as_before_the_restructuring(tmp_pa
         assert sorted(before) == sorted(after), case
         changed = [f for f in before if before[f] != after[f]]
         assert changed == [], f"{case}: {changed}"
+
+
+@pytest.mark.slow
+def test_plan_json_is_the_same_as_before_the_restructuring(tmp_path):
+    """The plan's fast paths (decisions per expert template, templated JSON) print what the earlier
+    code printed, on every case of test_plan_scale (expert banks, exclusions, layouts, a sparse K3)."""
+    from test_plan_scale import CASES, _input
+    old = _old_package(tmp_path / "old")
+    if old is None:
+        pytest.skip(f"no git history with commit {BEFORE} to take the earlier code from")
+    for case, preset, over, args in CASES:
+        (tmp_path / "in").mkdir(exist_ok=True)
+        ck = _input(tmp_path / "in", preset, over)
+        outs = []
+        for pythonpath in (old, None):
+            env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {})}
+            r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", "plan", str(ck), "--json", *args],
+                               capture_output=True, text=True, env=env, cwd=pythonpath or ROOT, timeout=600)
+            assert r.returncode == 0, (case, r.stderr)
+            outs.append(r.stdout)
+        assert outs[0] == outs[1], case

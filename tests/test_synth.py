@@ -245,7 +245,7 @@ def test_checkpoint_holds_exactly_what_the_engines_build(fixture, request):
     assert set(_index(ck)) == set(got)
 
 
-@pytest.mark.parametrize("preset", ["bench-k3", "bench-kimi-linear"])
+@pytest.mark.parametrize("preset", ["bench-k3", "bench-kimi-linear", "k3-full-sparse"])
 def test_bench_presets_match_their_config(preset):
     got, want = _specs(preset), expected_tensors(config(PRESETS[preset]))
     assert got == want, _diff(got, want)

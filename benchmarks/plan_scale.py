@@ -1,0 +1,148 @@
+"""`kimi-convert plan` at the released Kimi K3's scale (issue 14): seconds, peak memory and output size of
+`inspect`, `plan` and `plan --json` on `synth k3-full-sparse` (497,220 tensors in 96 shards, data as holes).
+
+    python benchmarks/plan_scale.py [--dir DIR] [--runs N] [--commands inspect plan plan-json]
+                                    [--src CHECKOUT] [--compare FILE...] [--stages]
+
+Writes the sparse checkpoint once (seconds; about 135 MB of real disk for 1.56 TB of files), then runs each
+command in a child process, its output to a file, and reports wall and CPU (user + sys) seconds and the
+child's peak RSS (wait4), the best of --runs. --src runs the code of another checkout (a `git worktree` of
+an older commit) for a before/after table; --compare checks each output against a file (byte for byte).
+The load average is printed: on a shared machine, wall seconds follow the other users' load. --stages
+prints where the CPU time goes instead (in this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COMMANDS = {"inspect": ["inspect"], "plan": ["plan"], "plan-json": ["plan", "--json"]}
+
+
+def package_from(checkout: Path, into: Path) -> Path:
+    """A folder holding ``kimi_convert`` as that checkout's files (the layout pyproject.toml installs)."""
+    pkg = into / "kimi_convert"
+    pkg.mkdir(parents=True)
+    for f in (checkout / "convert").iterdir():
+        (pkg / f.name).symlink_to(f.resolve())
+    for sub in ("kernels", "mappings", "recipes"):
+        (pkg / sub).symlink_to((checkout / sub).resolve())
+    return into
+
+
+def run(args: list[str], out: Path, env: dict) -> tuple[float, float, int, int]:
+    """Wall seconds, CPU seconds, peak RSS bytes and output bytes of one child."""
+    with open(out, "wb") as f:
+        t0 = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", *args], stdout=f, env=env)
+        _, status, ru = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - t0
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"{' '.join(args)}: exit {child.returncode}")
+    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024, out.stat().st_size
+
+
+def stages(src: Path) -> None:
+    """CPU seconds of each stage, in this process: reading the headers, make_plan's steps (each plan.py
+    function make_plan calls, timed where it is called), the text rendering and the JSON."""
+    import functools
+    from collections import defaultdict
+
+    import kimi_convert.plan as P
+    from kimi_convert.cli import render_plan
+    from kimi_convert.manifest import plan_json
+    from kimi_convert.mapping import find_mapping
+    from kimi_convert.source import open_checkpoint
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] += time.process_time() - t0
+        return wrapper
+
+    for name in ("discover_sources", "resolve_fusions", "_loadable_on_disk", "build_items", "_check_engine_layers",
+                 "_units", "_layout_source", "_layout", "exclude_list", "_engine_records", "_unmatched"):
+        setattr(P, name, timed(name, getattr(P, name)))
+    rows = []
+    t0 = time.process_time()
+    ckpt = open_checkpoint(src)
+    rows.append(("open_checkpoint (index, 96 headers)", time.process_time() - t0))
+    t0 = time.process_time()
+    plan = P.make_plan(ckpt, find_mapping(ckpt.config), P.Options())
+    total = time.process_time() - t0
+    rows += [(f"make_plan: {k}", v) for k, v in spent.items()]
+    rows.append(("make_plan: the rest", total - sum(spent.values())))
+    t0 = time.process_time()
+    render_plan(plan, str(src))
+    rows.append(("text rendering (render_plan)", time.process_time() - t0))
+    t0 = time.process_time()
+    n = sum(len(x) for x in plan_json(plan))
+    rows.append((f"JSON ({n / 1e6:.0f} MB, plan_json)", time.process_time() - t0))
+    print("| stage | CPU s |\n|---|---|")
+    for name, sec in rows:
+        print(f"| {name} | {sec:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/kimi-convert-bench/k3-full-sparse")
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
+    ap.add_argument("--src", help="run this checkout's code instead of the installed kimi_convert")
+    ap.add_argument("--compare", nargs="*", default=[],
+                    help="a file per command ('-': none): its output must be the same")
+    ap.add_argument("--keep", help="folder for the outputs (default: a temporary one)")
+    ap.add_argument("--stages", action="store_true", help="CPU seconds per stage, in this process (this checkout)")
+    a = ap.parse_args()
+    src = Path(a.dir)
+    if not (src / "config.json").exists():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "kimi_convert.cli", "synth", "k3-full-sparse", str(src), "--overwrite"],
+                       check=True)
+        print(f"synth k3-full-sparse: {time.perf_counter() - t0:.1f} s")
+    stats = [p.stat() for p in src.iterdir() if p.is_file()]
+    print(f"{src}: {sum(s.st_size for s in stats) / 1e12:.2f} TB apparent, "
+          f"{sum(s.st_blocks * 512 for s in stats) / 1e6:.0f} MB on disk, {len(os.sched_getaffinity(0))} CPUs")
+    if a.stages:
+        stages(src)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        if a.src:
+            env["PYTHONPATH"] = str(package_from(Path(a.src), Path(tmp) / "src"))
+        outdir = Path(a.keep or tmp)
+        outdir.mkdir(parents=True, exist_ok=True)
+        code = subprocess.run([sys.executable, "-c", "import os, kimi_convert.plan as p; "
+                               "print(os.path.dirname(os.path.realpath(p.__file__)))"],
+                              env=env, capture_output=True, text=True).stdout.strip()
+        print(f"code: {code}; load average {os.getloadavg()[0]:.2f}\n")
+        print("| command | output | wall s | CPU s (user + sys) | peak RSS | same output |")
+        print("|---|---|---|---|---|---|")
+        for i, name in enumerate(a.commands):
+            out = outdir / f"{name}.out"
+            best = min(run([*COMMANDS[name], str(src)], out, env) for _ in range(a.runs))
+            wall, cpu, rss, size = best
+            same = ""
+            if i < len(a.compare) and a.compare[i] != "-":
+                same = "yes" if filecmp.cmp(out, a.compare[i], shallow=False) else "**no**"
+            print(f"| `kimi-convert {' '.join(COMMANDS[name])}` | {size / 1e6:.1f} MB | {wall:.1f} | {cpu:.1f} | "
+                  f"{rss / 1e9:.2f} GB | {same} |", flush=True)
+        print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

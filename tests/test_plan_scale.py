@@ -1,0 +1,133 @@
+"""``plan`` at the released K3's scale, and its output unchanged by the work that made it fast.
+
+The fast paths (decisions per expert template, templated JSON) must print what the plain paths print:
+``plan --json`` here equals the earlier code's (taken from git, ``test_same_bytes.py``) on every case
+below, and the templated JSON equals ``json.dumps`` of the plan's dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import run
+from kimi_convert.synth import write_synth
+
+# (case, preset, synth overrides, plan arguments)
+SMALL_SPARSE = {"layers": 5, "experts": 32}
+CASES = [
+    ("tiny-k3", "tiny-k3", {}, []),
+    ("tiny-k3-w4a16-vllm", "tiny-k3", {}, ["--recipe", "nvfp4-w4a16", "--layout", "vllm", "--max-shard-size", "1MB"]),
+    ("tiny-k3-sglang", "tiny-k3", {}, ["--layout", "sglang"]),
+    ("tiny-k3-w4a16", "tiny-k3", {}, ["--recipe", "nvfp4-w4a16"]),
+    ("tiny-k3-exclude-bank", "tiny-k3", {}, ["--exclude", "*.layers.1.block_sparse_moe.experts.*"]),
+    ("tiny-k3-exclude-expert", "tiny-k3", {}, ["--exclude", "*.experts.0.*", "--keep-partial"]),
+    ("tiny-kimi-linear", "tiny-kimi-linear", {}, []),
+    ("tiny-kimi-linear-sglang", "tiny-kimi-linear", {}, ["--layout", "sglang"]),
+    ("tiny-deepseek-fp8", "tiny-deepseek-fp8", {}, []),
+    ("sparse-k3", "k3-full-sparse", SMALL_SPARSE, []),
+    ("sparse-k3-w4a16-vllm", "k3-full-sparse", SMALL_SPARSE, ["--recipe", "nvfp4-w4a16", "--layout", "vllm"]),
+    ("sparse-k3-exclude-some", "k3-full-sparse", SMALL_SPARSE, ["--exclude", "*.experts.1?.w2", "--keep-partial"]),
+]
+
+
+def _input(root: Path, preset: str, over: dict) -> Path:
+    path = root / (preset + "".join(f"-{k}{v}" for k, v in sorted(over.items())))
+    if not path.exists():
+        write_synth(preset, path, seed=0, **over)
+    return path
+
+
+def _plan_json(ck: Path, args: list[str]) -> str:
+    r = run("plan", ck, "--json", *args)
+    assert r.exit_code == 0, r.output
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("golden-in")
+
+
+@pytest.mark.parametrize("case,preset,over,args", CASES, ids=[c[0] for c in CASES])
+def test_templated_plan_json_is_json_dumps_of_the_plan(case, preset, over, args, inputs):
+    from kimi_convert.manifest import plan_dict, plan_json, side_dict
+    from kimi_convert.options import Options
+    from kimi_convert.pack import load_plan
+
+    ck = _input(inputs, preset, over)
+    got = _plan_json(ck, args)
+    # the same plan in-process (options parsed by the command itself), rendered the plain way
+    from kimi_convert.cli import cli
+    params = cli.commands["plan"].make_context("plan", [str(ck), *args]).params
+    opts = Options.from_cli({k: params[k] for k in Options.__dataclass_fields__})
+    _, p = load_plan(ck, opts)
+    assert got == json.dumps({**plan_dict(p), **side_dict(p)}, indent=2) + "\n", case
+    assert "".join(plan_json(p)) == json.dumps(plan_dict(p), indent=2)
+
+
+def test_shard_header_is_json_dumps_of_the_header():
+    """The header written directly equals json.dumps of the header dict, names needing escapes included;
+    a repeated name falls back to the dict (which keeps one entry)."""
+    import kimi_convert.plan as P
+
+    ts = [P.OutTensor('a"q\\b.weight', "U8", (3, 8)), P.OutTensor("caf\u00e9.w", "F32", ()),
+          P.OutTensor("x.\n.y", "BF16", (2, 0, 5)), P.OutTensor("z", "F8_E4M3", (7,))]
+    for names in ([t.name for t in ts], ["a", "b", "a", "c"]):
+        units = [[t._replace(name=n) for t, n in zip(ts, names, strict=True)]]
+        shard = P._shard("s", units)
+        header = {"__metadata__": {"format": "pt"}}
+        for pl in shard.placed:
+            a, b = pl.start - len(shard.header), pl.end - len(shard.header)
+            header[pl.tensor.name] = {"dtype": pl.tensor.dtype, "shape": list(pl.tensor.shape), "data_offsets": [a, b]}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        assert shard.header[8:].rstrip(b" ") == text
+    assert P._shard("empty", []).header[8:].rstrip(b" ") == b'{"__metadata__":{"format":"pt"}}'
+
+
+def test_index_blind_globs():
+    from kimi_convert.plan import _index_blind
+
+    blind = ["*_conv1d", "w13", "*.experts.*.w1", "model.layers.*.self_attn.[fb]_*_proj", "x[!0-9]", "12y", "x[ab"]
+    telling = ["*.experts.0.*", "*.experts.1?.w2", "*1*", "layers.0.mlp", "x.[0-9].y", "x.12", "12.x", "?"]
+    assert all(map(_index_blind, blind)) and not any(map(_index_blind, telling))
+
+
+@pytest.fixture(scope="module")
+def k3_full(tmp_path_factory) -> Path:
+    return write_synth("k3-full-sparse", tmp_path_factory.mktemp("sparse") / "k3")
+
+
+def test_full_sparse_k3_is_the_release_inventory_on_little_disk(k3_full):
+    weight_map = json.loads((k3_full / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(weight_map) == 497_220  # 92 MoE layers x 896 experts x 3 projections x 2 tensors + 2,628
+    assert sum(".experts." in n for n in weight_map) == 92 * 896 * 3 * 2
+    files = sorted(k3_full.glob("*.safetensors"))
+    assert len(files) == 96 == len(set(weight_map.values())) and files[-1].name == "model-00096-of-00096.safetensors"
+    stats = [p.stat() for p in k3_full.iterdir()]
+    apparent, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
+    assert 1.5e12 < apparent < 1.6e12  # the release: 1.56 TB
+    assert used < 300e6, f"{used / 1e6:.0f} MB of real disk: data regions should be holes"
+    with open(files[0], "rb") as f:  # a data region reads as zeros
+        f.seek(-4096, 2)
+        assert f.read() == bytes(4096)
+
+
+def test_inspect_reports_the_release_moe_parameters(k3_full):
+    r = run("inspect", "--json", k3_full)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["num_experts"], d["top_k"], d["moe_intermediate_size"], d["hidden_size"]) == (896, 16, 3072, 7168)
+    assert d["expert_input_size"] == 3584 and d["tensor_experts"] == 896 and d["tensor_expert_shape"] == [3072, 3584]
+    assert len(d["moe_layers"]) == 92 and len(d["layer_kinds"]["kda"]) == 69 and len(d["layer_kinds"]["mla"]) == 24
+
+
+@pytest.mark.skipif(not os.environ.get("KIMI_CONVERT_SCALE"), reason="a minute of CPU: KIMI_CONVERT_SCALE=1")
+def test_plan_of_the_full_sparse_k3(k3_full):
+    r = run("plan", k3_full)
+    assert r.exit_code == 0, r.output
+    assert "totals: 247296 NVFP4 modules" in r.stdout and "in 96 shard(s)" in r.stdout
+    assert len(r.stdout.splitlines()) < 20_000  # routed experts shown as banks
