@@ -42,7 +42,7 @@ def load() -> ctypes.CDLL | None:
 def cast(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, shared_k_max: int, own_k_max: int | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, mxfp4_cast.CastStats]:
     """As :func:`.mxfp4_cast.cast` (``own_k_max``: the tensor's own ``k_max`` when the caller has it)."""
-    if (packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.dim() < 1
+    if (packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.dim() != 2
             or packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] != 16 * scale.shape[-1]):
         return mxfp4_cast.cast(packed, scale, shared_k_max)
     own = mxfp4_cast.k_max(scale) if own_k_max is None else own_k_max
