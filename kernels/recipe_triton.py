@@ -17,6 +17,8 @@ then the bf16's e4m3 rounding is done on its bits (ties to even, saturating at 4
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,9 @@ from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 #: cast tile: rows, 32-blocks, warps; block FP8: warps (the tile is 128 x 128)
 CAST_TILE = (8, 16, 4)
 FP8_WARPS = 8
+#: block FP8 rounds with the GPU's conversion instructions (compiled kernels only)
+FP8_HW = False
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -121,20 +126,57 @@ def _cast_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, count_ptr, R, KB, own, shared, B
 
 
 @triton.jit
-def _fp8_code(xf, p2, r, sign_mask):
-    """e4m3 byte of torch's e4m3(bf16(x / s)) from fp32 x, the tile's p2 and r = RN(1 / (s p2))."""
-    b = ((xf * p2) * r).to(tl.int32, bitcast=True)
-    t = b + 0x7FFF + ((b >> 16) & 1)  # bf16 rounding, to nearest even, on the bits
-    a = t & 0x7FFF0000
-    normal = tl.minimum((a + (0x7FFFF - (120 << 23)) + ((a >> 20) & 1)) >> 20, 0x7E)  # saturating at 448
-    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)  # below 2^-6
-    return tl.where(a < (121 << 23), sub, normal) | ((t >> 24) & sign_mask)
+def _fp8_byte(xf, r, SATURATE: tl.constexpr):
+    """e4m3 byte of torch's e4m3(bf16(x / s)) from fp32 x and r = 2^8 RN(1 / s), in fp32 operations (the
+    integer pipe is the kernel's bottleneck): the quotient scaled by 2^8 (exact), its magnitude rounded to bf16 by
+    Veltkamp's split to 8 significant bits (no tie can occur there: see the module docstring), saturated at 448
+    where a subnormal scale lets it pass 464 (``SATURATE``), rounded to e4m3 by the split to 4 significant bits
+    (ties to even: checked on every bf16 value); e4m3's byte is then the exponent field + mantissa (bits 20-26 of
+    the fp32: the 2^8 scaling adds 128 + e4m3's bias to the exponent); below 2^-6 (4 scaled) e4m3's grid is 2^-9
+    (1/2 scaled), reached by adding 2^22; the sign is the quotient's."""
+    q = xf * r
+    aq = tl.abs(q)
+    g8 = aq * 65537.0
+    y = g8 + (aq - g8)
+    if SATURATE:
+        y = tl.minimum(y, 114688.0)
+    g4 = y * 1048577.0
+    hi = g4 + (y - g4)
+    normal = hi.to(tl.int32, bitcast=True) >> 20
+    sub = (y + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
+    mag = tl.where(y < 4.0, sub, normal)
+    sign = (q.to(tl.uint32, bitcast=True) >> 24).to(tl.int32, bitcast=True)  # bit 7; bits 8-31 are 0
+    return mag ^ ((mag ^ sign) & -128)  # bits 0-6 of mag, 7-31 of sign: one bit select
 
 
 @triton.jit
-def _fp8_kernel(x_ptr, q_ptr, s_ptr, N, KW, TK, PAIRS: tl.constexpr):
+def _fp8_pair(lo, hi, r, SATURATE: tl.constexpr):
+    return _fp8_byte(lo, r, SATURATE) | (_fp8_byte(hi, r, SATURATE) << 8)
+
+
+@triton.jit
+def _fp8_pair_hw(lo, hi, r):
+    """GPU only: the bf16 and e4m3 roundings by the conversion instructions (round to nearest even, e4m3
+    saturating), two values an instruction: int16 of two e4m3 bytes, ``lo``'s in the low byte."""
+    b = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo * r, hi * r], dtype=tl.int32,
+                                  is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r",
+                                     [(b << 16).to(tl.float32, bitcast=True),
+                                      (b & -65536).to(tl.float32, bitcast=True)], dtype=tl.int16, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _max_u16x2(a, b):
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_kernel(x_ptr, q_ptr, s_ptr, N, KW, TK, PAIRS: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
     """One 128x128 tile a program. PAIRS: x_ptr int32 [N, KW] of bf16 pairs and q_ptr int16 [N, KW] of e4m3
-    byte pairs (KW = K/2); else x_ptr int16 [N, KW] bf16 and q_ptr uint8 (KW = K). s_ptr: fp32 [ceil(N/128), TK]."""
+    byte pairs (KW = K/2); else x_ptr int16 [N, KW] bf16 and q_ptr uint8 (KW = K). s_ptr: fp32 [ceil(N/128), TK].
+    HW: the roundings by conversion instructions (compiled only; the interpreter rounds those differently).
+    ASM: PTX of the GPU where it saves integer operations (compiled only)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     W: tl.constexpr = 64 if PAIRS else 128
@@ -144,7 +186,11 @@ def _fp8_kernel(x_ptr, q_ptr, s_ptr, N, KW, TK, PAIRS: tl.constexpr):
     offs = rows[:, None] * KW + cols[None, :]
     if PAIRS:
         u = tl.load(x_ptr + offs, mask=mask, other=0)
-        a = tl.max(tl.max(tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF), axis=1), axis=0)
+        if ASM:  # |x| of both halves at once: one 16x2 integer max a pair
+            m2 = tl.reduce(u & 0x7FFF7FFF, None, _max_u16x2)
+            a = tl.maximum(m2 & 0x7FFF, m2 >> 16)
+        else:
+            a = tl.max(tl.max(tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF), axis=1), axis=0)
     else:
         u = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) << 16
         a = tl.max(tl.max((u >> 16) & 0x7FFF, axis=1), axis=0)
@@ -159,17 +205,24 @@ def _fp8_kernel(x_ptr, q_ptr, s_ptr, N, KW, TK, PAIRS: tl.constexpr):
     ts = tl.where(tiny & (t < 2.168404344971009e-19), sub, rounded.to(tl.float32, bitcast=True))  # below 2^-62
     s = ts * tl.where(tiny, 5.421010862427522e-20, 1.0)  # 2^-64: exact, may be subnormal
     tl.store(s_ptr + pid_n * TK + pid_k, tl.where(a >= 0x7F80, af, s))  # NaN / Inf: the caller uses torch
-    # x / s as (x p2) / (s p2), the divisor normal: p2 = 2^64 for a subnormal scale
-    sub_scale = s < 1.1754943508222875e-38
-    p2 = tl.where(sub_scale, 18446744073709551616.0, 1.0)
+    # x / s as (x p2) / (s p2) with 1 / (s p2) normal even times 2^8: p2 = 2^64 for a scale below 2^-100
+    small = s < 7.888609052210118e-31
+    p2 = tl.where(small, 18446744073709551616.0, 1.0)
     r = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s * p2, 1.0)), 0.0)
-    sign_mask = tl.where(s > 0, 0x80, 0)  # an all-zero tile (scale 0) gets codes 0, as the torch code
+    keep = tl.where(s > 0, -1, 0)  # an all-zero tile (scale 0) gets codes 0, as the torch code
     if PAIRS:
-        lo = _fp8_code((u << 16).to(tl.float32, bitcast=True), p2, r, sign_mask)
-        hi = _fp8_code((u & -65536).to(tl.float32, bitcast=True), p2, r, sign_mask)
-        tl.store(q_ptr + offs, (lo | (hi << 8)).to(tl.int16), mask=mask)
+        lo = (u << 16).to(tl.float32, bitcast=True)
+        hi = (u & -65536).to(tl.float32, bitcast=True)
+        if HW:
+            q = _fp8_pair_hw(lo * p2, hi * p2, r).to(tl.int32) & 0xFFFF
+        elif small:  # a scale below 2^-100: x scaled too; a subnormal scale can give quotients past 448
+            q = _fp8_pair(lo * 18446744073709551616.0, hi * 18446744073709551616.0, r * 256.0, True)
+        else:
+            q = _fp8_pair(lo, hi, r * 256.0, False)
+        tl.store(q_ptr + offs, (q & keep).to(tl.int16), mask=mask)
     else:
-        tl.store(q_ptr + offs, _fp8_code(u.to(tl.float32, bitcast=True), p2, r, sign_mask).to(tl.uint8), mask=mask)
+        x = u.to(tl.float32, bitcast=True) * p2
+        tl.store(q_ptr + offs, (_fp8_byte(x, r * 256.0, True) & keep).to(tl.uint8), mask=mask)
 
 
 def _aligned(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -227,13 +280,15 @@ def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.float8_e4m3fn), scales
 
 
-def launch_fp8(x, q, scales, warps: int | None = None) -> None:
+def launch_fp8(x, q, scales, warps: int | None = None, hw: bool | None = None) -> None:
     """The kernel alone (benchmarks): bf16 x [n, k] contiguous, q uint8 [n, k], scales fp32 (tiles)."""
     n, k = x.shape
     tk = -(-k // 128)
+    hw = (FP8_HW if hw is None else hw) and not _INTERPRETED
     if k % 2 == 0:
         _fp8_kernel[(-(-n // 128), tk)](x.view(torch.int32), q.view(torch.int16), scales, n, k // 2, tk, PAIRS=True,
-                                         num_warps=warps or FP8_WARPS)
+                                         HW=hw, ASM=not _INTERPRETED, num_warps=warps or FP8_WARPS,
+                                         enable_fp_fusion=False)
     else:
-        _fp8_kernel[(-(-n // 128), tk)](x.view(torch.int16), q, scales, n, k, tk, PAIRS=False,
-                                         num_warps=warps or FP8_WARPS)
+        _fp8_kernel[(-(-n // 128), tk)](x.view(torch.int16), q, scales, n, k, tk, PAIRS=False, HW=False,
+                                         ASM=False, num_warps=warps or FP8_WARPS, enable_fp_fusion=False)
