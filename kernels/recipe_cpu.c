@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define CLONES __attribute__((target_clones("avx2", "default")))
+
 static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -63,54 +65,95 @@ static inline uint64_t clear_negative_zeros(uint64_t w) {
     return w & (nonzero | low3);
 }
 
+/* The torch code's arithmetic for one 32-block (mxfp4_cast.cast step by step): its e4m3 scale byte, and its codes
+ * (kept with -0 made 0 where the scale times s2 is the block's 2^k, else E2M1(value / (scale * s2))). */
+static inline uint8_t cast_block(const uint8_t *src, int e, int own, int m, float s2, uint8_t *dst) {
+    static const float table[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const int k = e - 127;
+    const float pow2 = pow2f(k);
+    const int delta = k - (own - 8);
+    float amax;
+    if (delta >= -9 && delta <= 8) {
+        amax = 6.0f * pow2;
+    } else {
+        int mx = 0;
+        for (int j = 0; j < 16; j++) {
+            int lo = src[j] & 7, hi = (src[j] >> 4) & 7;
+            mx = lo > mx ? lo : mx;
+            mx = hi > mx ? hi : mx;
+        }
+        amax = table[mx] * pow2;
+    }
+    float sbq = amax / (6.0f * s2);
+    sbq = sbq < 0.001953125f ? 0.001953125f : sbq; /* torch.clamp: NaN passes through */
+    sbq = sbq > 448.0f ? 448.0f : sbq;
+    const uint8_t sb = e4m3_of(sbq);
+    const float sbf = e4m3_value(sb);
+    if (e > 0 && sbf == pow2f(k - m)) { /* closed form: keep the codes, -0 -> 0 */
+        uint64_t w[2];
+        memcpy(w, src, 16);
+        w[0] = clear_negative_zeros(w[0]);
+        w[1] = clear_negative_zeros(w[1]);
+        memcpy(dst, w, 16);
+    } else { /* E2M1(bf16(value) / (scale * s2)); the values e2m1 * 2^k are exact in bf16 */
+        const float denom = sbf * s2;
+        for (int j = 0; j < 16; j++) {
+            uint8_t lo = e2m1(E2M1_VALUES[src[j] & 15] * pow2 / denom);
+            uint8_t hi = e2m1(E2M1_VALUES[src[j] >> 4] * pow2 / denom);
+            dst[j] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+    return sb;
+}
+
 /* The cast of `rows` rows of an MXFP4 tensor: packed [rows, 16 * kb] bytes, E8M0 scale [rows, kb]
  * (kb 32-blocks a row), under own k_max `own` (the tensor's) and the group's `shared` k_max.
  * Writes codes [rows, 16 * kb] and e4m3 scales [rows, 2 * kb]; returns NVIDIA's lossless count
- * (blocks with k >= shared - 17 or E8M0 == 0). Step by step as mxfp4_cast.cast. */
-int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t kb, int32_t own,
+ * (blocks with k >= shared - 17 or E8M0 == 0).
+ * Per E8M0 value, a table says whether its blocks are closed-form whatever their codes (an exponent in the
+ * window: their scale is a power of two, 2^(k - m)) and gives that scale's byte; runs of such blocks are a
+ * masked copy of 8-byte words; any other block is computed as the torch code computes it (cast_block). */
+CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t kb, int32_t own,
                       int32_t shared, uint8_t *out, uint8_t *sb_out) {
-    static const float table[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     const int m = shared - 8;
     const float s2 = pow2f(m);
-    const float six_s2 = 6.0f * s2;
+    uint8_t fast[256], fast_sb[256], lossless_of[256];
+    for (int e = 0; e < 256; e++) {
+        const int k = e - 127, delta = k - (own - 8), kmm = k - m;
+        fast[e] = e > 0 && delta >= -9 && delta <= 8 && kmm >= -9 && kmm <= 8 && k < 126;
+        fast_sb[e] = fast[e] ? e4m3_of(pow2f(kmm)) : 0;
+        lossless_of[e] = (k >= shared - 17) | (e == 0);
+    }
     int64_t lossless = 0;
-    for (int64_t i = 0; i < rows * kb; i++) {
-        const uint8_t *src = packed + i * 16;
-        uint8_t *dst = out + i * 16;
-        const int e = scale[i], k = e - 127;
-        const float pow2 = pow2f(k);
-        const int delta = k - (own - 8);
-        float amax;
-        if (delta >= -9 && delta <= 8) {
-            amax = 6.0f * pow2;
-        } else {
-            int mx = 0;
-            for (int j = 0; j < 16; j++) {
-                int lo = src[j] & 7, hi = (src[j] >> 4) & 7;
-                mx = lo > mx ? lo : mx;
-                mx = hi > mx ? hi : mx;
-            }
-            amax = table[mx] * pow2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *sc = scale + r * kb;
+        const uint8_t *src = packed + r * 16 * kb;
+        uint8_t *dst = out + r * 16 * kb, *sbo = sb_out + r * 2 * kb;
+        int all_fast = 1;
+        for (int64_t i = 0; i < kb; i++) {
+            all_fast &= fast[sc[i]];
+            lossless += lossless_of[sc[i]];
+            sbo[2 * i] = sbo[2 * i + 1] = fast_sb[sc[i]];
         }
-        float sbq = amax / six_s2;
-        sbq = sbq < 0.001953125f ? 0.001953125f : sbq; /* torch.clamp: NaN passes through */
-        sbq = sbq > 448.0f ? 448.0f : sbq;
-        const uint8_t sb = e4m3_of(sbq);
-        const float sbf = e4m3_value(sb);
-        sb_out[2 * i] = sb_out[2 * i + 1] = sb;
-        lossless += (k >= shared - 17) | (e == 0);
-        if (e > 0 && sbf == pow2f(k - m)) { /* closed form: keep the codes, -0 -> 0 */
-            uint64_t w[2];
-            memcpy(w, src, 16);
-            w[0] = clear_negative_zeros(w[0]);
-            w[1] = clear_negative_zeros(w[1]);
-            memcpy(dst, w, 16);
-        } else { /* E2M1(bf16(value) / (scale * s2)); the values e2m1 * 2^k are exact in bf16 */
-            const float denom = sbf * s2;
-            for (int j = 0; j < 16; j++) {
-                uint8_t lo = e2m1(E2M1_VALUES[src[j] & 15] * pow2 / denom);
-                uint8_t hi = e2m1(E2M1_VALUES[src[j] >> 4] * pow2 / denom);
-                dst[j] = (uint8_t)(lo | (hi << 4));
+        if (all_fast) {
+            const int64_t words = 2 * kb;
+            for (int64_t j = 0; j < words; j++) {
+                uint64_t w;
+                memcpy(&w, src + 8 * j, 8);
+                w = clear_negative_zeros(w);
+                memcpy(dst + 8 * j, &w, 8);
+            }
+            continue;
+        }
+        for (int64_t i = 0; i < kb; i++) {
+            if (fast[sc[i]]) {
+                uint64_t w[2];
+                memcpy(w, src + 16 * i, 16);
+                w[0] = clear_negative_zeros(w[0]);
+                w[1] = clear_negative_zeros(w[1]);
+                memcpy(dst + 16 * i, w, 16);
+            } else {
+                sbo[2 * i] = sbo[2 * i + 1] = cast_block(src + 16 * i, sc[i], own, m, s2, dst + 16 * i);
             }
         }
     }
@@ -120,26 +163,55 @@ int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_t rows,
 /* torch's bf16 rounding of a finite fp32 (c10 round_to_nearest_even), as the fp32 bits of the bf16. */
 static inline uint32_t bf16_round(uint32_t b) { return (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u; }
 
-#define CLONES __attribute__((target_clones("avx2", "default")))
+/* e4m3_of of a finite fp32 f rounded to bf16 (torch's double rounding), branch-free (masks, not branches) so
+ * that the loops over a row vectorize. */
+static inline uint8_t e4m3_of_bf16(float f) {
+    uint32_t b = bits_of_f32(f);
+    uint32_t t = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u; /* bf16_round */
+    uint32_t a = t & 0x7FFFFFFFu;
+    uint32_t normal = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    normal = normal < 0x7Eu ? normal : 0x7Eu; /* from 464 up (finite): saturating, as torch 2.13 */
+    uint32_t sub = bits_of_f32(f32_of_bits(a) + 16384.0f) - (141u << 23); /* below 2^-6: to the grid 2^-9 */
+    uint32_t below = -(uint32_t)(a < (121u << 23));
+    return (uint8_t)((sub & below) | (normal & ~below) | ((t >> 24) & 0x80u));
+}
 
-/* e4m3 bytes of one row segment: torch's e4m3(bf16(x / s)), the quotient as x * (1/s) where 1/s is a normal
- * number (its bf16 rounding is the same: the exact quotient of two bf16 values is never within 2^-17 of a bf16
- * rounding boundary unless it is on the grid, and the product is within 2^-23 of it), else a true division. */
-static inline void fp8_segment(const uint16_t *x, int64_t n, float s, float r, int divide, int zero, uint8_t *q) {
-    if (zero) {
-        memset(q, 0, (size_t)n);
+/* e4m3 byte (in 32 bits) of torch's e4m3(bf16(q)) from qs = 2^8 q, |q| <= 450 (no saturation): bf16 rounding
+ * by adding half an ulp to the bits (no tie can occur, see fp8_segment), e4m3 rounding by Veltkamp's split to 4
+ * significant bits (ties to even: checked on every bf16 value), e4m3's exponent field read off the bits (the 2^8
+ * scaling adds 128 + e4m3's bias to fp32's), below 2^-6 (4 scaled) the grid 2^-9 (1/2 scaled) by adding 2^22. */
+static inline uint32_t e4m3_scaled(float qs) {
+    uint32_t t = bits_of_f32(qs) + 0x8000u;
+    float y = f32_of_bits(t & 0x7FFF0000u);
+    float g = y * 1048577.0f;
+    float hi = g + (y - g);
+    uint32_t normal = bits_of_f32(hi) >> 20;
+    uint32_t sub = bits_of_f32(y + 4194304.0f);
+    uint32_t below = -(uint32_t)(y < 4.0f);
+    return (((sub & below) | (normal & ~below)) & 0x7Fu) | ((t >> 24) & 0x80u);
+}
+
+/* e4m3 bytes of one row segment (at most 128 values): torch's e4m3(bf16(x / s)). Where s >= 2^-100 the quotient is
+ * x * (2^8 / s) (then 2^8 / s is a normal number), whose bf16 rounding is the exact quotient's: the exact quotient
+ * of two bf16 values is never within 2^-17 of a bf16 rounding boundary unless it is on the grid, and the product
+ * is within 2^-23 of it; a tile's quotients stay below 450 (its scale is its amax / 448 rounded to bf16, normal).
+ * Below, a true division and torch's saturating rounding (a subnormal scale lets quotients pass 448).
+ * Codes go through 32-bit lanes, then are narrowed to bytes in a loop of their own (vectorizes twice as fast). */
+static inline void fp8_segment(const uint16_t *restrict x, int64_t n, float s, uint8_t *restrict q) {
+    if (s < 7.888609052210118e-31f) {
+        for (int64_t j = 0; j < n; j++) q[j] = e4m3_of_bf16(f32_of_bits((uint32_t)x[j] << 16) / s);
         return;
     }
-    if (divide) {
-        for (int64_t j = 0; j < n; j++) q[j] = e4m3_of(f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)x[j] << 16) / s))));
-        return;
-    }
-    for (int64_t j = 0; j < n; j++) q[j] = e4m3_of(f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)x[j] << 16) * r))));
+    const float r = 256.0f * (1.0f / s);
+    uint32_t lanes[128];
+    for (int64_t j = 0; j < n; j++) lanes[j] = e4m3_scaled(f32_of_bits((uint32_t)x[j] << 16) * r);
+    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)lanes[j];
 }
 
 /* 128x128 block FP8 of bf16 x [n, k], the 128-row bands [band0, band1): e4m3 bytes q [n, k] and fp32 scales
  * [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if a tile
- * of these bands holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0. */
+ * of these bands holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
+ * A band row by row (streaming): the amax of each of its tiles, then its codes (the band is then in cache). */
 CLONES int32_t kc_fp8_block_bf16(const uint16_t *x, int64_t n, int64_t k, int64_t band0, int64_t band1, uint8_t *q,
                                  float *scales) {
     const int64_t tk = (k + 127) / 128;
@@ -147,35 +219,35 @@ CLONES int32_t kc_fp8_block_bf16(const uint16_t *x, int64_t n, int64_t k, int64_
     int32_t bad = 0;
     for (int64_t band = band0; band < band1; band++) {
         const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
+        float *sc = scales + band * tk;
         memset(amax, 0, sizeof(uint16_t) * (size_t)tk);
         for (int64_t r = r0; r < r1; r++) {
-            const uint16_t *row = x + r * k;
             for (int64_t t = 0; t < tk; t++) {
-                const int64_t c1 = (t + 1) * 128 < k ? (t + 1) * 128 : k;
+                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+                const uint16_t *seg = x + r * k + c0;
                 uint16_t m = amax[t];
-                for (int64_t c = t * 128; c < c1; c++) {
-                    uint16_t a = row[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
+                for (int64_t c = 0; c < w; c++) {
+                    uint16_t a = seg[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
                     m = a > m ? a : m;
                 }
                 amax[t] = m;
             }
         }
         for (int64_t t = 0; t < tk; t++) {
-            float *sc = scales + band * tk + t;
             if (amax[t] >= 0x7F80) {
                 bad = 1;
-                *sc = 0.0f;
-                continue;
+                sc[t] = 0.0f;
+            } else { /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
+                sc[t] = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t] << 16) / 448.0f)));
             }
-            /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
-            *sc = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t] << 16) / 448.0f)));
         }
         for (int64_t r = r0; r < r1; r++) {
             for (int64_t t = 0; t < tk; t++) {
-                const int64_t c0 = t * 128, c1 = (t + 1) * 128 < k ? (t + 1) * 128 : k;
-                const float s = scales[band * tk + t];
-                const int normal = s >= 1.17549435e-38f; /* 1/s is then a normal number too (s <= 2^120) */
-                fp8_segment(x + r * k + c0, c1 - c0, s, normal ? 1.0f / s : 0.0f, !normal, s == 0.0f, q + r * k + c0);
+                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+                if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
+                    memset(q + r * k + c0, 0, (size_t)w);
+                else
+                    fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0);
             }
         }
     }

@@ -46,21 +46,28 @@ def cast(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, shared_k_m
             or packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] != 16 * scale.shape[-1]):
         return mxfp4_cast.cast(packed, scale, shared_k_max)
     own = mxfp4_cast.k_max(scale) if own_k_max is None else own_k_max
-    p2 = packed.contiguous().reshape(-1, packed.shape[-1])
-    s2d = scale.contiguous().reshape(-1, scale.shape[-1])
+    p2, s2d = packed.contiguous(), scale.contiguous()
     rows, kb = s2d.shape
     out = torch.empty_like(p2)
     sb = torch.empty((rows, 2 * kb), dtype=torch.uint8)
-
-    def run(r: tuple[int, int]) -> int:
-        a, b = r
-        return lib.kc_cast_mxfp4(p2.data_ptr() + a * 16 * kb, s2d.data_ptr() + a * kb, b - a, kb, own, shared_k_max,
-                                 out.data_ptr() + a * 16 * kb, sb.data_ptr() + a * 2 * kb)
-    lossless = sum(_pool().map(run, _split(rows, 32 * kb))) if rows and kb else 0
+    lossless = cast_into(lib, p2, s2d, shared_k_max, own, out, sb)
     s2 = torch.tensor(2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32).reshape(())
     lead = packed.shape[:-1]
     return (out.reshape(packed.shape), sb.view(torch.float8_e4m3fn).reshape(*lead, 2 * kb), s2,
             mxfp4_cast.CastStats(scale.numel(), lossless))
+
+
+def cast_into(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, shared: int, own: int, out: torch.Tensor,
+              sb: torch.Tensor) -> int:
+    """The kernel alone on contiguous 2-D operands (benchmarks): writes ``out`` and ``sb``, returns the lossless
+    count."""
+    rows, kb = scale.shape
+
+    def run(r: tuple[int, int]) -> int:
+        a, b = r
+        return lib.kc_cast_mxfp4(packed.data_ptr() + a * 16 * kb, scale.data_ptr() + a * kb, b - a, kb, own, shared,
+                                 out.data_ptr() + a * 16 * kb, sb.data_ptr() + a * 2 * kb)
+    return sum(_pool().map(run, _split(rows, 32 * kb))) if rows and kb else 0
 
 
 def fp8_quantize(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,12 +76,19 @@ def fp8_quantize(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[torch.Tensor, torch
         return fp8_block.quantize(w)
     x = w.contiguous()
     n, k = x.shape
-    bands, tk = -(-n // fp8_block.BLOCK), -(-k // fp8_block.BLOCK)
     q = torch.empty((n, k), dtype=torch.uint8)
-    scales = torch.empty((bands, 1, tk, 1), dtype=torch.float32)
+    scales = torch.empty(fp8_block.scale_shape(n, k), dtype=torch.float32)
+    if not fp8_into(lib, x, q, scales):
+        return fp8_block.quantize(w)
+    return q.view(torch.float8_e4m3fn), scales
+
+
+def fp8_into(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """The kernel alone (benchmarks): bf16 x [n, k] contiguous into uint8 q and fp32 scales; False where a tile
+    holds NaN or Inf."""
+    n, k = x.shape
+    bands = -(-n // fp8_block.BLOCK)
 
     def run(r: tuple[int, int]) -> int:
         return lib.kc_fp8_block_bf16(x.data_ptr(), n, k, r[0], r[1], q.data_ptr(), scales.data_ptr())
-    if any(list(_pool().map(run, _split(bands, 128 * k)))):
-        return fp8_block.quantize(w)
-    return q.view(torch.float8_e4m3fn), scales
+    return not any(list(_pool().map(run, _split(bands, 128 * k))))

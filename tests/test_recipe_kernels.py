@@ -71,8 +71,7 @@ def every_code_and_exponent(top: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
-@pytest.mark.parametrize("top", [0, 1, 2, 9, 17, 18, 19, 27, 100, 125, 126, 127, 128, 137, 200, 245, 252, 253, 254,
-                                 255])
+@pytest.mark.parametrize("top", [0, 1, 18, 19, 100, 125, 126, 127, 128, 200, 253, 254, 255])
 def test_cast_every_code_under_every_exponent(top):
     packed, scale = every_code_and_exponent(top)
     own = mxfp4_cast.k_max(scale)
