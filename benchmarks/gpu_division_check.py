@@ -5,7 +5,7 @@ over x: every finite bf16 value, for ~1M divisors d = v * s2 (every e4m3 block s
 Counted for quotients up to 2^22 (a real one is at most amax / (2^-9 s2) = 2688 * 512 < 2^21),
 tiny ones (sign only) included.
 
-    python benchmarks/gpu_division_check.py
+    python benchmarks/gpu_division_check.py [N]   # N random global scales (default 8192)
 
 Prints how many E2M1 codes (sign included) differ: must be 0.
 """
@@ -47,7 +47,9 @@ def divisors(n_s2: int) -> torch.Tensor:
 
 
 def main() -> None:
-    d = divisors(8192).cuda()
+    import sys
+
+    d = divisors(int(sys.argv[1]) if len(sys.argv) > 1 else 8192).cuda()
     bad_c = torch.zeros(d.numel(), dtype=torch.int32, device="cuda")
     _check[(d.numel(),)](d, bad_c, XB=X_BLOCK, enable_fp_fusion=False)
     torch.cuda.synchronize()

@@ -76,8 +76,9 @@ def copy_bandwidth_gpu() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def time_gpu(fns: list) -> tuple[float | None, float]:
-    """(CUDA-graph ms, do_bench ms) a call, over the rotation of closures ``fns``."""
+def time_gpu(fns: list, graph: bool = True) -> tuple[float | None, float]:
+    """(CUDA-graph ms, do_bench ms) a call, over the rotation of closures ``fns`` (no graph for calls that
+    synchronise: they cannot be captured)."""
     import triton.testing as tt
 
     def all_once():
@@ -85,17 +86,13 @@ def time_gpu(fns: list) -> tuple[float | None, float]:
             f()
     all_once()
     torch.cuda.synchronize()
-    try:
-        graph = tt.do_bench_cudagraph(all_once, rep=200, return_mode="median") / len(fns)
-    except Exception as e:  # pragma: no cover - reported, not fatal
-        print("cudagraph:", type(e).__name__, e)
-        graph = None
+    graph_ms = tt.do_bench_cudagraph(all_once, rep=100, return_mode="median") / len(fns) if graph else None
     state = {"i": 0}
 
     def one():
         state["i"] += 1
         fns[state["i"] % len(fns)]()
-    return graph, tt.do_bench(one, warmup=30, rep=200, return_mode="median")
+    return graph_ms, tt.do_bench(one, warmup=20, rep=100, return_mode="median")
 
 
 def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
@@ -105,8 +102,8 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
     print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
 
-    def add(kernel, label, nbytes, fns, note=""):
-        graph, plain = time_gpu(fns)
+    def add(kernel, label, nbytes, fns, note="", capture=True):
+        graph, plain = time_gpu(fns, capture)
         floor = nbytes / bw * 1e3
         rows.append({"kernel": kernel, "shape": label, "bytes": nbytes, "floor_ms": floor, "graph_ms": graph,
                      "plain_ms": plain, "note": note})
@@ -132,7 +129,7 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
         if n == 3072 and pk == 3584:
             add("cast, whole call", label, cast_bytes(n, pk),
                 [partial(recipe_triton.cast, p, s, o, o) for (p, s), o in zip(ins, own, strict=True)],
-                "count read back")
+                "count read back", capture=False)
             bad = [mx_inputs(n, pk, i, window=False, device="cuda") for i in range(8)]
             own_b = [mxfp4_cast.k_max(s) for _, s in bad]
 
@@ -156,7 +153,7 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
                 [partial(recipe_triton.launch_fp8, x, q, s, warps, hw) for x, (q, s) in zip(xs, outs, strict=True)])
         if (n, k) == (7168, 7168):
             add("fp8-block, whole call", label, fp8_bytes(n, k), [partial(recipe_triton.fp8_quantize, x) for x in xs],
-                "finite check read back")
+                "finite check read back", capture=False)
         del xs, outs
 
     for label, n, k in NVFP4_SHAPES:
