@@ -121,7 +121,7 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
             o, sb, c = outs[i]
             c.zero_()
             recipe_triton.launch_cast(ins[i][0], ins[i][1], o, sb, c, own[i], own[i], tile)
-        tiles = [None] + ([(8, 16, 4), (16, 16, 4), (32, 16, 4), (16, 32, 4), (32, 32, 8), (64, 16, 8)]
+        tiles = [None] + ([(8, 16, 4), (16, 16, 4), (64, 16, 8), (32, 32, 8)]
                           if variants and n == 3072 and pk == 3584 else [])
         for tile in tiles:
             add("cast" if tile is None else f"cast tile {tile}", label, cast_bytes(n, pk),
@@ -145,8 +145,7 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
         xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
         outs = [(torch.empty((n, k), dtype=torch.uint8, device="cuda"),
                  torch.empty(fp8_block.scale_shape(n, k), device="cuda")) for _ in range(8)]
-        opts = [(None, None)] + ([(4, False), (8, False), (4, True), (8, True)]
-                                 if variants and (n, k) == (7168, 7168) else [])
+        opts = [(None, None)] + ([(16, False), (8, True), (16, True)] if variants and (n, k) == (7168, 7168) else [])
         for warps, hw in opts:
             name = "fp8-block" if warps is None else f"fp8-block w{warps}{' hw-cvt' if hw else ''}"
             add(name, label, fp8_bytes(n, k),
@@ -175,7 +174,7 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
                 nvfp4_triton._quant_bf16_kernel[grid](x.view(torch.int32), amax, packed, scales, n, k, BLOCK_M=bm,
                                                       BLOCK_B=bb, EXACT_DIV=True, num_warps=w,
                                                       enable_fp_fusion=False)
-        tiles = [None] + ([(16, 16, 4), (32, 16, 4), (16, 32, 4), (8, 32, 2), (32, 16, 8), (64, 8, 4)]
+        tiles = [None] + ([(32, 16, 8), (8, 32, 2), (32, 16, 4)]
                           if variants and (n, k) in ((3072, 7168), (32768, 7168)) else [])
         for tile in tiles:
             add("nvfp4 (amax + quantize)" if tile is None else f"nvfp4 tile {tile}", label, nvfp4_bytes(n, k),

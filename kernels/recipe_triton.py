@@ -1,8 +1,9 @@
 """NVIDIA's K3 recipe in Triton: the closed-form MXFP4 -> NVFP4 cast and the 128x128 block FP8 quantizer.
 
 Bit-identical to :mod:`.mxfp4_cast` and :mod:`.fp8_block` (torch 2.13's rounding) on the GPU and in the
-interpreter (``TRITON_INTERPRET=1``, the tests): no conversion instruction (the interpreter rounds those
-differently), divisions only between normal numbers (``div_rn``), every other rounding done on the bits.
+interpreter (``TRITON_INTERPRET=1``, the tests): no conversion instruction by default (the interpreter rounds
+those differently), divisions only between normal numbers (``div_rn``), every other rounding done on the bits or
+by exact fp32 splits (the kernels are launched with ``enable_fp_fusion=False`` where a split needs it).
 
 The cast (one pass): a block whose E8M0 exponent lies in e4m3's window keeps its codes (only -0 -> 0, done on
 32-bit words of 8 codes) and its scale is a power of two; a tile holding any other block (out of the window,
@@ -11,8 +12,9 @@ E8M0 0, overflowing) computes every block of the tile the long way, value by val
 Block FP8 (one pass): a program holds one 128x128 tile (bf16 pairs as int32), takes its amax, its bf16 scale
 (``amax / 448`` rounded as torch rounds it) and the e4m3 codes of ``bf16(x / scale)``. The quotient is
 ``x * (1 / scale)``: the exact quotient of two bf16 values is never within 2^-17 (relative) of a bf16 rounding
-boundary unless it lies on the bf16 grid, and the product is within 2^-23 of it, so both round to the same bf16;
-then the bf16's e4m3 rounding is done on its bits (ties to even, saturating at 448, as torch 2.13).
+boundary unless it lies on the bf16 grid, and the product is within 2^-23 of it, so both round to the same bf16
+(and no tie occurs there); the e4m3 rounding of that bf16 (ties to even, saturating at 448, as torch 2.13) is
+done by an exact fp32 split (see ``_fp8_byte``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from . import fp8_block, mxfp4_cast
 from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 
 #: cast tile: rows, 32-blocks, warps; block FP8: warps (the tile is 128 x 128)
-CAST_TILE = (8, 16, 4)
+CAST_TILE = (32, 16, 4)
 FP8_WARPS = 8
 #: block FP8 rounds with the GPU's conversion instructions (compiled kernels only)
 FP8_HW = False
@@ -90,9 +92,11 @@ def _cast_codes(c, k, kmm, sbv, m):
 
 @triton.jit
 def _cast_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, count_ptr, R, KB, own, shared, BLOCK_R: tl.constexpr,
-                 BLOCK_B: tl.constexpr):
+                 BLOCK_B: tl.constexpr, ROWWISE: tl.constexpr):
     """p_ptr / out_ptr: codes as int32 words [R, 4 KB]; e_ptr: E8M0 bytes [R, KB]; sb_ptr: e4m3 byte pairs as
-    int16 [R, KB] (both 16-blocks of a 32-block share their scale); count_ptr: int32 lossless count."""
+    int16 [R, KB] (both 16-blocks of a 32-block share their scale); count_ptr: int32 lossless count.
+    ROWWISE: a tile with a block off the closed form is computed a row at a time (compiled kernels), else at once
+    (the interpreter); the same functions of the same values either way."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -100,7 +104,6 @@ def _cast_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, count_ptr, R, KB, own, shared, B
     mask2 = (rows[:, None] < R) & (blk[None, :] < KB)
     e = tl.load(e_ptr + rows[:, None] * KB + blk[None, :], mask=mask2, other=0).to(tl.int32)
     widx = (rows[:, None] * KB + blk[None, :])[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    w = tl.load(p_ptr + widx, mask=mask2[:, :, None], other=0)
     k = e - 127
     m = shared - 8
     kmm = k - m
@@ -108,19 +111,42 @@ def _cast_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, count_ptr, R, KB, own, shared, B
     # closed form: a power-of-two scale 2^(k-m) in e4m3's range, codes kept with -0 made 0
     fast = in_range & (e > 0) & (kmm >= -9) & (kmm <= 8) & (k < 126)
     byte = tl.where(kmm >= -6, (kmm + 7) << 3, tl.where(kmm == -7, 4, tl.where(kmm == -8, 2, 1)))
-    z = ((w & 0x77777777) + 0x77777777) & -0x77777778  # bit 3 of each nibble: its magnitude is not 0
-    out = w & (z | 0x77777777)
     slow = tl.max(tl.max(((~fast) & mask2).to(tl.int32), axis=1), axis=0)
-    if slow > 0:
+    if slow == 0:
+        w = tl.load(p_ptr + widx, mask=mask2[:, :, None], other=0)
+        z = ((w & 0x77777777) + 0x77777777) & -0x77777778  # bit 3 of each nibble: its magnitude is not 0
+        tl.store(out_ptr + widx, w & (z | 0x77777777), mask=mask2[:, :, None])
+        tl.store(sb_ptr + rows[:, None] * KB + blk[None, :], (byte | (byte << 8)).to(tl.int16), mask=mask2)
+    elif ROWWISE:  # the long way, a row at a time (few registers: the fast path keeps the occupancy)
+        shifts = (tl.arange(0, 8) * 4)[None, None, :]
+        for i in range(BLOCK_R):
+            row = pid_r.to(tl.int64) * BLOCK_R + i
+            bmask = blk < tl.where(row < R, KB, 0)
+            er = tl.load(e_ptr + row * KB + blk, mask=bmask, other=0).to(tl.int32)
+            kr = er - 127
+            kmr = kr - m
+            widr = (row * KB + blk)[:, None] * 4 + tl.arange(0, 4)[None, :]
+            wmask = bmask[:, None] & (tl.arange(0, 4) < 4)[None, :]
+            wr = tl.load(p_ptr + widr, mask=wmask, other=0)
+            c = (wr[:, :, None] >> shifts) & 15  # [BLOCK_B, 4, 8]: the 32 codes of each block
+            mx = tl.max(tl.max(c & 7, axis=2), axis=1)
+            sbv, br, exact = _cast_scale(er, kr, kmr, (kr >= own - 17) & (kr <= own), mx)
+            codes = _cast_codes(c, kr[:, None, None], kmr[:, None, None], sbv[:, None, None], m)
+            zr = ((wr & 0x77777777) + 0x77777777) & -0x77777778
+            outr = tl.where(exact[:, None], wr & (zr | 0x77777777), tl.sum(codes << shifts, axis=2))
+            tl.store(out_ptr + widr, outr, mask=wmask)
+            tl.store(sb_ptr + row * KB + blk, (br | (br << 8)).to(tl.int16), mask=bmask)
+    else:  # the same, the whole tile at once (the interpreter: 30 times faster than a loop of rows there)
         shifts = (tl.arange(0, 8) * 4)[None, None, None, :]
-        c = (w[:, :, :, None] >> shifts) & 15  # [BLOCK_R, BLOCK_B, 4, 8]: the 32 codes of each block
+        w = tl.load(p_ptr + widx, mask=mask2[:, :, None], other=0)
+        c = (w[:, :, :, None] >> shifts) & 15  # [BLOCK_R, BLOCK_B, 4, 8]
         mx = tl.max(tl.max(c & 7, axis=3), axis=2)
         sbv, byte, exact = _cast_scale(e, k, kmm, in_range, mx)
         codes = _cast_codes(c, k[:, :, None, None], kmm[:, :, None, None], sbv[:, :, None, None], m)
-        slow_words = tl.sum(codes << shifts, axis=3)
-        out = tl.where(exact[:, :, None], out, slow_words)
-    tl.store(out_ptr + widx, out, mask=mask2[:, :, None])
-    tl.store(sb_ptr + rows[:, None] * KB + blk[None, :], (byte | (byte << 8)).to(tl.int16), mask=mask2)
+        z = ((w & 0x77777777) + 0x77777777) & -0x77777778
+        out = tl.where(exact[:, :, None], w & (z | 0x77777777), tl.sum(codes << shifts, axis=3))
+        tl.store(out_ptr + widx, out, mask=mask2[:, :, None])
+        tl.store(sb_ptr + rows[:, None] * KB + blk[None, :], (byte | (byte << 8)).to(tl.int16), mask=mask2)
     lossless = ((k >= shared - 17) | (e == 0)) & mask2
     tl.atomic_add(count_ptr, tl.sum(tl.sum(lossless.to(tl.int32), axis=1), axis=0))
 
@@ -261,7 +287,7 @@ def launch_cast(packed, scale, out, sb, count, own: int, shared: int, tile=None)
     rows, kb = scale.shape
     grid = (triton.cdiv(rows, br), triton.cdiv(kb, bb))
     _cast_kernel[grid](packed.view(torch.int32), scale, out.view(torch.int32), sb.view(torch.int16), count, rows, kb,
-                       own, shared, BLOCK_R=br, BLOCK_B=bb, num_warps=warps)
+                       own, shared, BLOCK_R=br, BLOCK_B=bb, ROWWISE=not _INTERPRETED, num_warps=warps)
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
