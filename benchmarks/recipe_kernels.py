@@ -145,9 +145,10 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
         xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
         outs = [(torch.empty((n, k), dtype=torch.uint8, device="cuda"),
                  torch.empty(fp8_block.scale_shape(n, k), device="cuda")) for _ in range(8)]
-        opts = [(None, None)] + ([(16, False), (8, True), (16, True)] if variants and (n, k) == (7168, 7168) else [])
+        opts = [(None, None)] + ([(8, False), (16, False), (8, True), (16, True)]
+                                 if variants and (n, k) == (7168, 7168) else [])
         for warps, hw in opts:
-            name = "fp8-block" if warps is None else f"fp8-block w{warps}{' hw-cvt' if hw else ''}"
+            name = "fp8-block" if warps is None else f"fp8-block w{warps} {'hw-cvt' if hw else 'fp32 splits'}"
             add(name, label, fp8_bytes(n, k),
                 [partial(recipe_triton.launch_fp8, x, q, s, warps, hw) for x, (q, s) in zip(xs, outs, strict=True)])
         if (n, k) == (7168, 7168):

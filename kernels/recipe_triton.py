@@ -31,9 +31,15 @@ from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 #: cast tile: rows, 32-blocks, warps; block FP8: warps (the tile is 128 x 128)
 CAST_TILE = (32, 16, 4)
 FP8_WARPS = 8
-#: block FP8 rounds with the GPU's conversion instructions (compiled kernels only)
-FP8_HW = False
+#: block FP8 rounds with the GPU's conversion instructions where it has them (compiled, sm_89 and later): 1.13x its
+#: memory floor on the H200 against 1.66x for the fp32 splits, same bytes (benchmarks/RESULTS.md, issue 14)
+FP8_HW = True
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _capability(t: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of ``t``'s GPU; (0, 0) in the interpreter (no PTX there)."""
+    return (0, 0) if _INTERPRETED or t.device.type != "cuda" else torch.cuda.get_device_capability(t.device)
 
 
 @triton.jit
@@ -307,13 +313,15 @@ def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def launch_fp8(x, q, scales, warps: int | None = None, hw: bool | None = None) -> None:
-    """The kernel alone (benchmarks): bf16 x [n, k] contiguous, q uint8 [n, k], scales fp32 (tiles)."""
+    """The kernel alone (benchmarks): bf16 x [n, k] contiguous, q uint8 [n, k], scales fp32 (tiles); ``hw``: round
+    with the conversion instructions (default ``FP8_HW``; only where the GPU has them)."""
     n, k = x.shape
     tk = -(-k // 128)
-    hw = (FP8_HW if hw is None else hw) and not _INTERPRETED
+    cap = _capability(x)
+    hw = (FP8_HW if hw is None else hw) and cap >= (8, 9)  # cvt ... e4m3x2: sm_89
     if k % 2 == 0:
         _fp8_kernel[(-(-n // 128), tk)](x.view(torch.int32), q.view(torch.int16), scales, n, k // 2, tk, PAIRS=True,
-                                         HW=hw, ASM=not _INTERPRETED, num_warps=warps or FP8_WARPS,
+                                         HW=hw, ASM=cap >= (9, 0), num_warps=warps or FP8_WARPS,  # max.u16x2: sm_90
                                          enable_fp_fusion=False)
     else:
         _fp8_kernel[(-(-n // 128), tk)](x.view(torch.int16), q, scales, n, k, tk, PAIRS=False, HW=False,
