@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, fp8_block, mxfp4_cast, reference
+from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, mxfp4_cast, reference
 
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Item, Source, Unit
@@ -76,7 +76,7 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
         if all(s.encoding == "mxfp4" for it in quant for s in it.sources):
-            _cast_mxfp4(quant, reader, res)
+            _cast_mxfp4(quant, reader, backend, res)
         else:
             _quantize(quant, reader, backend, block, res)
     return res
@@ -93,12 +93,13 @@ def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: 
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
 
 
-def _cast_mxfp4(items: list[Item], reader: TensorSource, res: UnitResult) -> None:
+def _cast_mxfp4(items: list[Item], reader: TensorSource, backend: Backend, res: UnitResult) -> None:
     """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit (w1 and w3)."""
     members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
-    shared = max(mxfp4_cast.k_max(scale) for _, scale in members.values())
+    own = {name: mxfp4_cast.k_max(scale) for name, (_, scale) in members.items()}
+    shared = max(own.values())
     for it in items:
-        outs = [mxfp4_cast.cast(*members[s.name], shared) for s in it.sources]
+        outs = [backend.cast_mxfp4(*members[s.name], shared, own[s.name]) for s in it.sources]
         blocks, lossless = sum(o[3].blocks for o in outs), sum(o[3].lossless for o in outs)
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], outs[0][2], res,
               {"method": "mxfp4-cast", "k_max": shared, "blocks": blocks, "lossless_blocks": lossless})
@@ -115,7 +116,7 @@ def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: 
             w = w.to(torch.bfloat16)
         if not bool(torch.isfinite(backend.amax(w))):
             raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
-        q, scale = fp8_block.quantize(w)
+        q, scale = backend.fp8_block(w)
         qs.append(as_bytes(q))
         scales.append(as_bytes(scale))
         zero += int((scale == 0).sum())

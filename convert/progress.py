@@ -35,8 +35,8 @@ class Progress:
             bar.refresh()
 
     def update(self, n: int) -> None:
+        bar = self._shown()  # made (at what was done before) ahead of counting n, which it then adds
         self.done += n
-        bar = self._shown()
         if bar is None:
             return
         if not self._eta and self.done >= ETA_AFTER * self.total:

@@ -1,7 +1,10 @@
 """Compute kernels: NVFP4 quantization (reference, fast CPU, Triton), MXFP4 transcoding, decoding.
 
 The pipeline only calls :func:`get_backend` and the :class:`Backend` methods, so every quantizer
-plugs into the same code path and is held to the same bytes as ``reference``.
+plugs into the same code path and is held to the same bytes as ``reference``. NVIDIA's K3 recipe
+(:meth:`Backend.cast_mxfp4`, :meth:`Backend.fp8_block`) runs its torch code (``mxfp4_cast``, ``fp8_block``)
+on the ``reference`` backend or with ``KIMI_CONVERT_RECIPE_KERNELS=torch``, else this backend's kernels
+(``recipe_cpu``, ``recipe_triton``), which give the same bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ __all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "fp8_bl
 
 #: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
 CHUNK_ELEMENTS = 1 << 22
+#: ``torch``: NVIDIA's recipe by its torch code on every backend (the bytes the kernels are held to).
+RECIPE_KERNELS_ENV = "KIMI_CONVERT_RECIPE_KERNELS"
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,44 @@ class Backend:
 
             return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2, self.threads)
         return self._reference_chunked(w, s2)
+
+    def _recipe_kernels(self) -> str:
+        """``triton``, ``cpu`` (the C kernels, when they build) or ``torch``."""
+        if self.name == "reference" or os.environ.get(RECIPE_KERNELS_ENV, "auto") == "torch":
+            return "torch"
+        if self.name == "cpu":
+            from . import recipe_cpu
+
+            return "cpu" if recipe_cpu.load() is not None else "torch"
+        return self.name
+
+    def cast_mxfp4(self, packed: torch.Tensor, scale: torch.Tensor, shared_k_max: int, own_k_max: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, mxfp4_cast.CastStats]:
+        """NVIDIA's MXFP4 -> NVFP4 cast (:func:`.mxfp4_cast.cast`): codes, e4m3 scales, weight_scale_2, stats.
+        ``own_k_max``: the tensor's own ``mxfp4_cast.k_max`` when the caller has it."""
+        kernels = self._recipe_kernels()
+        if kernels == "triton":
+            from . import recipe_triton
+
+            return recipe_triton.cast(self.to_device(packed), self.to_device(scale), shared_k_max, own_k_max)
+        if kernels == "cpu":
+            from . import recipe_cpu
+
+            return recipe_cpu.cast(recipe_cpu.load(), packed, scale, shared_k_max, own_k_max, self.threads)
+        return mxfp4_cast.cast(packed, scale, shared_k_max)
+
+    def fp8_block(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """128x128 block FP8 (:func:`.fp8_block.quantize`) of a 2-D weight: e4m3 [N, K], fp32 [N/128, 1, K/128, 1]."""
+        kernels = self._recipe_kernels()
+        if kernels == "triton":
+            from . import recipe_triton
+
+            return recipe_triton.fp8_quantize(self.to_device(w))
+        if kernels == "cpu" and w.device.type == "cpu":
+            from . import recipe_cpu
+
+            return recipe_cpu.fp8_quantize(recipe_cpu.load(), w, self.threads)
+        return fp8_block.quantize(w)
 
     def _reference_chunked(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w2 = w.reshape(-1, w.shape[-1])

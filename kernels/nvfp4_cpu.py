@@ -38,15 +38,15 @@ def _compiler() -> str | None:
     return os.environ.get("KIMI_CONVERT_CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(src: bytes, cc: str) -> Path:
+def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"nvfp4_cpu-{key}.so"
+    out = _cache_dir() / f"{stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c = Path(tmp) / "nvfp4_cpu.c"
+        c = Path(tmp) / f"{stem}.c"
         c.write_bytes(src)
         so = Path(tmp) / "out.so"
         r = subprocess.run([cc, *FLAGS, str(c), "-o", str(so)], capture_output=True, text=True)

@@ -75,20 +75,34 @@ def _e2m1(xs):
 
 
 @triton.jit
-def _fast_code(x, d, r, d_low):
-    """E2M1 code of RN(x / d) without a division per element, for d in [2^-89, 2^89].
+def _e2m1_mag4(y):
+    """E2M1 magnitude code (0..7) of a >= 0 from y = 4a, in four fp32 operations and two integer ones: y
+    saturated at 24 (6 scaled), rounded to 2 significant bits by Veltkamp's split (ties to even), whose fp32 bits
+    22-24 are then the code (the scaling by 4 aligns E2M1's exponent with fp32's); below 4 (1 scaled) E2M1's grid
+    is 2 (1/2 scaled), reached by adding 2^24. The same code as ``_e2m1_mag`` for every fp32 (checked on every
+    value below 7: all above saturate); NaN gives 7. Needs ``enable_fp_fusion=False`` (the split's rounding)."""
+    y = tl.minimum(y, 24.0)
+    g = y * 4194305.0
+    hi = g + (y - g)
+    sub = (y + 16777216.0).to(tl.int32, bitcast=True)
+    return tl.where(y < 4.0, sub, hi.to(tl.int32, bitcast=True) >> 22) & 7
 
-    r = RN(1/d) once per block; q0 = RN(x r) and Markstein's correction q = RN(q0 + RN(x - q0 d) r)
-    (one fma each, the residual exact): the same code as the correctly rounded quotient wherever a
+
+@triton.jit
+def _fast_code(x, d4, r4, d_low):
+    """E2M1 code of RN(x / d) without a division per element, for d in [2^-89, 2^89]; d4 = d / 4, r4 = 4 RN(1/d).
+
+    q0 = RN(x r) and Markstein's correction q = RN(q0 + RN(x - q0 d) r) (one fma each, the residual exact),
+    computed scaled by 4 (exactly: the same residual): the same code as the correctly rounded quotient wherever a
     code boundary is near. Where the quotient is tiny its magnitude code is 0 either way and only its
     sign matters: RN(x/d) is negative iff x < 0 and |x| > 2^-150 d, tested exactly as
-    |x| 2^120 > d 2^-30 (``d_low``), both sides scaled into the normal range.
+    x 2^120 + d 2^-30 < 0 (``d_low`` = d 2^-30; one fma, whose sign is the exact sum's).
     benchmarks/gpu_division_check.py compares these codes with div_rn's on every bf16 value.
     """
-    q0 = x * r
-    q = tl.fma(tl.fma(-q0, d, x), r, q0)
-    neg = (x < 0) & (tl.abs(x) * 1.329227995784916e36 > d_low)
-    return _e2m1_mag(tl.abs(q)) | (neg.to(tl.int32) << 3)
+    q0 = x * r4
+    q = tl.fma(tl.fma(-q0, d4, x), r4, q0)
+    code = _e2m1_mag4(tl.abs(q))
+    return tl.where(tl.fma(x, 1.329227995784916e36, d_low) < 0, code | 8, code)
 
 
 @triton.jit
@@ -157,10 +171,11 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
         # One reciprocal a block when 1/d stays normal (s2 in [2^-80, 2^80]: every real checkpoint),
         # else the full IEEE division per element.
         if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
-            r = tl.math.div_rn(1.0, denom)
+            r4 = tl.math.div_rn(1.0, denom) * 4.0
+            d4 = denom * 0.25
             d_low = denom * 9.313225746154785e-10
-            cl = _fast_code(lo, denom, r, d_low)
-            ch = _fast_code(hi, denom, r, d_low)
+            cl = _fast_code(lo, d4, r4, d_low)
+            ch = _fast_code(hi, d4, r4, d_low)
         else:
             cl = _e2m1(tl.math.div_rn(lo, denom))
             ch = _e2m1(tl.math.div_rn(hi, denom))
@@ -229,7 +244,7 @@ def _launch_quant(x2, amax, packed, scales, m: int, k: int) -> None:
         bm, bb, warps = BF16_TILE
         grid = (triton.cdiv(m, bm), triton.cdiv(k // 16, bb))
         _quant_bf16_kernel[grid](x2.view(torch.int32), amax, packed, scales, m, k, BLOCK_M=bm, BLOCK_B=bb,
-                                 EXACT_DIV=True, num_warps=warps)
+                                 EXACT_DIV=True, num_warps=warps, enable_fp_fusion=False)
     elif m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
         _quant_kernel[grid](x2, amax, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)

@@ -1,0 +1,255 @@
+/* NVIDIA's K3 recipe kernels on the CPU: the closed-form MXFP4 -> NVFP4 cast and the 128x128 block FP8
+ * quantizer, bit-identical to kernels/mxfp4_cast.py and kernels/fp8_block.py (torch 2.13's rounding).
+ *
+ * Built and called like nvfp4_cpu.c (kernels/recipe_cpu.py): system C compiler at first use,
+ * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's), single-threaded, the
+ * caller splits rows (the cast) or 128-row bands (block FP8) across Python threads.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define CLONES __attribute__((target_clones("avx2", "default")))
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* 2^k in fp32 for an integer k, as torch.exp2 / float(2.0**k): subnormal below -126, 0 below -149, inf above 127. */
+static inline float pow2f(int k) {
+    if (k > 127) return f32_of_bits(0x7F800000u);
+    if (k >= -126) return f32_of_bits((uint32_t)(k + 127) << 23);
+    if (k >= -149) return f32_of_bits(1u << (k + 149));
+    return 0.0f;
+}
+
+/* torch 2.13's fp32 -> float8_e4m3fn (c10 fp8e4m3fn_from_fp32_value): round to nearest even, finite overflow and
+ * inf saturate to 448 (0x7E), NaN gives 0x7F; the sign is kept (also on NaN and zero). */
+static inline uint8_t e4m3_of(float f) {
+    uint32_t b = bits_of_f32(f);
+    uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    uint8_t r;
+    if (b >= (1087u << 20)) {
+        r = b > 0x7F800000u ? 0x7F : 0x7E;
+    } else if (b < (121u << 23)) {
+        r = (uint8_t)(bits_of_f32(f32_of_bits(b) + f32_of_bits(141u << 23)) - (141u << 23));
+    } else {
+        b += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u);
+        r = (uint8_t)(b >> 20);
+        if (r == 0x7F) r = 0x7E;
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* float8_e4m3fn -> fp32 (exact; 0x7F / 0xFF are NaN). */
+static inline float e4m3_value(uint8_t v) {
+    uint32_t s = (uint32_t)(v & 0x80) << 24, e = (v >> 3) & 0xF, m = v & 7;
+    if (e == 15 && m == 7) return f32_of_bits(s | 0x7FC00000u);
+    if (e == 0) return f32_of_bits(s | bits_of_f32((float)m * 0.001953125f));
+    return f32_of_bits(s | ((e + 120) << 23) | (m << 20));
+}
+
+/* E2M1 code of fp32 x, as reference.e2m1_codes: nearest, ties to even, saturating; NaN gives 7. */
+static inline uint8_t e2m1(float x) {
+    float a = x < 0 ? -x : x;
+    int mag = 7 - (a <= 5.0f) - (a < 3.5f) - (a <= 2.5f) - (a < 1.75f) - (a <= 1.25f) - (a < 0.75f) - (a <= 0.25f);
+    return (uint8_t)(mag | ((x < 0.0f) << 3));
+}
+
+static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* 8 bytes of codes with every negative zero (0x8 nibble) made 0x0. */
+static inline uint64_t clear_negative_zeros(uint64_t w) {
+    const uint64_t low3 = 0x7777777777777777ull, sign = 0x8888888888888888ull;
+    uint64_t nonzero = ((w & low3) + low3) & sign; /* bit 3 of a nibble: its magnitude is not 0 */
+    return w & (nonzero | low3);
+}
+
+/* The torch code's arithmetic for one 32-block (mxfp4_cast.cast step by step): its e4m3 scale byte, and its codes
+ * (kept with -0 made 0 where the scale times s2 is the block's 2^k, else E2M1(value / (scale * s2))). */
+static inline uint8_t cast_block(const uint8_t *src, int e, int own, int m, float s2, uint8_t *dst) {
+    static const float table[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const int k = e - 127;
+    const float pow2 = pow2f(k);
+    const int delta = k - (own - 8);
+    float amax;
+    if (delta >= -9 && delta <= 8) {
+        amax = 6.0f * pow2;
+    } else {
+        int mx = 0;
+        for (int j = 0; j < 16; j++) {
+            int lo = src[j] & 7, hi = (src[j] >> 4) & 7;
+            mx = lo > mx ? lo : mx;
+            mx = hi > mx ? hi : mx;
+        }
+        amax = table[mx] * pow2;
+    }
+    float sbq = amax / (6.0f * s2);
+    sbq = sbq < 0.001953125f ? 0.001953125f : sbq; /* torch.clamp: NaN passes through */
+    sbq = sbq > 448.0f ? 448.0f : sbq;
+    const uint8_t sb = e4m3_of(sbq);
+    const float sbf = e4m3_value(sb);
+    if (e > 0 && sbf == pow2f(k - m)) { /* closed form: keep the codes, -0 -> 0 */
+        uint64_t w[2];
+        memcpy(w, src, 16);
+        w[0] = clear_negative_zeros(w[0]);
+        w[1] = clear_negative_zeros(w[1]);
+        memcpy(dst, w, 16);
+    } else { /* E2M1(bf16(value) / (scale * s2)); the values e2m1 * 2^k are exact in bf16 */
+        const float denom = sbf * s2;
+        for (int j = 0; j < 16; j++) {
+            uint8_t lo = e2m1(E2M1_VALUES[src[j] & 15] * pow2 / denom);
+            uint8_t hi = e2m1(E2M1_VALUES[src[j] >> 4] * pow2 / denom);
+            dst[j] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+    return sb;
+}
+
+/* The cast of `rows` rows of an MXFP4 tensor: packed [rows, 16 * kb] bytes, E8M0 scale [rows, kb]
+ * (kb 32-blocks a row), under own k_max `own` (the tensor's) and the group's `shared` k_max.
+ * Writes codes [rows, 16 * kb] and e4m3 scales [rows, 2 * kb]; returns NVIDIA's lossless count
+ * (blocks with k >= shared - 17 or E8M0 == 0).
+ * Per E8M0 value, a table says whether its blocks are closed-form whatever their codes (an exponent in the
+ * window: their scale is a power of two, 2^(k - m)) and gives that scale's byte; runs of such blocks are a
+ * masked copy of 8-byte words; any other block is computed as the torch code computes it (cast_block). */
+CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t kb, int32_t own,
+                      int32_t shared, uint8_t *out, uint8_t *sb_out) {
+    const int m = shared - 8;
+    const float s2 = pow2f(m);
+    uint8_t fast[256], fast_sb[256], lossless_of[256];
+    for (int e = 0; e < 256; e++) {
+        const int k = e - 127, delta = k - (own - 8), kmm = k - m;
+        fast[e] = e > 0 && delta >= -9 && delta <= 8 && kmm >= -9 && kmm <= 8 && k < 126;
+        fast_sb[e] = fast[e] ? e4m3_of(pow2f(kmm)) : 0;
+        lossless_of[e] = (k >= shared - 17) | (e == 0);
+    }
+    int64_t lossless = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *sc = scale + r * kb;
+        const uint8_t *src = packed + r * 16 * kb;
+        uint8_t *dst = out + r * 16 * kb, *sbo = sb_out + r * 2 * kb;
+        int all_fast = 1;
+        for (int64_t i = 0; i < kb; i++) {
+            all_fast &= fast[sc[i]];
+            lossless += lossless_of[sc[i]];
+            sbo[2 * i] = sbo[2 * i + 1] = fast_sb[sc[i]];
+        }
+        if (all_fast) {
+            const int64_t words = 2 * kb;
+            for (int64_t j = 0; j < words; j++) {
+                uint64_t w;
+                memcpy(&w, src + 8 * j, 8);
+                w = clear_negative_zeros(w);
+                memcpy(dst + 8 * j, &w, 8);
+            }
+            continue;
+        }
+        for (int64_t i = 0; i < kb; i++) {
+            if (fast[sc[i]]) {
+                uint64_t w[2];
+                memcpy(w, src + 16 * i, 16);
+                w[0] = clear_negative_zeros(w[0]);
+                w[1] = clear_negative_zeros(w[1]);
+                memcpy(dst + 16 * i, w, 16);
+            } else {
+                sbo[2 * i] = sbo[2 * i + 1] = cast_block(src + 16 * i, sc[i], own, m, s2, dst + 16 * i);
+            }
+        }
+    }
+    return lossless;
+}
+
+/* torch's bf16 rounding of a finite fp32 (c10 round_to_nearest_even), as the fp32 bits of the bf16. */
+static inline uint32_t bf16_round(uint32_t b) { return (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u; }
+
+/* e4m3_of of a finite fp32 f rounded to bf16 (torch's double rounding), branch-free (masks, not branches) so
+ * that the loops over a row vectorize. */
+static inline uint8_t e4m3_of_bf16(float f) {
+    uint32_t b = bits_of_f32(f);
+    uint32_t t = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u; /* bf16_round */
+    uint32_t a = t & 0x7FFFFFFFu;
+    uint32_t normal = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    normal = normal < 0x7Eu ? normal : 0x7Eu; /* from 464 up (finite): saturating, as torch 2.13 */
+    uint32_t sub = bits_of_f32(f32_of_bits(a) + 16384.0f) - (141u << 23); /* below 2^-6: to the grid 2^-9 */
+    uint32_t below = -(uint32_t)(a < (121u << 23));
+    return (uint8_t)((sub & below) | (normal & ~below) | ((t >> 24) & 0x80u));
+}
+
+/* e4m3 byte (in 32 bits) of torch's e4m3(bf16(q)) from qs = 2^8 q, |q| <= 450 (no saturation): bf16 rounding
+ * by adding half an ulp to the bits (no tie can occur, see fp8_segment), e4m3 rounding by Veltkamp's split to 4
+ * significant bits (ties to even: checked on every bf16 value), e4m3's exponent field read off the bits (the 2^8
+ * scaling adds 128 + e4m3's bias to fp32's), below 2^-6 (4 scaled) the grid 2^-9 (1/2 scaled) by adding 2^22. */
+static inline uint32_t e4m3_scaled(float qs) {
+    uint32_t t = bits_of_f32(qs) + 0x8000u;
+    float y = f32_of_bits(t & 0x7FFF0000u);
+    float g = y * 1048577.0f;
+    float hi = g + (y - g);
+    uint32_t normal = bits_of_f32(hi) >> 20;
+    uint32_t sub = bits_of_f32(y + 4194304.0f);
+    uint32_t below = -(uint32_t)(y < 4.0f);
+    return (((sub & below) | (normal & ~below)) & 0x7Fu) | ((t >> 24) & 0x80u);
+}
+
+/* e4m3 bytes of one row segment (at most 128 values): torch's e4m3(bf16(x / s)). Where s >= 2^-100 the quotient is
+ * x * (2^8 / s) (then 2^8 / s is a normal number), whose bf16 rounding is the exact quotient's: the exact quotient
+ * of two bf16 values is never within 2^-17 of a bf16 rounding boundary unless it is on the grid, and the product
+ * is within 2^-23 of it; a tile's quotients stay below 450 (its scale is its amax / 448 rounded to bf16, normal).
+ * Below, a true division and torch's saturating rounding (a subnormal scale lets quotients pass 448).
+ * Codes go through 32-bit lanes, then are narrowed to bytes in a loop of their own (vectorizes twice as fast). */
+static inline void fp8_segment(const uint16_t *restrict x, int64_t n, float s, uint8_t *restrict q) {
+    if (s < 7.888609052210118e-31f) {
+        for (int64_t j = 0; j < n; j++) q[j] = e4m3_of_bf16(f32_of_bits((uint32_t)x[j] << 16) / s);
+        return;
+    }
+    const float r = 256.0f * (1.0f / s);
+    uint32_t lanes[128];
+    for (int64_t j = 0; j < n; j++) lanes[j] = e4m3_scaled(f32_of_bits((uint32_t)x[j] << 16) * r);
+    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)lanes[j];
+}
+
+/* 128x128 block FP8 of bf16 x [n, k], the 128-row bands [band0, band1): e4m3 bytes q [n, k] and fp32 scales
+ * [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if a tile
+ * of these bands holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
+ * A band row by row (streaming): the amax of each of its tiles, then its codes (the band is then in cache). */
+CLONES int32_t kc_fp8_block_bf16(const uint16_t *x, int64_t n, int64_t k, int64_t band0, int64_t band1, uint8_t *q,
+                                 float *scales) {
+    const int64_t tk = (k + 127) / 128;
+    uint16_t amax[tk > 0 ? tk : 1];
+    int32_t bad = 0;
+    for (int64_t band = band0; band < band1; band++) {
+        const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
+        float *sc = scales + band * tk;
+        memset(amax, 0, sizeof(uint16_t) * (size_t)tk);
+        for (int64_t r = r0; r < r1; r++) {
+            for (int64_t t = 0; t < tk; t++) {
+                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+                const uint16_t *seg = x + r * k + c0;
+                uint16_t m = amax[t];
+                for (int64_t c = 0; c < w; c++) {
+                    uint16_t a = seg[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
+                    m = a > m ? a : m;
+                }
+                amax[t] = m;
+            }
+        }
+        for (int64_t t = 0; t < tk; t++) {
+            if (amax[t] >= 0x7F80) {
+                bad = 1;
+                sc[t] = 0.0f;
+            } else { /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
+                sc[t] = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t] << 16) / 448.0f)));
+            }
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            for (int64_t t = 0; t < tk; t++) {
+                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+                if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
+                    memset(q + r * k + c0, 0, (size_t)w);
+                else
+                    fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0);
+            }
+        }
+    }
+    return bad;
+}

@@ -1,0 +1,247 @@
+"""NVIDIA's K3 recipe kernels give the torch code's bytes: the MXFP4 -> NVFP4 cast (``mxfp4_cast.cast``) and
+128x128 block FP8 (``fp8_block.quantize``), in C (``recipe_cpu``) and in Triton (``recipe_triton``, interpreted
+on CPU tensors in CI, compiled on the GPU); the backends pick them; a whole nvidia-k3 pack is unchanged."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimi_convert.kernels import RECIPE_KERNELS_ENV, fp8_block, get_backend, mxfp4_cast, recipe_cpu
+from kimi_convert.pack import pack
+from kimi_convert.plan import Options
+
+if not torch.cuda.is_available():  # CI: the Triton kernels run in the interpreter on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimi_convert.kernels import recipe_triton
+
+LIB = recipe_cpu.load()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def as_u8(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+
+
+def casts(packed, scale, shared):
+    """(name, result) of every implementation of the cast."""
+    yield "c", recipe_cpu.cast(LIB, packed, scale, shared)
+    yield "c own given", recipe_cpu.cast(LIB, packed, scale, shared, mxfp4_cast.k_max(scale))
+    yield "triton", recipe_triton.cast(packed.to(DEV), scale.to(DEV), shared)
+
+
+def assert_cast_equal(packed: torch.Tensor, scale: torch.Tensor, shared: int) -> None:
+    want = mxfp4_cast.cast(packed, scale, shared)
+    for name, got in casts(packed, scale, shared):
+        assert torch.equal(as_u8(got[1]), as_u8(want[1])), (name, "scales", shared)
+        assert torch.equal(as_u8(got[0]), as_u8(want[0])), (name, "codes", shared)
+        assert as_u8(got[2]).tolist() == as_u8(want[2]).tolist(), (name, "weight_scale_2")
+        assert got[3] == want[3], (name, "stats")
+
+
+def mx(n: int, kb: int, lo: int, hi: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, 16 * kb), generator=g, dtype=torch.uint8)
+    return packed, torch.randint(lo, hi + 1, (n, kb), generator=g, dtype=torch.uint8)
+
+
+# --- the cast ------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 12), kb=st.integers(1, 24), lo=st.integers(0, 255), span=st.integers(0, 40),
+       extra=st.sampled_from([0, 0, 1, 5, 17, 30]), seed=st.integers(0, 2**20))
+def test_cast_property(n, kb, lo, span, extra, seed):
+    """Random codes, exponents in [lo, lo + span] (in and out of e4m3's window, E8M0 0 and 255 included),
+    the group's k_max at or above the tensor's own."""
+    packed, scale = mx(n, kb, lo, min(255, lo + span), seed)
+    assert_cast_equal(packed, scale, min(128, mxfp4_cast.k_max(scale) + extra))
+
+
+def every_code_and_exponent(top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row e holds every byte of codes (16 blocks of 16 bytes) under E8M0 min(e, top)."""
+    g = torch.Generator().manual_seed(top)
+    packed = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=g)].repeat(256, 1)
+    scale = torch.arange(256).clamp(max=top).to(torch.uint8)[:, None].repeat(1, 16)
+    return packed, scale
+
+
+@pytest.mark.parametrize("top", [0, 1, 18, 19, 100, 125, 126, 127, 128, 200, 253, 254, 255])
+def test_cast_every_code_under_every_exponent(top):
+    packed, scale = every_code_and_exponent(top)
+    own = mxfp4_cast.k_max(scale)
+    for shared in sorted({own, min(128, own + 1), min(128, own + 9), 128}):
+        assert_cast_equal(packed, scale, shared)
+
+
+def test_cast_c_every_top_exponent():
+    """The C kernel under every eighth tensor maximum and the window's edges, several group maxima."""
+    for top in sorted({*range(0, 256, 8), 1, 17, 18, 19, 125, 126, 127, 128, 254, 255}):
+        packed, scale = every_code_and_exponent(top)
+        own = mxfp4_cast.k_max(scale)
+        for shared in sorted({own, min(128, own + 1), min(128, own + 17), min(128, own + 18), 128}):
+            want = mxfp4_cast.cast(packed, scale, shared)
+            got = recipe_cpu.cast(LIB, packed, scale, shared)
+            assert torch.equal(got[0], want[0]) and torch.equal(as_u8(got[1]), as_u8(want[1])), (top, shared)
+            assert got[3] == want[3]
+
+
+def test_cast_real_shape_in_window_and_planted_blocks():
+    """A K3-like expert (exponents in a 10-wide band) with out-of-window and E8M0-0 blocks planted."""
+    packed, scale = mx(64, 28, 115, 125, 11)
+    scale[3, 5] = 90  # out of the window: data-derived amax
+    scale[7, 0] = 0  # all-zero block
+    packed[7, :16] = 0
+    scale[9, 27] = 101
+    assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale))
+    assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale) + 2)
+
+
+def test_cast_falls_back_to_torch_outside_its_contract():
+    packed, scale = mx(4, 2, 120, 124, 0)
+    want = mxfp4_cast.cast(packed, scale, -130)  # no k_max gives this; the torch code answers
+    for _, got in casts(packed, scale, -130):
+        assert torch.equal(as_u8(got[0]), as_u8(want[0])) and torch.equal(as_u8(got[1]), as_u8(want[1]))
+
+
+# --- block FP8 -----------------------------------------------------------------------------------
+
+def fp8s(w: torch.Tensor):
+    yield "c", recipe_cpu.fp8_quantize(LIB, w)
+    yield "triton", recipe_triton.fp8_quantize(w.to(DEV))
+
+
+def assert_fp8_equal(w: torch.Tensor) -> None:
+    want_q, want_s = fp8_block.quantize(w)
+    for name, (q, s) in fp8s(w):
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32, name
+        assert s.shape == want_s.shape and q.shape == want_q.shape, name
+        assert torch.equal(as_u8(s), as_u8(want_s)), (name, "scales")
+        assert torch.equal(as_u8(q), as_u8(want_q)), (name, "codes")
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 300), exp=st.integers(-140, 120), seed=st.integers(0, 2**20),
+       zero_rows=st.integers(0, 300))
+def test_fp8_property(n, k, exp, seed, zero_rows):
+    """Any shape (odd, not multiples of 128), magnitudes down to bf16 subnormals, zero tiles."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 2.0**exp).to(torch.bfloat16)
+    w[:zero_rows] = 0
+    w.view(-1)[torch.randint(0, w.numel(), (3,), generator=g)] *= 64
+    assert_fp8_equal(w)
+
+
+def tiles_below(amax_bits: list[int], seed: int = 0) -> torch.Tensor:
+    """One 128x128 tile per amax (bf16 bits): random values of magnitude <= amax, both signs, amax at [0, 0]."""
+    g = torch.Generator().manual_seed(seed)
+    t = len(amax_bits)
+    a = torch.tensor(amax_bits, dtype=torch.int32).repeat_interleave(128)[None, :]
+    mag = torch.randint(0, 1 << 30, (128, 128 * t), generator=g, dtype=torch.int32) % (a + 1)
+    bits = mag | (torch.randint(0, 2, mag.shape, generator=g, dtype=torch.int32) << 15)
+    bits[0, ::128] = a[0, ::128]
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def test_fp8_tiny_tiles_subnormal_scales():
+    """Tiles whose amax / 448 is a bf16 subnormal or rounds to 0 (codes 0), where bf16(x / scale) reaches past
+    448 (saturating), every subnormal amax and the normal ones around the boundary."""
+    bits = list(range(1, 0x80)) + list(range(0x80, 0x400, 7)) + [0x1000, 0x0FFF, 0x43E0, 0x7F7F]
+    assert_fp8_equal(tiles_below(bits[: len(bits) // 2], 1))
+    assert_fp8_equal(tiles_below(bits[len(bits) // 2:], 2))
+
+
+def test_fp8_c_every_amax():
+    """The C kernel: one tile per positive finite bf16 amax (every third one above the subnormals), random values
+    below it."""
+    bits = list(range(1, 0x80)) + list(range(0x80, 0x7F80, 3))
+    for i in range(0, len(bits), 2048):
+        w = tiles_below(bits[i : i + 2048], i)
+        q, s = fp8_block.quantize(w)
+        cq, cs = recipe_cpu.fp8_quantize(LIB, w)
+        assert torch.equal(as_u8(cq), as_u8(q)) and torch.equal(cs, s), i
+
+
+def test_fp8_signed_zeros_and_exact_values():
+    w = torch.zeros(130, 260, dtype=torch.bfloat16)
+    w[0, :8] = torch.tensor([-0.0, 0.0, 448.0, -448.0, 1.0, -1e-30, 1e-30, 3.0])
+    w[129, 259] = -0.0  # a tile of zeros and -0: scale 0, codes 0
+    w[5, 140] = 2.0**-120
+    assert_fp8_equal(w)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_fp8_non_finite_is_the_torch_code(bad):
+    w = torch.randn(130, 200).to(torch.bfloat16)
+    w[3, 150] = bad
+    assert_fp8_equal(w)
+
+
+def test_fp8_other_dtypes_are_the_torch_code():
+    w = torch.randn(40, 200)
+    for dt in (torch.float32, torch.float16):
+        assert_fp8_equal(w.to(dt))
+
+
+def test_c_kernels_are_thread_count_independent():
+    import subprocess
+    import sys
+    code = ("import torch,sys; from kimi_convert.kernels import recipe_cpu as R; torch.manual_seed(5); "
+            "w=torch.randn(300,1000).to(torch.bfloat16); q,s=R.fp8_quantize(R.load(),w); "
+            "p=torch.randint(0,256,(301,512),dtype=torch.uint8); e=torch.randint(100,128,(301,32),dtype=torch.uint8); "
+            "c=R.cast(R.load(),p,e,0); "
+            "sys.stdout.buffer.write(q.view(torch.uint8).numpy().tobytes()+s.numpy().tobytes()+c[0].numpy().tobytes()"
+            "+c[1].view(torch.uint8).numpy().tobytes()+str(c[3]).encode())")
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                           env={**os.environ, "KIMI_CONVERT_THREADS": n}).stdout for n in ("1", "2", "7")]
+    assert len(outs[0]) > 300 * 1000 and outs[0] == outs[1] == outs[2]
+
+
+# --- backends and the pipeline ---------------------------------------------------------------------
+
+def test_backends_pick_the_kernels(monkeypatch):
+    assert get_backend("cpu")._recipe_kernels() == "cpu"
+    assert get_backend("triton")._recipe_kernels() == "triton"
+    assert get_backend("reference")._recipe_kernels() == "torch"
+    monkeypatch.setenv(RECIPE_KERNELS_ENV, "torch")
+    assert get_backend("cpu")._recipe_kernels() == "torch"
+    assert get_backend("triton")._recipe_kernels() == "torch"
+
+
+def test_backend_methods_give_the_torch_bytes():
+    packed, scale = mx(16, 8, 110, 126, 3)
+    w = (torch.randn(200, 300) * 0.02).to(torch.bfloat16)
+    want_c, want_f = mxfp4_cast.cast(packed, scale, 0), fp8_block.quantize(w)
+    for b in (get_backend("reference"), get_backend("cpu"), get_backend("triton")):
+        got_c, got_f = b.cast_mxfp4(packed, scale, 0), b.fp8_block(w)
+        assert all(torch.equal(as_u8(x), as_u8(y)) for x, y in zip(got_c[:3], want_c[:3], strict=True)), b.name
+        assert got_c[3] == want_c[3]
+        assert all(torch.equal(as_u8(x), as_u8(y)) for x, y in zip(got_f, want_f, strict=True)), b.name
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_nvidia_k3_pack_unchanged_by_the_kernels(tiny_k3, tmp_path, monkeypatch):
+    """pack --recipe nvidia-k3 of tiny-k3: the torch code (the output before the kernels), the C kernels and the
+    Triton kernels write the same files, byte for byte (manifest included)."""
+    opts = Options(recipe="nvidia-k3")
+    outs = {}
+    with monkeypatch.context() as m:
+        m.setenv(RECIPE_KERNELS_ENV, "torch")
+        pack(tiny_k3, tmp_path / "torch", opts, device="cpu", progress=False)
+        outs["torch"] = files(tmp_path / "torch")
+    for device in ("cpu", "triton"):
+        pack(tiny_k3, tmp_path / device, opts, device=device, progress=False)
+        outs[device] = files(tmp_path / device)
+    assert outs["torch"].keys() == outs["cpu"].keys() == outs["triton"].keys()
+    assert any(name.endswith(".safetensors") for name in outs["torch"])
+    for name in outs["torch"]:
+        assert outs["cpu"][name] == outs["torch"][name], name
+        assert outs["triton"][name] == outs["torch"][name], name
