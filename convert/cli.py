@@ -221,14 +221,21 @@ def plan(input_dir: str, as_json: bool, **kw) -> None:
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted pack in OUTPUT: finished shards are verified and kept.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Spread the shards over a Ray cluster whose nodes share INPUT and OUTPUT (same paths): "
+                   "ADDRESS is auto, HOST:PORT or ray://HOST:PORT; none: RAY_ADDRESS, else the cluster started "
+                   "on this machine, else a new local one. Needs: pip install 'kimi-convert[ray]'.")
 def pack(input_dir: str, output_dir: str, device: str, workers: int | None, streams: int | None,
-         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, **kw) -> None:
+         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, ray_address: str | None, **kw) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
+    if ray_address is not None and (workers or streams):  # --ray: Ray's tasks replace workers and streams
+        raise click.UsageError(f"--{'workers' if workers else 'streams'} does not apply with --ray "
+                               "(a task per run of shards, as many as the cluster's GPUs or CPUs run at once)")
     args = [a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")]
     command = shlex.join(["kimi-convert", *args, "--resume"]) if args[:1] == ["pack"] else None
 
@@ -239,7 +246,7 @@ def pack(input_dir: str, output_dir: str, device: str, workers: int | None, stre
     _interrupt_hint = interrupted
     res = run(input_dir, output_dir, _options(kw), mapping=kw["mapping"], device=device, workers=workers,
               streams=streams, overwrite=overwrite, resume=resume, progress=not quiet, command=command,
-              strict=kw["strict"])
+              strict=kw["strict"], ray=ray_address)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:
