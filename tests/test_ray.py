@@ -180,3 +180,62 @@ def test_node_lost_mid_way_is_retried(tiny_k3, ref, cluster, tmp_path):
     assert p.returncode == 0, err
     assert resubmitted(cluster, p.pid) == 1
     assert fault_inject.same_tree(ref, tmp_path / "out") == []
+
+
+# -- without a cluster: where tasks go, and what a re-run task does (raycluster._task is a plain generator)
+
+
+def _node(cpu: float, gpu: float = 0, alive: bool = True) -> dict:
+    return {"Alive": alive, "Resources": {"CPU": cpu, **({"GPU": gpu} if gpu else {})}}
+
+
+def test_placement_from_the_cluster_resources():
+    from kimi_convert.errors import ConvertError
+    from kimi_convert.raycluster import Placement, placement
+
+    # this file's cluster: a head without CPUs, two nodes of one: a task of one CPU on each
+    assert placement("auto", [_node(0), _node(1), _node(1)]) == Placement("cpu", 1, 0, 2)
+    # CPU tasks of up to 4 CPUs; dead nodes ignored; --device reference / triton run as CPU tasks
+    assert placement("auto", [_node(16), _node(64), _node(8, alive=False)]) == Placement("cpu", 4, 0, 20)
+    assert placement("reference", [_node(16, 2)]) == Placement("reference", 4, 0, 4)
+    # GPU tasks: a GPU's share of its node's CPUs; one task per 4 of them, at most 4 a GPU, sharing it
+    assert placement("auto", [_node(4), _node(64, 8), _node(64, 8)]) == Placement("cuda", 4, 0.5, 32)
+    assert placement("cuda", [_node(2, 1)]) == Placement("cuda", 2, 1.0, 1)
+    assert placement("auto", [_node(128, 8)]) == Placement("cuda", 4, 0.25, 32)
+    assert placement("auto", [_node(96, 8)]).num_gpus == 0.3333
+    for device, nodes, msg in [("cuda", [_node(8)], "no node of the Ray cluster has a GPU"),
+                               ("cuda:1", [_node(8, 2)], "names a GPU of this machine"),
+                               ("auto", [_node(0), _node(4, alive=False)], "no node with a CPU")]:
+        with pytest.raises(ConvertError, match=msg):
+            placement(device, nodes)
+
+
+def test_a_rerun_task_keeps_journaled_shards_and_rewrites_the_rest(tiny_k3, ref, tmp_path):
+    from kimi_convert.journal import Journal
+    from kimi_convert.pack import load_plan, split_jobs
+    from kimi_convert.raycluster import _task
+
+    ckpt, plan = load_plan(tiny_k3, Options(max_shard_size=300_000, recipe="nvfp4-w4a16", layout="sglang"))
+    out = tmp_path / "out"
+    out.mkdir()
+    shards = [s.file for s in plan.shards[:5]]
+    [job] = split_jobs(ckpt, plan, plan.shards[:5], 1, out)
+    first = list(_task(job, "cpu", 1))
+    assert [item[:2] for item in first[:-1]] == [("shard", f) for f in shards] and first[-1][0] == "done"
+    assert all((out / f).read_bytes() == (ref / f).read_bytes() for f in shards)
+    # the attempt that died: the driver had journaled shards 1-3, and shard 2 has changed since; shard 4 was
+    # renamed, not reported; shard 5 was half written
+    Journal("plan", "cmd", {}, {f: rec for _, f, rec in first[:3]}).save(out)
+    with open(out / shards[1], "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"X")
+    (out / shards[4]).rename(out / (shards[4] + ".partial"))
+    with open(out / (shards[4] + ".partial"), "r+b") as f:
+        f.truncate(1000)
+    inode = {f: (out / f).stat().st_ino for f in shards[:4]}
+    again = list(_task(job, "cpu", 1))
+    assert again[:-1] == first[:-1]  # the same records in the same order: Ray's replay of a generator
+    assert again[-1][1].input_hashes == first[-1][1].input_hashes
+    assert [(out / f).stat().st_ino == inode[f] for f in shards[:4]] == [True, False, True, False]  # kept or new
+    assert all((out / f).read_bytes() == (ref / f).read_bytes() for f in shards)
+    assert not list(out.glob("*.partial"))
