@@ -148,6 +148,44 @@ def test_unreachable_cluster_is_one_line(tiny_k3, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@needs_ray
+@pytest.mark.slow
+def test_driver_killed_then_resumed(tiny_k3, ref, cluster, tmp_path):
+    """The driver journals each shard as its record arrives: killed mid-way (its tasks stop with it),
+    ``--resume`` with ``--ray`` keeps what the journal holds and finishes byte-identically."""
+    from kimi_convert.journal import Journal
+
+    marker = tmp_path / "paused"
+    args = [sys.executable, "-m", "kimi_convert.cli", "pack", relative(tiny_k3, tmp_path), "out", *PACK_ARGS,
+            "--ray", cluster.address]
+    with child(args, cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+               env={**os.environ, "KIMI_CONVERT_FAULT": "shard:2:pause", "KIMI_CONVERT_FAULT_ONCE": str(marker)}) as p:
+        wait_for(marker, p)
+        time.sleep(2)  # the paused task's first shard reaches the journal
+        p.kill()
+        p.wait()
+    pid, deadline = int(marker.read_text()), time.monotonic() + 60
+    while alive(pid):  # Ray stops the tasks of a driver that is gone
+        assert time.monotonic() < deadline, "the driver's tasks outlived it"
+        time.sleep(0.2)
+    journal = Journal.load(tmp_path / "out")
+    assert journal is not None and journal.shards
+    r = cli(*args[3:], "--resume", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"({len(journal.shards)} finished shard(s) verified and kept)" in r.stdout
+    assert fault_inject.same_tree(ref, tmp_path / "out") == []
+
+
+def wait_for(marker: Path, p: subprocess.Popen) -> int:
+    """The pid a fault point wrote into ``marker`` (it paused there), while pack ``p`` runs."""
+    deadline = time.monotonic() + 240
+    while not (marker.exists() and marker.read_text()):
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "no task reached the fault point"
+        time.sleep(0.2)
+    return int(marker.read_text())
+
+
 def _raylet_of(cluster, pid: int):
     """The cluster node whose raylet started worker ``pid`` (a Ray worker's parent)."""
     ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -166,12 +204,7 @@ def test_node_lost_mid_way_is_retried(tiny_k3, ref, cluster, tmp_path):
     with child([sys.executable, "-m", "kimi_convert.cli", "pack", relative(tiny_k3, tmp_path), "out", *PACK_ARGS,
                 "--ray", cluster.address], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                env={**os.environ, "KIMI_CONVERT_FAULT": "shard:2:pause", "KIMI_CONVERT_FAULT_ONCE": str(marker)}) as p:
-        deadline = time.monotonic() + 240
-        while not (marker.exists() and marker.read_text()):
-            assert p.poll() is None, p.communicate()
-            assert time.monotonic() < deadline, "no task reached the fault point"
-            time.sleep(0.2)
-        pid = int(marker.read_text())
+        pid = wait_for(marker, p)
         node = _raylet_of(cluster, pid)
         cluster.remove_node(node, allow_graceful=False)
         if alive(pid):  # the node is gone: none of its processes may go on
