@@ -64,10 +64,6 @@ class Placement:
     num_gpus: float  # per task (a fraction: tasks that share a GPU)
     slots: int  # tasks that run at once on the cluster
 
-    def describe(self) -> str:
-        what = f"{self.num_gpus:g} GPU and {self.num_cpus} CPU(s)" if self.num_gpus else f"{self.num_cpus} CPU(s)"
-        return f"{self.slots} task(s) at once, {what} each, device {self.device}"
-
 
 def placement(device: str, nodes: list[dict]) -> Placement:
     """The tasks' shape from the alive nodes' resources (``ray.nodes()``) and ``--device``."""
