@@ -162,18 +162,34 @@ def test_driver_killed_then_resumed(tiny_k3, ref, cluster, tmp_path):
                env={**os.environ, "KIMI_CONVERT_FAULT": "shard:2:pause", "KIMI_CONVERT_FAULT_ONCE": str(marker)}) as p:
         wait_for(marker, p)
         time.sleep(2)  # the paused task's first shard reaches the journal
+        assert int(marker.read_text()) in running_tasks(cluster)
         p.kill()
         p.wait()
-    pid, deadline = int(marker.read_text()), time.monotonic() + 60
-    while alive(pid):  # Ray stops the tasks of a driver that is gone
+    deadline = time.monotonic() + 60
+    while running_tasks(cluster):  # Ray stops the tasks of a driver that is gone
         assert time.monotonic() < deadline, "the driver's tasks outlived it"
         time.sleep(0.2)
+    assert not alive(int(marker.read_text()))
     journal = Journal.load(tmp_path / "out")
     assert journal is not None and journal.shards
     r = cli(*args[3:], "--resume", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"({len(journal.shards)} finished shard(s) verified and kept)" in r.stdout
     assert fault_inject.same_tree(ref, tmp_path / "out") == []
+
+
+def running_tasks(cluster) -> list[int]:
+    """The cluster's worker processes running a pack task now (Ray titles them ``ray::TASK NAME``)."""
+    raylets = {p.process.pid for node in cluster.list_all_nodes() for p in node.all_processes.get("raylet", [])}
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid in raylets and (proc / "cmdline").read_bytes().startswith(b"ray::kimi-convert "):
+                found.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def wait_for(marker: Path, p: subprocess.Popen) -> int:
@@ -198,7 +214,7 @@ def _raylet_of(cluster, pid: int):
 @needs_ray
 @pytest.mark.slow
 def test_node_lost_mid_way_is_retried(tiny_k3, ref, cluster, tmp_path):
-    """Last in this file: it takes a node away. A task stops after renaming its 2nd shard (not yet
+    """The last test here to use the cluster: it takes a node away. A task stops after renaming its 2nd shard (not yet
     reported); its node is killed (raylet, workers and all); Ray re-runs the task on the other node."""
     marker = tmp_path / "paused"
     with child([sys.executable, "-m", "kimi_convert.cli", "pack", relative(tiny_k3, tmp_path), "out", *PACK_ARGS,
