@@ -20,7 +20,6 @@ from pathlib import Path
 import click
 
 from . import __version__, devices, paths
-from .devices import Device, resolve_device
 from .errors import ConvertError
 from .options import Options, click_options
 from .options import checked as _checked
@@ -142,7 +141,7 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
 @click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.output_folder))
 @click_options
-@click.option("--device", default="auto", show_default=True, callback=lambda ctx, param, v: resolve_device(v),
+@click.option("--device", default="auto", show_default=True, callback=_checked(devices.valid),
               help="auto (the GPU when the CUDA driver sees one and torch is a CUDA build), cpu (the C kernel), "
                    "cuda[:N] (the Triton kernel); for tests: reference (the torch code), triton (the Triton "
                    "kernel; on the CPU under TRITON_INTERPRET=1).")
@@ -158,14 +157,21 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted pack in OUTPUT: finished shards are verified and kept.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def pack(input_dir: str, output_dir: str, opts: Options, device: Device, workers: int | None, streams: int | None,
-         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool) -> None:
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Spread the shards over a Ray cluster whose nodes share INPUT and OUTPUT (same paths): "
+                   "ADDRESS is auto, HOST:PORT or ray://HOST:PORT; none: RAY_ADDRESS, else the cluster started "
+                   "on this machine, else a new local one. Needs: pip install 'kimi-convert[ray]'.")
+def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: int | None, streams: int | None,
+         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, ray_address: str | None) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
+    if ray_address is not None and (workers or streams):  # --ray: Ray's tasks replace workers and streams
+        raise click.UsageError(f"--{'workers' if workers else 'streams'} does not apply with --ray "
+                               "(a task per run of shards, as many as the cluster's GPUs or CPUs run at once)")
     args = [a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")]
     command = shlex.join(["kimi-convert", *args, "--resume"]) if args[:1] == ["pack"] else None
 
@@ -175,7 +181,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: Device, workers
     global _interrupt_hint
     _interrupt_hint = interrupted
     res = run(input_dir, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
-              resume=resume, progress=not quiet, command=command)
+              resume=resume, progress=not quiet, command=command, ray=ray_address)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:

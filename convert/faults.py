@@ -5,6 +5,8 @@
 ``journal``: mid-journal write; ``json``: mid-write of config, index or manifest; ``side``: mid-copy
 of a side file);
 ``NAME:N:pause`` makes it sleep there instead, for a test to deliver Ctrl-C at that exact point.
+With ``KIMI_CONVERT_FAULT_ONCE=FILE`` too, only the first process to get there stops (it creates
+FILE, holding its pid); the others go on: one Ray task killed, its retry let through (tests/test_ray.py).
 Unset, a point costs one string comparison.
 """
 
@@ -15,6 +17,7 @@ import signal
 import threading
 
 _NAME, _AT, _MODE = ([*os.environ.get("KIMI_CONVERT_FAULT", "").split(":"), "", ""])[:3]
+_ONCE = os.environ.get("KIMI_CONVERT_FAULT_ONCE", "")
 _hits: dict[str, int] = {}
 _released = threading.Event()
 
@@ -30,6 +33,13 @@ def point(name: str) -> None:
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] != int(_AT or 1):
         return
+    if _ONCE:
+        try:
+            fd = os.open(_ONCE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
     if _MODE == "pause":
         _released.wait(3600)
     else:

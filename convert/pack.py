@@ -88,13 +88,21 @@ def pack(
     resume: bool = False,
     progress: bool = True,
     command: str | None = None,
+    ray: str | None = None,
 ) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
-    worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4)."""
+    worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4).
+    ``ray``: spread the shards over a Ray cluster instead (``raycluster``; its address, "" for the
+    local one), whose tasks replace workers and streams."""
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     write.check_output_dir(input_dir, output_dir)
-    devices_ = devices.worker_devices(device, workers)
+    cluster = None
+    if ray is not None:  # --ray (convert/raycluster.py): connected first, so an unreachable cluster costs no work
+        from . import raycluster
+
+        cluster = raycluster.connect(ray or None, device)
+    devices_ = devices.worker_devices(device, workers) if cluster is None else []
     cpus = devices.cpus()  # the one CPU count: every worker's share of it is passed on as an argument
     ahead = startup_readahead()
     if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
@@ -111,13 +119,16 @@ def pack(
     _check_space(output_dir, todo)
     # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
     # (on a thread: queueing that much readahead can block until the disk has taken it)
-    threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
-                     args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
-                           ahead)).start()
+    if cluster is None:  # (with --ray, the nodes read)
+        threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
+                         args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
+                               ahead)).start()
     n_streams = streams or pipeline.default_streams(cpus, len(devices_))
-    jobs = split_jobs(ckpt, plan, todo, len(devices_) * n_streams, output_dir)
+    jobs = split_jobs(ckpt, plan, todo, cluster.placement.slots if cluster else len(devices_) * n_streams, output_dir)
     per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
     per_worker = [w for w in per_worker if w] or [jobs]
+    if cluster is not None:  # --ray: a task per job
+        per_worker = [[job] for job in jobs]
     done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
     bar = Progress("pack", progress, total=plan.bytes_in, initial=done_bytes)
 
@@ -127,7 +138,9 @@ def pack(
 
     t = time.perf_counter()
     try:
-        if len(per_worker) == 1:
+        if cluster is not None:
+            results = cluster.run(jobs, on_shard, bar.update)
+        elif len(per_worker) == 1:
             results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus)
         else:
             from . import workers as workers_mod
