@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
