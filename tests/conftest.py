@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+
+# Before anything imports tqdm, which reads TQDM_* once, when imported: no progress bars, in this process
+# (with or without pytest-xdist, whose workers inherit it) and in the processes the tests start.
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 from pathlib import Path
 
 import pytest
@@ -10,8 +15,6 @@ import pytest
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 from kimi_convert.synth import write_synth
-
-os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @pytest.fixture(scope="session")

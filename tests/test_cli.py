@@ -129,10 +129,15 @@ def test_verify_of_a_folder_without_manifest_prints_no_bar(tiny_kl):
     _one_line(r, f"{tiny_kl}: no manifest.json: not a finished kimi-convert output")
 
 
-def test_progress_is_decimal_and_has_no_eta_at_the_start(capsys):
+def test_progress_is_decimal_and_has_no_eta_at_the_start(capsys, monkeypatch):
+    import functools
+
+    from kimi_convert import progress
     from kimi_convert.progress import ETA_AFTER, Progress
+
+    # a bar that shows whatever TQDM_DISABLE said when tqdm was imported (tqdm reads it then)
+    monkeypatch.setattr(progress, "tqdm", functools.partial(progress.tqdm, disable=False))
     bar = Progress("pack", total=10_000_000_000)
-    bar._shown().disable = False
     bar.update(10_000_000)  # 0.1 %: too early for an estimate
     early = str(bar._shown())
     bar.update(int(ETA_AFTER * 10_000_000_000))
