@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import os
-import sys
+
+# Before anything imports tqdm, which reads TQDM_* once, when imported: no progress bars, in this process
+# (with or without pytest-xdist, whose workers inherit it) and in the processes the tests start.
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 from kimi_convert.synth import write_synth
-
-os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @pytest.fixture(scope="session")

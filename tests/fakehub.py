@@ -6,6 +6,9 @@ Faults: ``hub.fail(method, path_regex, status, times, headers)`` answers the nex
 requests with ``status`` and ``headers`` (``status=0`` drops the connection without an answer; a 429
 says ``Retry-After: 0`` unless told otherwise). ``hub.log`` lists every request answered, ``hub.times``
 when (monotonic seconds), for tests that check a wait.
+
+``hub_cli`` runs kimi-convert against it in a process with a hermetic environment (huggingface_hub
+reads HF_* when it is imported); ``assert_arrived`` compares a repo's files with a local folder.
 """
 
 from __future__ import annotations
@@ -13,12 +16,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
+
+from helpers import Result, run_process
+
+#: The token the fake Hub accepts; tests check it never appears in any output.
+TOKEN = "hf_kimiConvertTestSecret0123456789"
 
 
 @dataclass
@@ -292,3 +302,29 @@ class FakeHub:
                 return 200
 
         return Handler
+
+
+def hub_cli(hub: FakeHub | None, *args, tmp: Path, token: str | None = TOKEN, env_token: str | None = None,
+            endpoint: str | None = None, **env_extra: str) -> Result:
+    """kimi-convert ARGS in a process of its own, in a clean environment: no HF_* variable of the
+    caller's, HF_HOME (the stored login) ``tmp/hf-home``, the Hub at ``endpoint`` or ``hub``, Xet off."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
+    env.update(HF_ENDPOINT=endpoint or hub.url, HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HOME=str(tmp / "hf-home"), KIMI_CONVERT_RETRY_BASE="0.01", TQDM_DISABLE="1")
+    env.update(env_extra)
+    if env_token:
+        env["HF_TOKEN"] = env_token
+    r = run_process(*args, *(["--token", token] if token else []), env=env, replace_env=True)
+    assert TOKEN not in r.stdout and TOKEN not in r.stderr, "the token leaked into the output"
+    return r
+
+
+def assert_arrived(hub: FakeHub, repo_id: str, out: Path, files: dict | None = None) -> None:
+    """Every file of ``out`` is in the repo (or ``files``) with the same bytes, and nothing else is."""
+    repo_files = files if files is not None else hub.repos[repo_id].files
+    local = {str(p.relative_to(out)): p for p in out.rglob("*") if p.is_file()}
+    assert set(repo_files) == set(local), set(repo_files) ^ set(local)
+    for name, p in local.items():
+        f = repo_files[name]
+        data = hub.lfs[f["lfs"]] if f["lfs"] else f["content"]
+        assert data == p.read_bytes(), name

@@ -1,11 +1,25 @@
-"""Small helpers the tests share: edit a synthetic checkpoint, run the CLI."""
+"""Small helpers the tests share: edit a synthetic checkpoint, run the CLI.
+
+The command line, two ways, one result type (:class:`Result`: exit code, stdout, stderr apart):
+
+* :func:`run`: in this process (click's runner): fast; for everything that fails or finishes
+  without needing a process of its own;
+* :func:`run_process` / :func:`child`: ``python -m kimi_convert.cli`` as a real process, for what
+  only a real process shows: kills and fault points (``KIMI_CONVERT_FAULT`` is read at import),
+  signals, resource limits, environment read at import, and the real entry point's exit codes.
+
+:func:`one_line_error` is the one assertion of the tool's user-error form for both.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,8 +67,46 @@ def replace_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
     rewrite_tensors(folder, fn)
 
 
-def run(*args: str):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+@dataclass(frozen=True)
+class Result:
+    """A finished command: ``code`` is the exit status (a real process killed by a signal: minus
+    the signal's number), ``stdout`` and ``stderr`` apart."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+
+def run(*args, env: dict[str, str] | None = None) -> Result:
+    """``kimi-convert ARGS`` in this process. ``env`` is added to the environment for the call (only
+    what the tool reads at call time: a fault point or a thread count needs :func:`run_process`).
+    An exception the CLI does not turn into its one-line error propagates (a bug, not an exit)."""
+    r = CliRunner().invoke(cli, [str(a) for a in args], prog_name="kimi-convert", env=env, catch_exceptions=False)
+    return Result(r.exit_code, r.stdout, r.stderr)
+
+
+def cli_command(*args) -> list[str]:
+    """The command line of the real entry point (for :func:`child`)."""
+    return [sys.executable, "-m", "kimi_convert.cli", *map(str, args)]
+
+
+def run_process(*args, env: dict[str, str] | None = None, replace_env: bool = False, timeout: float = 300,
+                **kw) -> Result:
+    """``python -m kimi_convert.cli ARGS`` as a real process. ``env`` is added to this environment,
+    or replaces it with ``replace_env``; other keywords go to ``subprocess.run``."""
+    full = dict(env or {}) if replace_env else {**os.environ, **(env or {})}
+    r = subprocess.run(cli_command(*args), capture_output=True, text=True, env=full, timeout=timeout, **kw)
+    return Result(r.returncode, r.stdout, r.stderr)
+
+
+def one_line_error(r: Result) -> str:
+    """The tool's user error: exit 2, stderr exactly one line ``kimi-convert: error: ...`` (no
+    traceback, no click usage text, no progress bar); returns that line."""
+    assert r.code == 2, (r.code, r.stderr)
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kimi-convert: error: "), err
+    assert "Traceback" not in err and "Usage:" not in err and "%|" not in err, err
+    return err
 
 
 #: The versions the Triton interpreter's byte-equality tests were checked with (the interpreter is numpy

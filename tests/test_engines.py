@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,15 +22,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import Result, one_line_error, run, run_process
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear"}
 
+# Under pytest-xdist (--dist loadgroup), this module's tests run one after another on one worker: an engine
+# check holds several GB, two at once could exceed a small CI machine's memory; the module's fixtures
+# (the packs) are then made once.
+pytestmark = pytest.mark.xdist_group("engine")
 
-def cli(*args, timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kimi_convert.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+
+def cli(*args, timeout: float = 1800) -> Result:
+    """Engine checks: a process of their own (each starts the engine's own python anyway)."""
+    return run_process(*args, timeout=timeout)
 
 
 def _absent(engine: str) -> str | None:
@@ -58,8 +63,8 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-inputs")
     out = {}
     for key, preset in MODELS.items():
-        r = cli("synth", preset, root / key)
-        assert r.returncode == 0, r.stderr
+        r = run("synth", preset, root / key)
+        assert r.code == 0, r.stderr
         out[key] = root / key
     return out
 
@@ -85,8 +90,8 @@ def outputs(inputs, tmp_path_factory) -> dict[str, Path | str]:
     out: dict[str, Path | str] = {}
     for key, (model, recipe, layout, _) in OUTPUTS.items():
         extra = (["--recipe", recipe] if recipe else []) + ["--layout", layout]
-        r = cli("pack", inputs[model], root / key, "-q", "--device", "cpu", *extra)
-        out[key] = root / key if r.returncode == 0 else (r.stderr.strip().splitlines() or ["pack failed"])[-1]
+        r = run("pack", inputs[model], root / key, "-q", "--device", "cpu", *extra)
+        out[key] = root / key if r.code == 0 else (r.stderr.strip().splitlines() or ["pack failed"])[-1]
     return out
 
 
@@ -107,9 +112,9 @@ def record(engine: str, key: str, folder: Path, rep: dict) -> None:
 
 def engine_check(folder: Path, engine: str) -> tuple[int, dict]:
     r = cli("verify-manifest", folder, "--engine", engine, "--json")
-    assert r.stdout.strip(), f"no report (rc {r.returncode}): {r.stderr[-2000:]}"
+    assert r.stdout.strip(), f"no report (rc {r.code}): {r.stderr[-2000:]}"
     d = json.loads(r.stdout)
-    return r.returncode, d["engines"][0]
+    return r.code, d["engines"][0]
 
 
 def describe(rep: dict) -> str:
@@ -252,21 +257,20 @@ def test_planted_defect_fails(engine, defect, outputs, tmp_path):
 
 
 def test_engine_python_missing_is_one_line(inputs, tmp_path):
-    r = cli("verify-manifest", inputs["k3"], "--engine", "vllm", "--engine-python", tmp_path / "nope" / "python")
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = run("verify-manifest", inputs["k3"], "--engine", "vllm", "--engine-python", tmp_path / "nope" / "python")
+    assert "does not exist" in one_line_error(r)
 
 
 def test_engine_not_installed_is_one_line(inputs):
-    r = cli("verify-manifest", inputs["k3"], "--engine", "sglang", "--engine-python", sys.executable)
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "no sglang installed" in r.stderr
+    r = run("verify-manifest", inputs["k3"], "--engine", "sglang", "--engine-python", sys.executable)
+    assert "no sglang installed" in one_line_error(r)
 
 
 def test_engine_python_needs_one_engine(inputs):
-    r = cli("verify-manifest", inputs["k3"], "--engine", "vllm", "--engine", "sglang", "--engine-python",
+    r = run("verify-manifest", inputs["k3"], "--engine", "vllm", "--engine", "sglang", "--engine-python",
             sys.executable)
-    assert r.returncode == 2 and "exactly one --engine" in r.stderr
+    # a click usage error (Usage: ... / Error: ...), not yet the tool's one-line form
+    assert r.code == 2 and "exactly one --engine" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_unpinned_version_refused(tmp_path, monkeypatch):

@@ -23,10 +23,10 @@ def test_k3_released_values_without_weights(tmp_path):
         "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
         "text_config": K3_TEXT, "vision_config": {"hidden_size": 1152}}))
     r = run("inspect", tmp_path)
-    assert r.exit_code == 0, r.output
-    assert "E=896 topk=16 moe_intermediate_size=3072 hidden_size=7168" in r.output
-    assert "not present" in r.output and "3584" in r.output
-    d = json.loads(run("inspect", tmp_path, "--json").output)
+    assert r.code == 0, r.stderr
+    assert "E=896 topk=16 moe_intermediate_size=3072 hidden_size=7168" in r.stdout
+    assert "not present" in r.stdout and "3584" in r.stdout
+    d = json.loads(run("inspect", tmp_path, "--json").stdout)
     assert (d["num_experts"], d["top_k"], d["moe_intermediate_size"], d["hidden_size"]) == (896, 16, 3072, 7168)
     assert len(d["layer_kinds"]["kda"]) == 70 and len(d["layer_kinds"]["mla"]) == 23
     assert d["weights_present"] is False
@@ -50,7 +50,7 @@ def test_other_families():
 
 
 def test_tensors_checked_against_config(tiny_k3, tmp_path):
-    d = json.loads(run("inspect", tiny_k3, "--json").output)
+    d = json.loads(run("inspect", tiny_k3, "--json").stdout)
     assert d["weights_present"] and d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [128, 256]
     assert any("latent" in w for w in d["warnings"])
     import shutil
@@ -60,6 +60,6 @@ def test_tensors_checked_against_config(tiny_k3, tmp_path):
     cfg["text_config"]["num_experts"] = 16
     cfg["text_config"]["moe_intermediate_size"] = 96
     (ck / "config.json").write_text(json.dumps(cfg))
-    d = json.loads(run("inspect", ck, "--json").output)
+    d = json.loads(run("inspect", ck, "--json").stdout)
     assert any("num_experts=16 but layers hold 8" in w for w in d["warnings"])
     assert any("moe_intermediate_size=96 but expert weights have 128 rows" in w for w in d["warnings"])

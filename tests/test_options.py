@@ -12,7 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from helpers import run
+from helpers import one_line_error, run
 from kimi_convert.options import DEFAULT_MAX_SHARD, SIZE, Options, click_options
 from kimi_convert.plan import Options as PlanOptions
 
@@ -78,7 +78,7 @@ def test_from_dict_reads_an_old_manifest():
 
 def test_every_field_is_a_flag_of_plan_and_pack():
     for cmd in ("plan", "pack"):
-        out = run(cmd, "--help").output
+        out = run(cmd, "--help").stdout
         for f in fields(Options):
             flag = "--no-default-excludes" if f.name == "default_excludes" else "--" + f.name.replace("_", "-")
             assert flag in out, (cmd, flag)
@@ -87,8 +87,8 @@ def test_every_field_is_a_flag_of_plan_and_pack():
 def test_plan_json_records_the_options_it_was_given(tiny_kl):
     r = run("plan", tiny_kl, "--json", "--exclude", "lm_head", "--no-default-excludes", "--max-shard-size", "500kB",
             "--input-scale", "0.5", "--recipe", "nvfp4-w4a16", "--layout", "vllm")
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.output)["options"]
+    assert r.code == 0, r.stderr
+    d = json.loads(r.stdout)["options"]
     assert list(d) == MANIFEST_KEYS
     assert Options.from_dict(d) == Options(exclude=("lm_head",), default_excludes=False, max_shard_size=500_000,
                                            input_scale=0.5, recipe="nvfp4-w4a16", layout="vllm")
@@ -125,9 +125,7 @@ def test_size_refuses_in_one_line(text):
 def test_bad_option_values_are_one_line_errors(tiny_kl, tmp_path, args, needle):
     for cmd in (["plan", tiny_kl], ["pack", tiny_kl, tmp_path / "out"]):
         r = run(*cmd, *args)
-        lines = r.output.strip().splitlines()
-        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("kimi-convert: error: "), r.output
-        assert needle in lines[0], lines[0]
+        assert needle in one_line_error(r)
         assert not (tmp_path / "out").exists()
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import oracle
-from helpers import interpreter_note, run
+from helpers import copy_ckpt, interpreter_note, one_line_error, replace_tensor, run
 from kimi_convert.engines import sglang_is_excluded, vllm_is_skipped
 from kimi_convert.mapping import builtin_by_name
 
@@ -205,21 +205,40 @@ def test_index_config_and_side_files(tiny_k3, packed_k3):
     assert not list(packed_k3.rglob("*.partial"))
 
 
+def written_formats(folder: Path) -> dict[str, str]:
+    """Each ``X.weight`` of the output -> 'nvfp4' when the files hold it as NVIDIA's NVFP4 (a U8 weight with
+    ``weight_scale`` and ``weight_scale_2`` beside it), else its dtype; read with safetensors, not the manifest."""
+    dtypes: dict[str, str] = {}
+    for f in sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())):
+        with safe_open(str(folder / f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open is not a dict
+                dtypes[k] = h.get_slice(k).get_dtype()
+    return {k[: -len(".weight")]: "nvfp4" if v == "U8" and {f"{k}_scale", f"{k}_scale_2"} <= dtypes.keys() else v
+            for k, v in dtypes.items() if k.endswith(".weight")}
+
+
 @pytest.mark.parametrize("which", ["k3", "kl", "ds"])
 def test_exclude_list_read_by_engine_rules_selects_exactly_kept(which, request):
+    """What each engine reads (the exclude list of config.json and hf_quant_config.json) selects exactly the
+    layers the files hold unquantized: the formats come from the files, the engines' layers from the
+    mapping table's fused groups, neither from the manifest's own kinds (which verify-manifest checks)."""
     out_dir = request.getfixturevalue({"k3": "packed_k3", "kl": "packed_kl", "ds": "packed_ds"}[which])
     man = manifest(out_dir)
     m = builtin_by_name(man["mapping"]["name"])
-    ignore = man["exclude_modules"]
+    ignore = json.loads((out_dir / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["ignore"] == ignore
     assert not any("*" in e or "?" in e for e in ignore)
+    formats = written_formats(out_dir)
     packed = {g.name: list(g.members) for g in m.groups}
+    linear = [mod["name"] for mod in man["modules"] if mod["kind"] in ("nvfp4", "keep")]  # the linear layers
     engine_modules: dict[str, bool] = {}
     experts: dict[str, list[bool]] = {}
-    for mod in man["modules"]:
-        if mod["kind"] in ("nvfp4", "keep"):
-            engine_modules[mod["name"]] = mod["kind"] == "keep"
-            if ".experts." in mod["name"]:
-                experts.setdefault(mod["name"].rsplit(".", 2)[0], []).append(mod["kind"] == "keep")
+    for name in linear:
+        kept = formats[name] != "nvfp4"
+        assert kept == (formats[name] in ("BF16", "F16", "F32")), (name, formats[name])  # NVFP4 or high precision
+        engine_modules[name] = kept
+        if ".experts." in name:
+            experts.setdefault(name.rsplit(".", 2)[0], []).append(kept)
     engine_modules.update({k: all(v) for k, v in experts.items()})
     assert any(engine_modules.values()) and not all(engine_modules.values())
     for prefix, kept in engine_modules.items():
@@ -227,12 +246,43 @@ def test_exclude_list_read_by_engine_rules_selects_exactly_kept(which, request):
         assert sglang_is_excluded(prefix, ignore, m.text_prefix) == kept, prefix
 
 
+def test_verify_catches_an_exclude_entry_the_engines_misread(packed_kl, tmp_path):
+    """A planted defect only the engine-rules check can see: the exclude list gains ``o_proj``, consistently in
+    the manifest, config.json and hf_quant_config.json (their hashes rewritten): vLLM's substring test and
+    SGLang's per-part match would then skip every o_proj, which the files hold in NVFP4."""
+    import hashlib
+    import shutil
+
+    from kimi_convert.verify import verify
+
+    out = Path(shutil.copytree(packed_kl, tmp_path / "out"))
+    assert verify(out).ok
+    man = manifest(out)
+    man["exclude_modules"].append("o_proj")
+    for f, key in (("config.json", ("quantization_config", "ignore")),
+                   ("hf_quant_config.json", ("quantization", "exclude_modules"))):
+        cfg = json.loads((out / f).read_text())
+        cfg[key[0]][key[1]].append("o_proj")
+        (out / f).write_text(json.dumps(cfg))
+        rec = next(r for r in man["files"] if r["file"] == f)
+        rec["size"], rec["sha256"] = (out / f).stat().st_size, hashlib.sha256((out / f).read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(man))
+    rep = verify(out)
+    failed = [name for name, ok, _ in rep.checks if not ok]
+    assert failed == ["exclude list / quantized_layers under vLLM's and SGLang's matching rules"], rep.problems
+    o_projs = [n for n, f in written_formats(out).items() if n.endswith(".o_proj") and f == "nvfp4"]
+    assert o_projs
+    for name in o_projs:
+        assert f"vllm would skip {name}, which is written nvfp4" in rep.problems
+        assert f"sglang would skip {name}, which is written nvfp4" in rep.problems
+
+
 def test_nvidia_style_excludes_in_output(tiny_k3, tmp_path):
     f = tmp_path / "nv.json"
     f.write_text(json.dumps({"quantization": {"exclude_modules": [
         f"language_model.model.layers.{i}.self_attn.{x}_conv1d" for i in (0, 1, 3) for x in "qkv"]}}))
     r = run("pack", tiny_k3, tmp_path / "o", "--exclude-from", f, "-q", "--recipe", "nvfp4-w4a16", "--layout", "sglang")
-    assert r.exit_code == 0, r.output
+    assert r.code == 0, r.stderr
     ex = json.loads((tmp_path / "o/hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     for x in ("qkv_conv1d", "q_conv1d", "k_conv1d", "v_conv1d"):
         assert f"language_model.model.layers.1.self_attn.{x}" in ex
@@ -246,7 +296,7 @@ def _tree(folder: Path) -> dict[str, tuple[bytes, int]]:
 def test_deterministic_and_input_untouched(tiny_kl, tmp_path):
     before = _tree(tiny_kl)
     for d in ("a", "b"):
-        assert run("pack", tiny_kl, tmp_path / d, "-q").exit_code == 0
+        assert run("pack", tiny_kl, tmp_path / d, "-q").code == 0
     a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
     assert sorted(a) == sorted(b) and "docs/deploy_guidance.md" in a
     for n in a:
@@ -268,31 +318,26 @@ def test_triton_path_gives_the_same_output(tiny_kl, packed_kl, tmp_path, monkeyp
 
 
 def test_output_folder_refusals(tiny_kl, tmp_path):
-    r = run("pack", tiny_kl, tiny_kl)
-    assert r.exit_code == 2 and "must not be the input folder" in r.output
-    r = run("pack", tiny_kl, tiny_kl / "sub")
-    assert r.exit_code == 2 and "inside it" in r.output
+    assert "must not be the input folder" in one_line_error(run("pack", tiny_kl, tiny_kl))
+    assert "inside it" in one_line_error(run("pack", tiny_kl, tiny_kl / "sub"))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("x")
-    r = run("pack", tiny_kl, tmp_path / "busy", "-q")
-    assert r.exit_code == 2 and "not empty" in r.output and "--overwrite" in r.output
+    err = one_line_error(run("pack", tiny_kl, tmp_path / "busy", "-q"))
+    assert "not empty" in err and "--overwrite" in err
     r = run("pack", tiny_kl, tmp_path / "busy", "-q", "--overwrite")
-    assert r.exit_code == 0 and (tmp_path / "busy" / "keep.txt").exists()
+    assert r.code == 0 and (tmp_path / "busy" / "keep.txt").exists()
     assert not os.path.exists(tiny_kl / "sub")
 
 
 def test_nan_in_weight_is_bad_input(tiny_kl, tmp_path):
     from safetensors.torch import load_file
 
-    from helpers import copy_ckpt, replace_tensor
     ck = copy_ckpt(tiny_kl, tmp_path / "c")
     name = "model.layers.1.self_attn.o_proj.weight"
     index = json.loads((ck / "model.safetensors.index.json").read_text())
     bad = load_file(str(ck / index["weight_map"][name]))[name].clone()
     bad[3, 5] = float("nan")
     replace_tensor(ck, name, bad)
-    r = run("pack", ck, tmp_path / "o", "-q")
-    assert r.exit_code == 2
-    assert f"tensor {name}: holds NaN or Inf" in r.output and "Traceback" not in r.output
+    assert f"tensor {name}: holds NaN or Inf" in one_line_error(run("pack", ck, tmp_path / "o", "-q"))
     assert not (tmp_path / "o" / "manifest.json").exists()
     assert not list((tmp_path / "o").glob("*.safetensors"))

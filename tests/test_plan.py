@@ -212,14 +212,14 @@ def test_mapping_tables_parse_and_have_the_six_groups():
 
 def test_plan_cli_prints_totals_and_shards(tiny_k3):
     r = run("plan", tiny_k3)
-    assert r.exit_code == 0, r.output
-    assert "recipe nvidia-k3" in r.output and "bytes in" in r.output and "model-00001-of-00003" in r.output
-    assert "in_proj_qkvgfab [vllm]" in r.output and "fused_qkvg_proj [sglang]" in r.output
+    assert r.code == 0, r.stderr
+    assert "recipe nvidia-k3" in r.stdout and "bytes in" in r.stdout and "model-00001-of-00003" in r.stdout
+    assert "in_proj_qkvgfab [vllm]" in r.stdout and "fused_qkvg_proj [sglang]" in r.stdout
     r = run("plan", tiny_k3, "--layout", "sglang", "--recipe", "nvfp4-w4a16")
-    assert "fused_qkvg_proj" in r.output and "model-00001-of-00001" in r.output
+    assert "fused_qkvg_proj" in r.stdout and "model-00001-of-00001" in r.stdout
     r = run("plan", tiny_k3, "--json")
     import json
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["totals"]["nvfp4"] > 0 and d["exclude_modules"]
 
 

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 
+import fault_inject
 from helpers import child
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 
 ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import fault_inject  # noqa: E402
 
 try:
     import ray.cluster_utils

@@ -8,20 +8,16 @@ hermetic: no HF_* variable of the caller's, and HF_HOME in the test's own folder
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub
 
-from helpers import run
-
-TOKEN = "hf_kimiConvertTestSecret0123456789"
+from fakehub import TOKEN, FakeHub, assert_arrived
+from fakehub import hub_cli as cli
+from helpers import one_line_error, run
 
 
 @pytest.fixture
@@ -33,29 +29,6 @@ def hub():
 @pytest.fixture
 def out(packed_k3, tmp_path) -> Path:
     return Path(shutil.copytree(packed_k3, tmp_path / "out"))
-
-
-def cli(hub: FakeHub | None, *args, tmp: Path, token: str | None = TOKEN, env_token: str | None = None,
-        endpoint: str | None = None, **env_extra: str):
-    """Run kimi-convert in a clean environment: HF_HOME (the stored login) is ``tmp/hf-home``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
-    env.update(HF_ENDPOINT=endpoint or hub.url, HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HOME=str(tmp / "hf-home"), KIMI_CONVERT_RETRY_BASE="0.01", TQDM_DISABLE="1")
-    env.update(env_extra)
-    if env_token:
-        env["HF_TOKEN"] = env_token
-    extra = ["--token", token] if token else []
-    r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", *map(str, args), *extra], capture_output=True,
-                       text=True, env=env, timeout=300)
-    assert TOKEN not in r.stdout and TOKEN not in r.stderr, "the token leaked into the output"
-    return r
-
-
-def one_line_error(r) -> str:
-    """The failure is exactly one line, ``kimi-convert: error: ...``, exit 2, no traceback; returns it."""
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("kimi-convert: error: "), r.stderr
-    return lines[0]
 
 
 def requests_to(hub: FakeHub, path_part: str) -> int:
@@ -73,19 +46,9 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_arrived(hub: FakeHub, repo_id: str, out: Path, files: dict | None = None) -> None:
-    repo_files = files if files is not None else hub.repos[repo_id].files
-    local = {str(p.relative_to(out)): p for p in out.rglob("*") if p.is_file()}
-    assert set(repo_files) == set(local), set(repo_files) ^ set(local)
-    for name, p in local.items():
-        f = repo_files[name]
-        data = hub.lfs[f["lfs"]] if f["lfs"] else f["content"]
-        assert data == p.read_bytes(), name
-
-
 def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     r = cli(hub, "upload", out, "user/k3-nvfp4", "--private", tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert hub.log[0][1] == "/api/whoami-v2"  # the probe, before anything else
     man = json.loads((out / "manifest.json").read_text())
     n = len(man["outputs"]) + len(man["files"]) + 1  # shards, configs/index/side files, the manifest
@@ -104,13 +67,13 @@ def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     assert all(h in ("", f"Bearer {TOKEN}") for h in hub.headers_seen)
     # and verify-manifest --remote agrees, without downloading any weights
     r = cli(hub, "verify-manifest", out, "--remote", "user/k3-nvfp4", "--json", tmp=tmp_path)
-    assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout + r.stderr
+    assert r.code == 0 and json.loads(r.stdout)["ok"], r.stdout + r.stderr
     assert not [m for m, p, _ in hub.log if m == "GET" and "/resolve/" in p]
 
 
 def test_token_from_environment(hub, out, tmp_path):
     r = cli(hub, "upload", out, "user/env-token", token=None, env_token=TOKEN, tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert_arrived(hub, "user/env-token", out)
 
 
@@ -118,7 +81,7 @@ def test_token_from_the_stored_login(hub, out, tmp_path):
     (tmp_path / "hf-home").mkdir()
     (tmp_path / "hf-home" / "token").write_text(TOKEN)  # where `hf auth login` stores it, under HF_HOME
     r = cli(hub, "upload", out, "user/login-token", token=None, tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert_arrived(hub, "user/login-token", out)
 
 
@@ -133,14 +96,16 @@ def test_no_token_fails_before_verifying(hub, out, tmp_path):
 @pytest.mark.parametrize("repo_id", ["no-owner", "a/b/c", "user/bad name", "user/x..y", "user/-x"])
 def test_bad_repo_id_fails_before_verifying(hub, out, tmp_path, repo_id):
     break_verification(out)
-    line = one_line_error(cli(hub, "upload", out, repo_id, tmp=tmp_path))
+    # in-process: the id's form is checked before the library's environment (the token, the Hub) is read
+    line = one_line_error(run("upload", out, repo_id, "--token", TOKEN))
+    assert TOKEN not in line
     assert f"{repo_id!r} is not a Hub repo id" in line and "owner/name" in line, line
     assert "refusing" not in line and "resume" not in line
     assert hub.log == []
 
 
 def test_bad_repo_id_for_remote_check(hub, out, tmp_path):
-    line = one_line_error(cli(hub, "verify-manifest", out, "--remote", "user/a/b", tmp=tmp_path))
+    line = one_line_error(run("verify-manifest", out, "--remote", "user/a/b", "--token", TOKEN))
     assert "'user/a/b' is not a Hub repo id" in line and hub.log == []
 
 
@@ -204,7 +169,7 @@ def test_missing_repo_for_remote_check_fails_before_hashing(hub, out, tmp_path, 
     verified = []
     monkeypatch.setattr("kimi_convert.verify.verify", lambda *a, **k: verified.append(a))
     r = run("verify-manifest", out, "--remote", "user/nope", "--token", TOKEN)
-    assert r.exit_code == 2 and "repository not found (404)" in r.output and verified == []
+    assert "repository not found (404)" in one_line_error(r) and verified == []
 
 
 def test_rate_limits_and_server_errors_are_retried(hub, out, tmp_path):
@@ -212,7 +177,7 @@ def test_rate_limits_and_server_errors_are_retried(hub, out, tmp_path):
     hub.fail("POST", r"/commit/", 503, times=2)
     hub.fail("POST", r"/repos/create", 500, times=1)
     r = cli(hub, "upload", out, "user/flaky", tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert_arrived(hub, "user/flaky", out)
     assert sum(1 for m, p, s in hub.log if s in (429, 500, 503)) == 5
 
@@ -225,21 +190,21 @@ def test_server_errors_are_retried_within_a_budget(hub, out, tmp_path):
     slow = {"KIMI_CONVERT_RETRY_BASE": "0.4", "KIMI_CONVERT_RETRY_BUDGET": "1"}
     hub.fail("POST", r"/repos/create", 503, times=100)
     r = cli(hub, "upload", out, "user/down", tmp=tmp_path, **slow)
-    assert r.returncode == 2 and requests_to(hub, "/repos/create") == 2
+    assert r.code == 2 and requests_to(hub, "/repos/create") == 2
     line = r.stderr.strip().splitlines()[-1]
     assert "user/down: creating the repository: the Hub answered 503" in line and "(after 2 attempts)" in line
     assert line.endswith("; try again later") and "resume" not in r.stderr
     hub.faults.clear()
     hub.fail("POST", r"/commit/", 503, times=2)
     r = cli(hub, "upload", out, "user/blips", tmp=tmp_path, **slow)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert requests_to(hub, "/commit/") == 3 and "retry 2/3 in 0.8 s" in r.stderr
 
 
 def test_retry_after_is_honoured(hub, out, tmp_path):
     hub.fail("POST", r"/repos/create", 429, times=1, headers={"Retry-After": "1"})
     r = cli(hub, "upload", out, "user/patient", tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     first, second = [t for t, (_, p, _) in zip(hub.times, hub.log, strict=True) if "/repos/create" in p]
     assert second - first >= 1.0  # the retry base is 0.01 s: only the server's Retry-After explains the wait
 
@@ -255,7 +220,7 @@ def test_dropped_connection_mid_upload(hub, out, tmp_path):
     hub.fail("PUT", r"/lfs-upload/", 0, times=1)  # retried by the library's own backoff
     hub.fail("POST", r"/commit/", 0, times=1)  # the library sends the commit once: retried here
     r = cli(hub, "upload", out, "user/dropped", tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert "connection dropped" in r.stderr and "retry 1/" in r.stderr
     assert_arrived(hub, "user/dropped", out)
     assert requests_to(hub, "/commit/") == 2
@@ -264,7 +229,7 @@ def test_dropped_connection_mid_upload(hub, out, tmp_path):
 def test_interrupted_upload_resumes_by_rerunning(hub, out, tmp_path):
     hub.fail("POST", r"/commit/", 500, times=100)  # the commit never goes through this time
     r = cli(hub, "upload", out, "user/resume", tmp=tmp_path)
-    assert r.returncode == 2 and "re-run the same command to resume" in r.stderr, r.stderr
+    assert r.code == 2 and "re-run the same command to resume" in r.stderr, r.stderr
     assert "uploading: the Hub answered 500" in r.stderr and "(after 4 attempts)" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("kimi-convert: error: user/resume: ")
     assert hub.repos["user/resume"].files == {}
@@ -272,17 +237,17 @@ def test_interrupted_upload_resumes_by_rerunning(hub, out, tmp_path):
     assert puts_first == len([p for p in out.iterdir() if p.suffix == ".safetensors"]) + 1  # + manifest.json
     hub.faults.clear()
     r = cli(hub, "upload", out, "user/resume", tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert_arrived(hub, "user/resume", out)
     # nothing uploaded twice: the second run only committed what the first had sent
     assert sum(1 for m, p, s in hub.log if m == "PUT" and s == 200) == puts_first
 
 
 def test_create_pr(hub, out, tmp_path):
-    assert cli(hub, "upload", out, "user/pr", tmp=tmp_path).returncode == 0
+    assert cli(hub, "upload", out, "user/pr", tmp=tmp_path).code == 0
     (out / "README.md").write_text("---\nlicense: other\n---\nA hand-written card.\n")
     r = cli(hub, "upload", out, "user/pr", "--create-pr", tmp=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert "/discussions/1" in r.stdout
     repo = hub.repos["user/pr"]
     assert repo.files["README.md"]["content"] != (out / "README.md").read_bytes()  # main untouched
@@ -290,14 +255,14 @@ def test_create_pr(hub, out, tmp_path):
 
 
 def test_remote_tampering_is_reported(hub, out, tmp_path):
-    assert cli(hub, "upload", out, "user/tamper", tmp=tmp_path).returncode == 0
+    assert cli(hub, "upload", out, "user/tamper", tmp=tmp_path).code == 0
     repo = hub.repos["user/tamper"]
     shard = next(p for p in repo.files if p.endswith(".safetensors"))
     repo.files[shard] = {**repo.files[shard], "lfs": "0" * 64}
     del repo.files["config.json"]
     r = cli(hub, "verify-manifest", out, "--remote", "user/tamper", "--json", tmp=tmp_path)
     rep = json.loads(r.stdout)
-    assert r.returncode == 1 and not rep["ok"]
+    assert r.code == 1 and not rep["ok"]
     text = "\n".join(rep["problems"])
     assert f"{shard}: the Hub's sha256" in text and "config.json is missing" in text
 

@@ -5,23 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import edit_json
+from helpers import edit_json, one_line_error, run
 from kimi_convert.source import parse_header
 
 
 def verify(*args) -> tuple[int, dict | str]:
-    r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", "verify-manifest", *map(str, args), "--json"],
-                       capture_output=True, text=True, timeout=300)
-    try:
-        return r.returncode, json.loads(r.stdout)
-    except json.JSONDecodeError:
-        return r.returncode, r.stderr
+    """``verify-manifest ARGS --json``: the exit code and the report, or the one-line error."""
+    r = run("verify-manifest", *args, "--json")
+    if r.code == 2:
+        return r.code, one_line_error(r)
+    return r.code, json.loads(r.stdout)
 
 
 @pytest.fixture
