@@ -45,6 +45,8 @@ class Cli(click.Group):
             return super().invoke(ctx)
         except ConvertError as e:
             _fail(str(e))
+        except click.UsageError as e:  # click's own (a missing argument, an unknown option) and ours: one line too
+            _fail(e.format_message())
         except click.BadParameter as e:  # a bad option value (a size, a choice, a number): one line too
             hint = e.param_hint or (e.param.opts if e.param else None)
             hint = hint if isinstance(hint, str) or hint is None else "/".join(hint)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import fault_inject
-from helpers import child
+from helpers import Result, child, one_line_error, run_process
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 
@@ -39,17 +39,8 @@ needs_ray = pytest.mark.skipif(bool(NO_RAY), reason=NO_RAY or "-")
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "300KB", "--device", "cpu", "-q"]
 
 
-def cli(*args, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kimi_convert.cli", *map(str, args)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
-
-
-def one_line_error(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    err = r.stderr.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith("kimi-convert: error: ")
-    return err
+def cli(*args, cwd: Path, env: dict | None = None, timeout: float = 300) -> Result:
+    return run_process(*args, env=env, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +93,7 @@ def relative(path: Path, cwd: Path) -> str:
 def test_ray_pack_equals_plain_pack(tiny_k3, ref, cluster, tmp_path):
     t = time.monotonic()
     r = cli("pack", relative(tiny_k3, tmp_path), "out", *PACK_ARGS, "--ray", cluster.address, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert "34 shards" in r.stdout
     assert fault_inject.same_tree(ref, tmp_path / "out") == []  # every file, the manifest too; no journal left
     print(f"pack --ray: {time.monotonic() - t:.1f} s")
@@ -134,7 +125,7 @@ def test_ray_missing_is_one_line(tiny_k3, tmp_path):
     assert "pip install 'kimi-convert[ray]'" in one_line_error(r)
     assert not (tmp_path / "out").exists()  # refused before any work
     r = cli("pack", tiny_k3, tmp_path / "out", "--ray", "--workers", "2", cwd=tmp_path)
-    assert r.returncode == 2 and "--workers does not apply with --ray" in r.stderr
+    assert "--workers does not apply with --ray" in one_line_error(r)
 
 
 @needs_ray
@@ -172,7 +163,7 @@ def test_driver_killed_then_resumed(tiny_k3, ref, cluster, tmp_path):
     journal = Journal.load(tmp_path / "out")
     assert journal is not None and journal.shards
     r = cli(*args[3:], "--resume", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert f"({len(journal.shards)} finished shard(s) verified and kept)" in r.stdout
     assert fault_inject.same_tree(ref, tmp_path / "out") == []
 
