@@ -45,12 +45,12 @@ class Cli(click.Group):
             return super().invoke(ctx)
         except ConvertError as e:
             _fail(str(e))
-        except click.UsageError as e:  # click's own (a missing argument, an unknown option) and ours: one line too
-            _fail(e.format_message())
         except click.BadParameter as e:  # a bad option value (a size, a choice, a number): one line too
             hint = e.param_hint or (e.param.opts if e.param else None)
             hint = hint if isinstance(hint, str) or hint is None else "/".join(hint)
             _fail(f"{hint}: {e.message}" if hint else e.message)
+        except click.UsageError as e:  # click's own (a missing argument, an unknown option) and ours: one line too
+            _fail(e.format_message())
         except KeyboardInterrupt:
             click.echo(f"kimi-convert: interrupted{_interrupt_hint()}", err=True)
             sys.exit(130)

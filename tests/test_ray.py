@@ -120,8 +120,9 @@ def test_worker_killed_mid_way_is_retried(tiny_k3, ref, cluster, tmp_path, point
 def test_ray_missing_is_one_line(tiny_k3, tmp_path):
     blocked = ("import sys; sys.modules['ray'] = None; from kimi_convert.cli import main; "
                "sys.argv[0] = 'kimi-convert'; main()")
-    r = subprocess.run([sys.executable, "-c", blocked, "pack", str(tiny_k3), str(tmp_path / "out"), "--ray"],
+    p = subprocess.run([sys.executable, "-c", blocked, "pack", str(tiny_k3), str(tmp_path / "out"), "--ray"],
                        capture_output=True, text=True, timeout=120)
+    r = Result(p.returncode, p.stdout, p.stderr)
     assert "pip install 'kimi-convert[ray]'" in one_line_error(r)
     assert not (tmp_path / "out").exists()  # refused before any work
     r = cli("pack", tiny_k3, tmp_path / "out", "--ray", "--workers", "2", cwd=tmp_path)
