@@ -16,6 +16,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from enum import StrEnum
 from fnmatch import fnmatchcase
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import NamedTuple
@@ -30,17 +31,44 @@ from .source import DTYPES, Checkpoint, TensorInfo, gc_paused
 
 GROUP_SIZE = 16
 MXFP4_GROUP = 32
-NVFP4, FP8, KEEP, COPY = Format.NVFP4.value, Format.FP8_BLOCK.value, Format.KEEP.value, "copy"
+
+
+class Kind(StrEnum):
+    """What an item becomes: a recipe format (``recipe.Format``, same values) or a copied tensor."""
+
+    NVFP4 = Format.NVFP4.value
+    FP8_BLOCK = Format.FP8_BLOCK.value
+    KEEP = Format.KEEP.value  # a linear layer kept in high precision
+    COPY = "copy"  # not a linear layer: copied as stored
+
+
+class Op(StrEnum):
+    """How an item's sources make its tensor."""
+
+    NONE = "none"  # one source
+    CAT = "cat"  # concatenated on dim 0
+    STACK = "stack"  # stacked on a new dim 0
+
+
+class Encoding(StrEnum):
+    """How a logical source tensor is stored."""
+
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+    FP8_BLOCK = "fp8_block"
+
+
+NVFP4, FP8, KEEP, COPY = Kind.NVFP4, Kind.FP8_BLOCK, Kind.KEEP, Kind.COPY
 QUANTIZED = (NVFP4, FP8)
 KEPT_FOR_ENGINE = "kept for the engines: "
 
 
-class Source(NamedTuple):  # a tuple: one per stored module (250,000 in the released K3)
+class SourceTensor(NamedTuple):  # a tuple: one per stored module (250,000 in the released K3)
     """One logical source tensor: stored dense, or as MXFP4 / FP8 parts that decode to it."""
 
     module: str
     name: str  # logical name, e.g. "...experts.0.w1.weight"
-    encoding: str  # "dense", "mxfp4" or "fp8_block"
+    encoding: Encoding
     dtype: str  # stored dtype of the values ("MXFP4" for mxfp4)
     shape: tuple[int, ...]  # logical shape
     parts: tuple[TensorInfo, ...]  # stored tensors this source consumes (values first)
@@ -69,10 +97,10 @@ class Item:
     """One output module (or loose tensor) and the sources it is built from."""
 
     name: str  # output module name (or tensor name for a copy)
-    kind: str  # "nvfp4", "fp8-block", "keep" (a linear layer kept in high precision) or "copy"
-    op: str  # "none", "cat" (dim 0) or "stack"
+    kind: Kind
+    op: Op
     group: str | None  # the mapping group that fused it on disk
-    sources: tuple[Source, ...]
+    sources: tuple[SourceTensor, ...]
     outputs: tuple[OutTensor, ...]
     rule: str  # why quantized or kept
     input_scale: float | None = None  # nvfp4: the constant activation scale written with it
@@ -81,7 +109,7 @@ class Item:
         """Rows (dim 0) of the fused tensor each source occupies, in order."""
         out, pos = [], 0
         for s in self.sources:
-            n = 1 if self.op == "stack" else (s.shape[0] if s.shape else 1)
+            n = 1 if self.op == Op.STACK else (s.shape[0] if s.shape else 1)
             out.append((pos, pos + n))
             pos += n
         return out
@@ -169,7 +197,7 @@ def _module_of(name: str) -> tuple[str, str]:
     return mod, suffix
 
 
-#: Source formats a checkpoint's ``quantization_config`` may declare: the formats this tool reads
+#: SourceTensor formats a checkpoint's ``quantization_config`` may declare: the formats this tool reads
 #: (K3's MXFP4 experts in compressed-tensors, DeepSeek's 128x128 block FP8). Anything else is an
 #: already-converted checkpoint, which converting again would only degrade.
 SOURCE_FORMATS = {"compressed-tensors": {"mxfp4-pack-quantized"}, "fp8": {"e4m3"}}
@@ -236,11 +264,11 @@ class _Modules(defaultdict):
     children: tuple[dict[str, dict[str, str]], list[str]] | None = None
 
 
-def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
-    """module -> {suffix: Source}; MXFP4 and FP8 block-scaled weights become one logical weight."""
+def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, SourceTensor]]:
+    """module -> {suffix: SourceTensor}; MXFP4 and FP8 block-scaled weights become one logical weight."""
     t = ckpt.tensors
     consumed: set[str] = set()
-    out: dict[str, dict[str, Source]] = _Modules(dict)
+    out: dict[str, dict[str, SourceTensor]] = _Modules(dict)
     block = fp8_block_size(ckpt.config)
     for name in t:
         mod, _, suffix = name.rpartition(".")
@@ -259,11 +287,11 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, Source]]:
         mod, _, suffix = name.rpartition(".")
         if suffix in ("weight_scale", "weight_scale_inv") and f"{mod}.weight" not in t:
             raise ConvertError(f"{info.file}: tensor {name}: scale without its weight {mod}.weight(_packed)")
-        out[mod][suffix] = Source(mod, name, "dense", info.dtype, info.shape, (info,))
+        out[mod][suffix] = SourceTensor(mod, name, Encoding.DENSE, info.dtype, info.shape, (info,))
     return out
 
 
-def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> Source:
+def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> SourceTensor:
     packed = t[f"{mod}.weight_packed"]
     scale = t.get(f"{mod}.weight_scale")
     if scale is None:
@@ -278,7 +306,7 @@ def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> Source:
             f"{scale.file}: tensor {scale.name}: MXFP4 scale must be U8 {want} for a [{n}, {k}] weight "
             f"(K a multiple of {MXFP4_GROUP}), is {scale.dtype}{list(scale.shape)}"
         )
-    return Source(mod, f"{mod}.weight", "mxfp4", "MXFP4", (n, k), (packed, scale))
+    return SourceTensor(mod, f"{mod}.weight", Encoding.MXFP4, "MXFP4", (n, k), (packed, scale))
 
 
 def fp8_block_size(config: dict) -> tuple[int, int]:
@@ -289,7 +317,7 @@ def fp8_block_size(config: dict) -> tuple[int, int]:
     return b[0], b[1]
 
 
-def _fp8_source(mod: str, t: dict[str, TensorInfo], block: tuple[int, int]) -> Source:
+def _fp8_source(mod: str, t: dict[str, TensorInfo], block: tuple[int, int]) -> SourceTensor:
     w, s = t[f"{mod}.weight"], t[f"{mod}.weight_scale_inv"]
     if len(w.shape) != 2:
         raise ConvertError(f"{w.file}: tensor {w.name}: FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
@@ -299,7 +327,7 @@ def _fp8_source(mod: str, t: dict[str, TensorInfo], block: tuple[int, int]) -> S
             f"{s.file}: tensor {s.name}: FP8 scale must be F32 {want} for {list(w.shape)} with blocks "
             f"{list(block)}, is {s.dtype}{list(s.shape)}"
         )
-    return Source(mod, w.name, "fp8_block", "F8_E4M3", w.shape, (w, s))
+    return SourceTensor(mod, w.name, Encoding.FP8_BLOCK, "F8_E4M3", w.shape, (w, s))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +381,7 @@ def _when(g: Group, m: Mapping, config: dict) -> bool | None:
     return None if any(have is None for have, _ in values) else True
 
 
-def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: dict, groups: list[Group],
+def resolve_fusions(modules: dict[str, dict[str, SourceTensor]], m: Mapping, config: dict, groups: list[Group],
                     engine: str = "", notes: list[str] | None = None) -> list[Fused]:
     """Per parent module, the largest complete applicable group first; a partial group fails.
 
@@ -407,7 +435,7 @@ def resolve_fusions(modules: dict[str, dict[str, Source]], m: Mapping, config: d
     return chosen
 
 
-def _children(modules: dict[str, dict[str, Source]]) -> tuple[dict[str, dict[str, str]], list[str]]:
+def _children(modules: dict[str, dict[str, SourceTensor]]) -> tuple[dict[str, dict[str, str]], list[str]]:
     """parent -> {leaf: module} of the modules with a weight, and the parents sorted."""
     if isinstance(modules, _Modules) and modules.children is not None:
         return modules.children
@@ -485,25 +513,25 @@ def _engine_groups(m: Mapping) -> dict[str, list[Group]]:
     return {e: [g for g in m.groups if e in g.engines and not g.unquantized_only] for e in ENGINES}
 
 
-def _fuse_shape(f: Fused, srcs: list[Source], suffix: str) -> tuple[int, ...]:
+def _fuse_shape(f: Fused, srcs: list[SourceTensor], suffix: str) -> tuple[int, ...]:
     first = srcs[0]
     for s in srcs[1:]:
         if (s.encoding, s.dtype) != (first.encoding, first.dtype):
             raise ConvertError(
                 f"module {f.name}: cannot fuse {s.name} ({s.dtype}) with {first.name} ({first.dtype}): dtypes differ"
             )
-        if f.group.op == "stack" and s.shape != first.shape:
+        if f.group.op == Op.STACK and s.shape != first.shape:
             raise ConvertError(
                 f"module {f.name}: cannot stack {s.name} {list(s.shape)} with {first.name} {list(first.shape)}"
             )
-        if f.group.op == "cat" and (len(s.shape) != len(first.shape) or s.shape[1:] != first.shape[1:]):
+        if f.group.op == Op.CAT and (len(s.shape) != len(first.shape) or s.shape[1:] != first.shape[1:]):
             raise ConvertError(
                 f"module {f.name}: cannot concatenate {s.name} {list(s.shape)} with {first.name} "
                 f"{list(first.shape)} along dim 0"
             )
     if not first.shape:
         raise ConvertError(f"module {f.name}: cannot fuse scalar {suffix} tensors")
-    if f.group.op == "stack":
+    if f.group.op == Op.STACK:
         return (len(srcs), *first.shape)
     return (sum(s.shape[0] for s in srcs), *first.shape[1:])
 
@@ -514,7 +542,7 @@ def _fuse_shape(f: Fused, srcs: list[Source], suffix: str) -> tuple[int, ...]:
 
 @dataclass
 class _Decision:
-    kind: str
+    kind: Kind
     rule: str
     input_scale: float | None = None
 
@@ -529,7 +557,7 @@ class _Context:
     patterns: list[rules.Pattern]
     used: dict[rules.Pattern, int]
     expert_rx: list[re.Pattern[str]]
-    modules: dict[str, dict[str, Source]] = field(default_factory=dict)
+    modules: dict[str, dict[str, SourceTensor]] = field(default_factory=dict)
     memo: dict[tuple, tuple] = field(default_factory=dict)  # per expert template: is_linear, decisions
     template_rx: list[re.Pattern[str]] | None = None  # made on first use; [] when rules tell experts apart
 
@@ -672,14 +700,14 @@ def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -
     if r is not None and rule.format.value not in r.formats:
         return _Decision(KEEP, f"{KEPT_FOR_ENGINE}mapping {m.name}: {rule.format.value} asked by recipe "
                                f"{ctx.recipe.name}, but {r.reason}")
-    return _Decision(rule.format.value, f"recipe {ctx.recipe.name}: {why}", scale)
+    return _Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {why}", scale)
 
 
 # ---------------------------------------------------------------------------------------------
 # Items, units, shards
 
 
-def _outputs(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
              ) -> tuple[OutTensor, ...]:
     """The output tensors of a linear module (their shapes made once per kind and shape: a million
     output tensors share a few dozen shape tuples in the released K3)."""
@@ -688,12 +716,12 @@ def _outputs(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input
 
 
 @functools.lru_cache(maxsize=4096)
-def _output_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+def _output_specs(kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: bool
                   ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
     return tuple((t.name, t.dtype, t.shape) for t in _output_tensors("", kind, shape, src_dtype, input_scale or None))
 
 
-def _output_tensors(name: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+def _output_tensors(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
                     ) -> tuple[OutTensor, ...]:
     if kind == NVFP4:
         lead = shape[:-1]
@@ -710,7 +738,7 @@ def _output_tensors(name: str, kind: str, shape: tuple[int, ...], src_dtype: str
     return (OutTensor(f"{name}.weight", src_dtype, shape),)
 
 
-def _weight_item(name: str, srcs: list[Source], op: str, group: Group | None, shape: tuple[int, ...],
+def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape: tuple[int, ...],
                  dec: _Decision) -> Item:
     where = f"module {name}: weight {list(shape)}"
     if dec.kind == NVFP4:
@@ -722,7 +750,7 @@ def _weight_item(name: str, srcs: list[Source], op: str, group: Group | None, sh
                 f"exclude it (--exclude '{name}')"
             )
     elif dec.kind == FP8:
-        if len(shape) != 2 or op == "stack":
+        if len(shape) != 2 or op == Op.STACK:
             raise ConvertError(f"{where} selected for block FP8 is not 2-D; exclude it (--exclude '{name}')")
         if shape[1] % FP8_BLOCK:
             raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
@@ -730,21 +758,21 @@ def _weight_item(name: str, srcs: list[Source], op: str, group: Group | None, sh
         if any(s.shape[0] % FP8_BLOCK for s in srcs[:-1]):
             raise ConvertError(f"{where}: block FP8 fused on disk needs every member but the last to have a multiple "
                                f"of {FP8_BLOCK} rows (tiles must not straddle members); use --layout source")
-    dtype = "BF16" if srcs[0].encoding != "dense" else srcs[0].dtype
+    dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale)
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
                 dec.input_scale if dec.kind == NVFP4 else None)
 
 
-def _copy_item(out_name: str, srcs: list[Source], op: str, group: Group | None, shape, rule: str) -> Item:
+def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:
     dtype = srcs[0].dtype
-    if srcs[0].encoding != "dense":
+    if srcs[0].encoding != Encoding.DENSE:
         raise ConvertError(f"tensor {srcs[0].name}: {srcs[0].encoding} tensor of a module that is not a linear layer")
     return Item(out_name, COPY, op, group.name if group else None, tuple(srcs),
                 (OutTensor(out_name, dtype, shape),), rule)
 
 
-def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: list[Fused], ctx: _Context
+def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], disk: list[Fused], ctx: _Context
                 ) -> list[Item]:
     in_group = {mod: f for f in disk for mod in f.members}
     items: list[Item] = []
@@ -760,9 +788,9 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: l
             shape = _fuse_shape(f, srcs, suffix)
             if suffix == "weight":
                 dec = _decide(f.name, list(f.members), f.group, ctx)
-                items.append(_weight_item(f.name, srcs, f.group.op, f.group, shape, dec))
+                items.append(_weight_item(f.name, srcs, Op(f.group.op), f.group, shape, dec))
             else:
-                items.append(_copy_item(f"{f.name}.{suffix}", srcs, f.group.op, f.group, shape,
+                items.append(_copy_item(f"{f.name}.{suffix}", srcs, Op(f.group.op), f.group, shape,
                                         f"fused {suffix} of {f.group.name}"))
     for mod in sorted(modules):
         if mod in in_group:
@@ -772,16 +800,16 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, Source]], disk: l
         for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
             if suffix == "weight" and _is_linear(mod, src.shape, ctx, key):
                 dec = _decide_apart(mod, ctx, key)
-                items.append(_weight_item(mod, [src], "none", None, src.shape, dec))
+                items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec))
             else:
-                items.append(_copy_item(src.name, [src], "none", None, src.shape, "not a linear weight: copied"))
+                items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
     return items
 
 
 def _rekeep(it: Item, why: str) -> Item:
     """The item kept in high precision instead. Only modules stored apart are re-decided (members of an
     engine packed module, a MoE layer's experts); a module fused on disk is decided as a whole."""
-    return _weight_item(it.name, list(it.sources), "none", None, it.sources[0].shape, _Decision(KEEP, why))
+    return _weight_item(it.name, list(it.sources), Op.NONE, None, it.sources[0].shape, _Decision(KEEP, why))
 
 
 def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
@@ -1055,7 +1083,7 @@ def collect_patterns(m: Mapping, opts: Options) -> list[rules.Pattern]:
     return patterns
 
 
-def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, Source]]) -> tuple[EngineGroup, ...]:
+def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, SourceTensor]]) -> tuple[EngineGroup, ...]:
     """One record per packed module name, the engines that build it merged."""
     merged: dict[tuple[str, tuple[str, ...]], list[str]] = defaultdict(list)
     for f in fusions:
@@ -1123,7 +1151,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     )
 
 
-def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: dict[str, dict[str, Source]],
+def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: dict[str, dict[str, SourceTensor]],
                     m: Mapping) -> tuple[list[str], list[rules.Pattern]]:
     """Warnings for patterns that decided nothing, and the patterns that were not needed.
 

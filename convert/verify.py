@@ -25,7 +25,7 @@ from .hashing import hash_file
 from .manifest import FORMAT, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
 from .options import Options
-from .plan import QUANTIZED, make_plan
+from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
 from .sidefiles import scan
@@ -246,12 +246,12 @@ def _check_configs(output: Path, man: dict, rep: Report) -> None:
 def _check_row_ranges(man: dict, rep: Report) -> None:
     problems: list[str] = []
     for m in man["modules"]:
-        if m["op"] == "none":
+        if m["op"] == Op.NONE:
             continue
         pos = 0
         for s in m["sources"]:
             a, b = s["rows"]
-            n = 1 if m["op"] == "stack" else s["shape"][0]
+            n = 1 if m["op"] == Op.STACK else s["shape"][0]
             if a != pos or b - a != n:
                 problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
                                 f"with its {n} rows")
@@ -267,7 +267,7 @@ def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dic
     the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
     packed module (by its own engines only); and per engine its packed modules {leaf name: member leaves}."""
     both = ("vllm", "sglang")
-    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != "copy"}
+    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != Kind.COPY}
     experts: dict[str, set[str]] = {}
     for name, kind in kinds.items():
         if ".experts." in name:
@@ -300,13 +300,13 @@ def _check_engine_rules(man: dict, rep: Report) -> None:
             except engines.MixedShards as e:
                 problems.append(f"vLLM: {e}")
                 continue
-            want = {"keep": None, "fp8-block": "FP8_PB_WO"}.get(kind, "NVFP4")
-            if kind == "nvfp4" and got == "W4A16_NVFP4":
+            want = {Kind.KEEP: None, Kind.FP8_BLOCK: "FP8_PB_WO"}.get(kind, "NVFP4")
+            if kind == Kind.NVFP4 and got == "W4A16_NVFP4":
                 want = got
-            if got != want and not (kind == "keep" and engines.vllm_is_skipped(name, ignore, {})):
+            if got != want and not (kind == Kind.KEEP and engines.vllm_is_skipped(name, ignore, {})):
                 problems.append(f"quantized_layers resolve {name} to {got}, but it is written {kind}")
             continue
-        kept = kind == "keep"
+        kept = kind == Kind.KEEP
         for engine in built_by:
             try:  # both engines first ask is_layer_skipped (a packed layer through its shards)
                 got = engines.vllm_is_skipped(name, ignore, packed[engine])
@@ -408,7 +408,8 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     passthrough, quantized, problems = 0, 0, []
     try:
         for u in chosen:
-            if all(it.kind not in QUANTIZED and all(s.encoding == "dense" for s in it.sources) for it in u.items):
+            if all(it.kind not in QUANTIZED and all(s.encoding == Encoding.DENSE for s in it.sources)
+                   for it in u.items):
                 for it in u.items:  # pass-through: the output's bytes are the sources' bytes
                     h = hashlib.sha256()
                     for s in it.sources:

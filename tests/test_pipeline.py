@@ -123,8 +123,8 @@ def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
     ckpt, p = load_plan(tiny_k3, Options())
     order = {f: i for i, f in enumerate(ckpt.files)}
     ps = pipeline.pieces(list(p.units), order, slice_bytes=1000)
-    assert all(pc.nbytes <= 1000 for pc in ps if pc.copy_at is not None)
-    assert any(pc.copy_at is not None and not pc.last for pc in ps)  # some tensor did need slices
+    assert all(pc.nbytes <= 1000 for pc in ps if pc.kind is pipeline.PieceKind.COPY)
+    assert any(pc.kind is pipeline.PieceKind.COPY and not pc.last for pc in ps)  # some tensor did need slices
     seen: dict[str, list[tuple[int, int]]] = {}
     for pc in ps:
         for r in pc.reads:
@@ -135,7 +135,7 @@ def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
             assert spans[0][0] == 0 and spans[-1][1] == t.nbytes
             assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert sum(pc.last for pc in ps) == len(p.units)
-    copies = [pc for pc in ps if pc.copy_at is not None]
+    copies = [pc for pc in ps if pc.kind is pipeline.PieceKind.COPY]
     for a, b in itertools.pairwise(copies):  # a sliced tensor's output offsets run on
         if a.unit is b.unit:
             assert b.copy_at == a.copy_at + a.nbytes
