@@ -17,7 +17,7 @@ from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_
 
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
-from .source import TensorSource
+from .readers import TensorSource
 
 Chunk = memoryview | np.ndarray
 

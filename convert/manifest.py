@@ -15,11 +15,11 @@ from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import gc_paused
 from .configs import layer_algo, quantized_layers
 from .errors import ConvertError
 from .plan import COPY, FP8, GROUP_SIZE, KEEP, NVFP4, Item, Plan
 from .recipe import FP8_BLOCK
-from .source import gc_paused
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.

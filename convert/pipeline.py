@@ -37,7 +37,8 @@ from .errors import ConvertError
 from .hashing import FileHasher, HoldBudget, SerialHasher, Stopped
 from .journal import ShardRecord
 from .plan import COPY, KEEP, Encoding, Shard, Unit
-from .source import BufferPool, Loaded, RangeReader, TensorInfo
+from .readers import BufferPool, Loaded, PreadReader
+from .safetensors_format import TensorInfo
 
 if TYPE_CHECKING:
     import numpy as np
@@ -246,7 +247,7 @@ class _Stream:
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
-        self.reader = RangeReader(job.input_dir)
+        self.reader = PreadReader(job.input_dir)
         self.next_compute = 0  # the piece the compute thread needs next
         # The first EAGER_HASH bytes of the stream's reads are hashed for their files by the hashers
         # themselves, at once: a file's sha256 is a sequential chain, and this starts it while torch

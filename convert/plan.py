@@ -18,16 +18,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fnmatch import fnmatchcase
-from json.encoder import encode_basestring_ascii as _json_str
 from typing import NamedTuple
 
 from . import rules
+from .checkpoint import Checkpoint, gc_paused
 from .errors import ConvertError
 from .mapping import ENGINES, Group, Mapping, template_regex
 from .options import DEFAULT_MAX_SHARD, LAYOUTS, Options  # noqa: F401 - re-exported: plan.Options
 from .recipe import FP8_BLOCK, Format, Recipe, find_recipe
+from .safetensors_format import DTYPES, TensorInfo, encode_header, size_of
 from .sidefiles import Skipped
-from .source import DTYPES, Checkpoint, TensorInfo, gc_paused
 
 GROUP_SIZE = 16
 MXFP4_GROUP = 32
@@ -984,36 +984,8 @@ def _in_write_order(units: list[list[OutTensor]]) -> list[OutTensor] | None:
     return out
 
 
-@functools.lru_cache(maxsize=4096)
-def _size_of(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * DTYPES[dtype].itemsize
-
-
 def _nbytes(t: OutTensor) -> int:
-    return _size_of(t.dtype, t.shape)
-
-
-def _header_text(ordered: list[OutTensor], starts: list[int], ends: list[int]) -> str | None:
-    """``json.dumps(header, separators=(",", ":"))`` of a shard header, written directly (a million
-    tensors for the released K3); None when a name repeats (the dict would keep one)."""
-    names = [t.name for t in ordered]
-    if len(set(names)) != len(names):
-        return None
-    joined = "".join(names)  # names json.dumps writes as they are (in ASCII it escapes '"', '\\', controls)
-    if joined.isascii() and joined.isprintable() and '"' not in joined and "\\" not in joined:
-        names = [f'"{n}"' for n in names]
-    else:
-        names = [_json_str(n) for n in names]
-    frags: dict[tuple[str, tuple[int, ...]], str] = {}
-    parts = ['{"__metadata__":{"format":"pt"}']
-    for t, name, a, b in zip(ordered, names, starts, ends, strict=True):
-        frag = frags.get((t.dtype, t.shape))
-        if frag is None:
-            shape = ",".join(map(str, t.shape))
-            frag = frags[t.dtype, t.shape] = f'{{"dtype":{_json_str(t.dtype)},"shape":[{shape}],"data_offsets":['
-        parts.append(f",{name}:{frag}{a},{b}]}}")
-    parts.append("}")
-    return "".join(parts)
+    return size_of(t.dtype, t.shape)
 
 
 def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
@@ -1022,15 +994,7 @@ def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
     ordered = _in_write_order(units) or sorted((t for ts in units for t in ts), key=lambda t: -_itemsize(t))
     ends = list(itertools.accumulate(map(_nbytes, ordered)))
     starts = [0, *ends[:-1]] if ends else []
-    text = _header_text(ordered, starts, ends)
-    if text is None:
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        for t, a, b in zip(ordered, starts, ends, strict=True):
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [a, b]}
-        text = json.dumps(header, separators=(",", ":"))
-    text = text.encode()
-    text += b" " * (-(8 + len(text)) % 16)
-    head = len(text).to_bytes(8, "little") + text
+    head = encode_header(ordered, starts, ends)
     base = len(head)
     placed = tuple(map(Placed, ordered, [base + a for a in starts], [base + b for b in ends]))
     return Shard(name, placed, head)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import engines, journal
+from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
@@ -28,8 +29,8 @@ from .options import Options
 from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
+from .safetensors_format import parse_header
 from .sidefiles import scan
-from .source import INDEX_NAME, consumed, open_checkpoint, parse_header
 from .write import is_inside
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
@@ -208,7 +209,7 @@ def _check_index(output: Path, man: dict, by_file: dict, rep: Report) -> None:
 
 
 def _nbytes(t: dict) -> int:
-    from .source import DTYPES
+    from .safetensors_format import DTYPES
     n = DTYPES[t["dtype"]].itemsize
     for d in t["shape"]:
         n *= d
@@ -395,7 +396,7 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
 
     from .compute import compute_unit
     from .plan import fp8_block_size
-    from .source import TensorReader
+    from .readers import MappedReader
 
     hashes = {t["name"]: t["sha256"] for mod in man["modules"] for t in mod["tensors"]}
     quant_units = [u for u in plan.units if any(it.kind in QUANTIZED for it in u.items)]
@@ -403,7 +404,7 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
     backend = get_backend(device, cpus())
-    reader = TensorReader(input_dir)
+    reader = MappedReader(input_dir)
     block = fp8_block_size(config)
     passthrough, quantized, problems = 0, 0, []
     try:

@@ -18,7 +18,7 @@ from kimi_convert import plan as plan_mod
 from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher
 from kimi_convert.pack import load_plan, pack
 from kimi_convert.plan import Options, OutTensor
-from kimi_convert.source import BufferPool
+from kimi_convert.readers import BufferPool
 
 # Many small shards: SGLang's fused layout with its own shard size (the source layout keeps the input's files).
 SGLANG = {"layout": "sglang", "recipe": "nvfp4-w4a16"}
