@@ -34,12 +34,12 @@ def unit_breakdown(src: str) -> None:
     from kimi_convert.kernels import get_backend
     from kimi_convert.pack import load_plan
     from kimi_convert.plan import Options, fp8_block_size
-    from kimi_convert.source import Loaded, RangeReader
+    from kimi_convert.readers import Loaded, PreadReader
 
     ckpt, plan = load_plan(src, Options())
     backend = get_backend("cuda")
     block = fp8_block_size(ckpt.config)
-    reader = RangeReader(ckpt.folder)
+    reader = PreadReader(ckpt.folder)
     units = [u for u in plan.units if any(it.kind == "nvfp4" for it in u.items)]
     for pinned in (True, False):
         total = h2d = nbytes = 0.0

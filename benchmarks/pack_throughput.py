@@ -86,12 +86,12 @@ def quantize_alone(src: Path, device: str) -> tuple[float, int]:
     from kimi_convert.kernels import get_backend
     from kimi_convert.pack import load_plan
     from kimi_convert.plan import Options, fp8_block_size
-    from kimi_convert.source import Loaded, RangeReader
+    from kimi_convert.readers import Loaded, PreadReader
 
     ckpt, plan = load_plan(src, Options())
     backend = get_backend(device)
     block = fp8_block_size(ckpt.config)
-    reader = RangeReader(src)
+    reader = PreadReader(src)
     total, nbytes = 0.0, 0
     for u in plan.units:
         if not any(it.kind == "nvfp4" for it in u.items):

@@ -57,10 +57,10 @@ def stages(src: Path) -> None:
     from collections import defaultdict
 
     import kimi_convert.plan as P
+    from kimi_convert.checkpoint import open_checkpoint
     from kimi_convert.cli import render_plan
     from kimi_convert.manifest import plan_json
     from kimi_convert.mapping import find_mapping
-    from kimi_convert.source import open_checkpoint
 
     spent: dict[str, float] = defaultdict(float)
 

@@ -23,7 +23,7 @@ from . import __version__, devices, paths
 from .errors import ConvertError
 from .options import Options, click_options
 from .options import checked as _checked
-from .plan import Plan
+from .plan import Encoding, Kind, Op, Plan
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -379,7 +379,7 @@ def render_plan(p: Plan, input_dir: str) -> str:
             rows = ", ".join(f"{mod.rsplit('.', 1)[-1]} {a}:{b}" for mod, (a, b) in zip(g.members, g.rows, strict=True))
             _add(lines, banks, [f"  {g.name} [{', '.join(g.engines)}]: {rows}"], expert(g.members[0]))
     lines = [x for line in lines for x in (line.lines() if isinstance(line, _Bank) else (line,))]
-    t = {k: sum(i.kind == k for i in p.items) for k in ("nvfp4", "fp8-block", "keep", "copy")}
+    t = {k: sum(i.kind == k for i in p.items) for k in Kind}
     lines += [
         "",
         f"totals: {t['nvfp4']} NVFP4 modules, {t['fp8-block']} block FP8 modules, {t['keep']} kept linear modules, "
@@ -397,11 +397,11 @@ def _item_lines(it, shared_scale: str | None, shard: str) -> list[str]:
     srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
     out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
     lines = [f"{it.kind:9} {it.name}  {out}  -> {shard}"]
-    if it.kind != "copy":
+    if it.kind != Kind.COPY:
         extra = f"; shared scale {shared_scale}" if shared_scale else ""
         lines.append(f"        why: {it.rule}{extra}")
-    if it.op != "none" or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != "dense":
-        lines.append(f"        from {it.op}({srcs})" if it.op != "none" else f"        from {srcs}")
+    if it.op != Op.NONE or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != Encoding.DENSE:
+        lines.append(f"        from {it.op}({srcs})" if it.op != Op.NONE else f"        from {srcs}")
         for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
             extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
             lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")

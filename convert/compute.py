@@ -16,8 +16,8 @@ import torch
 from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, mxfp4_cast, reference
 
 from .errors import ConvertError
-from .plan import FP8, NVFP4, Item, Source, Unit
-from .source import TensorSource
+from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
+from .readers import TensorSource
 
 Chunk = memoryview | np.ndarray
 
@@ -39,14 +39,14 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def decode(src: Source, reader: TensorSource, block: tuple[int, int], backend: Backend) -> torch.Tensor:
+def decode(src: SourceTensor, reader: TensorSource, block: tuple[int, int], backend: Backend) -> torch.Tensor:
     """The source's values on the backend's device: the stored tensor for dense sources (a zero-copy
     view on the CPU), decoded fp32 for MXFP4 / FP8 (decoded on the GPU when there is one)."""
     parts = [backend.to_device(reader.tensor(p)) for p in src.parts]
     try:
-        if src.encoding == "mxfp4":
+        if src.encoding == Encoding.MXFP4:
             return decode_mxfp4(parts[0], parts[1])
-        if src.encoding == "fp8_block":
+        if src.encoding == Encoding.FP8_BLOCK:
             return decode_fp8_block(parts[0], parts[1], block)
     except DecodeError as e:
         raise ConvertError(f"{src.parts[1].file}: tensor {src.parts[1].name}: {e}") from None
@@ -69,13 +69,13 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
         if it.kind == FP8:
             _fp8_block(it, reader, block, backend, res)
         elif it.kind != NVFP4:
-            dense = all(s.encoding == "dense" for s in it.sources)
+            dense = all(s.encoding == Encoding.DENSE for s in it.sources)
             chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block, backend)
             res.outputs[it.outputs[0].name] = Output(chunks)
             if not dense:
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
-        if all(s.encoding == "mxfp4" for it in quant for s in it.sources):
+        if all(s.encoding == Encoding.MXFP4 for it in quant for s in it.sources):
             _cast_mxfp4(quant, reader, backend, res)
         else:
             _quantize(quant, reader, backend, block, res)
@@ -112,7 +112,7 @@ def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: 
     qs, scales, zero = [], [], 0
     for src in it.sources:
         w = decode(src, reader, block, backend)
-        if src.encoding != "dense":
+        if src.encoding != Encoding.DENSE:
             w = w.to(torch.bfloat16)
         if not bool(torch.isfinite(backend.amax(w))):
             raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
@@ -122,7 +122,7 @@ def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: 
         zero += int((scale == 0).sum())
     res.outputs[it.outputs[0].name] = Output(qs)
     res.outputs[it.outputs[1].name] = Output(scales)
-    res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "fp8-block", "zero_tiles": zero}
+    res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
 
 
 def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, res: UnitResult) -> None:
@@ -137,6 +137,6 @@ def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, 
     s2 = reference.global_scale(amax)
     for it in items:
         outs = [backend.quantize(values[s.name], amax) for s in it.sources]
-        note = {"method": "requantized" if it.sources[0].encoding != "dense" else "quantized",
+        note = {"method": "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized",
                 "amax": float(amax)}
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res, note)

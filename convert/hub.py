@@ -46,6 +46,7 @@ from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_clie
 
 from .errors import ConvertError
 from .hashing import sha256_file
+from .plan import Kind
 from .verify import load, verify
 
 T = TypeVar("T")
@@ -357,7 +358,7 @@ def with_retries(fn: Callable[[], T], what: str, repo_id: str, say: Callable[[st
 
 def model_card(man: dict, config: dict, base_model: str | None) -> str:
     mods = man["modules"]
-    counts = {k: sum(m["kind"] == k for m in mods) for k in ("nvfp4", "fp8-block", "keep", "copy")}
+    counts = {k: sum(m["kind"] == k for m in mods) for k in Kind}
     cast = [m["quantization"] for m in mods if m.get("quantization", {}).get("method") == "mxfp4-cast"]
     lossless = f"{sum(q['lossless_blocks'] for q in cast)} of {sum(q['blocks'] for q in cast)}"
     recipe = man.get("recipe") or {"name": "?", "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
@@ -365,7 +366,7 @@ def model_card(man: dict, config: dict, base_model: str | None) -> str:
     # the metadata block is huggingface_hub's (ModelCardData writes the YAML the Hub parses)
     data = ModelCardData(base_model=base or None, library_name="transformers",
                          tags=["nvfp4", "modelopt", "kimi-convert", "quantized"])
-    kept = [m for m in mods if m["kind"] == "keep"]
+    kept = [m for m in mods if m["kind"] == Kind.KEEP]
     reasons: dict[str, int] = {}
     for m in kept:
         reasons[m["rule"]] = reasons.get(m["rule"], 0) + 1

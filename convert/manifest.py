@@ -15,11 +15,11 @@ from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import gc_paused
 from .configs import layer_algo, quantized_layers
 from .errors import ConvertError
-from .plan import FP8, GROUP_SIZE, NVFP4, Item, Plan
+from .plan import COPY, FP8, GROUP_SIZE, KEEP, NVFP4, Item, Plan
 from .recipe import FP8_BLOCK
-from .source import gc_paused
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
@@ -65,8 +65,8 @@ def _plan_head(plan: Plan) -> dict:
         "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
                    "nvfp4": sum(it.kind == NVFP4 for it in items),
                    "fp8_block": sum(it.kind == FP8 for it in items),
-                   "kept": sum(it.kind == "keep" for it in items),
-                   "copied": sum(it.kind == "copy" for it in items)},
+                   "kept": sum(it.kind == KEEP for it in items),
+                   "copied": sum(it.kind == COPY for it in items)},
     }
 
 

@@ -11,8 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .checkpoint import load_json, open_checkpoint
 from .errors import ConvertError
-from .source import load_json, open_checkpoint
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOPK_KEYS = ("num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k")

@@ -19,6 +19,7 @@ from pathlib import Path
 from . import configs, devices, journal, pipeline, write
 from . import manifest as manifest_mod
 from .atomic import write_json_atomic
+from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .devices import Device
 from .errors import ConvertError
 from .hashing import sha256_file
@@ -27,7 +28,7 @@ from .mapping import find_mapping
 from .options import Options
 from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .progress import Progress
-from .source import INDEX_NAME, Checkpoint, open_checkpoint, readahead
+from .readers import readahead
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,8 +36,9 @@ from . import faults, write
 from .errors import ConvertError
 from .hashing import FileHasher, HoldBudget, SerialHasher, Stopped
 from .journal import ShardRecord
-from .plan import Shard, Unit
-from .source import BufferPool, Loaded, RangeReader, TensorInfo
+from .plan import COPY, KEEP, Encoding, Shard, Unit
+from .readers import BufferPool, Loaded, PreadReader
+from .safetensors_format import TensorInfo
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,11 +68,17 @@ class Read:
         return self.part.start + self.lo, self.part.start + self.hi
 
 
+class PieceKind(StrEnum):
+    COPY = "copy"  # a slice of a pass-through unit: its stored bytes are the output bytes
+    COMPUTE = "compute"  # a whole unit, computed
+
+
 @dataclass(frozen=True)
 class Piece:
     unit: Unit
     reads: tuple[Read, ...]
-    copy_at: int | None  # a pass-through slice: its byte offset in the output tensor; None: computed
+    kind: PieceKind
+    copy_at: int  # COPY: the slice's byte offset in the output tensor (0 for COMPUTE)
     last: bool  # the unit's last piece
 
     @property
@@ -80,8 +88,8 @@ class Piece:
 
 def is_pass_through(unit: Unit) -> bool:
     """Output bytes = the concatenated stored bytes of its sources (nothing to compute)."""
-    return len(unit.items) == 1 and unit.items[0].kind in ("keep", "copy") and all(
-        s.encoding == "dense" for s in unit.items[0].sources)
+    return len(unit.items) == 1 and unit.items[0].kind in (KEEP, COPY) and all(
+        s.encoding == Encoding.DENSE for s in unit.items[0].sources)
 
 
 def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:
@@ -93,7 +101,7 @@ def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | Non
         if not is_pass_through(u):
             reads = sorted((Read(p, 0, p.nbytes) for p in u.parts), key=lambda r: (file_order[r.part.file],
                                                                                       r.part.start))
-            out.append(Piece(u, tuple(reads), None, True))
+            out.append(Piece(u, tuple(reads), PieceKind.COMPUTE, 0, True))
             continue
         cur: list[Read] = []
         size = at = 0
@@ -104,13 +112,13 @@ def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | Non
                 cur.append(Read(p, take, take + n))
                 size, take = size + n, take + n
                 if size == slice_bytes:
-                    out.append(Piece(u, tuple(cur), at, False))
+                    out.append(Piece(u, tuple(cur), PieceKind.COPY, at, False))
                     at, cur, size = at + size, [], 0
                 if take >= p.nbytes:
                     break
         if cur:
-            out.append(Piece(u, tuple(cur), at, False))
-        out[-1] = Piece(u, out[-1].reads, out[-1].copy_at, True)
+            out.append(Piece(u, tuple(cur), PieceKind.COPY, at, False))
+        out[-1] = Piece(u, out[-1].reads, PieceKind.COPY, out[-1].copy_at, True)
     return out
 
 
@@ -215,7 +223,7 @@ class Shared:
 def pc_cost(pc: Piece) -> int:
     """A piece's bytes in flight: its sources, plus its outputs when computed (a pass-through slice
     is written from its own buffer)."""
-    return pc.nbytes + (pc.unit.nbytes_out if pc.copy_at is None else 0)
+    return pc.nbytes + (pc.unit.nbytes_out if pc.kind is PieceKind.COMPUTE else 0)
 
 
 def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
@@ -224,7 +232,7 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
     out = {f: [(0, len(s.header))] for f, s in shards.items()}
     for pc in mine:
         placed = {p.tensor.name: p for p in shards[pc.unit.shard].placed}
-        if pc.copy_at is not None:
+        if pc.kind is PieceKind.COPY:
             start = placed[pc.unit.items[0].outputs[0].name].start + pc.copy_at
             out[pc.unit.shard].append((start, start + pc.nbytes))
         else:
@@ -239,7 +247,7 @@ class _Stream:
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
-        self.reader = RangeReader(job.input_dir)
+        self.reader = PreadReader(job.input_dir)
         self.next_compute = 0  # the piece the compute thread needs next
         # The first EAGER_HASH bytes of the stream's reads are hashed for their files by the hashers
         # themselves, at once: a file's sha256 is a sequential chain, and this starts it while torch
@@ -288,7 +296,7 @@ class _Stream:
         for r in pc.reads:
             buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
             off += r.hi - r.lo
-            bufs[f"{r.part.name}@{r.lo}" if pc.copy_at is not None else r.part.name] = buf
+            bufs[f"{r.part.name}@{r.lo}" if pc.kind is PieceKind.COPY else r.part.name] = buf
             h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool))
             feeds.append(h.feed(buf))
             if r.hi == r.part.nbytes:
@@ -305,7 +313,7 @@ class _Stream:
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
     def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict]]:
-        if pc.copy_at is not None:
+        if pc.kind is PieceKind.COPY:
             name = pc.unit.items[0].outputs[0].name
             return {name: list(loaded.buffers.values())}, {}
         t = time.perf_counter()
@@ -342,13 +350,13 @@ class _Stream:
             st.file_hash.offer(0, [shard.header])
         st.sources.update(digests)
         st.notes.update(notes)
-        single = pc.copy_at is not None and len(pc.unit.parts) == 1
+        single = pc.kind is PieceKind.COPY and len(pc.unit.parts) == 1
         held = False
         for name, chunks in sorted(outputs.items(), key=lambda kv: st.writer.placed[kv[0]].start):
             t = time.perf_counter()
-            st.writer.write(name, chunks, pc.copy_at or 0)
+            st.writer.write(name, chunks, pc.copy_at)
             self._clock("write: pwrite", t)
-            fut, kept = st.file_hash.offer(st.writer.placed[name].start + (pc.copy_at or 0), chunks)
+            fut, kept = st.file_hash.offer(st.writer.placed[name].start + pc.copy_at, chunks)
             feeds += [fut] if fut is not None else []
             held = held or kept
             if single:  # a one-tensor pass-through: its bytes are the source's, hashed once
@@ -365,7 +373,7 @@ class _Stream:
             f.result()  # the buffers may go once hashed
         self._clock("write: wait for the hashes", t)
         if base is not None:
-            self.shared.buffers.put(base, reuse=not (held and pc.copy_at is not None))
+            self.shared.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
         self.on_progress(pc.nbytes)
         if pc.last:
             st.units_left -= 1

@@ -70,7 +70,7 @@ def posix(rel: Path | str) -> str:
 def scan(folder: Path, consumed: Iterable[str]) -> SideFiles:
     """Classify every entry of ``folder`` (sub-folders included, symlinks not followed); ``consumed``:
     the files pack reads and writes anew (the shards the plan reads, the top-level ``config.json`` and
-    index; ``source.consumed``), relative to ``folder``. Reads names and link targets, no data: a
+    index; ``checkpoint.consumed``), relative to ``folder``. Reads names and link targets, no data: a
     sub-folder's ``config.json`` (``1_Pooling/config.json``) is not the model's, and is copied."""
     consumed = {posix(w) for w in consumed}
     root = folder.resolve()

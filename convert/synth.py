@@ -81,8 +81,8 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
+from .checkpoint import INDEX_NAME
 from .errors import ConvertError
-from .source import INDEX_NAME
 from .write import default_mode
 
 

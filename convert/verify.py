@@ -19,17 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import engines, journal
+from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
 from .manifest import FORMAT, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
 from .options import Options
-from .plan import QUANTIZED, make_plan
+from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
+from .safetensors_format import parse_header
 from .sidefiles import scan
-from .source import INDEX_NAME, consumed, open_checkpoint, parse_header
 from .write import is_inside
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
@@ -208,7 +209,7 @@ def _check_index(output: Path, man: dict, by_file: dict, rep: Report) -> None:
 
 
 def _nbytes(t: dict) -> int:
-    from .source import DTYPES
+    from .safetensors_format import DTYPES
     n = DTYPES[t["dtype"]].itemsize
     for d in t["shape"]:
         n *= d
@@ -246,12 +247,12 @@ def _check_configs(output: Path, man: dict, rep: Report) -> None:
 def _check_row_ranges(man: dict, rep: Report) -> None:
     problems: list[str] = []
     for m in man["modules"]:
-        if m["op"] == "none":
+        if m["op"] == Op.NONE:
             continue
         pos = 0
         for s in m["sources"]:
             a, b = s["rows"]
-            n = 1 if m["op"] == "stack" else s["shape"][0]
+            n = 1 if m["op"] == Op.STACK else s["shape"][0]
             if a != pos or b - a != n:
                 problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
                                 f"with its {n} rows")
@@ -267,7 +268,7 @@ def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dic
     the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
     packed module (by its own engines only); and per engine its packed modules {leaf name: member leaves}."""
     both = ("vllm", "sglang")
-    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != "copy"}
+    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != Kind.COPY}
     experts: dict[str, set[str]] = {}
     for name, kind in kinds.items():
         if ".experts." in name:
@@ -300,13 +301,13 @@ def _check_engine_rules(man: dict, rep: Report) -> None:
             except engines.MixedShards as e:
                 problems.append(f"vLLM: {e}")
                 continue
-            want = {"keep": None, "fp8-block": "FP8_PB_WO"}.get(kind, "NVFP4")
-            if kind == "nvfp4" and got == "W4A16_NVFP4":
+            want = {Kind.KEEP: None, Kind.FP8_BLOCK: "FP8_PB_WO"}.get(kind, "NVFP4")
+            if kind == Kind.NVFP4 and got == "W4A16_NVFP4":
                 want = got
-            if got != want and not (kind == "keep" and engines.vllm_is_skipped(name, ignore, {})):
+            if got != want and not (kind == Kind.KEEP and engines.vllm_is_skipped(name, ignore, {})):
                 problems.append(f"quantized_layers resolve {name} to {got}, but it is written {kind}")
             continue
-        kept = kind == "keep"
+        kept = kind == Kind.KEEP
         for engine in built_by:
             try:  # both engines first ask is_layer_skipped (a packed layer through its shards)
                 got = engines.vllm_is_skipped(name, ignore, packed[engine])
@@ -395,7 +396,7 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
 
     from .compute import compute_unit
     from .plan import fp8_block_size
-    from .source import TensorReader
+    from .readers import MappedReader
 
     hashes = {t["name"]: t["sha256"] for mod in man["modules"] for t in mod["tensors"]}
     quant_units = [u for u in plan.units if any(it.kind in QUANTIZED for it in u.items)]
@@ -403,12 +404,13 @@ def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full
     chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
     backend = get_backend(device, cpus())
-    reader = TensorReader(input_dir)
+    reader = MappedReader(input_dir)
     block = fp8_block_size(config)
     passthrough, quantized, problems = 0, 0, []
     try:
         for u in chosen:
-            if all(it.kind not in QUANTIZED and all(s.encoding == "dense" for s in it.sources) for it in u.items):
+            if all(it.kind not in QUANTIZED and all(s.encoding == Encoding.DENSE for s in it.sources)
+                   for it in u.items):
                 for it in u.items:  # pass-through: the output's bytes are the sources' bytes
                     h = hashlib.sha256()
                     for s in it.sources:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 from . import faults, journal, paths
 from .atomic import PARTIAL
+from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .hashing import sha256_file
 from .manifest import load_manifest
 from .plan import Placed, Shard
-from .source import INDEX_NAME
 
 if TYPE_CHECKING:
     from .compute import Chunk

@@ -14,11 +14,11 @@ import pytest
 
 from helpers import child, cli_command, copy_ckpt, one_line_error, run, run_process
 from kimi_convert import pipeline
-from kimi_convert import plan as plan_mod
 from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher
 from kimi_convert.pack import load_plan, pack
 from kimi_convert.plan import Options, OutTensor
-from kimi_convert.source import BufferPool
+from kimi_convert.plan import layout as plan_layout
+from kimi_convert.readers import BufferPool
 
 # Many small shards: SGLang's fused layout with its own shard size (the source layout keeps the input's files).
 SGLANG = {"layout": "sglang", "recipe": "nvfp4-w4a16"}
@@ -123,8 +123,8 @@ def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
     ckpt, p = load_plan(tiny_k3, Options())
     order = {f: i for i, f in enumerate(ckpt.files)}
     ps = pipeline.pieces(list(p.units), order, slice_bytes=1000)
-    assert all(pc.nbytes <= 1000 for pc in ps if pc.copy_at is not None)
-    assert any(pc.copy_at is not None and not pc.last for pc in ps)  # some tensor did need slices
+    assert all(pc.nbytes <= 1000 for pc in ps if pc.kind is pipeline.PieceKind.COPY)
+    assert any(pc.kind is pipeline.PieceKind.COPY and not pc.last for pc in ps)  # some tensor did need slices
     seen: dict[str, list[tuple[int, int]]] = {}
     for pc in ps:
         for r in pc.reads:
@@ -135,7 +135,7 @@ def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
             assert spans[0][0] == 0 and spans[-1][1] == t.nbytes
             assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert sum(pc.last for pc in ps) == len(p.units)
-    copies = [pc for pc in ps if pc.copy_at is not None]
+    copies = [pc for pc in ps if pc.kind is pipeline.PieceKind.COPY]
     for a, b in itertools.pairwise(copies):  # a sliced tensor's output offsets run on
         if a.unit is b.unit:
             assert b.copy_at == a.copy_at + a.nbytes
@@ -144,9 +144,9 @@ def test_pieces_slice_pass_through_tensors_and_cover_every_byte(tiny_k3):
 def test_write_order_layout_and_its_alignment_fallback():
     t = [OutTensor("a.w", "U8", (3, 8)), OutTensor("a.s", "F8_E4M3", (3,)), OutTensor("a.g", "F32", ())]
     u = [OutTensor("b.w", "BF16", (4,)), OutTensor("b.g", "F32", ())]
-    assert [x.name for x in plan_mod._in_write_order([t[:1] + t[2:], u])] == ["a.g", "a.w", "b.g", "b.w"]
-    assert plan_mod._in_write_order([t, u]) is None  # 3 bytes of scales would misalign b.g
-    shard = plan_mod._shard("s", [t, u])
+    assert [x.name for x in plan_layout._in_write_order([t[:1] + t[2:], u])] == ["a.g", "a.w", "b.g", "b.w"]
+    assert plan_layout._in_write_order([t, u]) is None  # 3 bytes of scales would misalign b.g
+    shard = plan_layout._shard("s", [t, u])
     starts = {p.tensor.name: p.start - len(shard.header) for p in shard.placed}
     assert all(starts[p.tensor.name] % max(1, {"F32": 4, "BF16": 2}.get(p.tensor.dtype, 1)) == 0
                for p in shard.placed)
@@ -215,7 +215,7 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
     assert watch.peak <= r.stats.in_flight_peak <= r.stats.in_flight_limit
     # the safetensors-style layout (wider dtypes first) is written out of order: the shard hashes
     # then read parts of the file back, and must still be the files' sha256
-    monkeypatch.setattr(plan_mod, "_in_write_order", lambda units: None)
+    monkeypatch.setattr(plan_layout, "_in_write_order", lambda units: None)
     other = tmp_path / "sorted"
     pack(tiny_k3, other, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
     import json

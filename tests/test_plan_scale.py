@@ -72,7 +72,7 @@ def test_templated_plan_json_is_json_dumps_of_the_plan(case, preset, over, args,
 def test_shard_header_is_json_dumps_of_the_header():
     """The header written directly equals json.dumps of the header dict, names needing escapes included;
     a repeated name falls back to the dict (which keeps one entry)."""
-    import kimi_convert.plan as P
+    import kimi_convert.plan.layout as P
 
     ts = [P.OutTensor('a"q\\b.weight', "U8", (3, 8)), P.OutTensor("caf\u00e9.w", "F32", ()),
           P.OutTensor("x.\n.y", "BF16", (2, 0, 5)), P.OutTensor("z", "F8_E4M3", (7,))]

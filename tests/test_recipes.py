@@ -17,12 +17,12 @@ from safetensors import safe_open
 
 from helpers import copy_ckpt, edit_config, one_line_error, run
 from kimi_convert import engines
+from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import find_mapping
 from kimi_convert.pack import load_plan, pack
 from kimi_convert.plan import Options
 from kimi_convert.recipe import parse_recipe
-from kimi_convert.source import open_checkpoint
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
-from kimi_convert.source import _parse_header_bytes, open_checkpoint, parse_header
+from kimi_convert.safetensors_format import _parse_header_bytes, parse_header
 
 
 def st_file(path, header: dict | bytes, data: bytes = b"", length: int | None = None):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import edit_json, one_line_error, run
-from kimi_convert.source import parse_header
+from kimi_convert.safetensors_format import parse_header
 
 
 def verify(*args) -> tuple[int, dict | str]:

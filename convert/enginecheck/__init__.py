@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConvertError
+from ..plan import Encoding, Kind, Op
 
 ENGINES = ("vllm", "sglang")
 #: The engine versions the runners are written and tested against.
@@ -250,8 +251,8 @@ def _separate_source_casts(rep: Report, out: Path) -> None:
         man = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         return
-    unchanged = {t["name"] for m in man.get("modules", []) if m.get("kind") in ("copy", "keep")
-                 and all(s.get("encoding") == "dense" for s in m.get("sources", [])) and m.get("op") == "none"
+    unchanged = {t["name"] for m in man.get("modules", []) if m.get("kind") in (Kind.COPY, Kind.KEEP)
+                 and all(s.get("encoding") == Encoding.DENSE for s in m.get("sources", [])) and m.get("op") == Op.NONE
                  for t in m.get("tensors", [])}
     rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c.get("tensor") in unchanged]
     rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]

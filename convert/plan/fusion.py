@@ -1,0 +1,219 @@
+"""Fusion: which modules each group instance takes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..errors import ConvertError
+from ..mapping import ENGINES, Group, Mapping
+from ..options import LAYOUTS, Options
+from ..recipe import FP8_BLOCK
+from .decide import _Context, _decide
+from .discover import _Modules
+from .model import FP8, Op, SourceTensor
+
+# ---------------------------------------------------------------------------------------------
+# Fusion: which modules each group instance takes
+
+
+@dataclass(frozen=True, slots=True)
+class Fused:
+    group: Group
+    parent: str
+    members: tuple[str, ...]  # full module names in member order
+    engine: str = ""  # the engine whose packed module this is ("" when fused on disk)
+
+    @property
+    def name(self) -> str:
+        return f"{self.parent}.{self.group.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGroup:
+    """One packed module an engine builds from stored-apart members: recorded in the plan and manifest,
+    and the reason its quantized members share one global scale."""
+
+    name: str  # full name of the engine's packed module
+    engines: tuple[str, ...]
+    members: tuple[str, ...]  # source modules in the engine's order
+    rows: tuple[tuple[int, int], ...]  # each member's rows in the engine's fused weight
+
+
+def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict,
+             when: bool | str | None = "") -> bool | None:
+    """True or False; None when a config condition is absent (the tensors present decide). ``when``:
+    _when(g, m, config), if known."""
+    for rx in g.parent_regexes():
+        hit = rx.fullmatch(short_parent)
+        if hit is None:
+            continue
+        if g.layer_type is not None:
+            layer = hit.groupdict().get("layer")
+            if layer is None or kinds.get(int(layer)) != g.layer_type:
+                return False
+        return _when(g, m, config) if when == "" else when
+    return False
+
+
+def _when(g: Group, m: Mapping, config: dict) -> bool | None:
+    """The group's config condition: False, True, or None when the config does not say."""
+    values = [(m.config_value(config, k), v) for k, v in g.when]
+    if any(have is not None and have != want for have, want in values):
+        return False
+    return None if any(have is None for have, _ in values) else True
+
+
+def resolve_fusions(modules: dict[str, dict[str, SourceTensor]], m: Mapping, config: dict, groups: list[Group],
+                    engine: str = "", notes: list[str] | None = None) -> list[Fused]:
+    """Per parent module, the largest complete applicable group first; a partial group fails.
+
+    A group whose config condition is absent from the config applies where all its members are
+    present (the tensors decide; ``notes`` says so once per condition)."""
+    kinds = m.layer_kinds(config)
+    children, parents = _children(modules)
+    with_leaf: dict[str, list[int]] = defaultdict(list)  # leaf -> the groups (by order) it is a member of
+    for order, g in enumerate(groups):
+        for x in dict.fromkeys(g.members):
+            with_leaf[x].append(order)
+    candidates: dict[tuple[str, ...], list[tuple[int, Group]]] = {}  # leaves -> groups with a member among them
+    when = [_when(g, m, config) for g in groups]
+    said: set[str] = set()
+    chosen: list[Fused] = []
+    for parent in parents:
+        leaves = children[parent]
+        key = tuple(leaves)
+        todo = candidates.get(key)
+        if todo is None:
+            todo = candidates[key] = [(o, groups[o]) for o in sorted({o for x in key for o in with_leaf.get(x, ())})]
+        if not todo:
+            continue
+        short = m.strip(parent)
+        complete = []
+        for order, g in todo:
+            present = [x for x in g.members if x in leaves]
+            applies = _applies(g, short, kinds, m, config, when[order])
+            if applies is False:
+                continue
+            if len(present) != len(g.members):
+                if applies is None:
+                    continue
+                missing = [x for x in g.members if x not in leaves]
+                raise ConvertError(
+                    f"module {parent}.{g.name}: fused group is missing {', '.join(missing)} "
+                    f"(has {', '.join(present)}); the {g.name} group applies to this layer"
+                )
+            if applies is None and notes is not None:
+                cond = ", ".join(f"{k} = {v}" for k, v in g.when)
+                if cond not in said:
+                    said.add(cond)
+                    notes.append(f"config.json does not say {cond.split(' = ')[0]}: decided from the tensors "
+                                 f"present ({g.name} where {', '.join(g.members)} exist)")
+            complete.append((-len(g.members), order, g))
+        taken: set[str] = set()
+        for _, _, g in sorted(complete, key=lambda c: (c[0], c[1])):
+            if taken.isdisjoint(g.members):
+                taken.update(g.members)
+                chosen.append(Fused(g, parent, tuple(leaves[x] for x in g.members), engine))
+    return chosen
+
+
+def _children(modules: dict[str, dict[str, SourceTensor]]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """parent -> {leaf: module} of the modules with a weight, and the parents sorted."""
+    if isinstance(modules, _Modules) and modules.children is not None:
+        return modules.children
+    children: dict[str, dict[str, str]] = defaultdict(dict)
+    for mod, params in modules.items():
+        if "weight" in params and "." in mod:
+            parent, _, leaf = mod.rpartition(".")
+            children[parent][leaf] = mod
+    out = (children, sorted(children))
+    if isinstance(modules, _Modules):
+        modules.children = out
+    return out
+
+
+def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
+    """The groups written fused on disk: none for the source layout; SGLang's for --layout sglang."""
+    known = {g.name for g in m.groups}
+    for n in (*opts.fuse, *opts.no_fuse):
+        if n not in known:
+            raise ConvertError(f"--fuse/--no-fuse: {m.name} has no group {n!r} (known: {', '.join(sorted(known))})")
+    if opts.layout not in LAYOUTS:
+        raise ConvertError(f"--layout {opts.layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if opts.layout == "source":
+        if opts.fuse:
+            raise ConvertError("--fuse writes fused modules: it needs --layout sglang")
+        return []
+    return [g for g in m.groups if opts.layout in g.engines and g.on_disk and not g.unquantized_only
+            and (g.enabled or g.name in opts.fuse) and g.name not in opts.no_fuse]
+
+
+def _not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[str]:
+    """Why a packed module of the layout's engine present in this checkpoint is still written unfused."""
+    if opts.layout == "source":
+        return []
+    out = {}
+    for f in fusions:
+        g = f.group
+        if f.engine == opts.layout and (not g.on_disk or g.unquantized_only) and g.name not in out \
+                and (g.reason or g.unquantized_only):
+            why = g.reason if not g.on_disk else "built only for an unquantized model"
+            out[g.name] = f"{g.name} written unfused with --layout {opts.layout}: {why or 'not fused on disk'}"
+    return list(out.values())
+
+
+def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> list[Fused]:
+    """Only the fused modules the layout's engine loads fused on disk in the format decided for them (the
+    mapping's [layout.ENGINE] formats, found with verify-manifest --engine); the others stay unfused."""
+    allowed = ctx.m.layouts.get(ctx.opts.layout)
+    if allowed is None:
+        return disk
+    probe = _Context(ctx.m, ctx.recipe, ctx.opts, ctx.patterns, defaultdict(int), ctx.expert_rx, ctx.modules)
+    out, said = [], set()
+    for f in disk:
+        try:
+            kind = _decide(f.name, list(f.members), f.group, probe).kind
+        except ConvertError:
+            out.append(f)  # the real decision below says what is wrong
+            continue
+        rows = [ctx.modules[mod]["weight"].shape[0] for mod in f.members]
+        why = None
+        if kind not in allowed[0]:
+            why = allowed[1]
+        elif kind == FP8 and any(n % FP8_BLOCK for n in rows[:-1]):
+            why = f"block FP8 tiles would straddle its members (rows {rows}, tiles of {FP8_BLOCK})"
+        if why is None:
+            out.append(f)
+        elif (f.group.name, kind) not in said:
+            said.add((f.group.name, kind))
+            notes.append(f"{f.group.name} ({kind}) written unfused with --layout {ctx.opts.layout}: {why}")
+    return out
+
+
+def _engine_groups(m: Mapping) -> dict[str, list[Group]]:
+    """Per engine, the packed modules it builds for a quantized model."""
+    return {e: [g for g in m.groups if e in g.engines and not g.unquantized_only] for e in ENGINES}
+
+
+def _fuse_shape(f: Fused, srcs: list[SourceTensor], suffix: str) -> tuple[int, ...]:
+    first = srcs[0]
+    for s in srcs[1:]:
+        if (s.encoding, s.dtype) != (first.encoding, first.dtype):
+            raise ConvertError(
+                f"module {f.name}: cannot fuse {s.name} ({s.dtype}) with {first.name} ({first.dtype}): dtypes differ"
+            )
+        if f.group.op == Op.STACK and s.shape != first.shape:
+            raise ConvertError(
+                f"module {f.name}: cannot stack {s.name} {list(s.shape)} with {first.name} {list(first.shape)}"
+            )
+        if f.group.op == Op.CAT and (len(s.shape) != len(first.shape) or s.shape[1:] != first.shape[1:]):
+            raise ConvertError(
+                f"module {f.name}: cannot concatenate {s.name} {list(s.shape)} with {first.name} "
+                f"{list(first.shape)} along dim 0"
+            )
+    if not first.shape:
+        raise ConvertError(f"module {f.name}: cannot fuse scalar {suffix} tensors")
+    if f.group.op == Op.STACK:
+        return (len(srcs), *first.shape)
+    return (sum(s.shape[0] for s in srcs), *first.shape[1:])

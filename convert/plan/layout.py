@@ -1,0 +1,330 @@
+"""Items, units, shards: the output modules, what is computed together, and where each tensor lands."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections import defaultdict
+
+from ..checkpoint import Checkpoint
+from ..errors import ConvertError
+from ..mapping import Group, Mapping, template_regex
+from ..options import Options
+from ..recipe import FP8_BLOCK
+from ..safetensors_format import DTYPES, encode_header, size_of
+from .decide import _Context, _decide, _decide_apart, _Decision, _is_linear
+from .fusion import Fused, _fuse_shape
+from .model import (
+    COPY,
+    FP8,
+    GROUP_SIZE,
+    KEEP,
+    KEPT_FOR_ENGINE,
+    NVFP4,
+    Encoding,
+    Item,
+    Kind,
+    Op,
+    OutTensor,
+    Placed,
+    Shard,
+    SourceTensor,
+    Unit,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Items, units, shards
+
+
+def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+             ) -> tuple[OutTensor, ...]:
+    """The output tensors of a linear module (their shapes made once per kind and shape: a million
+    output tensors share a few dozen shape tuples in the released K3)."""
+    return tuple(OutTensor(name + suffix, dtype, shp)
+                 for suffix, dtype, shp in _output_specs(kind, shape, src_dtype, input_scale is not None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_specs(kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+                  ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    return tuple((t.name, t.dtype, t.shape) for t in _output_tensors("", kind, shape, src_dtype, input_scale or None))
+
+
+def _output_tensors(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
+                    ) -> tuple[OutTensor, ...]:
+    if kind == NVFP4:
+        lead = shape[:-1]
+        outs = (
+            OutTensor(f"{name}.weight", "U8", (*lead, shape[-1] // 2)),
+            OutTensor(f"{name}.weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
+            OutTensor(f"{name}.weight_scale_2", "F32", ()),
+        )
+        return outs + ((OutTensor(f"{name}.input_scale", "F32", ()),) if input_scale is not None else ())
+    if kind == FP8:
+        n, k = shape
+        return (OutTensor(f"{name}.weight", "F8_E4M3", shape),
+                OutTensor(f"{name}.weight_scale", "F32", (-(-n // FP8_BLOCK), 1, -(-k // FP8_BLOCK), 1)))
+    return (OutTensor(f"{name}.weight", src_dtype, shape),)
+
+
+def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape: tuple[int, ...],
+                 dec: _Decision) -> Item:
+    where = f"module {name}: weight {list(shape)}"
+    if dec.kind == NVFP4:
+        if group is None and len(shape) != 2:
+            raise ConvertError(f"{where} selected for NVFP4 is not 2-D; exclude it (--exclude '{name}')")
+        if shape[-1] % GROUP_SIZE:
+            raise ConvertError(
+                f"{where} selected for NVFP4 but K={shape[-1]} is not a multiple of {GROUP_SIZE}; "
+                f"exclude it (--exclude '{name}')"
+            )
+    elif dec.kind == FP8:
+        if len(shape) != 2 or op == Op.STACK:
+            raise ConvertError(f"{where} selected for block FP8 is not 2-D; exclude it (--exclude '{name}')")
+        if shape[1] % FP8_BLOCK:
+            raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
+                               f"(the engines refuse it); exclude it (--exclude '{name}')")
+        if any(s.shape[0] % FP8_BLOCK for s in srcs[:-1]):
+            raise ConvertError(f"{where}: block FP8 fused on disk needs every member but the last to have a multiple "
+                               f"of {FP8_BLOCK} rows (tiles must not straddle members); use --layout source")
+    dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
+    outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale)
+    return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
+                dec.input_scale if dec.kind == NVFP4 else None)
+
+
+def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:
+    dtype = srcs[0].dtype
+    if srcs[0].encoding != Encoding.DENSE:
+        raise ConvertError(f"tensor {srcs[0].name}: {srcs[0].encoding} tensor of a module that is not a linear layer")
+    return Item(out_name, COPY, op, group.name if group else None, tuple(srcs),
+                (OutTensor(out_name, dtype, shape),), rule)
+
+
+def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], disk: list[Fused], ctx: _Context
+                ) -> list[Item]:
+    in_group = {mod: f for f in disk for mod in f.members}
+    items: list[Item] = []
+    for f in disk:
+        suffixes = [set(modules[mod]) for mod in f.members]
+        if any(s != suffixes[0] for s in suffixes):
+            raise ConvertError(
+                f"module {f.name}: members have different tensors: "
+                + "; ".join(f"{mod}: {', '.join(sorted(s))}" for mod, s in zip(f.members, suffixes, strict=True))
+            )
+        for suffix in sorted(suffixes[0]):
+            srcs = [modules[mod][suffix] for mod in f.members]
+            shape = _fuse_shape(f, srcs, suffix)
+            if suffix == "weight":
+                dec = _decide(f.name, list(f.members), f.group, ctx)
+                items.append(_weight_item(f.name, srcs, Op(f.group.op), f.group, shape, dec))
+            else:
+                items.append(_copy_item(f"{f.name}.{suffix}", srcs, Op(f.group.op), f.group, shape,
+                                        f"fused {suffix} of {f.group.name}"))
+    for mod in sorted(modules):
+        if mod in in_group:
+            continue
+        params = modules[mod]
+        key = ctx.template(mod) if "weight" in params else None
+        for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
+            if suffix == "weight" and _is_linear(mod, src.shape, ctx, key):
+                dec = _decide_apart(mod, ctx, key)
+                items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec))
+            else:
+                items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
+    return items
+
+
+def _rekeep(it: Item, why: str) -> Item:
+    """The item kept in high precision instead. Only modules stored apart are re-decided (members of an
+    engine packed module, a MoE layer's experts); a module fused on disk is decided as a whole."""
+    return _weight_item(it.name, list(it.sources), Op.NONE, None, it.sources[0].shape, _Decision(KEEP, why))
+
+
+def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
+    """Indices of the linear items under each MoE ``experts`` module (``...experts.{e}.{w}``)."""
+    rxs = expert_regexes(m)
+    sets: dict[str, list[int]] = defaultdict(list)
+    for i, it in enumerate(items):
+        if it.kind != COPY:
+            short = m.strip(it.name)
+            for rx in rxs:
+                if rx.fullmatch(short):
+                    sets[it.name.rsplit(".", 2)[0]].append(i)
+                    break
+    return sets
+
+
+def expert_regexes(m: Mapping) -> list[re.Pattern[str]]:
+    """Full-match regexes of routed expert modules (``...experts.{e}.{w}``, without the text prefix)."""
+    return [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
+
+
+def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) -> None:
+    """The modules one engine layer is built from must share one format (engines pick one quant
+    method per layer): a mix fails, or with --keep-partial keeps them all."""
+    kinds = {items[i].kind for i in idx}
+    if len(kinds) <= 1:
+        return
+    if not opts.keep_partial:
+        detail = ", ".join(f"{items[i].name.rsplit('.', 1)[-1]}: {items[i].kind}" for i in idx[:8])
+        raise ConvertError(f"{what}: its members must share one format, but they are {detail}"
+                           f"{' ...' if len(idx) > 8 else ''}; exclude all of them, or pass --keep-partial")
+    for i in idx:
+        if items[i].kind != KEEP:
+            items[i] = _rekeep(items[i], f"--keep-partial: {what} mixes formats")
+
+
+def _engine_formats(items: list[Item], fusions: list[Fused]) -> None:
+    """A module kept because an engine cannot load the recipe's format there takes every member of
+    each engine packed module it belongs to (transitively) along: they must share one format."""
+    if not any(it.rule.startswith(KEPT_FOR_ENGINE) for it in items):
+        return
+    index = {it.name: i for i, it in enumerate(items)}
+    members = [[index[mod] for mod in f.members if mod in index] for f in fusions]
+    changed = True
+    while changed:
+        changed = False
+        for f, idx in zip(fusions, members, strict=True):
+            why = next((items[i].rule for i in idx if items[i].rule.startswith(KEPT_FOR_ENGINE)), None)
+            if why is None:
+                continue
+            for i in idx:
+                if items[i].kind != KEEP:
+                    items[i] = _rekeep(items[i], f"{KEPT_FOR_ENGINE}{f.name} ({f.engine}'s packed module) "
+                                                 f"shares one format: {why[len(KEPT_FOR_ENGINE):]}")
+                    changed = True
+
+
+def _check_engine_layers(items: list[Item], fusions: list[Fused], m: Mapping, opts: Options) -> None:
+    """MoE layers (experts all-or-nothing) and every engine packed module: one format each."""
+    _engine_formats(items, fusions)
+    for parent, idx in _expert_sets(items, m).items():
+        _same_format(items, idx, f"module {parent} (the engines quantize a layer's experts all-or-nothing)", opts)
+    index = {it.name: i for i, it in enumerate(items)}
+    for f in fusions:
+        idx = [index[mod] for mod in f.members if mod in index]
+        _same_format(items, idx, f"module {f.name} ({f.engine}'s packed module)", opts)
+
+
+class _Union:
+    """Union-find over module names: the engine fusion groups that share one global scale."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        while self.parent.setdefault(x, x) != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, a: str, b: str) -> None:
+        self.parent[self.find(b)] = self.find(a)
+
+
+def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Unit]:
+    """One unit per set of NVFP4 modules that share a global scale (the union of every engine's
+    packed modules over them), one per other item; in input order."""
+    order = {f: i for i, f in enumerate(ckpt.files)}
+    at = {id(it): min((order[p.file], p.start) for s in it.sources for p in s.parts) for it in items}
+
+    def pos(it: Item) -> tuple:
+        return at[id(it)]
+
+    by_name = {it.name: it for it in items}
+    uf = _Union()
+    shared: list[tuple[str, str]] = []  # (a member, packed module name)
+    for f in fusions:
+        quant = [mod for mod in f.members if mod in by_name and by_name[mod].kind == NVFP4]
+        for mod in quant[1:]:
+            uf.join(quant[0], mod)
+        if len(quant) > 1:
+            shared.append((quant[0], f.name))
+    label: dict[str, set[str]] = defaultdict(set)
+    for mod, name in shared:
+        label[uf.find(mod)].add(name)
+    sets: dict[str, list[Item]] = defaultdict(list)
+    for it in items:
+        if it.name in uf.parent:
+            sets[uf.find(it.name)].append(it)
+    grouped = {it.name for its in sets.values() for it in its}
+    units = [Unit(tuple(sorted(its, key=pos)), " + ".join(sorted(label[root]))) for root, its in sets.items()]
+    units += [Unit((it,), None) for it in items if it.name not in grouped]
+    return sorted(units, key=lambda u: at[id(u.items[0])])  # a unit's items are in position order
+
+
+def _layout_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:
+    """Each unit in the input file of its first source tensor, under the input file's name."""
+    by_file: dict[str, list[Unit]] = defaultdict(list)
+    for u in units:
+        by_file[u.items[0].sources[0].parts[0].file].append(u)
+    placed_units, shards = [], []
+    for f in ckpt.files:
+        if f not in by_file:
+            continue
+        placed_units += [Unit(u.items, u.shared_scale, f) for u in by_file[f]]
+        shards.append(_shard(f, [[t for it in u.items for t in it.outputs] for u in by_file[f]]))
+    return placed_units, shards
+
+
+def _layout(units: list[Unit], max_size: int) -> tuple[list[Unit], list[Shard]]:
+    bins: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        if bins[-1] and size + u.nbytes_out > max_size:
+            bins.append([])
+            size = 0
+        bins[-1].append(u)
+        size += u.nbytes_out
+    n = len(bins)
+    placed_units, shards = [], []
+    for i, b in enumerate(bins, 1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        placed_units += [Unit(u.items, u.shared_scale, name) for u in b]
+        shards.append(_shard(name, [[t for it in u.items for t in it.outputs] for u in b]))
+    return placed_units, shards
+
+
+def _itemsize(t: OutTensor) -> int:
+    return DTYPES[t.dtype].itemsize
+
+
+def _in_write_order(units: list[list[OutTensor]]) -> list[OutTensor] | None:
+    """The tensors in the order the pipeline produces them (unit by unit, wider dtypes first in a
+    unit), if that keeps every tensor aligned to its item size; else None.
+
+    In this order the shard is written front to back, so its sha256 is computed from the bytes as
+    they are written, with no second read of the file."""
+    out, pos = [], 0
+    orders: dict[tuple[str, ...], list[int]] = {}  # dtypes of a unit's tensors -> their write order
+    for ts in units:
+        if len(ts) > 1:
+            dtypes = tuple([t.dtype for t in ts])
+            order = orders.get(dtypes)
+            if order is None:
+                order = orders[dtypes] = sorted(range(len(ts)), key=lambda i: -DTYPES[dtypes[i]].itemsize)
+            ts = [ts[i] for i in order]
+        for t in ts:
+            if pos % DTYPES[t.dtype].itemsize:
+                return None
+            out.append(t)
+            pos += _nbytes(t)
+    return out
+
+
+def _nbytes(t: OutTensor) -> int:
+    return size_of(t.dtype, t.shape)
+
+
+def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
+    """Header first, then the tensors in write order when that keeps them aligned, else wider dtypes
+    first (as safetensors does) so that every tensor is aligned to its item size."""
+    ordered = _in_write_order(units) or sorted((t for ts in units for t in ts), key=lambda t: -_itemsize(t))
+    ends = list(itertools.accumulate(map(_nbytes, ordered)))
+    starts = [0, *ends[:-1]] if ends else []
+    head = encode_header(ordered, starts, ends)
+    base = len(head)
+    placed = tuple(map(Placed, ordered, [base + a for a in starts], [base + b for b in ends]))
+    return Shard(name, placed, head)

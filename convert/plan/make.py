@@ -1,0 +1,127 @@
+"""make_plan: the stages put together."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .. import rules
+from ..checkpoint import Checkpoint, gc_paused
+from ..mapping import Mapping
+from ..options import Options
+from ..recipe import Recipe, find_recipe
+from .decide import _Context
+from .discover import check_convertible, discover_sources
+from .fusion import (
+    EngineGroup,
+    Fused,
+    _disk_groups,
+    _engine_groups,
+    _loadable_on_disk,
+    _not_on_disk_notes,
+    resolve_fusions,
+)
+from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items, expert_regexes
+from .model import Item, Plan, SourceTensor
+from .names import collect_patterns, exclude_list
+
+
+def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, SourceTensor]]) -> tuple[EngineGroup, ...]:
+    """One record per packed module name, the engines that build it merged."""
+    merged: dict[tuple[str, tuple[str, ...]], list[str]] = defaultdict(list)
+    for f in fusions:
+        merged[(f.name, f.members)].append(f.engine)
+    out = []
+    for (name, members), engines in sorted(merged.items()):
+        rows, pos = [], 0
+        for mod in members:
+            n = modules[mod]["weight"].shape[0]
+            rows.append((pos, pos + n))
+            pos += n
+        out.append(EngineGroup(name, tuple(sorted(set(engines))), members, tuple(rows)))
+    return tuple(out)
+
+
+@gc_paused()
+def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None,
+              recipe: Recipe | None = None) -> Plan:
+    """``patterns`` and ``recipe`` replace the collected rules and the named recipe (verify-manifest
+    re-plans with the recorded ones)."""
+    check_convertible(ckpt)
+    recipe = recipe or find_recipe(opts.recipe, m.name)
+    patterns = collect_patterns(m, opts) if patterns is None else patterns
+    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), expert_regexes(m))
+    notes: list[str] = []
+    modules = discover_sources(ckpt)
+    ctx.modules = modules
+    resolve_fusions(modules, m, ckpt.config, list(m.groups))  # any group the config says applies must be whole
+    disk = _loadable_on_disk(resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes),
+                             ctx, notes)
+    fused_on_disk = {mod for f in disk for mod in f.members}
+    fusions = [f for e, gs in _engine_groups(m).items()
+               for f in resolve_fusions(modules, m, ckpt.config, gs, e, notes)
+               if fused_on_disk.isdisjoint(f.members)]
+    notes += _not_on_disk_notes(m, opts, fusions)
+    items = build_items(ckpt, modules, disk, ctx)
+    _check_engine_layers(items, fusions, m, opts)
+    units = _units(items, fusions, ckpt)
+    units, shards = _layout_source(units, ckpt) if opts.layout == "source" else _layout(units, opts.max_shard_size)
+    warnings = list(m.unmatched(modules))
+    if (unfit := m.fits(ckpt.config)) is not None:
+        warnings.insert(0, unfit)
+    more, already = _unused_patterns([p for p in dict.fromkeys(patterns) if not ctx.used[p]], items, modules, m)
+    warnings += more
+    if already:
+        notes.append(f"{len(already)} exclusion pattern(s) name modules kept anyway (by the mapping, the recipe "
+                     f"or an earlier pattern): {', '.join(repr(p.text) for p in already[:5])}"
+                     + (" ..." if len(already) > 5 else ""))
+    return Plan(
+        mapping=m,
+        recipe=recipe,
+        options=opts,
+        patterns=tuple(patterns),
+        units=tuple(units),
+        shards=tuple(shards),
+        exclude_modules=tuple(exclude_list(items, m, recipe)),
+        warnings=tuple(warnings),
+        side_files=tuple(ckpt.side_files),
+        inputs=tuple((f, ckpt.file_sizes[f]) for f in ckpt.files),
+        layer_kinds=m.layer_kinds(ckpt.config),
+        engine_groups=_engine_records(fusions, modules),
+        notes=tuple(dict.fromkeys(notes)),
+        side_folders=tuple(ckpt.side_folders),
+        skipped_files=tuple(ckpt.skipped_files),
+    )
+
+
+def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: dict[str, dict[str, SourceTensor]],
+                    m: Mapping) -> tuple[list[str], list[rules.Pattern]]:
+    """Warnings for patterns that decided nothing, and the patterns that were not needed.
+
+    A pattern naming a module that something else already keeps (the mapping, the recipe, an earlier
+    pattern: re-using an output's own exclude list does this for every name) is no mistake: it is
+    reported once, as a plan note. Only a pattern that names nothing in the input, or names a fused
+    module instead of its source shards, gets a warning."""
+    warnings, already = [], []
+    nothing: dict[str, list[str]] = defaultdict(list)  # origin -> patterns: one line per file
+    names = set(modules)
+    for p in unused:
+        fused = [it.name for it in items if it.group and rules.matches(p.text, it.name, m.text_prefix)]
+        if fused:
+            warnings.append(f"exclusion pattern {p.text!r} ({p.origin}) names fused module {fused[0]}: exclusion "
+                            "is per source shard, name its shards instead")
+        elif _names_a_module(p.text, names, m.text_prefix):
+            already.append(p)
+        else:
+            nothing[p.origin].append(repr(p.text))
+    for origin, texts in nothing.items():
+        what = f"exclusion pattern {texts[0]}" if len(texts) == 1 else f"{len(texts)} exclusion patterns"
+        warnings.append(f"{what} ({origin}) match{'es' if len(texts) == 1 else ''} no module of the input"
+                        + (f": {', '.join(texts)}" if len(texts) > 1 else ""))
+    return warnings, already
+
+
+def _names_a_module(pattern: str, modules: set[str], text_prefix: str) -> bool:
+    if not any(c in pattern for c in "*?[") and "." in pattern:  # a plain name: a lookup, not a scan
+        bare = pattern.removesuffix(".weight")
+        return bare in modules or text_prefix + bare in modules
+    return any(rules.matches(pattern, mod, text_prefix) for mod in modules)

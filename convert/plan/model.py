@@ -1,0 +1,178 @@
+"""The plan's data: kinds, sources, items, units, shards and the plan itself."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, NamedTuple
+
+from .. import rules
+from ..mapping import Mapping
+from ..options import Options
+from ..recipe import Format, Recipe
+from ..safetensors_format import DTYPES, TensorInfo
+from ..sidefiles import Skipped
+
+if TYPE_CHECKING:
+    from .fusion import EngineGroup
+
+
+
+GROUP_SIZE = 16
+MXFP4_GROUP = 32
+
+
+class Kind(StrEnum):
+    """What an item becomes: a recipe format (``recipe.Format``, same values) or a copied tensor."""
+
+    NVFP4 = Format.NVFP4.value
+    FP8_BLOCK = Format.FP8_BLOCK.value
+    KEEP = Format.KEEP.value  # a linear layer kept in high precision
+    COPY = "copy"  # not a linear layer: copied as stored
+
+
+class Op(StrEnum):
+    """How an item's sources make its tensor."""
+
+    NONE = "none"  # one source
+    CAT = "cat"  # concatenated on dim 0
+    STACK = "stack"  # stacked on a new dim 0
+
+
+class Encoding(StrEnum):
+    """How a logical source tensor is stored."""
+
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+    FP8_BLOCK = "fp8_block"
+
+
+NVFP4, FP8, KEEP, COPY = Kind.NVFP4, Kind.FP8_BLOCK, Kind.KEEP, Kind.COPY
+QUANTIZED = (NVFP4, FP8)
+KEPT_FOR_ENGINE = "kept for the engines: "
+
+
+class SourceTensor(NamedTuple):  # a tuple: one per stored module (250,000 in the released K3)
+    """One logical source tensor: stored dense, or as MXFP4 / FP8 parts that decode to it."""
+
+    module: str
+    name: str  # logical name, e.g. "...experts.0.w1.weight"
+    encoding: Encoding
+    dtype: str  # stored dtype of the values ("MXFP4" for mxfp4)
+    shape: tuple[int, ...]  # logical shape
+    parts: tuple[TensorInfo, ...]  # stored tensors this source consumes (values first)
+
+    @property
+    def file(self) -> str:
+        return self.parts[0].file
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+class OutTensor(NamedTuple):  # a tuple: one per output tensor (a million in the released K3)
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One output module (or loose tensor) and the sources it is built from."""
+
+    name: str  # output module name (or tensor name for a copy)
+    kind: Kind
+    op: Op
+    group: str | None  # the mapping group that fused it on disk
+    sources: tuple[SourceTensor, ...]
+    outputs: tuple[OutTensor, ...]
+    rule: str  # why quantized or kept
+    input_scale: float | None = None  # nvfp4: the constant activation scale written with it
+
+    def row_ranges(self) -> list[tuple[int, int]]:
+        """Rows (dim 0) of the fused tensor each source occupies, in order."""
+        out, pos = [], 0
+        for s in self.sources:
+            n = 1 if self.op == Op.STACK else (s.shape[0] if s.shape else 1)
+            out.append((pos, pos + n))
+            pos += n
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Items computed together: one item, or stored-apart modules sharing one global scale."""
+
+    items: tuple[Item, ...]
+    shared_scale: str | None  # the engine fusion group(s) whose members share one global scale
+    shard: str = ""
+
+    @property
+    def nbytes_out(self) -> int:
+        return sum(t.nbytes for it in self.items for t in it.outputs)
+
+    @property
+    def nbytes_in(self) -> int:
+        return sum(s.nbytes for it in self.items for s in it.sources)
+
+    @property
+    def parts(self) -> list[TensorInfo]:
+        """Every stored input tensor the unit reads."""
+        return [p for it in self.items for s in it.sources for p in s.parts]
+
+
+class Placed(NamedTuple):  # a tuple: one per output tensor
+    tensor: OutTensor
+    start: int  # absolute offset in the shard file
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    file: str
+    placed: tuple[Placed, ...]
+    header: bytes  # the 8-byte length and the JSON, padded so data starts 16-byte aligned
+
+    @property
+    def size(self) -> int:
+        return self.placed[-1].end if self.placed else len(self.header)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mapping: Mapping
+    recipe: Recipe
+    options: Options
+    patterns: tuple[rules.Pattern, ...]
+    units: tuple[Unit, ...]
+    shards: tuple[Shard, ...]
+    exclude_modules: tuple[str, ...]
+    warnings: tuple[str, ...]
+    side_files: tuple[str, ...]
+    inputs: tuple[tuple[str, int], ...]  # (file, size)
+    layer_kinds: dict[int, str] = field(default_factory=dict)
+    engine_groups: tuple[EngineGroup, ...] = ()
+    notes: tuple[str, ...] = ()  # decisions worth saying (e.g. a condition decided from the tensors)
+    side_folders: tuple[str, ...] = ()  # empty input folders, recreated (sidefiles.scan)
+    skipped_files: tuple[Skipped, ...] = ()  # input files neither read nor copied, with the reason
+
+    @property
+    def items(self) -> list[Item]:
+        return [it for u in self.units for it in u.items]
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(p.end - p.start for u in self.units for it in u.items for s in it.sources for p in s.parts)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def shard_of(self) -> dict[str, str]:
+        return {p.tensor.name: s.file for s in self.shards for p in s.placed}

@@ -1,0 +1,59 @@
+"""The exclude list, the runtime aliases of a module name, the exclusion patterns."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from .. import rules
+from ..mapping import Mapping
+from ..options import Options
+from ..recipe import Recipe
+from .layout import _expert_sets
+from .model import KEEP, Item
+
+
+def exclude_list(items: list[Item], m: Mapping, recipe: Recipe) -> list[str]:
+    """The recipe's own list (if it has one) plus every kept linear module it does not already name,
+    each fused module's shards, and whole MoE expert sets."""
+    names: set[str] = set()
+    for it in items:
+        if it.kind != KEEP:
+            continue
+        names.add(it.name)
+        if it.group is not None:
+            names.update(s.module for s in it.sources)
+    names.update(p for p, idx in _expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
+    if recipe.exclude_modules is None:
+        return sorted(names)
+    listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
+    extra = sorted(n for n in names if not any(fnmatchcase(n, p) for p in recipe.exclude_modules))
+    return list(dict.fromkeys([*listed, *extra]))
+
+
+def aliases(name: str, on: bool) -> list[str]:
+    """Every spelling of a module name the engines' runtime prefixes probe (NVIDIA's converter writes
+    them all): the checkpoint name, ``block_sparse_moe`` -> ``mlp`` (SGLang's mapper), and the names
+    without ``language_model.model.`` and without ``language_model.``."""
+    if not on:
+        return [name]
+    names = {name}
+    if "block_sparse_moe" in name:
+        names.add(name.replace("block_sparse_moe", "mlp"))
+    for n in list(names):
+        if n.startswith("language_model.model."):
+            rest = n[len("language_model.model."):]
+            names.update({"model." + rest, rest})
+        elif n.startswith("language_model."):
+            names.add(n[len("language_model."):])
+    return sorted(names)
+
+
+def collect_patterns(m: Mapping, opts: Options) -> list[rules.Pattern]:
+    """The exclusion rules in force: the mapping's recipe, --exclude, --exclude-from."""
+    patterns: list[rules.Pattern] = []
+    if opts.default_excludes:
+        patterns += [rules.Pattern(r.pattern, f"default ({m.name})", r.reason) for r in m.exclude]
+    patterns += rules.from_cli(opts.exclude)
+    for f in opts.exclude_from:
+        patterns += rules.from_file(f)
+    return patterns
