@@ -198,10 +198,10 @@ class InFlight:
 def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_path, monkeypatch):
     ref = tmp_path / "ref"
     pack(tiny_k3, ref, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
-    monkeypatch.setattr(pipeline, "SLICE", 4096)
-    monkeypatch.setattr(pipeline, "READ_AHEAD", 1)
-    monkeypatch.setattr(pipeline, "MIN_IN_FLIGHT", 1)  # a tiny budget: little held, more read again
-    monkeypatch.setattr(pipeline, "EAGER_HASH", 50_000)  # file hashes: a head start, then the pipeline's bytes
+    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
+    monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
+    monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)  # a tiny budget: little held, more read again
+    monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 50_000)  # file hashes: a head start, then the pipeline's bytes
     watch = InFlight(monkeypatch)
     out = tmp_path / "sliced"
     r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False, streams=2)

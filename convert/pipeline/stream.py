@@ -1,24 +1,5 @@
-"""One worker's conversion: read -> compute -> write, the three stages overlapped.
-
-- A reader thread ``pread``s the sources of the next pieces into pooled buffers, asks the kernel to
-  start reading the piece after, and hands each buffer to the hashers: each source tensor's sha256,
-  and its file's sha256 (``hashing.FileHasher``), come from these same bytes, not a second read.
-- A compute thread runs the kernels (a pass-through slice needs nothing).
-- A writer thread ``pwrite``s the results at their planned offsets and hashes them (the shard's own
-  sha256 too, from the bytes written); a finisher thread flushes and renames each completed shard
-  while the next is written, and reports it (``on_shard``) for the journal.
-
-A worker runs several such streams on consecutive runs of its shards, in threads: a file's sha256
-is sequential (about 1-2 GB/s a core), so one stream could not hash as fast as a disk reads.
-Streams start reading and hashing before torch has loaded (about a second, more on some machines);
-the backend is made once the first pieces are in flight.
-
-A piece is a unit (a fused module, an expert's w1/w3), or a slice of at most ``SLICE`` bytes of a
-pass-through tensor, so a huge embedding streams through like the rest. A piece is read only once
-its bytes (and its outputs' estimated bytes) fit the worker's in-flight budget, shared by its
-streams, and gives them back once written and hashed: memory is bounded by that budget plus the
-file hashers' hold budget, whatever the checkpoint's size.
-"""
+"""The stream: one run of consecutive shards through a reader, a compute, a writer and a finisher
+thread, overlapped; ``run_jobs`` runs a worker's streams (the package docstring says how)."""
 
 from __future__ import annotations
 
@@ -28,98 +9,29 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import faults, write
-from .errors import ConvertError
-from .hashing import FileHasher, HoldBudget, SerialHasher, Stopped
-from .journal import ShardRecord
-from .plan import COPY, KEEP, Encoding, Shard, Unit
-from .readers import BufferPool, Loaded, PreadReader
-from .safetensors_format import TensorInfo
+from .. import faults, write
+from ..hashing import FileHasher, SerialHasher, Stopped
+from ..journal import ShardRecord
+from ..plan import Shard, Unit
+from ..readers import Loaded, PreadReader
+from .budgets import Shared, default_hash_threads, pc_cost
+from .slicing import Piece, PieceKind, pieces
 
 if TYPE_CHECKING:
     import numpy as np
 
     from kimi_convert.kernels import Backend
 
-    from .compute import Chunk
-    from .devices import Device
+    from ..compute import Chunk
+    from ..devices import Device
 
-SLICE = 64 << 20
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
 #: Bytes at the start of each stream whose file hashes do not wait for the pipeline (see _Stream).
 EAGER_HASH = 1 << 30
-#: The in-flight budget of a worker: at least this, and at least two of its largest pieces.
-MIN_IN_FLIGHT = 512 << 20
-
-
-@dataclass(frozen=True)
-class Read:
-    part: TensorInfo
-    lo: int  # byte range within the stored tensor
-    hi: int
-
-    @property
-    def file_range(self) -> tuple[int, int]:
-        return self.part.start + self.lo, self.part.start + self.hi
-
-
-class PieceKind(StrEnum):
-    COPY = "copy"  # a slice of a pass-through unit: its stored bytes are the output bytes
-    COMPUTE = "compute"  # a whole unit, computed
-
-
-@dataclass(frozen=True)
-class Piece:
-    unit: Unit
-    reads: tuple[Read, ...]
-    kind: PieceKind
-    copy_at: int  # COPY: the slice's byte offset in the output tensor (0 for COMPUTE)
-    last: bool  # the unit's last piece
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.hi - r.lo for r in self.reads)
-
-
-def is_pass_through(unit: Unit) -> bool:
-    """Output bytes = the concatenated stored bytes of its sources (nothing to compute)."""
-    return len(unit.items) == 1 and unit.items[0].kind in (KEEP, COPY) and all(
-        s.encoding == Encoding.DENSE for s in unit.items[0].sources)
-
-
-def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:
-    """The units cut into pieces: pass-through units in slices, the others whole (their reads in
-    file order, so that file hashes mostly advance without holding anything)."""
-    slice_bytes = slice_bytes or SLICE
-    out = []
-    for u in units:
-        if not is_pass_through(u):
-            reads = sorted((Read(p, 0, p.nbytes) for p in u.parts), key=lambda r: (file_order[r.part.file],
-                                                                                      r.part.start))
-            out.append(Piece(u, tuple(reads), PieceKind.COMPUTE, 0, True))
-            continue
-        cur: list[Read] = []
-        size = at = 0
-        for p in u.parts:  # every part gets a read, an empty one too (its hash is recorded)
-            take = 0
-            while True:
-                n = min(p.nbytes - take, slice_bytes - size)
-                cur.append(Read(p, take, take + n))
-                size, take = size + n, take + n
-                if size == slice_bytes:
-                    out.append(Piece(u, tuple(cur), PieceKind.COPY, at, False))
-                    at, cur, size = at + size, [], 0
-                if take >= p.nbytes:
-                    break
-        if cur:
-            out.append(Piece(u, tuple(cur), PieceKind.COPY, at, False))
-        out[-1] = Piece(u, out[-1].reads, PieceKind.COPY, out[-1].copy_at, True)
-    return out
 
 
 @dataclass
@@ -154,76 +66,6 @@ class _ShardState:
     tensors: dict[str, Future] = field(default_factory=dict)
     sources: dict[str, Future] = field(default_factory=dict)
     notes: dict[str, dict] = field(default_factory=dict)
-
-
-class ByteBudget:
-    """Bytes a worker's streams may hold in flight (read, not yet written and hashed).
-
-    A read ahead of what its stream needs next leaves ``reserve`` bytes free, which only a stream's
-    next piece may take: otherwise streams that read ahead could hold the whole budget while another
-    stream's compute waits for its first piece. A request larger than the whole budget is granted
-    when nothing else is held, so a huge piece still passes (alone)."""
-
-    def __init__(self, limit: int, stop: threading.Event, reserve: int = 0):
-        self.limit = limit
-        self.reserve = min(reserve, limit // 2)
-        self.held = 0
-        self.peak = 0  # the most ever held
-        self._cond = threading.Condition()
-        self._stop = stop
-
-    def take(self, n: int, urgent: Callable[[], bool] = lambda: True) -> None:
-        """Wait until ``n`` bytes fit; ``urgent()`` says whether they are the stream's next piece."""
-        with self._cond:
-            while self.held and self.held + n + (0 if urgent() else self.reserve) > self.limit:
-                if self._stop.is_set():
-                    raise Stopped("pack")
-                self._cond.wait(0.05)
-            self.held += n
-            self.peak = max(self.peak, self.held)
-
-    def give(self, n: int) -> None:
-        with self._cond:
-            self.held -= n
-            self._cond.notify_all()
-
-
-class Shared:
-    """What a worker's streams share: the hashing threads, the buffers, the memory budgets."""
-
-    def __init__(self, streams: list[list[Piece]], threads: int, hash_threads: int, stop: threading.Event):
-        self.stop, self.threads = stop, threads
-        self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
-        sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
-        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
-        self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
-        self.buffers = BufferPool(limit=self.in_flight.limit)
-        self._backend: Backend | None = None
-        self._lock = threading.Lock()
-        self.backend_s = 0.0
-
-    def backend(self, device: Device) -> Backend:
-        """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams."""
-        with self._lock:
-            if self._backend is None:
-                t = time.perf_counter()
-                from kimi_convert.kernels import get_backend
-
-                try:
-                    self._backend = get_backend(device, self.threads)
-                except ValueError as e:  # e.g. a CPU-only torch asked for cuda
-                    raise ConvertError(str(e)) from None
-                self.backend_s = time.perf_counter() - t
-            return self._backend
-
-    def close(self, wait: bool = True) -> None:
-        self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)
-
-
-def pc_cost(pc: Piece) -> int:
-    """A piece's bytes in flight: its sources, plus its outputs when computed (a pass-through slice
-    is written from its own buffer)."""
-    return pc.nbytes + (pc.unit.nbytes_out if pc.kind is PieceKind.COMPUTE else 0)
 
 
 def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
@@ -320,7 +162,7 @@ class _Stream:
         if self.backend is None:
             self.backend = self.shared.backend(self.device)
             t = self._clock("compute: wait for torch and the device", t)
-        from .compute import compute_unit
+        from ..compute import compute_unit
 
         res = compute_unit(pc.unit, loaded, self.backend, self.job.block)
         self._clock("compute: kernels and copies", t)
@@ -490,26 +332,10 @@ def warm_up(device: Device, threads: int) -> None:
 
         from kimi_convert.kernels import get_backend
 
-        from . import compute  # noqa: F401 - imported for its side effect: loaded now, not later
+        from .. import compute  # noqa: F401 - imported for its side effect: loaded now, not later
 
         backend = get_backend(device, threads)
         w = torch.ones((16, 32), dtype=torch.bfloat16)  # starts CUDA and loads the compiled kernels
         backend.quantize(backend.to_device(w), backend.amax(backend.to_device(w)))
     except Exception:
         pass
-
-
-def default_hash_threads(streams: int, share: int) -> int:
-    """Hashing threads of one worker: two a stream and two more, within its share of the CPUs
-    (a file's sha256 and a tensor's run one thread each; hashlib releases the GIL)."""
-    return max(2, min(2 * streams + 2, share))
-
-
-def cpu_share(cpus: int, workers: int) -> int:
-    """Each worker's share of ``cpus`` (``devices.cpus()``): for its C kernel and its hashing threads."""
-    return max(1, cpus // max(1, workers))
-
-
-def default_streams(cpus: int, workers: int = 1) -> int:
-    """Streams of one worker: one per 4 of its CPUs, 1 to 4."""
-    return max(1, min(4, cpu_share(cpus, workers) // 4))

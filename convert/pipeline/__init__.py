@@ -1,0 +1,32 @@
+"""One worker's conversion: read -> compute -> write, the three stages overlapped.
+
+- A reader thread ``pread``s the sources of the next pieces into pooled buffers, asks the kernel to
+  start reading the piece after, and hands each buffer to the hashers: each source tensor's sha256,
+  and its file's sha256 (``hashing.FileHasher``), come from these same bytes, not a second read.
+- A compute thread runs the kernels (a pass-through slice needs nothing).
+- A writer thread ``pwrite``s the results at their planned offsets and hashes them (the shard's own
+  sha256 too, from the bytes written); a finisher thread flushes and renames each completed shard
+  while the next is written, and reports it (``on_shard``) for the journal.
+
+A worker runs several such streams on consecutive runs of its shards, in threads: a file's sha256
+is sequential (about 1-2 GB/s a core), so one stream could not hash as fast as a disk reads.
+Streams start reading and hashing before torch has loaded (about a second, more on some machines);
+the backend is made once the first pieces are in flight.
+
+A piece is a unit (a fused module, an expert's w1/w3), or a slice of at most ``SLICE`` bytes of a
+pass-through tensor, so a huge embedding streams through like the rest. A piece is read only once
+its bytes (and its outputs' estimated bytes) fit the worker's in-flight budget, shared by its
+streams, and gives them back once written and hashed: memory is bounded by that budget plus the
+file hashers' hold budget, whatever the checkpoint's size.
+
+The package's modules, in the order a piece meets them: ``slicing`` (units into pieces), ``budgets``
+(what a worker's streams share and may hold), ``stream`` (the threads of one stream, ``run_jobs``).
+"""
+
+from .budgets import MIN_IN_FLIGHT, ByteBudget, Shared, cpu_share, default_hash_threads, default_streams, pc_cost
+from .slicing import SLICE, Piece, PieceKind, Read, is_pass_through, pieces
+from .stream import EAGER_HASH, READ_AHEAD, WRITE_DEPTH, Job, JobResult, _Stream, run_jobs, warm_up
+
+__all__ = ["EAGER_HASH", "MIN_IN_FLIGHT", "READ_AHEAD", "SLICE", "WRITE_DEPTH", "ByteBudget", "Job", "JobResult",
+           "Piece", "PieceKind", "Read", "Shared", "_Stream", "cpu_share", "default_hash_threads", "default_streams",
+           "is_pass_through", "pc_cost", "pieces", "run_jobs", "warm_up"]

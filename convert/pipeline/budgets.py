@@ -1,0 +1,110 @@
+"""Budgets: what a worker's streams share (the hashing threads, the buffers) and the bytes they may
+hold in flight, so memory is bounded by the budget, whatever the checkpoint's size; and the default
+counts of streams and hashing threads for a share of the CPUs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from ..errors import ConvertError
+from ..hashing import HoldBudget, Stopped
+from ..readers import BufferPool
+from .slicing import Piece, PieceKind
+
+if TYPE_CHECKING:
+    from kimi_convert.kernels import Backend
+
+    from ..devices import Device
+
+#: The in-flight budget of a worker: at least this, and at least two of its largest pieces.
+MIN_IN_FLIGHT = 512 << 20
+
+
+class ByteBudget:
+    """Bytes a worker's streams may hold in flight (read, not yet written and hashed).
+
+    A read ahead of what its stream needs next leaves ``reserve`` bytes free, which only a stream's
+    next piece may take: otherwise streams that read ahead could hold the whole budget while another
+    stream's compute waits for its first piece. A request larger than the whole budget is granted
+    when nothing else is held, so a huge piece still passes (alone)."""
+
+    def __init__(self, limit: int, stop: threading.Event, reserve: int = 0):
+        self.limit = limit
+        self.reserve = min(reserve, limit // 2)
+        self.held = 0
+        self.peak = 0  # the most ever held
+        self._cond = threading.Condition()
+        self._stop = stop
+
+    def take(self, n: int, urgent: Callable[[], bool] = lambda: True) -> None:
+        """Wait until ``n`` bytes fit; ``urgent()`` says whether they are the stream's next piece."""
+        with self._cond:
+            while self.held and self.held + n + (0 if urgent() else self.reserve) > self.limit:
+                if self._stop.is_set():
+                    raise Stopped("pack")
+                self._cond.wait(0.05)
+            self.held += n
+            self.peak = max(self.peak, self.held)
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+
+class Shared:
+    """What a worker's streams share: the hashing threads, the buffers, the memory budgets."""
+
+    def __init__(self, streams: list[list[Piece]], threads: int, hash_threads: int, stop: threading.Event):
+        self.stop, self.threads = stop, threads
+        self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
+        sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
+        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
+        self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
+        self.buffers = BufferPool(limit=self.in_flight.limit)
+        self._backend: Backend | None = None
+        self._lock = threading.Lock()
+        self.backend_s = 0.0
+
+    def backend(self, device: Device) -> Backend:
+        """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams."""
+        with self._lock:
+            if self._backend is None:
+                t = time.perf_counter()
+                from kimi_convert.kernels import get_backend
+
+                try:
+                    self._backend = get_backend(device, self.threads)
+                except ValueError as e:  # e.g. a CPU-only torch asked for cuda
+                    raise ConvertError(str(e)) from None
+                self.backend_s = time.perf_counter() - t
+            return self._backend
+
+    def close(self, wait: bool = True) -> None:
+        self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def pc_cost(pc: Piece) -> int:
+    """A piece's bytes in flight: its sources, plus its outputs when computed (a pass-through slice
+    is written from its own buffer)."""
+    return pc.nbytes + (pc.unit.nbytes_out if pc.kind is PieceKind.COMPUTE else 0)
+
+
+def default_hash_threads(streams: int, share: int) -> int:
+    """Hashing threads of one worker: two a stream and two more, within its share of the CPUs
+    (a file's sha256 and a tensor's run one thread each; hashlib releases the GIL)."""
+    return max(2, min(2 * streams + 2, share))
+
+
+def cpu_share(cpus: int, workers: int) -> int:
+    """Each worker's share of ``cpus`` (``devices.cpus()``): for its C kernel and its hashing threads."""
+    return max(1, cpus // max(1, workers))
+
+
+def default_streams(cpus: int, workers: int = 1) -> int:
+    """Streams of one worker: one per 4 of its CPUs, 1 to 4."""
+    return max(1, min(4, cpu_share(cpus, workers) // 4))

@@ -1,0 +1,78 @@
+"""Slicing: the plan's units cut into the pieces a stream reads, computes and writes one at a time
+(a unit, or a slice of at most ``SLICE`` bytes of a pass-through tensor, so a huge embedding streams
+through like the rest), each with the source reads it needs, in the order the input files lie."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ..plan import COPY, KEEP, Encoding, Unit
+from ..safetensors_format import TensorInfo
+
+SLICE = 64 << 20
+
+
+@dataclass(frozen=True)
+class Read:
+    part: TensorInfo
+    lo: int  # byte range within the stored tensor
+    hi: int
+
+    @property
+    def file_range(self) -> tuple[int, int]:
+        return self.part.start + self.lo, self.part.start + self.hi
+
+
+class PieceKind(StrEnum):
+    COPY = "copy"  # a slice of a pass-through unit: its stored bytes are the output bytes
+    COMPUTE = "compute"  # a whole unit, computed
+
+
+@dataclass(frozen=True)
+class Piece:
+    unit: Unit
+    reads: tuple[Read, ...]
+    kind: PieceKind
+    copy_at: int  # COPY: the slice's byte offset in the output tensor (0 for COMPUTE)
+    last: bool  # the unit's last piece
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.hi - r.lo for r in self.reads)
+
+
+def is_pass_through(unit: Unit) -> bool:
+    """Output bytes = the concatenated stored bytes of its sources (nothing to compute)."""
+    return len(unit.items) == 1 and unit.items[0].kind in (KEEP, COPY) and all(
+        s.encoding == Encoding.DENSE for s in unit.items[0].sources)
+
+
+def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:
+    """The units cut into pieces: pass-through units in slices, the others whole (their reads in
+    file order, so that file hashes mostly advance without holding anything)."""
+    slice_bytes = slice_bytes or SLICE
+    out = []
+    for u in units:
+        if not is_pass_through(u):
+            reads = sorted((Read(p, 0, p.nbytes) for p in u.parts), key=lambda r: (file_order[r.part.file],
+                                                                                      r.part.start))
+            out.append(Piece(u, tuple(reads), PieceKind.COMPUTE, 0, True))
+            continue
+        cur: list[Read] = []
+        size = at = 0
+        for p in u.parts:  # every part gets a read, an empty one too (its hash is recorded)
+            take = 0
+            while True:
+                n = min(p.nbytes - take, slice_bytes - size)
+                cur.append(Read(p, take, take + n))
+                size, take = size + n, take + n
+                if size == slice_bytes:
+                    out.append(Piece(u, tuple(cur), PieceKind.COPY, at, False))
+                    at, cur, size = at + size, [], 0
+                if take >= p.nbytes:
+                    break
+        if cur:
+            out.append(Piece(u, tuple(cur), PieceKind.COPY, at, False))
+        out[-1] = Piece(u, out[-1].reads, PieceKind.COPY, out[-1].copy_at, True)
+    return out
