@@ -1,4 +1,5 @@
-"""Shared fixtures: the two tiny synthetic checkpoints, written and packed once per session."""
+"""Shared fixtures: the tiny synthetic checkpoints, written and packed once per session (once per
+pytest-xdist worker); engine tests one at a time across workers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 # (with or without pytest-xdist, whose workers inherit it) and in the processes the tests start.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import fcntl
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,17 @@ def packed_kl(tiny_kl, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("out") / "kl"
     pack(tiny_kl, out, Options(), device="cpu", progress=False)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _one_engine_test_at_a_time(request, tmp_path_factory):
+    """A test marked ``engine`` loads vLLM or SGLang (several GB): under pytest-xdist, one such test runs at a
+    time across the workers (an flock in the run's temporary folder, which the workers share). The engine
+    tests are also marked ``xdist_group("engine")`` for ``--dist loadgroup``, which would keep them on one
+    worker, but pytest 9.2's node ids make pytest-xdist 3.8 ignore the group silently (pytest-xdist#1386)."""
+    if request.node.get_closest_marker("engine") is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "engine-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

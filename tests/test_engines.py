@@ -28,9 +28,9 @@ from kimi_convert.enginecheck import EngineUnavailable, find_python
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear"}
 
-# Under pytest-xdist (--dist loadgroup), this module's tests run one after another on one worker: an engine
-# check holds several GB, two at once could exceed a small CI machine's memory; the module's fixtures
-# (the packs) are then made once.
+# An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
+# --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
+# pytest-xdist honour the group; tests/conftest.py's lock runs one engine test at a time in any case.
 pytestmark = pytest.mark.xdist_group("engine")
 
 

@@ -32,10 +32,9 @@ from helpers import (
     run_process,
 )
 
-# SGLang's fused layout with its own shard size: shards of 1 MB (14 of the medium input; the source layout keeps
-# the input's files);
-# one worker and one stream, pinned: which shards a kill leaves finished depends on them (the default streams
-# follow the CPU count)
+# SGLang's fused layout with its own shard size: shards of 1 MB at most, 14 of the medium input (the source
+# layout keeps the input's files); one worker and one stream, pinned: which shards a kill leaves finished
+# depends on them (the default streams follow the CPU count)
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu",
              "--workers", "1", "--streams", "1"]
 
