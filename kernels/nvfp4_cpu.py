@@ -59,26 +59,34 @@ def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
 _LOAD_LOCK = threading.Lock()
 
 
-def load() -> ctypes.CDLL | None:
-    """The built library, or None (with one warning per process) where it cannot be built."""
-    with _LOAD_LOCK:  # pack's warm-up thread and its streams ask at once: build (and warn) once
-        return _load()
+def open_library(stem: str, what: str) -> ctypes.CDLL | None:
+    """``kernels/STEM.c`` built (or taken from the cache) and loaded, or None where it cannot be, said
+    in one line on stderr like the CLI's other warnings (a UserWarning prints a source line too).
+    Serialized: pack's warm-up thread and its streams ask at once, and each library is built once."""
+    with _LOAD_LOCK:
+        return _open_library(stem, what)
 
 
 @cache
-def _load() -> ctypes.CDLL | None:
+def _open_library(stem: str, what: str) -> ctypes.CDLL | None:
     cc = _compiler()
-    src = resources.files("kimi_convert.kernels").joinpath("nvfp4_cpu.c").read_bytes()
+    src = resources.files("kimi_convert.kernels").joinpath(f"{stem}.c").read_bytes()
     try:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or clang) on PATH")
-        lib = ctypes.CDLL(str(_build(src, cc)))
+        return ctypes.CDLL(str(_build(src, cc, stem)))
     except OSError as e:
-        # one line on stderr, like the CLI's other warnings (a UserWarning prints a source line too);
-        # load() is cached, so it is said once per process
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"kimi-convert: warning: fast CPU kernel unavailable ({reason}); using the torch reference "
-              "(same bytes, slower)", file=sys.stderr, flush=True)
+        print(f"kimi-convert: warning: {what} unavailable ({reason}); using the torch code (same bytes, slower)",
+              file=sys.stderr, flush=True)
+        return None
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The NVFP4 kernels, argument types set (None: the caller falls back to the torch reference)."""
+    lib = open_library("nvfp4_cpu", "fast CPU kernel")
+    if lib is None:
         return None
     i64, f32, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.kc_amax_bf16.argtypes = lib.kc_amax_f32.argtypes = [p, i64]

@@ -9,27 +9,19 @@ on torch's version and vector width) the torch function runs instead.
 from __future__ import annotations
 
 import ctypes
-import warnings
 from functools import cache
-from importlib import resources
 
 import torch
 
 from . import fp8_block, mxfp4_cast
-from .nvfp4_cpu import _build, _compiler, _pool, _split
+from .nvfp4_cpu import _pool, _split, open_library
 
 
 @cache
 def load() -> ctypes.CDLL | None:
-    cc = _compiler()
-    src = resources.files("kimi_convert.kernels").joinpath("recipe_cpu.c").read_bytes()
-    try:
-        if cc is None:
-            raise OSError("no C compiler (cc, gcc or clang) on PATH")
-        lib = ctypes.CDLL(str(_build(src, cc, "recipe_cpu")))
-    except OSError as e:
-        warnings.warn(f"kimi-convert: fast CPU recipe kernels unavailable ({e}); using the slower torch code",
-                      stacklevel=2)
+    """The recipe kernels, argument types set (None: the caller runs the torch code)."""
+    lib = open_library("recipe_cpu", "fast CPU recipe kernels")
+    if lib is None:
         return None
     i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
     lib.kc_cast_mxfp4.argtypes = [p, p, i64, i64, i32, i32, p, p]
