@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import gc
 import json
+import os
 import re
 import shlex
 import signal
@@ -460,7 +461,16 @@ def _expert_index(m):
 
 
 def main() -> None:
-    cli(prog_name="kimi-convert")
+    try:
+        cli(prog_name="kimi-convert")
+    except SystemExit as e:
+        if e.code != 130:
+            raise
+        # Interrupted: the pipeline has stopped, the journal and any Ray cluster are closed. The
+        # interpreter's own finalization (torch's, once imported) would take seconds more: skip it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

@@ -151,10 +151,9 @@ def test_interrupt_stops_within_two_seconds_and_resumes(medium, tmp_path, sig):
         err = first + rest
         assert p.returncode == 130, err
         assert stopped < 2.0, stopped
-        # then the interpreter's own finalization, not the tool's: with torch imported it takes ~2 s on an idle
-        # 2-core machine (`python -c "import torch"` exits that slowly too) and several under load, so the
-        # process's end is only required to come (communicate's timeout above)
-        assert exited < 30, exited
+        # the process ends at once after its message: the interpreter's finalization (seconds once torch is
+        # imported) is skipped
+        assert exited - stopped < 1.0, (stopped, exited)
         line = err.strip()
         assert len(line.splitlines()) == 1 and "interrupted" in line and "resume with:" in line, line
         assert_not_finished(out)
