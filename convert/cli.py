@@ -6,6 +6,7 @@ A user error (bad input, a bad option value, refused output folder, a rule that 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import errno
 import gc
@@ -467,7 +468,9 @@ def main() -> None:
         if e.code != 130:
             raise
         # Interrupted: the pipeline has stopped, the journal and any Ray cluster are closed. The
-        # interpreter's own finalization (torch's, once imported) would take seconds more: skip it.
+        # interpreter's own finalization (torch's module teardown, once imported) would take 2-7 s more:
+        # run the exit handlers (multiprocessing's, which free the workers' semaphores) and skip the rest.
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
