@@ -75,19 +75,13 @@ class Shared:
         with self._lock:
             if self._runner is None:
                 t = time.perf_counter()
-                from kimi_convert.devices import Device as Dev
-                from kimi_convert.kernels import get_backend
-
-                from .runner import Runner
+                from . import runner
 
                 try:
-                    backends = {"cuda": get_backend(device, self.threads)} if device.kind in ("cuda", "auto") \
-                        else {device.kind: get_backend(device, self.threads)}
-                    if device.kind == "auto":
-                        backends = {"cpu": get_backend(Dev("cpu"), self.threads), **backends}
+                    backends = runner.candidates(device, self.threads)
                 except ValueError as e:  # e.g. a CPU-only torch asked for cuda
                     raise ConvertError(str(e)) from None
-                self._runner = Runner(backends, self.buffers, block)
+                self._runner = runner.Runner(backends, self.buffers, block)
                 self.backend_s = time.perf_counter() - t
             return self._runner
 

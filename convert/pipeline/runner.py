@@ -27,10 +27,22 @@ if TYPE_CHECKING:
     from kimi_convert.kernels import Backend
 
     from ..compute import UnitResult
+    from ..devices import Device
     from ..plan import Unit
     from ..readers import BufferPool, Loaded
 
 Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer its GPU outputs are in
+
+
+def candidates(device: Device, threads: int) -> dict[str, Backend]:
+    """The backends a worker computes on, by name: one, or for ``auto`` (a GPU and the CPUs) the CPU's C
+    kernels first, then the GPU's Triton kernels."""
+    from kimi_convert.devices import Device as Dev
+    from kimi_convert.kernels import get_backend
+
+    if device.kind == "auto":
+        return {"cpu": get_backend(Dev("cpu"), threads), "cuda": get_backend(device, threads)}
+    return {"cuda" if device.kind == "cuda" else device.kind: get_backend(device, threads)}
 
 
 class Runner:
