@@ -16,6 +16,7 @@ goes back to the pool once the writer has written and hashed it.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from ..plan import Unit
     from ..readers import BufferPool, Loaded
 
+#: ``0``: leave the read buffers pageable on a GPU (to measure what page-locking them gains; same bytes)
+PIN_ENV = "KIMI_CONVERT_PIN_BUFFERS"
 Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer its GPU outputs are in
 
 
@@ -54,7 +57,7 @@ class Runner:
         self.chooser = Chooser(backends) if len(backends) > 1 else None
         self._local = threading.local()
         gpu = [b for b in backends.values() if b.device.type == "cuda"]
-        if gpu:
+        if gpu and os.environ.get(PIN_ENV, "1") != "0":
             pool.pin_with(*_pinning(gpu[0].device))
 
     @property
