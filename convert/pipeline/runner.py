@@ -93,7 +93,8 @@ class Runner:
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(b.device)
-        buf = self.pool.get(max(unit.nbytes_out, 1))
+        # the outputs' bytes, plus each read-back's alignment (64 bytes) and a page of slack
+        buf = self.pool.get(unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items))
         sink = HostSink(buf)
         token = use_sink(sink)
         try:
