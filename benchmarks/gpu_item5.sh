@@ -36,4 +36,4 @@ if [ -n "${BEFORE:-}" ]; then  # the other checkout's --device cuda, right after
     install "$HERE"
 fi
 $P --label "${LABEL:-now}" --device auto cpu 2>&1 | grep -v warning | tee -a "$OUT/pack.log"
-python3 benchmarks/gpu_unit_copies.py "$K3" --units 8 2>&1 | grep -v warning | tee "$OUT/units.log"
+[ "${UNITS:-1}" = 0 ] || python3 benchmarks/gpu_unit_copies.py "$K3" --units 8 2>&1 | grep -v warning | tee "$OUT/units.log"

@@ -133,12 +133,13 @@ def test_pool_page_locks_its_own_buffers_and_unlocks_each_before_letting_it_go()
     assert pool.get(1 << 20) is a and len(locked) == 1  # reused: locked once
     pool.put(a, reuse=False)  # referenced elsewhere: unlocked before the pool forgets it
     assert locked == {}
-    b = pool.get(6 << 20)
+    b = pool.get(12 << 20)  # locked buffers may take twice the limit (20 MB) before free ones are dropped
     pool.put(b)
-    c = pool.get((6 << 20) - (1 << 19))  # takes b again
+    c = pool.get(11 << 20)  # takes b again
     assert c is b
-    d = pool.get(5 << 20)  # over the limit with b in use: a new buffer; b given back is then dropped
-    pool.put(c)
+    d = pool.get(9 << 20)  # a new buffer (b is in use), of a size class (10 MB: 4 sizes an octave)
+    assert d.nbytes == 10 << 20
+    pool.put(c)  # 12 free + 10 in use > 20: b is dropped, and unlocked first
     assert b.ctypes.data not in locked and d.ctypes.data in locked
     pool.unpin_all()
     assert locked == {}
@@ -176,3 +177,48 @@ def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_pat
         assert c["samples"] >= choose.SAMPLES
     line = next(x for x in r.stdout.splitlines() if x.startswith("device auto"))
     assert all(k in line for k in kinds)
+
+
+def test_pool_stops_locking_without_unlocking_a_buffer_in_use():
+    locked: dict[int, int] = {}
+    pool = BufferPool(limit=64 << 20)
+    pool.pin_with(lambda b: locked.setdefault(b.ctypes.data, b.nbytes) is not None,
+                  lambda b: locked.pop(b.ctypes.data))
+    free, busy = pool.get(1 << 20), pool.get(2 << 20)
+    pool.put(free)
+    pool.pin_with(None, None)
+    assert list(locked) == [busy.ctypes.data]  # a copy may still read it: unlocked once given back
+    pool.put(busy)
+    assert locked == {} and pool.get(2 << 20) is busy  # kept, pageable
+    assert locked == {}  # and not locked again
+
+
+def test_auto_stops_page_locking_once_the_cpu_won_every_kind_of_work(tiny_k3, monkeypatch):
+    import time
+
+    import torch
+
+    from kimi_convert.kernels import Backend, get_backend
+    from kimi_convert.pipeline import runner as runner_mod
+
+    locked = set()
+    monkeypatch.setattr(runner_mod, "_pinning", lambda device: (lambda b: locked.add(id(b)) is None,
+                                                                lambda b: locked.discard(id(b))))
+    _, plan = load_plan(tiny_k3, Options())
+    cpu, gpu = get_backend("cpu"), Backend("triton", torch.device("cuda"))  # a stand-in: never run here
+    pool = BufferPool(limit=64 << 20)
+    r = runner_mod.Runner({"cpu": cpu, "cuda": gpu}, pool, (128, 128), plan.units)
+    kinds = sorted(r._decisive)
+    assert kinds and pool.get(1 << 20) is not None and locked  # locking while the GPU is a candidate
+
+    def compute(b):
+        time.sleep(0.02 if b is gpu else 0.0)  # the CPU is faster
+        return "same bytes"
+
+    for k in kinds[:-1]:
+        for _ in range(choose.SAMPLES + 1):
+            r.chooser.run(k, 1 << 20, compute, lambda a, b: True)
+    assert pool._pin is not None  # one kind still undecided: it may yet go to the GPU
+    for _ in range(choose.SAMPLES + 1):
+        r.chooser.run(kinds[-1], 1 << 20, compute, lambda a, b: True)
+    assert all(c.chosen == "cpu" for c in r.choices()) and pool._pin is None

@@ -60,6 +60,7 @@ class Shared:
 
     def __init__(self, streams: list[list[Piece]], threads: int, hash_threads: int, stop: threading.Event):
         self.stop, self.threads = stop, threads
+        self.units = [pc.unit for ps in streams for pc in ps if pc.kind is PieceKind.COMPUTE]
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
         sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
         self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
@@ -81,7 +82,7 @@ class Shared:
                     backends = runner.candidates(device, self.threads)
                 except ValueError as e:  # e.g. a CPU-only torch asked for cuda
                     raise ConvertError(str(e)) from None
-                self._runner = runner.Runner(backends, self.buffers, block)
+                self._runner = runner.Runner(backends, self.buffers, block, self.units)
                 self.backend_s = time.perf_counter() - t
             return self._runner
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import Counter
 from typing import TYPE_CHECKING
 
-from .choose import Choice, Chooser, work_kind
+from .choose import SAMPLES, Choice, Chooser, work_kind
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,13 +53,27 @@ class Runner:
     """Computes units for a worker's streams on ``backends`` (name -> backend; several: auto, the CPU
     first). Thread-safe; each calling thread gets its own CUDA stream."""
 
-    def __init__(self, backends: dict[str, Backend], pool: BufferPool, block: tuple[int, int]):
+    def __init__(self, backends: dict[str, Backend], pool: BufferPool, block: tuple[int, int],
+                 units: list[Unit] = ()):
+        """``units``: the worker's units to compute (auto: the kinds of work that will be decided)."""
         self.backends, self.pool, self.block = backends, pool, block
-        self.chooser = Chooser(backends) if len(backends) > 1 else None
+        self.chooser = Chooser(backends, on_decided=self._decided) if len(backends) > 1 else None
         self._local = threading.local()
+        counts = Counter(k for u in units if (k := work_kind(u)) is not None)
+        # kinds with units enough to be decided (a warm-up and the samples); the others run on every candidate
+        self._decisive = {k for k, n in counts.items() if n > SAMPLES}
         gpu = [b for b in backends.values() if b.device.type == "cuda"]
+        self._gpu = gpu[0] if gpu else None
         if gpu and os.environ.get(PIN_ENV, "1") != "0":
             pool.pin_with(*_pinning(gpu[0].device))
+
+    def _decided(self, _: Choice) -> None:
+        """auto: once every kind of work that can be decided is, and none went to the GPU, the read buffers
+        need not be page-locked (locking costs the reader time: benchmarks/RESULTS.md)."""
+        choices = self.chooser.choices()
+        if self._decisive <= {c.kind for c in choices} and all(self.backends[c.chosen] is not self._gpu
+                                                              for c in choices):
+            self.pool.pin_with(None, None)
 
     @property
     def name(self) -> str:
@@ -73,15 +88,33 @@ class Runner:
         kind = work_kind(unit)
         if kind is None:  # nothing to compute: the CPU "computes" it (views of the read buffers)
             return self._on(self.backends["cpu"], unit, loaded)
-        return self.chooser.run(kind, unit.nbytes_in, lambda b: self._on(b, unit, loaded), _same,
-                                discard=self.release)
+        if (b := self.chooser.decided(kind)) is not None:
+            return self._on(b, unit, loaded)
+        # calibrating: the GPU's host buffer is taken (and page-locked) before its time is taken
+        buf, used = self._sink_buffer(unit) if self._gpu is not None else None, []
+
+        def on(b: Backend) -> Computed:
+            if b is self._gpu:
+                used.append(b)
+                return self._on(b, unit, loaded, buf)
+            return self._on(b, unit, loaded)
+
+        try:
+            return self.chooser.run(kind, unit.nbytes_in, on, _same, discard=self.release)
+        finally:
+            if buf is not None and not used:
+                self.pool.put(buf)
 
     def release(self, done: Computed) -> None:
         """Give a result's sink buffer back to the pool (the writer calls it once it is written)."""
         if done[1] is not None:
             self.pool.put(done[1])
 
-    def _on(self, b: Backend, unit: Unit, loaded: Loaded) -> Computed:
+    def _sink_buffer(self, unit: Unit):
+        # the outputs' bytes, plus each read-back's alignment (64 bytes) and a page of slack
+        return self.pool.get(unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items))
+
+    def _on(self, b: Backend, unit: Unit, loaded: Loaded, buf: np.ndarray | None = None) -> Computed:
         from ..compute import compute_unit
 
         if b.device.type != "cuda":
@@ -93,8 +126,7 @@ class Runner:
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(b.device)
-        # the outputs' bytes, plus each read-back's alignment (64 bytes) and a page of slack
-        buf = self.pool.get(unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items))
+        buf = self._sink_buffer(unit) if buf is None else buf
         sink = HostSink(buf)
         token = use_sink(sink)
         try:
