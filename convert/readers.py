@@ -180,6 +180,17 @@ class BufferPool:
             free = [b for b in self._free if id(b) in self._pinned] if pin is None else []
         self._release(free)
 
+    @property
+    def pinning(self) -> bool:
+        """Whether buffers are being page-locked now."""
+        return self._pin is not None
+
+    def pinned(self, view: np.ndarray) -> bool:
+        """Whether ``view`` lies in a page-locked buffer of this pool."""
+        while view is not None and id(view) not in self._pinned:
+            view = getattr(view, "base", None)
+        return view is not None
+
     def unpin_all(self) -> None:
         """Unlock every buffer (the end of a run: no copy is in flight)."""
         with self._lock:

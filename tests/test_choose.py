@@ -222,3 +222,24 @@ def test_auto_stops_page_locking_once_the_cpu_won_every_kind_of_work(tiny_k3, mo
     for _ in range(choose.SAMPLES + 1):
         r.chooser.run(kinds[-1], 1 << 20, compute, lambda a, b: True)
     assert all(c.chosen == "cpu" for c in r.choices()) and pool._pin is None
+
+
+def test_auto_does_not_time_the_gpu_on_buffers_read_before_page_locking_began(tiny_k3, monkeypatch):
+    import torch
+
+    from kimi_convert.kernels import Backend, get_backend
+    from kimi_convert.pipeline import runner as runner_mod
+    from kimi_convert.plan import fp8_block_size
+    from kimi_convert.readers import Loaded, PreadReader
+
+    monkeypatch.setattr(runner_mod, "_pinning", lambda device: (lambda b: True, lambda b: None))
+    ckpt, plan = load_plan(tiny_k3, Options())
+    gpu = Backend("triton", torch.device("cuda"))  # a stand-in: must not be run
+    pool = BufferPool(limit=64 << 20)
+    r = runner_mod.Runner({"cpu": get_backend("cpu"), "cuda": gpu}, pool, fp8_block_size(ckpt.config), plan.units)
+    unit = next(u for u in plan.units if choose.work_kind(u))
+    reader = PreadReader(tiny_k3)
+    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})  # pageable: read before the runner existed
+    res, buf = r.compute(unit, loaded)
+    assert buf is None and res.outputs and r.chooser._kinds == {}  # the CPU's, untimed
+    reader.close()
