@@ -237,6 +237,7 @@ def test_auto_does_not_time_the_gpu_on_buffers_read_before_page_locking_began(ti
     gpu = Backend("triton", torch.device("cuda"))  # a stand-in: must not be run
     pool = BufferPool(limit=64 << 20)
     r = runner_mod.Runner({"cpu": get_backend("cpu"), "cuda": gpu}, pool, fp8_block_size(ckpt.config), plan.units)
+    pool.put(pool.get(1 << 20))  # locking works: later reads are locked
     unit = next(u for u in plan.units if choose.work_kind(u))
     reader = PreadReader(tiny_k3)
     loaded = Loaded({p.name: reader.read(p) for p in unit.parts})  # pageable: read before the runner existed

@@ -90,9 +90,11 @@ class Runner:
             return self._on(self.backends["cpu"], unit, loaded)
         if (b := self.chooser.decided(kind)) is not None:
             return self._on(b, unit, loaded)
-        if self.pool.pinning and not all(self.pool.pinned(v) for v in loaded.buffers.values()):
+        if self.pool.pinning and self.pool.pinned_bytes and not all(self.pool.pinned(v)
+                                                                     for v in loaded.buffers.values()):
             # read before page-locking began (the first pieces, while torch loaded): timing the GPU on these
-            # pageable copies would not be its steady state; the CPU computes them, untimed
+            # pageable copies would not be its steady state; the CPU computes them, untimed (where locking
+            # fails from the start, nothing is locked and the GPU is timed on pageable buffers)
             return self._on(self.backends["cpu"], unit, loaded)
         # calibrating: the GPU's host buffer is taken (and page-locked) before its time is taken
         buf, used = self._sink_buffer(unit) if self._gpu is not None else None, []
