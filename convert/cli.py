@@ -207,6 +207,12 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
+    if res.stats and res.stats.device == "auto":  # what the measurement chose, and on what (also in --stats)
+        from .pipeline.choose import Choice
+
+        chosen = "; ".join(Choice(**c).describe() for c in res.stats.device_choices)
+        click.echo("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
+                   + (chosen or "no kind of work had enough units to measure; each unit ran on both"))
 
 
 @cli.command(name="verify-manifest")

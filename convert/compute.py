@@ -8,6 +8,7 @@ high-precision tensor is never materialised, and its quantized rows are the memb
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,10 +34,47 @@ class UnitResult:
     notes: dict[str, dict] = field(default_factory=dict)  # per item: how it was produced
 
 
+class HostSink:
+    """Host memory that a unit's GPU results are copied into, asynchronously, on the current CUDA stream:
+    one synchronization a unit (``finish``) instead of one blocking copy a tensor into fresh pageable memory,
+    and DMA at full speed where ``buf`` is page-locked (the pipeline's pooled buffers are, on a GPU). A result
+    that does not fit is read back the ordinary way. The arrays ``take`` returns hold their bytes only once
+    ``finish`` has returned."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.used = buf, 0
+
+    def take(self, t: torch.Tensor) -> np.ndarray | None:
+        n = t.numel() * t.element_size()
+        start = -(-self.used // 64) * 64
+        if start + n > self.buf.nbytes:
+            return None
+        dst = self.buf[start : start + n]
+        self.used = start + n
+        if n:
+            torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+        return dst
+
+    def finish(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+
+#: The sink of the unit this thread computes (``use_sink``); GPU results are read back into it.
+_SINK: ContextVar[HostSink | None] = ContextVar("kimi_convert_sink", default=None)
+
+
+def use_sink(sink: HostSink | None):
+    """Make ``sink`` this thread's (a token for ``_SINK.reset``)."""
+    return _SINK.set(sink)
+
+
 def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's bytes as a flat uint8 array (fp8 and bf16 have no numpy dtype)."""
-    t = t.detach().contiguous().cpu()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    """A contiguous tensor's bytes on the host as a flat uint8 array (fp8 and bf16 have no numpy dtype); a
+    GPU tensor goes into this thread's ``HostSink`` when there is one."""
+    t = t.detach().contiguous()
+    if t.device.type == "cuda" and (sink := _SINK.get()) is not None and (out := sink.take(t)) is not None:
+        return out
+    return t.cpu().reshape(-1).view(torch.uint8).numpy()
 
 
 def decode(src: SourceTensor, reader: TensorSource, block: tuple[int, int], backend: Backend) -> torch.Tensor:

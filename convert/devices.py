@@ -49,9 +49,10 @@ _DEVICE = re.compile(r"^(auto|cpu|reference|triton|cuda)(?::(\d+))?$")
 @dataclass(frozen=True)
 class Device:
     """A resolved ``--device``: ``cpu`` (the C kernel), ``cuda`` (the Triton kernel on a GPU),
-    ``reference`` (the torch code) or ``triton`` (the Triton kernel; on the CPU under
-    TRITON_INTERPRET=1). ``index``: cuda's GPU; None: the workers spread over every visible GPU (one
-    backend alone: the current GPU)."""
+    ``auto`` (a GPU and the CPUs both usable: a pipeline measures which is faster for each kind of work,
+    ``pipeline.choose``; anything else uses the GPU), ``reference`` (the torch code) or ``triton`` (the
+    Triton kernel; on the CPU under TRITON_INTERPRET=1). ``index``: cuda's (or auto's) GPU; None: the
+    workers spread over every visible GPU (one backend alone: the current GPU)."""
 
     kind: str
     index: int | None = None
@@ -76,12 +77,13 @@ def valid(text: str) -> str:
 
 def resolve_device(text: str | Device) -> Device:
     """The one reading of ``--device``: ``cuda[:N]`` needs that GPU visible to the CUDA driver and a
-    CUDA build of torch; ``auto`` is ``cuda`` where that holds, else ``cpu``."""
+    CUDA build of torch; ``auto`` stays ``auto`` where that holds (the GPU or the CPUs, whichever a
+    measurement finds faster: ``pipeline.choose``), else it is ``cpu``."""
     if isinstance(text, Device):
         return text
     kind, index = _parse(text)
     if kind == "auto":
-        return Device("cuda" if gpu_count() and torch_has_cuda() else "cpu")
+        return Device("auto" if gpu_count() and torch_has_cuda() else "cpu")
     if kind == "cuda":
         n = gpu_count()
         if n == 0:
@@ -94,13 +96,14 @@ def resolve_device(text: str | Device) -> Device:
 
 
 def worker_devices(device: str | Device, workers: int | None) -> list[Device]:
-    """One device per worker: ``cuda`` spreads workers over every visible GPU (one each by
-    default), ``cuda:N`` puts them all on GPU N, the CPU backends give every worker the CPU."""
+    """One device per worker: ``cuda`` (and ``auto`` with a GPU) spreads workers over every visible
+    GPU (one each by default), ``cuda:N`` puts them all on GPU N, the CPU backends give every worker
+    the CPU."""
     device = resolve_device(device)
-    if device.kind != "cuda" or device.index is not None:
+    if device.kind not in ("cuda", "auto") or device.index is not None:
         return [device] * (workers or 1)
     n = gpu_count()
-    return [Device("cuda", k % n) for k in range(workers or n)]
+    return [Device(device.kind, k % n) for k in range(workers or n)]
 
 
 def cpus() -> int:

@@ -13,7 +13,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import configs, devices, journal, pipeline, write
@@ -58,6 +58,11 @@ class PackStats:
     stages_s: dict[str, float]  # seconds per stage, summed over streams (stages of a stream overlap)
     in_flight_peak: int  # the most source and output bytes a worker held at once
     in_flight_limit: int  # a worker's budget for them
+    device: str = ""  # what the workers computed on (``auto``: a GPU or the CPUs by kind of work, measured)
+    device_choices: list[dict] = field(default_factory=list)  # auto: per kind of work, the choice and the
+    #                   seconds per GB each candidate took on the run's first units of it (each worker's)
+    pinned_bytes: int = 0  # read buffers page-locked for the GPU (summed over workers)
+    pin_s: float = 0.0  # seconds spent page-locking them
 
 
 def load_plan(input_dir: str | os.PathLike, opts: Options) -> tuple[Checkpoint, Plan]:
@@ -160,9 +165,24 @@ def pack(
                       stages_s={k: round(sum(r.stages.get(k, 0.0) for r in results), 3)
                                 for k in sorted({k for r in results for k in r.stages})},
                       in_flight_peak=max((r.in_flight_peak for r in results), default=0),
-                      in_flight_limit=max((r.in_flight_limit for r in results), default=0))
+                      in_flight_limit=max((r.in_flight_limit for r in results), default=0),
+                      **_device_stats(results))
     return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
                       cast_blocks=sum(n["blocks"] for n in cast), cast_lossless=sum(n["lossless_blocks"] for n in cast))
+
+
+def _device_stats(results: list[pipeline.JobResult]) -> dict:
+    """The device fields of PackStats from the streams' results (a worker's streams share its device,
+    its choices and its buffers, so each worker counts once)."""
+    workers: dict[tuple, pipeline.JobResult] = {}
+    for r in results:
+        workers.setdefault((r.device, r.pinned_bytes, r.pin_s, repr(r.choices)), r)
+    one = list(workers.values())
+    choices = []
+    for r in one:
+        choices += [c for c in r.choices if c not in choices]
+    return {"device": ", ".join(sorted({r.device for r in one if r.device})), "device_choices": choices,
+            "pinned_bytes": sum(r.pinned_bytes for r in one), "pin_s": round(sum(r.pin_s for r in one), 3)}
 
 
 def startup_readahead() -> int:

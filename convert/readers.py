@@ -7,7 +7,9 @@ import contextlib
 import mmap
 import os
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -151,28 +153,75 @@ class BufferPool:
     ``put`` takes it back, and free buffers are dropped (the largest first) while free and in-use
     buffers together exceed ``limit`` bytes.
 
-    Buffers are pageable, also for a GPU: page-locked ones copy to the GPU 7x faster, but over a
-    whole pack that is well under the disk's time (measured, benchmarks/RESULTS.md), and torch's
-    page-locked allocator keeps every block it ever made (peak memory grew with the checkpoint)."""
+    For a GPU, ``pin_with`` page-locks the pool's own buffers (``cudaHostRegister``: they copy to and
+    from the GPU by DMA, about 7x faster than pageable memory) as they are handed out, and unlocks each
+    before the pool lets it go: the locked memory is the pool's, bounded by ``limit`` (torch's
+    page-locked allocator, tried before, keeps every block it ever made)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._free: list[np.ndarray] = []
         self._in_use = 0
         self._lock = threading.Lock()
+        self._pin: Callable[[np.ndarray], bool] | None = None
+        self._unpin: Callable[[np.ndarray], None] | None = None
+        self._pinned: dict[int, np.ndarray] = {}  # id -> buffer, for the buffers page-locked now
+        self.pin_s = 0.0  # seconds spent page-locking
+        self.pinned_bytes = 0  # bytes page-locked, over the run
+
+    def pin_with(self, pin: Callable[[np.ndarray], bool] | None, unpin: Callable[[np.ndarray], None] | None) -> None:
+        """Page-lock buffers from now on with ``pin`` (False: it could not; not retried for that buffer),
+        released with ``unpin``; ``None``: stop: the free buffers are unlocked now, those in use (a copy
+        may still be reading one) as they come back."""
+        with self._lock:
+            if pin is not None:
+                self._unpin = unpin
+            self._pin = pin
+            free = [b for b in self._free if id(b) in self._pinned] if pin is None else []
+        self._release(free)
+
+    @property
+    def pinning(self) -> bool:
+        """Whether buffers are being page-locked now."""
+        return self._pin is not None
+
+    def pinned(self, view: np.ndarray) -> bool:
+        """Whether ``view`` lies in a page-locked buffer of this pool."""
+        while view is not None and id(view) not in self._pinned:
+            view = getattr(view, "base", None)
+        return view is not None
+
+    def unpin_all(self) -> None:
+        """Unlock every buffer (the end of a run: no copy is in flight)."""
+        with self._lock:
+            bufs = list(self._pinned.values())
+        self._release(bufs)
 
     def get(self, n: int) -> np.ndarray:
         import numpy as np
 
         with self._lock:
+            buf = None
             for i, b in enumerate(self._free):  # sorted by size: the first that fits is the smallest
                 if n <= b.nbytes <= 2 * n + (1 << 20):  # not a large buffer for a small read
-                    self._in_use += b.nbytes
-                    return self._free.pop(i)
-            buf = np.empty(max(n, 1), dtype=np.uint8)
+                    buf = self._free.pop(i)
+                    break
+            if buf is not None and self._pin is not None and not _mapped(buf):
+                buf = None  # made before page-locking began: replaced by a buffer of its own pages
+            if buf is None:
+                buf = _mapped_empty(_size_class(n)) if self._pin is not None else np.empty(max(n, 1), dtype=np.uint8)
             self._in_use += buf.nbytes
-            self._trim()
-            return buf
+            dropped = self._trim()
+            pin = self._pin if id(buf) not in self._pinned and _mapped(buf) else None
+        self._release(dropped)
+        if pin is not None:  # outside the lock: locking a large buffer takes milliseconds
+            t = time.perf_counter()
+            if pin(buf):
+                with self._lock:
+                    self._pinned[id(buf)] = buf
+                    self.pinned_bytes += buf.nbytes
+            self.pin_s += time.perf_counter() - t
+        return buf
 
     def put(self, buf: np.ndarray, reuse: bool = True) -> None:
         """Give ``buf`` back (``reuse=False``: it stays referenced elsewhere, only count it out)."""
@@ -181,11 +230,48 @@ class BufferPool:
             if reuse:
                 self._free.append(buf)
                 self._free.sort(key=lambda b: b.nbytes)
-            self._trim()
+            # not reused, or locked after locking stopped: unlocked (a buffer kept is kept pageable)
+            dropped = self._trim() + ([] if reuse and self._pin is not None else [buf])
+        self._release(dropped)
 
-    def _trim(self) -> None:
-        while self._free and self._in_use + sum(b.nbytes for b in self._free) > self.limit:
-            self._free.pop()
+    def _trim(self) -> list[np.ndarray]:
+        """Drop free buffers over the limit (with the lock held); returns them, to unlock. Page-locked
+        buffers may take twice the limit: with the in-flight budget full, a pool held to it would drop
+        every buffer given back, and locking a new one costs more than the read into it (measured:
+        5.2 GB locked over a 14.6 GB pack, 3.5 s, benchmarks/RESULTS.md)."""
+        limit = self.limit * (2 if self._pin is not None else 1)
+        dropped = []
+        while self._free and self._in_use + sum(b.nbytes for b in self._free) > limit:
+            dropped.append(self._free.pop())
+        return dropped
+
+    def _release(self, bufs: list[np.ndarray]) -> None:
+        """Unlock the page-locked ones among buffers the pool lets go (before their memory can be freed)."""
+        with self._lock:
+            locked = [b for b in bufs if self._pinned.pop(id(b), None) is not None]
+            unpin = self._unpin
+        for b in locked:
+            if unpin is not None:
+                unpin(b)
+
+
+def _size_class(n: int) -> int:
+    """``n`` rounded up to 4 sizes an octave (at most 25% more), so that page-locked buffers of
+    pieces of about the same size are interchangeable; whole pages."""
+    step = max(4096, 1 << max(0, n.bit_length() - 3))
+    return max(4096, -(-n // step) * step)
+
+
+def _mapped_empty(n: int) -> np.ndarray:
+    """A buffer of whole pages of its own (an anonymous mapping): page-locking it cannot overlap another
+    buffer's pages, and unmapping it (when the last view goes) frees exactly what was locked."""
+    import numpy as np
+
+    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+
+
+def _mapped(buf: np.ndarray) -> bool:
+    return isinstance(getattr(buf.base, "obj", None), mmap.mmap)
 
 
 class Loaded:

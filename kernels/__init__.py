@@ -37,7 +37,10 @@ class Backend:
     threads: int = 1  # the C kernel's threads (cpu)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
+        """``t`` on the backend's device; to a GPU asynchronously (page-locked buffers are then copied by DMA
+        while the host goes on): a caller keeps ``t``'s memory alive until the stream has synchronized, which
+        every read-back of a result (``.cpu()``, ``.item()``, ``compute.HostSink.finish``) does."""
+        return t.to(self.device, non_blocking=self.device.type == "cuda")
 
     def amax(self, w: torch.Tensor) -> torch.Tensor:
         """fp32 amax of |w| on the device; NaN or inf when w holds a NaN or an Inf (callers reject it)."""
@@ -134,6 +137,7 @@ def get_backend(device: Device | str = "auto", threads: int | None = None) -> Ba
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         return Backend("triton", torch.device("cpu" if interpret or not torch.cuda.is_available() else "cuda"),
                        threads)
+    # cuda, and auto's GPU (a pipeline measures the CPU against it: pipeline.choose)
     if not torch.cuda.is_available():  # cuda: resolve_device saw the GPU; torch must be able to start it
         raise ValueError(f"--device {device}: torch sees no CUDA device")
     return Backend("triton", torch.device("cuda", device.index), threads)

@@ -36,9 +36,10 @@ MX_GROUP = 32
 
 
 def k_max(scale: torch.Tensor) -> int:
-    """Largest block exponent over blocks whose E8M0 byte is non-zero (0 when there is none)."""
-    nz = scale[scale > 0]
-    return int(nz.max()) - E8M0_BIAS if nz.numel() else 0
+    """Largest block exponent over blocks whose E8M0 byte is non-zero (0 when there is none): the bytes are
+    unsigned, so that is the largest byte whenever it is not 0 (one reduction, no masked copy)."""
+    top = int(scale.max()) if scale.numel() else 0
+    return top - E8M0_BIAS if top else 0
 
 
 @dataclass(frozen=True)

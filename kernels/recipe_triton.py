@@ -280,8 +280,8 @@ def cast(packed: torch.Tensor, scale: torch.Tensor, shared_k_max: int, own_k_max
     if rows and kb:
         with _INTERPRETER:
             launch_cast(p2, s2d, out, sb, count, own, shared_k_max)
-    s2 = torch.tensor(2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32,
-                      device=packed.device).reshape(())
+    # made on the device (a fill), not copied there: no host-to-device copy to wait for
+    s2 = torch.full((), 2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32, device=packed.device)
     lead = packed.shape[:-1]
     return (out.reshape(packed.shape), sb.view(torch.float8_e4m3fn).reshape(*lead, 2 * kb), s2,
             mxfp4_cast.CastStats(scale.numel(), int(count.item())))

@@ -173,10 +173,10 @@ class InFlight:
             return res
 
         def watch_compute(stream, pc, loaded):
-            outputs, notes = compute(stream, pc, loaded)
+            outputs, notes, release = compute(stream, pc, loaded)
             if pc.copy_at is None:  # a computed piece: its outputs are new bytes (a slice is written from its read)
                 self._add(id(pc), sum(nbytes(cs) for cs in outputs.values()))
-            return outputs, notes
+            return outputs, notes, release
 
         def watch_store(stream, pc, *args):
             try:
@@ -335,14 +335,14 @@ def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
             resolve_device("cuda")
         (pkg / "lib" / "libtorch_cuda.so").write_bytes(b"")
         devices.torch_has_cuda.cache_clear()
-        assert resolve_device("auto") == Device("cuda")
+        assert resolve_device("auto") == Device("auto")  # a GPU and the CPUs: the pipeline measures both
         assert resolve_device("cuda:1") == Device("cuda", 1)
         with pytest.raises(ConvertError, match="--device cuda:2: only 2 CUDA device"):
             resolve_device("cuda:2")
         assert devices.worker_devices("cuda", None) == [Device("cuda", 0), Device("cuda", 1)]
         assert devices.worker_devices("cuda:1", 3) == [Device("cuda", 1)] * 3
         assert devices.worker_devices("cuda", 3) == [Device("cuda", 0), Device("cuda", 1), Device("cuda", 0)]
-        assert devices.worker_devices("auto", None) == [Device("cuda", 0), Device("cuda", 1)]
+        assert devices.worker_devices("auto", None) == [Device("auto", 0), Device("auto", 1)]
     finally:
         devices.torch_has_cuda.cache_clear()
 
@@ -373,7 +373,7 @@ def test_resolve_device_reads_every_accepted_value_and_refuses_the_rest(monkeypa
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
     monkeypatch.setattr(devices, "torch_has_cuda", lambda: True)
     assert resolve_device("cuda:0") == Device("cuda", 0) and resolve_device("cuda") == Device("cuda")
-    assert resolve_device("auto") == Device("cuda")
+    assert resolve_device("auto") == Device("auto")
     with pytest.raises(ConvertError, match="--device cuda:1: only 1 CUDA device"):
         resolve_device("cuda:1")
 

@@ -16,9 +16,8 @@ from ..readers import BufferPool
 from .slicing import Piece, PieceKind
 
 if TYPE_CHECKING:
-    from kimi_convert.kernels import Backend
-
     from ..devices import Device
+    from .runner import Runner
 
 #: The in-flight budget of a worker: at least this, and at least two of its largest pieces.
 MIN_IN_FLIGHT = 512 << 20
@@ -61,31 +60,39 @@ class Shared:
 
     def __init__(self, streams: list[list[Piece]], threads: int, hash_threads: int, stop: threading.Event):
         self.stop, self.threads = stop, threads
+        self.units = [pc.unit for ps in streams for pc in ps if pc.kind is PieceKind.COMPUTE]
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
         sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
         self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
         self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
         self.buffers = BufferPool(limit=self.in_flight.limit)
-        self._backend: Backend | None = None
+        self._runner: Runner | None = None
         self._lock = threading.Lock()
         self.backend_s = 0.0
 
-    def backend(self, device: Device) -> Backend:
-        """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams."""
+    def runner(self, device: Device, block: tuple[int, int]) -> Runner:
+        """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams:
+        ``auto`` (a GPU and the CPUs) gets both backends, the CPU first, and measures which is faster."""
         with self._lock:
-            if self._backend is None:
+            if self._runner is None:
                 t = time.perf_counter()
-                from kimi_convert.kernels import get_backend
+                from . import runner
 
                 try:
-                    self._backend = get_backend(device, self.threads)
+                    backends = runner.candidates(device, self.threads)
                 except ValueError as e:  # e.g. a CPU-only torch asked for cuda
                     raise ConvertError(str(e)) from None
+                self._runner = runner.Runner(backends, self.buffers, block, self.units)
                 self.backend_s = time.perf_counter() - t
-            return self._backend
+            return self._runner
+
+    def runner_made(self) -> Runner | None:
+        """The runner, if a stream made it (one that only copies never does)."""
+        return self._runner
 
     def close(self, wait: bool = True) -> None:
         self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.buffers.unpin_all()
 
 
 def pc_cost(pc: Piece) -> int:

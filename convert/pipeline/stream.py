@@ -3,6 +3,7 @@ thread, overlapped; ``run_jobs`` runs a worker's streams (the package docstring 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import defaultdict, deque
@@ -23,10 +24,9 @@ from .slicing import Piece, PieceKind, pieces
 if TYPE_CHECKING:
     import numpy as np
 
-    from kimi_convert.kernels import Backend
-
     from ..compute import Chunk
     from ..devices import Device
+    from .runner import Runner
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
@@ -56,6 +56,10 @@ class JobResult:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (threads of one stream)
     in_flight_peak: int = 0  # its worker's most bytes in flight at once
     in_flight_limit: int = 0  # its worker's budget
+    device: str = ""  # what its worker computed on: cpu, cuda, auto (then ``choices``), ...
+    choices: list[dict] = field(default_factory=list)  # auto: its worker's decision per kind of work
+    pinned_bytes: int = 0  # its worker's read buffers page-locked for the GPU
+    pin_s: float = 0.0  # and the seconds that took
 
 
 @dataclass
@@ -112,7 +116,7 @@ class _Stream:
             self.units_per_shard[u.shard] += 1
         self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
-        self.backend: Backend | None = None
+        self.runner: Runner | None = None
         self.seconds: dict[str, float] = defaultdict(float)  # time each stage spent, for --stats
 
     def _clock(self, key: str, since: float) -> float:
@@ -154,27 +158,29 @@ class _Stream:
         return Loaded(bufs), feeds, digests, None if held else base
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
-    def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict]]:
+    def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict], Callable[[], None]]:
+        """The piece's outputs, notes, and what to call once they are written (gives a GPU unit's
+        host buffer back to the pool)."""
         if pc.kind is PieceKind.COPY:
             name = pc.unit.items[0].outputs[0].name
-            return {name: list(loaded.buffers.values())}, {}
+            return {name: list(loaded.buffers.values())}, {}, _nothing
         t = time.perf_counter()
-        if self.backend is None:
-            self.backend = self.shared.backend(self.device)
+        if self.runner is None:
+            self.runner = self.shared.runner(self.device, self.job.block)
             t = self._clock("compute: wait for torch and the device", t)
-        from ..compute import compute_unit
-
-        res = compute_unit(pc.unit, loaded, self.backend, self.job.block)
+        done = self.runner.compute(pc.unit, loaded)
         self._clock("compute: kernels and copies", t)
-        return {n: o.chunks for n, o in res.outputs.items()}, res.notes
+        res, runner = done[0], self.runner
+        return {n: o.chunks for n, o in res.outputs.items()}, res.notes, lambda: runner.release(done)
 
     # -- write stage (writer thread) --------------------------------------------------------------
-    def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
-              digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
+    def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], release: Callable[[], None],
+              feeds: list[Future], digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
               finishing: list[Future]) -> None:
         try:
             self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
         finally:
+            release()
             self.shared.in_flight.give(pc_cost(pc))
 
     def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
@@ -252,11 +258,11 @@ class _Stream:
                 self._clock("compute: wait for the reader", t)
                 if i + READ_AHEAD < len(self.pieces):
                     loading.append(reads.submit(self.load, i + READ_AHEAD))
-                outputs, notes = self.compute(pc, loaded)
+                outputs, notes, release = self.compute(pc, loaded)
                 del loaded
-                writing.append(writes.submit(self.store, pc, outputs, notes, feeds, digests, base, finisher,
-                                             finishing))
-                del outputs, base
+                writing.append(writes.submit(self.store, pc, outputs, notes, release, feeds, digests, base,
+                                             finisher, finishing))
+                del outputs, base, release
                 t = time.perf_counter()
                 while len(writing) > WRITE_DEPTH or (writing and writing[0].done()):
                     writing.popleft().result()
@@ -282,6 +288,10 @@ class _Stream:
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _raise_failed(futs: list[Future]) -> None:
@@ -317,9 +327,13 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     finally:
         pool.shutdown(wait=True)
         shared.close(wait=not stop.is_set())
+    runner = shared.runner_made()
     for r in results:
         r.backend_s = shared.backend_s
         r.in_flight_peak, r.in_flight_limit = shared.in_flight.peak, shared.in_flight.limit
+        r.device = runner.name if runner else str(device)
+        r.choices = [dataclasses.asdict(c) for c in runner.choices()] if runner else []
+        r.pinned_bytes, r.pin_s = shared.buffers.pinned_bytes, round(shared.buffers.pin_s, 3)
     return results
 
 
@@ -333,9 +347,11 @@ def warm_up(device: Device, threads: int) -> None:
         from kimi_convert.kernels import get_backend
 
         from .. import compute  # noqa: F401 - imported for its side effect: loaded now, not later
+        from ..devices import Device as Dev
 
-        backend = get_backend(device, threads)
-        w = torch.ones((16, 32), dtype=torch.bfloat16)  # starts CUDA and loads the compiled kernels
-        backend.quantize(backend.to_device(w), backend.amax(backend.to_device(w)))
+        for d in [device, Dev("cpu")] if device.kind == "auto" else [device]:  # auto: both candidates
+            backend = get_backend(d, threads)
+            w = torch.ones((16, 32), dtype=torch.bfloat16)  # starts CUDA and loads the compiled kernels
+            backend.quantize(backend.to_device(w), backend.amax(backend.to_device(w)))
     except Exception:
         pass
