@@ -57,6 +57,7 @@ def stages(src: Path) -> None:
     from collections import defaultdict
 
     import kimi_convert.plan as P
+    import kimi_convert.plan.make as M
     from kimi_convert.checkpoint import open_checkpoint
     from kimi_convert.cli import render_plan
     from kimi_convert.manifest import plan_json
@@ -74,9 +75,11 @@ def stages(src: Path) -> None:
                 spent[name] += time.process_time() - t0
         return wrapper
 
-    for name in ("discover_sources", "resolve_fusions", "_loadable_on_disk", "build_items", "_check_engine_layers",
-                 "_units", "_layout_source", "_layout", "exclude_list", "_engine_records", "_unmatched"):
-        setattr(P, name, timed(name, getattr(P, name)))
+    for name in ("check_convertible", "discover_sources", "resolve_fusions", "_loadable_on_disk", "build_items",
+                 "_check_engine_layers", "_units", "_layout_source", "_layout", "exclude_list", "_engine_records",
+                 "_unused_patterns"):
+        if hasattr(M, name):  # the functions make_plan calls, timed where it calls them
+            setattr(M, name, timed(name, getattr(M, name)))
     rows = []
     t0 = time.process_time()
     ckpt = open_checkpoint(src)
