@@ -118,11 +118,13 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     """Print what pack would do, without reading tensor data."""
+    from .checkpoint import gc_paused
     from .manifest import plan_json
     from .pack import load_plan
 
-    _, p = load_plan(input_dir, opts, banked=not as_json)
-    gc.freeze()  # the plan (a few million objects for the released K3) lives until exit: out of the collector's walks
+    with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
+        _, p = load_plan(input_dir, opts, banked=not as_json)
+        gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     if as_json:  # json.dumps({**plan_dict(p), **side_dict(p)}, indent=2), in pieces (680 MB for the released K3)
         from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
 

@@ -10,6 +10,7 @@ from ..checkpoint import Checkpoint, gc_paused
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe
+from .banks import bank_outline, find_banks
 from .decide import _Context
 from .discover import check_convertible, discover_sources
 from .fusion import (
@@ -22,7 +23,6 @@ from .fusion import (
     resolve_fusions,
 )
 from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items, expert_regexes
-from .banks import bank_outline, find_banks
 from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
