@@ -128,10 +128,12 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     if as_json:  # json.dumps({**plan_dict(p), **side_dict(p)}, indent=2), in pieces (680 MB for the released K3)
         from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
 
-        pieces = list(plan_json(p))
-        pieces[-1] = pieces[-1].rstrip().removesuffix("}").rstrip()
-        for piece in pieces:
-            click.echo(piece, nl=False)
+        last = None  # written as made (not held: 680 MB), the last one without its closing brace
+        for piece in plan_json(p):
+            if last is not None:
+                click.echo(last, nl=False)
+            last = piece
+        click.echo(last.rstrip().removesuffix("}").rstrip(), nl=False)
         for k, v in side_dict(p).items():
             click.echo(f",\n  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "), nl=False)
         click.echo("\n}")
