@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_plan_scale import CASES, _input
+from test_plan_scale import CASES, _input, plan_options
 
 from helpers import rewrite_tensors, run
 from kimi_convert.synth import write_synth
@@ -23,12 +23,9 @@ LAYER1 = "language_model.model.layers.1.block_sparse_moe.experts"
 
 
 def _plans(ck: Path, args: list[str]):
-    from kimi_convert.cli import cli
-    from kimi_convert.options import Options
     from kimi_convert.pack import load_plan
 
-    params = cli.commands["plan"].make_context("plan", [str(ck), *args]).params
-    opts = Options.from_cli({k: params[k] for k in Options.__dataclass_fields__})
+    opts = plan_options(ck, args)
     return load_plan(ck, opts, banked=True)[1], load_plan(ck, opts)[1]
 
 

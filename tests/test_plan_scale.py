@@ -41,6 +41,18 @@ def _input(root: Path, preset: str, over: dict) -> Path:
     return path
 
 
+def plan_options(ck: Path, args: list[str]):
+    """The Options ``plan CK ARGS`` parses. Its context is made under the group's, as the command line
+    makes it: click caches a command's help option from the first context made for it, and one made
+    without the group's ``-h`` would leave ``plan -h`` unknown to the rest of this process."""
+    from kimi_convert.cli import cli
+    from kimi_convert.options import Options
+
+    with cli.make_context("kimi-convert", ["plan"]) as group:
+        params = cli.commands["plan"].make_context("plan", [str(ck), *args], parent=group).params
+    return Options.from_cli({k: params[k] for k in Options.__dataclass_fields__})
+
+
 def _plan_json(ck: Path, args: list[str]) -> str:
     r = run("plan", ck, "--json", *args)
     assert r.code == 0, r.stderr
@@ -55,16 +67,12 @@ def inputs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case,preset,over,args", CASES, ids=[c[0] for c in CASES])
 def test_templated_plan_json_is_json_dumps_of_the_plan(case, preset, over, args, inputs):
     from kimi_convert.manifest import plan_dict, plan_json, side_dict
-    from kimi_convert.options import Options
     from kimi_convert.pack import load_plan
 
     ck = _input(inputs, preset, over)
     got = _plan_json(ck, args)
     # the same plan in-process (options parsed by the command itself), rendered the plain way
-    from kimi_convert.cli import cli
-    params = cli.commands["plan"].make_context("plan", [str(ck), *args]).params
-    opts = Options.from_cli({k: params[k] for k in Options.__dataclass_fields__})
-    _, p = load_plan(ck, opts)
+    _, p = load_plan(ck, plan_options(ck, args))
     assert got == json.dumps({**plan_dict(p), **side_dict(p)}, indent=2) + "\n", case
     assert "".join(plan_json(p)) == json.dumps(plan_dict(p), indent=2)
 
