@@ -139,3 +139,26 @@ def test_plan_of_the_full_sparse_k3(k3_full):
     assert r.code == 0, r.stderr
     assert "totals: 247296 NVFP4 modules" in r.stdout and "in 96 shard(s)" in r.stdout
     assert len(r.stdout.splitlines()) < 20_000  # routed experts shown as banks
+
+
+def test_plan_of_the_full_sparse_k3_is_planned_by_bank(k3_full):
+    """The text plan of the release's layout plans a bank per layer and file (a layer's experts span two
+    shards in most layers; the expert cut by the shard boundary is planned module by module), not 247,296
+    expert modules, and never makes the per-module plan (which --json and pack make)."""
+    from kimi_convert.cli import render_plan
+    from kimi_convert.options import Options
+    from kimi_convert.pack import load_plan
+
+    _, p = load_plan(k3_full, Options(), banked=True)
+    text = render_plan(p, str(k3_full))
+    banks = p.outline.banks
+    layers: dict[str, list[int]] = {}
+    for lead, experts in banks.items():
+        layers.setdefault(lead.split(".experts.")[0], []).extend(experts)
+    assert len(layers) == 92
+    for experts in layers.values():  # no expert in two banks; at most the one cut by a boundary in none
+        assert len(experts) == len(set(experts)) and len(set(range(896)) - set(experts)) <= 1
+    assert len(banks) < 2 * 92
+    assert p.outline.kinds["nvfp4"] == 247_296 and p.outline.shards == 96
+    assert "totals: 247296 NVFP4 modules" in text and "in 96 shard(s)" in text
+    assert "_modules" not in p.__dict__
