@@ -51,12 +51,15 @@ def run(args: list[str], out: Path, env: dict) -> tuple[float, float, int, int]:
 
 
 def stages(src: Path) -> None:
-    """CPU seconds of each stage, in this process: reading the headers, make_plan's steps (each plan.py
-    function make_plan calls, timed where it is called), the text rendering and the JSON."""
+    """CPU seconds of each stage, in this process: reading the headers, the banked plan's steps (what
+    ``plan`` runs: each function make_plan calls, timed where it is called), the text rendering, then the
+    module-by-module plan made on first use (what ``plan --json`` and ``pack`` run) and the JSON."""
     import functools
+    import gc
     from collections import defaultdict
 
     import kimi_convert.plan as P
+    import kimi_convert.plan.make as M
     from kimi_convert.checkpoint import open_checkpoint
     from kimi_convert.cli import render_plan
     from kimi_convert.manifest import plan_json
@@ -74,21 +77,25 @@ def stages(src: Path) -> None:
                 spent[name] += time.process_time() - t0
         return wrapper
 
-    for name in ("discover_sources", "resolve_fusions", "_loadable_on_disk", "build_items", "_check_engine_layers",
-                 "_units", "_layout_source", "_layout", "exclude_list", "_engine_records", "_unmatched"):
-        setattr(P, name, timed(name, getattr(P, name)))
+    for name in ("check_convertible", "find_banks", "bank_outline", "exclude_list"):
+        setattr(M, name, timed(name, getattr(M, name)))
+    gc.disable()  # as the command runs (gc paused, then frozen)
     rows = []
     t0 = time.process_time()
     ckpt = open_checkpoint(src)
     rows.append(("open_checkpoint (index, 96 headers)", time.process_time() - t0))
     t0 = time.process_time()
-    plan = P.make_plan(ckpt, find_mapping(ckpt.config), P.Options())
+    plan = P.make_plan(ckpt, find_mapping(ckpt.config), P.Options(), banked=True)
     total = time.process_time() - t0
-    rows += [(f"make_plan: {k}", v) for k, v in spent.items()]
-    rows.append(("make_plan: the rest", total - sum(spent.values())))
+    rows += [(f"make_plan (banked): {k}", v) for k, v in spent.items()]
+    rows.append(("make_plan (banked): the stages on the banks' first experts, the rest", total - sum(spent.values())))
     t0 = time.process_time()
     render_plan(plan, str(src))
-    rows.append(("text rendering (render_plan)", time.process_time() - t0))
+    rows.append(("text rendering (render_plan, the outline)", time.process_time() - t0))
+    t0 = time.process_time()
+    n_units = len(plan.units)
+    rows.append((f"module-by-module plan, made on first use ({n_units} units; plan --json, pack)",
+                 time.process_time() - t0))
     t0 = time.process_time()
     n = sum(len(x) for x in plan_json(plan))
     rows.append((f"JSON ({n / 1e6:.0f} MB, plan_json)", time.process_time() - t0))

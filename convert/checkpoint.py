@@ -106,10 +106,10 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
     for rel, path in shard_paths.items():
         sizes[rel] = path.stat().st_size
         found, _meta = parse_header(path, rel)
-        # checked in bulk (the released K3 has 500,000 names); a fault is found and named by the loop below
-        if found.keys().isdisjoint(tensors.keys()) and (
-            weight_map is None or all(map(eq, map(weight_map.get, found), repeat(rel)))
-        ):
+        # checked in bulk (the released K3 has 500,000 names); a fault is found and named by the loop below.
+        # With an index, every name listed for this file is in no other (it was listed for that one).
+        if (found.keys().isdisjoint(tensors.keys()) if weight_map is None
+                else all(map(eq, map(weight_map.get, found), repeat(rel)))):
             tensors.update(found)
             continue
         for name, info in found.items():

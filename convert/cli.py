@@ -120,18 +120,22 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     """Print what pack would do, without reading tensor data."""
+    from .checkpoint import gc_paused
     from .manifest import plan_json
     from .pack import load_plan
 
-    _, p = load_plan(input_dir, opts)
-    gc.freeze()  # the plan (a few million objects for the released K3) lives until exit: out of the collector's walks
+    with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
+        _, p = load_plan(input_dir, opts, banked=not as_json)
+        gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     if as_json:  # json.dumps({**plan_dict(p), **side_dict(p)}, indent=2), in pieces (680 MB for the released K3)
         from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
 
-        pieces = list(plan_json(p))
-        pieces[-1] = pieces[-1].rstrip().removesuffix("}").rstrip()
-        for piece in pieces:
-            click.echo(piece, nl=False)
+        last = None  # written as made (not held: 680 MB), the last one without its closing brace
+        for piece in plan_json(p):
+            if last is not None:
+                click.echo(last, nl=False)
+            last = piece
+        click.echo(last.rstrip().removesuffix("}").rstrip(), nl=False)
         for k, v in side_dict(p).items():
             click.echo(f",\n  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "), nl=False)
         click.echo("\n}")
@@ -352,7 +356,8 @@ def render_plan(p: Plan, input_dir: str) -> str:
     """Every module with its decision and sources; a MoE layer's routed experts as banks: the experts whose
     lines differ only in their index are one entry (the index written {e}, then which experts). ``--json``
     lists every module (the released K3: 250,000 modules, a million lines of text)."""
-    shard_of = p.shard_of() if any(not u.shard for u in p.units) else None
+    o = p.outline
+    shard_of = p.shard_of() if any(not u.shard for u in o.units) else None
     lines: list[str | _Bank] = [
         f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
         f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
@@ -360,7 +365,7 @@ def render_plan(p: Plan, input_dir: str) -> str:
         *(f"note: {n}" for n in p.notes), ""]
     expert = _expert_index(p.mapping)
     banks: dict[tuple[str, ...], _Bank] = {}
-    for u in p.units:
+    for u in o.units:
         for it in u.items:
             shard = shard_of[it.outputs[0].name] if shard_of else u.shard
             where = expert(it.name)
@@ -380,20 +385,20 @@ def render_plan(p: Plan, input_dir: str) -> str:
                 item = _item_lines(it, u.shared_scale, shard)
                 bank = banks[key] = _Bank(tuple(x.replace(tag, norm) for x in item))
                 lines.append(bank)
-            bank.experts.append(int(where[1]))
-    if p.engine_groups:
+            bank.experts += o.experts(*where)
+    if o.engine_groups:
         lines += ["", "engine packed modules (stored apart; quantized members share one global scale):"]
-        for g in p.engine_groups:
+        for g in o.engine_groups:
             rows = ", ".join(f"{mod.rsplit('.', 1)[-1]} {a}:{b}" for mod, (a, b) in zip(g.members, g.rows, strict=True))
-            _add(lines, banks, [f"  {g.name} [{', '.join(g.engines)}]: {rows}"], expert(g.members[0]))
+            _add(lines, banks, [f"  {g.name} [{', '.join(g.engines)}]: {rows}"], expert(g.members[0]), o)
     lines = [x for line in lines for x in (line.lines() if isinstance(line, _Bank) else (line,))]
-    t = {k: sum(i.kind == k for i in p.items) for k in Kind}
+    t = o.kinds
     lines += [
         "",
         f"totals: {t['nvfp4']} NVFP4 modules, {t['fp8-block']} block FP8 modules, {t['keep']} kept linear modules, "
         f"{t['copy']} tensors copied",
-        f"bytes in {p.bytes_in} ({_mb(p.bytes_in)}), bytes out {p.bytes_out} ({_mb(p.bytes_out)}) "
-        f"in {len(p.shards)} shard(s)",
+        f"bytes in {o.bytes_in} ({_mb(o.bytes_in)}), bytes out {o.bytes_out} ({_mb(o.bytes_out)}) "
+        f"in {o.shards} shard(s)",
         f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",
     ]
     from .sidefiles import render  # side files (convert/sidefiles.py)
@@ -435,7 +440,7 @@ class _Bank:
                               f"({n} module{'s' if n > 1 else ''})", *self.text[1:]]
 
 
-def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | None) -> None:
+def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | None, o) -> None:
     if expert is None:
         lines += item
         return
@@ -445,7 +450,7 @@ def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | No
     if bank is None:
         bank = banks[key] = _Bank(key[1:])
         lines.append(bank)
-    bank.experts.append(int(e))
+    bank.experts += o.experts(prefix, e)
 
 
 def _expert_index(m):

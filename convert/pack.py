@@ -65,14 +65,14 @@ class PackStats:
     pin_s: float = 0.0  # seconds spent page-locking them
 
 
-def load_plan(input_dir: str | os.PathLike, opts: Options) -> tuple[Checkpoint, Plan]:
+def load_plan(input_dir: str | os.PathLike, opts: Options, banked: bool = False) -> tuple[Checkpoint, Plan]:
     """``opts.mapping``: the table (default: chosen from config.json); ``opts.strict``: a plan warning
     (a mapping entry or exclusion pattern that names nothing, a mapping for another architecture) is
-    an error, before any work."""
+    an error, before any work. ``banked``: see make_plan (for a caller that needs the outline only)."""
     ckpt = open_checkpoint(input_dir)
     m = find_mapping(ckpt.config, opts.mapping)
     try:
-        plan = make_plan(ckpt, m, opts)
+        plan = make_plan(ckpt, m, opts, banked=banked)
     except ConvertError as e:
         unfit = m.fits(ckpt.config)
         raise (ConvertError(f"{e} (note: {unfit})") if unfit else e) from None

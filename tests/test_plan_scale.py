@@ -41,6 +41,18 @@ def _input(root: Path, preset: str, over: dict) -> Path:
     return path
 
 
+def plan_options(ck: Path, args: list[str]):
+    """The Options ``plan CK ARGS`` parses. Its context is made under the group's, as the command line
+    makes it: click caches a command's help option from the first context made for it, and one made
+    without the group's ``-h`` would leave ``plan -h`` unknown to the rest of this process."""
+    from kimi_convert.cli import cli
+    from kimi_convert.options import Options
+
+    with cli.make_context("kimi-convert", ["plan"]) as group:
+        params = cli.commands["plan"].make_context("plan", [str(ck), *args], parent=group).params
+    return Options.from_cli({k: params[k] for k in Options.__dataclass_fields__})
+
+
 def _plan_json(ck: Path, args: list[str]) -> str:
     r = run("plan", ck, "--json", *args)
     assert r.code == 0, r.stderr
@@ -55,16 +67,12 @@ def inputs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case,preset,over,args", CASES, ids=[c[0] for c in CASES])
 def test_templated_plan_json_is_json_dumps_of_the_plan(case, preset, over, args, inputs):
     from kimi_convert.manifest import plan_dict, plan_json, side_dict
-    from kimi_convert.options import Options
     from kimi_convert.pack import load_plan
 
     ck = _input(inputs, preset, over)
     got = _plan_json(ck, args)
     # the same plan in-process (options parsed by the command itself), rendered the plain way
-    from kimi_convert.cli import cli
-    params = cli.commands["plan"].make_context("plan", [str(ck), *args]).params
-    opts = Options.from_cli({k: params[k] for k in Options.__dataclass_fields__})
-    _, p = load_plan(ck, opts)
+    _, p = load_plan(ck, plan_options(ck, args))
     assert got == json.dumps({**plan_dict(p), **side_dict(p)}, indent=2) + "\n", case
     assert "".join(plan_json(p)) == json.dumps(plan_dict(p), indent=2)
 
@@ -131,3 +139,26 @@ def test_plan_of_the_full_sparse_k3(k3_full):
     assert r.code == 0, r.stderr
     assert "totals: 247296 NVFP4 modules" in r.stdout and "in 96 shard(s)" in r.stdout
     assert len(r.stdout.splitlines()) < 20_000  # routed experts shown as banks
+
+
+def test_plan_of_the_full_sparse_k3_is_planned_by_bank(k3_full):
+    """The text plan of the release's layout plans a bank per layer and file (a layer's experts span two
+    shards in most layers; the expert cut by the shard boundary is planned module by module), not 247,296
+    expert modules, and never makes the per-module plan (which --json and pack make)."""
+    from kimi_convert.cli import render_plan
+    from kimi_convert.options import Options
+    from kimi_convert.pack import load_plan
+
+    _, p = load_plan(k3_full, Options(), banked=True)
+    text = render_plan(p, str(k3_full))
+    banks = p.outline.banks
+    layers: dict[str, list[int]] = {}
+    for lead, experts in banks.items():
+        layers.setdefault(lead.split(".experts.")[0], []).extend(experts)
+    assert len(layers) == 92
+    for experts in layers.values():  # no expert in two banks; at most the one cut by a boundary in none
+        assert len(experts) == len(set(experts)) and len(set(range(896)) - set(experts)) <= 1
+    assert len(banks) < 2 * 92
+    assert p.outline.kinds["nvfp4"] == 247_296 and p.outline.shards == 96
+    assert "totals: 247296 NVFP4 modules" in text and "in 96 shard(s)" in text
+    assert "_modules" not in p.__dict__

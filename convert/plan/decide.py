@@ -47,11 +47,9 @@ class _Context:
         glob in force can tell two expert indices apart (what is decided for one expert then holds for
         all); None for any other module, or when some glob can (``--exclude '*.experts.1?.*'``)."""
         if self.template_rx is None:
-            m, rec = self.m, self.recipe
-            globs = [*m.linear, *m.not_linear, *(r.pattern for r in m.keep), *(r.pattern for r in m.restrict),
-                     *(g for r in rec.rules for g in r.modules), *(p.text for p in self.patterns)]
             self.template_rx = ([re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.[^.]+")
-                                 for t in m.expert_sets] if all(map(_index_blind, globs)) else [])
+                                 for t in self.m.expert_sets] if index_blind_rules(self.m, self.recipe, self.patterns)
+                                else [])
         if not self.template_rx:
             return None
         short = self.m.strip(module)
@@ -62,6 +60,14 @@ class _Context:
                 off = len(module) - len(short)
                 return f"{module[:off + a]}#{module[off + b:]}"
         return None
+
+
+def index_blind_rules(m: Mapping, recipe: Recipe, patterns: list[rules.Pattern]) -> bool:
+    """Whether no glob in force (the mapping's, the recipe's, the exclusion rules) can tell two expert
+    indices apart: then what is decided for one routed expert holds for every expert of its layer."""
+    globs = [*m.linear, *m.not_linear, *(r.pattern for r in m.keep), *(r.pattern for r in m.restrict),
+             *(g for r in recipe.rules for g in r.modules), *(p.text for p in patterns)]
+    return all(map(_index_blind, globs))
 
 
 def _index_blind(glob: str) -> bool:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from .. import rules
 from ..checkpoint import Checkpoint, gc_paused
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe
+from .banks import bank_outline, find_banks
 from .decide import _Context
 from .discover import check_convertible, discover_sources
 from .fusion import (
@@ -21,7 +23,7 @@ from .fusion import (
     resolve_fusions,
 )
 from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items, expert_regexes
-from .model import Item, Plan, SourceTensor
+from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
 
@@ -41,14 +43,74 @@ def _engine_records(fusions: list[Fused], modules: dict[str, dict[str, SourceTen
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """What the stages make of one set of headers (the whole input, or its banks' first experts)."""
+
+    items: list[Item]
+    units: list[Unit]
+    shards: list[Shard]
+    engine_groups: tuple[EngineGroup, ...]
+    warnings: list[str]
+    notes: list[str]
+
+
 @gc_paused()
 def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None,
-              recipe: Recipe | None = None) -> Plan:
+              recipe: Recipe | None = None, *, banked: bool = False) -> Plan:
     """``patterns`` and ``recipe`` replace the collected rules and the named recipe (verify-manifest
-    re-plans with the recorded ones)."""
+    re-plans with the recorded ones). ``banked``: plan each bank of alike routed experts once (banks.py)
+    and make the module-by-module plan only when asked for (``plan`` prints the outline alone); the
+    same plan either way."""
     check_convertible(ckpt)
     recipe = recipe or find_recipe(opts.recipe, m.name)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
+    found = find_banks(ckpt, m, recipe, opts, patterns) if banked else None
+    if found is not None:
+        reduced, banks = found
+        st = _stages(reduced, m, opts, patterns, recipe)
+        outline = bank_outline(st.units, st.engine_groups, banks, ckpt)
+        if outline is not None:
+            def per_module() -> PerModule:
+                with gc_paused():
+                    full = _stages(ckpt, m, opts, patterns, recipe)
+                return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
+
+            return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, banks.members),
+                         per_module, lambda _: outline)
+    st = _stages(ckpt, m, opts, patterns, recipe)
+    per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
+    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe), lambda: per, _outline)
+
+
+def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern], recipe: Recipe, st: _Staged,
+          exclude: list[str], per_module, outline_of) -> Plan:
+    return Plan(
+        mapping=m,
+        recipe=recipe,
+        options=opts,
+        patterns=tuple(patterns),
+        exclude_modules=tuple(exclude),
+        warnings=tuple(st.warnings),
+        side_files=tuple(ckpt.side_files),
+        inputs=tuple((f, ckpt.file_sizes[f]) for f in ckpt.files),
+        per_module=per_module,
+        outline_of=outline_of,
+        layer_kinds=m.layer_kinds(ckpt.config),
+        notes=tuple(dict.fromkeys(st.notes)),
+        side_folders=tuple(ckpt.side_folders),
+        skipped_files=tuple(ckpt.skipped_files),
+    )
+
+
+def _outline(plan: Plan) -> Outline:
+    """The outline of a plan made module by module: every module its own entry."""
+    items = plan.items
+    return Outline(plan.units, plan.engine_groups, {}, {k: sum(it.kind == k for it in items) for k in Kind},
+                   plan.bytes_in, plan.bytes_out, len(plan.shards))
+
+
+def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern], recipe: Recipe) -> _Staged:
     ctx = _Context(m, recipe, opts, patterns, defaultdict(int), expert_regexes(m))
     notes: list[str] = []
     modules = discover_sources(ckpt)
@@ -74,23 +136,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
         notes.append(f"{len(already)} exclusion pattern(s) name modules kept anyway (by the mapping, the recipe "
                      f"or an earlier pattern): {', '.join(repr(p.text) for p in already[:5])}"
                      + (" ..." if len(already) > 5 else ""))
-    return Plan(
-        mapping=m,
-        recipe=recipe,
-        options=opts,
-        patterns=tuple(patterns),
-        units=tuple(units),
-        shards=tuple(shards),
-        exclude_modules=tuple(exclude_list(items, m, recipe)),
-        warnings=tuple(warnings),
-        side_files=tuple(ckpt.side_files),
-        inputs=tuple((f, ckpt.file_sizes[f]) for f in ckpt.files),
-        layer_kinds=m.layer_kinds(ckpt.config),
-        engine_groups=_engine_records(fusions, modules),
-        notes=tuple(dict.fromkeys(notes)),
-        side_folders=tuple(ckpt.side_folders),
-        skipped_files=tuple(ckpt.skipped_files),
-    )
+    return _Staged(items, units, shards, _engine_records(fusions, modules), warnings, notes)
 
 
 def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: dict[str, dict[str, SourceTensor]],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple
@@ -144,23 +146,74 @@ class Shard:
         return self.placed[-1].end if self.placed else len(self.header)
 
 
+@dataclass(frozen=True, slots=True)
+class PerModule:
+    """The plan module by module: every unit, every shard with its header, every engine packed module."""
+
+    units: tuple[Unit, ...]
+    shards: tuple[Shard, ...]
+    engine_groups: tuple[EngineGroup, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Outline:
+    """The plan with each bank of routed experts as one entry (what ``plan`` prints): a layer's experts
+    stored alike (same tensors, dtypes, shapes, file; decided alike because no rule in force can tell
+    their indices apart) are planned once, for the first of them, which stands for the bank."""
+
+    units: tuple[Unit, ...]  # a bank's units are its first expert's
+    engine_groups: tuple[EngineGroup, ...]
+    banks: dict[str, tuple[int, ...]]  # a bank's first expert ("...experts.3") -> the bank's expert indices
+    kinds: dict[Kind, int]  # modules (tensors, for copies) of each kind, banks counted in full
+    bytes_in: int
+    bytes_out: int
+    shards: int
+
+    def experts(self, prefix: str, index: str) -> tuple[int, ...]:
+        """The expert indices that ``prefix.index`` stands for (itself alone unless it leads a bank)."""
+        return self.banks.get(f"{prefix}.{index}") or (int(index),)
+
+
 @dataclass(frozen=True)
 class Plan:
+    """The plan. ``per_module`` makes the module-by-module plan (units, shards, engine packed modules)
+    on first use: ``plan`` without --json prints the ``outline`` alone (banks of experts), and never makes
+    the released K3's million per-expert objects."""
+
     mapping: Mapping
     recipe: Recipe
     options: Options
     patterns: tuple[rules.Pattern, ...]
-    units: tuple[Unit, ...]
-    shards: tuple[Shard, ...]
     exclude_modules: tuple[str, ...]
     warnings: tuple[str, ...]
     side_files: tuple[str, ...]
     inputs: tuple[tuple[str, int], ...]  # (file, size)
+    per_module: Callable[[], PerModule] = field(repr=False, compare=False)
+    outline_of: Callable[[Plan], Outline] = field(repr=False, compare=False)
     layer_kinds: dict[int, str] = field(default_factory=dict)
-    engine_groups: tuple[EngineGroup, ...] = ()
     notes: tuple[str, ...] = ()  # decisions worth saying (e.g. a condition decided from the tensors)
     side_folders: tuple[str, ...] = ()  # empty input folders, recreated (sidefiles.scan)
     skipped_files: tuple[Skipped, ...] = ()  # input files neither read nor copied, with the reason
+
+    @functools.cached_property
+    def _modules(self) -> PerModule:
+        return self.per_module()
+
+    @functools.cached_property
+    def outline(self) -> Outline:
+        return self.outline_of(self)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        return self._modules.units
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        return self._modules.shards
+
+    @property
+    def engine_groups(self) -> tuple[EngineGroup, ...]:
+        return self._modules.engine_groups
 
     @property
     def items(self) -> list[Item]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
 from .. import rules
@@ -12,14 +13,16 @@ from .layout import _expert_sets
 from .model import KEEP, Item
 
 
-def exclude_list(items: list[Item], m: Mapping, recipe: Recipe) -> list[str]:
+def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
+                 members: Callable[[str], Iterable[str]] | None = None) -> list[str]:
     """The recipe's own list (if it has one) plus every kept linear module it does not already name,
-    each fused module's shards, and whole MoE expert sets."""
+    each fused module's shards, and whole MoE expert sets. ``members``: the modules an item's module
+    stands for (a bank's first expert: every expert of the bank, banks.py)."""
     names: set[str] = set()
     for it in items:
         if it.kind != KEEP:
             continue
-        names.add(it.name)
+        names.update(members(it.name) if members else (it.name,))
         if it.group is not None:
             names.update(s.module for s in it.sources)
     names.update(p for p, idx in _expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
