@@ -23,7 +23,7 @@ from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
-from .manifest import FORMAT, load_manifest, plan_dict, plan_hash
+from .manifest import FORMAT, RecordsReader, is_v3, iter_modules, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
 from .options import Options
 from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
@@ -88,72 +88,197 @@ def verify(output: str | Path, input_dir: str | Path | None = None, *, full: boo
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Modules:
+    """What the module-level checks need from the module records, gathered as the records stream by:
+    row-range problems, each module's kind (MoE experts folded per layer: their bank's kinds), and
+    the tensors' count and bytes. Bounded by the number of non-expert modules, not of tensors."""
+
+    problems: list[str] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)  # module -> kind, MoE experts excepted
+    experts: dict[str, set[str]] = field(default_factory=dict)  # MoE layer's experts -> their kinds
+    tensors: int = 0
+    nbytes: int = 0
+
+    def add(self, where: str, m: dict) -> None:
+        self.problems += _row_problems(where, m)
+        if m["kind"] != Kind.COPY:
+            if ".experts." in m["name"]:
+                self.experts.setdefault(m["name"].rsplit(".", 2)[0], set()).add(m["kind"])
+            else:
+                self.kinds[m["name"]] = m["kind"]
+        self.tensors += len(m["tensors"])
+        self.nbytes += sum(_nbytes(t) for t in m["tensors"])
+
+    def merge(self, other: _Modules) -> None:
+        self.problems += other.problems
+        self.kinds.update(other.kinds)
+        for k, v in other.experts.items():
+            self.experts.setdefault(k, set()).update(v)
+        self.tensors += other.tensors
+        self.nbytes += other.nbytes
+
+
+@dataclass
+class _ShardCheck:
+    file_problems: list[str] = field(default_factory=list)
+    tensor_problems: list[str] = field(default_factory=list)
+    index_problems: list[str] = field(default_factory=list)
+    indexed: int = 0  # the shard's tensors the index lists in this shard
+    modules: _Modules = field(default_factory=_Modules)
+
+
 def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
-    tensors = {t["name"]: t for m in man["modules"] for t in m["tensors"]}
-    by_file: dict[str, dict[str, dict]] = {}
-    for t in tensors.values():
-        by_file.setdefault(t["file"], {})[t["name"]] = t
+    """Each shard is one job: its header, its bytes hashed (the file's and each tensor's sha256), and
+    its module records (a version 3 manifest: its records file, streamed) compared with them. So
+    what is held at once is a few shards' tensors, never the whole model's."""
+    v3 = is_v3(man)
     shards = {f["file"]: f for f in man["outputs"]}
     others = {f["file"]: f for f in man.get("files", [])}
     problems: list[str] = _side_records(man, others)
-    headers: dict[str, dict] = {}
-    for name in shards:
-        path = output / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-            continue
-        try:
-            headers[name], _ = parse_header(path, name)
-        except ConvertError as e:
-            problems.append(str(e))
+    index_problems: list[str] = []
+    index = _read_json(output / INDEX_NAME, index_problems)
+    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else {}
+    records, by_file, mods = {}, {}, _Modules()
+    if v3:
+        records = {e["shard"]: e for e in man["records"]}
+        problems += [f"manifest.json: no records file for shard {f}" for f in shards if f not in records]
+        problems += [f"manifest.json: records file {e['file']} for {f}, which is not among its outputs"
+                     for f, e in records.items() if f not in shards]
+    else:  # every module in manifest.json (versions 1 and 2): grouped by the file of each tensor
+        for i, m in enumerate(man["modules"]):
+            mods.add(f"manifest.json module {i}", m)
+            for t in m["tensors"]:
+                by_file.setdefault(t["file"], {})[t["name"]] = (f"manifest.json module {i}", t)
+        problems += [f"manifest.json: tensors name file {f}, which is not among its outputs"
+                     for f in by_file if f not in shards]
     for name in others:
         if not (output / name).is_file():
             problems.append(f"{name}: missing")
     problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
                  if not (output / d).is_dir()]
+    present = [n for n in [*shards, *others] if (output / n).is_file()]
     if total:
-        total(sum((output / n).stat().st_size for n in [*headers, *others] if (output / n).is_file()))
+        total(sum((output / n).stat().st_size for n in present))
 
-    def job(name: str):
-        ranges = {t: (i.start, i.end) for t, i in headers[name].items()} if name in headers else {}
-        return name, hash_file(output / name, ranges, progress)
-    names = [n for n in [*headers, *others] if (output / n).is_file()]
+    def job(name: str) -> tuple[str, _ShardCheck | tuple]:
+        if name not in shards:
+            return name, hash_file(output / name, {}, progress)
+        listed = (lambda: iter(by_file.get(name, {}).values())) if not v3 else None
+        return name, _check_shard(output, name, shards[name], records.get(name), listed, weight_map, progress)
+
+    checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = dict(pool.map(job, names))
-    for name, rec in {**shards, **others}.items():
-        if name not in results:
-            continue
-        sha, size, _ = results[name]
-        if size != rec["size"]:
-            problems.append(f"{name}: size {size}, manifest says {rec['size']}")
-        if sha != rec["sha256"]:
-            problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
-    rep.check("files: present, sizes and sha256", problems, f"{len(shards)} shards, {len(others)} other files")
-
-    problems = []
-    for fname, header in headers.items():
-        listed = by_file.get(fname, {})
-        for tname, info in header.items():
-            t = listed.get(tname)
-            if t is None:
-                problems.append(f"{fname}: tensor {tname} is not in the manifest")
-                continue
-            if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
-                problems.append(f"{fname}: tensor {tname} is {info.dtype}{list(info.shape)}, "
-                                f"manifest says {t['dtype']}{t['shape']}")
-            if results[fname][2][tname] != t["sha256"]:
-                problems.append(f"{fname}: tensor {tname}: bytes do not match the manifest's sha256")
-        for tname in listed:
-            if tname not in header:
-                problems.append(f"{fname}: tensor {tname} (in the manifest) is missing")
-    for fname in by_file:
-        if fname not in shards:
-            problems.append(f"manifest.json: tensors name file {fname}, which is not among its outputs")
-    rep.check("tensors: names, dtypes, shapes and sha256", problems, f"{len(tensors)} tensors")
-    _check_index(output, man, by_file, rep)
+        for name, res in pool.map(job, [*shards, *others]):
+            if isinstance(res, _ShardCheck):
+                checked[name] = res
+            elif name in present:
+                _compare_file(name, res[0], res[1], others[name], problems)
+    for c in checked.values():
+        mods.merge(c.modules)
+    problems += [p for c in checked.values() for p in c.file_problems]
+    rep.check("files: present, sizes and sha256", problems,
+              f"{len(shards)} shards, {len(others)} other files" + (f", {len(records)} records files" if v3 else ""))
+    rep.check("tensors: names, dtypes, shapes and sha256", [p for c in checked.values() for p in c.tensor_problems],
+              f"{mods.tensors} tensors")
+    if index is not None:
+        index_problems += [p for c in checked.values() for p in c.index_problems]
+        indexed = sum(c.indexed for c in checked.values())
+        if indexed != len(weight_map):
+            index_problems += _index_extras(output, man, weight_map)
+        got = index.get("metadata", {}).get("total_size") if isinstance(index, dict) else None
+        if got != mods.nbytes:
+            index_problems.append(f"{INDEX_NAME}: total_size {got}, tensors hold {mods.nbytes}")
+    rep.check("index: weight_map and total_size", index_problems)
     _check_configs(output, man, rep)
-    _check_row_ranges(man, rep)
-    _check_engine_rules(man, rep)
+    rep.check("fused modules: row ranges tile the fused tensors", mods.problems)
+    _check_engine_rules(man, mods, rep)
+
+
+def _compare_file(name: str, sha: str, size: int, rec: dict, problems: list[str]) -> None:
+    if size != rec["size"]:
+        problems.append(f"{name}: size {size}, manifest says {rec['size']}")
+    if sha != rec["sha256"]:
+        problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
+
+
+def _check_shard(output: Path, name: str, rec: dict, records: dict | None, listed, weight_map: dict[str, str],
+                 progress) -> _ShardCheck:
+    """One shard: its bytes against ``rec`` (size, sha256), its tensors against its module records:
+    ``records`` (its records file's listing, version 3) or ``listed()`` ((where, tensor) pairs from
+    manifest.json, versions 1 and 2); each tensor's entry in the index too."""
+    c = _ShardCheck()
+    path = output / name
+    if not path.is_file():
+        c.file_problems.append(f"{name}: missing")
+        header = None
+    else:
+        try:
+            header, _ = parse_header(path, name)
+        except ConvertError as e:
+            c.file_problems.append(str(e))
+            header = None
+    hashes: dict[str, str] = {}
+    if header is not None:
+        sha, size, hashes = hash_file(path, {t: (i.start, i.end) for t, i in header.items()}, progress)
+        _compare_file(name, sha, size, rec, c.file_problems)
+    seen: set[str] = set()
+    for where, t in (_record_tensors(output, name, records, c) if records is not None else listed()):
+        seen.add(t["name"])
+        _check_tensor(name, where, t, header, hashes, c.tensor_problems)
+        got = weight_map.get(t["name"])
+        if got == t["file"]:
+            c.indexed += 1
+        elif got is None:
+            c.index_problems.append(f"{INDEX_NAME}: does not list {t['name']}")
+        else:
+            c.index_problems.append(f"{INDEX_NAME}: {t['name']} in {got}, manifest says {t['file']}")
+    for tname in header or {}:
+        if tname not in seen:
+            c.tensor_problems.append(f"{name}: tensor {tname} is not in the manifest"
+                                     + (f" ({records['file']} has no record of it)" if records else ""))
+    return c
+
+
+def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck):
+    """The tensors of a shard's records file, each with the line it is on; the file's own problems
+    (missing, truncated, edited, a malformed record) go to ``c``; its modules to ``c.modules``."""
+    reader = RecordsReader(output, entry)
+    for where, m in reader:
+        try:
+            c.modules.add(where, m)
+            for t in m["tensors"]:
+                if t["file"] != shard:
+                    c.tensor_problems.append(f"{where}: tensor {t['name']} names file {t['file']}, "
+                                             f"but the records are {shard}'s")
+                    continue
+                yield where, t
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            c.file_problems.append(f"{where}: malformed record ({type(e).__name__}: {e})")
+            return
+    c.file_problems += reader.problems
+
+
+def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: dict[str, str],
+                  problems: list[str]) -> None:
+    if header is None:
+        return
+    info = header.get(t["name"])
+    if info is None:
+        problems.append(f"{fname}: tensor {t['name']} (in the manifest, {where}) is missing")
+        return
+    if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
+        problems.append(f"{fname}: tensor {t['name']} is {info.dtype}{list(info.shape)}, "
+                        f"manifest says {t['dtype']}{t['shape']} ({where})")
+    if hashes[t["name"]] != t["sha256"]:
+        problems.append(f"{fname}: tensor {t['name']}: bytes do not match the manifest's sha256 ({where})")
+
+
+def _index_extras(output: Path, man: dict, weight_map: dict[str, str]) -> list[str]:
+    """The index names tensors no module record has (only when the counts say so: this second pass
+    over the records holds every tensor name)."""
+    names = {t["name"] for _, m in iter_modules(output, man) for t in m["tensors"]}
+    return [f"{INDEX_NAME}: lists {t}, which the manifest does not" for t in sorted(set(weight_map) - names)]
 
 
 def _side_records(man: dict, others: dict[str, dict]) -> list[str]:
@@ -186,26 +311,6 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problems.append(f"{path.name}: unreadable ({e.__class__.__name__})")
         return None
-
-
-def _check_index(output: Path, man: dict, by_file: dict, rep: Report) -> None:
-    problems: list[str] = []
-    index = _read_json(output / INDEX_NAME, problems)
-    if index is not None:
-        want = {t: f for f, ts in by_file.items() for t in ts}
-        got = index.get("weight_map", {})
-        for t in sorted(set(got) - set(want)):
-            problems.append(f"{INDEX_NAME}: lists {t}, which the manifest does not")
-        for t in sorted(set(want) - set(got)):
-            problems.append(f"{INDEX_NAME}: does not list {t}")
-        for t in sorted(set(want) & set(got)):
-            if got[t] != want[t]:
-                problems.append(f"{INDEX_NAME}: {t} in {got[t]}, manifest says {want[t]}")
-        size = sum(_nbytes(t) for ts in by_file.values() for t in ts.values())
-        if index.get("metadata", {}).get("total_size") != size:
-            problems.append(f"{INDEX_NAME}: total_size {index.get('metadata', {}).get('total_size')}, "
-                            f"tensors hold {size}")
-    rep.check("index: weight_map and total_size", problems)
 
 
 def _nbytes(t: dict) -> int:
@@ -244,37 +349,33 @@ def _check_configs(output: Path, man: dict, rep: Report) -> None:
     rep.check("configs agree with the manifest", problems)
 
 
-def _check_row_ranges(man: dict, rep: Report) -> None:
-    problems: list[str] = []
-    for m in man["modules"]:
-        if m["op"] == Op.NONE:
-            continue
-        pos = 0
-        for s in m["sources"]:
-            a, b = s["rows"]
-            n = 1 if m["op"] == Op.STACK else s["shape"][0]
-            if a != pos or b - a != n:
-                problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
-                                f"with its {n} rows")
-            pos = b
-        rows = m["tensors"][0]["shape"][0]
-        if pos != rows:
-            problems.append(f"module {m['name']}: sources cover {pos} rows of {rows}")
-    rep.check("fused modules: row ranges tile the fused tensors", problems)
+def _row_problems(where: str, m: dict) -> list[str]:
+    """A fused module's source rows tile its tensor: each follows the previous, all rows covered."""
+    if m["op"] == Op.NONE:
+        return []
+    problems, pos = [], 0
+    for s in m["sources"]:
+        a, b = s["rows"]
+        n = 1 if m["op"] == Op.STACK else s["shape"][0]
+        if a != pos or b - a != n:
+            problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
+                            f"with its {n} rows ({where})")
+        pos = b
+    rows = m["tensors"][0]["shape"][0]
+    if pos != rows:
+        problems.append(f"module {m['name']}: sources cover {pos} rows of {rows} ({where})")
+    return problems
 
 
-def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
+def _layer_kinds(man: dict, mods: _Modules
+                 ) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
     """Every layer an engine builds from the output -> (the format written: 'nvfp4', 'fp8-block' or 'keep';
     the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
     packed module (by its own engines only); and per engine its packed modules {leaf name: member leaves}."""
     both = ("vllm", "sglang")
-    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != Kind.COPY}
-    experts: dict[str, set[str]] = {}
-    for name, kind in kinds.items():
-        if ".experts." in name:
-            experts.setdefault(name.rsplit(".", 2)[0], set()).add(kind)
+    kinds, experts = mods.kinds, mods.experts
     layers = {k: (v, both) for k, v in kinds.items() if k.rsplit(".", 2)[0] not in experts}
-    layers.update({k: (v.pop(), both) for k, v in experts.items() if len(v) == 1})
+    layers.update({k: (next(iter(v)), both) for k, v in experts.items() if len(v) == 1})
     packed: dict[str, dict[str, list[str]]] = {e: {} for e in both}
     for g in man.get("engine_groups", []):
         ks = {kinds.get(mod) for mod in g["members"]}
@@ -285,13 +386,13 @@ def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dic
     return layers, packed
 
 
-def _check_engine_rules(man: dict, rep: Report) -> None:
+def _check_engine_rules(man: dict, mods: _Modules, rep: Report) -> None:
     """Each engine layer resolves, under vLLM's and SGLang's own matching rules, to the format written:
     the exclude list (quant_method modelopt), or quantized_layers and the exclude list (modelopt_mixed)."""
     prefix = man["mapping_table"].get("text_prefix", "")
     ignore = man["exclude_modules"]
     method = (man.get("recipe") or {}).get("quant_method", "modelopt")
-    layers, packed = _layer_kinds(man)
+    layers, packed = _layer_kinds(man, mods)
     problems: list[str] = []
     quantized_layers = man.get("quantized_layers") or {}
     for name, (kind, built_by) in sorted(layers.items()):
@@ -354,7 +455,7 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:
         return
-    _recompute(plan, input_dir, ckpt.config, man, rep, full, device)
+    _recompute(plan, input_dir, output, ckpt.config, man, rep, full, device)
 
 
 def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
@@ -390,19 +491,21 @@ def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
 
-def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full: bool, device: str | Device
-               ) -> None:
+def _recompute(plan, input_dir: Path, output: Path, config: dict, man: dict, rep: Report, full: bool,
+               device: str | Device) -> None:
     from kimi_convert.kernels import get_backend
 
     from .compute import compute_unit
     from .plan import fp8_block_size
     from .readers import MappedReader
 
-    hashes = {t["name"]: t["sha256"] for mod in man["modules"] for t in mod["tensors"]}
     quant_units = [u for u in plan.units if any(it.kind in QUANTIZED for it in u.items)]
     keep = {id(u) for u in quant_units[:1] + quant_units[-1:]}
     chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
+    wanted = {t.name for u in chosen for it in u.items for t in it.outputs}  # only their hashes are held
+    hashes = {t["name"]: t["sha256"] for _, mod in iter_modules(output, man) for t in mod["tensors"]
+              if t["name"] in wanted}
     backend = get_backend(device, cpus())
     reader = MappedReader(input_dir)
     block = fp8_block_size(config)
