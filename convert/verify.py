@@ -157,7 +157,7 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
             problems.append(f"{name}: missing")
     problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
                  if not (output / d).is_dir()]
-    present = [n for n in [*shards, *others] if (output / n).is_file()]
+    present = {n for n in [*shards, *others] if (output / n).is_file()}
     if total:
         total(sum((output / n).stat().st_size for n in present))
 
@@ -169,10 +169,10 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
 
     checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        for name, res in pool.map(job, [*shards, *others]):
+        for name, res in pool.map(job, [*shards, *(n for n in others if n in present)]):
             if isinstance(res, _ShardCheck):
                 checked[name] = res
-            elif name in present:
+            else:
                 _compare_file(name, res[0], res[1], others[name], problems)
     for c in checked.values():
         mods.merge(c.modules)
@@ -265,7 +265,7 @@ def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: 
         return
     info = header.get(t["name"])
     if info is None:
-        problems.append(f"{fname}: tensor {t['name']} (in the manifest, {where}) is missing")
+        problems.append(f"{fname}: tensor {t['name']} (in the manifest) is missing ({where})")
         return
     if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
         problems.append(f"{fname}: tensor {t['name']} is {info.dtype}{list(info.shape)}, "
