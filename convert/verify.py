@@ -23,6 +23,7 @@ from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
+from .jsonstream import iter_object
 from .manifest import FORMAT, RecordsReader, is_v3, iter_modules, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
 from .options import Options
@@ -123,9 +124,27 @@ class _Modules:
 class _ShardCheck:
     file_problems: list[str] = field(default_factory=list)
     tensor_problems: list[str] = field(default_factory=list)
-    index_problems: list[str] = field(default_factory=list)
-    indexed: int = 0  # the shard's tensors the index lists in this shard
+    listed: _Listing = field(default_factory=lambda: _Listing({}, {}))  # its tensors, as the index should list them
     modules: _Modules = field(default_factory=_Modules)
+
+
+@dataclass
+class _Listing:
+    """(tensor, file) pairs as an order-free digest per file: the sum of a 128-bit hash of each name
+    (mod 2^128) and their count. The index and the module records agree file by file when the
+    digests do, which needs neither side held whole; only where one differs are names collected."""
+
+    sums: dict[str, int]
+    counts: dict[str, int]
+
+    def add(self, name: str, file: str) -> None:
+        h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=16).digest(), "little")
+        self.sums[file] = (self.sums.get(file, 0) + h) % (1 << 128)
+        self.counts[file] = self.counts.get(file, 0) + 1
+
+    def differs(self, other: _Listing) -> list[str]:
+        return sorted(f for f in {*self.counts, *other.counts}
+                      if (self.sums.get(f), self.counts.get(f)) != (other.sums.get(f), other.counts.get(f)))
 
 
 def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
@@ -137,8 +156,7 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
     others = {f["file"]: f for f in man.get("files", [])}
     problems: list[str] = _side_records(man, others)
     index_problems: list[str] = []
-    index = _read_json(output / INDEX_NAME, index_problems)
-    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else {}
+    index = _read_index(output / INDEX_NAME, index_problems)
     records, by_file, mods = {}, {}, _Modules()
     if v3:
         records = {e["shard"]: e for e in man["records"]}
@@ -165,7 +183,7 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
         if name not in shards:
             return name, hash_file(output / name, {}, progress)
         listed = (lambda: iter(by_file.get(name, {}).values())) if not v3 else None
-        return name, _check_shard(output, name, shards[name], records.get(name), listed, weight_map, progress)
+        return name, _check_shard(output, name, shards[name], records.get(name), listed, progress)
 
     checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -182,13 +200,16 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
     rep.check("tensors: names, dtypes, shapes and sha256", [p for c in checked.values() for p in c.tensor_problems],
               f"{mods.tensors} tensors")
     if index is not None:
-        index_problems += [p for c in checked.values() for p in c.index_problems]
-        indexed = sum(c.indexed for c in checked.values())
-        if indexed != len(weight_map):
-            index_problems += _index_extras(output, man, weight_map)
-        got = index.get("metadata", {}).get("total_size") if isinstance(index, dict) else None
-        if got != mods.nbytes:
-            index_problems.append(f"{INDEX_NAME}: total_size {got}, tensors hold {mods.nbytes}")
+        listing, total_size = index
+        want = _Listing({}, {})
+        for c in checked.values():
+            for f, n in c.listed.counts.items():
+                want.sums[f], want.counts[f] = c.listed.sums[f], n
+        files = listing.differs(want)
+        if files:
+            index_problems += _index_differences(output, man, files, records, by_file)
+        if total_size != mods.nbytes:
+            index_problems.append(f"{INDEX_NAME}: total_size {total_size}, tensors hold {mods.nbytes}")
     rep.check("index: weight_map and total_size", index_problems)
     _check_configs(output, man, rep)
     rep.check("fused modules: row ranges tile the fused tensors", mods.problems)
@@ -202,11 +223,10 @@ def _compare_file(name: str, sha: str, size: int, rec: dict, problems: list[str]
         problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
 
 
-def _check_shard(output: Path, name: str, rec: dict, records: dict | None, listed, weight_map: dict[str, str],
-                 progress) -> _ShardCheck:
+def _check_shard(output: Path, name: str, rec: dict, records: dict | None, listed, progress) -> _ShardCheck:
     """One shard: its bytes against ``rec`` (size, sha256), its tensors against its module records:
     ``records`` (its records file's listing, version 3) or ``listed()`` ((where, tensor) pairs from
-    manifest.json, versions 1 and 2); each tensor's entry in the index too."""
+    manifest.json, versions 1 and 2); and the digest of the index entries they call for."""
     c = _ShardCheck()
     path = output / name
     if not path.is_file():
@@ -226,13 +246,7 @@ def _check_shard(output: Path, name: str, rec: dict, records: dict | None, liste
     for where, t in (_record_tensors(output, name, records, c) if records is not None else listed()):
         seen.add(t["name"])
         _check_tensor(name, where, t, header, hashes, c.tensor_problems)
-        got = weight_map.get(t["name"])
-        if got == t["file"]:
-            c.indexed += 1
-        elif got is None:
-            c.index_problems.append(f"{INDEX_NAME}: does not list {t['name']}")
-        else:
-            c.index_problems.append(f"{INDEX_NAME}: {t['name']} in {got}, manifest says {t['file']}")
+        c.listed.add(t["name"], name)
     for tname in header or {}:
         if tname not in seen:
             c.tensor_problems.append(f"{name}: tensor {tname} is not in the manifest"
@@ -274,11 +288,49 @@ def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: 
         problems.append(f"{fname}: tensor {t['name']}: bytes do not match the manifest's sha256 ({where})")
 
 
-def _index_extras(output: Path, man: dict, weight_map: dict[str, str]) -> list[str]:
-    """The index names tensors no module record has (only when the counts say so: this second pass
-    over the records holds every tensor name)."""
-    names = {t["name"] for _, m in iter_modules(output, man) for t in m["tensors"]}
-    return [f"{INDEX_NAME}: lists {t}, which the manifest does not" for t in sorted(set(weight_map) - names)]
+def _read_index(path: Path, problems: list[str]) -> tuple[_Listing, int | None] | None:
+    """The index's weight_map as a digest per file, and its total_size, read an entry at a time."""
+    listing, total = _Listing({}, {}), None
+    try:
+        for key, value in iter_object(path, "weight_map"):
+            if key == "weight_map":
+                name, file = value
+                if not isinstance(file, str):
+                    raise ValueError(f"weight_map[{name!r}] is not a file name")
+                listing.add(name, file)
+            elif key == "metadata" and isinstance(value, dict):
+                total = value.get("total_size")
+    except (OSError, ValueError) as e:
+        problems.append(f"{path.name}: unreadable ({e.__class__.__name__}: {e})")
+        return None
+    return listing, total
+
+
+def _index_differences(output: Path, man: dict, files: list[str], records: dict[str, dict],
+                       by_file: dict[str, dict]) -> list[str]:
+    """Name the tensors behind a digest that differs: the index's entries for ``files`` and the
+    module records of those files, collected (a second pass over just those)."""
+    wanted = set(files)
+    listed = {v[0]: v[1] for key, v in iter_object(output / INDEX_NAME, "weight_map")
+              if key == "weight_map" and v[1] in wanted}
+    recorded: dict[str, str] = {}
+    for f in files:
+        if f in records:
+            recorded.update({t["name"]: f for _, m in RecordsReader(output, records[f]) for t in m["tensors"]
+                             if t["file"] == f})
+        recorded.update({t: f for t in by_file.get(f, {})})
+    problems = []
+    for t in sorted({*listed, *recorded}):
+        got, want = listed.get(t), recorded.get(t)
+        if got == want:
+            continue
+        if want is None:
+            problems.append(f"{INDEX_NAME}: lists {t}, which the manifest does not")
+        elif got is None:
+            problems.append(f"{INDEX_NAME}: does not list {t}")
+        else:
+            problems.append(f"{INDEX_NAME}: {t} in {got}, manifest says {want}")
+    return problems
 
 
 def _side_records(man: dict, others: dict[str, dict]) -> list[str]:

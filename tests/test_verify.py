@@ -107,6 +107,23 @@ def test_index_lists_extra_tensor(out):
     assert rc == 1 and "lists ghost.weight, which the manifest does not" in problems(rep)
 
 
+def test_index_names_another_file_or_is_cut_short(out):
+    """The index is read an entry at a time (compared as a digest per file): a tensor moved to another
+    file is still named, and a truncated index is one problem line."""
+    index = out / "model.safetensors.index.json"
+    good = index.read_text()
+    files = sorted({f for f in json.loads(good)["weight_map"].values()})
+    name = sorted(json.loads(good)["weight_map"])[5]
+    was = json.loads(good)["weight_map"][name]
+    other = next(f for f in files if f != was)
+    edit_json(index, lambda i: i["weight_map"].update({name: other}))
+    rc, rep = verify(out)
+    assert rc == 1 and f"model.safetensors.index.json: {name} in {other}, manifest says {was}" in problems(rep)
+    index.write_text(good[: len(good) // 2])
+    rc, rep = verify(out)
+    assert rc == 1 and "model.safetensors.index.json: unreadable (ValueError: " in problems(rep)
+
+
 def test_unfinished_or_foreign_folder(out, tmp_path):
     (out / ".kimi-convert-pack.json").write_text("{}")
     rc, err = verify(out)
