@@ -157,16 +157,17 @@ def main(argv: list[str] | None = None) -> int:
                  *(["--experts", str(a.experts)] if a.experts else [])]
         subprocess.run([sys.executable, "-m", "kimi_convert.cli", "synth", "k3-full-sparse", str(src), *extra],
                        check=True, env=env)
-    made = {}
     if not out.exists():
         made = make_output(src, out)
         make_v2(out, v2)
-    records = sorted((out / "manifest-records").iterdir())
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-    if made:
         print(f"output: {made['shards']} shards, {made['tensors']:,} tensors, {made['modules']:,} modules; "
               f"plan {made['plan_cpu_s']:.1f} CPU s, records written in {made['records_cpu_s']:.1f} CPU s, "
-              f"configs/index/manifest.json in {made['finish_cpu_s']:.1f} CPU s")
+              f"configs/index/manifest.json in {made['finish_cpu_s']:.1f} CPU s", flush=True)
+        # measured from a fresh process: Linux carries a parent's peak RSS over into a forked child's
+        # (wait4's ru_maxrss), and this one holds the plan and the format 2 manifest
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    records = sorted((out / "manifest-records").iterdir())
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"format 3: manifest.json {(out / 'manifest.json').stat().st_size / 1e6:.1f} MB + {len(records)} records "
           f"files, {sum(p.stat().st_size for p in records) / 1e6:.1f} MB (largest "
           f"{max(p.stat().st_size for p in records) / 1e6:.1f} MB)")

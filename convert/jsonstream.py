@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Callable, Iterator
 from json.decoder import scanstring
 from pathlib import Path
 from typing import Any, BinaryIO
 
 PIECE = 1 << 20
-_WS = " \t\n\r"
+_WS = re.compile(r"[ \t\n\r]*")
 _decoder = json.JSONDecoder()
 
 
@@ -48,6 +49,8 @@ def _string(s: str, i: int) -> tuple[str, int]:
 
 
 def _value(s: str, i: int) -> tuple[Any, int]:
+    if s[i] == '"':  # the index's values: the common case, without raw_decode's detour
+        return scanstring(s, i + 1)
     return _decoder.raw_decode(s, i)
 
 
@@ -67,11 +70,10 @@ class _Buffer:
 
     def skip_ws(self) -> None:
         while True:
-            self.more(1)
-            n = len(self.s)
-            while self.i < n and self.s[self.i] in _WS:
-                self.i += 1
-            if self.i < n or self.eof:
+            if len(self.s) - self.i < 1:
+                self.more(1)
+            self.i = _WS.match(self.s, self.i).end()
+            if self.i < len(self.s) or self.eof:
                 return
 
     def next_char(self) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from .options import Options
 from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
-from .safetensors_format import parse_header
+from .safetensors_format import DTYPES, parse_header
 from .sidefiles import scan
 from .write import is_inside
 
@@ -130,16 +131,16 @@ class _ShardCheck:
 
 @dataclass
 class _Listing:
-    """(tensor, file) pairs as an order-free digest per file: the sum of a 128-bit hash of each name
-    (mod 2^128) and their count. The index and the module records agree file by file when the
+    """(tensor, file) pairs as an order-free digest per file: the sum of a hash of each name and
+    their count. The index and the module records agree file by file when the
     digests do, which needs neither side held whole; only where one differs are names collected."""
 
     sums: dict[str, int]
     counts: dict[str, int]
 
     def add(self, name: str, file: str) -> None:
-        h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=16).digest(), "little")
-        self.sums[file] = (self.sums.get(file, 0) + h) % (1 << 128)
+        # Python's own string hash: salted per process, and both sides are digested in this one
+        self.sums[file] = self.sums.get(file, 0) + hash(name)
         self.counts[file] = self.counts.get(file, 0) + 1
 
     def differs(self, other: _Listing) -> list[str]:
@@ -366,11 +367,7 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
 
 
 def _nbytes(t: dict) -> int:
-    from .safetensors_format import DTYPES
-    n = DTYPES[t["dtype"]].itemsize
-    for d in t["shape"]:
-        n *= d
-    return n
+    return DTYPES[t["dtype"]].itemsize * math.prod(t["shape"])
 
 
 def _check_configs(output: Path, man: dict, rep: Report) -> None:
