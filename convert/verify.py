@@ -122,18 +122,10 @@ class _Modules:
 
 
 @dataclass
-class _ShardCheck:
-    file_problems: list[str] = field(default_factory=list)
-    tensor_problems: list[str] = field(default_factory=list)
-    listed: _Listing = field(default_factory=lambda: _Listing({}, {}))  # its tensors, as the index should list them
-    modules: _Modules = field(default_factory=_Modules)
-
-
-@dataclass
 class _Listing:
-    """(tensor, file) pairs as an order-free digest per file: the sum of a hash of each name and
-    their count. The index and the module records agree file by file when the
-    digests do, which needs neither side held whole; only where one differs are names collected."""
+    """(tensor, file) pairs as an order-free digest per file: the sum of a hash of each name, and
+    their count. The index and the module records agree file by file when the digests do, which
+    needs neither side held whole; only where one differs are the names collected."""
 
     sums: dict[str, int]
     counts: dict[str, int]
@@ -146,6 +138,14 @@ class _Listing:
     def differs(self, other: _Listing) -> list[str]:
         return sorted(f for f in {*self.counts, *other.counts}
                       if (self.sums.get(f), self.counts.get(f)) != (other.sums.get(f), other.counts.get(f)))
+
+
+@dataclass
+class _ShardCheck:
+    file_problems: list[str] = field(default_factory=list)
+    tensor_problems: list[str] = field(default_factory=list)
+    listed: _Listing = field(default_factory=lambda: _Listing({}, {}))  # its tensors, as the index should list them
+    modules: _Modules = field(default_factory=_Modules)
 
 
 def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
