@@ -370,12 +370,14 @@ class RecordsReader:
         self.output_dir, self.entry = output_dir, entry
         self.name: str = entry["file"]
         self.problems: list[str] = []
+        self.stopped = False  # missing, or a line that is not a record: the records after it are unknown
 
     def __iter__(self) -> Iterator[tuple[str, dict]]:
         name = self.name
         rel = PurePosixPath(name)
         if not name or rel.is_absolute() or ".." in rel.parts:  # never read a file outside the output
             self.problems.append(f"manifest.json: records file {name!r} is not a relative path inside the output")
+            self.stopped = True
             return
         h, size, n = hashlib.sha256(), 0, 0
         try:
@@ -383,6 +385,7 @@ class RecordsReader:
         except OSError as e:
             self.problems.append(f"{name}: {'missing' if isinstance(e, FileNotFoundError) else e.strerror}"
                                  f" (the records of shard {self.entry.get('shard')})")
+            self.stopped = True
             return
         with f:
             for n, line in enumerate(f, 1):
@@ -392,6 +395,7 @@ class RecordsReader:
                 if rec is None:
                     why = "truncated (no end of line)" if not line.endswith(b"\n") else "not a JSON record"
                     self.problems.append(f"{name} line {n}: {why}")
+                    self.stopped = True
                     return
                 yield f"{name} line {n}", rec
         if size != self.entry["size"] or h.hexdigest() != self.entry["sha256"]:

@@ -146,6 +146,7 @@ class _ShardCheck:
     tensor_problems: list[str] = field(default_factory=list)
     listed: _Listing = field(default_factory=lambda: _Listing({}, {}))  # its tensors, as the index should list them
     modules: _Modules = field(default_factory=_Modules)
+    unread: bool = False  # its records file is missing or stops at a bad line: its tensors are not all known
 
 
 def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
@@ -206,9 +207,13 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
         for c in checked.values():
             for f, n in c.listed.counts.items():
                 want.sums[f], want.counts[f] = c.listed.sums[f], n
+        unread = {f for f, c in checked.items() if c.unread}
         files = listing.differs(want)
-        if files:
-            index_problems += _index_differences(output, man, files, records, by_file)
+        index_problems += [f"{INDEX_NAME}: not compared for {f}, whose records file is unreadable" for f in files
+                           if f in unread]
+        if [f for f in files if f not in unread]:
+            index_problems += _index_differences(output, man, [f for f in files if f not in unread], records,
+                                                 by_file)
         if total_size != mods.nbytes:
             index_problems.append(f"{INDEX_NAME}: total_size {total_size}, tensors hold {mods.nbytes}")
     rep.check("index: weight_map and total_size", index_problems)
@@ -248,10 +253,14 @@ def _check_shard(output: Path, name: str, rec: dict, records: dict | None, liste
         seen.add(t["name"])
         _check_tensor(name, where, t, header, hashes, c.tensor_problems)
         c.listed.add(t["name"], name)
-    for tname in header or {}:
-        if tname not in seen:
-            c.tensor_problems.append(f"{name}: tensor {tname} is not in the manifest"
-                                     + (f" ({records['file']} has no record of it)" if records else ""))
+    unseen = [t for t in header or {} if t not in seen]
+    if c.unread and unseen:  # one line, not one per tensor: the records file's own problem says why
+        c.tensor_problems.append(f"{name}: {len(unseen)} tensor(s) without a record, {records['file']} being "
+                                 "unreadable past the problem above")
+        return c
+    for tname in unseen:
+        c.tensor_problems.append(f"{name}: tensor {tname} is not in the manifest"
+                                 + (f" ({records['file']} has no record of it)" if records else ""))
     return c
 
 
@@ -270,8 +279,10 @@ def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck):
                 yield where, t
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             c.file_problems.append(f"{where}: malformed record ({type(e).__name__}: {e})")
+            c.unread = True
             return
     c.file_problems += reader.problems
+    c.unread = reader.stopped
 
 
 def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: dict[str, str],
