@@ -2,7 +2,7 @@
 checks on a full-size output, format 3 (manifest.json + one JSON Lines records file per shard, streamed)
 against format 2 (every module record in manifest.json, parsed whole).
 
-    python benchmarks/manifest_scale.py [--dir DIR] [--runs N] [--layers N] [--experts N]
+    python benchmarks/manifest_scale.py [--dir DIR] [--runs N] [--layers N] [--experts N] [--before COMMIT]
 
 A real pack of `synth k3-full-sparse` reads 1.56 TB, so the output is made the way pack makes its
 manifest, without converting data: the plan of the sparse K3 (default options: recipe nvidia-k3,
@@ -19,7 +19,9 @@ one: a shard's bytes are not read (1.56 TB of holes); its hashes are the stand-i
 records, index, configs, row ranges and engine rules are all checked as for a real output (and must
 pass). Reported: CPU seconds (user + sys) and peak RSS (wait4) of the child, the best of --runs, and
 the same for a child that only imports verify (the interpreter and imports), and the load average.
-No plan is built by an offline verify: its memory is the manifest's alone.
+No plan is built by an offline verify: its memory is the manifest's alone. --before COMMIT also
+runs the format 2 manifest through that commit's verify (its package taken from git, as
+tests/test_same_bytes.py does): the code before format 3, which parsed the index whole too.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def stand_in(path, ranges, progress=None):
         return sha(path.name), path.stat().st_size, {t: sha(t) for t in ranges}
     return real(path, ranges, progress)
 V.hash_file = stand_in
+print("code:", V.__file__)
 rep = V.verify(Path(sys.argv[1]))
 for name, ok, detail in rep.checks:
     print("ok  " if ok else "FAIL", name, detail)
@@ -129,10 +132,21 @@ def make_v2(out: Path, v2: Path) -> None:
     (v2 / "manifest.json").write_text(dumps(body, compact_lists=("modules",)))
 
 
-def measure(target: str, runs: int, env: dict) -> tuple[float, int, str]:
+def old_package(commit: str, dest: Path) -> Path:
+    """The package of ``commit`` laid out as installed (kimi_convert/...), from git."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from test_same_bytes import _old_package
+
+    if not (dest / "kimi_convert").exists() and _old_package(dest, commit) is None:
+        raise SystemExit(f"no git history with commit {commit}")
+    return dest
+
+
+def measure(target: str, runs: int, env: dict, cwd: Path | None = None) -> tuple[float, int, str]:
     best = (float("inf"), 0, "")
     for _ in range(runs):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, target], env=env, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", CHILD, target], env=env, stdout=subprocess.PIPE, text=True,
+                                 cwd=cwd)
         text = child.stdout.read()
         _, status, ru = os.wait4(child.pid, 0)
         if os.waitstatus_to_exitcode(status):
@@ -148,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--layers", type=int, help="synth --layers (default: the release's)")
     ap.add_argument("--experts", type=int, help="synth --experts (default: the release's)")
+    ap.add_argument("--before", metavar="COMMIT", help="also verify format 2 with this commit's code")
     a = ap.parse_args(argv)
     env = {**os.environ, "TQDM_DISABLE": "1"}
     tag = f"L{a.layers or 'all'}-E{a.experts or 'all'}"
@@ -178,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'python + import verify':28} {base[0]:7.1f} {base[1] / 2**20:8.0f} MiB {'':>13}")
     for name, target in (("verify, format 3 (stream)", out), ("verify, format 2 (one file)", v2)):
         cpu, rss, text = measure(str(target), a.runs, env)
+        print(f"{name:28} {cpu:7.1f} {rss / 2**20:8.0f} MiB {(rss - base[1]) / 2**20:9.0f} MiB")
+    if a.before:
+        pkg = old_package(a.before, a.dir / f"pkg-{a.before}")
+        cpu, rss, text = measure(str(v2.absolute()), a.runs, {**env, "PYTHONPATH": str(pkg)}, cwd=pkg)
+        name = f"format 2, code of {a.before}"
         print(f"{name:28} {cpu:7.1f} {rss / 2**20:8.0f} MiB {(rss - base[1]) / 2**20:9.0f} MiB")
     print(text.strip())
     return 0
