@@ -2,6 +2,7 @@
 
 ``KIMI_CONVERT_FAULT=NAME:N`` makes the process SIGKILL itself the N-th time it reaches point NAME
 (``header``: mid-header; ``tensor``: mid-tensor; ``shard``: a shard renamed, not yet journaled;
+``records``: mid-write of a shard's manifest records file (after ``shard``);
 ``journal``: mid-journal write; ``json``: mid-write of config, index or manifest; ``side``: mid-copy
 of a side file);
 ``NAME:N:pause`` makes it sleep there instead, for a test to deliver Ctrl-C at that exact point.

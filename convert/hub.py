@@ -24,7 +24,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -46,6 +46,7 @@ from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_clie
 
 from .errors import ConvertError
 from .hashing import sha256_file
+from .manifest import iter_modules
 from .plan import Kind
 from .verify import load, verify
 
@@ -356,20 +357,26 @@ def with_retries(fn: Callable[[], T], what: str, repo_id: str, say: Callable[[st
     raise AssertionError("unreachable")
 
 
-def model_card(man: dict, config: dict, base_model: str | None) -> str:
-    mods = man["modules"]
-    counts = {k: sum(m["kind"] == k for m in mods) for k in Kind}
-    cast = [m["quantization"] for m in mods if m.get("quantization", {}).get("method") == "mxfp4-cast"]
-    lossless = f"{sum(q['lossless_blocks'] for q in cast)} of {sum(q['blocks'] for q in cast)}"
+def model_card(man: dict, config: dict, base_model: str | None, modules: Iterable[dict] | None = None) -> str:
+    """``modules``: the manifest's module records (``iter_modules``; default: manifest.json's own, a
+    version 1 or 2 manifest), read once, in a stream."""
+    counts = dict.fromkeys(Kind, 0)
+    cast_n, cast_blocks, cast_lossless = 0, 0, 0
+    reasons: dict[str, int] = {}
+    for m in man["modules"] if modules is None else modules:
+        counts[m["kind"]] += 1
+        q = m.get("quantization") or {}
+        if q.get("method") == "mxfp4-cast":
+            cast_n, cast_blocks = cast_n + 1, cast_blocks + q["blocks"]
+            cast_lossless += q["lossless_blocks"]
+        if m["kind"] == Kind.KEEP:
+            reasons[m["rule"]] = reasons.get(m["rule"], 0) + 1
+    lossless = f"{cast_lossless} of {cast_blocks}"
     recipe = man.get("recipe") or {"name": "?", "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
     base = base_model or config.get("_name_or_path") or ""
     # the metadata block is huggingface_hub's (ModelCardData writes the YAML the Hub parses)
     data = ModelCardData(base_model=base or None, library_name="transformers",
                          tags=["nvfp4", "modelopt", "kimi-convert", "quantized"])
-    kept = [m for m in mods if m["kind"] == Kind.KEEP]
-    reasons: dict[str, int] = {}
-    for m in kept:
-        reasons[m["rule"]] = reasons.get(m["rule"], 0) + 1
     body = [
         f"# {(config.get('architectures') or ['model'])[0]}, NVFP4",
         "",
@@ -383,7 +390,7 @@ def model_card(man: dict, config: dict, base_model: str | None) -> str:
         "| | modules |",
         "|---|---|",
         f"| quantized to NVFP4 | {counts['nvfp4']}"
-        + (f" ({len(cast)} cast from MXFP4; {lossless} blocks lossless)" if cast else "") + " |",
+        + (f" ({cast_n} cast from MXFP4; {lossless} blocks lossless)" if cast_n else "") + " |",
         f"| quantized to 128x128 block FP8 | {counts['fp8-block']} |",
         f"| linear layers kept in high precision | {counts['keep']} |",
         f"| other tensors copied unchanged | {counts['copy']} |",
@@ -423,7 +430,7 @@ def check_remote(api, repo_id: str, revision: str | None, output: Path, man: dic
                            "listing the repository", repo_id, say, hint=hint)
     remote = {e.path: e for e in entries if hasattr(e, "size")}
     problems: list[str] = []
-    expected = {f["file"]: f for f in [*man["outputs"], *man.get("files", [])]}
+    expected = {f["file"]: f for f in [*man["outputs"], *man.get("records", []), *man.get("files", [])]}
     expected["manifest.json"] = None
     for name, rec in sorted(expected.items()):
         e = remote.get(name)
@@ -475,7 +482,8 @@ def upload(output: str | Path, repo_id: str, *, private: bool = False, revision:
     wrote_card = False
     if not card.exists():
         config = json.loads((output / "config.json").read_text(encoding="utf-8"))
-        card.write_text(model_card(man, config, base_model), encoding="utf-8")
+        card.write_text(model_card(man, config, base_model, (m for _, m in iter_modules(output, man))),
+                        encoding="utf-8")
         wrote_card = True
     info = with_retries(
         lambda: api.upload_folder(repo_id=repo_id, folder_path=str(output), revision=revision, create_pr=create_pr,

@@ -2,10 +2,12 @@
 continues where it stopped instead of starting over.
 
 It lives in the output folder as ``.kimi-convert-pack.json`` while a pack runs and is removed once
-``manifest.json`` is in place. Each finished shard is recorded with its size, its sha256 and the
-hashes and notes the manifest needs; a resumed run re-hashes every recorded shard and redoes any
-that does not match. The journal is bound to the plan (a hash of the plan, which covers the input
-headers, mapping and options) and to the input files' sizes and modification times.
+``manifest.json`` is in place. Each finished shard is recorded with its size and sha256 and those of
+its records file (``manifest-records/``: the manifest's per-module records, written with the shard);
+a resumed run re-hashes every recorded shard and its records file and redoes any that does not
+match. The journal stays small (a few numbers a shard), as it is rewritten each time a shard
+finishes. It is bound to the plan (a hash of the plan, which covers the input headers, mapping and
+options) and to the input files' sizes and modification times.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from .atomic import write_atomic
 from .errors import ConvertError
 
 NAME = ".kimi-convert-pack.json"
-VERSION = 2  # 2: fingerprint renamed plan_sha256
+VERSION = 3  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files
 
 
 @dataclass
 class ShardRecord:
     size: int
     sha256: str
-    tensors: dict[str, str]  # output tensor -> sha256
-    sources: dict[str, str]  # stored input tensor -> sha256
-    notes: dict[str, dict]
+    records_size: int  # the shard's records file (manifest.records_name)
+    records_sha256: str
+    modules: int  # records in it
+    cast_blocks: int = 0  # MXFP4 blocks cast to NVFP4 (pack's summary line)
+    cast_lossless: int = 0  # of which exact
 
 
 @dataclass
@@ -55,6 +59,20 @@ class Journal:
         if j.version != VERSION:
             raise ConvertError(f"{path}: journal version {j.version} is not {VERSION}; start again with --overwrite")
         return j
+
+
+def intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
+    """Whether a journaled shard and its records file are still the bytes recorded (a resume keeps
+    it then; otherwise both are written again)."""
+    from .hashing import sha256_file
+    from .manifest import records_name
+
+    for name, size, sha in ((shard, rec.size, rec.sha256),
+                            (records_name(shard), rec.records_size, rec.records_sha256)):
+        path = folder / name
+        if not (path.is_file() and path.stat().st_size == size and sha256_file(path) == sha):
+            return False
+    return True
 
 
 def input_stamps(folder: Path, files: list[str]) -> dict[str, list[int]]:

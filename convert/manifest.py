@@ -11,20 +11,23 @@ import itertools
 import json
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_str
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from . import __version__
+from .atomic import write_atomic
 from .checkpoint import gc_paused
 from .configs import layer_algo, quantized_layers
 from .errors import ConvertError
-from .plan import COPY, FP8, GROUP_SIZE, KEEP, NVFP4, Item, Plan
+from .plan import COPY, FP8, GROUP_SIZE, KEEP, NVFP4, Item, Plan, Unit
 from .recipe import FP8_BLOCK
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
-#: Version 1 manifests (``side_files`` a list of names) are still read.
-FORMAT_VERSION = 2
+#: 3: ``modules`` moved out of manifest.json into one JSON Lines file per output shard (``records``).
+#: Version 1 and 2 manifests (every module in manifest.json) are still read.
+FORMAT_VERSION = 3
 
 
 def plan_dict(plan: Plan) -> dict:
@@ -235,24 +238,75 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
     return d
 
 
-def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str],
-          tensor_hashes: dict[str, str], source_hashes: dict[str, str], notes: dict[str, dict],
-          output_sizes: dict[str, int], files: list[dict], side_files: list[dict]) -> dict:
-    """``files``: every other file of the output (configs, index, side files) with size and sha256;
-    ``side_files``: those of them copied from the input (the same bytes: the input's hashes too)."""
-    body = plan_dict(plan)
-    plan_sha256 = plan_hash(body)
-    for mod in body["modules"]:
-        for s in mod["sources"]:
-            for p in s["parts"]:
-                p["sha256"] = source_hashes[p["name"]]
-        for t in mod["tensors"]:
-            t["sha256"] = tensor_hashes[t["name"]]
-        note = dict(sorted(notes.get(mod["name"], {}).items()))  # key order must not depend on a resume
-        if note and mod["kind"] in (NVFP4, FP8):
-            mod["quantization"].update(note)
-        elif note:
-            mod["decoded"] = note
+RECORDS_DIR = "manifest-records"
+
+
+def records_name(shard: str) -> str:
+    """Where a shard's records go: ``manifest-records/<shard without .safetensors>.jsonl`` (a sub-folder
+    no engine loader reads, uploaded with the rest)."""
+    return f"{RECORDS_DIR}/{shard.removesuffix('.safetensors')}.jsonl"
+
+
+def module_record(it: Item, shared_scale: str | None, shard: str, tensor_hashes: dict[str, str],
+                  source_hashes: dict[str, str], notes: dict[str, dict]) -> dict:
+    """One module as the manifest records it: the plan's entry (``plan --json``) with the sha256 of
+    each stored source part and output tensor, and the compute's notes (amax, cast counts...)."""
+    mod = _item(it, shared_scale, dict.fromkeys((t.name for t in it.outputs), shard))
+    for s in mod["sources"]:
+        for p in s["parts"]:
+            p["sha256"] = source_hashes[p["name"]]
+    for t in mod["tensors"]:
+        t["sha256"] = tensor_hashes[t["name"]]
+    note = dict(sorted(notes.get(it.name, {}).items()))  # key order must not depend on a resume
+    if note and it.kind in (NVFP4, FP8):
+        mod["quantization"].update(note)
+    elif note:
+        mod["decoded"] = note
+    return mod
+
+
+@dataclass(frozen=True)
+class RecordsFile:
+    """A shard's records file as written: what manifest.json lists (and the journal keeps)."""
+
+    file: str
+    size: int
+    sha256: str
+    modules: int
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "size": self.size, "sha256": self.sha256, "modules": self.modules}
+
+
+def write_records(output_dir: Path, shard: str, units: list[Unit], tensor_hashes: dict[str, str],
+                  source_hashes: dict[str, str], notes: dict[str, dict]) -> RecordsFile:
+    """Write ``shard``'s module records (its units, in plan order), one compact JSON object a line,
+    atomically. Called by whoever wrote the shard (a stream, in a worker or a Ray task) once the
+    shard is complete: the records are a function of the plan and the shard's hashes only, so the
+    file is the same bytes whatever wrote it, and on every resume."""
+    lines = [json.dumps(module_record(it, u.shared_scale, shard, tensor_hashes, source_hashes, notes),
+                        separators=(",", ":")) + "\n" for u in units for it in u.items]
+    data = "".join(lines).encode()
+    rel = records_name(shard)
+    path = output_dir / rel
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConvertError(f"{path.parent}: cannot create: {e.strerror or e}") from None
+    write_atomic(path, data, fault="records")
+    return RecordsFile(rel, len(data), hashlib.sha256(data).hexdigest(), len(lines))
+
+
+def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: dict[str, tuple[int, str]],
+          records: dict[str, RecordsFile], files: list[dict], side_files: list[dict]) -> dict:
+    """manifest.json (format_version 3): everything but the per-module records, which are in
+    ``records`` (one file per output shard, each with its size, sha256 and number of modules).
+    ``shards``: output shard -> (size, sha256); ``files``: every other file of the output (configs,
+    index, side files) with size and sha256; ``side_files``: those of them copied from the input."""
+    head = _plan_head(plan)
+    del head["modules"]
+    scale_of = _scale_of(plan)
+    head["engine_groups"] = [_engine_group(g, scale_of) for g in plan.engine_groups]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -263,9 +317,10 @@ def build(plan: Plan, input_hashes: dict[str, str], output_hashes: dict[str, str
         "recipe_source": plan.recipe.source,
         "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
         **side_dict(plan, side_files),
-        "outputs": [{"file": f, "size": output_sizes[f], "sha256": h} for f, h in sorted(output_hashes.items())],
+        "outputs": [{"file": f, "size": size, "sha256": h} for f, (size, h) in sorted(shards.items())],
+        "records": [{"shard": f, **records[f].to_dict()} for f in sorted(shards)],
         "files": files,
-        **body,
+        **head,
     }
 
 
@@ -283,3 +338,78 @@ def load_manifest(output_dir: Path) -> dict:
     if not isinstance(obj, dict):
         raise ConvertError(f"{path}: not a JSON object")
     return obj
+
+
+def is_v3(man: dict) -> bool:
+    """Whether the module records are in records files (format_version 3) rather than manifest.json."""
+    return "records" in man and "modules" not in man
+
+
+def iter_modules(output_dir: Path, man: dict, problems: list[str] | None = None) -> Iterator[tuple[str, dict]]:
+    """Every module record with where it was read (``manifest-records/X.jsonl line N`` or
+    ``manifest.json module N``), streamed: a version 3 manifest's records files are read one line at
+    a time, never whole. ``problems`` collects what is wrong with a records file (missing, a line that
+    is not a record, size or sha256 not the listed ones)."""
+    if not is_v3(man):
+        for i, m in enumerate(man["modules"]):
+            yield f"manifest.json module {i}", m
+        return
+    for entry in man["records"]:
+        reader = RecordsReader(output_dir, entry)
+        yield from reader
+        if problems is not None:
+            problems += reader.problems
+
+
+class RecordsReader:
+    """One records file, read a line at a time and hashed from the same bytes; after iterating,
+    ``problems`` says what was wrong (missing, truncated, a line that is not a record, edited: its
+    size, sha256 or number of records differ from manifest.json's listing)."""
+
+    def __init__(self, output_dir: Path, entry: dict):
+        self.output_dir, self.entry = output_dir, entry
+        self.name: str = entry["file"]
+        self.problems: list[str] = []
+        self.stopped = False  # missing, or a line that is not a record: the records after it are unknown
+
+    def __iter__(self) -> Iterator[tuple[str, dict]]:
+        name = self.name
+        rel = PurePosixPath(name)
+        if not name or rel.is_absolute() or ".." in rel.parts:  # never read a file outside the output
+            self.problems.append(f"manifest.json: records file {name!r} is not a relative path inside the output")
+            self.stopped = True
+            return
+        h, size, n = hashlib.sha256(), 0, 0
+        try:
+            f = open(self.output_dir / name, "rb")  # noqa: SIM115 - closed by the with below (a generator)
+        except OSError as e:
+            self.problems.append(f"{name}: {'missing' if isinstance(e, FileNotFoundError) else e.strerror}"
+                                 f" (the records of shard {self.entry.get('shard')})")
+            self.stopped = True
+            return
+        with f:
+            for n, line in enumerate(f, 1):
+                h.update(line)
+                size += len(line)
+                rec = _parse_line(line)
+                if rec is None:
+                    why = "truncated (no end of line)" if not line.endswith(b"\n") else "not a JSON record"
+                    self.problems.append(f"{name} line {n}: {why}")
+                    self.stopped = True
+                    return
+                yield f"{name} line {n}", rec
+        if size != self.entry["size"] or h.hexdigest() != self.entry["sha256"]:
+            self.problems.append(f"{name}: {size} bytes, sha256 {h.hexdigest()[:16]}...; manifest.json says "
+                                 f"{self.entry['size']} bytes, {self.entry['sha256'][:16]}... (edited or truncated)")
+        elif n != self.entry["modules"]:
+            self.problems.append(f"{name}: {n} records, manifest.json says {self.entry['modules']}")
+
+
+def _parse_line(line: bytes) -> dict | None:
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        rec = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return rec if isinstance(rec, dict) else None

@@ -156,8 +156,8 @@ def pack(
         bar.close()
     convert_s = time.perf_counter() - t
     input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
-    notes = _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
-    cast = [n for n in notes.values() if n.get("method") == "mxfp4-cast"]
+    _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
+    recs = list(j.shards.values())
     stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
                       backend_s=max((r.backend_s for r in results), default=0.0),
                       hashed_from_pipeline=sum(r.from_pipeline for r in results),
@@ -168,7 +168,7 @@ def pack(
                       in_flight_limit=max((r.in_flight_limit for r in results), default=0),
                       **_device_stats(results))
     return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
-                      cast_blocks=sum(n["blocks"] for n in cast), cast_lossless=sum(n["lossless_blocks"] for n in cast))
+                      cast_blocks=sum(r.cast_blocks for r in recs), cast_lossless=sum(r.cast_lossless for r in recs))
 
 
 def _device_stats(results: list[pipeline.JobResult]) -> dict:
@@ -272,20 +272,19 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
 def _check_complete(output_dir: Path) -> None:
     """A resumed run that finds a finished output checks its files against the manifest."""
     man = manifest_mod.load_manifest(output_dir)
-    for f in [*man.get("outputs", []), *man.get("files", [])]:
+    for f in [*man.get("outputs", []), *man.get("records", []), *man.get("files", [])]:
         path = output_dir / f["file"]
         if not path.is_file() or path.stat().st_size != f["size"] or sha256_file(path) != f["sha256"]:
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
 
 
 def _verify_finished(output_dir: Path, plan: Plan, j: Journal) -> int:
-    """Keep the journaled shards whose file still hashes to the recorded value; forget the rest."""
+    """Keep the journaled shards whose file and records file still hash to the recorded values;
+    forget the rest."""
     planned = {s.file for s in plan.shards}
     kept = 0
     for name, rec in list(j.shards.items()):
-        path = output_dir / name
-        ok = name in planned and path.is_file() and path.stat().st_size == rec.size
-        if ok and sha256_file(path) == rec.sha256:
+        if name in planned and journal.intact(output_dir, name, rec):
             kept += 1
         else:
             del j.shards[name]
@@ -302,27 +301,26 @@ def _check_space(output_dir: Path, todo: list[Shard]) -> None:
 
 
 def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: Journal,
-            input_hashes: dict[str, str]) -> dict[str, dict]:
+            input_hashes: dict[str, str]) -> None:
     """Configs, side files and index, then the manifest, then the journal goes. Side files are
-    copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's."""
+    copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's. The
+    module records are already on disk, one file per shard (written as each shard finished):
+    manifest.json lists them with their sha256."""
     write_json_atomic(output_dir / "config.json", configs.output_config(ckpt.config, plan))
     write_json_atomic(output_dir / "hf_quant_config.json", configs.hf_quant_config(plan))
     side = write.copy_side_files(input_dir, output_dir, plan.side_files, plan.side_folders)
     write_json_atomic(output_dir / INDEX_NAME, configs.index_json(plan))
     own = [write.record(output_dir, f) for f in ("config.json", "hf_quant_config.json", INDEX_NAME)]
-    recs = [j.shards[s.file] for s in plan.shards]
-    notes = {k: v for r in recs for k, v in r.notes.items()}
+    recs = {s.file: j.shards[s.file] for s in plan.shards}
     man = manifest_mod.build(
         plan,
+        j.plan_sha256,  # the hash of plan_dict(plan): a journal is only continued for the same plan
         input_hashes,
-        {s.file: r.sha256 for s, r in zip(plan.shards, recs, strict=True)},
-        {k: v for r in recs for k, v in r.tensors.items()},
-        {k: v for r in recs for k, v in r.sources.items()},
-        notes,
-        {s.file: s.size for s in plan.shards},
+        {f: (r.size, r.sha256) for f, r in recs.items()},
+        {f: manifest_mod.RecordsFile(manifest_mod.records_name(f), r.records_size, r.records_sha256, r.modules)
+         for f, r in recs.items()},
         [r.to_dict() for r in [*own, *side]],
         [r.to_dict() for r in side],
     )
-    write_json_atomic(output_dir / "manifest.json", man, compact_lists=("modules",))
+    write_json_atomic(output_dir / "manifest.json", man, compact_lists=("engine_groups",))
     (output_dir / journal.NAME).unlink()
-    return notes

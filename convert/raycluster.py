@@ -37,8 +37,7 @@ from dataclasses import dataclass
 
 from .devices import resolve_device
 from .errors import ConvertError
-from .hashing import sha256_file
-from .journal import Journal, ShardRecord
+from .journal import Journal, ShardRecord, intact
 from .pipeline import Job, JobResult, run_jobs
 
 #: Times Ray re-runs a task whose worker process or node died.
@@ -214,7 +213,8 @@ def run(jobs: list[Job], p: Placement, on_shard: Callable[[str, ShardRecord], No
 
 def kept_shards(job: Job) -> dict[str, ShardRecord]:
     """The job's shards an earlier attempt of this task finished and the driver journaled, whose
-    file still hashes to the journaled value (a first attempt finds none, without reading the journal)."""
+    file and records file still hash to the journaled values (a first attempt finds none, without
+    reading the journal)."""
     if not any((job.output_dir / s.file).exists() for s in job.shards):
         return {}
     try:
@@ -223,9 +223,8 @@ def kept_shards(job: Job) -> dict[str, ShardRecord]:
         return {}
     kept = {}
     for s in job.shards if j else []:
-        rec, path = j.shards.get(s.file), job.output_dir / s.file
-        if (rec is not None and rec.size == s.size and path.is_file() and path.stat().st_size == rec.size
-                and sha256_file(path) == rec.sha256):
+        rec = j.shards.get(s.file)
+        if rec is not None and rec.size == s.size and intact(job.output_dir, s.file, rec):
             kept[s.file] = rec
     return kept
 

@@ -34,7 +34,10 @@ SKIP_DIRS = {
 }
 
 #: Top-level files the output writes itself and pack does not read: skipped.
-OWN_TOP = {"hf_quant_config.json": "the output writes its own", "manifest.json": "the output writes its own"}
+OWN_TOP = {"hf_quant_config.json": "the output writes its own", "manifest.json": "the output writes its own",
+           "manifest-records": "the output writes its own (a folder of manifest records)"}
+#: Top-level folders the output writes itself (the manifest's per-shard records): skipped whole.
+OWN_TOP_DIRS = {"manifest-records": "the output writes its own (manifest records)"}
 
 #: Weight formats. Such a file that the plan does not read (a safetensors file the index does not
 #: list, ``consolidated.safetensors``, ``pytorch_model-*.bin``, ``original/*.pth``, an ONNX export)
@@ -87,6 +90,8 @@ def scan(folder: Path, consumed: Iterable[str]) -> SideFiles:
             rel = posix(rel_dir / d)
             if d in SKIP_DIRS:
                 skipped.append(Skipped(rel + "/", SKIP_DIRS[d]))
+            elif rel_dir == Path(".") and d in OWN_TOP_DIRS:
+                skipped.append(Skipped(rel + "/", OWN_TOP_DIRS[d]))
             elif (here / d).is_symlink():
                 raise ConvertError(f"{folder}: {rel} is a symlink to a folder, which pack does not follow; "
                                    "replace it with the folder itself, or remove it")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,13 +24,14 @@ from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
-from .manifest import FORMAT, load_manifest, plan_dict, plan_hash
+from .jsonstream import iter_object
+from .manifest import FORMAT, RecordsReader, is_v3, iter_modules, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
 from .options import Options
 from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
-from .safetensors_format import parse_header
+from .safetensors_format import DTYPES, parse_header
 from .sidefiles import scan
 from .write import is_inside
 
@@ -88,72 +90,259 @@ def verify(output: str | Path, input_dir: str | Path | None = None, *, full: boo
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Modules:
+    """What the module-level checks need from the module records, gathered as the records stream by:
+    row-range problems, each module's kind (MoE experts folded per layer: their bank's kinds), and
+    the tensors' count and bytes. Bounded by the number of non-expert modules, not of tensors."""
+
+    problems: list[str] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)  # module -> kind, MoE experts excepted
+    experts: dict[str, set[str]] = field(default_factory=dict)  # MoE layer's experts -> their kinds
+    tensors: int = 0
+    nbytes: int = 0
+
+    def add(self, where: str, m: dict) -> None:
+        self.problems += _row_problems(where, m)
+        if m["kind"] != Kind.COPY:
+            if ".experts." in m["name"]:
+                self.experts.setdefault(m["name"].rsplit(".", 2)[0], set()).add(m["kind"])
+            else:
+                self.kinds[m["name"]] = m["kind"]
+        self.tensors += len(m["tensors"])
+        self.nbytes += sum(_nbytes(t) for t in m["tensors"])
+
+    def merge(self, other: _Modules) -> None:
+        self.problems += other.problems
+        self.kinds.update(other.kinds)
+        for k, v in other.experts.items():
+            self.experts.setdefault(k, set()).update(v)
+        self.tensors += other.tensors
+        self.nbytes += other.nbytes
+
+
+@dataclass
+class _Listing:
+    """(tensor, file) pairs as an order-free digest per file: the sum of a hash of each name, and
+    their count. The index and the module records agree file by file when the digests do, which
+    needs neither side held whole; only where one differs are the names collected."""
+
+    sums: dict[str, int]
+    counts: dict[str, int]
+
+    def add(self, name: str, file: str) -> None:
+        # Python's own string hash: salted per process, and both sides are digested in this one
+        self.sums[file] = self.sums.get(file, 0) + hash(name)
+        self.counts[file] = self.counts.get(file, 0) + 1
+
+    def differs(self, other: _Listing) -> list[str]:
+        return sorted(f for f in {*self.counts, *other.counts}
+                      if (self.sums.get(f), self.counts.get(f)) != (other.sums.get(f), other.counts.get(f)))
+
+
+@dataclass
+class _ShardCheck:
+    file_problems: list[str] = field(default_factory=list)
+    tensor_problems: list[str] = field(default_factory=list)
+    listed: _Listing = field(default_factory=lambda: _Listing({}, {}))  # its tensors, as the index should list them
+    modules: _Modules = field(default_factory=_Modules)
+    unread: bool = False  # its records file is missing or stops at a bad line: its tensors are not all known
+
+
 def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
-    tensors = {t["name"]: t for m in man["modules"] for t in m["tensors"]}
-    by_file: dict[str, dict[str, dict]] = {}
-    for t in tensors.values():
-        by_file.setdefault(t["file"], {})[t["name"]] = t
+    """Each shard is one job: its header, its bytes hashed (the file's and each tensor's sha256), and
+    its module records (a version 3 manifest: its records file, streamed) compared with them. So
+    what is held at once is a few shards' tensors, never the whole model's."""
+    v3 = is_v3(man)
     shards = {f["file"]: f for f in man["outputs"]}
     others = {f["file"]: f for f in man.get("files", [])}
     problems: list[str] = _side_records(man, others)
-    headers: dict[str, dict] = {}
-    for name in shards:
-        path = output / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-            continue
-        try:
-            headers[name], _ = parse_header(path, name)
-        except ConvertError as e:
-            problems.append(str(e))
+    index_problems: list[str] = []
+    index = _read_index(output / INDEX_NAME, index_problems)
+    records, by_file, mods = {}, {}, _Modules()
+    if v3:
+        records = {e["shard"]: e for e in man["records"]}
+        problems += [f"manifest.json: no records file for shard {f}" for f in shards if f not in records]
+        problems += [f"manifest.json: records file {e['file']} for {f}, which is not among its outputs"
+                     for f, e in records.items() if f not in shards]
+    else:  # every module in manifest.json (versions 1 and 2): grouped by the file of each tensor
+        for i, m in enumerate(man["modules"]):
+            mods.add(f"manifest.json module {i}", m)
+            for t in m["tensors"]:
+                by_file.setdefault(t["file"], {})[t["name"]] = (f"manifest.json module {i}", t)
+        problems += [f"manifest.json: tensors name file {f}, which is not among its outputs"
+                     for f in by_file if f not in shards]
     for name in others:
         if not (output / name).is_file():
             problems.append(f"{name}: missing")
     problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
                  if not (output / d).is_dir()]
+    present = {n for n in [*shards, *others] if (output / n).is_file()}
     if total:
-        total(sum((output / n).stat().st_size for n in [*headers, *others] if (output / n).is_file()))
+        total(sum((output / n).stat().st_size for n in present))
 
-    def job(name: str):
-        ranges = {t: (i.start, i.end) for t, i in headers[name].items()} if name in headers else {}
-        return name, hash_file(output / name, ranges, progress)
-    names = [n for n in [*headers, *others] if (output / n).is_file()]
+    def job(name: str) -> tuple[str, _ShardCheck | tuple]:
+        if name not in shards:
+            return name, hash_file(output / name, {}, progress)
+        listed = (lambda: iter(by_file.get(name, {}).values())) if not v3 else None
+        return name, _check_shard(output, name, shards[name], records.get(name), listed, progress)
+
+    checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = dict(pool.map(job, names))
-    for name, rec in {**shards, **others}.items():
-        if name not in results:
-            continue
-        sha, size, _ = results[name]
-        if size != rec["size"]:
-            problems.append(f"{name}: size {size}, manifest says {rec['size']}")
-        if sha != rec["sha256"]:
-            problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
-    rep.check("files: present, sizes and sha256", problems, f"{len(shards)} shards, {len(others)} other files")
-
-    problems = []
-    for fname, header in headers.items():
-        listed = by_file.get(fname, {})
-        for tname, info in header.items():
-            t = listed.get(tname)
-            if t is None:
-                problems.append(f"{fname}: tensor {tname} is not in the manifest")
-                continue
-            if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
-                problems.append(f"{fname}: tensor {tname} is {info.dtype}{list(info.shape)}, "
-                                f"manifest says {t['dtype']}{t['shape']}")
-            if results[fname][2][tname] != t["sha256"]:
-                problems.append(f"{fname}: tensor {tname}: bytes do not match the manifest's sha256")
-        for tname in listed:
-            if tname not in header:
-                problems.append(f"{fname}: tensor {tname} (in the manifest) is missing")
-    for fname in by_file:
-        if fname not in shards:
-            problems.append(f"manifest.json: tensors name file {fname}, which is not among its outputs")
-    rep.check("tensors: names, dtypes, shapes and sha256", problems, f"{len(tensors)} tensors")
-    _check_index(output, man, by_file, rep)
+        for name, res in pool.map(job, [*shards, *(n for n in others if n in present)]):
+            if isinstance(res, _ShardCheck):
+                checked[name] = res
+            else:
+                _compare_file(name, res[0], res[1], others[name], problems)
+    for c in checked.values():
+        mods.merge(c.modules)
+    problems += [p for c in checked.values() for p in c.file_problems]
+    rep.check("files: present, sizes and sha256", problems,
+              f"{len(shards)} shards, {len(others)} other files" + (f", {len(records)} records files" if v3 else ""))
+    rep.check("tensors: names, dtypes, shapes and sha256", [p for c in checked.values() for p in c.tensor_problems],
+              f"{mods.tensors} tensors")
+    if index is not None:
+        listing, total_size = index
+        want = _Listing({}, {})
+        for c in checked.values():
+            for f, n in c.listed.counts.items():
+                want.sums[f], want.counts[f] = c.listed.sums[f], n
+        unread = {f for f, c in checked.items() if c.unread}
+        files = listing.differs(want)
+        index_problems += [f"{INDEX_NAME}: not compared for {f}, whose records file is unreadable" for f in files
+                           if f in unread]
+        if [f for f in files if f not in unread]:
+            index_problems += _index_differences(output, man, [f for f in files if f not in unread], records,
+                                                 by_file)
+        if total_size != mods.nbytes:
+            index_problems.append(f"{INDEX_NAME}: total_size {total_size}, tensors hold {mods.nbytes}")
+    rep.check("index: weight_map and total_size", index_problems)
     _check_configs(output, man, rep)
-    _check_row_ranges(man, rep)
-    _check_engine_rules(man, rep)
+    rep.check("fused modules: row ranges tile the fused tensors", mods.problems)
+    _check_engine_rules(man, mods, rep)
+
+
+def _compare_file(name: str, sha: str, size: int, rec: dict, problems: list[str]) -> None:
+    if size != rec["size"]:
+        problems.append(f"{name}: size {size}, manifest says {rec['size']}")
+    if sha != rec["sha256"]:
+        problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
+
+
+def _check_shard(output: Path, name: str, rec: dict, records: dict | None, listed, progress) -> _ShardCheck:
+    """One shard: its bytes against ``rec`` (size, sha256), its tensors against its module records:
+    ``records`` (its records file's listing, version 3) or ``listed()`` ((where, tensor) pairs from
+    manifest.json, versions 1 and 2); and the digest of the index entries they call for."""
+    c = _ShardCheck()
+    path = output / name
+    if not path.is_file():
+        c.file_problems.append(f"{name}: missing")
+        header = None
+    else:
+        try:
+            header, _ = parse_header(path, name)
+        except ConvertError as e:
+            c.file_problems.append(str(e))
+            header = None
+    hashes: dict[str, str] = {}
+    if header is not None:
+        sha, size, hashes = hash_file(path, {t: (i.start, i.end) for t, i in header.items()}, progress)
+        _compare_file(name, sha, size, rec, c.file_problems)
+    seen: set[str] = set()
+    for where, t in (_record_tensors(output, name, records, c) if records is not None else listed()):
+        seen.add(t["name"])
+        _check_tensor(name, where, t, header, hashes, c.tensor_problems)
+        c.listed.add(t["name"], name)
+    unseen = [t for t in header or {} if t not in seen]
+    if c.unread and unseen:  # one line, not one per tensor: the records file's own problem says why
+        c.tensor_problems.append(f"{name}: {len(unseen)} tensor(s) without a record, {records['file']} being "
+                                 "unreadable past the problem above")
+        return c
+    for tname in unseen:
+        c.tensor_problems.append(f"{name}: tensor {tname} is not in the manifest"
+                                 + (f" ({records['file']} has no record of it)" if records else ""))
+    return c
+
+
+def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck):
+    """The tensors of a shard's records file, each with the line it is on; the file's own problems
+    (missing, truncated, edited, a malformed record) go to ``c``; its modules to ``c.modules``."""
+    reader = RecordsReader(output, entry)
+    for where, m in reader:
+        try:
+            c.modules.add(where, m)
+            for t in m["tensors"]:
+                if t["file"] != shard:
+                    c.tensor_problems.append(f"{where}: tensor {t['name']} names file {t['file']}, "
+                                             f"but the records are {shard}'s")
+                    continue
+                yield where, t
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            c.file_problems.append(f"{where}: malformed record ({type(e).__name__}: {e})")
+            c.unread = True
+            return
+    c.file_problems += reader.problems
+    c.unread = reader.stopped
+
+
+def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: dict[str, str],
+                  problems: list[str]) -> None:
+    if header is None:
+        return
+    info = header.get(t["name"])
+    if info is None:
+        problems.append(f"{fname}: tensor {t['name']} (in the manifest) is missing ({where})")
+        return
+    if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
+        problems.append(f"{fname}: tensor {t['name']} is {info.dtype}{list(info.shape)}, "
+                        f"manifest says {t['dtype']}{t['shape']} ({where})")
+    if hashes[t["name"]] != t["sha256"]:
+        problems.append(f"{fname}: tensor {t['name']}: bytes do not match the manifest's sha256 ({where})")
+
+
+def _read_index(path: Path, problems: list[str]) -> tuple[_Listing, int | None] | None:
+    """The index's weight_map as a digest per file, and its total_size, read an entry at a time."""
+    listing, total = _Listing({}, {}), None
+    try:
+        for key, value in iter_object(path, "weight_map"):
+            if key == "weight_map":
+                name, file = value
+                if not isinstance(file, str):
+                    raise ValueError(f"weight_map[{name!r}] is not a file name")
+                listing.add(name, file)
+            elif key == "metadata" and isinstance(value, dict):
+                total = value.get("total_size")
+    except (OSError, ValueError) as e:
+        problems.append(f"{path.name}: unreadable ({e.__class__.__name__}: {e})")
+        return None
+    return listing, total
+
+
+def _index_differences(output: Path, man: dict, files: list[str], records: dict[str, dict],
+                       by_file: dict[str, dict]) -> list[str]:
+    """Name the tensors behind a digest that differs: the index's entries for ``files`` and the
+    module records of those files, collected (a second pass over just those)."""
+    wanted = set(files)
+    listed = {v[0]: v[1] for key, v in iter_object(output / INDEX_NAME, "weight_map")
+              if key == "weight_map" and v[1] in wanted}
+    recorded: dict[str, str] = {}
+    for f in files:
+        if f in records:
+            recorded.update({t["name"]: f for _, m in RecordsReader(output, records[f]) for t in m["tensors"]
+                             if t["file"] == f})
+        recorded.update({t: f for t in by_file.get(f, {})})
+    problems = []
+    for t in sorted({*listed, *recorded}):
+        got, want = listed.get(t), recorded.get(t)
+        if got == want:
+            continue
+        if want is None:
+            problems.append(f"{INDEX_NAME}: lists {t}, which the manifest does not")
+        elif got is None:
+            problems.append(f"{INDEX_NAME}: does not list {t}")
+        else:
+            problems.append(f"{INDEX_NAME}: {t} in {got}, manifest says {want}")
+    return problems
 
 
 def _side_records(man: dict, others: dict[str, dict]) -> list[str]:
@@ -188,32 +377,8 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
         return None
 
 
-def _check_index(output: Path, man: dict, by_file: dict, rep: Report) -> None:
-    problems: list[str] = []
-    index = _read_json(output / INDEX_NAME, problems)
-    if index is not None:
-        want = {t: f for f, ts in by_file.items() for t in ts}
-        got = index.get("weight_map", {})
-        for t in sorted(set(got) - set(want)):
-            problems.append(f"{INDEX_NAME}: lists {t}, which the manifest does not")
-        for t in sorted(set(want) - set(got)):
-            problems.append(f"{INDEX_NAME}: does not list {t}")
-        for t in sorted(set(want) & set(got)):
-            if got[t] != want[t]:
-                problems.append(f"{INDEX_NAME}: {t} in {got[t]}, manifest says {want[t]}")
-        size = sum(_nbytes(t) for ts in by_file.values() for t in ts.values())
-        if index.get("metadata", {}).get("total_size") != size:
-            problems.append(f"{INDEX_NAME}: total_size {index.get('metadata', {}).get('total_size')}, "
-                            f"tensors hold {size}")
-    rep.check("index: weight_map and total_size", problems)
-
-
 def _nbytes(t: dict) -> int:
-    from .safetensors_format import DTYPES
-    n = DTYPES[t["dtype"]].itemsize
-    for d in t["shape"]:
-        n *= d
-    return n
+    return DTYPES[t["dtype"]].itemsize * math.prod(t["shape"])
 
 
 def _check_configs(output: Path, man: dict, rep: Report) -> None:
@@ -244,37 +409,33 @@ def _check_configs(output: Path, man: dict, rep: Report) -> None:
     rep.check("configs agree with the manifest", problems)
 
 
-def _check_row_ranges(man: dict, rep: Report) -> None:
-    problems: list[str] = []
-    for m in man["modules"]:
-        if m["op"] == Op.NONE:
-            continue
-        pos = 0
-        for s in m["sources"]:
-            a, b = s["rows"]
-            n = 1 if m["op"] == Op.STACK else s["shape"][0]
-            if a != pos or b - a != n:
-                problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
-                                f"with its {n} rows")
-            pos = b
-        rows = m["tensors"][0]["shape"][0]
-        if pos != rows:
-            problems.append(f"module {m['name']}: sources cover {pos} rows of {rows}")
-    rep.check("fused modules: row ranges tile the fused tensors", problems)
+def _row_problems(where: str, m: dict) -> list[str]:
+    """A fused module's source rows tile its tensor: each follows the previous, all rows covered."""
+    if m["op"] == Op.NONE:
+        return []
+    problems, pos = [], 0
+    for s in m["sources"]:
+        a, b = s["rows"]
+        n = 1 if m["op"] == Op.STACK else s["shape"][0]
+        if a != pos or b - a != n:
+            problems.append(f"module {m['name']}: source {s['name']} rows {a}:{b} do not follow at {pos} "
+                            f"with its {n} rows ({where})")
+        pos = b
+    rows = m["tensors"][0]["shape"][0]
+    if pos != rows:
+        problems.append(f"module {m['name']}: sources cover {pos} rows of {rows} ({where})")
+    return problems
 
 
-def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
+def _layer_kinds(man: dict, mods: _Modules
+                 ) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
     """Every layer an engine builds from the output -> (the format written: 'nvfp4', 'fp8-block' or 'keep';
     the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
     packed module (by its own engines only); and per engine its packed modules {leaf name: member leaves}."""
     both = ("vllm", "sglang")
-    kinds = {m["name"]: m["kind"] for m in man["modules"] if m["kind"] != Kind.COPY}
-    experts: dict[str, set[str]] = {}
-    for name, kind in kinds.items():
-        if ".experts." in name:
-            experts.setdefault(name.rsplit(".", 2)[0], set()).add(kind)
+    kinds, experts = mods.kinds, mods.experts
     layers = {k: (v, both) for k, v in kinds.items() if k.rsplit(".", 2)[0] not in experts}
-    layers.update({k: (v.pop(), both) for k, v in experts.items() if len(v) == 1})
+    layers.update({k: (next(iter(v)), both) for k, v in experts.items() if len(v) == 1})
     packed: dict[str, dict[str, list[str]]] = {e: {} for e in both}
     for g in man.get("engine_groups", []):
         ks = {kinds.get(mod) for mod in g["members"]}
@@ -285,13 +446,13 @@ def _layer_kinds(man: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dic
     return layers, packed
 
 
-def _check_engine_rules(man: dict, rep: Report) -> None:
+def _check_engine_rules(man: dict, mods: _Modules, rep: Report) -> None:
     """Each engine layer resolves, under vLLM's and SGLang's own matching rules, to the format written:
     the exclude list (quant_method modelopt), or quantized_layers and the exclude list (modelopt_mixed)."""
     prefix = man["mapping_table"].get("text_prefix", "")
     ignore = man["exclude_modules"]
     method = (man.get("recipe") or {}).get("quant_method", "modelopt")
-    layers, packed = _layer_kinds(man)
+    layers, packed = _layer_kinds(man, mods)
     problems: list[str] = []
     quantized_layers = man.get("quantized_layers") or {}
     for name, (kind, built_by) in sorted(layers.items()):
@@ -354,7 +515,7 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:
         return
-    _recompute(plan, input_dir, ckpt.config, man, rep, full, device)
+    _recompute(plan, input_dir, output, ckpt.config, man, rep, full, device)
 
 
 def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
@@ -390,19 +551,21 @@ def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
 
-def _recompute(plan, input_dir: Path, config: dict, man: dict, rep: Report, full: bool, device: str | Device
-               ) -> None:
+def _recompute(plan, input_dir: Path, output: Path, config: dict, man: dict, rep: Report, full: bool,
+               device: str | Device) -> None:
     from kimi_convert.kernels import get_backend
 
     from .compute import compute_unit
     from .plan import fp8_block_size
     from .readers import MappedReader
 
-    hashes = {t["name"]: t["sha256"] for mod in man["modules"] for t in mod["tensors"]}
     quant_units = [u for u in plan.units if any(it.kind in QUANTIZED for it in u.items)]
     keep = {id(u) for u in quant_units[:1] + quant_units[-1:]}
     chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
+    wanted = {t.name for u in chosen for it in u.items for t in it.outputs}  # only their hashes are held
+    hashes = {t["name"]: t["sha256"] for _, mod in iter_modules(output, man) for t in mod["tensors"]
+              if t["name"] in wanted}
     backend = get_backend(device, cpus())
     reader = MappedReader(input_dir)
     block = fp8_block_size(config)

@@ -21,7 +21,7 @@ from .atomic import PARTIAL
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .hashing import sha256_file
-from .manifest import load_manifest
+from .manifest import RECORDS_DIR, load_manifest
 from .plan import Placed, Shard
 
 if TYPE_CHECKING:
@@ -50,14 +50,16 @@ def own_files_only(output_dir: Path, side_files: tuple[str, ...]) -> bool:
         if p.is_dir() and not p.is_symlink():
             continue
         top = p.parent == output_dir and (p.name.endswith(".safetensors") or p.name in OWN_FILES)
-        if not (top or p.name.endswith(PARTIAL) or p.relative_to(output_dir).as_posix() in side):
+        if not (top or p.name.endswith(PARTIAL) or _is_records(output_dir, p)
+                or p.relative_to(output_dir).as_posix() in side):
             return False
     return True
 
 
 def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
-    """Remove what an earlier pack wrote (shards, index, configs, manifest, side files: this plan's
-    and those the previous manifest lists, which another input may have had), nothing else."""
+    """Remove what an earlier pack wrote (shards, index, configs, manifest, its records files, side
+    files: this plan's and those the previous manifest lists, which another input may have had),
+    nothing else."""
     previous = previous_side_files(output_dir)
     for p in output_dir.iterdir():
         if p.is_file() and (p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES):
@@ -66,6 +68,22 @@ def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
         p = output_dir / rel
         if p.is_file() or p.is_symlink():
             p.unlink()
+    records = output_dir / RECORDS_DIR
+    if records.is_dir() and not records.is_symlink():
+        for p in records.rglob("*"):
+            if _is_records(output_dir, p) or (p.is_file() and p.name.endswith(PARTIAL)):
+                p.unlink()
+        for d in sorted((d for d in records.rglob("*") if d.is_dir()), reverse=True):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            records.rmdir()
+
+
+def _is_records(output_dir: Path, p: Path) -> bool:
+    """A manifest records file (``manifest-records/...jsonl``), which pack writes."""
+    rel = p.relative_to(output_dir).as_posix()
+    return rel.startswith(RECORDS_DIR + "/") and rel.endswith(".jsonl") and p.is_file() and not p.is_symlink()
 
 
 def previous_side_files(output_dir: Path) -> list[str]:

@@ -3,7 +3,7 @@
     python scripts/fault_inject.py [--trials 40] [--seed 0] [--work DIR]
 
 Each trial kills one pack with SIGKILL, either at a named fault point (mid-header, mid-tensor, a
-shard renamed but not journaled, mid-journal, mid config/index/manifest write; see
+shard renamed but not journaled, mid-write of its manifest records, mid-journal, mid config/index/manifest write; see
 convert/faults.py) or after a random delay, then runs the resume command the tool prints and
 compares every output file with an uninterrupted run's. Exits 1 on the first difference.
 """
@@ -33,7 +33,7 @@ def point_counts(src: Path, pack_args: list[str]) -> dict[str, int]:
     tensors = sum(s["tensors"] for s in plan["shards"])
     # journal: created, re-saved after verifying, once per shard; json: configs, index, manifest;
     # side: once per 16 MiB of each side file (at least once each but an empty one)
-    return {"header": shards, "shard": shards, "tensor": tensors, "journal": shards + 2, "json": 4,
+    return {"header": shards, "shard": shards, "records": shards, "tensor": tensors, "journal": shards + 2, "json": 4,
             "side": max(1, len(plan.get("side_files", [])))}
 
 

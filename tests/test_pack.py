@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import oracle
-from helpers import copy_ckpt, interpreter_note, one_line_error, replace_tensor, run
+from helpers import copy_ckpt, interpreter_note, manifest_with_modules, one_line_error, replace_tensor, run
 from kimi_convert.engines import sglang_is_excluded, vllm_is_skipped
 from kimi_convert.mapping import builtin_by_name
 
@@ -58,7 +58,7 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 def test_every_output_tensor_against_its_sources(which, request):
     inp_dir = request.getfixturevalue({"k3": "tiny_k3", "kl": "tiny_kl", "ds": "tiny_ds"}[which])
     out_dir = request.getfixturevalue({"k3": "packed_k3", "kl": "packed_kl", "ds": "packed_ds"}[which])
-    inp, out, man = load_all(inp_dir), load_all(out_dir), manifest(out_dir)
+    inp, out, man = load_all(inp_dir), load_all(out_dir), manifest_with_modules(out_dir)
     modules = man["modules"]
     assert sorted(t["name"] for m in modules for t in m["tensors"]) == sorted(out)
     shared: dict[str, float] = {}
@@ -147,7 +147,7 @@ def check_cast(m: dict, inp: dict, out: dict) -> None:
 
 def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):
     import hashlib
-    man = manifest(packed_k3)
+    man = manifest_with_modules(packed_k3)
     assert man["tool"]["name"] == "kimi-convert" and man["mapping"]["name"] == "kimi_k3"
     assert man["mapping"]["sha256"] == hashlib.sha256((Path(__file__).parents[1] / "mappings/kimi_k3.toml")
                                                       .read_bytes()).hexdigest()
@@ -223,7 +223,7 @@ def test_exclude_list_read_by_engine_rules_selects_exactly_kept(which, request):
     layers the files hold unquantized: the formats come from the files, the engines' layers from the
     mapping table's fused groups, neither from the manifest's own kinds (which verify-manifest checks)."""
     out_dir = request.getfixturevalue({"k3": "packed_k3", "kl": "packed_kl", "ds": "packed_ds"}[which])
-    man = manifest(out_dir)
+    man = manifest_with_modules(out_dir)
     m = builtin_by_name(man["mapping"]["name"])
     ignore = json.loads((out_dir / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["ignore"] == ignore

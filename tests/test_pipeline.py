@@ -235,6 +235,8 @@ def test_workers_and_streams_give_the_same_bytes_as_one(tiny_k3, tmp_path, worke
              streams=streams)
     assert (r.stats.workers, r.stats.streams) == (workers, workers * streams)
     assert tree(out) == tree(ref)
+    # the records files included: each stream writes its shards' own, the same bytes
+    assert sum(k.startswith("manifest-records/") for k in tree(ref)) == len(list(ref.glob("*.safetensors")))
 
 
 def test_split_jobs_is_consecutive_balanced_and_hashes_each_input_once(tmp_path):

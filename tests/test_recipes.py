@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import copy_ckpt, edit_config, one_line_error, run
+from helpers import copy_ckpt, edit_config, manifest_with_modules, one_line_error, run
 from kimi_convert import engines
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
@@ -237,7 +237,7 @@ def test_nvidia_recipe_is_byte_identical_to_model_optimizer(k3_nvidia, tiny_k3):
 
 
 def test_nvidia_cast_counts_lossless_blocks_and_out_of_window_costs_one_block(k3_nvidia):
-    man = json.loads((k3_nvidia / "manifest.json").read_text())
+    man = manifest_with_modules(k3_nvidia)
     casts = [m["quantization"] for m in man["modules"] if m.get("quantization", {}).get("method") == "mxfp4-cast"]
     assert casts and all(c["input_scale"] == 1.0 for c in casts)
     lossy = [c for c in casts if c["lossless_blocks"] < c["blocks"]]

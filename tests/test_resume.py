@@ -61,7 +61,8 @@ def medium(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("point", "at"), [("header", 1), ("header", 2), ("tensor", 3), ("tensor", 150),
-                                           ("shard", 1), ("shard", 2), ("journal", 3), ("json", 1), ("json", 4)])
+                                           ("shard", 1), ("shard", 2), ("records", 1), ("records", 3),
+                                           ("journal", 3), ("json", 1), ("json", 4)])
 def test_killed_at_a_fault_point_resumes_identically(medium, tmp_path, point, at):
     src, ref = medium
     out = tmp_path / "out"
@@ -95,6 +96,21 @@ def test_resume_reverifies_finished_shards(medium, tmp_path):
     finished.write_bytes(bytes(data))
     r = run("pack", src, out, *PACK_ARGS, "--resume")
     assert r.code == 0 and "verified and kept" not in r.stdout
+    assert fault_inject.same_tree(ref, out) == []
+
+
+@pytest.mark.slow
+def test_resume_redoes_a_shard_whose_records_file_changed(medium, tmp_path):
+    """A journaled shard is kept only with its records file as journaled: an edited records file
+    (the shard itself intact) makes the resume write both again."""
+    src, ref = medium
+    out = tmp_path / "out"
+    killed_at("shard:3", "pack", src, out, *PACK_ARGS)
+    records = sorted((out / "manifest-records").glob("*.jsonl"))
+    assert len(records) == 2
+    records[0].write_bytes(records[0].read_bytes().replace(b'"sha256":"', b'"sha256":"0', 1))
+    r = run("pack", src, out, *PACK_ARGS, "--resume")
+    assert r.code == 0, r.stderr
     assert fault_inject.same_tree(ref, out) == []
 
 

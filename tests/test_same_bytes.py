@@ -1,6 +1,9 @@
 """Structural changes keep the output bytes: a pack of each synth preset with the code of
 ``BEFORE`` (the last commit before the one-home-per-concept restructuring, issue 13) and with
-the code here give the same files, byte for byte, the manifest included.
+the code here give the same files, byte for byte, except the manifest: its format changed by
+design (issue 14: format_version 3, the module records moved from manifest.json to one JSON Lines
+file per shard under ``manifest-records/``), so it is compared by content: the same entries, the
+same module records (in another order: grouped by shard).
 
 The "before" is not a stored expected output: it is the earlier code itself, taken from git and run
 from a temporary folder laid out as the installed package is (convert/ -> kimi_convert, ...). Skipped
@@ -8,6 +11,7 @@ where the checkout has no git history to take it from."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +21,8 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
+
+from helpers import manifest_with_modules
 
 ROOT = Path(__file__).parents[1]
 BEFORE = "6e2401f"  # main after issue 12, before issue 13's moves
@@ -30,10 +36,11 @@ CASES = {
 }
 
 
-def _old_package(dest: Path) -> Path | None:
+def _old_package(dest: Path, commit: str = BEFORE) -> Path | None:
+    """The package as of ``commit``, laid out as installed, in ``dest``; None without that history."""
     if shutil.which("git") is None:
         return None
-    r = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", BEFORE, *PACKAGE],
+    r = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit, *PACKAGE],
                        capture_output=True)
     if r.returncode:
         return None
@@ -73,9 +80,23 @@ def test_every_preset_packs_to_the_same_bytes_as_before_the_restructuring(tmp_pa
         _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
         _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
         before, after = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
-        assert sorted(before) == sorted(after), case
-        changed = [f for f in before if before[f] != after[f]]
+        records = sorted(f for f in after if f.startswith("manifest-records/"))
+        assert records and sorted(before) == sorted(f for f in after if f not in records), case
+        changed = [f for f in before if f != "manifest.json" and before[f] != after[f]]
         assert changed == [], f"{case}: {changed}"
+        assert _as_v2(tmp_path / "after" / case) == _sorted_modules(json.loads(before["manifest.json"])), case
+
+
+def _sorted_modules(man: dict) -> dict:
+    man["modules"] = sorted(man["modules"], key=lambda m: m["name"])
+    return man
+
+
+def _as_v2(folder: Path) -> dict:
+    """A format_version 3 manifest as version 2 held it: the records files' lines as ``modules``."""
+    man = manifest_with_modules(folder)
+    assert man.pop("format_version") == 3 and man.pop("records")
+    return _sorted_modules({**man, "format_version": 2})
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ def test_every_side_file_copied_byte_identical_and_recorded(st_in, st_out):
     assert "quantization_config" in json.loads((out / "config.json").read_text())
     assert (out / "2_Normalize").is_dir() and not any((out / "2_Normalize").iterdir())
     man = json.loads((out / "manifest.json").read_text())
-    assert man["format_version"] == 2
+    assert man["format_version"] == 3
     assert {e["file"]: (e["size"], e["sha256"]) for e in man["side_files"]} == {
         rel: (len(data), sha(data)) for rel, data in want.items()}
     files = {e["file"]: e["sha256"] for e in man["files"]}
@@ -182,18 +182,19 @@ def test_scan_decides_each_kind_of_entry(tmp_path):
     for rel in ("config.json", "model.safetensors.index.json", "a.safetensors", "hf_quant_config.json",
                 "manifest.json", ".kimi-convert-pack.json", "sub/hf_quant_config.json", "sub/manifest.json",
                 "sub/config.json", "sub/model.safetensors", "pytorch_model.bin", ".gitattributes", "x/.git",
-                "README.md"):
+                "README.md", "manifest-records/model.jsonl", "sub/manifest-records/a.jsonl"):
         (ck / rel).parent.mkdir(parents=True, exist_ok=True)
         (ck / rel).write_text("{}")
     (ck / "empty" / "nested").mkdir(parents=True)
     side = scan(ck, ["a.safetensors", "config.json", "model.safetensors.index.json"])
-    # a sub-folder's config, manifest or hf_quant_config is not the model's: copied
+    # a sub-folder's config, manifest (and its records) or hf_quant_config is not the model's: copied
     assert side.copied == (".gitattributes", "README.md", "sub/config.json", "sub/hf_quant_config.json",
-                           "sub/manifest.json")
+                           "sub/manifest-records/a.jsonl", "sub/manifest.json")
     assert side.folders == ("empty/nested",)
     assert side.skipped == (
         Skipped(".kimi-convert-pack.json", "a resume journal of kimi-convert"),
         Skipped("hf_quant_config.json", "the output writes its own"),
+        Skipped("manifest-records/", "the output writes its own (manifest records)"),
         Skipped("manifest.json", "the output writes its own"),
         Skipped("pytorch_model.bin", "unconverted weights: not among the shards pack reads"),
         Skipped("sub/model.safetensors", "unconverted weights: not among the shards pack reads"),

@@ -17,7 +17,7 @@ import pytest
 
 from fakehub import TOKEN, FakeHub, assert_arrived
 from fakehub import hub_cli as cli
-from helpers import one_line_error, run
+from helpers import manifest_with_modules, one_line_error, run
 
 
 @pytest.fixture
@@ -51,7 +51,8 @@ def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     assert r.code == 0, r.stderr
     assert hub.log[0][1] == "/api/whoami-v2"  # the probe, before anything else
     man = json.loads((out / "manifest.json").read_text())
-    n = len(man["outputs"]) + len(man["files"]) + 1  # shards, configs/index/side files, the manifest
+    # shards, their records files, configs/index/side files, the manifest
+    n = len(man["outputs"]) + len(man["records"]) + len(man["files"]) + 1
     assert f"all {n} files present, sizes and sha256 match the manifest" in r.stdout
     repo = hub.repos["user/k3-nvfp4"]
     assert repo.private and len(repo.commits) == 1
@@ -60,6 +61,8 @@ def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "- nvfp4" in card and "- modelopt" in card and "library_name:" in card
     assert "quantized to NVFP4" in card and "Kept in high precision" in card
+    kinds = [m["kind"] for m in manifest_with_modules(out)["modules"]]  # the card counts the records files' modules
+    assert f"| quantized to NVFP4 | {kinds.count('nvfp4')}" in card and f"| {kinds.count('copy')} |" in card
     from huggingface_hub import ModelCard
     parsed = ModelCard.load(out / "README.md")  # the Hub's own parser reads the metadata back
     assert "nvfp4" in parsed.data.tags and parsed.data.library_name == "transformers"
@@ -234,7 +237,9 @@ def test_interrupted_upload_resumes_by_rerunning(hub, out, tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("kimi-convert: error: user/resume: ")
     assert hub.repos["user/resume"].files == {}
     puts_first = sum(1 for m, p, s in hub.log if m == "PUT" and s == 200)
-    assert puts_first == len([p for p in out.iterdir() if p.suffix == ".safetensors"]) + 1  # + manifest.json
+    # the files the Hub takes through LFS (fakehub: .safetensors, or over 100 kB): the shards, maybe records files
+    lfs = [p for p in out.rglob("*") if p.is_file() and (p.suffix == ".safetensors" or p.stat().st_size > 100_000)]
+    assert puts_first == len(lfs)
     hub.faults.clear()
     r = cli(hub, "upload", out, "user/resume", tmp=tmp_path)
     assert r.code == 0, r.stderr

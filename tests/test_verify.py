@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import edit_json, one_line_error, run
+from helpers import edit_json, manifest_with_modules, one_line_error, run
 from kimi_convert.safetensors_format import parse_header
 
 
@@ -90,7 +90,7 @@ def test_edited_config(out):
 
 
 def test_edited_manifest(out):
-    man = json.loads((out / "manifest.json").read_text())
+    man = manifest_with_modules(out)
     mod = next(m for m in man["modules"] if m["kind"] == "keep" and "lm_head" in m["name"])
     edit_json(out / "manifest.json", lambda m: m["exclude_modules"].remove(mod["name"]))  # as if quantized
     rc, rep = verify(out)
@@ -107,6 +107,23 @@ def test_index_lists_extra_tensor(out):
     assert rc == 1 and "lists ghost.weight, which the manifest does not" in problems(rep)
 
 
+def test_index_names_another_file_or_is_cut_short(out):
+    """The index is read an entry at a time (compared as a digest per file): a tensor moved to another
+    file is still named, and a truncated index is one problem line."""
+    index = out / "model.safetensors.index.json"
+    good = index.read_text()
+    files = sorted({f for f in json.loads(good)["weight_map"].values()})
+    name = sorted(json.loads(good)["weight_map"])[5]
+    was = json.loads(good)["weight_map"][name]
+    other = next(f for f in files if f != was)
+    edit_json(index, lambda i: i["weight_map"].update({name: other}))
+    rc, rep = verify(out)
+    assert rc == 1 and f"model.safetensors.index.json: {name} in {other}, manifest says {was}" in problems(rep)
+    index.write_text(good[: len(good) // 2])
+    rc, rep = verify(out)
+    assert rc == 1 and "model.safetensors.index.json: unreadable (ValueError: " in problems(rep)
+
+
 def test_unfinished_or_foreign_folder(out, tmp_path):
     (out / ".kimi-convert-pack.json").write_text("{}")
     rc, err = verify(out)
@@ -117,9 +134,26 @@ def test_unfinished_or_foreign_folder(out, tmp_path):
     assert rc == 2 and "no manifest.json" in err
 
 
+def edit_records(out: Path, shard: str, fn, relist: bool = True) -> str:
+    """Let ``fn`` change the list of ``shard``'s module records (dicts, one a line); rewrite its
+    records file and, with ``relist``, manifest.json's listing of it (size, sha256, count) to match,
+    as a consistent forger would. Returns the records file's name."""
+    man = json.loads((out / "manifest.json").read_text())
+    entry = next(e for e in man["records"] if e["shard"] == shard)
+    path = out / entry["file"]
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    fn(recs)
+    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs).encode()
+    path.write_bytes(data)
+    if relist:
+        entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(), modules=len(recs))
+        (out / "manifest.json").write_text(json.dumps(man))
+    return entry["file"]
+
+
 def test_consistent_lie_is_caught_only_by_rederiving(out, tiny_k3):
     """Wrong NVFP4 bytes with every hash rewritten to match: offline checks pass, --input --full does not."""
-    man = json.loads((out / "manifest.json").read_text())
+    man = manifest_with_modules(out)
     mod = next(m for m in man["modules"] if m["kind"] == "nvfp4" and m.get("group") == "gate_up_proj")
     t = mod["tensors"][0]
     shard = out / t["file"]
@@ -128,15 +162,71 @@ def test_consistent_lie_is_caught_only_by_rederiving(out, tiny_k3):
     data = bytearray(shard.read_bytes())
     data[info.start] ^= 0x11
     shard.write_bytes(bytes(data))
-    t["sha256"] = hashlib.sha256(bytes(data[info.start : info.end])).hexdigest()
-    for f in man["outputs"]:
-        if f["file"] == t["file"]:
-            f["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
-    (out / "manifest.json").write_text(json.dumps(man))
+    sha = hashlib.sha256(bytes(data[info.start : info.end])).hexdigest()
+    edit_records(out, t["file"], lambda recs: [x.update(sha256=sha) for r in recs for x in r["tensors"]
+                                               if x["name"] == t["name"]])
+    edit_json(out / "manifest.json", lambda m: [f.update(sha256=hashlib.sha256(bytes(data)).hexdigest())
+                                                for f in m["outputs"] if f["file"] == t["file"]])
     rc, rep = verify(out)
     assert rc == 0, rep
     rc, rep = verify(out, "--input", tiny_k3, "--full")
     assert rc == 1 and f"tensor {t['name']}: re-quantized from its sources, the bytes differ" in problems(rep)
+
+
+def test_records_file_missing_truncated_or_edited(out):
+    """A records file that is gone, cut short mid-line, or edited without its listing: one problem
+    line naming the file (and the line where one is bad), exit 1."""
+    shard = first_shard(out).name
+    man = json.loads((out / "manifest.json").read_text())
+    rel = next(e["file"] for e in man["records"] if e["shard"] == shard)
+    path = out / rel
+    good = path.read_bytes()
+    path.unlink()
+    rc, rep = verify(out)
+    assert rc == 1 and f"{rel}: missing (the records of shard {shard})" in problems(rep)
+    # the shard's tensors are then without a record: said once, not once per tensor (nor per index entry)
+    n = len(parse_header(out / shard, shard)[0])
+    assert f"{shard}: {n} tensor(s) without a record, {rel} being unreadable" in problems(rep)
+    assert "is not in the manifest" not in problems(rep) and "lists " not in problems(rep)
+
+    lines = good.split(b"\n")
+    path.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][: len(lines[3]) // 2])
+    rc, rep = verify(out)
+    assert rc == 1 and f"{rel} line 4: truncated (no end of line)" in problems(rep)
+
+    path.write_bytes(good)
+    name = json.loads(lines[1])["tensors"][0]["name"]
+    edit_records(out, shard, lambda recs: recs[1]["tensors"][0].update(sha256="0" * 64), relist=False)
+    rc, rep = verify(out)
+    assert rc == 1 and f"{rel}: " in problems(rep) and "(edited or truncated)" in problems(rep)
+    assert f"tensor {name}: bytes do not match the manifest's sha256 ({rel} line 2)" in problems(rep)
+
+    path.write_bytes(good[:-1] + b"x\n")  # the last line no longer JSON
+    rc, rep = verify(out)
+    assert rc == 1 and f"{rel} line {len(lines) - 1}: not a JSON record" in problems(rep)
+
+
+def test_record_without_tensor_and_tensor_without_record(out):
+    """Records rewritten consistently (listing updated): a record of a tensor the shard does not hold,
+    and a tensor of the shard whose record was removed, are each named with file and line."""
+    shard = first_shard(out).name
+    dropped: list[str] = []
+
+    def forge(recs: list[dict]) -> None:
+        dropped.extend(t["name"] for t in recs.pop(0)["tensors"])
+        ghost = json.loads(json.dumps(recs[-1]))
+        ghost["name"] = ghost["tensors"][0]["name"] = "ghost.weight"
+        ghost["tensors"] = ghost["tensors"][:1]
+        recs.append(ghost)
+    rel = edit_records(out, shard, forge)
+    n = json.loads((out / "manifest.json").read_text())
+    lines = next(e["modules"] for e in n["records"] if e["shard"] == shard)
+    rc, rep = verify(out)
+    assert rc == 1
+    assert f"{shard}: tensor ghost.weight (in the manifest) is missing ({rel} line {lines})" in problems(rep)
+    assert f"{shard}: tensor {dropped[0]} is not in the manifest ({rel} has no record of it)" in problems(rep)
+    assert "model.safetensors.index.json: does not list ghost.weight" in problems(rep)
+    assert f"model.safetensors.index.json: lists {dropped[0]}, which the manifest does not" in problems(rep)
 
 
 def test_input_mismatch(packed_k3, tiny_k3, tmp_path):
@@ -156,3 +246,38 @@ def test_other_options_do_not_replan_the_same(packed_k3, tiny_k3, tmp_path):
     (out / "manifest.json").write_text(json.dumps(man))
     rc, rep = verify(out, "--input", tiny_k3)
     assert rc == 1 and "plan rebuilt from the input and the recorded options differs" in problems(rep)
+
+
+#: main's HEAD when format_version 3 came: its pack writes a format_version 2 manifest (every module
+#: in manifest.json), which verify-manifest still reads.
+V2_COMMIT = "61ddba4"
+
+
+@pytest.fixture(scope="module")
+def v2_out(tiny_k3, tmp_path_factory) -> Path:
+    """tiny-k3 packed by the code of V2_COMMIT, taken from git (not written by the code under test)."""
+    from test_same_bytes import _old_package, _run
+
+    tmp = tmp_path_factory.mktemp("v2")
+    old = _old_package(tmp / "old", V2_COMMIT)
+    if old is None:
+        pytest.skip(f"no git history with commit {V2_COMMIT} to take the earlier code from")
+    _run(old, "pack", tiny_k3, tmp / "out", "--device", "cpu", "-q")
+    man = json.loads((tmp / "out" / "manifest.json").read_text())
+    assert man["format_version"] == 2 and "modules" in man and not (tmp / "out" / "manifest-records").exists()
+    return tmp / "out"
+
+
+def test_a_format_2_manifest_still_verifies_and_tampering_is_caught(v2_out, tiny_k3, tmp_path):
+    rc, rep = verify(v2_out, "--input", tiny_k3)
+    assert rc == 0 and rep["ok"], rep
+    out = Path(shutil.copytree(v2_out, tmp_path / "out"))
+    man = json.loads((out / "manifest.json").read_text())
+    gone = man["modules"].pop(3)
+    t = man["modules"][0]["tensors"][0]
+    t["sha256"] = "0" * 64
+    (out / "manifest.json").write_text(json.dumps(man))
+    rc, rep = verify(out)
+    assert rc == 1
+    assert f"tensor {gone['tensors'][0]['name']} is not in the manifest" in problems(rep)
+    assert f"tensor {t['name']}: bytes do not match the manifest's sha256 (manifest.json module 0)" in problems(rep)

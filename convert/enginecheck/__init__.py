@@ -247,13 +247,15 @@ def _separate_source_casts(rep: Report, out: Path) -> None:
     """A float narrowed on load (fp32 ``o_norm`` into a bf16 parameter, say) is the engine's reading of
     the input checkpoint itself when the output holds that tensor byte for byte as the input does (the
     manifest says so): listed as a source cast, not a conversion defect. Reinterpretations always fail."""
+    from ..manifest import iter_modules
+
     try:
         man = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        unchanged = {t["name"] for _, m in iter_modules(out, man) if m.get("kind") in (Kind.COPY, Kind.KEEP)
+                     and all(s.get("encoding") == Encoding.DENSE for s in m.get("sources", []))
+                     and m.get("op") == Op.NONE for t in m.get("tensors", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
-    unchanged = {t["name"] for m in man.get("modules", []) if m.get("kind") in (Kind.COPY, Kind.KEEP)
-                 and all(s.get("encoding") == Encoding.DENSE for s in m.get("sources", [])) and m.get("op") == Op.NONE
-                 for t in m.get("tensors", [])}
     rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c.get("tensor") in unchanged]
     rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from .. import faults, write
 from ..hashing import FileHasher, SerialHasher, Stopped
 from ..journal import ShardRecord
+from ..manifest import write_records
 from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
 from .budgets import Shared, default_hash_threads, pc_cost
@@ -111,9 +112,10 @@ class _Stream:
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
-        self.units_per_shard = {s.file: 0 for s in job.shards}
+        self.units_of: dict[str, list[Unit]] = {s.file: [] for s in job.shards}  # in plan order
         for u in job.units:
-            self.units_per_shard[u.shard] += 1
+            self.units_of[u.shard].append(u)
+        self.units_per_shard = {f: len(us) for f, us in self.units_of.items()}
         self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
         self.runner: Runner | None = None
@@ -234,11 +236,17 @@ class _Stream:
         sha = st.file_hash.finish().result()  # before the rename: a re-read, if any, reads the .partial
         t = self._clock("finish: shard sha256", t)
         st.writer.finish()
-        self._clock("finish: fsync and rename", t)
+        t = self._clock("finish: fsync and rename", t)
         faults.point("shard")
-        rec = ShardRecord(size=self.shard_of[file].size, sha256=sha,
-                          tensors={k: f.result() for k, f in st.tensors.items()},
-                          sources={k: f.result() for k, f in st.sources.items()}, notes=st.notes)
+        records = write_records(self.job.output_dir, file, self.units_of[file],
+                                {k: f.result() for k, f in st.tensors.items()},
+                                {k: f.result() for k, f in st.sources.items()}, st.notes)
+        self._clock("finish: manifest records", t)
+        cast = [n for n in st.notes.values() if n.get("method") == "mxfp4-cast"]
+        rec = ShardRecord(size=self.shard_of[file].size, sha256=sha, records_size=records.size,
+                          records_sha256=records.sha256, modules=records.modules,
+                          cast_blocks=sum(n["blocks"] for n in cast),
+                          cast_lossless=sum(n["lossless_blocks"] for n in cast))
         self.on_shard(file, rec)
 
     def run(self) -> JobResult:

@@ -1,0 +1,121 @@
+"""A large JSON object read one entry at a time: the index of the released K3 maps ~1 M tensor names
+to their files (~100 MB of JSON); ``json.loads`` would hold all of it, as Python objects several
+times its size, where ``verify-manifest`` needs each entry only once.
+
+The file is read in 1 MiB pieces; each string and value is parsed by the ``json`` module's own
+scanner (``scanstring``, ``raw_decode``), so what is accepted is exactly JSON. A parse that reaches
+the end of the buffer before the end of the file is retried with more of the file (a number cut in
+two by a piece boundary would otherwise parse as a shorter one).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Callable, Iterator
+from json.decoder import scanstring
+from pathlib import Path
+from typing import Any, BinaryIO
+
+PIECE = 1 << 20
+_WS = re.compile(r"[ \t\n\r]*")
+_decoder = json.JSONDecoder()
+
+
+def iter_object(path: Path, streamed: str) -> Iterator[tuple[str, Any]]:
+    """The top-level entries of the JSON object in ``path``, in file order, as (key, value); the
+    entries of the object under key ``streamed`` come one at a time, as (streamed, (key, value)).
+    Raises ValueError on anything that is not one JSON object (OSError if the file cannot be read)."""
+    with open(path, "rb") as f:
+        b = _Buffer(f)
+        b.expect("{")
+        for key in b.entries():
+            if key != streamed:
+                yield key, b.parse(_value)
+                continue
+            b.expect("{")
+            for k in b.entries():
+                yield streamed, (k, b.parse(_value))
+        b.skip_ws()
+        if b.i < len(b.s):
+            raise ValueError(f"extra data after the object at character {b.offset + b.i}")
+
+
+def _string(s: str, i: int) -> tuple[str, int]:
+    if s[i] != '"':
+        raise ValueError(f"expected a string at {i}")
+    return scanstring(s, i + 1)
+
+
+def _value(s: str, i: int) -> tuple[Any, int]:
+    if s[i] == '"':  # the index's values: the common case, without raw_decode's detour
+        return scanstring(s, i + 1)
+    return _decoder.raw_decode(s, i)
+
+
+class _Buffer:
+    def __init__(self, f: BinaryIO):
+        self.f, self.s, self.i, self.offset, self.eof = f, "", 0, 0, False
+        self.text = codecs.getincrementaldecoder("utf-8")()
+
+    def more(self, n: int) -> None:
+        """At least ``n`` characters from the read position, or the rest of the file."""
+        while len(self.s) - self.i < n and not self.eof:
+            piece = self.f.read(max(PIECE, n))
+            self.eof = not piece
+            self.offset += self.i
+            self.s = self.s[self.i:] + self.text.decode(piece, final=self.eof)
+            self.i = 0
+
+    def skip_ws(self) -> None:
+        while True:
+            if len(self.s) - self.i < 1:
+                self.more(1)
+            self.i = _WS.match(self.s, self.i).end()
+            if self.i < len(self.s) or self.eof:
+                return
+
+    def next_char(self) -> str:
+        self.skip_ws()
+        if self.i >= len(self.s):
+            raise ValueError("unexpected end of the file")
+        self.i += 1
+        return self.s[self.i - 1]
+
+    def expect(self, ch: str) -> None:
+        got = self.next_char()
+        if got != ch:
+            raise ValueError(f"expected {ch!r} at character {self.offset + self.i - 1}, found {got!r}")
+
+    def entries(self) -> Iterator[str]:
+        """The keys of the object whose '{' was just read; the caller parses each value."""
+        self.skip_ws()
+        if self.s[self.i:self.i + 1] == "}":
+            self.i += 1
+            return
+        while True:
+            key = self.parse(_string)
+            self.expect(":")
+            yield key
+            c = self.next_char()
+            if c == "}":
+                return
+            if c != ",":
+                raise ValueError(f"expected ',' or '}}' at character {self.offset + self.i - 1}, found {c!r}")
+
+    def parse(self, fn: Callable[[str, int], tuple[Any, int]]) -> Any:
+        self.skip_ws()
+        want = PIECE
+        while True:
+            try:
+                value, end = fn(self.s, self.i)
+            except (ValueError, IndexError):
+                if self.eof:
+                    raise ValueError(f"not valid JSON at character {self.offset + self.i}") from None
+                end = None
+            if end is not None and (end < len(self.s) or self.eof):
+                self.i = end
+                return value
+            want *= 2
+            self.more(len(self.s) - self.i + want)
