@@ -6,6 +6,10 @@ The file is read in 1 MiB pieces; each string and value is parsed by the ``json`
 scanner (``scanstring``, ``raw_decode``), so what is accepted is exactly JSON. A parse that reaches
 the end of the buffer before the end of the file is retried with more of the file (a number cut in
 two by a piece boundary would otherwise parse as a shorter one).
+
+Why not a streaming JSON library (ijson): this is the one place the tool streams JSON, for one shape
+(an object of string -> string), and a hundred lines over the standard scanner keep the dependencies
+at the design card's and accept exactly what ``json.loads`` accepts (tests/test_jsonstream.py).
 """
 
 from __future__ import annotations
