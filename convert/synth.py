@@ -121,6 +121,7 @@ class Preset:
     shards: int = 4
     description: str = ""
     sparse: bool = False  # headers real, data regions holes (write_sparse): for plan/manifest tests at scale
+    cut_by_bytes: bool = False  # shards of equal bytes (many shards of experts), not cuts snapped onto k_proj/up_proj
 
     def kinds(self) -> list[str]:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
@@ -174,6 +175,18 @@ PRESETS: dict[str, Preset] = {
         vision_qkv=384, vision_inter=1024, vision_pos=16, attn_res_block=12, mxfp4_experts=True,
         full_rank_gate=True, shards=4,
         description="Kimi K3 at real width: MXFP4 experts 3072 x 3584, latent MoE, one KDA + one MLA layer",
+    ),
+    # bench-k3 with more layers and experts, cut by bytes into many shards of ~400 MB (as the release's
+    # 96 shards of ~16 GB are all experts but for a few): so that a converter working shard by shard
+    # (NVIDIA's, --jobs N) has shards to spread over its workers. ~9.6 GB.
+    "bench-k3-shards": Preset(
+        "kimi_k3", hidden=7168, layers=4, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=1536,
+        kv_lora=512, nope=128, rope=64, v_head=128, experts=96, topk=8, moe_inter=3072, latent=3584, shared=2,
+        dense_inter=18432, first_dense=0, vocab=8192, vision_hidden=256, vision_blocks=1, vision_heads=4,
+        vision_qkv=384, vision_inter=1024, vision_pos=16, attn_res_block=12, mxfp4_experts=True,
+        full_rank_gate=True, shards=24, cut_by_bytes=True,
+        description="Kimi K3 at real width in 24 shards of equal bytes: 3 KDA + 1 MLA layer, 96 MXFP4 experts "
+                    "3072 x 3584 a layer",
     ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
@@ -565,6 +578,28 @@ def _cuts(specs: list, shards: int) -> list[int]:
     return [*cuts, len(specs)]
 
 
+def _spec_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a spec takes on disk (an MXFP4 weight: its packed codes and its E8M0 scales)."""
+    if dtype == torch.uint8:
+        n, k = shape
+        return n * k // 2 + n * k // 32
+    return math.prod(shape) * dtype.itemsize
+
+
+def _byte_cuts(specs: list, shards: int) -> list[int]:
+    """Shard boundaries of about equal bytes: a cut where the running size passes the next multiple of
+    total/shards (a tensor larger than that spans several: fewer shards, none tiny)."""
+    sizes = [_spec_bytes(shape, dtype) for _, shape, dtype in specs]
+    total, done, cuts, k = sum(sizes), 0, [0], 1
+    for i, size in enumerate(sizes):
+        if done >= total * k / shards and i > cuts[-1]:
+            cuts.append(i)
+            while done >= total * k / shards:
+                k += 1
+        done += size
+    return [*cuts, len(specs)]
+
+
 def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
                 experts: int | None = None, overwrite: bool = False) -> Path:
     if preset not in PRESETS:
@@ -587,7 +622,7 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     specs = list(tensor_specs(p))
     weight_map: dict[str, str] = {}
     total = 0
-    cuts = _cuts(specs, p.shards)
+    cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1
     deferred: dict[str, torch.Tensor] = {}  # FP8 scales stored in another shard than their weight
     for s in range(n):
