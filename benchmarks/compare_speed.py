@@ -190,6 +190,17 @@ def table(runs: list[Run]) -> list[str]:
     return lines
 
 
+def warm_up(a: argparse.Namespace, env: dict, cpus: int) -> bool:
+    """Each tool converts tiny-k3 once, untimed: imports cached, C kernels built, Triton's cache warm."""
+    tiny, nv_out, ours = a.tiny or a.work / "tiny-k3", a.work / "nvidia", a.work / "kimi-convert"
+    if not (tiny / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "kimi_convert.cli", "synth", "tiny-k3", str(tiny), "--overwrite"],
+                       check=True, stdout=subprocess.DEVNULL)
+    measure(nvidia_cmd(a.modelopt_repo, tiny, nv_out, a.device, 1, cpus), env, "NVIDIA", a.device, "1", 1.0)
+    measure(pack_cmd(tiny, ours, a.device, None, a.pack_args.split()), env, "pack", a.device, "-", 1.0)
+    return check_same(ours, nv_out, "warm-up tiny-k3")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modelopt-repo", required=True, type=Path)
@@ -203,6 +214,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/kimi-convert-speed"))
     ap.add_argument("--tiny", type=Path, help="tiny-k3 checkpoint for the warm-up (written there if missing)")
     ap.add_argument("--json", type=Path, help="write the runs as JSON here too")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny-k3 runs (caches already warm)")
     a = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(a.modelopt_repo),
@@ -217,13 +229,7 @@ def main() -> int:
           + ("input files evicted before each run" if a.cold == "input" else "input warm (read once before)"),
           flush=True)
 
-    tiny = a.tiny or a.work / "tiny-k3"
-    if not (tiny / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "kimi_convert.cli", "synth", "tiny-k3", str(tiny), "--overwrite"],
-                       check=True, stdout=subprocess.DEVNULL)
-    measure(nvidia_cmd(a.modelopt_repo, tiny, nv_out, a.device, 1, cpus), env, "NVIDIA", a.device, "1", 1.0)
-    measure(pack_cmd(tiny, ours, a.device, None, a.pack_args.split()), env, "pack", a.device, "-", 1.0)
-    ok = check_same(ours, nv_out, "warm-up tiny-k3")
+    ok = a.no_warmup or warm_up(a, env, cpus)
 
     if a.cold == "warm":
         warm(a.input)

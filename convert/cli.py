@@ -89,7 +89,7 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
     """Write a synthetic checkpoint shaped like a real release.
 
     Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB),
-    bench-k3-shards (~10 GB in 24 shards: the NVIDIA-converter benchmark),
+    bench-k3-shards (4.8 GB in 24 shards: the NVIDIA-converter benchmark),
     k3-full-sparse (the released K3's 497,220 tensors in 96 shards: real headers, data regions are holes).
     """
     from .synth import PRESETS, write_synth
