@@ -73,6 +73,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -601,7 +602,9 @@ def _byte_cuts(specs: list, shards: int) -> list[int]:
 
 
 def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
-                experts: int | None = None, overwrite: bool = False) -> Path:
+                experts: int | None = None, overwrite: bool = False, jobs: int = 1) -> Path:
+    """Write the preset's checkpoint into ``out``; ``jobs`` shards at once (threads: torch releases the
+    GIL), the same bytes for any ``jobs`` (each tensor's values come from its own name's generator)."""
     if preset not in PRESETS:
         raise ConvertError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -620,12 +623,11 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     if p.sparse:
         return _write_rest(p, out, *write_sparse(p, out), sort_keys=True)
     specs = list(tensor_specs(p))
-    weight_map: dict[str, str] = {}
-    total = 0
     cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1
     deferred: dict[str, torch.Tensor] = {}  # FP8 scales stored in another shard than their weight
-    for s in range(n):
+
+    def one(s: int) -> tuple[str, dict[str, int]]:
         fname = f"model-{s + 1:05d}-of-{n:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = deferred if s == n - 1 else {}
         for name, shape, dtype in specs[cuts[s] : cuts[s + 1]]:
@@ -641,13 +643,17 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
                 tensors[name] = weight(name, shape, seed, dtype)
                 if name.endswith(".A_log") and len(shape) == 1:
                     tensors[name][p.kda_heads:] = 0  # K3 stores A_log [head_dim], zero past num_heads
-        for k, v in tensors.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         os.chmod(out / fname, default_mode())  # save_file makes 0o600; every file of the folder the same
-        del tensors
-    return _write_rest(p, out, weight_map, total)
+        return fname, {k: v.numel() * v.element_size() for k, v in tensors.items()}
+
+    if p.fp8 or jobs <= 1:  # FP8: the last shard takes scales deferred by the others (in order)
+        shards = [one(s) for s in range(n)]
+    else:
+        with ThreadPoolExecutor(jobs, thread_name_prefix="kimi-convert-synth") as ex:
+            shards = list(ex.map(one, range(n)))
+    weight_map = {k: fname for fname, sizes in shards for k in sizes}
+    return _write_rest(p, out, weight_map, sum(sum(sizes.values()) for _, sizes in shards))
 
 
 def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, sort_keys: bool = False) -> Path:
