@@ -587,13 +587,19 @@ def _spec_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+_EXPERT_REST = re.compile(r"\.experts\.\d+\.w[23]\.weight$")  # an expert's tensors after its first
+
+
 def _byte_cuts(specs: list, shards: int) -> list[int]:
     """Shard boundaries of about equal bytes: a cut where the running size passes the next multiple of
-    total/shards (a tensor larger than that spans several: fewer shards, none tiny)."""
+    total/shards (a tensor larger than that spans several: fewer shards, none tiny), never inside an
+    expert (the release keeps an expert's w1, w2, w3 in one file; NVIDIA's converter needs w1 and w3 of
+    an expert in one shard, as they share one scale_2)."""
     sizes = [_spec_bytes(shape, dtype) for _, shape, dtype in specs]
     total, done, cuts, k = sum(sizes), 0, [0], 1
     for i, size in enumerate(sizes):
-        if done >= total * k / shards and i > cuts[-1]:
+        inside_expert = _EXPERT_REST.search(specs[i][0]) is not None
+        if done >= total * k / shards and i > cuts[-1] and not inside_expert:
             cuts.append(i)
             while done >= total * k / shards:
                 k += 1

@@ -344,6 +344,18 @@ def test_bench_k3_shards_has_24_shards_of_about_equal_bytes():
     assert 0.5 * mean < min(sizes) and max(sizes) < 1.5 * mean, sizes
 
 
+def test_byte_cuts_keep_each_expert_in_one_shard():
+    """NVIDIA's converter refuses an expert whose w1 and w3 are in two shards (they share scale_2)."""
+    specs = list(tensor_specs(PRESETS["bench-k3-shards"]))
+    cuts = set(_byte_cuts(specs, 24))
+    shard, where = 0, {}
+    for i, (name, _, _) in enumerate(specs):
+        shard += i in cuts
+        if ".experts." in name:
+            where.setdefault(name.rsplit(".", 2)[0], set()).add(shard)
+    assert len(where) == 2 * 96 and all(len(s) == 1 for s in where.values())
+
+
 def test_byte_cuts_after_a_large_tensor_leave_no_tiny_shard():
     big = [("big.weight", (1000,), torch.bfloat16)]
     small = [(f"s{i}.weight", (100,), torch.bfloat16) for i in range(10)]
