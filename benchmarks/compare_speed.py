@@ -179,14 +179,14 @@ def gb(n: int) -> str:
 
 def table(runs: list[Run]) -> list[str]:
     nv = [r for r in runs if r.tool == "NVIDIA"]
-    best = min(nv, key=lambda r: r.wall_s)
+    best = min(nv, key=lambda r: r.wall_s) if nv else None
     lines = [f"| tool | device | jobs | wall s | CPU s | peak tree PSS GB (anon) | largest process RSS GB "
-             f"| processes | NVIDIA best ({best.jobs} jobs) wall / this | this PSS / NVIDIA best's |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| processes | NVIDIA best ({best.jobs if best else 'not run'}) wall / this "
+             f"| this PSS / NVIDIA best's |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
+        ratios = f"{best.wall_s / r.wall_s:.2f}x | {r.peak_pss / best.peak_pss:.2f}" if best else "- | -"
         lines.append(f"| {r.tool} | {r.device} | {r.jobs} | {r.wall_s:.1f} | {r.cpu_s:.1f} | {gb(r.peak_pss)} "
-                     f"({gb(r.peak_pss_anon)}) | {gb(r.max_rss)} | {r.procs} | {best.wall_s / r.wall_s:.2f}x "
-                     f"| {r.peak_pss / best.peak_pss:.2f} |")
+                     f"({gb(r.peak_pss_anon)}) | {gb(r.max_rss)} | {r.procs} | {ratios} |")
     return lines
 
 
@@ -206,7 +206,8 @@ def main() -> int:
     ap.add_argument("--modelopt-repo", required=True, type=Path)
     ap.add_argument("--input", required=True, type=Path)
     ap.add_argument("--device", default="cpu", help="both tools' --device (cpu or cuda)")
-    ap.add_argument("--nvidia-jobs", type=int, nargs="+", default=[1, 2], help="NVIDIA --jobs values to run")
+    ap.add_argument("--nvidia-jobs", type=int, nargs="*", default=[1, 2],
+                    help="NVIDIA --jobs values to run (none: pack only, compared with WORK/nvidia of an earlier run)")
     ap.add_argument("--pack-repeat", type=int, default=1, help="timed pack runs")
     ap.add_argument("--pack-args", default="", help="more pack options, one string")
     ap.add_argument("--cold", choices=["input", "warm"], default="input")
@@ -254,15 +255,16 @@ def main() -> int:
         runs.append(r)
         print(f"pack: {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s, peak tree PSS {gb(r.peak_pss)} GB; stages (s, summed "
               "over streams): " + ", ".join(f"{k} {v:.1f}" for k, v in st["stages_s"].items()), flush=True)
-    ok = check_same(ours, nv_out, f"{a.input.name}") and ok
+    ok = check_same(ours, nv_out, f"{a.input.name}") and ok  # with none run: an earlier run's NVIDIA output
     print()
     print("\n".join(table(runs)))
     if a.json:
         a.json.write_text(json.dumps({"input": str(a.input), "bytes_in": size_in, "shards": shards, "cpus": cpus,
                                       "cold": a.cold, "load_before": load, "identical": ok,
                                       "runs": [asdict(r) for r in runs]}, indent=2))
-    shutil.rmtree(nv_out, ignore_errors=True)
     shutil.rmtree(ours, ignore_errors=True)
+    if a.nvidia_jobs:
+        shutil.rmtree(nv_out, ignore_errors=True)
     return 0 if ok else 1
 
 

@@ -11,7 +11,7 @@ mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1
-{ git log --oneline -1 2>/dev/null; nproc; free -g; df -h "$W"; nvidia-smi -L
+{ nproc; free -g; df -h "$W"; nvidia-smi -L
   python3 -c "import torch, triton, modelopt; print('torch', torch.__version__, 'triton', triton.__version__, 'modelopt', modelopt.__version__)"
 } > "$OUT/machine.log" 2>&1 || { cat "$OUT"/*.log; exit 1; }
 { time python3 -m kimi_convert.cli synth bench-k3-shards "$W/in" --overwrite --jobs 8; } > "$OUT/synth.log" 2>&1
