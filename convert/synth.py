@@ -73,6 +73,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,6 +122,7 @@ class Preset:
     shards: int = 4
     description: str = ""
     sparse: bool = False  # headers real, data regions holes (write_sparse): for plan/manifest tests at scale
+    cut_by_bytes: bool = False  # shards of equal bytes (many shards of experts), not cuts snapped onto k_proj/up_proj
 
     def kinds(self) -> list[str]:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
@@ -174,6 +176,18 @@ PRESETS: dict[str, Preset] = {
         vision_qkv=384, vision_inter=1024, vision_pos=16, attn_res_block=12, mxfp4_experts=True,
         full_rank_gate=True, shards=4,
         description="Kimi K3 at real width: MXFP4 experts 3072 x 3584, latent MoE, one KDA + one MLA layer",
+    ),
+    # bench-k3 with 3x the experts (70% of the bytes are experts, the release's 97%), cut by bytes into
+    # 24 shards of ~200 MB: a converter that works shard by shard (NVIDIA's, --jobs N) has shards to spread
+    # over its workers. 4.8 GB: NVIDIA's converter takes a few minutes on 2 cores (--layers 4: 9.5 GB).
+    "bench-k3-shards": Preset(
+        "kimi_k3", hidden=7168, layers=2, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=1536,
+        kv_lora=512, nope=128, rope=64, v_head=128, experts=96, topk=8, moe_inter=3072, latent=3584, shared=2,
+        dense_inter=18432, first_dense=0, vocab=8192, vision_hidden=256, vision_blocks=1, vision_heads=4,
+        vision_qkv=384, vision_inter=1024, vision_pos=16, attn_res_block=12, mxfp4_experts=True,
+        full_rank_gate=True, shards=24, cut_by_bytes=True,
+        description="Kimi K3 at real width in 24 shards of equal bytes: one KDA + one MLA layer, 96 MXFP4 "
+                    "experts 3072 x 3584 a layer",
     ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
@@ -565,8 +579,38 @@ def _cuts(specs: list, shards: int) -> list[int]:
     return [*cuts, len(specs)]
 
 
+def _spec_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a spec takes on disk (an MXFP4 weight: its packed codes and its E8M0 scales)."""
+    if dtype == torch.uint8:
+        n, k = shape
+        return n * k // 2 + n * k // 32
+    return math.prod(shape) * dtype.itemsize
+
+
+_EXPERT_REST = re.compile(r"\.experts\.\d+\.w[23]\.weight$")  # an expert's tensors after its first
+
+
+def _byte_cuts(specs: list, shards: int) -> list[int]:
+    """Shard boundaries of about equal bytes: a cut where the running size passes the next multiple of
+    total/shards (a tensor larger than that spans several: fewer shards, none tiny), never inside an
+    expert (the release keeps an expert's w1, w2, w3 in one file; NVIDIA's converter needs w1 and w3 of
+    an expert in one shard, as they share one scale_2)."""
+    sizes = [_spec_bytes(shape, dtype) for _, shape, dtype in specs]
+    total, done, cuts, k = sum(sizes), 0, [0], 1
+    for i, size in enumerate(sizes):
+        inside_expert = _EXPERT_REST.search(specs[i][0]) is not None
+        if done >= total * k / shards and i > cuts[-1] and not inside_expert:
+            cuts.append(i)
+            while done >= total * k / shards:
+                k += 1
+        done += size
+    return [*cuts, len(specs)]
+
+
 def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
-                experts: int | None = None, overwrite: bool = False) -> Path:
+                experts: int | None = None, overwrite: bool = False, jobs: int = 1) -> Path:
+    """Write the preset's checkpoint into ``out``; ``jobs`` shards at once (threads: torch releases the
+    GIL), the same bytes for any ``jobs`` (each tensor's values come from its own name's generator)."""
     if preset not in PRESETS:
         raise ConvertError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -585,12 +629,11 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     if p.sparse:
         return _write_rest(p, out, *write_sparse(p, out), sort_keys=True)
     specs = list(tensor_specs(p))
-    weight_map: dict[str, str] = {}
-    total = 0
-    cuts = _cuts(specs, p.shards)
+    cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1
     deferred: dict[str, torch.Tensor] = {}  # FP8 scales stored in another shard than their weight
-    for s in range(n):
+
+    def one(s: int) -> tuple[str, dict[str, int]]:
         fname = f"model-{s + 1:05d}-of-{n:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = deferred if s == n - 1 else {}
         for name, shape, dtype in specs[cuts[s] : cuts[s + 1]]:
@@ -606,13 +649,17 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
                 tensors[name] = weight(name, shape, seed, dtype)
                 if name.endswith(".A_log") and len(shape) == 1:
                     tensors[name][p.kda_heads:] = 0  # K3 stores A_log [head_dim], zero past num_heads
-        for k, v in tensors.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         os.chmod(out / fname, default_mode())  # save_file makes 0o600; every file of the folder the same
-        del tensors
-    return _write_rest(p, out, weight_map, total)
+        return fname, {k: v.numel() * v.element_size() for k, v in tensors.items()}
+
+    if p.fp8 or jobs <= 1:  # FP8: the last shard takes scales deferred by the others (in order)
+        shards = [one(s) for s in range(n)]
+    else:
+        with ThreadPoolExecutor(jobs, thread_name_prefix="kimi-convert-synth") as ex:
+            shards = list(ex.map(one, range(n)))
+    weight_map = {k: fname for fname, sizes in shards for k in sizes}
+    return _write_rest(p, out, weight_map, sum(sum(sizes.values()) for _, sizes in shards))
 
 
 def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, sort_keys: bool = False) -> Path:

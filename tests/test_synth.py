@@ -8,6 +8,7 @@ synthetic checkpoint whose names, shapes or dtypes drift from what the engines l
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kimi_convert.synth import PRESETS, config, tensor_specs
+from kimi_convert.synth import PRESETS, _byte_cuts, _spec_bytes, config, tensor_specs
 
 F32, BF16, U8 = "F32", "BF16", "U8"
 
@@ -245,7 +246,7 @@ def test_checkpoint_holds_exactly_what_the_engines_build(fixture, request):
     assert set(_index(ck)) == set(got)
 
 
-@pytest.mark.parametrize("preset", ["bench-k3", "bench-kimi-linear", "k3-full-sparse"])
+@pytest.mark.parametrize("preset", ["bench-k3", "bench-k3-shards", "bench-kimi-linear", "k3-full-sparse"])
 def test_bench_presets_match_their_config(preset):
     got, want = _specs(preset), expected_tensors(config(PRESETS[preset]))
     assert got == want, _diff(got, want)
@@ -282,7 +283,7 @@ def test_k3_a_log_is_head_dim_long_and_zero_past_the_heads(tiny_k3):
     assert torch.count_nonzero(a[lac["num_heads"]:]) == 0 and torch.count_nonzero(a[: lac["num_heads"]]) > 0
 
 
-@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear", "bench-k3", "bench-kimi-linear"])
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear", "bench-k3", "bench-k3-shards", "bench-kimi-linear"])
 def test_every_linear_k_is_a_multiple_of_16(preset):
     for name, (dtype, shape) in _specs(preset).items():
         if dtype == BF16 and len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name:
@@ -311,7 +312,7 @@ def test_tiny_presets_stay_tiny(tiny_k3, tiny_kl):
         assert sum(f.stat().st_size for f in ck.glob("*.safetensors")) < 12_000_000
 
 
-@pytest.mark.parametrize("preset", ["tiny-k3", "bench-k3"])
+@pytest.mark.parametrize("preset", ["tiny-k3", "bench-k3", "bench-k3-shards"])
 def test_k3_block_fp8_modules_have_k_a_multiple_of_128(preset):
     """NVIDIA's K3 recipe stores these attention projections as 128x128 block FP8; vLLM's
     validate_fp8_block_shape refuses a K that is not a multiple of the block (the release's K are 7168,
@@ -325,3 +326,52 @@ def test_k3_block_fp8_modules_have_k_a_multiple_of_128(preset):
             seen.add(mod)
             assert shape[1] % 128 == 0, (name, shape)
     assert seen == set(fp8)
+
+
+def _shard_bytes(specs: list, shards: int) -> list[int]:
+    cuts = _byte_cuts(specs, shards)
+    assert cuts[0] == 0 and cuts[-1] == len(specs) and cuts == sorted(set(cuts))
+    return [sum(_spec_bytes(shape, dtype) for _, shape, dtype in specs[a:b]) for a, b in itertools.pairwise(cuts)]
+
+
+def test_bench_k3_shards_has_24_shards_of_about_equal_bytes():
+    """The NVIDIA-converter benchmark's input: many shards, none much larger or smaller than the mean, so
+    that a converter working shard by shard can spread them over its jobs."""
+    p = PRESETS["bench-k3-shards"]
+    sizes = _shard_bytes(list(tensor_specs(p)), p.shards)
+    mean = sum(sizes) / len(sizes)
+    assert len(sizes) == 24 and 4.5e9 < sum(sizes) < 5.2e9
+    assert 0.5 * mean < min(sizes) and max(sizes) < 1.5 * mean, sizes
+
+
+def test_byte_cuts_keep_each_expert_in_one_shard():
+    """NVIDIA's converter refuses an expert whose w1 and w3 are in two shards (they share scale_2)."""
+    specs = list(tensor_specs(PRESETS["bench-k3-shards"]))
+    cuts = set(_byte_cuts(specs, 24))
+    shard, where = 0, {}
+    for i, (name, _, _) in enumerate(specs):
+        shard += i in cuts
+        if ".experts." in name:
+            where.setdefault(name.rsplit(".", 2)[0], set()).add(shard)
+    assert len(where) == 2 * 96 and all(len(s) == 1 for s in where.values())
+
+
+def test_byte_cuts_after_a_large_tensor_leave_no_tiny_shard():
+    big = [("big.weight", (1000,), torch.bfloat16)]
+    small = [(f"s{i}.weight", (100,), torch.bfloat16) for i in range(10)]
+    # 4000 bytes into 4: "big" holds half of them, so it is one shard and the rest two of 1000 bytes
+    assert _shard_bytes(big + small, 4) == [2000, 1000, 1000]
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-deepseek-fp8"])
+def test_synth_jobs_write_the_same_bytes(tmp_path, preset):
+    """Shards written at once (threads) give the files one at a time gives, index included (the
+    FP8 preset, whose last shard takes scales the others defer, is written in order whatever --jobs)."""
+    from kimi_convert.synth import write_synth
+
+    a, b = write_synth(preset, tmp_path / "one"), write_synth(preset, tmp_path / "three", jobs=3)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert len([f for f in files if f.suffix == ".safetensors"]) > 1
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f

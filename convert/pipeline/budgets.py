@@ -19,8 +19,18 @@ if TYPE_CHECKING:
     from ..devices import Device
     from .runner import Runner
 
-#: The in-flight budget of a worker: at least this, and at least two of its largest pieces.
+#: The in-flight budget of a worker: at least this (IN_FLIGHT_PER_CPU a CPU of its share below 4 CPUs),
+#: and at least two of its largest pieces.
 MIN_IN_FLIGHT = 512 << 20
+#: On a small share (2 CPUs: one stream) the compute, not the read-ahead, is the bound: 256 MB there
+#: took the same CPU seconds as 512 MB and 0.63 GB of PSS instead of 0.83 GB (benchmarks/RESULTS.md,
+#: issue 14 item 4, 2 cores).
+IN_FLIGHT_PER_CPU = 128 << 20
+
+
+def in_flight_floor(threads: int) -> int:
+    """The smallest in-flight budget of a worker with ``threads`` CPUs."""
+    return min(MIN_IN_FLIGHT, IN_FLIGHT_PER_CPU * max(1, threads))
 
 
 class ByteBudget:
@@ -63,7 +73,8 @@ class Shared:
         self.units = [pc.unit for ps in streams for pc in ps if pc.kind is PieceKind.COMPUTE]
         self.hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="kimi-convert-hash")
         sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
-        self.in_flight = ByteBudget(max(MIN_IN_FLIGHT, sum(sizes[:2])), stop, reserve=sizes[0] if sizes else 0)
+        self.in_flight = ByteBudget(max(in_flight_floor(threads), sum(sizes[:2])), stop,
+                                    reserve=sizes[0] if sizes else 0)
         self.hold = HoldBudget(min(128 << 20, self.in_flight.limit // 4))
         self.buffers = BufferPool(limit=self.in_flight.limit)
         self._runner: Runner | None = None

@@ -1,0 +1,25 @@
+#!/bin/bash
+# Issue 14 item 4 on the H200 machine: NVIDIA's Kimi K3 converter vs pack --recipe nvidia-k3 on
+# synth bench-k3-shards, on the GPU (NVIDIA needs --jobs 1 there) and on the CPUs (NVIDIA --jobs 8, 16).
+# Needs, beside this tree: .whl/ (nvidia-modelopt 0.47.0 and what it imports that the machine lacks:
+# pulp, pydantic, pydantic-core, annotated-types, typing-inspection, omegaconf, typing-extensions) and
+# mo/ (Model Optimizer 575c27ae1's examples/_shard_cast_utils.py and examples/kimi/). Logs go to $OUT.
+set -u
+OUT=${OUT:-benchmarks/results/h200-speed}
+W=${WORK:-/tmp/kc-speed}
+mkdir -p "$OUT" "$W"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1
+{ nproc; free -g; df -h "$W"; nvidia-smi -L
+  python3 -c "import torch, triton, modelopt; print('torch', torch.__version__, 'triton', triton.__version__, 'modelopt', modelopt.__version__)"
+} > "$OUT/machine.log" 2>&1 || { cat "$OUT"/*.log; exit 1; }
+{ time python3 -m kimi_convert.cli synth bench-k3-shards "$W/in" --overwrite --jobs 8; } > "$OUT/synth.log" 2>&1
+for dev in "$@"; do
+case $dev in
+cuda) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cuda --nvidia-jobs 1 \
+        --work "$W" --json "$OUT/cuda.json" 2>&1 | tee "$OUT/cuda.log" ;;
+cpu) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cpu --nvidia-jobs 8 16 \
+        --work "$W" --json "$OUT/cpu.json" 2>&1 | tee "$OUT/cpu.log" ;;
+esac
+done
