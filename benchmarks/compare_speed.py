@@ -30,6 +30,7 @@ NVIDIA's converter runs each ``--nvidia-jobs`` value with ``--threads_per_job ma
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -209,6 +210,8 @@ def main() -> int:
     ap.add_argument("--nvidia-jobs", type=int, nargs="*", default=[1, 2],
                     help="NVIDIA --jobs values to run (none: pack only, compared with WORK/nvidia of an earlier run)")
     ap.add_argument("--pack-repeat", type=int, default=1, help="timed pack runs")
+    ap.add_argument("--pack-devices", nargs="+", help="pack's --device for each set of pack runs (cpu, cuda, "
+                    "auto; default: --device), all compared with the same NVIDIA run")
     ap.add_argument("--pack-args", default="", help="more pack options, one string")
     ap.add_argument("--cold", choices=["input", "warm"], default="input")
     ap.add_argument("--sample", type=float, default=SAMPLE_S, help="seconds between memory samples")
@@ -243,11 +246,11 @@ def main() -> int:
         runs.append(r)
         print(f"NVIDIA --jobs {jobs}: {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s, peak tree PSS {gb(r.peak_pss)} GB",
               flush=True)
-    for i in range(a.pack_repeat):
+    for i, device in itertools.product(range(a.pack_repeat), a.pack_devices or [a.device]):
         if a.cold == "input":
             evict(a.input)
         stats = a.work / f"pack-stats-{i}.json"
-        r = measure(pack_cmd(a.input, ours, a.device, stats, a.pack_args.split()), env, "pack", a.device,
+        r = measure(pack_cmd(a.input, ours, device, stats, a.pack_args.split()), env, "pack", device,
                     "-", a.sample)
         r.stats = json.loads(stats.read_text())
         st = r.stats
@@ -255,7 +258,10 @@ def main() -> int:
         runs.append(r)
         print(f"pack: {r.wall_s:.1f} s, CPU {r.cpu_s:.1f} s, peak tree PSS {gb(r.peak_pss)} GB; stages (s, summed "
               "over streams): " + ", ".join(f"{k} {v:.1f}" for k, v in st["stages_s"].items()), flush=True)
-    ok = check_same(ours, nv_out, f"{a.input.name}") and ok  # with none run: an earlier run's NVIDIA output
+        if st.get("device_choices"):
+            print(f"pack --device {device} chose: {st['device_choices']}", flush=True)
+        # with no NVIDIA run: an earlier run's NVIDIA output
+        ok = check_same(ours, nv_out, f"{a.input.name} (pack --device {device})") and ok
     print()
     print("\n".join(table(runs)))
     if a.json:

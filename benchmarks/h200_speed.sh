@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 14 item 4 on the H200 machine: NVIDIA's Kimi K3 converter vs pack --recipe nvidia-k3 on
-# synth bench-k3-shards, on the GPU (NVIDIA needs --jobs 1 there) and on the CPUs (NVIDIA --jobs 8, 16).
+# synth bench-k3-shards, on the GPU (NVIDIA needs --jobs 1 there) and on the CPUs (NVIDIA --jobs 8, 16);
+# `devices`: NVIDIA on the GPU against pack --device cuda, auto and cpu.
 # Needs, beside this tree: .whl/ (nvidia-modelopt 0.47.0 and what it imports that the machine lacks:
 # pulp, pydantic, pydantic-core, annotated-types, typing-inspection, omegaconf, typing-extensions) and
 # mo/ (Model Optimizer 575c27ae1's examples/_shard_cast_utils.py and examples/kimi/). Logs go to $OUT.
@@ -19,6 +20,8 @@ for dev in "$@"; do
 case $dev in
 cuda) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cuda --nvidia-jobs 1 \
         --work "$W" --json "$OUT/cuda.json" 2>&1 | tee "$OUT/cuda.log" ;;
+devices) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cuda --nvidia-jobs 1 \
+        --pack-devices cuda auto cpu --work "$W" --json "$OUT/devices.json" 2>&1 | tee "$OUT/devices.log" ;;
 cpu) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cpu --nvidia-jobs 8 16 \
         --work "$W" --json "$OUT/cpu.json" 2>&1 | tee "$OUT/cpu.log" ;;
 esac
