@@ -17,7 +17,7 @@ install "$HERE"
 { nproc; free -g; df -h "$W"; nvidia-smi -L; echo "code: ${LABEL:-now}"
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.log" 2>&1
 K3="$W/bench-k3-L$L"
-[ -f "$K3/config.json" ] || python3 benchmarks/synth_parallel.py bench-k3 "$K3" --layers "$L" --shards 16 \
+[ -f "$K3/config.json" ] || kimi-convert synth bench-k3 "$K3" --layers "$L" --shards 16 --jobs "$(nproc)" \
     2>&1 | tee "$OUT/synth.log"
 {
     kimi-convert synth tiny-k3 "$W/tiny" --overwrite > /dev/null

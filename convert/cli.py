@@ -86,11 +86,12 @@ def cli() -> None:
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
 @click.option("--layers", type=int, help="Override the preset's layer count.")
 @click.option("--experts", type=int, help="Override the preset's experts per MoE layer.")
+@click.option("--shards", type=click.IntRange(min=1), help="Override the preset's shard count.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint in OUTPUT.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Shards written at once (the same bytes for any value).")
-def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None, overwrite: bool,
-          jobs: int) -> None:
+def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None, shards: int | None,
+          overwrite: bool, jobs: int) -> None:
     """Write a synthetic checkpoint shaped like a real release.
 
     Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB),
@@ -99,7 +100,8 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
     """
     from .synth import PRESETS, write_synth
 
-    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs)
+    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
+                      shards=shards)
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
     sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""

@@ -608,7 +608,8 @@ def _byte_cuts(specs: list, shards: int) -> list[int]:
 
 
 def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None = None,
-                experts: int | None = None, overwrite: bool = False, jobs: int = 1) -> Path:
+                experts: int | None = None, overwrite: bool = False, jobs: int = 1,
+                shards: int | None = None) -> Path:
     """Write the preset's checkpoint into ``out``; ``jobs`` shards at once (threads: torch releases the
     GIL), the same bytes for any ``jobs`` (each tensor's values come from its own name's generator)."""
     if preset not in PRESETS:
@@ -618,6 +619,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
         p = replace(p, layers=layers)
     if experts is not None:
         p = replace(p, experts=experts)
+    if shards is not None:
+        p = replace(p, shards=shards)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:

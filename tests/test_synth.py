@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kimi_convert.synth import PRESETS, _byte_cuts, _spec_bytes, config, tensor_specs
+from kimi_convert.synth import PRESETS, _byte_cuts, _spec_bytes, config, tensor_specs, write_synth
 
 F32, BF16, U8 = "F32", "BF16", "U8"
 
@@ -375,3 +375,17 @@ def test_synth_jobs_write_the_same_bytes(tmp_path, preset):
     assert len([f for f in files if f.suffix == ".safetensors"]) > 1
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_synth_shards_override(tmp_path):
+    """--shards N: the preset's tensors, the same values, in N files (the index says which)."""
+    from safetensors.torch import load_file
+
+    a, b = write_synth("tiny-k3", tmp_path / "preset"), write_synth("tiny-k3", tmp_path / "two", shards=2)
+    fa, fb = sorted(a.glob("*.safetensors")), sorted(b.glob("*.safetensors"))
+    assert len(fb) == 2 and len(fa) > 2
+    ta = {k: v for f in fa for k, v in load_file(f).items()}
+    tb = {k: v for f in fb for k, v in load_file(f).items()}
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    index = json.loads((b / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {index[k] for k in tb} == {f.name for f in fb}
