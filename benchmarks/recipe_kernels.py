@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from functools import partial
 
 import torch
+from nvfp4_bench import timeit as median_s  # benchmarks/ is sys.path[0] when run as a script
 
 from kimi_convert.devices import cpus
 from kimi_convert.kernels import fp8_block, mxfp4_cast, nvfp4_cpu, recipe_cpu, reference
@@ -193,16 +192,6 @@ def copy_bandwidth_cpu() -> float:
     src = torch.ones(1 << 30, dtype=torch.uint8)
     dst = torch.empty_like(src)
     return 2 * src.numel() / median_s(lambda: dst.copy_(src), 5)
-
-
-def median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def rotation(make, nbytes: int) -> list:
