@@ -158,7 +158,6 @@ def run(jobs: list[Job], p: Placement, on_shard: Callable[[str, ShardRecord], No
     ray = import_ray()
     remote = ray.remote(_task)
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
-    env["KIMI_CONVERT_THREADS"] = str(p.num_cpus)  # the task's share, as a local worker's
     jobs = [dataclasses.replace(j, input_dir=j.input_dir.absolute(), output_dir=j.output_dir.absolute())
             for j in jobs]
     in_bytes: dict[str, int] = {}
