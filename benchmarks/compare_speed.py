@@ -202,6 +202,19 @@ def warm_up(a: argparse.Namespace, env: dict, cpus: int) -> bool:
     return check_same(ours, nv_out, "warm-up tiny-k3")
 
 
+def disk_floor(a: argparse.Namespace, ours: Path, runs: list[Run]) -> dict:
+    """The disk's bound on this input, against the wall 5x NVIDIA's best run asks (its output is pack's size)."""
+    import pack_throughput as pt  # benchmarks/ is sys.path[0] when run as a script
+
+    size_out = sum(p.stat().st_size for p in ours.rglob("*") if p.is_file())
+    pt.COLD, pt.SRC = ("input" if a.cold == "input" else "warm"), a.input
+    read_s, write_s = pt.disk_floor(a.input, size_out, a.work / "floor.bin", a.cold == "input")
+    nv = [r.wall_s for r in runs if r.tool == "NVIDIA"]
+    print(f"disk floor ({a.cold}): read {read_s:.2f} s + write and fsync {size_out / 1e9:.2f} GB {write_s:.2f} s = "
+          f"{read_s + write_s:.2f} s" + (f"; 5x NVIDIA's best asks {min(nv) / 5:.2f} s" if nv else ""), flush=True)
+    return {"read_s": read_s, "write_s": write_s, "bytes_out": size_out, "five_x_s": min(nv) / 5 if nv else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modelopt-repo", required=True, type=Path)
@@ -219,6 +232,8 @@ def main() -> int:
     ap.add_argument("--tiny", type=Path, help="tiny-k3 checkpoint for the warm-up (written there if missing)")
     ap.add_argument("--json", type=Path, help="write the runs as JSON here too")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed tiny-k3 runs (caches already warm)")
+    ap.add_argument("--floor", action="store_true", help="after the runs: the disk floor (read the input evicted, "
+                    "write and fsync the output's bytes; pack_throughput.py's) and the wall 5x NVIDIA's best asks")
     a = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(a.modelopt_repo),
@@ -262,11 +277,12 @@ def main() -> int:
             print(f"pack --device {device} chose: {st['device_choices']}", flush=True)
         # with no NVIDIA run: an earlier run's NVIDIA output
         ok = check_same(ours, nv_out, f"{a.input.name} (pack --device {device})") and ok
+    floor = disk_floor(a, ours, runs) if a.floor else None
     print()
     print("\n".join(table(runs)))
     if a.json:
         a.json.write_text(json.dumps({"input": str(a.input), "bytes_in": size_in, "shards": shards, "cpus": cpus,
-                                      "cold": a.cold, "load_before": load, "identical": ok,
+                                      "cold": a.cold, "load_before": load, "identical": ok, "floor": floor,
                                       "runs": [asdict(r) for r in runs]}, indent=2))
     shutil.rmtree(ours, ignore_errors=True)
     if a.nvidia_jobs:
