@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -485,3 +487,33 @@ def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):
     while any(alive(c) for c in children) and time.time() < deadline:
         time.sleep(0.05)
     assert not any(alive(c) for c in children)
+
+
+_MALLOC_PROBE = """
+import ctypes, sys
+from kimi_convert.pipeline import budgets
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):
+    print("no-mallinfo2"); sys.exit()
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = Info
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+if sys.argv[1] == "set":
+    assert budgets.return_freed_memory()
+p = libc.malloc(8 << 20); libc.free(p)  # left alone, glibc raises its mmap threshold to 8 MB here
+before = libc.mallinfo2().hblks
+p = libc.malloc(8 << 20); print(libc.mallinfo2().hblks - before); libc.free(p)
+"""
+
+
+@pytest.mark.parametrize("mode, mapped", [("set", "1"), ("left", "0")])
+def test_freed_tensor_memory_goes_back_to_the_system(mode, mapped):
+    """An 8 MB block allocated after one was freed is mapped on its own (given back when freed) once a
+    converting process has set the threshold; glibc's default would serve it from its heap (the 'left' case
+    shows the probe tells the two apart)."""
+    r = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, mode], capture_output=True, text=True, check=True)
+    if r.stdout.strip() == "no-mallinfo2":
+        pytest.skip("not glibc >= 2.33")
+    assert r.stdout.strip() == mapped

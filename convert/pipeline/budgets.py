@@ -4,6 +4,7 @@ counts of streams and hashing threads for a share of the CPUs."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -27,6 +28,23 @@ MIN_IN_FLIGHT = 512 << 20
 #: took the same CPU seconds as 512 MB and 0.63 GB of PSS instead of 0.83 GB (benchmarks/RESULTS.md,
 #: issue 14 item 4, 2 cores).
 IN_FLIGHT_PER_CPU = 128 << 20
+
+
+#: glibc's mallopt parameter M_MMAP_THRESHOLD, and the value a converting process sets
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Have glibc give a freed tensor's memory back to the system at once (allocations of 1 MB and more
+    mapped on their own). Left to itself glibc raises that threshold to the largest block freed (up to
+    32 MB): a converter's tensors (an expert's 11 MB) then come from per-thread heaps that keep what is
+    freed, and the process grows with its threads (pack on 2 cores: 676 -> 534 MB peak RSS, same CPU
+    seconds; benchmarks/RESULTS.md, session 6). False where the C library has no mallopt (not glibc)."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 def in_flight_floor(threads: int) -> int:

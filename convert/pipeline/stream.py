@@ -19,7 +19,7 @@ from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
-from .budgets import Shared, default_hash_threads, pc_cost
+from .budgets import Shared, default_hash_threads, pc_cost, return_freed_memory
 from .slicing import Piece, PieceKind, pieces
 
 if TYPE_CHECKING:
@@ -315,6 +315,7 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     as each shard is complete; the first failure stops every stream. ``threads``: the CPUs this
     worker may use (its C kernel's threads, and the bound on its hashing threads)."""
     stop = stop or threading.Event()
+    return_freed_memory()
     mine = [pieces(j.units, j.file_order) for j in jobs]
     shared = Shared(mine, threads, default_hash_threads(len(jobs), threads), stop)
     lock = threading.Lock()
