@@ -33,25 +33,25 @@ def copy_bw() -> float:
 
 
 def amax_generic(w, amax):
-    T._amax_kernel[(triton.cdiv(w.numel(), T.BLOCK_AMAX),)](w.reshape(-1), w.numel(), amax, BLOCK=T.BLOCK_AMAX)
+    T._amax_kernel[(triton.cdiv(w.numel(), T.BLOCK_AMAX),)](w.reshape(-1), w.numel(), amax, 1, BLOCK=T.BLOCK_AMAX)
 
 
 def amax_pairs(w, amax, block):
     p = w.reshape(-1).view(torch.int32)
-    T._amax_bf16_kernel[(triton.cdiv(p.numel(), block),)](p, p.numel(), amax.view(torch.int32), BLOCK=block)
+    T._amax_bf16_kernel[(triton.cdiv(p.numel(), block),)](p, p.numel(), amax.view(torch.int32), 1, BLOCK=block)
 
 
 def quant_generic(w, amax, packed, scales):
     n, k = w.shape
     grid = (triton.cdiv(n, T.BLOCK_M), triton.cdiv(k, T.BLOCK_K))
-    T._quant_kernel[grid](w, amax, 1, packed, scales, n, k, BLOCK_M=T.BLOCK_M, BLOCK_K=T.BLOCK_K, NA_BLOCK=1)
+    T._quant_kernel[grid](w, amax, packed, scales, n, k, BLOCK_M=T.BLOCK_M, BLOCK_K=T.BLOCK_K)
 
 
 def quant_bf16(w, amax, packed, scales, bm, bb, warps, exact):
     n, k = w.shape
     grid = (triton.cdiv(n, bm), triton.cdiv(k // 16, bb))
-    T._quant_bf16_kernel[grid](w.view(torch.int32), amax, 1, packed, scales, n, k, BLOCK_M=bm, BLOCK_B=bb,
-                               EXACT_DIV=exact, NA_BLOCK=1, num_warps=warps, enable_fp_fusion=False)
+    T._quant_bf16_kernel[grid](w.view(torch.int32), amax, packed, scales, n, k, BLOCK_M=bm, BLOCK_B=bb,
+                               EXACT_DIV=exact, num_warps=warps, enable_fp_fusion=False)
 
 
 TILES = ((16, 16, 4), (32, 16, 4), (32, 16, 8), (64, 8, 4), (16, 32, 4), (8, 32, 2), (64, 16, 8), (32, 32, 8))

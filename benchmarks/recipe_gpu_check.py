@@ -10,7 +10,7 @@ packs are unchanged by them.
 - block FP8: Triton == torch code on the CPU (the reference: torch 2.13's rounding) == C kernel at K3's attention
   shapes; Triton == C on one tile per positive finite bf16 amax (random values below it), both rounding variants
   (bits, conversion instructions); torch's own CUDA result is compared too, and where it differs, which tiles;
-- NVFP4: the Triton kernel == the C kernel on large tensors, also when quantize reduces ``amax_partials``' cells;
+- NVFP4: the Triton kernel == the C kernel on large tensors, its amax under several program decompositions too;
 - pack --recipe nvidia-k3 of tiny-k3 (and bench-k3, 1 layer, 8 experts, with --bench-k3): the torch code
   (KIMI_CONVERT_RECIPE_KERNELS=torch, the output before these kernels), --device cpu (C) and --device cuda
   (Triton) write the same files.
@@ -201,12 +201,16 @@ def nvfp4_checks() -> None:
     w = cases["8192x7168 bf16"][:1024]
     ref = reference.quantize(w, reference.global_scale(w.abs().amax().float()))
     report("nvfp4 1024x7168: triton == torch reference", same(gpu.quantize(w, gpu.amax(w)), ref))
-    for name, w in cases.items():  # the benchmark's form: quantize reduces amax_partials' cells itself
+    for name, w in cases.items():  # amax programs of one step (session 5's decomposition) and of many
         wc = w.cuda()
-        parts = nvfp4_triton.amax_partials(wc)
-        got = nvfp4_triton.quantize(wc, parts)
-        c = cpu.quantize(w, cpu.amax(w))
-        report(f"nvfp4 {name}: triton from {parts.numel()} amax cells == C", same(got, c))
+        cells = [torch.zeros(1, device="cuda") for _ in range(3)]
+        for cell, tile in zip(cells, (None, (8192, 1 << 40, 4), (1024, 64, 2)), strict=True):
+            nvfp4_triton.amax_into(wc, cell, tile)
+        report(f"nvfp4 {name}: amax of every tile == C's", all(float(c) == float(cpu.amax(w)) for c in cells))
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
 def pack_checks() -> None:
@@ -226,11 +230,10 @@ def pack_checks() -> None:
             times[label] = time.perf_counter() - t
             os.environ.pop(RECIPE_KERNELS_ENV, None)
         ref = work / f"{preset}-torch"
-        names = sorted(p.name for p in ref.iterdir())
+        names = files_under(ref)  # every file, those in folders (docs/, manifest-records/) too
         for label in ("cpu", "cuda"):
             d = work / f"{preset}-{label}"
-            ok = names == sorted(p.name for p in d.iterdir()) and all(
-                filecmp.cmp(ref / n, d / n, shallow=False) for n in names)
+            ok = names == files_under(d) and all(filecmp.cmp(ref / n, d / n, shallow=False) for n in names)
             report(f"pack {preset} --recipe nvidia-k3: --device {label} == torch code, every file", ok)
         print("info pack seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
     shutil.rmtree(work)

@@ -151,8 +151,8 @@ def cast_gpu(add, label: str, n: int, pk: int, variants: bool) -> None:
         if variants:
             add("cast, session 5 (tile 32x16, 4 warps)", lab, cast_bytes(n, pk),
                 [partial(launch_old, i) for i in range(8)], note)
-        tiles = [(512, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)] if variants and window else []
-        slows = [(16, 16, 4), (16, 64, 8), (4, 32, 4)] if variants and big and not window else []
+        tiles = [(1024, 4), (1024, 8), (256, 4)] if variants and window else []
+        slows = [(4, 32, 4), (1, 32, 4), (2, 64, 8), (1, 128, 8)] if variants and big and not window else []
         for tile in tiles:
             add(f"cast {tile[0]} blocks, {tile[1]} warps", lab, cast_bytes(n, pk),
                 [partial(launch, i, tile) for i in range(8)])
@@ -185,8 +185,9 @@ def fp8_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
 
 
 def nvfp4_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
-    """NVFP4 (amax partials + quantize: two launches) at its default and, with ``variants``, other amax and
-    quantize tiles, each pass alone, and session 5's form (zeroed cell + atomic amax + quantize, tile 16x16x4)."""
+    """NVFP4 (a zeroed cell, the amax kernel: one atomic a program, quantize) at its default and, with
+    ``variants``, session 5's form (one atomic a chunk of 8192 pairs, quantize tile 16x16x4), other tiles, and each
+    pass alone."""
     from kimi_convert.kernels import nvfp4_triton
 
     xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
@@ -195,30 +196,25 @@ def nvfp4_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
     cell = torch.zeros(1, device="cuda")
 
     def run(x, qtile=None, atile=None):
-        a = nvfp4_triton.amax_partials(x, atile)
-        nvfp4_triton._launch_quant(x, a, packed, scales, n, k, qtile)
-
-    def run_old(x):
         cell.zero_()
-        nvfp4_triton.amax_into(x, cell)
-        nvfp4_triton._launch_quant(x, cell, packed, scales, n, k, (16, 16, 4))
+        nvfp4_triton.amax_into(x, cell, atile)
+        nvfp4_triton._launch_quant(x, cell, packed, scales, n, k, qtile)
 
-    add("nvfp4 (amax + quantize)", label, nvfp4_bytes(n, k), [partial(run, x) for x in xs])
+    add("nvfp4 (zero + amax + quantize)", label, nvfp4_bytes(n, k), [partial(run, x) for x in xs])
     if not variants:
         return
-    add("nvfp4, session 5 (zero + atomic amax + quantize 16x16x4)", label, nvfp4_bytes(n, k),
-        [partial(run_old, x) for x in xs])
+    add("nvfp4, session 5 (amax: an atomic a chunk; quantize 16x16x4)", label, nvfp4_bytes(n, k),
+        [partial(run, x, (16, 16, 4), (8192, 1 << 40, 4)) for x in xs])
     if (n, k) not in ((3072, 7168), (32768, 7168)):
         return
-    for qt in ((16, 16, 4), (16, 32, 4), (8, 64, 4), (4, 64, 2), (4, 32, 1)):
+    for qt in ((8, 32, 2), (2, 64, 1), (4, 16, 1), (8, 16, 1)):
         add(f"nvfp4 quantize tile {qt}", label, nvfp4_bytes(n, k), [partial(run, x, qt) for x in xs])
-    for at in ((4096, 1024, 4), (8192, 1024, 4), (16384, 256, 8), (8192, 264, 8)):
+    for at in ((4096, 1024, 4), (8192, 1 << 40, 4)):
         add(f"nvfp4 amax tile {at}", label, nvfp4_bytes(n, k), [partial(run, x, None, at) for x in xs])
-    parts = [nvfp4_triton.amax_partials(x) for x in xs]
-    add("nvfp4 amax pass alone", label, 2 * n * k, [partial(nvfp4_triton.amax_partials, x) for x in xs],
-        "floor: the bf16 read")
-    add("nvfp4 quantize pass alone", label, nvfp4_bytes(n, k) - 2 * n * k,
-        [partial(nvfp4_triton._launch_quant, x, a, packed, scales, n, k) for x, a in zip(xs, parts, strict=True)],
+    add("nvfp4 zero + amax alone", label, 2 * n * k, [partial(lambda x: (cell.zero_(), nvfp4_triton.amax_into(x, cell)),
+                                                              x) for x in xs], "floor: the bf16 read")
+    add("nvfp4 quantize alone", label, nvfp4_bytes(n, k) - 2 * n * k,
+        [partial(nvfp4_triton._launch_quant, x, cell, packed, scales, n, k) for x in xs],
         "floor: one read + the writes")
 
 

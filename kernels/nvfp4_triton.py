@@ -23,21 +23,23 @@ BLOCK_AMAX = 8192
 BLOCK_M = 32
 BLOCK_K = 256
 #: bf16 kernel tile: rows, blocks of 16 values, warps (chosen by benchmarks/recipe_kernels.py --variants on the H200)
-BF16_TILE = (8, 32, 2)
-#: amax_partials: values (bf16 pairs) a step, at most this many programs (the cells quantize reduces), warps
+BF16_TILE = (4, 32, 1)
+#: amax: values (bf16 pairs) a step, at most this many programs (one atomic each), warps
 AMAX_TILE = (8192, 512, 8)
 
 
 @triton.jit
-def _amax_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+def _amax_kernel(x_ptr, n, out_ptr, ITERS, BLOCK: tl.constexpr):
+    """max(out, amax|x|) over ITERS consecutive chunks of BLOCK values a program (any float dtype; NaN / Inf give
+    inf): one atomic a program, not one a chunk."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    a = tl.abs(x)
-    bad = tl.max(((x != x) | (a == float("inf"))).to(tl.int32), axis=0)
-    m = tl.max(a, axis=0)
-    m = tl.where(bad > 0, float("inf"), m)
-    tl.atomic_max(out_ptr, m)
+    base = pid.to(tl.int64) * ITERS * BLOCK
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a != a, float("inf"), a))
+    tl.atomic_max(out_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -108,11 +110,10 @@ def _fast_code(x, d4, r4, d_low):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, amax_ptr, NA, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  NA_BLOCK: tl.constexpr):
+def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s2 = _global_scale(amax_ptr, NA, NA_BLOCK)
+    s2 = _global_scale(amax_ptr)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -136,21 +137,10 @@ def _quant_kernel(x_ptr, amax_ptr, NA, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _amax_bf16_kernel(x_ptr, n_pairs, out_ptr, BLOCK: tl.constexpr):
+def _amax_bf16_kernel(x_ptr, n_pairs, out_ptr, ITERS, BLOCK: tl.constexpr):
     """bf16 read as int32 pairs: |x| orders like its low 15 bits, so the amax is an integer max of
-    bits, accumulated into ``out`` (the fp32 bits of the amax, as int32); NaN/Inf give inf's bits."""
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    u = tl.load(x_ptr + offs, mask=offs < n_pairs, other=0)
-    m = tl.max(tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF), axis=0)
-    m = tl.where(m >= 0x7F80, 0x7F80, m)
-    tl.atomic_max(out_ptr, m << 16)
-
-
-@triton.jit
-def _amax_bf16_partial_kernel(x_ptr, n_pairs, out_ptr, ITERS, BLOCK: tl.constexpr):
-    """As ``_amax_bf16_kernel`` over ITERS consecutive chunks of BLOCK pairs, into the program's own cell of
-    ``out`` (fp32 bits as int32; no zeroed cell, no atomic): the quantize kernel takes the max of the cells."""
+    bits, accumulated into ``out`` (the fp32 bits of the amax, as int32; NaN/Inf give inf's bits), over ITERS
+    consecutive chunks of BLOCK pairs a program: one atomic a program (14,336 on one address were one a chunk)."""
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * ITERS * BLOCK
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -159,39 +149,24 @@ def _amax_bf16_partial_kernel(x_ptr, n_pairs, out_ptr, ITERS, BLOCK: tl.constexp
         u = tl.load(x_ptr + offs, mask=offs < n_pairs, other=0)
         acc = tl.maximum(acc, tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF))
     m = tl.max(acc, axis=0)
-    tl.store(out_ptr + pid, tl.where(m >= 0x7F80, 0x7F80, m) << 16)
+    tl.atomic_max(out_ptr, tl.where(m >= 0x7F80, 0x7F80, m) << 16)
 
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, n, out_ptr, ITERS, BLOCK: tl.constexpr):
-    """As ``_amax_kernel`` (any float dtype) into the program's own cell of ``out``."""
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * ITERS * BLOCK
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
-        acc = tl.maximum(acc, tl.where(a != a, float("inf"), a))
-    tl.store(out_ptr + pid, tl.max(acc, axis=0))
-
-
-@triton.jit
-def _global_scale(amax_ptr, NA, NA_BLOCK: tl.constexpr):
-    """s2 = amax / 2688 (reference.global_scale; 1 where the amax is 0), the amax the max of NA cells."""
-    a = tl.max(tl.load(amax_ptr + tl.arange(0, NA_BLOCK), mask=tl.arange(0, NA_BLOCK) < NA, other=0.0), axis=0)
-    s2 = tl.math.div_rn(a, 2688.0)
+def _global_scale(amax_ptr):
+    """s2 = amax / 2688 (reference.global_scale; 1 where the amax is 0)."""
+    s2 = tl.math.div_rn(tl.load(amax_ptr), 2688.0)
     return tl.where(s2 > 0, s2, 1.0)
 
 
 @triton.jit
-def _quant_bf16_kernel(x_ptr, amax_ptr, NA, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                       EXACT_DIV: tl.constexpr, NA_BLOCK: tl.constexpr):
+def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                       EXACT_DIV: tl.constexpr):
     """bf16 weights read as int32 pairs [M, K/2] (element 2i in the low half): the even/odd codes of a
-    byte come from one load, with no shuffle. Tile: BLOCK_M rows x BLOCK_B blocks of 16 values. The amax is the
-    max of NA fp32 cells (one, or the partial kernel's per-program maxima)."""
+    byte come from one load, with no shuffle. Tile: BLOCK_M rows x BLOCK_B blocks of 16 values."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
-    s2 = _global_scale(amax_ptr, NA, NA_BLOCK)
+    s2 = _global_scale(amax_ptr)
     rows = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None, None]
     blk = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B))[None, :, None]
     pair = blk * 8 + tl.arange(0, 8)[None, None, :]
@@ -233,56 +208,40 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, NA, q_ptr, s_ptr, M, K, BLOCK_M: tl.cons
 _INTERPRETER = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
 
 
-def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf."""
+def amax_into(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int] | None = None) -> None:
+    """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf. ``tile``: (values a step, at
+    most this many programs, warps), default AMAX_TILE (benchmarks time others)."""
     with _INTERPRETER:
-        _amax_into(x, out)
+        _amax_into(x, out, tile or AMAX_TILE)
 
 
-def _amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
+def _amax_into(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int]) -> None:
     n = x.numel()
     if not n:
         return
-    if x.dtype == torch.bfloat16 and n % 2 == 0:
-        pairs = x.reshape(-1).view(torch.int32)
-        _amax_bf16_kernel[(triton.cdiv(n // 2, BLOCK_AMAX),)](pairs, n // 2, out.view(torch.int32), BLOCK=BLOCK_AMAX)
-    else:
-        _amax_kernel[(triton.cdiv(n, BLOCK_AMAX),)](x.reshape(-1), n, out, BLOCK=BLOCK_AMAX)
-
-
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 amax of |x| (0-dim); +inf if x holds NaN or Inf."""
-    return amax_partials(x).max()
-
-
-def amax_partials(x: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """fp32 [P]: the amax of |x| as per-program maxima (+inf for NaN / Inf), for :func:`quantize` to reduce:
-    one launch, no zeroed cell, no atomic. ``tile``: (values a step, at most programs, warps), default AMAX_TILE."""
-    x = x.contiguous()
-    n = x.numel()
-    if not n:
-        return torch.zeros(1, dtype=torch.float32, device=x.device)
-    block, most, warps = tile or AMAX_TILE
+    block, most, warps = tile
     bf16 = x.dtype == torch.bfloat16 and n % 2 == 0
     items = n // 2 if bf16 else n
     chunks = -(-items // block)
     iters = -(-chunks // most)
-    programs = -(-chunks // iters)
-    out = torch.empty(programs, dtype=torch.float32, device=x.device)
-    with _INTERPRETER:
-        if bf16:
-            _amax_bf16_partial_kernel[(programs,)](x.reshape(-1).view(torch.int32), items, out.view(torch.int32),
-                                                   iters, BLOCK=block, num_warps=warps)
-        else:
-            _amax_partial_kernel[(programs,)](x.reshape(-1), items, out, iters, BLOCK=block, num_warps=warps)
-    return out
+    grid = (-(-chunks // iters),)
+    if bf16:
+        _amax_bf16_kernel[grid](x.reshape(-1).view(torch.int32), items, out.view(torch.int32), iters, BLOCK=block,
+                                num_warps=warps)
+    else:
+        _amax_kernel[grid](x.reshape(-1), items, out, iters, BLOCK=block, num_warps=warps)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    amax_into(x.contiguous(), out)
+    return out.reshape(())
 
 
 def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = None,
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``x`` [..., K] under the global scale of
-    ``amax`` (a fused module's joint amax, or :func:`amax_partials`' cells: the kernel takes their max and
-    divides it by 2688 itself).
+    ``amax`` (a fused module's joint amax; the kernel divides it by 2688 itself).
 
     ``packed`` / ``scales`` may be given: views of a fused module's output rows to write into.
     """
@@ -293,7 +252,7 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
         packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     if scales is None:
         scales = torch.empty((m, k // 16), dtype=torch.uint8, device=x.device)
-    amax = amax.reshape(-1).to(device=x.device, dtype=torch.float32)
+    amax = amax.reshape(1).to(device=x.device, dtype=torch.float32)
     with _INTERPRETER:
         _launch_quant(x2, amax, packed, scales, m, k)
     lead = x.shape[:-1]
@@ -302,14 +261,11 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
 
 def _launch_quant(x2, amax, packed, scales, m: int, k: int, tile: tuple[int, int, int] | None = None) -> None:
     """``tile``: the bf16 kernel's (rows, 16-blocks, warps), default BF16_TILE (benchmarks time others)."""
-    na = amax.numel()
     if m and x2.dtype == torch.bfloat16:
         bm, bb, warps = tile or BF16_TILE
         grid = (triton.cdiv(m, bm), triton.cdiv(k // 16, bb))
-        _quant_bf16_kernel[grid](x2.view(torch.int32), amax, na, packed, scales, m, k, BLOCK_M=bm, BLOCK_B=bb,
-                                 EXACT_DIV=True, NA_BLOCK=triton.next_power_of_2(na), num_warps=warps,
-                                 enable_fp_fusion=False)
+        _quant_bf16_kernel[grid](x2.view(torch.int32), amax, packed, scales, m, k, BLOCK_M=bm, BLOCK_B=bb,
+                                 EXACT_DIV=True, num_warps=warps, enable_fp_fusion=False)
     elif m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
-        _quant_kernel[grid](x2, amax, na, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-                            NA_BLOCK=triton.next_power_of_2(na))
+        _quant_kernel[grid](x2, amax, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)

@@ -34,8 +34,10 @@ from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 
 #: cast: 32-blocks a program and warps of the closed-form kernel; flags a program, blocks a step and warps of the
 #: long-path kernel; block FP8: warps (the tile is 128 x 128)
-CAST_BLOCKS = (1024, 4)
-CAST_SLOW = (16, 32, 4)  # powers of two
+#: (benchmarks/RESULTS.md, issue 14 second pass: 512 blocks a program measured best; the long path needs few flags
+#: a program, else too few programs share a fully flagged tensor)
+CAST_BLOCKS = (512, 4)
+CAST_SLOW = (4, 64, 8)  # powers of two
 FP8_WARPS = 8
 #: block FP8 rounds with the GPU's conversion instructions where it has them (compiled, sm_89 and later): 1.13x its
 #: memory floor on the H200 against 1.66x for the fp32 splits, same bytes (benchmarks/RESULTS.md, issue 14)

@@ -219,20 +219,21 @@ def test_cast_out_of_window_block_costs_that_block_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_amax_partials_then_quantize(dtype):
-    """amax_partials over several programs (each several steps, a ragged last one; NaN and Inf give +inf), and
-    quantize taking the max of those cells, give the reference's amax and bytes."""
+def test_triton_amax_programs_of_several_steps(dtype):
+    """The amax kernel with programs of several steps (a ragged last one), one atomic each, accumulating into a
+    cell that holds an earlier member's amax (a fused module); NaN and Inf give +inf."""
     from kimi_convert.kernels import nvfp4_triton
 
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(37, 144, generator=g) * 3).to(dtype)
     w[29, 100] = -50.0  # the amax sits in a late program
-    parts = nvfp4_triton.amax_partials(w, (64, 5, 1))
-    assert parts.numel() == 5 and float(parts.max()) == 50.0
-    want = reference.quantize(w, reference.global_scale(w.abs().amax().float()))
-    got = nvfp4_triton.quantize(w, parts)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    for start, want in ((0.0, 50.0), (60.0, 60.0)):
+        cell = torch.tensor([start])
+        nvfp4_triton.amax_into(w, cell, (64, 5, 1))
+        assert float(cell) == want
     for bad in (float("nan"), float("inf")):
         v = w.clone()
         v[36, 143] = bad
-        assert float(nvfp4_triton.amax_partials(v, (64, 5, 1)).max()) == float("inf")
+        cell = torch.zeros(1)
+        nvfp4_triton.amax_into(v, cell, (64, 5, 1))
+        assert float(cell) == float("inf")
