@@ -111,7 +111,8 @@ def cast_checks() -> None:
 def cast_program_checks() -> None:
     """The two-kernel cast where flagged programs sit among unflagged ones: an expert [3072, 3584] with out-of-window
     and E8M0-0 blocks planted at the first, last and a middle block of programs (and one in a ragged last program),
-    under the default program size and small ones (programs of 64 and 256 blocks, 1-16 flags a long-path program),
+    under the default program size and small ones (programs of 64, 256 and 512 blocks, 1 to 512 flags a long-path
+    program),
     and the every-code sweep under the small ones."""
     g = torch.Generator().manual_seed(5)
     n, pk = 3072, 3584
@@ -123,7 +124,7 @@ def cast_program_checks() -> None:
     own = mxfp4_cast.k_max(scale)
     default = recipe_triton.CAST_BLOCKS, recipe_triton.CAST_SLOW
     bad = 0
-    for blocks, slow in (default, ((64, 4), (1, 32, 4)), ((256, 4), (16, 16, 4)), ((1024, 8), (4, 64, 8))):
+    for blocks, slow in (default, ((64, 4), (1 << 20, 32, 4)), ((256, 4), (8, 16, 4)), ((512, 8), (512, 64, 8))):
         recipe_triton.CAST_BLOCKS, recipe_triton.CAST_SLOW = blocks, slow
         for shared in (own, own + 1):
             want = mxfp4_cast.cast(packed, scale, shared)

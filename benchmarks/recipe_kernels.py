@@ -151,14 +151,14 @@ def cast_gpu(add, label: str, n: int, pk: int, variants: bool) -> None:
         if variants:
             add("cast, session 5 (tile 32x16, 4 warps)", lab, cast_bytes(n, pk),
                 [partial(launch_old, i) for i in range(8)], note)
-        tiles = [(1024, 4), (1024, 8), (256, 4)] if variants and window else []
-        slows = [(4, 32, 4), (1, 32, 4), (2, 64, 8), (1, 128, 8)] if variants and big and not window else []
+        tiles = [(512, 4), (1024, 8)] if variants and window else []
+        slows = [(2048, 32, 4), (128, 32, 4), (512, 64, 8)] if variants and big and not window else []
         for tile in tiles:
             add(f"cast {tile[0]} blocks, {tile[1]} warps", lab, cast_bytes(n, pk),
                 [partial(launch, i, tile) for i in range(8)])
         for slow in slows:
-            add(f"cast, long path {slow[1]} blocks a step, {slow[2]} warps", lab, cast_bytes(n, pk),
-                [partial(launch, i, None, slow) for i in range(8)], note)
+            add(f"cast, long path <= {slow[0]} programs, {slow[1]} blocks a step, {slow[2]} warps", lab,
+                cast_bytes(n, pk), [partial(launch, i, None, slow) for i in range(8)], note)
         if big and window:
             add("cast, whole call", lab, cast_bytes(n, pk),
                 [partial(recipe_triton.cast, p, s, o, o) for (p, s), o in zip(ins, own, strict=True)],

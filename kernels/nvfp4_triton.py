@@ -23,9 +23,11 @@ BLOCK_AMAX = 8192
 BLOCK_M = 32
 BLOCK_K = 256
 #: bf16 kernel tile: rows, blocks of 16 values, warps (chosen by benchmarks/recipe_kernels.py --variants on the H200)
-BF16_TILE = (4, 32, 1)
-#: amax: values (bf16 pairs) a step, at most this many programs (one atomic each), warps
-AMAX_TILE = (8192, 512, 8)
+BF16_TILE = (4, 16, 1)
+#: amax: values (bf16 pairs) a step, at most this many programs (one atomic each; 0: no bound, one step a program),
+#: warps. One step a program measured faster on the H200 than at most 512 programs of several steps (1.41x against
+#: 1.48x of the floor at 32768x7168, zero + amax + quantize; benchmarks/RESULTS.md, issue 14 second pass)
+AMAX_TILE = (8192, 0, 4)
 
 
 @triton.jit
@@ -223,7 +225,7 @@ def _amax_into(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int]) -
     bf16 = x.dtype == torch.bfloat16 and n % 2 == 0
     items = n // 2 if bf16 else n
     chunks = -(-items // block)
-    iters = -(-chunks // most)
+    iters = -(-chunks // most) if most else 1
     grid = (-(-chunks // iters),)
     if bf16:
         _amax_bf16_kernel[grid](x.reshape(-1).view(torch.int32), items, out.view(torch.int32), iters, BLOCK=block,

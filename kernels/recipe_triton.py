@@ -32,12 +32,12 @@ import triton.language as tl
 from . import fp8_block, mxfp4_cast
 from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 
-#: cast: 32-blocks a program and warps of the closed-form kernel; flags a program, blocks a step and warps of the
-#: long-path kernel; block FP8: warps (the tile is 128 x 128)
-#: (benchmarks/RESULTS.md, issue 14 second pass: 512 blocks a program measured best; the long path needs few flags
-#: a program, else too few programs share a fully flagged tensor)
-CAST_BLOCKS = (512, 4)
-CAST_SLOW = (4, 64, 8)  # powers of two
+#: cast: 32-blocks a program and warps of the closed-form kernel; at most this many programs, blocks a step and
+#: warps of the long-path kernel (each reads the flags of enough fast programs to stay under that many: the empty
+#: programs cost K3's data time, too few cost a fully flagged tensor its parallelism). Block FP8: warps (the tile is
+#: 128 x 128). Measured: benchmarks/RESULTS.md, "Issue 14: recipe kernels, second pass".
+CAST_BLOCKS = (1024, 4)
+CAST_SLOW = (512, 32, 4)
 FP8_WARPS = 8
 #: block FP8 rounds with the GPU's conversion instructions where it has them (compiled, sm_89 and later): 1.13x its
 #: memory floor on the H200 against 1.66x for the fp32 splits, same bytes (benchmarks/RESULTS.md, issue 14)
@@ -299,11 +299,12 @@ def cast_programs(blocks: int, per_program: int | None = None) -> int:
 def launch_cast(packed, scale, out, sb, stats, own: int, shared: int, tile=None, slow=None) -> None:
     """The kernels alone (benchmarks): contiguous operands on one device; ``stats`` int32 [2 P] (P =
     :func:`cast_programs`) gets each program's lossless count, then its flag. ``tile``: (blocks a program, warps)
-    of the fast kernel; ``slow``: (flags a program, blocks a step, warps) of the long-path kernel."""
+    of the fast kernel; ``slow``: (at most this many programs, blocks a step, warps) of the long-path kernel."""
     per, warps = tile or CAST_BLOCKS
-    flags, chunk, swarps = slow or CAST_SLOW
+    most, chunk, swarps = slow or CAST_SLOW
     nb = scale.numel()
     programs = cast_programs(nb, per)
+    flags = triton.next_power_of_2(-(-programs // most))  # the fast programs' flags a long-path program reads
     counts, flag = stats[:programs], stats[programs : 2 * programs]
     words, outw = packed.view(torch.int32), out.view(torch.int32)
     _cast_fast_kernel[(programs,)](words, scale, outw, sb.view(torch.int16), counts, flag, nb, own, shared,
