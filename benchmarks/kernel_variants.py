@@ -33,12 +33,12 @@ def copy_bw() -> float:
 
 
 def amax_generic(w, amax):
-    T._amax_kernel[(triton.cdiv(w.numel(), T.BLOCK_AMAX),)](w.reshape(-1), w.numel(), amax, BLOCK=T.BLOCK_AMAX)
+    T._amax_kernel[(triton.cdiv(w.numel(), T.BLOCK_AMAX),)](w.reshape(-1), w.numel(), amax, 1, BLOCK=T.BLOCK_AMAX)
 
 
 def amax_pairs(w, amax, block):
     p = w.reshape(-1).view(torch.int32)
-    T._amax_bf16_kernel[(triton.cdiv(p.numel(), block),)](p, p.numel(), amax.view(torch.int32), BLOCK=block)
+    T._amax_bf16_kernel[(triton.cdiv(p.numel(), block),)](p, p.numel(), amax.view(torch.int32), 1, BLOCK=block)
 
 
 def quant_generic(w, amax, packed, scales):

@@ -5,11 +5,12 @@ packs are unchanged by them.
 
 - the MXFP4 -> NVFP4 cast: Triton on the GPU == torch code (``mxfp4_cast.cast``, CPU) == C kernel on K3-sized
   experts (in-window exponents with out-of-window and E8M0-0 blocks planted; exponents anywhere in 0..255), and
-  Triton == C on every code under every E8M0 value, for every tensor maximum and several group maxima;
+  Triton == C on every code under every E8M0 value, for every tensor maximum and several group maxima; flagged
+  programs among unflagged ones (blocks planted at program edges) under several program sizes;
 - block FP8: Triton == torch code on the CPU (the reference: torch 2.13's rounding) == C kernel at K3's attention
   shapes; Triton == C on one tile per positive finite bf16 amax (random values below it), both rounding variants
   (bits, conversion instructions); torch's own CUDA result is compared too, and where it differs, which tiles;
-- NVFP4: the Triton kernel == the C kernel on large tensors;
+- NVFP4: the Triton kernel == the C kernel on large tensors, its amax under several program decompositions too;
 - pack --recipe nvidia-k3 of tiny-k3 (and bench-k3, 1 layer, 8 experts, with --bench-k3): the torch code
   (KIMI_CONVERT_RECIPE_KERNELS=torch, the output before these kernels), --device cpu (C) and --device cuda
   (Triton) write the same files.
@@ -31,6 +32,7 @@ from kimi_convert.kernels import (
     fp8_block,
     get_backend,
     mxfp4_cast,
+    nvfp4_triton,
     recipe_cpu,
     recipe_triton,
     reference,
@@ -103,6 +105,42 @@ def cast_checks() -> None:
             bad += not (same(got[:3], c[:3]) and got[3] == c[3])
     report("cast: every code under every E8M0, every tensor maximum, 4-6 group maxima: triton == C", bad == 0,
            f"({bad} differ)")
+    cast_program_checks()
+
+
+def cast_program_checks() -> None:
+    """The two-kernel cast where flagged programs sit among unflagged ones: an expert [3072, 3584] with out-of-window
+    and E8M0-0 blocks planted at the first, last and a middle block of programs (and one in a ragged last program),
+    under the default program size and small ones (programs of 64, 256 and 512 blocks, 1 to 512 flags a long-path
+    program),
+    and the every-code sweep under the small ones."""
+    g = torch.Generator().manual_seed(5)
+    n, pk = 3072, 3584
+    packed = torch.randint(0, 256, (n + 1, pk), generator=g, dtype=torch.uint8)
+    scale = torch.randint(116, 126, (n + 1, pk // 16), generator=g, dtype=torch.uint8)
+    flat = scale.view(-1)
+    for i in (0, 1023, 1024, 4096 + 512, 64 * 1000 + 63, 256 * 700, flat.numel() - 1):
+        flat[i] = 90 if i % 2 else 0
+    own = mxfp4_cast.k_max(scale)
+    default = recipe_triton.CAST_BLOCKS, recipe_triton.CAST_SLOW
+    bad = 0
+    for blocks, slow in (default, ((64, 4), (1 << 20, 32, 4)), ((256, 4), (8, 16, 4)), ((512, 8), (512, 64, 8))):
+        recipe_triton.CAST_BLOCKS, recipe_triton.CAST_SLOW = blocks, slow
+        for shared in (own, own + 1):
+            want = mxfp4_cast.cast(packed, scale, shared)
+            got = recipe_triton.cast(packed.cuda(), scale.cuda(), shared, own)
+            ok = same(got[:3], want[:3]) and got[3] == want[3]
+            report(f"cast [{n + 1}, {pk}] planted at program edges, programs {blocks}, long path {slow}, "
+                   f"shared={shared}: triton == torch", ok)
+        for top in range(0, 256, 5) if blocks != default[0] else ():
+            p, sc = every_code_and_exponent(top)
+            o = mxfp4_cast.k_max(sc)
+            for shared in sorted({o, min(128, o + 1), min(128, o + 18)}):
+                got = recipe_triton.cast(p.cuda(), sc.cuda(), shared, o)
+                c = recipe_cpu.cast(LIB, p, sc, shared, o)
+                bad += not (same(got[:3], c[:3]) and got[3] == c[3])
+    recipe_triton.CAST_BLOCKS, recipe_triton.CAST_SLOW = default
+    report("cast: every code under every fifth E8M0 maximum, small programs: triton == C", bad == 0, f"({bad} differ)")
 
 
 def fp8_checks() -> None:
@@ -164,6 +202,16 @@ def nvfp4_checks() -> None:
     w = cases["8192x7168 bf16"][:1024]
     ref = reference.quantize(w, reference.global_scale(w.abs().amax().float()))
     report("nvfp4 1024x7168: triton == torch reference", same(gpu.quantize(w, gpu.amax(w)), ref))
+    for name, w in cases.items():  # amax programs of one step (session 5's decomposition) and of many
+        wc = w.cuda()
+        cells = [torch.zeros(1, device="cuda") for _ in range(3)]
+        for cell, tile in zip(cells, (None, (8192, 1 << 40, 4), (1024, 64, 2)), strict=True):
+            nvfp4_triton.amax_into(wc, cell, tile)
+        report(f"nvfp4 {name}: amax of every tile == C's", all(float(c) == float(cpu.amax(w)) for c in cells))
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
 def pack_checks() -> None:
@@ -183,11 +231,10 @@ def pack_checks() -> None:
             times[label] = time.perf_counter() - t
             os.environ.pop(RECIPE_KERNELS_ENV, None)
         ref = work / f"{preset}-torch"
-        names = sorted(p.name for p in ref.iterdir())
+        names = files_under(ref)  # every file, those in folders (docs/, manifest-records/) too
         for label in ("cpu", "cuda"):
             d = work / f"{preset}-{label}"
-            ok = names == sorted(p.name for p in d.iterdir()) and all(
-                filecmp.cmp(ref / n, d / n, shallow=False) for n in names)
+            ok = names == files_under(d) and all(filecmp.cmp(ref / n, d / n, shallow=False) for n in names)
             report(f"pack {preset} --recipe nvidia-k3: --device {label} == torch code, every file", ok)
         print("info pack seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
     shutil.rmtree(work)

@@ -98,14 +98,16 @@ def time_gpu(fns: list, graph: bool = True) -> tuple[float | None, float]:
 
 
 def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
-    from kimi_convert.kernels import nvfp4_triton, recipe_triton
-
     bw = copy_bandwidth_gpu()
     print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
 
     def add(kernel, label, nbytes, fns, note="", capture=True):
-        graph, plain = time_gpu(fns, capture)
+        try:
+            graph, plain = time_gpu(fns, capture)
+        except Exception as e:  # one variant that does not compile must not cost the run's other rows
+            print(f"{kernel:28s} {label:28s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return
         floor = nbytes / bw * 1e3
         rows.append({"kernel": kernel, "shape": label, "bytes": nbytes, "floor_ms": floor, "graph_ms": graph,
                      "plain_ms": plain, "note": note})
@@ -114,76 +116,106 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
               f"{plain / floor:.2f}x {note}", flush=True)
 
     for label, n, pk in CAST_SHAPES:
-        ins = [mx_inputs(n, pk, i, device="cuda") for i in range(8)]
-        own = [mxfp4_cast.k_max(s) for _, s in ins]
-        outs = [(torch.empty_like(p), torch.empty((n, pk // 8), dtype=torch.uint8, device="cuda"),
-                 torch.zeros(1, dtype=torch.int32, device="cuda")) for p, _ in ins]
+        cast_gpu(add, label, n, pk, variants)
+    for label, n, k in FP8_SHAPES:
+        fp8_gpu(add, label, n, k, variants)
+    for label, n, k in NVFP4_SHAPES:
+        nvfp4_gpu(add, label, n, k, variants)
+    return bw, rows
 
-        def launch(i, tile=None, ins=ins, outs=outs, own=own):
-            o, sb, c = outs[i]
-            c.zero_()
-            recipe_triton.launch_cast(ins[i][0], ins[i][1], o, sb, c, own[i], own[i], tile)
-        tiles = [None] + ([(8, 16, 4), (16, 16, 4), (64, 16, 8), (32, 32, 8)]
-                          if variants and n == 3072 and pk == 3584 else [])
+
+def cast_gpu(add, label: str, n: int, pk: int, variants: bool) -> None:
+    """The cast (two launches: the closed-form stream, the long path of flagged programs) at its default and, with
+    ``variants``, other program sizes and session 5's tile kernel (old_recipe_kernels) on the same inputs."""
+    from old_recipe_kernels import launch_cast_tiled
+
+    from kimi_convert.kernels import recipe_triton
+
+    stats = torch.empty(2 * recipe_triton.cast_programs(n * pk // 16, 256), dtype=torch.int32, device="cuda")
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    big = n == 3072 and pk == 3584
+    for window in (True, False) if big else (True,):
+        ins = [mx_inputs(n, pk, i, window, device="cuda") for i in range(8)]
+        own = [mxfp4_cast.k_max(s) for _, s in ins]
+        outs = [(torch.empty_like(p), torch.empty((n, pk // 8), dtype=torch.uint8, device="cuda")) for p, _ in ins]
+
+        def launch(i, tile=None, slow=None, ins=ins, outs=outs, own=own):
+            recipe_triton.launch_cast(ins[i][0], ins[i][1], *outs[i], stats, own[i], own[i], tile, slow)
+
+        def launch_old(i, ins=ins, outs=outs, own=own):
+            count.zero_()
+            launch_cast_tiled(ins[i][0], ins[i][1], *outs[i], count, own[i], own[i])
+        lab = label if window else f"{label}, exponents 0..255"
+        note = "" if window else "every program takes the long way (not K3's data)"
+        add("cast", lab, cast_bytes(n, pk), [partial(launch, i) for i in range(8)], note)
+        if variants:
+            add("cast, session 5 (tile 32x16, 4 warps)", lab, cast_bytes(n, pk),
+                [partial(launch_old, i) for i in range(8)], note)
+        tiles = [(512, 4), (1024, 8)] if variants and window else []
+        slows = [(2048, 32, 4), (128, 32, 4), (512, 64, 8)] if variants and big and not window else []
         for tile in tiles:
-            add("cast" if tile is None else f"cast tile {tile}", label, cast_bytes(n, pk),
+            add(f"cast {tile[0]} blocks, {tile[1]} warps", lab, cast_bytes(n, pk),
                 [partial(launch, i, tile) for i in range(8)])
-        if n == 3072 and pk == 3584:
-            add("cast, whole call", label, cast_bytes(n, pk),
+        for slow in slows:
+            add(f"cast, long path <= {slow[0]} programs, {slow[1]} blocks a step, {slow[2]} warps", lab,
+                cast_bytes(n, pk), [partial(launch, i, None, slow) for i in range(8)], note)
+        if big and window:
+            add("cast, whole call", lab, cast_bytes(n, pk),
                 [partial(recipe_triton.cast, p, s, o, o) for (p, s), o in zip(ins, own, strict=True)],
                 "count read back", capture=False)
-            bad = [mx_inputs(n, pk, i, window=False, device="cuda") for i in range(8)]
-            own_b = [mxfp4_cast.k_max(s) for _, s in bad]
-
-            def launch_bad(i, bad=bad, outs=outs, own_b=own_b):
-                o, sb, c = outs[i]
-                c.zero_()
-                recipe_triton.launch_cast(bad[i][0], bad[i][1], o, sb, c, own_b[i], own_b[i])
-            add("cast, exponents 0..255", label, cast_bytes(n, pk), [partial(launch_bad, i) for i in range(8)],
-                "every tile takes the long way (not K3's data)")
         del ins, outs
 
-    for label, n, k in FP8_SHAPES:
-        xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
-        outs = [(torch.empty((n, k), dtype=torch.uint8, device="cuda"),
-                 torch.empty(fp8_block.scale_shape(n, k), device="cuda")) for _ in range(8)]
-        opts = [(None, None)] + ([(8, False), (16, False), (8, True), (16, True)]
-                                 if variants and (n, k) == (7168, 7168) else [])
-        for warps, hw in opts:
-            name = "fp8-block" if warps is None else f"fp8-block w{warps} {'hw-cvt' if hw else 'fp32 splits'}"
-            add(name, label, fp8_bytes(n, k),
-                [partial(recipe_triton.launch_fp8, x, q, s, warps, hw) for x, (q, s) in zip(xs, outs, strict=True)])
-        if (n, k) == (7168, 7168):
-            add("fp8-block, whole call", label, fp8_bytes(n, k), [partial(recipe_triton.fp8_quantize, x) for x in xs],
-                "finite check read back", capture=False)
-        del xs, outs
 
-    for label, n, k in NVFP4_SHAPES:
-        xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
-        packed = torch.empty((n, k // 2), dtype=torch.uint8, device="cuda")
-        scales = torch.empty((n, k // 16), dtype=torch.uint8, device="cuda")
-        amax = torch.zeros(1, device="cuda")
+def fp8_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
+    """Block FP8 at its default (conversion instructions where the GPU has them) and, with ``variants``, other warps
+    and the fp32-split rounding at the large shapes."""
+    from kimi_convert.kernels import recipe_triton
 
-        def run(x, tile=None, n=n, k=k, amax=amax, packed=packed, scales=scales):
-            amax.zero_()
-            nvfp4_triton.amax_into(x, amax)
-            if tile is None:
-                nvfp4_triton.quantize(x, amax, packed, scales)
-            else:
-                import triton
+    xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
+    outs = [(torch.empty((n, k), dtype=torch.uint8, device="cuda"),
+             torch.empty(fp8_block.scale_shape(n, k), device="cuda")) for _ in range(8)]
+    opts = [(None, None)] + ([(4, True), (16, True), (8, False)] if variants and n * k >= 7168 * 7168 else [])
+    for warps, hw in opts:
+        name = "fp8-block" if warps is None else f"fp8-block w{warps} {'hw-cvt' if hw else 'fp32 splits'}"
+        add(name, label, fp8_bytes(n, k),
+            [partial(recipe_triton.launch_fp8, x, q, s, warps, hw) for x, (q, s) in zip(xs, outs, strict=True)])
+    if (n, k) == (7168, 7168):
+        add("fp8-block, whole call", label, fp8_bytes(n, k), [partial(recipe_triton.fp8_quantize, x) for x in xs],
+            "finite check read back", capture=False)
 
-                bm, bb, w = tile
-                grid = (triton.cdiv(n, bm), triton.cdiv(k // 16, bb))
-                nvfp4_triton._quant_bf16_kernel[grid](x.view(torch.int32), amax, packed, scales, n, k, BLOCK_M=bm,
-                                                      BLOCK_B=bb, EXACT_DIV=True, num_warps=w,
-                                                      enable_fp_fusion=False)
-        tiles = [None] + ([(32, 16, 8), (8, 32, 2), (32, 16, 4)]
-                          if variants and (n, k) in ((3072, 7168), (32768, 7168)) else [])
-        for tile in tiles:
-            add("nvfp4 (amax + quantize)" if tile is None else f"nvfp4 tile {tile}", label, nvfp4_bytes(n, k),
-                [partial(run, x, tile) for x in xs])
-        del xs
-    return bw, rows
+
+def nvfp4_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
+    """NVFP4 (a zeroed cell, the amax kernel: one atomic a program, quantize) at its default and, with
+    ``variants``, session 5's form (one atomic a chunk of 8192 pairs, quantize tile 16x16x4), other tiles, and each
+    pass alone."""
+    from kimi_convert.kernels import nvfp4_triton
+
+    xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
+    packed = torch.empty((n, k // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.empty((n, k // 16), dtype=torch.uint8, device="cuda")
+    cell = torch.zeros(1, device="cuda")
+
+    def run(x, qtile=None, atile=None):
+        cell.zero_()
+        nvfp4_triton.amax_into(x, cell, atile)
+        nvfp4_triton._launch_quant(x, cell, packed, scales, n, k, qtile)
+
+    add("nvfp4 (zero + amax + quantize)", label, nvfp4_bytes(n, k), [partial(run, x) for x in xs])
+    if not variants:
+        return
+    add("nvfp4, session 5 (amax: an atomic a chunk; quantize 16x16x4)", label, nvfp4_bytes(n, k),
+        [partial(run, x, (16, 16, 4), (8192, 1 << 40, 4)) for x in xs])
+    if (n, k) not in ((3072, 7168), (32768, 7168)):
+        return
+    for qt in ((8, 32, 2), (2, 64, 1), (4, 16, 1), (8, 16, 1)):
+        add(f"nvfp4 quantize tile {qt}", label, nvfp4_bytes(n, k), [partial(run, x, qt) for x in xs])
+    for at in ((4096, 1024, 4), (8192, 1 << 40, 4)):
+        add(f"nvfp4 amax tile {at}", label, nvfp4_bytes(n, k), [partial(run, x, None, at) for x in xs])
+    add("nvfp4 zero + amax alone", label, 2 * n * k, [partial(lambda x: (cell.zero_(), nvfp4_triton.amax_into(x, cell)),
+                                                              x) for x in xs], "floor: the bf16 read")
+    add("nvfp4 quantize alone", label, nvfp4_bytes(n, k) - 2 * n * k,
+        [partial(nvfp4_triton._launch_quant, x, cell, packed, scales, n, k) for x in xs],
+        "floor: one read + the writes")
 
 
 # --- CPU ---------------------------------------------------------------------------------------------

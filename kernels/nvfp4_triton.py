@@ -22,20 +22,26 @@ import triton.language as tl
 BLOCK_AMAX = 8192
 BLOCK_M = 32
 BLOCK_K = 256
-#: bf16 kernel tile: rows, blocks of 16 values, warps (chosen by benchmarks/kernel_variants.py on the H200)
-BF16_TILE = (16, 16, 4)
+#: bf16 kernel tile: rows, blocks of 16 values, warps (chosen by benchmarks/recipe_kernels.py --variants on the H200)
+BF16_TILE = (4, 16, 1)
+#: amax: values (bf16 pairs) a step, at most this many programs (one atomic each; 0: no bound, one step a program),
+#: warps. One step a program measured faster on the H200 than at most 512 programs of several steps (1.41x against
+#: 1.48x of the floor at 32768x7168, zero + amax + quantize; benchmarks/RESULTS.md, issue 14 second pass)
+AMAX_TILE = (8192, 0, 4)
 
 
 @triton.jit
-def _amax_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+def _amax_kernel(x_ptr, n, out_ptr, ITERS, BLOCK: tl.constexpr):
+    """max(out, amax|x|) over ITERS consecutive chunks of BLOCK values a program (any float dtype; NaN / Inf give
+    inf): one atomic a program, not one a chunk."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    a = tl.abs(x)
-    bad = tl.max(((x != x) | (a == float("inf"))).to(tl.int32), axis=0)
-    m = tl.max(a, axis=0)
-    m = tl.where(bad > 0, float("inf"), m)
-    tl.atomic_max(out_ptr, m)
+    base = pid.to(tl.int64) * ITERS * BLOCK
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a != a, float("inf"), a))
+    tl.atomic_max(out_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -109,8 +115,7 @@ def _fast_code(x, d4, r4, d_low):
 def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s2 = tl.math.div_rn(tl.load(amax_ptr), 2688.0)  # the global scale, as reference.global_scale
-    s2 = tl.where(s2 > 0, s2, 1.0)
+    s2 = _global_scale(amax_ptr)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -134,15 +139,26 @@ def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _amax_bf16_kernel(x_ptr, n_pairs, out_ptr, BLOCK: tl.constexpr):
+def _amax_bf16_kernel(x_ptr, n_pairs, out_ptr, ITERS, BLOCK: tl.constexpr):
     """bf16 read as int32 pairs: |x| orders like its low 15 bits, so the amax is an integer max of
-    bits, accumulated into ``out`` (the fp32 bits of the amax, as int32); NaN/Inf give inf's bits."""
+    bits, accumulated into ``out`` (the fp32 bits of the amax, as int32; NaN/Inf give inf's bits), over ITERS
+    consecutive chunks of BLOCK pairs a program: one atomic a program (14,336 on one address were one a chunk)."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    u = tl.load(x_ptr + offs, mask=offs < n_pairs, other=0)
-    m = tl.max(tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF), axis=0)
-    m = tl.where(m >= 0x7F80, 0x7F80, m)
-    tl.atomic_max(out_ptr, m << 16)
+    base = pid.to(tl.int64) * ITERS * BLOCK
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        u = tl.load(x_ptr + offs, mask=offs < n_pairs, other=0)
+        acc = tl.maximum(acc, tl.maximum(u & 0x7FFF, (u >> 16) & 0x7FFF))
+    m = tl.max(acc, axis=0)
+    tl.atomic_max(out_ptr, tl.where(m >= 0x7F80, 0x7F80, m) << 16)
+
+
+@triton.jit
+def _global_scale(amax_ptr):
+    """s2 = amax / 2688 (reference.global_scale; 1 where the amax is 0)."""
+    s2 = tl.math.div_rn(tl.load(amax_ptr), 2688.0)
+    return tl.where(s2 > 0, s2, 1.0)
 
 
 @triton.jit
@@ -152,8 +168,7 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     byte come from one load, with no shuffle. Tile: BLOCK_M rows x BLOCK_B blocks of 16 values."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
-    s2 = tl.math.div_rn(tl.load(amax_ptr), 2688.0)
-    s2 = tl.where(s2 > 0, s2, 1.0)
+    s2 = _global_scale(amax_ptr)
     rows = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None, None]
     blk = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B))[None, :, None]
     pair = blk * 8 + tl.arange(0, 8)[None, None, :]
@@ -195,21 +210,28 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
 _INTERPRETER = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
 
 
-def amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf."""
+def amax_into(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int] | None = None) -> None:
+    """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf. ``tile``: (values a step, at
+    most this many programs, warps), default AMAX_TILE (benchmarks time others)."""
     with _INTERPRETER:
-        _amax_into(x, out)
+        _amax_into(x, out, tile or AMAX_TILE)
 
 
-def _amax_into(x: torch.Tensor, out: torch.Tensor) -> None:
+def _amax_into(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int]) -> None:
     n = x.numel()
     if not n:
         return
-    if x.dtype == torch.bfloat16 and n % 2 == 0:
-        pairs = x.reshape(-1).view(torch.int32)
-        _amax_bf16_kernel[(triton.cdiv(n // 2, BLOCK_AMAX),)](pairs, n // 2, out.view(torch.int32), BLOCK=BLOCK_AMAX)
+    block, most, warps = tile
+    bf16 = x.dtype == torch.bfloat16 and n % 2 == 0
+    items = n // 2 if bf16 else n
+    chunks = -(-items // block)
+    iters = -(-chunks // most) if most else 1
+    grid = (-(-chunks // iters),)
+    if bf16:
+        _amax_bf16_kernel[grid](x.reshape(-1).view(torch.int32), items, out.view(torch.int32), iters, BLOCK=block,
+                                num_warps=warps)
     else:
-        _amax_kernel[(triton.cdiv(n, BLOCK_AMAX),)](x.reshape(-1), n, out, BLOCK=BLOCK_AMAX)
+        _amax_kernel[grid](x.reshape(-1), items, out, iters, BLOCK=block, num_warps=warps)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -239,9 +261,10 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
 
 
-def _launch_quant(x2, amax, packed, scales, m: int, k: int) -> None:
+def _launch_quant(x2, amax, packed, scales, m: int, k: int, tile: tuple[int, int, int] | None = None) -> None:
+    """``tile``: the bf16 kernel's (rows, 16-blocks, warps), default BF16_TILE (benchmarks time others)."""
     if m and x2.dtype == torch.bfloat16:
-        bm, bb, warps = BF16_TILE
+        bm, bb, warps = tile or BF16_TILE
         grid = (triton.cdiv(m, bm), triton.cdiv(k // 16, bb))
         _quant_bf16_kernel[grid](x2.view(torch.int32), amax, packed, scales, m, k, BLOCK_M=bm, BLOCK_B=bb,
                                  EXACT_DIV=True, num_warps=warps, enable_fp_fusion=False)

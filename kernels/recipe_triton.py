@@ -5,9 +5,13 @@ interpreter (``TRITON_INTERPRET=1``, the tests): no conversion instruction by de
 those differently), divisions only between normal numbers (``div_rn``), every other rounding done on the bits or
 by exact fp32 splits (the kernels are launched with ``enable_fp_fusion=False`` where a split needs it).
 
-The cast (one pass): a block whose E8M0 exponent lies in e4m3's window keeps its codes (only -0 -> 0, done on
-32-bit words of 8 codes) and its scale is a power of two; a tile holding any other block (out of the window,
-E8M0 0, overflowing) computes every block of the tile the long way, value by value, as the torch code.
+The cast (two launches, no host sync between them): a block whose E8M0 exponent lies in e4m3's window keeps its
+codes (only -0 -> 0, done on 32-bit words of 8 codes) and its scale is a power of two. K3's data is almost only
+such blocks, so the first kernel is a flat stream over blocks (E8M0 bytes and code words are in the same block
+order) that writes every block that way, counts lossless blocks per program (summed by the caller: no contended
+atomic) and flags a program holding any other block (out of the window, E8M0 0, overflowing); the second kernel
+recomputes every block of the flagged programs the long way, value by value, as the torch code, and exits at once
+elsewhere. The long path lives in its own kernel so that its registers do not cost the stream its occupancy.
 
 Block FP8 (one pass): a program holds one 128x128 tile (bf16 pairs as int32), takes its amax, its bf16 scale
 (``amax / 448`` rounded as torch rounds it) and the e4m3 codes of ``bf16(x / scale)``. The quotient is
@@ -28,8 +32,12 @@ import triton.language as tl
 from . import fp8_block, mxfp4_cast
 from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 
-#: cast tile: rows, 32-blocks, warps; block FP8: warps (the tile is 128 x 128)
-CAST_TILE = (32, 16, 4)
+#: cast: 32-blocks a program and warps of the closed-form kernel; at most this many programs, blocks a step and
+#: warps of the long-path kernel (each reads the flags of enough fast programs to stay under that many: the empty
+#: programs cost K3's data time, too few cost a fully flagged tensor its parallelism). Block FP8: warps (the tile is
+#: 128 x 128). Measured: benchmarks/RESULTS.md, "Issue 14: recipe kernels, second pass".
+CAST_BLOCKS = (1024, 4)
+CAST_SLOW = (512, 32, 4)
 FP8_WARPS = 8
 #: block FP8 rounds with the GPU's conversion instructions where it has them (compiled, sm_89 and later): 1.13x its
 #: memory floor on the H200 against 1.66x for the fp32 splits, same bytes (benchmarks/RESULTS.md, issue 14)
@@ -97,64 +105,60 @@ def _cast_codes(c, k, kmm, sbv, m):
 
 
 @triton.jit
-def _cast_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, count_ptr, R, KB, own, shared, BLOCK_R: tl.constexpr,
-                 BLOCK_B: tl.constexpr, ROWWISE: tl.constexpr):
-    """p_ptr / out_ptr: codes as int32 words [R, 4 KB]; e_ptr: E8M0 bytes [R, KB]; sb_ptr: e4m3 byte pairs as
-    int16 [R, KB] (both 16-blocks of a 32-block share their scale); count_ptr: int32 lossless count.
-    ROWWISE: a tile with a block off the closed form is computed a row at a time (compiled kernels), else at once
-    (the interpreter); the same functions of the same values either way."""
-    pid_r = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    blk = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    mask2 = (rows[:, None] < R) & (blk[None, :] < KB)
-    e = tl.load(e_ptr + rows[:, None] * KB + blk[None, :], mask=mask2, other=0).to(tl.int32)
-    widx = (rows[:, None] * KB + blk[None, :])[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+def _cast_fast_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, count_ptr, flag_ptr, NB, own, shared, BLOCKS: tl.constexpr):
+    """The closed form over BLOCKS consecutive 32-blocks (flat: E8M0 bytes [NB], codes int32 words [NB, 4] and e4m3
+    byte pairs int16 [NB] are in the same block order): the scale and code loads issued together, every block's
+    codes written with -0 -> 0 and its power-of-two scale. A program with a block off the closed form raises its
+    flag for ``_cast_slow_kernel``, which rewrites the program's blocks; count_ptr gets the program's lossless
+    count (no atomic: the caller sums the partial counts)."""
+    pid = tl.program_id(0)
+    blk = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    bmask = blk < NB
+    widx = blk[:, None] * 4 + tl.arange(0, 4)[None, :]
+    e = tl.load(e_ptr + blk, mask=bmask, other=0).to(tl.int32)
+    w = tl.load(p_ptr + widx, mask=bmask[:, None], other=0)
     k = e - 127
-    m = shared - 8
-    kmm = k - m
-    in_range = (k >= own - 17) & (k <= own)
-    # closed form: a power-of-two scale 2^(k-m) in e4m3's range, codes kept with -0 made 0
-    fast = in_range & (e > 0) & (kmm >= -9) & (kmm <= 8) & (k < 126)
+    kmm = k - (shared - 8)
+    fast = (k >= own - 17) & (k <= own) & (e > 0) & (kmm >= -9) & (kmm <= 8) & (k < 126)
     byte = tl.where(kmm >= -6, (kmm + 7) << 3, tl.where(kmm == -7, 4, tl.where(kmm == -8, 2, 1)))
-    slow = tl.max(tl.max(((~fast) & mask2).to(tl.int32), axis=1), axis=0)
-    if slow == 0:
-        w = tl.load(p_ptr + widx, mask=mask2[:, :, None], other=0)
-        z = ((w & 0x77777777) + 0x77777777) & -0x77777778  # bit 3 of each nibble: its magnitude is not 0
-        tl.store(out_ptr + widx, w & (z | 0x77777777), mask=mask2[:, :, None])
-        tl.store(sb_ptr + rows[:, None] * KB + blk[None, :], (byte | (byte << 8)).to(tl.int16), mask=mask2)
-    elif ROWWISE:  # the long way, a row at a time (few registers: the fast path keeps the occupancy)
+    z = ((w & 0x77777777) + 0x77777777) & -0x77777778  # bit 3 of each nibble: its magnitude is not 0
+    tl.store(out_ptr + widx, w & (z | 0x77777777), mask=bmask[:, None])
+    tl.store(sb_ptr + blk, (byte | (byte << 8)).to(tl.int16), mask=bmask)
+    tl.store(flag_ptr + pid, tl.sum(((~fast) & bmask).to(tl.int32), axis=0))
+    tl.store(count_ptr + pid, tl.sum((((k >= shared - 17) | (e == 0)) & bmask).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _cast_slow_kernel(p_ptr, e_ptr, out_ptr, sb_ptr, flag_ptr, NB, NP, own, shared, BLOCKS: tl.constexpr,
+                      FLAGS: tl.constexpr, CHUNK: tl.constexpr):
+    """The long way, value by value (as the torch code), for every block of the fast kernel's programs whose flag
+    is raised, FLAGS programs' worth a program: a program of unflagged ones reads its flags and exits (no host
+    sync decides the launch). CHUNK blocks at a time (compiled: few registers; the interpreter: all at once)."""
+    pid = tl.program_id(0)
+    fidx = pid * FLAGS + tl.arange(0, FLAGS)
+    flags = tl.load(flag_ptr + fidx, mask=fidx < NP, other=0)
+    if tl.max(flags, axis=0) > 0:
+        m = shared - 8
         shifts = (tl.arange(0, 8) * 4)[None, None, :]
-        for i in range(BLOCK_R):
-            row = pid_r.to(tl.int64) * BLOCK_R + i
-            bmask = blk < tl.where(row < R, KB, 0)
-            er = tl.load(e_ptr + row * KB + blk, mask=bmask, other=0).to(tl.int32)
-            kr = er - 127
-            kmr = kr - m
-            widr = (row * KB + blk)[:, None] * 4 + tl.arange(0, 4)[None, :]
-            wmask = bmask[:, None] & (tl.arange(0, 4) < 4)[None, :]
-            wr = tl.load(p_ptr + widr, mask=wmask, other=0)
-            c = (wr[:, :, None] >> shifts) & 15  # [BLOCK_B, 4, 8]: the 32 codes of each block
-            mx = tl.max(tl.max(c & 7, axis=2), axis=1)
-            sbv, br, exact = _cast_scale(er, kr, kmr, (kr >= own - 17) & (kr <= own), mx)
-            codes = _cast_codes(c, kr[:, None, None], kmr[:, None, None], sbv[:, None, None], m)
-            zr = ((wr & 0x77777777) + 0x77777777) & -0x77777778
-            outr = tl.where(exact[:, None], wr & (zr | 0x77777777), tl.sum(codes << shifts, axis=2))
-            tl.store(out_ptr + widr, outr, mask=wmask)
-            tl.store(sb_ptr + row * KB + blk, (br | (br << 8)).to(tl.int16), mask=bmask)
-    else:  # the same, the whole tile at once (the interpreter: 30 times faster than a loop of rows there)
-        shifts = (tl.arange(0, 8) * 4)[None, None, None, :]
-        w = tl.load(p_ptr + widx, mask=mask2[:, :, None], other=0)
-        c = (w[:, :, :, None] >> shifts) & 15  # [BLOCK_R, BLOCK_B, 4, 8]
-        mx = tl.max(tl.max(c & 7, axis=3), axis=2)
-        sbv, byte, exact = _cast_scale(e, k, kmm, in_range, mx)
-        codes = _cast_codes(c, k[:, :, None, None], kmm[:, :, None, None], sbv[:, :, None, None], m)
-        z = ((w & 0x77777777) + 0x77777777) & -0x77777778
-        out = tl.where(exact[:, :, None], w & (z | 0x77777777), tl.sum(codes << shifts, axis=3))
-        tl.store(out_ptr + widx, out, mask=mask2[:, :, None])
-        tl.store(sb_ptr + rows[:, None] * KB + blk[None, :], (byte | (byte << 8)).to(tl.int16), mask=mask2)
-    lossless = ((k >= shared - 17) | (e == 0)) & mask2
-    tl.atomic_add(count_ptr, tl.sum(tl.sum(lossless.to(tl.int32), axis=1), axis=0))
+        for f in range(FLAGS):
+            prog = pid * FLAGS + f
+            if tl.load(flag_ptr + prog, mask=prog < NP, other=0) > 0:
+                for j in range(BLOCKS // CHUNK):
+                    blk = prog.to(tl.int64) * BLOCKS + j * CHUNK + tl.arange(0, CHUNK)
+                    bmask = blk < NB
+                    widx = blk[:, None] * 4 + tl.arange(0, 4)[None, :]
+                    e = tl.load(e_ptr + blk, mask=bmask, other=0).to(tl.int32)
+                    w = tl.load(p_ptr + widx, mask=bmask[:, None], other=0)
+                    k = e - 127
+                    kmm = k - m
+                    c = (w[:, :, None] >> shifts) & 15  # [CHUNK, 4, 8]: the 32 codes of each block
+                    mx = tl.max(tl.max(c & 7, axis=2), axis=1)
+                    sbv, byte, exact = _cast_scale(e, k, kmm, (k >= own - 17) & (k <= own), mx)
+                    codes = _cast_codes(c, k[:, None, None], kmm[:, None, None], sbv[:, None, None], m)
+                    z = ((w & 0x77777777) + 0x77777777) & -0x77777778
+                    out = tl.where(exact[:, None], w & (z | 0x77777777), tl.sum(codes << shifts, axis=2))
+                    tl.store(out_ptr + widx, out, mask=bmask[:, None])
+                    tl.store(sb_ptr + blk, (byte | (byte << 8)).to(tl.int16), mask=bmask)
 
 
 @triton.jit
@@ -273,27 +277,41 @@ def cast(packed: torch.Tensor, scale: torch.Tensor, shared_k_max: int, own_k_max
     kb = scale.shape[-1]
     p2 = _aligned(packed, 16).reshape(-1, 16 * kb)
     s2d = scale.contiguous().reshape(-1, kb)
-    rows = s2d.shape[0]
     out = torch.empty_like(p2)
-    sb = torch.empty((rows, 2 * kb), dtype=torch.uint8, device=packed.device)
-    count = torch.zeros(1, dtype=torch.int32, device=packed.device)
-    if rows and kb:
+    sb = torch.empty((s2d.shape[0], 2 * kb), dtype=torch.uint8, device=packed.device)
+    programs = cast_programs(s2d.numel())
+    stats = torch.empty(2 * programs, dtype=torch.int32, device=packed.device)  # counts, then flags
+    if programs:
         with _INTERPRETER:
-            launch_cast(p2, s2d, out, sb, count, own, shared_k_max)
+            launch_cast(p2, s2d, out, sb, stats, own, shared_k_max)
     # made on the device (a fill), not copied there: no host-to-device copy to wait for
     s2 = torch.full((), 2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32, device=packed.device)
     lead = packed.shape[:-1]
     return (out.reshape(packed.shape), sb.view(torch.float8_e4m3fn).reshape(*lead, 2 * kb), s2,
-            mxfp4_cast.CastStats(scale.numel(), int(count.item())))
+            mxfp4_cast.CastStats(scale.numel(), int(stats[:programs].sum()) if programs else 0))
 
 
-def launch_cast(packed, scale, out, sb, count, own: int, shared: int, tile=None) -> None:
-    """The kernel alone (benchmarks): 2-D contiguous operands on one device, ``count`` zeroed by the caller."""
-    br, bb, warps = tile or CAST_TILE
-    rows, kb = scale.shape
-    grid = (triton.cdiv(rows, br), triton.cdiv(kb, bb))
-    _cast_kernel[grid](packed.view(torch.int32), scale, out.view(torch.int32), sb.view(torch.int16), count, rows, kb,
-                       own, shared, BLOCK_R=br, BLOCK_B=bb, ROWWISE=not _INTERPRETED, num_warps=warps)
+def cast_programs(blocks: int, per_program: int | None = None) -> int:
+    """Programs of the cast's fast kernel over ``blocks`` 32-blocks (its ``stats`` holds twice as many int32)."""
+    return -(-blocks // (per_program or CAST_BLOCKS[0]))
+
+
+def launch_cast(packed, scale, out, sb, stats, own: int, shared: int, tile=None, slow=None) -> None:
+    """The kernels alone (benchmarks): contiguous operands on one device; ``stats`` int32 [2 P] (P =
+    :func:`cast_programs`) gets each program's lossless count, then its flag. ``tile``: (blocks a program, warps)
+    of the fast kernel; ``slow``: (at most this many programs, blocks a step, warps) of the long-path kernel."""
+    per, warps = tile or CAST_BLOCKS
+    most, chunk, swarps = slow or CAST_SLOW
+    nb = scale.numel()
+    programs = cast_programs(nb, per)
+    flags = triton.next_power_of_2(-(-programs // most))  # the fast programs' flags a long-path program reads
+    counts, flag = stats[:programs], stats[programs : 2 * programs]
+    words, outw = packed.view(torch.int32), out.view(torch.int32)
+    _cast_fast_kernel[(programs,)](words, scale, outw, sb.view(torch.int16), counts, flag, nb, own, shared,
+                                   BLOCKS=per, num_warps=warps)
+    _cast_slow_kernel[(-(-programs // flags),)](words, scale, outw, sb.view(torch.int16), flag, nb, programs, own,
+                                                shared, BLOCKS=per, FLAGS=flags,
+                                                CHUNK=per if _INTERPRETED else min(chunk, per), num_warps=swarps)
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -216,3 +216,24 @@ def test_cast_out_of_window_block_costs_that_block_only():
     assert not np.array_equal(got[bad], want[bad])  # 2^-20 relative to the largest block: lost
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_amax_programs_of_several_steps(dtype):
+    """The amax kernel with programs of several steps (a ragged last one), one atomic each, accumulating into a
+    cell that holds an earlier member's amax (a fused module); NaN and Inf give +inf."""
+    from kimi_convert.kernels import nvfp4_triton
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(37, 144, generator=g) * 3).to(dtype)
+    w[29, 100] = -50.0  # the amax sits in a late program
+    for start, want in ((0.0, 50.0), (60.0, 60.0)):
+        cell = torch.tensor([start])
+        nvfp4_triton.amax_into(w, cell, (64, 5, 1))
+        assert float(cell) == want
+    for bad in (float("nan"), float("inf")):
+        v = w.clone()
+        v[36, 143] = bad
+        cell = torch.zeros(1)
+        nvfp4_triton.amax_into(v, cell, (64, 5, 1))
+        assert float(cell) == float("inf")

@@ -102,6 +102,33 @@ def test_cast_real_shape_in_window_and_planted_blocks():
     assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale) + 2)
 
 
+@pytest.mark.parametrize("per,most", [(16, 64), (16, 5), (64, 3)])
+def test_cast_flagged_programs_among_unflagged(per, most, monkeypatch):
+    """Small programs (``per`` blocks; at most ``most`` long-path programs: 1, 4 and 2 flags each): one program
+    holding a block off the closed form between programs that hold none, one flagged program as the last (ragged:
+    13 x 23 blocks is no multiple of ``per``), flagged and unflagged programs in one long-path program, a ragged
+    last long-path program; the count summed over programs."""
+    monkeypatch.setattr(recipe_triton, "CAST_BLOCKS", (per, 4))
+    monkeypatch.setattr(recipe_triton, "CAST_SLOW", (most, 8, 4))
+    packed, scale = mx(13, 23, 116, 125, 21)
+    scale.view(-1)[per + 3] = 90  # the second program: out of the window
+    scale.view(-1)[-1] = 0  # the last (ragged) program: E8M0 0
+    packed.view(-1, 16)[-1] = 0
+    assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale))
+    assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale) + 1)
+    assert recipe_triton.cast_programs(scale.numel()) > 3
+
+
+def test_cast_all_fast_and_all_slow_small_programs(monkeypatch):
+    """Programs of 8 blocks: no program flagged (every block in the window), then every program flagged."""
+    monkeypatch.setattr(recipe_triton, "CAST_BLOCKS", (8, 4))
+    monkeypatch.setattr(recipe_triton, "CAST_SLOW", (2, 8, 4))
+    packed, scale = mx(5, 7, 118, 125, 4)
+    assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale))
+    packed, scale = mx(5, 7, 0, 255, 5)
+    assert_cast_equal(packed, scale, mxfp4_cast.k_max(scale))
+
+
 def test_cast_falls_back_to_torch_outside_its_contract():
     packed, scale = mx(4, 2, 120, 124, 0)
     want = mxfp4_cast.cast(packed, scale, -130)  # no k_max gives this; the torch code answers
