@@ -40,9 +40,14 @@ def return_freed_memory() -> bool:
     mapped on their own). Left to itself glibc raises that threshold to the largest block freed (up to
     32 MB): a converter's tensors (an expert's 11 MB) then come from per-thread heaps that keep what is
     freed, and the process grows with its threads (pack on 2 cores: 676 -> 534 MB peak RSS, same CPU
-    seconds; benchmarks/RESULTS.md, session 6). False where the C library has no mallopt (not glibc)."""
+    seconds; benchmarks/RESULTS.md, session 6). False where the C library has no mallopt (not glibc), or
+    ``KIMI_CONVERT_MMAP_THRESHOLD`` (bytes, for the benchmarks) is 0: glibc left alone."""
+    forced = os.environ.get("KIMI_CONVERT_MMAP_THRESHOLD", "")
+    threshold = int(forced) if forced.isdigit() else MMAP_THRESHOLD
+    if not threshold:
+        return False
     try:
-        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):
         return False
 

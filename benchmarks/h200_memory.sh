@@ -1,0 +1,27 @@
+#!/bin/bash
+# pack --device cpu on the H200 machine's 16 CPUs, input evicted before each run, with glibc's mmap threshold as
+# pack sets it (1 MB: freed tensors go back to the system), left to glibc (KIMI_CONVERT_MMAP_THRESHOLD=0), and with
+# torch's CPU allocator on huge pages (THP_MEM_ALLOC_ENABLE=1): wall, CPU, peak RSS, page faults. Runs on the
+# input h200_speed.sh wrote ($WORK/in, synth bench-k3-shards); REPEAT runs each. Logs to $OUT.
+set -u
+OUT=${OUT:-benchmarks/results/h200-memory}
+W=${WORK:-/tmp/kc-speed}
+mkdir -p "$OUT"
+evict() { python3 - "$1" <<'PY'
+import os, sys
+from pathlib import Path
+os.sync()
+for p in Path(sys.argv[1]).rglob("*"):
+    if p.is_file():
+        fd = os.open(p, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+PY
+}
+for r in $(seq ${REPEAT:-2}); do
+for v in "pack-sets-1MB" "glibc-default KIMI_CONVERT_MMAP_THRESHOLD=0" "thp THP_MEM_ALLOC_ENABLE=1"; do
+  name=${v%% *}; envs=${v#"$name"}
+  evict "$W/in"
+  env $envs /usr/bin/time -f "$name run $r: wall %e s, user %U s, sys %S s, peak RSS %M KB, minor faults %R" \
+      python3 -m kimi_convert.cli pack "$W/in" "$W/out-mem" -q --overwrite --recipe nvidia-k3 --device cpu \
+      --stats "$OUT/$name-$r.json" 2>&1 | tail -1 | tee -a "$OUT/memory.log"
+done
+done
