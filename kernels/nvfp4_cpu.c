@@ -3,9 +3,9 @@
  * Hand-written because no library quantizes NVFP4 bit-exactly on the CPU at speed: ModelOpt's own
  * torch path moves 0.055 GB/s on 2 cores. Built at first use with the system C compiler
  * (kernels/nvfp4_cpu.py), with -ffp-contract=off so no multiply-add is fused: every operation is
- * one IEEE fp32 operation, as in the reference. Single-threaded on purpose: the caller splits rows
- * across Python threads (ctypes releases the GIL), because an OpenMP runtime of our own could spin
- * against torch's. Rows are independent, so no split can change a byte.
+ * one IEEE fp32 operation, as in the reference. The *_mt entry points split the work across the
+ * caller's `threads` in kc_pool.c (built into the same library, ahead of this file); rows are
+ * independent and an amax is a maximum, so no split can change a byte.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -100,4 +100,75 @@ CLONES void kc_quant_f32(const float *x, int64_t rows, int64_t k, float s2, uint
     for (int64_t r = 0; r < rows; r++)
         quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d, (uint8_t *)(d + k / 16 + 1));
     free(d);
+}
+
+/* --- one ctypes call a kernel: the work split into tasks of kc_pool.c ---------------------------------- */
+
+#define KC_AMAX_CHUNK 4096 /* elements: an amax task's unit */
+
+typedef struct {
+    const void *x;
+    int64_t n, ntasks;
+    int f32;
+    uint32_t *parts;
+} kc_amax_job;
+
+static void kc_amax_task(void *ctx, int64_t t) {
+    kc_amax_job *j = ctx;
+    int64_t a, b;
+    kc_range((j->n + KC_AMAX_CHUNK - 1) / KC_AMAX_CHUNK, j->ntasks, t, &a, &b);
+    a *= KC_AMAX_CHUNK;
+    b = b * KC_AMAX_CHUNK < j->n ? b * KC_AMAX_CHUNK : j->n;
+    j->parts[t] = j->f32 ? kc_amax_f32((const uint32_t *)j->x + a, b - a) : kc_amax_bf16((const uint16_t *)j->x + a, b - a);
+}
+
+static uint32_t kc_amax_mt(const void *x, int64_t n, int f32, int32_t threads) {
+    const int64_t chunks = (n + KC_AMAX_CHUNK - 1) / KC_AMAX_CHUNK;
+    uint32_t parts[4 * 1024 + 1];
+    int64_t ntasks = kc_tasks(chunks, KC_AMAX_CHUNK, threads > 1024 ? 1024 : threads, KC_MIN_SPLIT);
+    if (!ntasks) return 0;
+    kc_amax_job j = {x, n, ntasks, f32, parts};
+    kc_parallel(kc_amax_task, &j, ntasks, threads);
+    uint32_t m = 0;
+    for (int64_t t = 0; t < ntasks; t++) m = parts[t] > m ? parts[t] : m;
+    return m;
+}
+
+/* amax of n values, as kc_amax_bf16 / kc_amax_f32, on `threads` threads. */
+uint32_t kc_amax_bf16_mt(const uint16_t *x, int64_t n, int32_t threads) { return kc_amax_mt(x, n, 0, threads); }
+uint32_t kc_amax_f32_mt(const uint32_t *x, int64_t n, int32_t threads) { return kc_amax_mt(x, n, 1, threads); }
+
+typedef struct {
+    const void *x;
+    int64_t rows, k, ntasks;
+    float s2;
+    int f32;
+    uint8_t *packed, *scales;
+} kc_quant_job;
+
+static void kc_quant_task(void *ctx, int64_t t) {
+    kc_quant_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    uint8_t *p = j->packed + a * (j->k / 2), *s = j->scales + a * (j->k / 16);
+    if (j->f32)
+        kc_quant_f32((const float *)j->x + a * j->k, b - a, j->k, j->s2, p, s);
+    else
+        kc_quant_bf16((const uint16_t *)j->x + a * j->k, b - a, j->k, j->s2, p, s);
+}
+
+static void kc_quant_mt(const void *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales, int f32,
+                        int32_t threads) {
+    kc_quant_job j = {x, rows, k, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2, f32, packed, scales};
+    kc_parallel(kc_quant_task, &j, j.ntasks, threads);
+}
+
+/* kc_quant_bf16 / kc_quant_f32 of rows x k on `threads` threads. */
+void kc_quant_bf16_mt(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales,
+                      int32_t threads) {
+    kc_quant_mt(x, rows, k, s2, packed, scales, 0, threads);
+}
+void kc_quant_f32_mt(const float *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales,
+                     int32_t threads) {
+    kc_quant_mt(x, rows, k, s2, packed, scales, 1, threads);
 }

@@ -2,8 +2,9 @@
  * quantizer, bit-identical to kernels/mxfp4_cast.py and kernels/fp8_block.py (torch 2.13's rounding).
  *
  * Built and called like nvfp4_cpu.c (kernels/recipe_cpu.py): system C compiler at first use,
- * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's), single-threaded, the
- * caller splits rows (the cast) or 128-row bands (block FP8) across Python threads.
+ * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's); the *_mt entry points split
+ * rows (the cast) or bands' tile runs (block FP8) across the caller's threads in kc_pool.c, which is
+ * built into the same library ahead of this file.
  */
 #include <stdint.h>
 #include <string.h>
@@ -208,48 +209,108 @@ static inline void fp8_segment(const uint16_t *restrict x, int64_t n, float s, u
     for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)lanes[j];
 }
 
-/* 128x128 block FP8 of bf16 x [n, k], the 128-row bands [band0, band1): e4m3 bytes q [n, k] and fp32 scales
- * [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if a tile
- * of these bands holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
- * A band row by row (streaming): the amax of each of its tiles, then its codes (the band is then in cache). */
-CLONES int32_t kc_fp8_block_bf16(const uint16_t *x, int64_t n, int64_t k, int64_t band0, int64_t band1, uint8_t *q,
-                                 float *scales) {
+/* 128x128 block FP8 of bf16 x [n, k], tiles [t0, t1) of the 128-row band `band`: e4m3 bytes q [n, k] and fp32
+ * scales [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if
+ * one of these tiles holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
+ * Row by row (streaming): the amax of each tile, then its codes (the tiles are then in cache). */
+CLONES int32_t kc_fp8_tiles(const uint16_t *x, int64_t n, int64_t k, int64_t band, int64_t t0, int64_t t1,
+                                   uint8_t *q, float *scales) {
     const int64_t tk = (k + 127) / 128;
-    uint16_t amax[tk > 0 ? tk : 1];
+    uint16_t amax[t1 - t0 > 0 ? t1 - t0 : 1];
     int32_t bad = 0;
-    for (int64_t band = band0; band < band1; band++) {
-        const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
-        float *sc = scales + band * tk;
-        memset(amax, 0, sizeof(uint16_t) * (size_t)tk);
-        for (int64_t r = r0; r < r1; r++) {
-            for (int64_t t = 0; t < tk; t++) {
-                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
-                const uint16_t *seg = x + r * k + c0;
-                uint16_t m = amax[t];
-                for (int64_t c = 0; c < w; c++) {
-                    uint16_t a = seg[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
-                    m = a > m ? a : m;
-                }
-                amax[t] = m;
+    const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
+    float *sc = scales + band * tk;
+    memset(amax, 0, sizeof(uint16_t) * (size_t)(t1 - t0));
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+            const uint16_t *seg = x + r * k + c0;
+            uint16_t m = amax[t - t0];
+            for (int64_t c = 0; c < w; c++) {
+                uint16_t a = seg[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
+                m = a > m ? a : m;
             }
+            amax[t - t0] = m;
         }
-        for (int64_t t = 0; t < tk; t++) {
-            if (amax[t] >= 0x7F80) {
-                bad = 1;
-                sc[t] = 0.0f;
-            } else { /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
-                sc[t] = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t] << 16) / 448.0f)));
-            }
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        if (amax[t - t0] >= 0x7F80) {
+            bad = 1;
+            sc[t] = 0.0f;
+        } else { /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
+            sc[t] = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t - t0] << 16) / 448.0f)));
         }
-        for (int64_t r = r0; r < r1; r++) {
-            for (int64_t t = 0; t < tk; t++) {
-                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
-                if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
-                    memset(q + r * k + c0, 0, (size_t)w);
-                else
-                    fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0);
-            }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+            if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
+                memset(q + r * k + c0, 0, (size_t)w);
+            else
+                fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0);
         }
     }
     return bad;
+}
+
+/* --- one ctypes call a kernel: the work split into tasks of kc_pool.c ---------------------------------- */
+
+typedef struct {
+    const uint8_t *packed, *scale;
+    int64_t rows, kb, ntasks;
+    int32_t own, shared;
+    uint8_t *out, *sb_out;
+    int64_t lossless;
+} kc_cast_job;
+
+static void kc_cast_task(void *ctx, int64_t t) {
+    kc_cast_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    int64_t n = kc_cast_mxfp4(j->packed + a * 16 * j->kb, j->scale + a * j->kb, b - a, j->kb, j->own, j->shared,
+                              j->out + a * 16 * j->kb, j->sb_out + a * 2 * j->kb);
+    __atomic_fetch_add(&j->lossless, n, __ATOMIC_RELAXED);
+}
+
+/* kc_cast_mxfp4 of all `rows` on `threads` threads (the lossless count is a sum of integers: any split). */
+int64_t kc_cast_mxfp4_mt(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t kb, int32_t own,
+                         int32_t shared, uint8_t *out, uint8_t *sb_out, int32_t threads) {
+    kc_cast_job j = {packed, scale, rows, kb, kc_tasks(rows, 32 * kb, threads, KC_MIN_SPLIT), own, shared, out,
+                     sb_out, 0};
+    kc_parallel(kc_cast_task, &j, j.ntasks, threads);
+    return j.lossless;
+}
+
+typedef struct {
+    const uint16_t *x;
+    int64_t n, k, groups;
+    uint8_t *q;
+    float *scales;
+    int32_t bad;
+} kc_fp8_job;
+
+static void kc_fp8_task(void *ctx, int64_t t) {
+    kc_fp8_job *j = ctx;
+    const int64_t tk = (j->k + 127) / 128, band = t / j->groups, g = t % j->groups;
+    int64_t t0, t1;
+    kc_range(tk, j->groups, g, &t0, &t1);
+    if (kc_fp8_tiles(j->x, j->n, j->k, band, t0, t1, j->q, j->scales))
+        __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+}
+
+/* 128x128 block FP8 of bf16 x [n, k] (kc_fp8_tiles) on `threads` threads; a task is one band's group of tiles, the
+ * band cut in `groups` so that there are about 8 tasks a thread (56 bands on 16 threads would leave 8 threads
+ * a band short), each a run of at least 4 tiles (1 KB of a row). Returns 1 if a tile holds NaN or Inf. */
+int32_t kc_fp8_block_bf16_mt(const uint16_t *x, int64_t n, int64_t k, uint8_t *q, float *scales, int32_t threads) {
+    const int64_t bands = (n + 127) / 128, tk = (k + 127) / 128;
+    if (!bands || !tk) return 0;
+    if (threads <= 1 || n * k < KC_MIN_SPLIT) {
+        int32_t bad = 0;
+        for (int64_t band = 0; band < bands; band++) bad |= kc_fp8_tiles(x, n, k, band, 0, tk, q, scales);
+        return bad;
+    }
+    int64_t groups = (8 * (int64_t)threads + bands - 1) / bands, most = tk / 4 > 1 ? tk / 4 : 1;
+    kc_fp8_job j = {x, n, k, groups < most ? groups : most, q, scales, 0};
+    kc_parallel(kc_fp8_task, &j, bands * j.groups, threads);
+    return j.bad;
 }
