@@ -81,11 +81,115 @@ static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packe
     for (int64_t i = 0; i < k / 2; i++) packed[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* quant_row of one row of k bf16 values with AVX2 intrinsics, a 16-block at a time (GCC does not vectorize the
+ * byte packing nor keep the codes in 32-bit lanes by itself: 2.2 ns a value, here well under 1). The same IEEE
+ * operations as quant_row: the block amax an integer max over |x|'s bits, the scale by e4m3_rne, each code from
+ * one correctly rounded division (vdivps) and ordered comparisons (NaN: code 7, as e2m1). */
+__attribute__((target("avx2"))) static void quant_row_bf16_avx2(const uint16_t *x, int64_t k, float s2,
+                                                                uint8_t *packed, uint8_t *scales, float *denom) {
+    const __m256i seven = _mm256_set1_epi32(7);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)), zero = _mm256_setzero_ps();
+    const __m256 t50 = _mm256_set1_ps(5.0f), t35 = _mm256_set1_ps(3.5f), t25 = _mm256_set1_ps(2.5f);
+    const __m256 t175 = _mm256_set1_ps(1.75f), t125 = _mm256_set1_ps(1.25f), t075 = _mm256_set1_ps(0.75f);
+    const __m256 t025 = _mm256_set1_ps(0.25f);
+    const __m256i eight = _mm256_set1_epi32(8);
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const float six_s2 = 6.0f * s2;
+    uint32_t *amax = (uint32_t *)denom; /* the block amax bits, then in place their denominators */
+    for (int64_t b = 0; b < k / 16; b++) { /* the block scales first: no dependency on the codes */
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + 16 * b));
+        __m256i m16 = _mm256_and_si256(raw, _mm256_set1_epi16(0x7FFF));
+        __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
+        m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0x4E));
+        m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0xB1));
+        m8 = _mm_max_epu16(m8, _mm_srli_epi32(m8, 16));
+        amax[b] = ((uint32_t)_mm_cvtsi128_si32(m8) & 0xFFFFu) << 16;
+    }
+    int64_t b8 = 0;
+    const __m256 v_six_s2 = _mm256_set1_ps(six_s2), v_s2 = _mm256_set1_ps(s2), one = _mm256_set1_ps(1.0f);
+    const __m256 lo_clamp = _mm256_set1_ps(0.001953125f), hi_clamp = _mm256_set1_ps(448.0f);
+    const __m256 sub_min = _mm256_set1_ps(0.015625f), big = _mm256_set1_ps(8388608.0f);
+    for (; b8 + 8 <= k / 16; b8 += 8) { /* e4m3_rne of 8 clamped block scales, each `if` a masked blend */
+        __m256 sb = _mm256_div_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(amax + b8))), v_six_s2);
+        sb = _mm256_blendv_ps(sb, one, _mm256_cmp_ps(sb, zero, _CMP_EQ_OQ));
+        sb = _mm256_blendv_ps(sb, lo_clamp, _mm256_cmp_ps(sb, lo_clamp, _CMP_LT_OQ));
+        sb = _mm256_blendv_ps(sb, hi_clamp, _mm256_cmp_ps(sb, hi_clamp, _CMP_GT_OQ));
+        __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(sb), 23),
+                                                      _mm256_set1_epi32(0xFF)), _mm256_set1_epi32(127));
+        e = _mm256_max_epi32(e, _mm256_set1_epi32(-6));
+        __m256 q = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(124)), 23));
+        __m256 inv_q = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(130), e), 23));
+        __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(sb, inv_q), big), big);
+        __m256 val = _mm256_mul_ps(r, q);
+        __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(val), 20), _mm256_set1_epi32(960));
+        __m256i sub = _mm256_cvttps_epi32(r);
+        __m256i byte = _mm256_blendv_epi8(sub, normal, _mm256_castps_si256(_mm256_cmp_ps(val, sub_min, _CMP_GE_OQ)));
+        /* bytes 0-3 and 4-7 land in words 0 and 2 (packs work within 128-bit lanes) */
+        __m256i b16 = _mm256_packus_epi32(_mm256_and_si256(byte, _mm256_set1_epi32(0xFF)), _mm256_setzero_si256());
+        __m128i b8s = _mm_packus_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
+        uint32_t w0 = (uint32_t)_mm_cvtsi128_si32(b8s), w1 = (uint32_t)_mm_extract_epi32(b8s, 2);
+        memcpy(scales + b8, &w0, 4);
+        memcpy(scales + b8 + 4, &w1, 4);
+        _mm256_storeu_ps(denom + b8, _mm256_mul_ps(val, v_s2));
+    }
+    for (; b8 < k / 16; b8++) {
+        float sb = f32_of_bits(amax[b8]) / six_s2;
+        if (sb == 0.0f) sb = 1.0f;
+        if (sb < 0.001953125f) sb = 0.001953125f;
+        if (sb > 448.0f) sb = 448.0f;
+        denom[b8] = e4m3_rne(sb, scales + b8) * s2;
+    }
+    for (int64_t b = 0; b < k / 16; b++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + 16 * b));
+        __m256i i0 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16);
+        __m256i i1 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16);
+        const __m256 d = _mm256_set1_ps(denom[b]);
+        __m256i c[2];
+        for (int h = 0; h < 2; h++) {
+            __m256 q = _mm256_div_ps(_mm256_castsi256_ps(h ? i1 : i0), d);
+            __m256 a = _mm256_andnot_ps(sign, q);
+            __m256i mag = seven; /* 7 minus one for each threshold a is at or below (a mask is -1) */
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t50, _CMP_LE_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t35, _CMP_LT_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t25, _CMP_LE_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t175, _CMP_LT_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t125, _CMP_LE_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t075, _CMP_LT_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t025, _CMP_LE_OQ)));
+            __m256i neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(q, zero, _CMP_LT_OQ)), eight);
+            c[h] = _mm256_or_si256(mag, neg);
+        }
+        /* 16 codes in order as 16-bit lanes, then each 32-bit lane's pair (c[2j], c[2j+1]) into one byte */
+        __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(c[0], c[1]), 0xD8);
+        w = _mm256_or_si256(w, _mm256_srli_epi32(w, 12));
+        w = _mm256_shuffle_epi8(w, pick);
+        uint32_t lo = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(w));
+        uint32_t hi = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(w, 1));
+        memcpy(packed + 8 * b, &lo, 4);
+        memcpy(packed + 8 * b + 4, &hi, 4);
+    }
+}
+#define KC_HAVE_AVX2_ROW 1
+#endif
+
 #define CLONES __attribute__((target_clones("avx2", "default")))
 
 /* x: rows x k bf16 (as uint16); packed: rows x k/2; scales: rows x k/16 e4m3 bytes. */
 CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
     if (!(s2 > 0.0f)) s2 = 1.0f;
+#ifdef KC_HAVE_AVX2_ROW
+    if (__builtin_cpu_supports("avx2")) {
+        float *denom = malloc(sizeof(float) * (size_t)(k / 16 + 1));
+        for (int64_t r = 0; r < rows; r++)
+            quant_row_bf16_avx2(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), denom);
+        free(denom);
+        return;
+    }
+#endif
     float *v = malloc(sizeof(float) * (size_t)(k + k / 16) + (size_t)k);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t j = 0; j < k; j++) v[j] = f32_of_bits((uint32_t)x[r * k + j] << 16);
