@@ -223,7 +223,8 @@ static void kc_amax_task(void *ctx, int64_t t) {
     kc_range((j->n + KC_AMAX_CHUNK - 1) / KC_AMAX_CHUNK, j->ntasks, t, &a, &b);
     a *= KC_AMAX_CHUNK;
     b = b * KC_AMAX_CHUNK < j->n ? b * KC_AMAX_CHUNK : j->n;
-    j->parts[t] = j->f32 ? kc_amax_f32((const uint32_t *)j->x + a, b - a) : kc_amax_bf16((const uint16_t *)j->x + a, b - a);
+    j->parts[t] = j->f32 ? kc_amax_f32((const uint32_t *)j->x + a, b - a)
+                         : kc_amax_bf16((const uint16_t *)j->x + a, b - a);
 }
 
 static uint32_t kc_amax_mt(const void *x, int64_t n, int f32, int32_t threads) {

@@ -197,8 +197,11 @@ static inline uint32_t e4m3_scaled(float qs) {
  * of two bf16 values is never within 2^-17 of a bf16 rounding boundary unless it is on the grid, and the product
  * is within 2^-23 of it; a tile's quotients stay below 450 (its scale is its amax / 448 rounded to bf16, normal).
  * Below, a true division and torch's saturating rounding (a subnormal scale lets quotients pass 448).
- * Codes go through 32-bit lanes, then are narrowed to bytes in a loop of their own (vectorizes twice as fast). */
-static inline void fp8_segment(const uint16_t *restrict x, int64_t n, float s, uint8_t *restrict q) {
+ * Codes go through 32-bit lanes, then are narrowed to bytes in a loop of their own (vectorizes twice as fast).
+ * Always inlined: a call would run its default (SSE2) build from the AVX2 clone of the caller (0.72 against 0.40
+ * ns a value on one core). */
+static inline __attribute__((always_inline)) void fp8_segment(const uint16_t *restrict x, int64_t n, float s,
+                                                              uint8_t *restrict q) {
     if (s < 7.888609052210118e-31f) {
         for (int64_t j = 0; j < n; j++) q[j] = e4m3_of_bf16(f32_of_bits((uint32_t)x[j] << 16) / s);
         return;
