@@ -16,6 +16,10 @@ import torch
 from . import fp8_block, mxfp4_cast
 from .nvfp4_cpu import open_library, set_pool_types
 
+#: Output bytes from which the codes are stored non-temporally (no read for ownership of lines that will not be
+#: read before they leave the cache; below, a weight's codes may still be in cache when the writer copies them).
+STREAM_MIN_BYTES = 8 << 20
+
 
 @cache
 def load() -> ctypes.CDLL | None:
@@ -24,9 +28,9 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32]
+    lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32, i32]
     lib.kc_cast_mxfp4_mt.restype = i64
-    lib.kc_fp8_block_bf16_mt.argtypes = [p, i64, i64, p, p, i32]
+    lib.kc_fp8_block_bf16_mt.argtypes = [p, i64, i64, p, p, i32, i32]
     lib.kc_fp8_block_bf16_mt.restype = i32
     set_pool_types(lib)
     return lib
@@ -56,7 +60,7 @@ def cast_into(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, share
     count."""
     rows, kb = scale.shape
     return lib.kc_cast_mxfp4_mt(packed.data_ptr(), scale.data_ptr(), rows, kb, own, shared, out.data_ptr(),
-                                sb.data_ptr(), threads) if rows and kb else 0
+                                sb.data_ptr(), threads, out.numel() >= STREAM_MIN_BYTES) if rows and kb else 0
 
 
 def fp8_quantize(lib: ctypes.CDLL, w: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,4 +80,5 @@ def fp8_into(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.T
     """The kernel alone (benchmarks): bf16 x [n, k] contiguous into uint8 q and fp32 scales; False where a tile
     holds NaN or Inf."""
     n, k = x.shape
-    return not lib.kc_fp8_block_bf16_mt(x.data_ptr(), n, k, q.data_ptr(), scales.data_ptr(), threads)
+    return not lib.kc_fp8_block_bf16_mt(x.data_ptr(), n, k, q.data_ptr(), scales.data_ptr(), threads,
+                                        q.numel() >= STREAM_MIN_BYTES)
