@@ -160,6 +160,14 @@ static int64_t kc_tasks(int64_t units, int64_t unit_work, int threads, int64_t m
     return t < units ? t : units;
 }
 
+/* Workers this process has (tests: a forked child starts with none). */
+int32_t kc_pool_workers(void) {
+    pthread_mutex_lock(&kc_pool.mu);
+    int32_t n = kc_pool.workers;
+    pthread_mutex_unlock(&kc_pool.mu);
+    return n;
+}
+
 /* A benchmark's no-op: the dispatch cost alone. */
 static void kc_nop_task(void *ctx, int64_t t) { (void)ctx; (void)t; }
 void kc_pool_nop(int64_t ntasks, int32_t threads) { kc_parallel(kc_nop_task, 0, ntasks, threads); }

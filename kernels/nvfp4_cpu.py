@@ -99,9 +99,12 @@ def load() -> ctypes.CDLL | None:
 
 
 def set_pool_types(lib: ctypes.CDLL) -> None:
-    """Argument types of ``kc_pool.c``'s exported no-op (the dispatch cost alone, for benchmarks)."""
+    """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
+    count (tests)."""
     lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
     lib.kc_pool_nop.restype = None
+    lib.kc_pool_workers.argtypes = []
+    lib.kc_pool_workers.restype = ctypes.c_int32
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:

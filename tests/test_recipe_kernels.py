@@ -209,6 +209,22 @@ def test_c_kernels_are_thread_count_independent():
             assert got[1][3] == want[1][3] and got[2][3] == want[2][3]
 
 
+def test_c_pool_survives_fork_and_exit():
+    """A child forked after the pool's workers started runs the kernels on a pool of its own (it never waits for
+    the parent's threads, which it does not have), and the interpreter exits with workers asleep (no hang)."""
+    import subprocess
+    import sys
+    # the child compares with numpy: torch's own OpenMP pool hangs in a forked child (not this pool's doing)
+    code = ("import os,torch; from kimi_convert.kernels import recipe_cpu as R, nvfp4_cpu as N; L=R.load(); "
+            "w=torch.randn(512,1024).to(torch.bfloat16); a=R.fp8_quantize(L,w,4)[0].view(torch.uint8).numpy(); "
+            "x=float(N.amax(N.load(),w,4)); assert L.kc_pool_workers()==3; pid=os.fork()\n"
+            "if pid==0:\n os._exit(0 if L.kc_pool_workers()==0 and (R.fp8_quantize(L,w,4)[0].view(torch.uint8)"
+            ".numpy()==a).all() and L.kc_pool_workers()==3 and float(N.amax(N.load(),w,3))==x else 1)\n"
+            "_, st=os.waitpid(pid,0); assert os.waitstatus_to_exitcode(st)==0, st; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 # --- backends and the pipeline ---------------------------------------------------------------------
 
 def test_backends_pick_the_kernels(monkeypatch):
