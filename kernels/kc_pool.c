@@ -8,7 +8,10 @@
  * Not OpenMP: a second OpenMP runtime next to torch's spins against it.
  *
  * - Workers are created on demand, as many as the jobs in flight ask for together (pipeline streams call at
- *   once, each with its share of the cores), and then sleep on a condition variable between jobs.
+ *   once, each with its share of the cores). Between jobs a worker polls the queue for KC_SPIN_NS, then sleeps on a
+ *   condition variable: waking 15 sleeping threads one by one took 53 us a call on the H200 machine's CPUs
+ *   (against 1.2 us for one thread), a fifth of the cast's floor; back-to-back calls now find them awake. The
+ *   caller polls for its job's end the same way before it sleeps.
  * - Tasks are claimed one at a time from the job, so a descheduled thread delays only its task; which thread
  *   runs a task never changes a byte (tasks write disjoint outputs, partial results are integers or maxima).
  * - The caller claims tasks of its own job too, so a job finishes even when every worker is busy elsewhere.
@@ -19,6 +22,13 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KC_PAUSE() _mm_pause()
+#else
+#define KC_PAUSE() ((void)0)
+#endif
 
 typedef void (*kc_task_fn)(void *ctx, int64_t task);
 
@@ -36,8 +46,30 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t work, finished;
     kc_job *head, *tail;
-    int workers, demand;
-} kc_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0};
+    int workers, demand, sleeping;
+} kc_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0};
+
+/* How long an idle worker (or a waiting caller) polls before it sleeps. */
+#define KC_SPIN_NS 100000
+
+static inline int64_t kc_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Unlocked: poll until *flag (read atomically) is non-zero or KC_SPIN_NS pass; returns whether it became so. */
+static int kc_spin_until(void *const *ptr, const int64_t *count, int64_t target) {
+    const int64_t end = kc_now_ns() + KC_SPIN_NS;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (ptr ? __atomic_load_n(ptr, __ATOMIC_ACQUIRE) != 0 : __atomic_load_n(count, __ATOMIC_ACQUIRE) >= target)
+                return 1;
+            KC_PAUSE();
+        }
+        if (kc_now_ns() > end) return 0;
+    }
+}
 
 static pthread_once_t kc_pool_once = PTHREAD_ONCE_INIT;
 
@@ -48,7 +80,7 @@ static void kc_pool_child(void) { /* the child has one thread: no worker, no job
     pthread_cond_init(&kc_pool.work, 0);
     pthread_cond_init(&kc_pool.finished, 0);
     kc_pool.head = kc_pool.tail = 0;
-    kc_pool.workers = kc_pool.demand = 0;
+    kc_pool.workers = kc_pool.demand = kc_pool.sleeping = 0;
 }
 static void kc_pool_init(void) { pthread_atfork(kc_pool_prepare, kc_pool_parent, kc_pool_child); }
 
@@ -79,7 +111,7 @@ static void kc_run_task(kc_job *j, int64_t t, int worker) {
     j->fn(j->ctx, t);
     pthread_mutex_lock(&kc_pool.mu);
     j->active -= worker;
-    if (++j->done == j->ntasks) pthread_cond_broadcast(&kc_pool.finished);
+    if (__atomic_add_fetch(&j->done, 1, __ATOMIC_RELEASE) == j->ntasks) pthread_cond_broadcast(&kc_pool.finished);
 }
 
 /* Under the lock: the oldest queued job with fewer workers on it than its caller's threads allow. */
@@ -94,7 +126,19 @@ static void *kc_worker(void *arg) {
     pthread_mutex_lock(&kc_pool.mu);
     for (;;) {
         kc_job *j;
-        while (!(j = kc_pick())) pthread_cond_wait(&kc_pool.work, &kc_pool.mu);
+        int polled = 0;
+        while (!(j = kc_pick())) {
+            if (!polled) { /* once an idle spell: a job queued while polling is picked at once */
+                polled = 1;
+                pthread_mutex_unlock(&kc_pool.mu);
+                kc_spin_until((void *const *)&kc_pool.head, 0, 0);
+                pthread_mutex_lock(&kc_pool.mu);
+                continue;
+            }
+            kc_pool.sleeping++;
+            pthread_cond_wait(&kc_pool.work, &kc_pool.mu);
+            kc_pool.sleeping--;
+        }
         j->active++;
         kc_run_task(j, kc_claim(j), 1);
     }
@@ -136,8 +180,13 @@ static void kc_parallel(kc_task_fn fn, void *ctx, int64_t ntasks, int threads) {
     if (kc_pool.workers < kc_pool.demand) kc_grow();
     if (kc_pool.tail) kc_pool.tail->queued = &j; else kc_pool.head = &j;
     kc_pool.tail = &j;
-    for (int i = 0; i < helpers; i++) pthread_cond_signal(&kc_pool.work);
+    for (int i = 0; i < helpers && i < kc_pool.sleeping; i++) pthread_cond_signal(&kc_pool.work);
     for (int64_t t; (t = kc_claim(&j)) >= 0;) kc_run_task(&j, t, 0);
+    if (j.done < j.ntasks) {
+        pthread_mutex_unlock(&kc_pool.mu);
+        kc_spin_until(0, &j.done, j.ntasks);
+        pthread_mutex_lock(&kc_pool.mu);
+    }
     while (j.done < j.ntasks) pthread_cond_wait(&kc_pool.finished, &kc_pool.mu);
     kc_pool.demand -= helpers;
     pthread_mutex_unlock(&kc_pool.mu);

@@ -209,6 +209,31 @@ def test_c_kernels_are_thread_count_independent():
             assert got[1][3] == want[1][3] and got[2][3] == want[2][3]
 
 
+def test_c_pool_serves_concurrent_callers():
+    """Pipeline streams call the kernels at once, each with its share of threads: every call gets its own bytes
+    (jobs queued together, workers polling and sleeping between them), none waits forever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kimi_convert.kernels import nvfp4_cpu, reference
+    torch.manual_seed(9)
+    ws = [(torch.randn(384, 512) * 10 ** i).to(torch.bfloat16) for i in range(-2, 2)]
+    want = [fp8_block.quantize(w) for w in ws]
+    nlib = nvfp4_cpu.load()
+    s2 = [reference.global_scale(w.float().abs().amax()) for w in ws]
+    want_nv = [reference.quantize(w, s) for w, s in zip(ws, s2, strict=True)]
+
+    def work(i: int) -> bool:
+        ok = True
+        for rep in range(15):
+            q, sc = recipe_cpu.fp8_quantize(LIB, ws[i], 1 + (i + rep) % 4)
+            p, s = nvfp4_cpu.quantize(nlib, ws[i], s2[i], 1 + (i * rep) % 5)
+            ok &= torch.equal(as_u8(q), as_u8(want[i][0])) and torch.equal(as_u8(sc), as_u8(want[i][1]))
+            ok &= torch.equal(p, want_nv[i][0]) and torch.equal(as_u8(s), as_u8(want_nv[i][1]))
+        return ok
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(work, range(4)))
+
+
 def test_c_pool_survives_fork_and_exit():
     """A child forked after the pool's workers started runs the kernels on a pool of its own (it never waits for
     the parent's threads, which it does not have), and the interpreter exits with workers asleep (no hang)."""
