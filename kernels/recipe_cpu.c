@@ -244,6 +244,47 @@ static inline __attribute__((always_inline)) void fp8_segment(const uint16_t *re
     kc_store(q, bytes, n, stream);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* e4m3_scaled of 8 lanes (the same IEEE operations, in the same order) from 8 bf16 values and r = 2^8 / s. */
+__attribute__((target("avx2"))) static inline __m256i e4m3_scaled8(__m128i bf16, __m256 r) {
+    __m256 qs = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)), r);
+    __m256i t = _mm256_add_epi32(_mm256_castps_si256(qs), _mm256_set1_epi32(0x8000));
+    __m256 y = _mm256_castsi256_ps(_mm256_and_si256(t, _mm256_set1_epi32(0x7FFF0000)));
+    __m256 g = _mm256_mul_ps(y, _mm256_set1_ps(1048577.0f));
+    __m256 hi = _mm256_add_ps(g, _mm256_sub_ps(y, g));
+    __m256i normal = _mm256_srli_epi32(_mm256_castps_si256(hi), 20);
+    __m256i sub = _mm256_castps_si256(_mm256_add_ps(y, _mm256_set1_ps(4194304.0f)));
+    __m256 below = _mm256_cmp_ps(y, _mm256_set1_ps(4.0f), _CMP_LT_OQ);
+    __m256i mag = _mm256_and_si256(_mm256_blendv_epi8(normal, sub, _mm256_castps_si256(below)),
+                                   _mm256_set1_epi32(0x7F));
+    return _mm256_or_si256(mag, _mm256_and_si256(_mm256_srli_epi32(t, 24), _mm256_set1_epi32(0x80)));
+}
+
+/* fp8_segment of a whole 128-value tile row with s >= 2^-100, in AVX2 intrinsics: 32 codes a step narrowed to
+ * bytes in registers and stored at once (GCC's version goes through two buffers on the stack: 0.40 ns a value
+ * on one core, this one less). */
+__attribute__((target("avx2"))) static void fp8_row128_avx2(const uint16_t *restrict x, float s,
+                                                             uint8_t *restrict q, int stream) {
+    const __m256 r = _mm256_set1_ps(256.0f * (1.0f / s));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int aligned = stream && !((uintptr_t)q & 31);
+    for (int j = 0; j < 128; j += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(x + j)), b = _mm256_loadu_si256((const __m256i *)(x + j + 16));
+        __m256i c0 = e4m3_scaled8(_mm256_castsi256_si128(a), r), c1 = e4m3_scaled8(_mm256_extracti128_si256(a, 1), r);
+        __m256i c2 = e4m3_scaled8(_mm256_castsi256_si128(b), r), c3 = e4m3_scaled8(_mm256_extracti128_si256(b, 1), r);
+        __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+        w = _mm256_permutevar8x32_epi32(w, order);
+        if (aligned)
+            _mm256_stream_si256((__m256i *)(q + j), w);
+        else
+            _mm256_storeu_si256((__m256i *)(q + j), w);
+    }
+}
+#define KC_HAVE_FP8_AVX2 1
+#endif
+
 /* 128x128 block FP8 of bf16 x [n, k], tiles [t0, t1) of the 128-row band `band`: e4m3 bytes q [n, k] and fp32
  * scales [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if
  * one of these tiles holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
@@ -255,6 +296,9 @@ CLONES int32_t kc_fp8_tiles(const uint16_t *x, int64_t n, int64_t k, int64_t ban
     int32_t bad = 0;
     const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
     float *sc = scales + band * tk;
+#ifdef KC_HAVE_FP8_AVX2
+    const int avx2 = __builtin_cpu_supports("avx2");
+#endif
     memset(amax, 0, sizeof(uint16_t) * (size_t)(t1 - t0));
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t t = t0; t < t1; t++) {
@@ -281,6 +325,10 @@ CLONES int32_t kc_fp8_tiles(const uint16_t *x, int64_t n, int64_t k, int64_t ban
             const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
             if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
                 memset(q + r * k + c0, 0, (size_t)w);
+#ifdef KC_HAVE_FP8_AVX2
+            else if (avx2 && w == 128 && sc[t] >= 7.888609052210118e-31f)
+                fp8_row128_avx2(x + r * k + c0, sc[t], q + r * k + c0, stream);
+#endif
             else
                 fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0, stream);
         }
