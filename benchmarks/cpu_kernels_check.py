@@ -3,7 +3,8 @@
     python benchmarks/cpu_kernels_check.py [--fp8-every-amax]
 
 - NVFP4: every finite bf16 value, shuffled into rows of 4096, under four global scales (the tensor's own, 1e-30,
-  3e20, 1), against ``reference.quantize``;
+  3e20, 1), and sorted by magnitude (so that block scales sweep e4m3's range), rolled by 0, 5 and 11, under 243
+  global scales across [2^-80, 2^80] (the kernel's one-reciprocal-a-block range), against ``reference.quantize``;
 - block FP8: 7168x7168 and 1000x1001 bf16 (an all-zero tile planted) against ``fp8_block.quantize``;
 - the MXFP4 cast: an expert 3072x7168 with exponents in K3's band (every row the closed form, codes streamed) and
   anywhere in 0..255, against ``mxfp4_cast.cast``.
@@ -67,6 +68,16 @@ def main() -> int:
         p, s = nvfp4_cpu.quantize(nlib, x, s2, threads)
         rp, rs = reference.quantize(x, s2)
         say(f"nvfp4 every finite bf16, s2 {float(s2):.3g}", torch.equal(p, rp) and torch.equal(u8(s), u8(rs)))
+    ordered = finite[finite.float().abs().argsort()]
+    x = torch.stack([torch.roll(ordered, r)[: ordered.numel() // 2048 * 2048] for r in (0, 5, 11)]).reshape(-1, 2048)
+    same = True
+    for e in range(-80, 81, 2):
+        for frac in (1.0, 1.2345, 1.75):
+            s2 = torch.tensor(2.0 ** e * frac, dtype=torch.float32)
+            p, s = nvfp4_cpu.quantize(nlib, x, s2, threads)
+            rp, rs = reference.quantize(x, s2)
+            same &= torch.equal(p, rp) and torch.equal(u8(s), u8(rs))
+    say("nvfp4 every finite bf16 by magnitude, 243 global scales in [2^-80, 2^80]", same)
     for n, k in ((7168, 7168), (1000, 1001)):
         w = bf16_input(n, k, 1)
         w[128:256, 256:384] = 0

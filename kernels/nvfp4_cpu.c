@@ -87,9 +87,14 @@ static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packe
 /* quant_row of one row of k bf16 values with AVX2 intrinsics, a 16-block at a time (GCC does not vectorize the
  * byte packing nor keep the codes in 32-bit lanes by itself: 2.2 ns a value, here well under 1). The same IEEE
  * operations as quant_row: the block amax an integer max over |x|'s bits, the scale by e4m3_rne, each code from
- * one correctly rounded division (vdivps) and ordered comparisons (NaN: code 7, as e2m1). */
-__attribute__((target("avx2"))) static void quant_row_bf16_avx2(const uint16_t *x, int64_t k, float s2,
-                                                                uint8_t *packed, uint8_t *scales, float *denom) {
+ * one correctly rounded division (vdivps) and ordered comparisons (NaN: code 7, as e2m1).
+ * `fast` (s2 in [2^-80, 2^80], every real checkpoint): no division a value but the GPU kernel's way
+ * (nvfp4_triton._fast_code, the same IEEE operations, fma included): q0 = RN(x 4/d), Markstein's correction
+ * q = RN(q0 + RN(x - q0 d/4) 4/d), E2M1 of q/4 by Veltkamp's split, the sign by one fma. Its codes equal the
+ * correctly rounded quotient's for every bf16 value and 1,052,478 divisors (benchmarks/gpu_division_check.py). */
+__attribute__((target("avx2,fma"))) static void quant_row_bf16_avx2(const uint16_t *x, int64_t k, float s2,
+                                                                    uint8_t *packed, uint8_t *scales, float *denom,
+                                                                    int fast) {
     const __m256i seven = _mm256_set1_epi32(7);
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)), zero = _mm256_setzero_ps();
     const __m256 t50 = _mm256_set1_ps(5.0f), t35 = _mm256_set1_ps(3.5f), t25 = _mm256_set1_ps(2.5f);
@@ -149,7 +154,24 @@ __attribute__((target("avx2"))) static void quant_row_bf16_avx2(const uint16_t *
         __m256i i1 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16);
         const __m256 d = _mm256_set1_ps(denom[b]);
         __m256i c[2];
-        for (int h = 0; h < 2; h++) {
+        if (fast) { /* nvfp4_triton._fast_code: one reciprocal a block, Markstein's correction (see above) */
+            const __m256 r4 = _mm256_set1_ps((1.0f / denom[b]) * 4.0f), d4 = _mm256_set1_ps(denom[b] * 0.25f);
+            const __m256 d_low = _mm256_set1_ps(denom[b] * 9.313225746154785e-10f);
+            for (int h = 0; h < 2; h++) {
+                const __m256 xv = _mm256_castsi256_ps(h ? i1 : i0);
+                __m256 q0 = _mm256_mul_ps(xv, r4);
+                __m256 q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q0, d4, xv), r4, q0);
+                __m256 y = _mm256_min_ps(_mm256_andnot_ps(sign, q), _mm256_set1_ps(24.0f));
+                __m256 g = _mm256_mul_ps(y, _mm256_set1_ps(4194305.0f));
+                __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(_mm256_add_ps(g, _mm256_sub_ps(y, g))), 22);
+                __m256i sub = _mm256_castps_si256(_mm256_add_ps(y, _mm256_set1_ps(16777216.0f)));
+                __m256 below = _mm256_cmp_ps(y, _mm256_set1_ps(4.0f), _CMP_LT_OQ);
+                __m256i mag = _mm256_and_si256(_mm256_blendv_epi8(hi, sub, _mm256_castps_si256(below)), seven);
+                __m256 sgn = _mm256_fmadd_ps(xv, _mm256_set1_ps(1.329227995784916e36f), d_low);
+                c[h] = _mm256_or_si256(mag, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(sgn, zero, _CMP_LT_OQ)),
+                                                             eight));
+            }
+        } else for (int h = 0; h < 2; h++) {
             __m256 q = _mm256_div_ps(_mm256_castsi256_ps(h ? i1 : i0), d);
             __m256 a = _mm256_andnot_ps(sign, q);
             __m256i mag = seven; /* 7 minus one for each threshold a is at or below (a mask is -1) */
@@ -182,10 +204,12 @@ __attribute__((target("avx2"))) static void quant_row_bf16_avx2(const uint16_t *
 CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
     if (!(s2 > 0.0f)) s2 = 1.0f;
 #ifdef KC_HAVE_AVX2_ROW
-    if (__builtin_cpu_supports("avx2")) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        /* one reciprocal a block where 1/d stays normal: s2 in [2^-80, 2^80], as nvfp4_triton */
+        const int fast = s2 >= 8.271806125530277e-25f && s2 <= 1.2089258196146292e24f;
         float *denom = malloc(sizeof(float) * (size_t)(k / 16 + 1));
         for (int64_t r = 0; r < rows; r++)
-            quant_row_bf16_avx2(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), denom);
+            quant_row_bf16_avx2(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), denom, fast);
         free(denom);
         return;
     }
