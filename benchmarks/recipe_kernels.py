@@ -13,7 +13,8 @@ GPU times: medians of ``triton.testing.do_bench_cudagraph`` over a graph that ru
 (so no input is served from L2), per call, and of ``do_bench`` over the same rotation (with Python's launch
 cost). The cast and block-FP8 rows time the kernels (their zeroed counter included); "call" rows time the whole
 function the pipeline calls (lossless count / finite check read back to the host). CPU times: medians of repeated
-calls, torch code (what the recipe ran before these kernels) beside them.
+calls, torch code (what the recipe ran before these kernels) beside them; preallocated outputs are touched once
+before (their first use would otherwise time page faults), "whole call" rows allocate as the pipeline does.
 """
 
 from __future__ import annotations
@@ -233,9 +234,9 @@ def rotation(make, nbytes: int) -> list:
 
 def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
     lib, nlib = recipe_cpu.load(), nvfp4_cpu.load()
-    torch.set_num_threads(nvfp4_cpu.threads())
+    torch.set_num_threads(THREADS)
     bw = copy_bandwidth_cpu()
-    print(f"CPU copy: {bw / 1e9:.2f} GB/s (read + write), {nvfp4_cpu.threads()} threads", flush=True)
+    print(f"CPU copy: {bw / 1e9:.2f} GB/s (read + write), {THREADS} threads", flush=True)
     rows = []
 
     def add(kernel, label, nbytes, inputs, fn, ref, reps=9):
@@ -255,7 +256,7 @@ def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
     def mx(i, n, pk, window=True):
         p, sc = mx_inputs(n, pk, i, window)
         own = mxfp4_cast.k_max(sc)
-        return p, sc, own, torch.empty_like(p), torch.empty((n, pk // 8), dtype=torch.uint8)
+        return p, sc, own, torch.zeros_like(p), torch.zeros((n, pk // 8), dtype=torch.uint8)  # touched: no faults
 
     for label, n, pk in CAST_SHAPES[:3]:
         ins = rotation(lambda i, n=n, pk=pk: mx(i, n, pk), cast_bytes(n, pk))
@@ -263,17 +264,19 @@ def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
             lambda a: recipe_cpu.cast_into(lib, a[0], a[1], a[2], a[2], *a[3:], threads=THREADS),
             lambda a: mxfp4_cast.cast(a[0], a[1], a[2]))
         if n == 3072 and pk == 3584:
-            add("cast, whole call", label, cast_bytes(n, pk), ins, lambda a: recipe_cpu.cast(lib, *a[:3], a[2]), None)
+            add("cast, whole call", label, cast_bytes(n, pk), ins,
+                lambda a: recipe_cpu.cast(lib, *a[:3], a[2], threads=THREADS), None)
     ins = rotation(lambda i: mx(i, 3072, 3584, False), cast_bytes(3072, 3584))
     add("cast, exponents 0..255", CAST_SHAPES[0][0], cast_bytes(3072, 3584), ins,
         lambda a: recipe_cpu.cast_into(lib, a[0], a[1], a[2], a[2], *a[3:], threads=THREADS), None, reps=3)
     for label, n, k in FP8_SHAPES[:4]:
-        xs = rotation(lambda i, n=n, k=k: (bf16_input(n, k, i), torch.empty((n, k), dtype=torch.uint8),
-                                           torch.empty(fp8_block.scale_shape(n, k))), fp8_bytes(n, k))
+        xs = rotation(lambda i, n=n, k=k: (bf16_input(n, k, i), torch.zeros((n, k), dtype=torch.uint8),
+                                           torch.zeros(fp8_block.scale_shape(n, k))), fp8_bytes(n, k))
         add("fp8-block", label, fp8_bytes(n, k), xs, lambda a: recipe_cpu.fp8_into(lib, *a, threads=THREADS),
             lambda a: fp8_block.quantize(a[0]))
         if (n, k) == (7168, 7168):
-            add("fp8-block, whole call", label, fp8_bytes(n, k), xs, lambda a: recipe_cpu.fp8_quantize(lib, a[0]), None)
+            add("fp8-block, whole call", label, fp8_bytes(n, k), xs,
+                lambda a: recipe_cpu.fp8_quantize(lib, a[0], THREADS), None)
     for label, n, k in NVFP4_SHAPES[:1]:
         xs = rotation(lambda i, n=n, k=k: bf16_input(n, k, i), nvfp4_bytes(n, k))
 
@@ -296,7 +299,7 @@ def table(device: str, bw: float, rows: list[dict]) -> str:
                        f"| {r['kernel']} | {r['shape']} | {r['bytes'] / 1e6:.1f} | {r['floor_ms']:.4f} | n/a | n/a | "
                        f"{r['plain_ms']:.4f} | {r['plain_ms'] / r['floor_ms']:.2f}x | {r['note']} |")
         return "\n".join(out)
-    out = [f"Copy bandwidth {bw / 1e9:.2f} GB/s (read + write), {nvfp4_cpu.threads()} threads.", "",
+    out = [f"Copy bandwidth {bw / 1e9:.2f} GB/s (read + write), {THREADS} threads.", "",
            "| kernel | shape | MB moved | floor ms | C ms | / floor | torch code ms |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         tr = f"{r['torch_ms']:.1f}" if r["torch_ms"] else "n/a"

@@ -3,9 +3,9 @@
  * Hand-written because no library quantizes NVFP4 bit-exactly on the CPU at speed: ModelOpt's own
  * torch path moves 0.055 GB/s on 2 cores. Built at first use with the system C compiler
  * (kernels/nvfp4_cpu.py), with -ffp-contract=off so no multiply-add is fused: every operation is
- * one IEEE fp32 operation, as in the reference. Single-threaded on purpose: the caller splits rows
- * across Python threads (ctypes releases the GIL), because an OpenMP runtime of our own could spin
- * against torch's. Rows are independent, so no split can change a byte.
+ * one IEEE fp32 operation, as in the reference. The *_mt entry points split the work across the
+ * caller's `threads` in kc_pool.c (built into the same library, ahead of this file); rows are
+ * independent and an amax is a maximum, so no split can change a byte.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -81,11 +81,139 @@ static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packe
     for (int64_t i = 0; i < k / 2; i++) packed[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* quant_row of one row of k bf16 values with AVX2 intrinsics, a 16-block at a time (GCC leaves the byte packing
+ * and the block scales scalar and the codes in bytes: seen with perf). The same IEEE
+ * operations as quant_row: the block amax an integer max over |x|'s bits, the scale by e4m3_rne, each code from
+ * one correctly rounded division (vdivps) and ordered comparisons (NaN: code 7, as e2m1).
+ * `fast` (s2 in [2^-80, 2^80], every real checkpoint): no division a value but the GPU kernel's way
+ * (nvfp4_triton._fast_code, the same IEEE operations, fma included): q0 = RN(x 4/d), Markstein's correction
+ * q = RN(q0 + RN(x - q0 d/4) 4/d), E2M1 of q/4 by Veltkamp's split, the sign by one fma. Its codes equal the
+ * correctly rounded quotient's for every bf16 value and 1,052,478 divisors (benchmarks/gpu_division_check.py). */
+__attribute__((target("avx2,fma"))) static void quant_row_bf16_avx2(const uint16_t *x, int64_t k, float s2,
+                                                                    uint8_t *packed, uint8_t *scales, float *denom,
+                                                                    int fast) {
+    const __m256i seven = _mm256_set1_epi32(7);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)), zero = _mm256_setzero_ps();
+    const __m256 t50 = _mm256_set1_ps(5.0f), t35 = _mm256_set1_ps(3.5f), t25 = _mm256_set1_ps(2.5f);
+    const __m256 t175 = _mm256_set1_ps(1.75f), t125 = _mm256_set1_ps(1.25f), t075 = _mm256_set1_ps(0.75f);
+    const __m256 t025 = _mm256_set1_ps(0.25f);
+    const __m256i eight = _mm256_set1_epi32(8);
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const float six_s2 = 6.0f * s2;
+    uint32_t *amax = (uint32_t *)denom; /* the block amax bits, then in place their denominators */
+    for (int64_t b = 0; b < k / 16; b++) { /* the block scales first: no dependency on the codes */
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + 16 * b));
+        __m256i m16 = _mm256_and_si256(raw, _mm256_set1_epi16(0x7FFF));
+        __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
+        m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0x4E));
+        m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0xB1));
+        m8 = _mm_max_epu16(m8, _mm_srli_epi32(m8, 16));
+        amax[b] = ((uint32_t)_mm_cvtsi128_si32(m8) & 0xFFFFu) << 16;
+    }
+    int64_t b8 = 0;
+    const __m256 v_six_s2 = _mm256_set1_ps(six_s2), v_s2 = _mm256_set1_ps(s2), one = _mm256_set1_ps(1.0f);
+    const __m256 lo_clamp = _mm256_set1_ps(0.001953125f), hi_clamp = _mm256_set1_ps(448.0f);
+    const __m256 sub_min = _mm256_set1_ps(0.015625f), big = _mm256_set1_ps(8388608.0f);
+    for (; b8 + 8 <= k / 16; b8 += 8) { /* e4m3_rne of 8 clamped block scales, each `if` a masked blend */
+        __m256 sb = _mm256_div_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(amax + b8))), v_six_s2);
+        sb = _mm256_blendv_ps(sb, one, _mm256_cmp_ps(sb, zero, _CMP_EQ_OQ));
+        sb = _mm256_blendv_ps(sb, lo_clamp, _mm256_cmp_ps(sb, lo_clamp, _CMP_LT_OQ));
+        sb = _mm256_blendv_ps(sb, hi_clamp, _mm256_cmp_ps(sb, hi_clamp, _CMP_GT_OQ));
+        __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(sb), 23),
+                                                      _mm256_set1_epi32(0xFF)), _mm256_set1_epi32(127));
+        e = _mm256_max_epi32(e, _mm256_set1_epi32(-6));
+        __m256 q = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(124)), 23));
+        __m256 inv_q = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(130), e), 23));
+        __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(sb, inv_q), big), big);
+        __m256 val = _mm256_mul_ps(r, q);
+        __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(val), 20), _mm256_set1_epi32(960));
+        __m256i sub = _mm256_cvttps_epi32(r);
+        __m256i byte = _mm256_blendv_epi8(sub, normal, _mm256_castps_si256(_mm256_cmp_ps(val, sub_min, _CMP_GE_OQ)));
+        /* bytes 0-3 and 4-7 land in words 0 and 2 (packs work within 128-bit lanes) */
+        __m256i b16 = _mm256_packus_epi32(_mm256_and_si256(byte, _mm256_set1_epi32(0xFF)), _mm256_setzero_si256());
+        __m128i b8s = _mm_packus_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
+        uint32_t w0 = (uint32_t)_mm_cvtsi128_si32(b8s), w1 = (uint32_t)_mm_extract_epi32(b8s, 2);
+        memcpy(scales + b8, &w0, 4);
+        memcpy(scales + b8 + 4, &w1, 4);
+        _mm256_storeu_ps(denom + b8, _mm256_mul_ps(val, v_s2));
+    }
+    for (; b8 < k / 16; b8++) {
+        float sb = f32_of_bits(amax[b8]) / six_s2;
+        if (sb == 0.0f) sb = 1.0f;
+        if (sb < 0.001953125f) sb = 0.001953125f;
+        if (sb > 448.0f) sb = 448.0f;
+        denom[b8] = e4m3_rne(sb, scales + b8) * s2;
+    }
+    for (int64_t b = 0; b < k / 16; b++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + 16 * b));
+        __m256i i0 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16);
+        __m256i i1 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16);
+        const __m256 d = _mm256_set1_ps(denom[b]);
+        __m256i c[2];
+        if (fast) { /* nvfp4_triton._fast_code: one reciprocal a block, Markstein's correction (see above) */
+            const __m256 r4 = _mm256_set1_ps((1.0f / denom[b]) * 4.0f), d4 = _mm256_set1_ps(denom[b] * 0.25f);
+            const __m256 d_low = _mm256_set1_ps(denom[b] * 9.313225746154785e-10f);
+            for (int h = 0; h < 2; h++) {
+                const __m256 xv = _mm256_castsi256_ps(h ? i1 : i0);
+                __m256 q0 = _mm256_mul_ps(xv, r4);
+                __m256 q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q0, d4, xv), r4, q0);
+                __m256 y = _mm256_min_ps(_mm256_andnot_ps(sign, q), _mm256_set1_ps(24.0f));
+                __m256 g = _mm256_mul_ps(y, _mm256_set1_ps(4194305.0f));
+                __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(_mm256_add_ps(g, _mm256_sub_ps(y, g))), 22);
+                __m256i sub = _mm256_castps_si256(_mm256_add_ps(y, _mm256_set1_ps(16777216.0f)));
+                __m256 below = _mm256_cmp_ps(y, _mm256_set1_ps(4.0f), _CMP_LT_OQ);
+                __m256i mag = _mm256_and_si256(_mm256_blendv_epi8(hi, sub, _mm256_castps_si256(below)), seven);
+                __m256 sgn = _mm256_fmadd_ps(xv, _mm256_set1_ps(1.329227995784916e36f), d_low);
+                c[h] = _mm256_or_si256(mag, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(sgn, zero, _CMP_LT_OQ)),
+                                                             eight));
+            }
+        } else for (int h = 0; h < 2; h++) {
+            __m256 q = _mm256_div_ps(_mm256_castsi256_ps(h ? i1 : i0), d);
+            __m256 a = _mm256_andnot_ps(sign, q);
+            __m256i mag = seven; /* 7 minus one for each threshold a is at or below (a mask is -1) */
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t50, _CMP_LE_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t35, _CMP_LT_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t25, _CMP_LE_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t175, _CMP_LT_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t125, _CMP_LE_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t075, _CMP_LT_OQ)));
+            mag = _mm256_add_epi32(mag, _mm256_castps_si256(_mm256_cmp_ps(a, t025, _CMP_LE_OQ)));
+            __m256i neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(q, zero, _CMP_LT_OQ)), eight);
+            c[h] = _mm256_or_si256(mag, neg);
+        }
+        /* 16 codes in order as 16-bit lanes, then each 32-bit lane's pair (c[2j], c[2j+1]) into one byte */
+        __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(c[0], c[1]), 0xD8);
+        w = _mm256_or_si256(w, _mm256_srli_epi32(w, 12));
+        w = _mm256_shuffle_epi8(w, pick);
+        uint32_t lo = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(w));
+        uint32_t hi = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(w, 1));
+        memcpy(packed + 8 * b, &lo, 4);
+        memcpy(packed + 8 * b + 4, &hi, 4);
+    }
+}
+#define KC_HAVE_AVX2_ROW 1
+#endif
+
 #define CLONES __attribute__((target_clones("avx2", "default")))
 
 /* x: rows x k bf16 (as uint16); packed: rows x k/2; scales: rows x k/16 e4m3 bytes. */
 CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
     if (!(s2 > 0.0f)) s2 = 1.0f;
+#ifdef KC_HAVE_AVX2_ROW
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        /* one reciprocal a block where 1/d stays normal: s2 in [2^-80, 2^80], as nvfp4_triton */
+        const int fast = s2 >= 8.271806125530277e-25f && s2 <= 1.2089258196146292e24f;
+        float *denom = malloc(sizeof(float) * (size_t)(k / 16 + 1));
+        for (int64_t r = 0; r < rows; r++)
+            quant_row_bf16_avx2(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), denom, fast);
+        free(denom);
+        return;
+    }
+#endif
     float *v = malloc(sizeof(float) * (size_t)(k + k / 16) + (size_t)k);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t j = 0; j < k; j++) v[j] = f32_of_bits((uint32_t)x[r * k + j] << 16);
@@ -100,4 +228,76 @@ CLONES void kc_quant_f32(const float *x, int64_t rows, int64_t k, float s2, uint
     for (int64_t r = 0; r < rows; r++)
         quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d, (uint8_t *)(d + k / 16 + 1));
     free(d);
+}
+
+/* --- one ctypes call a kernel: the work split into tasks of kc_pool.c ---------------------------------- */
+
+#define KC_AMAX_CHUNK 4096 /* elements: an amax task's unit */
+
+typedef struct {
+    const void *x;
+    int64_t n, ntasks;
+    int f32;
+    uint32_t *parts;
+} kc_amax_job;
+
+static void kc_amax_task(void *ctx, int64_t t) {
+    kc_amax_job *j = ctx;
+    int64_t a, b;
+    kc_range((j->n + KC_AMAX_CHUNK - 1) / KC_AMAX_CHUNK, j->ntasks, t, &a, &b);
+    a *= KC_AMAX_CHUNK;
+    b = b * KC_AMAX_CHUNK < j->n ? b * KC_AMAX_CHUNK : j->n;
+    j->parts[t] = j->f32 ? kc_amax_f32((const uint32_t *)j->x + a, b - a)
+                         : kc_amax_bf16((const uint16_t *)j->x + a, b - a);
+}
+
+static uint32_t kc_amax_mt(const void *x, int64_t n, int f32, int32_t threads) {
+    const int64_t chunks = (n + KC_AMAX_CHUNK - 1) / KC_AMAX_CHUNK;
+    uint32_t parts[4 * 1024 + 1];
+    int64_t ntasks = kc_tasks(chunks, KC_AMAX_CHUNK, threads > 1024 ? 1024 : threads, KC_MIN_SPLIT);
+    if (!ntasks) return 0;
+    kc_amax_job j = {x, n, ntasks, f32, parts};
+    kc_parallel(kc_amax_task, &j, ntasks, threads);
+    uint32_t m = 0;
+    for (int64_t t = 0; t < ntasks; t++) m = parts[t] > m ? parts[t] : m;
+    return m;
+}
+
+/* amax of n values, as kc_amax_bf16 / kc_amax_f32, on `threads` threads. */
+uint32_t kc_amax_bf16_mt(const uint16_t *x, int64_t n, int32_t threads) { return kc_amax_mt(x, n, 0, threads); }
+uint32_t kc_amax_f32_mt(const uint32_t *x, int64_t n, int32_t threads) { return kc_amax_mt(x, n, 1, threads); }
+
+typedef struct {
+    const void *x;
+    int64_t rows, k, ntasks;
+    float s2;
+    int f32;
+    uint8_t *packed, *scales;
+} kc_quant_job;
+
+static void kc_quant_task(void *ctx, int64_t t) {
+    kc_quant_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    uint8_t *p = j->packed + a * (j->k / 2), *s = j->scales + a * (j->k / 16);
+    if (j->f32)
+        kc_quant_f32((const float *)j->x + a * j->k, b - a, j->k, j->s2, p, s);
+    else
+        kc_quant_bf16((const uint16_t *)j->x + a * j->k, b - a, j->k, j->s2, p, s);
+}
+
+static void kc_quant_mt(const void *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales, int f32,
+                        int32_t threads) {
+    kc_quant_job j = {x, rows, k, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2, f32, packed, scales};
+    kc_parallel(kc_quant_task, &j, j.ntasks, threads);
+}
+
+/* kc_quant_bf16 / kc_quant_f32 of rows x k on `threads` threads. */
+void kc_quant_bf16_mt(const uint16_t *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales,
+                      int32_t threads) {
+    kc_quant_mt(x, rows, k, s2, packed, scales, 0, threads);
+}
+void kc_quant_f32_mt(const float *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales,
+                     int32_t threads) {
+    kc_quant_mt(x, rows, k, s2, packed, scales, 1, threads);
 }

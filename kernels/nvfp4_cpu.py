@@ -1,5 +1,8 @@
 """The fast CPU path: ``nvfp4_cpu.c`` built at first use with the system C compiler, called via ctypes.
 
+Each library is ``kc_pool.c`` (a persistent pthread pool) followed by the kernel's file: one ctypes call runs a
+whole kernel on the caller's ``threads`` (the pool splits the rows), instead of one call a thread from a Python
+thread pool, whose dispatch cost tens of microseconds a call (``benchmarks/cpu_pool_probe.py``).
 The shared library is cached per source, flags and compiler (``$KIMI_CONVERT_CACHE`` or
 ``~/.cache/kimi-convert``), written under a temporary name and renamed, so concurrent first uses
 are safe. Without a compiler, :func:`load` returns None and the caller falls back to the torch
@@ -16,16 +19,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-#: Elements below which one thread does the whole tensor.
-MIN_SPLIT = 1 << 16
+FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 
 
 def _cache_dir() -> Path:
@@ -70,7 +70,9 @@ def open_library(stem: str, what: str) -> ctypes.CDLL | None:
 @cache
 def _open_library(stem: str, what: str) -> ctypes.CDLL | None:
     cc = _compiler()
-    src = resources.files("kimi_convert.kernels").joinpath(f"{stem}.c").read_bytes()
+    files = resources.files("kimi_convert.kernels")
+    src = b"".join(b'#line 1 "%s.c"\n' % name.encode() + files.joinpath(f"{name}.c").read_bytes()
+                   for name in ("kc_pool", stem))
     try:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or clang) on PATH")
@@ -88,23 +90,21 @@ def load() -> ctypes.CDLL | None:
     lib = open_library("nvfp4_cpu", "fast CPU kernel")
     if lib is None:
         return None
-    i64, f32, p = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    lib.kc_amax_bf16.argtypes = lib.kc_amax_f32.argtypes = [p, i64]
-    lib.kc_amax_bf16.restype = lib.kc_amax_f32.restype = ctypes.c_uint32
-    lib.kc_quant_bf16.argtypes = lib.kc_quant_f32.argtypes = [p, i64, i64, f32, p, p]
+    i32, i64, f32, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.kc_amax_bf16_mt.argtypes = lib.kc_amax_f32_mt.argtypes = [p, i64, i32]
+    lib.kc_amax_bf16_mt.restype = lib.kc_amax_f32_mt.restype = ctypes.c_uint32
+    lib.kc_quant_bf16_mt.argtypes = lib.kc_quant_f32_mt.argtypes = [p, i64, i64, f32, p, p, i32]
+    set_pool_types(lib)
     return lib
 
 
-@cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kimi-convert-cpu")
-
-
-def _split(rows: int, k: int, threads: int) -> list[tuple[int, int]]:
-    """Row ranges, one a thread (ctypes releases the GIL while the C code runs)."""
-    n = 1 if rows * k < MIN_SPLIT else max(1, min(threads, rows))
-    step = -(-rows // n)
-    return [(i, min(rows, i + step)) for i in range(0, rows, step)]
+def set_pool_types(lib: ctypes.CDLL) -> None:
+    """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
+    count (tests)."""
+    lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    lib.kc_pool_nop.restype = None
+    lib.kc_pool_workers.argtypes = []
+    lib.kc_pool_workers.restype = ctypes.c_int32
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +115,8 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
 
 def amax(lib: ctypes.CDLL, x: torch.Tensor, threads: int) -> torch.Tensor:
     x = _prepare(x).reshape(-1)
-    fn = lib.kc_amax_bf16 if x.dtype == torch.bfloat16 else lib.kc_amax_f32
-    size = x.element_size()
-    parts = _split(x.numel(), 1, threads) if x.numel() else []
-    bits = max(_pool(threads).map(lambda r: fn(x.data_ptr() + r[0] * size, r[1] - r[0]), parts), default=0)
+    fn = lib.kc_amax_bf16_mt if x.dtype == torch.bfloat16 else lib.kc_amax_f32_mt
+    bits = fn(x.data_ptr(), x.numel(), threads)
     return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(())
 
 
@@ -128,14 +126,8 @@ def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int) 
     m = x2.shape[0]
     packed = torch.empty((m, k // 2), dtype=torch.uint8)
     scales = torch.empty((m, k // 16), dtype=torch.uint8)
-    fn = lib.kc_quant_bf16 if x2.dtype == torch.bfloat16 else lib.kc_quant_f32
-    size, s2f = x2.element_size(), float(s2)
-
-    def run(r: tuple[int, int]) -> None:
-        a, b = r
-        fn(x2.data_ptr() + a * k * size, b - a, k, s2f, packed.data_ptr() + a * (k // 2),
-           scales.data_ptr() + a * (k // 16))
+    fn = lib.kc_quant_bf16_mt if x2.dtype == torch.bfloat16 else lib.kc_quant_f32_mt
     if m:
-        list(_pool(threads).map(run, _split(m, k, threads)))
+        fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr(), threads)
     lead = x.shape[:-1]
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)

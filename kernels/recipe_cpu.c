@@ -2,13 +2,43 @@
  * quantizer, bit-identical to kernels/mxfp4_cast.py and kernels/fp8_block.py (torch 2.13's rounding).
  *
  * Built and called like nvfp4_cpu.c (kernels/recipe_cpu.py): system C compiler at first use,
- * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's), single-threaded, the
- * caller splits rows (the cast) or 128-row bands (block FP8) across Python threads.
+ * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's); the *_mt entry points split
+ * rows (the cast) or bands' tile runs (block FP8) across the caller's threads in kc_pool.c, which is
+ * built into the same library ahead of this file.
  */
 #include <stdint.h>
 #include <string.h>
 
 #define CLONES __attribute__((target_clones("avx2", "default")))
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define KC_STREAM 1
+#endif
+
+/* n bytes from src to dst, with non-temporal stores where `stream` is set, dst is 16-byte aligned and n a
+ * multiple of 16 (else memcpy). Why: a plain store first reads its line (read for ownership), so an output as
+ * large as the input (the cast) costs 1.5x the bytes of the memory floor, which is measured with a copy. The caller
+ * ends its task with kc_stream_fence. */
+static inline __attribute__((always_inline)) void kc_store(uint8_t *restrict dst, const uint8_t *restrict src,
+                                                            int64_t n, int stream) {
+#ifdef KC_STREAM
+    if (stream && !((uintptr_t)dst & 15) && !(n & 15)) {
+        for (int64_t i = 0; i < n; i += 16)
+            _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)n);
+}
+
+static inline void kc_stream_fence(int stream) {
+#ifdef KC_STREAM
+    if (stream) _mm_sfence();
+#else
+    (void)stream;
+#endif
+}
 
 static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -114,7 +144,7 @@ static inline uint8_t cast_block(const uint8_t *src, int e, int own, int m, floa
  * window: their scale is a power of two, 2^(k - m)) and gives that scale's byte; runs of such blocks are a
  * masked copy of 8-byte words; any other block is computed as the torch code computes it (cast_block). */
 CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t kb, int32_t own,
-                      int32_t shared, uint8_t *out, uint8_t *sb_out) {
+                             int32_t shared, uint8_t *out, uint8_t *sb_out, int stream) {
     const int m = shared - 8;
     const float s2 = pow2f(m);
     uint8_t fast[256], fast_sb[256], lossless_of[256];
@@ -135,13 +165,13 @@ CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_
             lossless += lossless_of[sc[i]];
             sbo[2 * i] = sbo[2 * i + 1] = fast_sb[sc[i]];
         }
-        if (all_fast) {
-            const int64_t words = 2 * kb;
-            for (int64_t j = 0; j < words; j++) {
-                uint64_t w;
-                memcpy(&w, src + 8 * j, 8);
-                w = clear_negative_zeros(w);
-                memcpy(dst + 8 * j, &w, 8);
+        if (all_fast) { /* through a buffer in L1, 256 bytes at a time, so that the stores can stream */
+            uint64_t buf[32];
+            for (int64_t c0 = 0; c0 < 16 * kb; c0 += 256) {
+                const int64_t nb = 16 * kb - c0 < 256 ? 16 * kb - c0 : 256;
+                memcpy(buf, src + c0, (size_t)nb);
+                for (int64_t j = 0; j < nb / 8; j++) buf[j] = clear_negative_zeros(buf[j]);
+                kc_store(dst + c0, (const uint8_t *)buf, nb, stream);
             }
             continue;
         }
@@ -157,6 +187,7 @@ CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_
             }
         }
     }
+    kc_stream_fence(stream);
     return lossless;
 }
 
@@ -196,60 +227,175 @@ static inline uint32_t e4m3_scaled(float qs) {
  * of two bf16 values is never within 2^-17 of a bf16 rounding boundary unless it is on the grid, and the product
  * is within 2^-23 of it; a tile's quotients stay below 450 (its scale is its amax / 448 rounded to bf16, normal).
  * Below, a true division and torch's saturating rounding (a subnormal scale lets quotients pass 448).
- * Codes go through 32-bit lanes, then are narrowed to bytes in a loop of their own (vectorizes twice as fast). */
-static inline void fp8_segment(const uint16_t *restrict x, int64_t n, float s, uint8_t *restrict q) {
+ * Codes go through 32-bit lanes, then are narrowed to bytes in a loop of their own (vectorizes twice as fast).
+ * Always inlined: as a call it ran its default (SSE2) build from the AVX2 clone of the caller (seen with perf). */
+static inline __attribute__((always_inline)) void fp8_segment(const uint16_t *restrict x, int64_t n, float s,
+                                                              uint8_t *restrict q, int stream) {
     if (s < 7.888609052210118e-31f) {
         for (int64_t j = 0; j < n; j++) q[j] = e4m3_of_bf16(f32_of_bits((uint32_t)x[j] << 16) / s);
         return;
     }
     const float r = 256.0f * (1.0f / s);
     uint32_t lanes[128];
+    uint8_t bytes[128];
     for (int64_t j = 0; j < n; j++) lanes[j] = e4m3_scaled(f32_of_bits((uint32_t)x[j] << 16) * r);
-    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)lanes[j];
+    for (int64_t j = 0; j < n; j++) bytes[j] = (uint8_t)lanes[j];
+    kc_store(q, bytes, n, stream);
 }
 
-/* 128x128 block FP8 of bf16 x [n, k], the 128-row bands [band0, band1): e4m3 bytes q [n, k] and fp32 scales
- * [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if a tile
- * of these bands holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
- * A band row by row (streaming): the amax of each of its tiles, then its codes (the band is then in cache). */
-CLONES int32_t kc_fp8_block_bf16(const uint16_t *x, int64_t n, int64_t k, int64_t band0, int64_t band1, uint8_t *q,
-                                 float *scales) {
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* e4m3_scaled of 8 lanes (the same IEEE operations, in the same order) from 8 bf16 values and r = 2^8 / s. */
+__attribute__((target("avx2"))) static inline __m256i e4m3_scaled8(__m128i bf16, __m256 r) {
+    __m256 qs = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)), r);
+    __m256i t = _mm256_add_epi32(_mm256_castps_si256(qs), _mm256_set1_epi32(0x8000));
+    __m256 y = _mm256_castsi256_ps(_mm256_and_si256(t, _mm256_set1_epi32(0x7FFF0000)));
+    __m256 g = _mm256_mul_ps(y, _mm256_set1_ps(1048577.0f));
+    __m256 hi = _mm256_add_ps(g, _mm256_sub_ps(y, g));
+    __m256i normal = _mm256_srli_epi32(_mm256_castps_si256(hi), 20);
+    __m256i sub = _mm256_castps_si256(_mm256_add_ps(y, _mm256_set1_ps(4194304.0f)));
+    __m256 below = _mm256_cmp_ps(y, _mm256_set1_ps(4.0f), _CMP_LT_OQ);
+    __m256i mag = _mm256_and_si256(_mm256_blendv_epi8(normal, sub, _mm256_castps_si256(below)),
+                                   _mm256_set1_epi32(0x7F));
+    return _mm256_or_si256(mag, _mm256_and_si256(_mm256_srli_epi32(t, 24), _mm256_set1_epi32(0x80)));
+}
+
+/* fp8_segment of a whole 128-value tile row with s >= 2^-100, in AVX2 intrinsics: 32 codes a step narrowed to
+ * bytes in registers and stored at once (GCC's version goes through two buffers on the stack). */
+__attribute__((target("avx2"))) static void fp8_row128_avx2(const uint16_t *restrict x, float s,
+                                                             uint8_t *restrict q, int stream) {
+    const __m256 r = _mm256_set1_ps(256.0f * (1.0f / s));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int aligned = stream && !((uintptr_t)q & 31);
+    for (int j = 0; j < 128; j += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(x + j)), b = _mm256_loadu_si256((const __m256i *)(x + j + 16));
+        __m256i c0 = e4m3_scaled8(_mm256_castsi256_si128(a), r), c1 = e4m3_scaled8(_mm256_extracti128_si256(a, 1), r);
+        __m256i c2 = e4m3_scaled8(_mm256_castsi256_si128(b), r), c3 = e4m3_scaled8(_mm256_extracti128_si256(b, 1), r);
+        __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+        w = _mm256_permutevar8x32_epi32(w, order);
+        if (aligned)
+            _mm256_stream_si256((__m256i *)(q + j), w);
+        else
+            _mm256_storeu_si256((__m256i *)(q + j), w);
+    }
+}
+#define KC_HAVE_FP8_AVX2 1
+#endif
+
+/* 128x128 block FP8 of bf16 x [n, k], tiles [t0, t1) of the 128-row band `band`: e4m3 bytes q [n, k] and fp32
+ * scales [ceil(n/128), ceil(k/128)] (the tile's amax / 448 rounded to bf16, as fp8_block.quantize). Returns 1 if
+ * one of these tiles holds a NaN or an Inf (its output is then not torch's: the caller uses torch), else 0.
+ * Row by row (streaming): the amax of each tile, then its codes (the tiles are then in cache). */
+CLONES int32_t kc_fp8_tiles(const uint16_t *x, int64_t n, int64_t k, int64_t band, int64_t t0, int64_t t1,
+                                   uint8_t *q, float *scales, int stream) {
     const int64_t tk = (k + 127) / 128;
-    uint16_t amax[tk > 0 ? tk : 1];
+    uint16_t amax[t1 - t0 > 0 ? t1 - t0 : 1];
     int32_t bad = 0;
-    for (int64_t band = band0; band < band1; band++) {
-        const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
-        float *sc = scales + band * tk;
-        memset(amax, 0, sizeof(uint16_t) * (size_t)tk);
-        for (int64_t r = r0; r < r1; r++) {
-            for (int64_t t = 0; t < tk; t++) {
-                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
-                const uint16_t *seg = x + r * k + c0;
-                uint16_t m = amax[t];
-                for (int64_t c = 0; c < w; c++) {
-                    uint16_t a = seg[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
-                    m = a > m ? a : m;
-                }
-                amax[t] = m;
+    const int64_t r0 = band * 128, r1 = r0 + 128 < n ? r0 + 128 : n;
+    float *sc = scales + band * tk;
+#ifdef KC_HAVE_FP8_AVX2
+    const int avx2 = __builtin_cpu_supports("avx2");
+#endif
+    memset(amax, 0, sizeof(uint16_t) * (size_t)(t1 - t0));
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+            const uint16_t *seg = x + r * k + c0;
+            uint16_t m = amax[t - t0];
+            for (int64_t c = 0; c < w; c++) {
+                uint16_t a = seg[c] & 0x7FFF; /* |x| orders like its bits, NaN above inf */
+                m = a > m ? a : m;
             }
-        }
-        for (int64_t t = 0; t < tk; t++) {
-            if (amax[t] >= 0x7F80) {
-                bad = 1;
-                sc[t] = 0.0f;
-            } else { /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
-                sc[t] = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t] << 16) / 448.0f)));
-            }
-        }
-        for (int64_t r = r0; r < r1; r++) {
-            for (int64_t t = 0; t < tk; t++) {
-                const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
-                if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
-                    memset(q + r * k + c0, 0, (size_t)w);
-                else
-                    fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0);
-            }
+            amax[t - t0] = m;
         }
     }
+    for (int64_t t = t0; t < t1; t++) {
+        if (amax[t - t0] >= 0x7F80) {
+            bad = 1;
+            sc[t] = 0.0f;
+        } else { /* bf16 amax / 448 in fp32, rounded to bf16: exactly torch's bf16 division by a scalar */
+            sc[t] = f32_of_bits(bf16_round(bits_of_f32(f32_of_bits((uint32_t)amax[t - t0] << 16) / 448.0f)));
+        }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t c0 = t * 128, w = (t + 1) * 128 < k ? 128 : k - c0;
+            if (sc[t] == 0.0f) /* an all-zero tile: codes 0, as the torch code */
+                memset(q + r * k + c0, 0, (size_t)w);
+#ifdef KC_HAVE_FP8_AVX2
+            else if (avx2 && w == 128 && sc[t] >= 7.888609052210118e-31f)
+                fp8_row128_avx2(x + r * k + c0, sc[t], q + r * k + c0, stream);
+#endif
+            else
+                fp8_segment(x + r * k + c0, w, sc[t], q + r * k + c0, stream);
+        }
+    }
+    kc_stream_fence(stream);
     return bad;
+}
+
+/* --- one ctypes call a kernel: the work split into tasks of kc_pool.c ---------------------------------- */
+
+typedef struct {
+    const uint8_t *packed, *scale;
+    int64_t rows, kb, ntasks;
+    int32_t own, shared, stream;
+    uint8_t *out, *sb_out;
+    int64_t lossless;
+} kc_cast_job;
+
+static void kc_cast_task(void *ctx, int64_t t) {
+    kc_cast_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    int64_t n = kc_cast_mxfp4(j->packed + a * 16 * j->kb, j->scale + a * j->kb, b - a, j->kb, j->own, j->shared,
+                              j->out + a * 16 * j->kb, j->sb_out + a * 2 * j->kb, j->stream);
+    __atomic_fetch_add(&j->lossless, n, __ATOMIC_RELAXED);
+}
+
+/* kc_cast_mxfp4 of all `rows` on `threads` threads (the lossless count is a sum of integers: any split);
+ * `stream`: codes stored non-temporally (large outputs). */
+int64_t kc_cast_mxfp4_mt(const uint8_t *packed, const uint8_t *scale, int64_t rows, int64_t kb, int32_t own,
+                         int32_t shared, uint8_t *out, uint8_t *sb_out, int32_t threads, int32_t stream) {
+    kc_cast_job j = {packed, scale, rows, kb, kc_tasks(rows, 32 * kb, threads, KC_MIN_SPLIT), own, shared, stream,
+                     out, sb_out, 0};
+    kc_parallel(kc_cast_task, &j, j.ntasks, threads);
+    return j.lossless;
+}
+
+typedef struct {
+    const uint16_t *x;
+    int64_t n, k, groups;
+    uint8_t *q;
+    float *scales;
+    int32_t bad, stream;
+} kc_fp8_job;
+
+static void kc_fp8_task(void *ctx, int64_t t) {
+    kc_fp8_job *j = ctx;
+    const int64_t tk = (j->k + 127) / 128, band = t / j->groups, g = t % j->groups;
+    int64_t t0, t1;
+    kc_range(tk, j->groups, g, &t0, &t1);
+    if (kc_fp8_tiles(j->x, j->n, j->k, band, t0, t1, j->q, j->scales, j->stream))
+        __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+}
+
+/* 128x128 block FP8 of bf16 x [n, k] (kc_fp8_tiles) on `threads` threads; a task is one band's group of tiles, the
+ * band cut in `groups` so that there are about 8 tasks a thread (56 bands on 16 threads would leave 8 threads
+ * a band short), each a run of at least 4 tiles (1 KB of a row). Returns 1 if a tile holds NaN or Inf.
+ * `stream`: codes stored non-temporally (large outputs). */
+int32_t kc_fp8_block_bf16_mt(const uint16_t *x, int64_t n, int64_t k, uint8_t *q, float *scales, int32_t threads,
+                             int32_t stream) {
+    const int64_t bands = (n + 127) / 128, tk = (k + 127) / 128;
+    if (!bands || !tk) return 0;
+    if (threads <= 1 || n * k < KC_MIN_SPLIT) {
+        int32_t bad = 0;
+        for (int64_t band = 0; band < bands; band++) bad |= kc_fp8_tiles(x, n, k, band, 0, tk, q, scales, stream);
+        return bad;
+    }
+    int64_t groups = (8 * (int64_t)threads + bands - 1) / bands, most = tk / 4 > 1 ? tk / 4 : 1;
+    kc_fp8_job j = {x, n, k, groups < most ? groups : most, q, scales, 0, stream};
+    kc_parallel(kc_fp8_task, &j, bands * j.groups, threads);
+    return j.bad;
 }

@@ -1,5 +1,5 @@
 """NVIDIA's K3 recipe on the CPU: ``recipe_cpu.c`` (the MXFP4 -> NVFP4 cast, 128x128 block FP8), built at first
-use and called like ``nvfp4_cpu`` (same compiler, flags, cache and thread pool).
+use and called like ``nvfp4_cpu`` (same compiler, flags, cache, and a thread pool of the C library's own).
 
 Bit-identical to :mod:`.mxfp4_cast` and :mod:`.fp8_block` (the tests hold them to it). Where the C code has no
 answer of its own (a block-FP8 weight that is not 2-D bf16, or holds a NaN or an Inf, whose torch bytes depend
@@ -14,7 +14,11 @@ from functools import cache
 import torch
 
 from . import fp8_block, mxfp4_cast
-from .nvfp4_cpu import _pool, _split, open_library
+from .nvfp4_cpu import open_library, set_pool_types
+
+#: Output bytes from which the codes are stored non-temporally (no read for ownership of lines that will not be
+#: read before they leave the cache; below, a weight's codes may still be in cache when the writer copies them).
+STREAM_MIN_BYTES = 8 << 20
 
 
 @cache
@@ -24,10 +28,11 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    lib.kc_cast_mxfp4.argtypes = [p, p, i64, i64, i32, i32, p, p]
-    lib.kc_cast_mxfp4.restype = i64
-    lib.kc_fp8_block_bf16.argtypes = [p, i64, i64, i64, i64, p, p]
-    lib.kc_fp8_block_bf16.restype = i32
+    lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32, i32]
+    lib.kc_cast_mxfp4_mt.restype = i64
+    lib.kc_fp8_block_bf16_mt.argtypes = [p, i64, i64, p, p, i32, i32]
+    lib.kc_fp8_block_bf16_mt.restype = i32
+    set_pool_types(lib)
     return lib
 
 
@@ -54,12 +59,8 @@ def cast_into(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, share
     """The kernel alone on contiguous 2-D operands (benchmarks): writes ``out`` and ``sb``, returns the lossless
     count."""
     rows, kb = scale.shape
-
-    def run(r: tuple[int, int]) -> int:
-        a, b = r
-        return lib.kc_cast_mxfp4(packed.data_ptr() + a * 16 * kb, scale.data_ptr() + a * kb, b - a, kb, own, shared,
-                                 out.data_ptr() + a * 16 * kb, sb.data_ptr() + a * 2 * kb)
-    return sum(_pool(threads).map(run, _split(rows, 32 * kb, threads))) if rows and kb else 0
+    return lib.kc_cast_mxfp4_mt(packed.data_ptr(), scale.data_ptr(), rows, kb, own, shared, out.data_ptr(),
+                                sb.data_ptr(), threads, out.numel() >= STREAM_MIN_BYTES) if rows and kb else 0
 
 
 def fp8_quantize(lib: ctypes.CDLL, w: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +80,5 @@ def fp8_into(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.T
     """The kernel alone (benchmarks): bf16 x [n, k] contiguous into uint8 q and fp32 scales; False where a tile
     holds NaN or Inf."""
     n, k = x.shape
-    bands = -(-n // fp8_block.BLOCK)
-
-    def run(r: tuple[int, int]) -> int:
-        return lib.kc_fp8_block_bf16(x.data_ptr(), n, k, r[0], r[1], q.data_ptr(), scales.data_ptr())
-    return not any(list(_pool(threads).map(run, _split(bands, 128 * k, threads))))
+    return not lib.kc_fp8_block_bf16_mt(x.data_ptr(), n, k, q.data_ptr(), scales.data_ptr(), threads,
+                                        q.numel() >= STREAM_MIN_BYTES)
