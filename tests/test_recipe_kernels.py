@@ -261,6 +261,21 @@ def test_c_pool_serves_concurrent_callers():
         assert all(ex.map(work, range(4)))
 
 
+def test_c_pool_callers_share_its_workers():
+    """Streams told the worker's CPUs each, calling at once, share one set of workers: a fresh process's pool never
+    grows past the largest call's threads - 1 (4 callers of 4 threads grew it to 12 before, on 4 CPUs' worth)."""
+    import subprocess
+    import sys
+    code = ("import threading,torch; from kimi_convert.kernels import recipe_cpu as R; L=R.load(); "
+            "w=torch.randn(1024,1024).to(torch.bfloat16); b=threading.Barrier(4)\n"
+            "def go():\n b.wait()\n for _ in range(40): R.fp8_quantize(L,w,4)\n"
+            "ts=[threading.Thread(target=go) for _ in range(4)]; [t.start() for t in ts]; [t.join() for t in ts]; "
+            "print(L.kc_pool_workers())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == 3
+
+
 def test_c_pool_survives_fork_and_exit():
     """A child forked after the pool's workers started runs the kernels on a pool of its own (it never waits for
     the parent's threads, which it does not have), and the interpreter exits with workers asleep (no hang)."""
