@@ -7,15 +7,8 @@ set -u
 OUT=${OUT:-benchmarks/results/h200-memory}
 W=${WORK:-/tmp/kc-speed}
 mkdir -p "$OUT"
-evict() { python3 - "$1" <<'PY'
-import os, sys
-from pathlib import Path
-os.sync()
-for p in Path(sys.argv[1]).rglob("*"):
-    if p.is_file():
-        fd = os.open(p, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
-PY
-}
+# compare_speed.evict: written back, then each input file's pages dropped (any user)
+evict() { python3 -c 'import sys; from pathlib import Path; sys.path.insert(0, "benchmarks"); from compare_speed import evict; evict(Path(sys.argv[1]))' "$1"; }
 for r in $(seq ${REPEAT:-2}); do
 for v in "pack-sets-1MB" "glibc-default KIMI_CONVERT_MMAP_THRESHOLD=0" "thp THP_MEM_ALLOC_ENABLE=1"; do
   name=${v%% *}; envs=${v#"$name"}

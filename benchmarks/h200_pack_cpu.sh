@@ -10,14 +10,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 python3 -m kimi_convert.cli synth bench-k3-shards "$W/in" --overwrite --jobs 8 > "$OUT/synth.log" 2>&1
 sleep 10
 for d in ${DEVICES:-cpu auto}; do
-  python3 -c "
-import os, sys
-from pathlib import Path
-os.sync()
-for p in Path(sys.argv[1]).rglob('*'):
-    if p.is_file():
-        fd = os.open(p, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
-" "$W/in"
+  python3 -c 'import sys; from pathlib import Path; sys.path.insert(0, "benchmarks"); from compare_speed import evict; evict(Path(sys.argv[1]))' "$W/in"  # compare_speed.evict
   /usr/bin/time -f "pack --device $d: wall %e s, user %U s, sys %S s, peak RSS %M KB" python3 -m kimi_convert.cli pack \
       "$W/in" "$W/out" -q --overwrite --recipe nvidia-k3 --device "$d" --stats "$OUT/stats-$d.json" 2>&1 | tail -1 \
       | tee -a "$OUT/pack.log"

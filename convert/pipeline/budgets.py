@@ -35,15 +35,21 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
 
 
+def _env_bytes(name: str, default: int) -> int:
+    """A byte count the benchmarks may set in the environment (digits only; anything else: ``default``)."""
+    forced = os.environ.get(name, "")
+    return int(forced) if forced.isdigit() else default
+
+
 def return_freed_memory() -> bool:
     """Have glibc give a freed tensor's memory back to the system at once (allocations of 1 MB and more
     mapped on their own). Left to itself glibc raises that threshold to the largest block freed (up to
     32 MB): a converter's tensors (an expert's 11 MB) then come from per-thread heaps that keep what is
-    freed, and the process grows with its threads (pack on 2 cores: 676 -> 534 MB peak RSS, same CPU
-    seconds; benchmarks/RESULTS.md, session 6). False where the C library has no mallopt (not glibc), or
+    freed, and the process grows with its threads (peak RSS of pack: 676 -> 532 MB on 2 cores, 1.57 ->
+    1.15 GB on 16; the price is page faults, 4-6 s more system CPU on 4.8 GB, with a wall time no worse;
+    benchmarks/RESULTS.md, session 6). False where the C library has no mallopt (not glibc), or
     ``KIMI_CONVERT_MMAP_THRESHOLD`` (bytes, for the benchmarks) is 0: glibc left alone."""
-    forced = os.environ.get("KIMI_CONVERT_MMAP_THRESHOLD", "")
-    threshold = int(forced) if forced.isdigit() else MMAP_THRESHOLD
+    threshold = _env_bytes("KIMI_CONVERT_MMAP_THRESHOLD", MMAP_THRESHOLD)
     if not threshold:
         return False
     try:
@@ -55,10 +61,7 @@ def return_freed_memory() -> bool:
 def in_flight_floor(threads: int) -> int:
     """The smallest in-flight budget of a worker with ``threads`` CPUs; ``KIMI_CONVERT_IN_FLIGHT`` (bytes)
     replaces it, for the memory benchmarks (two of the largest pieces still fit whatever it says)."""
-    forced = os.environ.get("KIMI_CONVERT_IN_FLIGHT", "")
-    if forced.isdigit():
-        return int(forced)
-    return min(MIN_IN_FLIGHT, IN_FLIGHT_PER_CPU * max(1, threads))
+    return _env_bytes("KIMI_CONVERT_IN_FLIGHT", min(MIN_IN_FLIGHT, IN_FLIGHT_PER_CPU * max(1, threads)))
 
 
 class ByteBudget:
