@@ -51,7 +51,7 @@ def quant_bf16(w, amax, packed, scales, bm, bb, warps, exact):
     n, k = w.shape
     grid = (triton.cdiv(n, bm), triton.cdiv(k // 16, bb))
     T._quant_bf16_kernel[grid](w.view(torch.int32), amax, packed, scales, n, k, BLOCK_M=bm, BLOCK_B=bb,
-                               EXACT_DIV=exact, num_warps=warps, enable_fp_fusion=False)
+                               EXACT_DIV=exact, ORDER=0, num_warps=warps, enable_fp_fusion=False)
 
 
 TILES = ((16, 16, 4), (32, 16, 4), (32, 16, 8), (64, 8, 4), (16, 32, 4), (8, 32, 2), (64, 16, 8), (32, 32, 8))

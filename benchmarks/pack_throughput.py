@@ -57,6 +57,53 @@ def files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file())
 
 
+def disk_floor_overlapped(src: Path, out_bytes: int, scratch: Path, drop: bool, readers: int = 4,
+                          files_out: int = 4) -> dict:
+    """The disk's bound when reading and writing overlap, as a pipeline can: the input read by ``readers``
+    threads (pread, which drops the GIL), the output's bytes written into ``files_out`` files and fsync'd by as
+    many threads, all at once; and each side alone with the same threads. disk_floor's sum assumes the two cannot
+    overlap; whether they can is the disk's (and its driver's) to say."""
+    import concurrent.futures as cf
+
+    srcs = files(src)
+    block = b"\0" * CHUNK
+
+    def read_one(p: Path) -> None:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            off = 0
+            while n := len(os.pread(fd, CHUNK, off)):
+                off += n
+        finally:
+            os.close(fd)
+
+    def write_one(i: int) -> None:
+        path = scratch.with_name(f"{scratch.name}.{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left, off = out_bytes // files_out + (i < out_bytes % files_out), 0
+            while left > 0:
+                n = os.pwrite(fd, block[: min(CHUNK, left)], off)
+                left, off = left - n, off + n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+    def timed(read: bool, write: bool) -> float:
+        drop_caches(drop)
+        t = time.perf_counter()
+        with cf.ThreadPoolExecutor(readers) as rx, cf.ThreadPoolExecutor(files_out) as wx:
+            jobs = ([wx.submit(write_one, i) for i in range(files_out)] if write else []) + \
+                   ([rx.submit(read_one, p) for p in srcs] if read else [])
+            for j in jobs:
+                j.result()
+        return time.perf_counter() - t
+
+    return {"readers": readers, "writers": files_out, "read_s": timed(True, False), "write_s": timed(False, True),
+            "both_s": timed(True, True)}
+
+
 def disk_floor(src: Path, out_bytes: int, scratch: Path, drop: bool) -> tuple[float, float]:
     drop_caches(drop)
     t = time.perf_counter()

@@ -98,7 +98,7 @@ def time_gpu(fns: list, graph: bool = True) -> tuple[float | None, float]:
     return graph_ms, tt.do_bench(one, warmup=20, rep=100, return_mode="median")
 
 
-def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
+def gpu_rows(variants: bool, kernels: set[str], orders: bool) -> tuple[float, list[dict]]:
     bw = copy_bandwidth_gpu()
     print(f"device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
@@ -116,12 +116,12 @@ def gpu_rows(variants: bool) -> tuple[float, list[dict]]:
         print(f"{kernel:28s} {label:28s} floor {floor:.4f} ms | graph {g} | do_bench {plain:.4f} ms = "
               f"{plain / floor:.2f}x {note}", flush=True)
 
-    for label, n, pk in CAST_SHAPES:
+    for label, n, pk in CAST_SHAPES if "cast" in kernels else ():
         cast_gpu(add, label, n, pk, variants)
-    for label, n, k in FP8_SHAPES:
+    for label, n, k in FP8_SHAPES if "fp8" in kernels else ():
         fp8_gpu(add, label, n, k, variants)
-    for label, n, k in NVFP4_SHAPES:
-        nvfp4_gpu(add, label, n, k, variants)
+    for label, n, k in NVFP4_SHAPES if "nvfp4" in kernels else ():
+        nvfp4_gpu(add, label, n, k, variants, orders)
     return bw, rows
 
 
@@ -185,10 +185,11 @@ def fp8_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
             "finite check read back", capture=False)
 
 
-def nvfp4_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
+def nvfp4_gpu(add, label: str, n: int, k: int, variants: bool, orders: bool = False) -> None:
     """NVFP4 (a zeroed cell, the amax kernel: one atomic a program, quantize) at its default and, with
     ``variants``, session 5's form (one atomic a chunk of 8192 pairs, quantize tile 16x16x4), other tiles, and each
-    pass alone."""
+    pass alone; with ``orders``, the quantize kernel's tile orders (nvfp4_triton._quant_bf16_kernel's ORDER) and
+    tiles in the reverse order."""
     from kimi_convert.kernels import nvfp4_triton
 
     xs = [bf16_input(n, k, i, "cuda") for i in range(8)]
@@ -202,6 +203,9 @@ def nvfp4_gpu(add, label: str, n: int, k: int, variants: bool) -> None:
         nvfp4_triton._launch_quant(x, cell, packed, scales, n, k, qtile)
 
     add("nvfp4 (zero + amax + quantize)", label, nvfp4_bytes(n, k), [partial(run, x) for x in xs])
+    for qt in ((4, 16, 1, 0), (4, 16, 1, 1), (4, 16, 1, 2), (8, 16, 1, 2), (4, 32, 1, 2), (2, 32, 1, 2),
+               (4, 16, 2, 2), (8, 32, 2, 2)) if orders else ():
+        add(f"nvfp4 quantize tile {qt}", label, nvfp4_bytes(n, k), [partial(run, x, qt) for x in xs])
     if not variants:
         return
     add("nvfp4, session 5 (amax: an atomic a chunk; quantize 16x16x4)", label, nvfp4_bytes(n, k),
@@ -232,11 +236,13 @@ def rotation(make, nbytes: int) -> list:
     return [make(i) for i in range(max(2, min(16, -(-(256 << 20) // nbytes))))]
 
 
-def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
+def cpu_rows(torch_reps: int, kernels: set[str]) -> tuple[float, list[dict]]:
     lib, nlib = recipe_cpu.load(), nvfp4_cpu.load()
     torch.set_num_threads(THREADS)
     bw = copy_bandwidth_cpu()
-    print(f"CPU copy: {bw / 1e9:.2f} GB/s (read + write), {THREADS} threads", flush=True)
+    print(f"CPU copy: {bw / 1e9:.2f} GB/s (read + write), {THREADS} threads; NVFP4 rows on "
+          f"{'AVX-512' if nlib.kc_nvfp4_avx512() else 'AVX2 or plain C'} (KIMI_CONVERT_CPU_ISA=avx2 caps it)",
+          flush=True)
     rows = []
 
     def add(kernel, label, nbytes, inputs, fn, ref, reps=9):
@@ -258,7 +264,7 @@ def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
         own = mxfp4_cast.k_max(sc)
         return p, sc, own, torch.zeros_like(p), torch.zeros((n, pk // 8), dtype=torch.uint8)  # touched: no faults
 
-    for label, n, pk in CAST_SHAPES[:3]:
+    for label, n, pk in CAST_SHAPES[:3] if "cast" in kernels else ():
         ins = rotation(lambda i, n=n, pk=pk: mx(i, n, pk), cast_bytes(n, pk))
         add("cast", label, cast_bytes(n, pk), ins,
             lambda a: recipe_cpu.cast_into(lib, a[0], a[1], a[2], a[2], *a[3:], threads=THREADS),
@@ -266,10 +272,11 @@ def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
         if n == 3072 and pk == 3584:
             add("cast, whole call", label, cast_bytes(n, pk), ins,
                 lambda a: recipe_cpu.cast(lib, *a[:3], a[2], threads=THREADS), None)
-    ins = rotation(lambda i: mx(i, 3072, 3584, False), cast_bytes(3072, 3584))
-    add("cast, exponents 0..255", CAST_SHAPES[0][0], cast_bytes(3072, 3584), ins,
-        lambda a: recipe_cpu.cast_into(lib, a[0], a[1], a[2], a[2], *a[3:], threads=THREADS), None, reps=3)
-    for label, n, k in FP8_SHAPES[:4]:
+    if "cast" in kernels:
+        ins = rotation(lambda i: mx(i, 3072, 3584, False), cast_bytes(3072, 3584))
+        add("cast, exponents 0..255", CAST_SHAPES[0][0], cast_bytes(3072, 3584), ins,
+            lambda a: recipe_cpu.cast_into(lib, a[0], a[1], a[2], a[2], *a[3:], threads=THREADS), None, reps=3)
+    for label, n, k in FP8_SHAPES[:4] if "fp8" in kernels else ():
         xs = rotation(lambda i, n=n, k=k: (bf16_input(n, k, i), torch.zeros((n, k), dtype=torch.uint8),
                                            torch.zeros(fp8_block.scale_shape(n, k))), fp8_bytes(n, k))
         add("fp8-block", label, fp8_bytes(n, k), xs, lambda a: recipe_cpu.fp8_into(lib, *a, threads=THREADS),
@@ -277,7 +284,7 @@ def cpu_rows(torch_reps: int) -> tuple[float, list[dict]]:
         if (n, k) == (7168, 7168):
             add("fp8-block, whole call", label, fp8_bytes(n, k), xs,
                 lambda a: recipe_cpu.fp8_quantize(lib, a[0], THREADS), None)
-    for label, n, k in NVFP4_SHAPES[:1]:
+    for label, n, k in NVFP4_SHAPES if "nvfp4" in kernels else ():
         xs = rotation(lambda i, n=n, k=k: bf16_input(n, k, i), nvfp4_bytes(n, k))
 
         def nv(x):
@@ -313,8 +320,11 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", action="store_true", help="GPU: also time other tiles and rounding variants")
     ap.add_argument("--torch-reps", type=int, default=3, help="CPU: repetitions of the torch code")
+    ap.add_argument("--kernels", nargs="+", choices=["cast", "fp8", "nvfp4"], default=["cast", "fp8", "nvfp4"])
+    ap.add_argument("--orders", action="store_true", help="GPU: also time NVFP4's quantize tile orders")
     a = ap.parse_args()
-    bw, rows = gpu_rows(a.variants) if a.device == "cuda" else cpu_rows(a.torch_reps)
+    kernels = set(a.kernels)
+    bw, rows = gpu_rows(a.variants, kernels, a.orders) if a.device == "cuda" else cpu_rows(a.torch_reps, kernels)
     print()
     print(table(a.device, bw, rows))
     if os.environ.get("OUT"):

@@ -196,7 +196,108 @@ __attribute__((target("avx2,fma"))) static void quant_row_bf16_avx2(const uint16
     }
 }
 #define KC_HAVE_AVX2_ROW 1
+
+/* quant_row_bf16_avx2's fast path (the same IEEE operations in the same order, so the same bytes) on AVX-512:
+ * 16 values a register, so a 16-block's codes are one pass; on the H200 machine's 16 CPUs the AVX2 row was
+ * compute-bound (4.0 GB/s a thread, 1.55x the copy floor at 16 threads: benchmarks/RESULTS.md). The block
+ * amaxes 4 blocks a step; the scales, their reciprocals and d/4, d 2^-30 16 blocks a step (one vdivps each, as
+ * the scalar 1.0f / d: both correctly rounded). scratch: 4 arrays of k/16 + 16 floats. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void quant_row_bf16_avx512(
+    const uint16_t *x, int64_t k, float s2, uint8_t *packed, uint8_t *scales, float *scratch) {
+    const int64_t nb = k / 16, stride = nb + 16;
+    uint32_t *amax = (uint32_t *)scratch;
+    float *r4s = scratch + stride, *d4s = scratch + 2 * stride, *dls = scratch + 3 * stride;
+    int64_t b = 0;
+    const __m512i abs16 = _mm512_set1_epi16(0x7FFF);
+    /* 64-bit lanes: lo = blocks 0-1's first halves then 2-3's, hi = their second halves */
+    const __m512i lo_idx = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), hi_idx = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+    for (; b + 4 <= nb; b += 4) { /* 4 blocks: each 128-bit lane ends up holding one block's 8 candidate maxima */
+        __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(x + 16 * b), abs16);
+        __m512i v1 = _mm512_and_si512(_mm512_loadu_si512(x + 16 * b + 32), abs16);
+        __m512i m = _mm512_max_epu16(_mm512_permutex2var_epi64(v0, lo_idx, v1), _mm512_permutex2var_epi64(v0, hi_idx, v1));
+        m = _mm512_max_epu16(m, _mm512_shuffle_epi32(m, 0x4E));
+        m = _mm512_max_epu16(m, _mm512_shuffle_epi32(m, 0xB1));
+        m = _mm512_max_epu16(m, _mm512_srli_epi32(m, 16));
+        m = _mm512_slli_epi32(m, 16); /* each lane's low word is its max: as fp32 bits, the rest shifted out */
+        _mm_storeu_si128((__m128i *)(amax + b), _mm512_castsi512_si128(_mm512_maskz_compress_epi32(0x1111, m)));
+    }
+    for (; b < nb; b++) {
+        uint16_t m = 0;
+        for (int j = 0; j < 16; j++) m = (x[16 * b + j] & 0x7FFF) > m ? (x[16 * b + j] & 0x7FFF) : m;
+        amax[b] = (uint32_t)m << 16;
+    }
+    const __m512 v_six_s2 = _mm512_set1_ps(6.0f * s2), v_s2 = _mm512_set1_ps(s2), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps(), lo_clamp = _mm512_set1_ps(0.001953125f), hi_clamp = _mm512_set1_ps(448.0f);
+    const __m512 sub_min = _mm512_set1_ps(0.015625f), big = _mm512_set1_ps(8388608.0f);
+    for (b = 0; b < nb; b += 16) { /* e4m3_rne of 16 clamped block scales, each `if` a masked blend */
+        const __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
+        __m512 sb = _mm512_div_ps(_mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, amax + b)), v_six_s2);
+        sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, zero, _CMP_EQ_OQ), sb, one);
+        sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, lo_clamp, _CMP_LT_OQ), sb, lo_clamp);
+        sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, hi_clamp, _CMP_GT_OQ), sb, hi_clamp);
+        __m512i e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(sb), 23),
+                                                      _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(127));
+        e = _mm512_max_epi32(e, _mm512_set1_epi32(-6));
+        __m512 q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(124)), 23));
+        __m512 inv_q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(130), e), 23));
+        __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(sb, inv_q), big), big);
+        __m512 val = _mm512_mul_ps(r, q);
+        __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(val), 20), _mm512_set1_epi32(960));
+        __m512i byte = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(val, sub_min, _CMP_GE_OQ), _mm512_cvttps_epi32(r),
+                                               normal);
+        _mm_mask_storeu_epi8(scales + b, live, _mm512_cvtepi32_epi8(byte));
+        __m512 d = _mm512_mul_ps(val, v_s2);
+        _mm512_storeu_ps(r4s + b, _mm512_mul_ps(_mm512_div_ps(one, d), _mm512_set1_ps(4.0f)));
+        _mm512_storeu_ps(d4s + b, _mm512_mul_ps(d, _mm512_set1_ps(0.25f)));
+        _mm512_storeu_ps(dls + b, _mm512_mul_ps(d, _mm512_set1_ps(9.313225746154785e-10f)));
+    }
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
+    const __m512 cap = _mm512_set1_ps(24.0f), split = _mm512_set1_ps(4194305.0f), two24 = _mm512_set1_ps(16777216.0f);
+    const __m512 four = _mm512_set1_ps(4.0f), huge = _mm512_set1_ps(1.329227995784916e36f);
+    const __m512i seven = _mm512_set1_epi32(7), eight = _mm512_set1_epi32(8);
+    const __m512i nibble = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    for (b = 0; b < nb; b++) { /* nvfp4_triton._fast_code on 16 values: quant_row_bf16_avx2's fast branch */
+        const __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * b))), 16));
+        const __m512 r4 = _mm512_set1_ps(r4s[b]);
+        __m512 q0 = _mm512_mul_ps(xv, r4);
+        __m512 q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, _mm512_set1_ps(d4s[b]), xv), r4, q0);
+        __m512 y = _mm512_min_ps(_mm512_andnot_ps(sign, q), cap);
+        __m512 g = _mm512_mul_ps(y, split);
+        __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_add_ps(g, _mm512_sub_ps(y, g))), 22);
+        __m512i sub = _mm512_castps_si512(_mm512_add_ps(y, two24));
+        __m512i mag = _mm512_and_si512(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, four, _CMP_LT_OQ), hi, sub), seven);
+        __mmask16 neg = _mm512_cmp_ps_mask(_mm512_fmadd_ps(xv, huge, _mm512_set1_ps(dls[b])), zero, _CMP_LT_OQ);
+        __m512i c = _mm512_mask_or_epi32(mag, neg, mag, eight);
+        /* (c[2i], c[2i+1]) -> c[2i] | c[2i+1] << 4 in each 64-bit lane's low byte, then one byte a lane */
+        c = _mm512_sllv_epi32(c, nibble);
+        c = _mm512_or_si512(c, _mm512_srli_epi64(c, 32));
+        _mm_storel_epi64((__m128i *)(packed + 8 * b), _mm512_cvtepi64_epi8(c));
+    }
+}
+#define KC_HAVE_AVX512_ROW 1
 #endif
+
+/* Whether the AVX-512 row runs: the CPU has it and KIMI_CONVERT_CPU_ISA (read once) does not cap the kernels at
+ * "avx2" (benchmarks time both on one machine; the checks compare both with the torch code). */
+static int kc_use_avx512(void) {
+#ifdef KC_HAVE_AVX512_ROW
+    static int use = -1;
+    int u = __atomic_load_n(&use, __ATOMIC_RELAXED);
+    if (u < 0) {
+        const char *cap = getenv("KIMI_CONVERT_CPU_ISA");
+        u = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && !(cap && !strcmp(cap, "avx2"));
+        __atomic_store_n(&use, u, __ATOMIC_RELAXED);
+    }
+    return u;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where kc_quant_bf16's rows run on AVX-512 (tests and benchmarks say which path they held to the torch code). */
+int kc_nvfp4_avx512(void) { return kc_use_avx512(); }
 
 #define CLONES __attribute__((target_clones("avx2", "default")))
 
@@ -207,6 +308,13 @@ CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, 
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         /* one reciprocal a block where 1/d stays normal: s2 in [2^-80, 2^80], as nvfp4_triton */
         const int fast = s2 >= 8.271806125530277e-25f && s2 <= 1.2089258196146292e24f;
+        if (fast && kc_use_avx512()) {
+            float *scratch = malloc(sizeof(float) * 4 * (size_t)(k / 16 + 16));
+            for (int64_t r = 0; r < rows; r++)
+                quant_row_bf16_avx512(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), scratch);
+            free(scratch);
+            return;
+        }
         float *denom = malloc(sizeof(float) * (size_t)(k / 16 + 1));
         for (int64_t r = 0; r < rows; r++)
             quant_row_bf16_avx2(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), denom, fast);

@@ -94,6 +94,8 @@ def load() -> ctypes.CDLL | None:
     lib.kc_amax_bf16_mt.argtypes = lib.kc_amax_f32_mt.argtypes = [p, i64, i32]
     lib.kc_amax_bf16_mt.restype = lib.kc_amax_f32_mt.restype = ctypes.c_uint32
     lib.kc_quant_bf16_mt.argtypes = lib.kc_quant_f32_mt.argtypes = [p, i64, i64, f32, p, p, i32]
+    lib.kc_nvfp4_avx512.argtypes = []
+    lib.kc_nvfp4_avx512.restype = ctypes.c_int
     set_pool_types(lib)
     return lib
 

@@ -4,6 +4,9 @@ the C CPU kernel and the torch reference; exact MXFP4 transcoding; backend selec
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,3 +239,49 @@ def test_triton_amax_programs_of_several_steps(dtype):
         cell = torch.zeros(1)
         nvfp4_triton.amax_into(v, cell, (64, 5, 1))
         assert float(cell) == float("inf")
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_triton_quantize_tile_orders(order):
+    """Every order in which the quantize kernel's programs walk the tiles (a 2-D grid; memory order; its reverse,
+    for the L2) writes the reference's bytes, ragged tiles in both directions included."""
+    from kimi_convert.kernels import nvfp4_triton
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(11, 80, generator=g) * torch.rand(11, 1, generator=g) * 4).to(torch.bfloat16)
+    a = w.float().abs().amax().reshape(1)
+    want_p, want_s = reference.quantize(w, reference.global_scale(a))
+    packed = torch.empty((11, 40), dtype=torch.uint8)
+    scales = torch.empty((11, 5), dtype=torch.uint8)
+    with nvfp4_triton._INTERPRETER:
+        nvfp4_triton._launch_quant(w, a, packed, scales, 11, 80, (4, 2, 1, order))
+    assert torch.equal(packed, want_p), interpreter_note("triton")
+    assert torch.equal(scales, want_s.view(torch.uint8)), interpreter_note("triton")
+
+
+AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512: the AVX2 row is the one tested")
+def test_cpu_kernel_avx512_row_equals_avx2_row(tmp_path):
+    """Where the CPU has AVX-512, the C kernel's rows run there; capped at AVX2 (KIMI_CONVERT_CPU_ISA) the other
+    row runs: both give the reference's bytes on every bf16 value and across the one-reciprocal scale range."""
+    script = tmp_path / "rows.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from kimi_convert.kernels import nvfp4_cpu, reference\n"
+        "lib = nvfp4_cpu.load()\n"
+        "vals = torch.arange(0, 0x10000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)\n"
+        "vals = vals[torch.isfinite(vals.float())]\n"
+        "x = vals[torch.randperm(vals.numel(), generator=torch.Generator().manual_seed(0))][: 65280 // 272 * 272]\n"
+        "x = x.reshape(-1, 272)\n"
+        "ok = True\n"
+        "for s in (1.0, 1e-20, 3e20, float(reference.global_scale(x.float().abs().amax()))):\n"
+        "    p, sc = nvfp4_cpu.quantize(lib, x, torch.tensor(s), 2)\n"
+        "    rp, rs = reference.quantize(x, torch.tensor(s))\n"
+        "    ok &= torch.equal(p, rp) and torch.equal(sc.view(torch.uint8), rs.view(torch.uint8))\n"
+        "print(lib.kc_nvfp4_avx512(), ok)\n")
+    for cap, want in (("", "1"), ("avx2", "0")):
+        r = subprocess.run([sys.executable, str(script)], env={**os.environ, "KIMI_CONVERT_CPU_ISA": cap},
+                           capture_output=True, text=True, timeout=300)
+        assert r.stdout.split() == [want, "True"], r.stdout + r.stderr
