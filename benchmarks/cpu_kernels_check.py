@@ -58,6 +58,9 @@ def main() -> int:
         ok &= same
         print(f"{name:60s} {'equal' if same else 'DIFFERS'}", flush=True)
 
+    print(f"NVFP4 rows on {'AVX-512' if nlib.kc_nvfp4_avx512() else 'AVX2 or plain C'} (KIMI_CONVERT_CPU_ISA=avx2 "
+          "caps them)", flush=True)
+
     every = torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     finite = every[torch.isfinite(every.float())]
     g = torch.Generator().manual_seed(0)

@@ -383,15 +383,24 @@ typedef struct {
     uint8_t *packed, *scales;
 } kc_quant_job;
 
+/* Rows a step of a quantize task, which walks its range from the end: the amax pass read each task's range
+ * forwards (the same split, near enough), so what it read last is what the last-level cache still holds. */
+#define KC_QUANT_STEP_BYTES (256 << 10)
+
 static void kc_quant_task(void *ctx, int64_t t) {
     kc_quant_job *j = ctx;
     int64_t a, b;
     kc_range(j->rows, j->ntasks, t, &a, &b);
-    uint8_t *p = j->packed + a * (j->k / 2), *s = j->scales + a * (j->k / 16);
-    if (j->f32)
-        kc_quant_f32((const float *)j->x + a * j->k, b - a, j->k, j->s2, p, s);
-    else
-        kc_quant_bf16((const uint16_t *)j->x + a * j->k, b - a, j->k, j->s2, p, s);
+    const int64_t row_bytes = j->k * (j->f32 ? 4 : 2);
+    const int64_t step = row_bytes >= KC_QUANT_STEP_BYTES ? 1 : KC_QUANT_STEP_BYTES / row_bytes;
+    for (int64_t hi = b; hi > a; hi -= step) {
+        const int64_t lo = hi - step > a ? hi - step : a;
+        uint8_t *p = j->packed + lo * (j->k / 2), *s = j->scales + lo * (j->k / 16);
+        if (j->f32)
+            kc_quant_f32((const float *)j->x + lo * j->k, hi - lo, j->k, j->s2, p, s);
+        else
+            kc_quant_bf16((const uint16_t *)j->x + lo * j->k, hi - lo, j->k, j->s2, p, s);
+    }
 }
 
 static void kc_quant_mt(const void *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales, int f32,
