@@ -122,12 +122,15 @@ def amax(lib: ctypes.CDLL, x: torch.Tensor, threads: int) -> torch.Tensor:
     return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(())
 
 
-def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int, packed: torch.Tensor | None = None,
+             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed`` [M, K/2] / ``scales`` [M, K/16] uint8 may be given (benchmarks time the kernel without the page
+    faults of fresh outputs)."""
     k = x.shape[-1]
     x2 = _prepare(x).reshape(-1, k)
     m = x2.shape[0]
-    packed = torch.empty((m, k // 2), dtype=torch.uint8)
-    scales = torch.empty((m, k // 16), dtype=torch.uint8)
+    packed = torch.empty((m, k // 2), dtype=torch.uint8) if packed is None else packed
+    scales = torch.empty((m, k // 16), dtype=torch.uint8) if scales is None else scales
     fn = lib.kc_quant_bf16_mt if x2.dtype == torch.bfloat16 else lib.kc_quant_f32_mt
     if m:
         fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr(), threads)

@@ -251,12 +251,13 @@ def test_triton_quantize_tile_orders(order):
     w = (torch.randn(11, 80, generator=g) * torch.rand(11, 1, generator=g) * 4).to(torch.bfloat16)
     a = w.float().abs().amax().reshape(1)
     want_p, want_s = reference.quantize(w, reference.global_scale(a))
-    packed = torch.empty((11, 40), dtype=torch.uint8)
-    scales = torch.empty((11, 5), dtype=torch.uint8)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the compiled kernel on a GPU, else the interpreter
+    packed = torch.empty((11, 40), dtype=torch.uint8, device=dev)
+    scales = torch.empty((11, 5), dtype=torch.uint8, device=dev)
     with nvfp4_triton._INTERPRETER:
-        nvfp4_triton._launch_quant(w, a, packed, scales, 11, 80, (4, 2, 1, order))
-    assert torch.equal(packed, want_p), interpreter_note("triton")
-    assert torch.equal(scales, want_s.view(torch.uint8)), interpreter_note("triton")
+        nvfp4_triton._launch_quant(w.to(dev), a.to(dev), packed, scales, 11, 80, (4, 2, 1, order))
+    assert torch.equal(packed.cpu(), want_p), interpreter_note("triton")
+    assert torch.equal(scales.cpu(), want_s.view(torch.uint8)), interpreter_note("triton")
 
 
 AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in Path("/proc/cpuinfo").read_text()
