@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, mxfp4_cast, reference
+from kimi_convert.kernels.outputs import Arena
 
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
@@ -34,24 +35,16 @@ class UnitResult:
     notes: dict[str, dict] = field(default_factory=dict)  # per item: how it was produced
 
 
-class HostSink:
+class HostSink(Arena):
     """Host memory that a unit's GPU results are copied into, asynchronously, on the current CUDA stream:
     one synchronization a unit (``finish``) instead of one blocking copy a tensor into fresh pageable memory,
     and DMA at full speed where ``buf`` is page-locked (the pipeline's pooled buffers are, on a GPU). A result
     that does not fit is read back the ordinary way. The arrays ``take`` returns hold their bytes only once
-    ``finish`` has returned."""
-
-    def __init__(self, buf: np.ndarray):
-        self.buf, self.used = buf, 0
+    ``finish`` has returned. (On the CPUs the same buffer is the kernels' ``Arena``: they write into it.)"""
 
     def take(self, t: torch.Tensor) -> np.ndarray | None:
-        n = t.numel() * t.element_size()
-        start = -(-self.used // 64) * 64
-        if start + n > self.buf.nbytes:
-            return None
-        dst = self.buf[start : start + n]
-        self.used = start + n
-        if n:
+        dst = self.carve(t.numel() * t.element_size())
+        if dst is not None and dst.nbytes:
             torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
         return dst
 

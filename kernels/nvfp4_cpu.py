@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from . import outputs
+
 FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 
 
@@ -125,12 +127,12 @@ def amax(lib: ctypes.CDLL, x: torch.Tensor, threads: int) -> torch.Tensor:
 def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int, packed: torch.Tensor | None = None,
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed`` [M, K/2] / ``scales`` [M, K/16] uint8 may be given (benchmarks time the kernel without the page
-    faults of fresh outputs)."""
+    faults of fresh outputs); else they come from ``outputs.empty`` (the pipeline's arena)."""
     k = x.shape[-1]
     x2 = _prepare(x).reshape(-1, k)
     m = x2.shape[0]
-    packed = torch.empty((m, k // 2), dtype=torch.uint8) if packed is None else packed
-    scales = torch.empty((m, k // 16), dtype=torch.uint8) if scales is None else scales
+    packed = outputs.empty((m, k // 2), torch.uint8) if packed is None else packed
+    scales = outputs.empty((m, k // 16), torch.uint8) if scales is None else scales
     fn = lib.kc_quant_bf16_mt if x2.dtype == torch.bfloat16 else lib.kc_quant_f32_mt
     if m:
         fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr(), threads)

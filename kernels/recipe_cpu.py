@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from . import fp8_block, mxfp4_cast
+from . import fp8_block, mxfp4_cast, outputs
 from .nvfp4_cpu import open_library, set_pool_types
 
 #: Output bytes from which the codes are stored non-temporally (no read for ownership of lines that will not be
@@ -45,8 +45,8 @@ def cast(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, shared_k_m
     own = mxfp4_cast.k_max(scale) if own_k_max is None else own_k_max
     p2, s2d = packed.contiguous(), scale.contiguous()
     rows, kb = s2d.shape
-    out = torch.empty_like(p2)
-    sb = torch.empty((rows, 2 * kb), dtype=torch.uint8)
+    out = outputs.empty(tuple(p2.shape), torch.uint8)
+    sb = outputs.empty((rows, 2 * kb), torch.uint8)
     lossless = cast_into(lib, p2, s2d, shared_k_max, own, out, sb, threads)
     s2 = torch.tensor(2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32).reshape(())
     lead = packed.shape[:-1]
@@ -69,8 +69,8 @@ def fp8_quantize(lib: ctypes.CDLL, w: torch.Tensor, threads: int = 1) -> tuple[t
         return fp8_block.quantize(w)
     x = w.contiguous()
     n, k = x.shape
-    q = torch.empty((n, k), dtype=torch.uint8)
-    scales = torch.empty(fp8_block.scale_shape(n, k), dtype=torch.float32)
+    q = outputs.empty((n, k), torch.uint8)
+    scales = outputs.empty(tuple(fp8_block.scale_shape(n, k)), torch.float32)
     if not fp8_into(lib, x, q, scales, threads):
         return fp8_block.quantize(w)
     return q.view(torch.float8_e4m3fn), scales

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 #: ``0``: leave the read buffers pageable on a GPU (to measure what page-locking them gains; same bytes)
 PIN_ENV = "KIMI_CONVERT_PIN_BUFFERS"
-Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer its GPU outputs are in
+#: ``0``: CPU kernels allocate fresh outputs instead of writing into a lent pool buffer (to measure what it gains)
+ARENA_ENV = "KIMI_CONVERT_OUTPUT_ARENA"
+Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer lent for its outputs
 
 
 def candidates(device: Device, threads: int) -> dict[str, Backend]:
@@ -124,7 +126,7 @@ class Runner:
         from ..compute import compute_unit
 
         if b.device.type != "cuda":
-            return compute_unit(unit, loaded, b, self.block), None
+            return self._on_cpu(b, unit, loaded)
         import torch
 
         from ..compute import _SINK, HostSink, use_sink
@@ -147,6 +149,31 @@ class Runner:
         finally:
             _SINK.reset(token)
         if sink.used == 0:
+            self.pool.put(buf)
+            return res, None
+        return res, buf
+
+
+    def _on_cpu(self, b: Backend, unit: Unit, loaded: Loaded) -> Computed:
+        """The CPU kernels write into a pool buffer lent for the unit (``kernels.outputs``): reused memory, where
+        fresh outputs fault every page in (2 M faults on 4.8 GB); back to the pool once written and hashed."""
+        from kimi_convert.kernels.outputs import Arena, reset_arena, use_arena
+
+        from ..compute import compute_unit
+
+        if work_kind(unit) is None or os.environ.get(ARENA_ENV, "1") == "0":
+            return compute_unit(unit, loaded, b, self.block), None
+        buf = self._sink_buffer(unit)
+        arena = Arena(buf)
+        token = use_arena(arena)
+        try:
+            res = compute_unit(unit, loaded, b, self.block)
+        except BaseException:
+            self.pool.put(buf)
+            raise
+        finally:
+            reset_arena(token)
+        if arena.used == 0:  # the torch code ran (no C compiler, a NaN): its outputs are its own
             self.pool.put(buf)
             return res, None
         return res, buf
