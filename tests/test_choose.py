@@ -242,5 +242,41 @@ def test_auto_does_not_time_the_gpu_on_buffers_read_before_page_locking_began(ti
     reader = PreadReader(tiny_k3)
     loaded = Loaded({p.name: reader.read(p) for p in unit.parts})  # pageable: read before the runner existed
     res, buf = r.compute(unit, loaded)
-    assert buf is None and res.outputs and r.chooser._kinds == {}  # the CPU's, untimed
+    assert res.outputs and r.chooser._kinds == {}  # the CPU's, untimed
+    r.release((res, buf))
+    reader.close()
+
+
+def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3, monkeypatch):
+    """Each unit's quantized weights are slices of one pool buffer lent for the unit (no fresh pages to fault in),
+    which goes back to the pool on release; with KIMI_CONVERT_OUTPUT_ARENA=0 they are fresh tensors, same bytes."""
+    import numpy as np
+
+    from kimi_convert.kernels import get_backend
+    from kimi_convert.pipeline import runner as runner_mod
+    from kimi_convert.plan import FP8, NVFP4, fp8_block_size
+    from kimi_convert.readers import Loaded, PreadReader
+
+    ckpt, plan = load_plan(tiny_k3, Options())
+    pool = BufferPool(limit=64 << 20)
+    r = runner_mod.Runner({"cpu": get_backend("cpu")}, pool, fp8_block_size(ckpt.config), plan.units)
+    reader = PreadReader(tiny_k3)
+    units = [u for u in plan.units if any(it.kind in (NVFP4, FP8) for it in u.items)]
+    assert {it.kind for u in units for it in u.items} >= {NVFP4, FP8}
+    for unit in units:
+        loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+        res, buf = r.compute(unit, loaded)
+        lo, hi = buf.ctypes.data, buf.ctypes.data + buf.nbytes
+        weights = [c for it in unit.items if it.kind in (NVFP4, FP8) for c in res.outputs[it.outputs[0].name].chunks]
+        assert weights and all(lo <= np.asarray(c).ctypes.data and np.asarray(c).ctypes.data + c.nbytes <= hi
+                               for c in weights)
+        monkeypatch.setenv(runner_mod.ARENA_ENV, "0")
+        fresh, none = r.compute(unit, loaded)
+        monkeypatch.delenv(runner_mod.ARENA_ENV)
+        assert none is None and all(
+            b"".join(bytes(c) for c in res.outputs[k].chunks) == b"".join(bytes(c) for c in fresh.outputs[k].chunks)
+            for k in res.outputs)
+        r.release((res, buf))
+        assert pool.get(buf.nbytes) is buf  # back in the pool, reused
+        pool.put(buf)
     reader.close()
