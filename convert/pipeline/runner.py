@@ -113,10 +113,11 @@ class Runner:
             if buf is not None and not used:
                 self.pool.put(buf)
 
-    def release(self, done: Computed) -> None:
-        """Give a result's sink buffer back to the pool (the writer calls it once it is written)."""
+    def release(self, done: Computed, reuse: bool = True) -> None:
+        """Give a result's sink buffer back to the pool (the writer calls it once it is written and hashed;
+        ``reuse=False`` where the shard's file hash still holds some of its bytes, to hash them in file order)."""
         if done[1] is not None:
-            self.pool.put(done[1])
+            self.pool.put(done[1], reuse=reuse)
 
     def _sink_buffer(self, unit: Unit):
         # the outputs' bytes, plus each read-back's alignment (64 bytes) and a page of slack

@@ -160,9 +160,10 @@ class _Stream:
         return Loaded(bufs), feeds, digests, None if held else base
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
-    def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict], Callable[[], None]]:
-        """The piece's outputs, notes, and what to call once they are written (gives a GPU unit's
-        host buffer back to the pool)."""
+    def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict],
+                                                          Callable[[bool], None]]:
+        """The piece's outputs, notes, and what to call once they are written (gives the buffer lent for the
+        unit's outputs back to the pool; False: not for reuse, the file hash holds some of its bytes)."""
         if pc.kind is PieceKind.COPY:
             name = pc.unit.items[0].outputs[0].name
             return {name: list(loaded.buffers.values())}, {}, _nothing
@@ -173,21 +174,23 @@ class _Stream:
         done = self.runner.compute(pc.unit, loaded)
         self._clock("compute: kernels and copies", t)
         res, runner = done[0], self.runner
-        return {n: o.chunks for n, o in res.outputs.items()}, res.notes, lambda: runner.release(done)
+        return {n: o.chunks for n, o in res.outputs.items()}, res.notes, lambda reuse: runner.release(done, reuse)
 
     # -- write stage (writer thread) --------------------------------------------------------------
-    def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], release: Callable[[], None],
-              feeds: list[Future], digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
-              finishing: list[Future]) -> None:
+    def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict],
+              release: Callable[[bool], None], feeds: list[Future], digests: dict[str, Future], base: np.ndarray | None,
+              finisher: ThreadPoolExecutor, finishing: list[Future]) -> None:
+        held = True  # failed part-way: the file hash may hold any of the bytes
         try:
-            self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
+            held = self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
         finally:
-            release()
+            release(not held)
             self.shared.in_flight.give(pc_cost(pc))
 
     def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
                digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
-               finishing: list[Future]) -> None:
+               finishing: list[Future]) -> bool:
+        """Whether the shard's file hash kept some of the piece's chunks (to hash them in file order later)."""
         if self.stop.is_set():
             raise Stopped("pack")
         file = pc.unit.shard
@@ -230,6 +233,7 @@ class _Stream:
             if st.units_left == 0:
                 del self.open[file]
                 finishing.append(finisher.submit(self.finish_shard, file, st))
+        return held
 
     def finish_shard(self, file: str, st: _ShardState) -> None:
         t = time.perf_counter()
@@ -298,7 +302,7 @@ class _Stream:
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds))
 
 
-def _nothing() -> None:
+def _nothing(reuse: bool = True) -> None:
     pass
 
 
