@@ -8,13 +8,12 @@ high-precision tensor is never materialised, and its quantized rows are the memb
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, mxfp4_cast, reference
+from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, mxfp4_cast, outputs, reference
 from kimi_convert.kernels.outputs import Arena
 
 from .errors import ConvertError
@@ -52,20 +51,12 @@ class HostSink(Arena):
         torch.cuda.current_stream().synchronize()
 
 
-#: The sink of the unit this thread computes (``use_sink``); GPU results are read back into it.
-_SINK: ContextVar[HostSink | None] = ContextVar("kimi_convert_sink", default=None)
-
-
-def use_sink(sink: HostSink | None):
-    """Make ``sink`` this thread's (a token for ``_SINK.reset``)."""
-    return _SINK.set(sink)
-
-
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous tensor's bytes on the host as a flat uint8 array (fp8 and bf16 have no numpy dtype); a
-    GPU tensor goes into this thread's ``HostSink`` when there is one."""
+    GPU tensor goes into the ``HostSink`` lent for this thread's unit when there is one (``outputs.use_arena``)."""
     t = t.detach().contiguous()
-    if t.device.type == "cuda" and (sink := _SINK.get()) is not None and (out := sink.take(t)) is not None:
+    sink = outputs.current()
+    if t.device.type == "cuda" and isinstance(sink, HostSink) and (out := sink.take(t)) is not None:
         return out
     return t.cpu().reshape(-1).view(torch.uint8).numpy()
 

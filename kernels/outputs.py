@@ -34,8 +34,7 @@ class Arena:
         return self.buf[start : start + nbytes]
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        raw = self.carve(n)
+        raw = self.carve(math.prod(shape) * dtype.itemsize)
         return None if raw is None else torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
@@ -43,8 +42,13 @@ _ARENA: ContextVar[Arena | None] = ContextVar("kimi_convert_arena", default=None
 
 
 def use_arena(arena: Arena | None):
-    """Make ``arena`` where this thread's CPU kernels put their outputs (a token for ``reset_arena``)."""
+    """Make ``arena`` the buffer lent for this thread's unit: its CPU kernels' outputs are carved from it (and a
+    GPU unit's read-backs, when it is a ``compute.HostSink``). A token for ``reset_arena``."""
     return _ARENA.set(arena)
+
+
+def current() -> Arena | None:
+    return _ARENA.get()
 
 
 def reset_arena(token) -> None:

@@ -45,7 +45,7 @@ def cast(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, shared_k_m
     own = mxfp4_cast.k_max(scale) if own_k_max is None else own_k_max
     p2, s2d = packed.contiguous(), scale.contiguous()
     rows, kb = s2d.shape
-    out = outputs.empty(tuple(p2.shape), torch.uint8)
+    out = outputs.empty(p2.shape, torch.uint8)
     sb = outputs.empty((rows, 2 * kb), torch.uint8)
     lossless = cast_into(lib, p2, s2d, shared_k_max, own, out, sb, threads)
     s2 = torch.tensor(2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32).reshape(())
@@ -70,7 +70,7 @@ def fp8_quantize(lib: ctypes.CDLL, w: torch.Tensor, threads: int = 1) -> tuple[t
     x = w.contiguous()
     n, k = x.shape
     q = outputs.empty((n, k), torch.uint8)
-    scales = outputs.empty(tuple(fp8_block.scale_shape(n, k)), torch.float32)
+    scales = outputs.empty(fp8_block.scale_shape(n, k), torch.float32)
     if not fp8_into(lib, x, q, scales, threads):
         return fp8_block.quantize(w)
     return q.view(torch.float8_e4m3fn), scales

@@ -24,9 +24,12 @@ from typing import TYPE_CHECKING
 from .choose import SAMPLES, Choice, Chooser, work_kind
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
 
     from kimi_convert.kernels import Backend
+    from kimi_convert.kernels.outputs import Arena
 
     from ..compute import UnitResult
     from ..devices import Device
@@ -124,60 +127,52 @@ class Runner:
         return self.pool.get(unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items))
 
     def _on(self, b: Backend, unit: Unit, loaded: Loaded, buf: np.ndarray | None = None) -> Computed:
-        from ..compute import compute_unit
+        """``unit`` computed on ``b`` into a pool buffer lent for its outputs (``buf``, or one taken here):
+        on the CPUs the C kernels write into it (``kernels.outputs``: reused memory, where fresh outputs fault
+        every page in: 2 M faults on 4.8 GB), on a GPU the results are read back into it (``compute.HostSink``)."""
+        from kimi_convert.kernels.outputs import Arena
+
+        from ..compute import HostSink, compute_unit
 
         if b.device.type != "cuda":
-            return self._on_cpu(b, unit, loaded)
+            if work_kind(unit) is None or os.environ.get(ARENA_ENV, "1") == "0":
+                return compute_unit(unit, loaded, b, self.block), None
+            return self._lent(Arena(self._sink_buffer(unit)), lambda: compute_unit(unit, loaded, b, self.block))
         import torch
-
-        from ..compute import _SINK, HostSink, use_sink
 
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(b.device)
-        buf = self._sink_buffer(unit) if buf is None else buf
-        sink = HostSink(buf)
-        token = use_sink(sink)
-        try:
+        sink = HostSink(self._sink_buffer(unit) if buf is None else buf)
+
+        def run() -> UnitResult:
             with torch.cuda.stream(stream):
                 res = compute_unit(unit, loaded, b, self.block)
                 sink.finish()
-        except BaseException:
-            with contextlib.suppress(Exception):  # no copy may still write into the buffer once it is back
-                stream.synchronize()
-            self.pool.put(buf)
-            raise
-        finally:
-            _SINK.reset(token)
-        if sink.used == 0:
-            self.pool.put(buf)
-            return res, None
-        return res, buf
+            return res
+        # on failure no copy may still write into the buffer once it is back
+        return self._lent(sink, run, on_failure=stream.synchronize)
 
+    def _lent(self, arena: Arena, run: Callable[[], UnitResult], on_failure: Callable[[], object] = lambda: None
+              ) -> Computed:
+        """``run()`` with ``arena`` lent to this thread; the buffer goes back to the pool at once where the unit
+        failed or took nothing from it (the torch code ran: no C compiler, a NaN; nothing read back)."""
+        from kimi_convert.kernels.outputs import reset_arena, use_arena
 
-    def _on_cpu(self, b: Backend, unit: Unit, loaded: Loaded) -> Computed:
-        """The CPU kernels write into a pool buffer lent for the unit (``kernels.outputs``): reused memory, where
-        fresh outputs fault every page in (2 M faults on 4.8 GB); back to the pool once written and hashed."""
-        from kimi_convert.kernels.outputs import Arena, reset_arena, use_arena
-
-        from ..compute import compute_unit
-
-        if work_kind(unit) is None or os.environ.get(ARENA_ENV, "1") == "0":
-            return compute_unit(unit, loaded, b, self.block), None
-        buf = self._sink_buffer(unit)
-        arena = Arena(buf)
         token = use_arena(arena)
         try:
-            res = compute_unit(unit, loaded, b, self.block)
+            res = run()
         except BaseException:
-            self.pool.put(buf)
+            with contextlib.suppress(Exception):
+                on_failure()
+            self.pool.put(arena.buf)
             raise
         finally:
             reset_arena(token)
-        if arena.used == 0:  # the torch code ran (no C compiler, a NaN): its outputs are its own
-            self.pool.put(buf)
+        if arena.used == 0:
+            self.pool.put(arena.buf)
             return res, None
-        return res, buf
+        return res, arena.buf
 
 
 def _same(a: Computed, b: Computed) -> bool:
