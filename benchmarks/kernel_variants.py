@@ -33,7 +33,7 @@ def copy_bw() -> float:
 
 
 def amax_generic(w, amax):
-    T._amax_kernel[(triton.cdiv(w.numel(), T.BLOCK_AMAX),)](w.reshape(-1), w.numel(), amax, 1, BLOCK=T.BLOCK_AMAX)
+    T._amax_kernel[(triton.cdiv(w.numel(), T.AMAX_TILE[0]),)](w.reshape(-1), w.numel(), amax, 1, BLOCK=T.AMAX_TILE[0])
 
 
 def amax_pairs(w, amax, block):

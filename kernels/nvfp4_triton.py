@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_AMAX = 8192
 BLOCK_M = 32
 BLOCK_K = 256
 #: bf16 kernel tile: rows, blocks of 16 values, warps (chosen by benchmarks/recipe_kernels.py --variants on the H200)
