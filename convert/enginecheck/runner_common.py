@@ -93,6 +93,15 @@ def _tensors(obj) -> list[torch.Tensor]:
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a view can touch: [first, last + 1)."""
+    es = t.element_size()
+    lo = t.storage_offset() * es
+    if t.numel() == 0:
+        return lo, lo
+    return lo, lo + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * es
+
+
 def _key(t: torch.Tensor) -> int | None:
     try:
         if t.device.type == "meta":
@@ -122,7 +131,9 @@ class _Observe(TorchDispatchMode):
 
 class Tracker:
     def __init__(self) -> None:
-        self.taint: dict[int, dict[str, torch.dtype]] = {}
+        # storage -> {checkpoint tensor: (dtype, byte span in the storage, or None for all of it)}: the
+        # engine's iterator may offer many tensors as views of one memory-mapped file
+        self.taint: dict[int, dict[str, tuple[torch.dtype, tuple[int, int] | None]]] = {}
         self._refs: list[torch.Tensor] = []  # keep tainted storages alive so addresses are not reused
         self.offered: dict[str, dict] = {}
         self.offered_order: list[str] = []
@@ -135,6 +146,8 @@ class Tracker:
         self.written: dict[int, torch.Tensor] = {}  # storage -> byte mask of written bytes
         self.observer_errors: list[str] = []
         self.shared_storage_offers: list[str] = []
+        # (checkpoint tensor, parameter) -> [(element offset in the parameter, shape, stride)] of each write
+        self.spans: dict[tuple[str, str], list[tuple[int, tuple, tuple]]] = defaultdict(list)
 
     # -- before loading --------------------------------------------------------------------------
     def arm(self, model: torch.nn.Module) -> None:
@@ -167,7 +180,7 @@ class Tracker:
                 if k in seen:
                     self.shared_storage_offers.append(f"{name} shares storage with {seen[k]}")
                 seen[k] = name
-                self.taint.setdefault(k, {})[name] = t.dtype
+                self.taint.setdefault(k, {})[name] = (t.dtype, _span(t))
                 self._refs.append(t)
             yield item
 
@@ -178,10 +191,15 @@ class Tracker:
     def _observe(self, func, args, kwargs, out) -> None:
         ins = _tensors((args, kwargs))
         names: dict[str, torch.dtype] = {}
+        direct: set[str] = set()  # names whose data reaches this op from outside any parameter
         for t in ins:
             k = _key(t)
             if k is not None and k in self.taint:
-                names.update(self.taint[k])
+                lo, hi = _span(t)
+                hit = {n: dt for n, (dt, sp) in self.taint[k].items() if sp is None or (sp[0] < hi and lo < sp[1])}
+                names.update(hit)
+                if k not in self.pstore:
+                    direct.update(hit)
         written: list[torch.Tensor] = []
         schema = func._schema
         for i, a in enumerate(schema.arguments):
@@ -197,8 +215,11 @@ class Tracker:
                 self._mark(w, k)
                 for pname in self.pstore[k]:
                     pdt = self.params[pname].dtype
+                    rel = w.storage_offset() - self.params[pname].storage_offset()
                     for n, sdt in names.items():
                         self.stored[n].add(pname)
+                        if n in direct:
+                            self.spans[(n, pname)].append((rel, tuple(w.shape), tuple(w.stride())))
                         c = cast_class(sdt, pdt)
                         if c:
                             self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),
@@ -206,11 +227,12 @@ class Tracker:
         if names:
             for t in _tensors(out) + written:
                 k = _key(t)
-                if k is not None and k not in self.pstore:
-                    self.taint.setdefault(k, {}).update(names)
+                if k is None or (k in self.taint and k not in self.pstore and any(
+                        sp is not None for _, sp in self.taint[k].values())):
+                    continue  # a view of offered tensors: their byte spans already say which it holds
+                self.taint.setdefault(k, {}).update((n, (dt, None)) for n, dt in names.items())
+                if k not in self.pstore:
                     self._refs.append(t)
-                elif k is not None:
-                    self.taint.setdefault(k, {}).update(names)
 
     def _mark(self, w: torch.Tensor, k: int) -> None:
         mask = self.written[k]
@@ -402,10 +424,11 @@ def main(engine: str, run) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--out", help="write the JSON result here (default: stdout)")
+    ap.add_argument("--numerics", help="also read every layer as the engine's GEMM does, into this folder")
     a = ap.parse_args()
     t0 = time.perf_counter()
     result: dict = {"engine": engine, "model_dir": os.path.abspath(a.model_dir), "error": None,
-                    "phase": "start", "patches": [], "timings": {}}
+                    "phase": "start", "patches": [], "timings": {}, "numerics_dir": a.numerics}
     try:
         run(os.path.abspath(a.model_dir), result)
     except BaseException as e:  # the engine's own exception is the result, not a crash of the runner
@@ -419,6 +442,21 @@ def main(engine: str, run) -> None:
             f.write(text)
     else:
         sys.stdout.write(text + "\n")
+
+
+def numerics(engine: str, result: dict, model, tracker, error: BaseException | None) -> None:
+    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``)."""
+    folder = result.get("numerics_dir")
+    if not folder or error is not None:
+        return
+    import runner_numerics
+
+    t = time.perf_counter()
+    try:
+        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder)
+    except Exception as e:  # reported, never mistaken for a passing check
+        result["numerics"] = {"error": exception_info(e)}
+    result["timings"]["numerics_s"] = round(time.perf_counter() - t, 2)
 
 
 def finish(result: dict, error: BaseException | None, tracker) -> None:

@@ -146,6 +146,8 @@ def run(model_dir: str, result: dict) -> None:
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
     result.update(tracker.result(model, OPTIONAL + optional_for(model)))
+    with rc.CpuDevices():  # before post_load_weights, which derives kernel buffers from the loaded weights
+        rc.numerics("sglang", result, model, tracker, error)
     if post_load is not None and error is None:
         del model.post_load_weights
         try:

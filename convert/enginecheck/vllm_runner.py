@@ -176,6 +176,8 @@ def run(model_dir: str, result: dict) -> None:
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
     result.update(tracker.result(model, OPTIONAL + optional_for(model)))
+    with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype):
+        rc.numerics("vllm", result, model, tracker, error)
     rc.finish(result, error, tracker)
 
 

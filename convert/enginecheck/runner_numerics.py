@@ -1,0 +1,262 @@
+"""What both engine runners share for the numeric check: each weight read as the engine's GEMM reads it.
+
+Runs inside an engine's own python (started by ``kimi_convert.enginecheck``): only the standard library,
+torch and safetensors. After the engine's ``load_weights``, every linear and MoE layer's weight is
+dequantized to fp32 **from the parameters the engine holds**, with the engine's own conventions (each
+rule below cites the engine file and function it follows):
+
+* NVFP4 (ModelOpt): ``e2m1[code] * fp32(e4m3 block scale) * global``; the global scale is the one value
+  the engine keeps for a fused layer: ``weight_scale_2.max()`` over the shard slots of a linear layer, and
+  the gate's ``w13_weight_scale_2[:, 0]`` for both halves of an expert's w13.
+* 128x128 block FP8: row ``r``, column ``c`` of the (fused) weight uses scale ``[r // 128, c // 128]`` of
+  the (fused) scale tensor: the engines' block-scaled GEMMs index their scale grid that way.
+* unquantized layers: the parameter as stored.
+
+It also turns the load tracker's observed writes into **placements**: for every checkpoint tensor, which
+rows of which parameter (and which expert) its bytes landed in. The parent process compares those rows
+of the engine's reading with the source's own weight for the same rows.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+TILE = 128
+
+#: Rules, cited from the engines' installed source (file: function): what the GEMM reads.
+RULES = {
+    ("vllm", "nvfp4"): "vllm/model_executor/layers/quantization/modelopt.py: KNvfp4Static.process "
+                       "(weight_global_scale = weight_scale_2.max(), run here) and "
+                       "utils/nvfp4_emulation_utils.py: dequantize_to_dtype (code * scale * global)",
+    ("vllm", "fp8-block"): "vllm/model_executor/layers/quantization/modelopt.py: KFp8Block128.process and "
+                           "_Fp8PbWoPartialBlock.post_process (run here); the block GEMM reads scale "
+                           "[r // 128, c // 128] (layers/quantization/utils/fp8_utils.py: w8a8_block_fp8_matmul)",
+    ("vllm", "nvfp4-moe"): "vllm/model_executor/layers/quantization/modelopt.py: "
+                           "ModelOptNvFp4FusedMoE.process_weights_after_loading (one w13 global scale: "
+                           "w13_weight_scale_2[:, 0]; not run: it converts to the GPU backend's layout)",
+    ("sglang", "nvfp4"): "sglang/srt/layers/quantization/modelopt_quant.py: ModelOptFp4LinearMethod / "
+                         "ModelOptNvFp4A16LinearMethod.process_weights_after_loading (weight_scale_2.max(); "
+                         "not run: flashinfer / Marlin repack on the GPU)",
+    ("sglang", "fp8-block"): "sglang/srt/layers/quantization/fp8_kernel.py: w8a8_block_fp8_matmul (scale "
+                             "weight_scale_inv[r // 128, c // 128]); process_weights_after_loading not run (GPU)",
+    ("sglang", "nvfp4-moe"): "sglang/srt/layers/quantization/modelopt_quant.py: "
+                             "ModelOptNvFp4FusedMoEMethod.process_weights_after_loading and _compute_gemm1_alphas "
+                             "(Marlin and the single-alpha backends read w13_weight_scale_2[:, 0] for both halves; "
+                             "not run: GPU layouts)",
+    ("any", "dense"): "unquantized layer: the parameter as loaded",
+}
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 values of packed E2M1 codes [..., K/2] -> [..., K] (even element in the low nibble)."""
+    table = torch.tensor(E2M1, dtype=torch.float32)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    return table[codes.long()]
+
+
+def nvfp4(weight: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """``code * fp32(scale) * global`` for [..., N, K/2] codes, [..., N, K/g] scales, a global per leading index."""
+    vals = e2m1_values(weight)
+    k = vals.shape[-1]
+    s = scale.view(torch.float8_e4m3fn).float() if scale.dtype != torch.float8_e4m3fn else scale.float()
+    g = glob.float().reshape(*glob.shape, *([1] * (s.dim() - glob.dim())))
+    blocks = vals.reshape(*vals.shape[:-1], k // group, group)
+    return (blocks * (s * g).unsqueeze(-1)).reshape(vals.shape)
+
+
+def fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``w[r, c] * scale[r // 128, c // 128]`` (scale [ceil(N/128), ceil(K/128)], any singleton dims)."""
+    n, k = weight.shape
+    s = scale.float()
+    s = s.reshape(s.shape[0], -1) if s.dim() == 2 else s.reshape(s.shape[0], s.shape[2] if s.dim() == 4 else -1)
+    full = s.repeat_interleave(TILE, 0)[:n].repeat_interleave(TILE, 1)[:, :k]
+    return weight.float() * full
+
+
+class _NoKernel:
+    """Stands in for a vLLM GEMM kernel object while its method's processing runs: the kernel's own
+    ``process_weights_after_loading`` only repacks the processed weight into its GPU layout."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def _vllm_process(module) -> str:
+    """Run vLLM's ModelOptLinearMethod.process_weights_after_loading (its scale reductions, squeezes and
+    paddings) with the GEMM kernel's layout repack left out; returns what ran."""
+    qm = module.quant_method
+    kernel = getattr(qm, "kernel", None)
+    qm.kernel = _NoKernel(kernel)
+    try:
+        qm.process_weights_after_loading(module)
+    finally:
+        qm.kernel = kernel
+    return f"process_weights_after_loading run, the {type(kernel).__name__} layout repack left out"
+
+
+def _p(module, name: str):
+    t = module._parameters.get(name)
+    if t is None:
+        t = module._buffers.get(name)
+    return t if t is None else t.data
+
+
+def read_linear(engine: str, name: str, module) -> dict | None:
+    """The weight of one linear layer as the engine's GEMM reads it, or None when it has no weight."""
+    qm = getattr(module, "quant_method", None)
+    qname = type(qm).__name__ if qm is not None else None
+    w = _p(module, "weight")
+    if w is None or w.dim() != 2:
+        return None
+    entry = {"module": name, "kind": "linear", "method": qname, "class": type(module).__name__,
+             "param": f"{name}.weight", "widths": [int(x) for x in getattr(module, "output_sizes", None)
+                                                   or getattr(module, "logical_widths", None) or []]}
+    if w.dtype == torch.uint8 and _p(module, "weight_scale") is not None:
+        processed = None
+        if engine == "vllm" and qname == "ModelOptLinearMethod":
+            slots = _p(module, "weight_scale_2").float().clone()
+            processed = _vllm_process(module)
+            glob = _p(module, "weight_global_scale")
+            w = _p(module, "weight")
+        else:
+            slots = _p(module, "weight_scale_2").float().clone()
+            glob = slots.max()
+        entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4")], processed=processed or "not run",
+                     global_slots=slots.reshape(-1).tolist(), global_scale=float(glob))
+        entry["weight"] = nvfp4(w, _p(module, "weight_scale"), glob.reshape(()))
+        return entry
+    if w.dtype == torch.float8_e4m3fn:
+        processed = None
+        if engine == "vllm" and qname == "ModelOptLinearMethod":
+            processed = _vllm_process(module)
+            w = _p(module, "weight")
+        scale = _p(module, "weight_scale_inv")
+        if scale is None:
+            scale = _p(module, "weight_scale")
+        if scale is None or scale.numel() <= 1:
+            entry.update(format="fp8-tensor", rule="per-tensor FP8: no read rule in this check",
+                         unread=True)
+            return entry
+        entry.update(format="fp8-block", rule=RULES[(engine, "fp8-block")], processed=processed or "not run")
+        entry["weight"] = fp8_block(w, scale)
+        return entry
+    if w.is_floating_point():
+        entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
+        entry["weight"] = w.float()
+        return entry
+    entry.update(format=str(w.dtype), rule="no read rule in this check", unread=True)
+    return entry
+
+
+def read_moe(engine: str, name: str, module) -> list[dict]:
+    """An MoE layer's w13 and w2 as the engine's grouped GEMMs read them (one entry each)."""
+    qm = getattr(module, "quant_method", None)
+    qname = type(qm).__name__ if qm is not None else None
+    out = []
+    for which in ("w13", "w2"):
+        w = _p(module, f"{which}_weight")
+        if w is None or w.dim() != 3:
+            continue
+        entry = {"module": name, "kind": "moe", "method": qname, "class": type(module).__name__,
+                 "param": f"{name}.{which}_weight", "which": which}
+        s = _p(module, f"{which}_weight_scale")
+        s2 = _p(module, f"{which}_weight_scale_2")
+        if w.dtype == torch.uint8 and s is not None and s2 is not None:
+            slots = s2.float().reshape(s2.shape[0], -1)
+            glob = slots[:, 0]  # gate's scale for both halves of w13; w2 has one
+            entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4-moe")], processed="not run",
+                         global_slots=slots.tolist())
+            entry["weight"] = nvfp4(w, s, glob)
+        elif w.is_floating_point():
+            entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
+            entry["weight"] = w.float()
+        else:
+            entry.update(format=str(w.dtype), rule=f"no read rule in this check for {qname}", unread=True)
+        out.append(entry)
+    return out
+
+
+def _is_moe(module) -> bool:
+    return isinstance(_p(module, "w13_weight"), torch.Tensor) or isinstance(_p(module, "w2_weight"), torch.Tensor)
+
+
+def read_model(engine: str, model) -> list[dict]:
+    """Every linear and MoE layer of ``model`` read as its GEMM reads it."""
+    entries = []
+    for name, module in model.named_modules():
+        try:
+            if _is_moe(module):
+                entries += read_moe(engine, name, module)
+            elif hasattr(module, "quant_method") or isinstance(module, torch.nn.Linear):
+                e = read_linear(engine, name, module)
+                if e is not None:
+                    entries.append(e)
+        except Exception as e:  # the engine's own processing refused the layer: a finding, reported
+            entries.append({"module": name, "kind": "linear", "param": f"{name}.weight", "class": type(module).__name__,
+                            "method": type(getattr(module, "quant_method", None)).__name__,
+                            "error": f"{type(e).__name__}: {e}"[:600]})
+    return entries
+
+
+def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]]:
+    """For each checkpoint tensor: the rows (and expert) of each weight parameter its bytes were written to."""
+    out: dict[str, list[dict]] = {}
+    for (tensor, pname), spans in tracker.spans.items():
+        p = params.get(pname)
+        if p is None or not pname.endswith("weight") or p.dim() not in (2, 3):
+            continue
+        stride = p.stride()
+        for rel, shape, wstride in spans:
+            if not shape or 0 in shape:
+                continue
+            last = rel + sum((n - 1) * s for n, s in zip(shape, wstride, strict=True))
+            first_idx, last_idx = _index(rel, stride), _index(last, stride)
+            if p.dim() == 3:
+                if first_idx[0] != last_idx[0]:
+                    out.setdefault(tensor, []).append({"param": pname, "experts": [first_idx[0], last_idx[0]],
+                                                       "row": first_idx[1], "rows": None})
+                    continue
+                out.setdefault(tensor, []).append({"param": pname, "expert": first_idx[0], "row": first_idx[1],
+                                                   "rows": last_idx[1] - first_idx[1] + 1})
+            else:
+                out.setdefault(tensor, []).append({"param": pname, "row": first_idx[0],
+                                                   "rows": last_idx[0] - first_idx[0] + 1})
+    return out
+
+
+def _index(offset: int, stride: tuple[int, ...]) -> list[int]:
+    idx = []
+    for s in stride:
+        q, offset = divmod(offset, s) if s else (0, offset)
+        idx.append(q)
+    return idx
+
+
+def dump(engine: str, model, tracker, folder: str) -> dict:
+    """Read every layer, write the fp32 weights to ``folder/numerics.safetensors`` and return the index."""
+    from safetensors.torch import save_file
+
+    params = dict(tracker.params)
+    entries = read_model(engine, model)
+    tensors = {}
+    for e in entries:
+        w = e.pop("weight", None)
+        if w is not None:
+            key = f"{len(tensors):05d}:{e['param']}"
+            tensors[key] = w.contiguous()
+            e["key"] = key
+            e["shape"] = list(w.shape)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "numerics.safetensors"))
+    return {"layers": entries, "placements": placements(tracker, params),
+            "weight_params": sorted(n for n in params if re.search(r"weight$", n))}
