@@ -146,8 +146,9 @@ class Tracker:
         self.written: dict[int, torch.Tensor] = {}  # storage -> byte mask of written bytes
         self.observer_errors: list[str] = []
         self.shared_storage_offers: list[str] = []
-        # (checkpoint tensor, parameter) -> [(element offset in the parameter, shape, stride)] of each write
-        self.spans: dict[tuple[str, str], list[tuple[int, tuple, tuple]]] = defaultdict(list)
+        # (checkpoint tensor, parameter) -> [(element offset in the parameter, shape, stride, byte offset read
+        # in the checkpoint tensor or None)] of each write
+        self.spans: dict[tuple[str, str], list[tuple[int, tuple, tuple, int | None]]] = defaultdict(list)
 
     # -- before loading --------------------------------------------------------------------------
     def arm(self, model: torch.nn.Module) -> None:
@@ -191,15 +192,18 @@ class Tracker:
     def _observe(self, func, args, kwargs, out) -> None:
         ins = _tensors((args, kwargs))
         names: dict[str, torch.dtype] = {}
-        direct: set[str] = set()  # names whose data reaches this op from outside any parameter
+        # names whose data reaches this op from outside any parameter -> byte offset of the view read in
+        # the offered tensor (None: through a derived tensor)
+        direct: dict[str, int | None] = {}
         for t in ins:
             k = _key(t)
             if k is not None and k in self.taint:
                 lo, hi = _span(t)
-                hit = {n: dt for n, (dt, sp) in self.taint[k].items() if sp is None or (sp[0] < hi and lo < sp[1])}
-                names.update(hit)
-                if k not in self.pstore:
-                    direct.update(hit)
+                for n, (dt, sp) in self.taint[k].items():
+                    if sp is None or (sp[0] < hi and lo < sp[1]):
+                        names[n] = dt
+                        if k not in self.pstore:
+                            direct[n] = None if sp is None else lo - sp[0]
         written: list[torch.Tensor] = []
         schema = func._schema
         for i, a in enumerate(schema.arguments):
@@ -219,7 +223,7 @@ class Tracker:
                     for n, sdt in names.items():
                         self.stored[n].add(pname)
                         if n in direct:
-                            self.spans[(n, pname)].append((rel, tuple(w.shape), tuple(w.stride())))
+                            self.spans[(n, pname)].append((rel, tuple(w.shape), tuple(w.stride()), direct[n]))
                         c = cast_class(sdt, pdt)
                         if c:
                             self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),

@@ -216,9 +216,12 @@ def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]
         if p is None or not pname.endswith("weight") or p.dim() not in (2, 3):
             continue
         stride = p.stride()
-        for rel, shape, wstride in spans:
+        info = tracker.offered.get(tensor, {})
+        row_bytes = _row_bytes(info)
+        for rel, shape, wstride, src in spans:
             if not shape or 0 in shape:
                 continue
+            src_row = None if src is None or not row_bytes or src % row_bytes else src // row_bytes
             last = rel + sum((n - 1) * s for n, s in zip(shape, wstride, strict=True))
             first_idx, last_idx = _index(rel, stride), _index(last, stride)
             if p.dim() == 3:
@@ -227,11 +230,26 @@ def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]
                                                        "row": first_idx[1], "rows": None})
                     continue
                 out.setdefault(tensor, []).append({"param": pname, "expert": first_idx[0], "row": first_idx[1],
-                                                   "rows": last_idx[1] - first_idx[1] + 1})
+                                                   "rows": last_idx[1] - first_idx[1] + 1, "src_row": src_row})
             else:
                 out.setdefault(tensor, []).append({"param": pname, "row": first_idx[0],
-                                                   "rows": last_idx[0] - first_idx[0] + 1})
+                                                   "rows": last_idx[0] - first_idx[0] + 1, "src_row": src_row})
     return out
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1,
+             "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int64": 8}
+
+
+def _row_bytes(info: dict) -> int | None:
+    """Bytes of one row (first dimension) of an offered checkpoint tensor."""
+    shape, size = info.get("shape"), _ITEMSIZE.get(info.get("dtype", ""))
+    if not shape or size is None:
+        return None
+    n = size
+    for d in shape[1:]:
+        n *= d
+    return n
 
 
 def _index(offset: int, stride: tuple[int, ...]) -> list[int]:

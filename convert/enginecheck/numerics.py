@@ -1,0 +1,376 @@
+"""The numeric check: what the engine will compute with, row for row, against the source's own weight.
+
+The engine runner (``runner_numerics``) hands over every linear and MoE layer dequantized as the engine's
+GEMM reads it (its fused scale tensors, its one global scale per fused layer, its w13 order) and, for
+every checkpoint tensor, the rows (and expert) of the engine parameter its bytes landed in. Here each
+placed block of rows is compared with the **source** weight of the same rows: the input's BF16 tensor as
+stored, its MXFP4 or block-FP8 tensor decoded. The source of an output tensor is the manifest's record
+(which source tensors, at which rows) or, for a checkpoint this tool did not write, the source tensor of
+the same module name.
+
+Each row is held to the format's own error on that row, computed from the source alone:
+
+* ``nvfp4``: ModelOpt's NVFP4 quantizer (``kernels.reference``) with the global scale of the engine's
+  fused layer (the amax of every source row placed in it, for an expert: in its w13 or w2); where the
+  source is MXFP4 and the output is NVIDIA's closed-form cast, the blocks the cast keeps exactly
+  (``k_j - (k_max - 8)`` inside e4m3's power-of-two window, ``k_max`` over the fused layer) must be read
+  back **exactly**, the others are held to the quantizer with the cast's global scale ``2^(k_max - 8)``;
+* ``fp8-block``: ModelOpt's 128x128 block FP8 (``kernels.fp8_block``) on the output tensor's own tiles;
+* ``dense``: the source rounded to the parameter's dtype (exactly 0 for BF16 kept as BF16).
+
+A row passes when its relative error (L2 over the row) is at most ``SLACK`` times its bound plus
+``FLOOR``; a zero bound means bit-exact. Tolerating the slack lets another tool's rounding (a different
+but valid encoder) pass, while a misplaced scale, a wrong global scale or swapped rows do not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConvertError
+from ..kernels import fp8_block, reference
+from ..kernels.formats import decode_fp8_block, decode_mxfp4
+from ..plan import Encoding
+
+SLACK = 1.25
+FLOOR = 1e-6
+E4M3_WINDOW = (-9, 8)
+
+
+@dataclass
+class Ref:
+    """The source's weight for one output tensor: fp32 values, the stored dense values (for block FP8's
+    own rounding), and per row block the MXFP4 E8M0 bytes (None where not MXFP4)."""
+
+    values: torch.Tensor
+    dense: torch.Tensor | None
+    e8m0: torch.Tensor | None
+    cast: bool  # the output claims NVIDIA's closed-form MXFP4 cast (manifest), or None: decide from the scale
+    sources: list[str]
+
+
+@dataclass
+class LayerCheck:
+    engine_param: str
+    module: str
+    format: str
+    rule: str
+    processed: str
+    members: list[str] = field(default_factory=list)
+    rows: int = 0
+    max_rel_err: float = 0.0
+    mean_rel_err: float = 0.0
+    max_bound: float = 0.0
+    exact: bool = True  # every row held to a bound of 0
+    exact_elements: int = 0
+    worst: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class NumericReport:
+    engine: str
+    layers: list[LayerCheck] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    unplaced: list[str] = field(default_factory=list)  # checkpoint weights placed in no layer read here
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(c.ok for c in self.layers)
+
+    def failures(self) -> list[str]:
+        return self.problems + [p for c in self.layers for p in c.problems]
+
+    def summary(self) -> dict:
+        """Per format: layers, the largest relative error against its bound, exact layers."""
+        by: dict[str, dict] = {}
+        for c in self.layers:
+            if not c.rows:
+                continue
+            s = by.setdefault(c.format, {"layers": 0, "max_rel_err": 0.0, "max_bound": 0.0, "exact_layers": 0,
+                                         "worst_ratio": 0.0})
+            s["layers"] += 1
+            s["max_rel_err"] = max(s["max_rel_err"], c.max_rel_err)
+            s["max_bound"] = max(s["max_bound"], c.max_bound)
+            s["exact_layers"] += c.exact and c.max_rel_err == 0
+            for w in c.worst[:1]:
+                s["worst_ratio"] = max(s["worst_ratio"], w["ratio"])
+        return by
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "ok": self.ok, "problems": self.failures(), "summary": self.summary(),
+                "unplaced": self.unplaced, "layers": [asdict(c) | {"ok": c.ok} for c in self.layers]}
+
+
+class Sources:
+    """Source weights by output tensor name: the manifest's records, else the same module in the input."""
+
+    def __init__(self, input_dir: Path, output_dir: Path, manifest: dict | None):
+        from ..checkpoint import open_checkpoint
+        from ..plan.discover import discover_sources
+        from ..readers import MappedReader
+
+        self.ckpt = open_checkpoint(input_dir)
+        self.block = _block(self.ckpt.config)
+        self.modules = discover_sources(self.ckpt)
+        self.by_name = {s.name: s for m in self.modules.values() for s in m.values()}
+        self.reader = MappedReader(Path(input_dir))
+        self.records: dict[str, dict] = {}
+        if manifest is not None:
+            from ..manifest import iter_modules
+
+            for _, m in iter_modules(output_dir, manifest):
+                for t in m.get("tensors", []):
+                    if t["name"].endswith(".weight"):
+                        self.records[t["name"]] = m
+
+    def _decode(self, src) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        parts = [self.reader.tensor(p) for p in src.parts]
+        if src.encoding == Encoding.MXFP4:
+            return decode_mxfp4(parts[0], parts[1]), None, parts[1]
+        if src.encoding == Encoding.FP8_BLOCK:
+            return decode_fp8_block(parts[0], parts[1], self.block), None, None
+        return parts[0].float(), parts[0], None
+
+    def ref(self, tensor: str) -> Ref | None:
+        rec = self.records.get(tensor)
+        if rec is None:
+            src = self.by_name.get(tensor)
+            if src is None:
+                return None
+            v, d, e = self._decode(src)
+            return Ref(v, d, e, None, [src.name])  # type: ignore[arg-type]
+        srcs = [(s, self.by_name.get(s["name"])) for s in rec.get("sources", [])]
+        if not srcs or any(st is None for _, st in srcs):
+            return None
+        decoded = [(s["rows"], *self._decode(st)) for s, st in srcs]
+        cat = lambda xs: None if any(x is None for x in xs) else torch.cat(xs)  # noqa: E731
+        order = sorted(range(len(decoded)), key=lambda i: decoded[i][0][0])
+        q = rec.get("quantization") or {}
+        return Ref(torch.cat([decoded[i][1] for i in order]), cat([decoded[i][2] for i in order]),
+                   cat([decoded[i][3] for i in order]), q.get("method") == "mxfp4-cast",
+                   [s["name"] for s, _ in srcs])
+
+
+def _block(config: dict) -> tuple[int, int]:
+    from ..plan.discover import fp8_block_size
+
+    return fp8_block_size(config)
+
+
+def _row_err(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of each row; inf where the source row is 0 and the read is not."""
+    d = (w - r).norm(dim=-1)
+    n = r.norm(dim=-1)
+    return torch.where(n > 0, d / n.clamp_min(1e-38), torch.where(d > 0, torch.inf, 0.0))
+
+
+def _nvfp4_bound(refs: list[Ref], cast_claim: list[bool], kmax: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per member: (row bound, mask of elements the closed-form cast keeps exactly) for NVFP4."""
+    amax = max(float(r.values.abs().max()) for r in refs) if refs else 0.0
+    s2 = reference.global_scale(torch.tensor(amax))
+    out = []
+    for r, cast in zip(refs, cast_claim, strict=True):
+        v = r.values
+        if cast and r.e8m0 is not None and kmax is not None:
+            kj = (r.e8m0.to(torch.int32) - 127).repeat_interleave(32, dim=-1)[:, : v.shape[1]]
+            delta = kj - (kmax - 8)
+            exact = ((delta >= E4M3_WINDOW[0]) & (delta <= E4M3_WINDOW[1])) | (r.e8m0 == 0).repeat_interleave(
+                32, dim=-1)[:, : v.shape[1]]
+            q = reference.dequantize(*reference.quantize(v, torch.tensor(2.0 ** (kmax - 8))),
+                                     torch.tensor(2.0 ** (kmax - 8)))
+            q = torch.where(exact, v, q)
+        else:
+            exact = torch.zeros_like(v, dtype=torch.bool)
+            q = reference.dequantize(*reference.quantize(v, s2), s2)
+        out.append((_row_err(q, v), exact))
+    return out
+
+
+def _fp8_bound(r: Ref) -> torch.Tensor:
+    src = r.dense if r.dense is not None and r.dense.dtype == torch.bfloat16 else r.values
+    q, s = fp8_block.quantize(src)
+    return _row_err(fp8_block.dequantize(q, s), r.values)
+
+
+def _dense_bound(r: Ref, dtype: str) -> torch.Tensor:
+    dt = getattr(torch, dtype.replace("torch.", ""), torch.float32)
+    return _row_err(r.values.to(dt).float(), r.values)
+
+
+def _kmax(refs: list[Ref]) -> int | None:
+    tops = [int(r.e8m0.max()) for r in refs if r.e8m0 is not None and r.e8m0.numel()]
+    if len(tops) != len(refs) or not tops:
+        return None
+    top = max(tops)
+    return top - 127 if top else 0
+
+
+def compare(engine: str, result: dict, folder: Path, sources: Sources) -> NumericReport:
+    """Hold every placed row of every layer the runner read to its source and its bound."""
+    from safetensors import safe_open
+
+    rep = NumericReport(engine)
+    num = result.get("numerics") or {}
+    if "error" in num:
+        err = num["error"]
+        rep.problems.append(f"{engine}: the numeric read failed: {err.get('type')}: {err.get('message')}")
+        return rep
+    placed: dict[tuple[str, int | None], list[tuple[str, int, int]]] = {}
+    read = {layer["param"] for layer in num.get("layers", [])}
+    for tensor, spots in num.get("placements", {}).items():
+        for s in [s for s in spots if s["param"] in read]:  # a conv or other weight is not a GEMM's
+            if s.get("rows") is None:
+                rep.problems.append(f"{engine}: {tensor} was written across experts {s.get('experts')} of "
+                                    f"{s['param']}")
+                continue
+            placed.setdefault((s["param"], s.get("expert")), []).append(
+                (tensor, s["row"], s["rows"], s.get("src_row")))
+    used: set[str] = set()
+    with safe_open(str(folder / "numerics.safetensors"), framework="pt") as f:
+        for layer in num.get("layers", []):
+            c = _check_layer(engine, layer, f, placed, sources, used)
+            if c is not None:
+                rep.layers.append(c)
+    rep.unplaced = sorted({spot[0] for spots in placed.values() for spot in spots} - used)
+    return rep
+
+
+def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str]) -> LayerCheck | None:
+    param = layer["param"]
+    c = LayerCheck(param, layer["module"], layer.get("format", "?"), layer.get("rule", ""),
+                   layer.get("processed", ""))
+    if layer.get("error"):
+        c.problems.append(f"{engine}: {layer['module']}: the engine's own processing failed: {layer['error']}")
+        return c
+    groups = sorted(k for k in placed if k[0] == param)
+    if not groups:
+        return None  # no checkpoint tensor reached it (a derived or engine-made layer)
+    if layer.get("unread"):
+        c.problems.append(f"{engine}: {param}: {layer.get('rule')} ({layer.get('method')}); not checked")
+        return c
+    w_all = f.get_tensor(layer["key"])
+    errs, bounds = [], []
+    for key in groups:
+        expert = key[1]
+        w = w_all[expert] if expert is not None else w_all
+        spots = sorted(placed[key], key=lambda s: s[1])
+        refs, ok_spots = [], []
+        for tensor, row, n, src_row in spots:
+            used.add(tensor)
+            r = sources.ref(tensor)
+            where = f"{param}" + (f" expert {expert}" if expert is not None else "")
+            if r is None:
+                c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
+                continue
+            s0 = src_row if src_row is not None else 0
+            if (src_row is None and r.values.shape[0] != n) or s0 + n > r.values.shape[0] \
+                    or r.values.shape[-1] != w.shape[-1]:
+                c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1} hold {tensor}, whose source is "
+                                  f"{list(r.values.shape)} (placed: {n} rows of {w.shape[-1]} columns)")
+                continue
+            if s0 or n != r.values.shape[0]:
+                r = _rows(r, s0, n)
+            refs.append(r)
+            ok_spots.append((tensor, row, n))
+            if tensor not in c.members:
+                c.members.append(tensor)
+        if not refs:
+            continue
+        if c.format == "nvfp4":
+            kmax = _kmax(refs)
+            glob = _global_of(layer, expert)
+            claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8))
+                      for r in refs]
+            bl = _nvfp4_bound(refs, claims, kmax)
+        elif c.format == "fp8-block":
+            bl = [(_fp8_bound(r), torch.zeros_like(r.values, dtype=torch.bool)) for r in refs]
+        else:
+            bl = [(_dense_bound(r, layer.get("dtype", "float32")), torch.ones_like(r.values, dtype=torch.bool))
+                  for r in refs]
+        for (tensor, row, n), r, (bound, exact) in zip(ok_spots, refs, bl, strict=True):
+            got = w[row: row + n].float()
+            err = _row_err(got, r.values)
+            if c.format == "dense":
+                exact = torch.zeros_like(exact) if bool((bound > 0).any()) else exact
+            exact_bad = int((exact & (got != r.values)).sum())
+            c.exact_elements += int(exact.sum())
+            lim = bound * SLACK + FLOOR
+            lim = torch.where(bound == 0, torch.zeros_like(bound), lim)
+            bad = err > lim
+            if exact_bad and not bool(bad.any()):
+                bad = (exact & (got != r.values)).any(dim=-1)
+            errs.append(err)
+            bounds.append(bound)
+            c.rows += n
+            c.exact = c.exact and bool((bound == 0).all())
+            ratio = torch.where(lim > 0, err / lim, torch.where(err > 0, torch.inf, 0.0))
+            top = torch.argsort(ratio, descending=True)[:3]
+            for i in top.tolist():
+                c.worst.append({"tensor": tensor, "expert": expert, "row": row + i, "source_row": i,
+                                "rel_err": float(err[i]), "bound": float(bound[i]), "ratio": float(ratio[i])})
+            if bool(bad.any()):
+                rows = torch.nonzero(bad).flatten().tolist()
+                where = f"{param}" + (f" expert {expert}" if expert is not None else "")
+                what = (f"{exact_bad} element(s) the recipe keeps exactly differ" if exact_bad else
+                        f"relative error up to {float(err[bad].max()):.3g} against a bound of "
+                        f"{float(bound[bad].max()):.3g}")
+                c.problems.append(f"{engine}: {where} rows {row + rows[0]}..{row + rows[-1]} ({len(rows)} of {n}, "
+                                  f"from {tensor}): {what} ({c.format}: {_why(layer)})")
+    if errs:
+        e, b = torch.cat(errs), torch.cat(bounds)
+        finite = e[torch.isfinite(e)]
+        c.max_rel_err = float(e.max())
+        c.mean_rel_err = float(finite.mean()) if finite.numel() else math.inf
+        c.max_bound = float(b.max())
+    c.worst = sorted(c.worst, key=lambda w: -w["ratio"])[:3]
+    return c
+
+
+def _rows(r: Ref, start: int, n: int) -> Ref:
+    """The source rows one write placed (an engine may split one stored tensor over several slots)."""
+    cut = lambda t: None if t is None else t[start: start + n]  # noqa: E731
+    return Ref(r.values[start: start + n], cut(r.dense), cut(r.e8m0), r.cast, r.sources)
+
+
+def _global_of(layer: dict, expert: int | None) -> float | None:
+    slots = layer.get("global_slots")
+    if slots is None:
+        return None
+    if expert is None:
+        return float(layer.get("global_scale", max(slots)))
+    row = slots[expert]
+    return float(row[0] if isinstance(row, list) else row)
+
+
+def _why(layer: dict) -> str:
+    slots = layer.get("global_slots")
+    if layer.get("format") != "nvfp4" or not slots:
+        return "scales as the engine reads them"
+    flat = [x for s in slots for x in (s if isinstance(s, list) else [s])]
+    if len(set(flat)) > 1 and layer.get("kind") == "linear":
+        return f"the engine keeps one global scale, the max of {sorted(set(flat))}"
+    if layer.get("kind") == "moe" and any(isinstance(s, list) and len(set(s)) > 1 for s in slots):
+        return "the engine reads w13 with the gate's global scale; the up half's differs"
+    return "global scale as the engine keeps it"
+
+
+def run(engine: str, result_file: Path, folder: Path, input_dir: Path, output_dir: Path) -> NumericReport:
+    """The numeric check of one engine run (``result_file``: the runner's JSON, ``folder``: its dump)."""
+    man = None
+    mp = output_dir / "manifest.json"
+    if mp.is_file():
+        try:
+            man = json.loads(mp.read_text())
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"{mp}: cannot read it ({e})") from None
+    return compare(engine, json.loads(result_file.read_text()), folder, Sources(input_dir, output_dir, man))
