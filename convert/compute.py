@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, DecodeError, decode_fp8_block, decode_mxfp4, mxfp4_cast, outputs, reference
+from kimi_convert.kernels import (
+    Backend,
+    DecodeError,
+    decode_fp8_block,
+    decode_mxfp4,
+    fp8_block,
+    mxfp4_cast,
+    outputs,
+    reference,
+)
 from kimi_convert.kernels.outputs import Arena
 
 from .errors import ConvertError
@@ -129,15 +138,23 @@ def _cast_mxfp4(items: list[Item], reader: TensorSource, backend: Backend, res: 
 
 def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: Backend, res: UnitResult) -> None:
     """128x128 block FP8 of a 2-D weight (an MXFP4 or FP8 source is decoded to BF16 first). A module fused
-    on disk is its members' quantizations stacked row-wise (the plan keeps their boundaries on tiles), so
-    its bytes are those the engine's per-shard loader would assemble."""
+    on disk is quantized on its own tile grid: where every member but the last has whole tiles of rows,
+    that is its members' quantizations stacked row-wise (member by member, no concatenated copy); where
+    a member ends mid-tile (K3's ``[q_a | kv_a | g]``), the tiles straddle members and the fused weight is
+    quantized as one tensor, so that each 128-row tile has the one scale the engine's GEMM reads for it
+    (docs/engines.md, "Numerics")."""
     qs, scales, zero = [], [], 0
+    weights = []
     for src in it.sources:
         w = decode(src, reader, block, backend)
         if src.encoding != Encoding.DENSE:
             w = w.to(torch.bfloat16)
         if not bool(torch.isfinite(backend.amax(w))):
             raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+        weights.append(w)
+    if any(w.shape[0] % fp8_block.BLOCK for w in weights[:-1]):
+        weights = [torch.cat(weights)]
+    for w in weights:
         q, scale = backend.fp8_block(w)
         qs.append(as_bytes(q))
         scales.append(as_bytes(scale))

@@ -278,23 +278,25 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
                 c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1} hold {tensor}, whose source is "
                                   f"{list(r.values.shape)} (placed: {n} rows of {w.shape[-1]} columns)")
                 continue
-            if s0 or n != r.values.shape[0]:
-                r = _rows(r, s0, n)
-            refs.append(r)
+            refs.append((r, s0, n))
             ok_spots.append((tensor, row, n))
             if tensor not in c.members:
                 c.members.append(tensor)
         if not refs:
             continue
-        if c.format == "nvfp4":
+        if c.format == "nvfp4":  # rows are independent but for the layer's one global scale
+            refs = [_rows(r, s0, n) for r, s0, n in refs]
             kmax = _kmax(refs)
             glob = _global_of(layer, expert)
             claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8))
                       for r in refs]
             bl = _nvfp4_bound(refs, claims, kmax)
-        elif c.format == "fp8-block":
-            bl = [(_fp8_bound(r), torch.zeros_like(r.values, dtype=torch.bool)) for r in refs]
+        elif c.format == "fp8-block":  # the stored tensor's own tile grid, then the rows this write placed
+            bl = [(_fp8_bound(r)[s0: s0 + n], torch.zeros((n, r.values.shape[1]), dtype=torch.bool))
+                  for r, s0, n in refs]
+            refs = [_rows(r, s0, n) for r, s0, n in refs]
         else:
+            refs = [_rows(r, s0, n) for r, s0, n in refs]
             bl = [(_dense_bound(r, layer.get("dtype", "float32")), torch.ones_like(r.values, dtype=torch.bool))
                   for r in refs]
         for (tensor, row, n), r, (bound, exact) in zip(ok_spots, refs, bl, strict=True):
@@ -338,6 +340,8 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
 
 def _rows(r: Ref, start: int, n: int) -> Ref:
     """The source rows one write placed (an engine may split one stored tensor over several slots)."""
+    if start == 0 and n == r.values.shape[0]:
+        return r
     cut = lambda t: None if t is None else t[start: start + n]  # noqa: E731
     return Ref(r.values[start: start + n], cut(r.dense), cut(r.e8m0), r.cast, r.sources)
 

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from ..errors import ConvertError
 from ..mapping import ENGINES, Group, Mapping
 from ..options import LAYOUTS, Options
-from ..recipe import FP8_BLOCK
 from .decide import _Context, _decide
 from .discover import _Modules
-from .model import FP8, Op, SourceTensor
+from .model import Op, SourceTensor
 
 # ---------------------------------------------------------------------------------------------
 # Fusion: which modules each group instance takes
@@ -177,12 +176,9 @@ def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> lis
         except ConvertError:
             out.append(f)  # the real decision below says what is wrong
             continue
-        rows = [ctx.modules[mod]["weight"].shape[0] for mod in f.members]
         why = None
         if kind not in allowed[0]:
             why = allowed[1]
-        elif kind == FP8 and any(n % FP8_BLOCK for n in rows[:-1]):
-            why = f"block FP8 tiles would straddle its members (rows {rows}, tiles of {FP8_BLOCK})"
         if why is None:
             out.append(f)
         elif (f.group.name, kind) not in said:

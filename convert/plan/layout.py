@@ -85,9 +85,6 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
         if shape[1] % FP8_BLOCK:
             raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
                                f"(the engines refuse it); exclude it (--exclude '{name}')")
-        if any(s.shape[0] % FP8_BLOCK for s in srcs[:-1]):
-            raise ConvertError(f"{where}: block FP8 fused on disk needs every member but the last to have a multiple "
-                               f"of {FP8_BLOCK} rows (tiles must not straddle members); use --layout source")
     dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale)
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
