@@ -243,15 +243,19 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
                    "KIMI_CONVERT_VLLM_PYTHON / KIMI_CONVERT_SGLANG_PYTHON, else scripts/engine-envs.sh's environment).")
 @click.option("--engine-any-version", is_flag=True,
               help="With --engine: run an engine version other than the tested one.")
+@click.option("--numerics/--no-numerics", default=True, show_default=True,
+              help="With --engine and --input: read every layer as the engine's GEMM does and compare it, row for "
+                   "row, with INPUT's weights, each row held to its format's own error.")
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable report (with --engine: every parameter's details).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, remote: str | None,
                     revision: str | None, token: str | None, engines: tuple[str, ...], engine_python: str | None,
-                    engine_any_version: bool, as_json: bool, quiet: bool) -> None:
+                    engine_any_version: bool, numerics: bool, as_json: bool, quiet: bool) -> None:
     """Check OUTPUT against its manifest.json (exit 0 only if everything holds).
 
-    With --engine and no manifest.json in OUTPUT (any checkpoint), only the engine checks run.
+    With --engine and no manifest.json in OUTPUT (any checkpoint: NVIDIA's, llm-compressor's), only the engine
+    checks run, and with --input SOURCE the numeric check against SOURCE's weights, matched by tensor name.
     """
     from .progress import Progress
     from .verify import Report, verify
@@ -271,8 +275,9 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         with Progress("verify", not (quiet or as_json)) as bar:
             rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=bar.grow)
     else:
-        if input_dir or remote:
-            raise ConvertError(f"{output_dir}: no manifest.json, so --input and --remote have nothing to check")
+        if remote or (input_dir and not numerics):
+            raise ConvertError(f"{output_dir}: no manifest.json, so --input (without the numeric check) and --remote "
+                               "have nothing to check")
         rep = Report()
     if remote:
         from .hub import verify_remote
@@ -288,10 +293,17 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         for engine in engines:
             if not (quiet or as_json):
                 click.echo(f"loading {output_dir} with {engine} (its own loader, on the CPU)...", err=True)
-            er = check(output_dir, engine, python=engine_python, any_version=engine_any_version)
+            er = check(output_dir, engine, python=engine_python, any_version=engine_any_version,
+                       source=input_dir if numerics else None)
             engine_reports.append(er)
-            rep.check(f"{engine} {er.version}: its own loader ({er.seconds:.0f} s)", [] if er.ok else [er.verdict],
-                      er.verdict if er.ok else "")
+            rep.check(f"{engine} {er.version}: its own loader ({er.seconds:.0f} s)", [] if er.loads else [er.verdict],
+                      er.load_verdict if er.loads else "")
+            if er.loads and er.numerics is not None:
+                rep.check(f"{engine} {er.version}: numerics, every layer as its GEMM reads it",
+                          [] if er.numerics["ok"] else er.numerics["problems"], er.numeric_verdict)
+    if engines and numerics and not input_dir and not (quiet or as_json):
+        click.echo("note: numeric check not run: give --input SOURCE (the checkpoint OUTPUT was converted from)",
+                   err=True)
     if as_json:
         d = rep.to_dict()
         if not manifest:

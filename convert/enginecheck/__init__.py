@@ -139,13 +139,42 @@ class Report:
     timings: dict = field(default_factory=dict)
     seconds: float = 0.0
     log_tail: list[str] = field(default_factory=list)
+    numerics: dict | None = None  # numerics.NumericReport.to_dict(), when the source was given
 
     @property
-    def ok(self) -> bool:
+    def loads(self) -> bool:
         return self.loaded and not (self.unfilled or self.skipped or self.bad_casts or self.observer_errors)
 
     @property
+    def ok(self) -> bool:
+        return self.loads and (self.numerics is None or self.numerics["ok"])
+
+    @property
+    def numeric_verdict(self) -> str:
+        """One line: every layer within its format's bound, or the first layer read wrong."""
+        n = self.numerics
+        if n is None:
+            return "numeric check not run (needs --input SOURCE)"
+        if not n["ok"]:
+            probs = n["problems"]
+            more = f" (+{len(probs) - 1} more)" if len(probs) > 1 else ""
+            return f"reads weights wrong: {probs[0]}{more}"
+        layers = sum(s["layers"] for s in n["summary"].values())
+        exact = sum(s["exact_layers"] for s in n["summary"].values())
+        worst = ", ".join(f"{k} {s['max_rel_err']:.3g} (bound {s['max_bound']:.3g})" for k, s in
+                          sorted(n["summary"].items()))
+        return f"numerics: {layers} layers read right, {exact} exactly; max relative error per format: {worst}"
+
+    @property
     def verdict(self) -> str:
+        """The load verdict, and where the load holds but the numeric check does not, its first finding."""
+        if self.loads and not self.ok:
+            arch = ", ".join(self.architectures) or "?"
+            return f"{self.engine} {self.version or '?'}: {self.output_dir} loads as {arch} but {self.numeric_verdict}"
+        return self.load_verdict
+
+    @property
+    def load_verdict(self) -> str:
         head = f"{self.engine} {self.version or '?'}"
         where = self.output_dir
         if self.error:
@@ -157,7 +186,7 @@ class Report:
             during = f" while loading {self.error['tensor']}" if self.error.get("tensor") else ""
             return f"{head}: {where} does NOT load: {self.error.get('type')}: {msg}{at}{during}"
         arch = ", ".join(self.architectures) or "?"
-        if self.ok:
+        if self.loads:
             extra = f"; {len(self.allowed_unfilled)} engine-optional parameter(s) left unset" \
                 if self.allowed_unfilled else ""
             if self.source_casts:
@@ -196,8 +225,11 @@ def runner_path(engine: str) -> Path:
 
 
 def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike | None = None,
-          any_version: bool = False, timeout: float = DEFAULT_TIMEOUT) -> Report:
-    """Load ``output_dir`` with ``engine``'s own code in its own python and report what it did."""
+          any_version: bool = False, timeout: float = DEFAULT_TIMEOUT,
+          source: str | os.PathLike | None = None) -> Report:
+    """Load ``output_dir`` with ``engine``'s own code in its own python and report what it did; with
+    ``source`` (the checkpoint it was converted from), also the numeric check (``numerics``): every layer
+    read as the engine's GEMM reads it, against the source's weight of the same rows."""
     out = Path(output_dir)
     if not (out / "config.json").is_file():
         raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
@@ -218,8 +250,10 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
         log = Path(tmp, "runner.log")
         with open(log, "w") as lf:
             try:
-                proc = subprocess.run([str(py), str(runner_path(engine)), str(out.resolve()), "--out", str(res)],
-                                      stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=tmp)
+                cmd = [str(py), str(runner_path(engine)), str(out.resolve()), "--out", str(res)]
+                if source is not None:
+                    cmd += ["--numerics", str(Path(tmp, "numerics"))]
+                proc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=tmp)
                 rc = proc.returncode
             except subprocess.TimeoutExpired:
                 rc = None
@@ -232,23 +266,65 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
                          "frames": []}
             return rep
         d = json.loads(res.read_text())
+        if source is not None and d.get("error") is None and d.get("phase") == "done":
+            from . import numerics
+
+            t1 = time.perf_counter()
+            rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), Path(source), out).to_dict()
+            rep.timings["compare_s"] = round(time.perf_counter() - t1, 2)
+    timings = dict(rep.timings)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
               "allowed_unfilled", "skipped", "bad_casts", "widening_casts", "created_during_load",
               "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])
+    rep.timings.update(timings)
     rep.version = d.get("version") or rep.version
     rep.loaded = d.get("error") is None and d.get("phase") == "done"
-    _separate_source_casts(rep, out)
+    _separate_source_casts(rep, out, source)
     return rep
 
 
-def _separate_source_casts(rep: Report, out: Path) -> None:
+def _same_as_source(out: Path, source: Path, names: set[str]) -> set[str]:
+    """Of ``names``, the tensors ``out`` stores byte for byte as ``source`` does (read by the safetensors
+    library through each folder's index): for a checkpoint without a manifest."""
+    import torch
+    from safetensors import safe_open
+
+    def where(folder: Path) -> dict[str, str]:
+        idx = folder / "model.safetensors.index.json"
+        if idx.is_file():
+            return json.loads(idx.read_text()).get("weight_map", {})
+        found = {}
+        for f in folder.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as h:
+                found.update(dict.fromkeys(h.keys(), f.name))
+        return found
+
+    a, b = where(out), where(source)
+    same = set()
+    for n in sorted(names & a.keys() & b.keys()):
+        with safe_open(str(out / a[n]), "pt") as fa, safe_open(str(source / b[n]), "pt") as fb:
+            x, y = fa.get_tensor(n), fb.get_tensor(n)
+        if x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            same.add(n)
+    return same
+
+
+def _separate_source_casts(rep: Report, out: Path, source: str | os.PathLike | None = None) -> None:
     """A float narrowed on load (fp32 ``o_norm`` into a bf16 parameter, say) is the engine's reading of
     the input checkpoint itself when the output holds that tensor byte for byte as the input does (the
-    manifest says so): listed as a source cast, not a conversion defect. Reinterpretations always fail."""
+    manifest says so; without one, the source given for the numeric check, compared byte for byte): listed
+    as a source cast, not a conversion defect. Reinterpretations always fail."""
     from ..manifest import iter_modules
 
+    if not (out / "manifest.json").is_file():
+        if source is not None:
+            narrowed = {c["tensor"] for c in rep.bad_casts if c.get("class") == "narrowing"}
+            unchanged = _same_as_source(out, Path(source), narrowed)
+            rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c["tensor"] in unchanged]
+            rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
+        return
     try:
         man = json.loads((out / "manifest.json").read_text())
         unchanged = {t["name"] for _, m in iter_modules(out, man) if m.get("kind") in (Kind.COPY, Kind.KEEP)
