@@ -17,12 +17,26 @@ def main(path: str) -> None:
     for r in rows:  # the last run of each combination wins
         seen[(r["engine"], r["model"], r["recipe"], r["layout"])] = r
     print("| engine | model | recipe | layout | loads | every parameter filled | skipped | bad casts | "
-          "engine-optional unset |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "engine-optional unset | read right (numeric check) | max relative error (bound) | exact layers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (engine, model, recipe, layout), r in sorted(seen.items()):
+        num = r.get("numerics") or {}
+        errs = ", ".join(f"{k} {v['max_rel_err']:.2g} ({v['max_bound']:.2g})" for k, v in sorted(num.items())
+                         if k != "dense") or "-"
+        exact = sum(v["exact_layers"] for v in num.values())
+        layers = sum(v["layers"] for v in num.values())
+        right = {True: "yes", False: "**no**: " + "; ".join(
+            _short(p) for p in r.get("numerics_problems", [])[:1]), None: "not run"}[r.get("numerics_ok")]
         print(f"| {engine} {r['version']} | {model} | `{recipe}` | `{layout}` | {'yes' if r['loads'] else '**no**'} | "
-              f"{'yes' if r['filled'] else '**no**'} | {r['skipped']} | {r['bad_casts']} | {r['optional_unset']} |")
+              f"{'yes' if r['filled'] else '**no**'} | {r['skipped']} | {r['bad_casts']} | {r['optional_unset']} | "
+              f"{right} | {errs} | {exact} of {layers} |")
 
+
+def _short(problem: str) -> str:
+    """A numeric failure's layer and error, for a table cell."""
+    layer = problem.split(": ", 2)[1].split(" rows")[0].rsplit(".", 2)[-2]
+    err = problem.split("relative error up to ")[-1].split(" (")[0] if "relative error" in problem else problem[-60:]
+    return f"`{layer}` {err}"
 
 if __name__ == "__main__":
     main(sys.argv[1])
