@@ -12,7 +12,6 @@ byte.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
+from .jsonfile import read_json
 from .jsonstream import iter_object
 from .manifest import FORMAT, RecordsReader, is_v3, iter_modules, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
@@ -371,9 +371,9 @@ def _side_records(man: dict, others: dict[str, dict]) -> list[str]:
 
 def _read_json(path: Path, problems: list[str]) -> dict | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        problems.append(f"{path.name}: unreadable ({e.__class__.__name__})")
+        return read_json(path, path.name, want=None)
+    except ConvertError as e:
+        problems.append(f"{path.name}: unreadable ({e})")
         return None
 
 

@@ -1,0 +1,219 @@
+"""Files that are not files, JSON no parser survives, inputs that say nothing (issue 26, items 3, 4, 6).
+
+Each case is built here from the tiny K3 and run through ``plan`` and ``pack``: one line naming the file,
+exit 2, no traceback, no hang (a FIFO read would block forever: these run as processes with a timeout),
+nothing finished-looking in the output, the input unchanged (snapshotted without opening anything that
+is not a regular file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from helpers import copy_ckpt, one_line_error, run, run_process
+from kimi_convert.errors import ConvertError
+from kimi_convert.jsonfile import MAX_DEPTH, loads, read_json
+
+INDEX = "model.safetensors.index.json"
+DEEP = 100_000
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every entry of the tree by relative path: a regular file's sha256, a symlink's target, else its type
+    (a FIFO is never opened)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath, name)
+            st = os.lstat(p)
+            rel = str(p.relative_to(folder))
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                out[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest(), st.st_mtime_ns)
+            else:
+                out[rel] = ("other", stat.S_IFMT(st.st_mode))
+    return out
+
+
+def _fifo(name: str):
+    def fn(ck: Path) -> None:
+        (ck / name).unlink()
+        os.mkfifo(ck / name)
+    return fn
+
+
+def _deep(name: str, key: str):
+    def fn(ck: Path) -> None:
+        obj = json.loads((ck / name).read_text())
+        text = json.dumps(obj)[:-1] + f', "{key}": ' + "[" * DEEP + "]" * DEEP + "}"
+        (ck / name).write_text(text)
+    return fn
+
+
+def _loop(rel: str, other: str | None = None):
+    """``rel`` a symlink to itself, or ``rel`` <-> ``other`` (relative names)."""
+    def fn(ck: Path) -> None:
+        p = ck / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists() or p.is_symlink():
+            p.unlink()
+        if other is None:
+            p.symlink_to(p.name)
+        else:
+            q = ck / other
+            p.symlink_to(os.path.relpath(q, p.parent))
+            q.symlink_to(os.path.relpath(p, q.parent))
+    return fn
+
+
+def set_metadata(path: Path, value) -> None:
+    """Rewrite a safetensors file's header with ``__metadata__`` set to ``value`` (data untouched)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = value
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _meta(value):
+    def fn(ck: Path) -> None:
+        first = sorted(ck.glob("model-*.safetensors"))[0]
+        set_metadata(first, value)
+    return fn
+
+
+def _empty_map(ck: Path) -> None:
+    idx = json.loads((ck / INDEX).read_text())
+    idx["weight_map"] = {}
+    (ck / INDEX).write_text(json.dumps(idx))
+
+
+CASES = {
+    "config.json a FIFO": (_fifo("config.json"), "config.json: is a FIFO"),
+    "index a FIFO": (_fifo(INDEX), f"{INDEX}: is a FIFO"),
+    "config.json nested 100,000 deep": (_deep("config.json", "x"), "config.json: JSON nested deeper than"),
+    "index nested 100,000 deep": (_deep(INDEX, "metadata2"), f"{INDEX}: JSON nested deeper than"),
+    "config.json a symlink loop": (_loop("config.json"), "config.json: is a symlink loop"),
+    "index a symlink loop": (_loop(INDEX), f"{INDEX}: is a symlink loop"),
+    "a side file a symlink loop": (_loop("loop.txt"), "loop.txt: is a symlink loop"),
+    "two side files linked to each other, in a sub-folder": (_loop("sub/a.json", "sub/b.json"),
+                                                             "is a symlink loop"),
+    "__metadata__ a list": (_meta([1]), "__metadata__ must be a map of strings"),
+    "__metadata__ an empty list": (_meta([]), "__metadata__ must be a map of strings"),
+    "__metadata__ an empty string": (_meta(""), "__metadata__ must be a map of strings"),
+    "__metadata__ 0": (_meta(0), "__metadata__ must be a map of strings"),
+    "__metadata__ false": (_meta(False), "__metadata__ must be a map of strings"),
+    "index with an empty weight_map": (_empty_map, f"{INDEX}: weight_map is empty"),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "pack"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_not_files_and_bad_json(tiny_k3, tmp_path, case, command):
+    corrupt, msg = CASES[case]
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    corrupt(ck)
+    before = snapshot(ck)
+    out = tmp_path / "out"
+    args = [command, ck, *([out, "--device", "cpu", "-q"] if command == "pack" else [])]
+    err = one_line_error(run_process(*args, timeout=120))  # a FIFO read would block: the timeout fails the test
+    assert msg in err, err
+    assert not (out / "manifest.json").exists()
+    assert snapshot(ck) == before
+
+
+def test_metadata_null_or_map_is_accepted(tiny_k3, tmp_path):
+    """``null`` and a map of strings are what the safetensors library itself loads."""
+    from safetensors.torch import load_file
+
+    from kimi_convert.checkpoint import open_checkpoint
+
+    for value in (None, {"format": "pt"}):
+        ck = copy_ckpt(tiny_k3, tmp_path / f"c{value is None}")
+        _meta(value)(ck)
+        first = sorted(ck.glob("model-*.safetensors"))[0]
+        load_file(str(first))
+        assert open_checkpoint(ck).tensors
+
+
+@pytest.mark.parametrize("value", [[], "", 0, False, [1]])
+def test_metadata_that_safetensors_refuses_is_refused(tiny_k3, tmp_path, value):
+    """What the safetensors library refuses to load (the reason the tool refuses it too)."""
+    from safetensors.torch import load_file
+
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    _meta(value)(ck)
+    with pytest.raises(Exception):  # noqa: B017 - the library's own error type varies by version
+        load_file(str(sorted(ck.glob("model-*.safetensors"))[0]))
+
+
+def test_absolute_index_path_inside_the_input_is_accepted(tiny_k3, tmp_path):
+    """An index that names its shards by absolute paths inside the folder packs as if they were relative,
+    and the output's index names them relatively."""
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    idx = json.loads((ck / INDEX).read_text())
+    idx["weight_map"] = {k: str((ck / v).absolute()) for k, v in idx["weight_map"].items()}
+    (ck / INDEX).write_text(json.dumps(idx))
+    r = run("pack", ck, tmp_path / "out", "--device", "cpu", "-q")
+    assert r.code == 0, r.stderr
+    out_idx = json.loads((tmp_path / "out" / INDEX).read_text())
+    assert all(not os.path.isabs(v) for v in out_idx["weight_map"].values())
+    assert run("verify-manifest", tmp_path / "out", "--input", ck, "-q").code == 0
+
+
+def test_absolute_index_path_outside_says_where_it_resolves(tiny_k3, tmp_path):
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    other = copy_ckpt(tiny_k3, tmp_path / "other")
+    idx = json.loads((ck / INDEX).read_text())
+    idx["weight_map"] = {k: str(other / v) for k, v in idx["weight_map"].items()}
+    (ck / INDEX).write_text(json.dumps(idx))
+    err = one_line_error(run("plan", ck))
+    assert "resolves outside the input folder" in err and str(other) in err, err
+
+
+def test_exclude_file_a_fifo_is_refused(tiny_k3, tmp_path):
+    os.mkfifo(tmp_path / "ex.txt")
+    err = one_line_error(run_process("plan", tiny_k3, "--exclude-from", tmp_path / "ex.txt", timeout=120))
+    assert "ex.txt: is a FIFO" in err, err
+
+
+def test_verify_index_a_fifo_or_deep(tiny_k3, tmp_path):
+    """verify-manifest reads the output's index an entry at a time: a FIFO there or a value nested too deep is
+    a failed check naming the index, not a hang or a traceback."""
+    out = tmp_path / "out"
+    assert run("pack", tiny_k3, out, "--device", "cpu", "-q").code == 0
+    idx_text = (out / INDEX).read_text()
+    (out / INDEX).write_text(idx_text[:-1] + ', "x": ' + "[" * DEEP + "]" * DEEP + "}")
+    r = run_process("verify-manifest", out, "-q", timeout=120)
+    assert r.code == 1 and "Traceback" not in r.stderr and INDEX in r.stdout, (r.stdout, r.stderr)
+    (out / INDEX).unlink()
+    os.mkfifo(out / INDEX)
+    r = run_process("verify-manifest", out, "-q", timeout=120)
+    assert r.code == 1 and "Traceback" not in r.stderr and "FIFO" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_reader_bounds(tmp_path):
+    """jsonfile: the depth bound holds before any recursion, strings with brackets do not count, the size
+    bound and the type of the top level are checked."""
+    assert loads('{"a": "[[[[{{{{", "b": [[1]]}', "x") == {"a": "[[[[{{{{", "b": [[1]]}
+    assert loads("[" * MAX_DEPTH + "]" * MAX_DEPTH, "x") == eval("[" * MAX_DEPTH + "]" * MAX_DEPTH)
+    with pytest.raises(ConvertError, match="x: JSON nested deeper than"):
+        loads("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "x")
+    p = tmp_path / "a.json"
+    p.write_text("[1]")
+    with pytest.raises(ConvertError, match="a.json: not a JSON object"):
+        read_json(p, "a.json")
+    with pytest.raises(ConvertError, match="more than the 2-byte limit"):
+        read_json(p, "a.json", limit=2)
+    with pytest.raises(ConvertError, match="a.json: not valid JSON"):
+        p.write_text("{")
+        read_json(p, "a.json")
