@@ -22,6 +22,8 @@ from .errors import ConvertError
 from .jsonfile import read_json
 
 NAME = ".kimi-convert-pack.json"
+#: The lock a running pack holds on its output (pack.lock_output): its pid; removed when the output is finished.
+LOCK = ".kimi-convert-pack.lock"
 VERSION = 3  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files
 
 

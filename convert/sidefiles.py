@@ -119,6 +119,8 @@ def skip_reason(rel: str, path: Path) -> str | None:
         return "an unfinished write (.partial)"
     if name == journal.NAME:
         return "a resume journal of kimi-convert"
+    if name == journal.LOCK:
+        return "the lock of a running (or killed) kimi-convert pack"
     if top and name in OWN_TOP:
         return OWN_TOP[name]
     if name == ".git":  # a submodule's or worktree's pointer file

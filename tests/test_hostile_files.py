@@ -217,3 +217,46 @@ def test_reader_bounds(tmp_path):
     with pytest.raises(ConvertError, match="a.json: not valid JSON"):
         p.write_text("{")
         read_json(p, "a.json")
+
+
+def test_second_pack_into_one_output_is_told_another_holds_it(tiny_k3, tmp_path):
+    """Two packs into one output at once: the second is refused at once, naming the first's pid (not told to
+    --resume what the first is still writing); once the first is gone (killed: the kernel drops its lock)
+    the output resumes as usual."""
+    import signal
+    import time
+
+    from helpers import child, cli_command
+
+    out = tmp_path / "out"
+    env = {**os.environ, "KIMI_CONVERT_FAULT": "shard:1:pause"}
+    with child(cli_command("pack", tiny_k3, out, "--device", "cpu", "-q"), env=env) as first:
+        deadline = time.monotonic() + 120
+        while not (out / ".kimi-convert-pack.json").exists() or not any(out.glob("*.safetensors")):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        err = one_line_error(run("pack", tiny_k3, out, "--device", "cpu", "-q"))
+        assert "another pack" in err and "is writing this output now" in err and "--resume" not in err, err
+        assert f"another pack (pid {first.pid})" in err, err
+        assert "another pack" in one_line_error(run("pack", tiny_k3, out, "--device", "cpu", "-q", "--resume"))
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    r = run("pack", tiny_k3, out, "--device", "cpu", "-q", "--resume")
+    assert r.code == 0, r.stderr
+    assert not (out / ".kimi-convert-pack.lock").exists()  # a finished output holds only what its manifest lists
+    assert run("verify-manifest", out, "-q").code == 0
+
+
+def test_space_message_shows_the_numbers(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from kimi_convert import pack as pack_mod
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 2048, 2048))
+    Shard = namedtuple("Shard", "size")
+    with pytest.raises(ConvertError) as e:
+        pack_mod._check_space(tmp_path, [Shard(1_500_000), Shard(3000)])
+    assert "needs 1.50 MB for 2 shard(s), 2.05 kB free" in str(e.value), e.value
+    assert pack_mod.human_bytes(0) == "0 B" and pack_mod.human_bytes(7_200_000_000_000) == "7.20 TB"
