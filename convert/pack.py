@@ -156,6 +156,9 @@ def pack(
                 from . import workers as workers_mod
 
                 results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update, cpus=cpus)
+        except ConvertError:
+            _drop_partials(output_dir)  # bad input found mid-run: no half-written shard left (a resume rewrites them)
+            raise
         finally:
             bar.close()
         convert_s = time.perf_counter() - t
@@ -274,6 +277,14 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
     j = Journal(plan_sha, command, stamps)
     j.save(output_dir)
     return j
+
+
+def _drop_partials(output_dir: Path) -> None:
+    """Remove the ``.partial`` files of shards and records a failed run left (their space reserved, their data
+    unfinished): the shards it finished stay, journaled, and nothing else in the folder looks written."""
+    for p in output_dir.rglob("*" + write.PARTIAL):
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def _check_complete(output_dir: Path) -> None:

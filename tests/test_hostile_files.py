@@ -15,6 +15,10 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run in the interpreter on CPU tensors (as in CI)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import copy_ckpt, one_line_error, run, run_process
 from kimi_convert.errors import ConvertError
@@ -260,3 +264,51 @@ def test_space_message_shows_the_numbers(tmp_path, monkeypatch):
         pack_mod._check_space(tmp_path, [Shard(1_500_000), Shard(3000)])
     assert "needs 1.50 MB for 2 shard(s), 2.05 kB free" in str(e.value), e.value
     assert pack_mod.human_bytes(0) == "0 B" and pack_mod.human_bytes(7_200_000_000_000) == "7.20 TB"
+
+
+# --- item 1: an E8M0 NaN scale byte in a routed expert the cast converts ------------------------------------
+
+EXPERT_W3 = "language_model.model.layers.1.block_sparse_moe.experts.3.w3"
+
+
+def _nan_scale(t):
+    t = t.clone()
+    t[5, 1] = 0xFF
+    return t
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_cast_refuses_a_nan_scale_on_every_backend(backend):
+    """Each backend's cast (the C kernel, Triton, the torch code) refuses byte 0xFF, naming the block, where it
+    would otherwise read it as exponent 128 (weight_scale_2 = 2^120)."""
+    import torch
+
+    from kimi_convert.kernels import DecodeError, get_backend
+
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=g)
+    scale = torch.randint(120, 130, (32, 4), dtype=torch.uint8, generator=g)
+    b = get_backend(backend)
+    b.cast_mxfp4(packed, scale, 2)  # the clean tensor casts
+    scale[7, 2] = 0xFF
+    with pytest.raises(DecodeError, match=r"0xFF \(NaN in the OCP MX spec\) at row 7, block 2"):
+        b.cast_mxfp4(packed, scale, 2)
+
+
+@pytest.mark.parametrize("recipe", ["nvidia-k3", "nvfp4-w4a16"])
+def test_pack_refuses_a_nan_scale(tiny_k3, tmp_path, recipe):
+    from safetensors.torch import load_file
+
+    from helpers import replace_tensor
+
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    name = f"{EXPERT_W3}.weight_scale"
+    shard = next(p for p in ck.glob("model-*.safetensors") if name in load_file(str(p)))
+    replace_tensor(ck, name, _nan_scale(load_file(str(shard))[name]))
+    before = snapshot(ck)
+    out = tmp_path / "out"
+    err = one_line_error(run("pack", ck, out, "--recipe", recipe, "--device", "cpu", "-q"))
+    assert f"{shard.name}: tensor {name}: E8M0 scale byte 0xFF" in err and "row 5, block 1" in err, err
+    assert not (out / "manifest.json").exists() and not list(out.rglob("*.partial"))
+    assert run("verify-manifest", out, "-q").code == 2  # unfinished, not verified
+    assert snapshot(ck) == before
