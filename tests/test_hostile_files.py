@@ -312,3 +312,69 @@ def test_pack_refuses_a_nan_scale(tiny_k3, tmp_path, recipe):
     assert not (out / "manifest.json").exists() and not list(out.rglob("*.partial"))
     assert run("verify-manifest", out, "-q").code == 2  # unfinished, not verified
     assert snapshot(ck) == before
+
+
+# --- item 2: engine packed modules whose members the engines cannot fuse, under every layout ---------------
+
+L1 = "language_model.model.layers.1"
+L3 = "language_model.model.layers.3"
+
+
+def _reshape(name: str, fn):
+    def corrupt(ck: Path) -> None:
+        from safetensors.torch import load_file
+
+        from helpers import replace_tensor
+
+        shard = next(p for p in ck.glob("model-*.safetensors") if name in load_file(str(p)))
+        replace_tensor(ck, name, fn(load_file(str(shard))[name]))
+    return corrupt
+
+
+def _half_k(t):
+    return t[:, : t.shape[1] // 2].contiguous()
+
+
+UNFUSABLE = {
+    # an expert's w3 with half the K of its w1 (MXFP4: its codes and its scales)
+    "expert w3 of half K": ([_reshape(f"{L1}.block_sparse_moe.experts.2.w3.weight_packed", _half_k),
+                             _reshape(f"{L1}.block_sparse_moe.experts.2.w3.weight_scale", _half_k)],
+                            "experts.2.w13: members w1 [", "input dimension (K) differs"),
+    "expert w3 of fewer rows": ([_reshape(f"{L1}.block_sparse_moe.experts.2.w3.weight_packed",
+                                          lambda t: t[:-16].clone()),
+                                 _reshape(f"{L1}.block_sparse_moe.experts.2.w3.weight_scale",
+                                          lambda t: t[:-16].clone())],
+                                "experts.2.w13: members w1 [", "row counts differ"),
+    "MLA kv_a_proj_with_mqa of another K": ([_reshape(f"{L3}.self_attn.kv_a_proj_with_mqa.weight", _half_k)],
+                                            "fused_qkv_a_", "kv_a_proj_with_mqa"),
+    "KDA k_proj reshaped to [2N, K/2]": ([_reshape("language_model.model.layers.0.self_attn.k_proj.weight",
+                                                   lambda t: t.reshape(2 * t.shape[0], -1).contiguous())],
+                                         "layers.0.self_attn.", "k_proj ["),
+    "MLA q_a_proj rows against q_lora_rank": ([_reshape(f"{L3}.self_attn.q_a_proj.weight", lambda t: t[:-16].clone())],
+                                              "fused_qkv_a_", "q_lora_rank"),
+}
+
+
+@pytest.mark.parametrize("layout", ["source", "sglang", "vllm"])
+@pytest.mark.parametrize("case", list(UNFUSABLE))
+def test_unfusable_members_fail_the_plan_under_every_layout(tiny_k3, tmp_path, case, layout):
+    corrupts, module, what = UNFUSABLE[case]
+    ck = copy_ckpt(tiny_k3, tmp_path / "c")
+    for c in corrupts:
+        c(ck)
+    before = snapshot(ck)
+    for recipe in ("nvidia-k3", "nvfp4-w4a16"):
+        err = one_line_error(run("plan", ck, "--layout", layout, "--recipe", recipe))
+        assert "module " in err and module in err and what in err, err
+    err = one_line_error(run("pack", ck, tmp_path / "out", "--layout", layout, "--device", "cpu", "-q"))
+    assert module in err and what in err, err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert snapshot(ck) == before
+
+
+def test_kept_members_of_other_dtypes_fail(tiny_kl, tmp_path):
+    """Members kept in high precision are loaded byte for byte into one parameter: their dtypes must agree."""
+    ck = copy_ckpt(tiny_kl, tmp_path / "c")
+    _reshape("model.layers.0.mlp.up_proj.weight", lambda t: t.float())(ck)
+    err = one_line_error(run("plan", ck, "--exclude", "model.layers.0.mlp.*"))
+    assert "gate_up_proj: members gate_proj (BF16) and up_proj (F32): dtypes differ" in err, err
