@@ -378,3 +378,36 @@ def test_kept_members_of_other_dtypes_fail(tiny_kl, tmp_path):
     _reshape("model.layers.0.mlp.up_proj.weight", lambda t: t.float())(ck)
     err = one_line_error(run("plan", ck, "--exclude", "model.layers.0.mlp.*"))
     assert "gate_up_proj: members gate_proj (BF16) and up_proj (F32): dtypes differ" in err, err
+
+
+# --- item 5: outputs with strangers in them ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def k3_out(tiny_k3, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("strangers") / "out"
+    assert run("pack", tiny_k3, out, "--device", "cpu", "-q").code == 0
+    return out
+
+
+@pytest.mark.parametrize("stranger", ["model-00004-of-00004.safetensors", "pytorch_model.bin", "sub/extra.pt",
+                                      "q4.gguf", "consolidated.safetensors"])
+def test_unlisted_weight_file_fails_verify_and_upload(k3_out, tiny_k3, tmp_path, stranger):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(k3_out, out)
+    first = sorted(out.glob("model-*.safetensors"))[0]
+    (out / stranger).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(first, out / stranger)
+    for extra in ([], ["--input", tiny_k3]):
+        r = run("verify-manifest", out, "-q", *extra)
+        assert r.code == 1 and f"{stranger}: a weight file that manifest.json does not list" in r.stdout, r.stdout
+    from fakehub import TOKEN, FakeHub
+    from fakehub import hub_cli as cli
+
+    with FakeHub(TOKEN) as hub:  # upload verifies before it sends anything: refused, the stranger named
+        err = one_line_error(cli(hub, "upload", out, "user/model", tmp=tmp_path))
+        assert "refusing to upload" in err and stranger in err, err
+        assert not any("upload" in p or "commit" in p for _, p, _ in hub.log), hub.log
+    (out / stranger).unlink()
+    assert run("verify-manifest", out, "-q").code == 0
