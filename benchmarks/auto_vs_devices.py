@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare_speed import evict  # noqa: E402
+from compare_speed import evict
 
 
 def run(config: str, inp: Path, out: Path, recipe: str) -> dict:
