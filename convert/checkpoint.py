@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from . import paths
 from .errors import ConvertError
+from .jsonfile import read_json, regular_file_error, resolve
 from .safetensors_format import TensorInfo, parse_header
 from .sidefiles import Skipped, scan
 
@@ -20,28 +20,48 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def load_json(path: Path, rel: str) -> dict:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConvertError(f"{rel}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{rel}: not valid JSON ({e.__class__.__name__}: {e})") from None
-    if not isinstance(obj, dict):
-        raise ConvertError(f"{rel}: not a JSON object")
-    return obj
+    """A JSON object file of the input (config.json, the index): ``jsonfile.read_json``'s rules (a regular
+    file, bounded, depth-safe), every fault one line naming ``rel``."""
+    return read_json(path, rel)
 
 
 def _inside(folder: Path, rel: str, what: str) -> Path:
-    """Resolve ``rel`` under ``folder``; refuse absolute paths, ``..`` and symlinks escaping it."""
-    if os.path.isabs(rel) or any(p == ".." for p in Path(rel).parts):
-        raise ConvertError(f"{what}: file {rel!r} is outside the input folder")
-    path = folder / rel
-    real = path.resolve()
-    if not real.is_relative_to(folder.resolve()):
-        raise ConvertError(f"{what}: file {rel!r} resolves outside the input folder")
-    if not real.is_file():
+    """Resolve ``rel`` under ``folder``; refuse ``..`` and paths or symlinks that end outside it, and
+    anything but a regular file. An absolute path is taken when it resolves inside the folder (an index
+    written with the download's absolute paths), as is any symlink that stays inside."""
+    if any(p == ".." for p in Path(rel).parts):
+        raise ConvertError(f"{what}: file {rel!r} has a '..' part: outside the input folder, "
+                           "where the index must name files")
+    path = Path(rel) if os.path.isabs(rel) else folder / rel
+    real = resolve(path, f"{what}: file {rel!r}")
+    root = resolve(folder, str(folder))
+    if not real.is_relative_to(root):
+        raise ConvertError(f"{what}: file {rel!r} resolves outside the input folder {root} (to {real})")
+    if not os.path.lexists(path):
         raise ConvertError(f"{what}: names missing file {rel!r}")
+    why = regular_file_error(path)
+    if why is not None:
+        raise ConvertError(f"{what}: file {rel!r} {why}, expected a safetensors file")
     return path
+
+
+def _relative_index(folder: Path, weight_map: dict[str, str], files: list[str]) -> tuple[dict[str, str], list[str]]:
+    """An index whose files are named by absolute paths (written where the download lived): each one that
+    resolves inside ``folder`` is renamed to its path relative to it, so the plan, the output's index and
+    the manifest name files as every other index does; one that does not is refused by ``_inside``."""
+    root = resolve(folder, str(folder))
+    renamed = {}
+    for f in files:
+        if os.path.isabs(f):
+            _inside(folder, f, INDEX_NAME)
+            for base in (root, Path(os.path.abspath(folder))):  # the name as given, else where it resolves
+                if Path(os.path.normpath(f)).is_relative_to(base):
+                    renamed[f] = Path(os.path.normpath(f)).relative_to(base).as_posix()
+                    break
+            else:
+                renamed[f] = resolve(Path(f), f).relative_to(root).as_posix()
+    return ({k: renamed.get(v, v) for k, v in weight_map.items()},
+            list(dict.fromkeys(renamed.get(f, f) for f in files)))
 
 
 @dataclass
@@ -87,14 +107,19 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
     tensors: dict[str, TensorInfo] = {}
     files: list[str]
     weight_map: dict[str, str] | None = None
-    if index_path.exists():
+    if os.path.lexists(index_path):  # a dangling link or a symlink loop is refused by the reader, not ignored
         index = load_json(index_path, INDEX_NAME)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not (
             all(map(isinstance, weight_map, repeat(str))) and all(map(isinstance, weight_map.values(), repeat(str)))
         ):
             raise ConvertError(f"{INDEX_NAME}: weight_map is not a map of tensor name to file")
+        if not weight_map and need_weights:
+            raise ConvertError(f"{INDEX_NAME}: weight_map is empty: the index names no tensor (a checkpoint with "
+                               "weights lists each one; remove the index if the shards are to be read without it)")
         files = list(dict.fromkeys(weight_map.values()))
+        if any(map(os.path.isabs, files)):
+            weight_map, files = _relative_index(folder, weight_map, files)
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files and need_weights:

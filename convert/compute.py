@@ -127,7 +127,13 @@ def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: 
 def _cast_mxfp4(items: list[Item], reader: TensorSource, backend: Backend, res: UnitResult) -> None:
     """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit (w1 and w3)."""
     members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
-    own = {name: mxfp4_cast.k_max(scale) for name, (_, scale) in members.items()}
+    own = {}
+    for it in items:
+        for s in it.sources:
+            try:  # a NaN scale byte (0xFF) is refused here, before any backend casts (mxfp4_cast.k_max)
+                own[s.name] = mxfp4_cast.k_max(members[s.name][1])
+            except DecodeError as e:
+                raise ConvertError(f"{s.parts[1].file}: tensor {s.parts[1].name}: {e}") from None
     shared = max(own.values())
     for it in items:
         outs = [backend.cast_mxfp4(*members[s.name], shared, own[s.name]) for s in it.sources]

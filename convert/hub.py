@@ -20,7 +20,6 @@ The token is handed to the library only: never printed, logged or written.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import time
@@ -46,6 +45,7 @@ from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_clie
 
 from .errors import ConvertError
 from .hashing import sha256_file
+from .jsonfile import read_json
 from .manifest import iter_modules
 from .plan import Kind
 from .verify import load, verify
@@ -481,7 +481,7 @@ def upload(output: str | Path, repo_id: str, *, private: bool = False, revision:
     card = output / "README.md"
     wrote_card = False
     if not card.exists():
-        config = json.loads((output / "config.json").read_text(encoding="utf-8"))
+        config = read_json(output / "config.json", f"{output}/config.json")
         card.write_text(model_card(man, config, base_model, (m for _, m in iter_modules(output, man))),
                         encoding="utf-8")
         wrote_card = True

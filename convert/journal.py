@@ -13,13 +13,17 @@ options) and to the input files' sizes and modification times.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .atomic import write_atomic
 from .errors import ConvertError
+from .jsonfile import read_json
 
 NAME = ".kimi-convert-pack.json"
+#: The lock a running pack holds on its output (pack.lock_output): its pid; removed when the output is finished.
+LOCK = ".kimi-convert-pack.lock"
 VERSION = 3  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files
 
 
@@ -48,13 +52,13 @@ class Journal:
     @staticmethod
     def load(folder: Path) -> Journal | None:
         path = folder / NAME
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
         try:
-            d = json.loads(path.read_text())
+            d = read_json(path, str(path))
             shards = {k: ShardRecord(**v) for k, v in d.pop("shards").items()}
             j = Journal(**d, shards=shards)
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ConvertError, OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise ConvertError(f"{path}: unreadable resume journal ({e}); start again with --overwrite") from None
         if j.version != VERSION:
             raise ConvertError(f"{path}: journal version {j.version} is not {VERSION}; start again with --overwrite")

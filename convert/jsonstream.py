@@ -22,6 +22,9 @@ from json.decoder import scanstring
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from . import jsonfile
+from .errors import ConvertError
+
 PIECE = 1 << 20
 _WS = re.compile(r"[ \t\n\r]*")
 _decoder = json.JSONDecoder()
@@ -30,8 +33,14 @@ _decoder = json.JSONDecoder()
 def iter_object(path: Path, streamed: str) -> Iterator[tuple[str, Any]]:
     """The top-level entries of the JSON object in ``path``, in file order, as (key, value); the
     entries of the object under key ``streamed`` come one at a time, as (streamed, (key, value)).
-    Raises ValueError on anything that is not one JSON object (OSError if the file cannot be read)."""
-    with open(path, "rb") as f:
+    Raises ValueError on anything that is not one JSON object or nests values deeper than
+    ``jsonfile.MAX_DEPTH``, or that is not a regular file (a FIFO is refused, never waited on); OSError if
+    the file cannot be read."""
+    try:
+        fd = jsonfile.open_regular(path, path.name)
+    except ConvertError as e:
+        raise ValueError(str(e).removeprefix(f"{path.name}: ")) from None
+    with open(fd, "rb") as f:
         b = _Buffer(f)
         b.expect("{")
         for key in b.entries():
@@ -55,7 +64,17 @@ def _string(s: str, i: int) -> tuple[str, int]:
 def _value(s: str, i: int) -> tuple[Any, int]:
     if s[i] == '"':  # the index's values: the common case, without raw_decode's detour
         return scanstring(s, i + 1)
-    return _decoder.raw_decode(s, i)
+    value, end = _decoder.raw_decode(s, i)  # RecursionError past Python's limit: _Buffer.parse says so
+    if isinstance(value, dict | list):  # parsed: now bounded like every JSON file (jsonfile.loads)
+        try:
+            jsonfile.loads(s[i:end], "value")
+        except ConvertError as e:
+            raise _TooDeep(str(e).removeprefix("value: ")) from None
+    return value, end
+
+
+class _TooDeep(Exception):
+    """A value nested deeper than any JSON file the tool reads: not retried with more of the file."""
 
 
 class _Buffer:
@@ -114,6 +133,9 @@ class _Buffer:
         while True:
             try:
                 value, end = fn(self.s, self.i)
+            except (_TooDeep, RecursionError) as e:
+                raise ValueError(f"a value at character {self.offset + self.i}: "
+                                 f"{e if isinstance(e, _TooDeep) else 'JSON nested too deeply'}") from None
             except (ValueError, IndexError):
                 if self.eof:
                     raise ValueError(f"not valid JSON at character {self.offset + self.i}") from None

@@ -20,6 +20,7 @@ from .atomic import write_atomic
 from .checkpoint import gc_paused
 from .configs import layer_algo, quantized_layers
 from .errors import ConvertError
+from .jsonfile import loads, read_json
 from .plan import COPY, FP8, GROUP_SIZE, KEEP, NVFP4, Item, Plan, Unit
 from .recipe import FP8_BLOCK
 
@@ -331,13 +332,7 @@ def plan_hash(plan_dict: dict) -> str:
 
 def load_manifest(output_dir: Path) -> dict:
     path = output_dir / "manifest.json"
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable ({e})") from None
-    if not isinstance(obj, dict):
-        raise ConvertError(f"{path}: not a JSON object")
-    return obj
+    return read_json(path, str(path))
 
 
 def is_v3(man: dict) -> bool:
@@ -409,7 +404,7 @@ def _parse_line(line: bytes) -> dict | None:
     if not line.endswith(b"\n"):
         return None
     try:
-        rec = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        rec = loads(line, "a records line")
+    except ConvertError:
         return None
     return rec if isinstance(rec, dict) else None

@@ -54,6 +54,10 @@ class Group:
     engines: tuple[str, ...] = ENGINES  # the engines that build this packed module
     unquantized_only: bool = False  # the engine builds it only for an unquantized model
     on_disk: bool = True  # False: fused inside the engine only (never written fused)
+    # the row count the engine's fused parameter gives a member, as config paths summed ("a + b"): checked in
+    # the plan under every layout (plan.fusion.check_members)
+    rows: tuple[tuple[str, str], ...] = ()
+    same_rows: bool = False  # the engine's parameter has equal halves (w13, gate_up): members' rows must match
 
     def parent_regexes(self) -> list[re.Pattern[str]]:
         return [template_regex(p) for p in self.parents]  # each cached
@@ -207,7 +211,7 @@ TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config"
             "linear", "not_linear", "config_defaults", "layer_types", "keep", "restrict", "exclude", "group",
             "scale_group", "layout"}
 GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
-              "unquantized_only", "on_disk"}
+              "unquantized_only", "on_disk", "rows", "same_rows"}
 
 
 def _known(table: dict, keys: set[str], where: str) -> None:
@@ -271,6 +275,16 @@ def _layouts(table: object, where: str) -> dict[str, tuple[tuple[str, ...], str]
     return out
 
 
+def _rows(rows: object, members: tuple[str, ...], where: str) -> tuple[tuple[str, str], ...]:
+    """A group's ``rows`` table: member -> config paths summed (``"kv_lora_rank + qk_rope_head_dim"``)."""
+    if not isinstance(rows, dict) or not all(isinstance(v, str) and v.strip() for v in rows.values()):
+        raise ConvertError(f"{where}: rows must be a table of member = \"config.path [+ config.path ...]\"")
+    unknown = set(rows) - set(members)
+    if unknown:
+        raise ConvertError(f"{where}: rows names {', '.join(sorted(unknown))}, not a member")
+    return tuple(sorted(rows.items()))
+
+
 def _group(g: object, where: str) -> Group:
     if not isinstance(g, dict):
         raise ConvertError(f"{where}: must be a table")
@@ -303,6 +317,8 @@ def _group(g: object, where: str) -> Group:
         engines=engines,
         unquantized_only=bool(g.get("unquantized_only", False)),
         on_disk=bool(g.get("on_disk", True)),
+        rows=_rows(g.get("rows", {}), members, where),
+        same_rows=bool(g.get("same_rows", False)),
     )
     try:
         grp.parent_regexes()
@@ -332,7 +348,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         w = f"{path}: scale_group[{i}]"
         if not isinstance(s, dict):
             raise ConvertError(f"{w}: must be a table")
-        _known(s, {"name", "members", "parents"}, w)
+        _known(s, {"name", "members", "parents", "rows", "same_rows"}, w)
         groups += (_group({**s, "on_disk": False}, w),)
     known_types = {lt.name for lt in lts}
     for g in groups:

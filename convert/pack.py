@@ -9,6 +9,7 @@ writes only the rest, so the result is byte-identical to an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -117,58 +118,67 @@ def pack(
     ckpt, plan = load_plan(input_dir, opts)
     command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
     output_dir.mkdir(parents=True, exist_ok=True)
-    j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
-    if j is None:
-        return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True)
-    resumed = _verify_finished(output_dir, plan, j)
-    todo = [s for s in plan.shards if s.file not in j.shards]
-    _check_space(output_dir, todo)
-    # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
-    # (on a thread: queueing that much readahead can block until the disk has taken it)
-    if cluster is None:  # (with --ray, the nodes read)
-        threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
-                         args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
-                               ahead)).start()
-    n_streams = streams or pipeline.default_streams(cpus, len(devices_))
-    jobs = split_jobs(ckpt, plan, todo, cluster.placement.slots if cluster else len(devices_) * n_streams, output_dir)
-    per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
-    per_worker = [w for w in per_worker if w] or [jobs]
-    if cluster is not None:  # --ray: a task per job
-        per_worker = [[job] for job in jobs]
-    done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
-    bar = Progress("pack", progress, total=plan.bytes_in, initial=done_bytes)
-
-    def on_shard(file: str, rec: ShardRecord) -> None:
-        j.shards[file] = rec
-        j.save(output_dir)
-
-    t = time.perf_counter()
+    lock = lock_output(output_dir)  # before the journal is read: a concurrent pack is told so, not --resume
     try:
-        if cluster is not None:
-            results = cluster.run(jobs, on_shard, bar.update)
-        elif len(per_worker) == 1:
-            results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus)
-        else:
-            from . import workers as workers_mod
+        j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
+        if j is None:
+            return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True)
+        resumed = _verify_finished(output_dir, plan, j)
+        todo = [s for s in plan.shards if s.file not in j.shards]
+        _check_space(output_dir, todo)
+        # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
+        # (on a thread: queueing that much readahead can block until the disk has taken it)
+        if cluster is None:  # (with --ray, the nodes read)
+            threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
+                             args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
+                                   ahead)).start()
+        n_streams = streams or pipeline.default_streams(cpus, len(devices_))
+        slots = cluster.placement.slots if cluster else len(devices_) * n_streams
+        jobs = split_jobs(ckpt, plan, todo, slots, output_dir)
+        per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
+        per_worker = [w for w in per_worker if w] or [jobs]
+        if cluster is not None:  # --ray: a task per job
+            per_worker = [[job] for job in jobs]
+        done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
+        bar = Progress("pack", progress, total=plan.bytes_in, initial=done_bytes)
 
-            results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update, cpus=cpus)
+        def on_shard(file: str, rec: ShardRecord) -> None:
+            j.shards[file] = rec
+            j.save(output_dir)
+
+        t = time.perf_counter()
+        try:
+            if cluster is not None:
+                results = cluster.run(jobs, on_shard, bar.update)
+            elif len(per_worker) == 1:
+                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus)
+            else:
+                from . import workers as workers_mod
+
+                results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update, cpus=cpus)
+        except ConvertError:
+            _drop_partials(output_dir)  # bad input found mid-run: no half-written shard left (a resume rewrites them)
+            raise
+        finally:
+            bar.close()
+        convert_s = time.perf_counter() - t
+        input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
+        _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
+        recs = list(j.shards.values())
+        stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
+                          backend_s=max((r.backend_s for r in results), default=0.0),
+                          hashed_from_pipeline=sum(r.from_pipeline for r in results),
+                          hash_reread=sum(r.reread for r in results),
+                          stages_s={k: round(sum(r.stages.get(k, 0.0) for r in results), 3)
+                                    for k in sorted({k for r in results for k in r.stages})},
+                          in_flight_peak=max((r.in_flight_peak for r in results), default=0),
+                          in_flight_limit=max((r.in_flight_limit for r in results), default=0),
+                          **_device_stats(results))
+        return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
+                          cast_blocks=sum(r.cast_blocks for r in recs),
+                          cast_lossless=sum(r.cast_lossless for r in recs))
     finally:
-        bar.close()
-    convert_s = time.perf_counter() - t
-    input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
-    _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
-    recs = list(j.shards.values())
-    stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
-                      backend_s=max((r.backend_s for r in results), default=0.0),
-                      hashed_from_pipeline=sum(r.from_pipeline for r in results),
-                      hash_reread=sum(r.reread for r in results),
-                      stages_s={k: round(sum(r.stages.get(k, 0.0) for r in results), 3)
-                                for k in sorted({k for r in results for k in r.stages})},
-                      in_flight_peak=max((r.in_flight_peak for r in results), default=0),
-                      in_flight_limit=max((r.in_flight_limit for r in results), default=0),
-                      **_device_stats(results))
-    return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
-                      cast_blocks=sum(r.cast_blocks for r in recs), cast_lossless=sum(r.cast_lossless for r in recs))
+        unlock_output(output_dir, lock)
 
 
 def _device_stats(results: list[pipeline.JobResult]) -> dict:
@@ -256,7 +266,7 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
     if existing is not None and not overwrite:
         raise ConvertError(f"{output_dir}: holds an unfinished pack ({len(existing.shards)} shards done); "
                            f"resume it with: {existing.command}")
-    if not (resume or overwrite) and any(output_dir.iterdir()):
+    if not (resume or overwrite) and any(p.name != journal.LOCK for p in output_dir.iterdir()):
         raise ConvertError(f"{output_dir}: not empty; pass --overwrite to replace a previous output")
     if resume and not write.own_files_only(output_dir, plan.side_files):
         raise ConvertError(f"{output_dir}: nothing to resume (no journal) and the folder holds other files; "
@@ -267,6 +277,14 @@ def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool
     j = Journal(plan_sha, command, stamps)
     j.save(output_dir)
     return j
+
+
+def _drop_partials(output_dir: Path) -> None:
+    """Remove the ``.partial`` files of shards and records a failed run left (their space reserved, their data
+    unfinished): the shards it finished stay, journaled, and nothing else in the folder looks written."""
+    for p in output_dir.rglob("*" + write.PARTIAL):
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def _check_complete(output_dir: Path) -> None:
@@ -296,8 +314,57 @@ def _check_space(output_dir: Path, todo: list[Shard]) -> None:
     need = sum(s.size for s in todo)
     free = shutil.disk_usage(output_dir).free
     if need > free:
-        raise ConvertError(f"{output_dir}: needs {need / 1e9:.2f} GB for {len(todo)} shard(s), "
-                           f"{free / 1e9:.2f} GB free")
+        raise ConvertError(f"{output_dir}: needs {human_bytes(need)} for {len(todo)} shard(s), "
+                           f"{human_bytes(free)} free")
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest decimal unit that leaves at least 1 of it (``512 B``, ``3.41 MB``, ``1.20 TB``):
+    a fixed unit shows a small output and a nearly full disk both as 0.00 GB."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def lock_output(output_dir: Path) -> int:
+    """An exclusive ``flock`` on ``OUTPUT/.kimi-convert-pack.lock`` (holding this process's pid), held until the
+    descriptor closes: at the end of pack (which removes the file), or by the kernel when the process dies, so
+    a killed pack leaves no stale lock (its file is taken over by the next pack). A second pack into the same
+    folder is refused at once, naming the holder's pid, instead of being told to --resume what is still being
+    written. Returns the descriptor; a filesystem without flock (some network mounts) gets no lock, as before."""
+    import fcntl
+
+    path = output_dir / journal.LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f"another pack (pid {holder})" if holder.isdigit() else "another pack"
+            raise ConvertError(f"{output_dir}: {who} is writing this output now; wait for it to end (or stop it), "
+                               "then run pack again") from None
+        except OSError:
+            return fd
+        try:  # the file locked must still be the one at the path (a finishing pack removes it, then unlocks)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_output(output_dir: Path, fd: int) -> None:
+    """Release :func:`lock_output`'s lock and remove its file (still held, so no other pack has it): a finished
+    output keeps only what its manifest lists. Only a killed pack leaves the file, for the next to take over."""
+    with contextlib.suppress(FileNotFoundError):
+        (output_dir / journal.LOCK).unlink()
+    os.close(fd)
 
 
 def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: Journal,

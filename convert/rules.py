@@ -9,12 +9,11 @@ Fused names are not source names: a fused module is kept only when all of its sh
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from . import paths
+from . import jsonfile, paths
 from .errors import ConvertError
 
 
@@ -65,15 +64,12 @@ def from_cli(values: tuple[str, ...]) -> list[Pattern]:
 def from_file(path: str | Path) -> list[Pattern]:
     """One pattern per line (``#`` comments), or a JSON list, or an hf_quant_config.json / config.json."""
     p = paths.file(path, "an exclude file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    try:  # a regular file, bounded (a FIFO would block the read forever)
+        text = jsonfile.read_bytes(p, str(p), limit=64 << 20).decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ConvertError(f"{p}: cannot read exclude file: {e}") from None
     if text.lstrip().startswith(("{", "[")):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConvertError(f"{p}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        obj = jsonfile.loads(text, str(p))
         return [Pattern(_check(v, f"{p}"), str(p)) for v in exclude_list_of(obj, str(p))]
     out = []
     for n, line in enumerate(text.splitlines(), 1):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from . import jsonfile
 from .errors import ConvertError
 
 if TYPE_CHECKING:
@@ -80,9 +82,10 @@ class TensorInfo(NamedTuple):  # a tuple: made 4x faster than a frozen dataclass
 
 def parse_header(path: Path, rel: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate and parse one safetensors header; return its tensors and its metadata."""
+    fd = jsonfile.open_regular(path, rel)  # a FIFO or a loop is refused, never waited on
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise ConvertError(f"{rel}: truncated safetensors file ({size} bytes, no header length)")
@@ -105,14 +108,18 @@ def _parse_header_bytes(raw: bytes, rel: str, size: int) -> tuple[dict[str, Tens
         fast = _parse_fast(text, rel, data_start, data_len)
         if fast is not None:
             return fast
-        obj = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        obj = jsonfile.loads(text, f"{rel}: header")
+    except UnicodeDecodeError as e:
         raise ConvertError(f"{rel}: header is not valid JSON ({e.__class__.__name__})") from None
     if not isinstance(obj, dict):
         raise ConvertError(f"{rel}: header is not a JSON object")
-    meta = obj.pop("__metadata__", None) or {}
+    # absent or null: no metadata (as the safetensors library reads it); anything else but a map of strings
+    # (a list, "", 0, false) the library refuses to load, so it is refused here too, whatever its truth value
+    meta = obj.pop("__metadata__", None)
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ConvertError(f"{rel}: __metadata__ must be a map of strings")
+        raise ConvertError(f"{rel}: __metadata__ must be a map of strings (found {type(meta).__name__} "
+                           f"{json.dumps(meta)[:40]}); the safetensors library refuses such a file")
     tensors: dict[str, TensorInfo] = {}
     for name, entry in obj.items():
         tensors[name] = _parse_entry(name, entry, rel, data_start)

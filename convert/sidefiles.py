@@ -16,13 +16,13 @@ it could publish a file from elsewhere, dropping it would lose part of the model
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import journal
 from .errors import ConvertError
+from .jsonfile import regular_file_error, resolve
 
 #: Folders never descended into, at any depth (the Hub itself refuses .git/ and .cache/ folders).
 SKIP_DIRS = {
@@ -76,7 +76,7 @@ def scan(folder: Path, consumed: Iterable[str]) -> SideFiles:
     index; ``checkpoint.consumed``), relative to ``folder``. Reads names and link targets, no data: a
     sub-folder's ``config.json`` (``1_Pooling/config.json``) is not the model's, and is copied."""
     consumed = {posix(w) for w in consumed}
-    root = folder.resolve()
+    root = resolve(folder, str(folder))
     copied: list[str] = []
     folders: list[str] = []
     skipped: list[Skipped] = []
@@ -119,6 +119,8 @@ def skip_reason(rel: str, path: Path) -> str | None:
         return "an unfinished write (.partial)"
     if name == journal.NAME:
         return "a resume journal of kimi-convert"
+    if name == journal.LOCK:
+        return "the lock of a running (or killed) kimi-convert pack"
     if top and name in OWN_TOP:
         return OWN_TOP[name]
     if name == ".git":  # a submodule's or worktree's pointer file
@@ -126,20 +128,17 @@ def skip_reason(rel: str, path: Path) -> str | None:
     suffix = PurePosixPath(name).suffix.lower()
     if suffix in WEIGHT_SUFFIXES:
         return "unconverted weights: not among the shards pack reads"
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return None  # a dangling symlink: _check_link refuses it
-    if not stat.S_ISREG(mode):
-        return "not a regular file (a FIFO, socket or device)"
-    return None
+    if not os.path.exists(path):
+        return None  # a dangling symlink or a symlink loop: _check_link refuses it
+    why = regular_file_error(path)  # the rule every input file is read by (jsonfile.open_regular)
+    return f"not a regular file (it {why.removeprefix('is ')})" if why else None
 
 
 def _check_link(folder: Path, root: Path, rel: str, path: Path) -> None:
     """A symlink is copied as its target's content only when the target is a file inside the input."""
     if not path.is_symlink():
         return
-    target = path.resolve()
+    target = resolve(path, f"{folder}: {rel}")  # a loop: one line, not pathlib's RuntimeError
     if not target.exists():
         raise ConvertError(f"{folder}: {rel} is a dangling symlink; remove it or replace it with the file")
     if not target.is_relative_to(root):

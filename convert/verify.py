@@ -12,18 +12,19 @@ byte.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from . import engines, journal
 from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
 from .hashing import hash_file
+from .jsonfile import read_json
 from .jsonstream import iter_object
 from .manifest import FORMAT, RecordsReader, is_v3, iter_modules, load_manifest, plan_dict, plan_hash
 from .mapping import parse_mapping
@@ -32,7 +33,7 @@ from .plan import QUANTIZED, Encoding, Kind, Op, make_plan
 from .recipe import parse_recipe
 from .rules import Pattern
 from .safetensors_format import DTYPES, parse_header
-from .sidefiles import scan
+from .sidefiles import WEIGHT_SUFFIXES, scan
 from .write import is_inside
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
@@ -177,6 +178,7 @@ def _offline(output: Path, man: dict, rep: Report, progress, total) -> None:
             problems.append(f"{name}: missing")
     problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
                  if not (output / d).is_dir()]
+    problems += _strangers(output, {*shards, *others})
     present = {n for n in [*shards, *others] if (output / n).is_file()}
     if total:
         total(sum((output / n).stat().st_size for n in present))
@@ -369,11 +371,27 @@ def _side_records(man: dict, others: dict[str, dict]) -> list[str]:
     return problems
 
 
+def _strangers(output: Path, listed: set[str]) -> list[str]:
+    """Every weight-like file in the output tree (``sidefiles.WEIGHT_SUFFIXES``: ``*.safetensors``, ``*.bin``,
+    ``*.pt``, ``*.gguf``...) that the manifest does not name: an engine globbing ``*.safetensors`` would load it,
+    and ``upload`` would publish it, where pack itself never copies unlisted weights from an input."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(output):
+        dirnames.sort()
+        rel_dir = Path(dirpath).relative_to(output)
+        for f in sorted(filenames):
+            rel = (rel_dir / f).as_posix()
+            if PurePosixPath(f).suffix.lower() in WEIGHT_SUFFIXES and rel not in listed:
+                out.append(f"{rel}: a weight file that manifest.json does not list (not written by this pack: "
+                           "an engine or an upload would take it as part of the checkpoint); remove it")
+    return out
+
+
 def _read_json(path: Path, problems: list[str]) -> dict | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        problems.append(f"{path.name}: unreadable ({e.__class__.__name__})")
+        return read_json(path, path.name, want=None)
+    except ConvertError as e:
+        problems.append(f"{path.name}: unreadable ({e})")
         return None
 
 

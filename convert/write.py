@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 CHUNK = 16 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
-OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json", journal.NAME)
+OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json", journal.NAME, journal.LOCK)
 
 
 def check_output_dir(input_dir: Path, output_dir: Path) -> None:
@@ -62,7 +62,8 @@ def clear_previous(output_dir: Path, side_files: tuple[str, ...]) -> None:
     nothing else."""
     previous = previous_side_files(output_dir)
     for p in output_dir.iterdir():
-        if p.is_file() and (p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES):
+        if p.is_file() and (p.name.endswith((".safetensors", PARTIAL)) or p.name in OWN_FILES) \
+                and p.name != journal.LOCK:  # held by this pack
             p.unlink()
     for rel in dict.fromkeys([*side_files, *previous]):
         p = output_dir / rel

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats import DecodeError
 from .reference import code_values, e2m1_codes, pack
 
 E8M0_BIAS = 127
@@ -35,11 +36,31 @@ E2M1_MAX, E4M3_MAX = 6.0, 448.0
 MX_GROUP = 32
 
 
+E8M0_NAN = 0xFF
+
+
 def k_max(scale: torch.Tensor) -> int:
     """Largest block exponent over blocks whose E8M0 byte is non-zero (0 when there is none): the bytes are
-    unsigned, so that is the largest byte whenever it is not 0 (one reduction, no masked copy)."""
+    unsigned, so that is the largest byte whenever it is not 0 (one reduction, no masked copy).
+
+    Every cast takes its tensors' ``k_max`` from here (the C, Triton and torch paths alike, or their caller
+    for them), so this is where a NaN scale is refused: byte 0xFF is NaN in the OCP MX spec, not exponent
+    128, and read as one it would set the group's weight_scale_2 to 2^120 and turn its other blocks to
+    garbage. Raises :class:`DecodeError` naming the first such block."""
     top = int(scale.max()) if scale.numel() else 0
+    if top == E8M0_NAN:
+        raise DecodeError(nan_scale_message(scale))
     return top - E8M0_BIAS if top else 0
+
+
+def nan_scale_message(scale: torch.Tensor) -> str:
+    """Where the first NaN E8M0 byte is: its row and 32-value block, and how many there are."""
+    hits = (scale == E8M0_NAN).reshape(-1, scale.shape[-1] if scale.dim() else 1).nonzero()
+    n = int(hits.shape[0])
+    row, block = (int(v) for v in hits[0])
+    more = f" (and {n - 1} more block(s))" if n > 1 else ""
+    return (f"E8M0 scale byte 0xFF (NaN in the OCP MX spec) at row {row}, block {block} "
+            f"(values {block * MX_GROUP}-{block * MX_GROUP + MX_GROUP - 1}){more}; refusing to cast it to NVFP4")
 
 
 @dataclass(frozen=True)

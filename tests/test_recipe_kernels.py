@@ -57,9 +57,9 @@ def mx(n: int, kb: int, lo: int, hi: int, seed: int) -> tuple[torch.Tensor, torc
 @given(n=st.integers(1, 12), kb=st.integers(1, 24), lo=st.integers(0, 255), span=st.integers(0, 40),
        extra=st.sampled_from([0, 0, 1, 5, 17, 30]), seed=st.integers(0, 2**20))
 def test_cast_property(n, kb, lo, span, extra, seed):
-    """Random codes, exponents in [lo, lo + span] (in and out of e4m3's window, E8M0 0 and 255 included),
-    the group's k_max at or above the tensor's own."""
-    packed, scale = mx(n, kb, lo, min(255, lo + span), seed)
+    """Random codes, exponents in [lo, lo + span] (in and out of e4m3's window, E8M0 0 and 254 included; 255,
+    NaN, is refused: test_hostile_files.py), the group's k_max at or above the tensor's own."""
+    packed, scale = mx(n, kb, min(lo, 254), min(254, lo + span), seed)
     assert_cast_equal(packed, scale, min(128, mxfp4_cast.k_max(scale) + extra))
 
 
@@ -71,7 +71,7 @@ def every_code_and_exponent(top: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale
 
 
-@pytest.mark.parametrize("top", [0, 1, 18, 19, 100, 125, 126, 127, 128, 200, 253, 254, 255])
+@pytest.mark.parametrize("top", [0, 1, 18, 19, 100, 125, 126, 127, 128, 200, 253, 254])  # 255 (NaN): refused
 def test_cast_every_code_under_every_exponent(top):
     packed, scale = every_code_and_exponent(top)
     own = mxfp4_cast.k_max(scale)
@@ -81,7 +81,7 @@ def test_cast_every_code_under_every_exponent(top):
 
 def test_cast_c_every_top_exponent():
     """The C kernel under every eighth tensor maximum and the window's edges, several group maxima."""
-    for top in sorted({*range(0, 256, 8), 1, 17, 18, 19, 125, 126, 127, 128, 254, 255}):
+    for top in sorted({*range(0, 255, 8), 1, 17, 18, 19, 125, 126, 127, 128, 254}):  # 255 (NaN): refused
         packed, scale = every_code_and_exponent(top)
         own = mxfp4_cast.k_max(scale)
         for shared in sorted({own, min(128, own + 1), min(128, own + 17), min(128, own + 18), 128}):

@@ -14,6 +14,7 @@ the torch code); the calibration checks it again on the units it computes twice,
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -25,6 +26,13 @@ from ..plan import FP8, NVFP4, Encoding, Unit
 
 #: Timed units per kind of work and candidate, after the warm-up one.
 SAMPLES = 2
+#: How many times faster than the CPUs the GPU's timed units must be for a kind of work to go to it. A unit
+#: timed alone does not show what the GPU costs in steady state: the page-locking of every read buffer, one
+#: GPU shared by all the worker's streams and their copies against the reader's (on the H200 machine the cast
+#: was timed 1.29x faster on the GPU, 0.52 against 0.67 s/GB, and the pack then ran 10.95 s against the
+#: CPUs' 8.59; benchmarks/RESULTS.md, issue 26). Where the GPU is the better device it wins by far more
+#: (NVFP4 from BF16: 10-40x). ``KIMI_CONVERT_AUTO_GPU_MARGIN`` overrides it (1: the plain comparison).
+GPU_MARGIN = float(os.environ.get("KIMI_CONVERT_AUTO_GPU_MARGIN", "1.5") or 1.5)
 R = TypeVar("R")
 B = TypeVar("B")
 
@@ -69,11 +77,14 @@ class Choice:
         return f"{self.kind}: {self.chosen} (s/GB: {rates}; {self.samples} units each)"
 
 
-def choose(kind: str, timings: dict[str, list[tuple[float, int]]]) -> Choice:
+def choose(kind: str, timings: dict[str, list[tuple[float, int]]], margin: float = 1.0) -> Choice:
     """The candidate with the lowest median seconds per byte over its ``(seconds, bytes)`` samples; a tie
-    goes to the first candidate (the order given: the CPU, which leaves the GPU free)."""
+    goes to the first candidate (the order given: the CPU, which leaves the GPU free). ``margin``: another
+    candidate must be that many times faster than the first to be chosen (:data:`GPU_MARGIN`)."""
     rate = {b: statistics.median(s / max(n, 1) for s, n in ts) for b, ts in timings.items()}
-    best = min(rate, key=lambda b: (rate[b], list(rate).index(b)))
+    first = next(iter(rate))
+    scaled = {b: r if b == first else r * margin for b, r in rate.items()}
+    best = min(scaled, key=lambda b: (scaled[b], list(scaled).index(b)))
     return Choice(kind, best, {b: round(r * 1e9, 4) for b, r in rate.items()}, min(len(t) for t in timings.values()))
 
 
@@ -91,8 +102,9 @@ class Chooser(Generic[B, R]):
 
     def __init__(self, candidates: dict[str, B], samples: int = SAMPLES,
                  clock: Callable[[], float] = time.perf_counter,
-                 on_decided: Callable[[Choice], None] = lambda c: None):
+                 on_decided: Callable[[Choice], None] = lambda c: None, margin: float = 1.0):
         self.candidates, self.samples, self.clock, self.on_decided = candidates, samples, clock, on_decided
+        self.margin = margin
         self._kinds: dict[str, _Kind] = {}
         self._lock = threading.Lock()
 
@@ -140,7 +152,7 @@ class Chooser(Generic[B, R]):
                 return
             k.timings.setdefault(name, []).append((seconds, nbytes))
             if len(k.timings) == len(self.candidates) and all(len(t) >= self.samples for t in k.timings.values()):
-                k.choice = choose(kind, {c: k.timings[c] for c in self.candidates})
+                k.choice = choose(kind, {c: k.timings[c] for c in self.candidates}, self.margin)
                 choice = k.choice
             else:
                 return

@@ -21,7 +21,7 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .choose import SAMPLES, Choice, Chooser, work_kind
+from .choose import GPU_MARGIN, SAMPLES, Choice, Chooser, work_kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,7 +62,7 @@ class Runner:
                  units: list[Unit] = ()):
         """``units``: the worker's units to compute (auto: the kinds of work that will be decided)."""
         self.backends, self.pool, self.block = backends, pool, block
-        self.chooser = Chooser(backends, on_decided=self._decided) if len(backends) > 1 else None
+        self.chooser = Chooser(backends, on_decided=self._decided, margin=GPU_MARGIN) if len(backends) > 1 else None
         self._local = threading.local()
         counts = Counter(k for u in units if (k := work_kind(u)) is not None)
         # kinds with units enough to be decided (a warm-up and the samples); the others run on every candidate

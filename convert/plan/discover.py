@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
+from ..jsonfile import read_json
 from ..safetensors_format import TensorInfo
 from .model import MXFP4_GROUP, Encoding, SourceTensor
 
@@ -59,10 +59,10 @@ def check_convertible(ckpt: Checkpoint) -> None:
 
 def _json_field(path, key: str):
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        obj = read_json(path, str(path), limit=64 << 20)
+    except ConvertError:  # only a hint for the refusal: an unreadable marker file names no format
         return None
-    return obj.get(key) if isinstance(obj, dict) else None
+    return obj.get(key)
 
 
 def _check_quant_config(q: dict, where: str) -> None:

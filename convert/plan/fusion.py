@@ -10,7 +10,7 @@ from ..mapping import ENGINES, Group, Mapping
 from ..options import LAYOUTS, Options
 from .decide import _Context, _decide
 from .discover import _Modules
-from .model import Op, SourceTensor
+from .model import COPY, KEEP, Op, SourceTensor
 
 # ---------------------------------------------------------------------------------------------
 # Fusion: which modules each group instance takes
@@ -190,6 +190,72 @@ def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> lis
 def _engine_groups(m: Mapping) -> dict[str, list[Group]]:
     """Per engine, the packed modules it builds for a quantized model."""
     return {e: [g for g in m.groups if e in g.engines and not g.unquantized_only] for e in ENGINES}
+
+
+def check_members(fusions: list[Fused], modules: dict[str, dict[str, SourceTensor]], m: Mapping,
+                  config: dict, kinds: dict[str, str] | None = None) -> None:
+    """Every packed module an engine builds (or the layout writes fused) must be buildable from its members,
+    whatever the layout: the engines fuse stored-apart members at load (w13, ``fused_qkv_a_g_proj``,
+    ``in_proj_qkvgfab``), and a member of another K, another dtype or encoding, or (where the mapping says
+    what the engine allots it) another row count leaves the fused parameter unfilled or makes the loader
+    raise. Checked once, on the members' weights, before any work; one line naming the module and members.
+    The row checks are read from the mapping (``rows``, ``same_rows``). ``kinds``: each module's decided
+    kind (None: the shapes only, before the decisions); the dtypes must agree where the members are kept
+    (the engine loads their bytes; a decoded MXFP4 or FP8 source is BF16), quantized members being written
+    in one format anyway."""
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    for f in fusions:
+        if (f.name, f.members) in seen:
+            continue
+        seen.add((f.name, f.members))
+        srcs = [modules[mod]["weight"] for mod in f.members if "weight" in modules.get(mod, {})]
+        if len(srcs) != len(f.members):
+            continue  # a member without a weight: resolve_fusions only groups modules with one
+        first = srcs[0]
+        short = {src.name: leaf for src, leaf in zip(srcs, f.group.members, strict=True)}
+        kept = kinds is not None and all(kinds.get(mod) in (KEEP, COPY, None) for mod in f.members)
+        for s in srcs[1:]:
+            if kept and _loaded_dtype(s) != _loaded_dtype(first):
+                raise ConvertError(
+                    f"module {f.name}: members {short[first.name]} ({_fmt(first)}) and {short[s.name]} ({_fmt(s)}): "
+                    "dtypes differ, and the engines load both into one parameter")
+            if f.group.op == Op.STACK and s.shape != first.shape:
+                raise ConvertError(f"module {f.name}: members {short[first.name]} {list(first.shape)} and "
+                                   f"{short[s.name]} {list(s.shape)}: stacked members need one shape")
+            if f.group.op == Op.CAT and s.shape[1:] != first.shape[1:]:
+                raise ConvertError(
+                    f"module {f.name}: members {short[first.name]} {list(first.shape)} and {short[s.name]} "
+                    f"{list(s.shape)}: input dimension (K) differs, and the engines fuse them along the rows")
+            if f.group.same_rows and s.shape[:1] != first.shape[:1]:
+                raise ConvertError(
+                    f"module {f.name}: members {short[first.name]} {list(first.shape)} and {short[s.name]} "
+                    f"{list(s.shape)}: row counts differ, where the engine's fused parameter has equal halves")
+        for member, expr in f.group.rows:
+            src = modules[f.members[f.group.members.index(member)]]["weight"]
+            want = _config_rows(expr, m, config)
+            if want is not None and src.shape and src.shape[0] != want:
+                raise ConvertError(f"module {f.name}: member {member} {src.name} has {src.shape[0]} rows; the config "
+                                   f"says {expr} = {want}, the rows the engine allots it")
+
+
+def _fmt(s: SourceTensor) -> str:
+    return s.dtype if s.encoding == "dense" else f"{s.encoding}, decoded to BF16"
+
+
+def _loaded_dtype(s: SourceTensor) -> str:
+    """The dtype the engine reads for a kept member: its own, or BF16 for a decoded MXFP4 / FP8 source."""
+    return s.dtype if s.encoding == "dense" else "BF16"
+
+
+def _config_rows(expr: str, m: Mapping, config: dict) -> int | None:
+    """The sum of the config values ``expr`` names (``a + b``); None when one is absent or not an integer."""
+    total = 0
+    for key in expr.split("+"):
+        v = m.config_value(config, key.strip())
+        if type(v) is not int:
+            return None
+        total += v
+    return total
 
 
 def _fuse_shape(f: Fused, srcs: list[SourceTensor], suffix: str) -> tuple[int, ...]:

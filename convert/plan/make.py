@@ -20,6 +20,7 @@ from .fusion import (
     _engine_groups,
     _loadable_on_disk,
     _not_on_disk_notes,
+    check_members,
     resolve_fusions,
 )
 from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items, expert_regexes
@@ -123,7 +124,11 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pa
                for f in resolve_fusions(modules, m, ckpt.config, gs, e, notes)
                if fused_on_disk.isdisjoint(f.members)]
     notes += _not_on_disk_notes(m, opts, fusions)
+    # the engines' packed modules buildable from their members, under every layout: shapes before any
+    # per-module decision, then the dtypes of the members the decisions keep
+    check_members([*disk, *fusions], modules, m, ckpt.config)
     items = build_items(ckpt, modules, disk, ctx)
+    check_members([*disk, *fusions], modules, m, ckpt.config, {it.name: it.kind for it in items})
     _check_engine_layers(items, fusions, m, opts)
     units = _units(items, fusions, ckpt)
     units, shards = _layout_source(units, ckpt) if opts.layout == "source" else _layout(units, opts.max_shard_size)
