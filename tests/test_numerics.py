@@ -1,0 +1,153 @@
+"""The numeric check's comparison without an engine: layers read by the runner's own rules
+(``runner_numerics``) from tensors laid out as vLLM's loader lays them out, against their sources.
+
+The engines' real loaders are in tests/test_engines.py; here each case builds the fused parameter an engine
+would hold (block-FP8 member scales placed at ``ceil(offset / 128)``, an expert's w13 with one global scale
+slot per half) and checks what ``numerics.compare`` says of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import save_file
+
+from kimi_convert.enginecheck import numerics, runner_numerics
+from kimi_convert.kernels import fp8_block, reference
+
+
+class FakeSources:
+    """Source weights by checkpoint tensor name, as ``numerics.Sources`` gives them."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.w = weights
+
+    def ref(self, name: str) -> numerics.Ref | None:
+        w = self.w.get(name)
+        return None if w is None else numerics.Ref(w.float(), w, None, None, [name])
+
+
+def _weights(rows: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 rows whose scale differs tile to tile (so that a tile's scale read for another shows)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 3.0, rows).unsqueeze(1)
+    return (torch.randn(rows, k, generator=g) * scale).to(torch.bfloat16)
+
+
+def _compare(tmp_path, layer: dict, weight: torch.Tensor, placements: dict, sources: FakeSources):
+    save_file({"00000:w": weight.contiguous()}, str(tmp_path / "numerics.safetensors"))
+    layer = {"module": "m", "rule": "test", "processed": "not run", "key": "00000:w", **layer}
+    result = {"numerics": {"layers": [layer], "placements": placements}}
+    return numerics.compare("vllm", result, tmp_path, sources)
+
+
+def _fused_fp8(members: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members quantized apart, loaded as vLLM's merged-column loader does: weights row after row, each
+    member's scales at tile ceil(row_offset / 128) (layers/linear.py adjust_block_scale_shard)."""
+    qs, rows = [], 0
+    n_tiles = -(-sum(m.shape[0] for m in members) // 128)
+    fused_scale = torch.zeros(n_tiles, 1, members[0].shape[1] // 128, 1)
+    for m in members:
+        q, s = fp8_block.quantize(m)
+        at = -(-rows // 128)
+        fused_scale[at: at + s.shape[0]] = s
+        qs.append(q)
+        rows += m.shape[0]
+    return torch.cat(qs), fused_scale
+
+
+def test_mid_tile_member_of_a_fused_block_fp8_layer_is_read_wrong(tmp_path):
+    """K3's [q_a | kv_a | g] in vLLM: a member starting mid-tile has its rows read with a neighbour's scale;
+    the members before it are read right."""
+    a, g = _weights(192, 256, 0), _weights(256, 256, 1)
+    q, s = _fused_fp8([a, g])
+    w = runner_numerics.fp8_block(q, s)
+    rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "format": "fp8-block"}, w,
+                   {"a.weight": [{"param": "m.weight", "row": 0, "rows": 192, "src_row": 0}],
+                    "g.weight": [{"param": "m.weight", "row": 192, "rows": 256, "src_row": 0}]},
+                   FakeSources({"a.weight": a, "g.weight": g}))
+    assert not rep.ok
+    assert rep.failures() and all("from g.weight" in p and "bound" in p for p in rep.failures()), rep.failures()
+
+
+def test_fused_block_fp8_on_its_own_tiles_is_read_right(tmp_path):
+    """The same layer quantized as one tensor (what --layout vllm writes): every row within ModelOpt's error."""
+    a, g = _weights(192, 256, 0), _weights(256, 256, 1)
+    fused = torch.cat([a, g])
+    q, s = fp8_block.quantize(fused)
+    w = runner_numerics.fp8_block(q, s)
+    rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "format": "fp8-block"}, w,
+                   {"fused.weight": [{"param": "m.weight", "row": 0, "rows": 448, "src_row": 0}]},
+                   FakeSources({"fused.weight": fused}))
+    assert rep.ok, rep.failures()
+    c = rep.layers[0]
+    assert c.rows == 448 and 0 < c.max_rel_err <= c.max_bound
+
+
+def _w13(w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor):
+    """One expert's w13 as the engine holds it, and its global-scale slots [gate, up]."""
+    c1, b1 = reference.quantize(w1.float(), s1)
+    c3, b3 = reference.quantize(w3.float(), s3)
+    slots = torch.tensor([[float(s1), float(s3)]])
+    read = runner_numerics.nvfp4(torch.cat([c1, c3]).unsqueeze(0), torch.cat([b1, b3]).unsqueeze(0), slots[:, 0])
+    return read, slots.tolist()
+
+
+def _moe(tmp_path, w1, w3, s1, s3):
+    read, slots = _w13(w1, w3, s1, s3)
+    n = w1.shape[0]
+    return _compare(tmp_path, {"param": "e.w13_weight", "kind": "moe", "format": "nvfp4", "global_slots": slots}, read,
+                    {"w1.weight": [{"param": "e.w13_weight", "expert": 0, "row": 0, "rows": n, "src_row": 0}],
+                     "w3.weight": [{"param": "e.w13_weight", "expert": 0, "row": n, "rows": n, "src_row": 0}]},
+                    FakeSources({"w1.weight": w1, "w3.weight": w3}))
+
+
+def test_w13_with_one_global_scale_is_read_right(tmp_path):
+    w1, w3 = _weights(128, 64, 2), _weights(128, 64, 3) * 4
+    s2 = reference.global_scale(torch.maximum(w1.float().abs().max(), w3.float().abs().max()))
+    rep = _moe(tmp_path, w1, w3, s2, s2)
+    assert rep.ok, rep.failures()
+    assert rep.layers[0].max_rel_err == rep.layers[0].max_bound  # ModelOpt's own bytes: its own error
+
+
+def test_w3_with_its_own_global_scale_is_read_wrong(tmp_path):
+    """The engine keeps the gate's global scale for both halves: an up half quantized under its own scale
+    is read with the wrong one, and only its rows fail."""
+    w1, w3 = _weights(128, 64, 2), _weights(128, 64, 3) * 4
+    rep = _moe(tmp_path, w1, w3, reference.global_scale(w1.float().abs().max()),
+               reference.global_scale(w3.float().abs().max()))
+    assert not rep.ok
+    assert all("from w3.weight" in p and "gate's global scale" in p for p in rep.failures()), rep.failures()
+
+
+def test_dense_layer_must_be_exact(tmp_path):
+    w = _weights(64, 32, 4)
+    placed = {"w.weight": [{"param": "m.weight", "row": 0, "rows": 64, "src_row": 0}]}
+    layer = {"param": "m.weight", "kind": "linear", "format": "dense", "dtype": "torch.bfloat16"}
+    assert _compare(tmp_path, layer, w.float(), placed, FakeSources({"w.weight": w})).ok
+    bad = w.float().clone()
+    bad[5, 7] += 2.0**-6 * bad[5, 7].abs().clamp_min(1)
+    rep = _compare(tmp_path, layer, bad, placed, FakeSources({"w.weight": w}))
+    assert not rep.ok and "rows 5..5" in rep.failures()[0], rep.failures()
+
+
+def test_rows_an_engine_split_from_one_stored_tensor(tmp_path):
+    """One stored tensor written in three slices (vLLM's vision wqkv): each slice is compared with its own
+    source rows, and a slice put in another's place fails."""
+    w = _weights(96, 32, 5)
+    layer = {"param": "m.weight", "kind": "linear", "format": "dense", "dtype": "torch.bfloat16"}
+    spots = [{"param": "m.weight", "row": 32 * i, "rows": 32, "src_row": 32 * i} for i in range(3)]
+    assert _compare(tmp_path, layer, w.float(), {"qkv.weight": spots}, FakeSources({"qkv.weight": w})).ok
+    swapped = torch.cat([w[32:64], w[:32], w[64:]]).float()
+    rep = _compare(tmp_path, layer, swapped, {"qkv.weight": spots}, FakeSources({"qkv.weight": w}))
+    assert not rep.ok and len(rep.failures()) == 2
+
+
+def test_the_runner_reads_our_formats_as_the_writers_define_them():
+    """The runner's read rules equal the formats' own dequantization (kernels.reference, kernels.fp8_block)."""
+    w = _weights(256, 256, 6).float()
+    s2 = reference.global_scale(w.abs().max())
+    codes, scales = reference.quantize(w, s2)
+    assert torch.equal(runner_numerics.nvfp4(codes, scales, s2), reference.dequantize(codes, scales, s2))
+    q, s = fp8_block.quantize(w.to(torch.bfloat16))
+    assert torch.equal(runner_numerics.fp8_block(q, s), fp8_block.dequantize(q, s))
+    assert torch.equal(runner_numerics.fp8_block(q, s.reshape(s.shape[0], s.shape[2])), fp8_block.dequantize(q, s))
