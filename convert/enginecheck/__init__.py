@@ -243,6 +243,8 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONNOUSERSITE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1"})
     env.pop("PYTHONPATH", None)  # the engine's environment, not this one's
+    if source is not None:  # the numeric check runs the engines' own Triton GEMMs on the CPU (runner_numerics)
+        env["TRITON_INTERPRET"] = "1"
     t0 = time.perf_counter()
     rep = Report(engine=engine, version=pr.version, output_dir=str(out), python=str(py))
     with tempfile.TemporaryDirectory(prefix="kimi-enginecheck-") as tmp:

@@ -70,6 +70,7 @@ class LayerCheck:
     exact_elements: int = 0
     worst: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    kernel_read: dict | None = None  # the engine's own GEMM read the weight (runner_numerics._kernel_read)
 
     @property
     def ok(self) -> bool:
@@ -97,8 +98,9 @@ class NumericReport:
             if not c.rows:
                 continue
             s = by.setdefault(c.format, {"layers": 0, "max_rel_err": 0.0, "max_bound": 0.0, "exact_layers": 0,
-                                         "worst_ratio": 0.0})
+                                         "worst_ratio": 0.0, "kernel_read_layers": 0})
             s["layers"] += 1
+            s["kernel_read_layers"] += c.kernel_read is not None
             s["max_rel_err"] = max(s["max_rel_err"], c.max_rel_err)
             s["max_bound"] = max(s["max_bound"], c.max_bound)
             s["exact_layers"] += c.exact and c.max_rel_err == 0
@@ -248,7 +250,7 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
 def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str]) -> LayerCheck | None:
     param = layer["param"]
     c = LayerCheck(param, layer["module"], layer.get("format", "?"), layer.get("rule", ""),
-                   layer.get("processed", ""))
+                   layer.get("processed", ""), kernel_read=layer.get("kernel_read"))
     if layer.get("error"):
         c.problems.append(f"{engine}: {layer['module']}: the engine's own processing failed: {layer['error']}")
         return c

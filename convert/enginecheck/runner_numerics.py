@@ -1,5 +1,10 @@
 """What both engine runners share for the numeric check: each weight read as the engine's GEMM reads it.
 
+Where the engine has CPU-runnable code for a reading, the check runs it: each engine's own Triton block-FP8
+GEMM in Triton's interpreter (``_kernel_read``: the identity times the weight) and vLLM's NVFP4 emulation
+(``engine_nvfp4``); its NVFP4 GEMMs proper are CUDA kernels (CUTLASS, flashinfer, Marlin), so elsewhere the
+cited rules below are applied.
+
 Runs inside an engine's own python (started by ``kimi_convert.enginecheck``): only the standard library,
 torch and safetensors. After the engine's ``load_weights``, every linear and MoE layer's weight is
 dequantized to fp32 **from the parameters the engine holds**, with the engine's own conventions (each
@@ -68,6 +73,20 @@ def nvfp4(weight: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor, group: 
     return (blocks * (s * g).unsqueeze(-1)).reshape(vals.shape)
 
 
+def engine_nvfp4(engine: str, weight: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor
+                 ) -> tuple[torch.Tensor, str]:
+    """NVFP4 read by the engine's own code where it has a CPU path (vLLM's emulation,
+    ``nvfp4_emulation_utils.dequantize_to_dtype``, the reference its NVFP4 backends are tested against), else by
+    ``nvfp4`` (the same product); returns the values and which was used."""
+    if engine == "vllm":
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+        g = glob.float().reshape(-1) if weight.dim() == 3 else glob.float().reshape(())
+        out = dequantize_to_dtype(weight.contiguous(), scale.contiguous(), g, torch.float32, 16, swizzle=False)
+        return out, "vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py: dequantize_to_dtype"
+    return nvfp4(weight, scale, glob), "code * scale * global (this check's own product)"
+
+
 def fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 ``w[r, c] * scale[r // 128, c // 128]`` (scale [ceil(N/128), ceil(K/128)], any singleton dims)."""
     n, k = weight.shape
@@ -131,9 +150,9 @@ def read_linear(engine: str, name: str, module) -> dict | None:
         else:
             slots = _p(module, "weight_scale_2").float().clone()
             glob = slots.max()
+        entry["weight"], by = engine_nvfp4(engine, w, _p(module, "weight_scale"), glob.reshape(()))
         entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4")], processed=processed or "not run",
-                     global_slots=slots.reshape(-1).tolist(), global_scale=float(glob))
-        entry["weight"] = nvfp4(w, _p(module, "weight_scale"), glob.reshape(()))
+                     global_slots=slots.reshape(-1).tolist(), global_scale=float(glob), read_by=by)
         return entry
     if w.dtype == torch.float8_e4m3fn:
         processed = None
@@ -149,6 +168,7 @@ def read_linear(engine: str, name: str, module) -> dict | None:
             return entry
         entry.update(format="fp8-block", rule=RULES[(engine, "fp8-block")], processed=processed or "not run")
         entry["weight"] = fp8_block(w, scale)
+        _kernel_read(engine, entry, w, scale)
         return entry
     if w.is_floating_point():
         entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
@@ -156,6 +176,40 @@ def read_linear(engine: str, name: str, module) -> dict | None:
         return entry
     entry.update(format=str(w.dtype), rule="no read rule in this check", unread=True)
     return entry
+
+
+#: The largest weight (elements) whose GEMM is run in Triton's interpreter: the kernel multiplies an identity
+#: of K rows by the weight, K x N x K multiply-adds in numpy.
+KERNEL_READ_MAX = 1 << 22
+
+
+#: Each engine's own Triton block-FP8 GEMM (file: function), run in Triton's interpreter by ``_kernel_read``.
+BLOCK_FP8_KERNELS = {
+    "vllm": ("vllm.model_executor.layers.quantization.utils.fp8_utils", "w8a8_triton_block_scaled_mm"),
+    "sglang": ("sglang.kernels.ops.gemm.fp8_kernel", "w8a8_block_fp8_matmul_triton"),
+}
+
+
+def _kernel_read(engine: str, entry: dict, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Where Triton runs interpreted (``TRITON_INTERPRET=1``: the engine check sets it with the numeric
+    check), the engine's own block-FP8 GEMM multiplies the identity by the weight: its output is the weight
+    exactly as the kernel reads it (one product a term, fp32 accumulate), and it replaces the rule's
+    reading; ``kernel_read`` says how the two compared. Larger weights keep the rule's reading."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or weight.numel() > KERNEL_READ_MAX:
+        return
+    import importlib
+
+    module, fn = BLOCK_FP8_KERNELS[engine]
+    gemm = getattr(importlib.import_module(module), fn)
+    n, k = weight.shape
+    s = scale.float()[:, 0, :, 0] if scale.dim() == 4 else scale.float().reshape(scale.shape[0], -1)
+    eye = torch.eye(k, dtype=torch.float32).to(torch.float8_e4m3fn)
+    ones = torch.ones(k, -(-k // TILE), dtype=torch.float32)
+    out = gemm(eye, weight.contiguous(), ones, s.contiguous(), [TILE, TILE], output_dtype=torch.float32)
+    read = out.t().contiguous()
+    entry["kernel_read"] = {"kernel": f"{module.replace('.', '/')}.py: {fn}, run in Triton's interpreter",
+                            "max_abs_diff_from_rule": float((read - entry["weight"]).abs().max()), "rows": n}
+    entry["weight"] = read
 
 
 def read_moe(engine: str, name: str, module) -> list[dict]:
@@ -174,9 +228,9 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
         if w.dtype == torch.uint8 and s is not None and s2 is not None:
             slots = s2.float().reshape(s2.shape[0], -1)
             glob = slots[:, 0]  # gate's scale for both halves of w13; w2 has one
+            entry["weight"], by = engine_nvfp4(engine, w, s, glob)
             entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4-moe")], processed="not run",
-                         global_slots=slots.tolist())
-            entry["weight"] = nvfp4(w, s, glob)
+                         global_slots=slots.tolist(), read_by=by)
         elif w.is_floating_point():
             entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
             entry["weight"] = w.float()
