@@ -105,8 +105,9 @@ class Options:
         None, "What is quantized how: nvidia-k3 (the default for Kimi K3), nvfp4-w4a16 (the default otherwise), "
               "or a recipe file.", metavar="NAME|FILE")
     layout: str = _opt(
-        "source", "source: the input's tensor names and files (loads in vLLM and SGLang); sglang: SGLang's fused "
-                  "names on disk (SGLang only).", type=click.Choice(LAYOUTS), show_default=True)
+        "source", "source: the input's tensor names and files (loads in vLLM and SGLang); sglang / vllm: that "
+                  "engine's packed modules fused on disk where its loader takes them (that engine only; for K3 in "
+                  "vLLM, vllm is the layout it reads right).", type=click.Choice(LAYOUTS), show_default=True)
     input_scale: float | None = _opt(
         None, "Replace the recipe's constant activation input_scale (nvidia-k3: 1.0).", metavar="X",
         type=PositiveFloat())

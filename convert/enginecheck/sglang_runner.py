@@ -47,7 +47,7 @@ def optional_for(model) -> list[tuple[str, str]]:
     return out
 
 
-#: Every patch, with why it is safe (README "Engine checks" lists the same).
+#: Every patch, with why it is safe (docs/engine-checks.md lists the same).
 PATCHES = [
     ("torch.cuda device queries",
      "torch.cuda.is_available/current_device/set_device/get_device_capability/get_device_properties/"

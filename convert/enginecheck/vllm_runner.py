@@ -47,7 +47,7 @@ def optional_for(model) -> list[tuple[str, str]]:
     return out
 
 
-#: Every patch, with why it is safe (README "Engine checks" lists the same).
+#: Every patch, with why it is safe (docs/engine-checks.md lists the same).
 PATCHES = [
     ("platform",
      "current_platform is vLLM's own CudaPlatform class with the device queries answered as one B200 "
