@@ -25,6 +25,7 @@ from kimi_convert.kernels import (
 )
 from kimi_convert.kernels.outputs import Arena
 
+from . import formats
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
@@ -115,12 +116,8 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
 
 def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor, res: UnitResult,
           note: dict) -> None:
-    w, ws, ws2 = it.outputs[:3]
-    res.outputs[w.name] = Output([as_bytes(p) for p in packed])
-    res.outputs[ws.name] = Output([as_bytes(s) for s in scales])
-    res.outputs[ws2.name] = Output([as_bytes(s2.reshape(1))])
-    if it.input_scale is not None:
-        res.outputs[it.outputs[3].name] = Output([as_bytes(torch.tensor([it.input_scale], dtype=torch.float32))])
+    for name, parts in formats.get(it.output_format).nvfp4_outputs(it, packed, scales, s2):
+        res.outputs[name] = Output([as_bytes(p) for p in parts])
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
 
 
@@ -165,8 +162,8 @@ def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: 
         qs.append(as_bytes(q))
         scales.append(as_bytes(scale))
         zero += int((scale == 0).sum())
-    res.outputs[it.outputs[0].name] = Output(qs)
-    res.outputs[it.outputs[1].name] = Output(scales)
+    for name, parts in formats.get(it.output_format).fp8_outputs(it, qs, scales):
+        res.outputs[name] = Output(parts)
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
 
 

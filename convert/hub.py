@@ -43,6 +43,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_client_factory, validate_repo_id
 
+from . import formats
 from .errors import ConvertError
 from .hashing import sha256_file
 from .jsonfile import read_json
@@ -373,15 +374,14 @@ def model_card(man: dict, config: dict, base_model: str | None, modules: Iterabl
             reasons[m["rule"]] = reasons.get(m["rule"], 0) + 1
     lossless = f"{cast_lossless} of {cast_blocks}"
     recipe = man.get("recipe") or {"name": "?", "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
+    fmt = formats.get(recipe.get("output_format", formats.DEFAULT))
     base = base_model or config.get("_name_or_path") or ""
     # the metadata block is huggingface_hub's (ModelCardData writes the YAML the Hub parses)
-    data = ModelCardData(base_model=base or None, library_name="transformers",
-                         tags=["nvfp4", "modelopt", "kimi-convert", "quantized"])
+    data = ModelCardData(base_model=base or None, library_name="transformers", tags=list(fmt.CARD_TAGS))
     body = [
         f"# {(config.get('architectures') or ['model'])[0]}, NVFP4",
         "",
-        f"NVFP4 checkpoint (ModelOpt layout; recipe `{recipe['name']}`, `quant_method` {recipe['quant_method']}, "
-        f"`quant_algo` {recipe['quant_algo']}) written by "
+        f"NVFP4 checkpoint ({fmt.card_line(recipe)}) written by "
         f"kimi-convert {man['tool']['version']}"
         + (f" from `{base}`" if base else "") + ". `manifest.json` records the source of every tensor and "
         "the sha256 of every file; `kimi-convert verify-manifest` checks it (`--engine vllm|sglang` loads it "

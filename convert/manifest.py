@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path, PurePosixPath
 
-from . import __version__
+from . import __version__, formats
 from .atomic import write_atomic
 from .checkpoint import gc_paused
-from .configs import layer_algo, quantized_layers
 from .errors import ConvertError
 from .jsonfile import loads, read_json
-from .plan import COPY, FP8, GROUP_SIZE, KEEP, NVFP4, Item, Plan, Unit
-from .recipe import FP8_BLOCK
+from .plan import COPY, FP8, KEEP, NVFP4, Item, Plan, Unit
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
@@ -55,14 +53,13 @@ def _plan_head(plan: Plan) -> dict:
     items = plan.items
     return {
         "mapping": {"name": plan.mapping.name, "file": plan.mapping.path, "sha256": plan.mapping.sha256},
-        "recipe": {"name": plan.recipe.name, "file": plan.recipe.path, "sha256": plan.recipe.sha256,
-                   "quant_method": plan.recipe.quant_method, "quant_algo": plan.recipe.quant_algo},
+        "recipe": _recipe(plan),
         "options": plan.options.to_dict(),
         "notes": list(plan.notes),
         "rules": [{"pattern": p.text, "origin": p.origin, "reason": p.reason} for p in plan.patterns],
         "warnings": list(plan.warnings),
         "exclude_modules": list(plan.exclude_modules),
-        "quantized_layers": quantized_layers(plan) if plan.recipe.quant_method == "modelopt_mixed" else None,
+        "quantized_layers": formats.get(plan.recipe.output_format).manifest_layers(plan),
         "modules": [],
         "engine_groups": [],
         "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
@@ -181,6 +178,16 @@ class _Stamp:
         return self._text(key, strings, lambda: _engine_group(g, scale_of))
 
 
+def _recipe(plan: Plan) -> dict:
+    """The recipe as the manifest names it (the output format only where it is not the default)."""
+    r = plan.recipe
+    d = {"name": r.name, "file": r.path, "sha256": r.sha256, "quant_method": r.quant_method,
+         "quant_algo": r.quant_algo}
+    if r.output_format != formats.DEFAULT:
+        d["output_format"] = r.output_format
+    return d
+
+
 def _item_parts(it: Item, shared_scale: str | None, shard: str) -> tuple[tuple, list[str]]:
     """What _item(it, ...) renders: a key for all but its strings, and its strings in JSON order
     (mirrors _item; checked once per key)."""
@@ -190,12 +197,13 @@ def _item_parts(it: Item, shared_scale: str | None, shard: str) -> tuple[tuple, 
         out.append(it.group)
     out.append(it.op)
     if it.kind == NVFP4:
-        key += (it.input_scale, shared_scale is None)
-        out += (NVFP4, layer_algo(it.kind, it.input_scale))
+        key += (it.input_scale, shared_scale is None, it.output_format)
+        out += (NVFP4, formats.get(it.output_format).layer_algo(it.kind, it.input_scale))
         if shared_scale is not None:
             out.append(shared_scale)
     elif it.kind == FP8:
-        out += (FP8, layer_algo(it.kind, None))
+        key.append(it.output_format)
+        out += (FP8, formats.get(it.output_format).layer_algo(it.kind, None))
     for s in it.sources:
         key += (s.shape, len(s.parts))
         out += (s.name, s.module, s.file, s.encoding, s.dtype)
@@ -214,12 +222,8 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
     if it.group:
         d["group"] = it.group
     d["op"] = it.op
-    if it.kind == NVFP4:
-        d["quantization"] = {"format": NVFP4, "group_size": GROUP_SIZE,
-                             "quant_algo": layer_algo(it.kind, it.input_scale), "shared_scale": shared_scale,
-                             "input_scale": it.input_scale}
-    elif it.kind == FP8:
-        d["quantization"] = {"format": FP8, "block": [FP8_BLOCK, FP8_BLOCK], "quant_algo": layer_algo(it.kind, None)}
+    if it.kind in (NVFP4, FP8):
+        d["quantization"] = formats.get(it.output_format).record(it, shared_scale)
     d["sources"] = [
         {
             "name": s.name,

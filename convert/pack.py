@@ -373,11 +373,12 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
     copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's. The
     module records are already on disk, one file per shard (written as each shard finished):
     manifest.json lists them with their sha256."""
-    write_json_atomic(output_dir / "config.json", configs.output_config(ckpt.config, plan))
-    write_json_atomic(output_dir / "hf_quant_config.json", configs.hf_quant_config(plan))
+    cfgs = configs.config_files(ckpt.config, plan)
+    for name, content in cfgs.items():
+        write_json_atomic(output_dir / name, content)
     side = write.copy_side_files(input_dir, output_dir, plan.side_files, plan.side_folders)
     write_json_atomic(output_dir / INDEX_NAME, configs.index_json(plan))
-    own = [write.record(output_dir, f) for f in ("config.json", "hf_quant_config.json", INDEX_NAME)]
+    own = [write.record(output_dir, f) for f in (*cfgs, INDEX_NAME)]
     recs = {s.file: j.shards[s.file] for s in plan.shards}
     man = manifest_mod.build(
         plan,

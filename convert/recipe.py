@@ -18,21 +18,13 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from dataclasses import dataclass
-from enum import StrEnum
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from . import formats
 from .errors import ConvertError
 from .mapping import builtin_tables
-
-
-class Format(StrEnum):
-    NVFP4 = "nvfp4"
-    FP8_BLOCK = "fp8-block"
-    KEEP = "keep"
-
-
-FP8_BLOCK = 128  # the tile of the fp8-block format (rows and columns)
+from .schemes import Format
 
 
 @dataclass(frozen=True)
@@ -60,6 +52,7 @@ class Recipe:
     rules: tuple[RecipeRule, ...]
     source: str = ""
     path: str = ""
+    output_format: str = "modelopt"  # how the quantized modules are stored (convert/formats/)
 
     @property
     def sha256(self) -> str:
@@ -75,9 +68,9 @@ class Recipe:
         return None
 
 
-TOP_KEYS = {"name", "description", "default_for", "quant_method", "quant_algo", "aliases", "rule", "config"}
+TOP_KEYS = {"name", "description", "default_for", "output_format", "quant_method", "quant_algo", "aliases", "rule",
+            "config"}
 RULE_KEYS = {"modules", "experts", "format", "input_scale", "reason"}
-QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"}}
 
 
 def _rule(r: object, where: str) -> RecipeRule:
@@ -121,10 +114,15 @@ def parse_recipe(text: str, path: str) -> Recipe:
     name = t.get("name")
     if not isinstance(name, str) or not name:
         raise ConvertError(f"{path}: missing key 'name'")
+    out_format = t.get("output_format", formats.DEFAULT)
+    if out_format not in formats.FORMATS:
+        raise ConvertError(f"{path}: output_format {out_format!r} is not known "
+                           f"(known: {', '.join(sorted(formats.FORMATS))})")
+    methods = formats.get(out_format).QUANT_METHODS
     method, algo = t.get("quant_method", "modelopt"), t.get("quant_algo", "W4A16_NVFP4")
-    if algo not in QUANT_METHODS.get(method, ()):
+    if algo not in methods.get(method, ()):
         raise ConvertError(f"{path}: quant_method {method!r} with quant_algo {algo!r} is not supported "
-                           f"(supported: {', '.join(f'{m}/{a}' for m, s in QUANT_METHODS.items() for a in sorted(s))})")
+                           f"(supported: {', '.join(f'{m}/{a}' for m, s in methods.items() for a in sorted(s))})")
     rules = tuple(_rule(r, f"{path}: rule[{i}]") for i, r in enumerate(t.get("rule", [])))
     if not rules:
         raise ConvertError(f"{path}: a recipe needs at least one [[rule]]")
@@ -148,6 +146,7 @@ def parse_recipe(text: str, path: str) -> Recipe:
         rules=rules,
         source=text,
         path=path,
+        output_format=out_format,
     )
 
 

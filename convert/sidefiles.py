@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from . import journal
+from . import formats, journal
 from .errors import ConvertError
 from .jsonfile import regular_file_error, resolve
 
@@ -34,7 +34,8 @@ SKIP_DIRS = {
 }
 
 #: Top-level files the output writes itself and pack does not read: skipped.
-OWN_TOP = {"hf_quant_config.json": "the output writes its own", "manifest.json": "the output writes its own",
+OWN_TOP = {**dict.fromkeys(formats.config_files(), "the output writes its own"),
+           "manifest.json": "the output writes its own",
            "manifest-records": "the output writes its own (a folder of manifest records)"}
 #: Top-level folders the output writes itself (the manifest's per-shard records): skipped whole.
 OWN_TOP_DIRS = {"manifest-records": "the output writes its own (manifest records)"}

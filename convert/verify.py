@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from . import engines, journal
+from . import engines, formats, journal
 from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
@@ -400,31 +400,9 @@ def _nbytes(t: dict) -> int:
 
 
 def _check_configs(output: Path, man: dict, rep: Report) -> None:
-    problems: list[str] = []
-    want = man["exclude_modules"]
-    recipe = man.get("recipe") or {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
-    cfg = _read_json(output / "config.json", problems)
-    hq = _read_json(output / "hf_quant_config.json", problems)
-    if cfg is not None:
-        q = cfg.get("quantization_config") or {}
-        for key in ("quant_method", "quant_algo"):
-            if q.get(key) != recipe[key]:
-                problems.append(f"config.json: quantization_config.{key} is {q.get(key)!r}, not {recipe[key]!r}")
-        if q.get("ignore") != want:
-            problems.append("config.json: quantization_config.ignore differs from the manifest's exclude_modules")
-        text = cfg.get(man["mapping_table"].get("text_config") or "", {})
-        if isinstance(text, dict) and "quantization_config" in text:
-            problems.append("config.json: the text config still holds the source's quantization_config")
-    if hq is not None:
-        q = hq.get("quantization") or {}
-        if q.get("exclude_modules") != want:
-            problems.append("hf_quant_config.json: exclude_modules differs from the manifest's")
-        if cfg is not None and q.get("quant_algo") != (cfg.get("quantization_config") or {}).get("quant_algo"):
-            problems.append("hf_quant_config.json: quant_algo differs from config.json's")
-        if cfg is not None and q.get("quantized_layers") != (cfg.get("quantization_config") or {}).get(
-                "quantized_layers"):
-            problems.append("hf_quant_config.json: quantized_layers differs from config.json's")
-    rep.check("configs agree with the manifest", problems)
+    """The configs the output format wrote, against the manifest (the format knows its files and keys)."""
+    fmt = formats.get((man.get("recipe") or {}).get("output_format", formats.DEFAULT))
+    rep.check("configs agree with the manifest", fmt.check_configs(output, man, _read_json))
 
 
 def _row_problems(where: str, m: dict) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from . import faults, journal, paths
+from . import faults, formats, journal, paths
 from .atomic import PARTIAL
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 CHUNK = 16 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
-OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", "hf_quant_config.json", journal.NAME, journal.LOCK)
+OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", *formats.config_files(), journal.NAME, journal.LOCK)
 
 
 def check_output_dir(input_dir: Path, output_dir: Path) -> None:

@@ -11,6 +11,7 @@ One module per stage: ``model`` (the data), ``discover`` (sources), ``fusion``, 
 """
 
 from ..options import DEFAULT_MAX_SHARD, LAYOUTS, Options
+from ..schemes import GROUP_SIZE
 from .decide import _index_blind
 from .discover import SOURCE_FORMATS, check_convertible, discover_sources, fp8_block_size
 from .fusion import EngineGroup, Fused, resolve_fusions
@@ -19,7 +20,6 @@ from .make import make_plan
 from .model import (
     COPY,
     FP8,
-    GROUP_SIZE,
     KEEP,
     KEPT_FOR_ENGINE,
     MXFP4_GROUP,

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
 from collections import defaultdict
 
+from .. import formats
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..mapping import Group, Mapping, template_regex
 from ..options import Options
-from ..recipe import FP8_BLOCK
 from ..safetensors_format import DTYPES, encode_header, size_of
+from ..schemes import FP8_BLOCK, GROUP_SIZE
 from .decide import _Context, _decide, _decide_apart, _Decision, _is_linear
 from .fusion import Fused, _fuse_shape
 from .model import (
     COPY,
     FP8,
-    GROUP_SIZE,
     KEEP,
     KEPT_FOR_ENGINE,
     NVFP4,
@@ -37,39 +36,18 @@ from .model import (
 # Items, units, shards
 
 
-def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
-             ) -> tuple[OutTensor, ...]:
-    """The output tensors of a linear module (their shapes made once per kind and shape: a million
-    output tensors share a few dozen shape tuples in the released K3)."""
-    return tuple(OutTensor(name + suffix, dtype, shp)
-                 for suffix, dtype, shp in _output_specs(kind, shape, src_dtype, input_scale is not None))
-
-
-@functools.lru_cache(maxsize=4096)
-def _output_specs(kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: bool
-                  ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-    return tuple((t.name, t.dtype, t.shape) for t in _output_tensors("", kind, shape, src_dtype, input_scale or None))
-
-
-def _output_tensors(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None
-                    ) -> tuple[OutTensor, ...]:
-    if kind == NVFP4:
-        lead = shape[:-1]
-        outs = (
-            OutTensor(f"{name}.weight", "U8", (*lead, shape[-1] // 2)),
-            OutTensor(f"{name}.weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
-            OutTensor(f"{name}.weight_scale_2", "F32", ()),
-        )
-        return outs + ((OutTensor(f"{name}.input_scale", "F32", ()),) if input_scale is not None else ())
-    if kind == FP8:
-        n, k = shape
-        return (OutTensor(f"{name}.weight", "F8_E4M3", shape),
-                OutTensor(f"{name}.weight_scale", "F32", (-(-n // FP8_BLOCK), 1, -(-k // FP8_BLOCK), 1)))
-    return (OutTensor(f"{name}.weight", src_dtype, shape),)
+def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None,
+             output_format: str | None) -> tuple[OutTensor, ...]:
+    """The output tensors of a linear module, as its output format spells them (convert/formats/); a kept
+    module is its ``weight`` in every format (``output_format`` None)."""
+    if kind == KEEP:
+        return (OutTensor(f"{name}.weight", src_dtype, shape),)
+    specs = formats.get(output_format).tensor_specs(kind, shape, src_dtype, input_scale is not None)
+    return tuple(OutTensor(name + suffix, dtype, shp) for suffix, dtype, shp in specs)
 
 
 def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape: tuple[int, ...],
-                 dec: _Decision) -> Item:
+                 dec: _Decision, output_format: str | None) -> Item:
     where = f"module {name}: weight {list(shape)}"
     if dec.kind == NVFP4:
         if group is None and len(shape) != 2:
@@ -86,9 +64,9 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
             raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
                                f"(the engines refuse it); exclude it (--exclude '{name}')")
     dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
-    outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale)
+    outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format)
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
-                dec.input_scale if dec.kind == NVFP4 else None)
+                dec.input_scale if dec.kind == NVFP4 else None, output_format if dec.kind != KEEP else None)
 
 
 def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:
@@ -115,7 +93,7 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
             shape = _fuse_shape(f, srcs, suffix)
             if suffix == "weight":
                 dec = _decide(f.name, list(f.members), f.group, ctx)
-                items.append(_weight_item(f.name, srcs, Op(f.group.op), f.group, shape, dec))
+                items.append(_weight_item(f.name, srcs, Op(f.group.op), f.group, shape, dec, ctx.recipe.output_format))
             else:
                 items.append(_copy_item(f"{f.name}.{suffix}", srcs, Op(f.group.op), f.group, shape,
                                         f"fused {suffix} of {f.group.name}"))
@@ -127,7 +105,7 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
         for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
             if suffix == "weight" and _is_linear(mod, src.shape, ctx, key):
                 dec = _decide_apart(mod, ctx, key)
-                items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec))
+                items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec, ctx.recipe.output_format))
             else:
                 items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
     return items
@@ -136,7 +114,7 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
 def _rekeep(it: Item, why: str) -> Item:
     """The item kept in high precision instead. Only modules stored apart are re-decided (members of an
     engine packed module, a MoE layer's experts); a module fused on disk is decided as a whole."""
-    return _weight_item(it.name, list(it.sources), Op.NONE, None, it.sources[0].shape, _Decision(KEEP, why))
+    return _weight_item(it.name, list(it.sources), Op.NONE, None, it.sources[0].shape, _Decision(KEEP, why), None)
 
 
 def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:

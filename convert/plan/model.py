@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from .. import rules
 from ..mapping import Mapping
 from ..options import Options
-from ..recipe import Format, Recipe
+from ..recipe import Recipe
 from ..safetensors_format import DTYPES, TensorInfo
+from ..schemes import Format
 from ..sidefiles import Skipped
 
 if TYPE_CHECKING:
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 
 
 
-GROUP_SIZE = 16
 MXFP4_GROUP = 32
 
 
@@ -96,6 +96,7 @@ class Item:
     outputs: tuple[OutTensor, ...]
     rule: str  # why quantized or kept
     input_scale: float | None = None  # nvfp4: the constant activation scale written with it
+    output_format: str | None = None  # quantized: how its tensors are spelled (convert/formats/)
 
     def row_ranges(self) -> list[tuple[int, int]]:
         """Rows (dim 0) of the fused tensor each source occupies, in order."""

@@ -1,0 +1,226 @@
+"""NVIDIA Model Optimizer's checkpoint format, as vLLM's and SGLang's ModelOpt loaders read it.
+
+* NVFP4 module: ``weight`` (U8, packed E2M1 codes, even element in the low nibble), ``weight_scale``
+  (F8_E4M3, one per 16 values), ``weight_scale_2`` (F32 scalar, the global decode multiplier:
+  ``value = code * weight_scale * weight_scale_2``), ``input_scale`` (F32 scalar) where the recipe pins one.
+* block-FP8 module (``FP8_PB_WO``): ``weight`` (F8_E4M3) and ``weight_scale`` (F32
+  ``[ceil(N/128), 1, ceil(K/128), 1]``, the shape NVIDIA's K3 converter writes).
+* configs: ``hf_quant_config.json`` (``producer``, ``quantization``) and ``config.json``'s
+  ``quantization_config`` (``quant_method`` ``modelopt`` with one ``quant_algo``, or ``modelopt_mixed`` with
+  a ``quantized_layers`` map), the source's own ``quantization_config`` removed (also from the text config).
+
+The rules of which layers the engines then quantize (exclude list, quantized_layers) are in
+``convert/engines.py``; docs/engines.md cites the engines' source for each.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from ..schemes import FP8_BLOCK as FP8_TILE
+from ..schemes import GROUP_SIZE
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from ..plan.model import Item, Plan
+
+NAME = "modelopt"
+QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"}}
+CONFIG_FILES = ("hf_quant_config.json",)
+CARD_TAGS = ("nvfp4", "modelopt", "kimi-convert", "quantized")
+_NVFP4, _FP8 = "nvfp4", "fp8-block"  # the plan's Kind values (a StrEnum: compared as strings)
+
+
+# -- tensors --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+                 ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """(suffix, dtype, shape) of each output tensor of a linear module, in the order ``nvfp4_outputs`` /
+    ``fp8_outputs`` fill them (made once per kind and shape: a million output tensors share a few dozen
+    shape tuples in the released K3)."""
+    if kind == _NVFP4:
+        lead = shape[:-1]
+        outs = ((".weight", "U8", (*lead, shape[-1] // 2)),
+                (".weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
+                (".weight_scale_2", "F32", ()))
+        return outs + (((".input_scale", "F32", ()),) if input_scale else ())
+    if kind == _FP8:
+        n, k = shape
+        return ((".weight", "F8_E4M3", shape), (".weight_scale", "F32", (-(-n // FP8_TILE), 1, -(-k // FP8_TILE), 1)))
+    return ((".weight", src_dtype, shape),)
+
+
+def nvfp4_outputs(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor
+                  ) -> list[tuple[str, list[torch.Tensor]]]:
+    """An NVFP4 module's tensors from its members' codes and scales and the group's global scale."""
+    import torch
+
+    w, ws, ws2 = it.outputs[:3]
+    out = [(w.name, packed), (ws.name, scales), (ws2.name, [s2.reshape(1)])]
+    if it.input_scale is not None:
+        out.append((it.outputs[3].name, [torch.tensor([it.input_scale], dtype=torch.float32)]))
+    return out
+
+
+def fp8_outputs(it: Item, codes: list[torch.Tensor], scales: list[torch.Tensor]
+                ) -> list[tuple[str, list[torch.Tensor]]]:
+    return [(it.outputs[0].name, codes), (it.outputs[1].name, scales)]
+
+
+# -- what the manifest records ----------------------------------------------------------------------
+
+
+def layer_algo(kind: str, input_scale: float | None) -> str:
+    """ModelOpt's quant_algo of one module: NVFP4 with a (constant) input_scale is W4A4."""
+    if kind == _FP8:
+        return "FP8_PB_WO"
+    return "NVFP4" if input_scale is not None else "W4A16_NVFP4"
+
+
+def record(it: Item, shared_scale: str | None) -> dict | None:
+    """A quantized module's ``quantization`` entry in its manifest record."""
+    if it.kind == _NVFP4:
+        return {"format": _NVFP4, "group_size": GROUP_SIZE, "quant_algo": layer_algo(it.kind, it.input_scale),
+                "shared_scale": shared_scale, "input_scale": it.input_scale}
+    if it.kind == _FP8:
+        return {"format": _FP8, "block": [FP8_TILE, FP8_TILE], "quant_algo": layer_algo(it.kind, None)}
+    return None
+
+
+# -- configs ----------------------------------------------------------------------------------------
+
+
+def producer() -> dict:
+    from .. import __version__
+
+    return {"name": "kimi-convert", "version": __version__}
+
+
+def quantized_layers(plan: Plan) -> dict[str, dict]:
+    """MIXED_PRECISION's per-layer map: each quantized module (a MoE layer's experts as one bank),
+    and each engine packed module whose members share one format, in every spelling the recipe asks for."""
+    from ..plan import aliases, expert_regexes  # the plan imports this module for its tensor specs
+
+    m, rec = plan.mapping, plan.recipe
+    entry: dict[str, dict] = {}
+    kind_of: dict[str, tuple[str, float | None]] = {}
+    banks = expert_regexes(m)
+    for it in plan.items:
+        if it.kind not in (_NVFP4, _FP8):
+            continue
+        kind_of[it.name] = (it.kind, it.input_scale)
+        name = it.name.rsplit(".", 2)[0] if any(rx.fullmatch(m.strip(it.name)) for rx in banks) else it.name
+        entry[name] = _algo_entry(it.kind, it.input_scale)
+    for g in plan.engine_groups:
+        if any(rx.fullmatch(m.strip(mod)) for mod in g.members for rx in banks):
+            continue  # a MoE layer's experts are named once, as their bank
+        kinds = {kind_of.get(mod) for mod in g.members}
+        if len(kinds) == 1 and None not in kinds:
+            entry[g.name] = _algo_entry(*kinds.pop())
+    return {a: e for name, e in sorted(entry.items()) for a in aliases(name, rec.aliases)}
+
+
+def manifest_layers(plan: Plan) -> dict[str, dict] | None:
+    """What the manifest keeps of the per-layer map (None where the config has none)."""
+    return quantized_layers(plan) if plan.recipe.quant_method == "modelopt_mixed" else None
+
+
+def _algo_entry(kind: str, input_scale: float | None) -> dict:
+    algo = layer_algo(kind, input_scale)
+    return {"quant_algo": algo} if kind == _FP8 else {"quant_algo": algo, "group_size": GROUP_SIZE}
+
+
+def hf_quant_config(plan: Plan) -> dict:
+    q: dict = {"quant_algo": plan.recipe.quant_algo, "kv_cache_quant_algo": None, "group_size": GROUP_SIZE}
+    if plan.recipe.quant_method == "modelopt_mixed":
+        q["quantized_layers"] = quantized_layers(plan)
+    q["exclude_modules"] = list(plan.exclude_modules)
+    return {"producer": producer(), "quantization": q}
+
+
+def _group_config(algo: str) -> dict:
+    """ModelOpt's compressed-tensors-style config group of one quant_algo (its convert_hf_config;
+    written here because ModelOpt is not a dependency of this tool)."""
+    weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
+    if algo == "NVFP4":
+        return {"input_activations": dict(weights), "weights": weights}
+    if algo == "W4A16_NVFP4":
+        return {"weights": weights}
+    return {"quant_algo": algo}
+
+
+def output_config(config: dict, plan: Plan) -> dict:
+    """The input's config.json with its quantization_config (also the one nested in the text config,
+    which a loader would otherwise read the NVFP4 experts by, as MXFP4) replaced by the recipe's."""
+    out = dict(config)
+    key = plan.mapping.text_config
+    if key and isinstance(out.get(key), dict):
+        out[key] = {k: v for k, v in out[key].items() if k != "quantization_config"}
+    hq = hf_quant_config(plan)["quantization"]
+    q: dict = {}
+    if "quantized_layers" in hq:
+        by_algo: dict[str, list[str]] = defaultdict(list)
+        for name, e in hq["quantized_layers"].items():
+            by_algo[json.dumps(sorted(e.items()))].append(name)
+        q["config_groups"] = {f"group_{i}": {**_group_config(dict(json.loads(k))["quant_algo"]), "targets": sorted(v)}
+                              for i, (k, v) in enumerate(by_algo.items())}
+        q["quantized_layers"] = hq["quantized_layers"]
+    else:
+        q["config_groups"] = {"group_0": {**_group_config(hq["quant_algo"]), "targets": ["Linear"]}}
+        q["group_size"] = GROUP_SIZE
+        q["kv_cache_quant_algo"] = None
+    q["ignore"] = hq["exclude_modules"]
+    q["quant_algo"] = hq["quant_algo"]
+    q["producer"] = producer()
+    q["quant_method"] = plan.recipe.quant_method
+    out["quantization_config"] = q
+    return out
+
+
+def config_files(config: dict, plan: Plan) -> dict[str, dict]:
+    """config.json and hf_quant_config.json, in the order pack writes them."""
+    return {"config.json": output_config(config, plan), "hf_quant_config.json": hf_quant_config(plan)}
+
+
+def check_configs(output: Path, man: dict, read) -> list[str]:
+    """The written configs against the manifest: quant_method / quant_algo, the exclude list in both files,
+    the source's quantization_config gone from the text config, and the two files agreeing."""
+    problems: list[str] = []
+    want = man["exclude_modules"]
+    recipe = man.get("recipe") or {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}
+    cfg = read(output / "config.json", problems)
+    hq = read(output / "hf_quant_config.json", problems)
+    if cfg is not None:
+        q = cfg.get("quantization_config") or {}
+        for key in ("quant_method", "quant_algo"):
+            if q.get(key) != recipe[key]:
+                problems.append(f"config.json: quantization_config.{key} is {q.get(key)!r}, not {recipe[key]!r}")
+        if q.get("ignore") != want:
+            problems.append("config.json: quantization_config.ignore differs from the manifest's exclude_modules")
+        text = cfg.get(man["mapping_table"].get("text_config") or "", {})
+        if isinstance(text, dict) and "quantization_config" in text:
+            problems.append("config.json: the text config still holds the source's quantization_config")
+    if hq is not None:
+        q = hq.get("quantization") or {}
+        if q.get("exclude_modules") != want:
+            problems.append("hf_quant_config.json: exclude_modules differs from the manifest's")
+        if cfg is not None and q.get("quant_algo") != (cfg.get("quantization_config") or {}).get("quant_algo"):
+            problems.append("hf_quant_config.json: quant_algo differs from config.json's")
+        if cfg is not None and q.get("quantized_layers") != (cfg.get("quantization_config") or {}).get(
+                "quantized_layers"):
+            problems.append("hf_quant_config.json: quantized_layers differs from config.json's")
+    return problems
+
+
+def card_line(recipe: dict) -> str:
+    """The model card's sentence on the layout."""
+    return (f"ModelOpt layout; recipe `{recipe['name']}`, `quant_method` {recipe['quant_method']}, "
+            f"`quant_algo` {recipe['quant_algo']}")
