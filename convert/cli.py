@@ -12,7 +12,6 @@ import errno
 import gc
 import json
 import os
-import re
 import shlex
 import signal
 import sys
@@ -25,7 +24,7 @@ from . import __version__, devices, paths
 from .errors import ConvertError
 from .options import Options, click_options
 from .options import checked as _checked
-from .plan import Encoding, Kind, Op, Plan
+from .plan.render import mb
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -133,20 +132,16 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
         _, p = load_plan(input_dir, opts, banked=not as_json)
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
-    if as_json:  # json.dumps({**plan_dict(p), **side_dict(p)}, indent=2), in pieces (680 MB for the released K3)
-        from .manifest import side_dict  # side files: outside plan_dict, whose hash covers the weights only
+    if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
+        from .manifest import side_dict  # hash covers the weights only
 
-        last = None  # written as made (not held: 680 MB), the last one without its closing brace
-        for piece in plan_json(p):
-            if last is not None:
-                click.echo(last, nl=False)
-            last = piece
-        click.echo(last.rstrip().removesuffix("}").rstrip(), nl=False)
-        for k, v in side_dict(p).items():
-            click.echo(f",\n  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "), nl=False)
-        click.echo("\n}")
+        for piece in plan_json(p, side_dict(p)):
+            click.echo(piece, nl=False)
+        click.echo()
     else:
-        click.echo(render_plan(p, input_dir))
+        from .plan.render import render
+
+        click.echo(render(p, input_dir))
     for w in p.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
 
@@ -211,7 +206,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
     cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
     click.echo(
         f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
-        f"{_mb(res.bytes_out)} from {_mb(res.bytes_in)}; "
+        f"{mb(res.bytes_out)} from {mb(res.bytes_in)}; "
         f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'fp8-block' for i in items)} "
         f"block FP8, {sum(i.kind == 'keep' for i in items)} kept, "
         f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
@@ -360,134 +355,6 @@ def render_report(rep, output_dir: str) -> str:
         lines.append(f"  ... and {len(rep.problems) - len(shown)} more (--json lists all)")
     lines.append(f"{output_dir}: verified" if rep.ok else f"{output_dir}: {len(rep.problems)} problem(s)")
     return "\n".join(lines)
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
-
-
-def _shape(dtype: str, shape) -> str:
-    return f"{dtype}[{','.join(map(str, shape))}]"
-
-
-def render_plan(p: Plan, input_dir: str) -> str:
-    """Every module with its decision and sources; a MoE layer's routed experts as banks: the experts whose
-    lines differ only in their index are one entry (the index written {e}, then which experts). ``--json``
-    lists every module (the released K3: 250,000 modules, a million lines of text)."""
-    o = p.outline
-    shard_of = p.shard_of() if any(not u.shard for u in o.units) else None
-    lines: list[str | _Bank] = [
-        f"plan for {input_dir} (mapping {p.mapping.name}, {p.mapping.path}, sha256 {p.mapping.sha256[:12]})",
-        f"recipe {p.recipe.name} ({p.recipe.path}): {p.recipe.description}",
-        f"layout {p.options.layout}; quantization_config: {p.recipe.quant_method} / {p.recipe.quant_algo}",
-        *(f"note: {n}" for n in p.notes), ""]
-    expert = _expert_index(p.mapping)
-    banks: dict[tuple[str, ...], _Bank] = {}
-    for u in o.units:
-        for it in u.items:
-            shard = shard_of[it.outputs[0].name] if shard_of else u.shard
-            where = expert(it.name)
-            if where is None:
-                lines += _item_lines(it, u.shared_scale, shard)
-                continue
-            tag, norm = f"{where[0]}.{where[1]}.", f"{where[0]}.{{e}}."
-            # what _item_lines shows, the index written {e}: experts alike by it are alike in their lines
-            key = (it.kind, it.op, it.rule.replace(tag, norm), it.name.replace(tag, norm),
-                   (u.shared_scale or "").replace(tag, norm), shard.replace(tag, norm),
-                   it.outputs[0].name.replace(tag, norm), *((t.dtype, t.shape) for t in it.outputs), None,
-                   *((s.name.replace(tag, norm), s.encoding, s.file.replace(tag, norm), s.dtype, s.shape,
-                      *((x.name.replace(tag, norm), x.file.replace(tag, norm)) for x in s.parts[1:]), None)
-                     for s in it.sources))
-            bank = banks.get(key)
-            if bank is None:
-                item = _item_lines(it, u.shared_scale, shard)
-                bank = banks[key] = _Bank(tuple(x.replace(tag, norm) for x in item))
-                lines.append(bank)
-            bank.experts += o.experts(*where)
-    if o.engine_groups:
-        lines += ["", "engine packed modules (stored apart; quantized members share one global scale):"]
-        for g in o.engine_groups:
-            rows = ", ".join(f"{mod.rsplit('.', 1)[-1]} {a}:{b}" for mod, (a, b) in zip(g.members, g.rows, strict=True))
-            _add(lines, banks, [f"  {g.name} [{', '.join(g.engines)}]: {rows}"], expert(g.members[0]), o)
-    lines = [x for line in lines for x in (line.lines() if isinstance(line, _Bank) else (line,))]
-    t = o.kinds
-    lines += [
-        "",
-        f"totals: {t['nvfp4']} NVFP4 modules, {t['fp8-block']} block FP8 modules, {t['keep']} kept linear modules, "
-        f"{t['copy']} tensors copied",
-        f"bytes in {o.bytes_in} ({_mb(o.bytes_in)}), bytes out {o.bytes_out} ({_mb(o.bytes_out)}) "
-        f"in {o.shards} shard(s)",
-        f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",
-    ]
-    from .sidefiles import render  # side files (convert/sidefiles.py)
-
-    return "\n".join([*lines, *render(p.side_files, p.side_folders, p.skipped_files)])
-
-
-def _item_lines(it, shared_scale: str | None, shard: str) -> list[str]:
-    srcs = ", ".join(_shape(s.dtype, s.shape) for s in it.sources)
-    out = " + ".join(_shape(t.dtype, t.shape) for t in it.outputs)
-    lines = [f"{it.kind:9} {it.name}  {out}  -> {shard}"]
-    if it.kind != Kind.COPY:
-        extra = f"; shared scale {shared_scale}" if shared_scale else ""
-        lines.append(f"        why: {it.rule}{extra}")
-    if it.op != Op.NONE or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != Encoding.DENSE:
-        lines.append(f"        from {it.op}({srcs})" if it.op != Op.NONE else f"        from {srcs}")
-        for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
-            extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
-            lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
-    return lines
-
-
-class _Bank:
-    """Routed experts whose plan lines are the same but for their index."""
-
-    def __init__(self, lines: tuple[str, ...]):
-        self.text, self.experts = lines, []
-
-    def lines(self) -> list[str]:
-        runs: list[list[int]] = []
-        for e in sorted(set(self.experts)):
-            if runs and e == runs[-1][1] + 1:
-                runs[-1][1] = e
-            else:
-                runs.append([e, e])
-        which = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-        n = len(self.experts)
-        return [self.text[0], f"{' ' * 8 if self.text[0][:1] != ' ' else '    '}for e in {which} "
-                              f"({n} module{'s' if n > 1 else ''})", *self.text[1:]]
-
-
-def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | None, o) -> None:
-    if expert is None:
-        lines += item
-        return
-    prefix, e = expert
-    key = ("", *(x.replace(f"{prefix}.{e}.", f"{prefix}.{{e}}.") for x in item))
-    bank = banks.get(key)
-    if bank is None:
-        bank = banks[key] = _Bank(key[1:])
-        lines.append(bank)
-    bank.experts += o.experts(prefix, e)
-
-
-def _expert_index(m):
-    """name -> (the name up to its expert index, the index) for routed expert modules (and the names
-    under them); None for others."""
-    from .mapping import template_regex
-
-    rxs = [re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.") for t in m.expert_sets]
-
-    def find(name: str) -> tuple[str, str] | None:
-        short = m.strip(name)
-        for rx in rxs:
-            hit = rx.match(short)
-            if hit is not None:
-                a, b = hit.span("_expert_index")
-                off = len(name) - len(short)
-                return name[: off + a - 1], name[off + a : off + b]
-        return None
-    return find
 
 
 def main() -> None:

@@ -92,14 +92,14 @@ _MARK_JSON = json.dumps(_MARK)
 _BATCH = 4096  # elements per piece
 
 
-def plan_json(plan: Plan) -> Iterator[str]:
-    """``json.dumps(plan_dict(plan), indent=2)``, in pieces, without building plan_dict."""
+def plan_json(plan: Plan, extra: dict | None = None) -> Iterator[str]:
+    """``json.dumps({**plan_dict(plan), **extra}, indent=2)``, in pieces, without building plan_dict."""
     with gc_paused():  # (while suspended too: it makes only acyclic objects)
-        yield from _plan_json(plan)
+        yield from _plan_json(plan, extra or {})
 
 
-def _plan_json(plan: Plan) -> Iterator[str]:
-    head = _plan_head(plan)
+def _plan_json(plan: Plan, extra: dict) -> Iterator[str]:
+    head = {**_plan_head(plan), **extra}
     head["modules"], head["engine_groups"] = _MARK + "modules", _MARK + "engine_groups"
     text = json.dumps(head, indent=2)
     before, rest = text.split(json.dumps(_MARK + "modules"))

@@ -31,8 +31,8 @@ def _plans(ck: Path, args: list[str]):
 
 def _assert_same(banked, full, where: str) -> None:
     """The banked plan is the module-by-module plan, in all that ``plan`` prints and all that it holds."""
-    from kimi_convert.cli import render_plan
     from kimi_convert.manifest import plan_json
+    from kimi_convert.plan.render import render as render_plan
 
     assert render_plan(banked, where) == render_plan(full, where)
     if banked.outline.banks:  # the outline alone: no per-module objects made for the text
@@ -60,7 +60,7 @@ def test_banked_plan_is_the_module_by_module_plan(case, preset, over, args, inpu
     _assert_same(banked, full, str(ck))
     r = run("plan", ck, *args)  # the command prints the banked plan
     assert r.code == 0, r.stderr
-    from kimi_convert.cli import render_plan
+    from kimi_convert.plan.render import render as render_plan
     assert r.stdout == render_plan(full, str(ck)) + "\n"
 
 

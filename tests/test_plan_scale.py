@@ -145,9 +145,9 @@ def test_plan_of_the_full_sparse_k3_is_planned_by_bank(k3_full):
     """The text plan of the release's layout plans a bank per layer and file (a layer's experts span two
     shards in most layers; the expert cut by the shard boundary is planned module by module), not 247,296
     expert modules, and never makes the per-module plan (which --json and pack make)."""
-    from kimi_convert.cli import render_plan
     from kimi_convert.options import Options
     from kimi_convert.pack import load_plan
+    from kimi_convert.plan.render import render as render_plan
 
     _, p = load_plan(k3_full, Options(), banked=True)
     text = render_plan(p, str(k3_full))
