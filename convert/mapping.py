@@ -38,6 +38,13 @@ def template_regex(template: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
+@functools.lru_cache(maxsize=64)
+def _expert_regexes(sets: tuple[str, ...], modules: bool) -> tuple[re.Pattern[str], ...]:
+    rest = r"[^.]+" if modules else r".+"
+    return tuple(re.compile(template_regex(t).pattern + rf"\.(?P<_expert_index>[0-9]+)\.(?P<_rest>{rest})")
+                 for t in sets)
+
+
 @dataclass(frozen=True)
 class Group:
     """A packed module of the runtime: its members are concatenated (or stacked) along dim 0."""
@@ -105,6 +112,12 @@ class Mapping:
     layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
+
+    def expert_regexes(self, modules: bool = True) -> tuple[re.Pattern[str], ...]:
+        """Names under each routed-expert set, ``SET.{index}.{rest}`` without the text prefix, groups
+        ``_expert_index`` and ``_rest``: a module's (``rest`` one name part, ``w1``; for ``fullmatch``) or,
+        with ``modules=False``, anything under the expert (``w1.weight``). The one expert-index pattern."""
+        return _expert_regexes(self.expert_sets, modules)
 
     @property
     def sha256(self) -> str:

@@ -168,7 +168,8 @@ def test_missing_repo_for_remote_check_fails_before_hashing(hub, out, tmp_path, 
     assert requests_to(hub, "/user/nope") == 1  # one lookup, not retried, no tree listing
     # in-process, to see that the local verification (hashing every file) never started
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.url)
-    monkeypatch.setattr("kimi_convert.hub.transport._bounded", True)  # leave this process's HTTP client and environment be
+    # leave this process's HTTP client and environment be
+    monkeypatch.setattr("kimi_convert.hub.transport._bounded", True)
     verified = []
     monkeypatch.setattr("kimi_convert.verify.verify", lambda *a, **k: verified.append(a))
     r = run("verify-manifest", out, "--remote", "user/nope", "--token", TOKEN)

@@ -107,12 +107,12 @@ def producer() -> dict:
 def quantized_layers(plan: Plan) -> dict[str, dict]:
     """MIXED_PRECISION's per-layer map: each quantized module (a MoE layer's experts as one bank),
     and each engine packed module whose members share one format, in every spelling the recipe asks for."""
-    from ..plan import aliases, expert_regexes  # the plan imports this module for its tensor specs
+    from ..plan import aliases  # the plan imports this module for its tensor specs
 
     m, rec = plan.mapping, plan.recipe
     entry: dict[str, dict] = {}
     kind_of: dict[str, tuple[str, float | None]] = {}
-    banks = expert_regexes(m)
+    banks = m.expert_regexes()
     for it in plan.items:
         if it.kind not in (_NVFP4, _FP8):
             continue

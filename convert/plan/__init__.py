@@ -15,7 +15,7 @@ from ..schemes import GROUP_SIZE
 from .decide import _index_blind
 from .discover import SOURCE_FORMATS, check_convertible, discover_sources, fp8_block_size
 from .fusion import EngineGroup, Fused, resolve_fusions
-from .layout import build_items, expert_regexes
+from .layout import build_items
 from .make import make_plan
 from .model import (
     COPY,
@@ -42,6 +42,6 @@ __all__ = [
     "COPY", "DEFAULT_MAX_SHARD", "FP8", "GROUP_SIZE", "KEEP", "KEPT_FOR_ENGINE", "LAYOUTS", "MXFP4_GROUP", "NVFP4",
     "QUANTIZED", "SOURCE_FORMATS", "Encoding", "EngineGroup", "Fused", "Item", "Kind", "Op", "Options", "OutTensor",
     "Placed", "Plan", "Shard", "SourceTensor", "Unit", "_index_blind", "aliases", "build_items", "check_convertible",
-    "collect_patterns", "discover_sources", "exclude_list", "expert_regexes", "fp8_block_size", "make_plan",
+    "collect_patterns", "discover_sources", "exclude_list", "fp8_block_size", "make_plan",
     "resolve_fusions",
 ]

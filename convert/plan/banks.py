@@ -104,7 +104,7 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[str, list[Ten
 
     A name ``P.e.leaf.suffix`` is split from the right and P matched once per distinct P (92 in the
     released K3, not 500,000 regex matches); any other name takes the regex."""
-    rxs = [re.compile(template_regex(t).pattern + r"\.(?P<_e>[0-9]+)\.(?P<_r>.+)") for t in m.expert_sets]
+    rxs = m.expert_regexes(modules=False)
     sets = [template_regex(t) for t in m.expert_sets]
     tp = m.text_prefix
     experts: dict[str, dict[str, list[TensorInfo]]] = defaultdict(lambda: defaultdict(list))
@@ -124,7 +124,7 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[str, list[Ten
         for rx in rxs:
             found = rx.fullmatch(name, at)
             if found is not None:  # under an expert, but not as leaf.suffix: that expert is not banked
-                a, b = found.span("_e")
+                a, b = found.span("_expert_index")
                 experts[name[:a - 1]][name[a:b]].append(info)
                 break
         else:

@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 
 from .. import rules
 from ..errors import ConvertError
-from ..mapping import Group, Mapping, template_regex
+from ..mapping import Group, Mapping
 from ..options import Options
 from ..recipe import Recipe
 from .model import KEEP, KEPT_FOR_ENGINE, Kind, SourceTensor
@@ -47,9 +47,8 @@ class _Context:
         glob in force can tell two expert indices apart (what is decided for one expert then holds for
         all); None for any other module, or when some glob can (``--exclude '*.experts.1?.*'``)."""
         if self.template_rx is None:
-            self.template_rx = ([re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.[^.]+")
-                                 for t in self.m.expert_sets] if index_blind_rules(self.m, self.recipe, self.patterns)
-                                else [])
+            self.template_rx = (list(self.m.expert_regexes())
+                                if index_blind_rules(self.m, self.recipe, self.patterns) else [])
         if not self.template_rx:
             return None
         short = self.m.strip(module)

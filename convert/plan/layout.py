@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import re
 from collections import defaultdict
 
 from .. import formats
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
-from ..mapping import Group, Mapping, template_regex
+from ..mapping import Group, Mapping
 from ..options import Options
 from ..safetensors_format import DTYPES, encode_header, size_of
 from ..schemes import FP8_BLOCK, GROUP_SIZE
@@ -119,7 +118,7 @@ def _rekeep(it: Item, why: str) -> Item:
 
 def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     """Indices of the linear items under each MoE ``experts`` module (``...experts.{e}.{w}``)."""
-    rxs = expert_regexes(m)
+    rxs = m.expert_regexes()
     sets: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):
         if it.kind != COPY:
@@ -129,11 +128,6 @@ def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
                     sets[it.name.rsplit(".", 2)[0]].append(i)
                     break
     return sets
-
-
-def expert_regexes(m: Mapping) -> list[re.Pattern[str]]:
-    """Full-match regexes of routed expert modules (``...experts.{e}.{w}``, without the text prefix)."""
-    return [re.compile(template_regex(t).pattern + r"\.\d+\.[^.]+") for t in m.expert_sets]
 
 
 def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) -> None:

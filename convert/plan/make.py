@@ -23,7 +23,7 @@ from .fusion import (
     check_members,
     resolve_fusions,
 )
-from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items, expert_regexes
+from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items
 from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
@@ -112,7 +112,7 @@ def _outline(plan: Plan) -> Outline:
 
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern], recipe: Recipe) -> _Staged:
-    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), expert_regexes(m))
+    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules

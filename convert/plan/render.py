@@ -4,10 +4,7 @@ routed experts folded into one entry per bank (``plan --json`` is the plan's ser
 
 from __future__ import annotations
 
-import re
-
 from .. import sidefiles
-from ..mapping import template_regex
 from .model import Encoding, Kind, Op, Plan
 
 
@@ -121,7 +118,7 @@ def _add(lines: list, banks: dict, item: list[str], expert: tuple[str, str] | No
 def _expert_index(m):
     """name -> (the name up to its expert index, the index) for routed expert modules (and the names
     under them); None for others."""
-    rxs = [re.compile(template_regex(t).pattern + r"\.(?P<_expert_index>[0-9]+)\.") for t in m.expert_sets]
+    rxs = m.expert_regexes(modules=False)
 
     def find(name: str) -> tuple[str, str] | None:
         short = m.strip(name)
