@@ -1,4 +1,5 @@
-"""Sources: which stored tensors form one logical tensor."""
+"""Sources: which stored tensors form one logical tensor (each source encoding's own discovery, run in
+registry order: ``encodings/``), and the refusal of an input that is already a converted checkpoint."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..jsonfile import read_json
 from .model import SourceTensor
-
-# ---------------------------------------------------------------------------------------------
-# Sources: which stored tensors form one logical tensor
 
 
 def _module_of(name: str) -> tuple[str, str]:
