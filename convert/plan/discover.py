@@ -97,7 +97,9 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, SourceTensor]]:
     for name in t:
         for enc in offer.get(name.rpartition(".")[2], ()):
             if claims := enc.claim(name, t, config):
-                _take(out, claims, consumed)
+                for c in claims:
+                    out[c.module][c.suffix] = c.source
+                    consumed.update(p.name for p in c.source.parts)
                 break
     strays, leftover = encodings.strays(), encodings.fallbacks()
     for name in t:
@@ -107,17 +109,10 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, SourceTensor]]:
             enc.refuse_leftover(name, t)
         for enc in leftover:
             if claims := enc.claim(name, t, config):
-                _take(out, claims, None)
+                for c in claims:
+                    out[c.module][c.suffix] = c.source
                 break
     return out
-
-
-def _take(out: dict[str, dict[str, SourceTensor]], claims: tuple[encodings.Claim, ...], consumed: set[str] | None
-          ) -> None:
-    for c in claims:
-        out[c.module][c.suffix] = c.source
-        if consumed is not None:
-            consumed.update(p.name for p in c.source.parts)
 
 
 def fp8_block_size(config: dict) -> tuple[int, int]:
