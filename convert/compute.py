@@ -13,19 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kimi_convert.kernels import (
-    Backend,
-    DecodeError,
-    decode_fp8_block,
-    decode_mxfp4,
-    fp8_block,
-    mxfp4_cast,
-    outputs,
-    reference,
-)
+from kimi_convert.kernels import Backend, fp8_block, outputs, reference
 from kimi_convert.kernels.outputs import Arena
 
-from . import formats
+from . import encodings, formats
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
@@ -73,16 +64,9 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
 
 def decode(src: SourceTensor, reader: TensorSource, block: tuple[int, int], backend: Backend) -> torch.Tensor:
     """The source's values on the backend's device: the stored tensor for dense sources (a zero-copy
-    view on the CPU), decoded fp32 for MXFP4 / FP8 (decoded on the GPU when there is one)."""
-    parts = [backend.to_device(reader.tensor(p)) for p in src.parts]
-    try:
-        if src.encoding == Encoding.MXFP4:
-            return decode_mxfp4(parts[0], parts[1])
-        if src.encoding == Encoding.FP8_BLOCK:
-            return decode_fp8_block(parts[0], parts[1], block)
-    except DecodeError as e:
-        raise ConvertError(f"{src.parts[1].file}: tensor {src.parts[1].name}: {e}") from None
-    return parts[0]
+    view on the CPU), decoded fp32 otherwise (decoded on the GPU when there is one), by its encoding
+    (``encodings.decode``)."""
+    return encodings.decode(src, [backend.to_device(reader.tensor(p)) for p in src.parts], block)
 
 
 def _raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
@@ -107,7 +91,7 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
             if not dense:
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
-        if all(s.encoding == Encoding.MXFP4 for it in quant for s in it.sources):
+        if all(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
             _cast_mxfp4(quant, reader, backend, res)
         else:
             _quantize(quant, reader, backend, block, res)
@@ -123,20 +107,20 @@ def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: 
 
 def _cast_mxfp4(items: list[Item], reader: TensorSource, backend: Backend, res: UnitResult) -> None:
     """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit (w1 and w3)."""
-    members = {s.name: (reader.tensor(s.parts[0]), reader.tensor(s.parts[1])) for it in items for s in it.sources}
-    own = {}
+    codes = {s.name: _mxfp4_codes(s, reader) for it in items for s in it.sources}  # a NaN scale refused here
+    shared = max(c.k_max for c in codes.values())
     for it in items:
-        for s in it.sources:
-            try:  # a NaN scale byte (0xFF) is refused here, before any backend casts (mxfp4_cast.k_max)
-                own[s.name] = mxfp4_cast.k_max(members[s.name][1])
-            except DecodeError as e:
-                raise ConvertError(f"{s.parts[1].file}: tensor {s.parts[1].name}: {e}") from None
-    shared = max(own.values())
-    for it in items:
-        outs = [backend.cast_mxfp4(*members[s.name], shared, own[s.name]) for s in it.sources]
+        outs = [backend.cast_mxfp4(c.packed, c.scale, shared, c.k_max) for c in (codes[s.name] for s in it.sources)]
         blocks, lossless = sum(o[3].blocks for o in outs), sum(o[3].lossless for o in outs)
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], outs[0][2], res,
               {"method": "mxfp4-cast", "k_max": shared, "blocks": blocks, "lossless_blocks": lossless})
+
+
+def _mxfp4_codes(src: SourceTensor, reader: TensorSource) -> encodings.MxCodes:
+    """The source's MXFP4 codes, scales and own ``k_max`` on the host (the backend moves them)."""
+    codes = encodings.mxfp4_codes(src, [reader.tensor(p) for p in src.parts])
+    assert codes is not None, src.encoding  # compute_unit casts only sources that hold MXFP4
+    return codes
 
 
 def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: Backend, res: UnitResult) -> None:

@@ -7,7 +7,11 @@ same module records (in another order: grouped by shard).
 
 The "before" is not a stored expected output: it is the earlier code itself, taken from git and run
 from a temporary folder laid out as the installed package is (convert/ -> kimi_convert, ...). Skipped
-where the checkout has no git history to take it from."""
+where the checkout has no git history to take it from.
+
+``BEFORE_22`` is the commit before issue 22's restructuring (one home for the output format, the source
+encodings and the input source): every preset under each recipe and layout, every file compared, the
+manifest and its records included (scripts/same_bytes.sh does the same with two installed versions)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from helpers import manifest_with_modules
 
 ROOT = Path(__file__).parents[1]
 BEFORE = "6e2401f"  # main after issue 12, before issue 13's moves
+BEFORE_22 = "5052871"  # main before issue 22 (formats/, encodings/, the Source protocol)
 PACKAGE = {"convert": "kimi_convert", "kernels": "kimi_convert/kernels", "mappings": "kimi_convert/mappings",
            "recipes": "kimi_convert/recipes"}
 CASES = {
@@ -118,3 +123,27 @@ def test_plan_json_is_the_same_as_before_the_restructuring(tmp_path):
             assert r.returncode == 0, (case, r.stderr)
             outs.append(r.stdout)
         assert outs[0] == outs[1], case
+
+
+#: (preset, options) packed by BEFORE_22's code and by this one (scripts/same_bytes.sh packs the same cases).
+CASES_22 = [(preset, opts) for preset in ("tiny-k3", "tiny-kimi-linear", "tiny-deepseek-fp8")
+            for opts in ([], ["--recipe", "nvfp4-w4a16"], ["--layout", "sglang"], ["--layout", "vllm"])]
+CASES_22.append(("tiny-k3", ["--recipe", "nvfp4-w4a16", "--layout", "sglang", "--max-shard-size", "1MB"]))
+
+
+@pytest.mark.slow
+def test_every_preset_recipe_and_layout_packs_to_the_same_bytes_as_before_issue_22(tmp_path):
+    old = _old_package(tmp_path / "old", BEFORE_22)
+    if old is None:
+        pytest.skip(f"no git history with commit {BEFORE_22} to take the earlier code from")
+    for i, (preset, opts) in enumerate(CASES_22):
+        src = tmp_path / "in" / preset
+        if not src.exists():
+            _run(None, "synth", preset, src)
+        case = f"{i}-{preset}"
+        _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
+        _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
+        before, after = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
+        assert sorted(before) == sorted(after), (preset, opts)
+        changed = [f for f in before if before[f] != after[f]]
+        assert changed == [], (preset, opts, changed)

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
+from .. import encodings
 from ..errors import ConvertError
 from ..kernels import fp8_block, reference
-from ..kernels.formats import decode_fp8_block, decode_mxfp4
 from ..plan import Encoding
 
 SLACK = 1.25
@@ -136,12 +136,12 @@ class Sources:
                         self.records[t["name"]] = m
 
     def _decode(self, src) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(fp32 values, the stored values where dense, the E8M0 bytes where MXFP4), decoded as ``pack``
+        decodes them (``encodings.decode``)."""
         parts = [self.reader.tensor(p) for p in src.parts]
-        if src.encoding == Encoding.MXFP4:
-            return decode_mxfp4(parts[0], parts[1]), None, parts[1]
-        if src.encoding == Encoding.FP8_BLOCK:
-            return decode_fp8_block(parts[0], parts[1], self.block), None, None
-        return parts[0].float(), parts[0], None
+        values = encodings.decode(src, parts, self.block)
+        codes = encodings.mxfp4_codes(src, parts)
+        return values.float(), values if src.encoding == Encoding.DENSE else None, codes.scale if codes else None
 
     def ref(self, tensor: str) -> Ref | None:
         rec = self.records.get(tensor)

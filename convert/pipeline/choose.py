@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .. import encodings
 from ..plan import FP8, NVFP4, Encoding, Unit
 
 #: Timed units per kind of work and candidate, after the warm-up one.
@@ -45,7 +46,7 @@ def work_kind(unit: Unit) -> str | None:
     for it in unit.items:
         coded = any(s.encoding != Encoding.DENSE for s in it.sources)
         if it.kind == NVFP4:
-            cast = all(s.encoding == Encoding.MXFP4 for s in it.sources)
+            cast = all(encodings.holds_mxfp4(s) for s in it.sources)  # as compute_unit decides
             ops.add("mxfp4-cast" if cast else "nvfp4" + (f"-from-{it.sources[0].encoding}" if coded else ""))
         elif it.kind == FP8:
             ops.add("fp8-block" + (f"-from-{it.sources[0].encoding}" if coded else ""))

@@ -6,14 +6,15 @@ each shard's header before any data and the manifest is this plan plus hashes. E
 (a fused group with a missing member, members that cannot be fused, a module whose shards are only
 partly excluded, a weight whose K is not a multiple of 16) fails here, before any work.
 
-One module per stage: ``model`` (the data), ``discover`` (sources), ``fusion``, ``decide``, ``layout``
-(items, units, shards), ``names`` (exclude list, aliases, patterns), ``make`` (make_plan).
+One module per stage: ``model`` (the data), ``discover`` (sources, by the source encodings of
+``encodings/``), ``fusion``, ``decide``, ``layout`` (items, units, shards), ``names`` (exclude list,
+aliases, patterns), ``make`` (make_plan).
 """
 
 from ..options import DEFAULT_MAX_SHARD, LAYOUTS, Options
 from ..schemes import GROUP_SIZE
 from .decide import _index_blind
-from .discover import SOURCE_FORMATS, check_convertible, discover_sources, fp8_block_size
+from .discover import check_convertible, discover_sources, fp8_block_size
 from .fusion import EngineGroup, Fused, resolve_fusions
 from .layout import build_items
 from .make import make_plan
@@ -40,7 +41,7 @@ from .names import aliases, collect_patterns, exclude_list
 
 __all__ = [
     "COPY", "DEFAULT_MAX_SHARD", "FP8", "GROUP_SIZE", "KEEP", "KEPT_FOR_ENGINE", "LAYOUTS", "MXFP4_GROUP", "NVFP4",
-    "QUANTIZED", "SOURCE_FORMATS", "Encoding", "EngineGroup", "Fused", "Item", "Kind", "Op", "Options", "OutTensor",
+    "QUANTIZED", "Encoding", "EngineGroup", "Fused", "Item", "Kind", "Op", "Options", "OutTensor",
     "Placed", "Plan", "Shard", "SourceTensor", "Unit", "_index_blind", "aliases", "build_items", "check_convertible",
     "collect_patterns", "discover_sources", "exclude_list", "fp8_block_size", "make_plan",
     "resolve_fusions",

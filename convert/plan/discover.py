@@ -1,18 +1,15 @@
-"""Sources: which stored tensors form one logical tensor."""
+"""Sources: which stored tensors form one logical tensor (each source encoding's own discovery, run in
+registry order: ``encodings/``), and the refusal of an input that is already a converted checkpoint."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
+from .. import encodings
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..jsonfile import read_json
-from ..safetensors_format import TensorInfo
-from .model import MXFP4_GROUP, Encoding, SourceTensor
-
-# ---------------------------------------------------------------------------------------------
-# Sources: which stored tensors form one logical tensor
+from .model import SourceTensor
 
 
 def _module_of(name: str) -> tuple[str, str]:
@@ -20,11 +17,9 @@ def _module_of(name: str) -> tuple[str, str]:
     return mod, suffix
 
 
-#: SourceTensor formats a checkpoint's ``quantization_config`` may declare: the formats this tool reads
-#: (K3's MXFP4 experts in compressed-tensors, DeepSeek's 128x128 block FP8). Anything else is an
-#: already-converted checkpoint, which converting again would only degrade.
-SOURCE_FORMATS = {"compressed-tensors": {"mxfp4-pack-quantized"}, "fp8": {"e4m3"}}
-_ORIGINAL = "convert the original (BF16, MXFP4 or block-FP8) checkpoint instead"
+def _original() -> str:
+    """What every refusal of a converted checkpoint asks for, naming the registered source encodings."""
+    return f"convert the original ({encodings.labels()}) checkpoint instead"
 
 
 def check_convertible(ckpt: Checkpoint) -> None:
@@ -36,13 +31,13 @@ def check_convertible(ckpt: Checkpoint) -> None:
     if marker.is_file():
         made = _json_field(marker, "format")
         if made == "kimi-convert-manifest":
-            raise ConvertError(f"{where}: this is an output of kimi-convert (manifest.json): {_ORIGINAL}; "
+            raise ConvertError(f"{where}: this is an output of kimi-convert (manifest.json): {_original()}; "
                                "check this one with `kimi-convert verify-manifest`")
     hq = ckpt.folder / "hf_quant_config.json"
     if hq.is_file():
         algo = (_json_field(hq, "quantization") or {}).get("quant_algo") if hq.stat().st_size < 1 << 26 else None
         raise ConvertError(f"{where}: already quantized by NVIDIA Model Optimizer (hf_quant_config.json, "
-                           f"quant_algo {algo or 'unknown'}): {_ORIGINAL}")
+                           f"quant_algo {algo or 'unknown'}): {_original()}")
     for cfg in (ckpt.config, ckpt.config.get("text_config")):
         q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
         if isinstance(q, dict):
@@ -54,7 +49,7 @@ def check_convertible(ckpt: Checkpoint) -> None:
                          ckpt.tensors))
         if quantized:
             raise ConvertError(f"{info.file}: tensor {name}: {mod} is already quantized ({info.dtype} "
-                               f"{suffix}): {_ORIGINAL}")
+                               f"{suffix}): {_original()}")
 
 
 def _json_field(path, key: str):
@@ -66,18 +61,20 @@ def _json_field(path, key: str):
 
 
 def _check_quant_config(q: dict, where: str) -> None:
+    """Refuse a ``quantization_config`` no source encoding reads (``encodings.source_formats``): anything
+    else is an already-converted checkpoint, which converting again would only degrade."""
     method = q.get("quant_method")
-    formats = SOURCE_FORMATS.get(method)
+    formats = encodings.source_formats().get(method)
     if formats is None:
         algo = q.get("quant_algo") or q.get("format") or q.get("bits")
         raise ConvertError(f"{where}: config.json: quantization_config says the input is already quantized "
-                           f"({method}{f', {algo}' if algo else ''}): {_ORIGINAL}")
+                           f"({method}{f', {algo}' if algo else ''}): {_original()}")
     found = {str(g.get("format", q.get("format"))) for g in (q.get("config_groups") or {}).values()
              if isinstance(g, dict)} or {str(q.get("format") or q.get("fmt") or next(iter(formats)))}
     if not found <= formats:
         raise ConvertError(f"{where}: config.json: quantization_config: {method} format "
                            f"{', '.join(sorted(found - formats))} is not a source format this tool reads "
-                           f"({', '.join(sorted(formats))}): {_ORIGINAL}")
+                           f"({', '.join(sorted(formats))}): {_original()}")
 
 
 class _Modules(defaultdict):
@@ -88,66 +85,36 @@ class _Modules(defaultdict):
 
 
 def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, SourceTensor]]:
-    """module -> {suffix: SourceTensor}; MXFP4 and FP8 block-scaled weights become one logical weight."""
-    t = ckpt.tensors
+    """module -> {suffix: SourceTensor}: each stored tensor offered to the source encodings in registry
+    order (``encodings.REGISTRY``); what none consumed is offered to the fallback (dense), after each
+    encoding's refusal of stray parts (a scale without its weight)."""
+    t, config = ckpt.tensors, ckpt.config
+    for enc in encodings.REGISTRY:
+        enc.check_config(config)
     consumed: set[str] = set()
     out: dict[str, dict[str, SourceTensor]] = _Modules(dict)
-    block = fp8_block_size(ckpt.config)
+    offer = encodings.claimers()
     for name in t:
-        mod, _, suffix = name.rpartition(".")
-        if suffix == "weight_packed":
-            src = out[mod]["weight"] = _mxfp4_source(mod, t)
-            for p in src.parts:
-                consumed.add(p.name)
-        elif suffix == "weight" and t[name].dtype == "F8_E4M3":
-            if f"{mod}.weight_scale_inv" not in t:
-                raise ConvertError(f"{t[name].file}: tensor {name}: FP8 weight without its {mod}.weight_scale_inv")
-            out[mod]["weight"] = _fp8_source(mod, t, block)
-            consumed.update(p.name for p in out[mod]["weight"].parts)
-    for name, info in t.items():
+        for enc in offer.get(name.rpartition(".")[2], ()):
+            if claims := enc.claim(name, t, config):
+                for c in claims:
+                    out[c.module][c.suffix] = c.source
+                    consumed.update(p.name for p in c.source.parts)
+                break
+    strays, leftover = encodings.strays(), encodings.fallbacks()
+    for name in t:
         if name in consumed:
             continue
-        mod, _, suffix = name.rpartition(".")
-        if suffix in ("weight_scale", "weight_scale_inv") and f"{mod}.weight" not in t:
-            raise ConvertError(f"{info.file}: tensor {name}: scale without its weight {mod}.weight(_packed)")
-        out[mod][suffix] = SourceTensor(mod, name, Encoding.DENSE, info.dtype, info.shape, (info,))
+        for enc in strays.get(name.rpartition(".")[2], ()):
+            enc.refuse_leftover(name, t)
+        for enc in leftover:
+            if claims := enc.claim(name, t, config):
+                for c in claims:
+                    out[c.module][c.suffix] = c.source
+                break
     return out
 
 
-def _mxfp4_source(mod: str, t: dict[str, TensorInfo]) -> SourceTensor:
-    packed = t[f"{mod}.weight_packed"]
-    scale = t.get(f"{mod}.weight_scale")
-    if scale is None:
-        raise ConvertError(f"{packed.file}: tensor {packed.name}: MXFP4 weight without its {mod}.weight_scale")
-    if packed.dtype != "U8" or len(packed.shape) != 2:
-        raise ConvertError(f"{packed.file}: tensor {packed.name}: MXFP4 packed weight must be U8 [N, K/2], "
-                           f"is {packed.dtype}{list(packed.shape)}")
-    n, k = packed.shape[0], packed.shape[1] * 2
-    want = [n, math.ceil(k / MXFP4_GROUP)]
-    if scale.dtype != "U8" or scale.shape != tuple(want) or k % MXFP4_GROUP:
-        raise ConvertError(
-            f"{scale.file}: tensor {scale.name}: MXFP4 scale must be U8 {want} for a [{n}, {k}] weight "
-            f"(K a multiple of {MXFP4_GROUP}), is {scale.dtype}{list(scale.shape)}"
-        )
-    return SourceTensor(mod, f"{mod}.weight", Encoding.MXFP4, "MXFP4", (n, k), (packed, scale))
-
-
 def fp8_block_size(config: dict) -> tuple[int, int]:
-    q = config.get("quantization_config") or {}
-    b = q.get("weight_block_size", [128, 128]) if isinstance(q, dict) else [128, 128]
-    if not (isinstance(b, list) and len(b) == 2 and all(type(v) is int and v > 0 for v in b)):
-        raise ConvertError(f"config.json: quantization_config.weight_block_size {b!r} is not [rows, cols]")
-    return b[0], b[1]
-
-
-def _fp8_source(mod: str, t: dict[str, TensorInfo], block: tuple[int, int]) -> SourceTensor:
-    w, s = t[f"{mod}.weight"], t[f"{mod}.weight_scale_inv"]
-    if len(w.shape) != 2:
-        raise ConvertError(f"{w.file}: tensor {w.name}: FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
-    want = [math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])]
-    if s.dtype not in ("F32", "BF16") or list(s.shape) != want:
-        raise ConvertError(
-            f"{s.file}: tensor {s.name}: FP8 scale must be F32 {want} for {list(w.shape)} with blocks "
-            f"{list(block)}, is {s.dtype}{list(s.shape)}"
-        )
-    return SourceTensor(mod, w.name, Encoding.FP8_BLOCK, "F8_E4M3", w.shape, (w, s))
+    """The checkpoint's FP8 block size (``encodings.fp8_block.block_size``), what decoding needs."""
+    return encodings.block_size(config)

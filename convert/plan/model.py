@@ -10,6 +10,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple
 
 from .. import rules
+from ..encodings import Encoding as Encoding  # how a source stores a weight: the source encodings' data
+from ..encodings import SourceTensor
+from ..encodings.mxfp4 import GROUP as MXFP4_GROUP  # noqa: F401 (re-exported)
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
@@ -22,7 +25,6 @@ if TYPE_CHECKING:
 
 
 
-MXFP4_GROUP = 32
 
 
 class Kind(StrEnum):
@@ -42,36 +44,9 @@ class Op(StrEnum):
     STACK = "stack"  # stacked on a new dim 0
 
 
-class Encoding(StrEnum):
-    """How a logical source tensor is stored."""
-
-    DENSE = "dense"
-    MXFP4 = "mxfp4"
-    FP8_BLOCK = "fp8_block"
-
-
 NVFP4, FP8, KEEP, COPY = Kind.NVFP4, Kind.FP8_BLOCK, Kind.KEEP, Kind.COPY
 QUANTIZED = (NVFP4, FP8)
 KEPT_FOR_ENGINE = "kept for the engines: "
-
-
-class SourceTensor(NamedTuple):  # a tuple: one per stored module (250,000 in the released K3)
-    """One logical source tensor: stored dense, or as MXFP4 / FP8 parts that decode to it."""
-
-    module: str
-    name: str  # logical name, e.g. "...experts.0.w1.weight"
-    encoding: Encoding
-    dtype: str  # stored dtype of the values ("MXFP4" for mxfp4)
-    shape: tuple[int, ...]  # logical shape
-    parts: tuple[TensorInfo, ...]  # stored tensors this source consumes (values first)
-
-    @property
-    def file(self) -> str:
-        return self.parts[0].file
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
 
 class OutTensor(NamedTuple):  # a tuple: one per output tensor (a million in the released K3)

@@ -1,0 +1,72 @@
+"""FP8 with block scales (DeepSeek V3 style): ``weight`` (F8_E4M3 [N, K]) and ``weight_scale_inv`` (F32 or
+BF16, one a ``weight_block_size`` tile: ``quantization_config.weight_block_size``, 128x128 when absent),
+declared by ``quant_method: fp8`` with format ``e4m3``.
+
+Decoded exactly to fp32: one multiply a value by its tile's scale (``kernels.formats.decode_fp8_block``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from ..errors import ConvertError
+from ..safetensors_format import TensorInfo
+from .base import Claim, Encoding, SourceEncoding, SourceTensor, module_of, refused
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_BLOCK = [128, 128]
+
+
+def block_size(config: dict) -> tuple[int, int]:
+    """The checkpoint's FP8 tile (rows, cols): what decoding needs besides the tensors (the pipeline
+    carries it to its workers)."""
+    q = config.get("quantization_config") or {}
+    b = q.get("weight_block_size", DEFAULT_BLOCK) if isinstance(q, dict) else DEFAULT_BLOCK
+    if not (isinstance(b, list) and len(b) == 2 and all(type(v) is int and v > 0 for v in b)):
+        raise ConvertError(f"config.json: quantization_config.weight_block_size {b!r} is not [rows, cols]")
+    return b[0], b[1]
+
+
+class FP8Block(SourceEncoding):
+    name = Encoding.FP8_BLOCK
+    label = "block-FP8"
+    anchors = frozenset({"weight"})
+    companions = frozenset({"weight_scale_inv"})
+    quant_configs: ClassVar[Mapping[str, frozenset[str]]] = {"fp8": frozenset({"e4m3"})}
+
+    def check_config(self, config: dict) -> None:
+        block_size(config)
+
+    def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
+        w = tensors[name]
+        if w.dtype != "F8_E4M3":
+            return ()
+        mod, _ = module_of(name)
+        s = tensors.get(f"{mod}.weight_scale_inv")
+        if s is None:
+            raise refused(w, f"FP8 weight without its {mod}.weight_scale_inv")
+        self.check((w, s), config)
+        return (Claim(mod, "weight", SourceTensor(mod, w.name, Encoding.FP8_BLOCK, "F8_E4M3", w.shape, (w, s))),)
+
+    def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
+        w, s = parts
+        block = block_size(config)
+        if len(w.shape) != 2:
+            raise refused(w, f"FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
+        want = [math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])]
+        if s.dtype not in ("F32", "BF16") or list(s.shape) != want:
+            raise refused(s, f"FP8 scale must be F32 {want} for {list(w.shape)} with blocks {list(block)}, "
+                             f"is {s.dtype}{list(s.shape)}")
+
+    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
+        mod, suffix = module_of(name)
+        if suffix == "weight_scale_inv" and f"{mod}.weight" not in tensors:
+            raise refused(tensors[name], f"scale without its weight {mod}.weight(_packed)")
+
+    def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
+        from ..kernels.formats import decode_fp8_block
+
+        return decode_fp8_block(parts[0], parts[1], block)
