@@ -107,11 +107,13 @@ class MappedReader:
 
 
 class PreadReader:
-    """Reads byte ranges of stored tensors into buffers with ``pread``: the pipeline's reader.
+    """Reads byte ranges of stored tensors into buffers (``SourceFile.readinto``: ``pread`` for a local
+    folder): the pipeline's reader.
 
     Explicit reads rather than memory-map faults: one large read on a reader thread overlaps the
     compute of the previous group and yields the very buffers the hashers need. The buffers are
-    numpy arrays, so reading and hashing start before torch has loaded."""
+    numpy arrays, so reading and hashing start before torch has loaded. Each file is opened once,
+    through the source, and kept open until ``close``."""
 
     def __init__(self, source: Source | str | os.PathLike):
         self.source = open_source(source)

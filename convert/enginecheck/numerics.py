@@ -372,7 +372,8 @@ def _why(layer: dict) -> str:
     return "global scale as the engine keeps it"
 
 
-def run(engine: str, result_file: Path, folder: Path, input_dir: Path, output_dir: Path) -> NumericReport:
+def run(engine: str, result_file: Path, folder: Path, input_dir: Source | str | Path, output_dir: Path
+        ) -> NumericReport:
     """The numeric check of one engine run (``result_file``: the runner's JSON, ``folder``: its dump)."""
     man = None
     mp = output_dir / "manifest.json"
