@@ -16,13 +16,14 @@ it could publish a file from elsewhere, dropping it would lose part of the model
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import journal
 from .errors import ConvertError
-from .sources import EntryKind, FileEntry, Source
+from .sources import EntryKind, FileEntry, Source, open_source
 
 #: Folders never descended into, at any depth (the Hub itself refuses .git/ and .cache/ folders).
 SKIP_DIRS = {
@@ -77,15 +78,18 @@ def pruned(rel: str) -> bool:
     return name in SKIP_DIRS or ("/" not in rel and name in OWN_TOP_DIRS)
 
 
-def scan(source: Source, consumed: Iterable[str], entries: list[FileEntry] | None = None) -> SideFiles:
+def scan(source: Source | str | os.PathLike, consumed: Iterable[str], entries: list[FileEntry] | None = None
+         ) -> SideFiles:
     """Classify every entry of ``source`` (sub-folders included, symlinks not followed); ``consumed``:
     the files pack reads and writes anew (the shards the plan reads, the top-level ``config.json`` and
     index; ``checkpoint.consumed``), relative to the source. Reads names and link targets, no data: a
     sub-folder's ``config.json`` (``1_Pooling/config.json``) is not the model's, and is copied. ``entries``:
     the source's listing (``list_files(prune=pruned)``) when the caller has it already. An entry the source
     refuses to serve (``FileEntry.refusal``: a symlink out of the folder, dangling, or to a folder) is refused
-    here unless it is skipped anyway, in the listing's order (the first such entry is the one named)."""
+    here unless it is skipped anyway, in the listing's order (the first such entry is the one named). A folder
+    path is read as a ``LocalFolder``."""
     consumed = {posix(w) for w in consumed}
+    source = open_source(source)
     entries = source.list_files(prune=pruned) if entries is None else entries
     parents = {PurePosixPath(e.rel).parent.as_posix() for e in entries}
     copied: list[str] = []

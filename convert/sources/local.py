@@ -177,7 +177,7 @@ class LocalFolder:
                         f"{folder}: {rel} is a symlink to a folder, which pack does not follow; "
                         "replace it with the folder itself, or remove it")))
                     continue
-                out.append(_entry(rel, here / d))
+                out.append(FileEntry(rel, EntryKind.FOLDER))  # os.walk's dirnames: folders (stat followed)
                 if prune is None or not prune(rel):
                     descend.append(d)
             dirnames[:] = descend
