@@ -19,7 +19,7 @@ from typing import Any
 from .. import paths
 from ..errors import ConvertError
 from ..jsonfile import MAX_JSON_BYTES, describe_mode, open_regular, read_json, regular_file_error, resolve
-from . import EntryKind, FileEntry
+from .protocol import EntryKind, FileEntry
 
 
 class LocalFile:
