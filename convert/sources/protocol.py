@@ -20,10 +20,10 @@ It offers:
 - ``open(rel)``: a ``SourceFile``, whose ``read_range``/``readinto`` read byte ranges (the pipeline reads into its
   pooled buffers with ``readinto``) and ``will_need`` hints what comes next;
 - ``read_json(rel)``: a JSON file through ``jsonfile``'s one reader (regular file, bounded size, depth-safe);
-- ``local_path(rel)``: where the file lies on this machine, or None. Only the memory-mapped reader of verify and
-  the numeric check uses it (``MappedReader``: zero-copy views need a file to map); it falls back to reading
-  through the source when there is none. Nothing else may use it.
-
+- ``local_path(rel)``: where the file lies on this machine, or None. Two uses only: the memory-mapped reader of
+  verify and the numeric check (``MappedReader``: zero-copy views need a file to map; without one it reads
+  through the source), and pack's check that the output folder is neither the input nor inside it
+  (``write.check_output_dir``, with ``local_path()``, the root). Nothing else may use it.
 """
 
 from __future__ import annotations
