@@ -39,7 +39,7 @@ def unit_breakdown(src: str) -> None:
     ckpt, plan = load_plan(src, Options())
     backend = get_backend("cuda")
     block = fp8_block_size(ckpt.config)
-    reader = PreadReader(ckpt.folder)
+    reader = PreadReader(ckpt.source)
     units = [u for u in plan.units if any(it.kind == "nvfp4" for it in u.items)]
     for pinned in (True, False):
         total = h2d = nbytes = 0.0

@@ -1,4 +1,5 @@
-"""A checkpoint folder: config.json, the shard index and every shard's header (no tensor data)."""
+"""A checkpoint: config.json, the shard index and every shard's header (no tensor data), read through its
+``Source`` (a local folder today)."""
 
 from __future__ import annotations
 
@@ -10,65 +11,29 @@ from itertools import repeat
 from operator import eq
 from pathlib import Path
 
-from . import paths
 from .errors import ConvertError
-from .jsonfile import read_json, regular_file_error, resolve
-from .safetensors_format import TensorInfo, parse_header
-from .sidefiles import Skipped, scan
+from .jsonfile import read_json
+from .safetensors_format import TensorInfo, read_header
+from .sidefiles import Skipped, pruned, scan
+from .sources import Source, open_source
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def load_json(path: Path, rel: str) -> dict:
-    """A JSON object file of the input (config.json, the index): ``jsonfile.read_json``'s rules (a regular
-    file, bounded, depth-safe), every fault one line naming ``rel``."""
+    """A JSON object file named by a path (``inspect`` given a config.json): ``jsonfile.read_json``'s rules (a
+    regular file, bounded, depth-safe), every fault one line naming ``rel``. The input checkpoint's own files
+    are read through its source (``Source.read_json``, the same reader)."""
     return read_json(path, rel)
-
-
-def _inside(folder: Path, rel: str, what: str) -> Path:
-    """Resolve ``rel`` under ``folder``; refuse ``..`` and paths or symlinks that end outside it, and
-    anything but a regular file. An absolute path is taken when it resolves inside the folder (an index
-    written with the download's absolute paths), as is any symlink that stays inside."""
-    if any(p == ".." for p in Path(rel).parts):
-        raise ConvertError(f"{what}: file {rel!r} has a '..' part: outside the input folder, "
-                           "where the index must name files")
-    path = Path(rel) if os.path.isabs(rel) else folder / rel
-    real = resolve(path, f"{what}: file {rel!r}")
-    root = resolve(folder, str(folder))
-    if not real.is_relative_to(root):
-        raise ConvertError(f"{what}: file {rel!r} resolves outside the input folder {root} (to {real})")
-    if not os.path.lexists(path):
-        raise ConvertError(f"{what}: names missing file {rel!r}")
-    why = regular_file_error(path)
-    if why is not None:
-        raise ConvertError(f"{what}: file {rel!r} {why}, expected a safetensors file")
-    return path
-
-
-def _relative_index(folder: Path, weight_map: dict[str, str], files: list[str]) -> tuple[dict[str, str], list[str]]:
-    """An index whose files are named by absolute paths (written where the download lived): each one that
-    resolves inside ``folder`` is renamed to its path relative to it, so the plan, the output's index and
-    the manifest name files as every other index does; one that does not is refused by ``_inside``."""
-    root = resolve(folder, str(folder))
-    renamed = {}
-    for f in files:
-        if os.path.isabs(f):
-            _inside(folder, f, INDEX_NAME)
-            for base in (root, Path(os.path.abspath(folder))):  # the name as given, else where it resolves
-                if Path(os.path.normpath(f)).is_relative_to(base):
-                    renamed[f] = Path(os.path.normpath(f)).relative_to(base).as_posix()
-                    break
-            else:
-                renamed[f] = resolve(Path(f), f).relative_to(root).as_posix()
-    return ({k: renamed.get(v, v) for k, v in weight_map.items()},
-            list(dict.fromkeys(renamed.get(f, f) for f in files)))
 
 
 @dataclass
 class Checkpoint:
-    """A checkpoint folder's headers and config: everything the plan needs, no tensor data."""
+    """A checkpoint's headers and config: everything the plan needs, no tensor data. ``source``: where its
+    bytes come from (``sources``); everything that reads the input later (pipeline, verify, side files,
+    journal) reads it through that, never through a path."""
 
-    folder: Path
+    source: Source
     config: dict
     files: list[str]  # shard files in index order
     tensors: dict[str, TensorInfo]  # every stored tensor by name
@@ -99,16 +64,17 @@ def gc_paused():
 
 
 @gc_paused()
-def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Checkpoint:
-    """Read config.json, the index and every shard header of ``folder`` (no tensor data)."""
-    folder = paths.folder(folder)
-    config = load_json(folder / "config.json", f"{folder}/config.json")
-    index_path = folder / INDEX_NAME
+def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True) -> Checkpoint:
+    """Read config.json, the index and every shard header of ``where`` (a source, or a folder: ``open_source``;
+    no tensor data)."""
+    source = open_source(where)
+    config = source.read_json("config.json", f"{source.name}/config.json")
     tensors: dict[str, TensorInfo] = {}
     files: list[str]
     weight_map: dict[str, str] | None = None
-    if os.path.lexists(index_path):  # a dangling link or a symlink loop is refused by the reader, not ignored
-        index = load_json(index_path, INDEX_NAME)
+    listing = None
+    if source.entry(INDEX_NAME) is not None:  # a dangling link or a symlink loop is refused by the reader, not ignored
+        index = source.read_json(INDEX_NAME, INDEX_NAME)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not (
             all(map(isinstance, weight_map, repeat(str))) and all(map(isinstance, weight_map.values(), repeat(str)))
@@ -118,19 +84,23 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
             raise ConvertError(f"{INDEX_NAME}: weight_map is empty: the index names no tensor (a checkpoint with "
                                "weights lists each one; remove the index if the shards are to be read without it)")
         files = list(dict.fromkeys(weight_map.values()))
-        if any(map(os.path.isabs, files)):
-            weight_map, files = _relative_index(folder, weight_map, files)
+        renamed = source.canonical_names(files, INDEX_NAME)
+        if renamed:
+            weight_map = {k: renamed.get(v, v) for k, v in weight_map.items()}
+            files = list(dict.fromkeys(renamed.get(f, f) for f in files))
     else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        listing = source.list_files(prune=pruned)
+        files = sorted(e.rel for e in listing if "/" not in e.rel and e.rel.endswith(".safetensors"))
         if not files and need_weights:
-            raise ConvertError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
-    # Every named file must exist inside the folder before any header is read: a missing or
+            raise ConvertError(f"{source.name}: no *.safetensors files and no {INDEX_NAME}")
+    # Every named file must exist inside the source before any header is read: a missing or
     # escaping file is the more useful error than the tensors it leaves unaccounted for.
-    shard_paths = {rel: _inside(folder, rel, INDEX_NAME if weight_map is not None else str(folder)) for rel in files}
+    what = INDEX_NAME if weight_map is not None else source.name
+    named = {rel: source.check_named(rel, what) for rel in files}
     sizes: dict[str, int] = {}
-    for rel, path in shard_paths.items():
-        sizes[rel] = path.stat().st_size
-        found, _meta = parse_header(path, rel)
+    for rel, entry in named.items():
+        sizes[rel] = entry.size
+        found, _meta = read_header(source, rel)
         # checked in bulk (the released K3 has 500,000 names); a fault is found and named by the loop below.
         # With an index, every name listed for this file is in no other (it was listed for that one).
         if (found.keys().isdisjoint(tensors.keys()) if weight_map is None
@@ -152,8 +122,8 @@ def open_checkpoint(folder: str | os.PathLike, need_weights: bool = True) -> Che
         for name, rel in weight_map.items():
             if name not in tensors:
                 raise ConvertError(f"{INDEX_NAME}: tensor {name} is not in {rel}")
-    side = scan(folder, consumed(files))
-    return Checkpoint(folder, config, files, tensors, sizes, list(side.copied), weight_map is not None,
+    side = scan(source, consumed(files), listing)
+    return Checkpoint(source, config, files, tensors, sizes, list(side.copied), weight_map is not None,
                       list(side.folders), list(side.skipped))
 
 

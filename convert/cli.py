@@ -25,6 +25,7 @@ from .errors import ConvertError
 from .options import Options, click_options
 from .options import checked as _checked
 from .plan.render import mb
+from .sources import open_source
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -120,7 +121,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(open_source))
 @click_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, opts: Options, as_json: bool) -> None:
@@ -147,7 +148,7 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", callback=_checked(paths.folder))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(open_source))
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.output_folder))
 @click_options
 @click.option("--device", default="auto", show_default=True, callback=_checked(devices.valid),
@@ -222,7 +223,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
 
 @cli.command(name="verify-manifest")
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.folder, "a kimi-convert output folder"))
-@click.option("--input", "input_dir", callback=_checked(paths.folder),
+@click.option("--input", "input_dir", callback=_checked(open_source),
               help="Also prove OUTPUT was derived from INPUT: hashes, re-plan, pass-through and re-quantization.")
 @click.option("--full", is_flag=True, help="With --input: re-quantize every NVFP4 tensor, not a sample.")
 @click.option("--device", default="cpu", show_default=True, callback=_checked(devices.valid),

@@ -6,7 +6,8 @@ beside reading, computing and writing. A sha256 is sequential, though: the piece
 be fed in order even when several pool threads run. ``SerialHasher`` keeps that order for one stream;
 ``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or writes anyway,
 reading from the file itself only what the pipeline does not hand it (an input's header, ranges
-another worker converts, ranges that came too far out of order to hold).
+another worker converts, ranges that came too far out of order to hold): an input file through its
+``Source``, an output file (a local path) directly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .sources.local import LocalFile
+
+if TYPE_CHECKING:
+    from .sources import Source, SourceFile
 
 CHUNK = 16 << 20
 
@@ -86,9 +92,11 @@ class FileHasher:
     file when the cursor reaches them. The digest is the file's sha256 whatever the order of offers.
     """
 
-    def __init__(self, path: os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
-                 budget: HoldBudget, stop: threading.Event | None = None):
-        self.path = path
+    def __init__(self, path: str | os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
+                 budget: HoldBudget, stop: threading.Event | None = None, *, source: Source | None = None):
+        """``path``: a local file (an output shard being written), or with ``source`` the name of an input
+        file in it (read through the source: the gaps the pipeline does not read)."""
+        self.path, self.source = path, source
         self.size = size
         self._hasher = SerialHasher(pool)
         self._lock = threading.Lock()
@@ -164,25 +172,33 @@ class FileHasher:
                 return  # the pipeline reads it next
             i = bisect.bisect_right(self._starts, c)
             nxt = self._starts[i] if i < len(self._starts) else self.size
-            self._feed(_reader(self.path, c, nxt, self._stop), nxt - c, pipeline=False)
+            self._feed(_reader(self.path, c, nxt, self._stop, self.source), nxt - c, pipeline=False)
 
 
 class Stopped(Exception):
     """The pack is stopping (failing or interrupted): a long read or hash ends early."""
 
 
-def _reader(path: os.PathLike, lo: int, hi: int, stop: threading.Event):
+def _open(path: str | os.PathLike, source: Source | None) -> tuple[SourceFile, str]:
+    """The file to read for a hash, and how messages name it: ``path`` in ``source``, or a local ``path``."""
+    if source is not None:
+        return source.open(str(path)), source.shown(str(path))
+    return LocalFile.open(path, str(path)), str(path)
+
+
+def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, source: Source | None = None):
     """A feed that reads [lo, hi) of the file in chunks (run on the hashing pool)."""
 
     def run(update) -> None:
-        with open(path, "rb", buffering=0) as f:
+        f, shown = _open(path, source)
+        with f:
             pos = lo
             while pos < hi:
                 if stop.is_set():
-                    raise Stopped(str(path))
-                block = os.pread(f.fileno(), min(CHUNK, hi - pos), pos)
+                    raise Stopped(shown)
+                block = f.read_range(pos, min(CHUNK, hi - pos))
                 if not block:
-                    raise OSError(f"{path}: file shorter than its header says")
+                    raise OSError(f"{shown}: file shorter than its header says")
                 update(block)
                 pos += len(block)
 
@@ -209,18 +225,35 @@ class HoldBudget:
             self.held -= n
 
 
-def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable[[int], None] | None = None,
-              stop: threading.Event | None = None) -> tuple[str, int, dict[str, str]]:
+def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
+              progress: Callable[[int], None] | None = None, stop: threading.Event | None = None, *,
+              source: Source | None = None) -> tuple[str, int, dict[str, str]]:
     """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read;
-    a stop request ends it within one chunk."""
+    a stop request ends it within one chunk. ``path``: a local file, or with ``source`` an input file's name."""
     fh = hashlib.sha256()
     order = sorted(ranges.items(), key=lambda kv: kv[1])
     th = {name: hashlib.sha256() for name in ranges}
     pos, i = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
+    if source is not None:
+        f = source.open(str(path))
+        shown = source.shown(str(path))
+
+        def blocks():
+            at = 0
+            while block := f.read_range(at, CHUNK):
+                at += len(block)
+                yield block
+    else:
+        f = open(path, "rb")  # noqa: SIM115 - closed by the with below
+        shown = str(path)
+
+        def blocks():
+            while block := f.read(CHUNK):
+                yield block
+    with f:
+        for block in blocks():
             if stop is not None and stop.is_set():
-                raise Stopped(str(path))
+                raise Stopped(shown)
             fh.update(block)
             end = pos + len(block)
             while i < len(order) and order[i][1][0] < end:
@@ -238,5 +271,5 @@ def hash_file(path: Path, ranges: dict[str, tuple[int, int]], progress: Callable
     return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
 
 
-def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
-    return hash_file(path, {}, stop=stop)[0]
+def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None, *, source: Source | None = None) -> str:
+    return hash_file(path, {}, stop=stop, source=source)[0]

@@ -7,7 +7,8 @@ its records file (``manifest-records/``: the manifest's per-module records, writ
 a resumed run re-hashes every recorded shard and its records file and redoes any that does not
 match. The journal stays small (a few numbers a shard), as it is rewritten each time a shard
 finishes. It is bound to the plan (a hash of the plan, which covers the input headers, mapping and
-options) and to the input files' sizes and modification times.
+options) and to the input files' identities as their source knows them (a local folder: sizes and
+modification times; ``sources.FileEntry.stamp``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from .atomic import write_atomic
 from .errors import ConvertError
 from .jsonfile import read_json
+from .sources import EntryKind, Source
 
 NAME = ".kimi-convert-pack.json"
 #: The lock a running pack holds on its output (pack.lock_output): its pid; removed when the output is finished.
@@ -42,7 +44,7 @@ class ShardRecord:
 class Journal:
     plan_sha256: str  # the plan's hash (manifest.plan_hash): a resume refuses another plan's output
     command: str  # the command that resumes this pack
-    inputs: dict[str, list[int]]  # file -> [size, mtime_ns]
+    inputs: dict[str, list[int | str]]  # input file -> its identity (sources.FileEntry.stamp: [size, mtime_ns])
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     version: int = VERSION
 
@@ -79,9 +81,13 @@ def intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
     return True
 
 
-def input_stamps(folder: Path, files: list[str]) -> dict[str, list[int]]:
+def input_stamps(source: Source, files: list[str]) -> dict[str, list[int | str]]:
+    """Each input file's identity as its source knows it (``FileEntry.stamp``: size and mtime for a local
+    folder), so that a resume notices a changed input."""
     out = {}
     for f in files:
-        st = (folder / f).stat()
-        out[f] = [st.st_size, st.st_mtime_ns]
+        e = source.entry(f)
+        if e is None or e.kind is not EntryKind.FILE:
+            raise ConvertError(f"{source.shown(f)}: {'missing' if e is None else e.why}")
+        out[f] = e.stamp
     return out

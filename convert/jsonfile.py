@@ -142,7 +142,15 @@ def read_json(path: str | os.PathLike, shown: str | None = None, *, limit: int =
     """The parsed content of the JSON file ``path``: a regular file (never blocks), at most ``limit`` bytes,
     nesting at most :data:`MAX_DEPTH`; ``want``: the type the top level must have (None: any)."""
     shown = shown or str(path)
-    obj = loads(read_bytes(path, shown, limit), shown)
+    return parse(read_bytes(path, shown, limit), shown, limit=limit, want=want)
+
+
+def parse(data: bytes, shown: str, *, limit: int = MAX_JSON_BYTES, want: type | None = dict) -> Any:
+    """:func:`read_json`'s checks on bytes a source already holds (``sources``: a Hub download, a test's
+    in-memory source): at most ``limit`` bytes, nesting at most :data:`MAX_DEPTH`, top level ``want``."""
+    if len(data) > limit:
+        raise ConvertError(f"{shown}: {len(data)} bytes, more than the {limit}-byte limit for this file")
+    obj = loads(data, shown)
     if want is not None and not isinstance(obj, want):
         raise ConvertError(f"{shown}: not a JSON {'object' if want is dict else want.__name__}")
     return obj

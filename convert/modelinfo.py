@@ -11,8 +11,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint import load_json, open_checkpoint
+from .checkpoint import INDEX_NAME, load_json, open_checkpoint
 from .errors import ConvertError
+from .sources import EntryKind, Source
+from .sources.local import LocalFolder
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOPK_KEYS = ("num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k")
@@ -129,14 +131,30 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
 
 
 def inspect_path(path: str | Path) -> ModelInfo:
+    """``inspect`` of a config.json file, or of a checkpoint folder (read as a source: ``inspect_source``)."""
     path = Path(path)
-    cfg_path = path / "config.json" if path.is_dir() else path
-    if not cfg_path.exists():
-        raise ConvertError(f"{cfg_path}: missing")
-    info = from_config(load_json(cfg_path, str(cfg_path)))
-    if path.is_dir() and (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()):
-        add_tensors(info, open_checkpoint(path).tensors)
+    if path.is_dir():
+        return inspect_source(LocalFolder(path))
+    if not path.exists():
+        raise ConvertError(f"{path}: missing")
+    return from_config(load_json(path, str(path)))
+
+
+def inspect_source(source: Source) -> ModelInfo:
+    """The model's facts from a source's config.json, and from its weights' headers where it has weights."""
+    if not _exists(source, "config.json"):
+        raise ConvertError(f"{source.shown('config.json')}: missing")
+    info = from_config(source.read_json("config.json"))
+    top = (e.rel for e in source.list_files(prune=lambda rel: True) if "/" not in e.rel)  # (a glob's view)
+    if any(rel.endswith(".safetensors") for rel in top) or _exists(source, INDEX_NAME):
+        add_tensors(info, open_checkpoint(source).tensors)
     return info
+
+
+def _exists(source: Source, rel: str) -> bool:
+    """``Path.exists``: there, symlinks followed (a dangling one is not)."""
+    e = source.entry(rel)
+    return e is not None and e.kind is not EntryKind.BROKEN
 
 
 def render(info: ModelInfo) -> str:

@@ -30,6 +30,7 @@ from .options import Options
 from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .progress import Progress
 from .readers import readahead
+from .sources import Source, open_source
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,12 @@ class PackStats:
     pin_s: float = 0.0  # seconds spent page-locking them
 
 
-def load_plan(input_dir: str | os.PathLike, opts: Options, banked: bool = False) -> tuple[Checkpoint, Plan]:
-    """``opts.mapping``: the table (default: chosen from config.json); ``opts.strict``: a plan warning
+def load_plan(source: Source | str | os.PathLike, opts: Options, banked: bool = False) -> tuple[Checkpoint, Plan]:
+    """The checkpoint of ``source`` (a ``Source``, or a folder: ``sources.open_source``) and its plan.
+    ``opts.mapping``: the table (default: chosen from config.json); ``opts.strict``: a plan warning
     (a mapping entry or exclusion pattern that names nothing, a mapping for another architecture) is
     an error, before any work. ``banked``: see make_plan (for a caller that needs the outline only)."""
-    ckpt = open_checkpoint(input_dir)
+    ckpt = open_checkpoint(source)
     m = find_mapping(ckpt.config, opts.mapping)
     try:
         plan = make_plan(ckpt, m, opts, banked=banked)
@@ -84,7 +86,7 @@ def load_plan(input_dir: str | os.PathLike, opts: Options, banked: bool = False)
 
 
 def pack(
-    input_dir: str | os.PathLike,
+    input_source: Source | str | os.PathLike,
     output_dir: str | os.PathLike,
     opts: Options,
     *,
@@ -101,9 +103,10 @@ def pack(
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
     worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4).
     ``ray``: spread the shards over a Ray cluster instead (``raycluster``; its address, "" for the
-    local one), whose tasks replace workers and streams."""
-    input_dir, output_dir = Path(input_dir), Path(output_dir)
-    write.check_output_dir(input_dir, output_dir)
+    local one), whose tasks replace workers and streams. ``input_source``: a ``Source``, or a folder
+    (``sources.open_source``); everything below reads the input through it."""
+    source, output_dir = open_source(input_source), Path(output_dir)
+    write.check_output_dir(source.local_path(), output_dir)
     cluster = None
     if ray is not None:  # --ray (convert/raycluster.py): connected first, so an unreachable cluster costs no work
         from . import raycluster
@@ -115,12 +118,12 @@ def pack(
     if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
         threading.Thread(target=pipeline.warm_up, args=(devices_[0], cpus), daemon=True,
                          name="kimi-convert-warm-up").start()
-    ckpt, plan = load_plan(input_dir, opts)
-    command = command or f"kimi-convert pack {input_dir} {output_dir} --resume"
+    ckpt, plan = load_plan(source, opts)
+    command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     output_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_output(output_dir)  # before the journal is read: a concurrent pack is told so, not --resume
     try:
-        j = _open_journal(input_dir, output_dir, plan, overwrite, resume, command)
+        j = _open_journal(source, output_dir, plan, overwrite, resume, command)
         if j is None:
             return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True)
         resumed = _verify_finished(output_dir, plan, j)
@@ -130,7 +133,7 @@ def pack(
         # (on a thread: queueing that much readahead can block until the disk has taken it)
         if cluster is None:  # (with --ray, the nodes read)
             threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
-                             args=(input_dir, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
+                             args=(source, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
                                    ahead)).start()
         n_streams = streams or pipeline.default_streams(cpus, len(devices_))
         slots = cluster.placement.slots if cluster else len(devices_) * n_streams
@@ -163,7 +166,7 @@ def pack(
             bar.close()
         convert_s = time.perf_counter() - t
         input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
-        _finish(ckpt, plan, input_dir, output_dir, j, input_hashes)
+        _finish(ckpt, plan, output_dir, j, input_hashes)
         recs = list(j.shards.values())
         stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
                           backend_s=max((r.backend_s for r in results), default=0.0),
@@ -241,17 +244,17 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
     order = {f: i for i, f in enumerate(ckpt.files)}
     block = fp8_block_size(ckpt.config)
     return [
-        pipeline.Job(ckpt.folder, output_dir, p, [u for s in p for u in units_of[s.file]], order,
+        pipeline.Job(ckpt.source, output_dir, p, [u for s in p for u in units_of[s.file]], order,
                      {f: size for f, size in plan.inputs if owner[f] == i}, block)
         for i, p in enumerate(parts)
     ]
 
 
-def _open_journal(input_dir: Path, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,
+def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,
                   command: str) -> Journal | None:
     """The journal to continue, or a fresh one; None when a resumed output is already complete."""
     plan_sha = manifest_mod.plan_hash(manifest_mod.plan_dict(plan))
-    stamps = journal.input_stamps(input_dir, [f for f, _ in plan.inputs])
+    stamps = journal.input_stamps(source, [f for f, _ in plan.inputs])
     existing = Journal.load(output_dir)
     if resume and existing is not None:
         if existing.plan_sha256 != plan_sha or existing.inputs != stamps:
@@ -367,7 +370,7 @@ def unlock_output(output_dir: Path, fd: int) -> None:
     os.close(fd)
 
 
-def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: Journal,
+def _finish(ckpt: Checkpoint, plan: Plan, output_dir: Path, j: Journal,
             input_hashes: dict[str, str]) -> None:
     """Configs, side files and index, then the manifest, then the journal goes. Side files are
     copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's. The
@@ -376,7 +379,7 @@ def _finish(ckpt: Checkpoint, plan: Plan, input_dir: Path, output_dir: Path, j: 
     cfgs = configs.config_files(ckpt.config, plan)
     for name, content in cfgs.items():
         write_json_atomic(output_dir / name, content)
-    side = write.copy_side_files(input_dir, output_dir, plan.side_files, plan.side_folders)
+    side = write.copy_side_files(ckpt.source, output_dir, plan.side_files, plan.side_folders)
     write_json_atomic(output_dir / INDEX_NAME, configs.index_json(plan))
     own = [write.record(output_dir, f) for f in (*cfgs, INDEX_NAME)]
     recs = {s.file: j.shards[s.file] for s in plan.shards}

@@ -158,7 +158,7 @@ def run(jobs: list[Job], p: Placement, on_shard: Callable[[str, ShardRecord], No
     ray = import_ray()
     remote = ray.remote(_task)
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
-    jobs = [dataclasses.replace(j, input_dir=j.input_dir.absolute(), output_dir=j.output_dir.absolute())
+    jobs = [dataclasses.replace(j, source=j.source.for_worker(), output_dir=j.output_dir.absolute())
             for j in jobs]
     in_bytes: dict[str, int] = {}
     for j in jobs:

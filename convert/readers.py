@@ -1,5 +1,5 @@
-"""Reading stored tensor data: memory-mapped views (``MappedReader``, verify) or byte ranges read with
-``pread`` into pooled buffers (``PreadReader``, ``BufferPool``, ``Loaded``, ``readahead``: the pipeline)."""
+"""Reading stored tensor data through the input's ``Source``: memory-mapped views (``MappedReader``, verify) or
+byte ranges read into pooled buffers (``PreadReader``, ``BufferPool``, ``Loaded``, ``readahead``: the pipeline)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import ConvertError
 from .safetensors_format import DTYPES, TensorInfo
+from .sources import Source, SourceFile, open_source
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: planning needs only the headers, and
     import numpy as np  # pack starts reading the input while torch loads (about a second)
@@ -39,23 +39,31 @@ def _typed(buf: np.ndarray, t: TensorInfo) -> torch.Tensor:
 
 
 class MappedReader:
-    """Zero-copy, read-only views of stored tensors over one memory map per shard.
+    """Zero-copy, read-only views of stored tensors over one memory map per shard (verify, the numeric check).
 
     Pages a finished group touched are dropped from the process (``release``), so resident memory
     follows the group being converted, not the part of the checkpoint read so far.
+
+    A memory map needs a file on this machine: the one use of ``Source.local_path``. A source without one
+    (a test's in-memory source; the Hub before a download) is read whole through the source instead.
     """
 
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self._maps: dict[str, mmap.mmap] = {}
+    def __init__(self, source: Source | str | os.PathLike):
+        self.source = open_source(source)
+        self._maps: dict[str, mmap.mmap | bytes] = {}
         self._lock = threading.Lock()  # the compute thread and the writer thread both map files
 
-    def _map(self, rel: str) -> mmap.mmap:
+    def _map(self, rel: str) -> mmap.mmap | bytes:
         with self._lock:
             m = self._maps.get(rel)
             if m is None:
-                with open(self.folder / rel, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                path = self.source.local_path(rel)
+                if path is not None:
+                    with open(path, "rb") as f:
+                        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                else:
+                    with self.source.open(rel) as f:
+                        m = f.read_range(0, f.size)
                 self._maps[rel] = m
             return m
 
@@ -77,7 +85,7 @@ class MappedReader:
 
     def _advise(self, t: TensorInfo, advice: int | None) -> None:
         m = self._map(t.file) if advice is not None else None
-        if m is None:
+        if not isinstance(m, mmap.mmap):
             return
         page = mmap.PAGESIZE
         lo = t.start - t.start % page
@@ -92,30 +100,32 @@ class MappedReader:
 
     def close(self) -> None:
         for m in self._maps.values():
-            with contextlib.suppress(BufferError):  # a view is still alive: it closes when collected
+            with contextlib.suppress(BufferError, AttributeError):  # a view is still alive: it closes when collected
                 m.close()
         self._maps.clear()
 
 
 
 class PreadReader:
-    """Reads byte ranges of stored tensors into buffers with ``pread``: the pipeline's reader.
+    """Reads byte ranges of stored tensors into buffers (``SourceFile.readinto``: ``pread`` for a local
+    folder): the pipeline's reader.
 
     Explicit reads rather than memory-map faults: one large read on a reader thread overlaps the
     compute of the previous group and yields the very buffers the hashers need. The buffers are
-    numpy arrays, so reading and hashing start before torch has loaded."""
+    numpy arrays, so reading and hashing start before torch has loaded. Each file is opened once,
+    through the source, and kept open until ``close``."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self._fds: dict[str, int] = {}
+    def __init__(self, source: Source | str | os.PathLike):
+        self.source = open_source(source)
+        self._files: dict[str, SourceFile] = {}
         self._lock = threading.Lock()
 
-    def _fd(self, rel: str) -> int:
+    def _file(self, rel: str) -> SourceFile:
         with self._lock:
-            fd = self._fds.get(rel)
-            if fd is None:
-                fd = self._fds[rel] = os.open(self.folder / rel, os.O_RDONLY)
-            return fd
+            f = self._files.get(rel)
+            if f is None:
+                f = self._files[rel] = self.source.open(rel)
+            return f
 
     def read(self, t: TensorInfo, lo: int = 0, hi: int | None = None, into: np.ndarray | None = None) -> np.ndarray:
         """Bytes [lo, hi) of ``t`` (relative to its start), into ``into`` or a new uint8 array."""
@@ -124,25 +134,25 @@ class PreadReader:
         hi = t.nbytes if hi is None else hi
         buf = np.empty(hi - lo, dtype=np.uint8) if into is None else into
         view = memoryview(buf)
-        fd, pos = self._fd(t.file), t.start + lo
+        f, pos = self._file(t.file), t.start + lo
         while view:
-            n = os.preadv(fd, [view], pos)
+            n = f.readinto(pos, view)
             if n == 0:
                 raise ConvertError(f"{t.file}: tensor {t.name}: file ends before the tensor's data (truncated?)")
             view, pos = view[n:], pos + n
         return buf
 
     def will_need(self, t: TensorInfo, lo: int = 0, hi: int | None = None) -> None:
-        """Start reading a later range into the page cache now (asynchronous readahead)."""
+        """Start reading a later range now (a local file: asynchronous readahead into the page cache)."""
         hi = t.nbytes if hi is None else hi
-        if hi > lo and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd(t.file), t.start + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        if hi > lo:
+            self._file(t.file).will_need(t.start + lo, hi - lo)
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
 
 
 class BufferPool:
@@ -287,11 +297,11 @@ class Loaded:
         return self.buffers[t.name]
 
 
-def readahead(folder: Path, parts: list[TensorInfo], budget: int) -> None:
+def readahead(source: Source, parts: list[TensorInfo], budget: int) -> None:
     """Ask the kernel to start reading the first ``budget`` bytes of ``parts`` into the page cache
     (a hint the kernel may drop under memory pressure; queueing it can block, so callers run it on
     a thread)."""
-    reader = PreadReader(folder)
+    reader = PreadReader(source)
     try:
         for t in parts:
             if budget <= 0:

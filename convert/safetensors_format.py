@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,9 +24,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from . import jsonfile
 from .errors import ConvertError
+from .sources.local import LocalFile
 
 if TYPE_CHECKING:
     import torch
+
+    from .sources import Source, SourceFile
 
 #: The safetensors library refuses headers above 100 MB; so do we.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -81,12 +83,22 @@ class TensorInfo(NamedTuple):  # a tuple: made 4x faster than a frozen dataclass
 
 
 def parse_header(path: Path, rel: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate and parse one safetensors header; return its tensors and its metadata."""
-    fd = jsonfile.open_regular(path, rel)  # a FIFO or a loop is refused, never waited on
+    """Validate and parse the header of the safetensors file at ``path`` (verify reads the output's shards so);
+    return its tensors and its metadata."""
+    return _read_header(LocalFile.open(path, rel), rel)  # a FIFO or a loop is refused, never waited on
+
+
+def read_header(source: Source, rel: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Validate and parse the header of ``rel`` of an input ``source``: the 8-byte length and the JSON header,
+    two byte ranges (for the Hub, two range requests: the plan needs no tensor data)."""
+    return _read_header(source.open(rel, rel), rel)
+
+
+def _read_header(f: SourceFile, rel: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     try:
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
+        with f:
+            size = f.size
+            head = f.read_range(0, 8)
             if len(head) < 8:
                 raise ConvertError(f"{rel}: truncated safetensors file ({size} bytes, no header length)")
             n = int.from_bytes(head, "little")
@@ -94,7 +106,7 @@ def parse_header(path: Path, rel: str) -> tuple[dict[str, TensorInfo], dict[str,
                 raise ConvertError(f"{rel}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
             if 8 + n > size:
                 raise ConvertError(f"{rel}: header length {n} is larger than the file ({size} bytes)")
-            raw = f.read(n)
+            raw = f.read_range(8, n)
     except OSError as e:
         raise ConvertError(f"{rel}: cannot read: {e.strerror or e}") from None
     return _parse_header_bytes(raw, rel, size)

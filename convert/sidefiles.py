@@ -1,4 +1,5 @@
-"""Side files: what of the input tree, besides the weights the plan reads, goes into the output.
+"""Side files: what of the input tree (a ``Source``'s listing), besides the weights the plan reads, goes
+into the output.
 
 One function (``scan``) decides it for pack (which copies), plan (which shows it), the manifest (which
 records it) and ``verify-manifest --input`` (which re-derives it from the input and checks that
@@ -22,7 +23,7 @@ from pathlib import Path, PurePosixPath
 
 from . import formats, journal
 from .errors import ConvertError
-from .jsonfile import regular_file_error, resolve
+from .sources import EntryKind, FileEntry, Source, open_source
 
 #: Folders never descended into, at any depth (the Hub itself refuses .git/ and .cache/ folders).
 SKIP_DIRS = {
@@ -71,48 +72,56 @@ def posix(rel: Path | str) -> str:
     return PurePosixPath(Path(rel).as_posix()).as_posix()
 
 
-def scan(folder: Path, consumed: Iterable[str]) -> SideFiles:
-    """Classify every entry of ``folder`` (sub-folders included, symlinks not followed); ``consumed``:
+def pruned(rel: str) -> bool:
+    """Whether a folder's contents are never listed: a skipped folder (``SKIP_DIRS`` at any depth, the output's
+    own ``OWN_TOP_DIRS`` at the top), which can hold millions of files."""
+    name = PurePosixPath(rel).name
+    return name in SKIP_DIRS or ("/" not in rel and name in OWN_TOP_DIRS)
+
+
+def scan(source: Source | str | os.PathLike, consumed: Iterable[str], entries: list[FileEntry] | None = None
+         ) -> SideFiles:
+    """Classify every entry of ``source`` (sub-folders included, symlinks not followed); ``consumed``:
     the files pack reads and writes anew (the shards the plan reads, the top-level ``config.json`` and
-    index; ``checkpoint.consumed``), relative to ``folder``. Reads names and link targets, no data: a
-    sub-folder's ``config.json`` (``1_Pooling/config.json``) is not the model's, and is copied."""
+    index; ``checkpoint.consumed``), relative to the source. Reads names and link targets, no data: a
+    sub-folder's ``config.json`` (``1_Pooling/config.json``) is not the model's, and is copied. ``entries``:
+    the source's listing (``list_files(prune=pruned)``) when the caller has it already. An entry the source
+    refuses to serve (``FileEntry.refusal``: a symlink out of the folder, dangling, or to a folder) is refused
+    here unless it is skipped anyway, in the listing's order (the first such entry is the one named). A folder
+    path is read as a ``LocalFolder``."""
     consumed = {posix(w) for w in consumed}
-    root = resolve(folder, str(folder))
+    source = open_source(source)
+    entries = source.list_files(prune=pruned) if entries is None else entries
+    parents = {PurePosixPath(e.rel).parent.as_posix() for e in entries}
     copied: list[str] = []
     folders: list[str] = []
     skipped: list[Skipped] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        here = Path(dirpath)
-        rel_dir = here.relative_to(folder)
-        if rel_dir != Path(".") and not dirnames and not filenames:
-            folders.append(posix(rel_dir))
-        descend = []
-        for d in sorted(dirnames):
-            rel = posix(rel_dir / d)
-            if d in SKIP_DIRS:
-                skipped.append(Skipped(rel + "/", SKIP_DIRS[d]))
-            elif rel_dir == Path(".") and d in OWN_TOP_DIRS:
-                skipped.append(Skipped(rel + "/", OWN_TOP_DIRS[d]))
-            elif (here / d).is_symlink():
-                raise ConvertError(f"{folder}: {rel} is a symlink to a folder, which pack does not follow; "
-                                   "replace it with the folder itself, or remove it")
-            else:
-                descend.append(d)
-        dirnames[:] = descend
-        for f in sorted(filenames):
-            rel = posix(rel_dir / f)
-            if rel in consumed:
-                continue
-            reason = skip_reason(rel, here / f)
-            if reason:
-                skipped.append(Skipped(rel, reason))
-            else:
-                _check_link(folder, root, rel, here / f)
-                copied.append(rel)
+    for e in entries:
+        rel = e.rel
+        if e.kind is EntryKind.FOLDER:
+            name = PurePosixPath(rel).name
+            if name in SKIP_DIRS:
+                skipped.append(Skipped(rel + "/", SKIP_DIRS[name]))
+            elif "/" not in rel and name in OWN_TOP_DIRS:
+                skipped.append(Skipped(rel + "/", OWN_TOP_DIRS[name]))
+            elif e.refusal is not None:
+                raise ConvertError(e.refusal)
+            elif rel not in parents:
+                folders.append(rel)
+            continue
+        if rel in consumed:
+            continue
+        reason = skip_reason(rel, e)
+        if reason:
+            skipped.append(Skipped(rel, reason))
+        else:
+            if e.refusal is not None:
+                raise ConvertError(e.refusal)
+            copied.append(rel)
     return SideFiles(tuple(sorted(copied)), tuple(sorted(folders)), tuple(sorted(skipped, key=lambda s: s.file)))
 
 
-def skip_reason(rel: str, path: Path) -> str | None:
+def skip_reason(rel: str, entry: FileEntry) -> str | None:
     """Why an input file (not a weight the plan reads) is not copied; None: it is copied."""
     name = PurePosixPath(rel).name
     top = "/" not in rel
@@ -129,22 +138,10 @@ def skip_reason(rel: str, path: Path) -> str | None:
     suffix = PurePosixPath(name).suffix.lower()
     if suffix in WEIGHT_SUFFIXES:
         return "unconverted weights: not among the shards pack reads"
-    if not os.path.exists(path):
-        return None  # a dangling symlink or a symlink loop: _check_link refuses it
-    why = regular_file_error(path)  # the rule every input file is read by (jsonfile.open_regular)
-    return f"not a regular file (it {why.removeprefix('is ')})" if why else None
-
-
-def _check_link(folder: Path, root: Path, rel: str, path: Path) -> None:
-    """A symlink is copied as its target's content only when the target is a file inside the input."""
-    if not path.is_symlink():
-        return
-    target = resolve(path, f"{folder}: {rel}")  # a loop: one line, not pathlib's RuntimeError
-    if not target.exists():
-        raise ConvertError(f"{folder}: {rel} is a dangling symlink; remove it or replace it with the file")
-    if not target.is_relative_to(root):
-        raise ConvertError(f"{folder}: {rel} is a symlink to {target}, outside the input folder; pack would "
-                           "copy that file into the output: copy it into the input folder instead, or remove it")
+    if entry.kind is EntryKind.BROKEN:
+        return None  # a dangling symlink or a symlink loop: its refusal is raised
+    # the rule every input file is read by (jsonfile.open_regular): the source says what else it is
+    return None if entry.kind is EntryKind.FILE else f"not a regular file (it {(entry.why or '').removeprefix('is ')})"
 
 
 def summary(skipped: Iterable[Skipped], most: int = 3) -> str:

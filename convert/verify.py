@@ -34,6 +34,7 @@ from .recipe import parse_recipe
 from .rules import Pattern
 from .safetensors_format import DTYPES, parse_header
 from .sidefiles import WEIGHT_SUFFIXES, scan
+from .sources import EntryKind, Source, open_source
 from .write import is_inside
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
@@ -73,16 +74,17 @@ def load(output: Path) -> dict:
     return man
 
 
-def verify(output: str | Path, input_dir: str | Path | None = None, *, full: bool = False,
+def verify(output: str | Path, input_dir: Source | str | Path | None = None, *, full: bool = False,
            device: str | Device = "cpu", progress: Callable[[int], None] | None = None,
            total: Callable[[int], None] | None = None) -> Report:
+    """``input_dir``: the input to check OUTPUT against, a ``Source`` or a folder (``sources.open_source``)."""
     output = Path(output)
     man = load(output)
     rep = Report()
     try:
         _offline(output, man, rep, progress, total)
         if input_dir is not None:
-            _against_input(Path(input_dir), output, man, rep, full, device, progress, total)
+            _against_input(open_source(input_dir), output, man, rep, full, device, progress, total)
     except (KeyError, TypeError, ValueError) as e:
         rep.check("manifest structure", [f"manifest.json: malformed ({type(e).__name__}: {e})"])
     return rep
@@ -482,25 +484,26 @@ def _check_engine_rules(man: dict, mods: _Modules, rep: Report) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: bool, device: str | Device,
+def _against_input(source: Source, output: Path, man: dict, rep: Report, full: bool, device: str | Device,
                    progress, total) -> None:
     problems: list[str] = []
     recorded = {f["file"]: f for f in man["inputs"]}
-    missing = [f for f in recorded if not (input_dir / f).is_file()]
-    problems += [f"{input_dir / f}: missing" for f in missing]
+    entries = {f: source.entry(f) for f in recorded}
+    missing = [f for f, e in entries.items() if e is None or e.kind is not EntryKind.FILE]
+    problems += [f"{source.shown(f)}: missing" for f in missing]
     present = [f for f in recorded if f not in missing]
     if total:
-        total(sum((input_dir / f).stat().st_size for f in present))
+        total(sum(entries[f].size for f in present))
     with ThreadPoolExecutor(max_workers=4) as pool:
-        hashes = dict(pool.map(lambda f: (f, hash_file(input_dir / f, {}, progress)), present))
+        hashes = dict(pool.map(lambda f: (f, hash_file(f, {}, progress, source=source)), present))
     for f, (sha, size, _) in hashes.items():
         if size != recorded[f]["size"] or sha != recorded[f]["sha256"]:
-            problems.append(f"{input_dir / f}: differs from the input recorded in the manifest")
+            problems.append(f"{source.shown(f)}: differs from the input recorded in the manifest")
     rep.check("input files: sizes and sha256", problems, f"{len(recorded)} files")
-    _check_input_side_files(input_dir, man, rep)
+    _check_input_side_files(source, man, rep)
     if problems:
         return
-    ckpt = open_checkpoint(input_dir)
+    ckpt = open_checkpoint(source)
     m = parse_mapping(man["mapping_source"], man["mapping"]["file"])
     opts = Options.from_dict(man["options"])
     patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
@@ -511,10 +514,10 @@ def _against_input(input_dir: Path, output: Path, man: dict, rep: Report, full: 
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:
         return
-    _recompute(plan, input_dir, output, ckpt.config, man, rep, full, device)
+    _recompute(plan, source, output, ckpt.config, man, rep, full, device)
 
 
-def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
+def _check_input_side_files(source: Source, man: dict, rep: Report) -> None:
     """The input's side files hash to the recorded values, and every input file is accounted for:
     read (a shard, config.json, the index), copied, recreated (an empty folder) or skipped with a
     reason; a file the manifest does not account for was dropped silently."""
@@ -523,31 +526,31 @@ def _check_input_side_files(input_dir: Path, man: dict, rep: Report) -> None:
         rep.check(name, [], "not recorded (a manifest of kimi-convert before format_version 2)")
         return
     try:
-        now = scan(input_dir, consumed([f["file"] for f in man["inputs"]]))
+        now = scan(source, consumed([f["file"] for f in man["inputs"]]))
     except ConvertError as e:
         rep.check(name, [str(e)])
         return
     side = {e["file"]: e for e in man["side_files"]}
-    problems = [f"{input_dir / f}: neither copied nor skipped in the manifest (dropped)" for f in now.copied
+    problems = [f"{source.shown(f)}: neither copied nor skipped in the manifest (dropped)" for f in now.copied
                 if f not in side]
-    problems += [f"{input_dir / f}: copied by the manifest, not a side file of the input" for f in side
+    problems += [f"{source.shown(f)}: copied by the manifest, not a side file of the input" for f in side
                  if f not in now.copied]
     skipped = {e["file"] for e in man["skipped_files"]}
-    problems += [f"{input_dir / s.file}: skipped now ({s.reason}), not in the manifest's skipped_files"
+    problems += [f"{source.shown(s.file)}: skipped now ({s.reason}), not in the manifest's skipped_files"
                  for s in now.skipped if s.file not in skipped]
-    problems += [f"{input_dir / f}: in the manifest's skipped_files, not skipped in the input" for f in sorted(skipped)
-                 if f not in {s.file for s in now.skipped}]
+    problems += [f"{source.shown(f)}: in the manifest's skipped_files, not skipped in the input"
+                 for f in sorted(skipped) if f not in {s.file for s in now.skipped}]
     if set(now.folders) != set(man.get("side_folders", [])):
-        problems.append(f"{input_dir}: empty folders {sorted(now.folders)}, the manifest records "
+        problems.append(f"{source.name}: empty folders {sorted(now.folders)}, the manifest records "
                         f"{sorted(man.get('side_folders', []))}")
     for f in sorted(set(now.copied) & set(side)):
-        sha, size, _ = hash_file(input_dir / f, {})
+        sha, size, _ = hash_file(f, {}, source=source)
         if (size, sha) != (side[f]["size"], side[f]["sha256"]):
-            problems.append(f"{input_dir / f}: differs from the copy the manifest records")
+            problems.append(f"{source.shown(f)}: differs from the copy the manifest records")
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
 
-def _recompute(plan, input_dir: Path, output: Path, config: dict, man: dict, rep: Report, full: bool,
+def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep: Report, full: bool,
                device: str | Device) -> None:
     from kimi_convert.kernels import get_backend
 
@@ -563,7 +566,7 @@ def _recompute(plan, input_dir: Path, output: Path, config: dict, man: dict, rep
     hashes = {t["name"]: t["sha256"] for _, mod in iter_modules(output, man) for t in mod["tensors"]
               if t["name"] in wanted}
     backend = get_backend(device, cpus())
-    reader = MappedReader(input_dir)
+    reader = MappedReader(source)
     block = fp8_block_size(config)
     passthrough, quantized, problems = 0, 0, []
     try:

@@ -26,6 +26,7 @@ from .plan import Placed, Shard
 
 if TYPE_CHECKING:
     from .compute import Chunk
+    from .sources import Source
 
 CHUNK = 16 << 20
 
@@ -33,12 +34,13 @@ CHUNK = 16 << 20
 OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", *formats.config_files(), journal.NAME, journal.LOCK)
 
 
-def check_output_dir(input_dir: Path, output_dir: Path) -> None:
-    """Where the output may go (whether it may be non-empty is the journal's business)."""
-    src, dst = input_dir.resolve(), output_dir.resolve()
-    if dst == src or dst.is_relative_to(src):
+def check_output_dir(input_dir: Path | None, output_dir: Path) -> None:
+    """Where the output may go (whether it may be non-empty is the journal's business). ``input_dir``: where
+    the input lies on this machine (``Source.local_path()``), None for an input that is not a folder here."""
+    src, dst = (input_dir.resolve() if input_dir is not None else None), output_dir.resolve()
+    if src is not None and (dst == src or dst.is_relative_to(src)):
         raise ConvertError(f"{output_dir}: the output folder must not be the input folder or inside it")
-    if src.is_relative_to(dst):
+    if src is not None and src.is_relative_to(dst):
         raise ConvertError(f"{output_dir}: the output folder must not contain the input folder")
     paths.output_folder(output_dir)
 
@@ -201,13 +203,13 @@ def record(output_dir: Path, rel: str) -> FileRecord:
     return FileRecord(rel, path.stat().st_size, sha256_file(path))
 
 
-def copy_side_files(input_dir: Path, output_dir: Path, side_files: tuple[str, ...],
+def copy_side_files(source: Source, output_dir: Path, side_files: tuple[str, ...],
                     folders: tuple[str, ...] = ()) -> list[FileRecord]:
-    """Copy each side file byte for byte (a symlink as its target's content) and recreate the empty
-    folders; the records hash the bytes written, in the same pass."""
+    """Copy each side file of the input ``source`` byte for byte (a symlink as its target's content) and
+    recreate the empty folders; the records hash the bytes written, in the same pass."""
     for rel in folders:
         _mkdir(output_dir / _inside(rel))
-    return [copy_file(input_dir / _inside(rel), output_dir / rel, rel) for rel in side_files]
+    return [copy_file(source, _inside(rel), output_dir / rel) for rel in side_files]
 
 
 def _inside(rel: str) -> str:
@@ -224,14 +226,15 @@ def _mkdir(path: Path) -> None:
         raise ConvertError(f"{path}: cannot create: {e.strerror or e}") from None
 
 
-def copy_file(src: Path, dst: Path, rel: str) -> FileRecord:
-    """Atomic like the shards: written under a temporary name, hashed as written, flushed, renamed."""
+def copy_file(source: Source, rel: str, dst: Path) -> FileRecord:
+    """``rel`` of ``source`` to ``dst``. Atomic like the shards: written under a temporary name, hashed as
+    written, flushed, renamed."""
     tmp = dst.with_name(dst.name + PARTIAL)
     _mkdir(dst.parent)
     h, size = hashlib.sha256(), 0
     try:
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
-            while block := fi.read(CHUNK):
+        with source.open(rel) as fi, open(tmp, "wb") as fo:
+            while block := fi.read_range(size, CHUNK):
                 h.update(block)
                 fo.write(block[: len(block) // 2])
                 faults.point("side")

@@ -34,6 +34,8 @@ pack() {
     [ -d "$dir/in/$preset" ] || kimi-convert synth "$preset" "$dir/in/$preset" >/dev/null
     # shellcheck disable=SC2086
     TQDM_DISABLE=1 kimi-convert pack "$dir/in/$preset" "$dir/$name" --device cpu -q --overwrite $opts
+    # shellcheck disable=SC2086
+    kimi-convert plan "$dir/in/$preset" $opts --json > "$dir/$name/plan.json"
   done
 }
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..errors import ConvertError
 from ..plan import Encoding, Kind, Op
+from ..sources import Source
 
 ENGINES = ("vllm", "sglang")
 #: The engine versions the runners are written and tested against.
@@ -226,7 +227,7 @@ def runner_path(engine: str) -> Path:
 
 def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike | None = None,
           any_version: bool = False, timeout: float = DEFAULT_TIMEOUT,
-          source: str | os.PathLike | None = None) -> Report:
+          source: Source | str | os.PathLike | None = None) -> Report:
     """Load ``output_dir`` with ``engine``'s own code in its own python and report what it did; with
     ``source`` (the checkpoint it was converted from), also the numeric check (``numerics``): every layer
     read as the engine's GEMM reads it, against the source's weight of the same rows."""
@@ -272,7 +273,7 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
             from . import numerics
 
             t1 = time.perf_counter()
-            rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), Path(source), out).to_dict()
+            rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), source, out).to_dict()
             rep.timings["compare_s"] = round(time.perf_counter() - t1, 2)
     timings = dict(rep.timings)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
@@ -287,11 +288,16 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     return rep
 
 
-def _same_as_source(out: Path, source: Path, names: set[str]) -> set[str]:
-    """Of ``names``, the tensors ``out`` stores byte for byte as ``source`` does (read by the safetensors
-    library through each folder's index): for a checkpoint without a manifest."""
+def _same_as_source(out: Path, source: Source | str | os.PathLike, names: set[str]) -> set[str]:
+    """Of ``names``, the tensors ``out`` stores byte for byte as ``source`` does, for a checkpoint without a
+    manifest: ``out`` read by the safetensors library through its index, the input through its ``Source``
+    (its headers, then each tensor's byte range)."""
     import torch
     from safetensors import safe_open
+
+    from ..checkpoint import open_checkpoint
+    from ..safetensors_format import DTYPES
+    from ..sources import read_range
 
     def where(folder: Path) -> dict[str, str]:
         idx = folder / "model.safetensors.index.json"
@@ -303,17 +309,21 @@ def _same_as_source(out: Path, source: Path, names: set[str]) -> set[str]:
                 found.update(dict.fromkeys(h.keys(), f.name))
         return found
 
-    a, b = where(out), where(source)
+    a, ckpt = where(out), open_checkpoint(source)
+    b = ckpt.tensors
     same = set()
     for n in sorted(names & a.keys() & b.keys()):
-        with safe_open(str(out / a[n]), "pt") as fa, safe_open(str(source / b[n]), "pt") as fb:
-            x, y = fa.get_tensor(n), fb.get_tensor(n)
-        if x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+        t = b[n]
+        with safe_open(str(out / a[n]), "pt") as fa:
+            x = fa.get_tensor(n)
+        if (x.dtype == DTYPES[t.dtype].torch and tuple(x.shape) == t.shape
+                and x.reshape(-1).view(torch.uint8).numpy().tobytes() == read_range(ckpt.source, t.file, t.start,
+                                                                                    t.nbytes)):
             same.add(n)
     return same
 
 
-def _separate_source_casts(rep: Report, out: Path, source: str | os.PathLike | None = None) -> None:
+def _separate_source_casts(rep: Report, out: Path, source: Source | str | os.PathLike | None = None) -> None:
     """A float narrowed on load (fp32 ``o_norm`` into a bf16 parameter, say) is the engine's reading of
     the input checkpoint itself when the output holds that tensor byte for byte as the input does (the
     manifest says so; without one, the source given for the numeric check, compared byte for byte): listed
@@ -323,7 +333,7 @@ def _separate_source_casts(rep: Report, out: Path, source: str | os.PathLike | N
     if not (out / "manifest.json").is_file():
         if source is not None:
             narrowed = {c["tensor"] for c in rep.bad_casts if c.get("class") == "narrowing"}
-            unchanged = _same_as_source(out, Path(source), narrowed)
+            unchanged = _same_as_source(out, source, narrowed)
             rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c["tensor"] in unchanged]
             rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
         return

@@ -36,6 +36,7 @@ from .. import encodings
 from ..errors import ConvertError
 from ..kernels import fp8_block, reference
 from ..plan import Encoding
+from ..sources import Source
 
 SLACK = 1.25
 FLOOR = 1e-6
@@ -116,7 +117,8 @@ class NumericReport:
 class Sources:
     """Source weights by output tensor name: the manifest's records, else the same module in the input."""
 
-    def __init__(self, input_dir: Path, output_dir: Path, manifest: dict | None):
+    def __init__(self, input_dir: Source | str | Path, output_dir: Path, manifest: dict | None):
+        """``input_dir``: the input checkpoint, a ``Source`` or a folder (``sources.open_source``)."""
         from ..checkpoint import open_checkpoint
         from ..plan.discover import discover_sources
         from ..readers import MappedReader
@@ -125,7 +127,7 @@ class Sources:
         self.block = _block(self.ckpt.config)
         self.modules = discover_sources(self.ckpt)
         self.by_name = {s.name: s for m in self.modules.values() for s in m.values()}
-        self.reader = MappedReader(Path(input_dir))
+        self.reader = MappedReader(self.ckpt.source)
         self.records: dict[str, dict] = {}
         if manifest is not None:
             from ..manifest import iter_modules
@@ -370,7 +372,8 @@ def _why(layer: dict) -> str:
     return "global scale as the engine keeps it"
 
 
-def run(engine: str, result_file: Path, folder: Path, input_dir: Path, output_dir: Path) -> NumericReport:
+def run(engine: str, result_file: Path, folder: Path, input_dir: Source | str | Path, output_dir: Path
+        ) -> NumericReport:
     """The numeric check of one engine run (``result_file``: the runner's JSON, ``folder``: its dump)."""
     man = None
     mp = output_dir / "manifest.json"

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from ..compute import Chunk
     from ..devices import Device
+    from ..sources import Source
     from .runner import Runner
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
@@ -39,7 +40,7 @@ EAGER_HASH = 1 << 30
 class Job:
     """What one stream converts: consecutive shards of the plan, and the input files it hashes."""
 
-    input_dir: Path
+    source: Source  # the input (pickled to worker processes and Ray tasks: a source holds nothing open)
     output_dir: Path
     shards: list[Shard]
     units: list[Unit]  # the units of those shards, in plan order
@@ -94,7 +95,7 @@ class _Stream:
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
-        self.reader = PreadReader(job.input_dir)
+        self.reader = PreadReader(job.source)
         self.next_compute = 0  # the piece the compute thread needs next
         # The first EAGER_HASH bytes of the stream's reads are hashed for their files by the hashers
         # themselves, at once: a file's sha256 is a sequential chain, and this starts it while torch
@@ -107,7 +108,7 @@ class _Stream:
                     eager -= r.hi - r.lo
                 elif r.part.file in expected:
                     expected[r.part.file].append(r.file_range)
-        self.files = {f: FileHasher(job.input_dir / f, size, expected[f], self.hash_pool, shared.hold, self.stop)
+        self.files = {f: FileHasher(f, size, expected[f], self.hash_pool, shared.hold, self.stop, source=job.source)
                       for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)

@@ -8,7 +8,7 @@ from collections import defaultdict
 from .. import encodings
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
-from ..jsonfile import read_json
+from ..sources import EntryKind, Source
 from .model import SourceTensor
 
 
@@ -26,16 +26,17 @@ def check_convertible(ckpt: Checkpoint) -> None:
     """Refuse an input that is already a converted checkpoint (ours, ModelOpt's, llm-compressor's,
     GPTQ/AWQ...), before any planning: the plan would otherwise treat packed codes as weights and
     fail mid-write, or quietly quantize twice."""
-    where = f"{ckpt.folder}"
-    marker = ckpt.folder / "manifest.json"
-    if marker.is_file():
-        made = _json_field(marker, "format")
+    source = ckpt.source
+    where = source.name
+    if _is_file(source, "manifest.json"):
+        made = _json_field(source, "manifest.json", "format")
         if made == "kimi-convert-manifest":
             raise ConvertError(f"{where}: this is an output of kimi-convert (manifest.json): {_original()}; "
                                "check this one with `kimi-convert verify-manifest`")
-    hq = ckpt.folder / "hf_quant_config.json"
-    if hq.is_file():
-        algo = (_json_field(hq, "quantization") or {}).get("quant_algo") if hq.stat().st_size < 1 << 26 else None
+    if _is_file(source, "hf_quant_config.json"):
+        hq = source.entry("hf_quant_config.json")
+        algo = ((_json_field(source, "hf_quant_config.json", "quantization") or {}).get("quant_algo")
+                if hq is not None and hq.size < 1 << 26 else None)
         raise ConvertError(f"{where}: already quantized by NVIDIA Model Optimizer (hf_quant_config.json, "
                            f"quant_algo {algo or 'unknown'}): {_original()}")
     for cfg in (ckpt.config, ckpt.config.get("text_config")):
@@ -52,9 +53,14 @@ def check_convertible(ckpt: Checkpoint) -> None:
                                f"{suffix}): {_original()}")
 
 
-def _json_field(path, key: str):
+def _is_file(source: Source, rel: str) -> bool:
+    e = source.entry(rel)
+    return e is not None and e.kind is EntryKind.FILE
+
+
+def _json_field(source: Source, rel: str, key: str):
     try:
-        obj = read_json(path, str(path), limit=64 << 20)
+        obj = source.read_json(rel, limit=64 << 20)
     except ConvertError:  # only a hint for the refusal: an unreadable marker file names no format
         return None
     return obj.get(key)

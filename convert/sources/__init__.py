@@ -1,0 +1,28 @@
+"""Where the input's bytes come from: ``protocol`` (the ``Source`` protocol, ``SourceFile``, ``FileEntry``) and
+its implementations, one module each: ``local`` (``LocalFolder``, a checkpoint folder) is the first; a Hub
+repository (issue 25) is a second module here plus its case in ``open_source``. Nothing above this package
+reads the input through a path (``protocol``'s docstring says what a source offers, and the one exception:
+``local_path``, for memory maps and for telling the output folder from the input)."""
+
+from __future__ import annotations
+
+import os
+
+from .local import LocalFile, LocalFolder
+from .protocol import EntryKind, FileEntry, Source, SourceFile
+
+__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "Source", "SourceFile", "open_source", "read_range"]
+
+
+def read_range(source: Source, rel: str, offset: int, length: int) -> bytes:
+    """Bytes [offset, offset + length) of ``rel`` (one open, one read)."""
+    with source.open(rel) as f:
+        return f.read_range(offset, length)
+
+
+def open_source(spec: str | os.PathLike | Source) -> Source:
+    """The source a user named: a ``Source`` as it is, a folder path as a ``LocalFolder`` (checked: it must be an
+    existing folder, ``paths.folder``'s messages). A Hub repository (``hf://OWNER/REPO[@REVISION]``) comes here."""
+    if isinstance(spec, Source):
+        return spec
+    return LocalFolder.at(spec)
