@@ -14,7 +14,6 @@ The command line, two ways, one result type (:class:`Result`: exit code, stdout,
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import json
 import os
@@ -97,25 +96,8 @@ def run(*args, env: dict[str, str] | None = None) -> Result:
     """``kimi-convert ARGS`` in this process. ``env`` is added to the environment for the call (only
     what the tool reads at call time: a fault point or a thread count needs :func:`run_process`).
     An exception the CLI does not turn into its one-line error propagates (a bug, not an exit)."""
-    with _cli_freeze_undone():
-        r = CliRunner().invoke(cli, [str(a) for a in args], prog_name="kimi-convert", env=env,
-                               catch_exceptions=False)
+    r = CliRunner().invoke(cli, [str(a) for a in args], prog_name="kimi-convert", env=env, catch_exceptions=False)
     return Result(r.exit_code, r.stdout, r.stderr)
-
-
-@contextlib.contextmanager
-def _cli_freeze_undone():
-    """Undo a ``gc.freeze()`` the command made (``plan`` freezes its plan out of the collector's walks for the
-    rest of its process). That is right for the tool's own process, which ends with the command, but not for
-    this one: every object then alive (earlier tests' data, and once Triton is imported, libtriton's types and
-    their reference cycles) would never be collected, and nanobind would report libtriton's types and
-    functions "leaked" at this process's exit (about sixty lines from each pytest-xdist worker)."""
-    frozen = gc.get_freeze_count()
-    try:
-        yield
-    finally:
-        if frozen == 0 and gc.get_freeze_count():
-            gc.unfreeze()
 
 
 def cli_command(*args) -> list[str]:
