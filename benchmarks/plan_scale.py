@@ -33,7 +33,8 @@ def package_from(checkout: Path, into: Path) -> Path:
     for f in (checkout / "convert").iterdir():
         (pkg / f.name).symlink_to(f.resolve())
     for sub in ("kernels", "mappings", "recipes"):
-        (pkg / sub).symlink_to((checkout / sub).resolve())
+        src = checkout / sub / "src"  # kernels/src/ since issue 26 (kernels/ itself is no package), kernels/ before
+        (pkg / sub).symlink_to((src if (src / "__init__.py").is_file() else checkout / sub).resolve())
     return into
 
 

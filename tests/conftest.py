@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import fcntl
+import gc
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,15 @@ def _one_engine_test_at_a_time(request, tmp_path_factory):
     with open(tmp_path_factory.getbasetemp().parent / "engine-tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def pytest_unconfigure(config):
+    """Let this process's last collection free what an in-process ``plan`` froze.
+
+    ``kimi-convert plan`` calls ``gc.freeze()`` (its plan out of the collector's walks for the rest of its
+    process: right for the tool, whose process ends with the command). ``helpers.run`` runs it in this process,
+    so every object then alive stays frozen; once Triton is imported that includes libtriton's types and their
+    reference cycles, which the interpreter's final collection then skips, and nanobind reports them "leaked"
+    at exit: about sixty lines from each pytest-xdist worker, after the run's closing line without -n.
+    Unfrozen here, at the end, the tests keep the freeze's speed (the collector does not walk them again)."""
+    gc.unfreeze()

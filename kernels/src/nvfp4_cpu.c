@@ -1,8 +1,8 @@
-/* NVFP4 quantization on the CPU, bit-identical to kernels/reference.py (ModelOpt's math).
+/* NVFP4 quantization on the CPU, bit-identical to kernels/src/reference.py (ModelOpt's math).
  *
  * Hand-written because no library quantizes NVFP4 bit-exactly on the CPU at speed: ModelOpt's own
  * torch path moves 0.055 GB/s on 2 cores. Built at first use with the system C compiler
- * (kernels/nvfp4_cpu.py), with -ffp-contract=off so no multiply-add is fused: every operation is
+ * (kernels/src/nvfp4_cpu.py), with -ffp-contract=off so no multiply-add is fused: every operation is
  * one IEEE fp32 operation, as in the reference. The *_mt entry points split the work across the
  * caller's `threads` in kc_pool.c (built into the same library, ahead of this file); rows are
  * independent and an amax is a maximum, so no split can change a byte.

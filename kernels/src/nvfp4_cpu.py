@@ -62,8 +62,9 @@ _LOAD_LOCK = threading.Lock()
 
 
 def open_library(stem: str, what: str) -> ctypes.CDLL | None:
-    """``kernels/STEM.c`` built (or taken from the cache) and loaded, or None where it cannot be, said
-    in one line on stderr like the CLI's other warnings (a UserWarning prints a source line too).
+    """``kernels/src/STEM.c`` (package data of ``kimi_convert.kernels``) built (or taken from the cache) and
+    loaded, or None where it cannot be, said in one line on stderr like the CLI's other warnings (a UserWarning
+    prints a source line too).
     Serialized: pack's warm-up thread and its streams ask at once, and each library is built once."""
     with _LOAD_LOCK:
         return _open_library(stem, what)

@@ -1,5 +1,5 @@
 /* A persistent thread pool for the C kernels (prepended to nvfp4_cpu.c and recipe_cpu.c when they are built:
- * kernels/nvfp4_cpu.py, open_library).
+ * kernels/src/nvfp4_cpu.py, open_library).
  *
  * Why: the kernels used to be split across a Python ThreadPoolExecutor, one ctypes call a thread; its
  * submit / future / GIL hand-offs cost tens of microseconds a call against kernels whose memory floor on 16 CPUs

@@ -1,7 +1,7 @@
 /* NVIDIA's K3 recipe kernels on the CPU: the closed-form MXFP4 -> NVFP4 cast and the 128x128 block FP8
- * quantizer, bit-identical to kernels/mxfp4_cast.py and kernels/fp8_block.py (torch 2.13's rounding).
+ * quantizer, bit-identical to kernels/src/mxfp4_cast.py and kernels/src/fp8_block.py (torch 2.13's rounding).
  *
- * Built and called like nvfp4_cpu.c (kernels/recipe_cpu.py): system C compiler at first use,
+ * Built and called like nvfp4_cpu.c (kernels/src/recipe_cpu.py): system C compiler at first use,
  * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's); the *_mt entry points split
  * rows (the cast) or bands' tile runs (block FP8) across the caller's threads in kc_pool.c, which is
  * built into the same library ahead of this file.
