@@ -11,13 +11,14 @@ from itertools import repeat
 from operator import eq
 from pathlib import Path
 
+from . import filenames
 from .errors import ConvertError
 from .jsonfile import read_json
 from .safetensors_format import TensorInfo, read_header
 from .sidefiles import Skipped, pruned, scan
 from .sources import Source, open_source
 
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = filenames.INDEX  # the name other modules have used
 
 
 def load_json(path: Path, rel: str) -> dict:

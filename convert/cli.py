@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__, devices, paths
+from . import __version__, devices, filenames, paths
 from .errors import ConvertError
 from .options import Options, click_options
 from .options import checked as _checked
@@ -261,7 +261,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         raise click.UsageError("--engine-python needs exactly one --engine")
     if engine_any_version and not engines:
         raise click.UsageError("--engine-any-version needs --engine")
-    manifest = Path(output_dir, "manifest.json").exists() or not engines
+    manifest = Path(output_dir, filenames.MANIFEST).exists() or not engines
     hub_api = None
     if remote and manifest:  # the repo id, the Hub and the repo checked before any hashing
         from .hub import connect

@@ -70,3 +70,21 @@ def mixed_algo(prefix: str, quantized_layers: dict[str, dict], packed: dict[str,
         if hit is not None:
             return hit["quant_algo"].upper()
     return None
+
+
+def aliases(name: str, on: bool) -> list[str]:
+    """Every spelling of a module name the engines' runtime prefixes probe (NVIDIA's converter writes
+    them all): the checkpoint name, ``block_sparse_moe`` -> ``mlp`` (SGLang's mapper), and the names
+    without ``language_model.model.`` and without ``language_model.``."""
+    if not on:
+        return [name]
+    names = {name}
+    if "block_sparse_moe" in name:
+        names.add(name.replace("block_sparse_moe", "mlp"))
+    for n in list(names):
+        if n.startswith("language_model.model."):
+            rest = n[len("language_model.model."):]
+            names.update({"model." + rest, rest})
+        elif n.startswith("language_model."):
+            names.add(n[len("language_model."):])
+    return sorted(names)

@@ -18,14 +18,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import filenames
 from .atomic import write_atomic
 from .errors import ConvertError
 from .jsonfile import read_json
 from .sources import EntryKind, Source
 
-NAME = ".kimi-convert-pack.json"
+NAME = filenames.JOURNAL
 #: The lock a running pack holds on its output (pack.lock_output): its pid; removed when the output is finished.
-LOCK = ".kimi-convert-pack.lock"
+LOCK = filenames.LOCK
 VERSION = 3  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files
 
 
@@ -71,10 +72,9 @@ def intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
     """Whether a journaled shard and its records file are still the bytes recorded (a resume keeps
     it then; otherwise both are written again)."""
     from .hashing import sha256_file
-    from .manifest import records_name
 
     for name, size, sha in ((shard, rec.size, rec.sha256),
-                            (records_name(shard), rec.records_size, rec.records_sha256)):
+                            (filenames.records_name(shard), rec.records_size, rec.records_sha256)):
         path = folder / name
         if not (path.is_file() and path.stat().st_size == size and sha256_file(path) == sha):
             return False

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path, PurePosixPath
 
-from . import __version__, formats
+from . import __version__, filenames, formats
 from .atomic import write_atomic
 from .checkpoint import gc_paused
 from .errors import ConvertError
@@ -243,13 +243,7 @@ def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
     return d
 
 
-RECORDS_DIR = "manifest-records"
-
-
-def records_name(shard: str) -> str:
-    """Where a shard's records go: ``manifest-records/<shard without .safetensors>.jsonl`` (a sub-folder
-    no engine loader reads, uploaded with the rest)."""
-    return f"{RECORDS_DIR}/{shard.removesuffix('.safetensors')}.jsonl"
+RECORDS_DIR, records_name = filenames.RECORDS_DIR, filenames.records_name
 
 
 def module_record(it: Item, shared_scale: str | None, shard: str, tensor_hashes: dict[str, str],
@@ -335,7 +329,7 @@ def plan_hash(plan_dict: dict) -> str:
 
 
 def load_manifest(output_dir: Path) -> dict:
-    path = output_dir / "manifest.json"
+    path = output_dir / filenames.MANIFEST
     return read_json(path, str(path))
 
 

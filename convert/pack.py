@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import configs, devices, journal, pipeline, write
+from . import configs, devices, filenames, journal, pipeline, write
 from . import manifest as manifest_mod
 from .atomic import write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
@@ -263,7 +263,7 @@ def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool,
             raise ConvertError(f"{output_dir}: cannot resume: {what} since the interrupted run; "
                                "rerun it with the same options, or start again with --overwrite")
         return existing
-    if resume and (output_dir / "manifest.json").exists():
+    if resume and (output_dir / filenames.MANIFEST).exists():
         _check_complete(output_dir)
         return None
     if existing is not None and not overwrite:
@@ -393,5 +393,5 @@ def _finish(ckpt: Checkpoint, plan: Plan, output_dir: Path, j: Journal,
         [r.to_dict() for r in [*own, *side]],
         [r.to_dict() for r in side],
     )
-    write_json_atomic(output_dir / "manifest.json", man, compact_lists=("engine_groups",))
+    write_json_atomic(output_dir / filenames.MANIFEST, man, compact_lists=("engine_groups",))
     (output_dir / journal.NAME).unlink()

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from . import formats, journal
+from . import filenames, formats, journal
 from .errors import ConvertError
 from .sources import EntryKind, FileEntry, Source, open_source
 
@@ -36,10 +36,10 @@ SKIP_DIRS = {
 
 #: Top-level files the output writes itself and pack does not read: skipped.
 OWN_TOP = {**dict.fromkeys(formats.config_files(), "the output writes its own"),
-           "manifest.json": "the output writes its own",
-           "manifest-records": "the output writes its own (a folder of manifest records)"}
+           filenames.MANIFEST: "the output writes its own",
+           filenames.RECORDS_DIR: "the output writes its own (a folder of manifest records)"}
 #: Top-level folders the output writes itself (the manifest's per-shard records): skipped whole.
-OWN_TOP_DIRS = {"manifest-records": "the output writes its own (manifest records)"}
+OWN_TOP_DIRS = {filenames.RECORDS_DIR: "the output writes its own (manifest records)"}
 
 #: Weight formats. Such a file that the plan does not read (a safetensors file the index does not
 #: list, ``consolidated.safetensors``, ``pytorch_model-*.bin``, ``original/*.pth``, an ONNX export)

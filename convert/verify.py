@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from . import engines, formats, journal
+from . import engines, filenames, formats, journal
 from .checkpoint import INDEX_NAME, consumed, open_checkpoint
 from .devices import Device, cpus
 from .errors import ConvertError
@@ -66,7 +66,7 @@ def load(output: Path) -> dict:
             j = None
         raise ConvertError(f"{output}: an unfinished pack, not a finished checkpoint"
                            + (f"; resume it with: {j.command}" if j else ""))
-    if not (output / "manifest.json").exists():
+    if not (output / filenames.MANIFEST).exists():
         raise ConvertError(f"{output}: no manifest.json: not a finished kimi-convert output")
     man = load_manifest(output)
     if man.get("format") != FORMAT:
@@ -378,10 +378,10 @@ def _strangers(output: Path, listed: set[str]) -> list[str]:
     ``*.pt``, ``*.gguf``...) that the manifest does not name: an engine globbing ``*.safetensors`` would load it,
     and ``upload`` would publish it, where pack itself never copies unlisted weights from an input."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(output):
+    for dirpath, dirnames, files in os.walk(output):
         dirnames.sort()
         rel_dir = Path(dirpath).relative_to(output)
-        for f in sorted(filenames):
+        for f in sorted(files):
             rel = (rel_dir / f).as_posix()
             if PurePosixPath(f).suffix.lower() in WEIGHT_SUFFIXES and rel not in listed:
                 out.append(f"{rel}: a weight file that manifest.json does not list (not written by this pack: "

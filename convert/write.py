@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from . import faults, formats, journal, paths
+from . import faults, filenames, formats, journal, paths
 from .atomic import PARTIAL
-from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .hashing import sha256_file
 from .manifest import RECORDS_DIR, load_manifest
@@ -31,7 +30,8 @@ if TYPE_CHECKING:
 CHUNK = 16 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
-OWN_FILES = ("manifest.json", INDEX_NAME, "config.json", *formats.config_files(), journal.NAME, journal.LOCK)
+OWN_FILES = (filenames.MANIFEST, filenames.INDEX, filenames.CONFIG, *formats.config_files(), filenames.JOURNAL,
+             filenames.LOCK)
 
 
 def check_output_dir(input_dir: Path | None, output_dir: Path) -> None:

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import filenames
 from ..errors import ConvertError
 from ..plan import Encoding, Kind, Op
 from ..sources import Source
@@ -300,7 +301,7 @@ def _same_as_source(out: Path, source: Source | str | os.PathLike, names: set[st
     from ..sources import read_range
 
     def where(folder: Path) -> dict[str, str]:
-        idx = folder / "model.safetensors.index.json"
+        idx = folder / filenames.INDEX
         if idx.is_file():
             return json.loads(idx.read_text()).get("weight_map", {})
         found = {}
@@ -330,7 +331,7 @@ def _separate_source_casts(rep: Report, out: Path, source: Source | str | os.Pat
     as a source cast, not a conversion defect. Reinterpretations always fail."""
     from ..manifest import iter_modules
 
-    if not (out / "manifest.json").is_file():
+    if not (out / filenames.MANIFEST).is_file():
         if source is not None:
             narrowed = {c["tensor"] for c in rep.bad_casts if c.get("class") == "narrowing"}
             unchanged = _same_as_source(out, source, narrowed)
@@ -338,7 +339,7 @@ def _separate_source_casts(rep: Report, out: Path, source: Source | str | os.Pat
             rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
         return
     try:
-        man = json.loads((out / "manifest.json").read_text())
+        man = json.loads((out / filenames.MANIFEST).read_text())
         unchanged = {t["name"] for _, m in iter_modules(out, man) if m.get("kind") in (Kind.COPY, Kind.KEEP)
                      and all(s.get("encoding") == Encoding.DENSE for s in m.get("sources", []))
                      and m.get("op") == Op.NONE for t in m.get("tensors", [])}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .. import encodings
+from .. import encodings, filenames
 from ..errors import ConvertError
 from ..kernels import fp8_block, reference
 from ..plan import Encoding
@@ -376,7 +376,7 @@ def run(engine: str, result_file: Path, folder: Path, input_dir: Source | str | 
         ) -> NumericReport:
     """The numeric check of one engine run (``result_file``: the runner's JSON, ``folder``: its dump)."""
     man = None
-    mp = output_dir / "manifest.json"
+    mp = output_dir / filenames.MANIFEST
     if mp.is_file():
         try:
             man = json.loads(mp.read_text())

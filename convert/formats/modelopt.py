@@ -20,6 +20,7 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from ..engines import aliases
 from ..schemes import FP8_BLOCK as FP8_TILE
 from ..schemes import GROUP_SIZE
 
@@ -107,8 +108,6 @@ def producer() -> dict:
 def quantized_layers(plan: Plan) -> dict[str, dict]:
     """MIXED_PRECISION's per-layer map: each quantized module (a MoE layer's experts as one bank),
     and each engine packed module whose members share one format, in every spelling the recipe asks for."""
-    from ..plan import aliases  # the plan imports this module for its tensor specs
-
     m, rec = plan.mapping, plan.recipe
     entry: dict[str, dict] = {}
     kind_of: dict[str, tuple[str, float | None]] = {}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from .. import filenames
 from ..errors import ConvertError
 from ..hashing import sha256_file
 from ..jsonfile import read_json
@@ -59,7 +60,7 @@ def check_remote(api, repo_id: str, revision: str | None, output: Path, man: dic
     remote = {e.path: e for e in entries if hasattr(e, "size")}
     problems: list[str] = []
     expected = {f["file"]: f for f in [*man["outputs"], *man.get("records", []), *man.get("files", [])]}
-    expected["manifest.json"] = None
+    expected[filenames.MANIFEST] = None
     for name, rec in sorted(expected.items()):
         e = remote.get(name)
         if e is None:

@@ -30,6 +30,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_client_factory, validate_repo_id
 
+from .. import filenames
 from ..errors import ConvertError
 
 T = TypeVar("T")
@@ -44,7 +45,7 @@ MAX_WAIT = 300.0
 CONNECT_TIMEOUT = float(os.environ.get("KIMI_CONVERT_CONNECT_TIMEOUT", "10"))
 #: Seconds without a byte before a transfer counts as dropped, then retried: hf_xet's own read timeout.
 IDLE_TIMEOUT = 300.0
-IGNORE = [".kimi-convert-pack.json", "*.partial", ".cache/*"]
+IGNORE = [filenames.JOURNAL, filenames.LOCK, "*.partial", ".cache/*"]
 RESUME = "re-run the same command to resume (files already uploaded are skipped)"
 NO_TOKEN = ("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login` (a token with write "
             "access: https://huggingface.co/settings/tokens)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .. import encodings
+from .. import encodings, filenames
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..sources import EntryKind, Source
@@ -28,8 +28,8 @@ def check_convertible(ckpt: Checkpoint) -> None:
     fail mid-write, or quietly quantize twice."""
     source = ckpt.source
     where = source.name
-    if _is_file(source, "manifest.json"):
-        made = _json_field(source, "manifest.json", "format")
+    if _is_file(source, filenames.MANIFEST):
+        made = _json_field(source, filenames.MANIFEST, "format")
         if made == "kimi-convert-manifest":
             raise ConvertError(f"{where}: this is an output of kimi-convert (manifest.json): {_original()}; "
                                "check this one with `kimi-convert verify-manifest`")

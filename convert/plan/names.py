@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
 from .. import rules
+from ..engines import aliases
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
@@ -31,24 +32,6 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
     extra = sorted(n for n in names if not any(fnmatchcase(n, p) for p in recipe.exclude_modules))
     return list(dict.fromkeys([*listed, *extra]))
-
-
-def aliases(name: str, on: bool) -> list[str]:
-    """Every spelling of a module name the engines' runtime prefixes probe (NVIDIA's converter writes
-    them all): the checkpoint name, ``block_sparse_moe`` -> ``mlp`` (SGLang's mapper), and the names
-    without ``language_model.model.`` and without ``language_model.``."""
-    if not on:
-        return [name]
-    names = {name}
-    if "block_sparse_moe" in name:
-        names.add(name.replace("block_sparse_moe", "mlp"))
-    for n in list(names):
-        if n.startswith("language_model.model."):
-            rest = n[len("language_model.model."):]
-            names.update({"model." + rest, rest})
-        elif n.startswith("language_model."):
-            names.add(n[len("language_model."):])
-    return sorted(names)
 
 
 def collect_patterns(m: Mapping, opts: Options) -> list[rules.Pattern]:
