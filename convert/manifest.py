@@ -25,7 +25,7 @@ from .plan import COPY, FP8, KEEP, NVFP4, Item, Plan, Unit
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
 #: 3: ``modules`` moved out of manifest.json into one JSON Lines file per output shard (``records``).
-#: Version 1 and 2 manifests (every module in manifest.json) are still read.
+#: Version 1 and 2 manifests (every module in manifest.json, before 0.1.0) are refused by verify-manifest.
 FORMAT_VERSION = 3
 
 
@@ -339,14 +339,9 @@ def is_v3(man: dict) -> bool:
 
 
 def iter_modules(output_dir: Path, man: dict, problems: list[str] | None = None) -> Iterator[tuple[str, dict]]:
-    """Every module record with where it was read (``manifest-records/X.jsonl line N`` or
-    ``manifest.json module N``), streamed: a version 3 manifest's records files are read one line at
-    a time, never whole. ``problems`` collects what is wrong with a records file (missing, a line that
-    is not a record, size or sha256 not the listed ones)."""
-    if not is_v3(man):
-        for i, m in enumerate(man["modules"]):
-            yield f"manifest.json module {i}", m
-        return
+    """Every module record with where it was read (``manifest-records/X.jsonl line N``), streamed: the
+    records files are read one line at a time, never whole. ``problems`` collects what is wrong with a
+    records file (missing, a line that is not a record, size or sha256 not the listed ones)."""
     for entry in man["records"]:
         reader = RecordsReader(output_dir, entry)
         yield from reader

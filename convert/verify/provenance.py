@@ -1,0 +1,140 @@
+"""verify-manifest --input: the output derived from its input: the input's files and side files as recorded,
+the plan rebuilt from the input and the recorded options (its hash the manifest's), pass-through tensors
+byte for byte, quantized units recomputed (a deterministic sample, or all with --full)."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..checkpoint import consumed, open_checkpoint
+from ..devices import Device, cpus
+from ..errors import ConvertError
+from ..hashing import hash_file
+from ..manifest import iter_modules, plan_dict, plan_hash
+from ..mapping import parse_mapping
+from ..options import Options
+from ..plan import QUANTIZED, Encoding, make_plan
+from ..recipe import parse_recipe
+from ..rules import Pattern
+from ..sidefiles import scan
+from ..sources import EntryKind, Source
+from .report import Report
+
+SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
+
+
+def check_against_input(source: Source, output: Path, man: dict, rep: Report, full: bool, device: str | Device,
+                   progress, total) -> None:
+    problems: list[str] = []
+    recorded = {f["file"]: f for f in man["inputs"]}
+    entries = {f: source.entry(f) for f in recorded}
+    missing = [f for f, e in entries.items() if e is None or e.kind is not EntryKind.FILE]
+    problems += [f"{source.shown(f)}: missing" for f in missing]
+    present = [f for f in recorded if f not in missing]
+    if total:
+        total(sum(entries[f].size for f in present))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        hashes = dict(pool.map(lambda f: (f, hash_file(f, {}, progress, source=source)), present))
+    for f, (sha, size, _) in hashes.items():
+        if size != recorded[f]["size"] or sha != recorded[f]["sha256"]:
+            problems.append(f"{source.shown(f)}: differs from the input recorded in the manifest")
+    rep.check("input files: sizes and sha256", problems, f"{len(recorded)} files")
+    _check_input_side_files(source, man, rep)
+    if problems:
+        return
+    ckpt = open_checkpoint(source)
+    m = parse_mapping(man["mapping_source"], man["mapping"]["file"])
+    opts = Options.from_dict(man["options"])
+    patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
+    recipe = parse_recipe(man["recipe_source"], man["recipe"]["file"]) if man.get("recipe_source") else None
+    plan = make_plan(ckpt, m, opts, patterns, recipe)
+    same = plan_hash(plan_dict(plan)) == man["plan_sha256"]
+    rep.check("re-plan from the input and the recorded options", [] if same else
+              ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
+    if not same:
+        return
+    _recompute(plan, source, output, ckpt.config, man, rep, full, device)
+
+
+def _check_input_side_files(source: Source, man: dict, rep: Report) -> None:
+    """The input's side files hash to the recorded values, and every input file is accounted for:
+    read (a shard, config.json, the index), copied, recreated (an empty folder) or skipped with a
+    reason; a file the manifest does not account for was dropped silently."""
+    name = "input side files: copied as recorded, none dropped"
+    if "skipped_files" not in man:
+        rep.check(name, [], "not recorded (a manifest of kimi-convert before format_version 2)")
+        return
+    try:
+        now = scan(source, consumed([f["file"] for f in man["inputs"]]))
+    except ConvertError as e:
+        rep.check(name, [str(e)])
+        return
+    side = {e["file"]: e for e in man["side_files"]}
+    problems = [f"{source.shown(f)}: neither copied nor skipped in the manifest (dropped)" for f in now.copied
+                if f not in side]
+    problems += [f"{source.shown(f)}: copied by the manifest, not a side file of the input" for f in side
+                 if f not in now.copied]
+    skipped = {e["file"] for e in man["skipped_files"]}
+    problems += [f"{source.shown(s.file)}: skipped now ({s.reason}), not in the manifest's skipped_files"
+                 for s in now.skipped if s.file not in skipped]
+    problems += [f"{source.shown(f)}: in the manifest's skipped_files, not skipped in the input"
+                 for f in sorted(skipped) if f not in {s.file for s in now.skipped}]
+    if set(now.folders) != set(man.get("side_folders", [])):
+        problems.append(f"{source.name}: empty folders {sorted(now.folders)}, the manifest records "
+                        f"{sorted(man.get('side_folders', []))}")
+    for f in sorted(set(now.copied) & set(side)):
+        sha, size, _ = hash_file(f, {}, source=source)
+        if (size, sha) != (side[f]["size"], side[f]["sha256"]):
+            problems.append(f"{source.shown(f)}: differs from the copy the manifest records")
+    rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
+
+
+def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep: Report, full: bool,
+               device: str | Device) -> None:
+    from kimi_convert.kernels import get_backend
+
+    from ..compute import compute_unit
+    from ..plan import fp8_block_size
+    from ..readers import MappedReader
+
+    quant_units = [u for u in plan.units if any(it.kind in QUANTIZED for it in u.items)]
+    keep = {id(u) for u in quant_units[:1] + quant_units[-1:]}
+    chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
+              or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
+    wanted = {t.name for u in chosen for it in u.items for t in it.outputs}  # only their hashes are held
+    hashes = {t["name"]: t["sha256"] for _, mod in iter_modules(output, man) for t in mod["tensors"]
+              if t["name"] in wanted}
+    backend = get_backend(device, cpus())
+    reader = MappedReader(source)
+    block = fp8_block_size(config)
+    passthrough, quantized, problems = 0, 0, []
+    try:
+        for u in chosen:
+            if all(it.kind not in QUANTIZED and all(s.encoding == Encoding.DENSE for s in it.sources)
+                   for it in u.items):
+                for it in u.items:  # pass-through: the output's bytes are the sources' bytes
+                    h = hashlib.sha256()
+                    for s in it.sources:
+                        h.update(reader.raw(s.parts[0]))
+                    passthrough += 1
+                    if h.hexdigest() != hashes[it.outputs[0].name]:
+                        problems.append(f"tensor {it.outputs[0].name}: not byte-identical to its sources")
+            else:
+                res = compute_unit(u, reader, backend, block)
+                quantized += 1
+                for name, out in res.outputs.items():
+                    h = hashlib.sha256()
+                    for c in out.chunks:
+                        h.update(c)
+                    if h.hexdigest() != hashes[name]:
+                        problems.append(f"tensor {name}: re-quantized from its sources, the bytes differ")
+            for p in u.parts:
+                reader.release(p)
+    finally:
+        reader.close()
+    n_quant = len(quant_units)
+    rep.check("outputs re-derived from the input", problems,
+              f"{passthrough} pass-through tensors compared; {quantized} quantized/decoded units recomputed "
+              f"({'all' if full else 'sample'} of {n_quant} quantized units)")
