@@ -288,9 +288,9 @@ def _header_text(ordered: Sequence[HeaderTensor], starts: list[int], ends: list[
     return "".join(parts)
 
 
-def encode_header(ordered: Sequence[HeaderTensor], starts: list[int], ends: list[int]) -> bytes:
+def encode_header(ordered: Sequence[HeaderTensor], starts: list[int], ends: list[int], align: int = 16) -> bytes:
     """The 8-byte length and the JSON header of ``ordered`` at data offsets ``starts``/``ends``, padded
-    with spaces so that the data starts 16-byte aligned."""
+    with spaces so that the data starts ``align``-byte aligned (16 for pack's outputs)."""
     text = _header_text(ordered, starts, ends)
     if text is None:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
@@ -298,5 +298,5 @@ def encode_header(ordered: Sequence[HeaderTensor], starts: list[int], ends: list
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [a, b]}
         text = json.dumps(header, separators=(",", ":"))
     raw = text.encode()
-    raw += b" " * (-(8 + len(raw)) % 16)
+    raw += b" " * (-(8 + len(raw)) % align)
     return len(raw).to_bytes(8, "little") + raw

@@ -67,6 +67,7 @@ engines disagree (the release's names are used)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -84,6 +85,7 @@ from kimi_convert.kernels.reference import e2m1_codes, pack
 
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
+from .safetensors_format import HeaderTensor, encode_header
 from .write import default_mode
 
 
@@ -730,16 +732,12 @@ def write_sparse(p: Preset, out: Path) -> tuple[dict[str, str], int]:
     for s, group in enumerate(groups):
         fname = f"model-{s + 1:05d}-of-{n:05d}.safetensors"
         group.sort(key=lambda t: (-_ST_DTYPE_RANK[t[1]], t[0]))
-        parts, pos = ['{"__metadata__":{"format":"pt"}'], 0
-        for name, dt, shape, nbytes in group:
-            parts.append(f',"{name}":{{"dtype":"{dt}","shape":[{",".join(map(str, shape))}],'
-                         f'"data_offsets":[{pos},{pos + nbytes}]}}')
-            pos += nbytes
-            weight_map[name] = fname
-        header = ("".join(parts) + "}").encode()
-        header += b" " * (-len(header) % 8)
+        starts = list(itertools.accumulate((t[3] for t in group), initial=0))
+        head = encode_header([HeaderTensor(name, dt, shape) for name, dt, shape, _ in group], starts[:-1], starts[1:],
+                             align=8)  # the header written as pack writes its own (data 8-byte aligned here)
+        weight_map.update(dict.fromkeys((t[0] for t in group), fname))
         path = out / fname
         with open(path, "wb") as f:
-            f.write(len(header).to_bytes(8, "little") + header)
-        os.truncate(path, 8 + len(header) + pos)
+            f.write(head)
+        os.truncate(path, len(head) + starts[-1])
     return weight_map, total
