@@ -265,6 +265,22 @@ def size_of(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * DTYPES[dtype].itemsize
 
 
+HEADER_HEAD = '{"__metadata__":{"format":"pt"}'  # what encode_header writes before the tensors, "}" after them
+
+
+def entry_text_len(name: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """Characters of one tensor's entry in the header ``encode_header`` writes, but for its two offsets' digits:
+    ``,"name":{"dtype":"D","shape":[S],"data_offsets":[a,b]}`` (the plan sizes a million entries by it)."""
+    return (len(_json_str(name)) + len(_json_str(dtype)) + len(",".join(map(str, shape)))
+            + len(',:{"dtype":,"shape":[],"data_offsets":[,]}'))
+
+
+def padded_len(text_len: int, align: int = 16) -> int:
+    """The header's length in bytes once padded with spaces so that the data (after the 8-byte length) starts
+    ``align``-byte aligned."""
+    return text_len + (-(8 + text_len) % align)
+
+
 def _header_text(ordered: Sequence[HeaderTensor], starts: list[int], ends: list[int]) -> str | None:
     """``json.dumps(header, separators=(",", ":"))`` of a shard header, written directly (a million
     tensors for the released K3); None when a name repeats (the dict would keep one)."""
@@ -277,7 +293,7 @@ def _header_text(ordered: Sequence[HeaderTensor], starts: list[int], ends: list[
     else:
         names = [_json_str(n) for n in names]
     frags: dict[tuple[str, tuple[int, ...]], str] = {}
-    parts = ['{"__metadata__":{"format":"pt"}']
+    parts = [HEADER_HEAD]
     for t, name, a, b in zip(ordered, names, starts, ends, strict=True):
         frag = frags.get((t.dtype, t.shape))
         if frag is None:
@@ -298,5 +314,5 @@ def encode_header(ordered: Sequence[HeaderTensor], starts: list[int], ends: list
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [a, b]}
         text = json.dumps(header, separators=(",", ":"))
     raw = text.encode()
-    raw += b" " * (-(8 + len(raw)) % align)
+    raw += b" " * (padded_len(len(raw), align) - len(raw))
     return len(raw).to_bytes(8, "little") + raw

@@ -18,7 +18,6 @@ import itertools
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from json.encoder import encode_basestring_ascii as _json_str
 from operator import itemgetter, lt
 
 from .. import rules
@@ -26,13 +25,12 @@ from ..checkpoint import Checkpoint
 from ..mapping import Mapping, template_regex
 from ..options import Options
 from ..recipe import Recipe
-from ..safetensors_format import DTYPES, TensorInfo, size_of
+from ..safetensors_format import DTYPES, HEADER_HEAD, TensorInfo, entry_text_len, padded_len, size_of
 from .decide import index_blind_rules
 from .fusion import EngineGroup
 from .model import Kind, Outline, Unit
 
 _DTYPE_SHAPE_FILE = itemgetter(2, 3, 1)  # of a TensorInfo
-_HEAD = '{"__metadata__":{"format":"pt"}'  # encode_header's text before the tensors (and "}" after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +201,7 @@ class _Spec:
         ts = [t for it in u.items for t in it.outputs]
         if len(ts) > 1:  # layout._in_write_order: wider dtypes first in a unit
             ts = sorted(ts, key=lambda t: -DTYPES[t.dtype].itemsize)
-        # layout.encode_header: ,"name":{"dtype":"D","shape":[S],"data_offsets":[a,b]}
-        text = sum(len(_json_str(t.name)) + len(_json_str(t.dtype)) + len(",".join(map(str, t.shape)))
-                   + len(',:{"dtype":,"shape":[],"data_offsets":[,]}') for t in ts)
+        text = sum(entry_text_len(t.name, t.dtype, t.shape) for t in ts)
         return _Spec(tuple(size_of(t.dtype, t.shape) for t in ts), tuple(DTYPES[t.dtype].itemsize for t in ts), text)
 
 
@@ -233,7 +229,8 @@ def _shard_size(rows: list[tuple[int, int, int, int]], specs: list[_Spec]) -> in
     if not ends:
         return None
     digits = sum(map(len, map(str, ends)))
-    text = (len(_HEAD) + 1 + sum(specs[i].text for i in order) + sum(r[3] for r in rows)
+    # the header's text: its head and closing brace, every entry, the offsets' digits (starts: 0 and all ends
+    # but the last)
+    text = (len(HEADER_HEAD) + 1 + sum(specs[i].text for i in order) + sum(r[3] for r in rows)
             + digits + 1 + digits - len(str(ends[-1])))
-    text += -(8 + text) % 16
-    return 8 + text + ends[-1]
+    return 8 + padded_len(text) + ends[-1]
