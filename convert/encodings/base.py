@@ -139,7 +139,10 @@ class SourceEncoding:
 
     def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
         """Refuse a stored tensor no encoding consumed that only makes sense as part of one of this
-        encoding's weights (a scale without its weight)."""
+        encoding's weights: one of its ``companions`` (a scale) without its module's weight."""
+        mod, suffix = module_of(name)
+        if suffix in self.companions and f"{mod}.weight" not in tensors:
+            raise refused(tensors[name], f"scale without its weight {mod}.weight(_packed)")
 
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         """The logical values: the stored tensor itself for dense, else decoded fp32 (on the parts'

@@ -61,11 +61,6 @@ class FP8Block(SourceEncoding):
             raise refused(s, f"FP8 scale must be F32 {want} for {list(w.shape)} with blocks {list(block)}, "
                              f"is {s.dtype}{list(s.shape)}")
 
-    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
-        mod, suffix = module_of(name)
-        if suffix == "weight_scale_inv" and f"{mod}.weight" not in tensors:
-            raise refused(tensors[name], f"scale without its weight {mod}.weight(_packed)")
-
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         from ..kernels.formats import decode_fp8_block
 

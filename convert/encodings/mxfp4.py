@@ -49,11 +49,6 @@ class MXFP4(SourceEncoding):
             raise refused(scale, f"MXFP4 scale must be U8 {want} for a [{n}, {k}] weight (K a multiple of "
                                  f"{GROUP}), is {scale.dtype}{list(scale.shape)}")
 
-    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
-        mod, suffix = module_of(name)
-        if suffix == "weight_scale" and f"{mod}.weight" not in tensors:
-            raise refused(tensors[name], f"scale without its weight {mod}.weight(_packed)")
-
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         from ..kernels.formats import DecodeError, decode_mxfp4
 
