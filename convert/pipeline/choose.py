@@ -205,7 +205,7 @@ class Calibrator(Generic[B, R]):
             if self._thread is None and not self._closed:  # started on first need: no kind, no GPU start-up
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="kimi-convert-calibrate")
                 self._thread.start()
-            while self.wait and self._busy and not self._closed:
+            while self.wait and self._busy and not (self._closed or self.broken):
                 self._cond.wait(0.05)
             if self._busy or self._closed or self.broken:
                 self.stats["declined"] += 1
@@ -260,6 +260,8 @@ class Calibrator(Generic[B, R]):
             with self._cond:
                 self.broken = f"{type(e).__name__}: {e}"
                 job, self._job = self._job, None
+                self._busy = False
+                self._cond.notify_all()
             if job is not None:
                 job.drop()
             return
