@@ -218,7 +218,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
 
         chosen = "; ".join(Choice(**c).describe() for c in res.stats.device_choices)
         click.echo("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
-                   + (chosen or "no kind of work had enough units to measure; each unit ran on both"))
+                   + (chosen or "no kind of work was measured on both; every unit ran on the CPUs"))
 
 
 @cli.command(name="verify-manifest")

@@ -65,6 +65,9 @@ class PackStats:
     #                   seconds per GB each candidate took on the run's first units of it (each worker's)
     pinned_bytes: int = 0  # read buffers page-locked for the GPU (summed over workers)
     pin_s: float = 0.0  # seconds spent page-locking them
+    calibration: list[dict] = field(default_factory=list)  # auto: each worker's calibration thread (the GPU's
+    #                   start-up seconds, units computed and their seconds, offers declined, the streams' copying)
+    stream_wall_s: list[float] = field(default_factory=list)  # each stream's seconds, start to end
 
 
 def load_plan(source: Source | str | os.PathLike, opts: Options, banked: bool = False) -> tuple[Checkpoint, Plan]:
@@ -176,6 +179,7 @@ def pack(
                                     for k in sorted({k for r in results for k in r.stages})},
                           in_flight_peak=max((r.in_flight_peak for r in results), default=0),
                           in_flight_limit=max((r.in_flight_limit for r in results), default=0),
+                          stream_wall_s=[r.wall_s for r in results],
                           **_device_stats(results))
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
                           cast_blocks=sum(r.cast_blocks for r in recs),
@@ -195,7 +199,8 @@ def _device_stats(results: list[pipeline.JobResult]) -> dict:
     for r in one:
         choices += [c for c in r.choices if c not in choices]
     return {"device": ", ".join(sorted({r.device for r in one if r.device})), "device_choices": choices,
-            "pinned_bytes": sum(r.pinned_bytes for r in one), "pin_s": round(sum(r.pin_s for r in one), 3)}
+            "pinned_bytes": sum(r.pinned_bytes for r in one), "pin_s": round(sum(r.pin_s for r in one), 3),
+            "calibration": [r.calibration for r in one if r.calibration]}
 
 
 def startup_readahead() -> int:

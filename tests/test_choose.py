@@ -1,6 +1,7 @@
 """--device auto: the decision between the GPU and the CPUs (pipeline/choose.py) from injected timings, the
-pool's page-locking hooks, and a whole pack whose two candidates are the C kernels and the torch code (no GPU
-here): the same bytes as one device, the choice in --stats and in pack's summary."""
+calibration thread that keeps the GPU off the streams' way, the pool's page-locking hooks, and a whole pack
+whose two candidates are the C kernels and the torch code (no GPU here): the same bytes as one device, the
+choice in --stats and in pack's summary."""
 
 from __future__ import annotations
 
@@ -37,73 +38,123 @@ class FakeClock:
         return self.now
 
 
-def make(durations: dict[str, list[float]], samples: int = 2):
-    clock, calls, decided = FakeClock(), [], []
-    it = {b: iter(d) for b, d in durations.items()}
-
-    def compute(b: str):
-        calls.append(b)
-        clock.now += next(it[b])
-        return f"bytes of unit {len(calls)}"
-
-    ch = Chooser({b: b for b in durations}, samples=samples, clock=clock, on_decided=decided.append)
-    return ch, compute, calls, decided
-
-
 def test_chooser_warms_up_then_times_then_sticks_to_the_faster():
+    decided = []
+    ch = Chooser({"cpu": "cpu", "cuda": "cuda"}, samples=2, on_decided=decided.append)
     # the GPU's first unit is slow (Triton compiles): a warm-up, not counted
-    ch, compute, calls, decided = make({"cpu": [0.1, 1.0, 1.0, 1.0], "cuda": [50.0, 0.5, 0.6, 9.0, 9.0, 9.0]})
-    same = lambda a, b: True  # noqa: E731
-    for _ in range(3):
-        ch.run("cast", 100, compute, same)
-    assert calls == ["cpu", "cuda"] * 3 and len(decided) == 1
-    assert decided[0].chosen == "cuda" and decided[0].samples == 2
+    for cpu_s, gpu_s in [(0.1, 50.0), (1.0, 0.5), (1.0, 0.6)]:
+        assert ch.wants("cast", "cuda")
+        ch.record("cast", "cpu", cpu_s, 100)
+        ch.record("cast", "cuda", gpu_s, 100)
+    assert len(decided) == 1 and decided[0].chosen == "cuda" and decided[0].samples == 2
     assert decided[0].s_per_gb == {"cpu": 1e7, "cuda": 5.5e6}
-    calls.clear()
-    for _ in range(3):  # decided: the GPU alone, however slow it then is (no re-measuring)
-        ch.run("cast", 100, compute, same)
-    assert calls == ["cuda"] * 3 and ch.decided("cast") == "cuda"
-    assert [c.chosen for c in ch.choices()] == ["cuda"]
+    assert not ch.wants("cast", "cuda") and ch.decided("cast") == "cuda"
+    ch.record("cast", "cuda", 9.0, 100)  # decided: no re-measuring
+    assert [c.chosen for c in ch.choices()] == ["cuda"] and len(decided) == 1
 
 
-def test_chooser_decides_each_kind_of_work_on_its_own():
-    ch, compute, _, decided = make({"cpu": [0.1] + [1.0] * 2 + [0.1] + [1.0] * 2,
-                                        "cuda": [0.1] + [2.0] * 2 + [0.1] + [0.5] * 2})
-    same = lambda a, b: True  # noqa: E731
-    for kind in ["cast@16MB"] * 3 + ["fp8-block@256MB"] * 3:
-        ch.run(kind, 100, compute, same)
-    assert {c.kind: c.chosen for c in decided} == {"cast@16MB": "cpu", "fp8-block@256MB": "cuda"}
+def test_chooser_decides_each_kind_of_work_on_its_own_and_waits_for_every_candidate():
+    ch = Chooser({"cpu": "cpu", "cuda": "cuda"}, samples=2)
+    for s in [0.1, 1.0, 1.0, 1.0, 1.0]:  # the CPUs' samples alone decide nothing
+        ch.record("cast@16MB", "cpu", s, 100)
+        ch.record("fp8-block@256MB", "cpu", s, 100)
+    assert ch.choices() == [] and ch.wants("cast@16MB", "cuda") and not ch.wants("cast@16MB", "cpu")
+    for s in [0.1, 2.0, 2.0]:
+        ch.record("cast@16MB", "cuda", s, 100)
+    for s in [0.1, 0.5, 0.5]:
+        ch.record("fp8-block@256MB", "cuda", s, 100)
+    assert {c.kind: c.chosen for c in ch.choices()} == {"cast@16MB": "cpu", "fp8-block@256MB": "cuda"}
     assert ch.decided("nvfp4@4MB") is None  # never seen: undecided
 
 
-def test_chooser_refuses_results_that_differ_and_hands_back_the_unused_ones():
-    ch, compute, _, _ = make({"cpu": [1.0] * 9, "cuda": [1.0] * 9})
-    gone = []
-    with pytest.raises(RuntimeError, match="--device auto: cpu and cuda computed different bytes for cast"):
-        ch.run("cast", 100, compute, lambda a, b: a == b, discard=gone.append)
-    assert gone == ["bytes of unit 1", "bytes of unit 2"]  # both, on the failure
-    gone.clear()
-    assert ch.run("cast", 100, compute, lambda a, b: True, discard=gone.append) == "bytes of unit 3"  # the CPU's
-    assert gone == ["bytes of unit 4"]
-
-
-def test_chooser_is_shared_by_threads():
+def calibrator(durations: list[float], same=lambda r: True, start=lambda: None, wait=False):
+    """A Calibrator whose side candidate (``cuda``) takes the injected ``durations`` on a fake clock."""
+    clock = FakeClock()
     ch = Chooser({"cpu": "cpu", "cuda": "cuda"}, samples=2)
-    ran = []
+    it = iter(durations)
 
-    def compute(b):
-        ran.append(b)
-        return b
+    def work(b):
+        assert b == "cuda"
+        clock.now += next(it)
+        return "gpu bytes"
 
-    threads = [threading.Thread(target=lambda: [ch.run("k", 10, compute, lambda a, b: True) for _ in range(20)])
-               for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(ch.choices()) == 1  # decided once
-    # at most the warm-up and the samples of every thread before the decision ran on both
-    assert ran.count("cpu") + ran.count("cuda") >= 80
+    cal = choose.Calibrator(ch, start=start, clock=clock, wait=wait)
+    return ch, cal, work, same
+
+
+def idle(cal) -> None:
+    """Wait until the calibration thread has finished its unit (close() would drop one not yet begun)."""
+    for _ in range(1000):
+        if not cal._busy:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the calibration thread is still busy")
+
+
+def test_calibrator_times_the_other_candidate_on_its_thread_and_decides():
+    ch, cal, work, same = calibrator([50.0, 0.1, 0.1])
+    released = []
+    for _ in range(3):
+        ch.record("cast", "cpu", 1.0, 100)
+        assert cal.take("cast")
+        cal.give("cast", 100, work, same, release=lambda: released.append(1))
+        idle(cal)  # the thread takes the next only once idle
+    cal.close()
+    cal.check()
+    assert ch.decided("cast") == "cuda" and len(released) == 3 and cal.stats["units"] == 3
+    assert not cal.take("cast")  # decided: nothing more to calibrate
+
+
+def test_calibrator_never_makes_a_stream_wait():
+    """While the side candidate computes (here: until the test lets it go), a stream's offers are declined at
+    once: the stream goes on with the CPUs' result."""
+    go, running = threading.Event(), threading.Event()
+    ch = Chooser({"cpu": "cpu", "cuda": "cuda"}, samples=2)
+    cal = choose.Calibrator(ch)
+    assert cal.take("cast")
+    cal.give("cast", 100, lambda b: running.set() or (go.wait(10) and "gpu bytes"), lambda r: True)
+    assert running.wait(10)
+    assert not cal.take("cast") and not cal.take("other")  # busy: declined, not waited for
+    assert cal.stats["declined"] == 2
+    go.set()
+    cal.close()
+    assert ch._kinds["cast"].warm == {"cuda"}  # the unit it computed: the GPU's warm-up
+
+
+def test_calibrator_fails_the_run_on_different_bytes():
+    ch, cal, work, _ = calibrator([1.0] * 3)
+    gone = []
+    assert cal.take("cast")
+    cal.give("cast", 100, work, lambda r: False, discard=gone.append)
+    idle(cal)
+    cal.close()
+    with pytest.raises(RuntimeError, match="--device auto: cpu and cuda computed different bytes for cast"):
+        cal.check()
+    assert gone == ["gpu bytes"] and ch.choices() == [] and "cuda" not in ch._kinds.get("cast", choose._Kind()).warm
+
+
+def test_calibrator_without_a_gpu_leaves_everything_on_the_cpus():
+    def start():
+        raise RuntimeError("no CUDA driver")
+
+    ch, cal, work, same = calibrator([1.0] * 3, start=start, wait=True)
+    dropped = []
+    assert cal.take("cast")  # the thread starts on first need
+    cal.give("cast", 100, work, same, release=lambda: dropped.append(1))  # wait: returns once dropped
+    assert not cal.take("cast") and cal.broken == "RuntimeError: no CUDA driver" and dropped == [1]
+    cal.close()
+    cal.check()
+    assert ch.choices() == []
+
+
+def test_calibrator_wait_mode_calibrates_every_offered_unit():
+    ch, cal, work, same = calibrator([0.1, 0.1, 0.1], wait=True)
+    for _ in range(3):
+        ch.record("cast", "cpu", 1.0, 100)
+        assert cal.take("cast")
+        cal.give("cast", 100, work, same)  # returns once computed
+    assert ch.decided("cast") == "cuda"
+    cal.close()
 
 
 def test_work_kind_names_the_operations_and_the_size_class(tiny_k3):
@@ -160,6 +211,8 @@ def auto_without_gpu(monkeypatch):
     monkeypatch.setattr(devices, "torch_has_cuda", lambda: True)
     monkeypatch.setattr(runner, "candidates", lambda device, threads: {
         "cpu": get_backend("cpu", threads), "reference": get_backend("reference", threads)})
+    # the streams wait for the calibration thread: a tiny input has too few units to decide otherwise
+    monkeypatch.setenv(runner.SYNC_ENV, "1")
 
 
 def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_path, auto_without_gpu):
@@ -193,9 +246,9 @@ def test_pool_stops_locking_without_unlocking_a_buffer_in_use():
     assert locked == {}  # and not locked again
 
 
-def test_auto_stops_page_locking_once_the_cpu_won_every_kind_of_work(tiny_k3, monkeypatch):
-    import time
-
+def test_auto_page_locks_only_once_a_kind_went_to_the_gpu(tiny_k3, monkeypatch):
+    """Page-locking costs the reader time that the CPUs never gain back: auto starts it with the first kind of
+    work decided for the GPU, not before (issue 26 item 9)."""
     import torch
 
     from kimi_convert.kernels import Backend, get_backend
@@ -205,26 +258,22 @@ def test_auto_stops_page_locking_once_the_cpu_won_every_kind_of_work(tiny_k3, mo
     monkeypatch.setattr(runner_mod, "_pinning", lambda device: (lambda b: locked.add(id(b)) is None,
                                                                 lambda b: locked.discard(id(b))))
     _, plan = load_plan(tiny_k3, Options())
-    cpu, gpu = get_backend("cpu"), Backend("triton", torch.device("cuda"))  # a stand-in: never run here
     pool = BufferPool(limit=64 << 20)
-    r = runner_mod.Runner({"cpu": cpu, "cuda": gpu}, pool, (128, 128), plan.units)
+    r = runner_mod.Runner({"cpu": get_backend("cpu"), "cuda": Backend("triton", torch.device("cuda"))}, pool,
+                          (128, 128), plan.units)  # a stand-in GPU: never run here
     kinds = sorted(r._decisive)
-    assert kinds and pool.get(1 << 20) is not None and locked  # locking while the GPU is a candidate
-
-    def compute(b):
-        time.sleep(0.02 if b is gpu else 0.0)  # the CPU is faster
-        return "same bytes"
-
-    for k in kinds[:-1]:
-        for _ in range(choose.SAMPLES + 1):
-            r.chooser.run(k, 1 << 20, compute, lambda a, b: True)
-    assert pool._pin is not None  # one kind still undecided: it may yet go to the GPU
-    for _ in range(choose.SAMPLES + 1):
-        r.chooser.run(kinds[-1], 1 << 20, compute, lambda a, b: True)
-    assert all(c.chosen == "cpu" for c in r.choices()) and pool._pin is None
+    assert len(kinds) >= 2 and not pool.pinning and pool.get(1 << 20) is not None and not locked
+    for name, s in [("cpu", 0.1), ("cuda", 1.0)] * (choose.SAMPLES + 1):  # the CPUs win the first kind
+        r.chooser.record(kinds[0], name, s, 1 << 20)
+    assert [c.chosen for c in r.choices()] == ["cpu"] and not pool.pinning
+    for name, s in [("cpu", 1.0), ("cuda", 0.01)] * (choose.SAMPLES + 1):  # the GPU, by far, the second
+        r.chooser.record(kinds[1], name, s, 1 << 20)
+    assert pool.pinning and pool.get(2 << 20) is not None and locked
 
 
-def test_auto_does_not_time_the_gpu_on_buffers_read_before_page_locking_began(tiny_k3, monkeypatch):
+def test_auto_computes_undecided_units_on_the_cpus_in_the_stream(tiny_k3, monkeypatch):
+    """An undecided kind's unit is the CPUs' (timed), whatever the GPU does: here it cannot even start (a CPU
+    build of torch), and the stream neither waits for it nor fails; the bytes are --device cpu's."""
     import torch
 
     from kimi_convert.kernels import Backend, get_backend
@@ -232,19 +281,27 @@ def test_auto_does_not_time_the_gpu_on_buffers_read_before_page_locking_began(ti
     from kimi_convert.plan import fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
 
-    monkeypatch.setattr(runner_mod, "_pinning", lambda device: (lambda b: True, lambda b: None))
+    monkeypatch.setenv(runner_mod.SYNC_ENV, "1")  # the stream waits for the thread: its start has failed by then
     ckpt, plan = load_plan(tiny_k3, Options())
-    gpu = Backend("triton", torch.device("cuda"))  # a stand-in: must not be run
+    cpu = get_backend("cpu")
     pool = BufferPool(limit=64 << 20)
-    r = runner_mod.Runner({"cpu": get_backend("cpu"), "cuda": gpu}, pool, fp8_block_size(ckpt.config), plan.units)
-    pool.put(pool.get(1 << 20))  # locking works: later reads are locked
-    unit = next(u for u in plan.units if choose.work_kind(u))
+    block = fp8_block_size(ckpt.config)
+    r = runner_mod.Runner({"cpu": cpu, "cuda": Backend("triton", torch.device("cuda"))}, pool, block, plan.units)
+    alone = runner_mod.Runner({"cpu": cpu}, BufferPool(limit=64 << 20), block, plan.units)
     reader = PreadReader(tiny_k3)
-    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})  # pageable: read before the runner existed
-    res, buf = r.compute(unit, loaded)
-    assert res.outputs and r.chooser._kinds == {}  # the CPU's, untimed
-    r.release((res, buf))
+    for unit in [u for u in plan.units if choose.work_kind(u) in r._decisive][:4]:
+        loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+        res, buf = r.compute(unit, loaded)
+        ref, rbuf = alone.compute(unit, loaded)
+        assert {k: b"".join(bytes(c) for c in o.chunks) for k, o in res.outputs.items()} == \
+               {k: b"".join(bytes(c) for c in o.chunks) for k, o in ref.outputs.items()}
+        r.release((res, buf))
+        alone.release((ref, rbuf))
     reader.close()
+    r.close()
+    cal = r.calibration()
+    assert cal["broken"] and cal["units"] == 0 and r.choices() == []
+    assert set(r.chooser._kinds) and all(k.warm == {"cpu"} for k in r.chooser._kinds.values())
 
 
 def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3, monkeypatch):

@@ -10,6 +10,11 @@ the first on each candidate only to warm up (Triton compiles its kernels then), 
 The candidate with the lower median seconds per byte then computes every later unit of that kind. The
 bytes are the same on every device by design (the tests and the GPU equality scripts hold each kernel to
 the torch code); the calibration checks it again on the units it computes twice, and fails loudly if not.
+
+Until a kind is decided its units are the CPUs' (the first candidate's), computed in their streams as with
+``--device cpu``; the GPU computes copies of some of them on a thread of its own (:class:`Calibrator`), so
+that having a GPU costs the streams nothing they would wait for: not its start-up, not its kernels' compiling,
+not its slower first units (issue 26 item 9).
 """
 
 from __future__ import annotations
@@ -96,15 +101,14 @@ class _Kind:
     choice: Choice | None = None
 
 
-class Chooser(Generic[B, R]):
-    """The calibration, shared by a worker's streams (thread-safe). ``candidates``: name -> backend, the
-    CPU first; ``run(kind, nbytes, compute, same)`` computes one unit: on the chosen backend once its kind is
-    decided, else on every candidate (timing each; ``same(a, b)`` must hold between their results)."""
+class Chooser(Generic[B]):
+    """The decisions, shared by a worker's streams and its calibration thread (thread-safe). ``candidates``:
+    name -> backend, the CPU first. The timings come in by :meth:`record`, one unit at a time, from wherever
+    the unit was computed (the CPU's in its stream, the others' on :class:`Calibrator`'s thread)."""
 
     def __init__(self, candidates: dict[str, B], samples: int = SAMPLES,
-                 clock: Callable[[], float] = time.perf_counter,
                  on_decided: Callable[[Choice], None] = lambda c: None, margin: float = 1.0):
-        self.candidates, self.samples, self.clock, self.on_decided = candidates, samples, clock, on_decided
+        self.candidates, self.samples, self.on_decided = candidates, samples, on_decided
         self.margin = margin
         self._kinds: dict[str, _Kind] = {}
         self._lock = threading.Lock()
@@ -118,35 +122,22 @@ class Chooser(Generic[B, R]):
         with self._lock:
             return [k.choice for k in self._kinds.values() if k.choice is not None]
 
-    def run(self, kind: str, nbytes: int, compute: Callable[[B], R], same: Callable[[R, R], bool],
-            discard: Callable[[R], None] = lambda r: None) -> R:
-        """``compute``'s result for one unit of ``kind`` (``nbytes`` of input); ``discard`` gets the
-        results of a calibration that are not returned (the first candidate's is)."""
-        if (b := self.decided(kind)) is not None:
-            return compute(b)
-        results: dict[str, R] = {}
-        try:
-            for name, b in self.candidates.items():
-                t = self.clock()
-                results[name] = compute(b)
-                self._record(kind, name, self.clock() - t, nbytes)
-            first, *others = results
-            for o in others:
-                if not same(results[first], results[o]):
-                    raise RuntimeError(f"--device auto: {first} and {o} computed different bytes for {kind} "
-                                       "(a kernel bug: run with --device cpu or --device cuda, and report it)")
-        except BaseException:
-            for r in results.values():
-                discard(r)
-            raise
-        for o in others:
-            discard(results[o])
-        return results[first]
+    def wants(self, kind: str, name: str) -> bool:
+        """Whether a unit of ``kind`` computed on ``name`` would still count: the kind is undecided and
+        ``name`` has not had its warm-up and its samples yet."""
+        with self._lock:
+            k = self._kinds.get(kind)
+            if k is None:
+                return True
+            return k.choice is None and (name not in k.warm or len(k.timings.get(name, ())) < self.samples)
 
-    def _record(self, kind: str, name: str, seconds: float, nbytes: int) -> None:
+    def record(self, kind: str, name: str, seconds: float, nbytes: int) -> None:
+        """One unit of ``kind`` (``nbytes`` of input) took ``seconds`` on ``name``; decides the kind once every
+        candidate has its samples (the first unit a candidate computes of a kind is its warm-up: Triton compiles
+        its kernels then)."""
         with self._lock:
             k = self._kinds.setdefault(kind, _Kind())
-            if name not in k.warm:  # the first unit of a kind warms its kernels up (Triton compiles them)
+            if name not in k.warm:
                 k.warm.add(name)
                 return
             if k.choice is not None:
@@ -158,3 +149,155 @@ class Chooser(Generic[B, R]):
             else:
                 return
         self.on_decided(choice)
+
+
+@dataclass
+class _Job:
+    kind: str
+    nbytes: int
+    work: Callable  # backend -> result
+    same: Callable  # result -> bool: the first candidate's bytes
+    discard: Callable  # result -> None
+    release: Callable  # () -> None: the job's copies may go (computed or not)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def drop(self) -> None:
+        """The job is over (computed or never to be): its copies go, a stream waiting for it goes on."""
+        try:
+            self.release()
+        finally:
+            self.done.set()
+
+
+class Calibrator(Generic[B, R]):
+    """The other candidates' side of the calibration, on a thread of its own, off the streams' critical path.
+
+    Why: timed in the stream, a GPU unit held its stream as long as the GPU took, start-up and kernel
+    compilation included (on the H200 machine 10-60 s/GB, where the CPUs cast at 1-2: auto ran 19% slower
+    than ``--device cpu`` with every kind decided for the CPUs; benchmarks/RESULTS.md, issue 26 item 9).
+    Now the stream computes an undecided kind's unit on the first candidate (the CPUs) and goes on with
+    that result; ``offer`` gives this thread a copy of the unit (when it is idle: a stream never waits for
+    it) to compute on the others, timed and checked against the first's bytes here.
+
+    ``start()``: run first on the thread (the GPU's start-up: the CUDA context); if it raises, the other
+    candidates are never used and every kind stays on the first (auto = the CPUs). ``wait``: a stream
+    waits for the thread, every unit of an undecided kind is calibrated (the tests, on tiny inputs)."""
+
+    def __init__(self, chooser: Chooser, start: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.perf_counter, wait: bool = False):
+        self.chooser, self.clock, self.wait = chooser, clock, wait
+        self.first, *self.others = chooser.candidates
+        self._start = start
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
+        self._busy = False  # a stream has taken the thread (its job may still be being copied)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.failed: BaseException | None = None  # raised in the streams by check()
+        self.broken: str = ""  # why the other candidates could not start
+        self.stats = {"start_s": 0.0, "units": 0, "busy_s": 0.0, "declined": 0}
+
+    def take(self, kind: str) -> bool:
+        """Reserve the thread for one unit of ``kind``; then :meth:`give` must follow. False (the stream goes
+        on at once) where no other candidate wants the kind, the thread is busy or could not start."""
+        if not any(self.chooser.wants(kind, o) for o in self.others):
+            return False
+        with self._cond:
+            if self._thread is None and not self._closed:  # started on first need: no kind, no GPU start-up
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="kimi-convert-calibrate")
+                self._thread.start()
+            while self.wait and self._busy and not (self._closed or self.broken):
+                self._cond.wait(0.05)
+            if self._busy or self._closed or self.broken:
+                self.stats["declined"] += 1
+                return False
+            self._busy = True
+            return True
+
+    def give(self, kind: str, nbytes: int, work: Callable[[B], R], same: Callable[[R], bool],
+             discard: Callable[[R], None] = lambda r: None, release: Callable[[], None] = lambda: None) -> None:
+        """The unit reserved by :meth:`take`: ``work(backend)`` computes it (on copies the thread keeps until it
+        calls ``release()``), ``same(result)`` tells whether it holds the first candidate's bytes,
+        ``discard(result)`` frees a result."""
+        job = _Job(kind, nbytes, work, same, discard, release)
+        with self._cond:
+            if self._closed or self.broken:
+                job.drop()
+                self._busy = False
+                return
+            self._job = job
+            self._cond.notify_all()
+        if self.wait:
+            job.done.wait()
+
+    def cancel(self) -> None:
+        """Give back a reservation without a job (the stream could not copy the unit)."""
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise what the thread found (different bytes, a kernel's error), in the stream that calls it."""
+        if self.failed is not None:
+            raise self.failed
+
+    def close(self) -> None:
+        """Stop the thread: a unit it is computing is finished, a unit waiting for it is dropped."""
+        with self._cond:
+            self._closed = True
+            job, self._job = self._job, None
+            self._cond.notify_all()
+            thread = self._thread
+        if job is not None:
+            job.drop()
+        if thread is not None:
+            thread.join()
+
+    def _loop(self) -> None:
+        t = self.clock()
+        try:
+            self._start()
+        except Exception as e:  # no GPU after all: the CPUs compute everything
+            with self._cond:
+                self.broken = f"{type(e).__name__}: {e}"
+                job, self._job = self._job, None
+                self._busy = False
+                self._cond.notify_all()
+            if job is not None:
+                job.drop()
+            return
+        finally:
+            self.stats["start_s"] = round(self.clock() - t, 3)
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                job, self._job = self._job, None
+            if job is None:
+                return
+            try:
+                self._calibrate(job)
+            except BaseException as e:
+                self.failed = self.failed or e
+            finally:
+                job.drop()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _calibrate(self, job: _Job) -> None:
+        """Compute ``job`` on each other candidate, timed; record the time once its bytes are checked."""
+        for name in self.others:
+            t = self.clock()
+            res = job.work(self.chooser.candidates[name])
+            seconds = self.clock() - t
+            self.stats["busy_s"] += seconds
+            self.stats["units"] += 1
+            try:
+                if not job.same(res):
+                    raise RuntimeError(f"--device auto: {self.first} and {name} computed different bytes for "
+                                       f"{job.kind} (a kernel bug: run with --device cpu or --device cuda, "
+                                       "and report it)")
+            finally:
+                job.discard(res)
+            self.chooser.record(job.kind, name, seconds, job.nbytes)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .choose import GPU_MARGIN, SAMPLES, Choice, Chooser, work_kind
+from .choose import GPU_MARGIN, SAMPLES, Calibrator, Choice, Chooser, work_kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -40,17 +41,24 @@ if TYPE_CHECKING:
 PIN_ENV = "KIMI_CONVERT_PIN_BUFFERS"
 #: ``0``: CPU kernels allocate fresh outputs instead of writing into a lent pool buffer (to measure what it gains)
 ARENA_ENV = "KIMI_CONVERT_OUTPUT_ARENA"
+#: ``1``: auto's streams wait for the calibration thread, so that every unit of an undecided kind is computed on
+#: every candidate (the tests, whose inputs are too small to decide otherwise; and to measure what not waiting gains)
+SYNC_ENV = "KIMI_CONVERT_AUTO_SYNC"
 Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer lent for its outputs
 
 
 def candidates(device: Device, threads: int) -> dict[str, Backend]:
     """The backends a worker computes on, by name: one, or for ``auto`` (a GPU and the CPUs) the CPU's C
-    kernels first, then the GPU's Triton kernels."""
+    kernels first, then the GPU's Triton kernels (made without touching CUDA: the GPU starts on auto's
+    calibration thread, not in a stream; ``devices.resolve_device`` has seen it and a CUDA torch)."""
+    import torch
+
     from kimi_convert.devices import Device as Dev
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.kernels import Backend, get_backend
 
     if device.kind == "auto":
-        return {"cpu": get_backend(Dev("cpu"), threads), "cuda": get_backend(device, threads)}
+        return {"cpu": get_backend(Dev("cpu"), threads), "cuda": Backend("triton", torch.device("cuda", device.index),
+                                                                         threads)}
     return {"cuda" if device.kind == "cuda" else device.kind: get_backend(device, threads)}
 
 
@@ -60,25 +68,39 @@ class Runner:
 
     def __init__(self, backends: dict[str, Backend], pool: BufferPool, block: tuple[int, int],
                  units: list[Unit] = ()):
-        """``units``: the worker's units to compute (auto: the kinds of work that will be decided)."""
+        """``units``: the worker's units to compute (auto: the kinds of work that can be decided)."""
         self.backends, self.pool, self.block = backends, pool, block
         self.chooser = Chooser(backends, on_decided=self._decided, margin=GPU_MARGIN) if len(backends) > 1 else None
         self._local = threading.local()
         counts = Counter(k for u in units if (k := work_kind(u)) is not None)
-        # kinds with units enough to be decided (a warm-up and the samples); the others run on every candidate
+        # kinds with units enough to be decided (a warm-up and the samples); the others stay on the CPUs
         self._decisive = {k for k, n in counts.items() if n > SAMPLES}
         gpu = [b for b in backends.values() if b.device.type == "cuda"]
         self._gpu = gpu[0] if gpu else None
-        if gpu and os.environ.get(PIN_ENV, "1") != "0":
-            pool.pin_with(*_pinning(gpu[0].device))
+        self._pin = os.environ.get(PIN_ENV, "1") != "0"
+        self.calibrator = Calibrator(self.chooser, start=self._start_others,
+                                     wait=os.environ.get(SYNC_ENV, "0") == "1") if self.chooser else None
+        self.copy_s = 0.0  # seconds the streams spent copying units for the calibration thread
+        self._lock = threading.Lock()
+        if self.chooser is None and self._gpu is not None and self._pin:  # --device cuda: every unit's on the GPU
+            pool.pin_with(*_pinning(self._gpu.device))
 
-    def _decided(self, _: Choice) -> None:
-        """auto: once every kind of work that can be decided is, and none went to the GPU, the read buffers
-        need not be page-locked (locking costs the reader time: benchmarks/RESULTS.md)."""
-        choices = self.chooser.choices()
-        if self._decisive <= {c.kind for c in choices} and all(self.backends[c.chosen] is not self._gpu
-                                                              for c in choices):
-            self.pool.pin_with(None, None)
+    def _start_others(self) -> None:
+        """auto, on the calibration thread: start the GPU (its CUDA context), so that its first unit's time
+        is its kernels' compiling, not the driver's start-up too."""
+        if self._gpu is not None:
+            import torch
+
+            torch.cuda.init()
+            torch.empty(1, device=self._gpu.device).zero_()
+            torch.cuda.synchronize(self._gpu.device)
+
+    def _decided(self, choice: Choice) -> None:
+        """auto: the read buffers are page-locked only once a kind of work went to the GPU (locking costs the
+        reader time, which the CPUs never gain back: benchmarks/RESULTS.md, issue 26 item 9)."""
+        if self._gpu is not None and self._pin and self.backends[choice.chosen] is self._gpu \
+                and not self.pool.pinning:
+            self.pool.pin_with(*_pinning(self._gpu.device))
 
     @property
     def name(self) -> str:
@@ -87,34 +109,79 @@ class Runner:
     def choices(self) -> list[Choice]:
         return self.chooser.choices() if self.chooser else []
 
+    def calibration(self) -> dict:
+        """auto: what the calibration thread did (for --stats): the GPU's start-up seconds, the units it
+        computed and their seconds, the offers it declined (busy), the streams' seconds copying units for it."""
+        if self.calibrator is None:
+            return {}
+        return {**self.calibrator.stats, "busy_s": round(self.calibrator.stats["busy_s"], 3),
+                "copy_s": round(self.copy_s, 3), **({"broken": self.calibrator.broken} if self.calibrator.broken
+                                                     else {})}
+
+    def close(self, check: bool = True) -> None:
+        """Stop the calibration thread (auto), then (``check``) raise what it found."""
+        if self.calibrator is not None:
+            self.calibrator.close()
+            if check:
+                self.calibrator.check()
+
     def compute(self, unit: Unit, loaded: Loaded) -> Computed:
         if self.chooser is None:
             return self._on(next(iter(self.backends.values())), unit, loaded)
+        self.calibrator.check()
         kind = work_kind(unit)
+        first = next(iter(self.backends.values()))
         if kind is None:  # nothing to compute: the CPU "computes" it (views of the read buffers)
-            return self._on(self.backends["cpu"], unit, loaded)
+            return self._on(first, unit, loaded)
         if (b := self.chooser.decided(kind)) is not None:
             return self._on(b, unit, loaded)
-        if self.pool.pinning and self.pool.pinned_bytes and not all(self.pool.pinned(v)
-                                                                     for v in loaded.buffers.values()):
-            # read before page-locking began (the first pieces, while torch loaded): timing the GPU on these
-            # pageable copies would not be its steady state; the CPU computes them, untimed (where locking
-            # fails from the start, nothing is locked and the GPU is timed on pageable buffers)
-            return self._on(self.backends["cpu"], unit, loaded)
-        # calibrating: the GPU's host buffer is taken (and page-locked) before its time is taken
-        buf, used = self._sink_buffer(unit) if self._gpu is not None else None, []
+        # undecided: the CPUs compute it here, timed; the calibration thread may compute a copy on the others
+        t = time.perf_counter()
+        done = self._on(first, unit, loaded)
+        self.chooser.record(kind, next(iter(self.backends)), time.perf_counter() - t, unit.nbytes_in)
+        if kind in self._decisive and self.calibrator.take(kind):
+            self._offer(kind, unit, loaded, done)
+        return done
 
-        def on(b: Backend) -> Computed:
-            if b is self._gpu:
-                used.append(b)
-                return self._on(b, unit, loaded, buf)
-            return self._on(b, unit, loaded)
-
+    def _offer(self, kind: str, unit: Unit, loaded: Loaded, done: Computed) -> None:
+        """Give the calibration thread (reserved by ``take``) copies of ``unit``'s sources and of the CPU's result:
+        the stream's own buffers go back to the pool as soon as its writer is done with them. Whatever fails
+        here gives the reservation back (a stream waiting for the thread would wait forever)."""
+        t = time.perf_counter()
+        buf = None
         try:
-            return self.chooser.run(kind, unit.nbytes_in, on, _same, discard=self.release)
-        finally:
-            if buf is not None and not used:
+            buf, copies, expected = self._copies(loaded, done[0])
+            notes = done[0].notes
+            with self._lock:
+                self.copy_s += time.perf_counter() - t
+        except BaseException:
+            if buf is not None:
                 self.pool.put(buf)
+            self.calibrator.cancel()
+            raise
+        self.calibrator.give(kind, unit.nbytes_in, lambda b: self._on(b, unit, copies),
+                             lambda r: _holds(r, expected, notes), discard=self.release,
+                             release=lambda: self.pool.put(buf))
+
+    def _copies(self, loaded: Loaded, res: UnitResult) -> tuple[np.ndarray, Loaded, dict[str, list[np.ndarray]]]:
+        """One pool buffer (reused pages: no faults) holding copies of the sources and of ``res``'s outputs; the
+        sources as a ``Loaded`` of views into it, the outputs as views by tensor name."""
+        from ..readers import Loaded
+
+        outs = {k: [_flat(c) for c in o.chunks] for k, o in res.outputs.items()}
+        buf = self.pool.get(sum(v.nbytes for v in loaded.buffers.values())
+                            + sum(c.nbytes for cs in outs.values() for c in cs))
+        off = 0
+
+        def put(a: np.ndarray) -> np.ndarray:
+            nonlocal off
+            view = buf[off : off + a.nbytes]
+            view[...] = _flat(a)
+            off += a.nbytes
+            return view
+
+        copies = Loaded({k: put(v).view(v.dtype).reshape(v.shape) for k, v in loaded.buffers.items()})
+        return buf, copies, {k: [put(c) for c in cs] for k, cs in outs.items()}
 
     def release(self, done: Computed, reuse: bool = True) -> None:
         """Give a result's sink buffer back to the pool (the writer calls it once it is written and hashed;
@@ -175,13 +242,24 @@ class Runner:
         return res, arena.buf
 
 
-def _same(a: Computed, b: Computed) -> bool:
-    """Whether two devices' results hold the same bytes and notes."""
-    ra, rb = a[0], b[0]
-    if ra.outputs.keys() != rb.outputs.keys() or ra.notes != rb.notes:
-        return False
-    return all(b"".join(bytes(c) for c in ra.outputs[k].chunks) == b"".join(bytes(c) for c in rb.outputs[k].chunks)
-               for k in ra.outputs)
+def _flat(a) -> np.ndarray:
+    """A contiguous array's bytes as a flat uint8 view (no copy)."""
+    import numpy as np
+
+    return np.asarray(a).reshape(-1).view(np.uint8)
+
+
+def _holds(done: Computed, expected: dict[str, list[np.ndarray]], notes: dict) -> bool:
+    """Whether a result holds the bytes and notes of ``expected`` (the first candidate's, copied)."""
+    import numpy as np
+
+    def joined(chunks) -> np.ndarray:
+        flat = [_flat(c) for c in chunks]
+        return flat[0] if len(flat) == 1 else np.concatenate(flat) if flat else np.empty(0, np.uint8)
+
+    res = done[0]
+    return res.outputs.keys() == expected.keys() and res.notes == notes and all(
+        np.array_equal(joined(res.outputs[k].chunks), joined(want)) for k, want in expected.items())
 
 
 def _pinning(device):

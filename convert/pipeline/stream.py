@@ -62,6 +62,8 @@ class JobResult:
     choices: list[dict] = field(default_factory=list)  # auto: its worker's decision per kind of work
     pinned_bytes: int = 0  # its worker's read buffers page-locked for the GPU
     pin_s: float = 0.0  # and the seconds that took
+    calibration: dict = field(default_factory=dict)  # auto: its worker's calibration thread (Runner.calibration)
+    wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
 
 
 @dataclass
@@ -255,6 +257,7 @@ class _Stream:
         self.on_shard(file, rec)
 
     def run(self) -> JobResult:
+        start = time.perf_counter()
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
@@ -300,7 +303,8 @@ class _Stream:
             ex.shutdown()
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
-                         sum(h.reread for h in self.files.values()), stages=dict(self.seconds))
+                         sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
+                         wall_s=round(time.perf_counter() - start, 3))
 
 
 def _nothing(reuse: bool = True) -> None:
@@ -332,15 +336,21 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     streams = [_Stream(j, ps, shared, device, report, on_progress) for j, ps in zip(jobs, mine, strict=True)]
     pool = ThreadPoolExecutor(len(streams), thread_name_prefix="kimi-convert-stream")
     futs = [pool.submit(s.run) for s in streams]
+    ok = False
     try:
         results = [f.result() for f in futs]
+        ok = True
     except BaseException:  # a stream failed, or Ctrl-C reached this thread: every stream stops
         stop.set()
         faults.release()
         raise
     finally:
         pool.shutdown(wait=True)
-        shared.close(wait=not stop.is_set())
+        try:
+            if (made := shared.runner_made()) is not None:
+                made.close(check=ok)  # auto's calibration thread; raises what it found (different bytes)
+        finally:
+            shared.close(wait=not stop.is_set())
     runner = shared.runner_made()
     for r in results:
         r.backend_s = shared.backend_s
@@ -348,6 +358,7 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
         r.device = runner.name if runner else str(device)
         r.choices = [dataclasses.asdict(c) for c in runner.choices()] if runner else []
         r.pinned_bytes, r.pin_s = shared.buffers.pinned_bytes, round(shared.buffers.pin_s, 3)
+        r.calibration = runner.calibration() if runner else {}
     return results
 
 
@@ -363,7 +374,9 @@ def warm_up(device: Device, threads: int) -> None:
         from .. import compute  # noqa: F401 - imported for its side effect: loaded now, not later
         from ..devices import Device as Dev
 
-        for d in [device, Dev("cpu")] if device.kind == "auto" else [device]:  # auto: both candidates
+        # auto: the CPUs only, as for --device cpu (the GPU starts on the calibration thread, off the streams'
+        # way: issue 26 item 9)
+        for d in [Dev("cpu")] if device.kind == "auto" else [device]:
             backend = get_backend(d, threads)
             w = torch.ones((16, 32), dtype=torch.bfloat16)  # starts CUDA and loads the compiled kernels
             backend.quantize(backend.to_device(w), backend.amax(backend.to_device(w)))
