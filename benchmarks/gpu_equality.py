@@ -44,13 +44,17 @@ def main() -> None:
         ok &= same
         print(f"{name}: triton == C kernel: {same}")
     work = Path(tempfile.mkdtemp())
-    for preset, kw in (("tiny-k3", {}), ("tiny-kimi-linear", {}), ("tiny-deepseek-fp8", {}),
-                       ("bench-kimi-linear", {"layers": 1}), ("bench-k3", {"layers": 1, "experts": 8})):
+    # (preset, synth options, pack options): --layout vllm quantizes K3's fused_qkv_a_g_proj as one tensor
+    for preset, kw, opts in (("tiny-k3", {}, {}), ("tiny-k3", {}, {"layout": "vllm"}), ("tiny-kimi-linear", {}, {}),
+                             ("tiny-deepseek-fp8", {}, {}), ("bench-kimi-linear", {"layers": 1}, {}),
+                             ("bench-k3", {"layers": 1, "experts": 8}, {}),
+                             ("bench-k3", {"layers": 1, "experts": 8}, {"layout": "vllm"})):
         src = write_synth(preset, work / preset, **kw)
         times = {}
         for dev in ("cuda", "cpu"):
             t = time.perf_counter()
-            pack(src, work / f"{preset}-{dev}", Options(max_shard_size=500_000_000), device=dev, progress=False)
+            pack(src, work / f"{preset}-{dev}", Options(max_shard_size=500_000_000, **opts), device=dev,
+                 progress=False)
             times[dev] = time.perf_counter() - t
         a, b = work / f"{preset}-cuda", work / f"{preset}-cpu"
         names = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())  # side files in sub-folders too
@@ -58,7 +62,7 @@ def main() -> None:
             filecmp.cmp(a / n, b / n, shallow=False) for n in names)
         ok &= same
         size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) / 1e9
-        print(f"pack {preset} ({size:.2f} GB): --device cuda == --device cpu byte for byte: {same} "
+        print(f"pack {preset} {opts or ''} ({size:.2f} GB): --device cuda == --device cpu byte for byte: {same} "
               f"(cuda {times['cuda']:.1f} s, cpu {times['cpu']:.1f} s)")
         for d in (src, a, b):
             shutil.rmtree(d)
