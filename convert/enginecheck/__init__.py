@@ -270,19 +270,20 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
                          "frames": []}
             return rep
         d = json.loads(res.read_text())
+        compare_s = None
         if source is not None and d.get("error") is None and d.get("phase") == "done":
             from . import numerics
 
             t1 = time.perf_counter()
             rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), source, out).to_dict()
-            rep.timings["compare_s"] = round(time.perf_counter() - t1, 2)
-    timings = dict(rep.timings)
+            compare_s = round(time.perf_counter() - t1, 2)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
               "allowed_unfilled", "skipped", "bad_casts", "widening_casts", "created_during_load",
               "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])
-    rep.timings.update(timings)
+    if compare_s is not None:
+        rep.timings["compare_s"] = compare_s
     rep.version = d.get("version") or rep.version
     rep.loaded = d.get("error") is None and d.get("phase") == "done"
     _separate_source_casts(rep, out, source)
@@ -290,38 +291,35 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
 
 
 def _same_as_source(out: Path, source: Source | str | os.PathLike, names: set[str]) -> set[str]:
-    """Of ``names``, the tensors ``out`` stores byte for byte as ``source`` does, for a checkpoint without a
-    manifest: ``out`` read by the safetensors library through its index, the input through its ``Source``
-    (its headers, then each tensor's byte range)."""
-    import torch
-    from safetensors import safe_open
-
+    """Of ``names``, the tensors ``out`` stores byte for byte as ``source`` does (both read through their
+    headers and byte ranges), for a checkpoint without a manifest."""
     from ..checkpoint import open_checkpoint
-    from ..safetensors_format import DTYPES
     from ..sources import read_range
 
-    def where(folder: Path) -> dict[str, str]:
-        idx = folder / filenames.INDEX
-        if idx.is_file():
-            return json.loads(idx.read_text()).get("weight_map", {})
-        found = {}
-        for f in folder.glob("*.safetensors"):
-            with safe_open(str(f), "pt") as h:
-                found.update(dict.fromkeys(h.keys(), f.name))
-        return found
-
-    a, ckpt = where(out), open_checkpoint(source)
-    b = ckpt.tensors
+    a, b = open_checkpoint(out), open_checkpoint(source)
     same = set()
-    for n in sorted(names & a.keys() & b.keys()):
-        t = b[n]
-        with safe_open(str(out / a[n]), "pt") as fa:
-            x = fa.get_tensor(n)
-        if (x.dtype == DTYPES[t.dtype].torch and tuple(x.shape) == t.shape
-                and x.reshape(-1).view(torch.uint8).numpy().tobytes() == read_range(ckpt.source, t.file, t.start,
-                                                                                    t.nbytes)):
+    for n in sorted(names & a.tensors.keys() & b.tensors.keys()):
+        x, y = a.tensors[n], b.tensors[n]
+        if (x.dtype, x.shape) == (y.dtype, y.shape) and read_range(a.source, x.file, x.start, x.nbytes) == \
+                read_range(b.source, y.file, y.start, y.nbytes):
             same.add(n)
     return same
+
+
+def _unchanged(out: Path, source: Source | str | os.PathLike | None, narrowed: set[str]) -> set[str]:
+    """The output tensors held byte for byte as the input holds them: what the manifest records as copied or
+    kept unchanged from a dense source, or, without a manifest, those of ``narrowed`` equal to ``source``'s."""
+    from ..manifest import iter_modules
+
+    if not (out / filenames.MANIFEST).is_file():
+        return _same_as_source(out, source, narrowed) if source is not None else set()
+    try:
+        man = json.loads((out / filenames.MANIFEST).read_text())
+        return {t["name"] for _, m in iter_modules(out, man) if m.get("kind") in (Kind.COPY, Kind.KEEP)
+                and all(s.get("encoding") == Encoding.DENSE for s in m.get("sources", []))
+                and m.get("op") == Op.NONE for t in m.get("tensors", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
 
 
 def _separate_source_casts(rep: Report, out: Path, source: Source | str | os.PathLike | None = None) -> None:
@@ -329,22 +327,10 @@ def _separate_source_casts(rep: Report, out: Path, source: Source | str | os.Pat
     the input checkpoint itself when the output holds that tensor byte for byte as the input does (the
     manifest says so; without one, the source given for the numeric check, compared byte for byte): listed
     as a source cast, not a conversion defect. Reinterpretations always fail."""
-    from ..manifest import iter_modules
-
-    if not (out / filenames.MANIFEST).is_file():
-        if source is not None:
-            narrowed = {c["tensor"] for c in rep.bad_casts if c.get("class") == "narrowing"}
-            unchanged = _same_as_source(out, source, narrowed)
-            rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c["tensor"] in unchanged]
-            rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
+    narrowed = {c["tensor"] for c in rep.bad_casts if c.get("class") == "narrowing"}
+    if not narrowed:
         return
-    try:
-        man = json.loads((out / filenames.MANIFEST).read_text())
-        unchanged = {t["name"] for _, m in iter_modules(out, man) if m.get("kind") in (Kind.COPY, Kind.KEEP)
-                     and all(s.get("encoding") == Encoding.DENSE for s in m.get("sources", []))
-                     and m.get("op") == Op.NONE for t in m.get("tensors", [])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return
+    unchanged = _unchanged(out, source, narrowed)
     rep.source_casts = [c for c in rep.bad_casts if c.get("class") == "narrowing" and c.get("tensor") in unchanged]
     rep.bad_casts = [c for c in rep.bad_casts if c not in rep.source_casts]
 

@@ -51,7 +51,7 @@ class Ref:
     values: torch.Tensor
     dense: torch.Tensor | None
     e8m0: torch.Tensor | None
-    cast: bool  # the output claims NVIDIA's closed-form MXFP4 cast (manifest), or None: decide from the scale
+    cast: bool | None  # the output claims NVIDIA's closed-form MXFP4 cast (manifest); None: decide from the scale
     sources: list[str]
 
 
@@ -120,11 +120,11 @@ class Sources:
     def __init__(self, input_dir: Source | str | Path, output_dir: Path, manifest: dict | None):
         """``input_dir``: the input checkpoint, a ``Source`` or a folder (``sources.open_source``)."""
         from ..checkpoint import open_checkpoint
-        from ..plan.discover import discover_sources
+        from ..plan.discover import discover_sources, fp8_block_size
         from ..readers import MappedReader
 
         self.ckpt = open_checkpoint(input_dir)
-        self.block = _block(self.ckpt.config)
+        self.block = fp8_block_size(self.ckpt.config)
         self.modules = discover_sources(self.ckpt)
         self.by_name = {s.name: s for m in self.modules.values() for s in m.values()}
         self.reader = MappedReader(self.ckpt.source)
@@ -152,7 +152,7 @@ class Sources:
             if src is None:
                 return None
             v, d, e = self._decode(src)
-            return Ref(v, d, e, None, [src.name])  # type: ignore[arg-type]
+            return Ref(v, d, e, None, [src.name])
         srcs = [(s, self.by_name.get(s["name"])) for s in rec.get("sources", [])]
         if not srcs or any(st is None for _, st in srcs):
             return None
@@ -163,12 +163,6 @@ class Sources:
         return Ref(torch.cat([decoded[i][1] for i in order]), cat([decoded[i][2] for i in order]),
                    cat([decoded[i][3] for i in order]), q.get("method") == "mxfp4-cast",
                    [s["name"] for s, _ in srcs])
-
-
-def _block(config: dict) -> tuple[int, int]:
-    from ..plan.discover import fp8_block_size
-
-    return fp8_block_size(config)
 
 
 def _row_err(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -264,15 +258,18 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         return c
     w_all = f.get_tensor(layer["key"])
     errs, bounds = [], []
+    decoded: dict[str, Ref | None] = {}  # a stored tensor an engine splits over several slots: decoded once
     for key in groups:
         expert = key[1]
         w = w_all[expert] if expert is not None else w_all
+        where = f"{param}" + (f" expert {expert}" if expert is not None else "")
         spots = sorted(placed[key], key=lambda s: s[1])
         refs, ok_spots = [], []
         for tensor, row, n, src_row in spots:
             used.add(tensor)
-            r = sources.ref(tensor)
-            where = f"{param}" + (f" expert {expert}" if expert is not None else "")
+            if tensor not in decoded:
+                decoded[tensor] = sources.ref(tensor)
+            r = decoded[tensor]
             if r is None:
                 c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
                 continue
@@ -306,15 +303,13 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         for (tensor, row, n), r, (bound, exact) in zip(ok_spots, refs, bl, strict=True):
             got = w[row: row + n].float()
             err = _row_err(got, r.values)
-            if c.format == "dense":
-                exact = torch.zeros_like(exact) if bool((bound > 0).any()) else exact
-            exact_bad = int((exact & (got != r.values)).sum())
+            if c.format == "dense":  # exact only the rows the parameter's dtype holds exactly
+                exact = exact & (bound == 0).unsqueeze(-1)
+            differ = exact & (got != r.values)
+            exact_bad = int(differ.sum())
             c.exact_elements += int(exact.sum())
-            lim = bound * SLACK + FLOOR
-            lim = torch.where(bound == 0, torch.zeros_like(bound), lim)
-            bad = err > lim
-            if exact_bad and not bool(bad.any()):
-                bad = (exact & (got != r.values)).any(dim=-1)
+            lim = torch.where(bound == 0, torch.zeros_like(bound), bound * SLACK + FLOOR)
+            bad = (err > lim) | differ.any(dim=-1)
             errs.append(err)
             bounds.append(bound)
             c.rows += n
@@ -326,7 +321,6 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
                                 "rel_err": float(err[i]), "bound": float(bound[i]), "ratio": float(ratio[i])})
             if bool(bad.any()):
                 rows = torch.nonzero(bad).flatten().tolist()
-                where = f"{param}" + (f" expert {expert}" if expert is not None else "")
                 what = (f"{exact_bad} element(s) the recipe keeps exactly differ" if exact_bad else
                         f"relative error up to {float(err[bad].max()):.3g} against a bound of "
                         f"{float(bound[bad].max()):.3g}")

@@ -87,12 +87,17 @@ def engine_nvfp4(engine: str, weight: torch.Tensor, scale: torch.Tensor, glob: t
     return nvfp4(weight, scale, glob), "code * scale * global (this check's own product)"
 
 
-def fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 ``w[r, c] * scale[r // 128, c // 128]`` (scale [ceil(N/128), ceil(K/128)], any singleton dims)."""
-    n, k = weight.shape
+def tile_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A block-FP8 scale tensor as its fp32 [row tiles, column tiles] grid: vLLM's and ModelOpt's
+    ``[ceil(N/128), 1, ceil(K/128), 1]``, SGLang's squeezed ``[ceil(N/128), ceil(K/128)]``."""
     s = scale.float()
-    s = s.reshape(s.shape[0], -1) if s.dim() == 2 else s.reshape(s.shape[0], s.shape[2] if s.dim() == 4 else -1)
-    full = s.repeat_interleave(TILE, 0)[:n].repeat_interleave(TILE, 1)[:, :k]
+    return s[:, 0, :, 0] if s.dim() == 4 else s.reshape(s.shape[0], -1)
+
+
+def fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``w[r, c] * scale[r // 128, c // 128]`` (``tile_scales``' grid)."""
+    n, k = weight.shape
+    full = tile_scales(scale).repeat_interleave(TILE, 0)[:n].repeat_interleave(TILE, 1)[:, :k]
     return weight.float() * full
 
 
@@ -142,13 +147,12 @@ def read_linear(engine: str, name: str, module) -> dict | None:
                                                    or getattr(module, "logical_widths", None) or []]}
     if w.dtype == torch.uint8 and _p(module, "weight_scale") is not None:
         processed = None
+        slots = _p(module, "weight_scale_2").float().clone()  # the shard slots, before any reduction
         if engine == "vllm" and qname == "ModelOptLinearMethod":
-            slots = _p(module, "weight_scale_2").float().clone()
             processed = _vllm_process(module)
             glob = _p(module, "weight_global_scale")
             w = _p(module, "weight")
         else:
-            slots = _p(module, "weight_scale_2").float().clone()
             glob = slots.max()
         entry["weight"], by = engine_nvfp4(engine, w, _p(module, "weight_scale"), glob.reshape(()))
         entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4")], processed=processed or "not run",
@@ -202,7 +206,7 @@ def _kernel_read(engine: str, entry: dict, weight: torch.Tensor, scale: torch.Te
     module, fn = BLOCK_FP8_KERNELS[engine]
     gemm = getattr(importlib.import_module(module), fn)
     n, k = weight.shape
-    s = scale.float()[:, 0, :, 0] if scale.dim() == 4 else scale.float().reshape(scale.shape[0], -1)
+    s = tile_scales(scale)
     eye = torch.eye(k, dtype=torch.float32).to(torch.float8_e4m3fn)
     ones = torch.ones(k, -(-k // TILE), dtype=torch.float32)
     out = gemm(eye, weight.contiguous(), ones, s.contiguous(), [TILE, TILE], output_dtype=torch.float32)
