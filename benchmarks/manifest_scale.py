@@ -81,8 +81,9 @@ def make_output(src: Path, out: Path) -> dict:
     """The output pack would write, data regions as holes; returns what it took and wrote."""
     from kimi_convert import pack as P
     from kimi_convert.journal import Journal, ShardRecord
-    from kimi_convert.manifest import plan_dict, plan_hash, write_records
+    from kimi_convert.manifest import write_records
     from kimi_convert.options import Options
+    from kimi_convert.plan.serialize import plan_dict, plan_hash
 
     t0 = time.process_time()
     ckpt, plan = P.load_plan(src, Options())

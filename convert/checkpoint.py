@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -13,6 +11,7 @@ from pathlib import Path
 
 from . import filenames
 from .errors import ConvertError
+from .gcpause import gc_paused
 from .jsonfile import read_json
 from .safetensors_format import TensorInfo, read_header
 from .sidefiles import Skipped, pruned, scan
@@ -47,21 +46,6 @@ class Checkpoint:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Pause the cyclic garbage collector while many small objects are made (headers, the plan): its
-    collections, triggered by allocation counts, walk every live object again and again (measured on the
-    released K3's 500,000 tensors: half the time of reading the headers). The objects made hold no cycles."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @gc_paused()

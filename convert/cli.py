@@ -126,15 +126,15 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     """Print what pack would do, without reading tensor data."""
-    from .checkpoint import gc_paused
-    from .manifest import plan_json
+    from .gcpause import gc_paused
     from .pack import load_plan
+    from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
         _, p = load_plan(input_dir, opts, banked=not as_json)
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
-        from .manifest import side_dict  # hash covers the weights only
+        from .plan.serialize import side_dict  # hash covers the weights only
 
         for piece in plan_json(p, side_dict(p)):
             click.echo(piece, nl=False)

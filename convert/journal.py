@@ -43,7 +43,7 @@ class ShardRecord:
 
 @dataclass
 class Journal:
-    plan_sha256: str  # the plan's hash (manifest.plan_hash): a resume refuses another plan's output
+    plan_sha256: str  # the plan's hash (plan.serialize.plan_hash): a resume refuses another plan's output
     command: str  # the command that resumes this pack
     inputs: dict[str, list[int | str]]  # input file -> its identity (sources.FileEntry.stamp: [size, mtime_ns])
     shards: dict[str, ShardRecord] = field(default_factory=dict)

@@ -7,240 +7,24 @@ It holds no timestamps and no absolute paths, so the same input and options give
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path, PurePosixPath
 
-from . import __version__, filenames, formats
+from . import __version__, filenames
 from .atomic import write_atomic
-from .checkpoint import gc_paused
 from .errors import ConvertError
 from .jsonfile import loads, read_json
-from .plan import COPY, FP8, KEEP, NVFP4, Item, Plan, Unit
+from .plan import FP8, NVFP4, Item, Plan, Unit
+from .plan.serialize import engine_groups, head_dict, item_dict, side_dict
 
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
 #: 3: ``modules`` moved out of manifest.json into one JSON Lines file per output shard (``records``).
 #: Version 1 and 2 manifests (every module in manifest.json, before 0.1.0) are refused by verify-manifest.
 FORMAT_VERSION = 3
-
-
-def plan_dict(plan: Plan) -> dict:
-    """The plan as data (no hashes): printed by ``kimi-convert plan --json``, the manifest's skeleton."""
-    shard_of = plan.shard_of()
-    scale_of = _scale_of(plan)
-    body = _plan_head(plan)
-    body["modules"] = [_item(it, u.shared_scale, shard_of) for u in plan.units for it in u.items]
-    body["engine_groups"] = [_engine_group(g, scale_of) for g in plan.engine_groups]
-    return body
-
-
-def _scale_of(plan: Plan) -> dict[str, str]:
-    return {it.name: u.shared_scale for u in plan.units if u.shared_scale for it in u.items}
-
-
-def _engine_group(g, scale_of: dict[str, str]) -> dict:
-    return {"name": g.name, "engines": list(g.engines), "members": list(g.members),
-            "rows": [list(r) for r in g.rows], "shared_scale": scale_of.get(g.members[0])}
-
-
-def _plan_head(plan: Plan) -> dict:
-    """plan_dict in its key order, the lists "modules" and "engine_groups" left empty."""
-    items = plan.items
-    return {
-        "mapping": {"name": plan.mapping.name, "file": plan.mapping.path, "sha256": plan.mapping.sha256},
-        "recipe": _recipe(plan),
-        "options": plan.options.to_dict(),
-        "notes": list(plan.notes),
-        "rules": [{"pattern": p.text, "origin": p.origin, "reason": p.reason} for p in plan.patterns],
-        "warnings": list(plan.warnings),
-        "exclude_modules": list(plan.exclude_modules),
-        "quantized_layers": formats.get(plan.recipe.output_format).manifest_layers(plan),
-        "modules": [],
-        "engine_groups": [],
-        "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
-        "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
-                   "nvfp4": sum(it.kind == NVFP4 for it in items),
-                   "fp8_block": sum(it.kind == FP8 for it in items),
-                   "kept": sum(it.kind == KEEP for it in items),
-                   "copied": sum(it.kind == COPY for it in items)},
-    }
-
-
-def side_dict(plan: Plan, side_files: list[dict] | None = None) -> dict:
-    """What the input tree gave besides the weights: the files copied (with size and sha256 once
-    pack has copied them; names only for ``plan``), the empty folders recreated, and the files
-    skipped with the reason. Kept out of ``plan_dict``: the plan's hash covers the weights only, so
-    manifests written before side files were recorded still re-plan to their ``plan_sha256``."""
-    return {
-        "side_files": side_files if side_files is not None else [{"file": f} for f in plan.side_files],
-        "side_folders": list(plan.side_folders),
-        "skipped_files": [s.to_dict() for s in plan.skipped_files],
-    }
-
-
-# ``plan --json`` of the released K3 is 680 MB: 250,000 modules. json.dumps(indent=2) is pure Python
-# (a minute), and the dict behind it several GB. plan_json writes the same text in pieces instead: each
-# module and engine packed module from a template made once per structure (the JSON of the first one with
-# its strings taken out), filled with the strings of the next by %-formatting.
-_MARK = "\x00"
-_MARK_JSON = json.dumps(_MARK)
-_BATCH = 4096  # elements per piece
-
-
-def plan_json(plan: Plan, extra: dict | None = None) -> Iterator[str]:
-    """``json.dumps({**plan_dict(plan), **extra}, indent=2)``, in pieces, without building plan_dict."""
-    with gc_paused():  # (while suspended too: it makes only acyclic objects)
-        yield from _plan_json(plan, extra or {})
-
-
-def _plan_json(plan: Plan, extra: dict) -> Iterator[str]:
-    head = {**_plan_head(plan), **extra}
-    head["modules"], head["engine_groups"] = _MARK + "modules", _MARK + "engine_groups"
-    text = json.dumps(head, indent=2)
-    before, rest = text.split(json.dumps(_MARK + "modules"))
-    between, after = rest.split(json.dumps(_MARK + "engine_groups"))
-    yield before
-    stamp = _Stamp()
-    yield from _elements(stamp.item(it, u.shared_scale, u.shard) for u in plan.units for it in u.items)
-    yield between
-    scale_of = _scale_of(plan)
-    yield from _elements(stamp.group(g, scale_of) for g in plan.engine_groups)
-    yield after
-
-
-def _elements(texts: Iterator[str]) -> Iterator[str]:
-    """A list's elements (at depth 2) as json.dumps(indent=2) writes the list at depth 1."""
-    first = True
-    for batch in iter(lambda: list(itertools.islice(texts, _BATCH)), []):
-        yield ("[\n" if first else ",\n") + ",\n".join(batch)
-        first = False
-    yield "[]" if first else "\n  ]"
-
-
-def _at_depth_2(d: object) -> str:
-    return "    " + json.dumps(d, indent=2).replace("\n", "\n    ")
-
-
-def _take_strings(d: object, out: list[str]) -> object:
-    """``d`` with every string value replaced by _MARK (the strings appended to ``out``, in JSON order)."""
-    if isinstance(d, str):
-        out.append(d)
-        return _MARK
-    if isinstance(d, dict):
-        return {k: _take_strings(v, out) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_take_strings(v, out) for v in d]
-    return d
-
-
-class _Stamp:
-    """JSON texts from templates, one per structure key. The first element of a key is rendered by
-    json.dumps from its dict (_item, _engine_group); its strings must be the ones _item_parts /
-    _group_parts list for it, else that key is always rendered from its dict. A template is the text
-    cut around its strings (quotes kept); strings that need no JSON escape go in as they are."""
-
-    def __init__(self) -> None:
-        self.templates: dict[tuple, list[str] | None] = {}
-
-    def _text(self, key: tuple, strings: list[str], build) -> str:
-        pieces = self.templates.get(key, ())
-        if pieces:
-            raw = "".join(strings)  # json.dumps escapes in ASCII only '"', '\\' and controls (not printable)
-            if not (raw.isascii() and raw.isprintable()) or '"' in raw or "\\" in raw:
-                strings = [_json_str(x)[1:-1] for x in strings]
-            out = pieces.copy()
-            out[1::2] = strings
-            return "".join(out)
-        d = build()
-        if pieces is None:
-            return _at_depth_2(d)
-        taken: list[str] = []
-        cut = _at_depth_2(_take_strings(d, taken)).split(_MARK_JSON)  # around each string, its quotes cut off
-        pieces = [f'"{c}"' for c in cut]
-        pieces[0], pieces[-1] = pieces[0][1:], pieces[-1][:-1]
-        self.templates[key] = [x for p in pieces for x in (p, "")][:-1] if taken == strings else None
-        return _at_depth_2(d)
-
-    def item(self, it: Item, shared_scale: str | None, shard: str) -> str:
-        key, strings = _item_parts(it, shared_scale, shard)
-        return self._text(key, strings,
-                          lambda: _item(it, shared_scale, dict.fromkeys((t.name for t in it.outputs), shard)))
-
-    def group(self, g, scale_of: dict[str, str]) -> str:
-        shared = scale_of.get(g.members[0])
-        key = ("group", len(g.engines), len(g.members), g.rows, shared is None)
-        strings = [g.name, *g.engines, *g.members, *(() if shared is None else (shared,))]
-        return self._text(key, strings, lambda: _engine_group(g, scale_of))
-
-
-def _recipe(plan: Plan) -> dict:
-    """The recipe as the manifest names it (the output format only where it is not the default)."""
-    r = plan.recipe
-    d = {"name": r.name, "file": r.path, "sha256": r.sha256, "quant_method": r.quant_method,
-         "quant_algo": r.quant_algo}
-    if r.output_format != formats.DEFAULT:
-        d["output_format"] = r.output_format
-    return d
-
-
-def _item_parts(it: Item, shared_scale: str | None, shard: str) -> tuple[tuple, list[str]]:
-    """What _item(it, ...) renders: a key for all but its strings, and its strings in JSON order
-    (mirrors _item; checked once per key)."""
-    key: list = ["item", it.kind, it.op, bool(it.group)]
-    out = [it.name, it.kind, it.rule]
-    if it.group:
-        out.append(it.group)
-    out.append(it.op)
-    if it.kind == NVFP4:
-        key += (it.input_scale, shared_scale is None, it.output_format)
-        out += (NVFP4, formats.get(it.output_format).layer_algo(it.kind, it.input_scale))
-        if shared_scale is not None:
-            out.append(shared_scale)
-    elif it.kind == FP8:
-        key.append(it.output_format)
-        out += (FP8, formats.get(it.output_format).layer_algo(it.kind, None))
-    for s in it.sources:
-        key += (s.shape, len(s.parts))
-        out += (s.name, s.module, s.file, s.encoding, s.dtype)
-        for p in s.parts:
-            key.append(p.shape)
-            out += (p.name, p.file, p.dtype)
-    key.append(None)
-    for t in it.outputs:
-        key.append(t.shape)
-        out += (t.name, shard, t.dtype)
-    return tuple(key), out
-
-
-def _item(it: Item, shared_scale: str | None, shard_of: dict[str, str]) -> dict:
-    d: dict = {"name": it.name, "kind": it.kind, "rule": it.rule}
-    if it.group:
-        d["group"] = it.group
-    d["op"] = it.op
-    if it.kind in (NVFP4, FP8):
-        d["quantization"] = formats.get(it.output_format).record(it, shared_scale)
-    d["sources"] = [
-        {
-            "name": s.name,
-            "module": s.module,
-            "file": s.file,
-            "encoding": s.encoding,
-            "dtype": s.dtype,
-            "shape": list(s.shape),
-            "rows": list(r),
-            "parts": [{"name": p.name, "file": p.file, "dtype": p.dtype, "shape": list(p.shape)} for p in s.parts],
-        }
-        for s, r in zip(it.sources, it.row_ranges(), strict=True)
-    ]
-    d["tensors"] = [
-        {"name": t.name, "file": shard_of[t.name], "dtype": t.dtype, "shape": list(t.shape)} for t in it.outputs
-    ]
-    return d
 
 
 RECORDS_DIR, records_name = filenames.RECORDS_DIR, filenames.records_name
@@ -250,7 +34,7 @@ def module_record(it: Item, shared_scale: str | None, shard: str, tensor_hashes:
                   source_hashes: dict[str, str], notes: dict[str, dict]) -> dict:
     """One module as the manifest records it: the plan's entry (``plan --json``) with the sha256 of
     each stored source part and output tensor, and the compute's notes (amax, cast counts...)."""
-    mod = _item(it, shared_scale, dict.fromkeys((t.name for t in it.outputs), shard))
+    mod = item_dict(it, shared_scale, shard)
     for s in mod["sources"]:
         for p in s["parts"]:
             p["sha256"] = source_hashes[p["name"]]
@@ -302,10 +86,9 @@ def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: di
     ``records`` (one file per output shard, each with its size, sha256 and number of modules).
     ``shards``: output shard -> (size, sha256); ``files``: every other file of the output (configs,
     index, side files) with size and sha256; ``side_files``: those of them copied from the input."""
-    head = _plan_head(plan)
+    head = head_dict(plan)
     del head["modules"]
-    scale_of = _scale_of(plan)
-    head["engine_groups"] = [_engine_group(g, scale_of) for g in plan.engine_groups]
+    head["engine_groups"] = engine_groups(plan)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -321,11 +104,6 @@ def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: di
         "files": files,
         **head,
     }
-
-
-def plan_hash(plan_dict: dict) -> str:
-    """The plan's identity (the manifest's ``plan_sha256``; a resume refuses another plan's output)."""
-    return hashlib.sha256(json.dumps(plan_dict, sort_keys=True).encode()).hexdigest()
 
 
 def load_manifest(output_dir: Path) -> dict:

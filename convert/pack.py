@@ -28,6 +28,7 @@ from .journal import Journal, ShardRecord
 from .mapping import find_mapping
 from .options import Options
 from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
+from .plan.serialize import plan_dict, plan_hash
 from .progress import Progress
 from .readers import readahead
 from .sources import Source, open_source
@@ -258,7 +259,7 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
 def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,
                   command: str) -> Journal | None:
     """The journal to continue, or a fresh one; None when a resumed output is already complete."""
-    plan_sha = manifest_mod.plan_hash(manifest_mod.plan_dict(plan))
+    plan_sha = plan_hash(plan_dict(plan))
     stamps = journal.input_stamps(source, [f for f, _ in plan.inputs])
     existing = Journal.load(output_dir)
     if resume and existing is not None:

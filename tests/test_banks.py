@@ -31,8 +31,8 @@ def _plans(ck: Path, args: list[str]):
 
 def _assert_same(banked, full, where: str) -> None:
     """The banked plan is the module-by-module plan, in all that ``plan`` prints and all that it holds."""
-    from kimi_convert.manifest import plan_json
     from kimi_convert.plan.render import render as render_plan
+    from kimi_convert.plan.serialize import plan_json
 
     assert render_plan(banked, where) == render_plan(full, where)
     if banked.outline.banks:  # the outline alone: no per-module objects made for the text

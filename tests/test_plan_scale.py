@@ -65,16 +65,22 @@ def inputs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case,preset,over,args", CASES, ids=[c[0] for c in CASES])
-def test_templated_plan_json_is_json_dumps_of_the_plan(case, preset, over, args, inputs):
-    from kimi_convert.manifest import plan_dict, plan_json, side_dict
+def test_plan_json_is_the_plan_one_module_a_line(case, preset, over, args, inputs):
     from kimi_convert.pack import load_plan
+    from kimi_convert.plan.serialize import plan_dict, plan_json, side_dict
 
     ck = _input(inputs, preset, over)
     got = _plan_json(ck, args)
     # the same plan in-process (options parsed by the command itself), rendered the plain way
     _, p = load_plan(ck, plan_options(ck, args))
-    assert got == json.dumps({**plan_dict(p), **side_dict(p)}, indent=2) + "\n", case
-    assert "".join(plan_json(p)) == json.dumps(plan_dict(p), indent=2)
+    assert json.loads(got) == {**plan_dict(p), **side_dict(p)}, case
+    text = "".join(plan_json(p))
+    assert json.loads(text) == plan_dict(p)
+    # one module a line, in plan order: a line is json.dumps of the module's dict
+    lines = text.splitlines()
+    first = lines.index('  "modules": [') + 1
+    mods = plan_dict(p)["modules"]
+    assert [json.loads(x.strip().rstrip(",")) for x in lines[first:first + len(mods)]] == mods, case
 
 
 def test_shard_header_is_json_dumps_of_the_header():

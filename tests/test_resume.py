@@ -412,9 +412,9 @@ def test_output_independent_of_threads(tiny_k3, tmp_path):
 
 
 def test_plan_independent_of_listing_order(tiny_kl, tmp_path, monkeypatch):
-    from kimi_convert.manifest import plan_dict
     from kimi_convert.pack import load_plan
     from kimi_convert.plan import Options
+    from kimi_convert.plan.serialize import plan_dict
     ck = copy_ckpt(tiny_kl, tmp_path / "c")
     (ck / "model.safetensors.index.json").unlink()  # shards found by listing the folder
     a = plan_dict(load_plan(ck, Options())[1])

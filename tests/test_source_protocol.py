@@ -13,10 +13,10 @@ from memsource import MemorySource
 
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
-from kimi_convert.manifest import plan_dict, plan_hash
 from kimi_convert.mapping import find_mapping
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options, make_plan
+from kimi_convert.plan.serialize import plan_dict, plan_hash
 from kimi_convert.sources import EntryKind, Source, SourceFile, open_source
 from kimi_convert.sources.local import LocalFolder
 from kimi_convert.synth import write_synth

@@ -6,7 +6,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .. import rules
-from ..checkpoint import Checkpoint, gc_paused
+from ..checkpoint import Checkpoint
+from ..gcpause import gc_paused
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe

@@ -1,6 +1,6 @@
 """``kimi-convert plan``'s text: every module with its decision, sources and shard, a MoE layer's alike
 routed experts folded into one entry per bank (``plan --json`` is the plan's serialization, in
-``manifest.plan_json``)."""
+``serialize.plan_json``)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
 from ..hashing import hash_file
-from ..manifest import iter_modules, plan_dict, plan_hash
+from ..manifest import iter_modules
 from ..mapping import parse_mapping
 from ..options import Options
 from ..plan import QUANTIZED, Encoding, make_plan
+from ..plan.serialize import plan_dict, plan_hash
 from ..recipe import parse_recipe
 from ..rules import Pattern
 from ..sidefiles import scan
