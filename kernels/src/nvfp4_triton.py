@@ -25,7 +25,7 @@ BLOCK_K = 256
 BF16_TILE = (4, 16, 1)
 #: amax: values (bf16 pairs) a step, at most this many programs (one atomic each; 0: no bound, one step a program),
 #: warps. One step a program measured faster on the H200 than at most 512 programs of several steps (1.41x against
-#: 1.48x of the floor at 32768x7168, zero + amax + quantize; benchmarks/RESULTS.md, issue 14 second pass)
+#: 1.48x of the floor at 32768x7168, zero + amax + quantize; docs/history/RESULTS-history.md, issue 14 second pass)
 AMAX_TILE = (8192, 0, 4)
 
 
