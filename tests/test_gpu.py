@@ -62,11 +62,11 @@ def test_recipe_kernels_write_the_torch_codes_bytes(tmp_path, monkeypatch):
 @on_gpu
 def test_auto_on_a_gpu_machine_writes_the_cpus_bytes_and_verifies(tmp_path):
     src = write_synth("tiny-k3", tmp_path / "in")
-    cpu = _pack(src, tmp_path / "cpu", "cpu")
+    assert run("pack", src, tmp_path / "cpu", "--device", "cpu", "-q").code == 0
     r = run("pack", src, tmp_path / "auto", "--device", "auto", "-q", "--stats", tmp_path / "stats.json")
     assert r.code == 0, r.stderr
     assert json.loads((tmp_path / "stats.json").read_text())["device"] == "auto"
-    assert differing_files(tmp_path / "auto", cpu) == []
+    assert differing_files(tmp_path / "auto", tmp_path / "cpu") == []
     v = run("verify-manifest", tmp_path / "auto", "--input", src, "--device", "cuda", "--full")
     assert v.code == 0, v.stdout + v.stderr
 
