@@ -5,10 +5,9 @@ per configuration the median wall seconds and auto's ratio to the faster single 
 
     python benchmarks/auto_vs_devices.py --input /tmp/kc/in --work /tmp/kc --rounds 3 --json out.json
 
-``--configs`` names what runs: a device (``cpu``, ``cuda``, ``auto``), ``auto:MARGIN`` (auto with
-``KIMI_CONVERT_AUTO_GPU_MARGIN=MARGIN``; ``auto:1`` is the plain comparison of the code before issue 26), or a
-name given by ``--define NAME=DEVICE[,VAR=VALUE...]``: that device with those environment variables (e.g.
-``PYTHONPATH=DIR`` to run another tree's code, ``KIMI_CONVERT_AUTO_SYNC=1``). Each run's ``--stats`` (stage
+``--configs`` names what runs: a device (``cpu``, ``cuda``, ``auto``), or a name given by
+``--define NAME=DEVICE[,VAR=VALUE...]``: that device with those environment variables (e.g. ``PYTHONPATH=DIR`` to
+run another tree's code). Each run's ``--stats`` (stage
 seconds, each stream's wall, page-locking, auto's calibration thread) is kept in the JSON. ``--check-equal``:
 at the end, every configuration's last output must hold the same bytes, file by file (sha256 of each).
 """
@@ -32,7 +31,7 @@ from compare_speed import evict
 
 def run(config: str, inp: Path, out: Path, recipe: str, defined: dict[str, tuple[str, dict]]) -> dict:
     """One pack of ``inp`` into ``out`` (removed first; the input's pages evicted), timed from outside."""
-    device, env_add = defined.get(config) or _plain(config)
+    device, env_add = defined.get(config) or (config, {})
     env = {**os.environ, **env_add}
     shutil.rmtree(out, ignore_errors=True)
     evict(inp)
@@ -47,12 +46,6 @@ def run(config: str, inp: Path, out: Path, recipe: str, defined: dict[str, tuple
     keep = ("convert_s", "backend_s", "pin_s", "pinned_bytes", "stages_s", "stream_wall_s", "calibration")
     return {"config": config, "wall_s": round(wall, 3), "device_choices": st.get("device_choices", []),
             **{k: st[k] for k in keep if k in st}}
-
-
-def _plain(config: str) -> tuple[str, dict]:
-    """``DEVICE`` or ``DEVICE:MARGIN``: the device and its environment."""
-    device, _, margin = config.partition(":")
-    return device, ({"KIMI_CONVERT_AUTO_GPU_MARGIN": margin} if margin else {})
 
 
 def _define(text: str) -> tuple[str, tuple[str, dict]]:

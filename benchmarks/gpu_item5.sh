@@ -1,9 +1,9 @@
 #!/bin/bash
 # Issue 14 item 5 on a GPU machine, one call: a synthetic K3 at real width (bench-k3, LAYERS layers, 16 shards,
-# written in parallel), cpu == cuda == auto on tiny-k3 (every file), the compute stage per kind of work
-# (gpu_unit_copies.py, last), and pack against the disk floor: this checkout's --device cuda, then, when BEFORE
-# names another checkout, that code's --device cuda (installed over this one, then this one put back), then
-# this checkout's --device auto and cpu. Run from this checkout's root; logs go to $OUT.
+# written in parallel), and pack against the disk floor: this checkout's --device cuda, then, when BEFORE names
+# another checkout, that code's --device cuda (installed over this one, then this one put back), then this
+# checkout's --device auto and cpu. (cpu == cuda == auto, byte for byte: tests/test_gpu.py.) Run from this
+# checkout's root; logs go to $OUT.
 #   bash benchmarks/gpu_item5.sh            (LAYERS=12 REPEAT=1 BEFORE=/path/to/main/checkout)
 set -u
 OUT=${OUT:-benchmarks/results/gpu-item5}
@@ -19,15 +19,6 @@ install "$HERE"
 K3="$W/bench-k3-L$L"
 [ -f "$K3/config.json" ] || kimi-convert synth bench-k3 "$K3" --layers "$L" --shards 16 --jobs "$(nproc)" \
     2>&1 | tee "$OUT/synth.log"
-{
-    kimi-convert synth tiny-k3 "$W/tiny" --overwrite > /dev/null
-    for d in cpu cuda auto; do
-        kimi-convert pack "$W/tiny" "$W/tiny-$d" --device "$d" --overwrite -q --stats "$W/tiny-$d.json" || echo "FAILED: $d"
-    done
-    diff -r "$W/tiny-cpu" "$W/tiny-cuda" && diff -r "$W/tiny-cpu" "$W/tiny-auto" \
-        && echo "IDENTICAL: tiny-k3 --device cpu, cuda, auto: every file"
-    python3 -c "import json; s = json.load(open('$W/tiny-auto.json')); print('auto:', s['device'], s['device_choices'])"
-} 2>&1 | tee "$OUT/equal.log"
 P="python3 benchmarks/gpu_pack_devices.py $K3 --repeat $R --workdir $W"
 $P --floor --label "${LABEL:-now}" --device cuda 2>&1 | grep -v warning | tee "$OUT/pack.log"
 if [ -n "${BEFORE:-}" ]; then  # the other checkout's --device cuda, right after (the same disk, the same hour)
@@ -36,4 +27,3 @@ if [ -n "${BEFORE:-}" ]; then  # the other checkout's --device cuda, right after
     install "$HERE"
 fi
 $P --label "${LABEL:-now}" --device auto cpu 2>&1 | grep -v warning | tee -a "$OUT/pack.log"
-[ "${UNITS:-1}" = 0 ] || python3 benchmarks/gpu_unit_copies.py "$K3" --units 8 2>&1 | grep -v warning | tee "$OUT/units.log"

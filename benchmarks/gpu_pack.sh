@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 6 on a GPU machine: pack against the disk floor (cuda and cpu), warm-cache worker scaling,
-# peak RSS as the checkpoint grows, and cuda/cpu/workers byte equality. Logs go to $OUT (or
-# benchmarks/results/gpu-pack). Usage: bash benchmarks/gpu_pack.sh [throughput|cpu|warm|rss|equal]...
+# peak RSS as the checkpoint grows (cuda/cpu/workers byte equality: tests/test_gpu.py). Logs go to $OUT (or
+# benchmarks/results/gpu-pack). Usage: bash benchmarks/gpu_pack.sh [throughput|cpu|warm|rss]...
 set -u
 OUT=${OUT:-benchmarks/results/gpu-pack}
 W=${WORK:-/tmp/kc}
@@ -17,22 +17,11 @@ case $what in
 throughput) n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     python3 $T --device cuda --layers "$L" --cold input --quantize-alone --workers 1 "$n" --repeat 2 --workdir "$W" \
         2>&1 | tee "$OUT/throughput-cuda.log" ;;
-allcold) python3 $T --device cuda --layers "$L" --drop-caches --workers 1 --repeat 1 --workdir "$W" \
-        2>&1 | tee "$OUT/throughput-cuda-dropcaches.log" ;;
 cpu) python3 $T --device cpu --layers "$L" --cold input --quantize-alone --workers 1 --repeat 2 --workdir "$W" \
         2>&1 | tee "$OUT/throughput-cpu.log" ;;
 warm) n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     python3 $T --device cuda --layers "$L" --cold warm --workers 1 "$n" --repeat 3 --workdir "$W" 2>&1 \
         | tee "$OUT/throughput-cuda-warm.log" ;;
-copy) python3 benchmarks/gpu_copy.py --checkpoint "$W/bench-kimi-linear-L$L" 2>&1 | tee "$OUT/copy.log" ;;
 rss) python3 benchmarks/pack_rss.py --device cuda --layers 2 4 8 --workdir "$W" 2>&1 | tee "$OUT/rss-cuda.log" ;;
-equal) S="$W/bench-kimi-linear-L$L"
-    {
-        kimi-convert pack "$S" "$W/eq-cpu" -q --device cpu --workers 1 --max-shard-size 500MB --overwrite
-        n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-        kimi-convert pack "$S" "$W/eq-cuda" -q --device cuda --workers "$n" --max-shard-size 500MB --overwrite
-        diff -r "$W/eq-cpu" "$W/eq-cuda" && echo "IDENTICAL: cpu (1 worker, 1 stream) and cuda ($n workers), every file"
-        kimi-convert verify-manifest "$W/eq-cuda" --input "$S" --device cuda 2>&1 | grep -v '%|' | tail -3
-    } 2>&1 | tee "$OUT/equal.log" ;;
 esac
 done

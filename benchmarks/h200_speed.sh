@@ -4,8 +4,7 @@
 # `devices`: NVIDIA on the GPU against pack --device cuda, auto and cpu ($PACK_DEVICES). LAYERS=N: N layers, each MoE
 # (2 by default: 4.8 GB; 4: 9.5 GB); the synth's load is let settle for 20 s. `warm`: the same as `devices` with the
 # input read once before (page cache warm: the tools' own cost, not the disk's). `baseline`: the memory a process
-# holds before it converts (benchmarks/cuda_baseline.py). `lowmem`: NVIDIA on the GPU against pack --device cpu
-# with a worker's in-flight budget set to $IN_FLIGHT bytes (256 MB by default; KIMI_CONVERT_IN_FLIGHT). `devices` and `warm` end with the disk floor (--floor).
+# holds before it converts (benchmarks/cuda_baseline.py). `devices` and `warm` end with the disk floor (--floor).
 # Needs, beside this tree: .whl/ (nvidia-modelopt 0.47.0 and what it imports that the machine lacks:
 # pulp, pydantic, pydantic-core, annotated-types, typing-inspection, omegaconf, typing-extensions) and
 # mo/ (Model Optimizer 575c27ae1's examples/_shard_cast_utils.py and examples/kimi/). Logs go to $OUT.
@@ -22,7 +21,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 case " $* " in *" baseline "*)
   python3 benchmarks/cuda_baseline.py --modelopt-repo mo --json "$OUT/baseline.json" 2>&1 | tee "$OUT/baseline.log" ;;
 esac
-case " $* " in *" devices "*|*" warm "*|*" lowmem "*|*" cuda "*|*" cpu "*) ;; *) exit 0 ;; esac
+case " $* " in *" devices "*|*" warm "*|*" cuda "*|*" cpu "*) ;; *) exit 0 ;; esac
 { time python3 -m kimi_convert.cli synth bench-k3-shards "$W/in" --overwrite --jobs 8 ${LAYERS:+--layers $LAYERS}; sleep 20; } > "$OUT/synth.log" 2>&1
 for dev in "$@"; do
 case $dev in
@@ -34,9 +33,6 @@ devices) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" 
 warm) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cuda --nvidia-jobs 1 --cold warm \
         --pack-devices ${PACK_DEVICES:-cuda auto cpu} --pack-repeat ${REPEAT:-1} --floor --work "$W" \
         --json "$OUT/warm.json" 2>&1 | tee "$OUT/warm.log" ;;
-lowmem) KIMI_CONVERT_IN_FLIGHT=${IN_FLIGHT:-268435456} python3 benchmarks/compare_speed.py --modelopt-repo mo \
-        --input "$W/in" --device cuda --nvidia-jobs 1 --pack-devices cpu --pack-repeat ${REPEAT:-1} --work "$W" \
-        --no-warmup --json "$OUT/lowmem.json" 2>&1 | tee "$OUT/lowmem.log" ;;
 cpu) python3 benchmarks/compare_speed.py --modelopt-repo mo --input "$W/in" --device cpu --nvidia-jobs 8 16 \
         --work "$W" --json "$OUT/cpu.json" 2>&1 | tee "$OUT/cpu.log" ;;
 esac

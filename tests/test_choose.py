@@ -212,7 +212,7 @@ def auto_without_gpu(monkeypatch):
     monkeypatch.setattr(runner, "candidates", lambda device, threads: {
         "cpu": get_backend("cpu", threads), "reference": get_backend("reference", threads)})
     # the streams wait for the calibration thread: a tiny input has too few units to decide otherwise
-    monkeypatch.setenv(runner.SYNC_ENV, "1")
+    monkeypatch.setattr(runner, "CALIBRATION_WAITS", True)
 
 
 def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_path, auto_without_gpu):
@@ -281,7 +281,7 @@ def test_auto_computes_undecided_units_on_the_cpus_in_the_stream(tiny_k3, monkey
     from kimi_convert.plan import fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
 
-    monkeypatch.setenv(runner_mod.SYNC_ENV, "1")  # the stream waits for the thread: its start has failed by then
+    monkeypatch.setattr(runner_mod, "CALIBRATION_WAITS", True)  # the stream waits: the thread's start has failed
     ckpt, plan = load_plan(tiny_k3, Options())
     cpu = get_backend("cpu")
     pool = BufferPool(limit=64 << 20)
@@ -304,11 +304,12 @@ def test_auto_computes_undecided_units_on_the_cpus_in_the_stream(tiny_k3, monkey
     assert set(r.chooser._kinds) and all(k.warm == {"cpu"} for k in r.chooser._kinds.values())
 
 
-def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3, monkeypatch):
+def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3):
     """Each unit's quantized weights are slices of one pool buffer lent for the unit (no fresh pages to fault in),
-    which goes back to the pool on release; with KIMI_CONVERT_OUTPUT_ARENA=0 they are fresh tensors, same bytes."""
+    which goes back to the pool on release; the bytes are those of the unit computed without a lent buffer."""
     import numpy as np
 
+    from kimi_convert.compute import compute_unit
     from kimi_convert.kernels import get_backend
     from kimi_convert.pipeline import runner as runner_mod
     from kimi_convert.plan import FP8, NVFP4, fp8_block_size
@@ -316,7 +317,8 @@ def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3, monkeypatch):
 
     ckpt, plan = load_plan(tiny_k3, Options())
     pool = BufferPool(limit=64 << 20)
-    r = runner_mod.Runner({"cpu": get_backend("cpu")}, pool, fp8_block_size(ckpt.config), plan.units)
+    cpu, block = get_backend("cpu"), fp8_block_size(ckpt.config)
+    r = runner_mod.Runner({"cpu": cpu}, pool, block, plan.units)
     reader = PreadReader(tiny_k3)
     units = [u for u in plan.units if any(it.kind in (NVFP4, FP8) for it in u.items)]
     assert {it.kind for u in units for it in u.items} >= {NVFP4, FP8}
@@ -327,10 +329,8 @@ def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3, monkeypatch):
         weights = [c for it in unit.items if it.kind in (NVFP4, FP8) for c in res.outputs[it.outputs[0].name].chunks]
         assert weights and all(lo <= np.asarray(c).ctypes.data and np.asarray(c).ctypes.data + c.nbytes <= hi
                                for c in weights)
-        monkeypatch.setenv(runner_mod.ARENA_ENV, "0")
-        fresh, none = r.compute(unit, loaded)
-        monkeypatch.delenv(runner_mod.ARENA_ENV)
-        assert none is None and all(
+        fresh = compute_unit(unit, loaded, cpu, block)  # fresh tensors: no arena lent to this thread
+        assert all(
             b"".join(bytes(c) for c in res.outputs[k].chunks) == b"".join(bytes(c) for c in fresh.outputs[k].chunks)
             for k in res.outputs)
         r.release((res, buf))

@@ -5,7 +5,6 @@ counts of streams and hashing threads for a share of the CPUs."""
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
 #: and at least two of its largest pieces.
 MIN_IN_FLIGHT = 512 << 20
 #: On a small share (2 CPUs: one stream) the compute, not the read-ahead, is the bound: 256 MB there
-#: took the same CPU seconds as 512 MB and 0.63 GB of PSS instead of 0.83 GB (benchmarks/RESULTS.md,
+#: took the same CPU seconds as 512 MB and 0.63 GB of PSS instead of 0.83 GB (docs/history/RESULTS-history.md,
 #: issue 14 item 4, 2 cores).
 IN_FLIGHT_PER_CPU = 128 << 20
 
@@ -35,33 +34,23 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
 
 
-def _env_bytes(name: str, default: int) -> int:
-    """A byte count the benchmarks may set in the environment (digits only; anything else: ``default``)."""
-    forced = os.environ.get(name, "")
-    return int(forced) if forced.isdigit() else default
-
-
 def return_freed_memory() -> bool:
     """Have glibc give a freed tensor's memory back to the system at once (allocations of 1 MB and more
     mapped on their own). Left to itself glibc raises that threshold to the largest block freed (up to
     32 MB): a converter's tensors (an expert's 11 MB) then come from per-thread heaps that keep what is
     freed, and the process grows with its threads (peak RSS of pack: 676 -> 532 MB on 2 cores, 1.57 ->
     1.15 GB on 16; the price is page faults, 4-6 s more system CPU on 4.8 GB, with a wall time no worse;
-    benchmarks/RESULTS.md, session 6). False where the C library has no mallopt (not glibc), or
-    ``KIMI_CONVERT_MMAP_THRESHOLD`` (bytes, for the benchmarks) is 0: glibc left alone."""
-    threshold = _env_bytes("KIMI_CONVERT_MMAP_THRESHOLD", MMAP_THRESHOLD)
-    if not threshold:
-        return False
+    docs/history/RESULTS-history.md, session 6). False where the C library has no mallopt (not glibc)."""
     try:
-        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold))
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     except (OSError, AttributeError):
         return False
 
 
 def in_flight_floor(threads: int) -> int:
-    """The smallest in-flight budget of a worker with ``threads`` CPUs; ``KIMI_CONVERT_IN_FLIGHT`` (bytes)
-    replaces it, for the memory benchmarks (two of the largest pieces still fit whatever it says)."""
-    return _env_bytes("KIMI_CONVERT_IN_FLIGHT", min(MIN_IN_FLIGHT, IN_FLIGHT_PER_CPU * max(1, threads)))
+    """The smallest in-flight budget of a worker with ``threads`` CPUs (two of its largest pieces always fit:
+    ``Shared``)."""
+    return min(MIN_IN_FLIGHT, IN_FLIGHT_PER_CPU * max(1, threads))
 
 
 class ByteBudget:

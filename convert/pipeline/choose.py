@@ -19,7 +19,6 @@ not its slower first units (issue 26 item 9).
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -36,9 +35,9 @@ SAMPLES = 2
 #: timed alone does not show what the GPU costs in steady state: the page-locking of every read buffer, one
 #: GPU shared by all the worker's streams and their copies against the reader's (on the H200 machine the cast
 #: was timed 1.29x faster on the GPU, 0.52 against 0.67 s/GB, and the pack then ran 10.95 s against the
-#: CPUs' 8.59; benchmarks/RESULTS.md, issue 26). Where the GPU is the better device it wins by far more
-#: (NVFP4 from BF16: 10-40x). ``KIMI_CONVERT_AUTO_GPU_MARGIN`` overrides it (1: the plain comparison).
-GPU_MARGIN = float(os.environ.get("KIMI_CONVERT_AUTO_GPU_MARGIN", "1.5") or 1.5)
+#: CPUs' 8.59; docs/history/RESULTS-history.md, issue 26). Where the GPU is the better device it wins by far more
+#: (NVFP4 from BF16: 10-40x).
+GPU_MARGIN = 1.5
 R = TypeVar("R")
 B = TypeVar("B")
 
@@ -174,7 +173,7 @@ class Calibrator(Generic[B, R]):
 
     Why: timed in the stream, a GPU unit held its stream as long as the GPU took, start-up and kernel
     compilation included (on the H200 machine 10-60 s/GB, where the CPUs cast at 1-2: auto ran 19% slower
-    than ``--device cpu`` with every kind decided for the CPUs; benchmarks/RESULTS.md, issue 26 item 9).
+    than ``--device cpu`` with every kind decided for the CPUs; docs/history/RESULTS-history.md, issue 26 item 9).
     Now the stream computes an undecided kind's unit on the first candidate (the CPUs) and goes on with
     that result; ``offer`` gives this thread a copy of the unit (when it is idle: a stream never waits for
     it) to compute on the others, timed and checked against the first's bytes here.

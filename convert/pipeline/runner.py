@@ -16,7 +16,6 @@ goes back to the pool once the writer has written and hashed it.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import Counter
@@ -37,13 +36,9 @@ if TYPE_CHECKING:
     from ..plan import Unit
     from ..readers import BufferPool, Loaded
 
-#: ``0``: leave the read buffers pageable on a GPU (to measure what page-locking them gains; same bytes)
-PIN_ENV = "KIMI_CONVERT_PIN_BUFFERS"
-#: ``0``: CPU kernels allocate fresh outputs instead of writing into a lent pool buffer (to measure what it gains)
-ARENA_ENV = "KIMI_CONVERT_OUTPUT_ARENA"
-#: ``1``: auto's streams wait for the calibration thread, so that every unit of an undecided kind is computed on
-#: every candidate (the tests, whose inputs are too small to decide otherwise; and to measure what not waiting gains)
-SYNC_ENV = "KIMI_CONVERT_AUTO_SYNC"
+#: True: auto's streams wait for the calibration thread, so that every unit of an undecided kind is computed on
+#: every candidate. For the tests (set with monkeypatch), whose inputs are too few units to decide otherwise.
+CALIBRATION_WAITS = False
 Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer lent for its outputs
 
 
@@ -77,12 +72,11 @@ class Runner:
         self._decisive = {k for k, n in counts.items() if n > SAMPLES}
         gpu = [b for b in backends.values() if b.device.type == "cuda"]
         self._gpu = gpu[0] if gpu else None
-        self._pin = os.environ.get(PIN_ENV, "1") != "0"
         self.calibrator = Calibrator(self.chooser, start=self._start_others,
-                                     wait=os.environ.get(SYNC_ENV, "0") == "1") if self.chooser else None
+                                     wait=CALIBRATION_WAITS) if self.chooser else None
         self.copy_s = 0.0  # seconds the streams spent copying units for the calibration thread
         self._lock = threading.Lock()
-        if self.chooser is None and self._gpu is not None and self._pin:  # --device cuda: every unit's on the GPU
+        if self.chooser is None and self._gpu is not None:  # --device cuda: every unit's on the GPU
             pool.pin_with(*_pinning(self._gpu.device))
 
     def _start_others(self) -> None:
@@ -97,9 +91,8 @@ class Runner:
 
     def _decided(self, choice: Choice) -> None:
         """auto: the read buffers are page-locked only once a kind of work went to the GPU (locking costs the
-        reader time, which the CPUs never gain back: benchmarks/RESULTS.md, issue 26 item 9)."""
-        if self._gpu is not None and self._pin and self.backends[choice.chosen] is self._gpu \
-                and not self.pool.pinning:
+        reader time, which the CPUs never gain back: docs/history/RESULTS-history.md, issue 26 item 9)."""
+        if self._gpu is not None and self.backends[choice.chosen] is self._gpu and not self.pool.pinning:
             self.pool.pin_with(*_pinning(self._gpu.device))
 
     @property
@@ -202,7 +195,7 @@ class Runner:
         from ..compute import HostSink, compute_unit
 
         if b.device.type != "cuda":
-            if work_kind(unit) is None or os.environ.get(ARENA_ENV, "1") == "0":
+            if work_kind(unit) is None:
                 return compute_unit(unit, loaded, b, self.block), None
             return self._lent(Arena(self._sink_buffer(unit)), lambda: compute_unit(unit, loaded, b, self.block))
         import torch

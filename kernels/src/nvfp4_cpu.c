@@ -199,7 +199,7 @@ __attribute__((target("avx2,fma"))) static void quant_row_bf16_avx2(const uint16
 
 /* quant_row_bf16_avx2's fast path (the same IEEE operations in the same order, so the same bytes) on AVX-512:
  * 16 values a register, so a 16-block's codes are one pass; on the H200 machine's 16 CPUs the AVX2 row was
- * compute-bound (4.0 GB/s a thread, 1.55x the copy floor at 16 threads: benchmarks/RESULTS.md). The block
+ * compute-bound (4.0 GB/s a thread, 1.55x the copy floor at 16 threads: docs/history/RESULTS-history.md). The block
  * amaxes 4 blocks a step; the scales, their reciprocals and d/4, d 2^-30 16 blocks a step (one vdivps each, as
  * the scalar 1.0f / d: both correctly rounded). scratch: 4 arrays of k/16 + 16 floats. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void quant_row_bf16_avx512(

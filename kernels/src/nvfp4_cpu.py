@@ -2,7 +2,8 @@
 
 Each library is ``kc_pool.c`` (a persistent pthread pool) followed by the kernel's file: one ctypes call runs a
 whole kernel on the caller's ``threads`` (the pool splits the rows), instead of one call a thread from a Python
-thread pool, whose dispatch cost tens of microseconds a call (``benchmarks/cpu_pool_probe.py``).
+thread pool, whose dispatch cost tens of microseconds a call (docs/history/RESULTS-history.md, "C kernels, second
+pass").
 The shared library is cached per source, flags and compiler (``$KIMI_CONVERT_CACHE`` or
 ``~/.cache/kimi-convert``), written under a temporary name and renamed, so concurrent first uses
 are safe. Without a compiler, :func:`load` returns None and the caller falls back to the torch

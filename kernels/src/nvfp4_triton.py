@@ -25,7 +25,7 @@ BLOCK_K = 256
 BF16_TILE = (4, 16, 1)
 #: amax: values (bf16 pairs) a step, at most this many programs (one atomic each; 0: no bound, one step a program),
 #: warps. One step a program measured faster on the H200 than at most 512 programs of several steps (1.41x against
-#: 1.48x of the floor at 32768x7168, zero + amax + quantize; benchmarks/RESULTS.md, issue 14 second pass)
+#: 1.48x of the floor at 32768x7168, zero + amax + quantize; docs/history/RESULTS-history.md, issue 14 second pass)
 AMAX_TILE = (8192, 0, 4)
 
 
@@ -162,7 +162,7 @@ def _global_scale(amax_ptr):
 
 @triton.jit
 def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                       EXACT_DIV: tl.constexpr, ORDER: tl.constexpr):
+                       ORDER: tl.constexpr):
     """bf16 weights read as int32 pairs [M, K/2] (element 2i in the low half): the even/odd codes of a
     byte come from one load, with no shuffle. Tile: BLOCK_M rows x BLOCK_B blocks of 16 values.
     ORDER: how program ids walk the tiles (the bytes are the same in any order): 0 a 2-D grid, rows first; 1 one
@@ -192,21 +192,17 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
     v, byte = _e4m3_rne(sb)
     denom = (v * s2)[:, :, None]
-    if EXACT_DIV:
-        # One reciprocal a block when 1/d stays normal (s2 in [2^-80, 2^80]: every real checkpoint),
-        # else the full IEEE division per element.
-        if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
-            r4 = tl.math.div_rn(1.0, denom) * 4.0
-            d4 = denom * 0.25
-            d_low = denom * 9.313225746154785e-10
-            cl = _fast_code(lo, d4, r4, d_low)
-            ch = _fast_code(hi, d4, r4, d_low)
-        else:
-            cl = _e2m1(tl.math.div_rn(lo, denom))
-            ch = _e2m1(tl.math.div_rn(hi, denom))
-    else:  # timing experiments only: not the reference's rounding
-        cl = _e2m1(lo * (1.0 / denom))
-        ch = _e2m1(hi * (1.0 / denom))
+    # One reciprocal a block when 1/d stays normal (s2 in [2^-80, 2^80]: every real checkpoint),
+    # else the full IEEE division per element.
+    if (s2 >= 8.271806125530277e-25) & (s2 <= 1.2089258196146292e24):
+        r4 = tl.math.div_rn(1.0, denom) * 4.0
+        d4 = denom * 0.25
+        d_low = denom * 9.313225746154785e-10
+        cl = _fast_code(lo, d4, r4, d_low)
+        ch = _fast_code(hi, d4, r4, d_low)
+    else:
+        cl = _e2m1(tl.math.div_rn(lo, denom))
+        ch = _e2m1(tl.math.div_rn(hi, denom))
     packed = (cl | (ch << 4)).to(tl.uint8)
     tl.store(q_ptr + rows * (K // 2) + pair, packed, mask=mask)
     rows2 = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
@@ -279,7 +275,7 @@ def _launch_quant(x2, amax, packed, scales, m: int, k: int, tile: tuple[int, ...
         tiles = (triton.cdiv(m, bm), triton.cdiv(k // 16, bb))
         grid = tiles if order == 0 else (tiles[0] * tiles[1],)
         _quant_bf16_kernel[grid](x2.view(torch.int32), amax, packed, scales, m, k, BLOCK_M=bm, BLOCK_B=bb,
-                                 EXACT_DIV=True, ORDER=order, num_warps=warps, enable_fp_fusion=False)
+                                 ORDER=order, num_warps=warps, enable_fp_fusion=False)
     elif m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
         _quant_kernel[grid](x2, amax, packed, scales, m, k, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)

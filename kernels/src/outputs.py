@@ -2,7 +2,7 @@
 
 Why: a fresh output of a few MB is a fresh mapping (pack fixes glibc's mmap threshold at 1 MB so that freed memory
 goes back to the system: ``pipeline.budgets.return_freed_memory``), and every 4 KB page of it faults on first
-touch; 4.8 GB of output cost 2 M page faults and 4-6 s of system CPU (benchmarks/RESULTS.md, session 6). The
+touch; 4.8 GB of output cost 2 M page faults and 4-6 s of system CPU (docs/history/RESULTS-history.md, session 6). The
 pipeline lends each unit a buffer of its pool instead (reused, already touched), as it does for a GPU unit's
 read-back (``compute.HostSink``), and takes it back once the writer has written and hashed the bytes.
 """

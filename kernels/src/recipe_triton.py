@@ -35,12 +35,12 @@ from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
 #: cast: 32-blocks a program and warps of the closed-form kernel; at most this many programs, blocks a step and
 #: warps of the long-path kernel (each reads the flags of enough fast programs to stay under that many: the empty
 #: programs cost K3's data time, too few cost a fully flagged tensor its parallelism). Block FP8: warps (the tile is
-#: 128 x 128). Measured: benchmarks/RESULTS.md, "Issue 14: recipe kernels, second pass".
+#: 128 x 128). Measured: docs/history/RESULTS-history.md, "Issue 14: recipe kernels, second pass".
 CAST_BLOCKS = (1024, 4)
 CAST_SLOW = (512, 32, 4)
 FP8_WARPS = 8
 #: block FP8 rounds with the GPU's conversion instructions where it has them (compiled, sm_89 and later): 1.13x its
-#: memory floor on the H200 against 1.66x for the fp32 splits, same bytes (benchmarks/RESULTS.md, issue 14)
+#: memory floor on the H200 against 1.66x for the fp32 splits, same bytes (docs/history/RESULTS-history.md, issue 14)
 FP8_HW = True
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

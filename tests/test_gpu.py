@@ -1,0 +1,132 @@
+"""Whole packs on the GPU write the CPU's bytes, every file (was benchmarks/gpu_equality.py, gpu_recipes.sh,
+gpu_item5.sh's and gpu_pack.sh's equality steps, recipe_gpu_check.py's pack step). The GPU tests are marked
+``gpu``: on the GPU machine ``TRITON_INTERPRET= python -m pytest -m gpu``; without CUDA they are skipped. The tests
+without the mark run anywhere: they plant a difference for each comparison the GPU tests rely on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_compare import differing_files, differing_tensors, differing_tiles, files_under, on_gpu
+from helpers import run
+from kimi_convert.pack import pack
+from kimi_convert.plan import Options
+from kimi_convert.synth import write_synth
+
+#: (preset, synth options, pack options): every preset family, both recipes where K3, both layouts that fuse on
+#: disk (--layout vllm quantizes K3's fused_qkv_a_g_proj as one tensor, on its joint block-FP8 tiles)
+PACKS = [
+    ("tiny-k3", {}, {}),
+    ("tiny-k3", {}, {"layout": "vllm"}),
+    ("tiny-k3", {}, {"recipe": "nvfp4-w4a16"}),
+    ("tiny-k3", {}, {"recipe": "nvfp4-w4a16", "layout": "sglang"}),
+    ("tiny-kimi-linear", {}, {}),
+    ("tiny-deepseek-fp8", {}, {}),
+    ("bench-kimi-linear", {"layers": 1}, {}),
+    ("bench-k3", {"layers": 1, "experts": 8}, {}),
+    ("bench-k3", {"layers": 1, "experts": 8}, {"layout": "vllm"}),
+    ("bench-k3", {"layers": 1, "experts": 8}, {"recipe": "nvfp4-w4a16"}),
+]
+
+
+def _pack(src, out, device, **opts):
+    pack(src, out, Options(max_shard_size=500_000_000, **opts), device=device, progress=False)
+    return out
+
+
+@on_gpu
+@pytest.mark.parametrize("preset,synth,opts", PACKS, ids=lambda v: str(v) if v != {} else "-")
+def test_pack_on_the_gpu_writes_the_cpus_bytes(tmp_path, preset, synth, opts):
+    src = write_synth(preset, tmp_path / "in", **synth)
+    cuda = _pack(src, tmp_path / "cuda", "cuda", **opts)
+    cpu = _pack(src, tmp_path / "cpu", "cpu", **opts)
+    assert files_under(cpu) and differing_files(cuda, cpu) == []
+
+
+@on_gpu
+def test_recipe_kernels_write_the_torch_codes_bytes(tmp_path, monkeypatch):
+    """NVIDIA's recipe by its torch code (the bytes before the C and Triton kernels) == the C kernels == Triton."""
+    from kimi_convert.kernels import RECIPE_KERNELS_ENV
+
+    src = write_synth("tiny-k3", tmp_path / "in")
+    monkeypatch.setenv(RECIPE_KERNELS_ENV, "torch")
+    ref = _pack(src, tmp_path / "torch", "cpu", recipe="nvidia-k3")
+    monkeypatch.delenv(RECIPE_KERNELS_ENV)
+    for device in ("cpu", "cuda"):
+        assert differing_files(_pack(src, tmp_path / device, device, recipe="nvidia-k3"), ref) == [], device
+
+
+@on_gpu
+def test_auto_on_a_gpu_machine_writes_the_cpus_bytes_and_verifies(tmp_path):
+    src = write_synth("tiny-k3", tmp_path / "in")
+    assert run("pack", src, tmp_path / "cpu", "--device", "cpu", "-q").code == 0
+    r = run("pack", src, tmp_path / "auto", "--device", "auto", "-q", "--stats", tmp_path / "stats.json")
+    assert r.code == 0, r.stderr
+    assert json.loads((tmp_path / "stats.json").read_text())["device"] == "auto"
+    assert differing_files(tmp_path / "auto", tmp_path / "cpu") == []
+    v = run("verify-manifest", tmp_path / "auto", "--input", src, "--device", "cuda", "--full")
+    assert v.code == 0, v.stdout + v.stderr
+
+
+@on_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one worker a GPU)")
+def test_workers_on_several_gpus_write_one_workers_bytes(tmp_path):
+    src = write_synth("bench-kimi-linear", tmp_path / "in", layers=1)
+    n = torch.cuda.device_count()
+    pack(src, tmp_path / "cuda", Options(max_shard_size=500_000_000), device="cuda", workers=n, progress=False)
+    cpu = _pack(src, tmp_path / "cpu", "cpu")
+    assert differing_files(tmp_path / "cuda", cpu) == []
+
+
+# --- the comparisons, on a planted difference (no GPU needed) ---------------------------------------------------
+
+def test_differing_files_finds_a_changed_byte_and_a_missing_file(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        (d / "docs").mkdir(parents=True)
+        (d / "x.safetensors").write_bytes(bytes(range(256)) * 64)
+        (d / "docs" / "README.md").write_text("same")
+    assert differing_files(a, b) == []
+    data = bytearray((b / "x.safetensors").read_bytes())
+    data[9000] ^= 1  # one bit, past filecmp's first buffer
+    (b / "x.safetensors").write_bytes(bytes(data))
+    (a / "docs" / "only-here.json").write_text("{}")
+    assert differing_files(a, b) == ["docs/only-here.json", "x.safetensors"]
+
+
+def test_differing_tensors_compares_bytes_not_values():
+    x = torch.tensor([0.0, 1.0, float("nan")])
+    assert differing_tensors([x, x.to(torch.bfloat16)], [x.clone(), x.to(torch.bfloat16)]) == []  # NaN == NaN
+    assert differing_tensors([x], [torch.tensor([-0.0, 1.0, float("nan")])]) == [0]  # -0.0 == 0.0 by value
+    assert differing_tensors([x, x], [x, x.reshape(3, 1)]) == [1]
+    assert differing_tensors([x], [x, x]) == [1]
+
+
+def test_differing_tiles_names_the_tile_whose_code_or_scale_differs():
+    q = torch.zeros(128, 3 * 128, dtype=torch.uint8)
+    s = torch.ones(3)
+    assert not differing_tiles(q, q.clone(), s, s.clone()).any()
+    q2, s2 = q.clone(), s.clone()
+    q2[127, 2 * 128] = 1
+    s2[0] = 1.0000001
+    assert differing_tiles(q2, q, s2, s).tolist() == [True, False, True]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+def test_the_division_check_counts_nothing_in_range_and_a_divisor_out_of_it(monkeypatch):
+    """The division check's kernel (benchmarks/gpu_division_check.py) in the interpreter on the CPU: no code differs
+    for divisors in the fast path's range; a subnormal divisor (its reciprocal overflows: outside the range the
+    kernel gives the fast path) is counted, so that the check's 0 on the GPU means what it says."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the file's kernel is made, below
+    from gpu_compare import division_check
+
+    m = division_check()
+    d = m.divisors(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sample = torch.cat([d[:2], d[d.numel() // 2 : d.numel() // 2 + 1], d[-2:]]).to(device)
+    assert m.mismatches(sample) == 0
+    assert m.mismatches(torch.tensor([1e-40], device=device)) > 0
