@@ -62,8 +62,8 @@ def stages(src: Path) -> None:
     import kimi_convert.plan as P
     import kimi_convert.plan.make as M
     from kimi_convert.checkpoint import open_checkpoint
-    from kimi_convert.cli import render_plan
     from kimi_convert.mapping import find_mapping
+    from kimi_convert.plan.render import render as render_plan
     from kimi_convert.plan.serialize import plan_json
 
     spent: dict[str, float] = defaultdict(float)
