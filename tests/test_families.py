@@ -73,7 +73,8 @@ def _dtypes(folder: Path) -> dict[str, str]:
     out = {}
     for shard in sorted(set(_names(folder).values())):
         with safe_open(str(folder / shard), "pt") as f:
-            out.update({k: str(f.get_slice(k).get_dtype()) for k in f.keys()})
+            names = list(f.keys())  # safe_open is not a dict
+            out.update({k: str(f.get_slice(k).get_dtype()) for k in names})
     return out
 
 
@@ -154,7 +155,8 @@ def test_qwen3_pack_shares_scales_and_keeps_routers(ckpts, tmp_path):
     tensors = {}
     for shard in sorted(set(_names(out).values())):
         with safe_open(str(out / shard), "pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+            names = list(f.keys())  # safe_open is not a dict
+            tensors.update({k: f.get_tensor(k) for k in names})
     with safe_open(str(ckpts["qwen3-moe"] / _names(ckpts["qwen3-moe"])["model.layers.1.mlp.gate.weight"]), "pt") as f:
         assert tensors["model.layers.1.mlp.gate.weight"].equal(f.get_tensor("model.layers.1.mlp.gate.weight"))
     for layer in (0, 1):
@@ -180,3 +182,31 @@ def test_inspect_gives_benchmark_moe_values(ckpts, tmp_path):
         (tmp_path / f"{preset}.json").write_text(json.dumps(config(PRESETS[preset])))
         r = run("inspect", tmp_path / f"{preset}.json")
         assert f"benchmark_moe    {want}" in r.stdout, r.stdout
+
+
+# The releases' shapes at real width (Qwen3-30B-A3B; GLM-4.5-Air, whose MTP layer is layer num_hidden_layers).
+BENCH_SHAPES = {
+    "bench-qwen3-moe": {
+        "model.layers.1.self_attn.q_proj.weight": (4096, 2048), "model.layers.1.self_attn.k_proj.weight": (512, 2048),
+        "model.layers.1.self_attn.o_proj.weight": (2048, 4096), "model.layers.1.self_attn.q_norm.weight": (128,),
+        "model.layers.1.mlp.gate.weight": (128, 2048), "model.layers.1.mlp.experts.127.gate_proj.weight": (768, 2048),
+        "model.layers.1.mlp.experts.127.down_proj.weight": (2048, 768),
+    },
+    "bench-glm4-moe": {
+        "model.layers.0.mlp.gate_proj.weight": (10944, 4096), "model.layers.1.self_attn.q_proj.weight": (12288, 4096),
+        "model.layers.1.self_attn.q_proj.bias": (12288,), "model.layers.1.self_attn.k_proj.weight": (1024, 4096),
+        "model.layers.1.self_attn.o_proj.weight": (4096, 12288),
+        "model.layers.1.mlp.experts.0.up_proj.weight": (1408, 4096),
+        "model.layers.1.mlp.shared_experts.down_proj.weight": (4096, 1408),
+        "model.layers.2.eh_proj.weight": (4096, 8192),
+    },
+}
+
+
+@pytest.mark.parametrize("preset", list(BENCH_SHAPES))
+def test_bench_presets_have_the_releases_shapes(preset):
+    from kimi_convert.synth import tensor_specs
+
+    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(PRESETS[preset])}
+    assert {n: specs.get(n) for n in BENCH_SHAPES[preset]} == BENCH_SHAPES[preset]
+    assert not any("q_norm" in n for n in specs) or preset == "bench-qwen3-moe"  # GLM-4.5-Air: use_qk_norm false
