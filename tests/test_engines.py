@@ -88,6 +88,8 @@ OUTPUTS = {
     "k3-vllm": ("k3", None, "vllm", ("vllm",)),
     "k3-w4a16-vllm": ("k3", "nvfp4-w4a16", "vllm", ("vllm",)),
     "kl-vllm": ("kl", None, "vllm", ("vllm",)),
+    "qw-vllm": ("qw", None, "vllm", ("vllm",)),  # qkv_proj fused on disk
+    "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
 }
 
 

@@ -210,3 +210,21 @@ def test_bench_presets_have_the_releases_shapes(preset):
     specs = {name: tuple(shape) for name, shape, _ in tensor_specs(PRESETS[preset])}
     assert {n: specs.get(n) for n in BENCH_SHAPES[preset]} == BENCH_SHAPES[preset]
     assert not any("q_norm" in n for n in specs) or preset == "bench-qwen3-moe"  # GLM-4.5-Air: use_qk_norm false
+
+
+@pytest.mark.parametrize("key", ["qwen3-moe", "glm4-moe"])
+def test_layouts(key, ckpts, tmp_path):
+    """--layout vllm writes vLLM's packed modules fused (it loads them: tests/test_engines.py); --layout sglang
+    writes none (SGLang's load_weights renames by substring, 'v_proj' in 'qkv_proj': a fused module on disk is
+    skipped, checked with verify-manifest --engine sglang, docs/families.md)."""
+    fused = ("qkv_proj.", "gate_up_proj.")
+    for layout, want in (("vllm", True), ("sglang", False)):
+        out = tmp_path / layout
+        r = run("pack", ckpts[key], out, "-q", "--device", "cpu", "--layout", layout)
+        assert r.code == 0, r.stderr
+        names = _names(out)
+        assert any(f"self_attn.{fused[0]}" in n for n in names) is want
+        assert any(f in n for n in names for f in fused) is want
+        if key == "glm4-moe" and want:
+            assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in names
+            assert "model.layers.0.self_attn.qkv_proj.bias" in names
