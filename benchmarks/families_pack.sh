@@ -6,12 +6,12 @@
 #     bash benchmarks/families_pack.sh --device cuda    # the GPU machine
 #
 # Extra arguments go to benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...).
-# The Markdown it prints is also written to benchmarks/results/families_pack-<host>.md.
+# The Markdown it prints is also written to $OUT (default benchmarks/results/families-pack-<N>cpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 WORK=${WORKDIR:-/tmp/kimi-convert-families}
-OUT=benchmarks/results/families_pack-$(hostname -s).md
+OUT=${OUT:-benchmarks/results/families-pack-$(nproc)cpus.md}
 for preset in bench-qwen3-moe bench-glm4-moe; do
     "$PY" benchmarks/pack_throughput.py --preset "$preset" --workdir "$WORK" --quantize-alone "$@"
     echo

@@ -225,7 +225,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # GLM-4.5-Air's width (hidden 4096, 96 x 128 query heads, 8 KV heads, experts of 1408, 1 shared) in 2
     # layers (dense layer 0 and one MoE layer) plus its MTP layer; 64 of the release's 128 experts a layer
-    # (4.4 GB: two MoE layers of 128 would take 8.9 GB).
+    # (5.6 GB; two MoE layers of 128 would take 10 GB).
     "bench-glm4-moe": Preset(
         "glm4_moe", hidden=4096, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
         kv_lora=0, nope=0, rope=0, v_head=0, experts=64, topk=8, moe_inter=1408, latent=4096, shared=1,
