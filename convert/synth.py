@@ -206,7 +206,7 @@ PRESETS: dict[str, Preset] = {
         "qwen3_moe", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
         nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=128, latent=256, shared=0, dense_inter=768,
         first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=128, qk_norm=True,
-        description="Qwen3 MoE layout (Qwen3-30B-A3B), hidden 256, 2 layers, 8 bf16 experts (~5 MB)",
+        description="Qwen3 MoE layout (Qwen3-30B-A3B), hidden 256, 2 layers, 8 bf16 experts (~6 MB)",
     ),
     # Qwen3-30B-A3B's width (hidden 2048, 32 x 128 query heads, 4 KV heads, 128 experts of 768) in 2 layers.
     "bench-qwen3-moe": Preset(
@@ -221,7 +221,7 @@ PRESETS: dict[str, Preset] = {
         "glm4_moe", hidden=256, layers=3, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
         nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=128, latent=256, shared=1, dense_inter=768,
         first_dense=1, vocab=1000, attn_heads=4, kv_heads=2, head_dim=128, qk_norm=True, attn_bias=True, nextn=1,
-        description="GLM-4.5 layout, hidden 256, 3 layers (1 dense) + the MTP layer, 8 bf16 experts (~6 MB)",
+        description="GLM-4.5 layout, hidden 256, 3 layers (1 dense) + the MTP layer, 8 bf16 experts (~11 MB)",
     ),
     # GLM-4.5-Air's width (hidden 4096, 96 x 128 query heads, 8 KV heads, experts of 1408, 1 shared) in 2
     # layers (dense layer 0 and one MoE layer) plus its MTP layer; 64 of the release's 128 experts a layer

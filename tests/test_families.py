@@ -228,3 +228,19 @@ def test_layouts(key, ckpts, tmp_path):
         if key == "glm4-moe" and want:
             assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in names
             assert "model.layers.0.self_attn.qkv_proj.bias" in names
+
+
+def test_sglang_mtp_rule_is_sglangs(monkeypatch):
+    """The SGLang runner's MTP rule is SGLang's inline test (glm4_moe.py Glm4MoeForCausalLM.load_weights): a
+    ``model.layers.{i}`` name with i >= num_hidden_layers, only when num_nextn_predict_layers > 0."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "convert" / "enginecheck"))
+    import sglang_runner
+
+    rule = sglang_runner.mtp_rule(SimpleNamespace(num_nextn_predict_layers=1, num_hidden_layers=3))
+    assert rule("model.layers.3.eh_proj.weight") and rule("model.layers.3.mlp.experts.0.up_proj.weight_scale")
+    assert rule("model.layers.2.mlp.gate.weight") is None and rule("model.norm.weight") is None
+    assert rule("lm_head.weight") is None
+    none = sglang_runner.mtp_rule(SimpleNamespace(num_nextn_predict_layers=0, num_hidden_layers=3))
+    assert none("model.layers.3.eh_proj.weight") is None
