@@ -83,9 +83,11 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
+from . import synth_gqa
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
+from .synth_gqa import ARCHES as GQA_ARCHES
 from .write import default_mode
 
 
@@ -125,6 +127,13 @@ class Preset:
     description: str = ""
     sparse: bool = False  # headers real, data regions holes (write_sparse): for plan/manifest tests at scale
     cut_by_bytes: bool = False  # shards of equal bytes (many shards of experts), not cuts snapped onto k_proj/up_proj
+    # GQA attention (synth_gqa: Qwen3 MoE, GLM-4.5): query heads, key/value heads, head_dim
+    attn_heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False  # q_norm / k_norm [head_dim] (Qwen3 MoE; GLM-4.5 with use_qk_norm)
+    attn_bias: bool = False  # q/k/v biases (GLM-4.5: attention_bias true)
+    nextn: int = 0  # num_nextn_predict_layers: MTP layers stored after the last layer (GLM-4.5)
 
     def kinds(self) -> list[str]:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
@@ -190,6 +199,40 @@ PRESETS: dict[str, Preset] = {
         full_rank_gate=True, shards=24, cut_by_bytes=True,
         description="Kimi K3 at real width in 24 shards of equal bytes: one KDA + one MLA layer, 96 MXFP4 "
                     "experts 3072 x 3584 a layer",
+    ),
+    # Qwen3 MoE (Qwen/Qwen3-30B-A3B's config at reduced sizes; docs/families.md): head_dim 128 as released
+    # (the engines' attention backends take it), moe_inter 128 (vLLM's BF16 MoE pads a smaller one).
+    "tiny-qwen3-moe": Preset(
+        "qwen3_moe", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
+        nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=128, latent=256, shared=0, dense_inter=768,
+        first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=128, qk_norm=True,
+        description="Qwen3 MoE layout (Qwen3-30B-A3B), hidden 256, 2 layers, 8 bf16 experts (~6 MB)",
+    ),
+    # Qwen3-30B-A3B's width (hidden 2048, 32 x 128 query heads, 4 KV heads, 128 experts of 768) in 2 layers.
+    "bench-qwen3-moe": Preset(
+        "qwen3_moe", hidden=2048, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=128, topk=8, moe_inter=768, latent=2048, shared=0,
+        dense_inter=6144, first_dense=0, vocab=8192, attn_heads=32, kv_heads=4, head_dim=128, qk_norm=True,
+        shards=4, description="Qwen3-30B-A3B at real width: 128 bf16 experts 768 x 2048 a layer, 2 layers",
+    ),
+    # GLM-4.5 (zai-org/GLM-4.5's config at reduced sizes): qkv bias, qk-norm, a dense first layer, one shared
+    # expert, fp32 e_score_correction_bias and the MTP layer (num_nextn_predict_layers 1) as released.
+    "tiny-glm4-moe": Preset(
+        "glm4_moe", hidden=256, layers=3, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
+        nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=128, latent=256, shared=1, dense_inter=768,
+        first_dense=1, vocab=1000, attn_heads=4, kv_heads=2, head_dim=128, qk_norm=True, attn_bias=True, nextn=1,
+        description="GLM-4.5 layout, hidden 256, 3 layers (1 dense) + the MTP layer, 8 bf16 experts (~11 MB)",
+    ),
+    # GLM-4.5-Air's width (hidden 4096, 96 x 128 query heads, 8 KV heads, experts of 1408, 1 shared) in 2
+    # layers (dense layer 0 and one MoE layer) plus its MTP layer; 64 of the release's 128 experts a layer
+    # (5.6 GB; two MoE layers of 128 would take 10 GB).
+    "bench-glm4-moe": Preset(
+        "glm4_moe", hidden=4096, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=64, topk=8, moe_inter=1408, latent=4096, shared=1,
+        dense_inter=10944, first_dense=1, vocab=8192, attn_heads=96, kv_heads=8, head_dim=128, qk_norm=False,
+        attn_bias=True, nextn=1, shards=8,
+        description="GLM-4.5-Air at real width: dense layer 0, one MoE layer + the MTP layer, 64 bf16 "
+                    "experts 1408 x 4096 a layer",
     ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
@@ -311,6 +354,9 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
 def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """Every stored tensor: name, logical shape, dtype (uint8 marks an MXFP4 weight, float8 an FP8
     block-scaled one)."""
+    if p.arch in GQA_ARCHES:
+        yield from synth_gqa.tensor_specs(p)
+        return
     if p.arch == "deepseek_v3":
         yield from _deepseek(p)
         return
@@ -533,6 +579,8 @@ def _deepseek_config(p: Preset) -> dict:
 
 
 def config(p: Preset) -> dict:
+    if p.arch in GQA_ARCHES:
+        return synth_gqa.config(p)
     if p.arch == "deepseek_v3":
         return _deepseek_config(p)
     text = _text_config(p)
@@ -673,7 +721,10 @@ def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, so
     (out / "config.json").write_text(json.dumps(config(p), indent=2) + "\n")
     code = {"kimi_k3": "configuration_kimi_k3.py", "kimi_linear": "configuration_kimi.py"}.get(
         p.arch, "configuration_deepseek.py")
-    for name, text in {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}.items():
+    side = {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}
+    if p.arch in GQA_ARCHES:  # no custom code: transformers' own classes
+        side = synth_gqa.SIDE_FILES
+    for name, text in side.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)
     return out

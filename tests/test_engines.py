@@ -29,7 +29,10 @@ from helpers import Result, one_line_error, run, run_process
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
-MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear"}
+MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe"}
+#: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
+#: models drop it by their own rule (reported as mtp_skipped, never as skipped).
+MTP_LAYER = {"glm": "3"}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -77,12 +80,16 @@ OUTPUTS = {
     "k3": ("k3", None, "source", ENGINES),  # the defaults: nvidia-k3, source names
     "k3-w4a16": ("k3", "nvfp4-w4a16", "source", ENGINES),
     "kl": ("kl", None, "source", ENGINES),  # nvfp4-w4a16
+    "qw": ("qw", None, "source", ENGINES),  # nvfp4-w4a16
+    "glm": ("glm", None, "source", ENGINES),  # nvfp4-w4a16
     "k3-sglang": ("k3", None, "sglang", ("sglang",)),
     "k3-w4a16-sglang": ("k3", "nvfp4-w4a16", "sglang", ("sglang",)),
     "kl-sglang": ("kl", None, "sglang", ("sglang",)),
     "k3-vllm": ("k3", None, "vllm", ("vllm",)),
     "k3-w4a16-vllm": ("k3", "nvfp4-w4a16", "vllm", ("vllm",)),
     "kl-vllm": ("kl", None, "vllm", ("vllm",)),
+    "qw-vllm": ("qw", None, "vllm", ("vllm",)),  # qkv_proj fused on disk
+    "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
 }
 
 
@@ -191,6 +198,13 @@ def test_synthetic_input_loads(engine, model, inputs):
     # into bf16 parameters: their own reading of the input, reported, not a defect of the checkpoint
     bad = [c for c in rep["bad_casts"] if c["class"] != "narrowing"]
     assert rep["error"] is None and not rep["unfilled"] and not rep["skipped"] and not bad, describe(rep)
+    assert_mtp_only(model, rep)
+
+
+def assert_mtp_only(model: str, rep: dict) -> None:
+    """What the main model dropped by the engine's MTP rule is the MTP layer, all of it, and nothing else."""
+    layers = {t["tensor"].split(".")[2] for t in rep.get("mtp_skipped", [])}
+    assert layers == ({MTP_LAYER[model]} if model in MTP_LAYER else set()), layers
 
 
 OUTPUT_PARAMS = [pytest.param(key, engine.values[0], marks=engine.marks, id=f"{key}-{engine.id}")
@@ -214,6 +228,7 @@ def test_output_loads(key, engine, outputs, inputs):
     record(engine, key, out, rep)
     assert not rep["unfilled"] and not rep["skipped"] and not rep["bad_casts"] and rep["error"] is None, \
         describe(rep)
+    assert_mtp_only(OUTPUTS[key][0], rep)
     num = rep["numerics"]
     assert num is not None and num["layers"], describe(rep)
     quantized = {k for k, v in num["summary"].items() if v["layers"]} - {"dense"}

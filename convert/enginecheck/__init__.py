@@ -129,6 +129,7 @@ class Report:
     unfilled: list[dict] = field(default_factory=list)
     allowed_unfilled: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
+    mtp_skipped: list[dict] = field(default_factory=list)  # MTP-layer tensors the main model drops by its own rule
     bad_casts: list[dict] = field(default_factory=list)
     widening_casts: list[dict] = field(default_factory=list)
     source_casts: list[dict] = field(default_factory=list)  # narrowing of tensors copied unchanged from the input
@@ -193,6 +194,9 @@ class Report:
                 if self.allowed_unfilled else ""
             if self.source_casts:
                 extra += f"; {len(self.source_casts)} input tensor(s) narrowed as the engine reads the input itself"
+            if self.mtp_skipped:
+                extra += (f"; {len(self.mtp_skipped)} MTP-layer tensor(s) left to the engine's MTP model (its main "
+                          "model drops them by its own rule)")
             return (f"{head}: {where} loads as {arch}: all {self.params} parameters filled from {self.offered} "
                     f"tensors, none skipped, no bad cast{extra}")
         parts = []
@@ -278,7 +282,7 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
             rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), source, out).to_dict()
             compare_s = round(time.perf_counter() - t1, 2)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
-              "allowed_unfilled", "skipped", "bad_casts", "widening_casts", "created_during_load",
+              "allowed_unfilled", "skipped", "mtp_skipped", "bad_casts", "widening_casts", "created_during_load",
               "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])

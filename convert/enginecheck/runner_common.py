@@ -266,9 +266,12 @@ class Tracker:
                 sent = sent & ~wv.all(-1)
         return int(sent.sum())
 
-    def result(self, model: torch.nn.Module, optional: list[tuple]) -> dict:
+    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None) -> dict:
         """``optional``: (regex, why) or (regex, why, count) naming parameters the engine legitimately
-        leaves unwritten (with a count: exactly that many elements, e.g. a module's padding rows)."""
+        leaves unwritten (with a count: exactly that many elements, e.g. a module's padding rows).
+        ``mtp_rule(name)``: why the engine's main model drops a checkpoint tensor of an MTP layer on purpose
+        (the engine's own rule; its MTP model loads it), or None: such a skipped tensor is listed as
+        ``mtp_skipped``, not ``skipped``."""
         import re
 
         opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
@@ -294,6 +297,8 @@ class Tracker:
             if cur.numel() and cur.device.type != "meta" and bool(sentinel_mask(cur.data).all()):
                 buffers_unfilled.append(name)
         skipped = [n for n in self.offered_order if not self.stored.get(n)]
+        mtp = {n: why for n in skipped if mtp_rule is not None and (why := mtp_rule(n))}
+        skipped = [n for n in skipped if n not in mtp]
         casts = [{"tensor": n, "param": p, "class": c, "from": a, "to": b}
                  for (n, p), (c, a, b) in sorted(self.casts.items())]
         return {
@@ -302,6 +307,7 @@ class Tracker:
             "unfilled": unfilled,
             "allowed_unfilled": allowed,
             "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
+            "mtp_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in mtp.items()],
             # widening loses nothing; reinterpretations (the worst) first
             "bad_casts": sorted((c for c in casts if c["class"] in ("reinterpret", "narrowing")),
                                 key=lambda c: c["class"] != "reinterpret"),

@@ -47,6 +47,24 @@ def optional_for(model) -> list[tuple[str, str]]:
     return out
 
 
+def mtp_rule(config):
+    """SGLang's own rule for the MTP layers a main model drops, written inline in its load_weights
+    (GLM-4.5: srt/models/glm4_moe.py Glm4MoeForCausalLM.load_weights, ``not is_nextn``: a name
+    ``model.layers.{i}...`` with i >= num_hidden_layers is skipped when num_nextn_predict_layers > 0); the
+    MTP model (glm4_moe_nextn.py Glm4MoeForCausalLMNextN) loads those."""
+    n = getattr(config, "num_nextn_predict_layers", 0) or 0
+    base = getattr(config, "num_hidden_layers", 0)
+
+    def why(name: str) -> str | None:
+        parts = name.split(".")
+        if not (n > 0 and name.startswith("model.layers") and len(parts) >= 3 and parts[2].isdigit()
+                and int(parts[2]) >= base):
+            return None
+        return (f"MTP layer {parts[2]} (num_nextn_predict_layers): SGLang's main model drops it in load_weights "
+                "(layer >= num_hidden_layers); its NextN model loads it")
+    return why
+
+
 #: Every patch, with why it is safe (docs/engine-checks.md lists the same).
 PATCHES = [
     ("torch.cuda device queries",
@@ -145,7 +163,7 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model)))
+    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(model_config.hf_config)))
     with rc.CpuDevices():  # before post_load_weights, which derives kernel buffers from the loaded weights
         rc.numerics("sglang", result, model, tracker, error)
     if post_load is not None and error is None:

@@ -47,6 +47,21 @@ def optional_for(model) -> list[tuple[str, str]]:
     return out
 
 
+def mtp_rule(config):
+    """vLLM's own rule for the MTP layers a main model drops: ``get_spec_layer_idx_from_weight_name``
+    (model_executor/models/utils.py), which ``skip_spec_layers`` applies in load_weights (GLM-4.5:
+    glm4_moe.py Glm4MoeModel.load_weights); the MTP model (glm4_moe_mtp.py Glm4MoeMTP) loads those."""
+    from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
+
+    def why(name: str) -> str | None:
+        layer = get_spec_layer_idx_from_weight_name(config, name)
+        if layer is None:
+            return None
+        return (f"MTP layer {layer} (num_nextn_predict_layers): vLLM's main model drops it "
+                "(models/utils.py get_spec_layer_idx_from_weight_name via skip_spec_layers); its MTP model loads it")
+    return why
+
+
 #: Every patch, with why it is safe (docs/engine-checks.md lists the same).
 PATCHES = [
     ("platform",
@@ -175,7 +190,7 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model)))
+    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
     with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype):
         rc.numerics("vllm", result, model, tracker, error)
     rc.finish(result, error, tracker)

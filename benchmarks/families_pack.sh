@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# pack of the Qwen3 MoE and GLM-4.5 bench presets at real width (docs/families.md), against the disk floor,
+# with the default recipe (nvfp4-w4a16), input evicted from the page cache before each timed step:
+#
+#     bash benchmarks/families_pack.sh                  # this machine's CPUs (--device cpu)
+#     bash benchmarks/families_pack.sh --device cuda    # the GPU machine
+#
+# Extra arguments go to benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...).
+# The Markdown it prints is also written to $OUT (default benchmarks/results/families-pack-<N>cpus.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+WORK=${WORKDIR:-/tmp/kimi-convert-families}
+OUT=${OUT:-benchmarks/results/families-pack-$(nproc)cpus.md}
+for preset in bench-qwen3-moe bench-glm4-moe; do
+    "$PY" benchmarks/pack_throughput.py --preset "$preset" --workdir "$WORK" --quantize-alone "$@"
+    echo
+done | tee "$OUT"
