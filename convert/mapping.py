@@ -14,11 +14,12 @@ import re
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from importlib import resources
 from pathlib import Path
 
+from . import globs
 from .errors import ConvertError
+from .keep import KeepRule
 
 ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
@@ -71,21 +72,6 @@ class Group:
 
 
 @dataclass(frozen=True)
-class Rule:
-    pattern: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Restrict:
-    """Modules an engine can load only in some formats (what else a recipe asks for is kept instead)."""
-
-    pattern: str
-    formats: tuple[str, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
 class LayerType:
     name: str
     config: str  # dotted path in the text config to a list of layer numbers
@@ -103,9 +89,12 @@ class Mapping:
     layer_types: tuple[LayerType, ...]
     linear: tuple[str, ...]  # globs of modules built as linear layers although their weight is not 2-D
     not_linear: tuple[str, ...]  # globs of modules whose 2-D weight is not a linear layer (embeddings)
-    keep: tuple[Rule, ...]  # linear modules that are never NVFP4, whatever the user says
-    restrict: tuple[Restrict, ...]  # modules an engine loads only in some formats
-    exclude: tuple[Rule, ...]  # the default exclusion recipe
+    # what keeps a module in high precision (keep.py says in which order): linear modules that are never
+    # quantized, whatever the user says; modules an engine loads only in some formats (``formats``: what
+    # else a recipe asks for is kept instead); the default exclusion recipe (origin ``default (NAME)``)
+    keep: tuple[KeepRule, ...]
+    restrict: tuple[KeepRule, ...]
+    exclude: tuple[KeepRule, ...]
     groups: tuple[Group, ...]
     expert_sets: tuple[str, ...]  # parents whose children the engine quantizes all-or-nothing
     config_defaults: dict = field(default_factory=dict)
@@ -162,9 +151,8 @@ class Mapping:
             return name[len(self.text_prefix) :]
         return name
 
-    def _hit(self, module: str, globs: tuple[str, ...]) -> bool:
-        short = self.strip(module)
-        return any(fnmatchcase(short, p) or fnmatchcase(module, p) for p in globs)
+    def _hit(self, module: str, patterns: tuple[str, ...]) -> bool:
+        return any(globs.match(p, module, self.text_prefix) for p in patterns)
 
     def is_linear(self, module: str, shape: tuple[int, ...]) -> bool:
         """A linear layer is found by what it is, not by its name: a 2-D ``.weight`` (``kv_a_proj_with_mqa``
@@ -173,15 +161,6 @@ class Mapping:
         if self._hit(module, self.not_linear):
             return False
         return len(shape) == 2 or self._hit(module, self.linear)
-
-    def restriction(self, module: str) -> Restrict | None:
-        short = self.strip(module)
-        return next((r for r in self.restrict if fnmatchcase(short, r.pattern) or fnmatchcase(module, r.pattern)),
-                    None)
-
-    def keep_rule(self, module: str) -> Rule | None:
-        short = self.strip(module)
-        return next((r for r in self.keep if fnmatchcase(short, r.pattern) or fnmatchcase(module, r.pattern)), None)
 
     def fits(self, config: dict) -> str | None:
         """Why this table is not for ``config`` (a ``--mapping`` given by hand), or None."""
@@ -195,19 +174,18 @@ class Mapping:
     def unmatched(self, modules: Iterable[str]) -> list[str]:
         """The table's entries that name nothing in the input (a misspelt glob is otherwise silent:
         the weights are just copied or left unfused)."""
+        modules = list(modules)
         shorts = {self.strip(mod) for mod in modules}
         parents = {s.rpartition(".")[0] for s in shorts}
 
-        names = shorts | set(modules)
-
         def hit(pattern: str) -> bool:
-            return any(fnmatchcase(x, pattern) for x in names)
+            return any(globs.match(pattern, mod, self.text_prefix) for mod in modules)
 
         me = f"mapping {self.name} ({self.path})"
         out = [f"{me}: {what} {pat!r} matches no module of the input"
                for what, pats in (("linear", self.linear), ("not_linear", self.not_linear),
-                                  ("keep", tuple(r.pattern for r in self.keep)),
-                                  ("restrict", tuple(r.pattern for r in self.restrict)))
+                                  ("keep", tuple(r.text for r in self.keep)),
+                                  ("restrict", tuple(r.text for r in self.restrict)))
                for pat in pats if not hit(pat)]
         for g in self.groups:
             for parent, rx in zip(g.parents, g.parent_regexes(), strict=True):
@@ -266,14 +244,19 @@ def _tables(items: object, where: str, keys: set[str], build) -> tuple:
     return tuple(out)
 
 
-def _rules(items: object, where: str) -> tuple[Rule, ...]:
-    return _tables(items, where, {"pattern", "reason"},
-                   lambda r, w: Rule(_req(r, "pattern", str, w), r.get("reason", "")))
+def _globs(table: dict, key: str, where: str) -> tuple[str, ...]:
+    """A list of module globs, each checked (globs.check) and named by its place (``FILE: linear[0]``)."""
+    return tuple(globs.check(g, f"{where}: {key}[{i}]") for i, g in enumerate(_strs(table, key, where)))
 
 
-def _restricts(items: object, where: str) -> tuple[Restrict, ...]:
-    return _tables(items, where, {"pattern", "formats", "reason"},
-                   lambda r, w: Restrict(_req(r, "pattern", str, w), _strs(r, "formats", w), r.get("reason", "")))
+def _rules(items: object, where: str, origin: str) -> tuple[KeepRule, ...]:
+    return _tables(items, where, {"pattern", "reason"}, lambda r, w: KeepRule(
+        globs.check(_req(r, "pattern", str, w), w), origin, r.get("reason", "")))
+
+
+def _restricts(items: object, where: str, origin: str) -> tuple[KeepRule, ...]:
+    return _tables(items, where, {"pattern", "formats", "reason"}, lambda r, w: KeepRule(
+        globs.check(_req(r, "pattern", str, w), w), origin, r.get("reason", ""), _strs(r, "formats", w)))
 
 
 def _layouts(table: object, where: str) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -370,19 +353,20 @@ def parse_mapping(text: str, path: str) -> Mapping:
     keys = [(g.name, g.engines, g.when) for g in groups]
     if len(set(keys)) != len(keys):
         raise ConvertError(f"{path}: two groups of one name need different engines or conditions")
+    name = _req(t, "name", str, path)
     return Mapping(
-        name=_req(t, "name", str, path),
+        name=name,
         description=t.get("description", ""),
         architectures=_strs(t, "architectures", path),
         model_types=_strs(t, "model_types", path),
         text_config=t.get("text_config", ""),
         text_prefix=t.get("text_prefix", ""),
         layer_types=tuple(lts),
-        linear=_strs(t, "linear", path),
-        not_linear=_strs(t, "not_linear", path),
-        keep=_rules(t.get("keep", []), f"{path}: keep"),
-        restrict=_restricts(t.get("restrict", []), f"{path}: restrict"),
-        exclude=_rules(t.get("exclude", []), f"{path}: exclude"),
+        linear=_globs(t, "linear", path),
+        not_linear=_globs(t, "not_linear", path),
+        keep=_rules(t.get("keep", []), f"{path}: keep", f"mapping {name}: keep"),
+        restrict=_restricts(t.get("restrict", []), f"{path}: restrict", f"mapping {name}: restrict"),
+        exclude=_rules(t.get("exclude", []), f"{path}: exclude", f"default ({name})"),
         groups=groups,
         expert_sets=_strs(t, "expert_sets", path),
         config_defaults=dict(t.get("config_defaults", {})),

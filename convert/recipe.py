@@ -18,10 +18,9 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from pathlib import Path
 
-from . import formats
+from . import formats, globs
 from .errors import ConvertError
 from .mapping import builtin_tables
 from .schemes import Format
@@ -29,7 +28,7 @@ from .schemes import Format
 
 @dataclass(frozen=True)
 class RecipeRule:
-    modules: tuple[str, ...]  # globs (``*`` crosses dots) on the module name, with or without the text prefix
+    modules: tuple[str, ...]  # module globs (globs.match: the one semantics of every pattern)
     experts: bool  # also (or only) every routed expert module of the mapping's expert sets
     format: Format
     input_scale: float | None  # nvfp4: a constant activation scale written per module
@@ -58,12 +57,12 @@ class Recipe:
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
 
-    def decide(self, module: str, short: str, is_expert: bool) -> RecipeRule | None:
-        """The first rule for this module (``short``: without the text prefix)."""
+    def decide(self, module: str, text_prefix: str, is_expert: bool) -> RecipeRule | None:
+        """The first rule for this module (``text_prefix``: the mapping's, globs.match)."""
         for r in self.rules:
             if r.experts and is_expert:
                 return r
-            if any(fnmatchcase(short, p) or fnmatchcase(module, p) for p in r.modules):
+            if any(globs.match(p, module, text_prefix) for p in r.modules):
                 return r
         return None
 
@@ -82,8 +81,9 @@ def _rule(r: object, where: str) -> RecipeRule:
     mods = r.get("modules", [])
     if isinstance(mods, str):
         mods = [mods]
-    if not isinstance(mods, list) or not all(isinstance(m, str) and m for m in mods):
+    if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         raise ConvertError(f"{where}: 'modules' must be a list of globs")
+    mods = [globs.check(m, f"{where}: modules[{i}]") for i, m in enumerate(mods)]
     experts = r.get("experts", False)
     if not isinstance(experts, bool) or (not mods and not experts):
         raise ConvertError(f"{where}: a rule needs 'modules' globs or 'experts = true'")

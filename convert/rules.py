@@ -1,67 +1,24 @@
-"""Exclusion rules: which source shards stay in high precision, decided per shard, never by substring.
+"""The user's exclusion rules: ``--exclude`` values and ``--exclude-from`` files, read into ``KeepRule``s.
 
-A pattern is a shell glob (``*`` crosses dots, as in fnmatch) matched against a source module's
-full name, its tensor name (``.weight``), and both without the text prefix (``language_model.``).
-A pattern without a dot (``lm_head``, ``v_conv1d``) is matched against each dot-separated part of
-the name as a whole, so ``v_conv1d`` excludes every ``v_conv1d`` shard and never ``qkv_conv1d``.
-Fused names are not source names: a fused module is kept only when all of its shards are.
+Each is a glob read by ``globs.match`` (one semantics for every pattern) and decided per source shard
+by ``keep.kept``: a fused module is kept only when all of its shards are (fused names are not source names).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 from . import jsonfile, paths
 from .errors import ConvertError
+from .globs import check
+from .keep import KeepRule
 
 
-@dataclass(frozen=True)
-class Pattern:
-    text: str
-    origin: str  # "default", "--exclude", "FILE:LINE", "hf_quant_config.json"
-    reason: str = ""
-
-    def describe(self) -> str:
-        why = f": {self.reason}" if self.reason else ""
-        return f"{self.origin} {self.text!r}{why}"
+def from_cli(values: tuple[str, ...]) -> list[KeepRule]:
+    return [KeepRule(check(v, "--exclude"), "--exclude") for v in values]
 
 
-def candidate_names(module: str, text_prefix: str) -> list[str]:
-    names = [module, module + ".weight"]
-    if text_prefix and module.startswith(text_prefix):
-        short = module[len(text_prefix) :]
-        names += [short, short + ".weight"]
-    return names
-
-
-def matches(pattern: str, module: str, text_prefix: str) -> bool:
-    if "." not in pattern:
-        return any(fnmatchcase(part, pattern) for part in module.split("."))
-    return any(fnmatchcase(n, pattern) for n in candidate_names(module, text_prefix))
-
-
-def first_match(patterns: list[Pattern], module: str, text_prefix: str) -> Pattern | None:
-    return next((p for p in patterns if matches(p.text, module, text_prefix)), None)
-
-
-def _check(text: str, where: str) -> str:
-    text = text.strip()
-    if not text:
-        raise ConvertError(f"{where}: empty exclusion pattern")
-    if any(c.isspace() for c in text):
-        raise ConvertError(f"{where}: pattern {text!r} contains white space")
-    if text.count("[") != text.count("]"):
-        raise ConvertError(f"{where}: pattern {text!r} has an unbalanced '['")
-    return text
-
-
-def from_cli(values: tuple[str, ...]) -> list[Pattern]:
-    return [Pattern(_check(v, "--exclude"), "--exclude") for v in values]
-
-
-def from_file(path: str | Path) -> list[Pattern]:
+def from_file(path: str | Path) -> list[KeepRule]:
     """One pattern per line (``#`` comments), or a JSON list, or an hf_quant_config.json / config.json."""
     p = paths.file(path, "an exclude file")
     try:  # a regular file, bounded (a FIFO would block the read forever)
@@ -70,12 +27,12 @@ def from_file(path: str | Path) -> list[Pattern]:
         raise ConvertError(f"{p}: cannot read exclude file: {e}") from None
     if text.lstrip().startswith(("{", "[")):
         obj = jsonfile.loads(text, str(p))
-        return [Pattern(_check(v, f"{p}"), str(p)) for v in exclude_list_of(obj, str(p))]
+        return [KeepRule(check(v, f"{p}"), str(p)) for v in exclude_list_of(obj, str(p))]
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if line:
-            out.append(Pattern(_check(line, f"{p}:{n}"), f"{p}:{n}"))
+            out.append(KeepRule(check(line, f"{p}:{n}"), f"{p}:{n}"))
     return out
 
 

@@ -103,11 +103,11 @@ def test_shard_header_is_json_dumps_of_the_header():
 
 
 def test_index_blind_globs():
-    from kimi_convert.plan import _index_blind
+    from kimi_convert.globs import index_blind
 
     blind = ["*_conv1d", "w13", "*.experts.*.w1", "model.layers.*.self_attn.[fb]_*_proj", "x[!0-9]", "12y", "x[ab"]
     telling = ["*.experts.0.*", "*.experts.1?.w2", "*1*", "layers.0.mlp", "x.[0-9].y", "x.12", "12.x", "?"]
-    assert all(map(_index_blind, blind)) and not any(map(_index_blind, telling))
+    assert all(map(index_blind, blind)) and not any(map(index_blind, telling))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ aliases, patterns), ``make`` (make_plan).
 
 from ..options import DEFAULT_MAX_SHARD, LAYOUTS, Options
 from ..schemes import GROUP_SIZE
-from .decide import _index_blind
 from .discover import check_convertible, discover_sources, fp8_block_size
 from .fusion import EngineGroup, Fused, resolve_fusions
 from .layout import build_items
@@ -42,7 +41,7 @@ from .names import aliases, collect_patterns, exclude_list
 __all__ = [
     "COPY", "DEFAULT_MAX_SHARD", "FP8", "GROUP_SIZE", "KEEP", "KEPT_FOR_ENGINE", "LAYOUTS", "MXFP4_GROUP", "NVFP4",
     "QUANTIZED", "Encoding", "EngineGroup", "Fused", "Item", "Kind", "Op", "Options", "OutTensor",
-    "Placed", "Plan", "Shard", "SourceTensor", "Unit", "_index_blind", "aliases", "build_items", "check_convertible",
+    "Placed", "Plan", "Shard", "SourceTensor", "Unit", "aliases", "build_items", "check_convertible",
     "collect_patterns", "discover_sources", "exclude_list", "fp8_block_size", "make_plan",
     "resolve_fusions",
 ]

@@ -20,8 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from operator import itemgetter, lt
 
-from .. import rules
 from ..checkpoint import Checkpoint
+from ..keep import KeepRule
 from ..mapping import Mapping, template_regex
 from ..options import Options
 from ..recipe import Recipe
@@ -63,7 +63,7 @@ class Banks:
         return [f"{bank.prefix}.{e}.{leaf}" for e in bank.indices]
 
 
-def find_banks(ckpt: Checkpoint, m: Mapping, recipe: Recipe, opts: Options, patterns: list[rules.Pattern]
+def find_banks(ckpt: Checkpoint, m: Mapping, recipe: Recipe, opts: Options, patterns: list[KeepRule]
                ) -> tuple[Checkpoint, Banks] | None:
     """The input with each bank reduced to its first expert, and the banks; None where nothing is banked."""
     if opts.layout != "source" or not m.expert_sets or not index_blind_rules(m, recipe, patterns):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 
-from .. import rules
-from ..errors import ConvertError
+from .. import globs, keep
+from ..keep import KeepRule
 from ..mapping import Group, Mapping
 from ..options import Options
 from ..recipe import Recipe
-from .model import KEEP, KEPT_FOR_ENGINE, Kind, SourceTensor
+from .model import KEEP, Kind, SourceTensor
 
 # ---------------------------------------------------------------------------------------------
 # Exclusion: decided per source shard
@@ -32,8 +31,8 @@ class _Context:
     m: Mapping
     recipe: Recipe
     opts: Options
-    patterns: list[rules.Pattern]
-    used: dict[rules.Pattern, int]
+    patterns: list[KeepRule]  # the exclusion rules in force (keep.py's source 3)
+    used: dict[KeepRule, int]
     expert_rx: list[re.Pattern[str]]
     modules: dict[str, dict[str, SourceTensor]] = field(default_factory=dict)
     memo: dict[tuple, tuple] = field(default_factory=dict)  # per expert template: is_linear, decisions
@@ -61,57 +60,12 @@ class _Context:
         return None
 
 
-def index_blind_rules(m: Mapping, recipe: Recipe, patterns: list[rules.Pattern]) -> bool:
+def index_blind_rules(m: Mapping, recipe: Recipe, patterns: list[KeepRule]) -> bool:
     """Whether no glob in force (the mapping's, the recipe's, the exclusion rules) can tell two expert
     indices apart: then what is decided for one routed expert holds for every expert of its layer."""
-    globs = [*m.linear, *m.not_linear, *(r.pattern for r in m.keep), *(r.pattern for r in m.restrict),
+    texts = [*m.linear, *m.not_linear, *(r.text for r in m.keep), *(r.text for r in m.restrict),
              *(g for r in recipe.rules for g in r.modules), *(p.text for p in patterns)]
-    return all(map(_index_blind, globs))
-
-
-def _index_blind(glob: str) -> bool:
-    """Whether a glob matches all expert indices alike (an index: ASCII digits between dots). It must
-    have no ``?`` and no ``[...]`` class that takes a digit (fnmatch's own parsing), and each run of
-    literal digits must touch a literal that is neither a digit nor a dot (``conv1d``, ``w13``): such a
-    run cannot lie inside an index. Every other token is a ``*`` or matches only non-digits, so an index
-    lies inside what one ``*`` matches, and another index matches the same way."""
-    tokens: list[str | None] = []  # literal characters; None for a '*' or a class
-    i, n = 0, len(glob)
-    while i < n:
-        c = glob[i]
-        i += 1
-        if c == "?":
-            return False
-        if c == "[":
-            j = i
-            if j < n and glob[j] == "!":
-                j += 1
-            if j < n and glob[j] == "]":
-                j += 1
-            while j < n and glob[j] != "]":
-                j += 1
-            if j < n:  # a class (else '[' is a literal)
-                if any(fnmatchcase(d, glob[i - 1 : j + 1]) for d in "0123456789"):
-                    return False
-                tokens.append(None)
-                i = j + 1
-                continue
-        tokens.append(None if c == "*" else c)
-
-    def digit(k: int) -> bool:
-        return 0 <= k < len(tokens) and tokens[k] is not None and tokens[k] in "0123456789"
-
-    def stops(k: int) -> bool:  # a literal an index cannot contain or end at
-        return 0 <= k < len(tokens) and tokens[k] is not None and not digit(k) and tokens[k] != "."
-
-    for k in range(len(tokens)):
-        if digit(k) and not digit(k - 1):
-            end = k
-            while digit(end):
-                end += 1
-            if not (stops(k - 1) or stops(end)):
-                return False
-    return True
+    return all(map(globs.index_blind, texts))
 
 
 def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context, key: str | None) -> bool:
@@ -147,40 +101,14 @@ def _decide_apart(mod: str, ctx: _Context, key: str | None) -> _Decision:
 
 
 def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -> _Decision:
-    """The format of one linear module (or a module fused on disk from ``members``): the mapping's
-    keeps first (what the engines build unquantized), then the exclusion rules (decided per source
-    shard), then the recipe's first matching rule."""
+    """The format of one linear module (or a module fused on disk from ``members``): kept in high
+    precision when one of keep.py's sources says so (its reason names the source), else the recipe's
+    first matching rule."""
     m = ctx.m
-    if group is not None and not group.quantize:
-        return _Decision(KEEP, f"mapping {m.name}: {group.name}: {group.reason}")
-    for mod in members:
-        k = m.keep_rule(mod)
-        if k is not None:
-            return _Decision(KEEP, f"mapping {m.name}: keep {k.pattern!r}: {k.reason}")
-    hits = {mod: rules.first_match(ctx.patterns, mod, m.text_prefix) for mod in members}
-    for p in hits.values():
-        if p is not None:
-            ctx.used[p] += 1
-    excluded = [mod for mod, p in hits.items() if p is not None]
-    if excluded:
-        why = "; ".join(dict.fromkeys(p.describe() for p in hits.values() if p is not None))
-        if len(excluded) == len(members):
-            return _Decision(KEEP, f"excluded by {why}")
-        kept = [mod for mod in members if mod not in excluded]
-        if ctx.opts.keep_partial:
-            return _Decision(KEEP, f"--keep-partial: shards {', '.join(excluded)} excluded by {why}")
-        raise ConvertError(
-            f"module {name}: only some shards are excluded: excluded {', '.join(excluded)}; "
-            f"not excluded {', '.join(kept)}; exclude all of them, or pass --keep-partial to keep "
-            f"the whole module in high precision"
-        )
-    rule = ctx.recipe.decide(members[0], m.strip(members[0]), ctx.is_expert(members[0]))
-    if rule is None:
-        return _Decision(KEEP, f"recipe {ctx.recipe.name}: no rule matches: kept")
+    rule = ctx.recipe.decide(members[0], m.text_prefix, ctx.is_expert(members[0]))
+    k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
+    if k is not None:
+        return _Decision(KEEP, k.reason)
+    assert rule is not None  # keep.kept keeps a module no rule matches
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
-    why = rule.reason or rule.describe()
-    r = m.restriction(members[0])
-    if r is not None and rule.format.value not in r.formats:
-        return _Decision(KEEP, f"{KEPT_FOR_ENGINE}mapping {m.name}: {rule.format.value} asked by recipe "
-                               f"{ctx.recipe.name}, but {r.reason}")
-    return _Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {why}", scale)
+    return _Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .. import rules
+from .. import globs
 from ..checkpoint import Checkpoint
 from ..gcpause import gc_paused
+from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe
@@ -58,7 +59,7 @@ class _Staged:
 
 
 @gc_paused()
-def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern] | None = None,
+def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule] | None = None,
               recipe: Recipe | None = None, *, banked: bool = False) -> Plan:
     """``patterns`` and ``recipe`` replace the collected rules and the named recipe (verify-manifest
     re-plans with the recorded ones). ``banked``: plan each bank of alike routed experts once (banks.py)
@@ -85,7 +86,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe), lambda: per, _outline)
 
 
-def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern], recipe: Recipe, st: _Staged,
+def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe, st: _Staged,
           exclude: list[str], per_module, outline_of) -> Plan:
     return Plan(
         mapping=m,
@@ -112,7 +113,7 @@ def _outline(plan: Plan) -> Outline:
                    plan.bytes_in, plan.bytes_out, len(plan.shards))
 
 
-def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pattern], recipe: Recipe) -> _Staged:
+def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
     ctx = _Context(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
     notes: list[str] = []
     modules = discover_sources(ckpt)
@@ -145,8 +146,8 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.Pa
     return _Staged(items, units, shards, _engine_records(fusions, modules), warnings, notes)
 
 
-def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: dict[str, dict[str, SourceTensor]],
-                    m: Mapping) -> tuple[list[str], list[rules.Pattern]]:
+def _unused_patterns(unused: list[KeepRule], items: list[Item], modules: dict[str, dict[str, SourceTensor]],
+                    m: Mapping) -> tuple[list[str], list[KeepRule]]:
     """Warnings for patterns that decided nothing, and the patterns that were not needed.
 
     A pattern naming a module that something else already keeps (the mapping, the recipe, an earlier
@@ -157,7 +158,7 @@ def _unused_patterns(unused: list[rules.Pattern], items: list[Item], modules: di
     nothing: dict[str, list[str]] = defaultdict(list)  # origin -> patterns: one line per file
     names = set(modules)
     for p in unused:
-        fused = [it.name for it in items if it.group and rules.matches(p.text, it.name, m.text_prefix)]
+        fused = [it.name for it in items if it.group and globs.match(p.text, it.name, m.text_prefix)]
         if fused:
             warnings.append(f"exclusion pattern {p.text!r} ({p.origin}) names fused module {fused[0]}: exclusion "
                             "is per source shard, name its shards instead")
@@ -176,4 +177,4 @@ def _names_a_module(pattern: str, modules: set[str], text_prefix: str) -> bool:
     if not any(c in pattern for c in "*?[") and "." in pattern:  # a plain name: a lookup, not a scan
         bare = pattern.removesuffix(".weight")
         return bare in modules or text_prefix + bare in modules
-    return any(rules.matches(pattern, mod, text_prefix) for mod in modules)
+    return any(globs.match(pattern, mod, text_prefix) for mod in modules)

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple
 
-from .. import rules
 from ..encodings import Encoding as Encoding  # how a source stores a weight: the source encodings' data
 from ..encodings import SourceTensor
 from ..encodings.mxfp4 import GROUP as MXFP4_GROUP  # noqa: F401 (re-exported)
+from ..keep import KEPT_FOR_ENGINE as KEPT_FOR_ENGINE  # the reason's mark of a module kept for the engines
+from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
@@ -46,7 +47,6 @@ class Op(StrEnum):
 
 NVFP4, FP8, KEEP, COPY = Kind.NVFP4, Kind.FP8_BLOCK, Kind.KEEP, Kind.COPY
 QUANTIZED = (NVFP4, FP8)
-KEPT_FOR_ENGINE = "kept for the engines: "
 
 
 class OutTensor(NamedTuple):  # a tuple: one per output tensor (a million in the released K3)
@@ -159,7 +159,7 @@ class Plan:
     mapping: Mapping
     recipe: Recipe
     options: Options
-    patterns: tuple[rules.Pattern, ...]
+    patterns: tuple[KeepRule, ...]  # the exclusion rules in force, recorded in the manifest
     exclude_modules: tuple[str, ...]
     warnings: tuple[str, ...]
     side_files: tuple[str, ...]

@@ -7,6 +7,7 @@ from fnmatch import fnmatchcase
 
 from .. import rules
 from ..engines import aliases
+from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
@@ -34,11 +35,12 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     return list(dict.fromkeys([*listed, *extra]))
 
 
-def collect_patterns(m: Mapping, opts: Options) -> list[rules.Pattern]:
-    """The exclusion rules in force: the mapping's recipe, --exclude, --exclude-from."""
-    patterns: list[rules.Pattern] = []
+def collect_patterns(m: Mapping, opts: Options) -> list[KeepRule]:
+    """The exclusion rules in force (keep.py's source 3), in order: the mapping's default exclusions,
+    --exclude, --exclude-from files."""
+    patterns: list[KeepRule] = []
     if opts.default_excludes:
-        patterns += [rules.Pattern(r.pattern, f"default ({m.name})", r.reason) for r in m.exclude]
+        patterns += m.exclude
     patterns += rules.from_cli(opts.exclude)
     for f in opts.exclude_from:
         patterns += rules.from_file(f)

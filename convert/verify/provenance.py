@@ -12,13 +12,13 @@ from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
 from ..hashing import hash_file
+from ..keep import KeepRule
 from ..manifest import iter_modules
 from ..mapping import parse_mapping
 from ..options import Options
 from ..plan import QUANTIZED, Encoding, make_plan
 from ..plan.serialize import plan_dict, plan_hash
 from ..recipe import parse_recipe
-from ..rules import Pattern
 from ..sidefiles import scan
 from ..sources import EntryKind, Source
 from .report import Report
@@ -48,7 +48,7 @@ def check_against_input(source: Source, output: Path, man: dict, rep: Report, fu
     ckpt = open_checkpoint(source)
     m = parse_mapping(man["mapping_source"], man["mapping"]["file"])
     opts = Options.from_dict(man["options"])
-    patterns = [Pattern(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
+    patterns = [KeepRule(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
     recipe = parse_recipe(man["recipe_source"], man["recipe"]["file"]) if man.get("recipe_source") else None
     plan = make_plan(ckpt, m, opts, patterns, recipe)
     same = plan_hash(plan_dict(plan)) == man["plan_sha256"]

@@ -1,0 +1,132 @@
+"""One glob semantics for every pattern (convert/globs.py), and proof that moving every table and recipe
+onto it changed the meaning of none of their patterns: for every synth preset's module names, each
+pattern selects the same modules under the readings the code had before (copied here, and only here)
+and under ``globs.match``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fnmatch import fnmatchcase
+
+import pytest
+
+from kimi_convert import globs, synth
+from kimi_convert.errors import ConvertError
+from kimi_convert.mapping import builtin_mappings, find_mapping
+from kimi_convert.recipe import builtin_recipes
+
+# --- the readings before one semantics (kept for this comparison only) ---------------------------------
+
+
+def _old_rules_matches(pattern: str, module: str, text_prefix: str) -> bool:
+    """rules.matches: exclusion patterns (--exclude, files, a mapping's exclude)."""
+    if "." not in pattern:
+        return any(fnmatchcase(part, pattern) for part in module.split("."))
+    names = [module, module + ".weight"]
+    if text_prefix and module.startswith(text_prefix):
+        short = module[len(text_prefix) :]
+        names += [short, short + ".weight"]
+    return any(fnmatchcase(n, pattern) for n in names)
+
+
+def _old_short_or_full(pattern: str, module: str, text_prefix: str) -> bool:
+    """Mapping._hit / restriction / keep_rule / unmatched and Recipe.decide: fnmatch on the name with or
+    without the text prefix."""
+    short = module[len(text_prefix) :] if text_prefix and module.startswith(text_prefix) else module
+    return fnmatchcase(short, pattern) or fnmatchcase(module, pattern)
+
+
+def _modules(preset: synth.Preset) -> list[str]:
+    """Every source module of a preset, from its tensor specs (no tensor data made). The full-size K3
+    keeps its 93 layers and every tensor name form with 40 of its 896 experts a layer (two-digit indices:
+    the names of experts 40..895 are formed the same way), so the comparison stays a few seconds."""
+    if preset.experts > 40:
+        preset = dataclasses.replace(preset, experts=40)
+    return sorted({name.rpartition(".")[0] for name, _, _ in synth.tensor_specs(preset)})
+
+
+CASES = [(name, find_mapping(synth.config(p)), _modules(p)) for name, p in synth.PRESETS.items()]
+
+
+def _selected(read, pattern: str, modules: list[str], prefix: str) -> set[str]:
+    return {mod for mod in modules if read(pattern, mod, prefix)}
+
+
+def _table_patterns(m) -> list[tuple[str, str, object]]:
+    old = _old_short_or_full
+    return [*(("linear", p, old) for p in m.linear), *(("not_linear", p, old) for p in m.not_linear),
+            *(("keep", r.text, old) for r in m.keep), *(("restrict", r.text, old) for r in m.restrict),
+            *(("exclude", r.text, _old_rules_matches) for r in m.exclude)]
+
+
+@pytest.mark.parametrize("preset", [c[0] for c in CASES])
+def test_every_table_pattern_means_what_it_meant(preset):
+    _, m, modules = next(c for c in CASES if c[0] == preset)
+    tested = 0
+    for what, pattern, old in _table_patterns(m):
+        before = _selected(old, pattern, modules, m.text_prefix)
+        now = _selected(globs.match, pattern, modules, m.text_prefix)
+        assert now == before, f"{m.path}: {what} {pattern!r}: now also {sorted(now - before)[:3]}, " \
+                              f"no longer {sorted(before - now)[:3]}"
+        tested += 1
+    assert tested >= 3  # every preset's table has keeps or exclusions and linear globs
+
+
+@pytest.mark.parametrize("preset", [c[0] for c in CASES])
+def test_every_recipe_pattern_means_what_it_meant(preset):
+    _, m, modules = next(c for c in CASES if c[0] == preset)
+    patterns = {g for r in builtin_recipes() for rule in r.rules for g in rule.modules}
+    assert {"lm_head", "*", "model.layers.*.self_attn.o_proj"} <= patterns
+    for pattern in sorted(patterns):
+        before = _selected(_old_short_or_full, pattern, modules, m.text_prefix)
+        assert _selected(globs.match, pattern, modules, m.text_prefix) == before, pattern
+
+
+def test_every_table_has_a_preset():
+    """The comparison above covers every built-in table (a new table needs a preset to be checked)."""
+    assert {m.name for m in builtin_mappings()} == {c[1].name for c in CASES}
+
+
+# --- the semantics -------------------------------------------------------------------------------------
+
+
+def test_dotless_pattern_matches_whole_name_parts():
+    mod = "language_model.model.layers.3.self_attn.qkv_conv1d"
+    assert not globs.match("v_conv1d", mod, "language_model.")
+    assert globs.match("qkv_conv1d", mod, "language_model.")
+    assert globs.match("*_conv1d", mod, "language_model.")
+    assert globs.match("lm_head", "language_model.lm_head", "language_model.")
+    assert not globs.match("lm_hea", "language_model.lm_head", "language_model.")
+
+
+def test_dotted_pattern_with_and_without_prefix_and_weight():
+    mod = "language_model.model.layers.3.mlp.gate"
+    for pattern in ("model.layers.*.mlp.gate", "language_model.model.layers.3.mlp.gate",
+                    "model.layers.3.mlp.gate.weight", "*.mlp.gate"):
+        assert globs.match(pattern, mod, "language_model."), pattern
+    assert not globs.match("model.layers.*.mlp.gate", mod, "")  # no prefix to strip: the full name only
+    assert not globs.match("model.layers.3.mlp.gate.bias", mod, "language_model.")
+    assert not globs.match("layers.*.mlp.gate", mod, "language_model.")  # a glob is anchored at both ends
+
+
+@pytest.mark.parametrize("text, why", [("", "empty pattern"), ("  ", "empty pattern"),
+                                       ("a b", "contains white space"), ("x.[ab", "unbalanced '['")])
+def test_check_names_where(text, why):
+    with pytest.raises(ConvertError, match=r"^mappings/x\.toml: keep\[2\]: .*" + re.escape(why)):
+        globs.check(text, "mappings/x.toml: keep[2]")
+    assert globs.check("  lm_head ", "--exclude") == "lm_head"
+
+
+@pytest.mark.parametrize("glob, blind", [("*", True), ("*_conv1d", True), ("w1", True), ("*.w13", True),
+                                         ("1*", False), ("*.experts.1?.*", False), ("*.[0-3].*", False),
+                                         ("*.layers.1.*", False), ("[a-z]*", True)])
+def test_index_blind(glob, blind):
+    assert globs.index_blind(glob) is blind
+
+
+def test_the_readings_differ_where_the_comparison_looks():
+    """The comparison above can fail: the part-wise reading of a dotless glob, and the ``.weight`` name of a
+    dotted one, select modules the old fnmatch of a mapping or recipe did not."""
+    assert globs.match("lm_head", "mtp.lm_head.proj", "") and not _old_short_or_full("lm_head", "mtp.lm_head.proj", "")
+    assert globs.match("vision_tower.*", "vision_tower", "") and not _old_short_or_full("vision_tower.*", "vision_tower", "")
