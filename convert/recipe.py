@@ -9,7 +9,8 @@ the first rule whose module globs match a linear module decides its format:
 - ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16).
 
 The mapping still has the last word: modules the engines build unquantized are kept whatever a
-recipe says, and user exclusions (``--exclude``) keep a module too. Adding a recipe means adding a
+recipe says, and user exclusions (``--exclude``) keep a module too (``keep.py``: every source of a keep,
+in order). Module globs read as every pattern does (``globs.match``). Adding a recipe means adding a
 file, not editing the pipeline.
 """
 

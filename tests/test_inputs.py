@@ -119,9 +119,9 @@ def test_reusing_an_outputs_exclude_list_warns_only_for_names_absent_from_the_in
     warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("kimi-convert: warning:")]
     names = json.loads(hq.read_text())["quantization"]["exclude_modules"]
     from kimi_convert.checkpoint import open_checkpoint
-    from kimi_convert.rules import matches
+    from kimi_convert.globs import match
     modules = {n.rpartition(".")[0] for n in open_checkpoint(tiny_k3).tensors}
-    absent = [p for p in names if not any(matches(p, mod, "language_model.") for mod in modules)]
+    absent = [p for p in names if not any(match(p, mod, "language_model.") for mod in modules)]
     assert any("'nothing.here' (--exclude) matches no module" in w for w in warnings)
     assert all(repr(p) in "".join(warnings) for p in absent)
     assert "lm_head" not in "".join(warnings), "lm_head exists: it is kept anyway, not unmatched"

@@ -31,6 +31,7 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
+    # the recipe's list is text for the engines, not a selector of this tool (globs.py): read as fnmatch does
     extra = sorted(n for n in names if not any(fnmatchcase(n, p) for p in recipe.exclude_modules))
     return list(dict.fromkeys([*listed, *extra]))
 
