@@ -162,6 +162,24 @@ class Mapping:
             return False
         return len(shape) == 2 or self._hit(module, self.linear)
 
+    def _one_per_expert_template(self, modules: list[str]) -> list[str]:
+        """``modules`` with each routed expert module kept for the first expert of its layer only (``w1`` of
+        expert 0 standing for every ``w1``): a glob that cannot tell expert indices apart
+        (globs.index_blind) matches one exactly when it matches all, and the released K3's half a million
+        expert modules need not be scanned for a table's ``keep 'vision_tower.*'``."""
+        rxs = self.expert_regexes()
+        seen: set[tuple[str, str]] = set()
+        out = []
+        for mod in modules:
+            short = self.strip(mod)
+            hit = next((h for rx in rxs if (h := rx.fullmatch(short)) is not None), None)
+            key = None if hit is None else (short[: hit.start("_expert_index")], hit["_rest"])
+            if key is None or key not in seen:
+                out.append(mod)
+                if key is not None:
+                    seen.add(key)
+        return out
+
     def fits(self, config: dict) -> str | None:
         """Why this table is not for ``config`` (a ``--mapping`` given by hand), or None."""
         archs = config.get("architectures") or []
@@ -177,9 +195,11 @@ class Mapping:
         modules = list(modules)
         shorts = {self.strip(mod) for mod in modules}
         parents = {s.rpartition(".")[0] for s in shorts}
+        few = self._one_per_expert_template(modules)
 
         def hit(pattern: str) -> bool:
-            return any(globs.match(pattern, mod, self.text_prefix) for mod in modules)
+            return any(globs.match(pattern, mod, self.text_prefix)
+                       for mod in (few if globs.index_blind(pattern) else modules))
 
         me = f"mapping {self.name} ({self.path})"
         out = [f"{me}: {what} {pat!r} matches no module of the input"

@@ -6,6 +6,7 @@ and under ``globs.match``."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 from fnmatch import fnmatchcase
 
@@ -13,7 +14,7 @@ import pytest
 
 from kimi_convert import globs, synth
 from kimi_convert.errors import ConvertError
-from kimi_convert.mapping import builtin_mappings, find_mapping
+from kimi_convert.mapping import builtin_mappings, find_mapping, parse_mapping
 from kimi_convert.recipe import builtin_recipes
 
 # --- the readings before one semantics (kept for this comparison only) ---------------------------------
@@ -130,3 +131,29 @@ def test_the_readings_differ_where_the_comparison_looks():
     dotted one, select modules the old fnmatch of a mapping or recipe did not."""
     for pattern, module in (("lm_head", "mtp.lm_head.proj"), ("vision_tower.*", "vision_tower")):
         assert globs.match(pattern, module, "") and not _old_short_or_full(pattern, module, "")
+
+
+def test_match_is_the_exclusion_reading_on_random_globs():
+    """globs.match (one compiled regex a pattern, tried on ``NAME.weight``) is rules.matches' reading (fnmatch
+    on four names, or on each part), on random globs and names that stress ``*`` across dots and ``.weight``."""
+    rng = random.Random(0)
+    tokens = ["a", "b", ".", "*", "?", "[ab]", "[!a]", "weight", "t", "1", ".weight"]
+    parts = ["a", "b", "ab", "weight", "t", "1", "ba"]
+    for _ in range(20_000):
+        pattern = "".join(rng.choice(tokens) for _ in range(rng.randint(1, 6)))
+        prefix = rng.choice(["", "a.", "ab."])
+        module = prefix + ".".join(rng.choice(parts) for _ in range(rng.randint(1, 4)))
+        assert globs.match(pattern, module, prefix) == _old_rules_matches(pattern, module, prefix), \
+            (pattern, module, prefix)
+
+
+def test_unmatched_scans_every_expert_for_a_glob_that_tells_indices_apart():
+    """Mapping.unmatched tries an index-blind glob on one expert a layer, any other glob on every module."""
+    _, m, modules = next(c for c in CASES if c[0] == "tiny-k3")  # 8 experts a layer
+    extra = ('[[keep]]\npattern = "model.layers.*.block_sparse_moe.experts.7.w1"\nreason = "r"\n'
+             '[[keep]]\npattern = "model.layers.*.block_sparse_moe.experts.9.w1"\nreason = "r"\n')
+    t = parse_mapping(m.source + extra, "k3.toml")
+    out = [w for w in t.unmatched(modules) if "experts." in w]
+    assert out == [f"mapping {t.name} (k3.toml): keep 'model.layers.*.block_sparse_moe.experts.9.w1' matches no "
+                   "module of the input"]
+    assert t.unmatched(modules) == m.unmatched(modules) + out
