@@ -164,7 +164,7 @@ class InFlight:
         self.held: dict[int, int] = {}
         self.sizes: list[int] = []
         self.peak = 0
-        load, compute, store = pipeline._Stream.load, pipeline._Stream.compute, pipeline._Stream.store
+        load, compute, store = pipeline.Stream.load, pipeline.Stream.compute, pipeline.Stream.store
 
         def nbytes(chunks) -> int:
             return sum(memoryview(c).nbytes for c in chunks)
@@ -187,9 +187,9 @@ class InFlight:
                 with self.lock:
                     self.sizes.append(self.held.pop(id(pc)))
 
-        monkeypatch.setattr(pipeline._Stream, "load", watch_load)
-        monkeypatch.setattr(pipeline._Stream, "compute", watch_compute)
-        monkeypatch.setattr(pipeline._Stream, "store", watch_store)
+        monkeypatch.setattr(pipeline.Stream, "load", watch_load)
+        monkeypatch.setattr(pipeline.Stream, "compute", watch_compute)
+        monkeypatch.setattr(pipeline.Stream, "store", watch_store)
 
     def _add(self, key: int, n: int) -> None:
         with self.lock:

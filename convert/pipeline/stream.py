@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
-#: Bytes at the start of each stream whose file hashes do not wait for the pipeline (see _Stream).
+#: Bytes at the start of each stream whose file hashes do not wait for the pipeline (see Stream).
 EAGER_HASH = 1 << 30
 
 
@@ -91,7 +91,7 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
     return out
 
 
-class _Stream:
+class Stream:
     def __init__(self, job: Job, mine: list[Piece], shared: Shared, device: Device,
                  on_shard: Callable[[str, ShardRecord], None], on_progress: Callable[[int], None]):
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
@@ -333,7 +333,7 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
         with lock:
             on_shard(f, rec)
 
-    streams = [_Stream(j, ps, shared, device, report, on_progress) for j, ps in zip(jobs, mine, strict=True)]
+    streams = [Stream(j, ps, shared, device, report, on_progress) for j, ps in zip(jobs, mine, strict=True)]
     pool = ThreadPoolExecutor(len(streams), thread_name_prefix="kimi-convert-stream")
     futs = [pool.submit(s.run) for s in streams]
     ok = False

@@ -18,14 +18,14 @@ from .model import KEEP, Kind, SourceTensor
 
 
 @dataclass
-class _Decision:
+class Decision:
     kind: Kind
     rule: str
     input_scale: float | None = None
 
 
 @dataclass
-class _Context:
+class DecideContext:
     """What deciding a module's format needs: the mapping, the recipe, the rules and their use counts."""
 
     m: Mapping
@@ -68,7 +68,7 @@ def index_blind_rules(m: Mapping, recipe: Recipe, patterns: list[KeepRule]) -> b
     return all(map(globs.index_blind, texts))
 
 
-def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context, key: str | None) -> bool:
+def is_linear_once(mod: str, shape: tuple[int, ...], ctx: DecideContext, key: str | None) -> bool:
     """Mapping.is_linear, once per expert template ``key`` (and weight rank)."""
     if key is None:
         return ctx.m.is_linear(mod, shape)
@@ -79,16 +79,16 @@ def _is_linear(mod: str, shape: tuple[int, ...], ctx: _Context, key: str | None)
     return hit[0]
 
 
-def _decide_apart(mod: str, ctx: _Context, key: str | None) -> _Decision:
-    """_decide for a module stored apart; a routed expert's decision is made once per expert template
+def decide_apart(mod: str, ctx: DecideContext, key: str | None) -> Decision:
+    """decide_module for a module stored apart; a routed expert's decision is made once per expert template
     ``key`` (the rules' use counts still count every module)."""
     if key is None:
-        return _decide(mod, [mod], None, ctx)
+        return decide_module(mod, [mod], None, ctx)
     hit = ctx.memo.get(("decide", key))
     if hit is None:
         used, ctx.used = ctx.used, defaultdict(int)
         try:
-            dec = _decide(mod, [mod], None, ctx)
+            dec = decide_module(mod, [mod], None, ctx)
         finally:
             counted, ctx.used = ctx.used, used
         hit = (dec, tuple(counted.items()))
@@ -100,7 +100,7 @@ def _decide_apart(mod: str, ctx: _Context, key: str | None) -> _Decision:
     return dec
 
 
-def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -> _Decision:
+def decide_module(name: str, members: list[str], group: Group | None, ctx: DecideContext) -> Decision:
     """The format of one linear module (or a module fused on disk from ``members``): kept in high
     precision when one of keep.py's sources says so (its reason names the source), else the recipe's
     first matching rule."""
@@ -108,7 +108,7 @@ def _decide(name: str, members: list[str], group: Group | None, ctx: _Context) -
     rule = ctx.recipe.decide(members[0], m.text_prefix, ctx.is_expert(members[0]))
     k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
     if k is not None:
-        return _Decision(KEEP, k.reason)
+        return Decision(KEEP, k.reason)
     assert rule is not None  # keep.kept keeps a module no rule matches
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
-    return _Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)
+    return Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)

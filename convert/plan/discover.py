@@ -83,7 +83,7 @@ def _check_quant_config(q: dict, where: str) -> None:
                            f"({', '.join(sorted(formats))}): {_original()}")
 
 
-class _Modules(defaultdict):
+class Modules(defaultdict):
     """discover_sources' module map. It also holds, once made, the parents' children that each
     resolve_fusions call (one per engine) would otherwise derive again from 250,000 modules."""
 
@@ -98,7 +98,7 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, SourceTensor]]:
     for enc in encodings.REGISTRY:
         enc.check_config(config)
     consumed: set[str] = set()
-    out: dict[str, dict[str, SourceTensor]] = _Modules(dict)
+    out: dict[str, dict[str, SourceTensor]] = Modules(dict)
     offer = encodings.claimers()
     for name in t:
         for enc in offer.get(name.rpartition(".")[2], ()):

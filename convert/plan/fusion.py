@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from ..errors import ConvertError
 from ..mapping import ENGINES, Group, Mapping
 from ..options import LAYOUTS, Options
-from .decide import _Context, _decide
-from .discover import _Modules
+from .decide import DecideContext, decide_module
+from .discover import Modules
 from .model import COPY, KEEP, Op, SourceTensor
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def resolve_fusions(modules: dict[str, dict[str, SourceTensor]], m: Mapping, con
 
 def _children(modules: dict[str, dict[str, SourceTensor]]) -> tuple[dict[str, dict[str, str]], list[str]]:
     """parent -> {leaf: module} of the modules with a weight, and the parents sorted."""
-    if isinstance(modules, _Modules) and modules.children is not None:
+    if isinstance(modules, Modules) and modules.children is not None:
         return modules.children
     children: dict[str, dict[str, str]] = defaultdict(dict)
     for mod, params in modules.items():
@@ -127,7 +127,7 @@ def _children(modules: dict[str, dict[str, SourceTensor]]) -> tuple[dict[str, di
             parent, _, leaf = mod.rpartition(".")
             children[parent][leaf] = mod
     out = (children, sorted(children))
-    if isinstance(modules, _Modules):
+    if isinstance(modules, Modules):
         modules.children = out
     return out
 
@@ -162,17 +162,17 @@ def _not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[
     return list(out.values())
 
 
-def _loadable_on_disk(disk: list[Fused], ctx: _Context, notes: list[str]) -> list[Fused]:
+def _loadable_on_disk(disk: list[Fused], ctx: DecideContext, notes: list[str]) -> list[Fused]:
     """Only the fused modules the layout's engine loads fused on disk in the format decided for them (the
     mapping's [layout.ENGINE] formats, found with verify-manifest --engine); the others stay unfused."""
     allowed = ctx.m.layouts.get(ctx.opts.layout)
     if allowed is None:
         return disk
-    probe = _Context(ctx.m, ctx.recipe, ctx.opts, ctx.patterns, defaultdict(int), ctx.expert_rx, ctx.modules)
+    probe = DecideContext(ctx.m, ctx.recipe, ctx.opts, ctx.patterns, defaultdict(int), ctx.expert_rx, ctx.modules)
     out, said = [], set()
     for f in disk:
         try:
-            kind = _decide(f.name, list(f.members), f.group, probe).kind
+            kind = decide_module(f.name, list(f.members), f.group, probe).kind
         except ConvertError:
             out.append(f)  # the real decision below says what is wrong
             continue
@@ -258,7 +258,7 @@ def _config_rows(expr: str, m: Mapping, config: dict) -> int | None:
     return total
 
 
-def _fuse_shape(f: Fused, srcs: list[SourceTensor], suffix: str) -> tuple[int, ...]:
+def fuse_shape(f: Fused, srcs: list[SourceTensor], suffix: str) -> tuple[int, ...]:
     first = srcs[0]
     for s in srcs[1:]:
         if (s.encoding, s.dtype) != (first.encoding, first.dtype):

@@ -12,8 +12,8 @@ from ..mapping import Group, Mapping
 from ..options import Options
 from ..safetensors_format import DTYPES, encode_header, size_of
 from ..schemes import FP8_BLOCK, GROUP_SIZE
-from .decide import _Context, _decide, _decide_apart, _Decision, _is_linear
-from .fusion import Fused, _fuse_shape
+from .decide import DecideContext, Decision, decide_apart, decide_module, is_linear_once
+from .fusion import Fused, fuse_shape
 from .model import (
     COPY,
     FP8,
@@ -46,7 +46,7 @@ def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, inpu
 
 
 def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape: tuple[int, ...],
-                 dec: _Decision, output_format: str | None) -> Item:
+                 dec: Decision, output_format: str | None) -> Item:
     where = f"module {name}: weight {list(shape)}"
     if dec.kind == NVFP4:
         if group is None and len(shape) != 2:
@@ -76,7 +76,7 @@ def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | N
                 (OutTensor(out_name, dtype, shape),), rule)
 
 
-def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], disk: list[Fused], ctx: _Context
+def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], disk: list[Fused], ctx: DecideContext
                 ) -> list[Item]:
     in_group = {mod: f for f in disk for mod in f.members}
     items: list[Item] = []
@@ -89,9 +89,9 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
             )
         for suffix in sorted(suffixes[0]):
             srcs = [modules[mod][suffix] for mod in f.members]
-            shape = _fuse_shape(f, srcs, suffix)
+            shape = fuse_shape(f, srcs, suffix)
             if suffix == "weight":
-                dec = _decide(f.name, list(f.members), f.group, ctx)
+                dec = decide_module(f.name, list(f.members), f.group, ctx)
                 items.append(_weight_item(f.name, srcs, Op(f.group.op), f.group, shape, dec, ctx.recipe.output_format))
             else:
                 items.append(_copy_item(f"{f.name}.{suffix}", srcs, Op(f.group.op), f.group, shape,
@@ -102,8 +102,8 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
         params = modules[mod]
         key = ctx.template(mod) if "weight" in params else None
         for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
-            if suffix == "weight" and _is_linear(mod, src.shape, ctx, key):
-                dec = _decide_apart(mod, ctx, key)
+            if suffix == "weight" and is_linear_once(mod, src.shape, ctx, key):
+                dec = decide_apart(mod, ctx, key)
                 items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec, ctx.recipe.output_format))
             else:
                 items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
@@ -113,10 +113,10 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
 def _rekeep(it: Item, why: str) -> Item:
     """The item kept in high precision instead. Only modules stored apart are re-decided (members of an
     engine packed module, a MoE layer's experts); a module fused on disk is decided as a whole."""
-    return _weight_item(it.name, list(it.sources), Op.NONE, None, it.sources[0].shape, _Decision(KEEP, why), None)
+    return _weight_item(it.name, list(it.sources), Op.NONE, None, it.sources[0].shape, Decision(KEEP, why), None)
 
 
-def _expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
+def expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     """Indices of the linear items under each MoE ``experts`` module (``...experts.{e}.{w}``)."""
     rxs = m.expert_regexes()
     sets: dict[str, list[int]] = defaultdict(list)
@@ -166,10 +166,10 @@ def _engine_formats(items: list[Item], fusions: list[Fused]) -> None:
                     changed = True
 
 
-def _check_engine_layers(items: list[Item], fusions: list[Fused], m: Mapping, opts: Options) -> None:
+def check_engine_layers(items: list[Item], fusions: list[Fused], m: Mapping, opts: Options) -> None:
     """MoE layers (experts all-or-nothing) and every engine packed module: one format each."""
     _engine_formats(items, fusions)
-    for parent, idx in _expert_sets(items, m).items():
+    for parent, idx in expert_sets(items, m).items():
         _same_format(items, idx, f"module {parent} (the engines quantize a layer's experts all-or-nothing)", opts)
     index = {it.name: i for i, it in enumerate(items)}
     for f in fusions:
@@ -193,7 +193,7 @@ class _Union:
         self.parent[self.find(b)] = self.find(a)
 
 
-def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Unit]:
+def make_units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Unit]:
     """One unit per set of NVFP4 modules that share a global scale (the union of every engine's
     packed modules over them), one per other item; in input order."""
     order = {f: i for i, f in enumerate(ckpt.files)}
@@ -224,7 +224,7 @@ def _units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> list[Un
     return sorted(units, key=lambda u: at[id(u.items[0])])  # a unit's items are in position order
 
 
-def _layout_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:
+def shards_as_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:
     """Each unit in the input file of its first source tensor, under the input file's name."""
     by_file: dict[str, list[Unit]] = defaultdict(list)
     for u in units:
@@ -238,7 +238,7 @@ def _layout_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], lis
     return placed_units, shards
 
 
-def _layout(units: list[Unit], max_size: int) -> tuple[list[Unit], list[Shard]]:
+def shards_by_size(units: list[Unit], max_size: int) -> tuple[list[Unit], list[Shard]]:
     bins: list[list[Unit]] = [[]]
     size = 0
     for u in units:

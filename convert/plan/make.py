@@ -13,7 +13,7 @@ from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe
 from .banks import bank_outline, find_banks
-from .decide import _Context
+from .decide import DecideContext
 from .discover import check_convertible, discover_sources
 from .fusion import (
     EngineGroup,
@@ -25,7 +25,7 @@ from .fusion import (
     check_members,
     resolve_fusions,
 )
-from .layout import _check_engine_layers, _layout, _layout_source, _units, build_items
+from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size
 from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
@@ -114,7 +114,7 @@ def _outline(plan: Plan) -> Outline:
 
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
-    ctx = _Context(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
+    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules
@@ -131,9 +131,12 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule
     check_members([*disk, *fusions], modules, m, ckpt.config)
     items = build_items(ckpt, modules, disk, ctx)
     check_members([*disk, *fusions], modules, m, ckpt.config, {it.name: it.kind for it in items})
-    _check_engine_layers(items, fusions, m, opts)
-    units = _units(items, fusions, ckpt)
-    units, shards = _layout_source(units, ckpt) if opts.layout == "source" else _layout(units, opts.max_shard_size)
+    check_engine_layers(items, fusions, m, opts)
+    units = make_units(items, fusions, ckpt)
+    if opts.layout == "source":
+        units, shards = shards_as_source(units, ckpt)
+    else:
+        units, shards = shards_by_size(units, opts.max_shard_size)
     warnings = list(m.unmatched(modules))
     if (unfit := m.fits(ckpt.config)) is not None:
         warnings.insert(0, unfit)

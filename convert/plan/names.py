@@ -11,7 +11,7 @@ from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
-from .layout import _expert_sets
+from .layout import expert_sets
 from .model import KEEP, Item
 
 
@@ -27,7 +27,7 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
         names.update(members(it.name) if members else (it.name,))
         if it.group is not None:
             names.update(s.module for s in it.sources)
-    names.update(p for p, idx in _expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
+    names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
