@@ -9,7 +9,7 @@ from .. import rules
 from ..checkpoint import Checkpoint, gc_paused
 from ..mapping import Mapping
 from ..options import Options
-from ..recipe import Recipe, find_recipe
+from ..recipe import Recipe, find_recipe, with_format
 from .banks import bank_outline, find_banks
 from .decide import _Context
 from .discover import check_convertible, discover_sources
@@ -64,7 +64,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[rules.
     and make the module-by-module plan only when asked for (``plan`` prints the outline alone); the
     same plan either way."""
     check_convertible(ckpt)
-    recipe = recipe or find_recipe(opts.recipe, m.name)
+    recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
     found = find_banks(ckpt, m, recipe, opts, patterns) if banked else None
     if found is not None:

@@ -16,10 +16,10 @@ import torch
 
 from kimi_convert.devices import Device, cpus, resolve_device
 
-from . import fp8_block, mxfp4_cast, reference
+from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
 from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
-__all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend", "mxfp4_cast",
+__all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend", "mxfp4_cast",
            "reference"]
 
 #: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
@@ -69,6 +69,11 @@ class Backend:
 
             return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2, self.threads)
         return self._reference_chunked(w, s2)
+
+    def quantize_ct(self, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """compressed-tensors' NVFP4 (``ct_nvfp4``): packed codes and e4m3 scales of ``w`` under its
+        ``weight_global_scale`` ``g``, in torch on the backend's device (the same bytes on each)."""
+        return ct_nvfp4.quantize(self.to_device(w), g.to(self.device))
 
     def _recipe_kernels(self) -> str:
         """``triton``, ``cpu`` (the C kernels, when they build) or ``torch``."""
