@@ -162,10 +162,8 @@ def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, 
             raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
         amax = a if amax is None else torch.maximum(amax, a)
     ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
-    if ct:  # compressed-tensors' own global scale, in the weights' dtype (kernels/src/ct_nvfp4.py)
-        s2 = ct_nvfp4.global_scale(amax, next(iter(values.values())).dtype)
-    else:
-        s2 = reference.global_scale(amax)
+    # compressed-tensors' own global scale is computed in the weights' dtype (kernels/src/ct_nvfp4.py)
+    s2 = ct_nvfp4.global_scale(amax, next(iter(values.values())).dtype) if ct else reference.global_scale(amax)
     for it in items:
         outs = [backend.quantize_ct(values[s.name], s2) if ct else backend.quantize(values[s.name], amax)
                 for s in it.sources]

@@ -19,8 +19,8 @@ from kimi_convert.devices import Device, cpus, resolve_device
 from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
 from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
-__all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend", "mxfp4_cast",
-           "reference"]
+__all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend",
+           "mxfp4_cast", "reference"]
 
 #: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
 CHUNK_ELEMENTS = 1 << 22
