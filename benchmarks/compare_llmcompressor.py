@@ -158,6 +158,27 @@ def compare(ours: Path, peer: Path) -> dict:
     return rep
 
 
+def move_to_next_shard(src: Path, dst: Path, tensor: str) -> Path:
+    """A copy of ``src`` with ``tensor`` stored in the next shard file, as a release's byte-cut shards split
+    an expert's w1 and w3 (the layout on which the peer's index check stops)."""
+    import torch  # noqa: F401 (safetensors.torch needs it)
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    here = index["weight_map"][tensor]
+    there = files[(files.index(here) + 1) % len(files)]
+    a, b = load_file(dst / here), load_file(dst / there)
+    b[tensor] = a.pop(tensor)
+    save_file(a, dst / here, metadata={"format": "pt"})
+    save_file(b, dst / there, metadata={"format": "pt"})
+    index["weight_map"][tensor] = there
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return dst
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny-kimi-linear", help="kimi-convert synth preset (when no --input)")
@@ -165,6 +186,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path)
     ap.add_argument("--exclude", action="append", default=[], help="kept by both (our --exclude, the peer's ignore)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--move-to-next-shard", metavar="TENSOR",
+                    help="compare on a copy of the input with TENSOR stored in the next shard")
     a = ap.parse_args()
     if not Path(PEER_PY).exists():
         print(f"the peer's python {PEER_PY} is absent (KIMI_CONVERT_LLMC_PYTHON)", file=sys.stderr)
@@ -175,6 +198,8 @@ def main() -> int:
         src = work / "input"
         subprocess.run([sys.executable, "-c", "from kimi_convert.cli import main; main()", "synth", a.preset, str(src),
                         "--overwrite"], check=True, stdout=subprocess.DEVNULL)
+    if a.move_to_next_shard:
+        src = move_to_next_shard(src, work / "input-moved", a.move_to_next_shard)
     ours, peer = work / "ours", work / "peer"
     run_ours(src, ours, a.exclude, "cpu")
     ignore = json.loads((ours / "config.json").read_text())["quantization_config"]["ignore"]
