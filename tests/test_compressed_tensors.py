@@ -107,3 +107,23 @@ def test_byte_identical_to_model_free_ptq(preset, tmp_path):
     assert rep["same_group_tensors_equal"] > 0 and rep["equal"] + len(rep["differ"]) == rep["tensors_ours"]
     # every differing tensor is in a module whose global-scale group this tool widens to the engine's
     assert all(any(m in n for m in rep["group_differs"]) for n in rep["differ"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_c_kernel_gives_the_torch_bytes(dtype):
+    """The CPU backend's C kernel (nvfp4_cpu.c: kc_ct_quant_mt) against ct_nvfp4's torch steps, over magnitudes
+    from subnormal block scales to saturated ones, zero blocks, -0.0 and negative values that round to zero."""
+    from kimi_convert.kernels import get_backend
+
+    backend = get_backend("cpu")
+    gen = torch.Generator().manual_seed(5)
+    for scale in (1e-30, 1e-6, 0.02, 1.0, 300.0):
+        w = (torch.randn(96, 512, generator=gen) * scale).to(dtype)
+        w[0, :16] = 0
+        w[1, 3] = -0.0
+        w[2, :8] = -1e-9 * scale
+        w[3] *= torch.logspace(-8, 0, 512, dtype=torch.float32).to(dtype)  # blocks far below the tensor's amax
+        g = ct_nvfp4.global_scale(w.abs().amax().float(), w.dtype)
+        p1, s1 = ct_nvfp4.quantize(w, g)
+        p2, s2 = backend.quantize_ct(w, g)
+        assert torch.equal(p1, p2) and torch.equal(s1.view(torch.uint8), s2.view(torch.uint8)), scale

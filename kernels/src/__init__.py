@@ -72,7 +72,14 @@ class Backend:
 
     def quantize_ct(self, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """compressed-tensors' NVFP4 (``ct_nvfp4``): packed codes and e4m3 scales of ``w`` under its
-        ``weight_global_scale`` ``g``, in torch on the backend's device (the same bytes on each)."""
+        ``weight_global_scale`` ``g``: the C kernel on the CPU backend (bf16 and fp32), torch elsewhere (the same
+        bytes on each: tests/test_compressed_tensors.py)."""
+        if self.name == "cpu" and w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu":
+            from . import nvfp4_cpu
+
+            lib = nvfp4_cpu.load()
+            if lib is not None:
+                return nvfp4_cpu.ct_quantize(lib, w, g, self.threads)
         return ct_nvfp4.quantize(self.to_device(w), g.to(self.device))
 
     def _recipe_kernels(self) -> str:
