@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_llmcompressor import read, tensors  # noqa: E402
+from compare_llmcompressor import read, tensors
 
 
 def main() -> int:
