@@ -50,7 +50,7 @@ CT_VERSION = "0.19.0"
 PACK_FORMAT = "nvfp4-pack-quantized"
 #: what a ModelOpt recipe's quant_algo becomes under ``pack --format compressed-tensors``
 FROM_MODELOPT = {"W4A16_NVFP4": "NVFP4A16", "NVFP4": "NVFP4"}
-_NVFP4 = "nvfp4"
+_NVFP4, _COPY = "nvfp4", "copy"  # the plan's Kind values (a StrEnum: compared as strings)
 
 
 # -- tensors --------------------------------------------------------------------------------------
@@ -133,9 +133,7 @@ def _group(algo: str, targets: list[str]) -> dict:
 def ignore_list(plan: Plan) -> list[str]:
     """The plan's exclude list plus every stored ``X.weight`` the model-free matcher would take for a linear
     layer (``X`` not ending in ``norm``) that is not one here (embeddings): exact names, sorted as given."""
-    from ..plan.model import COPY
-
-    extra = [it.name.removesuffix(".weight") for it in plan.items if it.kind == COPY and it.name.endswith(".weight")
+    extra = [it.name.removesuffix(".weight") for it in plan.items if it.kind == _COPY and it.name.endswith(".weight")
              and not it.name.removesuffix(".weight").endswith("norm")]
     return list(dict.fromkeys([*plan.exclude_modules, *sorted(extra)]))
 
