@@ -127,3 +127,22 @@ def test_c_kernel_gives_the_torch_bytes(dtype):
         p1, s1 = ct_nvfp4.quantize(w, g)
         p2, s2 = backend.quantize_ct(w, g)
         assert torch.equal(p1, p2) and torch.equal(s1.view(torch.uint8), s2.view(torch.uint8)), scale
+
+
+def test_constant_activation_scale_is_input_global_scale(kl, tmp_path):
+    """A compressed-tensors recipe that pins an activation scale: ``input_global_scale`` is its reciprocal (the
+    format's divisor convention) and those modules form the NVFP4 group, named exactly."""
+    recipe = tmp_path / "ct-a4.toml"
+    recipe.write_text('name = "ct-a4"\noutput_format = "compressed-tensors"\nquant_method = "compressed-tensors"\n'
+                      'quant_algo = "NVFP4"\n[[rule]]\nexperts = true\nformat = "nvfp4"\ninput_scale = 0.5\n'
+                      '[[rule]]\nmodules = ["*"]\nformat = "nvfp4"\n')
+    out = tmp_path / "out"
+    assert run("pack", kl, out, "-q", "--device", "cpu", "--recipe", recipe).code == 0
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    name = "model.layers.1.block_sparse_moe.experts.0.w1"
+    assert name in q["config_groups"]["NVFP4"]["targets"]
+    assert q["config_groups"]["NVFP4"]["input_activations"]["dynamic"] == "local"
+    assert q["config_groups"]["NVFP4A16"]["targets"] == ["Linear"]
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][f"{name}.input_global_scale"]
+    with safe_open(out / shard, "pt") as f:
+        assert f.get_tensor(f"{name}.input_global_scale").tolist() == [2.0]
