@@ -198,7 +198,8 @@ def read_linear(engine: str, name: str, module) -> dict | None:
     qm = getattr(module, "quant_method", None)
     qname = type(qm).__name__ if qm is not None else None
     packed = _p(module, "weight_packed")
-    if isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8 and packed.dim() == 2:
+    if isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8 and packed.dim() == 2 \
+            and _is_nvfp4_scale(_p(module, "weight_scale"), packed):
         entry = {"module": name, "kind": "linear", "method": qname, "class": type(module).__name__,
                  "widths": [int(x) for x in getattr(module, "output_sizes", None)
                             or getattr(module, "logical_widths", None) or []]}
@@ -287,7 +288,7 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
     out = []
     for which in ("w13", "w2"):
         w = _p(module, f"{which}_weight")
-        if w is None and _p(module, f"{which}_weight_packed") is not None:
+        if w is None and _is_nvfp4_scale(_p(module, f"{which}_weight_scale"), _p(module, f"{which}_weight_packed")):
             out.append(_read_ct_moe(engine, name, module, which, qname))
             continue
         if w is None or w.dim() != 3:
@@ -309,6 +310,13 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
             entry.update(format=str(w.dtype), rule=f"no read rule in this check for {qname}", unread=True)
         out.append(entry)
     return out
+
+
+def _is_nvfp4_scale(scale, packed) -> bool:
+    """A compressed-tensors NVFP4 layer: e4m3 scales, one per 16 values (MXFP4's ``weight_packed`` has E8M0 uint8
+    scales per 32: not read by this rule)."""
+    return (isinstance(scale, torch.Tensor) and isinstance(packed, torch.Tensor) and scale.dtype == torch.float8_e4m3fn
+            and scale.shape[-1] * 8 == packed.shape[-1])
 
 
 def _read_ct_moe(engine: str, name: str, module, which: str, qname: str | None) -> dict:
