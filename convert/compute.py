@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, fp8_block, outputs, reference
+from kimi_convert.kernels import Backend, ct_nvfp4, fp8_block, outputs, reference
 from kimi_convert.kernels.outputs import Arena
 
 from . import encodings, formats
@@ -91,7 +91,8 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
             if not dense:
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
-        if all(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
+        modelopt_math = formats.get(quant[0].output_format).NVFP4_MATH == "modelopt"
+        if modelopt_math and all(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
             _cast_mxfp4(quant, reader, backend, res)
         else:
             _quantize(quant, reader, backend, block, res)
@@ -160,9 +161,12 @@ def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, 
             src = next(s for it in items for s in it.sources if s.name == name)
             raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
         amax = a if amax is None else torch.maximum(amax, a)
-    s2 = reference.global_scale(amax)
+    ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
+    # compressed-tensors' own global scale is computed in the weights' dtype (kernels/src/ct_nvfp4.py)
+    s2 = ct_nvfp4.global_scale(amax, next(iter(values.values())).dtype) if ct else reference.global_scale(amax)
     for it in items:
-        outs = [backend.quantize(values[s.name], amax) for s in it.sources]
+        outs = [backend.quantize_ct(values[s.name], s2) if ct else backend.quantize(values[s.name], amax)
+                for s in it.sources]
         note = {"method": "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized",
                 "amax": float(amax)}
         _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res, note)

@@ -88,10 +88,11 @@ SIZE = Size()
 
 def _opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
          type: click.ParamType | None = None, show_default: str | bool | None = None, check: tuple | None = None,
-         manifest: bool = True) -> Any:
-    """A field of :class:`Options` and how the command line and the manifest spell it."""
+         manifest: bool = True, omit_none: bool = False) -> Any:
+    """A field of :class:`Options` and how the command line and the manifest spell it (``omit_none``: left
+    out of the manifest while unset, so manifests made before the option existed keep their bytes)."""
     meta = {"help": help, "flag": flag, "metavar": metavar, "type": type, "show_default": show_default,
-            "check": check, "manifest": manifest}
+            "check": check, "manifest": manifest, "omit_none": omit_none}
     return field(default=default, compare=manifest, metadata=meta)
 
 
@@ -104,6 +105,10 @@ class Options:
     recipe: str | None = _opt(
         None, "What is quantized how: nvidia-k3 (the default for Kimi K3), nvfp4-w4a16 (the default otherwise), "
               "or a recipe file.", metavar="NAME|FILE")
+    format: str | None = _opt(
+        None, "Output format, replacing the recipe's output_format: modelopt (the default) or compressed-tensors "
+              "(llm-compressor's nvfp4-pack-quantized, in compressed-tensors' own arithmetic).",
+        type=click.Choice(("modelopt", "compressed-tensors")), omit_none=True)
     layout: str = _opt(
         "source", "source: the input's tensor names and files (loads in vLLM and SGLang); sglang / vllm: that "
                   "engine's packed modules fused on disk where its loader takes them (that engine only; for K3 in "
@@ -141,6 +146,8 @@ class Options:
         for f in fields(self):
             if f.metadata["manifest"]:
                 v = getattr(self, f.name)
+                if v is None and f.metadata["omit_none"]:
+                    continue
                 out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import formats, globs
@@ -127,6 +127,9 @@ def parse_recipe(text: str, path: str) -> Recipe:
     rules = tuple(_rule(r, f"{path}: rule[{i}]") for i, r in enumerate(t.get("rule", [])))
     if not rules:
         raise ConvertError(f"{path}: a recipe needs at least one [[rule]]")
+    refused = sorted({r.format.value for r in rules} - formats.get(out_format).KINDS)
+    if refused:
+        raise ConvertError(f"{path}: output_format {out_format!r} has no {', '.join(refused)} modules")
     if method == "modelopt" and any(r.format is Format.FP8_BLOCK for r in rules):
         raise ConvertError(f"{path}: fp8-block modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
     cfg = t.get("config", {})
@@ -149,6 +152,26 @@ def parse_recipe(text: str, path: str) -> Recipe:
         path=path,
         output_format=out_format,
     )
+
+
+def with_format(recipe: Recipe, name: str | None) -> Recipe:
+    """``pack --format NAME``: the recipe's rules in another output format (None or its own: unchanged).
+    Into compressed-tensors: ModelOpt's W4A16_NVFP4 becomes the NVFP4A16 scheme and its constant
+    ``input_scale`` values are dropped (ModelOpt writes 1.0 only because SGLang's ModelOpt MoE path multiplies
+    it in; NVFP4A16 has no activation scale); NVFP4 stays NVFP4 with them."""
+    if name is None or name == recipe.output_format:
+        return recipe
+    fmt = formats.get(name)
+    algo = getattr(fmt, "FROM_MODELOPT", {}).get(recipe.quant_algo) if recipe.output_format == "modelopt" else None
+    refused = sorted({r.format.value for r in recipe.rules} - fmt.KINDS)
+    if algo is None or refused:
+        why = f"it has {', '.join(refused)} modules" if refused else f"its quant_algo is {recipe.quant_algo}"
+        raise ConvertError(f"--format {name}: recipe {recipe.name!r} cannot be written in it ({why})")
+    rules = recipe.rules
+    if algo == "NVFP4A16":
+        rules = tuple(replace(r, input_scale=None) for r in rules)
+    method = next(iter(fmt.QUANT_METHODS))
+    return replace(recipe, output_format=name, quant_method=method, quant_algo=algo, rules=rules)
 
 
 def builtin_recipes() -> list[Recipe]:

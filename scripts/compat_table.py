@@ -33,7 +33,10 @@ def main(path: str) -> None:
 
 
 def _short(problem: str) -> str:
-    """A numeric failure's layer and error, for a table cell."""
+    """A numeric failure's layer and error, for a table cell; an engine's refusal of a layer: its message."""
+    if "the engine's own processing failed: " in problem:
+        where, msg = problem.split(": ", 1)[1].split(": the engine's own processing failed: ", 1)
+        return f"`{where.rsplit('.', 1)[-1]}` refused: {msg[:200]}"
     layer = problem.split(": ", 2)[1].split(" rows")[0].rsplit(".", 2)[-2]
     err = problem.split("relative error up to ")[-1].split(" (")[0] if "relative error" in problem else problem[-60:]
     return f"`{layer}` {err}"

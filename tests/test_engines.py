@@ -90,6 +90,7 @@ OUTPUTS = {
     "kl-vllm": ("kl", None, "vllm", ("vllm",)),
     "qw-vllm": ("qw", None, "vllm", ("vllm",)),  # qkv_proj fused on disk
     "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
+    "kl-ct": ("kl", "ct-nvfp4-a16", "source", ENGINES),  # compressed-tensors' format (docs/compressed-tensors.md)
 }
 
 
@@ -105,17 +106,20 @@ def outputs(inputs, tmp_path_factory) -> dict[str, Path | str]:
     return out
 
 
-def record(engine: str, key: str, folder: Path, rep: dict) -> None:
+def record(engine: str, key: str, folder: Path, rep: dict, producer: tuple[str, str] | None = None) -> None:
     """Append the row of the README's compatibility table (scripts/compat_table.py renders it) when
-    KIMI_CONVERT_COMPAT_OUT names a file."""
+    KIMI_CONVERT_COMPAT_OUT names a file. ``producer``: (recipe, layout) cells of a checkpoint another tool
+    wrote (no manifest)."""
     path = os.environ.get("KIMI_CONVERT_COMPAT_OUT")
     if not path:
         return
-    man = json.loads((folder / "manifest.json").read_text())
+    if producer is None:
+        man = json.loads((folder / "manifest.json").read_text())
+        producer = (man["recipe"]["name"], man["options"]["layout"])
     num = rep.get("numerics") or {}
     summary = num.get("summary", {})
     row = {"engine": engine, "version": rep.get("version"), "model": MODELS[OUTPUTS[key][0]],
-           "recipe": man["recipe"]["name"], "layout": man["options"]["layout"], "loads": rep.get("error") is None,
+           "recipe": producer[0], "layout": producer[1], "loads": rep.get("error") is None,
            "filled": not rep["unfilled"], "skipped": len(rep["skipped"]), "bad_casts": len(rep["bad_casts"]),
            "optional_unset": len(rep.get("allowed_unfilled", [])), "ok": rep["ok"],
            "numerics_ok": num.get("ok"), "numerics_problems": num.get("problems", [])[:3],
@@ -447,3 +451,43 @@ def test_checkpoint_without_manifest_checked_by_name(engine, outputs, inputs, tm
         assert r.code == 1 and num["problems"] and all(known in p for p in num["problems"]), num["problems"]
     else:
         assert r.code == 0 and num["ok"], num["problems"]
+
+
+PEER_PY = os.environ.get("KIMI_CONVERT_LLMC_PYTHON", "/work/peers/llmc/bin/python")
+PEER = "llm-compressor model_free_ptq NVFP4A16"
+
+
+@pytest.fixture(scope="module")
+def peer_output(outputs, inputs, tmp_path_factory) -> Path:
+    """llm-compressor's own output of tiny-kimi-linear (benchmarks/peer_model_free.py, its one patch for
+    Kimi Linear's partnerless MLA q_proj), keeping what ``kl-ct`` keeps."""
+    ours = outputs["kl-ct"]
+    assert isinstance(ours, Path), f"pack failed: {ours}"
+    root = tmp_path_factory.mktemp("peer")
+    ignore = root / "ignore.json"
+    ignore.write_text(json.dumps(json.loads((ours / "config.json").read_text())["quantization_config"]["ignore"]))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_model_free.py"
+    import subprocess
+
+    p = subprocess.run([PEER_PY, str(script), str(inputs["kl"]), str(root / "out"), "--ignore-json", str(ignore),
+                        "--partners-present"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return root / "out"
+
+
+@pytest.mark.skipif(not Path(PEER_PY).exists(), reason=f"llm-compressor's python {PEER_PY} absent")
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
+    """model_free_ptq shares global scales only over q/k/v, gate/up under ``mlp`` and w1/w3: the engines' wider
+    packed modules (vLLM's in_proj_qkvgfab with f_a and b, the shared experts' gate_up_proj) then hold members
+    with different global scales. vLLM keeps the largest and misreads the others (the numeric check names
+    them); SGLang refuses the layer in its own process_weights_after_loading. This tool's ``kl-ct`` output,
+    byte-identical elsewhere (benchmarks/compare_llmcompressor.py), passes both (test_output_loads)."""
+    rc, rep = engine_check(peer_output, engine, inputs["kl"])
+    record(engine, "kl-ct", peer_output, rep, (PEER, "source"))
+    num = rep["numerics"]
+    assert rc == 1 and num is not None and not num["ok"], describe(rep)
+    widened = ("f_a_proj", "b_proj", "shared_experts", "in_proj_qkvgfab", "gate_up_proj", "qkv_proj")
+    assert all(any(w in p for w in widened) for p in num["problems"]), num["problems"]
+    if engine == "sglang":
+        assert any("share one weight_global_scale" in p for p in num["problems"]), num["problems"]

@@ -34,7 +34,7 @@ import torch
 
 from .. import encodings, filenames
 from ..errors import ConvertError
-from ..kernels import fp8_block, reference
+from ..kernels import ct_nvfp4, fp8_block, reference
 from ..plan import Encoding
 from ..sources import Source
 
@@ -134,7 +134,7 @@ class Sources:
 
             for _, m in iter_modules(output_dir, manifest):
                 for t in m.get("tensors", []):
-                    if t["name"].endswith(".weight"):
+                    if t["name"].endswith((".weight", ".weight_packed")):
                         self.records[t["name"]] = m
 
     def _decode(self, src) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -147,8 +147,8 @@ class Sources:
 
     def ref(self, tensor: str) -> Ref | None:
         rec = self.records.get(tensor)
-        if rec is None:
-            src = self.by_name.get(tensor)
+        if rec is None:  # by name: a compressed-tensors X.weight_packed holds the source's X.weight
+            src = self.by_name.get(tensor) or self.by_name.get(tensor.removesuffix("_packed"))
             if src is None:
                 return None
             v, d, e = self._decode(src)
@@ -172,8 +172,21 @@ def _row_err(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, d / n.clamp_min(1e-38), torch.where(d > 0, torch.inf, 0.0))
 
 
-def _nvfp4_bound(refs: list[Ref], cast_claim: list[bool], kmax: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per member: (row bound, mask of elements the closed-form cast keeps exactly) for NVFP4."""
+def _ct_bound(refs: list[Ref]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """compressed-tensors' own error (kernels' ct_nvfp4) of each member under the members' one global scale."""
+    srcs = [r.dense if r.dense is not None else r.values for r in refs]
+    amax = max(float(v.abs().max().float()) for v in srcs)
+    g = ct_nvfp4.global_scale(torch.tensor(amax), srcs[0].dtype)
+    return [(_row_err(ct_nvfp4.dequantize(*ct_nvfp4.quantize(v, g), g), r.values),
+             torch.zeros_like(r.values, dtype=torch.bool)) for v, r in zip(srcs, refs, strict=True)]
+
+
+def _nvfp4_bound(refs: list[Ref], cast_claim: list[bool], kmax: int | None, convention: str = "modelopt"
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per member: (row bound, mask of elements the closed-form cast keeps exactly) for NVFP4 (a
+    compressed-tensors layer: that format's own arithmetic)."""
+    if convention == "compressed-tensors" and refs:
+        return _ct_bound(refs)
     amax = max(float(r.values.abs().max()) for r in refs) if refs else 0.0
     s2 = reference.global_scale(torch.tensor(amax))
     out = []
@@ -291,7 +304,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
             glob = _global_of(layer, expert)
             claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8))
                       for r in refs]
-            bl = _nvfp4_bound(refs, claims, kmax)
+            bl = _nvfp4_bound(refs, claims, kmax, layer.get("convention", "modelopt"))
         elif c.format == "fp8-block":  # the stored tensor's own tile grid, then the rows this write placed
             bl = [(_fp8_bound(r)[s0: s0 + n], torch.zeros((n, r.values.shape[1]), dtype=torch.bool))
                   for r, s0, n in refs]

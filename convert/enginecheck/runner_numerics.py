@@ -52,6 +52,23 @@ RULES = {
                              "ModelOptNvFp4FusedMoEMethod.process_weights_after_loading and _compute_gemm1_alphas "
                              "(Marlin and the single-alpha backends read w13_weight_scale_2[:, 0] for both halves; "
                              "not run: GPU layouts)",
+    ("vllm", "ct-nvfp4"): "vllm/model_executor/layers/quantization/compressed_tensors/schemes/"
+                          "compressed_tensors_w4a4_nvfp4.py: CompressedTensorsW4A4Fp4.process_weights_after_loading "
+                          "(weight_global_scale = 1 / weight_global_scale.max(), run here) and "
+                          "utils/nvfp4_emulation_utils.py: dequantize_to_dtype (code * scale * global)",
+    ("sglang", "ct-nvfp4"): "sglang/srt/layers/quantization/compressed_tensors/schemes/"
+                            "compressed_tensors_w4a16_nvfp4.py: "
+                            "CompressedTensorsW4A16Fp4.process_weights_after_loading (refuses fused projections "
+                            "whose weight_global_scale differ; weight_scale_2 = 1 / weight_global_scale[0]; run "
+                            "here up to its GPU repack)",
+    ("vllm", "ct-nvfp4-moe"): "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+                              "compressed_tensors_moe_w4a4_nvfp4.py: CompressedTensorsW4A4Nvfp4MoEMethod."
+                              "process_weights_after_loading (w13 read with 1 / w13_weight_global_scale[:, 0]; "
+                              "not run: GPU layouts)",
+    ("sglang", "ct-nvfp4-moe"): "sglang/srt/layers/quantization/compressed_tensors/schemes/"
+                                "compressed_tensors_w4a16_nvfp4_moe.py: process_weights_after_loading (refuses "
+                                "experts whose w1 and w3 global scales differ; 1 / w13_weight_global_scale[:, 0]; "
+                                "not run: Marlin layouts)",
     ("any", "dense"): "unquantized layer: the parameter as loaded",
 }
 
@@ -135,10 +152,58 @@ def _p(module, name: str):
     return t if t is None else t.data
 
 
+def _ct_process(engine: str, module) -> str:
+    """Run the layer's compressed-tensors scheme's process_weights_after_loading: vLLM's with the GEMM kernel's
+    repack left out; SGLang's up to its GPU repack (its refusal of unshared global scales comes first and is
+    raised; what fails after it on the CPU is the repack, which reads nothing this check needs)."""
+    scheme = getattr(module, "scheme", None)
+    if scheme is None:
+        return "no scheme"
+    if engine == "vllm":
+        kernel = getattr(scheme, "kernel", None)
+        scheme.kernel = _NoKernel(kernel)
+        try:
+            scheme.process_weights_after_loading(module)
+        finally:
+            scheme.kernel = kernel
+        return f"process_weights_after_loading run, the {type(kernel).__name__} layout repack left out"
+    try:
+        scheme.process_weights_after_loading(module)
+    except ValueError as e:
+        if "weight_global_scale" in str(e):
+            raise
+    except Exception as e:  # the GPU repack (flashinfer / Marlin), after the checks
+        return f"process_weights_after_loading run up to the GPU repack ({type(e).__name__})"
+    return "process_weights_after_loading run"
+
+
+def read_ct_linear(engine: str, entry: dict, module) -> dict:
+    """A compressed-tensors NVFP4 linear layer: ``code * scale / weight_global_scale``, with the one global scale
+    the engine keeps (vLLM: the max of the shard slots' divisors; SGLang: refuses unequal slots)."""
+    packed, scale = _p(module, "weight_packed").clone(), _p(module, "weight_scale").clone()
+    slots = _p(module, "weight_global_scale").float().clone().reshape(-1)
+    processed = _ct_process(engine, module)
+    mult = 1.0 / slots.max()
+    if engine == "vllm" and _p(module, "weight_global_scale") is not None:
+        mult = _p(module, "weight_global_scale").float().reshape(())  # the processed parameter: 1 / max
+    entry["weight"], by = engine_nvfp4(engine, packed, scale, mult.reshape(()))
+    entry.update(param=f"{entry['module']}.weight_packed", format="nvfp4", convention="compressed-tensors",
+                 rule=RULES[(engine, "ct-nvfp4")], processed=processed, global_slots=(1.0 / slots).tolist(),
+                 global_scale=float(mult), read_by=by)
+    return entry
+
+
 def read_linear(engine: str, name: str, module) -> dict | None:
     """The weight of one linear layer as the engine's GEMM reads it, or None when it has no weight."""
     qm = getattr(module, "quant_method", None)
     qname = type(qm).__name__ if qm is not None else None
+    packed = _p(module, "weight_packed")
+    if isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8 and packed.dim() == 2 \
+            and _is_nvfp4_scale(_p(module, "weight_scale"), packed):
+        entry = {"module": name, "kind": "linear", "method": qname, "class": type(module).__name__,
+                 "widths": [int(x) for x in getattr(module, "output_sizes", None)
+                            or getattr(module, "logical_widths", None) or []]}
+        return read_ct_linear(engine, entry, module)
     w = _p(module, "weight")
     if w is None or w.dim() != 2:
         return None
@@ -223,6 +288,9 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
     out = []
     for which in ("w13", "w2"):
         w = _p(module, f"{which}_weight")
+        if w is None and _is_nvfp4_scale(_p(module, f"{which}_weight_scale"), _p(module, f"{which}_weight_packed")):
+            out.append(_read_ct_moe(engine, name, module, which, qname))
+            continue
         if w is None or w.dim() != 3:
             continue
         entry = {"module": name, "kind": "moe", "method": qname, "class": type(module).__name__,
@@ -244,8 +312,36 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
     return out
 
 
+def _is_nvfp4_scale(scale, packed) -> bool:
+    """A compressed-tensors NVFP4 layer: e4m3 scales, one per 16 values (MXFP4's ``weight_packed`` has E8M0 uint8
+    scales per 32: not read by this rule)."""
+    return (isinstance(scale, torch.Tensor) and isinstance(packed, torch.Tensor) and scale.dtype == torch.float8_e4m3fn
+            and scale.shape[-1] * 8 == packed.shape[-1])
+
+
+def _read_ct_moe(engine: str, name: str, module, which: str, qname: str | None) -> dict:
+    """compressed-tensors NVFP4 experts: ``code * scale / global[:, 0]`` (both engines read w13 with the gate's
+    divisor; SGLang refuses experts whose w1 and w3 divisors differ, as its process_weights_after_loading does)."""
+    w, s = _p(module, f"{which}_weight_packed"), _p(module, f"{which}_weight_scale")
+    slots = _p(module, f"{which}_weight_global_scale").float().reshape(w.shape[0], -1)
+    entry = {"module": name, "kind": "moe", "method": qname, "class": type(module).__name__,
+             "param": f"{name}.{which}_weight_packed", "which": which}
+    mismatched = (slots != slots[:, :1]).any(dim=1)
+    if engine == "sglang" and mismatched.any():
+        experts = mismatched.nonzero().flatten().tolist()
+        entry["error"] = ("ValueError: NVFP4 weight-only MoE requires the gate and up projections of each expert to "
+                          f"share one weight_global_scale; experts {experts[:8]} differ (SGLang's check, "
+                          "compressed_tensors_w4a16_nvfp4_moe.py: process_weights_after_loading)")
+        return entry
+    entry["weight"], by = engine_nvfp4(engine, w, s, 1.0 / slots[:, 0])
+    entry.update(format="nvfp4", convention="compressed-tensors", rule=RULES[(engine, "ct-nvfp4-moe")],
+                 processed="not run", global_slots=(1.0 / slots).tolist(), read_by=by)
+    return entry
+
+
 def _is_moe(module) -> bool:
-    return isinstance(_p(module, "w13_weight"), torch.Tensor) or isinstance(_p(module, "w2_weight"), torch.Tensor)
+    return any(isinstance(_p(module, f"{w}{suf}"), torch.Tensor) for w in ("w13", "w2")
+               for suf in ("_weight", "_weight_packed"))
 
 
 def read_model(engine: str, model) -> list[dict]:
@@ -271,7 +367,7 @@ def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]
     out: dict[str, list[dict]] = {}
     for (tensor, pname), spans in tracker.spans.items():
         p = params.get(pname)
-        if p is None or not pname.endswith("weight") or p.dim() not in (2, 3):
+        if p is None or not pname.endswith(("weight", "weight_packed")) or p.dim() not in (2, 3):
             continue
         stride = p.stride()
         info = tracker.offered.get(tensor, {})
@@ -335,4 +431,4 @@ def dump(engine: str, model, tracker, folder: str) -> dict:
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "numerics.safetensors"))
     return {"layers": entries, "placements": placements(tracker, params),
-            "weight_params": sorted(n for n in params if re.search(r"weight$", n))}
+            "weight_params": sorted(n for n in params if re.search(r"weight(_packed)?$", n))}

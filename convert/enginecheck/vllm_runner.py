@@ -34,6 +34,16 @@ def optional_for(model) -> list[tuple[str, str]]:
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16) NVFP4 layer: vLLM's _DropInputScale registers input_scale only to accept "
                         "older checkpoints that carry one, and deletes it after loading"))
+        if type(qm).__name__ == "CompressedTensorsW4A4Nvfp4MoEMethod" and getattr(qm, "use_a16", False):
+            why = ("NVFP4A16 experts: vLLM's CompressedTensorsW4A4Nvfp4MoEMethod.create_weights registers "
+                   "w13/w2_input_global_scale for every NVFP4 MoE; an NVFP4A16 checkpoint has none (llm-compressor "
+                   "writes input_global_scale only for static activations: compressed_tensors' "
+                   "NVFP4PackedCompressor.compression_param_names); process_weights_after_loading passes them, "
+                   "with use_a16, to the GPU backend's layout conversion (fused_moe/oracle/nvfp4.py: "
+                   "convert_to_nvfp4_moe_kernel_format), not run here")
+            for pname in ("w13_input_global_scale", "w2_input_global_scale"):
+                if hasattr(module, pname):
+                    out.append((rf"^{re.escape(name)}\.{pname}$", why))
         pad = getattr(module, "in_proj_padding", 0)
         proj = getattr(module, "in_proj_qkvgfab", None)
         if pad and proj is not None:

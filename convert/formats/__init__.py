@@ -8,6 +8,8 @@ plus an entry in ``FORMATS`` (and recipes that name it):
 
 * ``modelopt``: NVIDIA Model Optimizer's layout (``weight`` / ``weight_scale`` / ``weight_scale_2`` /
   ``input_scale``, ``hf_quant_config.json``, ``quant_method: modelopt`` or ``modelopt_mixed``).
+* ``compressed-tensors``: llm-compressor's (``weight_packed`` / ``weight_scale`` / ``weight_global_scale``,
+  ``quant_method: compressed-tensors``, ``format: nvfp4-pack-quantized``), in compressed-tensors' own arithmetic.
 
 Every format module provides what :class:`OutputFormat` lists. Nothing outside this package spells a
 format's tensor names or config keys.
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConvertError
-from . import modelopt
+from . import compressed_tensors, modelopt
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -38,6 +40,11 @@ class OutputFormat(Protocol):
     #: --overwrite, side-file copying skips an input's own)
     CONFIG_FILES: tuple[str, ...]
     CARD_TAGS: tuple[str, ...]
+    #: the quantization schemes (the plan's Kind values) the format can spell
+    KINDS: frozenset[str]
+    #: whose NVFP4 arithmetic makes its bytes: "modelopt" (kernels' reference) or "compressed-tensors"
+    #: (kernels' ct_nvfp4); the compute stage picks the quantizer by it
+    NVFP4_MATH: str
 
     def tensor_specs(self, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: bool
                      ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
@@ -70,7 +77,8 @@ class OutputFormat(Protocol):
         """The model card's words on the layout and the recipe."""
 
 
-FORMATS: dict[str, OutputFormat] = {modelopt.NAME: modelopt}  # type: ignore[dict-item]
+FORMATS: dict[str, OutputFormat] = {modelopt.NAME: modelopt,  # type: ignore[dict-item]
+                                   compressed_tensors.NAME: compressed_tensors}
 DEFAULT = modelopt.NAME
 
 

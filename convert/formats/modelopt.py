@@ -35,6 +35,8 @@ NAME = "modelopt"
 QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"}}
 CONFIG_FILES = ("hf_quant_config.json",)
 CARD_TAGS = ("nvfp4", "modelopt", "kimi-convert", "quantized")
+KINDS = frozenset({"nvfp4", "fp8-block", "keep"})
+NVFP4_MATH = "modelopt"  # kernels/src/reference.py's math (and the kernels held to its bytes)
 _NVFP4, _FP8 = "nvfp4", "fp8-block"  # the plan's Kind values (a StrEnum: compared as strings)
 
 

@@ -11,7 +11,7 @@ from ..gcpause import gc_paused
 from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
-from ..recipe import Recipe, find_recipe
+from ..recipe import Recipe, find_recipe, with_format
 from .banks import bank_outline, find_banks
 from .decide import DecideContext
 from .discover import check_convertible, discover_sources
@@ -66,7 +66,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     and make the module-by-module plan only when asked for (``plan`` prints the outline alone); the
     same plan either way."""
     check_convertible(ckpt)
-    recipe = recipe or find_recipe(opts.recipe, m.name)
+    recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
     found = find_banks(ckpt, m, recipe, opts, patterns) if banked else None
     if found is not None:

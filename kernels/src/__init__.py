@@ -16,11 +16,11 @@ import torch
 
 from kimi_convert.devices import Device, cpus, resolve_device
 
-from . import fp8_block, mxfp4_cast, reference
+from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
 from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
-__all__ = ["Backend", "DecodeError", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend", "mxfp4_cast",
-           "reference"]
+__all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend",
+           "mxfp4_cast", "reference"]
 
 #: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
 CHUNK_ELEMENTS = 1 << 22
@@ -69,6 +69,18 @@ class Backend:
 
             return nvfp4_cpu.quantize(nvfp4_cpu.load(), w, s2, self.threads)
         return self._reference_chunked(w, s2)
+
+    def quantize_ct(self, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """compressed-tensors' NVFP4 (``ct_nvfp4``): packed codes and e4m3 scales of ``w`` under its
+        ``weight_global_scale`` ``g``: the C kernel on the CPU backend (bf16 and fp32), torch elsewhere (the same
+        bytes on each: tests/test_compressed_tensors.py)."""
+        if self.name == "cpu" and w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu":
+            from . import nvfp4_cpu
+
+            lib = nvfp4_cpu.load()
+            if lib is not None:
+                return nvfp4_cpu.ct_quantize(lib, w, g, self.threads)
+        return ct_nvfp4.quantize(self.to_device(w), g.to(self.device))
 
     def _recipe_kernels(self) -> str:
         """``triton``, ``cpu`` (the C kernels, when they build) or ``torch``."""

@@ -418,3 +418,80 @@ void kc_quant_f32_mt(const float *x, int64_t rows, int64_t k, float s2, uint8_t 
                      int32_t threads) {
     kc_quant_mt(x, rows, k, s2, packed, scales, 1, threads);
 }
+
+/* --- compressed-tensors' NVFP4 arithmetic (ct_nvfp4.py, step by step; the same IEEE operations) ----------------
+ * g: weight_global_scale (448*6/amax, computed by the caller in the weights' dtype). Per 16-block:
+ * local = block_amax / 6 (rounded to bf16 for bf16 weights: compressed-tensors divides in the weights' dtype),
+ * s = e4m3(min(g * local, 448)), 0 -> 0.125; each code e2m1(x / (s / g)) (sign from the quotient, as
+ * cast_to_fp4's sign(x) * magnitude with pack_fp4_to_uint8's signbit). */
+
+static inline float bf16_rne(float f) { /* finite f */
+    uint32_t u = bits_of_f32(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return f32_of_bits(u & 0xFFFF0000u);
+}
+
+static inline void ct_quant_row(const float *v, int64_t k, float g, int bf16_local, uint8_t *packed, uint8_t *scales,
+                                float *denom, uint8_t *codes) {
+    const uint32_t *bits = (const uint32_t *)v;
+    for (int64_t b = 0; b < k / 16; b++) {
+        uint32_t m = 0;
+        for (int j = 0; j < 16; j++) {
+            uint32_t a = bits[b * 16 + j] & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+        }
+        float local = f32_of_bits(m) / 6.0f;
+        if (bf16_local) local = bf16_rne(local);
+        float s = g * local;
+        if (s > 448.0f) s = 448.0f;
+        float q = e4m3_rne(s, scales + b);
+        if (q == 0.0f) q = e4m3_rne(0.125f, scales + b);
+        denom[b] = q / g;
+    }
+    for (int64_t b = 0; b < k / 16; b++) {
+        const float d = denom[b];
+        for (int j = 0; j < 16; j++) codes[b * 16 + j] = e2m1(v[b * 16 + j] / d);
+    }
+    for (int64_t i = 0; i < k / 2; i++) packed[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+}
+
+typedef struct {
+    const void *x;
+    int64_t rows, k, ntasks;
+    float g;
+    int f32;
+    uint8_t *packed, *scales;
+} kc_ct_job;
+
+CLONES static void kc_ct_rows(const kc_ct_job *j, int64_t lo, int64_t hi) {
+    const int64_t k = j->k;
+    float *v = malloc(sizeof(float) * (size_t)(k + k / 16 + 1) + (size_t)k);
+    float *denom = v + k;
+    uint8_t *codes = (uint8_t *)(denom + k / 16 + 1);
+    for (int64_t r = lo; r < hi; r++) {
+        const float *row;
+        if (j->f32) {
+            row = (const float *)j->x + r * k;
+        } else {
+            const uint16_t *x = (const uint16_t *)j->x + r * k;
+            for (int64_t c = 0; c < k; c++) v[c] = f32_of_bits((uint32_t)x[c] << 16);
+            row = v;
+        }
+        ct_quant_row(row, k, j->g, !j->f32, j->packed + r * (k / 2), j->scales + r * (k / 16), denom, codes);
+    }
+    free(v);
+}
+
+static void kc_ct_task(void *ctx, int64_t t) {
+    kc_ct_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    kc_ct_rows(j, a, b);
+}
+
+/* rows x k of bf16 (f32 = 0: the block amax / 6 rounded to bf16) or fp32 values on `threads` threads. */
+void kc_ct_quant_mt(const void *x, int64_t rows, int64_t k, float g, int32_t f32, uint8_t *packed, uint8_t *scales,
+                    int32_t threads) {
+    kc_ct_job j = {x, rows, k, kc_tasks(rows, k, threads, KC_MIN_SPLIT), g, f32, packed, scales};
+    kc_parallel(kc_ct_task, &j, j.ntasks, threads);
+}

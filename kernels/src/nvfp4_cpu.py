@@ -98,6 +98,8 @@ def load() -> ctypes.CDLL | None:
     lib.kc_amax_bf16_mt.argtypes = lib.kc_amax_f32_mt.argtypes = [p, i64, i32]
     lib.kc_amax_bf16_mt.restype = lib.kc_amax_f32_mt.restype = ctypes.c_uint32
     lib.kc_quant_bf16_mt.argtypes = lib.kc_quant_f32_mt.argtypes = [p, i64, i64, f32, p, p, i32]
+    lib.kc_ct_quant_mt.argtypes = [p, i64, i64, f32, i32, p, p, i32]
+    lib.kc_ct_quant_mt.restype = None
     lib.kc_nvfp4_avx512.argtypes = []
     lib.kc_nvfp4_avx512.restype = ctypes.c_int
     set_pool_types(lib)
@@ -138,5 +140,20 @@ def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int, 
     fn = lib.kc_quant_bf16_mt if x2.dtype == torch.bfloat16 else lib.kc_quant_f32_mt
     if m:
         fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr(), threads)
+    lead = x.shape[:-1]
+    return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
+
+
+def ct_quantize(lib: ctypes.CDLL, x: torch.Tensor, g: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' NVFP4 (``ct_nvfp4``) of bf16 or fp32 ``x`` [..., K] under ``weight_global_scale`` ``g``:
+    the C kernel ``kc_ct_quant_mt`` (fp16 goes to the torch code, whose block division is in fp16)."""
+    k = x.shape[-1]
+    x2 = x.contiguous().reshape(-1, k)
+    m = x2.shape[0]
+    packed = outputs.empty((m, k // 2), torch.uint8)
+    scales = outputs.empty((m, k // 16), torch.uint8)
+    if m:
+        lib.kc_ct_quant_mt(x2.data_ptr(), m, k, float(g.reshape(())), int(x2.dtype == torch.float32),
+                           packed.data_ptr(), scales.data_ptr(), threads)
     lead = x.shape[:-1]
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
