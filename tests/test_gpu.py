@@ -29,6 +29,10 @@ PACKS = [
     ("bench-k3", {"layers": 1, "experts": 8}, {}),
     ("bench-k3", {"layers": 1, "experts": 8}, {"layout": "vllm"}),
     ("bench-k3", {"layers": 1, "experts": 8}, {"recipe": "nvfp4-w4a16"}),
+    ("tiny-kimi-linear", {}, {"recipe": "ct-nvfp4-a16"}),  # compressed-tensors' own arithmetic
+    ("bench-kimi-linear", {"layers": 1}, {"recipe": "ct-nvfp4-a16"}),
+    ("tiny-qwen3-moe", {}, {}),
+    ("tiny-glm4-moe", {}, {"layout": "vllm"}),
 ]
 
 
