@@ -135,13 +135,17 @@ class _NoKernel:
 def _vllm_process(module) -> str:
     """Run vLLM's ModelOptLinearMethod.process_weights_after_loading (its scale reductions, squeezes and
     paddings) with the GEMM kernel's layout repack left out; returns what ran."""
-    qm = module.quant_method
-    kernel = getattr(qm, "kernel", None)
-    qm.kernel = _NoKernel(kernel)
+    return _without_repack(module.quant_method, module)
+
+
+def _without_repack(method, module) -> str:
+    """``method.process_weights_after_loading(module)`` with its GEMM kernel (the layout repack) stubbed out."""
+    kernel = getattr(method, "kernel", None)
+    method.kernel = _NoKernel(kernel)
     try:
-        qm.process_weights_after_loading(module)
+        method.process_weights_after_loading(module)
     finally:
-        qm.kernel = kernel
+        method.kernel = kernel
     return f"process_weights_after_loading run, the {type(kernel).__name__} layout repack left out"
 
 
@@ -160,13 +164,7 @@ def _ct_process(engine: str, module) -> str:
     if scheme is None:
         return "no scheme"
     if engine == "vllm":
-        kernel = getattr(scheme, "kernel", None)
-        scheme.kernel = _NoKernel(kernel)
-        try:
-            scheme.process_weights_after_loading(module)
-        finally:
-            scheme.kernel = kernel
-        return f"process_weights_after_loading run, the {type(kernel).__name__} layout repack left out"
+        return _without_repack(scheme, module)
     try:
         scheme.process_weights_after_loading(module)
     except ValueError as e:

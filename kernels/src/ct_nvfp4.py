@@ -49,23 +49,13 @@ def block_scales(blocks: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """4-bit codes of fp32 ``x`` as ``cast_to_fp4`` rounds it and ``pack_fp4_to_uint8`` indexes it."""
-    x = torch.clamp(x, -FP4_MAX, FP4_MAX)
-    sign = torch.sign(x)
-    a = x.abs()
-    mag = (
-        7
-        - (a <= 5.0).to(torch.uint8)
-        - (a < 3.5).to(torch.uint8)
-        - (a <= 2.5).to(torch.uint8)
-        - (a < 1.75).to(torch.uint8)
-        - (a <= 1.25).to(torch.uint8)
-        - (a < 0.75).to(torch.uint8)
-        - (a <= 0.25).to(torch.uint8)
-    )
-    zero = mag == 0  # the value is 0 * sign: its sign bit is the sign of x (-0.0 for a negative x)
-    neg = torch.where(zero, torch.signbit(sign * 0.0), x < 0)
-    return mag | (neg.to(torch.uint8) << 3)
+    """4-bit codes of fp32 ``x`` as ``cast_to_fp4`` rounds it and ``pack_fp4_to_uint8`` indexes it: the same
+    codes as ModelOpt's rounding (``reference.e2m1_codes``). cast_to_fp4's clamp to +-6 is its saturation; its
+    ``sign(x) * magnitude`` sign bit is ``x < 0`` (torch's ``sign(-0.0)`` is +0, so -0.0 gives code 0, and a
+    negative value rounding to 0 gives code 8), as ``tests/test_compressed_tensors.py`` checks against the peer."""
+    from .reference import e2m1_codes as modelopt_codes
+
+    return modelopt_codes(x)
 
 
 def _quantize_rows(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,16 @@ static inline uint8_t e2m1(float x) {
     return (uint8_t)(mag | ((x < 0.0f) << 3));
 }
 
+/* The largest |v| of a 16-value block, as bits (an integer max over |v|'s bits orders like |v| for finite v). */
+static inline uint32_t block_amax_bits(const uint32_t *bits) {
+    uint32_t m = 0;
+    for (int j = 0; j < 16; j++) {
+        uint32_t a = bits[j] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
 /* One row of k fp32 values, in vectorizable passes: block amax (an integer max over |v|'s bits,
  * which orders like |v| for finite values; NaN/Inf were rejected by the amax pass), block scales,
  * codes (a division and a comparison chain, branch-free), packing.
@@ -63,11 +73,7 @@ static inline void quant_row(const float *v, int64_t k, float s2, uint8_t *packe
                              uint8_t *codes) {
     const uint32_t *bits = (const uint32_t *)v;
     for (int64_t b = 0; b < k / 16; b++) {
-        uint32_t m = 0;
-        for (int j = 0; j < 16; j++) {
-            uint32_t a = bits[b * 16 + j] & 0x7FFFFFFFu;
-            m = a > m ? a : m;
-        }
+        uint32_t m = block_amax_bits(bits + b * 16);
         float sb = f32_of_bits(m) / (6.0f * s2);
         if (sb == 0.0f) sb = 1.0f;
         if (sb < 0.001953125f) sb = 0.001953125f;
@@ -435,11 +441,7 @@ static inline void ct_quant_row(const float *v, int64_t k, float g, int bf16_loc
                                 float *denom, uint8_t *codes) {
     const uint32_t *bits = (const uint32_t *)v;
     for (int64_t b = 0; b < k / 16; b++) {
-        uint32_t m = 0;
-        for (int j = 0; j < 16; j++) {
-            uint32_t a = bits[b * 16 + j] & 0x7FFFFFFFu;
-            m = a > m ? a : m;
-        }
+        uint32_t m = block_amax_bits(bits + b * 16);
         float local = f32_of_bits(m) / 6.0f;
         if (bf16_local) local = bf16_rne(local);
         float s = g * local;
