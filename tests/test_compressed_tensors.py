@@ -24,7 +24,7 @@ from kimi_convert.kernels import ct_nvfp4
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = os.environ.get("KIMI_CONVERT_LLMC_PYTHON", "/work/peers/llmc/bin/python")
 #: synth presets the peer is compared on (and the --exclude each needs on both sides)
-PEER_INPUTS = {"tiny-kimi-linear": []}
+PEER_INPUTS = {"tiny-kimi-linear": [], "tiny-qwen3-moe": []}
 
 
 def _e4m3(v: float) -> int:

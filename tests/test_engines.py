@@ -91,6 +91,7 @@ OUTPUTS = {
     "qw-vllm": ("qw", None, "vllm", ("vllm",)),  # qkv_proj fused on disk
     "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
     "kl-ct": ("kl", "ct-nvfp4-a16", "source", ENGINES),  # compressed-tensors' format (docs/compressed-tensors.md)
+    "qw-ct": ("qw", "ct-nvfp4-a16", "source", ENGINES),  # and its attention layers' KV-cache placeholders
 }
 
 

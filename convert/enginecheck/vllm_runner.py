@@ -23,6 +23,11 @@ import torch
 #: Parameters vLLM legitimately leaves unwritten by a checkpoint (regex on the parameter name, why).
 OPTIONAL = [
     (r"\.(k|v|q|prob)_scale$", "KV-cache/attention quantization scale: vLLM sets 1.0 when a checkpoint has none"),
+    (r"\.attn\.(k|v|q)_zero_point$",
+     "KV-cache zero point: vLLM's CompressedTensorsKVCacheMethod.create_weights (quantization/compressed_tensors/"
+     "compressed_tensors.py) registers k/v/q_zero_point on every attention layer 'to enable loading of "
+     "llm-compressor checkpoints which contain them'; vLLM uses none (symmetric only) and process_weights_after_"
+     "loading deletes them; a checkpoint without kv_cache_scheme has none"),
 ]
 
 def optional_for(model) -> list[tuple[str, str]]:
