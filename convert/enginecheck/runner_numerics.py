@@ -165,14 +165,33 @@ def _ct_process(engine: str, module) -> str:
         return "no scheme"
     if engine == "vllm":
         return _without_repack(scheme, module)
+    import sys
+
+    home = sys.modules[type(scheme).__module__]
+    repack = getattr(home, "prepare_nvfp4_layer_for_marlin", None)
+    if repack is not None:  # reached on the CPU, it JIT-builds a CUDA kernel with ninja first (minutes, then fails)
+        home.prepare_nvfp4_layer_for_marlin = _stop_at_repack
     try:
         scheme.process_weights_after_loading(module)
+    except _RepackReached:
+        return "process_weights_after_loading run up to its Marlin repack (prepare_nvfp4_layer_for_marlin)"
     except ValueError as e:
         if "weight_global_scale" in str(e):
             raise
     except Exception as e:  # the GPU repack (flashinfer / Marlin), after the checks
         return f"process_weights_after_loading run up to the GPU repack ({type(e).__name__})"
+    finally:
+        if repack is not None:
+            home.prepare_nvfp4_layer_for_marlin = repack
     return "process_weights_after_loading run"
+
+
+class _RepackReached(Exception):
+    """SGLang's processing reached its GPU repack: every check before it has passed."""
+
+
+def _stop_at_repack(layer) -> None:
+    raise _RepackReached
 
 
 def read_ct_linear(engine: str, entry: dict, module) -> dict:
