@@ -1,8 +1,8 @@
 """``kimi-convert pack --recipe ct-nvfp4-a16`` against llm-compressor's ``model_free_ptq`` (the peer) on the same
 input and machine: wall seconds, CPU seconds, peak memory of each process tree; prints a Markdown table.
 
-    python benchmarks/ct_speed.py [--input DIR | --preset bench-kimi-linear] [--device cpu|cuda|auto]
-        [--peer-workers 1 2] [--cold input|warm] [--work DIR] [--json FILE]
+    python benchmarks/ct_speed.py [--input DIR | --preset bench-kimi-linear] [--device cpu|cuda|auto ...]
+        [--peer-device cpu|cuda] [--peer-workers 1 2] [--cold input|warm] [--work DIR] [--json FILE]
 
 The peer runs in its own python (``$KIMI_CONVERT_LLMC_PYTHON``, default /work/peers/llmc/bin/python) through
 ``benchmarks/peer_model_free.py`` with ``--partners-present`` (Kimi Linear's MLA ``q_proj`` has no k/v partner,
@@ -51,7 +51,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--input", type=Path)
     ap.add_argument("--preset", default="bench-kimi-linear")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", nargs="+", default=["cpu"], help="ours, one run each (cpu, cuda, auto)")
+    ap.add_argument("--peer-device", help="the peer's device (default: cpu when --device is only cpu, else cuda)")
     ap.add_argument("--peer-workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--cold", choices=("input", "warm"), default="input")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ct-speed"))
@@ -65,12 +66,14 @@ def main() -> int:
     ours = a.work / "ours"
     prep = lambda: evict(src) if a.cold == "input" else warm(src)  # noqa: E731
     runs = []
-    prep()
-    runs.append(measure([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(ours), "-q", "--overwrite",
-                         "--recipe", "ct-nvfp4-a16", "--device", a.device], env, "kimi-convert", a.device, "-", 0.1))
+    for device in a.device:
+        prep()
+        runs.append(measure([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(ours), "-q",
+                             "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device], env, "kimi-convert",
+                            device, "-", 0.1))
     ignore = a.work / "ignore.json"
     ignore.write_text(json.dumps(json.loads((ours / "config.json").read_text())["quantization_config"]["ignore"]))
-    peer_device = "cpu" if a.device == "cpu" else "cuda"
+    peer_device = a.peer_device or ("cpu" if a.device == ["cpu"] else "cuda")
     for w in a.peer_workers:
         out = a.work / f"peer-{w}"
         subprocess.run(["rm", "-rf", str(out)], check=True)
