@@ -132,28 +132,28 @@ def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int, 
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed`` [M, K/2] / ``scales`` [M, K/16] uint8 may be given (benchmarks time the kernel without the page
     faults of fresh outputs); else they come from ``outputs.empty`` (the pipeline's arena)."""
-    k = x.shape[-1]
-    x2 = _prepare(x).reshape(-1, k)
-    m = x2.shape[0]
-    packed = outputs.empty((m, k // 2), torch.uint8) if packed is None else packed
-    scales = outputs.empty((m, k // 16), torch.uint8) if scales is None else scales
+    x2 = _prepare(x).reshape(-1, x.shape[-1])
     fn = lib.kc_quant_bf16_mt if x2.dtype == torch.bfloat16 else lib.kc_quant_f32_mt
-    if m:
-        fn(x2.data_ptr(), m, k, float(s2), packed.data_ptr(), scales.data_ptr(), threads)
-    lead = x.shape[:-1]
-    return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
+    return _by_rows(x2, x.shape[:-1], lambda m, k, p, s: fn(x2.data_ptr(), m, k, float(s2), p, s, threads),
+                    packed, scales)
 
 
 def ct_quantize(lib: ctypes.CDLL, x: torch.Tensor, g: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' NVFP4 (``ct_nvfp4``) of bf16 or fp32 ``x`` [..., K] under ``weight_global_scale`` ``g``:
     the C kernel ``kc_ct_quant_mt`` (fp16 goes to the torch code, whose block division is in fp16)."""
-    k = x.shape[-1]
-    x2 = x.contiguous().reshape(-1, k)
-    m = x2.shape[0]
-    packed = outputs.empty((m, k // 2), torch.uint8)
-    scales = outputs.empty((m, k // 16), torch.uint8)
+    x2 = x.contiguous().reshape(-1, x.shape[-1])
+    fp32 = int(x2.dtype == torch.float32)
+    return _by_rows(x2, x.shape[:-1], lambda m, k, p, s: lib.kc_ct_quant_mt(
+        x2.data_ptr(), m, k, float(g.reshape(())), fp32, p, s, threads))
+
+
+def _by_rows(x2: torch.Tensor, lead: torch.Size, run, packed: torch.Tensor | None = None,
+             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row kernel's outputs: ``run(m, k, packed_ptr, scales_ptr)`` fills [M, K/2] codes and [M, K/16] e4m3 scales
+    of the rows ``x2`` (given, or from ``outputs.empty``), returned shaped as the input's ``lead`` dimensions."""
+    m, k = x2.shape
+    packed = outputs.empty((m, k // 2), torch.uint8) if packed is None else packed
+    scales = outputs.empty((m, k // 16), torch.uint8) if scales is None else scales
     if m:
-        lib.kc_ct_quant_mt(x2.data_ptr(), m, k, float(g.reshape(())), int(x2.dtype == torch.float32),
-                           packed.data_ptr(), scales.data_ptr(), threads)
-    lead = x.shape[:-1]
+        run(m, k, packed.data_ptr(), scales.data_ptr())
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
