@@ -108,6 +108,18 @@ class Mapping:
         with ``modules=False``, anything under the expert (``w1.weight``). The one expert-index pattern."""
         return _expert_regexes(self.expert_sets, modules)
 
+    def expert_template(self, module: str) -> str | None:
+        """A routed expert module's name with its expert index replaced (``...experts.#.w1``); None for any
+        other module."""
+        short = self.strip(module)
+        for rx in self.expert_regexes():
+            hit = rx.fullmatch(short)
+            if hit is not None:
+                a, b = hit.span("_expert_index")
+                off = len(module) - len(short)
+                return f"{module[:off + a]}#{module[off + b:]}"
+        return None
+
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
@@ -167,13 +179,10 @@ class Mapping:
         expert 0 standing for every ``w1``): a glob that cannot tell expert indices apart
         (globs.index_blind) matches one exactly when it matches all, and the released K3's half a million
         expert modules need not be scanned for a table's ``keep 'vision_tower.*'``."""
-        rxs = self.expert_regexes()
-        seen: set[tuple[str, str]] = set()
+        seen: set[str] = set()
         out = []
         for mod in modules:
-            short = self.strip(mod)
-            hit = next((h for rx in rxs if (h := rx.fullmatch(short)) is not None), None)
-            key = None if hit is None else (short[: hit.start("_expert_index")], hit["_rest"])
+            key = self.expert_template(mod)
             if key is None or key not in seen:
                 out.append(mod)
                 if key is not None:

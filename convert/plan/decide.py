@@ -36,7 +36,7 @@ class DecideContext:
     expert_rx: list[re.Pattern[str]]
     modules: dict[str, dict[str, SourceTensor]] = field(default_factory=dict)
     memo: dict[tuple, tuple] = field(default_factory=dict)  # per expert template: is_linear, decisions
-    template_rx: list[re.Pattern[str]] | None = None  # made on first use; [] when rules tell experts apart
+    blind: bool | None = None  # made on first use: whether no rule in force tells expert indices apart
 
     def is_expert(self, module: str) -> bool:
         return any(rx.fullmatch(self.m.strip(module)) for rx in self.expert_rx)
@@ -45,19 +45,9 @@ class DecideContext:
         """A routed expert module's name with its expert index replaced (``...experts.#.w1``) when no
         glob in force can tell two expert indices apart (what is decided for one expert then holds for
         all); None for any other module, or when some glob can (``--exclude '*.experts.1?.*'``)."""
-        if self.template_rx is None:
-            self.template_rx = (list(self.m.expert_regexes())
-                                if index_blind_rules(self.m, self.recipe, self.patterns) else [])
-        if not self.template_rx:
-            return None
-        short = self.m.strip(module)
-        for rx in self.template_rx:
-            hit = rx.fullmatch(short)
-            if hit is not None:
-                a, b = hit.span("_expert_index")
-                off = len(module) - len(short)
-                return f"{module[:off + a]}#{module[off + b:]}"
-        return None
+        if self.blind is None:
+            self.blind = index_blind_rules(self.m, self.recipe, self.patterns)
+        return self.m.expert_template(module) if self.blind else None
 
 
 def index_blind_rules(m: Mapping, recipe: Recipe, patterns: list[KeepRule]) -> bool:
