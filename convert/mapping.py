@@ -108,11 +108,16 @@ class Mapping:
         with ``modules=False``, anything under the expert (``w1.weight``). The one expert-index pattern."""
         return _expert_regexes(self.expert_sets, modules)
 
+    @functools.cached_property
+    def _module_regexes(self) -> tuple[re.Pattern[str], ...]:
+        """expert_regexes(), held: expert_template runs once per module of the plan (half a million for K3)."""
+        return self.expert_regexes()
+
     def expert_template(self, module: str) -> str | None:
         """A routed expert module's name with its expert index replaced (``...experts.#.w1``); None for any
         other module."""
         short = self.strip(module)
-        for rx in self.expert_regexes():
+        for rx in self._module_regexes:
             hit = rx.fullmatch(short)
             if hit is not None:
                 a, b = hit.span("_expert_index")
