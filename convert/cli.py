@@ -25,7 +25,7 @@ from .errors import ConvertError
 from .options import Options, click_options
 from .options import checked as _checked
 from .plan.render import mb
-from .sources import open_source
+from .sources import check_spec
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -110,7 +110,7 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
 
 
 @cli.command(name="inspect")
-@click.argument("path", callback=_checked(paths.existing))
+@click.argument("path", callback=_checked(lambda p: check_spec(p) if str(p).startswith("hf://") else paths.existing(p)))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect_cmd(path: str, as_json: bool) -> None:
     """Architecture, layer kinds and MoE parameters (E, top-k, sizes) of a checkpoint or config.json."""
@@ -121,7 +121,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", callback=_checked(open_source))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(check_spec))
 @click_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(input_dir: str, opts: Options, as_json: bool) -> None:
@@ -148,7 +148,7 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", callback=_checked(open_source))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(check_spec))
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.output_folder))
 @click_options
 @click.option("--device", default="auto", show_default=True, callback=_checked(devices.valid),
@@ -223,7 +223,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
 
 @cli.command(name="verify-manifest")
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.folder, "a kimi-convert output folder"))
-@click.option("--input", "input_dir", callback=_checked(open_source),
+@click.option("--input", "input_dir", callback=_checked(check_spec),
               help="Also prove OUTPUT was derived from INPUT: hashes, re-plan, pass-through and re-quantization.")
 @click.option("--full", is_flag=True, help="With --input: re-quantize every NVFP4 tensor, not a sample.")
 @click.option("--device", default="cpu", show_default=True, callback=_checked(devices.valid),
