@@ -39,5 +39,5 @@ def open_source(spec: str | os.PathLike | Source) -> Source:
     if isinstance(spec, str) and spec.startswith("hf://"):
         from .hub import HubRepo  # huggingface_hub is imported only for a Hub input
 
-        return HubRepo.open(spec)
+        return HubRepo.connect(spec)
     return LocalFolder.at(spec)

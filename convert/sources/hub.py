@@ -99,7 +99,7 @@ class HubRepo:
     requested: str | None = None  # the revision as the user gave it (None: the default branch)
 
     @classmethod
-    def open(cls, spec: str, token: str | None = None, say: Callable[[str], None] = _say) -> HubRepo:
+    def connect(cls, spec: str, token: str | None = None, say: Callable[[str], None] = _say) -> HubRepo:
         """Resolve the revision to a commit (once), list the tree at that commit. Every failure: one line."""
         from ..hub.transport import bound_library, check_repo_id, resolve_token, with_retries
 
