@@ -130,10 +130,11 @@ def record(engine: str, key: str, folder: Path, rep: dict, producer: tuple[str, 
         f.write(json.dumps(row) + "\n")
 
 
-def engine_check(folder: Path, engine: str, source: Path | None = None) -> tuple[int, dict]:
+def engine_check(folder: Path, engine: str, source: Path | None = None, env: dict | None = None) -> tuple[int, dict]:
     """verify-manifest --engine; with ``source``, --input too (the manifest checks against it and the
-    numeric check)."""
-    r = cli("verify-manifest", folder, "--engine", engine, "--json", *(["--input", source] if source else []))
+    numeric check). The suite's checks go through the engines' fork servers (tests/conftest.py)."""
+    r = run_process("verify-manifest", folder, "--engine", engine, "--json",
+                    *(["--input", source] if source else []), env=env, timeout=1800)
     assert r.stdout.strip(), f"no report (rc {r.code}): {r.stderr[-2000:]}"
     d = json.loads(r.stdout)
     return r.code, d["engines"][0]
@@ -204,6 +205,23 @@ def test_synthetic_input_loads(engine, model, inputs):
     bad = [c for c in rep["bad_casts"] if c["class"] != "narrowing"]
     assert rep["error"] is None and not rep["unfilled"] and not rep["skipped"] and not bad, describe(rep)
     assert_mtp_only(model, rep)
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_served_check_is_fresh_checks(engine, outputs, inputs):
+    """A check through the fork server (as every other test here runs) reports exactly what the same check
+    in a process of its own reports, the numeric check included: only the timings differ."""
+    out = outputs["qw"]
+    assert isinstance(out, Path), f"pack failed: {out}"
+
+    def report(env=None):
+        _, rep = engine_check(out, engine, inputs["qw"], env=env)
+        return {k: v for k, v in rep.items() if k not in ("timings", "seconds", "log_tail")}, rep["timings"]
+
+    served, served_t = report()
+    fresh, fresh_t = report({"KIMI_CONVERT_ENGINE_SERVERS": ""})
+    assert served == fresh
+    assert fresh_t["import_s"] > 0 and served_t["import_s"] < fresh_t["import_s"]  # really served, really fresh
 
 
 def assert_mtp_only(model: str, rep: dict) -> None:

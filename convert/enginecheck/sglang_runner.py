@@ -95,6 +95,17 @@ def apply_patches(result: dict) -> None:
     result["patches"] = [name for name, _ in PATCHES]
 
 
+def preload() -> None:
+    """What ``run`` starts with (the patches, then SGLang's imports, which import every model module of its
+    registry), and the numeric check's module: done once by the fork server (``zygote.py``)."""
+    apply_patches({})
+    with rc.CpuDevices():
+        rc.import_all(["sglang.srt.configs.model_config", "sglang.srt.distributed.parallel_state",
+                       "sglang.srt.layers.dp_attention", "sglang.srt.layers.moe", "sglang.srt.model_loader.loader",
+                       "sglang.srt.models.registry", "sglang.srt.runtime_context", "sglang.srt.server_args",
+                       "runner_numerics"])
+
+
 def run(model_dir: str, result: dict) -> None:
     t0 = time.perf_counter()
     result["phase"] = "import"

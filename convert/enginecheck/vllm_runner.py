@@ -153,6 +153,23 @@ def apply_patches(result: dict) -> None:
     result["patches"] = [name for name, _ in PATCHES]
 
 
+#: vLLM imports a model's module when its registry resolves the architecture: the families the tool converts.
+MODEL_MODULES = ("deepseek_v2", "deepseek_mtp", "kimi_linear", "kimi_k3", "qwen3_moe", "glm4_moe", "glm4_moe_mtp",
+                 "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5")
+
+
+def preload() -> None:
+    """What ``run`` starts with (the patches, then vLLM's imports), and the model, quantization and numeric-check
+    modules a check imports next: done once by the fork server (``zygote.py``)."""
+    apply_patches({})
+    rc.import_all(["vllm.config", "vllm.distributed", "vllm.engine.arg_utils", "vllm.model_executor.model_loader",
+                   "vllm.utils.torch_utils", *(f"vllm.model_executor.models.{m}" for m in MODEL_MODULES),
+                   "vllm.model_executor.layers.quantization.modelopt", "vllm.model_executor.layers.quantization.fp8",
+                   "vllm.model_executor.layers.quantization.mxfp4",
+                   "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+                   "runner_numerics"])
+
+
 def run(model_dir: str, result: dict) -> None:
     t0 = time.perf_counter()
     result["phase"] = "import"
