@@ -127,7 +127,8 @@ def test_pack_decodes_fp8_and_keeps_the_router(ckpt, tmp_path):
         ex = f"model.layers.{layer}.block_sparse_moe.experts.3"
         assert got[f"{ex}.w1.weight_scale_2"].equal(got[f"{ex}.w3.weight_scale_2"])
         # the global scale is the decoded weights' amax / (448 * 6): decoding was exact, not a cast
-        amax = max(_decoded(src[f"{ex}.{w}.weight"], src[f"{ex}.{w}.weight_scale_inv"]).abs().max() for w in ("w1", "w3"))
+        amax = max(_decoded(src[f"{ex}.{w}.weight"], src[f"{ex}.{w}.weight_scale_inv"]).abs().max()
+                   for w in ("w1", "w3"))
         assert float(got[f"{ex}.w1.weight_scale_2"]) == pytest.approx(float(amax) / (448 * 6), rel=1e-6)
 
 
@@ -143,10 +144,11 @@ def test_inspect_gives_benchmark_moe_values(ckpt, tmp_path):
 
 def test_bench_preset_has_the_releases_shapes():
     specs = {name: (tuple(shape), dtype) for name, shape, dtype in tensor_specs(PRESETS["bench-minimax-m2"])}
-    want = {"model.layers.1.self_attn.q_proj.weight": (6144, 3072), "model.layers.1.self_attn.k_proj.weight": (1024, 3072),
-            "model.layers.1.self_attn.o_proj.weight": (3072, 6144), "model.layers.1.self_attn.q_norm.weight": (6144,),
-            "model.layers.1.self_attn.k_norm.weight": (1024,), "model.layers.1.block_sparse_moe.gate.weight": (64, 3072),
-            "model.layers.1.block_sparse_moe.experts.63.w1.weight": (1536, 3072),
-            "model.layers.1.block_sparse_moe.experts.63.w2.weight": (3072, 1536)}
+    want = {"self_attn.q_proj.weight": (6144, 3072), "self_attn.k_proj.weight": (1024, 3072),
+            "self_attn.o_proj.weight": (3072, 6144), "self_attn.q_norm.weight": (6144,),
+            "self_attn.k_norm.weight": (1024,), "block_sparse_moe.gate.weight": (64, 3072),
+            "block_sparse_moe.experts.63.w1.weight": (1536, 3072),
+            "block_sparse_moe.experts.63.w2.weight": (3072, 1536)}
+    want = {f"model.layers.1.{n}": shape for n, shape in want.items()}
     assert {n: specs[n][0] for n in want} == want
     assert specs["model.layers.1.block_sparse_moe.experts.63.w2.weight"][1] == torch.float8_e4m3fn
