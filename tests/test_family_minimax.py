@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import run
+from helpers import one_line_error, run
 from kimi_convert.synth import PRESETS, config, tensor_specs, write_synth
 
 # MiniMaxAI/MiniMax-M2 config.json: the values that are not sizes (sizes: the preset's).
@@ -152,3 +153,23 @@ def test_bench_preset_has_the_releases_shapes():
     want = {f"model.layers.1.{n}": shape for n, shape in want.items()}
     assert {n: specs[n][0] for n in want} == want
     assert specs["model.layers.1.block_sparse_moe.experts.63.w2.weight"][1] == torch.float8_e4m3fn
+
+
+
+def test_fp8_weight_without_its_scale_is_one_line(ckpt, tmp_path):
+    """An FP8 expert weight stored without its weight_scale_inv (dropped from its shard and the index): one
+    line naming the weight and the missing scale, exit 2, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    gone = "model.layers.0.block_sparse_moe.experts.5.w3.weight_scale_inv"
+    shard = bad / index["weight_map"].pop(gone)
+    tensors = load_file(str(shard))
+    del tensors[gone]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    err = one_line_error(run("pack", bad, tmp_path / "out", "-q", "--device", "cpu"))
+    assert "model.layers.0.block_sparse_moe.experts.5.w3.weight" in err and "weight_scale_inv" in err, err
+    assert not (tmp_path / "out" / "config.json").exists()
