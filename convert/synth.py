@@ -83,7 +83,7 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_gqa
+from . import synth_gqa, synth_minimax
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
@@ -251,6 +251,24 @@ PRESETS: dict[str, Preset] = {
         description="the released Kimi K3's layout at full size (497,220 tensors, 96 shards, 1.56 TB) as a "
                     "sparse file set: real headers, data regions are holes (zeros)",
     ),
+    # MiniMax-M2 (MiniMaxAI/MiniMax-M2's config at reduced sizes; docs/families.md): FP8 128x128 block source,
+    # head_dim 128 and rotary_dim 64 as released, 48/8 heads shrunk to 4/2, experts of 256 (K a multiple
+    # of 128 for every FP8 weight, as vLLM's validate_fp8_block_shape asks).
+    "tiny-minimax-m2": Preset(
+        "minimax_m2", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=256, latent=256, shared=0,
+        dense_inter=0, first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=128, qk_norm=True,
+        fp8=True, description="MiniMax-M2 layout, FP8 128x128 block weights, hidden 256, 2 layers, 8 experts (~5 MB)",
+    ),
+    # MiniMax-M2's width (hidden 3072, 48 x 128 query heads, 8 KV heads, experts of 1536, top-8) in 2 layers
+    # of 64 of its 256 experts.
+    "bench-minimax-m2": Preset(
+        "minimax_m2", hidden=3072, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=64, topk=8, moe_inter=1536, latent=3072, shared=0,
+        dense_inter=0, first_dense=0, vocab=8192, attn_heads=48, kv_heads=8, head_dim=128, qk_norm=True,
+        fp8=True, shards=4,
+        description="MiniMax-M2 at real width: FP8 block experts 1536 x 3072, 64 a layer, 2 layers",
+    ),
 }
 
 
@@ -356,6 +374,9 @@ def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]
     block-scaled one)."""
     if p.arch in GQA_ARCHES:
         yield from synth_gqa.tensor_specs(p)
+        return
+    if p.arch in synth_minimax.ARCHES:
+        yield from synth_minimax.tensor_specs(p)
         return
     if p.arch == "deepseek_v3":
         yield from _deepseek(p)
@@ -581,6 +602,8 @@ def _deepseek_config(p: Preset) -> dict:
 def config(p: Preset) -> dict:
     if p.arch in GQA_ARCHES:
         return synth_gqa.config(p)
+    if p.arch in synth_minimax.ARCHES:
+        return synth_minimax.config(p)
     if p.arch == "deepseek_v3":
         return _deepseek_config(p)
     text = _text_config(p)
@@ -724,6 +747,8 @@ def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, so
     side = {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}
     if p.arch in GQA_ARCHES:  # no custom code: transformers' own classes
         side = synth_gqa.SIDE_FILES
+    if p.arch in synth_minimax.ARCHES:
+        side = synth_minimax.SIDE_FILES
     for name, text in side.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)

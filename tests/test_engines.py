@@ -29,7 +29,8 @@ from helpers import Result, one_line_error, run, run_process
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
-MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe"}
+MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
+          "mm": "tiny-minimax-m2"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3"}
@@ -82,6 +83,7 @@ OUTPUTS = {
     "kl": ("kl", None, "source", ENGINES),  # nvfp4-w4a16
     "qw": ("qw", None, "source", ENGINES),  # nvfp4-w4a16
     "glm": ("glm", None, "source", ENGINES),  # nvfp4-w4a16
+    "mm": ("mm", None, "source", ENGINES),  # nvfp4-w4a16 from the FP8 block source
     "k3-sglang": ("k3", None, "sglang", ("sglang",)),
     "k3-w4a16-sglang": ("k3", "nvfp4-w4a16", "sglang", ("sglang",)),
     "kl-sglang": ("kl", None, "sglang", ("sglang",)),
