@@ -33,6 +33,7 @@ from huggingface_hub.utils import filter_repo_objects
 from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from .. import faults, filenames
+from ..errors import ConvertError
 from .transport import IGNORE, RESUME, connect, with_retries
 
 #: Finished shards that may wait for the uploader (one more is being sent): the local disk's bound with
