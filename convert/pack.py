@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import configs, devices, filenames, journal, pipeline, write
+from . import configs, devices, faults, filenames, journal, pipeline, write
 from . import manifest as manifest_mod
 from .atomic import write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
@@ -492,6 +492,7 @@ def _publish(hub: LiveUpload, output_dir: Path, shards: dict[str, tuple[int, str
                                    (m for _, m in iter_modules(output_dir, man))), encoding="utf-8")
     info = hub.commit(output_dir, shards, on_hub,
                       f"Upload NVFP4 checkpoint (kimi-convert {man['tool']['version']})")
+    faults.point("commit")
     t = hub.target
     again = (f"the upload is committed; check it again with: kimi-convert verify-manifest {output_dir} --remote "
              f"{t.repo_id}" + (f" --revision {t.revision}" if t.revision else ""))
