@@ -169,7 +169,7 @@ def pack(
             hub.start(output_dir, on_uploaded)
             for s in plan.shards:  # finished by an earlier run, not on the Hub yet
                 if s.file in j.shards and s.file not in j.uploaded:
-                    hub.submit(s.file, j.shards[s.file].size, j.shards[s.file].sha256)
+                    hub.submit(s.file, j.shards[s.file].size, j.shards[s.file].sha256, admitted=False)
         # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
         # (on a thread: queueing that much readahead can block until the disk has taken it)
         if cluster is None:  # (with --ray, the nodes read)
@@ -196,7 +196,8 @@ def pack(
             if cluster is not None:
                 results = cluster.run(jobs, on_shard, bar.update)
             elif len(per_worker) == 1:
-                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus)
+                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus,
+                                            admit=hub.admit if hub is not None else None)
             else:
                 from . import workers as workers_mod
 

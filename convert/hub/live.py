@@ -6,9 +6,11 @@ every file at the end, the manifest last. What ``upload`` checks before its tran
 form, the token, one cheap request: ``connect``) runs before the plan, so a Hub that cannot be reached
 costs no packing; retries and one-line errors are ``upload``'s (``with_retries``).
 
-Why a bounded queue: with ``--no-keep-output`` a shard is deleted once the Hub has it, so the local disk
-holds only the shards in flight; a slow uplink must then slow the conversion down instead of filling the
-disk, so ``submit`` blocks while ``QUEUE`` shards wait for the uploader.
+Why ``admit``: with ``--no-keep-output`` a shard is deleted once the Hub has it, so the local disk holds
+only the shards in flight; a slow uplink must then slow the conversion down instead of filling the disk,
+so a stream waits before opening a shard while ``QUEUE + 1`` are on the disk and not yet on the Hub
+(in-process workers only: with --workers N or --ray the shards are still uploaded as they finish, but
+not waited for).
 
 Resume: the journal records each upload with the shard's sha256 (``Journal.uploaded``); a resumed pack
 asks the Hub's LFS batch endpoint which of those objects it holds (an object is named by its sha256, so
@@ -36,8 +38,8 @@ from .. import faults, filenames
 from ..errors import ConvertError
 from .transport import IGNORE, RESUME, connect, with_retries
 
-#: Finished shards that may wait for the uploader (one more is being sent): the local disk's bound with
-#: --no-keep-output is this plus the shards being written.
+#: With --no-keep-output, the shards that may be on the local disk besides the one being sent (written,
+#: being written, or waiting for the uploader): a stream waits before opening another (``admit``).
 QUEUE = int(os.environ.get("KIMI_CONVERT_UPLOAD_QUEUE", "2"))
 #: Files per commit. The Hub takes commits of many files, but a very large one can time out server-side;
 #: above this the shards and records files go in commits of their own, the rest (configs, card, manifest)
@@ -82,7 +84,9 @@ class LiveUpload:
         with_retries(lambda: self.api.create_repo(target.repo_id, private=target.private, exist_ok=True,
                                                   repo_type="model"),
                      "creating the repository", target.repo_id, say)
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, QUEUE))
+        self._queue: queue.Queue = queue.Queue()
+        self._room = threading.Condition()
+        self._local = 0  # shards admitted (or resumed) and not yet on the Hub
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.sent: list[str] = []  # shards this run preuploaded, in order (for tests and the summary)
@@ -96,26 +100,30 @@ class LiveUpload:
         self._thread = threading.Thread(target=self._run, daemon=True, name="kimi-convert-upload")
         self._thread.start()
 
-    def submit(self, file: str, size: int, sha256: str) -> None:
-        """Queue a finished shard; blocks while the queue is full (the disk bound), and raises the
-        uploader's error, so that a failed upload stops the pack instead of letting shards pile up."""
-        while True:
+    def admit(self, wait: bool, stop: threading.Event) -> None:
+        """A stream is about to open a shard: with --no-keep-output and ``wait``, wait until fewer than
+        ``QUEUE + 1`` shards are local and not on the Hub (the disk bound). Raises the uploader's error,
+        so that a failed upload stops the pack instead of letting shards pile up."""
+        with self._room:
+            while (wait and not self.target.keep_output and self._local > QUEUE and self._error is None
+                   and not stop.is_set()):
+                self._room.wait(0.2)
             self._raise()
-            try:
-                self._queue.put((file, size, sha256), timeout=0.2)
-                return
-            except queue.Full:
-                continue
+            self._local += 1
+
+    def submit(self, file: str, size: int, sha256: str, admitted: bool = True) -> None:
+        """Queue a finished shard (``admitted``: counted by ``admit`` when it was opened; a resumed
+        run's shards are not)."""
+        self._raise()
+        if not admitted:
+            with self._room:
+                self._local += 1
+        self._queue.put((file, size, sha256))
 
     def close(self) -> None:
         """Wait for every queued shard to be on the Hub; the uploader's error, if any, as one line."""
         if self._thread is not None:
-            while self._thread.is_alive():
-                try:
-                    self._queue.put(None, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
+            self._queue.put(None)
             self._thread.join()
             self._thread = None
         self._raise()
@@ -124,6 +132,7 @@ class LiveUpload:
         """The pack failed: stop after the shard in flight (what was sent is journaled, a resume skips it)."""
         self._error = self._error or ConvertError("stopped")
         self._drain()
+        self._queue.put(None)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -142,9 +151,12 @@ class LiveUpload:
                 continue
             try:
                 self._send(*item)
-            except BaseException as e:  # raised in the pack's thread (submit, close)
+            except BaseException as e:  # raised in the pack's thread (admit, submit, close)
                 self._error = e
                 self._drain()
+            with self._room:
+                self._local = max(0, self._local - 1)
+                self._room.notify_all()
 
     def _send(self, file: str, size: int, sha256: str) -> None:
         path = self.output_dir / file
