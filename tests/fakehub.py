@@ -49,7 +49,8 @@ class Fault:
 
 
 class FakeHub:
-    #: Upload throttle (bytes/s) of the LFS object PUT route, None: as fast as it goes. An option of the
+    #: Upload throttle (bytes/s) of the LFS object PUT route, one link shared by concurrent PUTs; None: as
+    #: fast as it goes. An option of the
     #: upload routes only (pack --upload's tests); a download throttle, if any, is the download routes' own.
     upload_bps: float | None = None
 
@@ -236,8 +237,11 @@ class FakeHub:
                 if m and method == "PUT":
                     t0 = time.monotonic()
                     data = self._body()
-                    if hub.upload_bps:  # as if the bytes had come at that rate
-                        time.sleep(max(0.0, len(data) / hub.upload_bps - (time.monotonic() - t0)))
+                    if hub.upload_bps:  # one link at that rate, shared by concurrent uploads
+                        with hub.lock:
+                            start = max(t0, getattr(hub, "_link_free", 0.0))
+                            hub._link_free = end = start + len(data) / hub.upload_bps
+                        time.sleep(max(0.0, end - time.monotonic()))
                     if hashlib.sha256(data).hexdigest() != m[1]:
                         self._send(400, {"error": "sha256 mismatch"})
                         return 400

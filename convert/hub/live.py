@@ -41,6 +41,9 @@ from .transport import IGNORE, RESUME, connect, with_retries
 #: With --no-keep-output, the shards that may be on the local disk besides the one being sent (written,
 #: being written, or waiting for the uploader): a stream waits before opening another (``admit``).
 QUEUE = int(os.environ.get("KIMI_CONVERT_UPLOAD_QUEUE", "2"))
+#: Shards sent at once: two hide each shard's round trips (preupload, LFS batch) behind the other's bytes;
+#: more would only split the same uplink (each large shard's own multipart upload is the library's).
+THREADS = max(1, int(os.environ.get("KIMI_CONVERT_UPLOAD_THREADS", "2")))
 #: Files per commit. The Hub takes commits of many files, but a very large one can time out server-side;
 #: above this the shards and records files go in commits of their own, the rest (configs, card, manifest)
 #: in the last one, so the repository only looks finished once the manifest is in.
@@ -76,7 +79,7 @@ def _addition(path_in_repo: str, size: int, sha256: str, local: Path | None) -> 
 
 class LiveUpload:
     """The Hub side of one ``pack --upload``: connected and the repo created before the plan; a thread
-    that preuploads each finished shard; the commit and the remote check at the end."""
+    that preuploads each finished shard (``THREADS`` of them); the commit and the remote check at the end."""
 
     def __init__(self, target: UploadTarget, say: Callable[[str], None] = print):
         self.target, self.say = target, say
@@ -87,7 +90,7 @@ class LiveUpload:
         self._queue: queue.Queue = queue.Queue()
         self._room = threading.Condition()
         self._local = 0  # shards admitted (or resumed) and not yet on the Hub
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self.sent: list[str] = []  # shards this run preuploaded, in order (for tests and the summary)
 
@@ -97,8 +100,10 @@ class LiveUpload:
     def start(self, output_dir: Path, on_uploaded: Callable[[str, str], None]) -> None:
         """``on_uploaded(file, sha256)``: the Hub has the shard (the journal records it)."""
         self.output_dir, self._on_uploaded = output_dir, on_uploaded
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kimi-convert-upload")
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, daemon=True, name=f"kimi-convert-upload-{k}")
+                         for k in range(THREADS)]
+        for t in self._threads:
+            t.start()
 
     def admit(self, wait: bool, stop: threading.Event) -> None:
         """A stream is about to open a shard: with --no-keep-output and ``wait``, wait until fewer than
@@ -122,17 +127,19 @@ class LiveUpload:
 
     def close(self) -> None:
         """Wait for every queued shard to be on the Hub; the uploader's error, if any, as one line."""
-        if self._thread is not None:
+        for _ in self._threads:
             self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        for t in self._threads:
+            t.join()
+        self._threads = []
         self._raise()
 
     def abandon(self) -> None:
         """The pack failed: stop after the shard in flight (what was sent is journaled, a resume skips it)."""
         self._error = self._error or ConvertError("stopped")
         self._drain()
-        self._queue.put(None)
+        for _ in self._threads:
+            self._queue.put(None)
 
     def _raise(self) -> None:
         if self._error is not None:
