@@ -166,10 +166,14 @@ class LiveUpload:
                 self._room.notify_all()
 
     def _send(self, file: str, size: int, sha256: str) -> None:
-        path = self.output_dir / file
+        path, records = self.output_dir / file, filenames.records_name(file)
         t = self.target
-        with_retries(lambda: self.api.preupload_lfs_files(t.repo_id, [_addition(file, size, sha256, path)],
-                                                          revision=t.revision, num_threads=1),
+        # the shard's records file with it (kept here, committed at the end: if the Hub takes it through
+        # LFS, the commit then finds it sent and does not hold the end for it)
+        ops = lambda: [_addition(file, size, sha256, path),  # noqa: E731
+                       *([CommitOperationAdd(path_in_repo=records, path_or_fileobj=str(self.output_dir / records))]
+                         if (self.output_dir / records).is_file() else [])]
+        with_retries(lambda: self.api.preupload_lfs_files(t.repo_id, ops(), revision=t.revision, num_threads=1),
                      "uploading", t.repo_id, self.say, hint=RESUME)
         faults.point("upload")
         self.sent.append(file)
