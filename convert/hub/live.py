@@ -44,6 +44,8 @@ QUEUE = int(os.environ.get("KIMI_CONVERT_UPLOAD_QUEUE", "2"))
 #: Shards sent at once: two hide each shard's round trips (preupload, LFS batch) behind the other's bytes;
 #: more would only split the same uplink (each large shard's own multipart upload is the library's).
 THREADS = max(1, int(os.environ.get("KIMI_CONVERT_UPLOAD_THREADS", "2")))
+#: Objects per LFS batch request (huggingface_hub's UPLOAD_BATCH_MAX_NUM_FILES for the same endpoint).
+BATCH = 256
 #: Files per commit. The Hub takes commits of many files, but a very large one can time out server-side;
 #: above this the shards and records files go in commits of their own, the rest (configs, card, manifest)
 #: in the last one, so the repository only looks finished once the manifest is in.
@@ -95,7 +97,7 @@ class LiveUpload:
         self.sent: list[str] = []  # shards this run preuploaded, in order (for tests and the summary)
 
     # ------------------------------------------------------------------------------------------
-    # While packing: one thread, one shard at a time.
+    # While packing: ``THREADS`` threads, each sending one shard at a time.
 
     def start(self, output_dir: Path, on_uploaded: Callable[[str, str], None]) -> None:
         """``on_uploaded(file, sha256)``: the Hub has the shard (the journal records it)."""
@@ -168,11 +170,13 @@ class LiveUpload:
     def _send(self, file: str, size: int, sha256: str) -> None:
         path, records = self.output_dir / file, filenames.records_name(file)
         t = self.target
-        # the shard's records file with it (kept here, committed at the end: if the Hub takes it through
-        # LFS, the commit then finds it sent and does not hold the end for it)
-        ops = lambda: [_addition(file, size, sha256, path),  # noqa: E731
-                       *([CommitOperationAdd(path_in_repo=records, path_or_fileobj=str(self.output_dir / records))]
-                         if (self.output_dir / records).is_file() else [])]
+
+        def ops() -> list[CommitOperationAdd]:  # fresh each attempt: the library mutates them
+            # the shard's records file with it (kept here, committed at the end: if the Hub takes it through
+            # LFS, the commit then finds it sent and does not hold the end for it)
+            extra = self.output_dir / records
+            more = [CommitOperationAdd(path_in_repo=records, path_or_fileobj=str(extra))] if extra.is_file() else []
+            return [_addition(file, size, sha256, path), *more]
         with_retries(lambda: self.api.preupload_lfs_files(t.repo_id, ops(), revision=t.revision, num_threads=1),
                      "uploading", t.repo_id, self.say, hint=RESUME)
         faults.point("upload")
@@ -191,11 +195,13 @@ class LiveUpload:
             return set()
         t = self.target
         infos = [UploadInfo(size=size, sample=b"", sha256=bytes.fromhex(sha)) for size, sha in shards.values()]
-        batch, _, _ = with_retries(
-            lambda: post_lfs_batch_info(infos, self.api.token, "model", t.repo_id, revision=t.revision,
-                                        endpoint=self.api.endpoint),
-            "checking the uploaded shards", t.repo_id, self.say, hint=RESUME)
-        have = {o["oid"] for o in batch if not o.get("actions")}
+        have: set[str] = set()
+        for k in range(0, len(infos), BATCH):  # the library's own chunk for the batch endpoint
+            batch, _, _ = with_retries(
+                lambda part=infos[k:k + BATCH]: post_lfs_batch_info(part, self.api.token, "model", t.repo_id,
+                                                                    revision=t.revision, endpoint=self.api.endpoint),
+                "checking the uploaded shards", t.repo_id, self.say, hint=RESUME)
+            have |= {o["oid"] for o in batch if not o.get("actions")}
         return {f for f, (_, sha) in shards.items() if sha in have}
 
     # ------------------------------------------------------------------------------------------
