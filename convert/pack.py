@@ -196,8 +196,8 @@ def pack(
             if cluster is not None:
                 results = cluster.run(jobs, on_shard, bar.update)
             elif len(per_worker) == 1:
-                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus,
-                                            admit=hub.admit if hub is not None else None)
+                wait = {"admit": hub.admit} if hub is not None else {}  # --no-keep-output's disk bound
+                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus, **wait)
             else:
                 from . import workers as workers_mod
 

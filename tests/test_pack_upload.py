@@ -283,3 +283,30 @@ def test_resume_command_has_no_token(hub, medium, tmp_path):
     cmd = resume_command(out)
     assert "--token" not in cmd and "--upload" in cmd and "--resume" in cmd
     assert re.search(r"\buser/tok\b", " ".join(cmd))
+
+
+def test_hub_gone_costs_milliseconds_in_process(medium, tmp_path, monkeypatch):
+    """The same refusal timed inside the process (no interpreter start): the probe fails at once, and the
+    plan is never made."""
+    src, _, _ = medium
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setattr("kimi_convert.hub.transport._bounded", True)  # leave this process's HTTP client be
+    planned = []
+    monkeypatch.setattr("kimi_convert.pack.load_plan", lambda *a, **k: planned.append(a))
+    t = time.monotonic()
+    r = run("pack", src, tmp_path / "out", *PACK_ARGS, "--upload", "user/offline", "--token", TOKEN)
+    elapsed = time.monotonic() - t
+    assert "user/offline: checking the token: 127.0.0.1: cannot connect (" in one_line_error(r)
+    assert elapsed < 0.5 and planned == [] and not (tmp_path / "out").exists(), elapsed
+
+
+def test_large_repositories_commit_in_several_commits(hub, medium, tmp_path):
+    """Above KIMI_CONVERT_MAX_COMMIT_FILES operations, several commits; the repository ends the same."""
+    src, _, ref_repo = medium
+    r = cli(hub, "pack", src, tmp_path / "out", *PACK_ARGS, "--upload", "user/split", tmp=tmp_path,
+            KIMI_CONVERT_MAX_COMMIT_FILES="10")
+    assert r.code == 0, r.stderr
+    commits = hub.repos["user/split"].commits
+    assert len(commits) >= len(ref_repo["files"]) // 10, commits  # at most 10 files a commit
+    assert commits[-1]["summary"].endswith(f"({len(commits)}/{len(commits)})")
+    assert_same_repo(hub, "user/split", ref_repo)
