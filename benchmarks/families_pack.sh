@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 WORK=${WORKDIR:-/tmp/kimi-convert-families}
 OUT=${OUT:-benchmarks/results/families-pack-$(nproc)cpus.md}
-for preset in bench-qwen3-moe bench-glm4-moe bench-minimax-m2; do
+for preset in bench-qwen3-moe bench-glm4-moe bench-minimax-m2 bench-qwen3-5-moe; do
     "$PY" benchmarks/pack_throughput.py --preset "$preset" --workdir "$WORK" --quantize-alone "$@"
     echo
 done | tee "$OUT"

@@ -83,11 +83,10 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_gqa, synth_minimax
+from . import synth_gqa, synth_minimax, synth_qwen35
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
-from .synth_gqa import ARCHES as GQA_ARCHES
 from .write import default_mode
 
 
@@ -134,6 +133,8 @@ class Preset:
     qk_norm: bool = False  # q_norm / k_norm [head_dim] (Qwen3 MoE; GLM-4.5 with use_qk_norm)
     attn_bias: bool = False  # q/k/v biases (GLM-4.5: attention_bias true)
     nextn: int = 0  # num_nextn_predict_layers: MTP layers stored after the last layer (GLM-4.5)
+    # Qwen3.5 MoE (synth_qwen35): Gated DeltaNet key heads (value heads: kda_heads, head dim: kda_head_dim)
+    linear_k_heads: int = 0
 
     def kinds(self) -> list[str]:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
@@ -233,6 +234,24 @@ PRESETS: dict[str, Preset] = {
         attn_bias=True, nextn=1, shards=8,
         description="GLM-4.5-Air at real width: dense layer 0, one MoE layer + the MTP layer, 64 bf16 "
                     "experts 1408 x 4096 a layer",
+    ),
+    # Qwen3.5 MoE (synth_qwen35): 4 layers, the release's layer_types rule (three Gated DeltaNet, one gated
+    # full attention), the release's head_dim 256 and DeltaNet head dim 128, a 1-block vision tower, MTP.
+    "tiny-qwen3-5-moe": Preset(
+        "qwen3_5_moe", hidden=256, layers=4, kda_heads=4, kda_head_dim=128, conv=4, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=128, latent=256, shared=1,
+        dense_inter=128, first_dense=0, vocab=1000, attn_heads=2, kv_heads=1, head_dim=256, nextn=1,
+        linear_k_heads=2, vision_hidden=128, vision_blocks=1, vision_heads=2, vision_inter=256, vision_pos=64,
+        description="Qwen3.5 MoE layout, hidden 256, 3 DeltaNet + 1 full-attention layer, 8 experts, vision, MTP",
+    ),
+    "bench-qwen3-5-moe": Preset(
+        "qwen3_5_moe", hidden=2048, layers=4, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=64, topk=8, moe_inter=512, latent=2048, shared=1,
+        dense_inter=512, first_dense=0, vocab=8192, attn_heads=16, kv_heads=2, head_dim=256, nextn=0,
+        linear_k_heads=16, vision_hidden=256, vision_blocks=1, vision_heads=4, vision_inter=1024, vision_pos=64,
+        shards=8,
+        description="Qwen3.5-35B-A3B's width: 3 DeltaNet + 1 full-attention layer, 64 of its 256 bf16 experts "
+                    "512 x 2048 a layer",
     ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
@@ -369,14 +388,22 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
             yield f"{pre}.experts.{i}.{w}.weight", shape, (torch.uint8 if p.mxfp4_experts else torch.bfloat16)
 
 
+# The families laid out by their own module (each names its ARCHES and gives tensor_specs, config and
+# SIDE_FILES): adding a family adds a module here, not another branch in each function below.
+FAMILY_MODULES = (synth_gqa, synth_minimax, synth_qwen35)
+
+
+def _family_module(p: Preset):
+    """The family module that lays out `p`, or None for the families this module lays out itself."""
+    return next((m for m in FAMILY_MODULES if p.arch in m.ARCHES), None)
+
+
 def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """Every stored tensor: name, logical shape, dtype (uint8 marks an MXFP4 weight, float8 an FP8
     block-scaled one)."""
-    if p.arch in GQA_ARCHES:
-        yield from synth_gqa.tensor_specs(p)
-        return
-    if p.arch in synth_minimax.ARCHES:
-        yield from synth_minimax.tensor_specs(p)
+    family = _family_module(p)
+    if family is not None:
+        yield from family.tensor_specs(p)
         return
     if p.arch == "deepseek_v3":
         yield from _deepseek(p)
@@ -600,10 +627,9 @@ def _deepseek_config(p: Preset) -> dict:
 
 
 def config(p: Preset) -> dict:
-    if p.arch in GQA_ARCHES:
-        return synth_gqa.config(p)
-    if p.arch in synth_minimax.ARCHES:
-        return synth_minimax.config(p)
+    family = _family_module(p)
+    if family is not None:
+        return family.config(p)
     if p.arch == "deepseek_v3":
         return _deepseek_config(p)
     text = _text_config(p)
@@ -745,10 +771,9 @@ def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, so
     code = {"kimi_k3": "configuration_kimi_k3.py", "kimi_linear": "configuration_kimi.py"}.get(
         p.arch, "configuration_deepseek.py")
     side = {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}
-    if p.arch in GQA_ARCHES:  # no custom code: transformers' own classes
-        side = synth_gqa.SIDE_FILES
-    if p.arch in synth_minimax.ARCHES:
-        side = synth_minimax.SIDE_FILES
+    family = _family_module(p)
+    if family is not None:  # the family module's own side files (no custom code for transformers' classes)
+        side = family.SIDE_FILES
     for name, text in side.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)

@@ -56,6 +56,10 @@ def mtp_rule(config):
     base = getattr(config, "num_hidden_layers", 0)
 
     def why(name: str) -> str | None:
+        if name.startswith("mtp.") and getattr(getattr(config, "text_config", config), "mtp_num_hidden_layers", 0):
+            return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
+                    "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
+                    "MTP model (qwen3_5_mtp.py) loads it")
         parts = name.split(".")
         if not (n > 0 and name.startswith("model.layers") and len(parts) >= 3 and parts[2].isdigit()
                 and int(parts[2]) >= base):

@@ -69,6 +69,10 @@ def mtp_rule(config):
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
     def why(name: str) -> str | None:
+        if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
+            return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
+                    "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "
+                    "(qwen3_5_mtp.py Qwen3_5MoeMTP) loads it")
         layer = get_spec_layer_idx_from_weight_name(config, name)
         if layer is None:
             return None
