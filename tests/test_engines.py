@@ -29,10 +29,11 @@ from helpers import Result, one_line_error, run, run_process
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
-MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe"}
+MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
+          "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
-MTP_LAYER = {"glm": "3"}
+MTP_LAYER = {"glm": "3", "ds": "2"}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -92,6 +93,12 @@ OUTPUTS = {
     "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
     "kl-ct": ("kl", "ct-nvfp4-a16", "source", ENGINES),  # compressed-tensors' format (docs/compressed-tensors.md)
     "qw-ct": ("qw", "ct-nvfp4-a16", "source", ENGINES),  # and its attention layers' KV-cache placeholders
+    # DeepSeek V3 / Kimi K2 (FP8 source decoded, nvfp4-w4a16): vLLM only so far. SGLang loads them but its
+    # deepseek_weight_loader cats q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa, which the
+    # load observer sees as one derived tensor (its numeric placement covers all 320 rows for each member),
+    # and it drops kv_a's weight_scale_2 (equal to q_a's: one shared scale). docs/families.md, "left".
+    "ds": ("ds", None, "source", ("vllm",)),
+    "k2": ("k2", None, "source", ("vllm",)),
 }
 
 
