@@ -143,3 +143,17 @@ def test_bench_preset_has_the_releases_shapes():
               for n, s in specs.items() if len(s) == 2 and n.endswith("_proj.weight")}
     got = {**specs, **scales}
     assert {n: got.get(n) for n in BENCH_SHAPES} == BENCH_SHAPES
+
+
+def test_mtp_entries_are_optional_not_silenced(ckpts, tmp_path):
+    """Kimi K2 stores no MTP layer: the table's MTP keep entries (optional) raise no unmatched-entry warning,
+    while a misspelt entry still does."""
+    r = run("plan", ckpts["kimi-k2"], "--json")
+    assert r.code == 0, r.stderr
+    assert json.loads(r.stdout)["warnings"] == []
+    table = Path(__file__).resolve().parents[1] / "mappings" / "deepseek_v3.toml"
+    bad = tmp_path / "ds.toml"
+    bad.write_text(table.read_text() + '\n[[keep]]\npattern = "model.layers.*.eh_prj"\nreason = "typo"\n')
+    r = run("plan", ckpts["kimi-k2"], "--json", "--mapping", bad)
+    assert r.code == 0, r.stderr
+    assert any("eh_prj" in w for w in json.loads(r.stdout)["warnings"]), r.stdout
