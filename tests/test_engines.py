@@ -99,6 +99,9 @@ OUTPUTS = {
     # and it drops kv_a's weight_scale_2 (equal to q_a's: one shared scale). docs/families.md, "left".
     "ds": ("ds", None, "source", ("vllm",)),
     "k2": ("k2", None, "source", ("vllm",)),
+    # SGLang refuses it: its deepseek loader cats q_a/kv_a's [1] weight_global_scale into a [1] parameter
+    # (linear.py:376 assert; docs/compressed-tensors.md)
+    "ds-ct": ("ds", "ct-nvfp4-a16", "source", ("vllm",)),
 }
 
 
