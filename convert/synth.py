@@ -83,10 +83,11 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_gqa, synth_minimax, synth_qwen35
+from . import synth_deepseek, synth_gqa, synth_minimax, synth_qwen35
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
+from .synth_deepseek import ARCHES as DEEPSEEK_ARCHES
 from .write import default_mode
 
 
@@ -140,7 +141,7 @@ class Preset:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
         attention), the others KDA (Kimi-K3: full_attn_layers 4..92 and 93; Kimi-Linear-48B: 4..24 and
         27); DeepSeek: all MLA."""
-        if self.arch == "deepseek_v3":
+        if self.arch == "deepseek_v3" or self.arch in DEEPSEEK_ARCHES:
             return ["mla"] * self.layers
         return ["mla" if (i + 1) % 4 == 0 or i == self.layers - 1 else "kda" for i in range(self.layers)]
 
@@ -174,6 +175,32 @@ PRESETS: dict[str, Preset] = {
         kv_lora=64, nope=32, rope=32, v_head=32, experts=4, topk=2, moe_inter=128, latent=256, shared=1,
         dense_inter=384, first_dense=1, vocab=1000, fp8=True,
         description="DeepSeek V3 layout, FP8 weights with 128x128 block scales, hidden 256 (~2 MB)",
+    ),
+    # DeepSeek V3 / R1 and Kimi K2 as released (convert/synth_deepseek.py, docs/families.md): FP8 e4m3 with
+    # 128x128 weight_scale_inv, a dense first layer, one shared expert, noaux_tc router, MTP layer (DeepSeek).
+    # MLA head dims as released (nope 128, rope 64, v 128); q_lora / kv_lora / moe_inter multiples of 128
+    # (vLLM's validate_fp8_block_shape: every merged member but the last a multiple of block_n).
+    "tiny-deepseek-v3": Preset(
+        "deepseek_v3_release", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2,
+        q_lora=128, kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=128, latent=256,
+        shared=1, dense_inter=256, first_dense=1, vocab=1000, fp8=True, nextn=1, shards=3,
+        description="DeepSeek V3 / R1 layout: FP8 128x128 blocks, hidden 256, 1 dense + 1 MoE layer + the MTP "
+                    "layer, 8 experts",
+    ),
+    "tiny-kimi-k2": Preset(
+        "kimi_k2", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2,
+        q_lora=128, kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=128, latent=256,
+        shared=1, dense_inter=256, first_dense=1, vocab=1000, fp8=True, shards=3,
+        description="Kimi K2 layout (model_type kimi_k2): FP8 128x128 blocks, hidden 256, 1 dense + 1 MoE layer, "
+                    "8 experts",
+    ),
+    # DeepSeek-V3's width (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, experts of 2048) in 2 layers
+    # (dense layer 0 with intermediate 18432, one MoE layer of 16 experts) without the MTP layer.
+    "bench-deepseek-v3": Preset(
+        "deepseek_v3_release", hidden=7168, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=128,
+        q_lora=1536, kv_lora=512, nope=128, rope=64, v_head=128, experts=16, topk=8, moe_inter=2048,
+        latent=7168, shared=1, dense_inter=18432, first_dense=1, vocab=8192, fp8=True, shards=4,
+        description="DeepSeek-V3 at real width: FP8, dense layer 0 and one MoE layer of 16 experts 2048 x 7168",
     ),
     "bench-kimi-linear": Preset(
         "kimi_linear", hidden=7168, layers=2, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=0,
@@ -390,7 +417,7 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
 
 # The families laid out by their own module (each names its ARCHES and gives tensor_specs, config and
 # SIDE_FILES): adding a family adds a module here, not another branch in each function below.
-FAMILY_MODULES = (synth_gqa, synth_minimax, synth_qwen35)
+FAMILY_MODULES = (synth_deepseek, synth_gqa, synth_minimax, synth_qwen35)
 
 
 def _family_module(p: Preset):
@@ -742,7 +769,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
             if dtype == torch.float8_e4m3fn:
                 base = name[: -len(".weight")]
                 tensors[name], scale = fp8_block(name, shape, seed)
-                (deferred if ".layers.1." in name and s < n - 1 else tensors)[f"{base}.weight_scale_inv"] = scale
+                apart = p.arch == "deepseek_v3" and ".layers.1." in name and s < n - 1  # the old preset's test case
+                (deferred if apart else tensors)[f"{base}.weight_scale_inv"] = scale
             elif dtype == torch.uint8:
                 wide = name.endswith("layers.1.block_sparse_moe.experts.0.w2.weight")
                 base = name[: -len(".weight")]

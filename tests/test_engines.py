@@ -30,10 +30,10 @@ from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
-          "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe"}
+          "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
-MTP_LAYER = {"glm": "3"}
+MTP_LAYER = {"glm": "3", "ds": "2"}
 MTP_BLOCK = {"q35": "mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
@@ -96,6 +96,15 @@ OUTPUTS = {
     "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
     "kl-ct": ("kl", "ct-nvfp4-a16", "source", ENGINES),  # compressed-tensors' format (docs/compressed-tensors.md)
     "qw-ct": ("qw", "ct-nvfp4-a16", "source", ENGINES),  # and its attention layers' KV-cache placeholders
+    # DeepSeek V3 / Kimi K2 (FP8 source decoded, nvfp4-w4a16): vLLM only so far. SGLang loads them but its
+    # deepseek_weight_loader cats q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa, which the
+    # load observer sees as one derived tensor (its numeric placement covers all 320 rows for each member),
+    # and it drops kv_a's weight_scale_2 (equal to q_a's: one shared scale). docs/families.md, "left".
+    "ds": ("ds", None, "source", ("vllm",)),
+    "k2": ("k2", None, "source", ("vllm",)),
+    # SGLang refuses it: its deepseek loader cats q_a/kv_a's [1] weight_global_scale into a [1] parameter
+    # (linear.py:376 assert; docs/compressed-tensors.md)
+    "ds-ct": ("ds", "ct-nvfp4-a16", "source", ("vllm",)),
 }
 
 

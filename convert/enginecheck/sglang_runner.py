@@ -91,6 +91,11 @@ PATCHES = [
      "the model's post_load_weights (called at the end of its load_weights: derives kernel buffers such as "
      "MLA w_kc/w_vc and warms Triton kernels from already-stored parameters) runs after the check, and its "
      "outcome is reported separately: it stores no checkpoint tensor"),
+    ("DeepSeek weights loaded synchronously",
+     "models/deepseek_common/deepseek_weight_loader.py hands CPU tensors to a ThreadPoolExecutor "
+     "(model_loader/utils.py should_async_load: True for a CPU tensor), whose threads the load observer does "
+     "not see; should_async_load answers False there, SGLang's own synchronous path (the one it takes for "
+     "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread"),
 ]
 
 
@@ -108,6 +113,13 @@ def preload() -> None:
                        "sglang.srt.layers.dp_attention", "sglang.srt.layers.moe", "sglang.srt.model_loader.loader",
                        "sglang.srt.models.registry", "sglang.srt.runtime_context", "sglang.srt.server_args",
                        "runner_numerics"])
+
+
+def _load_deepseek_synchronously() -> None:
+    """See PATCHES ("DeepSeek weights loaded synchronously")."""
+    from sglang.srt.models.deepseek_common import deepseek_weight_loader
+
+    deepseek_weight_loader.should_async_load = lambda weight: False
 
 
 def run(model_dir: str, result: dict) -> None:
@@ -130,6 +142,7 @@ def run(model_dir: str, result: dict) -> None:
         )
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
+        _load_deepseek_synchronously()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
 
