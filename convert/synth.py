@@ -83,10 +83,11 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_gqa
+from . import synth_gptoss, synth_gqa
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
+from .synth_gptoss import ARCHES as GPTOSS_ARCHES
 from .synth_gqa import ARCHES as GQA_ARCHES
 from .write import default_mode
 
@@ -234,6 +235,22 @@ PRESETS: dict[str, Preset] = {
         description="GLM-4.5-Air at real width: dense layer 0, one MoE layer + the MTP layer, 64 bf16 "
                     "experts 1408 x 4096 a layer",
     ),
+    # gpt-oss (openai/gpt-oss-20b's config at reduced sizes; docs/families.md "gpt-oss"): MXFP4 expert banks
+    # [E, 2I, H/32, 16] with gate/up interleaved, biases everywhere, attention sinks; head_dim 64 as
+    # released. hidden = intermediate 256: the engines' MXFP4 MoE backends pad smaller sizes.
+    "tiny-gpt-oss": Preset(
+        "gpt_oss", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
+        nope=0, rope=0, v_head=0, experts=4, topk=2, moe_inter=256, latent=256, shared=0, dense_inter=0,
+        first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=64, shards=2,
+        description="gpt-oss layout (gpt-oss-20b), hidden 256, 2 layers, 4 MXFP4 experts (~3 MB)",
+    ),
+    # gpt-oss-20b's width (hidden = intermediate 2880, 64 x 64 query heads, 8 KV heads, 32 experts) in 2 layers.
+    "bench-gpt-oss": Preset(
+        "gpt_oss", hidden=2880, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=32, topk=4, moe_inter=2880, latent=2880, shared=0,
+        dense_inter=0, first_dense=0, vocab=8192, attn_heads=64, kv_heads=8, head_dim=64, shards=2,
+        description="gpt-oss-20b at real width: 32 MXFP4 experts 2880 x 2880 (gate/up 5760) a layer, 2 layers",
+    ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
     # valid MXFP4 and BF16). From docs/kimi-k3.md: hidden 7168, 93 layers (69 KDA + 24 MLA), KDA 96 x 128,
@@ -356,6 +373,9 @@ def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]
     block-scaled one)."""
     if p.arch in GQA_ARCHES:
         yield from synth_gqa.tensor_specs(p)
+        return
+    if p.arch in GPTOSS_ARCHES:  # stored names, shapes and dtypes (3-D U8 banks)
+        yield from synth_gptoss.tensor_specs(p)
         return
     if p.arch == "deepseek_v3":
         yield from _deepseek(p)
@@ -581,6 +601,8 @@ def _deepseek_config(p: Preset) -> dict:
 def config(p: Preset) -> dict:
     if p.arch in GQA_ARCHES:
         return synth_gqa.config(p)
+    if p.arch in GPTOSS_ARCHES:
+        return synth_gptoss.config(p)
     if p.arch == "deepseek_v3":
         return _deepseek_config(p)
     text = _text_config(p)
@@ -681,6 +703,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     out.mkdir(parents=True, exist_ok=True)
     if p.sparse:
         return _write_rest(p, out, *write_sparse(p, out), sort_keys=True)
+    if p.arch in GPTOSS_ARCHES:
+        return _write_rest(p, out, *synth_gptoss.write(p, out, seed))
     specs = list(tensor_specs(p))
     cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1
@@ -724,6 +748,8 @@ def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, so
     side = {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}
     if p.arch in GQA_ARCHES:  # no custom code: transformers' own classes
         side = synth_gqa.SIDE_FILES
+    if p.arch in GPTOSS_ARCHES:
+        side = synth_gptoss.SIDE_FILES
     for name, text in side.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)
