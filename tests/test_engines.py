@@ -29,7 +29,8 @@ from helpers import Result, one_line_error, run, run_process
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
-MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe"}
+MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
+          "gpt": "tiny-gpt-oss"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3"}
