@@ -704,7 +704,7 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     if p.sparse:
         return _write_rest(p, out, *write_sparse(p, out), sort_keys=True)
     if p.arch in GPTOSS_ARCHES:
-        return _write_rest(p, out, *synth_gptoss.write(p, out, seed))
+        return _write_rest(p, out, *synth_gptoss.write(p, out, seed, weight, mxfp4))
     specs = list(tensor_specs(p))
     cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1

@@ -21,7 +21,7 @@ The codes come from the same realistic weights as the Kimi presets (``synth.mxfp
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,10 +71,8 @@ def tensor_specs(p: Preset) -> Iterator[Spec]:
     yield "lm_head.weight", (p.vocab, h), BF16
 
 
-def _bank(p: Preset, name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _bank(p: Preset, name: str, seed: int, mxfp4: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's ``<name>_blocks`` [E, N, K/32, 16] and ``<name>_scales`` [E, N, K/32]."""
-    from .synth import mxfp4
-
     base = name[: -len("_blocks")]
     wide_at = f"model.layers.{p.layers - 1}.mlp.experts.down_proj"
     e, n, kb, _ = next(s for nm, s, _ in tensor_specs(p) if nm == name)
@@ -86,16 +84,16 @@ def _bank(p: Preset, name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(codes), torch.stack(scales)
 
 
-def shard_tensors(p: Preset, names: list[str], seed: int) -> dict[str, torch.Tensor]:
-    """The stored tensors ``names`` (a shard's), generated from their names (any sharding, same bytes)."""
-    from .synth import weight
-
+def shard_tensors(p: Preset, names: list[str], seed: int, weight: Callable, mxfp4: Callable
+                  ) -> dict[str, torch.Tensor]:
+    """The stored tensors ``names`` (a shard's), generated from their names (any sharding, same bytes) by
+    ``synth``'s generators (handed in: ``synth`` imports this module)."""
     shapes = {nm: (s, d) for nm, s, d in tensor_specs(p)}
     out: dict[str, torch.Tensor] = {}
     for nm in names:
         shape, dtype = shapes[nm]
         if nm.endswith("_blocks"):
-            out[nm], out[nm[: -len("_blocks")] + "_scales"] = _bank(p, nm, seed)
+            out[nm], out[nm[: -len("_blocks")] + "_scales"] = _bank(p, nm, seed, mxfp4)
         elif nm.endswith("_scales"):
             continue  # written with its blocks
         else:
@@ -108,7 +106,7 @@ def _layer_of(name: str) -> int:
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else -1
 
 
-def write(p: Preset, out: Path, seed: int) -> tuple[dict[str, str], int]:
+def write(p: Preset, out: Path, seed: int, weight: Callable, mxfp4: Callable) -> tuple[dict[str, str], int]:
     """The shards (a layer's tensors never split; blocks with their scales), as ``synth._write_rest``
     takes them: the weight map and the total size."""
     from .write import default_mode
@@ -124,7 +122,7 @@ def write(p: Preset, out: Path, seed: int) -> tuple[dict[str, str], int]:
     total = 0
     for s, group in enumerate(groups):
         fname = f"model-{s:05d}-of-{n - 1:05d}.safetensors"  # the release's 0-based shard names
-        tensors = shard_tensors(p, group, seed)
+        tensors = shard_tensors(p, group, seed, weight, mxfp4)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         os.chmod(out / fname, default_mode())
         weight_map.update(dict.fromkeys(tensors, fname))
