@@ -83,11 +83,12 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_deepseek, synth_gqa, synth_minimax, synth_qwen35
+from . import synth_deepseek, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
 from .synth_deepseek import ARCHES as DEEPSEEK_ARCHES
+from .synth_gptoss import ARCHES as GPTOSS_ARCHES
 from .write import default_mode
 
 
@@ -280,6 +281,22 @@ PRESETS: dict[str, Preset] = {
         description="Qwen3.5-35B-A3B's width: 3 DeltaNet + 1 full-attention layer, 64 of its 256 bf16 experts "
                     "512 x 2048 a layer",
     ),
+    # gpt-oss (openai/gpt-oss-20b's config at reduced sizes; docs/families.md "gpt-oss"): MXFP4 expert banks
+    # [E, 2I, H/32, 16] with gate/up interleaved, biases everywhere, attention sinks; head_dim 64 as
+    # released. hidden = intermediate 256: the engines' MXFP4 MoE backends pad smaller sizes.
+    "tiny-gpt-oss": Preset(
+        "gpt_oss", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
+        nope=0, rope=0, v_head=0, experts=4, topk=2, moe_inter=256, latent=256, shared=0, dense_inter=0,
+        first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=64, shards=2,
+        description="gpt-oss layout (gpt-oss-20b), hidden 256, 2 layers, 4 MXFP4 experts (~3 MB)",
+    ),
+    # gpt-oss-20b's width (hidden = intermediate 2880, 64 x 64 query heads, 8 KV heads, 32 experts) in 2 layers.
+    "bench-gpt-oss": Preset(
+        "gpt_oss", hidden=2880, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=32, topk=4, moe_inter=2880, latent=2880, shared=0,
+        dense_inter=0, first_dense=0, vocab=8192, attn_heads=64, kv_heads=8, head_dim=64, shards=2,
+        description="gpt-oss-20b at real width: 32 MXFP4 experts 2880 x 2880 (gate/up 5760) a layer, 2 layers",
+    ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
     # valid MXFP4 and BF16). From docs/kimi-k3.md: hidden 7168, 93 layers (69 KDA + 24 MLA), KDA 96 x 128,
@@ -417,7 +434,7 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
 
 # The families laid out by their own module (each names its ARCHES and gives tensor_specs, config and
 # SIDE_FILES): adding a family adds a module here, not another branch in each function below.
-FAMILY_MODULES = (synth_deepseek, synth_gqa, synth_minimax, synth_qwen35)
+FAMILY_MODULES = (synth_deepseek, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35)
 
 
 def _family_module(p: Preset):
@@ -757,6 +774,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     out.mkdir(parents=True, exist_ok=True)
     if p.sparse:
         return _write_rest(p, out, *write_sparse(p, out), sort_keys=True)
+    if p.arch in GPTOSS_ARCHES:
+        return _write_rest(p, out, *synth_gptoss.write(p, out, seed, weight, mxfp4))
     specs = list(tensor_specs(p))
     cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1
