@@ -171,18 +171,38 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
               help="Spread the shards over a Ray cluster whose nodes share INPUT and OUTPUT (same paths): "
                    "ADDRESS is auto, HOST:PORT or ray://HOST:PORT; none: RAY_ADDRESS, else the cluster started "
                    "on this machine, else a new local one. Needs: pip install 'kimi-convert[ray]'.")
+@click.option("--upload", "upload_repo", metavar="REPO_ID",
+              help="Also upload to this Hub repo, each shard as soon as it is written, while the next ones convert; "
+                   "the commit (configs, card, manifest.json last) at the end, then the remote check. The repo id, "
+                   "token and the Hub are checked before anything is packed.")
+@click.option("--revision", help="With --upload: the branch to commit to (default: main).")
+@click.option("--private", is_flag=True, help="With --upload: create the repo as private.")
+@click.option("--token", help="With --upload: Hub token (default: HF_TOKEN or the cached login). Never printed or "
+                              "stored (not in the resume command either).")
+@click.option("--keep-output/--no-keep-output", default=True, show_default=True,
+              help="With --upload: keep each shard here once the Hub has it (--no-keep-output deletes it: the disk "
+                   "holds only the shards in flight; configs, records and manifest.json stay).")
 def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: int | None, streams: int | None,
-         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, ray_address: str | None) -> None:
+         stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, ray_address: str | None,
+         upload_repo: str | None, revision: str | None, private: bool, token: str | None, keep_output: bool) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
+    if not upload_repo and (revision or private or token or not keep_output):
+        used = "--revision" if revision else "--private" if private else "--token" if token else "--no-keep-output"
+        raise click.UsageError(f"{used} needs --upload REPO_ID")
+    target = None
+    if upload_repo:
+        from .hub.live import UploadTarget
+
+        target = UploadTarget(upload_repo, revision=revision, private=private, token=token, keep_output=keep_output)
     if ray_address is not None and (workers or streams):  # --ray: Ray's tasks replace workers and streams
         raise click.UsageError(f"--{'workers' if workers else 'streams'} does not apply with --ray "
                                "(a task per run of shards, as many as the cluster's GPUs or CPUs run at once)")
-    args = [a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")]
+    args = _without_token([a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")])
     command = shlex.join(["kimi-convert", *args, "--resume"]) if args[:1] == ["pack"] else None
 
     def interrupted() -> str:
@@ -191,11 +211,14 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
     global _interrupt_hint
     _interrupt_hint = interrupted
     res = run(input_dir, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
-              resume=resume, progress=not quiet, command=command, ray=ray_address)
+              resume=resume, progress=not quiet, command=command, ray=ray_address, upload=target,
+              say=lambda m: click.echo(m, err=True))
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:
-        click.echo(f"{paths.shown(output_dir)}/ is already complete and matches its manifest; nothing to do")
+        click.echo(f"{paths.shown(output_dir)}/ is already complete and matches its manifest; nothing to do"
+                   + ("" if res.upload is None else " here"))
+        _report_upload(res.upload, upload_repo, output_dir)
         return
     if stats_path and res.stats:
         Path(stats_path).write_text(json.dumps(dataclasses.asdict(res.stats), indent=2) + "\n")
@@ -213,12 +236,40 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
+    _report_upload(res.upload, upload_repo, output_dir)
     if res.stats and res.stats.device == "auto":  # what the measurement chose, and on what (also in --stats)
         from .pipeline.choose import Choice
 
         chosen = "; ".join(Choice(**c).describe() for c in res.stats.device_choices)
         click.echo("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
                    + (chosen or "no kind of work was measured on both; every unit ran on the CPUs"))
+
+
+def _without_token(args: list[str]) -> list[str]:
+    """The command line less ``--token VALUE`` / ``--token=VALUE``: the resume command is stored in the journal."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--token":
+            skip = True
+        elif not a.startswith("--token="):
+            out.append(a)
+    return out
+
+
+def _report_upload(up, repo_id: str | None, output_dir: str) -> None:
+    """``pack --upload``'s last lines: the card, the commit, the remote check (as ``upload`` says them)."""
+    if up is None:
+        return
+    if up.card_written:
+        click.echo(f"wrote {paths.shown(output_dir)}/README.md (model card)")
+    click.echo(f"committed: {up.commit_url} ({up.sent} shard(s) uploaded by this run as they were written)")
+    if up.remote.problems:
+        for p in up.remote.problems:
+            click.echo(f"  - {p}", err=True)
+        raise ConvertError(f"{repo_id}: {len(up.remote.problems)} file(s) on the Hub do not match the manifest")
+    click.echo(f"{repo_id}: all {up.remote.checked} files present, sizes and sha256 match the manifest")
 
 
 @cli.command(name="verify-manifest")

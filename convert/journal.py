@@ -48,6 +48,8 @@ class Journal:
     inputs: dict[str, list[int | str]]  # input file -> its identity (sources.FileEntry.stamp: [size, mtime_ns])
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     version: int = VERSION
+    #: ``pack --upload``: shard -> the sha256 it had when the Hub took it (a resume asks the Hub's LFS for it)
+    uploaded: dict[str, str] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
         write_atomic(folder / NAME, json.dumps(asdict(self), sort_keys=True).encode(), fault="journal")
@@ -71,14 +73,18 @@ class Journal:
 def intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
     """Whether a journaled shard and its records file are still the bytes recorded (a resume keeps
     it then; otherwise both are written again)."""
+    return records_intact(folder, shard, rec) and _same(folder / shard, rec.size, rec.sha256)
+
+
+def records_intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
+    """The shard's records file alone (``pack --upload --no-keep-output``: the shard itself is on the Hub)."""
+    return _same(folder / filenames.records_name(shard), rec.records_size, rec.records_sha256)
+
+
+def _same(path: Path, size: int, sha: str) -> bool:
     from .hashing import sha256_file
 
-    for name, size, sha in ((shard, rec.size, rec.sha256),
-                            (filenames.records_name(shard), rec.records_size, rec.records_sha256)):
-        path = folder / name
-        if not (path.is_file() and path.stat().st_size == size and sha256_file(path) == sha):
-            return False
-    return True
+    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha
 
 
 def input_stamps(source: Source, files: list[str]) -> dict[str, list[int | str]]:

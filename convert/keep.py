@@ -45,12 +45,15 @@ class KeepRule:
     ``origin`` is what the plan's reason names: ``mapping NAME: keep``, ``mapping NAME: restrict``,
     ``default (NAME)`` (the mapping's exclude), ``--exclude``, ``FILE:LINE``, ``FILE`` (a JSON list or an
     hf_quant_config.json). ``formats`` (a restrict only): the formats the engine loads the module in; the
-    module is kept only when the recipe asks for another one."""
+    module is kept only when the recipe asks for another one. ``optional``: a module only some inputs of
+    the family have (DeepSeek's MTP layer: ``num_nextn_predict_layers`` 1 in DeepSeek V3, 0 in Kimi K2), so
+    the unmatched-entry warning (``Mapping.unmatched``) does not name it."""
 
     text: str
     origin: str
     reason: str = ""
     formats: tuple[str, ...] | None = None
+    optional: bool = False
 
     def describe(self) -> str:
         why = f": {self.reason}" if self.reason else ""

@@ -218,7 +218,7 @@ class Mapping:
         me = f"mapping {self.name} ({self.path})"
         out = [f"{me}: {what} {pat!r} matches no module of the input"
                for what, pats in (("linear", self.linear), ("not_linear", self.not_linear),
-                                  ("keep", tuple(r.text for r in self.keep)),
+                                  ("keep", tuple(r.text for r in self.keep if not r.optional)),
                                   ("restrict", tuple(r.text for r in self.restrict)))
                for pat in pats if not hit(pat)]
         for g in self.groups:
@@ -284,8 +284,9 @@ def _globs(table: dict, key: str, where: str) -> tuple[str, ...]:
 
 
 def _rules(items: object, where: str, origin: str) -> tuple[KeepRule, ...]:
-    return _tables(items, where, {"pattern", "reason"}, lambda r, w: KeepRule(
-        globs.check(_req(r, "pattern", str, w), w), origin, r.get("reason", "")))
+    return _tables(items, where, {"pattern", "reason", "optional"}, lambda r, w: KeepRule(
+        globs.check(_req(r, "pattern", str, w), w), origin, r.get("reason", ""),
+        optional=bool(r.get("optional", False))))
 
 
 def _restricts(items: object, where: str, origin: str) -> tuple[KeepRule, ...]:

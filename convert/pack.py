@@ -14,10 +14,12 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import configs, devices, filenames, journal, pipeline, write
+from . import configs, devices, faults, filenames, journal, pipeline, write
 from . import manifest as manifest_mod
 from .atomic import write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
@@ -33,6 +35,9 @@ from .progress import Progress
 from .readers import readahead
 from .sources import Source, open_source
 
+if TYPE_CHECKING:
+    from .hub.live import LiveUpload, UploadTarget
+
 
 @dataclass(frozen=True)
 class PackResult:
@@ -45,6 +50,17 @@ class PackResult:
     stats: PackStats | None = None
     cast_blocks: int = 0  # MXFP4 blocks cast to NVFP4
     cast_lossless: int = 0  # of which exact (NVIDIA's count)
+    upload: Uploaded | None = None  # --upload: what the Hub got
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """``pack --upload``: the commit, the remote check, and how many shards this run sent itself."""
+
+    commit_url: str
+    remote: object  # hub.RemoteCheck
+    sent: int
+    card_written: bool
 
 
 @dataclass(frozen=True)
@@ -102,15 +118,23 @@ def pack(
     progress: bool = True,
     command: str | None = None,
     ray: str | None = None,
+    upload: UploadTarget | None = None,
+    say: Callable[[str], None] = print,
 ) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
     worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4).
     ``ray``: spread the shards over a Ray cluster instead (``raycluster``; its address, "" for the
     local one), whose tasks replace workers and streams. ``input_source``: a ``Source``, or a folder
-    (``sources.open_source``); everything below reads the input through it."""
+    (``sources.open_source``); everything below reads the input through it. ``upload``: send each shard
+    to the Hub as it is final (``hub.live``); its checks (id, token, the Hub's answer) come first."""
     source, output_dir = open_source(input_source), Path(output_dir)
     write.check_output_dir(source.local_path(), output_dir)
+    hub = None
+    if upload is not None:  # before the plan: a Hub that cannot be reached costs no work
+        from .hub.live import LiveUpload
+
+        hub = LiveUpload(upload, say)
     cluster = None
     if ray is not None:  # --ray (convert/raycluster.py): connected first, so an unreachable cluster costs no work
         from . import raycluster
@@ -127,20 +151,31 @@ def pack(
     output_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_output(output_dir)  # before the journal is read: a concurrent pack is told so, not --resume
     try:
-        j = _open_journal(source, output_dir, plan, overwrite, resume, command)
+        j = _open_journal(source, output_dir, plan, overwrite, resume, command, hub is not None)
         if j is None:
-            return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True)
-        resumed = _verify_finished(output_dir, plan, j)
+            up = _publish(hub, output_dir, {}, set()) if hub else None
+            return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True, upload=up)
+        resumed = _verify_finished(output_dir, plan, j, hub)
         todo = [s for s in plan.shards if s.file not in j.shards]
-        _check_space(output_dir, todo)
+        n_streams = streams or pipeline.default_streams(cpus, len(devices_))
+        slots = cluster.placement.slots if cluster else len(devices_) * n_streams
+        _check_space(output_dir, todo, None if hub is None or hub.target.keep_output else slots)
+        jlock = threading.Lock()  # the pipeline's threads and the uploader's both record in the journal
+        if hub is not None:
+            def on_uploaded(file: str, sha: str) -> None:
+                with jlock:
+                    j.uploaded[file] = sha
+                    j.save(output_dir)
+            hub.start(output_dir, on_uploaded)
+            for s in plan.shards:  # finished by an earlier run, not on the Hub yet
+                if s.file in j.shards and s.file not in j.uploaded:
+                    hub.submit(s.file, j.shards[s.file].size, j.shards[s.file].sha256, admitted=False)
         # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
         # (on a thread: queueing that much readahead can block until the disk has taken it)
         if cluster is None:  # (with --ray, the nodes read)
             threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                              args=(source, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
                                    ahead)).start()
-        n_streams = streams or pipeline.default_streams(cpus, len(devices_))
-        slots = cluster.placement.slots if cluster else len(devices_) * n_streams
         jobs = split_jobs(ckpt, plan, todo, slots, output_dir)
         per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
         per_worker = [w for w in per_worker if w] or [jobs]
@@ -150,27 +185,41 @@ def pack(
         bar = Progress("pack", progress, total=plan.bytes_in, initial=done_bytes)
 
         def on_shard(file: str, rec: ShardRecord) -> None:
-            j.shards[file] = rec
-            j.save(output_dir)
+            with jlock:
+                j.shards[file] = rec
+                j.save(output_dir)
+            if hub is not None:  # outside the lock: it waits while the uploader (which takes it) is behind
+                hub.submit(file, rec.size, rec.sha256)
 
         t = time.perf_counter()
         try:
             if cluster is not None:
                 results = cluster.run(jobs, on_shard, bar.update)
             elif len(per_worker) == 1:
-                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus)
+                wait = {"admit": hub.admit} if hub is not None else {}  # --no-keep-output's disk bound
+                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus, **wait)
             else:
                 from . import workers as workers_mod
 
                 results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update, cpus=cpus)
-        except ConvertError:
-            _drop_partials(output_dir)  # bad input found mid-run: no half-written shard left (a resume rewrites them)
+        except BaseException as e:
+            if hub is not None:
+                hub.abandon()  # what was sent is journaled; a resume sends the rest
+            if isinstance(e, ConvertError):  # bad input found mid-run: no half-written shard left
+                _drop_partials(output_dir)  # (a resume rewrites them)
             raise
         finally:
             bar.close()
+        if hub is not None:
+            hub.close()  # every shard on the Hub (or the uploader's error, as one line)
         convert_s = time.perf_counter() - t
         input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
-        _finish(ckpt, plan, output_dir, j, input_hashes)
+        _finish(ckpt, plan, output_dir, j, input_hashes, keep_journal=hub is not None)
+        up = None
+        if hub is not None:
+            up = _publish(hub, output_dir, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256)
+                                                  for s in plan.shards}, set(j.uploaded))
+            (output_dir / journal.NAME).unlink()
         recs = list(j.shards.values())
         stats = PackStats(workers=len(per_worker), streams=len(jobs), convert_s=convert_s,
                           backend_s=max((r.backend_s for r in results), default=0.0),
@@ -184,7 +233,7 @@ def pack(
                           **_device_stats(results))
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
                           cast_blocks=sum(r.cast_blocks for r in recs),
-                          cast_lossless=sum(r.cast_lossless for r in recs))
+                          cast_lossless=sum(r.cast_lossless for r in recs), upload=up)
     finally:
         unlock_output(output_dir, lock)
 
@@ -257,7 +306,7 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
 
 
 def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,
-                  command: str) -> Journal | None:
+                  command: str, uploading: bool = False) -> Journal | None:
     """The journal to continue, or a fresh one; None when a resumed output is already complete."""
     plan_sha = plan_hash(plan_dict(plan))
     stamps = journal.input_stamps(source, [f for f, _ in plan.inputs])
@@ -270,7 +319,7 @@ def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool,
                                "rerun it with the same options, or start again with --overwrite")
         return existing
     if resume and (output_dir / filenames.MANIFEST).exists():
-        _check_complete(output_dir)
+        _check_complete(output_dir, shards_may_be_gone=uploading)
         return None
     if existing is not None and not overwrite:
         raise ConvertError(f"{output_dir}: holds an unfinished pack ({len(existing.shards)} shards done); "
@@ -296,31 +345,49 @@ def _drop_partials(output_dir: Path) -> None:
             p.unlink()
 
 
-def _check_complete(output_dir: Path) -> None:
-    """A resumed run that finds a finished output checks its files against the manifest."""
+def _check_complete(output_dir: Path, shards_may_be_gone: bool = False) -> None:
+    """A resumed run that finds a finished output checks its files against the manifest (with --upload,
+    the shards --no-keep-output removed are checked on the Hub instead, by the remote check)."""
     man = manifest_mod.load_manifest(output_dir)
     for f in [*man.get("outputs", []), *man.get("records", []), *man.get("files", [])]:
         path = output_dir / f["file"]
+        if shards_may_be_gone and f in man.get("outputs", []) and not path.exists():
+            continue
         if not path.is_file() or path.stat().st_size != f["size"] or sha256_file(path) != f["sha256"]:
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
 
 
-def _verify_finished(output_dir: Path, plan: Plan, j: Journal) -> int:
-    """Keep the journaled shards whose file and records file still hash to the recorded values;
-    forget the rest."""
+def _verify_finished(output_dir: Path, plan: Plan, j: Journal, hub: LiveUpload | None = None) -> int:
+    """Keep the journaled shards whose file and records file still hash to the recorded values, or (with
+    --upload) whose records file does and whose upload the Hub's LFS confirms by sha256; forget the rest."""
     planned = {s.file for s in plan.shards}
+    claimed = {f: (j.shards[f].size, sha) for f, sha in j.uploaded.items()
+               if f in planned and f in j.shards and j.shards[f].sha256 == sha}
+    on_hub = hub.present(claimed) if hub is not None else set()
+    j.uploaded = {f: sha for f, sha in j.uploaded.items() if f in on_hub}
     kept = 0
     for name, rec in list(j.shards.items()):
-        if name in planned and journal.intact(output_dir, name, rec):
+        if name in planned and ((name in on_hub and journal.records_intact(output_dir, name, rec))
+                                or journal.intact(output_dir, name, rec)):
             kept += 1
+            if name in on_hub and hub is not None and not hub.target.keep_output:
+                (output_dir / name).unlink(missing_ok=True)  # killed between the upload and the delete
         else:
             del j.shards[name]
+            j.uploaded.pop(name, None)
     j.save(output_dir)
     return kept
 
 
-def _check_space(output_dir: Path, todo: list[Shard]) -> None:
-    need = sum(s.size for s in todo)
+def _check_space(output_dir: Path, todo: list[Shard], in_flight: int | None = None) -> None:
+    """``in_flight``: with --no-keep-output, the shards being written at once (each stream's), to which the
+    uploader's queue adds its own: the disk needs the largest of those only."""
+    sizes = sorted((s.size for s in todo), reverse=True)
+    if in_flight is not None:
+        from .hub.live import QUEUE
+
+        sizes = sizes[: in_flight + QUEUE + 1]
+    need = sum(sizes)
     free = shutil.disk_usage(output_dir).free
     if need > free:
         raise ConvertError(f"{output_dir}: needs {human_bytes(need)} for {len(todo)} shard(s), "
@@ -377,7 +444,7 @@ def unlock_output(output_dir: Path, fd: int) -> None:
 
 
 def _finish(ckpt: Checkpoint, plan: Plan, output_dir: Path, j: Journal,
-            input_hashes: dict[str, str]) -> None:
+            input_hashes: dict[str, str], keep_journal: bool = False) -> None:
     """Configs, side files and index, then the manifest, then the journal goes. Side files are
     copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's. The
     module records are already on disk, one file per shard (written as each shard finished):
@@ -400,4 +467,41 @@ def _finish(ckpt: Checkpoint, plan: Plan, output_dir: Path, j: Journal,
         [r.to_dict() for r in side],
     )
     write_json_atomic(output_dir / filenames.MANIFEST, man, compact_lists=("engine_groups",))
-    (output_dir / journal.NAME).unlink()
+    if not keep_journal:  # --upload: kept until the commit is in (a resume then commits)
+        (output_dir / journal.NAME).unlink()
+
+
+def _publish(hub: LiveUpload, output_dir: Path, shards: dict[str, tuple[int, str]],
+             on_hub: set[str]) -> Uploaded:
+    """The model card (as ``upload`` writes it, where the output has none), the commit, the remote check.
+    ``shards``: file -> size, sha256 (default: the manifest's); ``on_hub``: those preuploaded."""
+    from .hub import check_remote, model_card
+    from .manifest import iter_modules
+
+    man = manifest_mod.load_manifest(output_dir)
+    shards = shards or {f["file"]: (f["size"], f["sha256"]) for f in man["outputs"]}
+    if not on_hub:
+        on_hub = hub.present(shards)
+    missing = [f for f in shards if f not in on_hub and not (output_dir / f).is_file()]
+    if missing:
+        raise ConvertError(f"{output_dir / missing[0]}: neither here nor on the Hub ({hub.target.repo_id}); "
+                           "start again with --overwrite")
+    card = output_dir / "README.md"
+    wrote = not card.exists()
+    if wrote:
+        card.write_text(model_card(man, _config(output_dir), hub.target.base_model,
+                                   (m for _, m in iter_modules(output_dir, man))), encoding="utf-8")
+    info = hub.commit(output_dir, shards, on_hub,
+                      f"Upload NVFP4 checkpoint (kimi-convert {man['tool']['version']})")
+    faults.point("commit")
+    t = hub.target
+    again = (f"the upload is committed; check it again with: kimi-convert verify-manifest {output_dir} --remote "
+             f"{t.repo_id}" + (f" --revision {t.revision}" if t.revision else ""))
+    remote = check_remote(hub.api, t.repo_id, t.revision, output_dir, man, hub.say, hint=again)
+    return Uploaded(str(getattr(info, "commit_url", "")), remote, len(hub.sent), wrote)
+
+
+def _config(output_dir: Path) -> dict:
+    from .jsonfile import read_json
+
+    return read_json(output_dir / filenames.CONFIG, f"{output_dir}/{filenames.CONFIG}")

@@ -83,11 +83,12 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_gqa
+from . import synth_deepseek, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
-from .synth_gqa import ARCHES as GQA_ARCHES
+from .synth_deepseek import ARCHES as DEEPSEEK_ARCHES
+from .synth_gptoss import ARCHES as GPTOSS_ARCHES
 from .write import default_mode
 
 
@@ -134,12 +135,14 @@ class Preset:
     qk_norm: bool = False  # q_norm / k_norm [head_dim] (Qwen3 MoE; GLM-4.5 with use_qk_norm)
     attn_bias: bool = False  # q/k/v biases (GLM-4.5: attention_bias true)
     nextn: int = 0  # num_nextn_predict_layers: MTP layers stored after the last layer (GLM-4.5)
+    # Qwen3.5 MoE (synth_qwen35): Gated DeltaNet key heads (value heads: kda_heads, head dim: kda_head_dim)
+    linear_k_heads: int = 0
 
     def kinds(self) -> list[str]:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
         attention), the others KDA (Kimi-K3: full_attn_layers 4..92 and 93; Kimi-Linear-48B: 4..24 and
         27); DeepSeek: all MLA."""
-        if self.arch == "deepseek_v3":
+        if self.arch == "deepseek_v3" or self.arch in DEEPSEEK_ARCHES:
             return ["mla"] * self.layers
         return ["mla" if (i + 1) % 4 == 0 or i == self.layers - 1 else "kda" for i in range(self.layers)]
 
@@ -173,6 +176,32 @@ PRESETS: dict[str, Preset] = {
         kv_lora=64, nope=32, rope=32, v_head=32, experts=4, topk=2, moe_inter=128, latent=256, shared=1,
         dense_inter=384, first_dense=1, vocab=1000, fp8=True,
         description="DeepSeek V3 layout, FP8 weights with 128x128 block scales, hidden 256 (~2 MB)",
+    ),
+    # DeepSeek V3 / R1 and Kimi K2 as released (convert/synth_deepseek.py, docs/families.md): FP8 e4m3 with
+    # 128x128 weight_scale_inv, a dense first layer, one shared expert, noaux_tc router, MTP layer (DeepSeek).
+    # MLA head dims as released (nope 128, rope 64, v 128); q_lora / kv_lora / moe_inter multiples of 128
+    # (vLLM's validate_fp8_block_shape: every merged member but the last a multiple of block_n).
+    "tiny-deepseek-v3": Preset(
+        "deepseek_v3_release", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2,
+        q_lora=128, kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=128, latent=256,
+        shared=1, dense_inter=256, first_dense=1, vocab=1000, fp8=True, nextn=1, shards=3,
+        description="DeepSeek V3 / R1 layout: FP8 128x128 blocks, hidden 256, 1 dense + 1 MoE layer + the MTP "
+                    "layer, 8 experts",
+    ),
+    "tiny-kimi-k2": Preset(
+        "kimi_k2", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2,
+        q_lora=128, kv_lora=128, nope=128, rope=64, v_head=128, experts=8, topk=2, moe_inter=128, latent=256,
+        shared=1, dense_inter=256, first_dense=1, vocab=1000, fp8=True, shards=3,
+        description="Kimi K2 layout (model_type kimi_k2): FP8 128x128 blocks, hidden 256, 1 dense + 1 MoE layer, "
+                    "8 experts",
+    ),
+    # DeepSeek-V3's width (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, experts of 2048) in 2 layers
+    # (dense layer 0 with intermediate 18432, one MoE layer of 16 experts) without the MTP layer.
+    "bench-deepseek-v3": Preset(
+        "deepseek_v3_release", hidden=7168, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=128,
+        q_lora=1536, kv_lora=512, nope=128, rope=64, v_head=128, experts=16, topk=8, moe_inter=2048,
+        latent=7168, shared=1, dense_inter=18432, first_dense=1, vocab=8192, fp8=True, shards=4,
+        description="DeepSeek-V3 at real width: FP8, dense layer 0 and one MoE layer of 16 experts 2048 x 7168",
     ),
     "bench-kimi-linear": Preset(
         "kimi_linear", hidden=7168, layers=2, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=32, q_lora=0,
@@ -234,6 +263,40 @@ PRESETS: dict[str, Preset] = {
         description="GLM-4.5-Air at real width: dense layer 0, one MoE layer + the MTP layer, 64 bf16 "
                     "experts 1408 x 4096 a layer",
     ),
+    # Qwen3.5 MoE (synth_qwen35): 4 layers, the release's layer_types rule (three Gated DeltaNet, one gated
+    # full attention), the release's head_dim 256 and DeltaNet head dim 128, a 1-block vision tower, MTP.
+    "tiny-qwen3-5-moe": Preset(
+        "qwen3_5_moe", hidden=256, layers=4, kda_heads=4, kda_head_dim=128, conv=4, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=128, latent=256, shared=1,
+        dense_inter=128, first_dense=0, vocab=1000, attn_heads=2, kv_heads=1, head_dim=256, nextn=1,
+        linear_k_heads=2, vision_hidden=128, vision_blocks=1, vision_heads=2, vision_inter=256, vision_pos=64,
+        description="Qwen3.5 MoE layout, hidden 256, 3 DeltaNet + 1 full-attention layer, 8 experts, vision, MTP",
+    ),
+    "bench-qwen3-5-moe": Preset(
+        "qwen3_5_moe", hidden=2048, layers=4, kda_heads=32, kda_head_dim=128, conv=4, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=64, topk=8, moe_inter=512, latent=2048, shared=1,
+        dense_inter=512, first_dense=0, vocab=8192, attn_heads=16, kv_heads=2, head_dim=256, nextn=0,
+        linear_k_heads=16, vision_hidden=256, vision_blocks=1, vision_heads=4, vision_inter=1024, vision_pos=64,
+        shards=8,
+        description="Qwen3.5-35B-A3B's width: 3 DeltaNet + 1 full-attention layer, 64 of its 256 bf16 experts "
+                    "512 x 2048 a layer",
+    ),
+    # gpt-oss (openai/gpt-oss-20b's config at reduced sizes; docs/families.md "gpt-oss"): MXFP4 expert banks
+    # [E, 2I, H/32, 16] with gate/up interleaved, biases everywhere, attention sinks; head_dim 64 as
+    # released. hidden = intermediate 256: the engines' MXFP4 MoE backends pad smaller sizes.
+    "tiny-gpt-oss": Preset(
+        "gpt_oss", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0, kv_lora=0,
+        nope=0, rope=0, v_head=0, experts=4, topk=2, moe_inter=256, latent=256, shared=0, dense_inter=0,
+        first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=64, shards=2,
+        description="gpt-oss layout (gpt-oss-20b), hidden 256, 2 layers, 4 MXFP4 experts (~3 MB)",
+    ),
+    # gpt-oss-20b's width (hidden = intermediate 2880, 64 x 64 query heads, 8 KV heads, 32 experts) in 2 layers.
+    "bench-gpt-oss": Preset(
+        "gpt_oss", hidden=2880, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=32, topk=4, moe_inter=2880, latent=2880, shared=0,
+        dense_inter=0, first_dense=0, vocab=8192, attn_heads=64, kv_heads=8, head_dim=64, shards=2,
+        description="gpt-oss-20b at real width: 32 MXFP4 experts 2880 x 2880 (gate/up 5760) a layer, 2 layers",
+    ),
     # The released K3 at full size: 497,220 tensors in 96 shards, 1.56 TB apparent size, a few hundred MB
     # of real disk (headers and index only; every data region is a hole and reads as zeros, which are
     # valid MXFP4 and BF16). From docs/kimi-k3.md: hidden 7168, 93 layers (69 KDA + 24 MLA), KDA 96 x 128,
@@ -250,6 +313,24 @@ PRESETS: dict[str, Preset] = {
         full_rank_gate=True, shards=96, sparse=True,
         description="the released Kimi K3's layout at full size (497,220 tensors, 96 shards, 1.56 TB) as a "
                     "sparse file set: real headers, data regions are holes (zeros)",
+    ),
+    # MiniMax-M2 (MiniMaxAI/MiniMax-M2's config at reduced sizes; docs/families.md): FP8 128x128 block source,
+    # head_dim 128 and rotary_dim 64 as released, 48/8 heads shrunk to 4/2, experts of 256 (K a multiple
+    # of 128 for every FP8 weight, as vLLM's validate_fp8_block_shape asks).
+    "tiny-minimax-m2": Preset(
+        "minimax_m2", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=8, topk=2, moe_inter=256, latent=256, shared=0,
+        dense_inter=0, first_dense=0, vocab=1000, attn_heads=4, kv_heads=2, head_dim=128, qk_norm=True,
+        fp8=True, description="MiniMax-M2 layout, FP8 128x128 block weights, hidden 256, 2 layers, 8 experts (~5 MB)",
+    ),
+    # MiniMax-M2's width (hidden 3072, 48 x 128 query heads, 8 KV heads, experts of 1536, top-8) in 2 layers
+    # of 64 of its 256 experts.
+    "bench-minimax-m2": Preset(
+        "minimax_m2", hidden=3072, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=0, q_lora=0,
+        kv_lora=0, nope=0, rope=0, v_head=0, experts=64, topk=8, moe_inter=1536, latent=3072, shared=0,
+        dense_inter=0, first_dense=0, vocab=8192, attn_heads=48, kv_heads=8, head_dim=128, qk_norm=True,
+        fp8=True, shards=4,
+        description="MiniMax-M2 at real width: FP8 block experts 1536 x 3072, 64 a layer, 2 layers",
     ),
 }
 
@@ -351,11 +432,22 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
             yield f"{pre}.experts.{i}.{w}.weight", shape, (torch.uint8 if p.mxfp4_experts else torch.bfloat16)
 
 
+# The families laid out by their own module (each names its ARCHES and gives tensor_specs, config and
+# SIDE_FILES): adding a family adds a module here, not another branch in each function below.
+FAMILY_MODULES = (synth_deepseek, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35)
+
+
+def _family_module(p: Preset):
+    """The family module that lays out `p`, or None for the families this module lays out itself."""
+    return next((m for m in FAMILY_MODULES if p.arch in m.ARCHES), None)
+
+
 def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """Every stored tensor: name, logical shape, dtype (uint8 marks an MXFP4 weight, float8 an FP8
     block-scaled one)."""
-    if p.arch in GQA_ARCHES:
-        yield from synth_gqa.tensor_specs(p)
+    family = _family_module(p)
+    if family is not None:
+        yield from family.tensor_specs(p)
         return
     if p.arch == "deepseek_v3":
         yield from _deepseek(p)
@@ -579,8 +671,9 @@ def _deepseek_config(p: Preset) -> dict:
 
 
 def config(p: Preset) -> dict:
-    if p.arch in GQA_ARCHES:
-        return synth_gqa.config(p)
+    family = _family_module(p)
+    if family is not None:
+        return family.config(p)
     if p.arch == "deepseek_v3":
         return _deepseek_config(p)
     text = _text_config(p)
@@ -681,6 +774,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
     out.mkdir(parents=True, exist_ok=True)
     if p.sparse:
         return _write_rest(p, out, *write_sparse(p, out), sort_keys=True)
+    if p.arch in GPTOSS_ARCHES:
+        return _write_rest(p, out, *synth_gptoss.write(p, out, seed, weight, mxfp4))
     specs = list(tensor_specs(p))
     cuts = _byte_cuts(specs, p.shards) if p.cut_by_bytes else _cuts(specs, p.shards)
     n = len(cuts) - 1
@@ -693,7 +788,8 @@ def write_synth(preset: str, out: str | Path, seed: int = 0, layers: int | None 
             if dtype == torch.float8_e4m3fn:
                 base = name[: -len(".weight")]
                 tensors[name], scale = fp8_block(name, shape, seed)
-                (deferred if ".layers.1." in name and s < n - 1 else tensors)[f"{base}.weight_scale_inv"] = scale
+                apart = p.arch == "deepseek_v3" and ".layers.1." in name and s < n - 1  # the old preset's test case
+                (deferred if apart else tensors)[f"{base}.weight_scale_inv"] = scale
             elif dtype == torch.uint8:
                 wide = name.endswith("layers.1.block_sparse_moe.experts.0.w2.weight")
                 base = name[: -len(".weight")]
@@ -722,8 +818,9 @@ def _write_rest(p: Preset, out: Path, weight_map: dict[str, str], total: int, so
     code = {"kimi_k3": "configuration_kimi_k3.py", "kimi_linear": "configuration_kimi.py"}.get(
         p.arch, "configuration_deepseek.py")
     side = {**SIDE_FILES, code: "# synthetic stand-in for the release's custom config code\n"}
-    if p.arch in GQA_ARCHES:  # no custom code: transformers' own classes
-        side = synth_gqa.SIDE_FILES
+    family = _family_module(p)
+    if family is not None:  # the family module's own side files (no custom code for transformers' classes)
+        side = family.SIDE_FILES
     for name, text in side.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)

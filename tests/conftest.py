@@ -11,6 +11,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import fcntl
 import gc
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,14 @@ import pytest
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 from kimi_convert.synth import write_synth
+
+#: The engine checks' fork servers (``kimi_convert.enginecheck.server``): one folder for the whole run, made by
+#: the first process (pytest-xdist's controller, whose workers inherit the variable), so that each engine is
+#: imported once per environment instead of once per check; the controller stops them at the end. An empty
+#: KIMI_CONVERT_ENGINE_SERVERS runs every check in a process of its own.
+_OWN_SERVERS = None
+if "KIMI_CONVERT_ENGINE_SERVERS" not in os.environ:
+    _OWN_SERVERS = os.environ["KIMI_CONVERT_ENGINE_SERVERS"] = tempfile.mkdtemp(prefix="kc-engines-")
 
 
 @pytest.fixture(scope="session")
@@ -81,5 +90,14 @@ def pytest_unconfigure(config):
     so every object then alive stays frozen; once Triton is imported that includes libtriton's types and their
     reference cycles, which the interpreter's final collection then skips, and nanobind reports them "leaked"
     at exit: about sixty lines from each pytest-xdist worker, after the run's closing line without -n.
-    Unfrozen here, at the end, the tests keep the freeze's speed (the collector does not walk them again)."""
+    Unfrozen here, at the end, the tests keep the freeze's speed (the collector does not walk them again).
+
+    And the engine checks' fork servers end with the run that started them."""
     gc.unfreeze()
+    if _OWN_SERVERS:
+        import shutil
+
+        from kimi_convert.enginecheck.server import stop_all
+
+        stop_all(_OWN_SERVERS)
+        shutil.rmtree(_OWN_SERVERS, ignore_errors=True)

@@ -49,6 +49,11 @@ class Fault:
 
 
 class FakeHub:
+    #: Upload throttle (bytes/s) of the LFS object PUT route, one link shared by concurrent PUTs; None: as
+    #: fast as it goes. An option of the
+    #: upload routes only (pack --upload's tests); a download throttle, if any, is the download routes' own.
+    upload_bps: float | None = None
+
     def __init__(self, token: str, read_only_token: str = "read-only"):
         self.token = token
         self.read_only_token = read_only_token
@@ -230,7 +235,13 @@ class FakeHub:
                     return 200
                 m = re.fullmatch(r"/lfs-upload/([0-9a-f]{64})", path)
                 if m and method == "PUT":
+                    t0 = time.monotonic()
                     data = self._body()
+                    if hub.upload_bps:  # one link at that rate, shared by concurrent uploads
+                        with hub.lock:
+                            start = max(t0, getattr(hub, "_link_free", 0.0))
+                            hub._link_free = end = start + len(data) / hub.upload_bps
+                        time.sleep(max(0.0, end - time.monotonic()))
                     if hashlib.sha256(data).hexdigest() != m[1]:
                         self._send(400, {"error": "sha256 mismatch"})
                         return 400

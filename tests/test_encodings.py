@@ -121,7 +121,8 @@ def test_one_stored_tensor_as_several_logical_weights():
 
 
 def test_source_formats_and_decoding_come_from_the_encodings():
-    assert encodings.source_formats() == {"compressed-tensors": {"mxfp4-pack-quantized"}, "fp8": {"e4m3"}}
+    assert encodings.source_formats() == {"compressed-tensors": {"mxfp4-pack-quantized"},
+                                          "fp8": {"e4m3", "float8_e4m3fn"}}  # DeepSeek V3's and MiniMax-M2's fmt
     assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["MXFP4", "FP8Block", "Dense"]
     scale = torch.full((2, 1), 255, dtype=torch.uint8)
     src = SourceTensor("m", "m.weight", encodings.Encoding.MXFP4, "MXFP4", (2, 32),

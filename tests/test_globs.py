@@ -47,7 +47,10 @@ def _modules(preset: synth.Preset) -> list[str]:
     return sorted({name.rpartition(".")[0] for name, _, _ in synth.tensor_specs(preset)})
 
 
-CASES = [(name, find_mapping(synth.config(p)), _modules(p)) for name, p in synth.PRESETS.items()]
+#: Presets whose family has no mapping table yet (gpt-oss: source presets only, docs/families.md "gpt-oss").
+NO_MAPPING_YET = {"gpt_oss"}
+CASES = [(name, find_mapping(synth.config(p)), _modules(p)) for name, p in synth.PRESETS.items()
+         if p.arch not in NO_MAPPING_YET]
 
 
 def _selected(read, pattern: str, modules: list[str], prefix: str) -> set[str]:

@@ -137,6 +137,12 @@ def test_plan_json_is_the_same_as_before_the_restructuring(tmp_path):
         assert outs[0] == outs[1], case  # (the JSON's text itself: test_every_..._before_issue_22)
 
 
+#: Presets whose mapping table's text changed since BEFORE_22 (the manifest quotes it as mapping_source, with
+#: its sha256): deepseek_v3.toml gained the MTP layer's keep entries (optional, matching nothing in
+#: tiny-deepseek-fp8) and the engines' fusion notes (issue 23), so that preset's manifest is compared without
+#: the table's text and hashes; every shard, the index, config and every decision are still byte-compared.
+MAPPING_EDITED = {"tiny-deepseek-fp8"}
+
 #: (preset, options) packed by BEFORE_22's code and by this one (scripts/same_bytes.sh packs the same cases).
 CASES_22 = [(preset, opts) for preset in ("tiny-k3", "tiny-kimi-linear", "tiny-deepseek-fp8")
             for opts in ([], ["--recipe", "nvfp4-w4a16"], ["--layout", "sglang"], ["--layout", "vllm"])]
@@ -158,4 +164,8 @@ def test_every_preset_recipe_and_layout_packs_to_the_same_bytes_as_before_issue_
         before, after = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
         assert sorted(before) == sorted(after), (preset, opts)
         changed = [f for f in before if before[f] != after[f]]
+        if preset in MAPPING_EDITED and "manifest.json" in changed:  # its quoted table text only, see below
+            assert _mapping_text_out(json.loads(before["manifest.json"])) == \
+                _mapping_text_out(json.loads(after["manifest.json"])), (preset, opts)
+            changed.remove("manifest.json")
         assert changed == [], (preset, opts, changed)

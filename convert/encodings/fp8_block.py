@@ -1,6 +1,7 @@
 """FP8 with block scales (DeepSeek V3 style): ``weight`` (F8_E4M3 [N, K]) and ``weight_scale_inv`` (F32 or
 BF16, one a ``weight_block_size`` tile: ``quantization_config.weight_block_size``, 128x128 when absent),
-declared by ``quant_method: fp8`` with format ``e4m3``.
+declared by ``quant_method: fp8`` with format ``e4m3`` (DeepSeek V3) or ``float8_e4m3fn`` (MiniMax-M2's
+spelling of the same format).
 
 Decoded exactly to fp32: one multiply a value by its tile's scale (``kernels.formats.decode_fp8_block``)."""
 
@@ -35,7 +36,7 @@ class FP8Block(SourceEncoding):
     label = "block-FP8"
     anchors = frozenset({"weight"})
     companions = frozenset({"weight_scale_inv"})
-    quant_configs: ClassVar[Mapping[str, frozenset[str]]] = {"fp8": frozenset({"e4m3"})}
+    quant_configs: ClassVar[Mapping[str, frozenset[str]]] = {"fp8": frozenset({"e4m3", "float8_e4m3fn"})}
 
     def check_config(self, config: dict) -> None:
         block_size(config)

@@ -31,6 +31,7 @@ from .. import filenames
 from ..errors import ConvertError
 from ..plan import Encoding, Kind, Op
 from ..sources import Source
+from .server import run_runner
 
 ENGINES = ("vllm", "sglang")
 #: The engine versions the runners are written and tested against.
@@ -256,15 +257,11 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     with tempfile.TemporaryDirectory(prefix="kimi-enginecheck-") as tmp:
         res = Path(tmp, "result.json")
         log = Path(tmp, "runner.log")
-        with open(log, "w") as lf:
-            try:
-                cmd = [str(py), str(runner_path(engine)), str(out.resolve()), "--out", str(res)]
-                if source is not None:
-                    cmd += ["--numerics", str(Path(tmp, "numerics"))]
-                proc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=tmp)
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = None
+        argv = [str(out.resolve()), "--out", str(res)]
+        if source is not None:
+            argv += ["--numerics", str(Path(tmp, "numerics"))]
+        log.write_text("")
+        rc = run_runner(py, runner_path(engine), argv, env, tmp, log, timeout)
         rep.seconds = round(time.perf_counter() - t0, 2)
         rep.log_tail = log.read_text(errors="replace").splitlines()[-40:]
         if not res.is_file():

@@ -407,6 +407,18 @@ def patch_torch_cuda(capability: tuple[int, int], name: str, memory: int, availa
     return props
 
 
+def import_all(modules: list[str]) -> None:
+    """Import each module a check will import (the fork server's preload); one this engine version lacks, or
+    that fails, is left to the check, which imports it itself and reports what goes wrong."""
+    import importlib
+
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception:
+            continue
+
+
 def free_port() -> int:
     import socket
 

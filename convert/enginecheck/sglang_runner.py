@@ -56,6 +56,10 @@ def mtp_rule(config):
     base = getattr(config, "num_hidden_layers", 0)
 
     def why(name: str) -> str | None:
+        if name.startswith("mtp.") and getattr(getattr(config, "text_config", config), "mtp_num_hidden_layers", 0):
+            return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
+                    "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
+                    "MTP model (qwen3_5_mtp.py) loads it")
         parts = name.split(".")
         if not (n > 0 and name.startswith("model.layers") and len(parts) >= 3 and parts[2].isdigit()
                 and int(parts[2]) >= base):
@@ -87,12 +91,35 @@ PATCHES = [
      "the model's post_load_weights (called at the end of its load_weights: derives kernel buffers such as "
      "MLA w_kc/w_vc and warms Triton kernels from already-stored parameters) runs after the check, and its "
      "outcome is reported separately: it stores no checkpoint tensor"),
+    ("DeepSeek weights loaded synchronously",
+     "models/deepseek_common/deepseek_weight_loader.py hands CPU tensors to a ThreadPoolExecutor "
+     "(model_loader/utils.py should_async_load: True for a CPU tensor), whose threads the load observer does "
+     "not see; should_async_load answers False there, SGLang's own synchronous path (the one it takes for "
+     "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread"),
 ]
 
 
 def apply_patches(result: dict) -> None:
     rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=True)
     result["patches"] = [name for name, _ in PATCHES]
+
+
+def preload() -> None:
+    """What ``run`` starts with (the patches, then SGLang's imports, which import every model module of its
+    registry), and the numeric check's module: done once by the fork server (``zygote.py``)."""
+    apply_patches({})
+    with rc.CpuDevices():
+        rc.import_all(["sglang.srt.configs.model_config", "sglang.srt.distributed.parallel_state",
+                       "sglang.srt.layers.dp_attention", "sglang.srt.layers.moe", "sglang.srt.model_loader.loader",
+                       "sglang.srt.models.registry", "sglang.srt.runtime_context", "sglang.srt.server_args",
+                       "runner_numerics"])
+
+
+def _load_deepseek_synchronously() -> None:
+    """See PATCHES ("DeepSeek weights loaded synchronously")."""
+    from sglang.srt.models.deepseek_common import deepseek_weight_loader
+
+    deepseek_weight_loader.should_async_load = lambda weight: False
 
 
 def run(model_dir: str, result: dict) -> None:
@@ -115,6 +142,7 @@ def run(model_dir: str, result: dict) -> None:
         )
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
+        _load_deepseek_synchronously()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
 

@@ -69,6 +69,10 @@ def mtp_rule(config):
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
     def why(name: str) -> str | None:
+        if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
+            return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
+                    "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "
+                    "(qwen3_5_mtp.py Qwen3_5MoeMTP) loads it")
         layer = get_spec_layer_idx_from_weight_name(config, name)
         if layer is None:
             return None
@@ -151,6 +155,23 @@ def apply_patches(result: dict) -> None:
     platforms._current_platform = PresentedBlackwell()
     platforms.current_platform = platforms._current_platform
     result["patches"] = [name for name, _ in PATCHES]
+
+
+#: vLLM imports a model's module when its registry resolves the architecture: the families the tool converts.
+MODEL_MODULES = ("deepseek_v2", "deepseek_mtp", "kimi_linear", "kimi_k3", "qwen3_moe", "glm4_moe", "glm4_moe_mtp",
+                 "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5")
+
+
+def preload() -> None:
+    """What ``run`` starts with (the patches, then vLLM's imports), and the model, quantization and numeric-check
+    modules a check imports next: done once by the fork server (``zygote.py``)."""
+    apply_patches({})
+    rc.import_all(["vllm.config", "vllm.distributed", "vllm.engine.arg_utils", "vllm.model_executor.model_loader",
+                   "vllm.utils.torch_utils", *(f"vllm.model_executor.models.{m}" for m in MODEL_MODULES),
+                   "vllm.model_executor.layers.quantization.modelopt", "vllm.model_executor.layers.quantization.fp8",
+                   "vllm.model_executor.layers.quantization.mxfp4",
+                   "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+                   "runner_numerics"])
 
 
 def run(model_dir: str, result: dict) -> None:

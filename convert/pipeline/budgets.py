@@ -100,6 +100,9 @@ class Shared:
         self._runner: Runner | None = None
         self._lock = threading.Lock()
         self.backend_s = 0.0
+        #: Called before a stream opens a shard (``wait``: the stream has none open, so waiting cannot hold
+        #: up a shard it must finish): ``pack --upload --no-keep-output`` waits there while the Hub is behind.
+        self.admit: Callable[[bool, threading.Event], None] | None = None
 
     def runner(self, device: Device, block: tuple[int, int]) -> Runner:
         """Made on first use (this imports torch, and starts CUDA for a GPU), once for all streams:

@@ -200,6 +200,8 @@ class Stream:
         st = self.open.get(file)
         if st is None:
             shard = self.shard_of[file]
+            if self.shared.admit is not None:
+                self.shared.admit(not self.open, self.stop)
             w = write.ShardWriter(self.job.output_dir, shard)
             st = self.open[file] = _ShardState(w, FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool,
                                                              self.shared.hold, self.stop), self.units_per_shard[file])
@@ -319,7 +321,8 @@ def _raise_failed(futs: list[Future]) -> None:
 
 def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardRecord], None],
              on_progress: Callable[[int], None] = lambda n: None, *, threads: int,
-             stop: threading.Event | None = None) -> list[JobResult]:
+             stop: threading.Event | None = None,
+             admit: Callable[[bool, threading.Event], None] | None = None) -> list[JobResult]:
     """Convert each job's shards on its own stream (threads of this process), calling ``on_shard``
     as each shard is complete; the first failure stops every stream. ``threads``: the CPUs this
     worker may use (its C kernel's threads, and the bound on its hashing threads)."""
@@ -327,6 +330,7 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     return_freed_memory()
     mine = [pieces(j.units, j.file_order) for j in jobs]
     shared = Shared(mine, threads, default_hash_threads(len(jobs), threads), stop)
+    shared.admit = admit
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
