@@ -22,10 +22,10 @@ import click
 
 from . import __version__, devices, filenames, paths
 from .errors import ConvertError
-from .options import Options, click_options
+from .options import SIZE, Options, click_options
 from .options import checked as _checked
 from .plan.render import mb
-from .sources import check_spec
+from .sources import check_spec, provenance
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -131,18 +131,19 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
     from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
-        _, p = load_plan(input_dir, opts, banked=not as_json)
+        ckpt, p = load_plan(input_dir, opts, banked=not as_json)
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
+    origin = provenance(ckpt.source)  # a Hub input: the repository and the commit its revision resolved to
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
         from .plan.serialize import side_dict  # hash covers the weights only
 
-        for piece in plan_json(p, side_dict(p)):
+        for piece in plan_json(p, {**side_dict(p), **({"source": origin} if origin else {})}):
             click.echo(piece, nl=False)
         click.echo()
     else:
         from .plan.render import render
 
-        click.echo(render(p, input_dir))
+        click.echo(render(p, ckpt.source.name if origin else input_dir))
     for w in p.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
 
@@ -177,21 +178,30 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
                    "token and the Hub are checked before anything is packed.")
 @click.option("--revision", help="With --upload: the branch to commit to (default: main).")
 @click.option("--private", is_flag=True, help="With --upload: create the repo as private.")
-@click.option("--token", help="With --upload: Hub token (default: HF_TOKEN or the cached login). Never printed or "
-                              "stored (not in the resume command either).")
+@click.option("--token", help="With --upload or a Hub input: Hub token (default: HF_TOKEN or the cached login). Never "
+                              "printed or stored (not in the resume command either).")
 @click.option("--keep-output/--no-keep-output", default=True, show_default=True,
               help="With --upload: keep each shard here once the Hub has it (--no-keep-output deletes it: the disk "
                    "holds only the shards in flight; configs, records and manifest.json stay).")
+@click.option("--scratch", "scratch", metavar="DIR", callback=_checked(paths.output_folder),
+              help="With a Hub input (hf://OWNER/REPO[@REV]): where its weight files are downloaded, just in time, "
+                   "each deleted once converted (default: .OUTPUT.hub-scratch beside OUTPUT).")
+@click.option("--max-scratch", "max_scratch", type=SIZE, metavar="SIZE",
+              help="With a Hub input: the most bytes of downloads on the scratch disk at once (default: the three "
+                   "largest input shards). One file larger than it, or files read together that exceed it: an error "
+                   "before any download.")
 def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: int | None, streams: int | None,
          stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, ray_address: str | None,
-         upload_repo: str | None, revision: str | None, private: bool, token: str | None, keep_output: bool) -> None:
+         upload_repo: str | None, revision: str | None, private: bool, token: str | None, keep_output: bool,
+         scratch: str | None, max_scratch: int | None) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
-    if not upload_repo and (revision or private or token or not keep_output):
+    hub_input = input_dir.startswith("hf://")
+    if not upload_repo and (revision or private or (token and not hub_input) or not keep_output):
         used = "--revision" if revision else "--private" if private else "--token" if token else "--no-keep-output"
         raise click.UsageError(f"{used} needs --upload REPO_ID")
     target = None
@@ -205,13 +215,21 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
     args = _without_token([a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")])
     command = shlex.join(["kimi-convert", *args, "--resume"]) if args[:1] == ["pack"] else None
 
+    source = input_dir
+    if hub_input:  # resolved once, here (with --token); the resume command names the commit it resolved to
+        from .sources.hub import HubRepo
+
+        source = HubRepo.connect(input_dir, token=token, say=lambda m: click.echo(m, err=True))
+        command = command.replace(input_dir, source.name, 1) if command else None
+
     def interrupted() -> str:
         j = Journal.load(Path(output_dir)) if Path(output_dir).is_dir() else None
         return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
     global _interrupt_hint
     _interrupt_hint = interrupted
-    res = run(input_dir, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
+    res = run(source, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
               resume=resume, progress=not quiet, command=command, ray=ray_address, upload=target,
+              scratch=scratch, max_scratch=max_scratch,
               say=lambda m: click.echo(m, err=True))
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)

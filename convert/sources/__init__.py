@@ -11,7 +11,8 @@ import os
 from .local import LocalFile, LocalFolder
 from .protocol import EntryKind, FileEntry, Source, SourceFile
 
-__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "Source", "SourceFile", "check_spec", "open_source", "read_range"]
+__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "Source", "SourceFile", "check_spec", "open_source",
+           "provenance", "read_range"]
 
 
 def read_range(source: Source, rel: str, offset: int, length: int) -> bytes:
@@ -41,3 +42,11 @@ def open_source(spec: str | os.PathLike | Source) -> Source:
 
         return HubRepo.connect(spec)
     return LocalFolder.at(spec)
+
+
+def provenance(source: Source) -> dict | None:
+    """Where a source's bytes came from, for the plan's output and the manifest: a Hub repository's id, the
+    commit its revision resolved to and the revision as asked (``HubRepo.provenance``); None for a local folder,
+    whose manifest stays as it was (its inputs' sha256 are its identity)."""
+    origin = getattr(source, "provenance", None)
+    return origin() if callable(origin) else None

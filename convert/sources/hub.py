@@ -147,6 +147,11 @@ class HubRepo:
     def shown(self, rel: str) -> str:
         return f"{self.name}/{rel}"
 
+    def provenance(self) -> dict:
+        """The manifest's and the plan's ``source``: the repository, the commit every read named, the revision
+        as asked (None: the default branch). Each input's LFS sha256 is the manifest's ``inputs[].sha256``."""
+        return {"hub": self.repo_id, "commit": self.commit, "revision": self.requested}
+
     def local_path(self, rel: str = "") -> Path | None:
         return None
 

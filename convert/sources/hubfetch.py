@@ -1,0 +1,464 @@
+"""A Hub input's weight files downloaded just in time, for ``pack hf://OWNER/REPO[@REV] OUTPUT`` (issue 25).
+
+``plan`` and ``inspect`` read a Hub repository by range requests (``hub.HubRepo``). ``pack`` reads every byte of
+every weight file, so here those files are downloaded whole, each one a single sequential stream (what a Hub
+link does fastest), into a scratch folder on this machine, and the pipeline reads them from there as it reads
+a local folder. What this module adds to ``HubRepo`` is the disk bound and the order:
+
+- the files are downloaded in the order the plan first reads them (``ScratchPlan``), ahead of the pipeline,
+  as long as the bytes on the scratch disk, counting each download at its full size from its first byte, stay
+  within ``--max-scratch``; a file is deleted as soon as the pipeline has read every byte it reads of it
+  (``Downloads.consumed``: the reads are counted, which no other reader of the file shares: a Hub input's
+  file hashes are the downloads' own, see below). Because downloads follow the order of first use and the
+  pipeline's one stream reads in that order, the bound cannot stall the pack as long as it holds the largest
+  set of files that some unit reads together or in between (``ScratchPlan.required``); a smaller bound is a
+  one-line error before anything is downloaded, as is one file larger than the bound (it could never be
+  held);
+- each file is hashed as its bytes arrive and compared with the sha256 the Hub recorded for its LFS object
+  before the pipeline may read it: nothing is ever converted from bytes the Hub did not record, so a
+  corrupted transfer fails the pack naming the file, before any output is derived from it. That digest is
+  the pipeline's input hash for the manifest (the pipeline does not hash a Hub input's files a second time);
+- the transfer is huggingface_hub's ``http_get`` on the file's ``resolve`` URL at the resolved commit: the
+  library's auth headers, its retries and resumption of a dropped stream, its typed errors, which
+  ``hub.transport.with_retries`` turns into one line;
+- a verified file stays in the scratch folder until it is consumed, so a killed pack resumed later finds it
+  (checked again against the Hub's sha256) instead of downloading it again; a partial download
+  (``.incomplete``) is continued from where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConvertError
+from .local import LocalFile
+from .protocol import FileEntry
+
+if TYPE_CHECKING:
+    from ..plan import Unit
+    from .hub import HubRepo
+
+INCOMPLETE = ".incomplete"
+#: Downloads in flight at once (each one sequential stream, within the bound): two hide each file's
+#: request round trips behind the other's bytes.
+THREADS = max(1, int(os.environ.get("KIMI_CONVERT_DOWNLOAD_THREADS", "2")))
+#: --max-scratch's default: this many of the largest weight files (and at least ``ScratchPlan.required``).
+DEFAULT_FILES = 3
+
+
+@dataclass(frozen=True)
+class Need:
+    """One weight file the pack reads: its size, the sha256 the Hub recorded, the bytes the pipeline reads."""
+
+    rel: str
+    size: int
+    sha256: str
+    reads: int
+
+
+@dataclass(frozen=True)
+class ScratchPlan:
+    """What the pack downloads, in the order it first reads each file; ``required``: the least bound under
+    which it cannot stall (the largest set of files that are read together or between two reads of one of
+    them: ``together``)."""
+
+    needs: tuple[Need, ...]
+    required: int
+    together: tuple[str, ...]
+
+    @property
+    def largest(self) -> int:
+        return max((n.size for n in self.needs), default=0)
+
+    def default_bound(self) -> int:
+        sizes = sorted((n.size for n in self.needs), reverse=True)
+        return max(sum(sizes[:DEFAULT_FILES]), self.required)
+
+    def check(self, bound: int, source_name: str, human: Callable[[int], str]) -> None:
+        """One line when ``bound`` cannot hold what the pack must hold at once."""
+        big = max(self.needs, key=lambda n: n.size, default=None)
+        if big is not None and big.size > bound:
+            raise ConvertError(f"--max-scratch {human(bound)}: {source_name}/{big.rel} alone is {human(big.size)}; "
+                               f"raise it to at least {human(self.required)}")
+        if self.required > bound:
+            raise ConvertError(f"--max-scratch {human(bound)}: the pack reads {len(self.together)} files together "
+                               f"({', '.join(self.together[:3])}{', ...' if len(self.together) > 3 else ''}), "
+                               f"{human(self.required)} in all; raise it to at least that")
+
+
+def scratch_plan(units: Iterable[Unit], entries: dict[str, FileEntry], source_name: str) -> ScratchPlan:
+    """The files ``units`` (in the order the pipeline runs them) read, in the order of their first read, and
+    the largest set alive at once (a file is alive from its first unit to its last)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    reads: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for p in u.parts:
+            if p.nbytes == 0:
+                continue
+            first.setdefault(p.file, i)
+            last[p.file] = i
+            reads[p.file] = reads.get(p.file, 0) + p.nbytes
+    needs = []
+    for rel in sorted(first, key=lambda f: (first[f], f)):
+        e = entries[rel]
+        if not e.sha256:
+            raise ConvertError(f"{source_name}/{rel}: not stored through LFS, so the Hub records no sha256 to "
+                               "verify the download against")
+        needs.append(Need(rel, e.size, e.sha256, reads[rel]))
+    events = sorted([(first[f], 0, f) for f in first] + [(last[f], 1, f) for f in first])
+    alive: dict[str, int] = {}
+    best, together = 0, ()
+    for _, kind, f in events:  # at one unit, every file starting there is counted before any ending there
+        if kind == 0:
+            alive[f] = entries[f].size
+            if (now := sum(alive.values())) > best:
+                best, together = now, tuple(alive)
+        else:
+            alive.pop(f, None)
+    return ScratchPlan(tuple(needs), best, together)
+
+
+class _Hashing:
+    """The file object ``http_get`` writes into: each chunk hashed as it arrives, then written. A rewind to
+    the start (the server ignored a resume's Range) starts the hash again; a stop request ends the transfer."""
+
+    def __init__(self, f: Any, h: Any, stop: threading.Event):
+        self.f, self.h, self.stop, self.n = f, h, stop, 0
+        self.restarted = False
+
+    def write(self, data: bytes) -> int:
+        if self.stop.is_set():
+            raise _StopDownload
+        self.h.update(data)
+        self.n += len(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.restarted = True
+        return self.f.seek(pos, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        return self.f.truncate(size)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class _StopDownload(Exception):
+    """The pack is stopping: the transfer in flight ends."""
+
+
+@dataclass
+class _State:
+    need: Need
+    ready: bool = False
+    deleted: bool = False
+    left: int = 0  # bytes the pipeline still reads
+    fd: LocalFile | None = None
+    sha256: str | None = None  # verified
+
+
+@dataclass
+class DownloadStats:
+    """What the downloads did (``PackStats.downloads``)."""
+
+    downloaded: int = 0  # files fetched by this run
+    reused: int = 0  # files a killed run left verified in the scratch folder
+    bytes: int = 0  # bytes received by this run
+    resumed_bytes: int = 0  # bytes of partial downloads continued, not fetched again
+    peak_scratch: int = 0  # the most bytes reserved on the scratch disk at once
+    bound: int = 0
+    waited_s: float = 0.0  # seconds the pipeline waited for a download
+    files: list[str] = field(default_factory=list)  # fetched by this run, in order
+
+
+class Downloads:
+    """The scratch folder of one pack: ``THREADS`` threads fetching ``plan.needs`` in order within ``bound``
+    (module docstring); ``stop``: the pack's stop event (a failing or interrupted pack ends the transfers
+    and wakes the pipeline's reader out of a wait)."""
+
+    def __init__(self, hub: HubRepo, scratch: Path, bound: int, plan: ScratchPlan, stop: threading.Event,
+                 say: Callable[[str], None]):
+        self.hub, self.scratch, self.bound, self.plan, self.stop, self.say = hub, scratch, bound, plan, stop, say
+        self.state = {n.rel: _State(n, left=n.reads) for n in plan.needs}
+        self._cv = threading.Condition()
+        self._next = 0  # the next need to start
+        self._reserved = 0
+        self._error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self.stats = DownloadStats(bound=bound)
+
+    # -- the downloaders -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self._threads = [threading.Thread(target=self._run, daemon=True, name=f"kimi-convert-download-{k}")
+                         for k in range(THREADS)]
+        for t in self._threads:
+            t.start()
+
+    def _take(self) -> _State | None:
+        """The next file to fetch once the bound has room for it whole; None: nothing left, or stopping."""
+        with self._cv:
+            while True:
+                if self.stop.is_set() or self._error is not None or self._next >= len(self.plan.needs):
+                    return None
+                st = self.state[self.plan.needs[self._next].rel]
+                if self._reserved + st.need.size <= self.bound:
+                    self._next += 1
+                    self._reserved += st.need.size
+                    self.stats.peak_scratch = max(self.stats.peak_scratch, self._reserved)
+                    return st
+                self._cv.wait(0.2)
+
+    def _run(self) -> None:
+        while (st := self._take()) is not None:
+            try:
+                sha = self._fetch(st.need)
+            except _StopDownload:
+                return
+            except BaseException as e:  # raised to the pipeline's reader (``path``) and by ``close``
+                with self._cv:
+                    self._error = self._error or e
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                st.ready, st.sha256 = True, sha
+                self._cv.notify_all()
+
+    def _fetch(self, need: Need) -> str:
+        """``need`` in the scratch folder, verified: reused if a killed run left it there whole, else
+        downloaded (a partial download continued). Returns its sha256 (the Hub's, checked)."""
+        final = self.scratch / need.rel
+        part = final.with_name(final.name + INCOMPLETE)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shown = self.hub.shown(need.rel)
+        if final.is_file():
+            if final.stat().st_size == need.size and _sha256(final, self.stop) == need.sha256:
+                self.stats.reused += 1
+                return need.sha256
+            final.unlink()
+        h = hashlib.sha256()
+        have = part.stat().st_size if part.is_file() else 0
+        if have > need.size:
+            part.unlink()
+            have = 0
+        if have:
+            _hash_into(part, h, self.stop)
+            self.stats.resumed_bytes += have
+        with open(part, "ab") as f:
+            w = _Hashing(f, h, self.stop)
+            self._get(need, w, have)
+        if w.restarted:  # the server sent the whole file again: the hash of what is on disk now
+            h = hashlib.sha256()
+            _hash_into(part, h, self.stop)
+        size, sha = part.stat().st_size, h.hexdigest()
+        self.stats.bytes += w.n
+        if size != need.size or sha != need.sha256:
+            part.unlink(missing_ok=True)
+            what = (f"{size} bytes arrived, the Hub lists {need.size}" if size != need.size else
+                    f"the downloaded bytes' sha256 {sha[:16]}... is not the one the Hub recorded "
+                    f"({need.sha256[:16]}...)")
+            raise ConvertError(f"{shown}: {what}: corrupted in transit or at the source; nothing was converted "
+                               "from it (re-run the same command to download it again)")
+        os.replace(part, final)
+        self.stats.downloaded += 1
+        self.stats.files.append(need.rel)
+        return sha
+
+    def _get(self, need: Need, w: _Hashing, have: int) -> None:
+        """The library's transfer (``http_get``: its retries, its resumption of a dropped stream), its errors
+        as one line (``with_retries``)."""
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils import build_hf_headers
+
+        from ..hub.transport import with_retries
+
+        def go() -> None:
+            if w.n:  # an attempt after one that received bytes: continue after them
+                return http_get(self.hub.url(need.rel), w, resume_size=have + w.n, expected_size=need.size,
+                                headers=build_hf_headers(token=self.hub.token), displayed_filename=need.rel)
+            return http_get(self.hub.url(need.rel), w, resume_size=have, expected_size=need.size,
+                            headers=build_hf_headers(token=self.hub.token), displayed_filename=need.rel)
+
+        def attempt() -> None:
+            try:
+                go()
+            except _StopDownload:
+                raise
+            except OSError as e:  # http_get's "Consistency check failed": the size that arrived
+                if "Consistency check" in str(e):
+                    return
+                raise
+
+        import logging
+
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry warnings: ours say it
+        with_retries(attempt, f"downloading {need.rel}", self.hub.repo_id, self.say,
+                     hint="re-run the same command to resume (verified downloads are kept)")
+
+    # -- the pipeline's side -------------------------------------------------------------------------
+
+    def file(self, rel: str) -> LocalFile:
+        """``rel``'s downloaded file, open (waits for its download; raises a download's error, or
+        ``Stopped`` when the pack stops meanwhile)."""
+        import time
+
+        from ..hashing import Stopped
+
+        st = self.state[rel]
+        t = time.perf_counter()
+        with self._cv:
+            while not st.ready:
+                if self._error is not None:
+                    raise self._error
+                if self.stop.is_set():
+                    raise Stopped(self.hub.shown(rel))
+                self._cv.wait(0.2)
+            if st.deleted:
+                raise ConvertError(f"{self.hub.shown(rel)}: read after every planned read of it (a bug)")
+            if st.fd is None:
+                st.fd = LocalFile.open(self.scratch / rel, self.hub.shown(rel))
+            self.stats.waited_s += time.perf_counter() - t
+            return st.fd
+
+    def is_ready(self, rel: str) -> bool:
+        return self.state[rel].ready
+
+    def consumed(self, rel: str, n: int) -> None:
+        """The pipeline read ``n`` more bytes of ``rel``; once it has read all it reads, the file goes."""
+        with self._cv:
+            st = self.state[rel]
+            st.left -= n
+            if st.left > 0 or st.deleted:
+                return
+            st.deleted = True
+            if st.fd is not None:
+                st.fd.close()
+            with contextlib.suppress(FileNotFoundError):
+                (self.scratch / rel).unlink()
+            self._reserved -= st.need.size
+            self._cv.notify_all()
+
+    def first_error(self, e: BaseException) -> BaseException:
+        """What to report of a failed pack: a download's error (the pipeline then saw only its stop)."""
+        return self._error if self._error is not None else e
+
+    def hashes(self) -> dict[str, str]:
+        return {rel: st.sha256 for rel, st in self.state.items() if st.sha256}
+
+    def close(self, ok: bool) -> None:
+        """Stop the downloaders; raise a download's error (``ok``: the pack finished, so every file was
+        consumed: the scratch folder is removed if nothing else is in it)."""
+        if not ok:
+            self.stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        for st in self.state.values():
+            if st.fd is not None:
+                st.fd.close()
+        if ok:
+            for st in self.state.values():  # (a file left unread: an empty read plan; removed as well)
+                with contextlib.suppress(FileNotFoundError):
+                    (self.scratch / st.need.rel).unlink()
+            _remove_empty(self.scratch)
+            if self._error is not None:
+                raise self._error
+
+
+def _hash_into(path: Path, h: Any, stop: threading.Event) -> None:
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            if stop.is_set():
+                raise _StopDownload
+            h.update(block)
+
+
+def _sha256(path: Path, stop: threading.Event) -> str:
+    h = hashlib.sha256()
+    _hash_into(path, h, stop)
+    return h.hexdigest()
+
+
+def _remove_empty(folder: Path) -> None:
+    """``folder`` and its sub-folders, where empty (what the downloads made)."""
+    if not folder.is_dir():
+        return
+    for d in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+@dataclass
+class FetchedFile:
+    """A weight file of a Hub input as the pipeline reads it: from its download (waited for at the first
+    read, not at the open: the reader opens the next piece's files to hint them, and must not wait there);
+    every read counted, so the file goes once the pipeline has all it reads of it."""
+
+    downloads: Downloads
+    rel: str
+    size: int
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        data = self.downloads.file(self.rel).read_range(offset, length)
+        self.downloads.consumed(self.rel, len(data))
+        return data
+
+    def readinto(self, offset: int, buf: memoryview) -> int:
+        n = self.downloads.file(self.rel).readinto(offset, buf)
+        self.downloads.consumed(self.rel, n)
+        return n
+
+    def will_need(self, offset: int, length: int) -> None:
+        if self.downloads.is_ready(self.rel):
+            self.downloads.file(self.rel).will_need(offset, length)
+
+    def close(self) -> None:
+        pass  # the descriptor is the downloads' (closed when the file is consumed)
+
+    def __enter__(self) -> FetchedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@dataclass
+class FetchedHub:
+    """The ``Source`` that ``pack`` reads a Hub input through: ``HubRepo``'s listing, JSON and side files
+    (range requests), its weight files from ``downloads``. In-process only (it holds threads): a Hub input
+    packs with one worker and one stream, which is what keeps the reads in the download order."""
+
+    hub: HubRepo
+    downloads: Downloads
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the Source protocol: the repository's
+        return getattr(self.hub, name)
+
+    @property
+    def name(self) -> str:
+        return self.hub.name
+
+    def open(self, rel: str, shown: str | None = None):
+        if rel in self.downloads.state:
+            e = self.hub.check_named(rel, self.hub.name)
+            return FetchedFile(self.downloads, rel, e.size)
+        return self.hub.open(rel, shown)
+
+    def for_worker(self) -> FetchedHub:
+        return self
