@@ -112,11 +112,12 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
 @cli.command(name="inspect")
 @click.argument("path", callback=_checked(lambda p: check_spec(p) if str(p).startswith("hf://") else paths.existing(p)))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect_cmd(path: str, as_json: bool) -> None:
+@click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
+def inspect_cmd(path: str, as_json: bool, token: str | None) -> None:
     """Architecture, layer kinds and MoE parameters (E, top-k, sizes) of a checkpoint or config.json."""
-    from .modelinfo import inspect_path, render
+    from .modelinfo import inspect_path, inspect_source, render
 
-    info = inspect_path(path)
+    info = inspect_source(_hub_source(path, token)) if path.startswith("hf://") else inspect_path(path)
     click.echo(json.dumps(info.to_dict(), indent=2) if as_json else render(info))
 
 
@@ -124,14 +125,16 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.argument("input_dir", metavar="INPUT", callback=_checked(check_spec))
 @click_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(input_dir: str, opts: Options, as_json: bool) -> None:
+@click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
+def plan(input_dir: str, opts: Options, as_json: bool, token: str | None) -> None:
     """Print what pack would do, without reading tensor data."""
     from .gcpause import gc_paused
     from .pack import load_plan
     from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
-        ckpt, p = load_plan(input_dir, opts, banked=not as_json)
+        ckpt, p = load_plan(_hub_source(input_dir, token) if input_dir.startswith("hf://") else input_dir, opts,
+                            banked=not as_json)
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     origin = provenance(ckpt.source)  # a Hub input: the repository and the commit its revision resolved to
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
@@ -217,9 +220,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
 
     source = input_dir
     if hub_input:  # resolved once, here (with --token); the resume command names the commit it resolved to
-        from .sources.hub import HubRepo
-
-        source = HubRepo.connect(input_dir, token=token, say=lambda m: click.echo(m, err=True))
+        source = _hub_source(input_dir, token)
         command = command.replace(input_dir, source.name, 1) if command else None
 
     def interrupted() -> str:
@@ -263,6 +264,13 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
                    + (chosen or "no kind of work was measured on both; every unit ran on the CPUs"))
 
 
+def _hub_source(spec: str, token: str | None):
+    """A Hub input (``hf://OWNER/REPO[@REV]``), its revision resolved to a commit once, here."""
+    from .sources.hub import HubRepo
+
+    return HubRepo.connect(spec, token=token, say=lambda m: click.echo(m, err=True))
+
+
 def _without_token(args: list[str]) -> list[str]:
     """The command line less ``--token VALUE`` / ``--token=VALUE``: the resume command is stored in the journal."""
     out, skip = [], False
@@ -299,7 +307,7 @@ def _report_upload(up, repo_id: str | None, output_dir: str) -> None:
               help="Where --input re-quantizes: cpu, cuda[:N], auto (or reference, triton).")
 @click.option("--remote", metavar="REPO_ID", help="Also check a Hub repo's files against the manifest (no download).")
 @click.option("--revision", help="With --remote: the branch, tag or refs/pr/N to check.")
-@click.option("--token", help="With --remote: Hub token (default: HF_TOKEN or the cached login).")
+@click.option("--token", help="With --remote or a Hub --input: Hub token (default: HF_TOKEN or the cached login).")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
               help="Also load OUTPUT with this engine's own loading code, on the CPU (repeatable); "
                    "fails on an engine error, an unfilled parameter, a skipped tensor or a bad cast.")
@@ -338,7 +346,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         hub_api = connect(remote, token, write=False, revision=revision, say=lambda m: click.echo(m, err=True))
     if manifest:
         with Progress("verify", not (quiet or as_json)) as bar:
-            rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=bar.grow)
+            given = _hub_source(input_dir, token) if input_dir and input_dir.startswith("hf://") else input_dir
+            rep = verify(output_dir, given, full=full, device=device, progress=bar.update, total=bar.grow)
     else:
         if remote or (input_dir and not numerics):
             raise ConvertError(f"{output_dir}: no manifest.json, so --input (without the numeric check) and --remote "

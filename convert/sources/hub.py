@@ -127,7 +127,8 @@ class HubRepo:
                 continue
             lfs = getattr(e, "lfs", None)
             sha = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
-            files[path] = FileEntry(path, EntryKind.FILE, int(e.size), sha256=sha, revision=commit)
+            files[path] = FileEntry(path, EntryKind.FILE, int(e.size), sha256=sha, revision=commit,
+                                    oid=getattr(e, "blob_id", None))
             parent = PurePosixPath(path).parent
             while str(parent) != ".":
                 folders.add(str(parent))
@@ -148,9 +149,10 @@ class HubRepo:
         return f"{self.name}/{rel}"
 
     def provenance(self) -> dict:
-        """The manifest's and the plan's ``source``: the repository, the commit every read named, the revision
-        as asked (None: the default branch). Each input's LFS sha256 is the manifest's ``inputs[].sha256``."""
-        return {"hub": self.repo_id, "commit": self.commit, "revision": self.requested}
+        """The manifest's and the plan's ``source``: the repository and the commit every read named. Not the
+        revision as asked: a resumed pack names the commit itself, and its manifest must be an uninterrupted
+        run's. Each input's LFS sha256 is the manifest's ``inputs[].sha256``."""
+        return {"hub": self.repo_id, "commit": self.commit}
 
     def local_path(self, rel: str = "") -> Path | None:
         return None

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import faults
 from ..errors import ConvertError
 from .local import LocalFile
 from .protocol import FileEntry
@@ -273,6 +274,7 @@ class Downloads:
             raise ConvertError(f"{shown}: {what}: corrupted in transit or at the source; nothing was converted "
                                "from it (re-run the same command to download it again)")
         os.replace(part, final)
+        faults.point("download")
         self.stats.downloaded += 1
         self.stats.files.append(need.rel)
         return sha
