@@ -6,8 +6,12 @@ link does fastest), into a scratch folder on this machine, and the pipeline read
 a local folder. What this module adds to ``HubRepo`` is the disk bound and the order:
 
 - the files are downloaded in the order the plan first reads them (``ScratchPlan``), ahead of the pipeline,
-  as long as the bytes on the scratch disk, counting each download at its full size from its first byte, stay
-  within ``--max-scratch``; a file is deleted as soon as the pipeline has read every byte it reads of it
+  within ``--max-scratch``: a download writes its next bytes only while the files before it in that order
+  (each counted at its full size, downloaded or not) plus its own bytes so far fit in the bound, so the disk
+  never holds more than the bound and a later file never takes the room an earlier one needs; a download
+  stops mid-file when the bound is reached and goes on as room frees (the link stays busy: counting each
+  download at its full size from its first byte left it idle while a file's worth of room was not yet
+  free, benchmarks/hub_to_hub.py). A file is deleted as soon as the pipeline has read every byte it reads of it
   (``Downloads.consumed``: the reads are counted, which no other reader of the file shares: a Hub input's
   file hashes are the downloads' own, see below). Because downloads follow the order of first use and the
   pipeline's one stream reads in that order, the bound cannot stall the pack as long as it holds the largest
@@ -52,6 +56,8 @@ INCOMPLETE = ".incomplete"
 THREADS = max(1, int(os.environ.get("KIMI_CONVERT_DOWNLOAD_THREADS", "2")))
 #: --max-scratch's default: this many of the largest weight files (and at least ``ScratchPlan.required``).
 DEFAULT_FILES = 3
+#: Bytes a download writes at a time, each step within the bound.
+WRITE_STEP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -131,16 +137,19 @@ class _Hashing:
     """The file object ``http_get`` writes into: each chunk hashed as it arrives, then written. A rewind to
     the start (the server ignored a resume's Range) starts the hash again; a stop request ends the transfer."""
 
-    def __init__(self, f: Any, h: Any, stop: threading.Event):
-        self.f, self.h, self.stop, self.n = f, h, stop, 0
+    def __init__(self, f: Any, h: Any, stop: threading.Event, room: Callable[[int], None]):
+        self.f, self.h, self.stop, self.n, self.room = f, h, stop, 0, room
         self.restarted = False
 
     def write(self, data: bytes) -> int:
-        if self.stop.is_set():
-            raise _StopDownload
-        self.h.update(data)
-        self.n += len(data)
-        return self.f.write(data)
+        view = memoryview(data)
+        for k in range(0, len(view), WRITE_STEP):  # the bound's granularity
+            part = view[k:k + WRITE_STEP]
+            self.room(len(part))  # waits for room in the bound (raises _StopDownload when stopping)
+            self.h.update(part)
+            self.n += len(part)
+            self.f.write(part)
+        return len(view)
 
     def tell(self) -> int:
         return self.f.tell()
@@ -163,6 +172,8 @@ class _StopDownload(Exception):
 @dataclass
 class _State:
     need: Need
+    index: int = 0  # its place in the download order
+    written: int = 0  # bytes of it on the scratch disk
     ready: bool = False
     deleted: bool = False
     left: int = 0  # bytes the pipeline still reads
@@ -192,10 +203,10 @@ class Downloads:
     def __init__(self, hub: HubRepo, scratch: Path, bound: int, plan: ScratchPlan, stop: threading.Event,
                  say: Callable[[str], None]):
         self.hub, self.scratch, self.bound, self.plan, self.stop, self.say = hub, scratch, bound, plan, stop, say
-        self.state = {n.rel: _State(n, left=n.reads) for n in plan.needs}
+        self.state = {n.rel: _State(n, k, left=n.reads) for k, n in enumerate(plan.needs)}
+        self._order = [self.state[n.rel] for n in plan.needs]
         self._cv = threading.Condition()
         self._next = 0  # the next need to start
-        self._reserved = 0
         self._error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self.stats = DownloadStats(bound=bound)
@@ -209,24 +220,41 @@ class Downloads:
         for t in self._threads:
             t.start()
 
+    def _before(self, st: _State) -> int:
+        """The files before ``st`` in the download order still on (or bound for) the disk, at full size."""
+        return sum(o.need.size for o in self._order[: st.index] if not o.deleted)
+
+    def _on_disk(self) -> int:
+        return sum(o.need.size if o.ready else o.written for o in self._order if not o.deleted)
+
     def _take(self) -> _State | None:
-        """The next file to fetch once the bound has room for it whole; None: nothing left, or stopping."""
+        """The next file to fetch once the bound has room for a byte of it; None: nothing left, or stopping."""
         with self._cv:
             while True:
-                if self.stop.is_set() or self._error is not None or self._next >= len(self.plan.needs):
+                if self.stop.is_set() or self._error is not None or self._next >= len(self._order):
                     return None
-                st = self.state[self.plan.needs[self._next].rel]
-                if self._reserved + st.need.size <= self.bound:
+                st = self._order[self._next]
+                if self._before(st) < self.bound:
                     self._next += 1
-                    self._reserved += st.need.size
-                    self.stats.peak_scratch = max(self.stats.peak_scratch, self._reserved)
                     return st
                 self._cv.wait(0.2)
+
+    def _room(self, st: _State, n: int) -> None:
+        """Wait until ``n`` more bytes of ``st`` fit: the files before it at full size, plus its own bytes."""
+        with self._cv:
+            while self._before(st) + st.written + n > self.bound:
+                if self.stop.is_set() or self._error is not None:
+                    raise _StopDownload
+                self._cv.wait(0.2)
+            if self.stop.is_set():
+                raise _StopDownload
+            st.written += n
+            self.stats.peak_scratch = max(self.stats.peak_scratch, self._on_disk())
 
     def _run(self) -> None:
         while (st := self._take()) is not None:
             try:
-                sha = self._fetch(st.need)
+                sha = self._fetch(st)
             except _StopDownload:
                 return
             except BaseException as e:  # raised to the pipeline's reader (``path``) and by ``close``
@@ -238,32 +266,38 @@ class Downloads:
                 st.ready, st.sha256 = True, sha
                 self._cv.notify_all()
 
-    def _fetch(self, need: Need) -> str:
-        """``need`` in the scratch folder, verified: reused if a killed run left it there whole, else
+    def _fetch(self, st: _State) -> str:
+        """``st``'s file in the scratch folder, verified: reused if a killed run left it there whole, else
         downloaded (a partial download continued). Returns its sha256 (the Hub's, checked)."""
+        need = st.need
         final = self.scratch / need.rel
         part = final.with_name(final.name + INCOMPLETE)
         final.parent.mkdir(parents=True, exist_ok=True)
         shown = self.hub.shown(need.rel)
         if final.is_file():
+            self._room(st, final.stat().st_size)
             if final.stat().st_size == need.size and _sha256(final, self.stop) == need.sha256:
                 self.stats.reused += 1
                 return need.sha256
             final.unlink()
+            st.written = 0
         h = hashlib.sha256()
         have = part.stat().st_size if part.is_file() else 0
         if have > need.size:
             part.unlink()
             have = 0
         if have:
+            self._room(st, have)
             _hash_into(part, h, self.stop)
             self.stats.resumed_bytes += have
         with open(part, "ab") as f:
-            w = _Hashing(f, h, self.stop)
+            w = _Hashing(f, h, self.stop, lambda n: self._room(st, n))
             self._get(need, w, have)
         if w.restarted:  # the server sent the whole file again: the hash of what is on disk now
             h = hashlib.sha256()
             _hash_into(part, h, self.stop)
+            with self._cv:
+                st.written = part.stat().st_size
         size, sha = part.stat().st_size, h.hexdigest()
         self.stats.bytes += w.n
         if size != need.size or sha != need.sha256:
@@ -350,7 +384,6 @@ class Downloads:
                 st.fd.close()
             with contextlib.suppress(FileNotFoundError):
                 (self.scratch / rel).unlink()
-            self._reserved -= st.need.size
             self._cv.notify_all()
 
     def first_error(self, e: BaseException) -> BaseException:
