@@ -4,7 +4,7 @@ fake Hub (tests/fakehub.py) throttled to a download and an upload rate (each one
 transfers in flight).
 
     python benchmarks/hub_to_hub.py [--experts 96] [--layers 24] [--shards 48] [--down 6e6] [--up 6e6]
-                                    [--max-scratch 40MB] [--work DIR] [--table FILE]
+                                    [--max-scratch 40MB] [--shard-size 2MB] [--work DIR] [--table FILE]
 
 Steps alone: ``download_s`` (huggingface_hub's ``snapshot_download`` of the source repository, in a process of
 its own), ``pack_s`` (``kimi-convert pack`` of the downloaded folder), ``upload_s`` (``kimi-convert upload``).
@@ -18,6 +18,7 @@ object, and with ``--table`` writes a Markdown table of it (with the command lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fakehub import TOKEN, FakeHub, hub_cli
 from helpers import Result, run_process
 
-PACK = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "8MB", "-q", "--device", "cpu"]
+PACK = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "-q", "--device", "cpu"]
 
 
 def timed(fn) -> float:
@@ -49,10 +50,8 @@ def du(*folders: Path) -> int:
     for f in folders:
         if f.is_dir():
             for p in f.rglob("*"):
-                try:
+                with contextlib.suppress(FileNotFoundError):  # deleted while listed
                     n += p.stat().st_size if p.is_file() else 0
-                except FileNotFoundError:  # deleted while listed
-                    pass
     return n
 
 
@@ -76,9 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--down", type=float, default=6e6, help="the fake Hub's download bytes/s")
     ap.add_argument("--up", type=float, default=6e6, help="the fake Hub's upload bytes/s")
     ap.add_argument("--max-scratch", default="40MB")
+    ap.add_argument("--shard-size", default="2MB", help="pack's --max-shard-size: the output in about 90 shards, "
+                    "about the released K3's share per shard (5 GB of 600 GB), as the 24 input files are about its")
     ap.add_argument("--work", type=Path)
     ap.add_argument("--table", type=Path, help="also write the result as a Markdown table here")
     a = ap.parse_args(argv)
+    pack = [*PACK, "--max-shard-size", a.shard_size]
     work = a.work or Path(tempfile.mkdtemp(prefix="hub-to-hub-"))
     src = work / "in"
     if not src.exists():
@@ -87,14 +89,15 @@ def main(argv: list[str] | None = None) -> dict:
     for d in ("dl", "p", "live", ".live.hub-scratch"):
         shutil.rmtree(work / d, ignore_errors=True)
     out: dict = {"preset": f"tiny-k3 --experts {a.experts} --layers {a.layers} --shards {a.shards}",
-                 "input_bytes": du(src), "down_bytes_s": a.down, "up_bytes_s": a.up, "max_scratch": a.max_scratch,
+                 "input_bytes": du(src), "down_bytes_s": a.down, "up_bytes_s": a.up,
+                 "max_scratch": a.max_scratch, "max_shard_size": a.shard_size,
                  "cpus": os.cpu_count()}
     with FakeHub(TOKEN) as hub:
         hub.seed("user/src", src)
         source_objects = set(hub.lfs)
         hub.download_bps, hub.upload_bps = a.down, a.up
         out["download_s"] = timed(lambda: download(hub, "user/src", work / "dl", work))
-        out["pack_s"] = timed(lambda: run_process("pack", work / "dl", work / "p", *PACK))
+        out["pack_s"] = timed(lambda: run_process("pack", work / "dl", work / "p", *pack))
         out["upload_s"] = timed(lambda: hub_cli(hub, "upload", work / "p", "user/after", tmp=work))
         for oid in set(hub.lfs) - source_objects:  # the same output again: the one command must send it too
             del hub.lfs[oid]
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         t.start()
         try:
             out["hub_to_hub_s"] = timed(lambda: hub_cli(
-                hub, "pack", "hf://user/src", work / "live", *PACK, "--upload", "user/live", "--no-keep-output",
+                hub, "pack", "hf://user/src", work / "live", *pack, "--upload", "user/live", "--no-keep-output",
                 "--max-scratch", a.max_scratch, "--stats", work / "live-stats.json", tmp=work))
         finally:
             done.set()

@@ -289,3 +289,26 @@ def test_verify_manifest_against_the_hub_downloads_no_weights(hub, medium, tmp_p
     assert r.code != 0
     assert f"hf://{REPO}@{new}/{victim.name}: differs from the input recorded in the manifest" in r.stdout + r.stderr
     assert f"(the manifest records commit {hub.commit_sha})" in r.stdout
+
+
+def test_a_partial_download_is_continued_not_restarted(hub, medium, tmp_path):
+    """Killed after the first verified download, with the downloads throttled: the file then in flight is
+    left as ``.incomplete``; the resume fetches only its missing bytes (after its prefix is hashed again)."""
+    src, ref = medium
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    hub.download_bps = 8e6
+    r = cli(hub, "pack", f"hf://{REPO}", out, *PACK_ARGS, "--scratch", scratch, tmp=tmp_path,
+            KIMI_CONVERT_FAULT="download:1", KIMI_CONVERT_DOWNLOAD_THREADS="2")
+    assert r.code == -signal.SIGKILL, (r.code, r.stderr)
+    partial = {p.name.removesuffix(".incomplete"): p.stat().st_size for p in scratch.glob("*.incomplete")}
+    partial = {k: v for k, v in partial.items() if v > 0}
+    assert partial, list(scratch.iterdir())
+    hub.served.clear()
+    hub.download_bps = None
+    r = cli(hub, *resume_command(out), "--stats", tmp_path / "stats.json", tmp=tmp_path)
+    assert r.code == 0, r.stderr
+    assert_same_as_local(ref, out, hub.commit_sha)
+    for name, have in partial.items():
+        header = 8 + int.from_bytes((src / name).read_bytes()[:8], "little")
+        assert hub.served[f"{REPO}/{name}"] == header + weights(src)[name] - have, name
+    assert json.loads((tmp_path / "stats.json").read_text())["downloads"]["resumed_bytes"] == sum(partial.values())
