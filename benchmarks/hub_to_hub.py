@@ -4,7 +4,7 @@ fake Hub (tests/fakehub.py) throttled to a download and an upload rate (each one
 transfers in flight).
 
     python benchmarks/hub_to_hub.py [--experts 96] [--layers 24] [--shards 48] [--down 6e6] [--up 6e6]
-                                    [--max-scratch 40MB] [--shard-size 2MB] [--work DIR] [--table FILE]
+                                    [--max-scratch 40MB] [--shard-size 8MB] [--work DIR] [--table FILE]
 
 Steps alone: ``download_s`` (huggingface_hub's ``snapshot_download`` of the source repository, in a process of
 its own), ``pack_s`` (``kimi-convert pack`` of the downloaded folder), ``upload_s`` (``kimi-convert upload``).
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--down", type=float, default=6e6, help="the fake Hub's download bytes/s")
     ap.add_argument("--up", type=float, default=6e6, help="the fake Hub's upload bytes/s")
     ap.add_argument("--max-scratch", default="40MB")
-    ap.add_argument("--shard-size", default="2MB", help="pack's --max-shard-size: the output in about 90 shards, "
-                    "about the released K3's share per shard (5 GB of 600 GB), as the 24 input files are about its")
-    ap.add_argument("--work", type=Path)
-    ap.add_argument("--table", type=Path, help="also write the result as a Markdown table here")
+    ap.add_argument("--shard-size", default="8MB", help="pack's --max-shard-size (the output in about 24 shards)")
     a = ap.parse_args(argv)
     pack = [*PACK, "--max-shard-size", a.shard_size]
     work = a.work or Path(tempfile.mkdtemp(prefix="hub-to-hub-"))

@@ -400,8 +400,8 @@ class Downloads:
             self.stop.set()
         with self._cv:
             self._cv.notify_all()
-        for t in self._threads:
-            t.join()
+        for t in self._threads:  # failing: a transfer stalled on a silent socket is not waited for (daemon)
+            t.join(None if ok else 5.0)
         for st in self.state.values():
             if st.fd is not None:
                 st.fd.close()
