@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--up", type=float, default=6e6, help="the fake Hub's upload bytes/s")
     ap.add_argument("--max-scratch", default="40MB")
     ap.add_argument("--shard-size", default="8MB", help="pack's --max-shard-size (the output in about 24 shards)")
+    ap.add_argument("--work", type=Path)
+    ap.add_argument("--table", type=Path, help="also write the result as a Markdown table here")
     a = ap.parse_args(argv)
     pack = [*PACK, "--max-shard-size", a.shard_size]
     work = a.work or Path(tempfile.mkdtemp(prefix="hub-to-hub-"))
