@@ -137,8 +137,10 @@ class _Hashing:
     """The file object ``http_get`` writes into: each chunk hashed as it arrives, then written. A rewind to
     the start (the server ignored a resume's Range) starts the hash again; a stop request ends the transfer."""
 
-    def __init__(self, f: Any, h: Any, stop: threading.Event, room: Callable[[int], None]):
+    def __init__(self, f: Any, h: Any, stop: threading.Event, room: Callable[[int], None],
+                 arrived: Callable[[int], None], restart: Callable[[], None]):
         self.f, self.h, self.stop, self.n, self.room = f, h, stop, 0, room
+        self.arrived, self.restart = arrived, restart
         self.restarted = False
 
     def write(self, data: bytes) -> int:
@@ -149,6 +151,8 @@ class _Hashing:
             self.h.update(part)
             self.n += len(part)
             self.f.write(part)
+            self.f.flush()  # readable by the pipeline from now on
+            self.arrived(len(part))
         return len(view)
 
     def tell(self) -> int:
@@ -156,6 +160,7 @@ class _Hashing:
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.restarted = True
+        self.restart()  # (raises if the pipeline has read the bytes being replaced)
         return self.f.seek(pos, whence)
 
     def truncate(self, size: int | None = None) -> int:
@@ -174,7 +179,10 @@ class _State:
     need: Need
     index: int = 0  # its place in the download order
     written: int = 0  # bytes of it on the scratch disk
-    ready: bool = False
+    avail: int = 0  # bytes of it the pipeline may read (written and flushed; not yet verified until ``ready``)
+    path: Path | None = None  # where it is being written (``.incomplete``) or lies (verified)
+    read: int = 0  # bytes the pipeline has read of it
+    ready: bool = False  # whole and verified
     deleted: bool = False
     left: int = 0  # bytes the pipeline still reads
     fd: LocalFile | None = None
@@ -263,7 +271,9 @@ class Downloads:
                     self._cv.notify_all()
                 return
             with self._cv:
-                st.ready, st.sha256 = True, sha
+                st.ready, st.sha256, st.avail = True, sha, st.need.size
+                if st.left <= 0:  # every planned read done while it was still arriving
+                    self._delete(st)
                 self._cv.notify_all()
 
     def _fetch(self, st: _State) -> str:
@@ -278,6 +288,7 @@ class Downloads:
             self._room(st, final.stat().st_size)
             if final.stat().st_size == need.size and _sha256(final, self.stop) == need.sha256:
                 self.stats.reused += 1
+                st.path = final
                 return need.sha256
             final.unlink()
             st.written = 0
@@ -291,7 +302,11 @@ class Downloads:
             _hash_into(part, h, self.stop)
             self.stats.resumed_bytes += have
         with open(part, "ab") as f:
-            w = _Hashing(f, h, self.stop, lambda n: self._room(st, n))
+            with self._cv:
+                st.path, st.avail = part, have
+                self._cv.notify_all()
+            w = _Hashing(f, h, self.stop, lambda n: self._room(st, n), lambda n: self._arrived(st, n),
+                         lambda: self._restart(st))
             self._get(need, w, have)
         if w.restarted:  # the server sent the whole file again: the hash of what is on disk now
             h = hashlib.sha256()
@@ -305,13 +320,37 @@ class Downloads:
             what = (f"{size} bytes arrived, the Hub lists {need.size}" if size != need.size else
                     f"the downloaded bytes' sha256 {sha[:16]}... is not the one the Hub recorded "
                     f"({need.sha256[:16]}...)")
-            raise ConvertError(f"{shown}: {what}: corrupted in transit or at the source; nothing was converted "
-                               "from it (re-run the same command to download it again)")
-        os.replace(part, final)
+            raise ConvertError(f"{shown}: {what}: corrupted in transit or at the source; no output shard made "
+                               "from it was finished (re-run the same command to download it again)")
+        with self._cv:  # (a reader opens st.path under the lock: never the name being renamed)
+            os.replace(part, final)
+            st.path = final
         faults.point("download")
         self.stats.downloaded += 1
         self.stats.files.append(need.rel)
         return sha
+
+    def _arrived(self, st: _State, n: int) -> None:
+        with self._cv:
+            st.avail += n
+            self._cv.notify_all()
+
+    def _restart(self, st: _State) -> None:
+        """The server answered a resumed download with the whole file: the bytes on disk are replaced. Refused
+        where the pipeline has read some (they would not be the bytes verified)."""
+        with self._cv:
+            if st.read:
+                raise ConvertError(f"{self.hub.shown(st.need.rel)}: the Hub restarted a resumed download after some "
+                                   "of its bytes were read; re-run the same command")
+            st.avail = 0
+
+    def _delete(self, st: _State) -> None:
+        """(With the lock held.) The file is consumed and verified: it goes, its room freed."""
+        st.deleted = True
+        if st.fd is not None:
+            st.fd.close()
+        with contextlib.suppress(FileNotFoundError):
+            (self.scratch / st.need.rel).unlink()
 
     def _get(self, need: Need, w: _Hashing, have: int) -> None:
         """The library's transfer (``http_get``: its retries, its resumption of a dropped stream), its errors
@@ -346,45 +385,54 @@ class Downloads:
 
     # -- the pipeline's side -------------------------------------------------------------------------
 
-    def file(self, rel: str) -> LocalFile:
-        """``rel``'s downloaded file, open (waits for its download; raises a download's error, or
-        ``Stopped`` when the pack stops meanwhile)."""
+    def _wait(self, st: _State, done: Callable[[], bool]) -> None:
+        """(With the lock held.) Until ``done()``; a download's error, or ``Stopped`` when the pack stops."""
         import time
 
         from ..hashing import Stopped
 
-        st = self.state[rel]
         t = time.perf_counter()
+        while not done():
+            if self._error is not None:
+                raise self._error
+            if self.stop.is_set():
+                raise Stopped(self.hub.shown(st.need.rel))
+            self._cv.wait(0.2)
+        self.stats.waited_s += time.perf_counter() - t
+
+    def readinto(self, rel: str, offset: int, buf: memoryview) -> int:
+        """Read ``rel`` at ``offset`` into ``buf`` once those bytes have arrived (the file may still be
+        downloading: its bytes are verified before any output shard made from them is finished, ``settle``);
+        the read is counted, and the file goes once every planned read is done and it is verified."""
+        st = self.state[rel]
+        end = min(offset + len(buf), st.need.size)
         with self._cv:
-            while not st.ready:
-                if self._error is not None:
-                    raise self._error
-                if self.stop.is_set():
-                    raise Stopped(self.hub.shown(rel))
-                self._cv.wait(0.2)
+            self._wait(st, lambda: st.ready or (st.path is not None and st.avail >= end))
             if st.deleted:
                 raise ConvertError(f"{self.hub.shown(rel)}: read after every planned read of it (a bug)")
             if st.fd is None:
-                st.fd = LocalFile.open(self.scratch / rel, self.hub.shown(rel))
-            self.stats.waited_s += time.perf_counter() - t
-            return st.fd
+                st.fd = LocalFile.open(st.path, self.hub.shown(rel))  # the same file once renamed
+            fd = st.fd
+        n = fd.readinto(offset, buf)
+        with self._cv:
+            st.read += n
+            st.left -= n
+            if st.left <= 0 and st.ready and not st.deleted:
+                self._delete(st)
+                self._cv.notify_all()
+        return n
+
+    def settle(self, files: Iterable[str]) -> None:
+        """Wait until each of ``files`` (input files an output shard read) is whole and verified: the shard
+        is finished (renamed, journaled, uploaded) only then. A download's error is raised instead."""
+        for rel in files:
+            st = self.state.get(rel)
+            if st is not None:
+                with self._cv:
+                    self._wait(st, lambda st=st: st.ready)
 
     def is_ready(self, rel: str) -> bool:
         return self.state[rel].ready
-
-    def consumed(self, rel: str, n: int) -> None:
-        """The pipeline read ``n`` more bytes of ``rel``; once it has read all it reads, the file goes."""
-        with self._cv:
-            st = self.state[rel]
-            st.left -= n
-            if st.left > 0 or st.deleted:
-                return
-            st.deleted = True
-            if st.fd is not None:
-                st.fd.close()
-            with contextlib.suppress(FileNotFoundError):
-                (self.scratch / rel).unlink()
-            self._cv.notify_all()
 
     def first_error(self, e: BaseException) -> BaseException:
         """What to report of a failed pack: a download's error (the pipeline then saw only its stop)."""
@@ -450,18 +498,15 @@ class FetchedFile:
     size: int
 
     def read_range(self, offset: int, length: int) -> bytes:
-        data = self.downloads.file(self.rel).read_range(offset, length)
-        self.downloads.consumed(self.rel, len(data))
-        return data
+        buf = bytearray(max(0, min(length, self.size - offset)))
+        n = self.downloads.readinto(self.rel, offset, memoryview(buf)) if buf else 0
+        return bytes(buf[:n])
 
     def readinto(self, offset: int, buf: memoryview) -> int:
-        n = self.downloads.file(self.rel).readinto(offset, buf)
-        self.downloads.consumed(self.rel, n)
-        return n
+        return self.downloads.readinto(self.rel, offset, buf)
 
     def will_need(self, offset: int, length: int) -> None:
-        if self.downloads.is_ready(self.rel):
-            self.downloads.file(self.rel).will_need(offset, length)
+        pass  # its bytes arrive in order; the page cache holds what was just written
 
     def close(self) -> None:
         pass  # the descriptor is the downloads' (closed when the file is consumed)
@@ -488,6 +533,10 @@ class FetchedHub:
     @property
     def name(self) -> str:
         return self.hub.name
+
+    def settle(self, files: Iterable[str]) -> None:
+        """The optional ``Source.settle``: the pipeline finishes an output shard once its inputs are verified."""
+        self.downloads.settle(files)
 
     def open(self, rel: str, shown: str | None = None):
         if rel in self.downloads.state:
