@@ -11,17 +11,22 @@ a local folder. What this module adds to ``HubRepo`` is the disk bound and the o
   never holds more than the bound and a later file never takes the room an earlier one needs; a download
   stops mid-file when the bound is reached and goes on as room frees (the link stays busy: counting each
   download at its full size from its first byte left it idle while a file's worth of room was not yet
-  free, benchmarks/hub_to_hub.py). A file is deleted as soon as the pipeline has read every byte it reads of it
-  (``Downloads.consumed``: the reads are counted, which no other reader of the file shares: a Hub input's
-  file hashes are the downloads' own, see below). Because downloads follow the order of first use and the
+  free, benchmarks/hub_to_hub.py). The pipeline reads a file's bytes as they arrive (``Downloads.readinto``
+  waits for the range it asks for). A file is deleted once the pipeline has read every byte it reads of it and
+  it is verified (the reads are counted, which no other reader of the file shares: a Hub input's file hashes
+  are the downloads' own, see below). Because downloads follow the order of first use and the
   pipeline's one stream reads in that order, the bound cannot stall the pack as long as it holds the largest
   set of files that some unit reads together or in between (``ScratchPlan.required``); a smaller bound is a
   one-line error before anything is downloaded, as is one file larger than the bound (it could never be
   held);
-- each file is hashed as its bytes arrive and compared with the sha256 the Hub recorded for its LFS object
-  before the pipeline may read it: nothing is ever converted from bytes the Hub did not record, so a
-  corrupted transfer fails the pack naming the file, before any output is derived from it. That digest is
-  the pipeline's input hash for the manifest (the pipeline does not hash a Hub input's files a second time);
+- each file is hashed as its bytes arrive and compared with the sha256 the Hub recorded for its LFS object;
+  an output shard is finished (renamed into place, journaled, uploaded) only once every input file it read
+  is verified (``settle``, which the pipeline calls before the rename): no finished output holds a byte the
+  Hub did not record, and a corrupted transfer fails the pack naming the file, its unfinished shards dropped.
+  Reading before the verification is what lets the first output shard start while its inputs arrive
+  (waiting for whole verified files cost the Hub-to-Hub run the download of the first shard's input files
+  before any work, benchmarks/hub_to_hub.py). That digest is the manifest's input hash (the pipeline does not
+  hash a Hub input's files a second time);
 - the transfer is huggingface_hub's ``http_get`` on the file's ``resolve`` URL at the resolved commit: the
   library's auth headers, its retries and resumption of a dropped stream, its typed errors, which
   ``hub.transport.with_retries`` turns into one line;
