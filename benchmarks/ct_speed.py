@@ -2,7 +2,12 @@
 input and machine: wall seconds, CPU seconds, peak memory of each process tree; prints a Markdown table.
 
     python benchmarks/ct_speed.py [--input DIR | --preset bench-kimi-linear] [--device cpu|cuda|auto ...]
-        [--peer-device cpu|cuda] [--peer-workers 1 2] [--cold input|warm] [--work DIR] [--json FILE]
+        [--ours-extra "--max-shard-size 1GB"] [--stats-dir DIR]
+        [--peer-device cpu|cuda] [--peer-workers 1 2 | --peer-workers] [--cold input|warm] [--work DIR] [--json FILE]
+
+``--ours-extra`` adds pack options to each of this tool's runs (a row each: once without, once with them);
+``--stats-dir`` keeps each of its runs' ``pack --stats`` JSON (start-up, streams, hashing seconds); an empty
+``--peer-workers`` runs no peer (a machine without its python).
 
 The peer runs in its own python (``$KIMI_CONVERT_LLMC_PYTHON``, default /work/peers/llmc/bin/python) through
 ``benchmarks/peer_model_free.py`` with ``--partners-present`` (Kimi Linear's MLA ``q_proj`` has no k/v partner,
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import asdict
@@ -53,7 +59,9 @@ def main() -> int:
     ap.add_argument("--preset", default="bench-kimi-linear")
     ap.add_argument("--device", nargs="+", default=["cpu"], help="ours, one run each (cpu, cuda, auto)")
     ap.add_argument("--peer-device", help="the peer's device (default: cpu when --device is only cpu, else cuda)")
-    ap.add_argument("--peer-workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--peer-workers", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--ours-extra", default="", help="pack options for a second run of ours per --device")
+    ap.add_argument("--stats-dir", type=Path, help="write each run of ours' pack --stats JSON here")
     ap.add_argument("--cold", choices=("input", "warm"), default="input")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ct-speed"))
     ap.add_argument("--json", type=Path)
@@ -66,11 +74,18 @@ def main() -> int:
     ours = a.work / "ours"
     prep = lambda: evict(src) if a.cold == "input" else warm(src)  # noqa: E731
     runs = []
+    variants = [[]] + ([shlex.split(a.ours_extra)] if a.ours_extra else [])
     for device in a.device:
-        prep()
-        runs.append(measure([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(ours), "-q",
-                             "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device], env, "kimi-convert",
-                            device, "-", 0.1))
+        for extra in variants:
+            label = " ".join([device, *extra])
+            stats = []
+            if a.stats_dir:
+                a.stats_dir.mkdir(parents=True, exist_ok=True)
+                stats = ["--stats", str(a.stats_dir / (label.replace(" ", "_").replace("-", "") + ".json"))]
+            prep()
+            runs.append(measure([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(ours), "-q",
+                                 "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device, *extra, *stats],
+                                env, "kimi-convert", label, "-", 0.1))
     ignore = a.work / "ignore.json"
     ignore.write_text(json.dumps(json.loads((ours / "config.json").read_text())["quantization_config"]["ignore"]))
     peer_device = a.peer_device or ("cpu" if a.device == ["cpu"] else "cuda")

@@ -5,14 +5,14 @@
 #     bash benchmarks/families_pack.sh                  # this machine's CPUs (--device cpu)
 #     bash benchmarks/families_pack.sh --device cuda    # the GPU machine
 #
-# Extra arguments go to benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...).
+# PRESETS="bench-a bench-b" picks the presets. Extra arguments go to benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...).
 # The Markdown it prints is also written to $OUT (default benchmarks/results/families-pack-<N>cpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 WORK=${WORKDIR:-/tmp/kimi-convert-families}
 OUT=${OUT:-benchmarks/results/families-pack-$(nproc)cpus.md}
-for preset in bench-qwen3-moe bench-glm4-moe bench-minimax-m2 bench-qwen3-5-moe bench-deepseek-v3; do
+for preset in ${PRESETS:-bench-qwen3-moe bench-glm4-moe bench-minimax-m2 bench-qwen3-5-moe bench-deepseek-v3}; do
     "$PY" benchmarks/pack_throughput.py --preset "$preset" --workdir "$WORK" --quantize-alone "$@"
     echo
 done | tee "$OUT"
