@@ -22,10 +22,10 @@ import click
 
 from . import __version__, devices, filenames, paths
 from .errors import ConvertError
-from .options import Options, click_options
+from .options import SIZE, Options, click_options
 from .options import checked as _checked
 from .plan.render import mb
-from .sources import open_source
+from .sources import check_spec, provenance
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -110,45 +110,49 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
 
 
 @cli.command(name="inspect")
-@click.argument("path", callback=_checked(paths.existing))
+@click.argument("path", callback=_checked(lambda p: check_spec(p) if str(p).startswith("hf://") else paths.existing(p)))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect_cmd(path: str, as_json: bool) -> None:
+@click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
+def inspect_cmd(path: str, as_json: bool, token: str | None) -> None:
     """Architecture, layer kinds and MoE parameters (E, top-k, sizes) of a checkpoint or config.json."""
-    from .modelinfo import inspect_path, render
+    from .modelinfo import inspect_path, inspect_source, render
 
-    info = inspect_path(path)
+    info = inspect_source(_hub_source(path, token)) if path.startswith("hf://") else inspect_path(path)
     click.echo(json.dumps(info.to_dict(), indent=2) if as_json else render(info))
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", callback=_checked(open_source))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(check_spec))
 @click_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(input_dir: str, opts: Options, as_json: bool) -> None:
+@click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
+def plan(input_dir: str, opts: Options, as_json: bool, token: str | None) -> None:
     """Print what pack would do, without reading tensor data."""
     from .gcpause import gc_paused
     from .pack import load_plan
     from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
-        _, p = load_plan(input_dir, opts, banked=not as_json)
+        ckpt, p = load_plan(_hub_source(input_dir, token) if input_dir.startswith("hf://") else input_dir, opts,
+                            banked=not as_json)
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
+    origin = provenance(ckpt.source)  # a Hub input: the repository and the commit its revision resolved to
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
         from .plan.serialize import side_dict  # hash covers the weights only
 
-        for piece in plan_json(p, side_dict(p)):
+        for piece in plan_json(p, {**side_dict(p), **({"source": origin} if origin else {})}):
             click.echo(piece, nl=False)
         click.echo()
     else:
         from .plan.render import render
 
-        click.echo(render(p, input_dir))
+        click.echo(render(p, ckpt.source.name if origin else input_dir))
     for w in p.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
 
 
 @cli.command()
-@click.argument("input_dir", metavar="INPUT", callback=_checked(open_source))
+@click.argument("input_dir", metavar="INPUT", callback=_checked(check_spec))
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.output_folder))
 @click_options
 @click.option("--device", default="auto", show_default=True, callback=_checked(devices.valid),
@@ -177,21 +181,30 @@ def plan(input_dir: str, opts: Options, as_json: bool) -> None:
                    "token and the Hub are checked before anything is packed.")
 @click.option("--revision", help="With --upload: the branch to commit to (default: main).")
 @click.option("--private", is_flag=True, help="With --upload: create the repo as private.")
-@click.option("--token", help="With --upload: Hub token (default: HF_TOKEN or the cached login). Never printed or "
-                              "stored (not in the resume command either).")
+@click.option("--token", help="With --upload or a Hub input: Hub token (default: HF_TOKEN or the cached login). Never "
+                              "printed or stored (not in the resume command either).")
 @click.option("--keep-output/--no-keep-output", default=True, show_default=True,
               help="With --upload: keep each shard here once the Hub has it (--no-keep-output deletes it: the disk "
                    "holds only the shards in flight; configs, records and manifest.json stay).")
+@click.option("--scratch", "scratch", metavar="DIR", callback=_checked(paths.output_folder),
+              help="With a Hub input (hf://OWNER/REPO[@REV]): where its weight files are downloaded, just in time, "
+                   "each deleted once converted (default: .OUTPUT.hub-scratch beside OUTPUT).")
+@click.option("--max-scratch", "max_scratch", type=SIZE, metavar="SIZE",
+              help="With a Hub input: the most bytes of downloads on the scratch disk at once (default: the three "
+                   "largest input shards). One file larger than it, or files read together that exceed it: an error "
+                   "before any download.")
 def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: int | None, streams: int | None,
          stats_path: str | None, overwrite: bool, resume: bool, quiet: bool, ray_address: str | None,
-         upload_repo: str | None, revision: str | None, private: bool, token: str | None, keep_output: bool) -> None:
+         upload_repo: str | None, revision: str | None, private: bool, token: str | None, keep_output: bool,
+         scratch: str | None, max_scratch: int | None) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
-    if not upload_repo and (revision or private or token or not keep_output):
+    hub_input = input_dir.startswith("hf://")
+    if not upload_repo and (revision or private or (token and not hub_input) or not keep_output):
         used = "--revision" if revision else "--private" if private else "--token" if token else "--no-keep-output"
         raise click.UsageError(f"{used} needs --upload REPO_ID")
     target = None
@@ -205,13 +218,19 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
     args = _without_token([a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")])
     command = shlex.join(["kimi-convert", *args, "--resume"]) if args[:1] == ["pack"] else None
 
+    source = input_dir
+    if hub_input:  # resolved once, here (with --token); the resume command names the commit it resolved to
+        source = _hub_source(input_dir, token)
+        command = command.replace(input_dir, source.name, 1) if command else None
+
     def interrupted() -> str:
         j = Journal.load(Path(output_dir)) if Path(output_dir).is_dir() else None
         return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
     global _interrupt_hint
     _interrupt_hint = interrupted
-    res = run(input_dir, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
+    res = run(source, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
               resume=resume, progress=not quiet, command=command, ray=ray_address, upload=target,
+              scratch=scratch, max_scratch=max_scratch,
               say=lambda m: click.echo(m, err=True))
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
@@ -245,6 +264,13 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
                    + (chosen or "no kind of work was measured on both; every unit ran on the CPUs"))
 
 
+def _hub_source(spec: str, token: str | None):
+    """A Hub input (``hf://OWNER/REPO[@REV]``), its revision resolved to a commit once, here."""
+    from .sources.hub import HubRepo
+
+    return HubRepo.connect(spec, token=token, say=lambda m: click.echo(m, err=True))
+
+
 def _without_token(args: list[str]) -> list[str]:
     """The command line less ``--token VALUE`` / ``--token=VALUE``: the resume command is stored in the journal."""
     out, skip = [], False
@@ -274,14 +300,14 @@ def _report_upload(up, repo_id: str | None, output_dir: str) -> None:
 
 @cli.command(name="verify-manifest")
 @click.argument("output_dir", metavar="OUTPUT", callback=_checked(paths.folder, "a kimi-convert output folder"))
-@click.option("--input", "input_dir", callback=_checked(open_source),
+@click.option("--input", "input_dir", callback=_checked(check_spec),
               help="Also prove OUTPUT was derived from INPUT: hashes, re-plan, pass-through and re-quantization.")
 @click.option("--full", is_flag=True, help="With --input: re-quantize every NVFP4 tensor, not a sample.")
 @click.option("--device", default="cpu", show_default=True, callback=_checked(devices.valid),
               help="Where --input re-quantizes: cpu, cuda[:N], auto (or reference, triton).")
 @click.option("--remote", metavar="REPO_ID", help="Also check a Hub repo's files against the manifest (no download).")
 @click.option("--revision", help="With --remote: the branch, tag or refs/pr/N to check.")
-@click.option("--token", help="With --remote: Hub token (default: HF_TOKEN or the cached login).")
+@click.option("--token", help="With --remote or a Hub --input: Hub token (default: HF_TOKEN or the cached login).")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
               help="Also load OUTPUT with this engine's own loading code, on the CPU (repeatable); "
                    "fails on an engine error, an unfilled parameter, a skipped tensor or a bad cast.")
@@ -320,7 +346,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         hub_api = connect(remote, token, write=False, revision=revision, say=lambda m: click.echo(m, err=True))
     if manifest:
         with Progress("verify", not (quiet or as_json)) as bar:
-            rep = verify(output_dir, input_dir, full=full, device=device, progress=bar.update, total=bar.grow)
+            given = _hub_source(input_dir, token) if input_dir and input_dir.startswith("hf://") else input_dir
+            rep = verify(output_dir, given, full=full, device=device, progress=bar.update, total=bar.grow)
     else:
         if remote or (input_dir and not numerics):
             raise ConvertError(f"{output_dir}: no manifest.json, so --input (without the numeric check) and --remote "

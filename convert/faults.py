@@ -5,7 +5,8 @@
 ``records``: mid-write of a shard's manifest records file (after ``shard``);
 ``journal``: mid-journal write; ``json``: mid-write of config, index or manifest; ``side``: mid-copy
 of a side file; ``upload``: a shard on the Hub, not yet journaled; ``commit``: pack --upload's commit
-made, before its remote check and the journal's removal);
+made, before its remote check and the journal's removal; ``download``: a Hub input's file downloaded and
+verified in the scratch folder, before the pipeline is told);
 ``NAME:N:pause`` makes it sleep there instead, for a test to deliver Ctrl-C at that exact point.
 With ``KIMI_CONVERT_FAULT_ONCE=FILE`` too, only the first process to get there stops (it creates
 FILE, holding its pid); the others go on: one Ray task killed, its retry let through (tests/test_ray.py).

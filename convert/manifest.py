@@ -81,11 +81,15 @@ def write_records(output_dir: Path, shard: str, units: list[Unit], tensor_hashes
 
 
 def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: dict[str, tuple[int, str]],
-          records: dict[str, RecordsFile], files: list[dict], side_files: list[dict]) -> dict:
+          records: dict[str, RecordsFile], files: list[dict], side_files: list[dict],
+          origin: dict | None = None) -> dict:
     """manifest.json (format_version 3): everything but the per-module records, which are in
     ``records`` (one file per output shard, each with its size, sha256 and number of modules).
     ``shards``: output shard -> (size, sha256); ``files``: every other file of the output (configs,
-    index, side files) with size and sha256; ``side_files``: those of them copied from the input."""
+    index, side files) with size and sha256; ``side_files``: those of them copied from the input.
+    ``origin``: a Hub input's ``source`` (``HubRepo.provenance``: repository, commit, revision), whose
+    ``inputs[].sha256`` are then the LFS sha256 the Hub recorded, each download verified against it;
+    absent for a local folder (whose manifest is as before)."""
     head = head_dict(plan)
     del head["modules"]
     head["engine_groups"] = engine_groups(plan)
@@ -97,6 +101,7 @@ def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: di
         "mapping_table": tomllib.loads(plan.mapping.source),
         "mapping_source": plan.mapping.source,
         "recipe_source": plan.recipe.source,
+        **({"source": origin} if origin else {}),  # a Hub input: repository, resolved commit, revision asked
         "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
         **side_dict(plan, side_files),
         "outputs": [{"file": f, "size": size, "sha256": h} for f, (size, h) in sorted(shards.items())],

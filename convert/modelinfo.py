@@ -132,6 +132,10 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
 
 def inspect_path(path: str | Path) -> ModelInfo:
     """``inspect`` of a config.json file, or of a checkpoint folder (read as a source: ``inspect_source``)."""
+    if str(path).startswith("hf://"):  # a Hub repository: config.json and the headers by range requests
+        from .sources import open_source
+
+        return inspect_source(open_source(str(path)))
     path = Path(path)
     if path.is_dir():
         return inspect_source(LocalFolder(path))

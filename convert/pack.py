@@ -10,6 +10,7 @@ writes only the rest, so the result is byte-identical to an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import threading
@@ -33,10 +34,11 @@ from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .plan.serialize import plan_dict, plan_hash
 from .progress import Progress
 from .readers import readahead
-from .sources import Source, open_source
+from .sources import Source, open_source, provenance
 
 if TYPE_CHECKING:
     from .hub.live import LiveUpload, UploadTarget
+    from .sources.hubfetch import Downloads
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class PackStats:
     calibration: list[dict] = field(default_factory=list)  # auto: each worker's calibration thread (the GPU's
     #                   start-up seconds, units computed and their seconds, offers declined, the streams' copying)
     stream_wall_s: list[float] = field(default_factory=list)  # each stream's seconds, start to end
+    downloads: dict | None = None  # a Hub input: what was downloaded, reused, the scratch peak (hubfetch)
 
 
 def load_plan(source: Source | str | os.PathLike, opts: Options, banked: bool = False) -> tuple[Checkpoint, Plan]:
@@ -119,6 +122,8 @@ def pack(
     command: str | None = None,
     ray: str | None = None,
     upload: UploadTarget | None = None,
+    scratch: str | os.PathLike | None = None,
+    max_scratch: int | None = None,
     say: Callable[[str], None] = print,
 ) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
@@ -127,9 +132,21 @@ def pack(
     ``ray``: spread the shards over a Ray cluster instead (``raycluster``; its address, "" for the
     local one), whose tasks replace workers and streams. ``input_source``: a ``Source``, or a folder
     (``sources.open_source``); everything below reads the input through it. ``upload``: send each shard
-    to the Hub as it is final (``hub.live``); its checks (id, token, the Hub's answer) come first."""
+    to the Hub as it is final (``hub.live``); its checks (id, token, the Hub's answer) come first.
+    A Hub input (``hf://``): its weight files are downloaded just in time into ``scratch`` (default: beside
+    the output), at most ``max_scratch`` bytes at once (``sources.hubfetch``); one worker, one stream."""
     source, output_dir = open_source(input_source), Path(output_dir)
     write.check_output_dir(source.local_path(), output_dir)
+    from_hub = provenance(source) is not None
+    if from_hub:
+        scratch_dir = _hub_input_checks(output_dir, scratch, workers, streams, ray)
+        workers, streams = 1, 1
+        if command is None or isinstance(input_source, str):  # the resume reads the same commit
+            command = (command or f"kimi-convert pack {input_source} {output_dir} --resume").replace(
+                str(input_source), source.name, 1)
+    elif scratch is not None or max_scratch is not None:
+        raise ConvertError(f"--{'scratch' if scratch is not None else 'max-scratch'} applies to a Hub input "
+                           "(hf://OWNER/REPO) only")
     hub = None
     if upload is not None:  # before the plan: a Hub that cannot be reached costs no work
         from .hub.live import LiveUpload
@@ -148,6 +165,8 @@ def pack(
                          name="kimi-convert-warm-up").start()
     ckpt, plan = load_plan(source, opts)
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
+    if from_hub and not resume:  # the bound checked before the output exists (a resume: against what is left)
+        _scratch_plan(source, plan.units, max_scratch)
     output_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_output(output_dir)  # before the journal is read: a concurrent pack is told so, not --resume
     try:
@@ -160,6 +179,17 @@ def pack(
         n_streams = streams or pipeline.default_streams(cpus, len(devices_))
         slots = cluster.placement.slots if cluster else len(devices_) * n_streams
         _check_space(output_dir, todo, None if hub is None or hub.target.keep_output else slots)
+        downloads: Downloads | None = None
+        stop = threading.Event()  # the pipeline's; a Hub input's downloads stop with it
+        job_source = ckpt.source
+        if from_hub:
+            from .sources.hubfetch import Downloads, FetchedHub
+
+            sp, bound = _scratch_plan(source, [u for u in plan.units if u.shard not in j.shards], max_scratch)
+            _check_scratch_space(scratch_dir, output_dir, todo, sp, bound)
+            downloads = Downloads(source, scratch_dir, bound, sp, stop, say)
+            downloads.start()
+            job_source = FetchedHub(source, downloads)
         jlock = threading.Lock()  # the pipeline's threads and the uploader's both record in the journal
         if hub is not None:
             def on_uploaded(file: str, sha: str) -> None:
@@ -172,11 +202,11 @@ def pack(
                     hub.submit(s.file, j.shards[s.file].size, j.shards[s.file].sha256, admitted=False)
         # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
         # (on a thread: queueing that much readahead can block until the disk has taken it)
-        if cluster is None:  # (with --ray, the nodes read)
+        if cluster is None and not from_hub:  # (with --ray, the nodes read; a Hub input: the downloads)
             threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                              args=(source, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
                                    ahead)).start()
-        jobs = split_jobs(ckpt, plan, todo, slots, output_dir)
+        jobs = split_jobs(ckpt, plan, todo, slots, output_dir, source=job_source, hash_inputs=not from_hub)
         per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
         per_worker = [w for w in per_worker if w] or [jobs]
         if cluster is not None:  # --ray: a task per job
@@ -197,24 +227,34 @@ def pack(
                 results = cluster.run(jobs, on_shard, bar.update)
             elif len(per_worker) == 1:
                 wait = {"admit": hub.admit} if hub is not None else {}  # --no-keep-output's disk bound
-                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus, **wait)
+                results = pipeline.run_jobs(per_worker[0], devices_[0], on_shard, bar.update, threads=cpus,
+                                            stop=stop, **wait)
             else:
                 from . import workers as workers_mod
 
                 results = workers_mod.run(per_worker, devices_[: len(per_worker)], on_shard, bar.update, cpus=cpus)
         except BaseException as e:
+            if downloads is not None:  # verified downloads stay in the scratch folder for a resume
+                with contextlib.suppress(BaseException):
+                    downloads.close(ok=False)
+                e = downloads.first_error(e)
             if hub is not None:
                 hub.abandon()  # what was sent is journaled; a resume sends the rest
             if isinstance(e, ConvertError):  # bad input found mid-run: no half-written shard left
                 _drop_partials(output_dir)  # (a resume rewrites them)
+                raise e from None
             raise
         finally:
             bar.close()
+        if downloads is not None:
+            downloads.close(ok=True)
         if hub is not None:
             hub.close()  # every shard on the Hub (or the uploader's error, as one line)
         convert_s = time.perf_counter() - t
         input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
-        _finish(ckpt, plan, output_dir, j, input_hashes, keep_journal=hub is not None)
+        if from_hub:  # verified against the Hub's LFS sha256 by the downloads (those of done shards: the Hub's)
+            input_hashes = {f: source.files[f].sha256 for f, _ in plan.inputs} | downloads.hashes()
+        _finish(ckpt, plan, output_dir, j, input_hashes, keep_journal=hub is not None, origin=provenance(source))
         up = None
         if hub is not None:
             up = _publish(hub, output_dir, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256)
@@ -230,6 +270,7 @@ def pack(
                           in_flight_peak=max((r.in_flight_peak for r in results), default=0),
                           in_flight_limit=max((r.in_flight_limit for r in results), default=0),
                           stream_wall_s=[r.wall_s for r in results],
+                          downloads=dataclasses.asdict(downloads.stats) if downloads is not None else None,
                           **_device_stats(results))
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
                           cast_blocks=sum(r.cast_blocks for r in recs),
@@ -267,10 +308,13 @@ def startup_readahead() -> int:
     return min(4 << 30, avail // 8)
 
 
-def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path) -> list[pipeline.Job]:
+def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path,
+               source: Source | None = None, hash_inputs: bool = True) -> list[pipeline.Job]:
     """The shards to write cut into at most ``n`` runs of consecutive shards of about equal input
     bytes (consecutive: a worker then reads whole stretches of input files), and each input file
-    given to the worker that reads most of it, which hashes it from its own reads."""
+    given to the worker that reads most of it, which hashes it from its own reads. ``source``: what the
+    jobs read (default the checkpoint's); ``hash_inputs`` False: no input file hashed (a Hub input's
+    downloads verify and hash each file as it arrives)."""
     units_of: dict[str, list[Unit]] = {s.file: [] for s in plan.shards}
     for u in plan.units:
         units_of[u.shard].append(u)
@@ -299,8 +343,8 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
     order = {f: i for i, f in enumerate(ckpt.files)}
     block = fp8_block_size(ckpt.config)
     return [
-        pipeline.Job(ckpt.source, output_dir, p, [u for s in p for u in units_of[s.file]], order,
-                     {f: size for f, size in plan.inputs if owner[f] == i}, block)
+        pipeline.Job(source or ckpt.source, output_dir, p, [u for s in p for u in units_of[s.file]], order,
+                     {f: size for f, size in plan.inputs if owner[f] == i and hash_inputs}, block)
         for i, p in enumerate(parts)
     ]
 
@@ -335,6 +379,51 @@ def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool,
     j = Journal(plan_sha, command, stamps)
     j.save(output_dir)
     return j
+
+
+def _hub_input_checks(output_dir: Path, scratch: str | os.PathLike | None, workers: int | None,
+                      streams: int | None, ray: str | None) -> Path:
+    """A Hub input packs in this process on one stream (its reads then follow the download order, which is
+    what keeps the scratch bound from stalling: ``sources.hubfetch``). The scratch folder (default: beside the
+    output, ``.OUTPUT.hub-scratch``) must not be inside the output, which is uploaded and checked as a whole."""
+    if ray is not None:
+        raise ConvertError("--ray does not take a Hub input yet: download it (hf download) and pack the folder")
+    for flag, n in (("--workers", workers), ("--streams", streams)):
+        if n is not None and n > 1:
+            raise ConvertError(f"{flag} {n}: a Hub input packs with one worker and one stream (the network, "
+                               "not the conversion, is its bound)")
+    out = output_dir.absolute()
+    where = Path(scratch).absolute() if scratch is not None else out.parent / f".{out.name}.hub-scratch"
+    if where == out or where.is_relative_to(out) or out.is_relative_to(where):
+        raise ConvertError(f"--scratch {where}: must be outside the output folder {out} (and not contain it)")
+    if where.exists() and not where.is_dir():
+        raise ConvertError(f"--scratch {where}: is a file, expected a folder")
+    return where
+
+
+def _scratch_plan(source, units: list[Unit], max_scratch: int | None):
+    """What the downloads fetch and the bound they keep (``--max-scratch``, default a few files), checked."""
+    from .sources.hubfetch import scratch_plan
+
+    sp = scratch_plan(units, source.files, source.name)
+    bound = max_scratch or sp.default_bound()
+    sp.check(bound, source.name, human_bytes)
+    return sp, bound
+
+
+def _check_scratch_space(scratch: Path, output_dir: Path, todo: list[Shard], sp, bound: int) -> None:
+    """The scratch folder's disk holds the bound (or everything still to download, if less); on the output's
+    disk, with the shards still to write."""
+    need = min(bound, sum(n.size for n in sp.needs))
+    probe = scratch if scratch.exists() else scratch.parent
+    if not probe.exists():
+        raise ConvertError(f"--scratch {scratch}: its parent folder does not exist")
+    if os.stat(probe).st_dev == os.stat(output_dir).st_dev:
+        need += sum(s.size for s in todo)
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise ConvertError(f"{scratch}: the downloads need up to {human_bytes(need)} at once (with the output "
+                           f"where it shares the disk), {human_bytes(free)} free; lower --max-scratch or free space")
 
 
 def _drop_partials(output_dir: Path) -> None:
@@ -444,7 +533,7 @@ def unlock_output(output_dir: Path, fd: int) -> None:
 
 
 def _finish(ckpt: Checkpoint, plan: Plan, output_dir: Path, j: Journal,
-            input_hashes: dict[str, str], keep_journal: bool = False) -> None:
+            input_hashes: dict[str, str], keep_journal: bool = False, origin: dict | None = None) -> None:
     """Configs, side files and index, then the manifest, then the journal goes. Side files are
     copied again by a resumed run (they are cheap), so its manifest is an uninterrupted run's. The
     module records are already on disk, one file per shard (written as each shard finished):
@@ -465,6 +554,7 @@ def _finish(ckpt: Checkpoint, plan: Plan, output_dir: Path, j: Journal,
          for f, r in recs.items()},
         [r.to_dict() for r in [*own, *side]],
         [r.to_dict() for r in side],
+        origin,
     )
     write_json_atomic(output_dir / filenames.MANIFEST, man, compact_lists=("engine_groups",))
     if not keep_journal:  # --upload: kept until the commit is in (a resume then commits)

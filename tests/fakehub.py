@@ -7,6 +7,13 @@ requests with ``status`` and ``headers`` (``status=0`` drops the connection with
 says ``Retry-After: 0`` unless told otherwise). ``hub.log`` lists every request answered, ``hub.times``
 when (monotonic seconds), for tests that check a wait.
 
+Downloads (a Hub input, ``hf://``): ``hub.seed(repo_id, folder)`` commits a folder (``.safetensors`` through
+LFS) and returns the commit; ``repo_info`` resolves a revision (``main``, a commit) to its commit, the tree
+is listed at a commit, and ``/resolve/REV/PATH`` serves a file with ``Range`` (206). ``hub.served`` counts
+the body bytes sent per path; ``hub.download_bps`` throttles them (one link, as ``upload_bps``);
+``hub.corrupt[path] = offset`` flips the byte at ``offset`` of what is served for ``path`` (the Hub's
+recorded sha256 no longer matches).
+
 ``hub_cli`` runs kimi-convert against it in a process with a hermetic environment (huggingface_hub
 reads HF_* when it is imported); ``assert_arrived`` compares a repo's files with a local folder.
 """
@@ -23,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from helpers import Result, run_process
 
@@ -37,6 +44,11 @@ class Repo:
     files: dict[str, dict] = field(default_factory=dict)  # path -> {"size", "blob", "lfs": sha256 | None}
     commits: list[dict] = field(default_factory=list)
     prs: list[dict] = field(default_factory=list)
+    snapshots: dict[str, dict] = field(default_factory=dict)  # commit sha -> files at that commit
+
+    @property
+    def head(self) -> str:
+        return self.commits[-1]["sha"] if self.commits else "0" * 40
 
 
 @dataclass
@@ -53,6 +65,8 @@ class FakeHub:
     #: fast as it goes. An option of the
     #: upload routes only (pack --upload's tests); a download throttle, if any, is the download routes' own.
     upload_bps: float | None = None
+    #: Download throttle (bytes/s) of the ``resolve`` route's bodies, one link shared by concurrent GETs.
+    download_bps: float | None = None
 
     def __init__(self, token: str, read_only_token: str = "read-only"):
         self.token = token
@@ -63,6 +77,9 @@ class FakeHub:
         self.log: list[tuple[str, str, int]] = []
         self.times: list[float] = []
         self.headers_seen: list[str] = []
+        self.served: dict[str, int] = {}  # path in the repo -> body bytes the resolve route sent
+        self.corrupt: dict[str, int] = {}  # path -> offset of the byte flipped in what is served
+        self._down_free = 0.0
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -87,6 +104,40 @@ class FakeHub:
     def file_bytes(self, repo_id: str, path: str) -> bytes:
         f = self.repos[repo_id].files[path]
         return self.lfs[f["lfs"]] if f["lfs"] else f["content"]
+
+    def seed(self, repo_id: str, folder: Path, private: bool = False) -> str:
+        """Commit every file of ``folder`` to ``repo_id`` (created if new): ``.safetensors`` files through
+        LFS (the tree lists their sha256), the rest as regular files. Returns the commit's sha."""
+        repo = self.repos.setdefault(repo_id, Repo(private=private))
+        files = dict(repo.files)
+        for p in sorted(Path(folder).rglob("*")):
+            if not p.is_file():
+                continue
+            data, rel = p.read_bytes(), p.relative_to(folder).as_posix()
+            if rel.endswith(".safetensors"):
+                oid = hashlib.sha256(data).hexdigest()
+                self.lfs[oid] = data
+                pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {len(data)}\n".encode()
+                files[rel] = {"size": len(data), "blob": _blob(pointer), "lfs": oid}
+            else:
+                files[rel] = {"size": len(data), "blob": _blob(data), "lfs": None, "content": data}
+        sha = hashlib.sha1(json.dumps(sorted((k, v["blob"]) for k, v in files.items())).encode()
+                           + str(len(repo.commits)).encode()).hexdigest()
+        repo.files = files
+        repo.snapshots[sha] = files
+        repo.commits.append({"sha": sha, "summary": f"seed {folder}"})
+        return sha
+
+    def weight_bytes_served(self, repo_id: str) -> int:
+        """Body bytes the resolve route sent for ``repo_id``'s ``.safetensors`` files."""
+        return sum(n for p, n in self.served.items() if p.startswith(repo_id + "/") and p.endswith(".safetensors"))
+
+    def _throttle(self, n: int) -> None:
+        if self.download_bps:
+            with self.lock:
+                start = max(time.monotonic(), self._down_free)
+                self._down_free = end = start + n / self.download_bps
+            time.sleep(max(0.0, end - time.monotonic()))
 
     # --------------------------------------------------------------------------------------
 
@@ -165,6 +216,9 @@ class FakeHub:
 
             def do_PUT(self):
                 self._route("PUT")
+
+            def do_HEAD(self):
+                self._route("HEAD")
 
             def _route(self, method: str) -> None:
                 url = urlparse(self.path)
@@ -251,31 +305,101 @@ class FakeHub:
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/(.+)", path)
                 if m and method == "POST":
                     return self._commit(m[1], m[2], m[3], query)
+                m = re.fullmatch(r"/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
+                if m and method in ("GET", "HEAD"):
+                    return self._resolve(method, m[1], m[2], unquote(m[3]), unquote(m[4]))
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/tree/([^/]+)(/.*)?", path)
                 if m and method == "GET":
                     if not self._auth(write=False) or (repo := self._repo(m[1], m[2])) is None:
                         return 401
                     files = self._at_revision(repo, m[3])
+                    if files is None:
+                        return self._no_revision(m[3])
                     out = [{"type": "file", "oid": f["blob"], "size": f["size"], "path": p,
                             **({"lfs": {"oid": f["lfs"], "size": f["size"], "pointerSize": 134}} if f["lfs"] else {})}
                            for p, f in sorted(files.items())]
                     self._send(200, out)
                     return 200
-                m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(/revision/.+)?", path)
+                m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)(/revision/(.+))?", path)
                 if m and method == "GET":
                     if not self._auth(write=False) or (repo := self._repo(m[1], m[2])) is None:
                         return 401
-                    self._send(200, {"id": f"{m[1]}/{m[2]}", "private": repo.private, "sha": "0" * 40,
+                    sha = self._commit_of(repo, unquote(m[4] or "main"))
+                    if sha is None:
+                        return self._no_revision(m[4])
+                    self._send(200, {"id": f"{m[1]}/{m[2]}", "private": repo.private, "sha": sha,
                                      "siblings": [{"rfilename": p} for p in repo.files]})
                     return 200
                 self._send(404, {"error": f"no route {method} {path}"})
                 return 404
 
-            def _at_revision(self, repo: Repo, revision: str) -> dict:
+            def _at_revision(self, repo: Repo, revision: str) -> dict | None:
                 m = re.fullmatch(r"refs%2Fpr%2F(\d+)|refs/pr/(\d+)", revision)
                 if m:
                     return repo.prs[int(m[1] or m[2]) - 1]["files"]
-                return repo.files
+                revision = unquote(revision)
+                if revision in repo.snapshots:
+                    return repo.snapshots[revision]
+                return repo.files if revision == "main" or not re.fullmatch(r"[0-9a-f]{40}", revision) else None
+
+            def _commit_of(self, repo: Repo, revision: str) -> str | None:
+                """A revision's commit: a commit sha the repo has; any other name (main, a branch, refs/pr/N)
+                the last commit; None: a commit sha the repo does not have (no such revision)."""
+                if revision in repo.snapshots:
+                    return revision
+                return None if re.fullmatch(r"[0-9a-f]{40}", revision) else repo.head
+
+            def _no_revision(self, revision: str) -> int:
+                self._send(404, {"error": f"Invalid rev id: {revision}"}, {"X-Error-Code": "RevisionNotFound"})
+                return 404
+
+            def _resolve(self, method: str, ns: str, name: str, revision: str, rel: str) -> int:
+                """A file at a revision, whole (200) or one ``Range: bytes=a-b`` (206), throttled and counted."""
+                if not self._auth(write=False) or (repo := self._repo(ns, name)) is None:
+                    return 401
+                files = self._at_revision(repo, revision)
+                if files is None:
+                    return self._no_revision(revision)
+                f = files.get(rel)
+                if f is None:
+                    self._send(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
+                    return 404
+                data = hub.lfs[f["lfs"]] if f["lfs"] else f["content"]
+                if rel in hub.corrupt:
+                    k = hub.corrupt[rel]
+                    data = data[:k] + bytes([data[k] ^ 0xFF]) + data[k + 1:]
+                lo, hi, status = 0, len(data), 200
+                rng = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                if rng:
+                    lo, hi, status = int(rng[1]), min(len(data), int(rng[2]) + 1 if rng[2] else len(data)), 206
+                    if lo >= len(data):
+                        self._send(416, {"error": "Requested Range Not Satisfiable"})
+                        return 416
+                body = data[lo:hi]
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("ETag", f'"{f["lfs"] or f["blob"]}"')
+                self.send_header("X-Repo-Commit", self._commit_of(repo, revision) or revision)
+                if f["lfs"]:
+                    self.send_header("X-Linked-Etag", f'"{f["lfs"]}"')
+                    self.send_header("X-Linked-Size", str(f["size"]))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{len(data)}")
+                self.end_headers()
+                if method == "HEAD":
+                    return status
+                step = 1 << 16
+                for k in range(0, len(body), step):
+                    part = body[k:k + step]
+                    hub._throttle(len(part))
+                    try:
+                        self.wfile.write(part)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return status
+                    with hub.lock:
+                        hub.served[f"{ns}/{name}/{rel}"] = hub.served.get(f"{ns}/{name}/{rel}", 0) + len(part)
+                return status
 
             def _commit(self, ns: str, name: str, revision: str, query: dict) -> int:
                 body = self._body()
@@ -308,11 +432,16 @@ class FakeHub:
                     result["pullRequestUrl"] = f"{hub.url}/{ns}/{name}/discussions/{len(repo.prs)}"
                 else:
                     repo.files = files
+                    repo.snapshots[sha] = files
                 repo.commits.append({"sha": sha, "summary": result["commitMessage"]})
                 self._send(200, result)
                 return 200
 
         return Handler
+
+
+def _blob(data: bytes) -> str:
+    return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
 
 
 def hub_cli(hub: FakeHub | None, *args, tmp: Path, token: str | None = TOKEN, env_token: str | None = None,

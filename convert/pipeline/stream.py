@@ -244,6 +244,10 @@ class Stream:
         t = time.perf_counter()
         sha = st.file_hash.finish().result()  # before the rename: a re-read, if any, reads the .partial
         t = self._clock("finish: shard sha256", t)
+        settle = getattr(self.job.source, "settle", None)  # a source read before its bytes are verified (a Hub
+        if settle is not None:  # input's downloads): the shard is finished only from verified inputs
+            settle(sorted({p.file for u in self.units_of[file] for p in u.parts}))
+            t = self._clock("finish: wait for the inputs' verification", t)
         st.writer.finish()
         t = self._clock("finish: fsync and rename", t)
         faults.point("shard")

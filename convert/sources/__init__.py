@@ -11,7 +11,8 @@ import os
 from .local import LocalFile, LocalFolder
 from .protocol import EntryKind, FileEntry, Source, SourceFile
 
-__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "Source", "SourceFile", "open_source", "read_range"]
+__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "Source", "SourceFile", "check_spec", "open_source",
+           "provenance", "read_range"]
 
 
 def read_range(source: Source, rel: str, offset: int, length: int) -> bytes:
@@ -20,9 +21,32 @@ def read_range(source: Source, rel: str, offset: int, length: int) -> bytes:
         return f.read_range(offset, length)
 
 
+def check_spec(spec: str | os.PathLike) -> None:
+    """The CLI's check of an input argument before any work: a Hub spec's form only (opening it resolves the
+    revision, which ``open_source`` does once, in the command), a folder as ``LocalFolder.at`` checks it."""
+    if isinstance(spec, str) and spec.startswith("hf://"):
+        from .hub import parse_spec
+
+        parse_spec(spec)
+        return
+    LocalFolder.at(spec)
+
+
 def open_source(spec: str | os.PathLike | Source) -> Source:
     """The source a user named: a ``Source`` as it is, a folder path as a ``LocalFolder`` (checked: it must be an
     existing folder, ``paths.folder``'s messages). A Hub repository (``hf://OWNER/REPO[@REVISION]``) comes here."""
     if isinstance(spec, Source):
         return spec
+    if isinstance(spec, str) and spec.startswith("hf://"):
+        from .hub import HubRepo  # huggingface_hub is imported only for a Hub input
+
+        return HubRepo.connect(spec)
     return LocalFolder.at(spec)
+
+
+def provenance(source: Source) -> dict | None:
+    """Where a source's bytes came from, for the plan's output and the manifest: a Hub repository's id, the
+    commit its revision resolved to and the revision as asked (``HubRepo.provenance``); None for a local folder,
+    whose manifest stays as it was (its inputs' sha256 are its identity)."""
+    origin = getattr(source, "provenance", None)
+    return origin() if callable(origin) else None

@@ -60,6 +60,7 @@ class FileEntry:
     mtime_ns: int | None = None  # a local file's modification time
     sha256: str | None = None  # the Hub's LFS sha256 (a local folder does not know it before hashing)
     revision: str | None = None  # the commit the Hub resolved the revision to
+    oid: str | None = None  # the Hub's git blob id (a file not stored through LFS: no sha256 without reading it)
     why: str | None = None  # for OTHER and BROKEN: what it is, in ``jsonfile.regular_file_error``'s words
     refusal: str | None = None
 

@@ -20,7 +20,7 @@ from ..plan import QUANTIZED, Encoding, make_plan
 from ..plan.serialize import plan_dict, plan_hash
 from ..recipe import parse_recipe
 from ..sidefiles import scan
-from ..sources import EntryKind, Source
+from ..sources import EntryKind, Source, provenance
 from .report import Report
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
@@ -34,15 +34,24 @@ def check_against_input(source: Source, output: Path, man: dict, rep: Report, fu
     missing = [f for f, e in entries.items() if e is None or e.kind is not EntryKind.FILE]
     problems += [f"{source.shown(f)}: missing" for f in missing]
     present = [f for f in recorded if f not in missing]
-    if total:
-        total(sum(entries[f].size for f in present))
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        hashes = dict(pool.map(lambda f: (f, hash_file(f, {}, progress, source=source)), present))
-    for f, (sha, size, _) in hashes.items():
+    origin = provenance(source)
+    detail = f"{len(recorded)} files"
+    if origin is not None:  # a Hub repository: the sha256 its LFS recorded, nothing downloaded
+        detail += f", against the sha256 the Hub records at {origin['commit']}" + _commit_note(man, origin)
+        hashes = {f: (entries[f].sha256, entries[f].size) for f in present if entries[f].sha256}
+        problems += [f"{source.shown(f)}: not stored through LFS: the Hub records no sha256 to compare"
+                     for f in present if not entries[f].sha256]
+    else:
+        if total:
+            total(sum(entries[f].size for f in present))
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            hashes = {f: (sha, size) for f, (sha, size, _) in
+                      pool.map(lambda f: (f, hash_file(f, {}, progress, source=source)), present)}
+    for f, (sha, size) in hashes.items():
         if size != recorded[f]["size"] or sha != recorded[f]["sha256"]:
             problems.append(f"{source.shown(f)}: differs from the input recorded in the manifest")
-    rep.check("input files: sizes and sha256", problems, f"{len(recorded)} files")
-    _check_input_side_files(source, man, rep)
+    rep.check("input files: sizes and sha256", problems, detail)
+    _check_input_side_files(source, man, rep, output)
     if problems:
         return
     ckpt = open_checkpoint(source)
@@ -56,10 +65,42 @@ def check_against_input(source: Source, output: Path, man: dict, rep: Report, fu
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:
         return
+    if origin is not None:  # re-deriving reads the weights: a Hub input's are not downloaded by verify
+        rep.check("outputs re-derived from the input", [],
+                  "skipped: the input is on the Hub and verify downloads no weights; to re-derive the outputs, "
+                  "download it (hf download) and pass the folder to --input")
+        return
     _recompute(plan, source, output, ckpt.config, man, rep, full, device)
 
 
-def _check_input_side_files(source: Source, man: dict, rep: Report) -> None:
+def _commit_note(man: dict, origin: dict) -> str:
+    """Where the manifest records another commit (or none) than the one checked: said, not a problem (the
+    files' hashes decide)."""
+    was = (man.get("source") or {}).get("commit")
+    if was is None:
+        return " (the manifest records no Hub source)"
+    return "" if was == origin["commit"] else f" (the manifest records commit {was})"
+
+
+def _side_identity(source: Source, f: str, output: Path) -> tuple[int, str] | None:
+    """A Hub input's side file checked without a download: its LFS sha256 if it has one; else, where the
+    output's copy has the Hub's git blob id, the copy's sha256 (the offline check holds the copy to the
+    manifest); None: neither, the file is read."""
+    from ..hashing import sha256_file
+    from ..hub import git_blob_sha1
+
+    e = source.entry(f)
+    if e is None:
+        return None
+    if e.sha256:
+        return e.size, e.sha256
+    copy = output / f
+    if e.oid and copy.is_file() and git_blob_sha1(copy) == e.oid:
+        return e.size, sha256_file(copy)
+    return None
+
+
+def _check_input_side_files(source: Source, man: dict, rep: Report, output: Path | None = None) -> None:
     """The input's side files hash to the recorded values, and every input file is accounted for:
     read (a shard, config.json, the index), copied, recreated (an empty folder) or skipped with a
     reason; a file the manifest does not account for was dropped silently."""
@@ -85,8 +126,10 @@ def _check_input_side_files(source: Source, man: dict, rep: Report) -> None:
     if set(now.folders) != set(man.get("side_folders", [])):
         problems.append(f"{source.name}: empty folders {sorted(now.folders)}, the manifest records "
                         f"{sorted(man.get('side_folders', []))}")
+    hub = provenance(source) is not None and output is not None
     for f in sorted(set(now.copied) & set(side)):
-        sha, size, _ = hash_file(f, {}, source=source)
+        known = _side_identity(source, f, output) if hub else None
+        size, sha = known if known is not None else hash_file(f, {}, source=source)[1::-1]
         if (size, sha) != (side[f]["size"], side[f]["sha256"]):
             problems.append(f"{source.shown(f)}: differs from the copy the manifest records")
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
