@@ -88,7 +88,7 @@ def source_formats() -> dict[str, set[str]]:
 
 def labels() -> str:
     """The encodings as the refusals name them: "BF16, MXFP4 or block-FP8"."""
-    names = [enc.label for enc in sorted(REGISTRY, key=lambda e: e.anchors is not None)]
+    names = list(dict.fromkeys(enc.label for enc in sorted(REGISTRY, key=lambda e: e.anchors is not None)))
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 

@@ -41,7 +41,7 @@ BANK_SCALES = 2  # the index of the whole-bank scales among a weight's parts
 
 class GptOssMXFP4(SourceEncoding):
     name = NAME
-    label = "MXFP4 (gpt-oss)"
+    label = "MXFP4"  # the same word as compressed-tensors' MXFP4: labels() names it once
     anchors = frozenset(f"{b}_blocks" for b in BANKS)
     companions = frozenset(f"{b}_scales" for b in BANKS)
     quant_configs: ClassVar[Mapping[str, frozenset[str]]] = {"mxfp4": frozenset({"mxfp4"})}
