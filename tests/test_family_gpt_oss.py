@@ -193,7 +193,7 @@ def test_output_verifies_against_its_input(tiny, packed):
     assert r.code == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("case", ["scales-without-blocks", "blocks-shape", "odd-gate-up"])
+@pytest.mark.parametrize("case", ["scales-without-blocks", "blocks-shape", "odd-gate-up", "nan-scale"])
 def test_malformed_bank_is_one_line_error(tiny, tmp_path, case):
     from helpers import copy_ckpt, one_line_error, rewrite_tensors, run
 
@@ -205,6 +205,8 @@ def test_malformed_bank_is_one_line_error(tiny, tmp_path, case):
             return
         if case == "scales-without-blocks":
             del t[f"{name}_blocks"]
+        elif case == "nan-scale":  # E8M0 0xFF is NaN (OCP MX): in another expert than the first
+            t[f"{name}_scales"][3, 5, 0] = 255
         elif case == "blocks-shape":
             t[f"{name}_blocks"] = t[f"{name}_blocks"].reshape(*t[f"{name}_blocks"].shape[:2], -1)
         else:
@@ -215,8 +217,11 @@ def test_malformed_bank_is_one_line_error(tiny, tmp_path, case):
     err = one_line_error(run("pack", src, tmp_path / "out", "-q"))
     want = {"scales-without-blocks": f"tensor {name}_scales: MXFP4 scales without their {name}_blocks",
             "blocks-shape": f"tensor {name}_blocks: MXFP4 expert bank must be U8 [E, N, K/32, 16]",
-            "odd-gate-up": f"tensor {name}_blocks: gate_up_proj has 511 rows"}[case]
+            "odd-gate-up": f"tensor {name}_blocks: gate_up_proj has 511 rows",
+            "nan-scale": f"tensor {name}_scales"}[case]
     assert want in err, err
+    if case == "nan-scale":
+        assert "0xFF" in err or "NaN" in err, err
 
 
 # -- NVIDIA Model Optimizer's own cast (examples/hf_ptq/cast_mxfp4_to_nvfp4.py, PR #1372) as the peer --------

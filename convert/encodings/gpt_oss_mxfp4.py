@@ -53,8 +53,11 @@ class GptOssMXFP4(SourceEncoding):
         blocks, scales, bias = tensors[name], tensors.get(f"{base}_scales"), tensors.get(f"{base}_bias")
         if scales is None:
             raise refused(blocks, f"MXFP4 expert bank without its {base}_scales")
-        self.check((blocks, scales) + ((bias,) if bias else ()), config)
+        self.check((blocks, scales), config)
         e, n, kb = blocks.shape[:3]
+        if bias is not None and bias.shape != (e, n):
+            raise refused(bias, f"expert bias must be [{e}, {n}] for blocks {list(blocks.shape)}, "
+                                f"is {list(bias.shape)}")
         k, leaves = kb * GROUP, BANKS[bank]
         rows = n // len(leaves)
         out = []
@@ -71,7 +74,8 @@ class GptOssMXFP4(SourceEncoding):
         return tuple(out)
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
-        blocks, scales = parts[0], parts[1]
+        """The bank's blocks and scales: U8, [E, N, K/32, 16] and [E, N, K/32]; gate_up's N even."""
+        blocks, scales = parts
         if blocks.dtype != "U8" or len(blocks.shape) != 4 or blocks.shape[3] != GROUP // 2:
             raise refused(blocks, f"MXFP4 expert bank must be U8 [E, N, K/32, 16], is {blocks.dtype}"
                                   f"{list(blocks.shape)}")
@@ -81,9 +85,6 @@ class GptOssMXFP4(SourceEncoding):
                                   f"is {scales.dtype}{list(scales.shape)}")
         if module_of(blocks.name)[1] == "gate_up_proj_blocks" and n % 2:
             raise refused(blocks, f"gate_up_proj has {n} rows: gate and up interleaved need an even number")
-        if len(parts) > 2 and parts[2].shape != (e, n):
-            raise refused(parts[2], f"expert bias must be [{e}, {n}] for blocks {list(blocks.shape)}, "
-                                    f"is {list(parts[2].shape)}")
 
     def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
         base = name[: -len("_scales")]
