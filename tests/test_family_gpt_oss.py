@@ -262,3 +262,27 @@ def test_byte_identical_to_modelopts_own_cast(tiny, packed, tmp_path):
     assert r.ok, r.summary()
     assert r.byte_identical == r.ours_tensors - r.input_scales_not_compared
     assert lossless[1] - lossless[0] == 1  # the one planted block, by ModelOpt's own count
+
+
+def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path, monkeypatch):
+    """Each expert's unit reads its rows of a bank's scales and the whole scales (for the bank's k_max): reads
+    that overlap. With the file hashes taken from the pipeline's reads (no eager head start), the pack is the
+    same bytes and the manifest's input sha256 are the files' (the overlapping bytes read by the hash itself)."""
+    import hashlib
+
+    from kimi_convert import pipeline
+    from kimi_convert.pack import pack
+    from kimi_convert.plan import Options
+
+    monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 0)
+    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
+    monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
+    monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)
+    out = tmp_path / "out"
+    r = pack(tiny, out, Options(), device="cpu", progress=False, streams=2)
+    assert r.stats.hashed_from_pipeline > 0
+    files = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert files == {p.relative_to(packed).as_posix(): p.read_bytes() for p in sorted(packed.rglob("*")) if p.is_file()}
+    man = json.loads((out / "manifest.json").read_text())
+    inputs = {f["file"]: f["sha256"] for f in man["inputs"]}
+    assert inputs and all(hashlib.sha256((tiny / f).read_bytes()).hexdigest() == h for f, h in inputs.items())
