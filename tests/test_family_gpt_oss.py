@@ -286,3 +286,15 @@ def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path, monkeypatch
     man = json.loads((out / "manifest.json").read_text())
     inputs = {f["file"]: f["sha256"] for f in man["inputs"]}
     assert inputs and all(hashlib.sha256((tiny / f).read_bytes()).hexdigest() == h for f, h in inputs.items())
+
+
+def test_inspect_reads_the_experts_from_the_banks(tiny):
+    """inspect counts the experts of a 3-D bank (no false "no expert weights" warning) and gives one
+    expert's gate weight [I, H] (gate_up_proj_blocks [E, 2I, H/32, 16])."""
+    from helpers import run
+
+    r = run("inspect", tiny)
+    assert r.code == 0, r.stderr
+    p = PRESETS["tiny-gpt-oss"]
+    assert f"{p.experts} experts per layer, expert gate weight [{p.moe_inter}, {p.hidden}]" in r.stdout
+    assert "warning" not in r.stdout
