@@ -12,8 +12,10 @@ Each expert reads only its own bytes (``base.narrow``: ``NAME[e]``), gate and up
 The cast's ``k_max`` is the **bank's** (all experts, gate and up together; down on its own): NVIDIA Model
 Optimizer's ``examples/hf_ptq/cast_mxfp4_to_nvfp4.py`` takes one ``global_amax`` a ``*_scales`` tensor
 (``mxfp4_to_nvfp4_global_amax(scales)``), so each weight's claim carries the whole ``_scales`` tensor as a
-last part, read whole (``sliced`` False for it) and used only for ``k_max``: E/16 of the bank's code bytes
-read again per expert, the price of planning experts one at a time with NVIDIA's per-bank scale.
+last part, read whole (``sliced`` False for it) and used only for ``k_max``. The scales are 1/16 of the
+codes' bytes, and each of the E units of a bank reads them (w13 and down apart): E/16 times the bank's code
+bytes read again in all (2x for gpt-oss-20b's 32 experts, 8x for -120b's 128, mostly from the page cache),
+the price of planning experts one at a time with NVIDIA's per-bank scale (docs/families.md, "Left").
 
 Decoded exactly to fp32 (``kernels.formats.decode_mxfp4`` on codes reshaped [N, K/32, 16] -> [N, K/2]);
 an E8M0 byte 0xFF (NaN) is refused naming the scale tensor."""
