@@ -74,8 +74,10 @@ def _raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
 
 
 def _keep_decoded(item: Item, reader: TensorSource, block, backend: Backend) -> list[Chunk]:
-    """A kept linear layer whose source is MXFP4 or FP8: decoded to bf16 (exact for MXFP4)."""
-    return [as_bytes(decode(s, reader, block, backend).to(torch.bfloat16)) for s in item.sources]
+    """A kept linear layer whose source is MXFP4 or FP8: decoded to bf16 (exact for MXFP4); a dense source
+    with a view (a gpt-oss expert's half of a bias): its view's values, in their stored dtype."""
+    return [as_bytes(v if s.encoding == Encoding.DENSE else v.to(torch.bfloat16))
+            for s in item.sources for v in (decode(s, reader, block, backend),)]
 
 
 def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tuple[int, int]) -> UnitResult:
@@ -85,10 +87,10 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
         if it.kind == FP8:
             _fp8_block(it, reader, block, backend, res)
         elif it.kind != NVFP4:
-            dense = all(s.encoding == Encoding.DENSE for s in it.sources)
-            chunks = _raw_chunks(it, reader) if dense else _keep_decoded(it, reader, block, backend)
+            stored = all(encodings.as_stored(s) for s in it.sources)
+            chunks = _raw_chunks(it, reader) if stored else _keep_decoded(it, reader, block, backend)
             res.outputs[it.outputs[0].name] = Output(chunks)
-            if not dense:
+            if not all(s.encoding == Encoding.DENSE for s in it.sources):
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
         modelopt_math = formats.get(quant[0].output_format).NVFP4_MATH == "modelopt"

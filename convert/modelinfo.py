@@ -98,12 +98,20 @@ _EXPERT = re.compile(
 )
 
 
+#: gpt-oss's MXFP4 3-D bank of a layer's experts (convert/encodings/gpt_oss_mxfp4.py)
+_BANK = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.gate_up_proj_blocks$")
+
+
 def add_tensors(info: ModelInfo, tensors: dict) -> None:
     """Report the experts' real shapes and flag config fields that disagree with them."""
     info.weights_present = True
     found: dict[int, set[int]] = {}
     shape = None
     for name, t in tensors.items():
+        if (b := _BANK.search(name)) and len(t.shape) == 4:  # [E, 2I, H/32, 16]: gate and up interleaved
+            found.setdefault(int(b.group(1)), set()).update(range(t.shape[0]))
+            shape = shape or [t.shape[1] // 2, t.shape[2] * t.shape[3] * 2]
+            continue
         m = _EXPERT.search(name)
         if not m:
             continue

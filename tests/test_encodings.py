@@ -111,6 +111,9 @@ def test_one_stored_tensor_as_several_logical_weights():
     one = narrow(p_info, 1)
     assert (one.shape, one.start, one.end) == ((rows, k // 2), rows * k // 2, 2 * rows * k // 2)
     assert narrow(p_info, 1, 3).shape == (2, rows, k // 2)
+    # parts of one stored tensor are told apart by name (the pipeline keys parts by name); the stored name is kept
+    assert (one.name, narrow(p_info, 1, 3).name) == ("blocks[1]", "blocks[1:3]")
+    assert encodings.stored_name(one) == encodings.stored_name(p_info) == "blocks"
     for j in (0, 1):
         src = SourceTensor("experts.1.gate_up", f"half{j}", encodings.Encoding.MXFP4, "MXFP4", (rows // 2, k),
                            (narrow(p_info, 1), narrow(s_info, 1)), (Slice(0, j, None, 2),))
@@ -122,8 +125,9 @@ def test_one_stored_tensor_as_several_logical_weights():
 
 def test_source_formats_and_decoding_come_from_the_encodings():
     assert encodings.source_formats() == {"compressed-tensors": {"mxfp4-pack-quantized"},
-                                          "fp8": {"e4m3", "float8_e4m3fn"}}  # DeepSeek V3's and MiniMax-M2's fmt
-    assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["MXFP4", "FP8Block", "Dense"]
+                                          "fp8": {"e4m3", "float8_e4m3fn"},  # DeepSeek V3's and MiniMax-M2's fmt
+                                          "mxfp4": {"mxfp4"}}  # gpt-oss (no format key: its method's one)
+    assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["MXFP4", "FP8Block", "GptOssMXFP4", "Dense"]
     scale = torch.full((2, 1), 255, dtype=torch.uint8)
     src = SourceTensor("m", "m.weight", encodings.Encoding.MXFP4, "MXFP4", (2, 32),
                        (_info("m.weight_packed", "U8", (2, 16)), _info("m.weight_scale", "U8", (2, 1), 32)))

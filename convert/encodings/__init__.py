@@ -2,7 +2,8 @@
 
 - ``dense``: the stored tensor is the weight (BF16, F32...); the fallback of discovery;
 - ``mxfp4``: compressed-tensors MXFP4, ``weight_packed`` + ``weight_scale`` (Kimi K3's routed experts);
-- ``fp8_block``: ``weight`` F8_E4M3 + ``weight_scale_inv``, tiles from ``weight_block_size`` (DeepSeek V3).
+- ``fp8_block``: ``weight`` F8_E4M3 + ``weight_scale_inv``, tiles from ``weight_block_size`` (DeepSeek V3);
+- ``gpt_oss_mxfp4``: gpt-oss's 3-D MXFP4 expert banks, ``*_blocks`` + ``*_scales`` (+ ``*_bias``).
 
 Each module holds one :class:`~.base.SourceEncoding`: its discovery (``claim``), its refusal rules
 (``check``, ``check_config``, ``refuse_leftover``, the ``quantization_config`` values it accepts, values
@@ -14,14 +15,15 @@ the numeric check names an encoding: they call :func:`claimers`, :func:`strays`,
 :func:`mxfp4_codes`, :func:`source_formats` and :func:`of`. ``tests/test_encodings.py`` registers one
 from a test module and packs with it.
 
-**gpt-oss** (``*_blocks``/``*_scales`` MXFP4 3-D experts, gate/up interleaved, biases, ``quant_method:
-mxfp4``) would be ``gpt_oss_mxfp4.py``: anchors ``{"gate_up_proj_blocks", "down_proj_blocks"}``, one
-claim per expert and per gate/up half (``base.narrow`` for the expert, ``Slice(0, j, None, 2)`` for the
-interleave, biases as ``bias`` claims), ``quant_configs = {"mxfp4": ...}``, ``holds_mxfp4`` with codes
-reshaped from ``[N, K/32, 16]`` to ``[N, K/2]``; its mapping table names the logical modules. What it
-would still need outside its module: parts narrowed from one stored tensor keep that tensor's name, so
-the pipeline's readers (which hold a unit's buffers by part name) and the manifest's source records must
-tell them apart; the plan's outline and manifest keys do not yet include ``SourceTensor.view``.
+**gpt-oss** (``gpt_oss_mxfp4``: ``*_blocks``/``*_scales`` MXFP4 3-D expert banks, gate/up interleaved,
+biases, ``quant_method: mxfp4``) is one claim a bank giving a claim per expert and per gate/up half
+(``base.narrow`` for the expert, ``Slice(0, j, None, 2)`` for the interleave, biases as ``bias`` claims).
+What it needed outside its module, generic: a narrowed part is named ``NAME[i]`` (``base.narrow``;
+discovery marks the stored tensor consumed through ``base.stored_name``), so that the pipeline's read
+buffers, source hashes and the manifest's source records (all keyed by part name) tell the parts of one
+stored tensor apart; a unit reads a part its sources share once (``Unit.parts``); a dense source with a
+view is not a pass-through (:func:`as_stored`) but its view's bytes; the manifest's and ``plan --json``'s
+source records carry the view; an encoding may read a part whole past the view (``SourceEncoding.sliced``).
 """
 
 from __future__ import annotations
@@ -29,16 +31,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Claim, Encoding, MxCodes, Slice, SourceEncoding, SourceTensor, narrow
+from .base import Claim, Encoding, MxCodes, Slice, SourceEncoding, SourceTensor, narrow, stored_name
 from .dense import Dense
 from .fp8_block import FP8Block, block_size
+from .gpt_oss_mxfp4 import GptOssMXFP4
 from .mxfp4 import MXFP4
 
 if TYPE_CHECKING:
     import torch
 
 #: Every encoding, in discovery order (claimers first, the dense fallback last).
-REGISTRY: list[SourceEncoding] = [MXFP4(), FP8Block(), Dense()]
+REGISTRY: list[SourceEncoding] = [MXFP4(), FP8Block(), GptOssMXFP4(), Dense()]
 
 
 def of(src: SourceTensor) -> SourceEncoding:
@@ -85,7 +88,7 @@ def source_formats() -> dict[str, set[str]]:
 
 def labels() -> str:
     """The encodings as the refusals name them: "BF16, MXFP4 or block-FP8"."""
-    names = [enc.label for enc in sorted(REGISTRY, key=lambda e: e.anchors is not None)]
+    names = list(dict.fromkeys(enc.label for enc in sorted(REGISTRY, key=lambda e: e.anchors is not None)))
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
@@ -105,13 +108,20 @@ def holds_mxfp4(src: SourceTensor) -> bool:
     return of(src).holds_mxfp4
 
 
+def as_stored(src: SourceTensor) -> bool:
+    """Whether ``src``'s values are its stored bytes as they are (dense, no view): a pass-through."""
+    return src.encoding == Encoding.DENSE and not src.view
+
+
 def _viewed(src: SourceTensor, parts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     if not src.view:
         return parts
+    enc = of(src)
     out = []
-    for p in parts:
-        for s in src.view:
-            p = p[_index(p.dim(), s)]
+    for i, p in enumerate(parts):
+        if enc.sliced(i):
+            for s in src.view:
+                p = p[_index(p.dim(), s)]
         out.append(p.contiguous())
     return out
 
@@ -127,10 +137,12 @@ __all__ = [
     "Dense",
     "Encoding",
     "FP8Block",
+    "GptOssMXFP4",
     "MxCodes",
     "Slice",
     "SourceEncoding",
     "SourceTensor",
+    "as_stored",
     "block_size",
     "claimers",
     "decode",
@@ -141,5 +153,6 @@ __all__ = [
     "narrow",
     "of",
     "source_formats",
+    "stored_name",
     "strays",
 ]

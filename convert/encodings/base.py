@@ -12,7 +12,7 @@ imports no torch at module level: planning stays torch-free.
 
 **One stored tensor -> several logical weights** (gpt-oss's ``experts.gate_up_proj_blocks``
 ``[E, 2I, K/32, 16]`` with ``_scales`` ``[E, 2I, K/32]`` and ``gate_up_proj_bias`` ``[E, 2I]``: gate rows
-at even, up rows at odd indices; not implemented yet): one call of :meth:`SourceEncoding.claim`, anchored on
+at even, up rows at odd indices: ``gpt_oss_mxfp4``): one call of :meth:`SourceEncoding.claim`, anchored on
 the stored tensor, returns one :class:`Claim` per logical weight, each naming its own module and suffix
 (``experts.3.gate_proj`` / ``weight``, and ``bias`` claims for the biases, dense values). Each claim's
 :class:`SourceTensor` says which part of the stored tensors it is:
@@ -25,7 +25,10 @@ the stored tensor, returns one :class:`Claim` per logical weight, each naming it
   (codes, scales, bias alike) before the encoding decodes them, so MXFP4 rows stay with their scales.
 
 ``SourceTensor.shape`` is then the logical (sliced) shape. The plan and the pipeline take every
-``SourceTensor`` as its parts; what is left for gpt-oss is in ``encodings/__init__``'s docstring.
+``SourceTensor`` as its parts, keyed by part name: :func:`narrow` names its part ``NAME[i]`` so that the
+parts of one stored tensor stay apart, and two sources with the same parts (gate and up of one expert)
+are told apart by their logical names and views (the manifest records the view). gpt-oss's encoding is
+``gpt_oss_mxfp4``.
 """
 
 from __future__ import annotations
@@ -155,6 +158,12 @@ class SourceEncoding:
         """The weight as MXFP4 codes and scales for NVIDIA's cast (``holds_mxfp4``), else None."""
         return None
 
+    def sliced(self, part: int) -> bool:
+        """Whether ``SourceTensor.view`` applies to the source's ``part``-th part (every part by default).
+        An encoding whose claim adds a part read whole for context (gpt-oss: the bank's scales, for the
+        bank's ``k_max``) says False for it."""
+        return True
+
 
 def module_of(name: str) -> tuple[str, str]:
     """``("a.b", "weight")`` of ``"a.b.weight"``: a stored tensor's module and last name component."""
@@ -169,12 +178,24 @@ def refused(info: TensorInfo, why: str) -> ConvertError:
 
 def narrow(info: TensorInfo, index: int, stop: int | None = None) -> TensorInfo:
     """The part of a stored tensor that is its index ``index`` along dim 0 (that dim dropped), or rows
-    ``index:stop`` (kept): a byte range of the same file, read on its own."""
+    ``index:stop`` (kept): a byte range of the same file, read on its own.
+
+    The part is named ``NAME[index]`` (``NAME[index:stop]``): everything downstream keys a part by its name
+    (the pipeline's read buffers, the source hashes, the manifest's source records), so parts of one
+    stored tensor must not share one; :func:`stored_name` gives the stored tensor's name back."""
     row = DTYPES[info.dtype].itemsize
     for d in info.shape[1:]:
         row *= d
     if stop is None:
-        return info._replace(shape=info.shape[1:], start=info.start + index * row,
+        return info._replace(name=f"{info.name}[{index}]", shape=info.shape[1:], start=info.start + index * row,
                              end=info.start + (index + 1) * row)
-    return info._replace(shape=(stop - index, *info.shape[1:]), start=info.start + index * row,
-                         end=info.start + stop * row)
+    return info._replace(name=f"{info.name}[{index}:{stop}]", shape=(stop - index, *info.shape[1:]),
+                         start=info.start + index * row, end=info.start + stop * row)
+
+
+def stored_name(part: TensorInfo) -> str:
+    """The name of the stored tensor ``part`` is (whole, or narrowed by :func:`narrow`)."""
+    name = part.name
+    if name.endswith("]") and "[" in name:
+        return name[: name.rindex("[")]
+    return name

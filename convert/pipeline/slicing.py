@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ..plan import COPY, KEEP, Encoding, Unit
+from .. import encodings
+from ..plan import COPY, KEEP, Unit
 from ..safetensors_format import TensorInfo
 
 SLICE = 64 << 20
@@ -45,7 +46,7 @@ class Piece:
 def is_pass_through(unit: Unit) -> bool:
     """Output bytes = the concatenated stored bytes of its sources (nothing to compute)."""
     return len(unit.items) == 1 and unit.items[0].kind in (KEEP, COPY) and all(
-        s.encoding == Encoding.DENSE for s in unit.items[0].sources)
+        encodings.as_stored(s) for s in unit.items[0].sources)
 
 
 def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:

@@ -76,6 +76,21 @@ class _ShardState:
     notes: dict[str, dict] = field(default_factory=dict)
 
 
+def disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges that overlap no other (each once). A file hash takes every byte once, in file order,
+    from the pipeline's reads where it can: reads that overlap (gpt-oss: a bank's scales read whole for its
+    ``k_max`` beside each expert's own rows of them) are left to the hash, which reads those bytes itself."""
+    rs = sorted(set(ranges))
+    overlapping: set[int] = set()
+    reach, reacher = -1, -1  # the furthest end so far, and whose
+    for i, (a, b) in enumerate(rs):
+        if a < reach and b > a:
+            overlapping.update((i, reacher))
+        if b > reach:
+            reach, reacher = b, i
+    return [r for i, r in enumerate(rs) if i not in overlapping]
+
+
 def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
     """Per shard, the byte ranges the writer hands to the shard's file hash: the header, each
     computed tensor whole, each pass-through slice."""
@@ -110,8 +125,8 @@ class Stream:
                     eager -= r.hi - r.lo
                 elif r.part.file in expected:
                     expected[r.part.file].append(r.file_range)
-        self.files = {f: FileHasher(f, size, expected[f], self.hash_pool, shared.hold, self.stop, source=job.source)
-                      for f, size in job.hash_files.items()}
+        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.hash_pool, shared.hold, self.stop,
+                                    source=job.source) for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}

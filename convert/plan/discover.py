@@ -105,7 +105,7 @@ def discover_sources(ckpt: Checkpoint) -> dict[str, dict[str, SourceTensor]]:
             if claims := enc.claim(name, t, config):
                 for c in claims:
                     out[c.module][c.suffix] = c.source
-                    consumed.update(p.name for p in c.source.parts)
+                    consumed.update(encodings.stored_name(p) for p in c.source.parts)
                 break
     strays, leftover = encodings.strays(), encodings.fallbacks()
     for name in t:

@@ -97,12 +97,13 @@ class Unit:
 
     @property
     def nbytes_in(self) -> int:
-        return sum(s.nbytes for it in self.items for s in it.sources)
+        return sum(p.nbytes for p in self.parts)
 
     @property
     def parts(self) -> list[TensorInfo]:
-        """Every stored input tensor the unit reads."""
-        return [p for it in self.items for s in it.sources for p in s.parts]
+        """Every stored input tensor the unit reads, once (sources that are views of the same parts, gate
+        and up of one gpt-oss expert, share them)."""
+        return list(dict.fromkeys(p for it in self.items for s in it.sources for p in s.parts))
 
 
 class Placed(NamedTuple):  # a tuple: one per output tensor
@@ -197,7 +198,7 @@ class Plan:
 
     @property
     def bytes_in(self) -> int:
-        return sum(p.end - p.start for u in self.units for it in u.items for s in it.sources for p in s.parts)
+        return sum(p.end - p.start for u in self.units for p in u.parts)
 
     @property
     def bytes_out(self) -> int:

@@ -4,7 +4,7 @@ routed experts folded into one entry per bank (``plan --json`` is the plan's ser
 
 from __future__ import annotations
 
-from .. import sidefiles
+from .. import encodings, sidefiles
 from .model import Encoding, Kind, Op, Plan
 
 
@@ -37,17 +37,21 @@ def render(p: Plan, input_dir: str) -> str:
                 lines += _item_lines(it, u.shared_scale, shard)
                 continue
             tag, norm = f"{where[0]}.{where[1]}.", f"{where[0]}.{{e}}."
+            cut = f"[{where[1]}]"  # a part narrowed to the expert from a 3-D bank (encodings.narrow)
+
+            def n(x: str, tag: str = tag, norm: str = norm, cut: str = cut) -> str:
+                return x.replace(tag, norm).replace(cut, "[{e}]")
+
             # what _item_lines shows, the index written {e}: experts alike by it are alike in their lines
-            key = (it.kind, it.op, it.rule.replace(tag, norm), it.name.replace(tag, norm),
-                   (u.shared_scale or "").replace(tag, norm), shard.replace(tag, norm),
-                   it.outputs[0].name.replace(tag, norm), *((t.dtype, t.shape) for t in it.outputs), None,
-                   *((s.name.replace(tag, norm), s.encoding, s.file.replace(tag, norm), s.dtype, s.shape,
-                      *((x.name.replace(tag, norm), x.file.replace(tag, norm)) for x in s.parts[1:]), None)
+            key = (it.kind, it.op, n(it.rule), n(it.name), n(u.shared_scale or ""), n(shard),
+                   n(it.outputs[0].name), *((t.dtype, t.shape) for t in it.outputs), None,
+                   *((n(s.name), s.encoding, n(s.file), s.dtype, s.shape, s.view,
+                      *((n(x.name), n(x.file)) for x in s.parts), None)
                      for s in it.sources))
             bank = banks.get(key)
             if bank is None:
                 item = _item_lines(it, u.shared_scale, shard)
-                bank = banks[key] = _Bank(tuple(x.replace(tag, norm) for x in item))
+                bank = banks[key] = _Bank(tuple(n(x) for x in item))
                 lines.append(bank)
             bank.experts += o.experts(*where)
     if o.engine_groups:
@@ -75,11 +79,14 @@ def _item_lines(it, shared_scale: str | None, shard: str) -> list[str]:
     if it.kind != Kind.COPY:
         extra = f"; shared scale {shared_scale}" if shared_scale else ""
         lines.append(f"        why: {it.rule}{extra}")
-    if it.op != Op.NONE or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != Encoding.DENSE:
+    if (it.op != Op.NONE or it.sources[0].name != it.outputs[0].name or it.sources[0].encoding != Encoding.DENSE
+            or it.sources[0].view or '[' in it.sources[0].parts[0].name):
         lines.append(f"        from {it.op}({srcs})" if it.op != Op.NONE else f"        from {srcs}")
         for s, (a, b) in zip(it.sources, it.row_ranges(), strict=True):
-            extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[1:])
-            lines.append(f"          rows {a}:{b} <- {s.name} [{s.encoding}] ({s.file}){extra}")
+            narrowed = s.parts[0].name != encodings.stored_name(s.parts[0])  # shown: it is not s.name's stored tensor
+            extra = "".join(f" + {x.name} ({x.file})" for x in s.parts[0 if narrowed else 1:])
+            view = "".join(f" [dim {v.dim} {v.start}:{'' if v.stop is None else v.stop}:{v.step}]" for v in s.view)
+            lines.append(f"          rows {a}:{b} <- {s.name}{view} [{s.encoding}] ({s.file}){extra}")
     return lines
 
 

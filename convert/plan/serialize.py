@@ -110,6 +110,7 @@ def item_dict(it: Item, shared_scale: str | None, shard: str) -> dict:
             "shape": list(s.shape),
             "rows": list(r),
             "parts": [{"name": p.name, "file": p.file, "dtype": p.dtype, "shape": list(p.shape)} for p in s.parts],
+            **({"view": [list(v) for v in s.view]} if s.view else {}),  # [dim, start, stop, step] of every part
         }
         for s, r in zip(it.sources, it.row_ranges(), strict=True)
     ]

@@ -8,6 +8,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .. import encodings
 from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
@@ -16,7 +17,7 @@ from ..keep import KeepRule
 from ..manifest import iter_modules
 from ..mapping import parse_mapping
 from ..options import Options
-from ..plan import QUANTIZED, Encoding, make_plan
+from ..plan import QUANTIZED, make_plan
 from ..plan.serialize import plan_dict, plan_hash
 from ..recipe import parse_recipe
 from ..sidefiles import scan
@@ -156,7 +157,7 @@ def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep:
     passthrough, quantized, problems = 0, 0, []
     try:
         for u in chosen:
-            if all(it.kind not in QUANTIZED and all(s.encoding == Encoding.DENSE for s in it.sources)
+            if all(it.kind not in QUANTIZED and all(encodings.as_stored(s) for s in it.sources)
                    for it in u.items):
                 for it in u.items:  # pass-through: the output's bytes are the sources' bytes
                     h = hashlib.sha256()
