@@ -288,14 +288,21 @@ def _report_upload(up, repo_id: str | None, output_dir: str) -> None:
     """``pack --upload``'s last lines: the card, the commit, the remote check (as ``upload`` says them)."""
     if up is None:
         return
-    if up.card_written:
+    _report_commit(up, repo_id, output_dir,
+                   f"{up.commit_url} ({up.sent} shard(s) uploaded by this run as they were written)")
+
+
+def _report_commit(res, repo_id: str | None, output_dir: str, committed: str) -> None:
+    """The card, the commit and the remote check, as ``upload`` and ``pack --upload`` both say them; a
+    file on the Hub that does not match the manifest is the error."""
+    if res.card_written:
         click.echo(f"wrote {paths.shown(output_dir)}/README.md (model card)")
-    click.echo(f"committed: {up.commit_url} ({up.sent} shard(s) uploaded by this run as they were written)")
-    if up.remote.problems:
-        for p in up.remote.problems:
+    click.echo(f"committed: {committed}")
+    if res.remote.problems:
+        for p in res.remote.problems:
             click.echo(f"  - {p}", err=True)
-        raise ConvertError(f"{repo_id}: {len(up.remote.problems)} file(s) on the Hub do not match the manifest")
-    click.echo(f"{repo_id}: all {up.remote.checked} files present, sizes and sha256 match the manifest")
+        raise ConvertError(f"{repo_id}: {len(res.remote.problems)} file(s) on the Hub do not match the manifest")
+    click.echo(f"{repo_id}: all {res.remote.checked} files present, sizes and sha256 match the manifest")
 
 
 @cli.command(name="verify-manifest")
@@ -415,14 +422,7 @@ def upload(output_dir: str, repo_id: str, private: bool, revision: str | None, c
         raise click.UsageError("--create-pr opens a PR against the default branch; drop --revision")
     res = run(output_dir, repo_id, private=private, revision=revision, create_pr=create_pr, token=token,
               base_model=base_model, say=lambda m: click.echo(m, err=True))
-    if res.card_written:
-        click.echo(f"wrote {paths.shown(output_dir)}/README.md (model card)")
-    click.echo(f"committed: {res.pr_url or res.commit_url}")
-    if res.remote.problems:
-        for p in res.remote.problems:
-            click.echo(f"  - {p}", err=True)
-        raise ConvertError(f"{repo_id}: {len(res.remote.problems)} file(s) on the Hub do not match the manifest")
-    click.echo(f"{repo_id}: all {res.remote.checked} files present, sizes and sha256 match the manifest")
+    _report_commit(res, repo_id, output_dir, res.pr_url or res.commit_url)
 
 
 def render_report(rep, output_dir: str) -> str:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .synth_gqa import _mlp  # one dense MLP's three projections, as the Qwen3 MoE presets write them
+
 if TYPE_CHECKING:
     from .synth import Preset
 
@@ -62,12 +64,6 @@ def _full_attn(p: Preset, pre: str) -> Iterator[Spec]:
     yield f"{pre}.o_proj.weight", (h, p.attn_heads * hd), BF16
     yield f"{pre}.q_norm.weight", (hd,), BF16
     yield f"{pre}.k_norm.weight", (hd,), BF16
-
-
-def _mlp(pre: str, h: int, inter: int) -> Iterator[Spec]:
-    yield f"{pre}.gate_proj.weight", (inter, h), BF16
-    yield f"{pre}.up_proj.weight", (inter, h), BF16
-    yield f"{pre}.down_proj.weight", (h, inter), BF16
 
 
 def _moe(p: Preset, pre: str) -> Iterator[Spec]:
