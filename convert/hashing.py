@@ -273,3 +273,13 @@ def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
 
 def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None, *, source: Source | None = None) -> str:
     return hash_file(path, {}, stop=stop, source=source)[0]
+
+
+def git_blob_sha1(path: str | os.PathLike) -> str:
+    """A file's git object id (what the Hub lists for a file that is not in LFS): sha1 of "blob SIZE\\0" and
+    the bytes. Here, not in ``hub``, because ``verify`` needs it too and ``hub`` imports ``verify``."""
+    h = hashlib.sha1(f"blob {os.stat(path).st_size}\0".encode())
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()

@@ -19,7 +19,6 @@ The token is handed to the library only: never printed, logged or written.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from huggingface_hub import HfApi
 
 from .. import filenames
 from ..errors import ConvertError
-from ..hashing import sha256_file
+from ..hashing import git_blob_sha1, sha256_file
 from ..jsonfile import read_json
 from ..manifest import iter_modules
 from ..verify import load, verify
@@ -36,14 +35,6 @@ from .card import model_card
 from .transport import IGNORE, RESUME, connect, with_retries
 
 __all__ = ["connect", "model_card", "upload", "verify_remote", "with_retries"]
-
-def git_blob_sha1(path: Path) -> str:
-    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # git's object id
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
 
 @dataclass
 class RemoteCheck:

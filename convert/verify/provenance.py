@@ -12,7 +12,7 @@ from .. import encodings
 from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
-from ..hashing import hash_file
+from ..hashing import git_blob_sha1, hash_file
 from ..keep import KeepRule
 from ..manifest import iter_modules
 from ..mapping import parse_mapping
@@ -88,7 +88,6 @@ def _side_identity(source: Source, f: str, output: Path) -> tuple[int, str] | No
     output's copy has the Hub's git blob id, the copy's sha256 (the offline check holds the copy to the
     manifest); None: neither, the file is read."""
     from ..hashing import sha256_file
-    from ..hub import git_blob_sha1
 
     e = source.entry(f)
     if e is None:
