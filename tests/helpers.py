@@ -153,3 +153,20 @@ def child(args: list, **kw):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """A checkpoint's index: tensor name -> shard file."""
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, by name (small test checkpoints only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(set(weight_map(folder).values())):
+        with safe_open(str(folder / shard), "pt") as f:
+            names = list(f.keys())  # safe_open is not a dict
+            out.update({k: f.get_tensor(k) for k in names})
+    return out

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from helpers import run
+from helpers import read_tensors, run, weight_map
 from kimi_convert.synth import PRESETS, config, tensor_specs, write_synth
 
 # The values of the releases' config.json that are not sizes.
@@ -56,22 +55,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     return {k: write_synth(f"tiny-{k}", root / k) for k in ("deepseek-v3", "kimi-k2")}
 
 
-def _names(folder: Path) -> dict[str, str]:
-    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-
-
 def _layer(names, layer: int) -> set[str]:
     pre = f"model.layers.{layer}."
     return {re.sub(r"experts\.\d+\.", "experts.{e}.", n[len(pre):]) for n in names if n.startswith(pre)}
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(set(_names(folder).values())):
-        with safe_open(str(folder / shard), "pt") as f:
-            names = list(f.keys())  # safe_open is not a dict
-            out.update({k: f.get_tensor(k) for k in names})
-    return out
 
 
 @pytest.mark.parametrize(("key", "release"), [("deepseek-v3", DEEPSEEK), ("kimi-k2", KIMI_K2)])
@@ -82,18 +68,18 @@ def test_config_is_the_releases(key, release, ckpts):
 
 
 def test_tensors_are_the_releases(ckpts):
-    names = _names(ckpts["deepseek-v3"])
+    names = weight_map(ckpts["deepseek-v3"])
     assert _layer(names, 1) == MOE_LAYER
     assert _layer(names, 2) == MOE_LAYER | MTP_EXTRA  # the MTP layer: index num_hidden_layers
     assert "model.layers.0.mlp.gate_proj.weight_scale_inv" in names  # dense first layer (first_k_dense_replace)
-    t = _tensors(ckpts["deepseek-v3"])
+    t = read_tensors(ckpts["deepseek-v3"])
     assert t["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
     assert t["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (2, 2)  # [ceil(192/128), 2]
     assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert t["model.layers.2.eh_proj.weight"].dtype == torch.bfloat16
     # each scale lies in its weight's shard, as the release stores it
     assert all(names[n] == names[n.replace("_scale_inv", "")] for n in names if n.endswith("weight_scale_inv"))
-    assert not any(n.startswith("model.layers.2.") for n in _names(ckpts["kimi-k2"]))  # Kimi K2: no MTP layer
+    assert not any(n.startswith("model.layers.2.") for n in weight_map(ckpts["kimi-k2"]))  # Kimi K2: no MTP layer
 
 
 def test_pack_keeps_what_the_engines_build_unquantized(ckpts, tmp_path):
@@ -104,7 +90,7 @@ def test_pack_keeps_what_the_engines_build_unquantized(ckpts, tmp_path):
     assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "W4A16_NVFP4")
     assert sorted(qc["ignore"]) == ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.eh_proj",
                                     "model.layers.2.mlp.gate", "model.layers.2.shared_head.head"]
-    t = _tensors(out)
+    t = read_tensors(out)
     assert not any(n.endswith("weight_scale_inv") for n in t)  # the FP8 source decoded, its scales consumed
     assert t["model.layers.2.eh_proj.weight"].dtype == torch.bfloat16
     assert t["model.layers.2.embed_tokens.weight"].dtype == torch.bfloat16

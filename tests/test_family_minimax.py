@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from helpers import one_line_error, run
+from helpers import one_line_error, read_tensors, run, weight_map
 from kimi_convert.synth import PRESETS, config, tensor_specs, write_synth
 
 # MiniMaxAI/MiniMax-M2 config.json: the values that are not sizes (sizes: the preset's).
@@ -50,19 +49,6 @@ def ckpt(tmp_path_factory) -> Path:
     return write_synth("tiny-minimax-m2", tmp_path_factory.mktemp("minimax") / "mm")
 
 
-def _names(folder: Path) -> dict[str, str]:
-    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(set(_names(folder).values())):
-        with safe_open(str(folder / shard), "pt") as f:
-            names = list(f.keys())  # safe_open is not a dict
-            out.update({k: f.get_tensor(k) for k in names})
-    return out
-
-
 def test_config_is_the_releases(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     assert set(cfg) == set(RELEASE) | SIZES, set(cfg) ^ (set(RELEASE) | SIZES)
@@ -71,14 +57,14 @@ def test_config_is_the_releases(ckpt):
 
 
 def test_tensors_are_the_releases(ckpt):
-    names = _names(ckpt)
+    names = weight_map(ckpt)
     pre = "model.layers.{}."
     for layer in (0, 1):
         p = pre.format(layer)
         assert {re.sub(r"experts\.\d+\.", "experts.{e}.", n[len(p):]) for n in names if n.startswith(p)} == LAYER
     assert {n for n in names if not n.startswith("model.layers.")} == {"model.embed_tokens.weight",
                                                                           "model.norm.weight", "lm_head.weight"}
-    t = _tensors(ckpt)
+    t = read_tensors(ckpt)
     fp8 = {n for n, v in t.items() if v.dtype == torch.float8_e4m3fn}
     assert fp8 == {n for n in names if n.endswith("_proj.weight") or re.search(r"\.w[123]\.weight$", n)}
     assert t["model.layers.0.self_attn.q_norm.weight"].shape == (4 * 128,)  # per_layer: the whole projection
@@ -117,7 +103,7 @@ def test_pack_decodes_fp8_and_keeps_the_router(ckpt, tmp_path):
     assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "W4A16_NVFP4")
     assert sorted(qc["ignore"]) == ["lm_head", "model.layers.0.block_sparse_moe.gate",
                                     "model.layers.1.block_sparse_moe.gate"]
-    src, got = _tensors(ckpt), _tensors(out)
+    src, got = read_tensors(ckpt), read_tensors(out)
     assert not any(n.endswith("weight_scale_inv") for n in got)  # decoded and consumed, never copied
     assert got["model.layers.1.block_sparse_moe.gate.weight"].equal(src["model.layers.1.block_sparse_moe.gate.weight"])
     assert got["model.layers.1.block_sparse_moe.e_score_correction_bias"].equal(
