@@ -98,6 +98,9 @@ class Mapping:
     groups: tuple[Group, ...]
     expert_sets: tuple[str, ...]  # parents whose children the engine quantizes all-or-nothing
     config_defaults: dict = field(default_factory=dict)
+    # name prefixes of blocks only some inputs of the family store (Qwen3.5's ``mtp.``): an input with no
+    # module under one is not warned about the table's entries under it
+    optional_blocks: tuple[str, ...] = ()
     layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
@@ -215,26 +218,31 @@ class Mapping:
             return any(globs.match(pattern, mod, self.text_prefix)
                        for mod in (few if globs.index_blind(pattern) else modules))
 
+        absent = tuple(b for b in self.optional_blocks if not any(x.startswith(b) for x in shorts))
+
+        def wanted(entry: str) -> bool:  # not under an optional block this input does not store
+            return not self.strip(entry).startswith(absent) if absent else True
+
         me = f"mapping {self.name} ({self.path})"
         out = [f"{me}: {what} {pat!r} matches no module of the input"
                for what, pats in (("linear", self.linear), ("not_linear", self.not_linear),
                                   ("keep", tuple(r.text for r in self.keep if not r.optional)),
                                   ("restrict", tuple(r.text for r in self.restrict)))
-               for pat in pats if not hit(pat)]
+               for pat in pats if wanted(pat) and not hit(pat)]
         for g in self.groups:
             for parent, rx in zip(g.parents, g.parent_regexes(), strict=True):
-                if not any(rx.fullmatch(p) for p in parents):
+                if wanted(parent) and not any(rx.fullmatch(p) for p in parents):
                     out.append(f"{me}: group {g.name}: parents {parent!r} matches no module of the input")
         for tmpl in self.expert_sets:
             rx = re.compile(template_regex(tmpl).pattern + r"\.")
-            if not any(rx.match(x) for x in shorts):
+            if wanted(tmpl) and not any(rx.match(x) for x in shorts):
                 out.append(f"{me}: expert_sets {tmpl!r} matches no module of the input")
         return list(dict.fromkeys(out))
 
 
 TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
             "linear", "not_linear", "config_defaults", "layer_types", "keep", "restrict", "exclude", "group",
-            "scale_group", "layout"}
+            "scale_group", "layout", "optional_blocks"}
 GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
               "unquantized_only", "on_disk", "rows", "same_rows"}
 
@@ -405,6 +413,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         groups=groups,
         expert_sets=_strs(t, "expert_sets", path),
         config_defaults=dict(t.get("config_defaults", {})),
+        optional_blocks=_strs(t, "optional_blocks", path),
         layouts=_layouts(t.get("layout", {}), f"{path}: layout"),
         source=text,
         path=path,

@@ -26,3 +26,31 @@ def test_pack_keeps_what_the_engines_build_unquantized(tmp_path):
         assert name in ex, name
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv" not in ex
     assert not any(".mlp.experts." in n for n in ex)
+
+
+def _modules(preset) -> list[str]:
+    from kimi_convert import synth
+
+    return sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(preset)})
+
+
+def test_mtp_entries_warn_only_where_the_input_stores_an_mtp_block():
+    """bench-qwen3-5-moe stores no MTP block (nextn 0): the table's mtp.* entries are not reported; on the
+    tiny preset, which stores one, a misspelt mtp entry still is."""
+    import dataclasses
+
+    from kimi_convert import synth
+    from kimi_convert.mapping import find_mapping
+
+    bench, tiny = synth.PRESETS["bench-qwen3-5-moe"], synth.PRESETS["tiny-qwen3-5-moe"]
+    assert bench.nextn == 0 and tiny.nextn == 1
+    m = find_mapping(synth.config(tiny))
+    assert m.optional_blocks == ("mtp.",)
+    assert m.unmatched(_modules(bench)) == []
+    assert m.unmatched(_modules(tiny)) == []
+    strict = dataclasses.replace(m, optional_blocks=())
+    assert any("mtp.layers.{layer}.self_attn" in w for w in strict.unmatched(_modules(bench)))
+    typo = dataclasses.replace(m, expert_sets=(*m.expert_sets, "mtp.layers.{layer}.mlp.expertz"))
+    assert typo.unmatched(_modules(tiny)) == [
+        f"mapping qwen3_5_moe ({m.path}): expert_sets 'mtp.layers.{{layer}}.mlp.expertz' "
+        "matches no module of the input"]
