@@ -11,10 +11,10 @@ from typing import Any
 
 from kimi_convert.errors import ConvertError
 from kimi_convert.jsonfile import MAX_JSON_BYTES, parse
-from kimi_convert.sources import EntryKind, FileEntry
+from kimi_convert.sources import EntryKind, FileEntry, ResourceFreeFile
 
 
-class MemoryFile:
+class MemoryFile(ResourceFreeFile):  # nothing to close or advise
     def __init__(self, data: bytes):
         self.data, self.size = data, len(data)
         self.reads = 0  # byte ranges read, for tests that count them
@@ -29,17 +29,6 @@ class MemoryFile:
         buf[:n] = self.data[offset : offset + n]
         return n
 
-    def will_need(self, offset: int, length: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> MemoryFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 class MemorySource:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 from .local import LocalFile, LocalFolder
-from .protocol import EntryKind, FileEntry, Source, SourceFile
+from .protocol import EntryKind, FileEntry, ResourceFreeFile, Source, SourceFile
 
-__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "Source", "SourceFile", "check_spec", "open_source",
-           "provenance", "read_range"]
+__all__ = ["EntryKind", "FileEntry", "LocalFile", "LocalFolder", "ResourceFreeFile", "Source", "SourceFile",
+           "check_spec", "open_source", "provenance", "read_range"]
 
 
 def read_range(source: Source, rel: str, offset: int, length: int) -> bytes:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConvertError
 from ..jsonfile import MAX_JSON_BYTES, parse
-from .protocol import EntryKind, FileEntry
+from .protocol import EntryKind, FileEntry, ResourceFreeFile
 
 SCHEME = "hf://"
 
@@ -54,7 +54,7 @@ def _say(line: str) -> None:
 
 
 @dataclass
-class HubFile:
+class HubFile(ResourceFreeFile):
     """One file of the repository at the resolved commit, read by range requests."""
 
     source: HubRepo
@@ -72,18 +72,6 @@ class HubFile:
         data = self.read_range(offset, len(buf))
         buf[: len(data)] = data
         return len(data)
-
-    def will_need(self, offset: int, length: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> HubFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 @dataclass

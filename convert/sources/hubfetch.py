@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from .. import faults
 from ..errors import ConvertError
 from .local import LocalFile
-from .protocol import FileEntry
+from .protocol import FileEntry, ResourceFreeFile
 
 if TYPE_CHECKING:
     from ..plan import Unit
@@ -493,7 +493,7 @@ def _remove_empty(folder: Path) -> None:
 
 
 @dataclass
-class FetchedFile:
+class FetchedFile(ResourceFreeFile):
     """A weight file of a Hub input as the pipeline reads it: from its download (waited for at the first
     read, not at the open: the reader opens the next piece's files to hint them, and must not wait there);
     every read counted, so the file goes once the pipeline has all it reads of it."""
@@ -502,25 +502,11 @@ class FetchedFile:
     rel: str
     size: int
 
-    def read_range(self, offset: int, length: int) -> bytes:
-        buf = bytearray(max(0, min(length, self.size - offset)))
-        n = self.downloads.readinto(self.rel, offset, memoryview(buf)) if buf else 0
-        return bytes(buf[:n])
-
     def readinto(self, offset: int, buf: memoryview) -> int:
         return self.downloads.readinto(self.rel, offset, buf)
 
-    def will_need(self, offset: int, length: int) -> None:
-        pass  # its bytes arrive in order; the page cache holds what was just written
-
-    def close(self) -> None:
-        pass  # the descriptor is the downloads' (closed when the file is consumed)
-
-    def __enter__(self) -> FetchedFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
+    # no readahead hint (its bytes arrive in order; the page cache holds what was just written) and nothing
+    # to close (the descriptor is the downloads', closed when the file is consumed): ResourceFreeFile's
 
 
 @dataclass

@@ -98,6 +98,34 @@ class SourceFile(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
+class ResourceFreeFile:
+    """The ``SourceFile`` methods of a file that holds no descriptor of its own and takes no readahead hint
+    (a Hub file read by range requests, a download the fetcher owns, bytes in memory): nothing to close or
+    advise. Subclasses give ``size`` and ``readinto``; ``read_range`` is ``readinto`` into a new buffer."""
+
+    size: int
+
+    def readinto(self, offset: int, buf: memoryview) -> int:
+        raise NotImplementedError
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        buf = bytearray(max(0, min(length, self.size - offset)))
+        n = self.readinto(offset, memoryview(buf)) if buf else 0
+        return bytes(buf[:n])
+
+    def will_need(self, offset: int, length: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 @runtime_checkable
 class Source(Protocol):
     """The input checkpoint's files, wherever they are (module docstring)."""
