@@ -165,8 +165,8 @@ def pack(
                          name="kimi-convert-warm-up").start()
     ckpt, plan = load_plan(source, opts)
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
-    if from_hub and not resume:  # the bound checked before the output exists (a resume: against what is left)
-        _scratch_plan(source, plan.units, max_scratch)
+    # the bound checked before the output exists (a resume: below, against what is left)
+    early = _scratch_plan(source, plan.units, max_scratch) if from_hub and not resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_output(output_dir)  # before the journal is read: a concurrent pack is told so, not --resume
     try:
@@ -185,7 +185,8 @@ def pack(
         if from_hub:
             from .sources.hubfetch import Downloads, FetchedHub
 
-            sp, bound = _scratch_plan(source, [u for u in plan.units if u.shard not in j.shards], max_scratch)
+            sp, bound = early if early is not None and not j.shards else _scratch_plan(
+                source, [u for u in plan.units if u.shard not in j.shards], max_scratch)
             _check_scratch_space(scratch_dir, output_dir, todo, sp, bound)
             downloads = Downloads(source, scratch_dir, bound, sp, stop, say)
             downloads.start()
