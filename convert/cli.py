@@ -26,6 +26,7 @@ from .options import SIZE, Options, click_options
 from .options import checked as _checked
 from .plan.render import mb
 from .sources import check_spec, provenance
+from .sources.hub import is_hub_spec
 
 #: OS errors that are the user's environment, not a bug: one line, exit 2.
 USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT,
@@ -110,14 +111,14 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
 
 
 @cli.command(name="inspect")
-@click.argument("path", callback=_checked(lambda p: check_spec(p) if str(p).startswith("hf://") else paths.existing(p)))
+@click.argument("path", callback=_checked(lambda p: check_spec(p) if is_hub_spec(p) else paths.existing(p)))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
 def inspect_cmd(path: str, as_json: bool, token: str | None) -> None:
     """Architecture, layer kinds and MoE parameters (E, top-k, sizes) of a checkpoint or config.json."""
     from .modelinfo import inspect_path, inspect_source, render
 
-    info = inspect_source(_hub_source(path, token)) if path.startswith("hf://") else inspect_path(path)
+    info = inspect_source(_hub_source(path, token)) if is_hub_spec(path) else inspect_path(path)
     click.echo(json.dumps(info.to_dict(), indent=2) if as_json else render(info))
 
 
@@ -133,8 +134,7 @@ def plan(input_dir: str, opts: Options, as_json: bool, token: str | None) -> Non
     from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
-        ckpt, p = load_plan(_hub_source(input_dir, token) if input_dir.startswith("hf://") else input_dir, opts,
-                            banked=not as_json)
+        ckpt, p = load_plan(_input(input_dir, token), opts, banked=not as_json)
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     origin = provenance(ckpt.source)  # a Hub input: the repository and the commit its revision resolved to
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
@@ -203,7 +203,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
-    hub_input = input_dir.startswith("hf://")
+    hub_input = is_hub_spec(input_dir)
     if not upload_repo and (revision or private or (token and not hub_input) or not keep_output):
         used = "--revision" if revision else "--private" if private else "--token" if token else "--no-keep-output"
         raise click.UsageError(f"{used} needs --upload REPO_ID")
@@ -269,6 +269,11 @@ def _hub_source(spec: str, token: str | None):
     from .sources.hub import HubRepo
 
     return HubRepo.connect(spec, token=token, say=lambda m: click.echo(m, err=True))
+
+
+def _input(spec, token: str | None):
+    """An input argument as the commands take it: a Hub input resolved (``_hub_source``), anything else as given."""
+    return _hub_source(spec, token) if is_hub_spec(spec) else spec
 
 
 def _without_token(args: list[str]) -> list[str]:
@@ -353,7 +358,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         hub_api = connect(remote, token, write=False, revision=revision, say=lambda m: click.echo(m, err=True))
     if manifest:
         with Progress("verify", not (quiet or as_json)) as bar:
-            given = _hub_source(input_dir, token) if input_dir and input_dir.startswith("hf://") else input_dir
+            given = _input(input_dir, token)
             rep = verify(output_dir, given, full=full, device=device, progress=bar.update, total=bar.grow)
     else:
         if remote or (input_dir and not numerics):

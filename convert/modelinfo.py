@@ -14,6 +14,7 @@ from pathlib import Path
 from .checkpoint import INDEX_NAME, load_json, open_checkpoint
 from .errors import ConvertError
 from .sources import EntryKind, Source
+from .sources.hub import is_hub_spec
 from .sources.local import LocalFolder
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -140,7 +141,7 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
 
 def inspect_path(path: str | Path) -> ModelInfo:
     """``inspect`` of a config.json file, or of a checkpoint folder (read as a source: ``inspect_source``)."""
-    if str(path).startswith("hf://"):  # a Hub repository: config.json and the headers by range requests
+    if is_hub_spec(str(path)):  # a Hub repository: config.json and the headers by range requests
         from .sources import open_source
 
         return inspect_source(open_source(str(path)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from .hub import HubRepo, is_hub_spec, parse_spec
 from .local import LocalFile, LocalFolder
 from .protocol import EntryKind, FileEntry, ResourceFreeFile, Source, SourceFile
 
@@ -24,9 +25,7 @@ def read_range(source: Source, rel: str, offset: int, length: int) -> bytes:
 def check_spec(spec: str | os.PathLike) -> None:
     """The CLI's check of an input argument before any work: a Hub spec's form only (opening it resolves the
     revision, which ``open_source`` does once, in the command), a folder as ``LocalFolder.at`` checks it."""
-    if isinstance(spec, str) and spec.startswith("hf://"):
-        from .hub import parse_spec
-
+    if is_hub_spec(spec):
         parse_spec(spec)
         return
     LocalFolder.at(spec)
@@ -37,9 +36,7 @@ def open_source(spec: str | os.PathLike | Source) -> Source:
     existing folder, ``paths.folder``'s messages). A Hub repository (``hf://OWNER/REPO[@REVISION]``) comes here."""
     if isinstance(spec, Source):
         return spec
-    if isinstance(spec, str) and spec.startswith("hf://"):
-        from .hub import HubRepo  # huggingface_hub is imported only for a Hub input
-
+    if is_hub_spec(spec):  # (huggingface_hub is imported only when it connects)
         return HubRepo.connect(spec)
     return LocalFolder.at(spec)
 
