@@ -87,6 +87,9 @@ class PackStats:
     calibration: list[dict] = field(default_factory=list)  # auto: each worker's calibration thread (the GPU's
     #                   start-up seconds, units computed and their seconds, offers declined, the streams' copying)
     stream_wall_s: list[float] = field(default_factory=list)  # each stream's seconds, start to end
+    input_hash_wait_s: float = 0.0  # after the streams ended, waiting for the input file hashes (sequential chains)
+    setup_s: float = 0.0  # from pack's call to the workers' start (the plan, the journal, the output folder)
+    finish_s: float = 0.0  # after the workers' end: configs, side files, index, manifest (and the upload's commit)
     downloads: dict | None = None  # a Hub input: what was downloaded, reused, the scratch peak (hubfetch)
 
 
@@ -135,6 +138,7 @@ def pack(
     to the Hub as it is final (``hub.live``); its checks (id, token, the Hub's answer) come first.
     A Hub input (``hf://``): its weight files are downloaded just in time into ``scratch`` (default: beside
     the output), at most ``max_scratch`` bytes at once (``sources.hubfetch``); one worker, one stream."""
+    called = time.perf_counter()
     source, output_dir = open_source(input_source), Path(output_dir)
     write.check_output_dir(source.local_path(), output_dir)
     from_hub = provenance(source) is not None
@@ -272,6 +276,8 @@ def pack(
                           in_flight_peak=max((r.in_flight_peak for r in results), default=0),
                           in_flight_limit=max((r.in_flight_limit for r in results), default=0),
                           stream_wall_s=[r.wall_s for r in results],
+                          input_hash_wait_s=max((r.hash_wait_s for r in results), default=0.0),
+                          setup_s=round(t - called, 3), finish_s=round(time.perf_counter() - t - convert_s, 3),
                           downloads=dataclasses.asdict(downloads.stats) if downloads is not None else None,
                           **_device_stats(results))
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,

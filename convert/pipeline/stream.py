@@ -71,6 +71,7 @@ class JobResult:
     pin_s: float = 0.0  # and the seconds that took
     calibration: dict = field(default_factory=dict)  # auto: its worker's calibration thread (Runner.calibration)
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
+    hash_wait_s: float = 0.0  # its worker's seconds, after its streams ended, waiting for the input file hashes
 
 
 @dataclass
@@ -437,9 +438,13 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     ok = False
     try:
         results = [f.result() for f in futs]
+        t = time.perf_counter()
         digests = {f: h.finish() for f, h in files.items()}
         for r, j in zip(results, jobs, strict=True):  # each file's hash reported by the job that owns it
             r.input_hashes = {f: digests[f].result() for f in j.hash_files}
+        hash_wait = round(time.perf_counter() - t, 3)
+        for r, j in zip(results, jobs, strict=True):
+            r.hash_wait_s = hash_wait
             r.from_pipeline = sum(files[f].from_pipeline for f in j.hash_files)
             r.reread = sum(files[f].reread for f in j.hash_files)
         ok = True

@@ -1,0 +1,97 @@
+"""Where `pack --recipe ct-nvfp4-a16` spends a large one-file input's time: the machine's floors (one thread's
+sha256, a cold sequential read of the input) and packs under variants (device, streams, hashing threads), each
+from a cold page cache, with their `--stats`; everything in one JSON.
+
+    python benchmarks/ct_profile.py --input DIR --json FILE [--variant "cpu streams=1" ...]
+
+A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams), ``hash=N`` (the worker's
+hashing threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
+(``$KIMI_CONVERT_STARTUP_READAHEAD``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from compare_speed import evict, measure  # noqa: E402
+
+#: pack with the hashing threads patched (a measurement switch, kept out of the package)
+PATCHED = ("import sys, kimi_convert.pipeline.stream as s; n = int(sys.argv.pop(1)); "
+           "s.default_hash_threads = lambda streams, share: n; from kimi_convert.cli import main; main()")
+
+
+def sha256_rate(threads: int, nbytes: int = 512 << 20) -> float:
+    """GB/s of sha256 over in-memory bytes, ``threads`` chains at once (hashlib releases the GIL)."""
+    data = os.urandom(nbytes)
+    t = time.perf_counter()
+    ts = [threading.Thread(target=lambda: hashlib.sha256(data).digest()) for _ in range(threads)]
+    for x in ts:
+        x.start()
+    for x in ts:
+        x.join()
+    return round(threads * nbytes / 1e9 / (time.perf_counter() - t), 3)
+
+
+def cold_read(folder: Path) -> float:
+    """GB/s of one sequential pass over the folder's files with 16 MB reads, from a cold page cache."""
+    evict(folder)
+    n, t = 0, time.perf_counter()
+    for p in sorted(folder.glob("*.safetensors")):
+        with open(p, "rb", buffering=0) as f:
+            while b := f.read(16 << 20):
+                n += len(b)
+    return round(n / 1e9 / (time.perf_counter() - t), 3)
+
+
+def run_variant(src: Path, spec: str, work: Path) -> dict:
+    device, *sets = spec.split()
+    kv = dict(s.split("=", 1) for s in sets)
+    out, stats = work / "out", work / "stats.json"
+    env = dict(os.environ)
+    if "readahead" in kv:
+        env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
+    args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device,
+            "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
+    cmd = ([sys.executable, "-c", PATCHED, kv["hash"], *args] if "hash" in kv
+           else [sys.executable, "-m", "kimi_convert.cli", *args])
+    evict(src)
+    r = measure(cmd, env, "kimi-convert", spec, "-", 0.1)
+    return {"variant": spec, "wall_s": round(r.wall_s, 2), "cpu_s": round(r.cpu_s, 1),
+            "peak_pss_gb": round(r.peak_pss / 1e9, 2), "stats": json.loads(stats.read_text())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--input", type=Path, required=True)
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--variant", nargs="+", default=["cpu streams=1", "cpu streams=4", "cpu streams=1 hash=8"])
+    a = ap.parse_args()
+    res = {"cpus": os.cpu_count(), "sha256_gbps": {n: sha256_rate(n) for n in (1, 4, 8)},
+           "cold_read_gbps": cold_read(a.input), "runs": []}
+    print(json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
+    with tempfile.TemporaryDirectory(dir=a.input.parent) as work:
+        for spec in a.variant:
+            r = run_variant(a.input, spec, Path(work))
+            res["runs"].append(r)
+            st = r["stats"]
+            print(f"{spec}: wall {r['wall_s']} s, CPU {r['cpu_s']} s, PSS {r['peak_pss_gb']} GB; setup "
+                  f"{st.get('setup_s')} convert {st['convert_s']:.2f} finish {st.get('finish_s')} backend "
+                  f"{st['backend_s']:.2f} hash wait {st.get('input_hash_wait_s')} streams {st['stream_wall_s']}",
+                  flush=True)
+            a.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
