@@ -1,9 +1,10 @@
 #!/bin/bash
 # Issue 24 item 4 on the GPU machine: `pack --recipe ct-nvfp4-a16` against llm-compressor's model_free_ptq
 # (device="cuda") on one 10 GB input file (`synth bench-qwen3-moe --layers 8 --shards 1`: the only layout of
-# this input the peer runs on), in one call: ours with --device auto and cpu (each also with --streams 1, the
-# layout's one stream before streams could share a shard), the peer with max_workers 1; then the same bytes
-# on every device and stream count (a 2.5 GB input: cuda, auto, cpu x streams 1 and 4, `diff -r`).
+# this input the peer runs on), in one call: where ours spends its time (benchmarks/ct_profile.py: the machine's
+# sha256 and cold-read rates, pack variants with their --stats), ours with --device auto and cpu against the
+# peer with max_workers 1 (benchmarks/ct_speed.py); then the same bytes on every device (a 2.5 GB input:
+# cuda, auto, cpu, `diff -r` against the CPU's).
 # Needs, beside this tree: .peer-wheels/ (llm-compressor 0.14.0.1 and what it imports that the machine may
 # lack, downloaded for Python 3.12 with `pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 ...`: the wheels the machine already has are skipped). Logs go to $OUT.
@@ -33,12 +34,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 'transformers', transformers.__version__, 'llmcompressor', llmcompressor.__version__, 'compressed-tensors', ct.__version__)"
 } > "$OUT/machine.log" 2>&1 || { cat "$OUT"/*.log; exit 1; }
 { time python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q8" --layers 8 --shards 1 --overwrite; } > "$OUT/synth.log" 2>&1
-python3 benchmarks/ct_speed.py --input "$W/q8" --device auto cpu --ours-extra "--streams 1" --peer-workers 1 \
-  --peer-device cuda --work "$W/run" --stats-dir "$OUT/stats" --json "$OUT/ct-speed.json" 2>&1 | tee "$OUT/ct-speed.log"
+VARIANTS=("cpu" "auto" "cpu hash=8" "cpu readahead=0")
+python3 benchmarks/ct_profile.py --input "$W/q8" --json "$OUT/ct-profile.json" --variant "${VARIANTS[@]}" 2>&1 | tee "$OUT/ct-profile.log"
+python3 benchmarks/ct_speed.py --input "$W/q8" --device auto cpu --peer-workers 1 \
+  --peer-device cuda --work "$W/run" --json "$OUT/ct-speed.json" 2>&1 | tee "$OUT/ct-speed.log"
 python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q2" --layers 2 --shards 1 --overwrite > /dev/null
 python3 -m kimi_convert.cli pack "$W/q2" "$W/ref" -q --recipe ct-nvfp4-a16 --device cpu --streams 1
-for dev in cuda auto cpu; do for s in 1 4; do
-  python3 -m kimi_convert.cli pack "$W/q2" "$W/o" -q --overwrite --recipe ct-nvfp4-a16 --device $dev --streams $s \
-    --stats "$OUT/stats/q2-$dev-$s.json"
-  if diff -r "$W/ref" "$W/o" > /dev/null; then echo "$dev streams $s: every file identical"; else echo "$dev streams $s: DIFFERENT"; fi
-done; done 2>&1 | tee "$OUT/same-bytes.log"
+for dev in cuda auto cpu; do
+  python3 -m kimi_convert.cli pack "$W/q2" "$W/o" -q --overwrite --recipe ct-nvfp4-a16 --device $dev
+  if diff -r "$W/ref" "$W/o" > /dev/null; then echo "$dev: every file identical"; else echo "$dev: DIFFERENT"; fi
+done 2>&1 | tee "$OUT/same-bytes.log"

@@ -211,8 +211,9 @@ def pack(
             threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                              args=(source, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
                                    ahead)).start()
-        jobs = split_jobs(ckpt, plan, todo, slots, output_dir, source=job_source, hash_inputs=not from_hub,
-                          share=cluster is None and len(devices_) == 1)
+        jobs = split_jobs(ckpt, plan, todo, slots, output_dir, source=job_source, hash_inputs=not from_hub)
+        for job in jobs:  # what the start-up readahead brings into the page cache, the file hashes read at once
+            job.eager = 0 if from_hub else ahead // max(1, len(jobs))
         per_worker = [jobs[k::len(devices_)] for k in range(len(devices_))]  # each worker's streams
         per_worker = [w for w in per_worker if w] or [jobs]
         if cluster is not None:  # --ray: a task per job
@@ -317,19 +318,15 @@ def startup_readahead() -> int:
 
 
 def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path,
-               source: Source | None = None, hash_inputs: bool = True, share: bool = False) -> list[pipeline.Job]:
+               source: Source | None = None, hash_inputs: bool = True) -> list[pipeline.Job]:
     """The shards to write cut into at most ``n`` runs of consecutive shards of about equal input
     bytes (consecutive: a worker then reads whole stretches of input files), and each input file
     given to the worker that reads most of it, which hashes it from its own reads. ``source``: what the
     jobs read (default the checkpoint's); ``hash_inputs`` False: no input file hashed (a Hub input's
-    downloads verify and hash each file as it arrives). ``share``: the jobs are streams of one worker, which
-    may share shards: with fewer shards than ``n`` (one large input file gives one output shard under the
-    source layout), ``n`` streams each compute their deal of every unit (``Job.share``)."""
+    downloads verify and hash each file as it arrives)."""
     units_of: dict[str, list[Unit]] = {s.file: [] for s in plan.shards}
     for u in plan.units:
         units_of[u.shard].append(u)
-    if share and n > 1 and len(todo) < n:
-        return _shared_jobs(ckpt, plan, todo, n, output_dir, source, hash_inputs, units_of)
     weight = [sum(u.nbytes_in for u in units_of[s.file]) for s in todo]
     n = max(1, min(n, len(todo)))
     total, acc, k = sum(weight), 0, 0
@@ -359,17 +356,6 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
                      {f: size for f, size in plan.inputs if owner[f] == i and hash_inputs}, block)
         for i, p in enumerate(parts)
     ]
-
-
-def _shared_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path, source: Source | None,
-                 hash_inputs: bool, units_of: dict[str, list[Unit]]) -> list[pipeline.Job]:
-    """``n`` streams of one worker over the same shards, each computing its deal of their units; the input
-    files' hashes, which every stream feeds, reported by the first."""
-    order = {f: i for i, f in enumerate(ckpt.files)}
-    units = [u for s in todo for u in units_of[s.file]]
-    files = dict(plan.inputs) if hash_inputs else {}
-    return [pipeline.Job(source or ckpt.source, output_dir, list(todo), units, order, files if k == 0 else {},
-                         fp8_block_size(ckpt.config), share=(k, n)) for k in range(n)]
 
 
 def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool, resume: bool,

@@ -10,6 +10,8 @@ folder without its manifest is never mistaken for a finished checkpoint.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from .sources import Source
 
 CHUNK = 16 << 20
+#: Bytes a shard writer lets accumulate in the page cache before it asks the kernel to start writing them back.
+WRITEBACK_EVERY = 64 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
 OWN_FILES = (filenames.MANIFEST, filenames.INDEX, filenames.CONFIG, *formats.config_files(), filenames.JOURNAL,
@@ -134,6 +138,7 @@ class ShardWriter:
         self._pwrite(shard.header[half:], half)
         self.placed = {p.tensor.name: p for p in shard.placed}
         self.written: dict[str, int] = {}
+        self._unflushed = 0
 
     def _error(self, e: OSError) -> ConvertError:
         return ConvertError(f"{self.tmp}: cannot write: {e.strerror or e}; the finished shards are kept, "
@@ -162,7 +167,11 @@ class ShardWriter:
             faults.point("tensor")
             self._pwrite(view[n // 2 :], pos + n // 2)
             pos += n
+            self._unflushed += n
         self.written[name] = self.written.get(name, 0) + pos - p.start - offset
+        if self._unflushed >= WRITEBACK_EVERY:
+            self._unflushed = 0
+            start_writeback(self.fd)
 
     def finish(self) -> None:
         """Check every planned byte was written, flush, and move the file to its final name."""
@@ -184,6 +193,28 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
+
+
+@functools.cache
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None: Python's ``os`` has no binding for it."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages to disk now (``SYNC_FILE_RANGE_WRITE``: it does
+    not wait for them), so that a shard's closing fsync finds little left to write: on the H200 machine that
+    fsync of a 2.9 GB shard took 1.2-2.0 s at the end of the stream, after the last byte (issue 24's GPU
+    figures). A no-op where the call does not exist; a failure is left to the fsync, which reports it."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: the whole file, no waiting
 
 
 @dataclass(frozen=True)

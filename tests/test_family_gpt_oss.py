@@ -275,6 +275,7 @@ def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path, monkeypatch
     from kimi_convert.plan import Options
 
     monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 0)
+    monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")  # (pack's eager share of the readahead: none)
     monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
     monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
     monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)

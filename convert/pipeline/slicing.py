@@ -49,22 +49,6 @@ def is_pass_through(unit: Unit) -> bool:
         encodings.as_stored(s) for s in unit.items[0].sources)
 
 
-def deal(units: list[Unit], n: int) -> list[int]:
-    """Which of ``n`` streams computes each unit, when the streams share their shards (``pack.split_jobs``: an
-    input of fewer shards than streams). Each unit, in plan order, goes to the stream with the fewest input
-    bytes so far (the lowest-numbered on a tie): every stream then advances through the files at about the
-    same pace, so their reads together run front to back and the shared file hashes (an input file's, an
-    output shard's) get their bytes nearly in order. A pure function of the units: each stream computes the
-    same deal."""
-    load = [0] * max(1, n)
-    out = []
-    for u in units:
-        k = min(range(len(load)), key=lambda i: (load[i], i))
-        out.append(k)
-        load[k] += u.nbytes_in
-    return out
-
-
 def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:
     """The units cut into pieces: pass-through units in slices, the others whole (their reads in
     file order, so that file hashes mostly advance without holding anything)."""

@@ -20,7 +20,7 @@ from ..manifest import write_records
 from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
 from .budgets import Shared, default_hash_threads, pc_cost, return_freed_memory
-from .slicing import Piece, PieceKind, deal, pieces
+from .slicing import Piece, PieceKind, pieces
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,13 +47,9 @@ class Job:
     file_order: dict[str, int]
     hash_files: dict[str, int]  # input file -> size: the files whose sha256 this stream computes
     block: tuple[int, int]
-    #: (k, n): this stream computes the units ``slicing.deal`` gives stream k of n, which share these shards
-    #: (``pack.split_jobs``: an input of fewer shards than streams); (0, 1): every unit of its shards.
-    share: tuple[int, int] = (0, 1)
-
-    def own_units(self) -> list[Unit]:
-        k, n = self.share
-        return self.units if n == 1 else [u for u, i in zip(self.units, deal(self.units, n), strict=True) if i == k]
+    #: Bytes at the start of its reads its file hashes read themselves, at once, if more than EAGER_HASH (pack:
+    #: its share of the start-up readahead, which brings them into the page cache)
+    eager: int = 0
 
 
 @dataclass
@@ -71,13 +67,14 @@ class JobResult:
     pin_s: float = 0.0  # and the seconds that took
     calibration: dict = field(default_factory=dict)  # auto: its worker's calibration thread (Runner.calibration)
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
-    hash_wait_s: float = 0.0  # its worker's seconds, after its streams ended, waiting for the input file hashes
+    hash_wait_s: float = 0.0  # its seconds, once its shards were written, waiting for its input files' hashes
 
 
 @dataclass
 class _ShardState:
     writer: write.ShardWriter
     file_hash: FileHasher
+    units_left: int
     tensors: dict[str, Future] = field(default_factory=dict)
     sources: dict[str, Future] = field(default_factory=dict)
     notes: dict[str, dict] = field(default_factory=dict)
@@ -102,8 +99,9 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
     """Per shard, the byte ranges the writer hands to the shard's file hash: the header, each
     computed tensor whole, each pass-through slice."""
     out = {f: [(0, len(s.header))] for f, s in shards.items()}
+    where = {f: {p.tensor.name: p for p in s.placed} for f, s in shards.items()}  # once a shard, not a piece
     for pc in mine:
-        placed = {p.tensor.name: p for p in shards[pc.unit.shard].placed}
+        placed = where[pc.unit.shard]
         if pc.kind is PieceKind.COPY:
             start = placed[pc.unit.items[0].outputs[0].name].start + pc.copy_at
             out[pc.unit.shard].append((start, start + pc.nbytes))
@@ -113,97 +111,37 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
     return out
 
 
-class ShardTable:
-    """A worker's output shards, shared by its streams. A shard is one stream's unless ``pack.split_jobs``
-    dealt its units over several (an input of fewer shards than streams): then the first to reach it opens
-    it, each writes its own units into it, every range written feeds its one file hash, and the stream that
-    stores its last unit finishes it. Thread-safe."""
-
-    def __init__(self, jobs: list[Job], mine: list[list[Piece]]):
-        self.shard_of = {s.file: s for j in jobs for s in j.shards}
-        self.units_of: dict[str, list[Unit]] = {}  # every unit of each shard, in plan order
-        for j in jobs:
-            theirs: dict[str, list[Unit]] = {s.file: [] for s in j.shards if s.file not in self.units_of}
-            for u in j.units:
-                if u.shard in theirs:
-                    theirs[u.shard].append(u)
-            self.units_of.update(theirs)
-        self.written = _write_ranges([pc for ps in mine for pc in ps], self.shard_of)
-        self._left = {f: len(us) for f, us in self.units_of.items()}
-        self._opened: dict[str, Future] = {}
-        self._lock = threading.Lock()
-
-    def open(self, file: str, make: Callable[[Shard, list[tuple[int, int]]], _ShardState]) -> _ShardState:
-        """The shard's state, made by ``make`` (which may wait: ``Shared.admit``) by the first stream to ask;
-        the others wait for it."""
-        with self._lock:
-            fut = self._opened.get(file)
-            first = fut is None
-            if first:
-                fut = self._opened[file] = Future()
-        if not first:
-            return fut.result()
-        try:
-            st = make(self.shard_of[file], self.written[file])
-        except BaseException as e:
-            fut.set_exception(e)
-            raise
-        fut.set_result(st)
-        return st
-
-    def unit_stored(self, file: str) -> bool:
-        """One more of the shard's units written and hashed; True for the last one (its stream finishes it)."""
-        with self._lock:
-            self._left[file] -= 1
-            return self._left[file] == 0
-
-    def abort(self) -> None:
-        """Close every shard still open (a failed or stopped pack leaves their ``.partial`` files)."""
-        with self._lock:
-            opened = list(self._opened.values())
-        for fut in opened:
-            if fut.done() and fut.exception() is None:
-                fut.result().writer.abort()
-
-
-def input_hashes(jobs: list[Job], mine: list[list[Piece]], shared: Shared) -> dict[str, FileHasher]:
-    """The file hashes of a worker's jobs' ``hash_files``, each fed by every stream that reads the file (its
-    other bytes the hash reads itself). The first ``EAGER_HASH`` bytes of each stream's reads (shared out
-    when the streams share their shards) are left to the hashes themselves, at once: a file's sha256 is a
-    sequential chain, and this starts it while torch loads, from the page cache the start-up readahead fills
-    (one disk read either way)."""
-    sizes = {f: n for j in jobs for f, n in j.hash_files.items()}
-    expected: dict[str, list[tuple[int, int]]] = {f: [] for f in sizes}
-    for j, ps in zip(jobs, mine, strict=True):
-        eager = EAGER_HASH // j.share[1]
-        for pc in ps:
-            for r in pc.reads:
-                if eager > 0:
-                    eager -= r.hi - r.lo
-                elif r.part.file in expected:
-                    expected[r.part.file].append(r.file_range)
-    source = {f: j.source for j in jobs for f in j.hash_files}
-    return {f: FileHasher(f, size, disjoint(expected[f]), shared.hash_pool, shared.hold, shared.stop,
-                          source=source[f]) for f, size in sizes.items()}
-
-
 class Stream:
     def __init__(self, job: Job, mine: list[Piece], shared: Shared, device: Device,
-                 on_shard: Callable[[str, ShardRecord], None], on_progress: Callable[[int], None],
-                 files: dict[str, FileHasher], table: ShardTable):
-        """``files``: the worker's input file hashes (``input_hashes``), fed from this stream's reads;
-        ``table``: the worker's output shards."""
+                 on_shard: Callable[[str, ShardRecord], None], on_progress: Callable[[int], None]):
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
         self.reader = PreadReader(job.source)
         self.next_compute = 0  # the piece the compute thread needs next
-        self.files, self.table = files, table
+        # The first EAGER_HASH (or job.eager) bytes of the stream's reads are hashed for their files by the
+        # hashers themselves, at once: a file's sha256 is a sequential chain (1.4 GB/s a core on the H200
+        # machine, the slowest stage of one large input file), and this starts it while torch loads (1.6-4 s
+        # there), from the page cache the start-up readahead fills (one disk read either way). Past them the
+        # stream's reads feed it; those that come too far ahead of it are read again from the page cache.
+        expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
+        eager = max(EAGER_HASH, job.eager)
+        for pc in self.pieces:
+            for r in pc.reads:
+                if eager > 0:
+                    eager -= r.hi - r.lo
+                elif r.part.file in expected:
+                    expected[r.part.file].append(r.file_range)
+        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.hash_pool, shared.hold, self.stop,
+                                    source=job.source) for f, size in job.hash_files.items()}
+        self.shard_of = {s.file: s for s in job.shards}
+        self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
-        self.open: dict[str, _ShardState] = {}  # the shards this stream is writing its units into
-        self._mine_left: dict[str, int] = defaultdict(int)  # this stream's units still to store, per shard
-        for pc in mine:
-            self._mine_left[pc.unit.shard] += pc.last
+        self.units_of: dict[str, list[Unit]] = {s.file: [] for s in job.shards}  # in plan order
+        for u in job.units:
+            self.units_of[u.shard].append(u)
+        self.units_per_shard = {f: len(us) for f, us in self.units_of.items()}
+        self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
         self.runner: Runner | None = None
         self.seconds: dict[str, float] = defaultdict(float)  # time each stage spent, for --stats
@@ -283,7 +221,13 @@ class Stream:
         file = pc.unit.shard
         st = self.open.get(file)
         if st is None:
-            st = self.open[file] = self.table.open(file, self._make_shard)
+            shard = self.shard_of[file]
+            if self.shared.admit is not None:
+                self.shared.admit(not self.open, self.stop)
+            w = write.ShardWriter(self.job.output_dir, shard)
+            st = self.open[file] = _ShardState(w, FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool,
+                                                             self.shared.hold, self.stop), self.units_per_shard[file])
+            st.file_hash.offer(0, [shard.header])
         st.sources.update(digests)
         st.notes.update(notes)
         single = pc.kind is PieceKind.COPY and len(pc.unit.parts) == 1
@@ -311,27 +255,12 @@ class Stream:
         if base is not None:
             self.shared.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
         self.on_progress(pc.nbytes)
-        if pc.last and self.table.unit_stored(file):
-            finishing.append(finisher.submit(self.finish_shard, file, st))
-        if pc.last and self._last_of_mine(pc):
-            del self.open[file]
+        if pc.last:
+            st.units_left -= 1
+            if st.units_left == 0:
+                del self.open[file]
+                finishing.append(finisher.submit(self.finish_shard, file, st))
         return held
-
-    def _make_shard(self, shard: Shard, written: list[tuple[int, int]]) -> _ShardState:
-        """A shard opened: its file created (after ``Shared.admit``: ``wait`` when this stream has no other shard
-        open, so waiting cannot hold one up), its header written and offered to its file hash."""
-        if self.shared.admit is not None:
-            self.shared.admit(not self.open, self.stop)
-        w = write.ShardWriter(self.job.output_dir, shard)
-        st = _ShardState(w, FileHasher(w.tmp, shard.size, written, self.hash_pool, self.shared.hold, self.stop))
-        st.file_hash.offer(0, [shard.header])
-        return st
-
-    def _last_of_mine(self, pc: Piece) -> bool:
-        """Whether ``pc`` ends this stream's last unit in its shard."""
-        later = self._mine_left.get(pc.unit.shard, 0) - 1
-        self._mine_left[pc.unit.shard] = later
-        return later == 0
 
     def finish_shard(self, file: str, st: _ShardState) -> None:
         t = time.perf_counter()
@@ -339,17 +268,17 @@ class Stream:
         t = self._clock("finish: shard sha256", t)
         settle = getattr(self.job.source, "settle", None)  # a source read before its bytes are verified (a Hub
         if settle is not None:  # input's downloads): the shard is finished only from verified inputs
-            settle(sorted({p.file for u in self.table.units_of[file] for p in u.parts}))
+            settle(sorted({p.file for u in self.units_of[file] for p in u.parts}))
             t = self._clock("finish: wait for the inputs' verification", t)
         st.writer.finish()
         t = self._clock("finish: fsync and rename", t)
         faults.point("shard")
-        records = write_records(self.job.output_dir, file, self.table.units_of[file],
+        records = write_records(self.job.output_dir, file, self.units_of[file],
                                 {k: f.result() for k, f in st.tensors.items()},
                                 {k: f.result() for k, f in st.sources.items()}, st.notes)
         self._clock("finish: manifest records", t)
         cast = [n for n in st.notes.values() if n.get("method") == "mxfp4-cast"]
-        rec = ShardRecord(size=self.table.shard_of[file].size, sha256=sha, records_size=records.size,
+        rec = ShardRecord(size=self.shard_of[file].size, sha256=sha, records_size=records.size,
                           records_sha256=records.sha256, modules=records.modules,
                           cast_blocks=sum(n["blocks"] for n in cast),
                           cast_lossless=sum(n["lossless_blocks"] for n in cast))
@@ -387,19 +316,25 @@ class Stream:
                 writing.popleft().result()
             for f in list(finishing):
                 f.result()
+            t = time.perf_counter()
+            hashes = {f: h.finish() for f, h in self.files.items()}
+            done = {f: fut.result() for f, fut in hashes.items()}
+            hash_wait = round(time.perf_counter() - t, 3)
         except BaseException:
             self.stop.set()
             faults.release()
             for ex in (reads, writes, finisher):
                 ex.shutdown(wait=True, cancel_futures=True)
-            self.table.abort()
+            for st in self.open.values():
+                st.writer.abort()
             self.reader.close()
             raise
         for ex in (reads, writes, finisher):
             ex.shutdown()
         self.reader.close()
-        # the input hashes: filled in by run_jobs once every stream has fed them
-        return JobResult({}, 0, 0, stages=dict(self.seconds), wall_s=round(time.perf_counter() - start, 3))
+        return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
+                         sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
+                         wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait)
 
 
 def _nothing(reuse: bool = True) -> None:
@@ -421,7 +356,7 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     worker may use (its C kernel's threads, and the bound on its hashing threads)."""
     stop = stop or threading.Event()
     return_freed_memory()
-    mine = [pieces(j.own_units(), j.file_order) for j in jobs]
+    mine = [pieces(j.units, j.file_order) for j in jobs]
     shared = Shared(mine, threads, default_hash_threads(len(jobs), threads), stop)
     shared.admit = admit
     lock = threading.Lock()
@@ -430,28 +365,16 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
         with lock:
             on_shard(f, rec)
 
-    files, table = input_hashes(jobs, mine, shared), ShardTable(jobs, mine)
-    streams = [Stream(j, ps, shared, device, report, on_progress, files, table)
-               for j, ps in zip(jobs, mine, strict=True)]
+    streams = [Stream(j, ps, shared, device, report, on_progress) for j, ps in zip(jobs, mine, strict=True)]
     pool = ThreadPoolExecutor(len(streams), thread_name_prefix="kimi-convert-stream")
     futs = [pool.submit(s.run) for s in streams]
     ok = False
     try:
         results = [f.result() for f in futs]
-        t = time.perf_counter()
-        digests = {f: h.finish() for f, h in files.items()}
-        for r, j in zip(results, jobs, strict=True):  # each file's hash reported by the job that owns it
-            r.input_hashes = {f: digests[f].result() for f in j.hash_files}
-        hash_wait = round(time.perf_counter() - t, 3)
-        for r, j in zip(results, jobs, strict=True):
-            r.hash_wait_s = hash_wait
-            r.from_pipeline = sum(files[f].from_pipeline for f in j.hash_files)
-            r.reread = sum(files[f].reread for f in j.hash_files)
         ok = True
     except BaseException:  # a stream failed, or Ctrl-C reached this thread: every stream stops
         stop.set()
         faults.release()
-        table.abort()
         raise
     finally:
         pool.shutdown(wait=True)
