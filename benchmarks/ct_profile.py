@@ -6,7 +6,8 @@ from a cold page cache, with their `--stats`; everything in one JSON.
 
 A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams), ``hash=N`` (the worker's
 hashing threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
-(``$KIMI_CONVERT_STARTUP_READAHEAD``).
+(``$KIMI_CONVERT_STARTUP_READAHEAD``: also each stream's file-hash lead), ``lead=BYTES`` (the least lead of a
+stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ sys.path.insert(0, str(HERE))
 
 from compare_speed import evict, measure  # noqa: E402
 
-#: pack with the hashing threads patched (a measurement switch, kept out of the package)
-PATCHED = ("import sys, kimi_convert.pipeline.stream as s; n = int(sys.argv.pop(1)); "
-           "s.default_hash_threads = lambda streams, share: n; from kimi_convert.cli import main; main()")
+#: pack with the hashing threads and the least hash lead patched (measurement switches, kept out of the package;
+#: -1: as the package has it)
+PATCHED = ("import sys, kimi_convert.pipeline.stream as s; n, lead = int(sys.argv.pop(1)), int(sys.argv.pop(1))\n"
+           "if n >= 0: s.default_hash_threads = lambda streams, share: n\n"
+           "if lead >= 0: s.EAGER_HASH = lead\n"
+           "from kimi_convert.cli import main; main()")
 
 
 def sha256_rate(threads: int, nbytes: int = 512 << 20) -> float:
@@ -63,8 +67,8 @@ def run_variant(src: Path, spec: str, work: Path) -> dict:
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
-    cmd = ([sys.executable, "-c", PATCHED, kv["hash"], *args] if "hash" in kv
-           else [sys.executable, "-m", "kimi_convert.cli", *args])
+    cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), *args]
+           if "hash" in kv or "lead" in kv else [sys.executable, "-m", "kimi_convert.cli", *args])
     evict(src)
     r = measure(cmd, env, "kimi-convert", spec, "-", 0.1)
     return {"variant": spec, "wall_s": round(r.wall_s, 2), "cpu_s": round(r.cpu_s, 1),

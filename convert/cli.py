@@ -106,7 +106,9 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
     sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""
-    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}; "
+    given = {"layers": layers, "experts": experts, "shards": shards}  # the description gives the preset's own
+    changed = "".join(f" {k}={v}" for k, v in given.items() if v is not None)
+    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}{f' (changed:{changed})' if changed else ''}; "
                f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 

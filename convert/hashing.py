@@ -36,8 +36,10 @@ class SerialHasher:
     it may reuse or drop the buffer. At most one pool thread works on a stream at a time (no thread
     ever blocks waiting for its turn)."""
 
-    def __init__(self, pool: Executor):
+    def __init__(self, pool: Executor, on_idle: Callable[[], None] | None = None):
+        """``on_idle``: called on the pool thread each time the queue runs dry (it may feed more)."""
         self._pool = pool
+        self._on_idle = on_idle
         self._h = hashlib.sha256()
         self._lock = threading.Lock()
         self._queue: deque[tuple[object, Future]] = deque()
@@ -64,7 +66,7 @@ class SerialHasher:
             with self._lock:
                 if not self._queue:
                     self._running = False
-                    return
+                    break
                 data, fut = self._queue.popleft()
             try:
                 if self._error is not None:
@@ -80,6 +82,8 @@ class SerialHasher:
             except BaseException as e:  # handed to whoever waits on the future
                 self._error = e
                 fut.set_exception(e)
+        if self._on_idle is not None and self._error is None:
+            self._on_idle()
 
 
 class FileHasher:
@@ -90,15 +94,24 @@ class FileHasher:
     of the cursor is held while the hold budget allows, else dropped and later read again from the
     file; bytes nobody offers (the header, tensors this worker does not convert) are read from the
     file when the cursor reaches them. The digest is the file's sha256 whatever the order of offers.
+
+    ``may_take(start)``: whether the hash may read the expected range at ``start`` from the file itself
+    when it would otherwise wait for it (its queue ran dry there, nothing offered yet): a sha256 is one
+    sequential chain, the slowest stage of one large input file (1.4 GB/s a core), and a pipeline stalled
+    behind it (torch loading, a GPU starting) must not stall the chain too. The pipeline's later read of a
+    range taken so comes from the page cache (one disk read either way); the caller bounds how far ahead
+    of its own reads (what the page cache holds for it).
     """
 
     def __init__(self, path: str | os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
-                 budget: HoldBudget, stop: threading.Event | None = None, *, source: Source | None = None):
+                 budget: HoldBudget, stop: threading.Event | None = None, *, source: Source | None = None,
+                 may_take: Callable[[int], bool] | None = None):
         """``path``: a local file (an output shard being written), or with ``source`` the name of an input
         file in it (read through the source: the gaps the pipeline does not read)."""
         self.path, self.source = path, source
         self.size = size
-        self._hasher = SerialHasher(pool)
+        self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle)
+        self._may_take = may_take
         self._lock = threading.Lock()
         self._ends = {a: b for a, b in expected if b > a}
         self._starts = sorted(self._ends)  # still to be offered, or held
@@ -142,6 +155,17 @@ class FileHasher:
             if self._done is None:
                 self._done = self._hasher.hexdigest()
             return self._done
+
+    def _on_idle(self) -> None:
+        """The hash ran dry: take the range it waits for from the file, where ``may_take`` allows."""
+        with self._lock:
+            c = self._cursor
+            if self._done is not None or c not in self._ends or c in self._held or not self._may_take(c):
+                return
+            end = self._ends[c]
+            self._forget(c)  # offered later: not expected any more, the buffer is not kept
+            self._feed(_reader(self.path, c, end, self._stop, self.source), end - c, pipeline=False)
+            self._advance()
 
     def _forget(self, start: int) -> None:
         del self._ends[start]
@@ -196,6 +220,9 @@ def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, so
             while pos < hi:
                 if stop.is_set():
                     raise Stopped(shown)
+                # the next chunks start coming while this one is hashed (a cold file: the disk and the
+                # sha256 overlap instead of taking turns)
+                f.will_need(pos + CHUNK, min(2 * CHUNK, max(0, hi - pos - CHUNK)))
                 block = f.read_range(pos, min(CHUNK, hi - pos))
                 if not block:
                     raise OSError(f"{shown}: file shorter than its header says")

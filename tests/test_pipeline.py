@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,6 +75,33 @@ def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, 
         assert fh.reread == gaps
     elif budget == 0:
         assert fh.from_pipeline <= sum(b - a for a, b in expected)
+
+
+def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_path, pool):
+    """A hash whose queue runs dry at a range not offered reads it itself (a stalled pipeline does not stall
+    the chain), but never a range ``may_take`` refuses: that one waits for its offer."""
+    data = random.Random(7).randbytes(50_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    expected = [(100 + 1000 * i, 1100 + 1000 * i) for i in range(40)]  # header 0-100, gaps none, tail 40100-
+    asked: list[int] = []
+
+    def may_take(start: int) -> bool:
+        asked.append(start)
+        return start < 20_100
+
+    fh = FileHasher(path, len(data), expected, pool, HoldBudget(0), may_take=may_take)
+    deadline = time.monotonic() + 10
+    while 20_100 not in asked and time.monotonic() < deadline:  # nothing offered: it runs up to the refusal
+        time.sleep(0.01)
+    assert fh.reread == 20_100 and fh.from_pipeline == 0
+    assert fh.offer(5100, [data[5100:6100]]) == (None, False)  # taken already: not held, not hashed again
+    fut, held = fh.offer(20_100, [data[20_100:21_100]])  # the refused range: from the pipeline
+    assert fut is not None and not held
+    fut.result()
+    assert fh.from_pipeline == 1000
+    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.from_pipeline + fh.reread == len(data)
 
 
 def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):

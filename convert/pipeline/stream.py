@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
-#: Bytes at the start of each stream whose file hashes do not wait for the pipeline (see Stream).
+#: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
 EAGER_HASH = 1 << 30
 
 
@@ -47,8 +47,8 @@ class Job:
     file_order: dict[str, int]
     hash_files: dict[str, int]  # input file -> size: the files whose sha256 this stream computes
     block: tuple[int, int]
-    #: Bytes at the start of its reads its file hashes read themselves, at once, if more than EAGER_HASH (pack:
-    #: its share of the start-up readahead, which brings them into the page cache)
+    #: Bytes ahead of its reads its file hashes may read themselves, if more than EAGER_HASH (pack: its share
+    #: of the start-up readahead, which brings them into the page cache)
     eager: int = 0
 
 
@@ -119,21 +119,29 @@ class Stream:
         self.hash_pool = shared.hash_pool
         self.reader = PreadReader(job.source)
         self.next_compute = 0  # the piece the compute thread needs next
-        # The first EAGER_HASH (or job.eager) bytes of the stream's reads are hashed for their files by the
-        # hashers themselves, at once: a file's sha256 is a sequential chain (1.4 GB/s a core on the H200
-        # machine, the slowest stage of one large input file), and this starts it while torch loads (1.6-4 s
-        # there), from the page cache the start-up readahead fills (one disk read either way). Past them the
-        # stream's reads feed it; those that come too far ahead of it are read again from the page cache.
+        # A file hash reads a range the stream reads itself when its chain would otherwise wait for the stream
+        # (``hashing.FileHasher``'s ``may_take``), up to EAGER_HASH (or job.eager) bytes ahead of the stream's
+        # reads: a file's sha256 is one sequential chain (1.4 GB/s a core on the H200 machine, the slowest
+        # stage of one large input file), which so runs on while torch loads (1.6-5 s there) and the stream
+        # waits; the start-up readahead brings those bytes into the page cache, where the stream's own reads
+        # find them later.
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
-        eager = max(EAGER_HASH, job.eager)
+        at: dict[tuple[str, int], int] = {}  # (file, start) -> the stream's bytes read before that range
+        pos = 0
         for pc in self.pieces:
             for r in pc.reads:
-                if eager > 0:
-                    eager -= r.hi - r.lo
-                elif r.part.file in expected:
+                if r.part.file in expected:
                     expected[r.part.file].append(r.file_range)
+                    at.setdefault((r.part.file, r.file_range[0]), pos)
+                pos += r.hi - r.lo
+        self.read_pos = 0  # bytes the stream has read (the reader thread's count)
+        lead = max(EAGER_HASH, job.eager)
+
+        def may_take(file: str) -> Callable[[int], bool]:
+            return lambda start: at[(file, start)] < self.read_pos + lead
+
         self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.hash_pool, shared.hold, self.stop,
-                                    source=job.source) for f, size in job.hash_files.items()}
+                                    source=job.source, may_take=may_take(f)) for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
@@ -169,6 +177,7 @@ class Stream:
         for r in pc.reads:
             buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
             off += r.hi - r.lo
+            self.read_pos += r.hi - r.lo
             bufs[f"{r.part.name}@{r.lo}" if pc.kind is PieceKind.COPY else r.part.name] = buf
             h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool))
             feeds.append(h.feed(buf))
