@@ -522,6 +522,29 @@ def test_planted_numeric_defects_are_each_named(engine, outputs, inputs, tmp_pat
 
 
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_sglang_unequal_qkv_a_scales_fail(engine, outputs, inputs, tmp_path):
+    """kv_a_proj_with_mqa's weight_scale_2 made unequal to q_a_proj's: SGLang would drop it and read kv_a's rows
+    with q_a's scale, so the rule it drops it by does not hold, and the check fails naming it."""
+    if engine != "sglang":
+        pytest.skip("SGLang's rule (deepseek_weight_loader.py do_load_weights)")
+    base = outputs["ds"]
+    assert isinstance(base, Path), f"pack failed: {base}"
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_2"
+
+    def double(tensors):
+        tensors[name] = tensors[name] * 2
+
+    bad = tmp_path / "ds-unequal-qkv-a"
+    _edit_output(base, bad, {name: double})
+    from kimi_convert.enginecheck import check
+
+    rep = check(bad, engine, source=inputs["ds"])
+    assert not rep.loads and not rep.ok, rep.verdict
+    assert [t["tensor"] for t in rep.rule_broken] == [name], rep.verdict
+    assert "does not hold" in rep.verdict and "NOT equal" in rep.verdict
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
 def test_checkpoint_without_manifest_checked_by_name(engine, outputs, inputs, tmp_path):
     """Anyone's checkpoint: the K3 output with its manifest removed (NVIDIA's layout, byte for byte) is
     matched to the source by tensor name, and the numeric check finds what it finds with the manifest."""
