@@ -97,12 +97,11 @@ OUTPUTS = {
     "glm-vllm": ("glm", None, "vllm", ("vllm",)),  # qkv_proj (with its bias), gate_up_proj fused on disk
     "kl-ct": ("kl", "ct-nvfp4-a16", "source", ENGINES),  # compressed-tensors' format (docs/compressed-tensors.md)
     "qw-ct": ("qw", "ct-nvfp4-a16", "source", ENGINES),  # and its attention layers' KV-cache placeholders
-    # DeepSeek V3 / Kimi K2 (FP8 source decoded, nvfp4-w4a16): vLLM only so far. SGLang loads them but its
-    # deepseek_weight_loader cats q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa, which the
-    # load observer sees as one derived tensor (its numeric placement covers all 320 rows for each member),
-    # and it drops kv_a's weight_scale_2 (equal to q_a's: one shared scale). docs/families.md, "left".
-    "ds": ("ds", None, "source", ("vllm",)),
-    "k2": ("k2", None, "source", ("vllm",)),
+    # DeepSeek V3 / Kimi K2 (FP8 source decoded, nvfp4-w4a16). SGLang's deepseek_weight_loader cats q_a_proj +
+    # kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa (the tracker places each member's rows) and drops kv_a's
+    # weight_scale_2 by its rule, checked equal to q_a's (RULE_DROPPED; docs/families.md, "DeepSeek V3")
+    "ds": ("ds", None, "source", ENGINES),
+    "k2": ("k2", None, "source", ENGINES),
     # SGLang refuses it: its deepseek loader cats q_a/kv_a's [1] weight_global_scale into a [1] parameter
     # (linear.py:376 assert; docs/compressed-tensors.md)
     "ds-ct": ("ds", "ct-nvfp4-a16", "source", ("vllm",)),
@@ -284,6 +283,24 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
     assert layers and rep["skipped"], describe(rep)
 
 
+#: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
+#: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
+RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2")}
+
+
+def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
+    """What the engine dropped by a rule is what RULE_DROPPED names, one a layer, and nothing else."""
+    import re
+
+    names = [t["tensor"] for t in rep.get("rule_dropped", [])]
+    rx = RULE_DROPPED.get((OUTPUTS[key][0], engine))
+    if rx is None:
+        assert not names, names
+        return
+    assert names and all(re.search(rx, n) for n in names), names
+    assert len({n.split(".")[2] for n in names}) == len(names), names
+
+
 #: Outputs an engine refuses for a reason in the engine, and the assertion of exactly that refusal.
 REFUSED = {("gpt", "vllm"): _vllm_refuses_gpt_oss, ("gpt", "sglang"): _sglang_refuses_gpt_oss}
 
@@ -305,6 +322,7 @@ def test_output_loads(key, engine, outputs, inputs):
     assert not rep["unfilled"] and not rep["skipped"] and not rep["bad_casts"] and rep["error"] is None, \
         describe(rep)
     assert_mtp_only(OUTPUTS[key][0], rep)
+    assert_rule_dropped(key, engine, rep)
     num = rep["numerics"]
     assert num is not None and num["layers"], describe(rep)
     quantized = {k for k, v in num["summary"].items() if v["layers"]} - {"dense"}
@@ -501,6 +519,29 @@ def test_planted_numeric_defects_are_each_named(engine, outputs, inputs, tmp_pat
     named = (*(t for t, _, _ in defects.values()), defects["w1-w3-swapped"][0].replace(".w1.", ".w3."))
     others = [p for p in probs if not any(f"from {t}" in p for t in named) and not (known and known in p)]
     assert not others, others
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_sglang_unequal_qkv_a_scales_fail(engine, outputs, inputs, tmp_path):
+    """kv_a_proj_with_mqa's weight_scale_2 made unequal to q_a_proj's: SGLang would drop it and read kv_a's rows
+    with q_a's scale, so the rule it drops it by does not hold, and the check fails naming it."""
+    if engine != "sglang":
+        pytest.skip("SGLang's rule (deepseek_weight_loader.py do_load_weights)")
+    base = outputs["ds"]
+    assert isinstance(base, Path), f"pack failed: {base}"
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_2"
+
+    def double(tensors):
+        tensors[name] = tensors[name] * 2
+
+    bad = tmp_path / "ds-unequal-qkv-a"
+    _edit_output(base, bad, {name: double})
+    from kimi_convert.enginecheck import check
+
+    rep = check(bad, engine, source=inputs["ds"])
+    assert not rep.loads and not rep.ok, rep.verdict
+    assert [t["tensor"] for t in rep.rule_broken] == [name], rep.verdict
+    assert "does not hold" in rep.verdict and "NOT equal" in rep.verdict
 
 
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)

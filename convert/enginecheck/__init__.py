@@ -131,6 +131,8 @@ class Report:
     allowed_unfilled: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
     mtp_skipped: list[dict] = field(default_factory=list)  # MTP-layer tensors the main model drops by its own rule
+    rule_dropped: list[dict] = field(default_factory=list)  # dropped by an engine rule whose condition holds
+    rule_broken: list[dict] = field(default_factory=list)  # dropped by an engine rule whose condition fails here
     bad_casts: list[dict] = field(default_factory=list)
     widening_casts: list[dict] = field(default_factory=list)
     source_casts: list[dict] = field(default_factory=list)  # narrowing of tensors copied unchanged from the input
@@ -147,7 +149,8 @@ class Report:
 
     @property
     def loads(self) -> bool:
-        return self.loaded and not (self.unfilled or self.skipped or self.bad_casts or self.observer_errors)
+        return self.loaded and not (self.unfilled or self.skipped or self.bad_casts or self.observer_errors
+                                    or self.rule_broken)
 
     @property
     def ok(self) -> bool:
@@ -198,6 +201,9 @@ class Report:
             if self.mtp_skipped:
                 extra += (f"; {len(self.mtp_skipped)} MTP-layer tensor(s) left to the engine's MTP model (its main "
                           "model drops them by its own rule)")
+            if self.rule_dropped:
+                extra += (f"; {len(self.rule_dropped)} tensor(s) dropped by the engine's own rule, its condition "
+                          f"checked (first: {self.rule_dropped[0]['why']})")
             return (f"{head}: {where} loads as {arch}: all {self.params} parameters filled from {self.offered} "
                     f"tensors, none skipped, no bad cast{extra}")
         parts = []
@@ -205,6 +211,9 @@ class Report:
             parts.append(f"{len(self.unfilled)} unfilled parameter(s) (first: {self.unfilled[0]['param']})")
         if self.skipped:
             parts.append(f"{len(self.skipped)} skipped tensor(s) (first: {self.skipped[0]['tensor']})")
+        if self.rule_broken:
+            parts.append(f"{len(self.rule_broken)} tensor(s) dropped by an engine rule that does not hold here "
+                         f"(first: {self.rule_broken[0]['tensor']}: {self.rule_broken[0]['why']})")
         if self.bad_casts:
             c = self.bad_casts[0]
             parts.append(f"{len(self.bad_casts)} bad cast(s) (first: {c['tensor']} {c['from']} -> {c['to']} "
@@ -279,7 +288,8 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
             rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), source, out).to_dict()
             compare_s = round(time.perf_counter() - t1, 2)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
-              "allowed_unfilled", "skipped", "mtp_skipped", "bad_casts", "widening_casts", "created_during_load",
+              "allowed_unfilled", "skipped", "mtp_skipped", "rule_dropped", "rule_broken",
+              "bad_casts", "widening_casts", "created_during_load",
               "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])

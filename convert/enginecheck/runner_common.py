@@ -112,6 +112,28 @@ def _key(t: torch.Tensor) -> int | None:
         return None
 
 
+def _part(t: torch.Tensor, lo: int, hi: int, sp: tuple) -> tuple[int | None, tuple[int, int, int] | None]:
+    """What a read of ``t`` (bytes [lo, hi) of its storage) takes of the checkpoint tensor at span ``sp``: the
+    byte offset read in that tensor (None where derived from all of it) and, where the read holds more than the
+    tensor (a ``cat`` of several), the rows of ``t`` that hold it (first, end, rows of ``t``; None: all)."""
+    a, b = max(lo, sp[0]), min(hi, sp[1])
+    origin = None if sp[2] is None else sp[2] + a - sp[0]
+    if (a, b) == (lo, hi) or not t.dim() or not t.is_contiguous() or not t.shape[0]:
+        return origin, None
+    row = (hi - lo) // t.shape[0]
+    if not row or (a - lo) % row or (b - lo) % row:
+        return origin, None
+    return origin, ((a - lo) // row, (b - lo) // row, t.shape[0])
+
+
+def _rows_of(w: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """The rows of write ``w`` that received ``rows`` of the read (``_part``); all of ``w`` where the write does
+    not have the read's rows (then the write as a whole is recorded, as for a derived tensor)."""
+    if rows is None or not w.dim() or w.shape[0] != rows[2]:
+        return w
+    return w.narrow(0, rows[0], rows[1] - rows[0])
+
+
 class _Observe(TorchDispatchMode):
     """Runs every op unchanged; carries checkpoint taint and records writes into parameter storages."""
 
@@ -131,9 +153,11 @@ class _Observe(TorchDispatchMode):
 
 class Tracker:
     def __init__(self) -> None:
-        # storage -> {checkpoint tensor: (dtype, byte span in the storage, or None for all of it)}: the
-        # engine's iterator may offer many tensors as views of one memory-mapped file
-        self.taint: dict[int, dict[str, tuple[torch.dtype, tuple[int, int] | None]]] = {}
+        # storage -> {checkpoint tensor: (dtype, span or None for all of it)}: the engine's iterator may offer
+        # many tensors as views of one memory-mapped file, and a dim-0 ``cat`` holds each input in its own
+        # rows. A span is (first byte, last byte + 1, the checkpoint tensor's byte at the first or None where
+        # the bytes are derived from all of it)
+        self.taint: dict[int, dict[str, tuple[torch.dtype, tuple[int, int, int | None] | None]]] = {}
         self._refs: list[torch.Tensor] = []  # keep tainted storages alive so addresses are not reused
         self.offered: dict[str, dict] = {}
         self.offered_order: list[str] = []
@@ -149,6 +173,9 @@ class Tracker:
         # (checkpoint tensor, parameter) -> [(element offset in the parameter, shape, stride, byte offset read
         # in the checkpoint tensor or None)] of each write
         self.spans: dict[tuple[str, str], list[tuple[int, tuple, tuple, int | None]]] = defaultdict(list)
+        # the value of each one-element checkpoint tensor (a global or input scale): an engine rule that keeps one
+        # of two such tensors holds only where they are equal (``result``'s ``drop_rule``)
+        self.scalars: dict[str, float] = {}
 
     # -- before loading --------------------------------------------------------------------------
     def arm(self, model: torch.nn.Module) -> None:
@@ -181,8 +208,10 @@ class Tracker:
                 if k in seen:
                     self.shared_storage_offers.append(f"{name} shares storage with {seen[k]}")
                 seen[k] = name
-                self.taint.setdefault(k, {})[name] = (t.dtype, _span(t))
+                self.taint.setdefault(k, {})[name] = (t.dtype, (*_span(t), 0))
                 self._refs.append(t)
+            if t.numel() == 1 and t.device.type != "meta":
+                self.scalars[name] = float(t.float().reshape(()))
             yield item
 
     def mode(self) -> _Observe:
@@ -192,9 +221,9 @@ class Tracker:
     def _observe(self, func, args, kwargs, out) -> None:
         ins = _tensors((args, kwargs))
         names: dict[str, torch.dtype] = {}
-        # names whose data reaches this op from outside any parameter -> byte offset of the view read in
-        # the offered tensor (None: through a derived tensor)
-        direct: dict[str, int | None] = {}
+        # names whose data reaches this op from outside any parameter -> ``_part``: (byte offset read in the
+        # offered tensor or None through a derived tensor, the rows of the read that hold it or None for all)
+        direct: dict[str, tuple[int | None, tuple[int, int, int] | None]] = {}
         for t in ins:
             k = _key(t)
             if k is not None and k in self.taint:
@@ -203,7 +232,7 @@ class Tracker:
                     if sp is None or (sp[0] < hi and lo < sp[1]):
                         names[n] = dt
                         if k not in self.pstore:
-                            direct[n] = None if sp is None else lo - sp[0]
+                            direct[n] = (None, None) if sp is None else _part(t, lo, hi, sp)
         written: list[torch.Tensor] = []
         schema = func._schema
         for i, a in enumerate(schema.arguments):
@@ -223,12 +252,16 @@ class Tracker:
                     for n, sdt in names.items():
                         self.stored[n].add(pname)
                         if n in direct:
-                            self.spans[(n, pname)].append((rel, tuple(w.shape), tuple(w.stride()), direct[n]))
+                            part = _rows_of(w, direct[n][1]) if len(written) == 1 else w
+                            rel = part.storage_offset() - self.params[pname].storage_offset()
+                            self.spans[(n, pname)].append((rel, tuple(part.shape), tuple(part.stride()),
+                                                           direct[n][0]))
                         c = cast_class(sdt, pdt)
                         if c:
                             self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),
                                                       str(pdt).replace("torch.", ""))
         if names:
+            self._taint_cat(func, args, kwargs, out)
             for t in _tensors(out) + written:
                 k = _key(t)
                 if k is None or (k in self.taint and k not in self.pstore and any(
@@ -237,6 +270,46 @@ class Tracker:
                 self.taint.setdefault(k, {}).update((n, (dt, None)) for n, dt in names.items())
                 if k not in self.pstore:
                     self._refs.append(t)
+
+    def _taint_cat(self, func, args, kwargs, out) -> None:
+        """A dim-0 ``aten.cat`` of checkpoint data (SGLang's DeepSeek loader cats q_a_proj and
+        kv_a_proj_with_mqa before one write into fused_qkv_a_proj_with_mqa): its output is tainted with each
+        input's own span, so that a later write of it says which of its rows came from which tensor. Any other
+        op, or a cat this cannot lay out, taints its outputs as one derived tensor (``_observe``)."""
+        if func is not torch.ops.aten.cat.default:
+            return
+        members = self._cat_members(args[0] if args else kwargs.get("tensors", ()),
+                                    args[1] if len(args) > 1 else kwargs.get("dim", 0), out)
+        k = _key(out) if members else None
+        if k is not None and k not in self.pstore:
+            self.taint[k] = members
+            self._refs.append(out)
+
+    def _cat_members(self, tensors, dim: int, out) -> dict | None:
+        """{name: (dtype, span in ``out``'s storage)} of a cat along dim 0 into a contiguous ``out`` of the inputs'
+        dtype, from inputs that are offered tensors (or views of them) or derived ones; None otherwise (a
+        parameter read, an input twice, a dtype promoted, a strided input)."""
+        if not isinstance(out, torch.Tensor) or not out.dim() or dim % out.dim() or not out.is_contiguous():
+            return None
+        members: dict = {}
+        at = out.storage_offset() * out.element_size()
+        for t in tensors:
+            if t.numel() == 0:  # cat skips a legacy empty 1-d input
+                continue
+            k = _key(t)
+            if t.dtype != out.dtype or not t.is_contiguous() or k in self.pstore:
+                return None
+            lo, hi = _span(t)
+            for n, (dt, sp) in self.taint.get(k, {}).items():
+                if n in members:
+                    return None
+                if sp is None:
+                    members[n] = (dt, (at, at + hi - lo, None))
+                elif sp[0] < hi and lo < sp[1]:
+                    a, b = max(lo, sp[0]), min(hi, sp[1])
+                    members[n] = (dt, (at + a - lo, at + b - lo, None if sp[2] is None else sp[2] + a - sp[0]))
+            at += hi - lo
+        return members
 
     def _mark(self, w: torch.Tensor, k: int) -> None:
         mask = self.written[k]
@@ -266,12 +339,14 @@ class Tracker:
                 sent = sent & ~wv.all(-1)
         return int(sent.sum())
 
-    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None) -> dict:
+    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None, drop_rule=None) -> dict:
         """``optional``: (regex, why) or (regex, why, count) naming parameters the engine legitimately
         leaves unwritten (with a count: exactly that many elements, e.g. a module's padding rows).
         ``mtp_rule(name)``: why the engine's main model drops a checkpoint tensor of an MTP layer on purpose
         (the engine's own rule; its MTP model loads it), or None: such a skipped tensor is listed as
-        ``mtp_skipped``, not ``skipped``."""
+        ``mtp_skipped``, not ``skipped``. ``drop_rule(name)``: (why, holds) where the engine drops a checkpoint
+        tensor by its own rule that is right only on a condition (SGLang keeps one of two equal scales), or
+        None: one that holds is listed as ``rule_dropped``, one that does not as ``rule_broken`` (a failure)."""
         import re
 
         opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
@@ -299,6 +374,8 @@ class Tracker:
         skipped = [n for n in self.offered_order if not self.stored.get(n)]
         mtp = {n: why for n in skipped if mtp_rule is not None and (why := mtp_rule(n))}
         skipped = [n for n in skipped if n not in mtp]
+        ruled = {n: r for n in skipped if drop_rule is not None and (r := drop_rule(n))}
+        skipped = [n for n in skipped if n not in ruled]
         casts = [{"tensor": n, "param": p, "class": c, "from": a, "to": b}
                  for (n, p), (c, a, b) in sorted(self.casts.items())]
         return {
@@ -308,6 +385,8 @@ class Tracker:
             "allowed_unfilled": allowed,
             "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
             "mtp_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in mtp.items()],
+            "rule_dropped": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if ok],
+            "rule_broken": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if not ok],
             # widening loses nothing; reinterpretations (the worst) first
             "bad_casts": sorted((c for c in casts if c["class"] in ("reinterpret", "narrowing")),
                                 key=lambda c: c["class"] != "reinterpret"),

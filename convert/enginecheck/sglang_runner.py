@@ -69,6 +69,27 @@ def mtp_rule(config):
     return why
 
 
+def qkv_a_scalar_rule(tracker):
+    """SGLang's rule for the one-element tensors (NVFP4 ``weight_scale_2``, ``input_scale``) of DeepSeek's two MLA
+    down-projections: models/deepseek_common/deepseek_weight_loader.py ``do_load_weights`` caches q_a_proj and
+    kv_a_proj_with_mqa (``cached_a_proj``, :438) and, where both are 0-d, loads q_a_proj's alone into
+    fused_qkv_a_proj_with_mqa (:463-466; other tensors are ``torch.cat``-ed, :476), a ReplicatedLinear
+    (models/deepseek_v2.py:2070) holding one slot. Right only where kv_a's value equals q_a's (one global scale
+    shared over the fused layer, as this tool writes): otherwise kv_a's rows are read with q_a's scale."""
+
+    def why(name: str) -> tuple[str, bool] | None:
+        partner = name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.")
+        fused = name.replace(".kv_a_proj_with_mqa.", ".fused_qkv_a_proj_with_mqa.")
+        if partner == name or name not in tracker.scalars or partner not in tracker.scalars \
+                or fused not in tracker.stored.get(partner, ()):
+            return None
+        mine, kept = tracker.scalars[name], tracker.scalars[partner]
+        verb = "equal to" if mine == kept else "NOT equal to"
+        return (f"SGLang loads only {partner} ({kept!r}) into {fused} and drops this one ({mine!r}), {verb} it "
+                "(deepseek_weight_loader.py do_load_weights:463-466)", mine == kept)
+    return why
+
+
 #: Every patch, with why it is safe (docs/engine-checks.md lists the same).
 PATCHES = [
     ("torch.cuda device queries",
@@ -191,7 +212,8 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(model_config.hf_config)))
+    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(model_config.hf_config),
+                                 qkv_a_scalar_rule(tracker)))
     with rc.CpuDevices():  # before post_load_weights, which derives kernel buffers from the loaded weights
         rc.numerics("sglang", result, model, tracker, error)
     if post_load is not None and error is None:

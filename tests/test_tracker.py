@@ -1,0 +1,129 @@
+"""The engine runners' load tracker (``runner_common.Tracker``) on loads written here, no engine needed: a dim-0
+``cat`` of checkpoint tensors written into one parameter (SGLang's DeepSeek q_a_proj + kv_a_proj_with_mqa) is
+placed member by member, and SGLang's rule for the two 0-d scales it keeps one of is asserted, not skipped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from kimi_convert.enginecheck import Report, runner_common, runner_numerics
+
+sys.path.insert(0, str(Path(runner_common.__file__).parent))  # the runners import runner_common by its bare name
+
+import sglang_runner
+
+
+class Fused(torch.nn.Module):
+    """One fused weight of 5 rows and one global-scale slot, as SGLang's ReplicatedLinear holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(5, 4, dtype=torch.uint8), requires_grad=False)
+        self.weight_scale_2 = torch.nn.Parameter(torch.empty(1), requires_grad=False)
+
+
+def _load(offered: dict[str, torch.Tensor], loader) -> tuple[runner_common.Tracker, torch.nn.Module]:
+    """Arm a tracker on a model whose ``attn.fused_qkv_a_proj_with_mqa`` is a ``Fused``, offer ``offered``
+    through it and run ``loader(model, tensors)``."""
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.fused_qkv_a_proj_with_mqa = Fused()
+    tr = runner_common.Tracker()
+    tr.arm(model)
+    with tr.mode():
+        loader(model, dict(tr.weights(offered.items())))
+    return tr, model
+
+
+def _fused(model) -> Fused:
+    return model.attn.fused_qkv_a_proj_with_mqa
+
+
+def _rows(tr, model) -> dict[str, tuple[int, int, int | None]]:
+    """Each offered weight's placement: (first row, rows, source row)."""
+    spots = runner_numerics.placements(tr, dict(model.named_parameters()))
+    return {n: (s[0]["row"], s[0]["rows"], s[0]["src_row"]) for n, s in spots.items()}
+
+
+def test_cat_members_keep_their_own_rows():
+    """cat([a, b]) written as one tensor: a lands in rows 0-1 from its row 0, b in rows 2-4 from its row 0."""
+    a, b = torch.arange(8, dtype=torch.uint8).reshape(2, 4), torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+
+    def load(model, t):
+        _fused(model).weight.data.copy_(torch.cat([t["a"], t["b"]], dim=0))
+
+    tr, model = _load({"a": a, "b": b}, load)
+    assert _rows(tr, model) == {"a": (0, 2, 0), "b": (2, 3, 0)}
+    assert not tr.observer_errors
+
+
+def test_cat_of_a_view_keeps_its_source_row():
+    """A member that is a view of rows 1.. of its offered tensor is placed from that row."""
+    a, b = torch.zeros(2, 4, dtype=torch.uint8), torch.ones(4, 4, dtype=torch.uint8)
+
+    def load(model, t):
+        _fused(model).weight.data.copy_(torch.cat([t["a"], t["b"][1:]]))
+
+    tr, model = _load({"a": a, "b": b}, load)
+    assert _rows(tr, model) == {"a": (0, 2, 0), "b": (2, 3, 1)}
+
+
+def test_cat_of_derived_members_places_each_whole():
+    """Members converted before the cat (new storages) are placed each over its own rows, as all of its tensor."""
+    a, b = torch.zeros(2, 4, dtype=torch.int8), torch.ones(3, 4, dtype=torch.int8)
+
+    def load(model, t):
+        _fused(model).weight.data.copy_(torch.cat([t["a"].to(torch.uint8), t["b"].to(torch.uint8)]))
+
+    tr, model = _load({"a": a, "b": b}, load)
+    assert _rows(tr, model) == {"a": (0, 2, None), "b": (2, 3, None)}
+
+
+def test_a_non_cat_derived_tensor_still_covers_every_row():
+    """Any other op (here an add of both) taints its output as one derived tensor: both over all rows."""
+    a, b = torch.zeros(5, 4, dtype=torch.uint8), torch.ones(5, 4, dtype=torch.uint8)
+
+    def load(model, t):
+        _fused(model).weight.data.copy_(t["a"] + t["b"])
+
+    tr, model = _load({"a": a, "b": b}, load)
+    assert _rows(tr, model) == {"a": (0, 5, None), "b": (0, 5, None)}
+
+
+Q, KV = "attn.q_a_proj", "attn.kv_a_proj_with_mqa"
+
+
+def _sglang_qkv_a(q_scale: float, kv_scale: float) -> dict:
+    """SGLang's deepseek_weight_loader on one layer: the weights cat into the fused module, of the two 0-d
+    weight_scale_2 only q_a_proj's loaded."""
+    offered = {f"{Q}.weight": torch.zeros(2, 4, dtype=torch.uint8), f"{KV}.weight": torch.ones(3, 4, dtype=torch.uint8),
+               f"{Q}.weight_scale_2": torch.tensor(q_scale), f"{KV}.weight_scale_2": torch.tensor(kv_scale)}
+
+    def load(model, t):
+        _fused(model).weight.data.copy_(torch.cat([t[f"{Q}.weight"], t[f"{KV}.weight"]]))
+        _fused(model).weight_scale_2.data.copy_(t[f"{Q}.weight_scale_2"].reshape(1))
+
+    tr, model = _load(offered, load)
+    return tr.result(model, [], drop_rule=sglang_runner.qkv_a_scalar_rule(tr))
+
+
+def test_sglang_dropped_kv_a_scale_equal_is_its_rule():
+    res = _sglang_qkv_a(0.5, 0.5)
+    assert not res["skipped"] and not res["rule_broken"]
+    assert [t["tensor"] for t in res["rule_dropped"]] == [f"{KV}.weight_scale_2"]
+    assert "equal to it" in res["rule_dropped"][0]["why"]
+    rep = Report("sglang", "0.5.23", "out", "py", loaded=True, rule_dropped=res["rule_dropped"])
+    assert rep.loads and "dropped by the engine's own rule" in rep.verdict
+
+
+def test_sglang_dropped_kv_a_scale_unequal_fails():
+    """Unequal scales: SGLang would read kv_a's rows with q_a's global scale; the check fails, saying so."""
+    res = _sglang_qkv_a(0.5, 0.25)
+    assert not res["rule_dropped"] and not res["skipped"]
+    assert [t["tensor"] for t in res["rule_broken"]] == [f"{KV}.weight_scale_2"]
+    rep = Report("sglang", "0.5.23", "out", "py", loaded=True, rule_broken=res["rule_broken"])
+    assert not rep.loads and not rep.ok
+    assert "rule that does not hold" in rep.verdict and "NOT equal" in rep.verdict
