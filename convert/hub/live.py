@@ -83,12 +83,16 @@ class LiveUpload:
     """The Hub side of one ``pack --upload``: connected and the repo created before the plan; a thread
     that preuploads each finished shard (``THREADS`` of them); the commit and the remote check at the end."""
 
-    def __init__(self, target: UploadTarget, say: Callable[[str], None] = print):
+    def __init__(self, target: UploadTarget, say: Callable[[str], None] = print, api: HfApi | None = None):
+        """``api``: a Ray task's (``rayhub``), whose driver has already checked the token and created the repo:
+        nothing is asked of the Hub here then."""
         self.target, self.say = target, say
-        self.api: HfApi = connect(target.repo_id, target.token, write=True, say=say)
-        with_retries(lambda: self.api.create_repo(target.repo_id, private=target.private, exist_ok=True,
-                                                  repo_type="model"),
-                     "creating the repository", target.repo_id, say)
+        if api is None:
+            api = connect(target.repo_id, target.token, write=True, say=say)
+            with_retries(lambda: api.create_repo(target.repo_id, private=target.private, exist_ok=True,
+                                                 repo_type="model"),
+                         "creating the repository", target.repo_id, say)
+        self.api: HfApi = api
         self._queue: queue.Queue = queue.Queue()
         self._room = threading.Condition()
         self._local = 0  # shards admitted (or resumed) and not yet on the Hub

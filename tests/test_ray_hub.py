@@ -1,0 +1,142 @@
+"""``pack hf://OWNER/REPO OUT --ray`` (issue 25, item 5): each Ray task downloads its own job's inputs into a
+folder of its own and, with ``--upload --no-keep-output``, uploads its own shards; the driver journals and
+makes the one commit. Against tests/fakehub.py (the real huggingface_hub client, in the driver and in the
+tasks: they get the endpoint and the token through their environment) and a local Ray cluster (a head that
+runs no task and two nodes of one CPU, as tests/test_ray.py).
+
+Checked: the destination repository is byte for byte the one a local ``pack hf:// --upload`` makes (every
+file, the manifest too, the same LFS objects, each sent once); the tasks' downloads went to their own folders
+under the ``--scratch`` given as a node path (none beside OUTPUT, nothing of the shards in OUTPUT), which are
+gone at the end; without --upload the shards land in a shared OUTPUT, the same bytes as a local pack; a
+per-task --max-scratch too small and a node that does not see OUTPUT are one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import fault_inject
+from fakehub import TOKEN, FakeHub, hub_cli
+from helpers import one_line_error, run
+
+try:
+    import ray.cluster_utils
+
+    NO_RAY = ""
+except ImportError:
+    NO_RAY = "needs Ray: pip install 'kimi-convert[ray]' (the test extras have it)"
+
+needs_ray = pytest.mark.skipif(bool(NO_RAY), reason=NO_RAY or "-")
+
+# tiny-k3 with 16 experts a layer in 4 input files; 1 MB output shards (a few a task)
+PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
+REPO = "user/src"
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("rayhub")
+    assert run("synth", "tiny-k3", work / "in", "--experts", "16", "--shards", "4").code == 0
+    return work / "in"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture
+def hub(src):
+    with FakeHub(TOKEN) as h:
+        h.commit_sha = h.seed(REPO, src)
+        yield h
+
+
+def cli(hub: FakeHub, *args, tmp: Path, **env):
+    return hub_cli(hub, *args, tmp=tmp, KIMI_CONVERT_UPLOAD_QUEUE="2", **env)
+
+
+def repo_files(hub: FakeHub, repo_id: str) -> dict[str, bytes]:
+    return {p: hub.file_bytes(repo_id, p) for p in hub.repos[repo_id].files}
+
+
+def puts(hub: FakeHub) -> list[str]:
+    return [p.rsplit("/", 1)[1] for m, p, s in hub.log if m == "PUT" and s == 200]
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, cluster, tmp_path):
+    local = cli(hub, "pack", f"hf://{REPO}", tmp_path / "local", *PACK_ARGS, "--upload", "user/local",
+                "--no-keep-output", tmp=tmp_path)
+    assert local.code == 0, local.stderr
+    want, lfs_local = repo_files(hub, "user/local"), sorted(puts(hub))
+    hub.log.clear()
+    hub.served.clear()
+    out, nodes = tmp_path / "out", tmp_path / "node-scratch"
+    r = cli(hub, "pack", f"hf://{REPO}", out, *PACK_ARGS, "--upload", "user/ray", "--no-keep-output",
+            "--ray", cluster.address, "--scratch", nodes, "--stats", tmp_path / "stats.json", tmp=tmp_path)
+    assert r.code == 0, r.stderr
+    got = repo_files(hub, "user/ray")
+    assert set(got) == set(want), set(got) ^ set(want)
+    assert [p for p in want if got[p] != want[p]] == []  # byte for byte, manifest.json and the card included
+    assert sorted(puts(hub)) == lfs_local  # each LFS object once
+    assert len(hub.repos["user/ray"].commits) == 1
+    commit = [p for m, p, _ in hub.log if "/commit/" in p]
+    assert len(commit) == 1
+    # the tasks' downloads: in folders of their own under the node path given, removed at the end; nothing
+    # beside OUTPUT, no shard ever written to OUTPUT (the driver only wrote what the tasks sent: records files)
+    tasks = json.loads((tmp_path / "stats.json").read_text())["downloads"]["tasks"]
+    assert len(tasks) == 2 and len({t["scratch"] for t in tasks}) == 2
+    assert all(Path(t["scratch"]).is_relative_to(nodes) and not Path(t["output"]).is_relative_to(out) for t in tasks)
+    assert sum(t["downloaded"] for t in tasks) >= 4 and all(t["peak_scratch"] <= t["bound"] for t in tasks)
+    assert not (tmp_path / ".out.hub-scratch").exists() and not nodes.exists() or not any(nodes.rglob("*"))
+    assert not list(out.glob("*.safetensors")) and not (out / ".kimi-convert-pack.json").exists()
+    assert not (out / ".kimi-convert-ray-probe").exists()
+    assert f"user/ray: all {len(want)} files present" in r.stdout
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_hub_input_into_a_shared_output_equals_a_local_pack(hub, cluster, tmp_path):
+    local = cli(hub, "pack", f"hf://{REPO}", tmp_path / "local", *PACK_ARGS, tmp=tmp_path)
+    assert local.code == 0, local.stderr
+    r = cli(hub, "pack", f"hf://{REPO}", tmp_path / "out", *PACK_ARGS, "--ray", cluster.address,
+            "--scratch", tmp_path / "node-scratch", tmp=tmp_path)
+    assert r.code == 0, r.stderr
+    assert fault_inject.same_tree(tmp_path / "local", tmp_path / "out") == []
+
+
+@needs_ray
+def test_a_task_bound_too_small_is_one_line_before_any_download(hub, cluster, src, tmp_path):
+    out = tmp_path / "out"
+    line = one_line_error(cli(hub, "pack", f"hf://{REPO}", out, *PACK_ARGS, "--upload", "user/dst",
+                              "--no-keep-output", "--ray", cluster.address, "--max-scratch", "100kB", tmp=tmp_path))
+    assert "--max-scratch 100.00 kB" in line and "raise it to at least" in line, line
+    assert not out.exists() and hub.weight_bytes_served(REPO) == sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in src.glob("*.safetensors"))
+
+
+def test_a_node_that_does_not_see_the_output_is_one_line(tmp_path):
+    from kimi_convert.errors import ConvertError
+    from kimi_convert.rayhub import check_probe, remove_probe, write_probe
+
+    nonce = write_probe(tmp_path)
+    check_probe(tmp_path, nonce)  # the driver's folder
+    remove_probe(tmp_path)
+    for seen in ("another pack's", None):  # a folder of the same name on a node: another nonce, or none
+        if seen:
+            (tmp_path / ".kimi-convert-ray-probe").write_text(seen)
+        with pytest.raises(ConvertError, match="no shared filesystem.*add --upload REPO_ID --no-keep-output"):
+            check_probe(tmp_path, nonce)
+        remove_probe(tmp_path)
