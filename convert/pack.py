@@ -239,8 +239,9 @@ def pack(
             sent = arrived is not None and arrived.uploaded
             with jlock:
                 j.shards[file] = rec
-                if sent:
+                if sent:  # by the task: this run's upload as well (the summary counts it)
                     j.uploaded[file] = rec.sha256
+                    hub.sent.append(file)
                 j.save(output_dir)
             if hub is not None and not sent:  # outside the lock: it waits while the uploader (which takes it) is behind
                 hub.submit(file, rec.size, rec.sha256)

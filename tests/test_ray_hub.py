@@ -14,6 +14,7 @@ per-task --max-scratch too small and a node that does not see OUTPUT are one lin
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,19 @@ def hub(src):
         yield h
 
 
+@pytest.fixture(scope="module")
+def local_upload(src, tmp_path_factory) -> tuple[dict[str, bytes], list[str]]:
+    """``pack hf://SRC OUT --upload DST --no-keep-output`` on this machine (its own fake Hub, seeded alike:
+    the same commit): DST's files and the LFS objects PUT."""
+    work = tmp_path_factory.mktemp("rayhub-local")
+    with FakeHub(TOKEN) as h:
+        h.seed(REPO, src)
+        r = cli(h, "pack", f"hf://{REPO}", work / "out", *PACK_ARGS, "--upload", "user/dst", "--no-keep-output",
+                tmp=work)
+        assert r.code == 0, r.stderr
+        return repo_files(h, "user/dst"), sorted(puts(h))
+
+
 def cli(hub: FakeHub, *args, tmp: Path, **env):
     return hub_cli(hub, *args, tmp=tmp, KIMI_CONVERT_UPLOAD_QUEUE="2", **env)
 
@@ -76,22 +90,17 @@ def puts(hub: FakeHub) -> list[str]:
 
 @needs_ray
 @pytest.mark.slow
-def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, cluster, tmp_path):
-    local = cli(hub, "pack", f"hf://{REPO}", tmp_path / "local", *PACK_ARGS, "--upload", "user/local",
-                "--no-keep-output", tmp=tmp_path)
-    assert local.code == 0, local.stderr
-    want, lfs_local = repo_files(hub, "user/local"), sorted(puts(hub))
-    hub.log.clear()
-    hub.served.clear()
+def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, local_upload, cluster, tmp_path):
+    want, lfs_local = local_upload
     out, nodes = tmp_path / "out", tmp_path / "node-scratch"
-    r = cli(hub, "pack", f"hf://{REPO}", out, *PACK_ARGS, "--upload", "user/ray", "--no-keep-output",
+    r = cli(hub, "pack", f"hf://{REPO}", out, *PACK_ARGS, "--upload", "user/dst", "--no-keep-output",
             "--ray", cluster.address, "--scratch", nodes, "--stats", tmp_path / "stats.json", tmp=tmp_path)
     assert r.code == 0, r.stderr
-    got = repo_files(hub, "user/ray")
+    got = repo_files(hub, "user/dst")
     assert set(got) == set(want), set(got) ^ set(want)
     assert [p for p in want if got[p] != want[p]] == []  # byte for byte, manifest.json and the card included
     assert sorted(puts(hub)) == lfs_local  # each LFS object once
-    assert len(hub.repos["user/ray"].commits) == 1
+    assert len(hub.repos["user/dst"].commits) == 1
     commit = [p for m, p, _ in hub.log if "/commit/" in p]
     assert len(commit) == 1
     # the tasks' downloads: in folders of their own under the node path given, removed at the end; nothing
@@ -103,7 +112,9 @@ def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, cluster, tmp_path):
     assert not (tmp_path / ".out.hub-scratch").exists() and not nodes.exists() or not any(nodes.rglob("*"))
     assert not list(out.glob("*.safetensors")) and not (out / ".kimi-convert-pack.json").exists()
     assert not (out / ".kimi-convert-ray-probe").exists()
-    assert f"user/ray: all {len(want)} files present" in r.stdout
+    assert re.search(r"user/dst: all \d+ files present", r.stdout), r.stdout
+    shards = int(re.search(r"(\d+) shards, ", r.stdout)[1])
+    assert f"{shards} shard(s) uploaded by this run" in r.stdout  # by its tasks
 
 
 @needs_ray
