@@ -444,13 +444,16 @@ def _run_hub_tasks(cluster, jobs: list[pipeline.Job], on_shard: Callable[..., No
                    local_output: bool) -> list[pipeline.JobResult]:
     """A Ray task per job that downloads its inputs and (with --upload) uploads its shards (``rayhub``); where
     its shards go to OUTPUT, the probe file that lets each task check it sees this OUTPUT."""
+    import secrets
+
     from . import rayhub
 
     probe = "" if local_output else rayhub.write_probe(output_dir)
     root = str(Path(scratch).absolute()) if scratch is not None else None
     target = dataclasses.replace(upload, token=None) if upload is not None else None
-    tasks = [rayhub.HubTask(bound, root, job.shards[0].file.removesuffix(".safetensors") if job.shards else "none",
-                            target, local_output, probe)
+    run = secrets.token_hex(4)  # a task's re-run shares its folder, a resumed pack's tasks never an orphan's
+    tasks = [rayhub.HubTask(bound, root, f"{job.shards[0].file.removesuffix('.safetensors') if job.shards else 'none'}"
+                                         f".{run}", target, local_output, probe)
              for job, bound in zip(jobs, _task_bounds(source, jobs, max_scratch), strict=True)]
     try:
         return cluster.run(jobs, on_shard, on_progress, hub=tasks,

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shutil
 import socket
 import tempfile
 import threading
@@ -68,7 +69,7 @@ class HubTask:
 
     bound: int  # --max-scratch for this task (checked by the driver against its job)
     root: str | None  # --scratch (the same node-local path on every node), None: the node's temporary folder
-    tag: str  # the task folder's name (its first shard): a re-run on the same node finds its downloads
+    tag: str  # the task folder's name (its first shard, the run's nonce): a re-run on the node finds its downloads
     upload: UploadTarget | None
     local_output: bool  # the shards in the task folder (--upload --no-keep-output), else in OUTPUT
     probe: str  # the nonce the driver wrote into OUTPUT/RAY_PROBE (checked where the shards go to OUTPUT)
@@ -131,10 +132,9 @@ def run_task(job: Job, device: str, threads: int, t: HubTask,
     (uploaded, with --upload). Returns the job's result, its input hashes the verified downloads' and its
     ``downloads`` the scratch folder's figures."""
     from .devices import resolve_device
+    from .hub.transport import bound_library
     from .pipeline import run_jobs
     from .sources.hubfetch import Downloads, FetchedHub, scratch_plan
-
-    from .hub.transport import bound_library
 
     bound_library()  # the library's timeouts, in this process too
     hub: HubRepo = job.source  # type: ignore[assignment]
@@ -158,6 +158,8 @@ def run_task(job: Job, device: str, threads: int, t: HubTask,
             downloads.close(ok=False)
         if uploader is not None:
             uploader.live.abandon()
+        if not isinstance(e, KeyboardInterrupt):  # no later run reads this run's task folder
+            shutil.rmtree(folder, ignore_errors=True)
         raise downloads.first_error(e) from None
     downloads.close(ok=True)
     if uploader is not None:
@@ -215,8 +217,6 @@ def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
 def _check_task_space(folder: Path, sp, bound: int, shard_sizes: list[int], local_output: bool) -> None:
     """The task folder's disk holds the scratch bound (or all the job downloads, if less) and, with the
     shards written there, the ones that may be there at once (``--no-keep-output``'s bound)."""
-    import shutil
-
     from .hub.live import QUEUE
     from .pack import human_bytes
 

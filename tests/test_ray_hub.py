@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import signal
 from pathlib import Path
 
 import pytest
@@ -109,7 +111,8 @@ def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, local_upload, cluster, 
     assert len(tasks) == 2 and len({t["scratch"] for t in tasks}) == 2
     assert all(Path(t["scratch"]).is_relative_to(nodes) and not Path(t["output"]).is_relative_to(out) for t in tasks)
     assert sum(t["downloaded"] for t in tasks) >= 4 and all(t["peak_scratch"] <= t["bound"] for t in tasks)
-    assert not (tmp_path / ".out.hub-scratch").exists() and not nodes.exists() or not any(nodes.rglob("*"))
+    assert not (tmp_path / ".out.hub-scratch").exists()
+    assert [p for p in nodes.rglob("*") if p.is_file()] == [] and not any(Path(t["scratch"]).exists() for t in tasks)
     assert not list(out.glob("*.safetensors")) and not (out / ".kimi-convert-pack.json").exists()
     assert not (out / ".kimi-convert-ray-probe").exists()
     assert re.search(r"user/dst: all \d+ files present", r.stdout), r.stdout
@@ -151,3 +154,34 @@ def test_a_node_that_does_not_see_the_output_is_one_line(tmp_path):
         with pytest.raises(ConvertError, match="no shared filesystem.*add --upload REPO_ID --no-keep-output"):
             check_probe(tmp_path, nonce)
         remove_probe(tmp_path)
+
+
+def resume_command(out: Path) -> list[str]:
+    text = (out / ".kimi-convert-pack.json").read_text()
+    assert TOKEN not in text
+    return shlex.split(json.loads(text)["command"])[1:]
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["upload:2", "journal:5"])
+def test_killed_and_resumed_uploads_each_object_once(hub, local_upload, cluster, tmp_path, point):
+    """``upload:2``: the first task to have the Hub take its 2nd shard dies before telling the driver (its
+    worker SIGKILLed); Ray re-runs it, whose uploads the LFS batch finds there. ``journal:4``: the driver dies
+    mid-journal (two shards journaled as uploaded), resumed with the journal's command: those are not
+    converted nor sent again. Either way the repository is the local pack's upload, each object PUT once."""
+    want, lfs_local = local_upload
+    out = tmp_path / "out"
+    args = ["pack", f"hf://{REPO}", out, *PACK_ARGS, "--upload", "user/dst", "--no-keep-output", "--ray",
+            cluster.address, "--scratch", tmp_path / "node-scratch"]
+    r = cli(hub, *args, tmp=tmp_path, KIMI_CONVERT_FAULT=point, KIMI_CONVERT_FAULT_ONCE=str(tmp_path / "hit"))
+    assert (tmp_path / "hit").exists(), r.stderr
+    if point.startswith("journal"):
+        assert r.code == -signal.SIGKILL, (r.code, r.stderr)
+        done = json.loads((out / ".kimi-convert-pack.json").read_text())["uploaded"]
+        assert len(done) == 2
+        r = cli(hub, *resume_command(out), tmp=tmp_path)
+        assert f"({len(done)} finished shard(s) verified and kept)" in r.stdout, r.stdout + r.stderr
+    assert r.code == 0, r.stderr
+    assert repo_files(hub, "user/dst") == want
+    assert sorted(puts(hub)) == lfs_local
