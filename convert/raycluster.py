@@ -8,6 +8,8 @@ node, reading the input and writing its shards straight to the shared output fol
 it sends back only small things: each finished shard's record (hashes and notes, as the resume
 journal keeps them) and, at the end, the sha256 of the input files it hashed. The driver journals
 each shard as its record arrives, and writes configs, index and manifest as a local pack does.
+A Hub input (``hf://``) needs no shared input: each task downloads its own job's files, and with
+``--upload --no-keep-output`` uploads its own shards, no shared output either (``rayhub``).
 
 Placement: where nodes have GPUs, GPU tasks (``--device auto`` or ``cuda``; one to four tasks a
 GPU, like a local worker's streams, each with its share of the node's CPUs); else CPU tasks of up

@@ -144,15 +144,19 @@ def run_task(job: Job, device: str, threads: int, t: HubTask,
         check_probe(job.output_dir, t.probe)
     out.mkdir(parents=True, exist_ok=True)
     sp = scratch_plan(job.units, hub.files, hub.name)
-    _check_task_space(folder, sp, t.bound, [s.size for s in job.shards], t.local_output)
     stop = threading.Event()
     downloads = Downloads(hub, folder / "in", t.bound, sp, stop, _say)
-    uploader = _uploader(t, out, emit)
-    downloads.start()
+    uploader: _TaskUpload | None = None
     try:
+        _check_task_space(folder, sp, t.bound, [s.size for s in job.shards], t.local_output)
+        uploader = _uploader(t, out, emit)
+        downloads.start()
         res = run_jobs([dataclasses.replace(job, source=FetchedHub(hub, downloads), output_dir=out)],
                        resolve_device(device), uploader.on_shard if uploader else lambda f, rec: emit(f, rec, None),
                        threads=threads, stop=stop, **({"admit": uploader.live.admit} if uploader else {}))[0]
+        downloads.close(ok=True)
+        if uploader is not None:
+            uploader.live.close()  # every shard on the Hub, or the upload's error
     except BaseException as e:
         with contextlib.suppress(BaseException):
             downloads.close(ok=False)
@@ -161,9 +165,6 @@ def run_task(job: Job, device: str, threads: int, t: HubTask,
         if not isinstance(e, KeyboardInterrupt):  # no later run reads this run's task folder
             shutil.rmtree(folder, ignore_errors=True)
         raise downloads.first_error(e) from None
-    downloads.close(ok=True)
-    if uploader is not None:
-        uploader.live.close()
     if t.local_output:
         _tidy(folder, out, [s.file for s in job.shards])
     res.input_hashes = downloads.hashes()

@@ -9,8 +9,8 @@ costs no packing; retries and one-line errors are ``upload``'s (``with_retries``
 Why ``admit``: with ``--no-keep-output`` a shard is deleted once the Hub has it, so the local disk holds
 only the shards in flight; a slow uplink must then slow the conversion down instead of filling the disk,
 so a stream waits before opening a shard while ``QUEUE + 1`` are on the disk and not yet on the Hub
-(in-process workers only: with --workers N or --ray the shards are still uploaded as they finish, but
-not waited for).
+(in-process workers and a Hub input's Ray tasks, each with its own uploader: ``rayhub``; with --workers N
+or --ray of a local input the shards are still uploaded as they finish, but not waited for).
 
 Resume: the journal records each upload with the shard's sha256 (``Journal.uploaded``); a resumed pack
 asks the Hub's LFS batch endpoint which of those objects it holds (an object is named by its sha256, so
