@@ -122,12 +122,21 @@ def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, local_upload, cluster, 
 
 @needs_ray
 @pytest.mark.slow
-def test_ray_hub_input_into_a_shared_output_equals_a_local_pack(hub, cluster, tmp_path):
+@pytest.mark.parametrize("upload", [False, True])
+def test_ray_hub_input_into_a_shared_output_equals_a_local_pack(hub, local_upload, cluster, tmp_path, upload):
+    """Without --no-keep-output the tasks write into OUTPUT (shared here: one machine); with --upload (the shards
+    kept) they also upload them. The folder is the local pack's (with the card upload writes), the repository
+    the local pack's upload."""
     local = cli(hub, "pack", f"hf://{REPO}", tmp_path / "local", *PACK_ARGS, tmp=tmp_path)
     assert local.code == 0, local.stderr
+    more = ["--upload", "user/dst"] if upload else []
     r = cli(hub, "pack", f"hf://{REPO}", tmp_path / "out", *PACK_ARGS, "--ray", cluster.address,
-            "--scratch", tmp_path / "node-scratch", tmp=tmp_path)
+            "--scratch", tmp_path / "node-scratch", *more, tmp=tmp_path)
     assert r.code == 0, r.stderr
+    if upload:
+        assert repo_files(hub, "user/dst") == local_upload[0]
+        assert sorted(puts(hub)) == local_upload[1]
+        (tmp_path / "out" / "README.md").unlink()  # the card
     assert fault_inject.same_tree(tmp_path / "local", tmp_path / "out") == []
 
 
