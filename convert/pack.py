@@ -38,6 +38,7 @@ from .sources import Source, open_source, provenance
 
 if TYPE_CHECKING:
     from .hub.live import LiveUpload, UploadTarget
+    from .rayhub import Arrived
     from .sources.hubfetch import Downloads
 
 
@@ -137,14 +138,16 @@ def pack(
     (``sources.open_source``); everything below reads the input through it. ``upload``: send each shard
     to the Hub as it is final (``hub.live``); its checks (id, token, the Hub's answer) come first.
     A Hub input (``hf://``): its weight files are downloaded just in time into ``scratch`` (default: beside
-    the output), at most ``max_scratch`` bytes at once (``sources.hubfetch``); one worker, one stream."""
+    the output), at most ``max_scratch`` bytes at once (``sources.hubfetch``); one worker, one stream. With
+    ``ray`` as well, each task downloads its own job's inputs (and uploads its own shards): ``rayhub``."""
     called = time.perf_counter()
     source, output_dir = open_source(input_source), Path(output_dir)
     write.check_output_dir(source.local_path(), output_dir)
     from_hub = provenance(source) is not None
     if from_hub:
-        scratch_dir = _hub_input_checks(output_dir, scratch, workers, streams, ray)
-        workers, streams = 1, 1
+        scratch_dir = _hub_input_checks(output_dir, scratch, workers, streams)
+        if ray is None:
+            workers, streams = 1, 1
         if command is None or isinstance(input_source, str):  # the resume reads the same commit
             command = (command or f"kimi-convert pack {input_source} {output_dir} --resume").replace(
                 str(input_source), source.name, 1)
@@ -169,8 +172,12 @@ def pack(
                          name="kimi-convert-warm-up").start()
     ckpt, plan = load_plan(source, opts)
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
+    ray_hub = from_hub and cluster is not None  # each Ray task downloads its inputs (rayhub)
     # the bound checked before the output exists (a resume: below, against what is left)
-    early = _scratch_plan(source, plan.units, max_scratch) if from_hub and not resume else None
+    early = _scratch_plan(source, plan.units, max_scratch) if from_hub and not resume and not ray_hub else None
+    if ray_hub and not resume:  # each task's bound, against its job
+        _task_bounds(source, split_jobs(ckpt, plan, plan.shards, cluster.placement.slots, output_dir,
+                                        hash_inputs=False), max_scratch)
     output_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_output(output_dir)  # before the journal is read: a concurrent pack is told so, not --resume
     try:
@@ -182,11 +189,15 @@ def pack(
         todo = [s for s in plan.shards if s.file not in j.shards]
         n_streams = streams or pipeline.default_streams(cpus, len(devices_))
         slots = cluster.placement.slots if cluster else len(devices_) * n_streams
-        _check_space(output_dir, todo, None if hub is None or hub.target.keep_output else slots)
+        local_output = ray_hub and hub is not None and not hub.target.keep_output  # the shards stay on the nodes
+        if not local_output:
+            _check_space(output_dir, todo, None if hub is None or hub.target.keep_output else slots)
         downloads: Downloads | None = None
         stop = threading.Event()  # the pipeline's; a Hub input's downloads stop with it
         job_source = ckpt.source
-        if from_hub:
+        if ray_hub:  # pickled to the tasks without the token (it travels as HF_TOKEN: rayhub.task_env)
+            job_source = dataclasses.replace(source, token=None)
+        elif from_hub:
             from .sources.hubfetch import Downloads, FetchedHub
 
             sp, bound = early if early is not None and not j.shards else _scratch_plan(
@@ -221,16 +232,26 @@ def pack(
         done_bytes = sum(u.nbytes_in for u in plan.units if u.shard in j.shards)
         bar = Progress("pack", progress, total=plan.bytes_in, initial=done_bytes)
 
-        def on_shard(file: str, rec: ShardRecord) -> None:
+        def on_shard(file: str, rec: ShardRecord, arrived: Arrived | None = None) -> None:
+            """``arrived``: what a Hub-input Ray task sends with the record (its records file; uploaded by it)."""
+            if arrived is not None and arrived.records is not None:
+                _place_records(output_dir, file, rec, arrived.records)
+            sent = arrived is not None and arrived.uploaded
             with jlock:
                 j.shards[file] = rec
+                if sent:  # by the task: this run's upload as well (the summary counts it)
+                    j.uploaded[file] = rec.sha256
+                    hub.sent.append(file)
                 j.save(output_dir)
-            if hub is not None:  # outside the lock: it waits while the uploader (which takes it) is behind
+            if hub is not None and not sent:  # outside the lock: it waits while the uploader (which takes it) is behind
                 hub.submit(file, rec.size, rec.sha256)
 
         t = time.perf_counter()
         try:
-            if cluster is not None:
+            if ray_hub:
+                results = _run_hub_tasks(cluster, jobs, on_shard, bar.update, source, output_dir, hub, upload,
+                                         scratch, max_scratch, local_output)
+            elif cluster is not None:
                 results = cluster.run(jobs, on_shard, bar.update)
             elif len(per_worker) == 1:
                 wait = {"admit": hub.admit} if hub is not None else {}  # --no-keep-output's disk bound
@@ -260,7 +281,8 @@ def pack(
         convert_s = time.perf_counter() - t
         input_hashes = {f: h for r in results for f, h in r.input_hashes.items()}
         if from_hub:  # verified against the Hub's LFS sha256 by the downloads (those of done shards: the Hub's)
-            input_hashes = {f: source.files[f].sha256 for f, _ in plan.inputs} | downloads.hashes()
+            input_hashes = {f: source.files[f].sha256 for f, _ in plan.inputs} | (
+                downloads.hashes() if downloads is not None else input_hashes)
         _finish(ckpt, plan, output_dir, j, input_hashes, keep_journal=hub is not None, origin=provenance(source))
         up = None
         if hub is not None:
@@ -279,7 +301,8 @@ def pack(
                           stream_wall_s=[r.wall_s for r in results],
                           input_hash_wait_s=max((r.hash_wait_s for r in results), default=0.0),
                           setup_s=round(t - called, 3), finish_s=round(time.perf_counter() - t - convert_s, 3),
-                          downloads=dataclasses.asdict(downloads.stats) if downloads is not None else None,
+                          downloads=(dataclasses.asdict(downloads.stats) if downloads is not None
+                                     else _task_downloads(results) if ray_hub else None),
                           **_device_stats(results))
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
                           cast_blocks=sum(r.cast_blocks for r in recs),
@@ -391,12 +414,11 @@ def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool,
 
 
 def _hub_input_checks(output_dir: Path, scratch: str | os.PathLike | None, workers: int | None,
-                      streams: int | None, ray: str | None) -> Path:
-    """A Hub input packs in this process on one stream (its reads then follow the download order, which is
-    what keeps the scratch bound from stalling: ``sources.hubfetch``). The scratch folder (default: beside the
-    output, ``.OUTPUT.hub-scratch``) must not be inside the output, which is uploaded and checked as a whole."""
-    if ray is not None:
-        raise ConvertError("--ray does not take a Hub input yet: download it (hf download) and pack the folder")
+                      streams: int | None) -> Path:
+    """A Hub input packs on one stream (its reads then follow the download order, which is what keeps the
+    scratch bound from stalling: ``sources.hubfetch``): in this process, or one a Ray task (``rayhub``). The
+    scratch folder (default: beside the output, ``.OUTPUT.hub-scratch``; with --ray, on each node) must not be
+    inside the output, which is uploaded and checked as a whole."""
     for flag, n in (("--workers", workers), ("--streams", streams)):
         if n is not None and n > 1:
             raise ConvertError(f"{flag} {n}: a Hub input packs with one worker and one stream (the network, "
@@ -408,6 +430,60 @@ def _hub_input_checks(output_dir: Path, scratch: str | os.PathLike | None, worke
     if where.exists() and not where.is_dir():
         raise ConvertError(f"--scratch {where}: is a file, expected a folder")
     return where
+
+
+def _task_bounds(source, jobs: list[pipeline.Job], max_scratch: int | None) -> list[int]:
+    """--ray with a Hub input: each task's scratch bound (``--max-scratch`` per task, default a few of its
+    job's files), checked against its job before any task starts: one line, as for a local pack."""
+    return [_scratch_plan(source, job.units, max_scratch)[1] for job in jobs]
+
+
+def _run_hub_tasks(cluster, jobs: list[pipeline.Job], on_shard: Callable[..., None], on_progress: Callable[[int], None],
+                   source, output_dir: Path, hub: LiveUpload | None, upload: UploadTarget | None,
+                   scratch: str | os.PathLike | None, max_scratch: int | None,
+                   local_output: bool) -> list[pipeline.JobResult]:
+    """A Ray task per job that downloads its inputs and (with --upload) uploads its shards (``rayhub``); where
+    its shards go to OUTPUT, the probe file that lets each task check it sees this OUTPUT."""
+    import secrets
+
+    from . import rayhub
+
+    probe = "" if local_output else rayhub.write_probe(output_dir)
+    root = str(Path(scratch).absolute()) if scratch is not None else None
+    target = dataclasses.replace(upload, token=None) if upload is not None else None
+    run = secrets.token_hex(4)  # a task's re-run shares its folder, a resumed pack's tasks never an orphan's
+    tasks = [rayhub.HubTask(bound, root, f"{job.shards[0].file.removesuffix('.safetensors') if job.shards else 'none'}"
+                                         f".{run}", target, local_output, probe)
+             for job, bound in zip(jobs, _task_bounds(source, jobs, max_scratch), strict=True)]
+    try:
+        return cluster.run(jobs, on_shard, on_progress, hub=tasks,
+                           env=rayhub.task_env(hub.api.token if hub is not None else source.token))
+    finally:
+        rayhub.remove_probe(output_dir)
+
+
+def _task_downloads(results: list[pipeline.JobResult]) -> dict:
+    """--stats ``downloads`` of a Hub input's Ray tasks: the sums (the peak and the bound: the largest task's),
+    and each task's figures with its node and folders."""
+    tasks = [r.downloads for r in results if r.downloads]
+    total = {k: sum(t[k] for t in tasks) for k in ("downloaded", "reused", "bytes", "resumed_bytes", "waited_s")}
+    return {**total, "peak_scratch": max((t["peak_scratch"] for t in tasks), default=0),
+            "bound": max((t["bound"] for t in tasks), default=0),
+            "files": [f for t in tasks for f in t["files"]], "tasks": tasks}
+
+
+def _place_records(output_dir: Path, shard: str, rec: ShardRecord, data: bytes) -> None:
+    """A Ray task's records file, written where the manifest and the commit read it, once checked against the
+    record (it crossed the network)."""
+    import hashlib
+
+    from .atomic import write_atomic
+
+    if len(data) != rec.records_size or hashlib.sha256(data).hexdigest() != rec.records_sha256:
+        raise ConvertError(f"{shard}: the records file a Ray task sent does not match its record (a bug)")
+    path = output_dir / filenames.records_name(shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data, fault="records")
 
 
 def _scratch_plan(source, units: list[Unit], max_scratch: int | None):

@@ -8,6 +8,8 @@ node, reading the input and writing its shards straight to the shared output fol
 it sends back only small things: each finished shard's record (hashes and notes, as the resume
 journal keeps them) and, at the end, the sha256 of the input files it hashed. The driver journals
 each shard as its record arrives, and writes configs, index and manifest as a local pack does.
+A Hub input (``hf://``) needs no shared input: each task downloads its own job's files, and with
+``--upload --no-keep-output`` uploads its own shards, no shared output either (``rayhub``).
 
 Placement: where nodes have GPUs, GPU tasks (``--device auto`` or ``cuda``; one to four tasks a
 GPU, like a local worker's streams, each with its share of the node's CPUs); else CPU tasks of up
@@ -34,11 +36,15 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .devices import resolve_device
 from .errors import ConvertError
 from .journal import Journal, ShardRecord, intact
 from .pipeline import Job, JobResult, run_jobs
+
+if TYPE_CHECKING:
+    from .rayhub import HubTask
 
 #: Times Ray re-runs a task whose worker process or node died.
 RETRIES = 3
@@ -95,10 +101,10 @@ class Cluster:
     placement: Placement
     owned: bool  # this process called ray.init, so it shuts the connection down (a local cluster with it)
 
-    def run(self, jobs: list[Job], on_shard: Callable[[str, ShardRecord], None],
-            on_progress: Callable[[int], None]) -> list[JobResult]:
+    def run(self, jobs: list[Job], on_shard: Callable[..., None], on_progress: Callable[[int], None],
+            hub: list[HubTask] | None = None, env: dict[str, str] | None = None) -> list[JobResult]:
         try:
-            return run(jobs, self.placement, on_shard, on_progress)
+            return run(jobs, self.placement, on_shard, on_progress, hub, env)
         finally:
             self.close()
 
@@ -151,13 +157,15 @@ def _shard_runs(job: Job) -> str:
     return f"{job.shards[0].file}..{job.shards[-1].file}" if job.shards else "(no shards)"
 
 
-def run(jobs: list[Job], p: Placement, on_shard: Callable[[str, ShardRecord], None],
-        on_progress: Callable[[int], None]) -> list[JobResult]:
-    """One Ray task per job; ``on_shard`` as each shard's record arrives, ``on_progress`` with the
-    shard's input bytes. Returns the jobs' results in order."""
+def run(jobs: list[Job], p: Placement, on_shard: Callable[..., None], on_progress: Callable[[int], None],
+        hub: list[HubTask] | None = None, env: dict[str, str] | None = None) -> list[JobResult]:
+    """One Ray task per job; ``on_shard(file, record)`` as each shard's record arrives (a Hub input's task:
+    ``on_shard(file, record, rayhub.Arrived)`` where it sends more), ``on_progress`` with the shard's input
+    bytes. ``hub``: each job's ``rayhub.HubTask`` (a Hub input); ``env``: more of the tasks' environment
+    (``rayhub.task_env``). Returns the jobs' results in order."""
     ray = import_ray()
     remote = ray.remote(_task)
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)} | (env or {})
     jobs = [dataclasses.replace(j, source=j.source.for_worker(), output_dir=j.output_dir.absolute())
             for j in jobs]
     in_bytes: dict[str, int] = {}
@@ -170,7 +178,7 @@ def run(jobs: list[Job], p: Placement, on_shard: Callable[[str, ShardRecord], No
                 "runtime_env": {"env_vars": env}, "name": f"kimi-convert {_shard_runs(job)}"}
         if p.num_gpus:
             opts["num_gpus"] = p.num_gpus
-        gens[i] = remote.options(**opts).remote(job, p.device, p.num_cpus)
+        gens[i] = remote.options(**opts).remote(job, p.device, p.num_cpus, hub[i] if hub else None)
     results: dict[int, JobResult] = {}
     try:
         while gens:
@@ -192,7 +200,7 @@ def run(jobs: list[Job], p: Placement, on_shard: Callable[[str, ShardRecord], No
                                        f"{reason}), {RETRIES} retries included; the finished shards are kept, rerun "
                                        "with --resume") from None
                 if item[0] == "shard":
-                    on_shard(item[1], item[2])
+                    on_shard(*item[1:])
                     on_progress(in_bytes.get(item[1], 0))
                 else:
                     results[i] = item[1]
@@ -228,19 +236,27 @@ def kept_shards(job: Job) -> dict[str, ShardRecord]:
     return kept
 
 
-def _task(job: Job, device: str, threads: int) -> Iterator[tuple]:
-    """One attempt at a job, on a Ray worker: yields ("shard", file, record) for each of its shards,
-    in plan order, then ("done", JobResult)."""
-    kept = kept_shards(job)
+def _task(job: Job, device: str, threads: int, hub: HubTask | None = None) -> Iterator[tuple]:
+    """One attempt at a job, on a Ray worker: yields ("shard", file, record) for each of its shards (a Hub
+    input's task, where it sends more: ("shard", file, record, rayhub.Arrived)), in plan order, then
+    ("done", JobResult). ``hub``: the job reads a Hub input (``rayhub.run_task``)."""
+    kept = kept_shards(job) if hub is None or not hub.local_output else {}
     todo = dataclasses.replace(job, shards=[s for s in job.shards if s.file not in kept],
                                units=[u for u in job.units if u.shard not in kept])
     finished: queue.Queue = queue.Queue()
     out: dict[str, object] = {}
 
+    def emit(f: str, rec: ShardRecord, more: object = None) -> None:
+        finished.put((f, (rec,) if more is None else (rec, more)))
+
     def work() -> None:
         try:
-            out["result"] = run_jobs([todo], resolve_device(device), lambda f, rec: finished.put((f, rec)),
-                                     threads=threads)[0]
+            if hub is not None:
+                from .rayhub import run_task
+
+                out["result"] = run_task(todo, device, threads, hub, emit)
+            else:
+                out["result"] = run_jobs([todo], resolve_device(device), emit, threads=threads)[0]
         except BaseException as e:
             out["error"] = e
         finally:
@@ -249,11 +265,11 @@ def _task(job: Job, device: str, threads: int) -> Iterator[tuple]:
     worker = threading.Thread(target=work, daemon=True, name="kimi-convert-ray-task")
     worker.start()
     order = [s.file for s in job.shards]
-    ready: dict[str, ShardRecord] = dict(kept)
+    ready: dict[str, tuple] = {f: (rec,) for f, rec in kept.items()}
     sent = 0
     while True:
         while sent < len(order) and order[sent] in ready:
-            yield ("shard", order[sent], ready.pop(order[sent]))
+            yield ("shard", order[sent], *ready.pop(order[sent]))
             sent += 1
         item = finished.get()
         if item is None:

@@ -35,7 +35,7 @@ WRITEBACK_EVERY = 64 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
 OWN_FILES = (filenames.MANIFEST, filenames.INDEX, filenames.CONFIG, *formats.config_files(), filenames.JOURNAL,
-             filenames.LOCK)
+             filenames.LOCK, filenames.RAY_PROBE)
 
 
 def check_output_dir(input_dir: Path | None, output_dir: Path) -> None:

@@ -9,8 +9,8 @@ costs no packing; retries and one-line errors are ``upload``'s (``with_retries``
 Why ``admit``: with ``--no-keep-output`` a shard is deleted once the Hub has it, so the local disk holds
 only the shards in flight; a slow uplink must then slow the conversion down instead of filling the disk,
 so a stream waits before opening a shard while ``QUEUE + 1`` are on the disk and not yet on the Hub
-(in-process workers only: with --workers N or --ray the shards are still uploaded as they finish, but
-not waited for).
+(in-process workers and a Hub input's Ray tasks, each with its own uploader: ``rayhub``; with --workers N
+or --ray of a local input the shards are still uploaded as they finish, but not waited for).
 
 Resume: the journal records each upload with the shard's sha256 (``Journal.uploaded``); a resumed pack
 asks the Hub's LFS batch endpoint which of those objects it holds (an object is named by its sha256, so
@@ -83,12 +83,16 @@ class LiveUpload:
     """The Hub side of one ``pack --upload``: connected and the repo created before the plan; a thread
     that preuploads each finished shard (``THREADS`` of them); the commit and the remote check at the end."""
 
-    def __init__(self, target: UploadTarget, say: Callable[[str], None] = print):
+    def __init__(self, target: UploadTarget, say: Callable[[str], None] = print, api: HfApi | None = None):
+        """``api``: a Ray task's (``rayhub``), whose driver has already checked the token and created the repo:
+        nothing is asked of the Hub here then."""
         self.target, self.say = target, say
-        self.api: HfApi = connect(target.repo_id, target.token, write=True, say=say)
-        with_retries(lambda: self.api.create_repo(target.repo_id, private=target.private, exist_ok=True,
-                                                  repo_type="model"),
-                     "creating the repository", target.repo_id, say)
+        if api is None:
+            api = connect(target.repo_id, target.token, write=True, say=say)
+            with_retries(lambda: api.create_repo(target.repo_id, private=target.private, exist_ok=True,
+                                                 repo_type="model"),
+                         "creating the repository", target.repo_id, say)
+        self.api: HfApi = api
         self._queue: queue.Queue = queue.Queue()
         self._room = threading.Condition()
         self._local = 0  # shards admitted (or resumed) and not yet on the Hub

@@ -45,7 +45,7 @@ MAX_WAIT = 300.0
 CONNECT_TIMEOUT = float(os.environ.get("KIMI_CONVERT_CONNECT_TIMEOUT", "10"))
 #: Seconds without a byte before a transfer counts as dropped, then retried: hf_xet's own read timeout.
 IDLE_TIMEOUT = 300.0
-IGNORE = [filenames.JOURNAL, filenames.LOCK, "*.partial", ".cache/*"]
+IGNORE = [filenames.JOURNAL, filenames.LOCK, filenames.RAY_PROBE, "*.partial", ".cache/*"]
 RESUME = "re-run the same command to resume (files already uploaded are skipped)"
 NO_TOKEN = ("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login` (a token with write "
             "access: https://huggingface.co/settings/tokens)")

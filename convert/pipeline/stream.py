@@ -68,6 +68,7 @@ class JobResult:
     calibration: dict = field(default_factory=dict)  # auto: its worker's calibration thread (Runner.calibration)
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
     hash_wait_s: float = 0.0  # its seconds, once its shards were written, waiting for its input files' hashes
+    downloads: dict | None = None  # a Hub input's Ray task: its downloads' figures and folders (rayhub.run_task)
 
 
 @dataclass
