@@ -23,11 +23,35 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from kimi_convert.cli import cli
+
+try:  # the Ray tests' one skip reason (tests/test_ray.py, tests/test_ray_hub.py)
+    import ray.cluster_utils
+
+    NO_RAY = ""
+except ImportError:
+    NO_RAY = "needs Ray: pip install 'kimi-convert[ray]' (the test extras have it)"
+
+needs_ray = pytest.mark.skipif(bool(NO_RAY), reason=NO_RAY or "-")
+
+
+@contextlib.contextmanager
+def local_ray_cluster(system_config: dict | None = None):
+    """A Ray cluster of this machine's processes: a head that runs no task and two nodes of one CPU."""
+    head = {"num_cpus": 0, "include_dashboard": False, **({"_system_config": system_config} if system_config else {})}
+    c = ray.cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:

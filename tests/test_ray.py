@@ -20,20 +20,12 @@ from pathlib import Path
 import pytest
 
 import fault_inject
-from helpers import Result, child, one_line_error, run_process
+from helpers import Result, child, local_ray_cluster, needs_ray, one_line_error, run_process
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 
 ROOT = Path(__file__).parents[1]
 
-try:
-    import ray.cluster_utils
-
-    NO_RAY = ""
-except ImportError:
-    NO_RAY = "needs Ray: pip install 'kimi-convert[ray]' (the test extras have it)"
-
-needs_ray = pytest.mark.skipif(bool(NO_RAY), reason=NO_RAY or "-")
 
 # 34 shards of at most 300 KB (SGLang's fused layout)
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "300KB", "--device", "cpu", "-q"]
@@ -56,16 +48,8 @@ def ref(tiny_k3, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cluster():
     # node failures noticed within about 3 s (Ray's default: about 30 s)
-    c = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=1)
-        c.wait_for_nodes()
+    with local_ray_cluster({"health_check_period_ms": 1000, "health_check_failure_threshold": 3}) as c:
         yield c
-    finally:
-        c.shutdown()
 
 
 def alive(pid: int) -> bool:

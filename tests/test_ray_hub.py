@@ -23,16 +23,7 @@ import pytest
 
 import fault_inject
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import one_line_error, run
-
-try:
-    import ray.cluster_utils
-
-    NO_RAY = ""
-except ImportError:
-    NO_RAY = "needs Ray: pip install 'kimi-convert[ray]' (the test extras have it)"
-
-needs_ray = pytest.mark.skipif(bool(NO_RAY), reason=NO_RAY or "-")
+from helpers import local_ray_cluster, needs_ray, one_line_error, run
 
 # tiny-k3 with 16 experts a layer in 4 input files; 1 MB output shards (a few a task)
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
@@ -48,14 +39,8 @@ def src(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = ray.cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=1)
-        c.wait_for_nodes()
+    with local_ray_cluster() as c:
         yield c
-    finally:
-        c.shutdown()
 
 
 @pytest.fixture
