@@ -32,7 +32,7 @@ from .mapping import find_mapping
 from .options import Options
 from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .plan.serialize import plan_dict, plan_hash
-from .progress import Progress
+from .progress import Progress, human_bytes
 from .readers import readahead
 from .sources import Source, open_source, provenance
 
@@ -566,15 +566,6 @@ def _check_space(output_dir: Path, todo: list[Shard], in_flight: int | None = No
     if need > free:
         raise ConvertError(f"{output_dir}: needs {human_bytes(need)} for {len(todo)} shard(s), "
                            f"{human_bytes(free)} free")
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes in the largest decimal unit that leaves at least 1 of it (``512 B``, ``3.41 MB``, ``1.20 TB``):
-    a fixed unit shows a small output and a nearly full disk both as 0.00 GB."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def lock_output(output_dir: Path) -> int:

@@ -53,3 +53,12 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest decimal unit that leaves at least 1 of it (``512 B``, ``3.41 MB``, ``1.20 TB``):
+    a fixed unit shows a small output and a nearly full disk both as 0.00 GB."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

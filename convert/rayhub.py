@@ -219,7 +219,7 @@ def _check_task_space(folder: Path, sp, bound: int, shard_sizes: list[int], loca
     """The task folder's disk holds the scratch bound (or all the job downloads, if less) and, with the
     shards written there, the ones that may be there at once (``--no-keep-output``'s bound)."""
     from .hub.live import QUEUE
-    from .pack import human_bytes
+    from .progress import human_bytes
 
     folder.mkdir(parents=True, exist_ok=True)
     need = min(bound, sum(n.size for n in sp.needs))

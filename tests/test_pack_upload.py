@@ -260,6 +260,7 @@ def test_random_kills_resume_identically(medium, tmp_path, seed):
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
                 p.wait()
+                hub.wait_idle()  # its transfers in flight end (fakehub.FakeHub.wait_idle)
                 kills += 1
             if p.returncode == 0:
                 break
