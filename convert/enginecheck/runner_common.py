@@ -248,7 +248,6 @@ class Tracker:
                 self._mark(w, k)
                 for pname in self.pstore[k]:
                     pdt = self.params[pname].dtype
-                    rel = w.storage_offset() - self.params[pname].storage_offset()
                     for n, sdt in names.items():
                         self.stored[n].add(pname)
                         if n in direct:
