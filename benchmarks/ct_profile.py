@@ -7,7 +7,8 @@ from a cold page cache, with their `--stats`; everything in one JSON.
 A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams), ``hash=N`` (the worker's
 hashing threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
 (``$KIMI_CONVERT_STARTUP_READAHEAD``: also each stream's file-hash lead), ``lead=BYTES`` (the least lead of a
-stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``).
+stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``), ``early=0`` (no unit
+computed without torch: ``compute_early.takes`` patched to refuse every unit, as before session 14).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -29,9 +31,11 @@ from compare_speed import evict, measure  # noqa: E402
 
 #: pack with the hashing threads and the least hash lead patched (measurement switches, kept out of the package;
 #: -1: as the package has it)
-PATCHED = ("import sys, kimi_convert.pipeline.stream as s; n, lead = int(sys.argv.pop(1)), int(sys.argv.pop(1))\n"
+PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_early as e\n"
+           "n, lead, early = (int(sys.argv.pop(1)) for _ in range(3))\n"
            "if n >= 0: s.default_hash_threads = lambda streams, share: n\n"
            "if lead >= 0: s.EAGER_HASH = lead\n"
+           "if early == 0: e.takes = lambda unit: False\n"
            "from kimi_convert.cli import main; main()")
 
 
@@ -67,8 +71,10 @@ def run_variant(src: Path, spec: str, work: Path) -> dict:
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
-    cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), *args]
-           if "hash" in kv or "lead" in kv else [sys.executable, "-m", "kimi_convert.cli", *args])
+    patched = {"hash", "lead", "early"} & kv.keys()
+    cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"), *args]
+           if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
+    shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools
     evict(src)
     r = measure(cmd, env, "kimi-convert", spec, "-", 0.1)
     return {"variant": spec, "wall_s": round(r.wall_s, 2), "cpu_s": round(r.cpu_s, 1),

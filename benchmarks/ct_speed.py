@@ -82,6 +82,9 @@ def main() -> int:
             if a.stats_dir:
                 a.stats_dir.mkdir(parents=True, exist_ok=True)
                 stats = ["--stats", str(a.stats_dir / (label.replace(" ", "_").replace("-", "") + ".json"))]
+            # each tool's output folder removed outside the timing (pack --overwrite would remove the previous
+            # run's 2.8 GB inside it: 1.1-1.6 s of setup on the H200 machine, session 13's ct-profile.json)
+            subprocess.run(["rm", "-rf", str(ours)], check=True)
             prep()
             runs.append(measure([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(ours), "-q",
                                  "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device, *extra, *stats],

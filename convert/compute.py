@@ -8,8 +8,6 @@ high-precision tensor is never materialised, and its quantized rows are the memb
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -17,22 +15,12 @@ from kimi_convert.kernels import Backend, ct_nvfp4, fp8_block, outputs, referenc
 from kimi_convert.kernels.outputs import Arena
 
 from . import encodings, formats
+from .compute_early import Chunk, Output, UnitResult, raw_chunks
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
 
-Chunk = memoryview | np.ndarray
-
-
-@dataclass
-class Output:
-    chunks: list[Chunk]  # written back to back at the tensor's offset
-
-
-@dataclass
-class UnitResult:
-    outputs: dict[str, Output]
-    notes: dict[str, dict] = field(default_factory=dict)  # per item: how it was produced
+__all__ = ["Chunk", "HostSink", "Output", "UnitResult", "as_bytes", "compute_unit", "decode"]
 
 
 class HostSink(Arena):
@@ -52,9 +40,12 @@ class HostSink(Arena):
         torch.cuda.current_stream().synchronize()
 
 
-def as_bytes(t: torch.Tensor) -> np.ndarray:
+def as_bytes(t: torch.Tensor | np.ndarray) -> np.ndarray:
     """A contiguous tensor's bytes on the host as a flat uint8 array (fp8 and bf16 have no numpy dtype); a
-    GPU tensor goes into the ``HostSink`` lent for this thread's unit when there is one (``outputs.use_arena``)."""
+    GPU tensor goes into the ``HostSink`` lent for this thread's unit when there is one (``outputs.use_arena``).
+    A numpy array (a format's constant: ``input_scale``) is its own bytes."""
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
     t = t.detach().contiguous()
     sink = outputs.current()
     if t.device.type == "cuda" and isinstance(sink, HostSink) and (out := sink.take(t)) is not None:
@@ -67,10 +58,6 @@ def decode(src: SourceTensor, reader: TensorSource, block: tuple[int, int], back
     view on the CPU), decoded fp32 otherwise (decoded on the GPU when there is one), by its encoding
     (``encodings.decode``)."""
     return encodings.decode(src, [backend.to_device(reader.tensor(p)) for p in src.parts], block)
-
-
-def _raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
-    return [reader.raw(p) for s in item.sources for p in s.parts[:1]]
 
 
 def _keep_decoded(item: Item, reader: TensorSource, block, backend: Backend) -> list[Chunk]:
@@ -88,7 +75,7 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
             _fp8_block(it, reader, block, backend, res)
         elif it.kind != NVFP4:
             stored = all(encodings.as_stored(s) for s in it.sources)
-            chunks = _raw_chunks(it, reader) if stored else _keep_decoded(it, reader, block, backend)
+            chunks = raw_chunks(it, reader) if stored else _keep_decoded(it, reader, block, backend)
             res.outputs[it.outputs[0].name] = Output(chunks)
             if not all(s.encoding == Encoding.DENSE for s in it.sources):
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}

@@ -89,6 +89,7 @@ class PackStats:
     #                   start-up seconds, units computed and their seconds, offers declined, the streams' copying)
     stream_wall_s: list[float] = field(default_factory=list)  # each stream's seconds, start to end
     input_hash_wait_s: float = 0.0  # after the streams ended, waiting for the input file hashes (sequential chains)
+    early_units: int = 0  # units computed without torch while it loaded, or for --device cpu (compute_early)
     setup_s: float = 0.0  # from pack's call to the workers' start (the plan, the journal, the output folder)
     finish_s: float = 0.0  # after the workers' end: configs, side files, index, manifest (and the upload's commit)
     downloads: dict | None = None  # a Hub input: what was downloaded, reused, the scratch peak (hubfetch)
@@ -167,10 +168,15 @@ def pack(
     devices_ = devices.worker_devices(device, workers) if cluster is None else []
     cpus = devices.cpus()  # the one CPU count: every worker's share of it is passed on as an argument
     ahead = startup_readahead()
+    needs_torch = pipeline.TorchNeed()
     if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
-        threading.Thread(target=pipeline.warm_up, args=(devices_[0], cpus), daemon=True,
+        threading.Thread(target=pipeline.warm_up, args=(devices_[0], cpus, needs_torch), daemon=True,
                          name="kimi-convert-warm-up").start()
-    ckpt, plan = load_plan(source, opts)
+    plan = None
+    try:
+        ckpt, plan = load_plan(source, opts)
+    finally:  # (a failed plan: the warm-up thread ends)
+        needs_torch.decide(plan)
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     ray_hub = from_hub and cluster is not None  # each Ray task downloads its inputs (rayhub)
     # the bound checked before the output exists (a resume: below, against what is left)
@@ -300,6 +306,7 @@ def pack(
                           in_flight_limit=max((r.in_flight_limit for r in results), default=0),
                           stream_wall_s=[r.wall_s for r in results],
                           input_hash_wait_s=max((r.hash_wait_s for r in results), default=0.0),
+                          early_units=sum(r.early_units for r in results),
                           setup_s=round(t - called, 3), finish_s=round(time.perf_counter() - t - convert_s, 3),
                           downloads=(dataclasses.asdict(downloads.stats) if downloads is not None
                                      else _task_downloads(results) if ray_hub else None),

@@ -444,7 +444,7 @@ def test_pack_passes_cpus_to_its_one_worker(tiny_k3, tmp_path, monkeypatch):
 
     monkeypatch.setenv("KIMI_CONVERT_THREADS", "5")
     monkeypatch.setattr(pipeline, "run_jobs", run_jobs)
-    monkeypatch.setattr(pipeline, "warm_up", lambda device, threads: seen.setdefault("warm_up", threads))
+    monkeypatch.setattr(pipeline, "warm_up", lambda device, threads, need: seen.setdefault("warm_up", threads))
     with pytest.raises(_Stop):
         pack(tiny_k3, tmp_path / "out", Options(), device="cpu", progress=False, workers=1)
     from kimi_convert.devices import Device

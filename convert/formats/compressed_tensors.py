@@ -74,12 +74,12 @@ def nvfp4_outputs(it: Item, packed: list[torch.Tensor], scales: list[torch.Tenso
                   ) -> list[tuple[str, list[torch.Tensor]]]:
     """A module's tensors; ``s2`` is the group's ``weight_global_scale`` (compressed-tensors' own, from
     ``ct_nvfp4.global_scale``: the compute stage computes it by ``NVFP4_MATH``)."""
-    import torch
+    import numpy as np
 
     w, ws, wg = it.outputs[:3]
     out = [(w.name, packed), (ws.name, scales), (wg.name, [s2.reshape(1)])]
     if it.input_scale is not None:
-        out.append((it.outputs[3].name, [torch.tensor([1.0 / it.input_scale], dtype=torch.float32)]))
+        out.append((it.outputs[3].name, [np.array([1.0 / it.input_scale], dtype=np.float32)]))
     return out
 
 

@@ -64,12 +64,12 @@ def tensor_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale:
 def nvfp4_outputs(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor
                   ) -> list[tuple[str, list[torch.Tensor]]]:
     """An NVFP4 module's tensors from its members' codes and scales and the group's global scale."""
-    import torch
+    import numpy as np
 
     w, ws, ws2 = it.outputs[:3]
     out = [(w.name, packed), (ws.name, scales), (ws2.name, [s2.reshape(1)])]
     if it.input_scale is not None:
-        out.append((it.outputs[3].name, [torch.tensor([it.input_scale], dtype=torch.float32)]))
+        out.append((it.outputs[3].name, [np.array([it.input_scale], dtype=np.float32)]))
     return out
 
 

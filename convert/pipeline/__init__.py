@@ -25,8 +25,8 @@ The package's modules, in the order a piece meets them: ``slicing`` (units into 
 
 from .budgets import MIN_IN_FLIGHT, ByteBudget, Shared, cpu_share, default_hash_threads, default_streams, pc_cost
 from .slicing import SLICE, Piece, PieceKind, Read, is_pass_through, pieces
-from .stream import EAGER_HASH, READ_AHEAD, WRITE_DEPTH, Job, JobResult, Stream, run_jobs, warm_up
+from .stream import EAGER_HASH, READ_AHEAD, WRITE_DEPTH, Job, JobResult, Stream, TorchNeed, run_jobs, warm_up
 
 __all__ = ["EAGER_HASH", "MIN_IN_FLIGHT", "READ_AHEAD", "SLICE", "WRITE_DEPTH", "ByteBudget", "Job", "JobResult",
-           "Piece", "PieceKind", "Read", "Shared", "Stream", "cpu_share", "default_hash_threads", "default_streams",
-           "is_pass_through", "pc_cost", "pieces", "run_jobs", "warm_up"]
+           "Piece", "PieceKind", "Read", "Shared", "Stream", "TorchNeed", "cpu_share", "default_hash_threads",
+           "default_streams", "is_pass_through", "pc_cost", "pieces", "run_jobs", "warm_up"]

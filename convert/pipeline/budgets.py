@@ -4,6 +4,7 @@ counts of streams and hashing threads for a share of the CPUs."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -17,7 +18,9 @@ from ..readers import BufferPool
 from .slicing import Piece, PieceKind
 
 if TYPE_CHECKING:
+    from ..compute_early import EarlyCompute
     from ..devices import Device
+    from ..plan import Unit
     from .runner import Runner
 
 #: The in-flight budget of a worker: at least this (IN_FLIGHT_PER_CPU a CPU of its share below 4 CPUs),
@@ -100,6 +103,8 @@ class Shared:
         self._runner: Runner | None = None
         self._lock = threading.Lock()
         self.backend_s = 0.0
+        #: The C kernels without torch (``compute_early``): --device cpu and auto (set by ``run_jobs``)
+        self.early: EarlyCompute | None = None
         #: Called before a stream opens a shard (``wait``: the stream has none open, so waiting cannot hold
         #: up a shard it must finish): ``pack --upload --no-keep-output`` waits there while the Hub is behind.
         self.admit: Callable[[bool, threading.Event], None] | None = None
@@ -123,6 +128,27 @@ class Shared:
     def runner_made(self) -> Runner | None:
         """The runner, if a stream made it (one that only copies never does)."""
         return self._runner
+
+    def make_runner_soon(self, device: Device, block: tuple[int, int]) -> None:
+        """``auto``: the runner made on a thread of its own, while the streams compute their first units without
+        torch (``early_takes``); a failure there is the first stream's own again, when it makes the runner."""
+        def make() -> None:
+            with contextlib.suppress(Exception):
+                self.runner(device, block)
+
+        threading.Thread(target=make, daemon=True, name="kimi-convert-runner").start()
+
+    def early_takes(self, unit: Unit, device: Device) -> bool:
+        """Whether a stream computes ``unit`` without torch (``compute_early``): with --device cpu whatever that
+        module takes; with auto only until the runner is made (then the runner measures the CPUs against the GPU
+        and chooses, which the calibration tests need for every unit: ``runner.CALIBRATION_WAITS``)."""
+        if self.early is None or not self.early.takes(unit):
+            return False
+        if device.kind == "cpu":
+            return True
+        from . import runner
+
+        return self._runner is None and not runner.CALIBRATION_WAITS
 
     def close(self, wait: bool = True) -> None:
         self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)

@@ -183,8 +183,9 @@ class Runner:
             self.pool.put(done[1], reuse=reuse)
 
     def _sink_buffer(self, unit: Unit):
-        # the outputs' bytes, plus each read-back's alignment (64 bytes) and a page of slack
-        return self.pool.get(unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items))
+        from ..compute_early import sink_bytes
+
+        return self.pool.get(sink_bytes(unit))
 
     def _on(self, b: Backend, unit: Unit, loaded: Loaded, buf: np.ndarray | None = None) -> Computed:
         """``unit`` computed on ``b`` into a pool buffer lent for its outputs (``buf``, or one taken here):

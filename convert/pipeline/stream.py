@@ -68,6 +68,7 @@ class JobResult:
     calibration: dict = field(default_factory=dict)  # auto: its worker's calibration thread (Runner.calibration)
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
     hash_wait_s: float = 0.0  # its seconds, once its shards were written, waiting for its input files' hashes
+    early_units: int = 0  # its units computed without torch (``compute_early``)
     downloads: dict | None = None  # a Hub input's Ray task: its downloads' figures and folders (rayhub.run_task)
 
 
@@ -153,6 +154,7 @@ class Stream:
         self.open: dict[str, _ShardState] = {}
         self.out_hashers: dict[str, SerialHasher] = {}
         self.runner: Runner | None = None
+        self.early_units = 0  # units computed without torch (compute_early)
         self.seconds: dict[str, float] = defaultdict(float)  # time each stage spent, for --stats
 
     def _clock(self, key: str, since: float) -> float:
@@ -203,6 +205,13 @@ class Stream:
             name = pc.unit.items[0].outputs[0].name
             return {name: list(loaded.buffers.values())}, {}, _nothing
         t = time.perf_counter()
+        if self.shared.early_takes(pc.unit, self.device):
+            res, buf = self.shared.early.compute(pc.unit, loaded, self.shared.buffers)
+            self._clock("compute: C kernels without torch", t)
+            self.early_units += 1
+            pool = self.shared.buffers
+            return ({n: o.chunks for n, o in res.outputs.items()}, res.notes,
+                    _nothing if buf is None else lambda reuse: pool.put(buf, reuse=reuse))
         if self.runner is None:
             self.runner = self.shared.runner(self.device, self.job.block)
             t = self._clock("compute: wait for torch and the device", t)
@@ -344,7 +353,8 @@ class Stream:
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
-                         wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait)
+                         wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait,
+                         early_units=self.early_units)
 
 
 def _nothing(reuse: bool = True) -> None:
@@ -369,6 +379,12 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     mine = [pieces(j.units, j.file_order) for j in jobs]
     shared = Shared(mine, threads, default_hash_threads(len(jobs), threads), stop)
     shared.admit = admit
+    if device.kind in ("cpu", "auto"):
+        from ..compute_early import EarlyCompute
+
+        shared.early = EarlyCompute(threads)
+        if device.kind == "auto":
+            shared.make_runner_soon(device, jobs[0].block if jobs else (128, 128))
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
@@ -404,11 +420,42 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     return results
 
 
-def warm_up(device: Device, threads: int) -> None:
+class TorchNeed:
+    """Whether the plan has a unit that needs torch on the CPUs (one ``compute_early`` does not take): the
+    warm-up of ``--device cpu`` waits for the plan to say so, and without such a unit never imports torch (3.6-5 s
+    of a core, and of the interpreter's lock, on the H200 machine)."""
+
+    def __init__(self):
+        self._decided = threading.Event()
+        self._needed = True
+
+    def decide(self, plan) -> None:
+        """``plan``: the pack's plan (None: planning failed; nothing is needed)."""
+        if plan is None:
+            self._needed = False
+        else:
+            from ..compute_early import takes
+
+            self._needed = not all(takes(u) for u in plan.units)
+        self._decided.set()
+
+    def wait(self) -> bool:
+        self._decided.wait()
+        return self._needed
+
+
+def warm_up(device: Device, threads: int, need: TorchNeed | None = None) -> None:
     """Import torch and the kernels (and start CUDA) ahead of need, on a thread: this takes one to
-    several seconds, which then overlap planning and the first reads. A failure here is ignored:
-    the backend is made again where it is needed, and fails there with its own message."""
+    several seconds, which then overlap planning and the first reads. ``--device cpu``: the C library first, then
+    torch only where ``need`` says a unit needs it. A failure here is ignored: the backend is made again where it
+    is needed, and fails there with its own message."""
     try:
+        if device.kind == "cpu":
+            from kimi_convert.kernels import clib
+
+            clib.load()
+            if need is not None and not need.wait():
+                return
         import torch
 
         from kimi_convert.kernels import get_backend

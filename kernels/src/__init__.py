@@ -9,18 +9,33 @@ on the ``reference`` backend or with ``KIMI_CONVERT_RECIPE_KERNELS=torch``, else
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kimi_convert.devices import Device, cpus, resolve_device
 
-from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
-from .formats import DecodeError, decode_fp8_block, decode_mxfp4
+if TYPE_CHECKING:
+    import torch
+
+    from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
+    from .formats import DecodeError, decode_fp8_block, decode_mxfp4
 
 __all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend",
            "mxfp4_cast", "reference"]
+
+#: What this package gives on first use rather than on import: each of them imports torch, and the pipeline
+#: computes its first units with ``clib`` (no torch) while torch loads (``pipeline.early``).
+_LAZY = {"ct_nvfp4": None, "fp8_block": None, "mxfp4_cast": None, "reference": None,
+         "DecodeError": "formats", "decode_fp8_block": "formats", "decode_mxfp4": "formats"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    return module if _LAZY[name] is None else getattr(module, name)
 
 #: Elements a chunk of the torch reference path holds: bounds its fp32 temporaries.
 CHUNK_ELEMENTS = 1 << 22
@@ -44,6 +59,8 @@ class Backend:
 
     def amax(self, w: torch.Tensor) -> torch.Tensor:
         """fp32 amax of |w| on the device; NaN or inf when w holds a NaN or an Inf (callers reject it)."""
+        import torch
+
         if w.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         if self.name == "cpu":
@@ -59,6 +76,8 @@ class Backend:
     def quantize(self, w: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed uint8 [..., K/2] and e4m3 scales [..., K/16] of ``w`` [..., K] under the global scale
         of ``amax`` (the joint amax of a fused module or scale group: ``reference.global_scale``)."""
+        from . import reference
+
         if self.name == "triton":
             from . import nvfp4_triton
 
@@ -74,6 +93,10 @@ class Backend:
         """compressed-tensors' NVFP4 (``ct_nvfp4``): packed codes and e4m3 scales of ``w`` under its
         ``weight_global_scale`` ``g``: the C kernel on the CPU backend (bf16 and fp32), torch elsewhere (the same
         bytes on each: tests/test_compressed_tensors.py)."""
+        import torch
+
+        from . import ct_nvfp4
+
         if self.name == "cpu" and w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu":
             from . import nvfp4_cpu
 
@@ -105,6 +128,8 @@ class Backend:
             from . import recipe_cpu
 
             return recipe_cpu.cast(recipe_cpu.load(), packed, scale, shared_k_max, own_k_max, self.threads)
+        from . import mxfp4_cast
+
         return mxfp4_cast.cast(packed, scale, shared_k_max)
 
     def fp8_block(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,9 +143,15 @@ class Backend:
             from . import recipe_cpu
 
             return recipe_cpu.fp8_quantize(recipe_cpu.load(), w, self.threads)
+        from . import fp8_block
+
         return fp8_block.quantize(w)
 
     def _reference_chunked(self, w: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        from . import reference
+
         w2 = w.reshape(-1, w.shape[-1])
         rows = max(1, CHUNK_ELEMENTS // max(1, w2.shape[1]))
         s2 = s2.to(self.device)
@@ -137,6 +168,8 @@ def get_backend(device: Device | str = "auto", threads: int | None = None) -> Ba
 
     ``triton`` runs the Triton kernel on the CPU under ``TRITON_INTERPRET=1`` (tests) or on the GPU.
     """
+    import torch
+
     device = resolve_device(device)
     threads = threads or cpus()
     if device.kind == "reference":

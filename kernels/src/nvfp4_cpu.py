@@ -1,118 +1,14 @@
-"""The fast CPU path: ``nvfp4_cpu.c`` built at first use with the system C compiler, called via ctypes.
-
-Each library is ``kc_pool.c`` (a persistent pthread pool) followed by the kernel's file: one ctypes call runs a
-whole kernel on the caller's ``threads`` (the pool splits the rows), instead of one call a thread from a Python
-thread pool, whose dispatch cost tens of microseconds a call (docs/history/RESULTS-history.md, "C kernels, second
-pass").
-The shared library is cached per source, flags and compiler (``$KIMI_CONVERT_CACHE`` or
-``~/.cache/kimi-convert``), written under a temporary name and renamed, so concurrent first uses
-are safe. Without a compiler, :func:`load` returns None and the caller falls back to the torch
-reference (same bytes, slower) with a warning.
-"""
+"""The fast CPU path for torch tensors: ``nvfp4_cpu.c``'s kernels (built and loaded by ``clib``) on a tensor's
+memory, their outputs from the pipeline's arena (``outputs``)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from functools import cache
-from importlib import resources
-from pathlib import Path
 
 import torch
 
-from . import outputs
-
-FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KIMI_CONVERT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kimi-convert")
-    return Path(root)
-
-
-def _compiler() -> str | None:
-    return os.environ.get("KIMI_CONVERT_CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{stem}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c = Path(tmp) / f"{stem}.c"
-        c.write_bytes(src)
-        so = Path(tmp) / "out.so"
-        r = subprocess.run([cc, *FLAGS, str(c), "-o", str(so)], capture_output=True, text=True)
-        if r.returncode:
-            raise OSError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "compiler failed")
-        os.replace(so, out)
-    return out
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-def open_library(stem: str, what: str) -> ctypes.CDLL | None:
-    """``kernels/src/STEM.c`` (package data of ``kimi_convert.kernels``) built (or taken from the cache) and
-    loaded, or None where it cannot be, said in one line on stderr like the CLI's other warnings (a UserWarning
-    prints a source line too).
-    Serialized: pack's warm-up thread and its streams ask at once, and each library is built once."""
-    with _LOAD_LOCK:
-        return _open_library(stem, what)
-
-
-@cache
-def _open_library(stem: str, what: str) -> ctypes.CDLL | None:
-    cc = _compiler()
-    files = resources.files("kimi_convert.kernels")
-    src = b"".join(b'#line 1 "%s.c"\n' % name.encode() + files.joinpath(f"{name}.c").read_bytes()
-                   for name in ("kc_pool", stem))
-    try:
-        if cc is None:
-            raise OSError("no C compiler (cc, gcc or clang) on PATH")
-        return ctypes.CDLL(str(_build(src, cc, stem)))
-    except OSError as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"kimi-convert: warning: {what} unavailable ({reason}); using the torch code (same bytes, slower)",
-              file=sys.stderr, flush=True)
-        return None
-
-
-@cache
-def load() -> ctypes.CDLL | None:
-    """The NVFP4 kernels, argument types set (None: the caller falls back to the torch reference)."""
-    lib = open_library("nvfp4_cpu", "fast CPU kernel")
-    if lib is None:
-        return None
-    i32, i64, f32, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    lib.kc_amax_bf16_mt.argtypes = lib.kc_amax_f32_mt.argtypes = [p, i64, i32]
-    lib.kc_amax_bf16_mt.restype = lib.kc_amax_f32_mt.restype = ctypes.c_uint32
-    lib.kc_quant_bf16_mt.argtypes = lib.kc_quant_f32_mt.argtypes = [p, i64, i64, f32, p, p, i32]
-    lib.kc_ct_quant_mt.argtypes = [p, i64, i64, f32, i32, p, p, i32]
-    lib.kc_ct_quant_mt.restype = None
-    lib.kc_nvfp4_avx512.argtypes = []
-    lib.kc_nvfp4_avx512.restype = ctypes.c_int
-    set_pool_types(lib)
-    return lib
-
-
-def set_pool_types(lib: ctypes.CDLL) -> None:
-    """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
-    count (tests)."""
-    lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
-    lib.kc_pool_nop.restype = None
-    lib.kc_pool_workers.argtypes = []
-    lib.kc_pool_workers.restype = ctypes.c_int32
+from . import clib, outputs
+from .clib import FLAGS, _build, load, open_library, set_pool_types  # noqa: F401 - this module's names, kept
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:
@@ -123,8 +19,7 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
 
 def amax(lib: ctypes.CDLL, x: torch.Tensor, threads: int) -> torch.Tensor:
     x = _prepare(x).reshape(-1)
-    fn = lib.kc_amax_bf16_mt if x.dtype == torch.bfloat16 else lib.kc_amax_f32_mt
-    bits = fn(x.data_ptr(), x.numel(), threads)
+    bits = clib.amax_bits(lib, x.data_ptr(), x.numel(), x.dtype == torch.float32, threads)
     return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(())
 
 
@@ -133,18 +28,18 @@ def quantize(lib: ctypes.CDLL, x: torch.Tensor, s2: torch.Tensor, threads: int, 
     """``packed`` [M, K/2] / ``scales`` [M, K/16] uint8 may be given (benchmarks time the kernel without the page
     faults of fresh outputs); else they come from ``outputs.empty`` (the pipeline's arena)."""
     x2 = _prepare(x).reshape(-1, x.shape[-1])
-    fn = lib.kc_quant_bf16_mt if x2.dtype == torch.bfloat16 else lib.kc_quant_f32_mt
-    return _by_rows(x2, x.shape[:-1], lambda m, k, p, s: fn(x2.data_ptr(), m, k, float(s2), p, s, threads),
-                    packed, scales)
+    fp32 = x2.dtype == torch.float32
+    return _by_rows(x2, x.shape[:-1], lambda m, k, p, s: clib.quant(lib, x2.data_ptr(), m, k, fp32, float(s2), p, s,
+                                                                    threads), packed, scales)
 
 
 def ct_quantize(lib: ctypes.CDLL, x: torch.Tensor, g: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' NVFP4 (``ct_nvfp4``) of bf16 or fp32 ``x`` [..., K] under ``weight_global_scale`` ``g``:
     the C kernel ``kc_ct_quant_mt`` (fp16 goes to the torch code, whose block division is in fp16)."""
     x2 = x.contiguous().reshape(-1, x.shape[-1])
-    fp32 = int(x2.dtype == torch.float32)
-    return _by_rows(x2, x.shape[:-1], lambda m, k, p, s: lib.kc_ct_quant_mt(
-        x2.data_ptr(), m, k, float(g.reshape(())), fp32, p, s, threads))
+    fp32 = x2.dtype == torch.float32
+    return _by_rows(x2, x.shape[:-1], lambda m, k, p, s: clib.ct_quant(
+        lib, x2.data_ptr(), m, k, fp32, float(g.reshape(())), p, s, threads))
 
 
 def _by_rows(x2: torch.Tensor, lead: torch.Size, run, packed: torch.Tensor | None = None,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # torch only where a tensor is made: the arena is carved before torch loads (compute_early)
+    import numpy as np
+    import torch
 
 #: Each slice starts on a cache line (and so suits any dtype's alignment).
 ALIGN = 64
@@ -34,6 +36,8 @@ class Arena:
         return self.buf[start : start + nbytes]
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        import torch
+
         raw = self.carve(math.prod(shape) * dtype.itemsize)
         return None if raw is None else torch.from_numpy(raw).view(dtype).reshape(shape)
 
@@ -57,6 +61,8 @@ def reset_arena(token) -> None:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor: from this thread's arena while it has room, else a fresh one."""
+    import torch
+
     arena = _ARENA.get()
     if arena is not None and (t := arena.empty(tuple(shape), dtype)) is not None:
         return t

@@ -14,7 +14,7 @@ from functools import cache
 import torch
 
 from . import fp8_block, mxfp4_cast, outputs
-from .nvfp4_cpu import open_library, set_pool_types
+from .clib import open_library, set_pool_types
 
 #: Output bytes from which the codes are stored non-temporally (no read for ownership of lines that will not be
 #: read before they leave the cache; below, a weight's codes may still be in cache when the writer copies them).

@@ -1,0 +1,143 @@
+"""The compute stage without torch: the units whose every item is a dense BF16 or FP32 weight made NVFP4 (either
+format's arithmetic) or a stored tensor kept as it is, computed by the C kernels on the read buffers
+(``kernels.clib``), with the bytes and notes ``compute.compute_unit`` gives on the CPU backend
+(tests/test_early.py holds them to it, unit by unit and pack by pack).
+
+Why: ``import torch`` takes 3.6-5 s on the H200 machine, and until it returns a stream's compute waited (2.8-5.5 s
+of a 10 GB one-file input's 13-16 s: docs/compressed-tensors.md). A stream now computes the units this module
+takes while torch loads (``--device auto``: until its runner is made, then the runner measures and chooses), and
+with ``--device cpu`` always: a dense checkpoint is then converted without importing torch at all. Anything else
+(an FP8 or MXFP4 source, fp16 weights, block FP8, a slice of a stored tensor) is ``compute.compute_unit``'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kimi_convert.kernels import clib, scales
+from kimi_convert.kernels.outputs import Arena
+
+from . import encodings, formats
+from .errors import ConvertError
+from .plan import FP8, NVFP4, Item, Unit
+
+if TYPE_CHECKING:
+    from .readers import BufferPool, TensorSource
+
+Chunk = memoryview | np.ndarray
+GROUP = 16  # NVFP4's block: K must be a multiple of it
+_ITEMSIZE = {"BF16": 2, "F32": 4}
+
+
+@dataclass
+class Output:
+    chunks: list[Chunk]  # written back to back at the tensor's offset
+
+
+@dataclass
+class UnitResult:
+    outputs: dict[str, Output]
+    notes: dict[str, dict] = field(default_factory=dict)  # per item: how it was produced
+
+
+def sink_bytes(unit: Unit) -> int:
+    """The pool buffer lent for a unit's outputs: their bytes, each one's alignment (64 bytes), a page of slack."""
+    return unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items)
+
+
+def raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
+    """A kept or copied item's bytes: its sources' stored bytes, member after member."""
+    return [reader.raw(p) for s in item.sources for p in s.parts[:1]]
+
+
+def takes(unit: Unit) -> bool:
+    """Whether this module computes ``unit`` (a pure function of the plan)."""
+    for it in unit.items:
+        if it.kind == FP8:
+            return False
+        if it.kind != NVFP4:
+            if not all(encodings.as_stored(s) for s in it.sources):
+                return False
+            continue
+        for s in it.sources:
+            if not encodings.as_stored(s) or s.dtype not in _ITEMSIZE or len(s.parts) != 1 or not s.shape \
+                    or s.shape[-1] % GROUP or math.prod(s.shape) == 0:
+                return False
+    return True
+
+
+class EarlyCompute:
+    """The C kernels of one worker (its ``threads``), loaded on first use; ``lib`` None: no C compiler (then
+    nothing is taken here: the torch code computes, with its warning)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    @property
+    def lib(self) -> ctypes.CDLL | None:
+        return clib.load()
+
+    def takes(self, unit: Unit) -> bool:
+        return takes(unit) and self.lib is not None
+
+    def compute(self, unit: Unit, reader: TensorSource, pool: BufferPool) -> tuple[UnitResult, np.ndarray | None]:
+        """``unit``'s outputs, and the pool buffer lent for them (None: none taken), which goes back to the pool
+        once the writer has written and hashed them."""
+        res = UnitResult({})
+        quant = []
+        for it in unit.items:
+            if it.kind == NVFP4:
+                quant.append(it)
+            else:
+                res.outputs[it.outputs[0].name] = Output(raw_chunks(it, reader))
+        if not quant:
+            return res, None
+        arena = Arena(pool.get(sink_bytes(unit)))
+        try:
+            self._quantize(quant, reader, arena, res)
+        except BaseException:
+            pool.put(arena.buf)
+            raise
+        return res, arena.buf
+
+    def _quantize(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
+        """One global scale over the unit's members (its fused module or scale group), as ``compute._quantize``."""
+        lib, threads = self.lib, self.threads
+        srcs = {s.name: s for it in items for s in it.sources}
+        amax = None
+        for name, s in srcs.items():
+            buf = reader.raw(s.parts[0])
+            bits = clib.amax_bits(lib, buf.ctypes.data, buf.nbytes // _ITEMSIZE[s.dtype], s.dtype == "F32", threads)
+            a = float(np.array(bits, dtype=np.uint32).view(np.float32))
+            if not math.isfinite(a):
+                raise ConvertError(f"{s.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
+            amax = a if amax is None else max(amax, a)
+        ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
+        s2 = scales.compressed_tensors(amax, next(iter(srcs.values())).dtype) if ct else scales.modelopt(amax)
+        kernel = clib.ct_quant if ct else clib.quant
+        for it in items:
+            packed, block_scales = [], []
+            for s in it.sources:
+                k = s.shape[-1]
+                m = math.prod(s.shape) // k
+                p, sc = _carve(arena, m * k // 2), _carve(arena, m * k // GROUP)
+                kernel(lib, reader.raw(s.parts[0]).ctypes.data, m, k, s.dtype == "F32", s2, p.ctypes.data,
+                       sc.ctypes.data, threads)
+                packed.append(p)
+                block_scales.append(sc)
+            out = formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
+                                                              np.array([s2], dtype=np.float32))
+            for name, parts in out:
+                res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+            res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "quantized", "amax": amax}
+
+
+def _carve(arena: Arena, nbytes: int) -> np.ndarray:
+    """``nbytes`` of the unit's pool buffer, or a fresh array where they do not fit (never: it is sized for them)."""
+    got = arena.carve(nbytes)
+    return got if got is not None else np.empty(nbytes, dtype=np.uint8)

@@ -1,0 +1,134 @@
+"""The ctypes side of the CPU kernels, without torch: each C library built at first use with the system C
+compiler and loaded, and the NVFP4 kernels' calls on raw buffers (numpy arrays).
+
+Each library is ``kc_pool.c`` (a persistent pthread pool) followed by the kernel's file: one ctypes call runs a
+whole kernel on the caller's ``threads`` (the pool splits the rows), instead of one call a thread from a Python
+thread pool, whose dispatch cost tens of microseconds a call (docs/history/RESULTS-history.md, "C kernels, second
+pass").
+The shared library is cached per source, flags and compiler (``$KIMI_CONVERT_CACHE`` or
+``~/.cache/kimi-convert``), written under a temporary name and renamed, so concurrent first uses
+are safe. Without a compiler, :func:`load` returns None and the caller falls back to the torch
+reference (same bytes, slower) with a warning.
+
+Why no torch here: pack computes its first units while torch loads (3.6-5 s on the H200 machine, on the critical
+path of a one-file input: docs/compressed-tensors.md), through these calls (``pipeline.early``); ``nvfp4_cpu``
+wraps the same calls for torch tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KIMI_CONVERT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kimi-convert")
+    return Path(root)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("KIMI_CONVERT_CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        c = Path(tmp) / f"{stem}.c"
+        c.write_bytes(src)
+        so = Path(tmp) / "out.so"
+        r = subprocess.run([cc, *FLAGS, str(c), "-o", str(so)], capture_output=True, text=True)
+        if r.returncode:
+            raise OSError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "compiler failed")
+        os.replace(so, out)
+    return out
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def open_library(stem: str, what: str) -> ctypes.CDLL | None:
+    """``kernels/src/STEM.c`` (package data of ``kimi_convert.kernels``) built (or taken from the cache) and
+    loaded, or None where it cannot be, said in one line on stderr like the CLI's other warnings (a UserWarning
+    prints a source line too).
+    Serialized: pack's warm-up thread and its streams ask at once, and each library is built once."""
+    with _LOAD_LOCK:
+        return _open_library(stem, what)
+
+
+@cache
+def _open_library(stem: str, what: str) -> ctypes.CDLL | None:
+    cc = _compiler()
+    files = resources.files("kimi_convert.kernels")
+    src = b"".join(b'#line 1 "%s.c"\n' % name.encode() + files.joinpath(f"{name}.c").read_bytes()
+                   for name in ("kc_pool", stem))
+    try:
+        if cc is None:
+            raise OSError("no C compiler (cc, gcc or clang) on PATH")
+        return ctypes.CDLL(str(_build(src, cc, stem)))
+    except OSError as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kimi-convert: warning: {what} unavailable ({reason}); using the torch code (same bytes, slower)",
+              file=sys.stderr, flush=True)
+        return None
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The NVFP4 kernels, argument types set (None: the caller falls back to the torch reference)."""
+    lib = open_library("nvfp4_cpu", "fast CPU kernel")
+    if lib is None:
+        return None
+    i32, i64, f32, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.kc_amax_bf16_mt.argtypes = lib.kc_amax_f32_mt.argtypes = [p, i64, i32]
+    lib.kc_amax_bf16_mt.restype = lib.kc_amax_f32_mt.restype = ctypes.c_uint32
+    lib.kc_quant_bf16_mt.argtypes = lib.kc_quant_f32_mt.argtypes = [p, i64, i64, f32, p, p, i32]
+    lib.kc_ct_quant_mt.argtypes = [p, i64, i64, f32, i32, p, p, i32]
+    lib.kc_ct_quant_mt.restype = None
+    lib.kc_nvfp4_avx512.argtypes = []
+    lib.kc_nvfp4_avx512.restype = ctypes.c_int
+    set_pool_types(lib)
+    return lib
+
+
+def set_pool_types(lib: ctypes.CDLL) -> None:
+    """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
+    count (tests)."""
+    lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    lib.kc_pool_nop.restype = None
+    lib.kc_pool_workers.argtypes = []
+    lib.kc_pool_workers.restype = ctypes.c_int32
+
+
+def amax_bits(lib: ctypes.CDLL, ptr: int, n: int, fp32: bool, threads: int) -> int:
+    """The bits of the fp32 amax of ``n`` bf16 (or fp32) values at ``ptr`` (NaN or Inf: a NaN or an Inf there)."""
+    return (lib.kc_amax_f32_mt if fp32 else lib.kc_amax_bf16_mt)(ptr, n, threads)
+
+
+def quant(lib: ctypes.CDLL, ptr: int, m: int, k: int, fp32: bool, s2: float, packed: int, scales: int,
+          threads: int) -> None:
+    """ModelOpt's NVFP4 of the [m, k] rows at ``ptr`` under ``weight_scale_2`` ``s2``: codes into ``packed``
+    [m, k/2], e4m3 scales into ``scales`` [m, k/16]."""
+    (lib.kc_quant_f32_mt if fp32 else lib.kc_quant_bf16_mt)(ptr, m, k, s2, packed, scales, threads)
+
+
+def ct_quant(lib: ctypes.CDLL, ptr: int, m: int, k: int, fp32: bool, g: float, packed: int, scales: int,
+             threads: int) -> None:
+    """compressed-tensors' NVFP4 of the same rows under ``weight_global_scale`` ``g``."""
+    lib.kc_ct_quant_mt(ptr, m, k, g, int(fp32), packed, scales, threads)

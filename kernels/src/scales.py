@@ -1,0 +1,52 @@
+"""The NVFP4 global scales in plain fp32 / bf16 arithmetic, without torch: the values of
+``reference.global_scale`` (ModelOpt's ``weight_scale_2``) and ``ct_nvfp4.global_scale`` (compressed-tensors'
+``weight_global_scale``), for the units pack computes while torch loads (``pipeline.early``).
+
+Each is the torch expression's IEEE steps, rounding where torch rounds (tests/test_early.py holds them to the
+torch code over every positive bf16 value and random fp32 ones):
+
+* ModelOpt: ``fp32(amax) / fp32(2688)``, one correctly rounded division.
+* compressed-tensors, weights of dtype ``D``: ``a = D(amax)`` clamped to ``tiny(D)``, then ``448*6 / a``, which
+  torch evaluates as ``a.reciprocal() * 2688`` (``Tensor.__rtruediv__``), each step rounded to ``D``; NaN and
+  Inf become 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+GLOBAL = 448.0 * 6.0
+TINY = float(np.finfo(np.float32).tiny)  # the smallest normal: bf16's too (the same exponent range)
+
+
+def bf16(x: float) -> float:
+    """``x`` rounded to bfloat16 (to nearest, ties to even), as a float; NaN stays NaN."""
+    if math.isnan(x):
+        return x
+    u = int(np.array(x, dtype=np.float32).view(np.uint32))
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000) & 0xFFFFFFFF
+    return float(np.array(u, dtype=np.uint32).view(np.float32))
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to fp32."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def modelopt(amax: float) -> float:
+    """``weight_scale_2`` of a tensor (or fused group) whose fp32 |max| is ``amax``."""
+    return float(np.float32(amax) / np.float32(GLOBAL))
+
+
+def compressed_tensors(amax: float, dtype: str) -> float:
+    """``weight_global_scale`` of weights of ``dtype`` (``BF16`` or ``F32``) whose fp32 |max| is ``amax``."""
+    if dtype not in ("BF16", "F32"):
+        raise ValueError(f"no plain global scale for {dtype} weights")
+    rnd = bf16 if dtype == "BF16" else f32
+    a = max(rnd(amax), TINY)
+    with np.errstate(divide="ignore", over="ignore"):
+        g = rnd(rnd(float(np.float32(1.0) / np.float32(a))) * GLOBAL)
+    return 1.0 if not math.isfinite(g) else f32(g)

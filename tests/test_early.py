@@ -1,0 +1,168 @@
+"""The compute stage without torch (``compute_early``): the global scales, each unit's bytes and notes, and a
+whole pack are those of the torch code (``compute.compute_unit`` on the CPU backend), and ``--device cpu`` on a
+dense checkpoint never imports torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import copy_ckpt, rewrite_tensors
+from kimi_convert import compute_early
+from kimi_convert.compute import compute_unit
+from kimi_convert.errors import ConvertError
+from kimi_convert.kernels import ct_nvfp4, get_backend, reference, scales
+from kimi_convert.pack import load_plan
+from kimi_convert.pipeline import is_pass_through
+from kimi_convert.plan import Options, fp8_block_size
+from kimi_convert.readers import BufferPool, Loaded, PreadReader
+from kimi_convert.synth import write_synth
+
+
+def _bits(x: float) -> int:
+    return int(np.array(x, dtype=np.float32).view(np.uint32))
+
+
+def test_global_scales_are_the_torch_codes():
+    """Every positive bf16 value (and 20,000 random fp32 ones) as the amax: each plain global scale has the bits
+    of its torch expression, compressed-tensors' in both weight dtypes (rounding where torch rounds) and ModelOpt's."""
+    every_bf16 = (np.arange(0, 0x7F80, dtype=np.uint32) << 16).view(np.float32)
+    rng = np.random.default_rng(0)
+    random_f32 = rng.integers(0, 0x7F800000, 20_000, dtype=np.uint32).view(np.float32)
+    for amax in [*every_bf16.tolist(), *random_f32.tolist()]:
+        a = torch.tensor(amax, dtype=torch.float32)
+        for dtype, name in ((torch.bfloat16, "BF16"), (torch.float32, "F32")):
+            assert _bits(scales.compressed_tensors(amax, name)) == _bits(float(ct_nvfp4.global_scale(a, dtype)[0])), \
+                (amax, name)
+        assert _bits(scales.modelopt(amax)) == _bits(float(reference.global_scale(a))), amax
+    with pytest.raises(ValueError, match="F16"):
+        scales.compressed_tensors(1.0, "F16")
+
+
+def _edge_values(tensors: dict[str, torch.Tensor]) -> None:
+    """Weights the arithmetic treats apart: all zero, subnormal-small, near bf16's largest, stored in fp32."""
+    names = sorted(n for n, t in tensors.items() if t.dim() == 2 and t.dtype == torch.bfloat16 and "proj" in n)
+    for i, n in enumerate(names):
+        t = tensors[n]
+        if i % 5 == 0:
+            tensors[n] = torch.zeros_like(t)
+        elif i % 5 == 1:
+            tensors[n] = t * 1e-37
+        elif i % 5 == 2:
+            tensors[n] = (t * 1e36).to(torch.bfloat16)
+        elif i % 5 == 3:
+            tensors[n] = t.float()
+
+
+@pytest.fixture(scope="module")
+def edge_ckpt(tmp_path_factory):
+    src = write_synth("tiny-qwen3-moe", tmp_path_factory.mktemp("in") / "qwen", seed=3)
+    out = copy_ckpt(src, tmp_path_factory.mktemp("in") / "edge")
+    rewrite_tensors(out, _edge_values)
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
+def test_each_unit_matches_compute_unit(edge_ckpt, recipe):
+    """Every unit the module takes gives compute_unit's bytes, tensor by tensor, and its notes; the units it takes
+    include zero, tiny, huge and fp32 weights (the plan's fused groups among them)."""
+    ckpt, plan = load_plan(edge_ckpt, Options(recipe=recipe))
+    early, cpu, block = compute_early.EarlyCompute(2), get_backend("cpu", 2), fp8_block_size(ckpt.config)
+    pool, reader = BufferPool(limit=64 << 20), PreadReader(edge_ckpt)
+    taken = [u for u in plan.units if compute_early.takes(u)]
+    assert len(taken) == len(plan.units)  # a dense checkpoint: every unit
+    dtypes = {s.dtype for u in taken for it in u.items if it.kind == "nvfp4" for s in it.sources}
+    assert dtypes == {"BF16", "F32"}
+    for unit in taken:
+        loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+        res, buf = early.compute(unit, loaded, pool)
+        ref = compute_unit(unit, loaded, cpu, block)
+        assert res.outputs.keys() == ref.outputs.keys()
+        for k in ref.outputs:
+            assert b"".join(bytes(np.asarray(c).reshape(-1).view(np.uint8)) for c in res.outputs[k].chunks) == \
+                b"".join(bytes(np.asarray(c).reshape(-1).view(np.uint8)) for c in ref.outputs[k].chunks), k
+        assert res.notes == ref.notes
+        if buf is not None:
+            pool.put(buf)
+    reader.close()
+
+
+def test_nan_refused_in_the_same_words(tmp_path):
+    src = write_synth("tiny-qwen3-moe", tmp_path / "qwen", seed=0)
+
+    def plant(tensors):
+        for n, t in tensors.items():
+            if n.endswith("layers.0.mlp.experts.1.up_proj.weight"):
+                t[0, 3] = float("nan")
+    rewrite_tensors(src, plant)
+    ckpt, plan = load_plan(src, Options())
+    unit = next(u for u in plan.units if any("experts.1.up_proj" in s.name for it in u.items for s in it.sources))
+    assert compute_early.takes(unit)
+    reader = PreadReader(src)
+    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+    with pytest.raises(ConvertError) as early:
+        compute_early.EarlyCompute(2).compute(unit, loaded, BufferPool(limit=64 << 20))
+    with pytest.raises(ConvertError) as torch_code:
+        compute_unit(unit, loaded, get_backend("cpu", 2), fp8_block_size(ckpt.config))
+    reader.close()
+    assert str(early.value) == str(torch_code.value) and "NaN or Inf" in str(early.value)
+
+
+def test_fp8_and_mxfp4_units_wait_for_torch(tiny_k3, tiny_ds):
+    """K3's MXFP4 experts and DeepSeek's FP8 weights are decoded by torch: not taken; their dense layers are."""
+    for src in (tiny_k3, tiny_ds):
+        _, plan = load_plan(src, Options())
+        took = [compute_early.takes(u) for u in plan.units]
+        assert any(took) and not all(took)
+        assert not any(compute_early.takes(u) for u in plan.units
+                       if any(s.encoding != "dense" for it in u.items for s in it.sources))
+
+
+PACK = """
+import json, sys
+import kimi_convert.compute_early as ce
+if sys.argv[1] == "torch":
+    ce.takes = lambda unit: False
+from kimi_convert.pack import pack
+from kimi_convert.plan import Options
+r = pack(sys.argv[2], sys.argv[3], Options(recipe=sys.argv[4]), device="cpu", progress=False)
+print(json.dumps({"torch": "torch" in sys.modules, "early_units": r.stats.early_units}))
+"""
+
+
+def _pack(how: str, src, out, recipe: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", PACK, how, str(src), str(out), recipe], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
+def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe):
+    """``--device cpu`` on a dense checkpoint: every unit without torch, torch never imported, and every file of
+    the output (manifest included) that of the same pack with every unit computed by the torch code."""
+    early = _pack("early", edge_ckpt, tmp_path / "early", recipe)
+    torch_code = _pack("torch", edge_ckpt, tmp_path / "torch", recipe)
+    _, plan = load_plan(edge_ckpt, Options(recipe=recipe))
+    computed = [u for u in plan.units if not is_pass_through(u)]  # (the others are copied, never computed)
+    assert early == {"torch": False, "early_units": len(computed)}
+    assert torch_code == {"torch": True, "early_units": 0}
+    assert _files(tmp_path / "early") == _files(tmp_path / "torch")
+
+
+def test_k3_pack_takes_its_dense_units_and_imports_torch(tiny_k3, tmp_path):
+    """A K3 (MXFP4 experts: torch's) packs with its dense units without torch and the rest with it: the same
+    files as the torch code alone."""
+    early = _pack("early", tiny_k3, tmp_path / "early", "nvfp4-w4a16")
+    torch_code = _pack("torch", tiny_k3, tmp_path / "torch", "nvfp4-w4a16")
+    assert early["torch"] and early["early_units"] > 0 and torch_code["early_units"] == 0
+    assert _files(tmp_path / "early") == _files(tmp_path / "torch")
