@@ -8,7 +8,8 @@ A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams)
 hashing threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
 (``$KIMI_CONVERT_STARTUP_READAHEAD``: also each stream's file-hash lead), ``lead=BYTES`` (the least lead of a
 stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``), ``early=0`` (no unit
-computed without torch: ``compute_early.takes`` patched to refuse every unit, as before session 14).
+computed without torch: ``compute_early.takes`` patched to refuse every unit, as before session 14), ``kthreads=N``
+(the threads of the C kernels run without torch, patched in: ``compute_early.EarlyCompute``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from compare_speed import evict, measure  # noqa: E402
 #: pack with the hashing threads and the least hash lead patched (measurement switches, kept out of the package;
 #: -1: as the package has it)
 PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_early as e\n"
-           "n, lead, early = (int(sys.argv.pop(1)) for _ in range(3))\n"
+           "n, lead, early, kt = (int(sys.argv.pop(1)) for _ in range(4))\n"
            "if n >= 0: s.default_hash_threads = lambda streams, share: n\n"
            "if lead >= 0: s.EAGER_HASH = lead\n"
            "if early == 0: e.takes = lambda unit: False\n"
+           "init = e.EarlyCompute.__init__\n"
+           "if kt > 0: e.EarlyCompute.__init__ = lambda self, threads: init(self, kt)\n"
            "from kimi_convert.cli import main; main()")
 
 
@@ -71,8 +74,9 @@ def run_variant(src: Path, spec: str, work: Path) -> dict:
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
-    patched = {"hash", "lead", "early"} & kv.keys()
-    cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"), *args]
+    patched = {"hash", "lead", "early", "kthreads"} & kv.keys()
+    cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
+            kv.get("kthreads", "0"), *args]
            if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
     shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools
     evict(src)

@@ -35,9 +35,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
   for i in 1 2; do /usr/bin/time -f "import torch: %e s" python3 -c "import torch"; done
 } > "$OUT/machine.log" 2>&1 || { cat "$OUT"/*.log; exit 1; }
 { time python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q8" --layers 8 --shards 1 --overwrite; } > "$OUT/synth.log" 2>&1
-# the defaults; the same with every unit computed by torch (as before session 14: compute_early refused); no
-# start-up readahead
-VARIANTS=("cpu" "auto" "cpu early=0" "auto early=0" "cpu readahead=0")
+# the defaults; the C kernels on 12 and 8 of the 16 CPUs (the rest left to the hashes and the reader); 6 hashing
+# threads
+VARIANTS=("auto" "cpu" "cpu kthreads=12" "cpu kthreads=8" "cpu hash=6")
 python3 benchmarks/ct_profile.py --input "$W/q8" --json "$OUT/ct-profile.json" --variant "${VARIANTS[@]}" 2>&1 | tee "$OUT/ct-profile.log"
 python3 benchmarks/ct_speed.py --input "$W/q8" --device auto cpu --peer-workers 1 \
   --peer-device cuda --work "$W/run" --json "$OUT/ct-speed.json" 2>&1 | tee "$OUT/ct-speed.log"

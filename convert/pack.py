@@ -165,18 +165,18 @@ def pack(
         from . import raycluster
 
         cluster = raycluster.connect(ray or None, device)
-    devices_ = devices.worker_devices(device, workers) if cluster is None else []
     cpus = devices.cpus()  # the one CPU count: every worker's share of it is passed on as an argument
     ahead = startup_readahead()
     needs_torch = pipeline.TorchNeed()
-    if len(devices_) == 1:  # this process computes: torch loads (and the GPU starts) while we plan
-        threading.Thread(target=pipeline.warm_up, args=(devices_[0], cpus, needs_torch), daemon=True,
+    if cluster is None:  # the devices found (the CUDA driver's start: 0.7 s on the H200 machine) and torch loaded
+        threading.Thread(target=_warm_up, args=(device, workers, cpus, needs_torch), daemon=True,  # while we plan
                          name="kimi-convert-warm-up").start()
     plan = None
     try:
         ckpt, plan = load_plan(source, opts)
     finally:  # (a failed plan: the warm-up thread ends)
         needs_torch.decide(plan)
+    devices_ = devices.worker_devices(device, workers) if cluster is None else []
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     ray_hub = from_hub and cluster is not None  # each Ray task downloads its inputs (rayhub)
     # the bound checked before the output exists (a resume: below, against what is left)
@@ -316,6 +316,17 @@ def pack(
                           cast_lossless=sum(r.cast_lossless for r in recs), upload=up)
     finally:
         unlock_output(output_dir, lock)
+
+
+def _warm_up(device: Device | str, workers: int | None, cpus: int, need: pipeline.TorchNeed) -> None:
+    """pack's warm-up thread: the worker devices resolved (their errors are the main thread's, after the plan),
+    then, where this process computes (one worker), ``pipeline.warm_up``."""
+    try:
+        ds = devices.worker_devices(device, workers)
+    except ConvertError:
+        return
+    if len(ds) == 1:
+        pipeline.warm_up(ds[0], cpus, need)
 
 
 def _device_stats(results: list[pipeline.JobResult]) -> dict:

@@ -142,7 +142,10 @@ class Stream:
         def may_take(file: str) -> Callable[[int], bool]:
             return lambda start: at[(file, start)] < self.read_pos + lead
 
-        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.hash_pool, shared.hold, self.stop,
+        # The input files' sha256 chains run on a thread of their own, not the shared pool: one chain is the
+        # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
+        self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
+        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.hold, self.stop,
                                     source=job.source, may_take=may_take(f)) for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
@@ -342,13 +345,13 @@ class Stream:
         except BaseException:
             self.stop.set()
             faults.release()
-            for ex in (reads, writes, finisher):
+            for ex in (reads, writes, finisher, self.chain_pool):
                 ex.shutdown(wait=True, cancel_futures=True)
             for st in self.open.values():
                 st.writer.abort()
             self.reader.close()
             raise
-        for ex in (reads, writes, finisher):
+        for ex in (reads, writes, finisher, self.chain_pool):
             ex.shutdown()
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
