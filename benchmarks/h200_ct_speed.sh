@@ -37,8 +37,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 { time python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q8" --layers 8 --shards 1 --overwrite; } > "$OUT/synth.log" 2>&1
 # the defaults; the C kernels on 12 and 8 of the 16 CPUs (the rest left to the hashes and the reader); 6 hashing
 # threads
+# (PROFILE="variant;variant;...": those instead; PROFILE_ONLY=1: stop after the profile)
 VARIANTS=("auto" "cpu" "cpu kthreads=12" "cpu kthreads=8" "cpu hash=6")
+[ -n "${PROFILE:-}" ] && IFS=';' read -r -a VARIANTS <<< "$PROFILE"
 python3 benchmarks/ct_profile.py --input "$W/q8" --json "$OUT/ct-profile.json" --variant "${VARIANTS[@]}" 2>&1 | tee "$OUT/ct-profile.log"
+[ -n "${PROFILE_ONLY:-}" ] && exit 0
 python3 benchmarks/ct_speed.py --input "$W/q8" --device auto cpu --peer-workers 1 \
   --peer-device cuda --work "$W/run" --json "$OUT/ct-speed.json" 2>&1 | tee "$OUT/ct-speed.log"
 python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q2" --layers 2 --shards 1 --overwrite > /dev/null

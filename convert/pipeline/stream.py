@@ -4,6 +4,7 @@ thread, overlapped; ``run_jobs`` runs a worker's streams (the package docstring 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections import defaultdict, deque
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from .runner import Runner
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
+#: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once
+READ_WINDOW = 0
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
 #: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
 EAGER_HASH = 1 << 30
@@ -137,6 +140,8 @@ class Stream:
                     at.setdefault((r.part.file, r.file_range[0]), pos)
                 pos += r.hi - r.lo
         self.read_pos = 0  # bytes the stream has read (the reader thread's count)
+        self.piece_at = list(itertools.accumulate((pc.nbytes for pc in self.pieces), initial=0))
+        self.hinted = 0  # the last piece whose reads were hinted to the disk (load)
         lead = max(EAGER_HASH, job.eager)
 
         def may_take(file: str) -> Callable[[int], bool]:
@@ -175,8 +180,10 @@ class Stream:
         t = self._clock("read: wait for the memory budget", t)
         if self.stop.is_set():
             raise Stopped("pack")
-        if i + 1 < len(self.pieces):
-            for r in self.pieces[i + 1].reads:
+        while self.hinted + 1 < len(self.pieces) and (self.hinted <= i or
+                                                      self.piece_at[self.hinted + 1] < self.read_pos + READ_WINDOW):
+            self.hinted += 1
+            for r in self.pieces[self.hinted].reads:
                 self.reader.will_need(r.part, r.lo, r.hi)
         base = self.shared.buffers.get(pc.nbytes)
         bufs, feeds, digests, held, off = {}, [], {}, False, 0
