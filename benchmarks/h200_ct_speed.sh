@@ -34,6 +34,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 'transformers', transformers.__version__, 'llmcompressor', llmcompressor.__version__, 'compressed-tensors', ct.__version__)"
   for i in 1 2; do /usr/bin/time -f "import torch: %e s" python3 -c "import torch"; done
 } > "$OUT/machine.log" 2>&1 || { cat "$OUT"/*.log; exit 1; }
+# the C kernels built once for this machine (a first use compiles them: 2-3 s, once per machine and version)
+python3 -c "from kimi_convert.kernels import clib; assert clib.load() is not None" >> "$OUT/install.log" 2>&1
 { time python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q8" --layers 8 --shards 1 --overwrite; } > "$OUT/synth.log" 2>&1
 # the defaults; the C kernels on 12 and 8 of the 16 CPUs (the rest left to the hashes and the reader); 6 hashing
 # threads

@@ -95,10 +95,40 @@ def resolve_device(text: str | Device) -> Device:
     return Device(kind, index)
 
 
+def gpus_at_most(root: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
+    """An upper bound on the GPUs the CUDA driver would see, without starting it (``cuInit``: 0.5-1 s on the
+    H200 machine): the GPUs the kernel driver lists (``/proc/driver/nvidia/gpus``, none without the driver),
+    fewer where ``CUDA_VISIBLE_DEVICES`` names fewer; None where it cannot say."""
+    try:
+        listed = len(list(root.iterdir())) if root.is_dir() else 0
+    except OSError:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return listed
+    return min(listed, len([v for v in visible.split(",") if v.strip()]))
+
+
+def _one_auto_worker(device: str | Device, workers: int | None) -> Device | None:
+    """``auto``'s one worker where the answer needs no driver start: no GPU listed, or a CPU build of torch, is
+    ``cpu``; at most one GPU is ``auto`` on GPU 0 left to confirm (``gpu_count``) where the worker makes its
+    backends, off the pipeline's way (``pipeline.runner.candidates``). None: ask the driver."""
+    if str(device) != "auto" or workers not in (None, 1):
+        return None
+    if not torch_has_cuda():
+        return Device("cpu")
+    bound = gpus_at_most()
+    if bound is None or bound > 1:
+        return None
+    return Device("cpu") if bound == 0 else Device("auto", 0)
+
+
 def worker_devices(device: str | Device, workers: int | None) -> list[Device]:
     """One device per worker: ``cuda`` (and ``auto`` with a GPU) spreads workers over every visible
     GPU (one each by default), ``cuda:N`` puts them all on GPU N, the CPU backends give every worker
     the CPU."""
+    if (one := _one_auto_worker(device, workers)) is not None:
+        return [one]
     device = resolve_device(device)
     if device.kind not in ("cuda", "auto") or device.index is not None:
         return [device] * (workers or 1)

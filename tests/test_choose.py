@@ -208,6 +208,7 @@ def auto_without_gpu(monkeypatch):
     from kimi_convert.pipeline import runner
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr(devices, "gpus_at_most", lambda: 1)
     monkeypatch.setattr(devices, "torch_has_cuda", lambda: True)
     monkeypatch.setattr(runner, "candidates", lambda device, threads: {
         "cpu": get_backend("cpu", threads), "reference": get_backend("reference", threads)})

@@ -361,6 +361,7 @@ def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
     spec.submodule_search_locations = [str(pkg)]
     monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: spec)
     monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.setattr(devices, "gpus_at_most", lambda: None)  # the kernel driver's list unread: ask CUDA's
     devices.torch_has_cuda.cache_clear()
     try:
         assert resolve_device("auto") == Device("cpu")  # a CPU build of torch: the GPUs cannot be used
@@ -378,6 +379,45 @@ def test_auto_device_needs_a_gpu_and_a_cuda_torch(tmp_path, monkeypatch):
         assert devices.worker_devices("auto", None) == [Device("auto", 0), Device("auto", 1)]
     finally:
         devices.torch_has_cuda.cache_clear()
+
+
+def test_gpus_at_most_reads_the_kernel_drivers_list_and_cuda_visible_devices(tmp_path, monkeypatch):
+    from kimi_convert import devices
+
+    gpus = tmp_path / "gpus"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.gpus_at_most(gpus) == 0  # no driver
+    for bus in ("0000:17:00.0", "0000:2a:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    assert devices.gpus_at_most(gpus) == 2
+    for visible, n in (("1", 1), ("", 0), ("0,1,2,3", 2), ("GPU-aa74, GPU-bb12", 2)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert devices.gpus_at_most(gpus) == n, visible
+
+
+def test_one_auto_worker_needs_no_driver_start(monkeypatch):
+    """``auto`` with at most one GPU listed is decided without ``cuInit`` (0.5-1 s): none listed or a CPU build of
+    torch is the CPUs; one is auto on GPU 0, confirmed where the backends are made; more asks the driver."""
+    from kimi_convert import devices
+    from kimi_convert.devices import Device
+
+    def driver():
+        raise AssertionError("the driver was started")
+
+    monkeypatch.setattr(devices, "gpu_count", driver)
+    for cuda_torch, bound, want in ((False, 1, Device("cpu")), (True, 0, Device("cpu")), (True, 1, Device("auto", 0))):
+        monkeypatch.setattr(devices, "torch_has_cuda", lambda c=cuda_torch: c)
+        monkeypatch.setattr(devices, "gpus_at_most", lambda b=bound: b)
+        assert devices.worker_devices("auto", None) == devices.worker_devices("auto", 1) == [want]
+    monkeypatch.setattr(devices, "gpus_at_most", lambda: 2)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    assert devices.worker_devices("auto", None) == [Device("auto", 0), Device("auto", 1)]
+    monkeypatch.setattr(devices, "gpus_at_most", lambda: 1)
+    assert devices.worker_devices("auto", 2) == [Device("auto", 0), Device("auto", 1)]  # two workers: asked
+    from kimi_convert.pipeline import runner
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)  # the one listed GPU the driver then does not see
+    assert list(runner.candidates(Device("auto", 0), 2)) == ["cpu"]
 
 
 def test_resolve_device_reads_every_accepted_value_and_refuses_the_rest(monkeypatch):

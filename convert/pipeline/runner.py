@@ -45,12 +45,16 @@ Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool 
 def candidates(device: Device, threads: int) -> dict[str, Backend]:
     """The backends a worker computes on, by name: one, or for ``auto`` (a GPU and the CPUs) the CPU's C
     kernels first, then the GPU's Triton kernels (made without touching CUDA: the GPU starts on auto's
-    calibration thread, not in a stream; ``devices.resolve_device`` has seen it and a CUDA torch)."""
+    calibration thread, not in a stream; ``devices.worker_devices`` has seen a CUDA torch and at most one GPU listed,
+    or the driver's count of them), or the CPU's alone where the driver then sees none."""
     import torch
 
     from kimi_convert.devices import Device as Dev
+    from kimi_convert.devices import gpu_count
     from kimi_convert.kernels import Backend, get_backend
 
+    if device.kind == "auto" and not gpu_count():  # (devices.worker_devices left it to confirm here)
+        return {"cpu": get_backend(Dev("cpu"), threads)}
     if device.kind == "auto":
         return {"cpu": get_backend(Dev("cpu"), threads), "cuda": Backend("triton", torch.device("cuda", device.index),
                                                                          threads)}
