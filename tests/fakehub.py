@@ -36,6 +36,9 @@ from helpers import Result, run_process
 
 #: The token the fake Hub accepts; tests check it never appears in any output.
 TOKEN = "hf_kimiConvertTestSecret0123456789"
+#: wait_idle: seconds without a new request before the server counts as idle (a killed client's last request can
+#: reach a handler thread after the others ended)
+QUIET_S = 0.5
 
 
 @dataclass
@@ -82,6 +85,7 @@ class FakeHub:
         self._down_free = 0.0
         self.lock = threading.Lock()
         self.in_flight = 0  # requests being answered
+        self.started = 0  # requests ever begun (wait_idle's quiet period)
         self._idle = threading.Condition(self.lock)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -103,8 +107,16 @@ class FakeHub:
         what it sent (a throttled PUT stores its object once its link time has passed), and a resumed client
         that asks before then is rightly told the object is missing and sends it again. A test that counts
         uploads across a kill waits here first, as a real resume comes after the dead transfers end."""
-        with self._idle:
-            assert self._idle.wait_for(lambda: self.in_flight == 0, timeout), "the fake Hub stayed busy"
+        deadline = time.monotonic() + timeout
+        while True:  # idle, then quiet for QUIET_S: a dead client's last request may not be parsed yet
+            with self._idle:
+                assert self._idle.wait_for(lambda: self.in_flight == 0, max(0.0, deadline - time.monotonic())), \
+                    "the fake Hub stayed busy"
+                seen = self.started
+            time.sleep(QUIET_S)
+            with self._idle:
+                if self.in_flight == 0 and self.started == seen:
+                    return
 
     def record(self, method: str, path: str, status: int) -> None:
         with self.lock:
@@ -235,6 +247,7 @@ class FakeHub:
                 path = url.path
                 with hub.lock:
                     hub.in_flight += 1
+                    hub.started += 1
                 try:
                     if self._fault(method, path):
                         return
