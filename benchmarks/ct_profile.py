@@ -43,7 +43,7 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "if lead >= 0: s.EAGER_HASH = lead\n"
            "if early == 0: e.takes = lambda unit: False\n"
            "init = e.EarlyCompute.__init__\n"
-           "if kt > 0: e.EarlyCompute.__init__ = lambda self, threads: init(self, kt)\n"
+           "if kt > 0: e.EarlyCompute.__init__ = lambda self, threads, block: init(self, kt, block)\n"
            "from kimi_convert.cli import main; main()")
 
 

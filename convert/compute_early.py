@@ -1,13 +1,15 @@
 """The compute stage without torch: the units whose every item is a dense BF16 or FP32 weight made NVFP4 (either
-format's arithmetic) or a stored tensor kept as it is, computed by the C kernels on the read buffers
+format's arithmetic; or a DeepSeek-style FP8 one, decoded here) or a stored tensor kept as it is, computed by the
+C kernels on the read buffers
 (``kernels.clib``), with the bytes and notes ``compute.compute_unit`` gives on the CPU backend
 (tests/test_early.py holds them to it, unit by unit and pack by pack).
 
 Why: ``import torch`` takes 3.6-5 s on the H200 machine, and until it returns a stream's compute waited (2.8-5.5 s
 of a 10 GB one-file input's 13-16 s: docs/compressed-tensors.md). A stream now computes the units this module
 takes while torch loads (``--device auto``: until its runner is made, then the runner measures and chooses), and
-with ``--device cpu`` always: a dense checkpoint is then converted without importing torch at all. Anything else
-(an FP8 or MXFP4 source, fp16 weights, block FP8, a slice of a stored tensor) is ``compute.compute_unit``'s.
+with ``--device cpu`` always: a dense or FP8 checkpoint is then converted without importing torch at all. Anything
+else (an MXFP4 source, fp16 weights, block FP8 output, an FP8 weight kept, a slice of a stored tensor) is
+``compute.compute_unit``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kimi_convert.kernels.outputs import Arena
 
 from . import encodings, formats
 from .errors import ConvertError
-from .plan import FP8, NVFP4, Item, Unit
+from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 
 if TYPE_CHECKING:
     from .readers import BufferPool, TensorSource
@@ -65,18 +67,62 @@ def takes(unit: Unit) -> bool:
                 return False
             continue
         for s in it.sources:
-            if not encodings.as_stored(s) or s.dtype not in _ITEMSIZE or len(s.parts) != 1 or not s.shape \
-                    or s.shape[-1] % GROUP or math.prod(s.shape) == 0:
+            if not (_dense(s) or _fp8_block(s)) or not s.shape or s.shape[-1] % GROUP or math.prod(s.shape) == 0:
                 return False
     return True
+
+
+def _dense(s: SourceTensor) -> bool:
+    return encodings.as_stored(s) and s.dtype in _ITEMSIZE and len(s.parts) == 1
+
+
+def _fp8_block(s: SourceTensor) -> bool:
+    """DeepSeek-style FP8 (e4m3 values, an F32 or BF16 scale a tile), decoded here as the torch code does."""
+    return s.encoding == Encoding.FP8_BLOCK and not s.view and len(s.parts) == 2 and len(s.shape) == 2 \
+        and s.parts[0].dtype == "F8_E4M3" and s.parts[1].dtype in ("F32", "BF16")
+
+
+def _e4m3_values() -> np.ndarray:
+    """fp32 value of each e4m3 byte (``float8_e4m3fn``: no infinities, S.1111.111 is NaN)."""
+    b = np.arange(256, dtype=np.uint32)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    mag = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp.astype(np.float64) - 7))
+    out = (sign * mag).astype(np.float32)
+    out[(b & 0x7F) == 0x7F] = np.nan
+    return out
+
+
+E4M3 = _e4m3_values()
+
+
+def _as_f32(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A stored F32 or BF16 tensor's values as fp32 (bf16 widened: exact)."""
+    if dtype == "F32":
+        return raw.view(np.float32).reshape(shape)
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+
+def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, int]) -> np.ndarray:
+    """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``, one IEEE multiply a value, as
+    ``kernels.formats.decode_fp8_block`` (the bytes: tests/test_early.py)."""
+    w, sc = s.parts
+    m, n = s.shape
+    bm, bn = block
+    out = E4M3[reader.raw(w)].reshape(m, n)
+    scale = _as_f32(reader.raw(sc), sc.dtype, tuple(sc.shape))
+    for i in range(scale.shape[0]):
+        out[i * bm:(i + 1) * bm] *= np.repeat(scale[i], bn)[:n]
+    return out
 
 
 class EarlyCompute:
     """The C kernels of one worker (its ``threads``), loaded on first use; ``lib`` None: no C compiler (then
     nothing is taken here: the torch code computes, with its warning)."""
 
-    def __init__(self, threads: int):
-        self.threads = threads
+    def __init__(self, threads: int, block: tuple[int, int]):
+        """``block``: the checkpoint's FP8 tile (``plan.fp8_block_size``)."""
+        self.threads, self.block = threads, block
 
     @property
     def lib(self) -> ctypes.CDLL | None:
@@ -109,16 +155,20 @@ class EarlyCompute:
         """One global scale over the unit's members (its fused module or scale group), as ``compute._quantize``."""
         lib, threads = self.lib, self.threads
         srcs = {s.name: s for it in items for s in it.sources}
+        # each source's values: its stored bytes (dense), or decoded to fp32 (FP8), held for the unit
+        values = {n: (reader.raw(s.parts[0]), s.dtype) if _dense(s) else
+                  (decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32")
+                  for n, s in srcs.items()}
         amax = None
         for name, s in srcs.items():
-            buf = reader.raw(s.parts[0])
-            bits = clib.amax_bits(lib, buf.ctypes.data, buf.nbytes // _ITEMSIZE[s.dtype], s.dtype == "F32", threads)
+            buf, dtype = values[name]
+            bits = clib.amax_bits(lib, buf.ctypes.data, buf.nbytes // _ITEMSIZE[dtype], dtype == "F32", threads)
             a = float(np.array(bits, dtype=np.uint32).view(np.float32))
             if not math.isfinite(a):
                 raise ConvertError(f"{s.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
             amax = a if amax is None else max(amax, a)
         ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
-        s2 = scales.compressed_tensors(amax, next(iter(srcs.values())).dtype) if ct else scales.modelopt(amax)
+        s2 = scales.compressed_tensors(amax, next(iter(values.values()))[1]) if ct else scales.modelopt(amax)
         kernel = clib.ct_quant if ct else clib.quant
         for it in items:
             packed, block_scales = [], []
@@ -126,15 +176,16 @@ class EarlyCompute:
                 k = s.shape[-1]
                 m = math.prod(s.shape) // k
                 p, sc = _carve(arena, m * k // 2), _carve(arena, m * k // GROUP)
-                kernel(lib, reader.raw(s.parts[0]).ctypes.data, m, k, s.dtype == "F32", s2, p.ctypes.data,
-                       sc.ctypes.data, threads)
+                buf, dtype = values[s.name]
+                kernel(lib, buf.ctypes.data, m, k, dtype == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
                 packed.append(p)
                 block_scales.append(sc)
             out = formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
                                                               np.array([s2], dtype=np.float32))
             for name, parts in out:
                 res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
-            res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "quantized", "amax": amax}
+            method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
+            res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
 
 
 def _carve(arena: Arena, nbytes: int) -> np.ndarray:

@@ -67,17 +67,49 @@ def edge_ckpt(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
-def test_each_unit_matches_compute_unit(edge_ckpt, recipe):
-    """Every unit the module takes gives compute_unit's bytes, tensor by tensor, and its notes; the units it takes
-    include zero, tiny, huge and fp32 weights (the plan's fused groups among them)."""
-    ckpt, plan = load_plan(edge_ckpt, Options(recipe=recipe))
-    early, cpu, block = compute_early.EarlyCompute(2), get_backend("cpu", 2), fp8_block_size(ckpt.config)
-    pool, reader = BufferPool(limit=64 << 20), PreadReader(edge_ckpt)
+def _fp8_edges(tensors: dict[str, torch.Tensor]) -> None:
+    """FP8 weights the decoding treats apart: every e4m3 code (subnormals, +-0, the largest), and scales that make
+    the products subnormal or large (where the scale is in the same shard)."""
+    names = sorted(n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn)
+    for i, n in enumerate(names):
+        t, s = tensors[n], tensors.get(n + "_scale_inv")
+        if s is None or i % 4 == 0:
+            codes = torch.arange(t.numel(), dtype=torch.int32) % 256
+            codes[(codes & 0x7F) == 0x7F] = 0x7E  # (NaN codes: refused, test_nan_refused_in_the_same_words)
+            tensors[n] = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(t.shape)
+        elif i % 4 == 1:
+            tensors[n + "_scale_inv"] = s * 1e-38
+        elif i % 4 == 2:
+            tensors[n + "_scale_inv"] = s * 1e30
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    src = write_synth("tiny-deepseek-fp8", tmp_path_factory.mktemp("in") / "ds", seed=5)
+    out = copy_ckpt(src, tmp_path_factory.mktemp("in") / "ds-edge")
+    rewrite_tensors(out, _fp8_edges)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_scale_ckpt(tmp_path_factory):
+    """MiniMax-M2's layout, its FP8 scales stored BF16."""
+    src = write_synth("tiny-minimax-m2", tmp_path_factory.mktemp("in") / "mm", seed=1)
+
+    def to_bf16(tensors):
+        for n in [n for n in tensors if n.endswith("weight_scale_inv")]:
+            tensors[n] = tensors[n].to(torch.bfloat16)
+    rewrite_tensors(src, to_bf16)
+    return src
+
+
+def _same_as_compute_unit(ckpt_dir, recipe: str) -> list:
+    """Every unit ``compute_early`` takes gives compute_unit's bytes, tensor by tensor, and its notes; the units."""
+    ckpt, plan = load_plan(ckpt_dir, Options(recipe=recipe))
+    cpu, block = get_backend("cpu", 2), fp8_block_size(ckpt.config)
+    early = compute_early.EarlyCompute(2, block)
+    pool, reader = BufferPool(limit=256 << 20), PreadReader(ckpt_dir)
     taken = [u for u in plan.units if compute_early.takes(u)]
-    assert len(taken) == len(plan.units)  # a dense checkpoint: every unit
-    dtypes = {s.dtype for u in taken for it in u.items if it.kind == "nvfp4" for s in it.sources}
-    assert dtypes == {"BF16", "F32"}
     for unit in taken:
         loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
         res, buf = early.compute(unit, loaded, pool)
@@ -90,37 +122,74 @@ def test_each_unit_matches_compute_unit(edge_ckpt, recipe):
         if buf is not None:
             pool.put(buf)
     reader.close()
+    return taken
 
 
-def test_nan_refused_in_the_same_words(tmp_path):
-    src = write_synth("tiny-qwen3-moe", tmp_path / "qwen", seed=0)
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
+def test_each_unit_matches_compute_unit(edge_ckpt, recipe):
+    """Every unit of a dense checkpoint is taken, zero, tiny, huge and fp32 weights among them (and the plan's
+    fused groups): each gives compute_unit's bytes and notes."""
+    taken = _same_as_compute_unit(edge_ckpt, recipe)
+    _, plan = load_plan(edge_ckpt, Options(recipe=recipe))
+    assert len(taken) == len(plan.units)
+    assert {s.dtype for u in taken for it in u.items if it.kind == "nvfp4" for s in it.sources} == {"BF16", "F32"}
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
+def test_each_fp8_unit_matches_compute_unit(fp8_ckpt, bf16_scale_ckpt, recipe):
+    """DeepSeek's FP8 weights (every e4m3 code, products subnormal and large) and MiniMax's with BF16 scales,
+    decoded and quantized here: compute_unit's bytes and notes."""
+    for ckpt_dir in (fp8_ckpt, bf16_scale_ckpt):
+        taken = _same_as_compute_unit(ckpt_dir, recipe)
+        assert any(s.encoding == "fp8_block" for u in taken for it in u.items if it.kind == "nvfp4"
+                   for s in it.sources), ckpt_dir
+
+
+#: per preset, the weight given a NaN (an FP8 weight: e4m3's NaN code 0x7F)
+NAN_AT = {"tiny-qwen3-moe": "model.layers.0.mlp.experts.1.up_proj.weight",
+          "tiny-deepseek-fp8": "model.layers.1.mlp.experts.1.up_proj.weight"}
+
+
+@pytest.mark.parametrize("preset", sorted(NAN_AT))
+def test_nan_refused_in_the_same_words(tmp_path, preset):
+    """A NaN in a BF16 weight, or an FP8 weight's NaN code: the torch code's one-line error, word for word."""
+    src = write_synth(preset, tmp_path / "src", seed=0)
 
     def plant(tensors):
-        for n, t in tensors.items():
-            if n.endswith("layers.0.mlp.experts.1.up_proj.weight"):
-                t[0, 3] = float("nan")
+        t = tensors.get(NAN_AT[preset])  # (in one of the shards)
+        if t is None:
+            return
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8)[0, 3] = 0x7F
+        else:
+            t[0, 3] = float("nan")
     rewrite_tensors(src, plant)
     ckpt, plan = load_plan(src, Options())
-    unit = next(u for u in plan.units if any("experts.1.up_proj" in s.name for it in u.items for s in it.sources))
+    unit = next(u for u in plan.units if any(s.name == NAN_AT[preset] for it in u.items for s in it.sources))
     assert compute_early.takes(unit)
     reader = PreadReader(src)
     loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+    block = fp8_block_size(ckpt.config)
     with pytest.raises(ConvertError) as early:
-        compute_early.EarlyCompute(2).compute(unit, loaded, BufferPool(limit=64 << 20))
+        compute_early.EarlyCompute(2, block).compute(unit, loaded, BufferPool(limit=64 << 20))
     with pytest.raises(ConvertError) as torch_code:
-        compute_unit(unit, loaded, get_backend("cpu", 2), fp8_block_size(ckpt.config))
+        compute_unit(unit, loaded, get_backend("cpu", 2), block)
     reader.close()
     assert str(early.value) == str(torch_code.value) and "NaN or Inf" in str(early.value)
 
 
-def test_fp8_and_mxfp4_units_wait_for_torch(tiny_k3, tiny_ds):
-    """K3's MXFP4 experts and DeepSeek's FP8 weights are decoded by torch: not taken; their dense layers are."""
-    for src in (tiny_k3, tiny_ds):
-        _, plan = load_plan(src, Options())
-        took = [compute_early.takes(u) for u in plan.units]
-        assert any(took) and not all(took)
-        assert not any(compute_early.takes(u) for u in plan.units
-                       if any(s.encoding != "dense" for it in u.items for s in it.sources))
+def test_mxfp4_and_block_fp8_units_wait_for_torch(tiny_k3, tiny_ds):
+    """K3's MXFP4 experts (NVIDIA's cast) and block-FP8 outputs are torch's; their other units are taken here."""
+    _, plan = load_plan(tiny_k3, Options())
+    took = [compute_early.takes(u) for u in plan.units]
+    assert any(took) and not all(took)
+    assert not any(compute_early.takes(u) for u in plan.units
+                   if any(s.encoding == "mxfp4" for it in u.items for s in it.sources))
+    assert not any(compute_early.takes(u) for u in plan.units if any(it.kind == "fp8-block" for it in u.items))
+    assert any(it.kind == "fp8-block" for u in plan.units for it in u.items)
+    _, plan = load_plan(tiny_ds, Options())
+    assert any(compute_early.takes(u) for u in plan.units
+               if any(s.encoding == "fp8_block" for it in u.items for s in it.sources))
 
 
 PACK = """
@@ -130,7 +199,7 @@ if sys.argv[1] == "torch":
     ce.takes = lambda unit: False
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
-r = pack(sys.argv[2], sys.argv[3], Options(recipe=sys.argv[4]), device="cpu", progress=False)
+r = pack(sys.argv[2], sys.argv[3], Options(recipe=sys.argv[4] or None), device="cpu", progress=False)
 print(json.dumps({"torch": "torch" in sys.modules, "early_units": r.stats.early_units}))
 """
 
@@ -159,10 +228,12 @@ def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe)
     assert _files(tmp_path / "early") == _files(tmp_path / "torch")
 
 
-def test_k3_pack_takes_its_dense_units_and_imports_torch(tiny_k3, tmp_path):
-    """A K3 (MXFP4 experts: torch's) packs with its dense units without torch and the rest with it: the same
-    files as the torch code alone."""
-    early = _pack("early", tiny_k3, tmp_path / "early", "nvfp4-w4a16")
-    torch_code = _pack("torch", tiny_k3, tmp_path / "torch", "nvfp4-w4a16")
-    assert early["torch"] and early["early_units"] > 0 and torch_code["early_units"] == 0
+@pytest.mark.parametrize(("name", "recipe"), [("tiny_k3", "nvfp4-w4a16"), ("tiny_ds", "")])
+def test_pack_takes_what_it_can_and_torch_the_rest(name, recipe, tmp_path, request):
+    """A K3 (MXFP4 experts: torch's; its dense layers made NVFP4 here) and a DeepSeek V3 (FP8 weights: taken here;
+    what the recipe keeps of them: torch's) pack with some units without torch: the same files as the torch code."""
+    src = request.getfixturevalue(name)
+    early = _pack("early", src, tmp_path / "early", recipe)
+    torch_code = _pack("torch", src, tmp_path / "torch", recipe)
+    assert early["early_units"] > 0 and torch_code["early_units"] == 0
     assert _files(tmp_path / "early") == _files(tmp_path / "torch")

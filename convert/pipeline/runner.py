@@ -74,7 +74,7 @@ class Runner:
         cpu = backends.get("cpu")
         #: the CPU backend's units that ``compute_early`` takes are its (the same bytes in less time: through torch
         #: they took 1.3x as long on the H200 machine, session 14's ct-profile.json)
-        self.early = EarlyCompute(cpu.threads if cpu is not None else 1)
+        self.early = EarlyCompute(cpu.threads if cpu is not None else 1, block)
         self.chooser = Chooser(backends, on_decided=self._decided, margin=GPU_MARGIN) if len(backends) > 1 else None
         self._local = threading.local()
         counts = Counter(k for u in units if (k := work_kind(u)) is not None)

@@ -392,9 +392,10 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     if device.kind in ("cpu", "auto"):
         from ..compute_early import EarlyCompute
 
-        shared.early = EarlyCompute(threads)
+        block = jobs[0].block if jobs else (128, 128)  # (one checkpoint: every job's tile is the same)
+        shared.early = EarlyCompute(threads, block)
         if device.kind == "auto":
-            shared.make_runner_soon(device, jobs[0].block if jobs else (128, 128))
+            shared.make_runner_soon(device, block)
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
