@@ -70,14 +70,14 @@ def cold_read(folder: Path) -> float:
     return round(n / 1e9 / (time.perf_counter() - t), 3)
 
 
-def run_variant(src: Path, spec: str, work: Path) -> dict:
+def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") -> dict:
     device, *sets = spec.split()
     kv = dict(s.split("=", 1) for s in sets)
     out, stats = work / "out", work / "stats.json"
     env = dict(os.environ)
     if "readahead" in kv:
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
-    args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", "ct-nvfp4-a16", "--device", device,
+    args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", recipe, "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
     patched = {"hash", "lead", "early", "kthreads", "window", "switch"} & kv.keys()
     cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
@@ -94,6 +94,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--input", type=Path, required=True)
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--recipe", default="ct-nvfp4-a16", help="pack's --recipe (another recipe: the same profile)")
     ap.add_argument("--variant", nargs="+", default=["cpu streams=1", "cpu streams=4", "cpu streams=1 hash=8"])
     a = ap.parse_args()
     res = {"cpus": os.cpu_count(), "sha256_gbps": {n: sha256_rate(n) for n in (1, 4, 8)},
@@ -101,7 +102,7 @@ def main() -> int:
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
     with tempfile.TemporaryDirectory(dir=a.input.parent) as work:
         for spec in a.variant:
-            r = run_variant(a.input, spec, Path(work))
+            r = run_variant(a.input, spec, Path(work), a.recipe)
             res["runs"].append(r)
             st = r["stats"]
             print(f"{spec}: wall {r['wall_s']} s, CPU {r['cpu_s']} s, PSS {r['peak_pss_gb']} GB; setup "
