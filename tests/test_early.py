@@ -228,12 +228,12 @@ def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe)
     assert _files(tmp_path / "early") == _files(tmp_path / "torch")
 
 
-@pytest.mark.parametrize(("name", "recipe"), [("tiny_k3", "nvfp4-w4a16"), ("tiny_ds", "")])
-def test_pack_takes_what_it_can_and_torch_the_rest(name, recipe, tmp_path, request):
-    """A K3 (MXFP4 experts: torch's; its dense layers made NVFP4 here) and a DeepSeek V3 (FP8 weights: taken here;
-    what the recipe keeps of them: torch's) pack with some units without torch: the same files as the torch code."""
+@pytest.mark.parametrize(("name", "recipe", "needs_torch"), [("tiny_k3", "nvfp4-w4a16", True), ("tiny_ds", "", False)])
+def test_pack_takes_what_it_can_and_torch_the_rest(name, recipe, needs_torch, tmp_path, request):
+    """A K3 (MXFP4 experts: torch's; its dense layers made NVFP4 here) packs partly without torch; a DeepSeek V3 (FP8
+    weights, decoded here) wholly, never importing it: the same files as the torch code alone."""
     src = request.getfixturevalue(name)
     early = _pack("early", src, tmp_path / "early", recipe)
     torch_code = _pack("torch", src, tmp_path / "torch", recipe)
-    assert early["early_units"] > 0 and torch_code["early_units"] == 0
+    assert early["early_units"] > 0 and early["torch"] is needs_torch and torch_code["early_units"] == 0
     assert _files(tmp_path / "early") == _files(tmp_path / "torch")
