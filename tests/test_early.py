@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import copy_ckpt, rewrite_tensors
+from helpers import rewrite_tensors
 from kimi_convert import compute_early
 from kimi_convert.compute import compute_unit
 from kimi_convert.errors import ConvertError
@@ -59,12 +60,16 @@ def _edge_values(tensors: dict[str, torch.Tensor]) -> None:
             tensors[n] = t.float()
 
 
+def _edited(tmp_path_factory, preset: str, seed: int, edit) -> Path:
+    """``synth PRESET`` with ``edit(tensors)`` applied to each shard's tensors."""
+    src = write_synth(preset, tmp_path_factory.mktemp("in") / preset, seed=seed)
+    rewrite_tensors(src, edit)
+    return src
+
+
 @pytest.fixture(scope="module")
 def edge_ckpt(tmp_path_factory):
-    src = write_synth("tiny-qwen3-moe", tmp_path_factory.mktemp("in") / "qwen", seed=3)
-    out = copy_ckpt(src, tmp_path_factory.mktemp("in") / "edge")
-    rewrite_tensors(out, _edge_values)
-    return out
+    return _edited(tmp_path_factory, "tiny-qwen3-moe", 3, _edge_values)
 
 
 def _fp8_edges(tensors: dict[str, torch.Tensor]) -> None:
@@ -85,22 +90,18 @@ def _fp8_edges(tensors: dict[str, torch.Tensor]) -> None:
 
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
-    src = write_synth("tiny-deepseek-fp8", tmp_path_factory.mktemp("in") / "ds", seed=5)
-    out = copy_ckpt(src, tmp_path_factory.mktemp("in") / "ds-edge")
-    rewrite_tensors(out, _fp8_edges)
-    return out
+    return _edited(tmp_path_factory, "tiny-deepseek-fp8", 5, _fp8_edges)
+
+
+def _bf16_scales(tensors: dict[str, torch.Tensor]) -> None:
+    for n in [n for n in tensors if n.endswith("weight_scale_inv")]:
+        tensors[n] = tensors[n].to(torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def bf16_scale_ckpt(tmp_path_factory):
     """MiniMax-M2's layout, its FP8 scales stored BF16."""
-    src = write_synth("tiny-minimax-m2", tmp_path_factory.mktemp("in") / "mm", seed=1)
-
-    def to_bf16(tensors):
-        for n in [n for n in tensors if n.endswith("weight_scale_inv")]:
-            tensors[n] = tensors[n].to(torch.bfloat16)
-    rewrite_tensors(src, to_bf16)
-    return src
+    return _edited(tmp_path_factory, "tiny-minimax-m2", 1, _bf16_scales)
 
 
 def _same_as_compute_unit(ckpt_dir, recipe: str) -> list:
