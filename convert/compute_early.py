@@ -1,21 +1,22 @@
 """The compute stage without torch: the units whose every item is a dense BF16 or FP32 weight made NVFP4 (either
-format's arithmetic; or a DeepSeek-style FP8 one, decoded here) or a stored tensor kept as it is, computed by the
-C kernels on the read buffers
-(``kernels.clib``), with the bytes and notes ``compute.compute_unit`` gives on the CPU backend
+format's arithmetic; or a DeepSeek-style FP8 one, decoded here), a BF16 weight made 128x128 block FP8, a Kimi K3
+MXFP4 weight cast to NVFP4 by NVIDIA's closed form, or a stored tensor kept as it is, computed by the C kernels on
+the read buffers (``kernels.clib``), with the bytes and notes ``compute.compute_unit`` gives on the CPU backend
 (tests/test_early.py holds them to it, unit by unit and pack by pack).
 
 Why: ``import torch`` takes 3.6-5 s on the H200 machine, and until it returns a stream's compute waited (2.8-5.5 s
 of a 10 GB one-file input's 13-16 s: docs/compressed-tensors.md). A stream now computes the units this module
 takes while torch loads (``--device auto``: until its runner is made, then the runner measures and chooses), and
-with ``--device cpu`` always: a dense or FP8 checkpoint is then converted without importing torch at all. Anything
-else (an MXFP4 source, fp16 weights, block FP8 output, an FP8 weight kept, a slice of a stored tensor) is
-``compute.compute_unit``'s.
+with ``--device cpu`` always: a dense, FP8 or Kimi K3 checkpoint is then converted without importing torch at all. Anything
+else (an MXFP4 weight not cast, fp16 weights, an FP8 weight kept, a slice of a stored tensor, NVIDIA's recipe with
+``KIMI_CONVERT_RECIPE_KERNELS=torch``) is ``compute.compute_unit``'s.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 Chunk = memoryview | np.ndarray
 GROUP = 16  # NVFP4's block: K must be a multiple of it
+TILE = 128  # block FP8's tile (kernels.fp8_block.BLOCK)
+E8M0_BIAS, E8M0_NAN, E4M3_KMAX = 127, 0xFF, 8  # kernels.mxfp4_cast's
+RECIPE_KERNELS_ENV = "KIMI_CONVERT_RECIPE_KERNELS"  # kernels.RECIPE_KERNELS_ENV (torch: NVIDIA's recipe by torch)
 _ITEMSIZE = {"BF16": 2, "F32": 4}
 
 
@@ -58,18 +62,31 @@ def raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
 
 
 def takes(unit: Unit) -> bool:
-    """Whether this module computes ``unit`` (a pure function of the plan)."""
+    """Whether this module computes ``unit`` (a pure function of the plan, and of $KIMI_CONVERT_RECIPE_KERNELS:
+    ``torch`` has NVIDIA's recipe computed by its torch code, which the tests compare the C kernels with)."""
+    quant = [s for it in unit.items if it.kind == NVFP4 for s in it.sources]
+    cast = bool(quant) and any(s.encoding == Encoding.MXFP4 for s in quant)
+    torch_recipe = os.environ.get(RECIPE_KERNELS_ENV, "auto") == "torch"
+    if cast and (torch_recipe or not all(_mxfp4(s) for s in quant) or formats.get(
+            next(it for it in unit.items if it.kind == NVFP4).output_format).NVFP4_MATH != "modelopt"):
+        return False  # NVIDIA's cast: every member MXFP4, ModelOpt's format (else torch decodes them)
     for it in unit.items:
         if it.kind == FP8:
-            return False
-        if it.kind != NVFP4:
+            if torch_recipe or not all(_dense(s) and s.dtype == "BF16" and len(s.shape) == 2 and math.prod(s.shape)
+                                       for s in it.sources):
+                return False
+        elif it.kind != NVFP4:
             if not all(encodings.as_stored(s) for s in it.sources):
                 return False
-            continue
-        for s in it.sources:
-            if not (_dense(s) or _fp8_block(s)) or not s.shape or s.shape[-1] % GROUP or math.prod(s.shape) == 0:
-                return False
+        elif not cast and not all((_dense(s) or _fp8_block(s)) and s.shape and not s.shape[-1] % GROUP
+                                  and math.prod(s.shape) for s in it.sources):
+            return False
     return True
+
+
+def _mxfp4(s: SourceTensor) -> bool:
+    """Kimi K3's MXFP4 as stored (``weight_packed`` U8 [N, K/2], ``weight_scale`` U8 [N, K/32]): the cast's input."""
+    return s.encoding == Encoding.MXFP4 and not s.view and len(s.parts) == 2 and len(s.parts[0].shape) == 2
 
 
 def _dense(s: SourceTensor) -> bool:
@@ -133,23 +150,79 @@ class EarlyCompute:
 
     def compute(self, unit: Unit, reader: TensorSource, pool: BufferPool) -> tuple[UnitResult, np.ndarray | None]:
         """``unit``'s outputs, and the pool buffer lent for them (None: none taken), which goes back to the pool
-        once the writer has written and hashed them."""
+        once the writer has written and hashed them. The items in ``compute.compute_unit``'s order."""
         res = UnitResult({})
-        quant = []
-        for it in unit.items:
-            if it.kind == NVFP4:
-                quant.append(it)
-            else:
+        quant = [it for it in unit.items if it.kind == NVFP4]
+        if all(it.kind not in (NVFP4, FP8) for it in unit.items):
+            for it in unit.items:
                 res.outputs[it.outputs[0].name] = Output(raw_chunks(it, reader))
-        if not quant:
             return res, None
         arena = Arena(pool.get(sink_bytes(unit)))
         try:
-            self._quantize(quant, reader, arena, res)
+            for it in unit.items:
+                if it.kind == FP8:
+                    self._fp8_block(it, reader, arena, res)
+                elif it.kind != NVFP4:
+                    res.outputs[it.outputs[0].name] = Output(raw_chunks(it, reader))
+            if quant and any(s.encoding == Encoding.MXFP4 for it in quant for s in it.sources):
+                self._cast(quant, reader, arena, res)
+            elif quant:
+                self._quantize(quant, reader, arena, res)
         except BaseException:
             pool.put(arena.buf)
             raise
         return res, arena.buf
+
+    def _fp8_block(self, it: Item, reader: TensorSource, arena: Arena, res: UnitResult) -> None:
+        """128x128 block FP8 of BF16 weights, as ``compute._fp8_block``: member by member where every member but
+        the last has whole tiles of rows, else the members stacked and quantized as one."""
+        lib, rlib = self.lib, clib.load_recipe()
+        weights = []
+        for src in it.sources:
+            buf = reader.raw(src.parts[0])
+            bits = clib.amax_bits(lib, buf.ctypes.data, buf.nbytes // 2, False, self.threads)
+            if not math.isfinite(float(np.array(bits, dtype=np.uint32).view(np.float32))):
+                raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+            weights.append((buf, src.shape))
+        if any(shape[0] % TILE for _, shape in weights[:-1]):
+            weights = [(np.concatenate([b for b, _ in weights]), (sum(sh[0] for _, sh in weights), weights[0][1][1]))]
+        qs, tile_scales, zero = [], [], 0
+        for buf, (n, k) in weights:
+            q = _carve(arena, n * k)
+            sc = _carve(arena, 4 * math.prod(_tiles(n, k))).view(np.float32)
+            if rlib.kc_fp8_block_bf16_mt(buf.ctypes.data, n, k, q.ctypes.data, sc.ctypes.data, self.threads,
+                                         q.nbytes >= clib.STREAM_MIN_BYTES):
+                raise AssertionError(f"{it.name}: a tile with NaN or Inf past the amax check")
+            qs.append(q)
+            tile_scales.append(sc)
+            zero += int((sc == 0).sum())
+        for name, parts in formats.get(it.output_format).fp8_outputs(it, qs, tile_scales):
+            res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+        res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
+
+    def _cast(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
+        """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit, as ``compute._cast_mxfp4``."""
+        rlib = clib.load_recipe()
+        own = {s.name: _k_max(s, reader) for it in items for s in it.sources}  # a NaN scale refused here
+        shared = max(own.values())
+        for it in items:
+            packed, block_scales, blocks, lossless = [], [], 0, 0
+            for s in it.sources:
+                codes, e8m0 = reader.raw(s.parts[0]), reader.raw(s.parts[1])
+                rows, kb = s.parts[1].shape
+                out, sb = _carve(arena, codes.nbytes), _carve(arena, rows * 2 * kb)
+                if rows and kb:
+                    lossless += rlib.kc_cast_mxfp4_mt(codes.ctypes.data, e8m0.ctypes.data, rows, kb, own[s.name],
+                                                      shared, out.ctypes.data, sb.ctypes.data, self.threads,
+                                                      out.nbytes >= clib.STREAM_MIN_BYTES)
+                blocks += e8m0.size
+                packed.append(out)
+                block_scales.append(sb)
+            s2 = np.array([2.0 ** (shared - E4M3_KMAX)], dtype=np.float32)
+            for name, parts in formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales, s2):
+                res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+            res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "mxfp4-cast", "k_max": shared,
+                                  "blocks": blocks, "lossless_blocks": lossless}
 
     def _quantize(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
         """One global scale over the unit's members (its fused module or scale group), as ``compute._quantize``."""
@@ -186,6 +259,25 @@ class EarlyCompute:
                 res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
             method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
+
+
+def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """The block-FP8 scale's shape (``kernels.fp8_block.scale_shape``)."""
+    return (-(-n // TILE), 1, -(-k // TILE), 1)
+
+
+def _k_max(s: SourceTensor, reader: TensorSource) -> int:
+    """A weight's own ``k_max`` (``kernels.mxfp4_cast.k_max``); an E8M0 NaN byte refused in its words."""
+    e8m0 = reader.raw(s.parts[1])
+    top = int(e8m0.max()) if e8m0.size else 0
+    if top == E8M0_NAN:
+        hits = np.argwhere(e8m0.reshape(s.parts[1].shape) == E8M0_NAN)
+        row, block = (int(v) for v in hits[0])
+        more = f" (and {len(hits) - 1} more block(s))" if len(hits) > 1 else ""
+        raise ConvertError(f"{s.parts[1].file}: tensor {s.parts[1].name}: E8M0 scale byte 0xFF (NaN in the OCP MX "
+                           f"spec) at row {row}, block {block} (values {block * 32}-{block * 32 + 31}){more}; "
+                           "refusing to cast it to NVFP4")
+    return top - E8M0_BIAS if top else 0
 
 
 def _carve(arena: Arena, nbytes: int) -> np.ndarray:

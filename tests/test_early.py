@@ -146,9 +146,10 @@ def test_each_fp8_unit_matches_compute_unit(fp8_ckpt, bf16_scale_ckpt, recipe):
                    for s in it.sources), ckpt_dir
 
 
-#: per preset, the weight given a NaN (an FP8 weight: e4m3's NaN code 0x7F)
+#: per preset, the weight given a NaN (an FP8 weight: e4m3's NaN code 0x7F; an E8M0 scale: its NaN byte 0xFF)
 NAN_AT = {"tiny-qwen3-moe": "model.layers.0.mlp.experts.1.up_proj.weight",
-          "tiny-deepseek-fp8": "model.layers.1.mlp.experts.1.up_proj.weight"}
+          "tiny-deepseek-fp8": "model.layers.1.mlp.experts.1.up_proj.weight",
+          "tiny-k3": "language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"}
 
 
 @pytest.mark.parametrize("preset", sorted(NAN_AT))
@@ -162,11 +163,14 @@ def test_nan_refused_in_the_same_words(tmp_path, preset):
             return
         if t.dtype == torch.float8_e4m3fn:
             t.view(torch.uint8)[0, 3] = 0x7F
+        elif t.dtype == torch.uint8:
+            t[1, 0] = t[2, 1] = 0xFF
         else:
             t[0, 3] = float("nan")
     rewrite_tensors(src, plant)
     ckpt, plan = load_plan(src, Options())
-    unit = next(u for u in plan.units if any(s.name == NAN_AT[preset] for it in u.items for s in it.sources))
+    unit = next(u for u in plan.units if any(NAN_AT[preset] in (s.name, *(p.name for p in s.parts))
+                                             for it in u.items for s in it.sources))
     assert compute_early.takes(unit)
     reader = PreadReader(src)
     loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
@@ -176,21 +180,31 @@ def test_nan_refused_in_the_same_words(tmp_path, preset):
     with pytest.raises(ConvertError) as torch_code:
         compute_unit(unit, loaded, get_backend("cpu", 2), block)
     reader.close()
-    assert str(early.value) == str(torch_code.value) and "NaN or Inf" in str(early.value)
+    assert str(early.value) == str(torch_code.value) and "NaN" in str(early.value)
 
 
-def test_mxfp4_and_block_fp8_units_wait_for_torch(tiny_k3, tiny_ds):
-    """K3's MXFP4 experts (NVIDIA's cast) and block-FP8 outputs are torch's; their other units are taken here."""
-    _, plan = load_plan(tiny_k3, Options())
-    took = [compute_early.takes(u) for u in plan.units]
-    assert any(took) and not all(took)
-    assert not any(compute_early.takes(u) for u in plan.units
-                   if any(s.encoding == "mxfp4" for it in u.items for s in it.sources))
-    assert not any(compute_early.takes(u) for u in plan.units if any(it.kind == "fp8-block" for it in u.items))
-    assert any(it.kind == "fp8-block" for u in plan.units for it in u.items)
-    _, plan = load_plan(tiny_ds, Options())
-    assert any(compute_early.takes(u) for u in plan.units
-               if any(s.encoding == "fp8_block" for it in u.items for s in it.sources))
+@pytest.mark.parametrize("recipe", [None, "nvfp4-w4a16"])
+def test_each_k3_unit_matches_compute_unit(tiny_k3, recipe, monkeypatch):
+    """Kimi K3 under NVIDIA's recipe (its MXFP4 experts cast, its attention block FP8) and under nvfp4-w4a16: every
+    unit taken, compute_unit's bytes and notes; with KIMI_CONVERT_RECIPE_KERNELS=torch (the tests' switch to the
+    recipe's torch code) the cast and block-FP8 units are left to it."""
+    taken = _same_as_compute_unit(tiny_k3, recipe)
+    _, plan = load_plan(tiny_k3, Options(recipe=recipe))
+    assert len(taken) == len(plan.units)
+    recipe_units = [u for u in plan.units if any(it.kind == "fp8-block" or any(s.encoding == "mxfp4"
+                                                                                for s in it.sources)
+                                                 for it in u.items if it.kind != "keep")]
+    assert recipe_units
+    monkeypatch.setenv("KIMI_CONVERT_RECIPE_KERNELS", "torch")
+    assert not any(compute_early.takes(u) for u in recipe_units)
+
+
+def test_gpt_oss_banks_wait_for_torch(tmp_path):
+    """gpt-oss's MXFP4 banks (rows de-interleaved by a view) are torch's."""
+    src = write_synth("tiny-gpt-oss", tmp_path / "g", seed=0)
+    _, plan = load_plan(src, Options())
+    banked = [u for u in plan.units if any(s.view for it in u.items for s in it.sources)]
+    assert banked and not any(compute_early.takes(u) for u in banked)
 
 
 PACK = """
@@ -229,12 +243,14 @@ def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe)
     assert _files(tmp_path / "early") == _files(tmp_path / "torch")
 
 
-@pytest.mark.parametrize(("name", "recipe", "needs_torch"), [("tiny_k3", "nvfp4-w4a16", True), ("tiny_ds", "", False)])
-def test_pack_takes_what_it_can_and_torch_the_rest(name, recipe, needs_torch, tmp_path, request):
-    """A K3 (MXFP4 experts: torch's; its dense layers made NVFP4 here) packs partly without torch; a DeepSeek V3 (FP8
-    weights, decoded here) wholly, never importing it: the same files as the torch code alone."""
-    src = request.getfixturevalue(name)
+@pytest.mark.parametrize(("preset", "recipe", "needs_torch"), [("tiny-k3", "", False), ("tiny-deepseek-fp8", "", False),
+                                                                ("tiny-gpt-oss", "", True)])
+def test_pack_takes_what_it_can_and_torch_the_rest(preset, recipe, needs_torch, tmp_path):
+    """Kimi K3 under NVIDIA's recipe and DeepSeek V3 (FP8 weights, decoded here) pack wholly without torch, never
+    importing it; gpt-oss (its banks: torch's) with torch: each the same files as the torch code alone."""
+    src = write_synth(preset, tmp_path / "src", seed=0)
     early = _pack("early", src, tmp_path / "early", recipe)
     torch_code = _pack("torch", src, tmp_path / "torch", recipe)
-    assert early["early_units"] > 0 and early["torch"] is needs_torch and torch_code["early_units"] == 0
+    assert early["torch"] is needs_torch and torch_code["early_units"] == 0
+    assert needs_torch or early["early_units"] > 0
     assert _files(tmp_path / "early") == _files(tmp_path / "torch")

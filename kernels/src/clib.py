@@ -116,6 +116,28 @@ def set_pool_types(lib: ctypes.CDLL) -> None:
     lib.kc_pool_workers.restype = ctypes.c_int32
 
 
+#: Output bytes from which the recipe kernels store the codes non-temporally (no read for ownership of lines that
+#: will not be read before they leave the cache; below, a weight's codes may still be in cache when the writer copies
+#: them). The same bytes either way.
+STREAM_MIN_BYTES = 8 << 20
+
+
+@cache
+def load_recipe() -> ctypes.CDLL | None:
+    """NVIDIA's K3 recipe kernels (``recipe_cpu.c``: the MXFP4 -> NVFP4 cast, 128x128 block FP8), argument types
+    set (None: the caller runs the torch code)."""
+    lib = open_library("recipe_cpu", "fast CPU recipe kernels")
+    if lib is None:
+        return None
+    i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32, i32]
+    lib.kc_cast_mxfp4_mt.restype = i64
+    lib.kc_fp8_block_bf16_mt.argtypes = [p, i64, i64, p, p, i32, i32]
+    lib.kc_fp8_block_bf16_mt.restype = i32
+    set_pool_types(lib)
+    return lib
+
+
 def amax_bits(lib: ctypes.CDLL, ptr: int, n: int, fp32: bool, threads: int) -> int:
     """The bits of the fp32 amax of ``n`` bf16 (or fp32) values at ``ptr`` (NaN or Inf: a NaN or an Inf there)."""
     return (lib.kc_amax_f32_mt if fp32 else lib.kc_amax_bf16_mt)(ptr, n, threads)

@@ -9,31 +9,18 @@ on torch's version and vector width) the torch function runs instead.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from . import fp8_block, mxfp4_cast, outputs
-from .clib import open_library, set_pool_types
+from . import clib, fp8_block, mxfp4_cast, outputs
 
-#: Output bytes from which the codes are stored non-temporally (no read for ownership of lines that will not be
-#: read before they leave the cache; below, a weight's codes may still be in cache when the writer copies them).
-STREAM_MIN_BYTES = 8 << 20
+#: Output bytes from which the codes are stored non-temporally (``clib.STREAM_MIN_BYTES``; patched by the tests)
+STREAM_MIN_BYTES = clib.STREAM_MIN_BYTES
 
 
-@cache
 def load() -> ctypes.CDLL | None:
-    """The recipe kernels, argument types set (None: the caller runs the torch code)."""
-    lib = open_library("recipe_cpu", "fast CPU recipe kernels")
-    if lib is None:
-        return None
-    i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32, i32]
-    lib.kc_cast_mxfp4_mt.restype = i64
-    lib.kc_fp8_block_bf16_mt.argtypes = [p, i64, i64, p, p, i32, i32]
-    lib.kc_fp8_block_bf16_mt.restype = i32
-    set_pool_types(lib)
-    return lib
+    """The recipe kernels, argument types set (None: the caller runs the torch code): ``clib.load_recipe``."""
+    return clib.load_recipe()
 
 
 def cast(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, shared_k_max: int, own_k_max: int | None = None,
