@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kimi_convert.kernels import clib, scales
+from kimi_convert.kernels import RECIPE_KERNELS_ENV, clib, scales
 from kimi_convert.kernels.outputs import Arena
 
 from . import encodings, formats
+from .encodings.base import refused
 from .errors import ConvertError
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
 
 Chunk = memoryview | np.ndarray
 GROUP = 16  # NVFP4's block: K must be a multiple of it
-TILE = 128  # block FP8's tile (kernels.fp8_block.BLOCK)
-E8M0_BIAS, E8M0_NAN, E4M3_KMAX = 127, 0xFF, 8  # kernels.mxfp4_cast's
-RECIPE_KERNELS_ENV = "KIMI_CONVERT_RECIPE_KERNELS"  # kernels.RECIPE_KERNELS_ENV (torch: NVIDIA's recipe by torch)
 _ITEMSIZE = {"BF16": 2, "F32": 4}
 
 
@@ -184,12 +182,12 @@ class EarlyCompute:
             if not math.isfinite(float(np.array(bits, dtype=np.uint32).view(np.float32))):
                 raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
             weights.append((buf, src.shape))
-        if any(shape[0] % TILE for _, shape in weights[:-1]):
+        if any(shape[0] % scales.FP8_TILE for _, shape in weights[:-1]):
             weights = [(np.concatenate([b for b, _ in weights]), (sum(sh[0] for _, sh in weights), weights[0][1][1]))]
         qs, tile_scales, zero = [], [], 0
         for buf, (n, k) in weights:
             q = _carve(arena, n * k)
-            sc = _carve(arena, 4 * math.prod(_tiles(n, k))).view(np.float32)
+            sc = _carve(arena, 4 * math.prod(scales.fp8_scale_shape(n, k))).view(np.float32)
             if rlib.kc_fp8_block_bf16_mt(buf.ctypes.data, n, k, q.ctypes.data, sc.ctypes.data, self.threads,
                                          q.nbytes >= clib.STREAM_MIN_BYTES):
                 raise AssertionError(f"{it.name}: a tile with NaN or Inf past the amax check")
@@ -218,7 +216,7 @@ class EarlyCompute:
                 blocks += e8m0.size
                 packed.append(out)
                 block_scales.append(sb)
-            s2 = np.array([2.0 ** (shared - E4M3_KMAX)], dtype=np.float32)
+            s2 = np.array([2.0 ** (shared - scales.E4M3_KMAX)], dtype=np.float32)
             for name, parts in formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales, s2):
                 res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "mxfp4-cast", "k_max": shared,
@@ -261,23 +259,14 @@ class EarlyCompute:
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
 
 
-def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """The block-FP8 scale's shape (``kernels.fp8_block.scale_shape``)."""
-    return (-(-n // TILE), 1, -(-k // TILE), 1)
-
-
 def _k_max(s: SourceTensor, reader: TensorSource) -> int:
     """A weight's own ``k_max`` (``kernels.mxfp4_cast.k_max``); an E8M0 NaN byte refused in its words."""
     e8m0 = reader.raw(s.parts[1])
     top = int(e8m0.max()) if e8m0.size else 0
-    if top == E8M0_NAN:
-        hits = np.argwhere(e8m0.reshape(s.parts[1].shape) == E8M0_NAN)
-        row, block = (int(v) for v in hits[0])
-        more = f" (and {len(hits) - 1} more block(s))" if len(hits) > 1 else ""
-        raise ConvertError(f"{s.parts[1].file}: tensor {s.parts[1].name}: E8M0 scale byte 0xFF (NaN in the OCP MX "
-                           f"spec) at row {row}, block {block} (values {block * 32}-{block * 32 + 31}){more}; "
-                           "refusing to cast it to NVFP4")
-    return top - E8M0_BIAS if top else 0
+    if top == scales.E8M0_NAN:
+        hits = np.argwhere(e8m0.reshape(s.parts[1].shape) == scales.E8M0_NAN)
+        raise refused(s.parts[1], scales.mxfp4_nan_message(int(hits[0][0]), int(hits[0][1]), len(hits)))
+    return top - scales.E8M0_BIAS if top else 0
 
 
 def _carve(arena: Arena, nbytes: int) -> np.ndarray:

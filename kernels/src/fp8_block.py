@@ -19,12 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 128
+from .scales import FP8_TILE as BLOCK
+from .scales import fp8_scale_shape as scale_shape
+
+__all__ = ["BLOCK", "E4M3_MAX", "quantize", "scale_shape"]
 E4M3_MAX = 448.0
-
-
-def scale_shape(n: int, k: int) -> tuple[int, int, int, int]:
-    return (-(-n // BLOCK), 1, -(-k // BLOCK), 1)
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

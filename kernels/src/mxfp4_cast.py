@@ -29,14 +29,13 @@ import torch
 
 from .formats import DecodeError
 from .reference import code_values, e2m1_codes, pack
+from .scales import E4M3_KMAX, E8M0_BIAS, E8M0_NAN, MX_GROUP, mxfp4_nan_message
 
-E8M0_BIAS = 127
-E4M3_KMAX, E4M3_KMIN = 8, -9
+__all__ = ["E4M3_KMAX", "E8M0_BIAS", "E8M0_NAN", "MX_GROUP", "CastStats", "cast", "k_max", "nan_scale_message",
+           "per_block_amax"]
+
+E4M3_KMIN = -9
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-MX_GROUP = 32
-
-
-E8M0_NAN = 0xFF
 
 
 def k_max(scale: torch.Tensor) -> int:
@@ -58,9 +57,7 @@ def nan_scale_message(scale: torch.Tensor) -> str:
     hits = (scale == E8M0_NAN).reshape(-1, scale.shape[-1] if scale.dim() else 1).nonzero()
     n = int(hits.shape[0])
     row, block = (int(v) for v in hits[0])
-    more = f" (and {n - 1} more block(s))" if n > 1 else ""
-    return (f"E8M0 scale byte 0xFF (NaN in the OCP MX spec) at row {row}, block {block} "
-            f"(values {block * MX_GROUP}-{block * MX_GROUP + MX_GROUP - 1}){more}; refusing to cast it to NVFP4")
+    return mxfp4_nan_message(row, block, n)
 
 
 @dataclass(frozen=True)

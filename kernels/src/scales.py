@@ -1,6 +1,8 @@
-"""The NVFP4 global scales in plain fp32 / bf16 arithmetic, without torch: the values of
-``reference.global_scale`` (ModelOpt's ``weight_scale_2``) and ``ct_nvfp4.global_scale`` (compressed-tensors'
-``weight_global_scale``), for the units pack computes while torch loads (``pipeline.early``).
+"""Scale facts without torch, for the units pack computes while torch loads (``convert/compute_early.py``) and for
+the torch modules that state them too: the NVFP4 global scales in plain fp32 / bf16 arithmetic (the values of
+``reference.global_scale``, ModelOpt's ``weight_scale_2``, and ``ct_nvfp4.global_scale``, compressed-tensors'
+``weight_global_scale``), MXFP4's E8M0 bytes and their NaN's refusal (``mxfp4_cast``), block FP8's scale grid
+(``fp8_block``).
 
 Each is the torch expression's IEEE steps, rounding where torch rounds (tests/test_early.py holds them to the
 torch code over every positive bf16 value and random fp32 ones):
@@ -19,6 +21,22 @@ import numpy as np
 
 GLOBAL = 448.0 * 6.0
 TINY = float(np.finfo(np.float32).tiny)  # the smallest normal: bf16's too (the same exponent range)
+E8M0_BIAS, E8M0_NAN = 127, 0xFF  # an E8M0 byte is 2**(byte - 127); 0xFF is NaN (OCP MX spec)
+E4M3_KMAX = 8  # e4m3's largest power of two: NVIDIA's cast's weight_scale_2 is 2**(k_max - 8)
+MX_GROUP = 32  # the values an E8M0 byte scales
+FP8_TILE = 128  # block FP8's tile, both ways
+
+
+def fp8_scale_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The fp32 scales of an [n, k] block-FP8 weight, as stored: [N/128, 1, K/128, 1]."""
+    return (-(-n // FP8_TILE), 1, -(-k // FP8_TILE), 1)
+
+
+def mxfp4_nan_message(row: int, block: int, count: int) -> str:
+    """The refusal of an E8M0 NaN byte, the first of ``count`` at ``row``, 32-value ``block``."""
+    more = f" (and {count - 1} more block(s))" if count > 1 else ""
+    return (f"E8M0 scale byte 0xFF (NaN in the OCP MX spec) at row {row}, block {block} "
+            f"(values {block * MX_GROUP}-{block * MX_GROUP + MX_GROUP - 1}){more}; refusing to cast it to NVFP4")
 
 
 def bf16(x: float) -> float:
