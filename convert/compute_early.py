@@ -171,16 +171,22 @@ class EarlyCompute:
             raise
         return res, arena.buf
 
+    def _finite_amax(self, src: SourceTensor, name: str, buf: np.ndarray, dtype: str) -> float:
+        """fp32 amax of ``src``'s values in ``buf`` (BF16 or F32); a NaN or an Inf refused in compute's words."""
+        bits = clib.amax_bits(self.lib, buf.ctypes.data, buf.nbytes // _ITEMSIZE[dtype], dtype == "F32", self.threads)
+        a = float(np.array(bits, dtype=np.uint32).view(np.float32))
+        if not math.isfinite(a):
+            raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
+        return a
+
     def _fp8_block(self, it: Item, reader: TensorSource, arena: Arena, res: UnitResult) -> None:
         """128x128 block FP8 of BF16 weights, as ``compute._fp8_block``: member by member where every member but
         the last has whole tiles of rows, else the members stacked and quantized as one."""
-        lib, rlib = self.lib, clib.load_recipe()
+        rlib = clib.load_recipe()
         weights = []
         for src in it.sources:
             buf = reader.raw(src.parts[0])
-            bits = clib.amax_bits(lib, buf.ctypes.data, buf.nbytes // 2, False, self.threads)
-            if not math.isfinite(float(np.array(bits, dtype=np.uint32).view(np.float32))):
-                raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+            self._finite_amax(src, src.name, buf, "BF16")
             weights.append((buf, src.shape))
         if any(shape[0] % scales.FP8_TILE for _, shape in weights[:-1]):
             weights = [(np.concatenate([b for b, _ in weights]), (sum(sh[0] for _, sh in weights), weights[0][1][1]))]
@@ -194,8 +200,7 @@ class EarlyCompute:
             qs.append(q)
             tile_scales.append(sc)
             zero += int((sc == 0).sum())
-        for name, parts in formats.get(it.output_format).fp8_outputs(it, qs, tile_scales):
-            res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+        _store(res, formats.get(it.output_format).fp8_outputs(it, qs, tile_scales))
         res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
 
     def _cast(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
@@ -217,8 +222,7 @@ class EarlyCompute:
                 packed.append(out)
                 block_scales.append(sb)
             s2 = np.array([2.0 ** (shared - scales.E4M3_KMAX)], dtype=np.float32)
-            for name, parts in formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales, s2):
-                res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+            _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales, s2))
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "mxfp4-cast", "k_max": shared,
                                   "blocks": blocks, "lossless_blocks": lossless}
 
@@ -230,14 +234,7 @@ class EarlyCompute:
         values = {n: (reader.raw(s.parts[0]), s.dtype) if _dense(s) else
                   (decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32")
                   for n, s in srcs.items()}
-        amax = None
-        for name, s in srcs.items():
-            buf, dtype = values[name]
-            bits = clib.amax_bits(lib, buf.ctypes.data, buf.nbytes // _ITEMSIZE[dtype], dtype == "F32", threads)
-            a = float(np.array(bits, dtype=np.uint32).view(np.float32))
-            if not math.isfinite(a):
-                raise ConvertError(f"{s.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
-            amax = a if amax is None else max(amax, a)
+        amax = max(self._finite_amax(s, name, *values[name]) for name, s in srcs.items())
         ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
         s2 = scales.compressed_tensors(amax, next(iter(values.values()))[1]) if ct else scales.modelopt(amax)
         kernel = clib.ct_quant if ct else clib.quant
@@ -251,10 +248,8 @@ class EarlyCompute:
                 kernel(lib, buf.ctypes.data, m, k, dtype == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
                 packed.append(p)
                 block_scales.append(sc)
-            out = formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
-                                                              np.array([s2], dtype=np.float32))
-            for name, parts in out:
-                res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+            _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
+                                                                    np.array([s2], dtype=np.float32)))
             method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
 
@@ -267,6 +262,12 @@ def _k_max(s: SourceTensor, reader: TensorSource) -> int:
         hits = np.argwhere(e8m0.reshape(s.parts[1].shape) == scales.E8M0_NAN)
         raise refused(s.parts[1], scales.mxfp4_nan_message(int(hits[0][0]), int(hits[0][1]), len(hits)))
     return top - scales.E8M0_BIAS if top else 0
+
+
+def _store(res: UnitResult, outputs: list[tuple[str, list]]) -> None:
+    """A format's tensors (name, parts) into the result, each part as its flat bytes."""
+    for name, parts in outputs:
+        res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
 
 
 def _carve(arena: Arena, nbytes: int) -> np.ndarray:
