@@ -438,21 +438,21 @@ class TorchNeed:
 
     def __init__(self):
         self._decided = threading.Event()
-        self._needed = True
+        self._plan = None
 
     def decide(self, plan) -> None:
-        """``plan``: the pack's plan (None: planning failed; nothing is needed)."""
-        if plan is None:
-            self._needed = False
-        else:
-            from ..compute_early import takes
-
-            self._needed = not all(takes(u) for u in plan.units)
+        """``plan``: the pack's plan (None: planning failed; nothing is needed). The units are looked at by the
+        thread that waits, not by pack's (a released checkpoint's plan has tens of thousands)."""
+        self._plan = plan
         self._decided.set()
 
     def wait(self) -> bool:
         self._decided.wait()
-        return self._needed
+        if self._plan is None:
+            return False
+        from ..compute_early import takes
+
+        return not all(takes(u) for u in self._plan.units)
 
 
 def warm_up(device: Device, threads: int, need: TorchNeed | None = None) -> None:
