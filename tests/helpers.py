@@ -185,6 +185,11 @@ def weight_map(folder: Path) -> dict[str, str]:
     return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
 
 
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes): two outputs compared whole, manifest included."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, by name (small test checkpoints only)."""
     from safetensors import safe_open

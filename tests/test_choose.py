@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from helpers import run
+from helpers import run, tree
 from kimi_convert.pack import load_plan
 from kimi_convert.pipeline import choose
 from kimi_convert.pipeline.choose import Chooser
@@ -194,10 +194,6 @@ def test_pool_page_locks_its_own_buffers_and_unlocks_each_before_letting_it_go()
     assert b.ctypes.data not in locked and d.ctypes.data in locked
     pool.unpin_all()
     assert locked == {}
-
-
-def tree(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

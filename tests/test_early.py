@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import rewrite_tensors
+from helpers import rewrite_tensors, tree
 from kimi_convert import compute_early
 from kimi_convert.compute import compute_unit
 from kimi_convert.errors import ConvertError
@@ -226,10 +226,6 @@ def _pack(how: str, src, out, recipe: str) -> dict:
     return json.loads(r.stdout.splitlines()[-1])
 
 
-def _files(folder) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 @pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
 def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe):
     """``--device cpu`` on a dense checkpoint: every unit without torch, torch never imported, and every file of
@@ -240,7 +236,7 @@ def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe)
     computed = [u for u in plan.units if not is_pass_through(u)]  # (the others are copied, never computed)
     assert early == {"torch": False, "early_units": len(computed)}
     assert torch_code == {"torch": True, "early_units": 0}
-    assert _files(tmp_path / "early") == _files(tmp_path / "torch")
+    assert tree(tmp_path / "early") == tree(tmp_path / "torch")
 
 
 @pytest.mark.parametrize(("preset", "recipe", "needs_torch"), [("tiny-k3", "", False), ("tiny-deepseek-fp8", "", False),
@@ -253,4 +249,4 @@ def test_pack_takes_what_it_can_and_torch_the_rest(preset, recipe, needs_torch, 
     torch_code = _pack("torch", src, tmp_path / "torch", recipe)
     assert early["torch"] is needs_torch and torch_code["early_units"] == 0
     assert needs_torch or early["early_units"] > 0
-    assert _files(tmp_path / "early") == _files(tmp_path / "torch")
+    assert tree(tmp_path / "early") == tree(tmp_path / "torch")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child, cli_command, copy_ckpt, one_line_error, run, run_process
+from helpers import child, cli_command, copy_ckpt, one_line_error, run, run_process, tree
 from kimi_convert import pipeline
 from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher
 from kimi_convert.pack import load_plan, pack
@@ -26,10 +26,6 @@ from kimi_convert.readers import BufferPool
 # Many small shards: SGLang's fused layout with its own shard size (the source layout keeps the input's files).
 SGLANG = {"layout": "sglang", "recipe": "nvfp4-w4a16"}
 SGLANG_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16"]
-
-
-def tree(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

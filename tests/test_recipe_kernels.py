@@ -5,13 +5,13 @@ on CPU tensors in CI, compiled on the GPU); the backends pick them; a whole nvid
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import tree
 from kimi_convert.kernels import RECIPE_KERNELS_ENV, fp8_block, get_backend, mxfp4_cast, recipe_cpu
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
@@ -314,10 +314,6 @@ def test_backend_methods_give_the_torch_bytes():
         assert all(torch.equal(as_u8(x), as_u8(y)) for x, y in zip(got_f, want_f, strict=True)), b.name
 
 
-def files(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def test_nvidia_k3_pack_unchanged_by_the_kernels(tiny_k3, tmp_path, monkeypatch):
     """pack --recipe nvidia-k3 of tiny-k3: the torch code (the output before the kernels), the C kernels and the
     Triton kernels write the same files, byte for byte (manifest included)."""
@@ -326,10 +322,10 @@ def test_nvidia_k3_pack_unchanged_by_the_kernels(tiny_k3, tmp_path, monkeypatch)
     with monkeypatch.context() as m:
         m.setenv(RECIPE_KERNELS_ENV, "torch")
         pack(tiny_k3, tmp_path / "torch", opts, device="cpu", progress=False)
-        outs["torch"] = files(tmp_path / "torch")
+        outs["torch"] = tree(tmp_path / "torch")
     for device in ("cpu", "triton"):
         pack(tiny_k3, tmp_path / device, opts, device=device, progress=False)
-        outs[device] = files(tmp_path / device)
+        outs[device] = tree(tmp_path / device)
     assert outs["torch"].keys() == outs["cpu"].keys() == outs["triton"].keys()
     assert any(name.endswith(".safetensors") for name in outs["torch"])
     for name in outs["torch"]:
