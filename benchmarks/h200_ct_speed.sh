@@ -4,7 +4,7 @@
 # this input the peer runs on), in one call: where ours spends its time (benchmarks/ct_profile.py: the machine's
 # sha256 and cold-read rates, pack variants with their --stats), ours with --device auto and cpu against the
 # peer with max_workers 1 (benchmarks/ct_speed.py); then the same bytes on every device (a 2.5 GB input:
-# cuda, auto, cpu, `diff -r` against the CPU's).
+# cuda, auto, cpu, `diff -r` against the CPU's; then bench-deepseek-v3 and bench-k3 the same way, timed).
 # Needs, beside this tree: .peer-wheels/ (llm-compressor 0.14.0.1 and what it imports that the machine may
 # lack, downloaded for Python 3.12 with `pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 ...`: the wheels the machine already has are skipped). Logs go to $OUT.
@@ -52,3 +52,18 @@ for dev in cuda auto cpu; do
   python3 -m kimi_convert.cli pack "$W/q2" "$W/o" -q --overwrite --recipe ct-nvfp4-a16 --device $dev
   if diff -r "$W/ref" "$W/o" > /dev/null; then echo "$dev: every file identical"; else echo "$dev: DIFFERENT"; fi
 done 2>&1 | tee "$OUT/same-bytes.log"
+# the other sources the C kernels take without torch (DeepSeek's FP8 blocks; K3's MXFP4 and BF16, under NVIDIA's
+# recipe) on the GPU and with auto (the probe: which kinds the GPU won, in each --stats): each the CPU's files
+for preset in bench-deepseek-v3 bench-k3; do
+  python3 -m kimi_convert.cli synth $preset "$W/$preset" --overwrite > /dev/null
+  for dev in cpu cuda auto; do
+    rm -rf "$W/o-$dev"
+    /usr/bin/time -f "$preset $dev: %e s, %M KB" python3 -m kimi_convert.cli pack "$W/$preset" "$W/o-$dev" -q \
+      --device $dev --stats "$OUT/$preset-$dev.json"
+  done
+  for dev in cuda auto; do
+    if diff -r "$W/o-cpu" "$W/o-$dev" > /dev/null; then echo "$preset $dev: every file identical"
+    else echo "$preset $dev: DIFFERENT"; fi
+  done
+  rm -rf "$W/$preset" "$W"/o-*
+done 2>&1 | tee -a "$OUT/same-bytes.log"

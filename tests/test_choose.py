@@ -206,24 +206,38 @@ def auto_without_gpu(monkeypatch):
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
     monkeypatch.setattr(devices, "gpus_at_most", lambda: 1)
     monkeypatch.setattr(devices, "torch_has_cuda", lambda: True)
-    monkeypatch.setattr(runner, "candidates", lambda device, threads: {
-        "cpu": get_backend("cpu", threads), "reference": get_backend("reference", threads)})
+    from kimi_convert.pipeline import probe
+
+    monkeypatch.setattr(runner, "candidates", lambda device, threads: {"cuda": get_backend("reference", threads)}
+                        if device.kind == "cuda" else {  # (with a probe: the GPU's runner, for the kinds it won)
+                            "cpu": get_backend("cpu", threads), "reference": get_backend("reference", threads)})
     # the streams wait for the calibration thread: a tiny input has too few units to decide otherwise
     monkeypatch.setattr(runner, "CALIBRATION_WAITS", True)
+    # where the C kernels take every unit, the "GPU" is the torch code in the probe process (pipeline.probe)
+    monkeypatch.setattr(probe, "child_device", lambda gpu: "reference")
+    monkeypatch.setattr(probe, "WAITS", True)
 
 
-def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_path, auto_without_gpu):
+@pytest.mark.parametrize("where", ["probe", "in-process"])
+def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_path, auto_without_gpu, where,
+                                                               monkeypatch):
+    """Both ways of measuring: a K3 under its default recipe is all C kernels, the GPU measured in a probe process;
+    with the recipe's torch code (KIMI_CONVERT_RECIPE_KERNELS=torch) the GPU is measured in this process."""
     ref, out, stats = tmp_path / "ref", tmp_path / "auto", tmp_path / "stats.json"
+    other = "cuda" if where == "probe" else "reference"
+    if where == "in-process":
+        monkeypatch.setenv("KIMI_CONVERT_RECIPE_KERNELS", "torch")
     assert run("pack", tiny_k3, ref, "--device", "cpu", "-q").code == 0
     r = run("pack", tiny_k3, out, "--device", "auto", "-q", "--streams", "2", "--stats", stats)
     assert r.code == 0, r.stderr
     assert tree(out) == tree(ref)
     s = json.loads(stats.read_text())
     assert s["device"] == "auto" and s["device_choices"]
+    assert bool(s["calibration"][0].get("probe")) == (where == "probe") and not s["calibration"][0].get("broken")
     kinds = [c["kind"] for c in s["device_choices"]]
     assert any(k.startswith("mxfp4-cast@") for k in kinds)
     for c in s["device_choices"]:
-        assert c["chosen"] in ("cpu", "reference") and set(c["s_per_gb"]) == {"cpu", "reference"}
+        assert c["chosen"] in ("cpu", other) and set(c["s_per_gb"]) == {"cpu", other}
         assert c["samples"] >= choose.SAMPLES
     line = next(x for x in r.stdout.splitlines() if x.startswith("device auto"))
     assert all(k in line for k in kinds)
@@ -347,3 +361,126 @@ def test_the_gpu_must_win_by_the_margin():
     far = {"cpu": [(1.0, 1000)], "cuda": [(0.1, 1000)]}
     assert choose("nvfp4", far, GPU_MARGIN).chosen == "cuda"
     assert choose("nvfp4", far, GPU_MARGIN).s_per_gb == {"cpu": 1e6, "cuda": 1e5}  # the rates as measured
+
+
+def _auto_stats(src, out, stats) -> dict:
+    r = run("pack", src, out, "--device", "auto", "-q", "--stats", stats)
+    assert r.code == 0, r.stderr
+    return json.loads(stats.read_text())
+
+
+def test_auto_with_a_probe_uses_the_gpu_for_the_kinds_it_won(tiny_k3, tmp_path, auto_without_gpu, monkeypatch):
+    """A kind decided for the GPU by the probe is computed from then on by a runner of this process with the GPU
+    alone (here the torch code): the same bytes as --device cpu, some units no longer the C kernels'."""
+    from kimi_convert.pipeline import probe
+
+    monkeypatch.setattr(probe, "GPU_MARGIN", 1e-9)  # the "GPU" wins whatever it measures
+    assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q", "--stats", tmp_path / "c.json").code == 0
+    s = _auto_stats(tiny_k3, tmp_path / "out", tmp_path / "s.json")
+    assert tree(tmp_path / "out") == tree(tmp_path / "ref")
+    assert s["device"] == "auto" and s["device_choices"] and {c["chosen"] for c in s["device_choices"]} == {"cuda"}
+    on_cpus = json.loads((tmp_path / "c.json").read_text())["early_units"]
+    assert 0 < s["early_units"] < on_cpus  # the runner took the rest of the kinds the GPU won
+
+
+PACK_AUTO = """
+import json, sys
+from kimi_convert import devices
+from kimi_convert.pack import pack
+from kimi_convert.pipeline import probe
+from kimi_convert.plan import Options
+devices.gpu_count = devices.gpus_at_most = lambda *a: 1
+devices.torch_has_cuda = lambda: True
+probe.child_device = lambda gpu: "reference"
+probe.WAITS, probe.GPU_MARGIN = True, 1e9  # every kind measured, and the CPUs' by far
+r = pack(sys.argv[1], sys.argv[2], Options(), device="auto", progress=False)
+print(json.dumps({"torch": "torch" in sys.modules, "choices": [c["chosen"] for c in r.stats.device_choices]}))
+"""
+
+
+def test_auto_with_a_probe_never_imports_torch_where_the_cpus_win(tiny_k3, tmp_path):
+    """auto on a K3 (every unit the C kernels'): the GPU measured in the probe, this process never imports torch."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", PACK_AUTO, str(tiny_k3), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["torch"] is False and got["choices"] and set(got["choices"]) == {"cpu"}
+
+
+def test_auto_with_a_probe_that_cannot_start_computes_everything_on_the_cpus(tiny_k3, tmp_path, auto_without_gpu,
+                                                                            monkeypatch):
+    """A probe whose GPU is not there: the run goes on with the CPUs, says why in --stats, same bytes."""
+    from kimi_convert.pipeline import probe
+
+    monkeypatch.setattr(probe, "child_device", lambda gpu: "cuda:7")
+    assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q").code == 0
+    s = _auto_stats(tiny_k3, tmp_path / "out", tmp_path / "s.json")
+    assert tree(tmp_path / "out") == tree(tmp_path / "ref")
+    assert s["device_choices"] == [] and "could not start cuda:7" in s["calibration"][0]["broken"]
+
+
+def test_auto_with_a_probe_fails_the_run_on_different_bytes(tiny_k3, tmp_path, auto_without_gpu, monkeypatch):
+    """The probe's outputs are checked against the CPUs' (their sha256): a mismatch is a kernel bug, loudly."""
+    from kimi_convert.pipeline import probe
+
+    monkeypatch.setattr(probe, "output_digests", lambda res: {k: "0" * 64 for k in res.outputs})
+    with pytest.raises(RuntimeError, match="--device auto: cpu and cuda computed different bytes for "):
+        run("pack", tiny_k3, tmp_path / "out", "--device", "auto", "-q")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny_k3):
+    """The probe process answers a unit's seconds, sha256 and notes; once it has ended, a unit given to it raises
+    CandidateLost (the calibration stops, the run goes on); a unit it cannot compute is a RuntimeError."""
+    import pickle
+
+    from kimi_convert.pipeline.choose import CandidateLost
+    from kimi_convert.pipeline.probe import Probe, output_digests
+    from kimi_convert.plan import fp8_block_size
+    from kimi_convert.readers import Loaded, PreadReader
+
+    ckpt, plan = load_plan(tiny_k3, Options())
+    block = fp8_block_size(ckpt.config)
+    unit = next(u for u in plan.units if choose.work_kind(u) is not None)
+    reader = PreadReader(tiny_k3)
+    buffers = {p.name: reader.read(p) for p in unit.parts}
+    reader.close()
+    from kimi_convert.compute import compute_unit
+    from kimi_convert.kernels import get_backend
+
+    want = compute_unit(unit, Loaded(buffers), get_backend("cpu"), block)
+    p = Probe("reference", 1)
+    try:
+        p.ready()
+        a = p.compute(pickle.dumps((unit, block, buffers)))
+        assert a.digests == output_digests(want) and a.notes == want.notes and a.seconds > 0
+        broken = {k: v[: max(0, v.size - 2)] for k, v in buffers.items()}  # too short for their tensors
+        with pytest.raises(RuntimeError, match="--device auto: reference failed on a unit: "):
+            p.compute(pickle.dumps((unit, block, broken)))
+        p._proc.kill()
+        p._proc.wait()
+        with pytest.raises(CandidateLost, match=r"the probe on reference ended \(exit -9\)"):
+            p.compute(pickle.dumps((unit, block, buffers)))
+    finally:
+        p.close()
+
+
+def test_calibrator_stops_calibrating_on_a_lost_candidate():
+    """CandidateLost from a unit's work: the job's copies go, later offers are declined, nothing is raised."""
+    from kimi_convert.pipeline.choose import Calibrator, CandidateLost
+
+    chooser = Chooser({"cpu": "cpu", "cuda": "cuda"})
+    cal = Calibrator(chooser, wait=True)
+    released = []
+
+    def lost(_):
+        raise CandidateLost("gone")
+
+    assert cal.take("k")
+    cal.give("k", 10, lost, lambda r: True, release=lambda: released.append(1))
+    assert released == [1] and cal.broken == "CandidateLost: gone" and not cal.take("k")
+    cal.close()
+    cal.check()

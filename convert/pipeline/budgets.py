@@ -18,9 +18,13 @@ from ..readers import BufferPool
 from .slicing import Piece, PieceKind
 
 if TYPE_CHECKING:
-    from ..compute_early import EarlyCompute
+    import numpy as np
+
+    from ..compute_early import EarlyCompute, UnitResult
     from ..devices import Device
     from ..plan import Unit
+    from ..readers import Loaded
+    from .probe import GpuProbe
     from .runner import Runner
 
 #: The in-flight budget of a worker: at least this (IN_FLIGHT_PER_CPU a CPU of its share below 4 CPUs),
@@ -105,6 +109,9 @@ class Shared:
         self.backend_s = 0.0
         #: The C kernels without torch (``compute_early``): --device cpu and auto (set by ``run_jobs``)
         self.early: EarlyCompute | None = None
+        #: auto where the C kernels take every unit: the GPU measured in a probe process (``probe``); the runner is
+        #: then made only where the GPU wins a kind of work, with the GPU alone
+        self.probe: GpuProbe | None = None
         #: Called before a stream opens a shard (``wait``: the stream has none open, so waiting cannot hold
         #: up a shard it must finish): ``pack --upload --no-keep-output`` waits there while the Hub is behind.
         self.admit: Callable[[bool, threading.Event], None] | None = None
@@ -117,6 +124,10 @@ class Shared:
                 t = time.perf_counter()
                 from . import runner
 
+                if self.probe is not None:  # the kinds the GPU won; the CPUs' are compute_early's
+                    from ..devices import Device as Dev
+
+                    device = Dev("cuda", self.probe.gpu.index)
                 try:
                     backends = runner.candidates(device, self.threads)
                 except ValueError as e:  # e.g. a CPU-only torch asked for cuda
@@ -129,14 +140,18 @@ class Shared:
         """The runner, if a stream made it (one that only copies never does)."""
         return self._runner
 
-    def make_runner_soon(self, device: Device, block: tuple[int, int]) -> None:
+    def make_runner_soon(self, device: Device, block: tuple[int, int], wait: bool = False) -> None:
         """``auto``: the runner made on a thread of its own, while the streams compute their first units without
-        torch (``early_takes``); a failure there is the first stream's own again, when it makes the runner."""
+        torch (``early_takes``); a failure there is the first stream's own again, when it makes the runner (with a
+        probe: the CPUs go on computing every unit). ``wait``: made on this thread (the tests' tiny inputs)."""
         def make() -> None:
             with contextlib.suppress(Exception):
                 self.runner(device, block)
 
-        threading.Thread(target=make, daemon=True, name="kimi-convert-runner").start()
+        if wait:
+            make()
+        else:
+            threading.Thread(target=make, daemon=True, name="kimi-convert-runner").start()
 
     def early_takes(self, unit: Unit, device: Device) -> bool:
         """Whether a stream computes ``unit`` without torch (``compute_early``): with --device cpu whatever that
@@ -146,9 +161,17 @@ class Shared:
             return False
         if device.kind == "cpu":
             return True
+        if self.probe is not None:  # all but the kinds the GPU won, once their runner is made
+            return self._runner is None or not self.probe.on_gpu(unit)
         from . import runner
 
         return self._runner is None and not runner.CALIBRATION_WAITS
+
+    def early_compute(self, unit: Unit, loaded: Loaded) -> tuple[UnitResult, np.ndarray | None]:
+        """``unit`` computed by the C kernels (``early_takes``); with a probe, timed and offered to it."""
+        if self.probe is not None:
+            return self.probe.compute(unit, loaded, self.early, self.buffers)
+        return self.early.compute(unit, loaded, self.buffers)
 
     def close(self, wait: bool = True) -> None:
         self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)

@@ -42,6 +42,11 @@ R = TypeVar("R")
 B = TypeVar("B")
 
 
+class CandidateLost(RuntimeError):
+    """A candidate other than the first is gone (it could not start, or its process ended): every kind of work
+    stays on the first, and the run goes on (unlike different bytes, or a kernel's error, which fail it)."""
+
+
 def work_kind(unit: Unit) -> str | None:
     """What computing ``unit`` takes, as a key for the calibration: its operations (``mxfp4-cast``,
     ``nvfp4``, ``nvfp4-from-mxfp4``, ``fp8-block``, ``decode``...) and its input size class (a factor of 4:
@@ -158,6 +163,7 @@ class _Job:
     same: Callable  # result -> bool: the first candidate's bytes
     discard: Callable  # result -> None
     release: Callable  # () -> None: the job's copies may go (computed or not)
+    timed: Callable  # result -> its seconds as the candidate measured them (None: the seconds this thread waited)
     done: threading.Event = field(default_factory=threading.Event)
 
     def drop(self) -> None:
@@ -214,11 +220,13 @@ class Calibrator(Generic[B, R]):
             return True
 
     def give(self, kind: str, nbytes: int, work: Callable[[B], R], same: Callable[[R], bool],
-             discard: Callable[[R], None] = lambda r: None, release: Callable[[], None] = lambda: None) -> None:
+             discard: Callable[[R], None] = lambda r: None, release: Callable[[], None] = lambda: None,
+             timed: Callable[[R], float | None] = lambda r: None) -> None:
         """The unit reserved by :meth:`take`: ``work(backend)`` computes it (on copies the thread keeps until it
         calls ``release()``), ``same(result)`` tells whether it holds the first candidate's bytes,
-        ``discard(result)`` frees a result."""
-        job = _Job(kind, nbytes, work, same, discard, release)
+        ``discard(result)`` frees a result, ``timed(result)`` is its seconds where the candidate timed it itself
+        (a probe process: the pipe's copies are not its cost)."""
+        job = _Job(kind, nbytes, work, same, discard, release, timed)
         with self._cond:
             if self._closed or self.broken:
                 job.drop()
@@ -257,13 +265,7 @@ class Calibrator(Generic[B, R]):
         try:
             self._start()
         except Exception as e:  # no GPU after all: the CPUs compute everything
-            with self._cond:
-                self.broken = f"{type(e).__name__}: {e}"
-                job, self._job = self._job, None
-                self._busy = False
-                self._cond.notify_all()
-            if job is not None:
-                job.drop()
+            self._break(e)
             return
         finally:
             self.stats["start_s"] = round(self.clock() - t, 3)
@@ -274,8 +276,11 @@ class Calibrator(Generic[B, R]):
                 job, self._job = self._job, None
             if job is None:
                 return
+            lost = None
             try:
                 self._calibrate(job)
+            except CandidateLost as e:
+                lost = e
             except BaseException as e:
                 self.failed = self.failed or e
             finally:
@@ -283,6 +288,19 @@ class Calibrator(Generic[B, R]):
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+            if lost is not None:
+                self._break(lost)
+                return
+
+    def _break(self, e: Exception) -> None:
+        """The other candidates cannot be used (``e``): a job waiting is dropped, every later offer declined."""
+        with self._cond:
+            self.broken = f"{type(e).__name__}: {e}"
+            job, self._job = self._job, None
+            self._busy = False
+            self._cond.notify_all()
+        if job is not None:
+            job.drop()
 
     def _calibrate(self, job: _Job) -> None:
         """Compute ``job`` on each other candidate, timed; record the time once its bytes are checked."""
@@ -290,6 +308,8 @@ class Calibrator(Generic[B, R]):
             t = self.clock()
             res = job.work(self.chooser.candidates[name])
             seconds = self.clock() - t
+            if (own := job.timed(res)) is not None:
+                seconds = own
             self.stats["busy_s"] += seconds
             self.stats["units"] += 1
             try:

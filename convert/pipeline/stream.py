@@ -216,7 +216,7 @@ class Stream:
             return {name: list(loaded.buffers.values())}, {}, _nothing
         t = time.perf_counter()
         if self.shared.early_takes(pc.unit, self.device):
-            res, buf = self.shared.early.compute(pc.unit, loaded, self.shared.buffers)
+            res, buf = self.shared.early_compute(pc.unit, loaded)
             self._clock("compute: C kernels without torch", t)
             self.early_units += 1
             pool = self.shared.buffers
@@ -394,7 +394,13 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
 
         block = jobs[0].block if jobs else (128, 128)  # (one checkpoint: every job's tile is the same)
         shared.early = EarlyCompute(threads, block)
-        if device.kind == "auto":
+        if device.kind == "auto" and all(shared.early.takes(u) for j in jobs for u in j.units):
+            from . import probe as probe_mod
+            from .probe import GpuProbe  # the GPU measured in a process of its own
+
+            shared.probe = GpuProbe(device, threads, block, (u for j in jobs for u in j.units),
+                                    on_gpu=lambda: shared.make_runner_soon(device, block, wait=probe_mod.WAITS))
+        elif device.kind == "auto":
             shared.make_runner_soon(device, block)
     lock = threading.Lock()
 
@@ -416,18 +422,23 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     finally:
         pool.shutdown(wait=True)
         try:
-            if (made := shared.runner_made()) is not None:
-                made.close(check=ok)  # auto's calibration thread; raises what it found (different bytes)
+            if shared.probe is not None:
+                shared.probe.close(check=ok)  # the probe process; raises what it found (different bytes)
         finally:
-            shared.close(wait=not stop.is_set())
+            try:
+                if (made := shared.runner_made()) is not None:
+                    made.close(check=ok)  # auto's calibration thread; raises what it found (different bytes)
+            finally:
+                shared.close(wait=not stop.is_set())
     runner = shared.runner_made()
+    measured = shared.probe or runner  # what chose the devices (auto), if anything did
     for r in results:
         r.backend_s = shared.backend_s
         r.in_flight_peak, r.in_flight_limit = shared.in_flight.peak, shared.in_flight.limit
-        r.device = runner.name if runner else str(device)
-        r.choices = [dataclasses.asdict(c) for c in runner.choices()] if runner else []
+        r.device = "auto" if shared.probe else runner.name if runner else str(device)
+        r.choices = [dataclasses.asdict(c) for c in measured.choices()] if measured else []
         r.pinned_bytes, r.pin_s = shared.buffers.pinned_bytes, round(shared.buffers.pin_s, 3)
-        r.calibration = runner.calibration() if runner else {}
+        r.calibration = shared.probe.stats() if shared.probe else runner.calibration() if runner else {}
     return results
 
 
@@ -457,12 +468,12 @@ class TorchNeed:
 
 def warm_up(device: Device, threads: int, need: TorchNeed | None = None) -> None:
     """Import torch and the kernels (and start CUDA) ahead of need, on a thread: this takes one to
-    several seconds, which then overlap planning and the first reads. ``--device cpu``: the C library first, then
-    torch only where ``need`` says a unit needs it. A failure here is ignored: the backend is made again where it
-    is needed, and fails there with its own message."""
+    several seconds, which then overlap planning and the first reads. ``--device cpu`` and ``auto``: the C library
+    first, then torch only where ``need`` says a unit needs it. A failure here is ignored: the backend is made again
+    where it is needed, and fails there with its own message."""
     try:
-        if device.kind == "cpu":
-            from kimi_convert.kernels import clib
+        if device.kind in ("cpu", "auto"):  # (auto without a unit that needs torch: the GPU is measured in a probe
+            from kimi_convert.kernels import clib  # process, pipeline.probe; this one imports torch if it wins)
 
             clib.load()
             if need is not None and not need.wait():
