@@ -426,7 +426,7 @@ def test_auto_with_a_probe_fails_the_run_on_different_bytes(tiny_k3, tmp_path, a
     """The probe's outputs are checked against the CPUs' (their sha256): a mismatch is a kernel bug, loudly."""
     from kimi_convert.pipeline import probe
 
-    monkeypatch.setattr(probe, "output_digests", lambda res: {k: "0" * 64 for k in res.outputs})
+    monkeypatch.setattr(probe, "output_digests", lambda outputs: {k: "0" * 64 for k in outputs})
     with pytest.raises(RuntimeError, match="--device auto: cpu and cuda computed different bytes for "):
         run("pack", tiny_k3, tmp_path / "out", "--device", "auto", "-q")
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -438,7 +438,7 @@ def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny
     import pickle
 
     from kimi_convert.pipeline.choose import CandidateLost
-    from kimi_convert.pipeline.probe import Probe, output_digests
+    from kimi_convert.pipeline.probe import Probe, chunks_of, output_digests
     from kimi_convert.plan import fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
 
@@ -456,7 +456,7 @@ def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny
     try:
         p.ready()
         a = p.compute(pickle.dumps((unit, block, buffers)))
-        assert a.digests == output_digests(want) and a.notes == want.notes and a.seconds > 0
+        assert a.digests == output_digests(chunks_of(want)) and a.notes == want.notes and a.seconds > 0
         broken = {k: v[: max(0, v.size - 2)] for k, v in buffers.items()}  # too short for their tensors
         with pytest.raises(RuntimeError, match="--device auto: reference failed on a unit: "):
             p.compute(pickle.dumps((unit, block, broken)))

@@ -65,15 +65,25 @@ def decisive_kinds(units: Iterable[Unit]) -> set[str]:
     return {k for k, n in counts.items() if n > SAMPLES}
 
 
-def output_digests(res: UnitResult) -> dict[str, str]:
-    """Each output tensor's sha256 (its chunks back to back): what the probe answers, to be the CPUs'."""
+def _flat(c) -> np.ndarray:
     import numpy as np
 
+    return np.asarray(c).reshape(-1).view(np.uint8)
+
+
+def chunks_of(res: UnitResult) -> dict[str, list]:
+    """A unit's outputs: each tensor's chunks, by name."""
+    return {k: o.chunks for k, o in res.outputs.items()}
+
+
+def output_digests(outputs: dict[str, list]) -> dict[str, str]:
+    """Each output tensor's sha256 (its chunks back to back, ``chunks_of``): what the probe answers, to be the
+    CPUs'."""
     out = {}
-    for name, o in res.outputs.items():
+    for name, chunks in outputs.items():
         h = hashlib.sha256()
-        for c in o.chunks:
-            h.update(np.asarray(c).reshape(-1).view(np.uint8))
+        for c in chunks:
+            h.update(c if isinstance(c, bytes) else _flat(c))
         out[name] = h.hexdigest()
     return out
 
@@ -190,12 +200,16 @@ class GpuProbe:
         to the pool as soon as its writer is done with them. A failure here gives the reservation back."""
         try:
             request = pickle.dumps((unit, self.block, dict(loaded.buffers)), protocol=pickle.HIGHEST_PROTOCOL)
-            expected, notes = output_digests(res), res.notes
+            # the outputs copied (their sha256 taken on the calibration thread: a copy is several times faster
+            # than a hash, and this is the stream's time)
+            outputs = {k: [_flat(c).tobytes() for c in cs] for k, cs in chunks_of(res).items()}
+            notes = res.notes
         except BaseException:
             self.calibrator.cancel()
             raise
         self.calibrator.give(kind, unit.nbytes_in, lambda name: self.process.compute(request),
-                             lambda a: a.digests == expected and a.notes == notes, timed=lambda a: a.seconds)
+                             lambda a: a.digests == output_digests(outputs) and a.notes == notes,
+                             timed=lambda a: a.seconds)
 
     def _decided(self, choice) -> None:
         if choice.chosen == "cuda" and not self._gpu_called.is_set():
@@ -264,7 +278,7 @@ def _serve(device: str, threads: int, inp, out) -> int:
             t = time.perf_counter()
             done = runner.compute(unit, Loaded(buffers))
             seconds = time.perf_counter() - t
-            msg = {"seconds": seconds, "digests": output_digests(done[0]), "notes": done[0].notes}
+            msg = {"seconds": seconds, "digests": output_digests(chunks_of(done[0])), "notes": done[0].notes}
             runner.release(done)
         except Exception as e:  # reported to the pack, which fails the run with it
             msg = {"error": f"{type(e).__name__}: {e}"}
