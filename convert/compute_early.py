@@ -264,10 +264,15 @@ def _k_max(s: SourceTensor, reader: TensorSource) -> int:
     return top - scales.E8M0_BIAS if top else 0
 
 
+def flat_bytes(a) -> np.ndarray:
+    """A contiguous array's bytes as a flat uint8 view (no copy)."""
+    return np.asarray(a).reshape(-1).view(np.uint8)
+
+
 def _store(res: UnitResult, outputs: list[tuple[str, list]]) -> None:
     """A format's tensors (name, parts) into the result, each part as its flat bytes."""
     for name, parts in outputs:
-        res.outputs[name] = Output([np.asarray(a).reshape(-1).view(np.uint8) for a in parts])
+        res.outputs[name] = Output([flat_bytes(a) for a in parts])
 
 
 def _carve(arena: Arena, nbytes: int) -> np.ndarray:

@@ -452,18 +452,18 @@ def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny
     from kimi_convert.kernels import get_backend
 
     want = compute_unit(unit, Loaded(buffers), get_backend("cpu"), block)
-    p = Probe("reference", 1)
+    p = Probe("reference", 1, block)
     try:
         p.ready()
-        a = p.compute(pickle.dumps((unit, block, buffers)))
+        a = p.compute(pickle.dumps((unit, buffers)))
         assert a.digests == output_digests(chunks_of(want)) and a.notes == want.notes and a.seconds > 0
         broken = {k: v[: max(0, v.size - 2)] for k, v in buffers.items()}  # too short for their tensors
         with pytest.raises(RuntimeError, match="--device auto: reference failed on a unit: "):
-            p.compute(pickle.dumps((unit, block, broken)))
+            p.compute(pickle.dumps((unit, broken)))
         p._proc.kill()
         p._proc.wait()
         with pytest.raises(CandidateLost, match=r"the probe on reference ended \(exit -9\)"):
-            p.compute(pickle.dumps((unit, block, buffers)))
+            p.compute(pickle.dumps((unit, buffers)))
     finally:
         p.close()
 

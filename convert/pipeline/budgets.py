@@ -112,6 +112,7 @@ class Shared:
         #: auto where the C kernels take every unit: the GPU measured in a probe process (``probe``); the runner is
         #: then made only where the GPU wins a kind of work, with the GPU alone
         self.probe: GpuProbe | None = None
+        self._measured = False  # stop_measuring has been called: no probe is started after it
         #: Called before a stream opens a shard (``wait``: the stream has none open, so waiting cannot hold
         #: up a shard it must finish): ``pack --upload --no-keep-output`` waits there while the Hub is behind.
         self.admit: Callable[[bool, threading.Event], None] | None = None
@@ -152,6 +153,36 @@ class Shared:
             make()
         else:
             threading.Thread(target=make, daemon=True, name="kimi-convert-runner").start()
+
+    def measure_soon(self, device: Device, block: tuple[int, int], jobs: list) -> None:
+        """``auto``: how the GPU is measured, decided on a thread of its own (a released checkpoint's plan has 100,000+
+        units: half a second to look at, off the streams' start; until then they compute what ``compute_early``
+        takes, as with the runner not yet made): in a probe process where ``compute_early`` takes every unit
+        (``probe``), else by the runner in this process, made now. ``probe.WAITS`` (the tests): decided here."""
+        from . import probe as probe_mod
+        from .choose import decisive_kinds
+
+        def decide() -> None:
+            units = [u for j in jobs for u in j.units]
+            if not all(self.early.takes(u) for u in units):
+                self.make_runner_soon(device, block)
+                return
+            decisive = decisive_kinds(units)
+            with self._lock:
+                if not self._measured:
+                    self.probe = probe_mod.GpuProbe(device, self.threads, block, decisive, on_gpu=lambda: (
+                        self.make_runner_soon(device, block, wait=probe_mod.WAITS)))
+
+        if probe_mod.WAITS:
+            decide()
+        else:
+            threading.Thread(target=decide, daemon=True, name="kimi-convert-measure").start()
+
+    def stop_measuring(self) -> GpuProbe | None:
+        """The run is over: no probe is started from now on; the one started, if any (to close)."""
+        with self._lock:
+            self._measured = True
+            return self.probe
 
     def early_takes(self, unit: Unit, device: Device) -> bool:
         """Whether a stream computes ``unit`` without torch (``compute_early``): with --device cpu whatever that

@@ -22,7 +22,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -67,6 +68,12 @@ def work_kind(unit: Unit) -> str | None:
     while size < unit.nbytes_in:
         size *= 4
     return "+".join(sorted(ops)) + f"@{_mb(size)}"
+
+
+def decisive_kinds(units: Iterable[Unit]) -> set[str]:
+    """The kinds of work with units enough to be decided (a warm-up and the samples); the others stay on the CPUs."""
+    counts = Counter(k for u in units if (k := work_kind(u)) is not None)
+    return {k for k, n in counts.items() if n > SAMPLES}
 
 
 def _mb(n: int) -> str:

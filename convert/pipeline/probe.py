@@ -30,14 +30,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .choose import GPU_MARGIN, SAMPLES, Calibrator, CandidateLost, Chooser, work_kind
+from ..compute_early import flat_bytes
+from .choose import GPU_MARGIN, Calibrator, CandidateLost, Chooser, work_kind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     import numpy as np
 
@@ -59,18 +59,6 @@ def child_device(gpu: Device) -> str:
     return f"cuda:{gpu.index or 0}"
 
 
-def decisive_kinds(units: Iterable[Unit]) -> set[str]:
-    """The kinds of work with units enough to be decided (a warm-up and the samples); the others stay on the CPUs."""
-    counts = Counter(k for u in units if (k := work_kind(u)) is not None)
-    return {k for k, n in counts.items() if n > SAMPLES}
-
-
-def _flat(c) -> np.ndarray:
-    import numpy as np
-
-    return np.asarray(c).reshape(-1).view(np.uint8)
-
-
 def chunks_of(res: UnitResult) -> dict[str, list]:
     """A unit's outputs: each tensor's chunks, by name."""
     return {k: o.chunks for k, o in res.outputs.items()}
@@ -83,7 +71,7 @@ def output_digests(outputs: dict[str, list]) -> dict[str, str]:
     for name, chunks in outputs.items():
         h = hashlib.sha256()
         for c in chunks:
-            h.update(c if isinstance(c, bytes) else _flat(c))
+            h.update(c if isinstance(c, bytes) else flat_bytes(c))
         out[name] = h.hexdigest()
     return out
 
@@ -98,28 +86,27 @@ class Answer:
 
 
 class Probe:
-    """The probe process: spawned at once (``python -m kimi_convert.pipeline.probe DEVICE THREADS``), ready once it
-    has imported torch and started the GPU (:meth:`ready`); one unit at a time (:meth:`compute`)."""
+    """The probe process: spawned at once (``python -m kimi_convert.pipeline.probe DEVICE THREADS BM BN``, the
+    checkpoint's FP8 tile), ready once it has imported torch and started the GPU (:meth:`ready`); one unit at a time
+    (:meth:`compute`)."""
 
-    def __init__(self, device: str, threads: int):
+    def __init__(self, device: str, threads: int, block: tuple[int, int]):
         self.device = device
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 - open for the probe's life, closed by close()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch's own CPU threads: none of the streams' CPUs
-        self._proc = subprocess.Popen([sys.executable, "-m", "kimi_convert.pipeline.probe", device, str(threads)],
+        self._proc = subprocess.Popen([sys.executable, "-m", "kimi_convert.pipeline.probe", device, str(threads),
+                                       *map(str, block)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
-        self.start_s = 0.0
         self._stopped = False
 
     def ready(self) -> None:
         """Wait until the probe can compute (raises CandidateLost where it cannot: no GPU after all)."""
-        t = time.perf_counter()
         msg = self._receive()
-        self.start_s = round(time.perf_counter() - t, 3)
         if "error" in msg:
             raise CandidateLost(f"the probe could not start {self.device}: {msg['error']}")
 
     def compute(self, request: bytes) -> Answer:
-        """``request``: a pickled ``(unit, block, buffers)``. A kernel's error is raised as RuntimeError."""
+        """``request``: a pickled ``(unit, buffers)``. A kernel's error is raised as RuntimeError."""
         try:
             self._proc.stdin.write(request)
             self._proc.stdin.flush()
@@ -164,17 +151,18 @@ class Probe:
 
 class GpuProbe:
     """A worker's calibration against a GPU in a probe process (the module's docstring): shared by its streams.
-    ``on_gpu()`` is called once, on the first kind decided for the GPU (the worker then makes its GPU runner)."""
+    ``decisive``: the kinds of work to measure (``choose.decisive_kinds``). ``on_gpu()`` is called once, on the first
+    kind decided for the GPU (the worker then makes its GPU runner)."""
 
-    def __init__(self, gpu: Device, threads: int, block: tuple[int, int], units: Iterable[Unit],
+    def __init__(self, gpu: Device, threads: int, block: tuple[int, int], decisive: set[str],
                  on_gpu: Callable[[], None]):
-        self.gpu, self.block, self._on_gpu = gpu, block, on_gpu
-        self.decisive = decisive_kinds(units)
+        self.gpu, self.decisive, self._on_gpu = gpu, decisive, on_gpu
         self.chooser = Chooser({"cpu": "cpu", "cuda": "cuda"}, on_decided=self._decided, margin=GPU_MARGIN)
-        self.process = Probe(child_device(gpu), threads) if self.decisive else None
+        self.process = Probe(child_device(gpu), threads, block) if decisive else None
         self.calibrator = Calibrator(self.chooser, start=self.process.ready if self.process else lambda: None,
                                      wait=WAITS)
-        self._gpu_called = threading.Event()
+        self._gpu_called = False
+        self._lock = threading.Lock()
 
     def on_gpu(self, unit: Unit) -> bool:
         """Whether ``unit``'s kind of work was decided for the GPU."""
@@ -199,10 +187,10 @@ class GpuProbe:
         """Give the probe (reserved by ``take``) a pickled copy of ``unit``'s sources: the stream's buffers go back
         to the pool as soon as its writer is done with them. A failure here gives the reservation back."""
         try:
-            request = pickle.dumps((unit, self.block, dict(loaded.buffers)), protocol=pickle.HIGHEST_PROTOCOL)
+            request = pickle.dumps((unit, dict(loaded.buffers)), protocol=pickle.HIGHEST_PROTOCOL)
             # the outputs copied (their sha256 taken on the calibration thread: a copy is several times faster
             # than a hash, and this is the stream's time)
-            outputs = {k: [_flat(c).tobytes() for c in cs] for k, cs in chunks_of(res).items()}
+            outputs = {k: [flat_bytes(c).tobytes() for c in cs] for k, cs in chunks_of(res).items()}
             notes = res.notes
         except BaseException:
             self.calibrator.cancel()
@@ -212,19 +200,20 @@ class GpuProbe:
                              timed=lambda a: a.seconds)
 
     def _decided(self, choice) -> None:
-        if choice.chosen == "cuda" and not self._gpu_called.is_set():
-            self._gpu_called.set()
+        with self._lock:  # (the streams and the calibration thread both record: either may decide)
+            first = choice.chosen == "cuda" and not self._gpu_called
+            self._gpu_called = self._gpu_called or first
+        if first:
             self._on_gpu()
 
     def choices(self):
         return self.chooser.choices()
 
     def stats(self) -> dict:
-        """For --stats: the probe's start-up seconds, the units it computed and their seconds (its own timing), the
-        offers declined (busy), why it could not be used."""
+        """For --stats: the probe's start-up seconds (``start_s``), the units it computed and their seconds (its own
+        timing), the offers declined (busy), why it could not be used."""
         c = self.calibrator
         return {**c.stats, "busy_s": round(c.stats["busy_s"], 3), "probe": True,
-                "probe_start_s": self.process.start_s if self.process else 0.0,
                 **({"broken": c.broken} if c.broken else {})}
 
     def close(self, check: bool = True) -> None:
@@ -242,7 +231,7 @@ class GpuProbe:
 
 # -- the probe process ------------------------------------------------------------------------------------------------
 
-def _serve(device: str, threads: int, inp, out) -> int:
+def _serve(device: str, threads: int, block: tuple[int, int], inp, out) -> int:
     """The probe's loop: start the device, say ready, then answer one pickled unit at a time until stdin closes."""
     def send(msg: dict) -> None:
         pickle.dump(msg, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -262,19 +251,17 @@ def _serve(device: str, threads: int, inp, out) -> int:
             torch.cuda.init()
             torch.empty(1, device=backend.device).zero_()
             torch.cuda.synchronize(backend.device)
-        pool = BufferPool(limit=1 << 34)
-        runners: dict[tuple[int, int], Runner] = {}
+        runner = Runner({backend.name: backend}, BufferPool(limit=1 << 34), block)
     except Exception as e:  # any failure to start is the answer: the CPUs compute everything
         send({"error": f"{type(e).__name__}: {e}"})
         return 1
     send({"ready": True})
     while True:
         try:
-            unit, block, buffers = pickle.load(inp)
+            unit, buffers = pickle.load(inp)
         except EOFError:
             return 0
         try:
-            runner = runners.get(block) or runners.setdefault(block, Runner({backend.name: backend}, pool, block))
             t = time.perf_counter()
             done = runner.compute(unit, Loaded(buffers))
             seconds = time.perf_counter() - t
@@ -286,11 +273,11 @@ def _serve(device: str, threads: int, inp, out) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m kimi_convert.pipeline.probe DEVICE THREADS``: the protocol on the stdout it was given, whatever
-    else is printed (torch's, Triton's warnings) on stderr."""
+    """``python -m kimi_convert.pipeline.probe DEVICE THREADS BM BN``: the protocol on the stdout it was given,
+    whatever else is printed (torch's, Triton's warnings) on stderr."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    return _serve(argv[0], int(argv[1]), sys.stdin.buffer, out)
+    return _serve(argv[0], int(argv[1]), (int(argv[2]), int(argv[3])), sys.stdin.buffer, out)
 
 
 if __name__ == "__main__":

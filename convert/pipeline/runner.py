@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import Counter
 from typing import TYPE_CHECKING
 
-from .choose import GPU_MARGIN, SAMPLES, Calibrator, Choice, Chooser, work_kind
+from ..compute_early import flat_bytes
+from .choose import GPU_MARGIN, Calibrator, Choice, Chooser, decisive_kinds, work_kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -77,9 +77,7 @@ class Runner:
         self.early = EarlyCompute(cpu.threads if cpu is not None else 1, block)
         self.chooser = Chooser(backends, on_decided=self._decided, margin=GPU_MARGIN) if len(backends) > 1 else None
         self._local = threading.local()
-        counts = Counter(k for u in units if (k := work_kind(u)) is not None)
-        # kinds with units enough to be decided (a warm-up and the samples); the others stay on the CPUs
-        self._decisive = {k for k, n in counts.items() if n > SAMPLES}
+        self._decisive = decisive_kinds(units)
         gpu = [b for b in backends.values() if b.device.type == "cuda"]
         self._gpu = gpu[0] if gpu else None
         self.calibrator = Calibrator(self.chooser, start=self._start_others,
@@ -171,7 +169,7 @@ class Runner:
         sources as a ``Loaded`` of views into it, the outputs as views by tensor name."""
         from ..readers import Loaded
 
-        outs = {k: [_flat(c) for c in o.chunks] for k, o in res.outputs.items()}
+        outs = {k: [flat_bytes(c) for c in o.chunks] for k, o in res.outputs.items()}
         buf = self.pool.get(sum(v.nbytes for v in loaded.buffers.values())
                             + sum(c.nbytes for cs in outs.values() for c in cs))
         off = 0
@@ -179,7 +177,7 @@ class Runner:
         def put(a: np.ndarray) -> np.ndarray:
             nonlocal off
             view = buf[off : off + a.nbytes]
-            view[...] = _flat(a)
+            view[...] = flat_bytes(a)
             off += a.nbytes
             return view
 
@@ -248,19 +246,12 @@ class Runner:
         return res, arena.buf
 
 
-def _flat(a) -> np.ndarray:
-    """A contiguous array's bytes as a flat uint8 view (no copy)."""
-    import numpy as np
-
-    return np.asarray(a).reshape(-1).view(np.uint8)
-
-
 def _holds(done: Computed, expected: dict[str, list[np.ndarray]], notes: dict) -> bool:
     """Whether a result holds the bytes and notes of ``expected`` (the first candidate's, copied)."""
     import numpy as np
 
     def joined(chunks) -> np.ndarray:
-        flat = [_flat(c) for c in chunks]
+        flat = [flat_bytes(c) for c in chunks]
         return flat[0] if len(flat) == 1 else np.concatenate(flat) if flat else np.empty(0, np.uint8)
 
     res = done[0]

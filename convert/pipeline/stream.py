@@ -394,14 +394,8 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
 
         block = jobs[0].block if jobs else (128, 128)  # (one checkpoint: every job's tile is the same)
         shared.early = EarlyCompute(threads, block)
-        if device.kind == "auto" and all(shared.early.takes(u) for j in jobs for u in j.units):
-            from . import probe as probe_mod
-            from .probe import GpuProbe  # the GPU measured in a process of its own
-
-            shared.probe = GpuProbe(device, threads, block, (u for j in jobs for u in j.units),
-                                    on_gpu=lambda: shared.make_runner_soon(device, block, wait=probe_mod.WAITS))
-        elif device.kind == "auto":
-            shared.make_runner_soon(device, block)
+        if device.kind == "auto":
+            shared.measure_soon(device, block, jobs)
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
@@ -422,8 +416,8 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     finally:
         pool.shutdown(wait=True)
         try:
-            if shared.probe is not None:
-                shared.probe.close(check=ok)  # the probe process; raises what it found (different bytes)
+            if (probe := shared.stop_measuring()) is not None:
+                probe.close(check=ok)  # the probe process; raises what it found (different bytes)
         finally:
             try:
                 if (made := shared.runner_made()) is not None:
