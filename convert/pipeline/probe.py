@@ -46,8 +46,9 @@ if TYPE_CHECKING:
     from ..plan import Unit
     from ..readers import BufferPool, Loaded
 
-#: True: a stream waits for the probe, so that every unit of an undecided kind is offered to it (the tests, whose
-#: inputs are too few units to decide otherwise; set with monkeypatch, as ``runner.CALIBRATION_WAITS``).
+#: True: the probe is set up before the streams start and a stream waits for it, so that every unit of an undecided
+#: kind is offered to it (the tests, whose inputs are too few units to decide otherwise; set with monkeypatch, as
+#: ``runner.CALIBRATION_WAITS``); a kind won by the GPU gets its runner before the stream goes on.
 WAITS = False
 #: Seconds a probe that ended is waited for, for its exit status (a probe still running at the end of the pack is
 #: killed at once: the pack never waits on it).
