@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,30 @@ def local_ray_cluster(system_config: dict | None = None):
         yield c
     finally:
         c.shutdown()
+
+
+def wait_ray_tasks_end(cluster, title: str = "ray::_task", timeout: float = 60.0) -> None:
+    """Until no worker of ``cluster`` runs a task (its process title, set by Ray, is ``ray::<function>``
+    while it runs one): a killed driver's tasks go on until Ray notices and ends them, and one that is
+    mid-upload stores its object after a resumed driver was told the object is missing (so it sends it
+    again). A test that counts uploads across a driver's kill waits here, then for the Hub's quiet."""
+    from ray._private import ray_constants
+
+    raylets = {n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid for n in cluster.list_all_nodes()}
+    deadline = time.monotonic() + timeout
+    while any(_ray_task_running(pid, raylets, title) for pid in os.listdir("/proc") if pid.isdigit()):
+        assert time.monotonic() < deadline, f"a {title} worker still runs after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+def _ray_task_running(pid: str, raylets: set[int], title: str) -> bool:
+    """Whether process ``pid`` is a worker of one of ``raylets`` (its parent) that runs ``title``."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):  # gone meanwhile
+        return False
+    return ppid in raylets and cmd == title
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:

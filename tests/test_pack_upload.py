@@ -28,6 +28,8 @@ from helpers import cli_command, one_line_error, run
 
 # as tests/test_resume.py: 14 shards of 1 MB at most, one worker and one stream (which shards a kill leaves
 # finished depends on them)
+#: test_random_kills_resume_identically: the throttled upload's seconds, whatever the machine's speed
+UPLOAD_S = 6.0
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu",
              "--workers", "1", "--streams", "1"]
 QUEUE = 2  # convert/hub/live.py's default, pinned here by the environment of every run
@@ -249,14 +251,15 @@ def test_random_kills_resume_identically(medium, tmp_path, seed):
     out, repo = tmp_path / "out", "user/random"
     first = ["pack", str(src), str(out), *PACK_ARGS, "--upload", repo, "--no-keep-output"]
     with FakeHub(TOKEN) as hub:
-        hub.upload_bps = 8e6
+        # the upload alone outlasts the latest first kill (4 s) on any machine: the first run is always killed
+        hub.upload_bps = sum(len(ref_repo["files"][p]) for p in ref_repo["files"]) / UPLOAD_S
         env = _hub_env(hub, tmp_path)
         args, kills = first, 0
         for _ in range(8):
             p = subprocess.Popen([*cli_command(*args), "--token", TOKEN], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
             try:
-                p.wait(timeout=rng.uniform(0.5, 4.0))
+                p.wait(timeout=rng.uniform(0.5, UPLOAD_S - 2.0))
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
                 p.wait()

@@ -23,7 +23,7 @@ import pytest
 
 import fault_inject
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import local_ray_cluster, needs_ray, one_line_error, run
+from helpers import local_ray_cluster, needs_ray, one_line_error, run, wait_ray_tasks_end
 
 # tiny-k3 with 16 experts a layer in 4 input files; 1 MB output shards (a few a task)
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
@@ -161,7 +161,7 @@ def resume_command(out: Path) -> list[str]:
 @pytest.mark.parametrize("point", ["upload:2", "journal:5"])
 def test_killed_and_resumed_uploads_each_object_once(hub, local_upload, cluster, tmp_path, point):
     """``upload:2``: the first task to have the Hub take its 2nd shard dies before telling the driver (its
-    worker SIGKILLed); Ray re-runs it, whose uploads the LFS batch finds there. ``journal:4``: the driver dies
+    worker SIGKILLed); Ray re-runs it, whose uploads the LFS batch finds there. ``journal:5``: the driver dies
     mid-journal (two shards journaled as uploaded), resumed with the journal's command: those are not
     converted nor sent again. Either way the repository is the local pack's upload, each object PUT once."""
     want, lfs_local = local_upload
@@ -174,6 +174,8 @@ def test_killed_and_resumed_uploads_each_object_once(hub, local_upload, cluster,
         assert r.code == -signal.SIGKILL, (r.code, r.stderr)
         done = json.loads((out / ".kimi-convert-pack.json").read_text())["uploaded"]
         assert len(done) == 2
+        wait_ray_tasks_end(cluster)  # the dead driver's tasks, and their uploads, end first
+        hub.wait_idle()
         r = cli(hub, *resume_command(out), tmp=tmp_path)
         assert f"({len(done)} finished shard(s) verified and kept)" in r.stdout, r.stdout + r.stderr
     assert r.code == 0, r.stderr
