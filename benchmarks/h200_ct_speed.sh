@@ -37,6 +37,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 # the C kernels built once for this machine (a first use compiles them: 2-3 s, once per machine and version)
 python3 -c "from kimi_convert.kernels import clib; assert clib.load() is not None" >> "$OUT/install.log" 2>&1
 { time python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q8" --layers 8 --shards 1 --overwrite; } > "$OUT/synth.log" 2>&1
+# DISK_RATES=1: the disk's cold read rates first, 1-8 concurrent reads of each 64 MB, alone and beside a writer
+[ -n "${DISK_RATES:-}" ] && python3 benchmarks/disk_rates.py --input "$W/q8" --threads 1 2 4 8 --json "$OUT/disk-rates.json" \
+  2>&1 | tee "$OUT/disk-rates.log"
 # the defaults; the C kernels on 12 and 8 of the 16 CPUs (the rest left to the hashes and the reader); 6 hashing
 # threads
 # (PROFILE="variant;variant;...": those instead; PROFILE_ONLY=1: stop after the profile)

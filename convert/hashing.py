@@ -16,6 +16,7 @@ import bisect
 import hashlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -45,6 +46,7 @@ class SerialHasher:
         self._queue: deque[tuple[object, Future]] = deque()
         self._running = False
         self._error: BaseException | None = None  # a failed feed fails every later one
+        self.busy_s = 0.0  # seconds spent hashing (--stats: how near a file's one chain is to its stream's wall)
 
     def feed(self, data) -> Future:
         """Hash ``data`` (a buffer, or a callable that feeds the hash itself) after what came before."""
@@ -74,10 +76,12 @@ class SerialHasher:
                 if data is None:
                     fut.set_result(self._h.hexdigest())
                     continue
+                t = time.perf_counter()
                 if callable(data):
                     data(self._h.update)
                 else:
                     self._h.update(data)
+                self.busy_s += time.perf_counter() - t
                 fut.set_result(None)
             except BaseException as e:  # handed to whoever waits on the future
                 self._error = e
@@ -124,6 +128,11 @@ class FileHasher:
         self._done: Future | None = None
         with self._lock:
             self._advance()  # the header, and anything before the first range the pipeline reads
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the chain spent hashing (and reading what the pipeline did not hand it)."""
+        return self._hasher.busy_s
 
     def offer(self, start: int, chunks: list) -> tuple[Future | None, bool]:
         """Bytes [start, start + their length) of the file, as read or written by the pipeline (one
