@@ -10,7 +10,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import ConvertError
@@ -107,14 +106,6 @@ class MappedReader:
 
 
 
-#: Concurrent reads of one large range (``PreadReader.read``): one sequential read at a time leaves the disk one
-#: request deep (its readahead aside); a cloud or NVMe disk serves several at once faster (measured:
-#: benchmarks/disk_rates.py)
-READ_THREADS = 1
-#: The least bytes of each of those concurrent reads (a range shorter than two is read at once)
-READ_SPLIT = 8 << 20
-
-
 class PreadReader:
     """Reads byte ranges of stored tensors into buffers (``SourceFile.readinto``: ``pread`` for a local
     folder): the pipeline's reader.
@@ -122,15 +113,12 @@ class PreadReader:
     Explicit reads rather than memory-map faults: one large read on a reader thread overlaps the
     compute of the previous group and yields the very buffers the hashers need. The buffers are
     numpy arrays, so reading and hashing start before torch has loaded. Each file is opened once,
-    through the source, and kept open until ``close``. A large range is read as ``READ_THREADS``
-    concurrent parts (a ``SourceFile`` is read from any thread), the caller's thread reading the first."""
+    through the source, and kept open until ``close``."""
 
-    def __init__(self, source: Source | str | os.PathLike, threads: int | None = None):
+    def __init__(self, source: Source | str | os.PathLike):
         self.source = open_source(source)
         self._files: dict[str, SourceFile] = {}
         self._lock = threading.Lock()
-        self._threads = READ_THREADS if threads is None else threads
-        self._pool: ThreadPoolExecutor | None = None
 
     def _file(self, rel: str) -> SourceFile:
         with self._lock:
@@ -145,22 +133,13 @@ class PreadReader:
 
         hi = t.nbytes if hi is None else hi
         buf = np.empty(hi - lo, dtype=np.uint8) if into is None else into
-        view, f = memoryview(buf), self._file(t.file)
-        parts = min(self._threads, len(view) // READ_SPLIT)
-        if parts < 2:
-            _read_all(f, t, t.start + lo, view)
-            return buf
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="kimi-convert-pread")
-        step = -(-len(view) // parts)
-        futs = [self._pool.submit(_read_all, f, t, t.start + lo + a, view[a : a + step])
-                for a in range(step, len(view), step)]
-        try:
-            _read_all(f, t, t.start + lo, view[:step])
-        finally:
-            wait(futs)  # every part ends before the buffer is used or given back, even after an error
-        for fut in futs:
-            fut.result()
+        view = memoryview(buf)
+        f, pos = self._file(t.file), t.start + lo
+        while view:
+            n = f.readinto(pos, view)
+            if n == 0:
+                raise ConvertError(f"{t.file}: tensor {t.name}: file ends before the tensor's data (truncated?)")
+            view, pos = view[n:], pos + n
         return buf
 
     def will_need(self, t: TensorInfo, lo: int = 0, hi: int | None = None) -> None:
@@ -170,22 +149,10 @@ class PreadReader:
             self._file(t.file).will_need(t.start + lo, hi - lo)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
         with self._lock:
             for f in self._files.values():
                 f.close()
             self._files.clear()
-
-
-def _read_all(f: SourceFile, t: TensorInfo, pos: int, view: memoryview) -> None:
-    """Fill ``view`` from ``pos`` of ``t``'s file (a short read goes on where it stopped)."""
-    while view:
-        n = f.readinto(pos, view)
-        if n == 0:
-            raise ConvertError(f"{t.file}: tensor {t.name}: file ends before the tensor's data (truncated?)")
-        view, pos = view[n:], pos + n
 
 
 class BufferPool:
