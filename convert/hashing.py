@@ -47,6 +47,7 @@ class SerialHasher:
         self._running = False
         self._error: BaseException | None = None  # a failed feed fails every later one
         self.busy_s = 0.0  # seconds spent hashing (--stats: how near a file's one chain is to its stream's wall)
+        self.cpu_s = 0.0  # of which on a CPU (the rest: waiting for one, or for the interpreter's lock)
 
     def feed(self, data) -> Future:
         """Hash ``data`` (a buffer, or a callable that feeds the hash itself) after what came before."""
@@ -76,12 +77,13 @@ class SerialHasher:
                 if data is None:
                     fut.set_result(self._h.hexdigest())
                     continue
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 if callable(data):
                     data(self._h.update)
                 else:
                     self._h.update(data)
                 self.busy_s += time.perf_counter() - t
+                self.cpu_s += time.thread_time() - c
                 fut.set_result(None)
             except BaseException as e:  # handed to whoever waits on the future
                 self._error = e
@@ -133,6 +135,11 @@ class FileHasher:
     def busy_s(self) -> float:
         """Seconds the chain spent hashing (and reading what the pipeline did not hand it)."""
         return self._hasher.busy_s
+
+    @property
+    def cpu_s(self) -> float:
+        """Of ``busy_s``, the seconds the chain's thread ran on a CPU."""
+        return self._hasher.cpu_s
 
     def offer(self, start: int, chunks: list) -> tuple[Future | None, bool]:
         """Bytes [start, start + their length) of the file, as read or written by the pipeline (one

@@ -276,6 +276,24 @@ def test_c_pool_callers_share_its_workers():
     assert int(r.stdout) == 3
 
 
+def test_c_pool_workers_take_the_nice_value_set_and_the_caller_keeps_its_own():
+    """``clib.KERNEL_NICE`` (set before the library loads): each worker thread runs at it from its next job; the
+    thread that calls the kernel (which works on the job too) keeps the process's (Linux's per-thread nice)."""
+    import subprocess
+    import sys
+    code = ("import os,torch; from kimi_convert.kernels import clib; clib.KERNEL_NICE=7\n"
+            "from kimi_convert.kernels import recipe_cpu as R; L=R.load(); "
+            "w=torch.randn(1024,1024).to(torch.bfloat16)\n"
+            "for _ in range(20): R.fp8_quantize(L,w,4)\n"
+            "nice={t: int(open(f'/proc/self/task/{t}/stat').read().rsplit(')',1)[1].split()[16]) "
+            "for t in os.listdir('/proc/self/task')}\n"
+            "print(L.kc_pool_workers(), sorted(nice.values()).count(7), nice[str(os.getpid())])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    workers, at_seven, main = map(int, r.stdout.split())
+    assert workers == 3 and at_seven == 3 and main == 0, r.stdout
+
+
 def test_c_pool_survives_fork_and_exit():
     """A child forked after the pool's workers started runs the kernels on a pool of its own (it never waits for
     the parent's threads, which it does not have), and the interpreter exits with workers asleep (no hang)."""

@@ -351,6 +351,9 @@ class Stream:
             hash_wait = round(time.perf_counter() - t, 3)
             # the input files' sha256 chains: each one sequential, the floor of a stream over one large file
             self.seconds["hash: input file sha256 chains (busy)"] = sum(h.busy_s for h in self.files.values())
+            self.seconds["hash: input file sha256 chains (on a CPU)"] = sum(h.cpu_s for h in self.files.values())
+            if self.files and (wait := self.chain_pool.submit(_runqueue_wait_s).result()) is not None:
+                self.seconds["hash: input file sha256 chains' thread (waiting for a CPU)"] = wait
         except BaseException:
             self.stop.set()
             faults.release()
@@ -367,6 +370,16 @@ class Stream:
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
                          wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait,
                          early_units=self.early_units)
+
+
+def _runqueue_wait_s() -> float | None:
+    """Seconds this thread has waited, runnable, for a CPU (Linux's schedstat; None elsewhere): beside a
+    chain's busy and on-CPU seconds, what is left of its busy time is the interpreter's lock."""
+    try:
+        run_ns, wait_ns = (int(x) for x in Path("/proc/thread-self/schedstat").read_text().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return wait_ns / 1e9 if run_ns else None  # all zero: the kernel keeps no such counts (schedstats off)
 
 
 def _nothing(reuse: bool = True) -> None:

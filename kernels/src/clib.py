@@ -61,6 +61,10 @@ def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
 
 
 _LOAD_LOCK = threading.Lock()
+#: The pool workers' nice value, set as each library loads: 0 (the process's own) until a benchmark shows a
+#: better one (benchmarks/ct_profile.py's ``knice=``: the kernels' bursts on every CPU against a file's one
+#: sha256 chain, the stream's floor on a large one-file input)
+KERNEL_NICE = 0
 
 
 def open_library(stem: str, what: str) -> ctypes.CDLL | None:
@@ -109,11 +113,15 @@ def load() -> ctypes.CDLL | None:
 
 def set_pool_types(lib: ctypes.CDLL) -> None:
     """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
-    count (tests)."""
+    count (tests), the workers' nice value (``compute_early.KERNEL_NICE``)."""
     lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
     lib.kc_pool_nop.restype = None
     lib.kc_pool_workers.argtypes = []
     lib.kc_pool_workers.restype = ctypes.c_int32
+    lib.kc_pool_set_nice.argtypes = [ctypes.c_int32]
+    lib.kc_pool_set_nice.restype = None
+    if KERNEL_NICE:
+        lib.kc_pool_set_nice(KERNEL_NICE)
 
 
 #: Output bytes from which the recipe kernels store the codes non-temporally (no read for ownership of lines that

@@ -25,6 +25,11 @@
 #include <signal.h>
 #include <stdint.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KC_PAUSE() _mm_pause()
@@ -123,8 +128,28 @@ static kc_job *kc_pick(void) {
     return 0;
 }
 
+/* The nice value workers run at (kc_pool_set_nice): each worker takes a new value when it next picks a job. */
+static int kc_worker_nice = 0;
+
+/* Workers run at nice `n` from their next job on (Linux: a thread's own nice value; elsewhere nothing), so that
+ * where the CPUs are all busy, the process's other threads (a file's one sha256 chain, the reader) run first. */
+void kc_pool_set_nice(int32_t n) {
+    pthread_mutex_lock(&kc_pool.mu);
+    kc_worker_nice = n;
+    pthread_mutex_unlock(&kc_pool.mu);
+}
+
+static void kc_take_nice(int *mine) {
+    if (*mine == kc_worker_nice) return;
+    *mine = kc_worker_nice;
+#ifdef __linux__
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), *mine); /* raising it back needs privilege: may fail */
+#endif
+}
+
 static void *kc_worker(void *arg) {
     (void)arg;
+    int nice_now = 0;
     pthread_mutex_lock(&kc_pool.mu);
     for (;;) {
         kc_job *j;
@@ -141,6 +166,7 @@ static void *kc_worker(void *arg) {
             pthread_cond_wait(&kc_pool.work, &kc_pool.mu);
             kc_pool.sleeping--;
         }
+        kc_take_nice(&nice_now);
         j->active++;
         kc_run_task(j, kc_claim(j), 1);
     }
