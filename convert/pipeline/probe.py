@@ -53,6 +53,9 @@ WAITS = False
 #: Seconds a probe that ended is waited for, for its exit status (a probe still running at the end of the pack is
 #: killed at once: the pack never waits on it).
 EXIT_S = 1.0
+#: The probe process's nice value (set as it starts, before its own threads): 0, the pack's, until a benchmark
+#: shows better (benchmarks/ct_profile.py's ``pnice=``: its torch import and copies beside the streams' CPUs)
+PROBE_NICE = 0
 
 
 def child_device(gpu: Device) -> str:
@@ -98,6 +101,9 @@ class Probe:
         self._proc = subprocess.Popen([sys.executable, "-m", "kimi_convert.pipeline.probe", device, str(threads),
                                        *map(str, block)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
+        if PROBE_NICE:  # (not preexec_fn: the pack has threads) its main thread, whose threads inherit it
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, self._proc.pid, PROBE_NICE)
         self._stopped = False
 
     def ready(self) -> None:
