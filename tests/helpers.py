@@ -56,28 +56,29 @@ def local_ray_cluster(system_config: dict | None = None):
         c.shutdown()
 
 
-def wait_ray_tasks_end(cluster, title: str = "ray::_task", timeout: float = 60.0) -> None:
-    """Until no worker of ``cluster`` runs a task (its process title, set by Ray, is ``ray::<function>``
-    while it runs one): a killed driver's tasks go on until Ray notices and ends them, and one that is
-    mid-upload stores its object after a resumed driver was told the object is missing (so it sends it
-    again). A test that counts uploads across a driver's kill waits here, then for the Hub's quiet."""
-    from ray._private import ray_constants
+def running_tasks(cluster) -> list[int]:
+    """The cluster's worker processes running a pack task now (Ray titles them ``ray::TASK NAME``; a pack's tasks
+    are named ``kimi-convert SHARDS``, raycluster.run)."""
+    raylets = {p.process.pid for node in cluster.list_all_nodes() for p in node.all_processes.get("raylet", [])}
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid in raylets and (proc / "cmdline").read_bytes().startswith(b"ray::kimi-convert "):
+                found.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
-    raylets = {n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid for n in cluster.list_all_nodes()}
+
+def wait_ray_tasks_end(cluster, timeout: float = 60.0) -> None:
+    """Until no worker of ``cluster`` runs a pack task: a killed driver's tasks go on until Ray notices and ends
+    them, and one that is mid-upload stores its object after a resumed driver was told the object is missing (so
+    it sends it again). A test that counts uploads across a driver's kill waits here, then for the Hub's quiet."""
     deadline = time.monotonic() + timeout
-    while any(_ray_task_running(pid, raylets, title) for pid in os.listdir("/proc") if pid.isdigit()):
-        assert time.monotonic() < deadline, f"a {title} worker still runs after {timeout:.0f} s"
+    while running_tasks(cluster):
+        assert time.monotonic() < deadline, f"a pack task still runs {timeout:.0f} s after its driver died"
         time.sleep(0.2)
-
-
-def _ray_task_running(pid: str, raylets: set[int], title: str) -> bool:
-    """Whether process ``pid`` is a worker of one of ``raylets`` (its parent) that runs ``title``."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):  # gone meanwhile
-        return False
-    return ppid in raylets and cmd == title
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:

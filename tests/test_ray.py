@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import fault_inject
-from helpers import Result, child, local_ray_cluster, needs_ray, one_line_error, run_process
+from helpers import Result, child, local_ray_cluster, needs_ray, one_line_error, run_process, running_tasks
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 
@@ -153,20 +153,6 @@ def test_driver_killed_then_resumed(tiny_k3, ref, cluster, tmp_path):
     assert r.code == 0, r.stderr
     assert f"({len(journal.shards)} finished shard(s) verified and kept)" in r.stdout
     assert fault_inject.same_tree(ref, tmp_path / "out") == []
-
-
-def running_tasks(cluster) -> list[int]:
-    """The cluster's worker processes running a pack task now (Ray titles them ``ray::TASK NAME``)."""
-    raylets = {p.process.pid for node in cluster.list_all_nodes() for p in node.all_processes.get("raylet", [])}
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid in raylets and (proc / "cmdline").read_bytes().startswith(b"ray::kimi-convert "):
-                found.append(int(proc.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def wait_for(marker: Path, p: subprocess.Popen) -> int:
