@@ -46,6 +46,10 @@ python3 -c "from kimi_convert.kernels import clib; assert clib.load() is not Non
 VARIANTS=("auto" "cpu" "cpu kthreads=12" "cpu kthreads=8" "cpu hash=6")
 [ -n "${PROFILE:-}" ] && IFS=';' read -r -a VARIANTS <<< "$PROFILE"
 python3 benchmarks/ct_profile.py --input "$W/q8" --json "$OUT/ct-profile.json" --variant "${VARIANTS[@]}" 2>&1 | tee "$OUT/ct-profile.log"
+# THREAD_CPU=1: each thread's CPU seconds in one cpu pack (benchmarks/thread_cpu.py: what loads the CPUs beside the
+# input file's one sha256 chain)
+[ -n "${THREAD_CPU:-}" ] && python3 benchmarks/thread_cpu.py --input "$W/q8" --json "$OUT/thread-cpu.json" 2>&1 \
+  | tee "$OUT/thread-cpu.log"
 [ -n "${PROFILE_ONLY:-}" ] && exit 0
 python3 benchmarks/ct_speed.py --input "$W/q8" --device auto cpu --peer-workers 1 \
   --peer-device cuda --work "$W/run" --json "$OUT/ct-speed.json" 2>&1 | tee "$OUT/ct-speed.log"
