@@ -277,7 +277,7 @@ def test_c_pool_callers_share_its_workers():
 
 
 def test_c_pool_workers_take_the_nice_value_set_and_the_caller_keeps_its_own():
-    """``clib.KERNEL_NICE`` (set before the library loads): each worker thread runs at it from its next job; the
+    """``clib.KERNEL_NICE`` (set before the library loads): each worker thread runs at it from its start; the
     thread that calls the kernel (which works on the job too) keeps the process's (Linux's per-thread nice)."""
     import subprocess
     import sys

@@ -128,7 +128,7 @@ static kc_job *kc_pick(void) {
     return 0;
 }
 
-/* The nice value workers run at (kc_pool_set_nice): each worker takes a new value when it next picks a job. */
+/* The nice value workers run at (kc_pool_set_nice): taken as a worker starts, and a new one when it next picks a job. */
 static int kc_worker_nice = 0;
 
 /* Workers run at nice `n` from their next job on (Linux: a thread's own nice value; elsewhere nothing), so that
@@ -151,6 +151,7 @@ static void *kc_worker(void *arg) {
     (void)arg;
     int nice_now = 0;
     pthread_mutex_lock(&kc_pool.mu);
+    kc_take_nice(&nice_now); /* a worker made after the value was set runs at it from its start */
     for (;;) {
         kc_job *j;
         int polled = 0;
