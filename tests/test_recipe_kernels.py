@@ -261,26 +261,29 @@ def test_c_pool_serves_concurrent_callers():
         assert all(ex.map(work, range(4)))
 
 
+def _python(code: str) -> str:
+    """``code`` run by a fresh interpreter (a pool of its own, no worker of this process's): its stdout."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def test_c_pool_callers_share_its_workers():
     """Streams told the worker's CPUs each, calling at once, share one set of workers: a fresh process's pool never
     grows past the largest call's threads - 1 (4 callers of 4 threads grew it to 12 before, on 4 CPUs' worth)."""
-    import subprocess
-    import sys
     code = ("import threading,torch; from kimi_convert.kernels import recipe_cpu as R; L=R.load(); "
             "w=torch.randn(1024,1024).to(torch.bfloat16); b=threading.Barrier(4)\n"
             "def go():\n b.wait()\n for _ in range(40): R.fp8_quantize(L,w,4)\n"
             "ts=[threading.Thread(target=go) for _ in range(4)]; [t.start() for t in ts]; [t.join() for t in ts]; "
             "print(L.kc_pool_workers())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 3
+    assert int(_python(code)) == 3
 
 
 def test_c_pool_workers_take_the_nice_value_set_and_the_caller_keeps_its_own():
     """``clib.KERNEL_NICE`` (set before the library loads): each worker thread runs at it from its start; the
     thread that calls the kernel (which works on the job too) keeps the process's (Linux's per-thread nice)."""
-    import subprocess
-    import sys
     code = ("import os,torch; from kimi_convert.kernels import clib; clib.KERNEL_NICE=7\n"
             "from kimi_convert.kernels import recipe_cpu as R; L=R.load(); "
             "w=torch.randn(1024,1024).to(torch.bfloat16)\n"
@@ -288,17 +291,14 @@ def test_c_pool_workers_take_the_nice_value_set_and_the_caller_keeps_its_own():
             "nice={t: int(open(f'/proc/self/task/{t}/stat').read().rsplit(')',1)[1].split()[16]) "
             "for t in os.listdir('/proc/self/task')}\n"
             "print(L.kc_pool_workers(), sorted(nice.values()).count(7), nice[str(os.getpid())])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    workers, at_seven, main = map(int, r.stdout.split())
-    assert workers == 3 and at_seven == 3 and main == 0, r.stdout
+    out = _python(code)
+    workers, at_seven, main = map(int, out.split())
+    assert workers == 3 and at_seven == 3 and main == 0, out
 
 
 def test_c_pool_survives_fork_and_exit():
     """A child forked after the pool's workers started runs the kernels on a pool of its own (it never waits for
     the parent's threads, which it does not have), and the interpreter exits with workers asleep (no hang)."""
-    import subprocess
-    import sys
     # the child compares with numpy: torch's own OpenMP pool hangs in a forked child (not this pool's doing)
     code = ("import os,torch; from kimi_convert.kernels import recipe_cpu as R, nvfp4_cpu as N; L=R.load(); "
             "w=torch.randn(512,1024).to(torch.bfloat16); a=R.fp8_quantize(L,w,4)[0].view(torch.uint8).numpy(); "
@@ -306,8 +306,7 @@ def test_c_pool_survives_fork_and_exit():
             "if pid==0:\n os._exit(0 if L.kc_pool_workers()==0 and (R.fp8_quantize(L,w,4)[0].view(torch.uint8)"
             ".numpy()==a).all() and L.kc_pool_workers()==3 and float(N.amax(N.load(),w,3))==x else 1)\n"
             "_, st=os.waitpid(pid,0); assert os.waitstatus_to_exitcode(st)==0, st; print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    assert _python(code).strip() == "ok"
 
 
 # --- backends and the pipeline ---------------------------------------------------------------------
