@@ -113,7 +113,7 @@ def load() -> ctypes.CDLL | None:
 
 def set_pool_types(lib: ctypes.CDLL) -> None:
     """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
-    count (tests), the workers' nice value (``compute_early.KERNEL_NICE``)."""
+    count (tests), the workers' nice value (``KERNEL_NICE``)."""
     lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
     lib.kc_pool_nop.restype = None
     lib.kc_pool_workers.argtypes = []

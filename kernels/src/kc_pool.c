@@ -128,11 +128,12 @@ static kc_job *kc_pick(void) {
     return 0;
 }
 
-/* The nice value workers run at (kc_pool_set_nice): taken as a worker starts, and a new one when it next picks a job. */
+/* The nice value workers run at (kc_pool_set_nice). */
 static int kc_worker_nice = 0;
 
-/* Workers run at nice `n` from their next job on (Linux: a thread's own nice value; elsewhere nothing), so that
- * where the CPUs are all busy, the process's other threads (a file's one sha256 chain, the reader) run first. */
+/* Workers run at nice `n` (absolute; Linux: a thread's own nice value; elsewhere nothing) from their start or their
+ * next job, so that where the CPUs are all busy, the process's other threads (a file's one sha256 chain, the reader)
+ * run first. 0: a worker keeps the value it inherited from the thread that made it. */
 void kc_pool_set_nice(int32_t n) {
     pthread_mutex_lock(&kc_pool.mu);
     kc_worker_nice = n;
