@@ -296,6 +296,21 @@ def test_c_pool_workers_take_the_nice_value_set_and_the_caller_keeps_its_own():
     assert workers == 3 and at_seven == 3 and main == 0, out
 
 
+def test_c_pool_workers_poll_as_long_as_set_then_sleep():
+    """``clib.KERNEL_SPIN_NS``: after a kernel, the pool's workers poll (runnable) that long, then sleep; 0 sleeps at
+    once. Workers' states from /proc right after a call with 1.5 s of polling, then 0.3 s after one with none."""
+    code = ("import os,time,torch; from kimi_convert.kernels import clib; clib.KERNEL_SPIN_NS=1_500_000_000\n"
+            "from kimi_convert.kernels import recipe_cpu as R; L=R.load(); "
+            "w=torch.randn(1024,1024).to(torch.bfloat16); me=str(os.getpid())\n"
+            "def states(): return sorted(open(f'/proc/self/task/{t}/stat').read().rsplit(')',1)[1].split()[0] "
+            "for t in os.listdir('/proc/self/task') if t!=me)\n"
+            "R.fp8_quantize(L,w,4); a=states(); L.kc_pool_set_spin(0); time.sleep(1.8)\n"
+            "R.fp8_quantize(L,w,4); time.sleep(0.3); print(''.join(a), ''.join(states()))")
+    polling, after = _python(code).split()
+    assert polling.count("R") >= 3, polling  # the 3 workers (the other threads, torch's, asleep)
+    assert "R" not in after, after
+
+
 def test_c_pool_survives_fork_and_exit():
     """A child forked after the pool's workers started runs the kernels on a pool of its own (it never waits for
     the parent's threads, which it does not have), and the interpreter exits with workers asleep (no hang)."""

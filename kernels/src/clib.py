@@ -65,6 +65,9 @@ _LOAD_LOCK = threading.Lock()
 #: better one (benchmarks/ct_profile.py's ``knice=``: the kernels' bursts on every CPU against a file's one
 #: sha256 chain, the stream's floor on a large one-file input)
 KERNEL_NICE = 0
+#: How long an idle pool worker polls before it sleeps, ns (``kc_pool_set_spin``); None: the C default, 100 us
+#: (``ct_profile.py``'s ``kspin=``, measured against the same chain)
+KERNEL_SPIN_NS: int | None = None
 
 
 def open_library(stem: str, what: str) -> ctypes.CDLL | None:
@@ -113,15 +116,19 @@ def load() -> ctypes.CDLL | None:
 
 def set_pool_types(lib: ctypes.CDLL) -> None:
     """Argument types of ``kc_pool.c``'s exports: a no-op (the dispatch cost alone, for benchmarks), the worker
-    count (tests), the workers' nice value (``KERNEL_NICE``)."""
+    count (tests), the workers' nice value (``KERNEL_NICE``) and polling time (``KERNEL_SPIN_NS``)."""
     lib.kc_pool_nop.argtypes = [ctypes.c_int64, ctypes.c_int32]
     lib.kc_pool_nop.restype = None
     lib.kc_pool_workers.argtypes = []
     lib.kc_pool_workers.restype = ctypes.c_int32
     lib.kc_pool_set_nice.argtypes = [ctypes.c_int32]
     lib.kc_pool_set_nice.restype = None
+    lib.kc_pool_set_spin.argtypes = [ctypes.c_int64]
+    lib.kc_pool_set_spin.restype = None
     if KERNEL_NICE:
         lib.kc_pool_set_nice(KERNEL_NICE)
+    if KERNEL_SPIN_NS is not None:
+        lib.kc_pool_set_spin(KERNEL_SPIN_NS)
 
 
 #: Output bytes from which the recipe kernels store the codes non-temporally (no read for ownership of lines that

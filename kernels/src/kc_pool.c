@@ -10,7 +10,7 @@
  * - Workers are created on demand, as many as the jobs in flight ask for together but never more than the
  *   largest job asks for alone (its caller's threads - 1): pipeline streams call at once, each told the worker's
  *   CPUs, and share those workers (4 streams x 15 workers each ran 60 kernel threads on 16 CPUs, polling, beside
- *   the hashing: pack's CPU seconds 34 -> 41 on the H200 machine, block FP8 in the pipeline 0.7 -> 14.9 s/GB). Between jobs a worker polls the queue for KC_SPIN_NS, then sleeps on a
+ *   the hashing: pack's CPU seconds 34 -> 41 on the H200 machine, block FP8 in the pipeline 0.7 -> 14.9 s/GB). Between jobs a worker polls the queue for kc_spin_ns, then sleeps on a
  *   condition variable: waking 15 sleeping threads one by one took 53 us a call on the H200 machine's CPUs
  *   (against 1.2 us for one thread), a fifth of the cast's floor; back-to-back calls now find them awake. The
  *   caller polls for its job's end the same way before it sleeps.
@@ -56,8 +56,11 @@ static struct {
     int workers, demand, sleeping, cap; /* cap: the most helpers one job has asked for */
 } kc_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0};
 
-/* How long an idle worker (or a waiting caller) polls before it sleeps. */
-#define KC_SPIN_NS 100000
+/* How long an idle worker (or a waiting caller) polls before it sleeps (kc_pool_set_spin). */
+static int64_t kc_spin_ns = 100000;
+
+/* Poll `ns` from now on (0: sleep at once): polling workers keep CPUs busy that a file's sha256 chain could have. */
+void kc_pool_set_spin(int64_t ns) { __atomic_store_n(&kc_spin_ns, ns < 0 ? 0 : ns, __ATOMIC_RELAXED); }
 
 static inline int64_t kc_now_ns(void) {
     struct timespec t;
@@ -65,9 +68,9 @@ static inline int64_t kc_now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Unlocked: poll until *flag (read atomically) is non-zero or KC_SPIN_NS pass; returns whether it became so. */
+/* Unlocked: poll until *flag (read atomically) is non-zero or kc_spin_ns pass; returns whether it became so. */
 static int kc_spin_until(void *const *ptr, const int64_t *count, int64_t target) {
-    const int64_t end = kc_now_ns() + KC_SPIN_NS;
+    const int64_t end = kc_now_ns() + __atomic_load_n(&kc_spin_ns, __ATOMIC_RELAXED);
     for (;;) {
         for (int i = 0; i < 64; i++) {
             if (ptr ? __atomic_load_n(ptr, __ATOMIC_ACQUIRE) != 0 : __atomic_load_n(count, __ATOMIC_ACQUIRE) >= target)
