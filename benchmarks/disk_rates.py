@@ -25,11 +25,7 @@ sys.path.insert(0, str(HERE))
 
 from compare_speed import evict  # noqa: E402
 
-
-def _size(text: str) -> int:
-    units = {"kb": 1e3, "mb": 1e6, "gb": 1e9}
-    t = text.strip().lower()
-    return int(float(t[:-2]) * units[t[-2:]]) if t[-2:] in units else int(t)
+from kimi_convert.options import SIZE  # noqa: E402 - the CLI's sizes (64MB, 2GiB, ...)
 
 
 def _read_part(fd: int, pos: int, view: memoryview) -> None:
@@ -88,7 +84,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     files = sorted(a.input.glob("*.safetensors"))
-    piece, wbytes = _size(a.piece), _size(a.write)
+    piece, wbytes = SIZE.convert(a.piece, None, None), SIZE.convert(a.write, None, None)
     rows = []
     for with_writer in (False, True):
         for threads in a.threads:

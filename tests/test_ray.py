@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 
 import fault_inject
-from helpers import Result, child, local_ray_cluster, needs_ray, one_line_error, run_process, running_tasks
+from helpers import (
+    Result,
+    child,
+    local_ray_cluster,
+    needs_ray,
+    one_line_error,
+    run_process,
+    running_tasks,
+    wait_ray_tasks_end,
+)
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 
@@ -141,9 +150,7 @@ def test_driver_killed_then_resumed(tiny_k3, ref, cluster, tmp_path):
         p.kill()
         p.wait()
     deadline = time.monotonic() + 60
-    while running_tasks(cluster):  # Ray stops the tasks of a driver that is gone
-        assert time.monotonic() < deadline, "the driver's tasks outlived it"
-        time.sleep(0.2)
+    wait_ray_tasks_end(cluster, timeout=60)  # Ray stops the tasks of a driver that is gone
     while alive(int(marker.read_text())):  # and then the paused task's worker process (seconds under load)
         assert time.monotonic() < deadline, "the paused task's worker outlived its driver"
         time.sleep(0.2)

@@ -373,8 +373,9 @@ class Stream:
 
 
 def _runqueue_wait_s() -> float | None:
-    """Seconds this thread has waited, runnable, for a CPU (Linux's schedstat; None elsewhere): beside a
-    chain's busy and on-CPU seconds, what is left of its busy time is the interpreter's lock."""
+    """Seconds this thread has waited, runnable, for a CPU over its life (Linux's schedstat; None elsewhere), its
+    wake-ups from idle spells included: beside a chain's busy and on-CPU seconds, about what is left of its busy
+    time is the interpreter's lock (and the chain's own reads of what the pipeline did not hand it)."""
     try:
         run_ns, wait_ns = (int(x) for x in Path("/proc/thread-self/schedstat").read_text().split()[:2])
     except (OSError, ValueError):
