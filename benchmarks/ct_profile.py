@@ -98,6 +98,14 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
             "peak_pss_gb": round(r.peak_pss / 1e9, 2), "stats": json.loads(stats.read_text())}
 
 
+def chain(stats: dict) -> str:
+    """The input file's sha256 chain's seconds from --stats: busy, of which on a CPU, and waiting for one."""
+    st = stats.get("stages_s", {})
+    keys = {"busy": "hash: input file sha256 chains (busy)", "on CPU": "hash: input file sha256 chains (on a CPU)",
+            "runqueue": "hash: input file sha256 chains' thread (waiting for a CPU)"}
+    return ", ".join(f"{k} {st[v]}" for k, v in keys.items() if v in st)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--input", type=Path, required=True)
@@ -115,7 +123,8 @@ def main() -> int:
             st = r["stats"]
             print(f"{spec}: wall {r['wall_s']} s, CPU {r['cpu_s']} s, PSS {r['peak_pss_gb']} GB; setup "
                   f"{st.get('setup_s')} convert {st['convert_s']:.2f} finish {st.get('finish_s')} backend "
-                  f"{st['backend_s']:.2f} hash wait {st.get('input_hash_wait_s')} streams {st['stream_wall_s']}",
+                  f"{st['backend_s']:.2f} hash wait {st.get('input_hash_wait_s')} streams {st['stream_wall_s']}; chain "
+                  f"{chain(st)}",
                   flush=True)
             a.json.write_text(json.dumps(res, indent=1) + "\n")
     return 0
