@@ -102,6 +102,7 @@ def chain(stats: dict) -> str:
     """The input file's sha256 chain's seconds from --stats: busy, of which on a CPU, and waiting for one."""
     st = stats.get("stages_s", {})
     keys = {"busy": "hash: input file sha256 chains (busy)", "on CPU": "hash: input file sha256 chains (on a CPU)",
+            "own reads": "hash: input file sha256 chains (own reads)",
             "runqueue": "hash: input file sha256 chains' thread (waiting for a CPU)"}
     return ", ".join(f"{k} {st[v]}" for k, v in keys.items() if v in st)
 

@@ -48,6 +48,7 @@ class SerialHasher:
         self._error: BaseException | None = None  # a failed feed fails every later one
         self.busy_s = 0.0  # seconds spent hashing (--stats: how near a file's one chain is to its stream's wall)
         self.cpu_s = 0.0  # of which on a CPU (the rest: waiting for one, or for the interpreter's lock)
+        self.read_s = 0.0  # of busy_s, the seconds in feeds that read the bytes themselves (a file's gaps)
 
     def feed(self, data) -> Future:
         """Hash ``data`` (a buffer, or a callable that feeds the hash itself) after what came before."""
@@ -80,6 +81,7 @@ class SerialHasher:
                 t, c = time.perf_counter(), time.thread_time()
                 if callable(data):
                     data(self._h.update)
+                    self.read_s += time.perf_counter() - t
                 else:
                     self._h.update(data)
                 self.busy_s += time.perf_counter() - t
@@ -140,6 +142,11 @@ class FileHasher:
     def cpu_s(self) -> float:
         """Of ``busy_s``, the seconds the chain's thread ran on a CPU."""
         return self._hasher.cpu_s
+
+    @property
+    def read_s(self) -> float:
+        """Of ``busy_s``, the seconds spent on the ranges the chain read from the file itself (reading and hashing)."""
+        return self._hasher.read_s
 
     def offer(self, start: int, chunks: list) -> tuple[Future | None, bool]:
         """Bytes [start, start + their length) of the file, as read or written by the pipeline (one

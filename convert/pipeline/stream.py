@@ -352,6 +352,7 @@ class Stream:
             # the input files' sha256 chains: each one sequential, the floor of a stream over one large file
             self.seconds["hash: input file sha256 chains (busy)"] = sum(h.busy_s for h in self.files.values())
             self.seconds["hash: input file sha256 chains (on a CPU)"] = sum(h.cpu_s for h in self.files.values())
+            self.seconds["hash: input file sha256 chains (own reads)"] = sum(h.read_s for h in self.files.values())
             if self.files and (wait := self.chain_pool.submit(_runqueue_wait_s).result()) is not None:
                 self.seconds["hash: input file sha256 chains' thread (waiting for a CPU)"] = wait
         except BaseException:
