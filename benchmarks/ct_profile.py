@@ -14,7 +14,8 @@ computed without torch: ``compute_early.takes`` patched to refuse every unit, as
 pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``pnice=N`` (auto's probe process's nice value:
 ``pipeline.probe.PROBE_NICE``), ``kspin=NS`` (how long an idle C pool worker polls before it sleeps:
 ``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the
-interpreter's thread switch interval, ``sys.setswitchinterval``; 0.005 by default).
+interpreter's thread switch interval, ``sys.setswitchinterval``; 0.005 by default), ``takes=1`` (the input file
+hashes read ahead of the stream whenever they run dry, as before session 17: ``pipeline.stream.TAKE_ANYTIME``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "import kimi_convert.kernels.clib as c, kimi_convert.pipeline.probe as p\n"
            "n, lead, early, kt, window, knice, pnice, kspin = (int(sys.argv.pop(1)) for _ in range(8))\n"
            "switch = float(sys.argv.pop(1))\n"
+           "if int(sys.argv.pop(1)): s.TAKE_ANYTIME = True\n"
            "if switch > 0: sys.setswitchinterval(switch)\n"
            "if window >= 0: s.READ_WINDOW = window\n"
            "if knice > 0: c.KERNEL_NICE = knice\n"
@@ -86,10 +88,10 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", recipe, "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
-    patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch"} & kv.keys()
+    patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch", "takes"} & kv.keys()
     cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
             kv.get("kthreads", "0"), kv.get("window", "-1"), kv.get("knice", "0"), kv.get("pnice", "0"),
-            kv.get("kspin", "-1"), kv.get("switch", "0"), *args]
+            kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), *args]
            if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
     shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools
     evict(src)

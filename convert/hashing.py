@@ -65,6 +65,14 @@ class SerialHasher:
         """A future of the digest of everything fed so far."""
         return self.feed(None)
 
+    def wake(self) -> None:
+        """Run ``on_idle`` on the pool now if the stream is idle (what it may feed itself has changed)."""
+        with self._lock:
+            if self._running or self._on_idle is None:
+                return
+            self._running = True
+        self._pool.submit(self._drain)
+
     def _drain(self) -> None:
         while True:
             with self._lock:
@@ -178,6 +186,10 @@ class FileHasher:
             if self._done is None:
                 self._done = self._hasher.hexdigest()
             return self._done
+
+    def wake(self) -> None:
+        """``may_take`` may answer otherwise now: an idle chain looks again at the range it waits for."""
+        self._hasher.wake()
 
     def _on_idle(self) -> None:
         """The hash ran dry: take the range it waits for from the file, where ``may_take`` allows."""

@@ -75,7 +75,7 @@ class PackStats:
     convert_s: float  # from the start of the workers to their end (configs and manifest excluded)
     backend_s: float  # the slowest worker's time to load torch and start its device (overlapped with reading)
     hashed_from_pipeline: int  # input bytes whose file sha256 came from the pipeline's own reads
-    hash_reread: int  # input bytes the file hashes read themselves (each stream's first GiB, headers,
+    hash_reread: int  # input bytes the file hashes read themselves (ahead of a stream waiting for torch, headers,
     #                   ranges other streams convert, ranges too far out of order to hold)
     stages_s: dict[str, float]  # seconds per stage, summed over streams (stages of a stream overlap)
     in_flight_peak: int  # the most source and output bytes a worker held at once

@@ -100,6 +100,74 @@ def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_pa
     assert fh.from_pipeline + fh.reread == len(data)
 
 
+def test_an_idle_file_hash_woken_asks_may_take_again(tmp_path, pool):
+    """A chain that ran dry where ``may_take`` refused stays idle (nothing more is offered) until woken: then it
+    asks again, and reads ahead where the answer changed (a stream that starts waiting for torch)."""
+    data = random.Random(8).randbytes(30_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    expected = [(100 + 1000 * i, 1100 + 1000 * i) for i in range(29)]
+    allowed = threading.Event()
+    asked: list[int] = []
+
+    def may_take(start: int) -> bool:
+        asked.append(start)
+        return allowed.is_set()
+
+    fh = FileHasher(path, len(data), expected, pool, HoldBudget(0), may_take=may_take)
+    deadline = time.monotonic() + 10
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert asked == [100] and fh.reread == 100  # the header, then one refusal, and idle since
+    allowed.set()
+    fh.wake()
+    while fh.reread < len(data) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fh.reread == len(data) and fh.from_pipeline == 0
+    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+
+
+def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, tmp_path, monkeypatch):
+    """The input files' chains read ahead of the stream themselves while it waits for the runner (torch and the
+    device: here made to take 1 s), not while it runs (then they hash what it reads: reading the same bytes beside
+    it made them wait on the disk); ``stream.TAKE_ANYTIME`` restores reading ahead whenever a chain runs dry."""
+    from kimi_convert.pipeline import budgets
+
+    monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 1 << 40)
+    monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")
+    monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
+    monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)
+    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)  # many pieces: the stream reads them one by one
+    size = sum(p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
+
+    def packed(name: str, stall: float, anytime: bool) -> tuple[int, dict]:
+        made = budgets.Shared.runner
+
+        def slow(self, device, block):
+            time.sleep(stall)
+            return made(self, device, block)
+
+        monkeypatch.setattr(budgets.Shared, "runner", slow)
+        monkeypatch.setattr(pipeline.stream, "TAKE_ANYTIME", anytime)
+        monkeypatch.setattr(pipeline.budgets.Shared, "early_takes", lambda self, unit, device: False)  # via torch
+        out = tmp_path / name
+        r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
+        monkeypatch.setattr(budgets.Shared, "runner", made)
+        return r.stats.hash_reread, tree(out)
+
+    running, ref = packed("running", 0, False)
+    stalled, out = packed("stalled", 1.0, False)
+    anytime, other = packed("anytime", 0, True)
+    assert out == ref and other == ref
+    import json
+
+    inputs = {f["file"]: f["sha256"] for f in json.loads(ref["manifest.json"])["inputs"]}
+    assert inputs and all(hashlib.sha256((tiny_k3 / f).read_bytes()).hexdigest() == h for f, h in inputs.items())
+    assert running < size // 10  # headers and gaps only
+    assert stalled > size // 2 and anytime > size // 2, (running, stalled, anytime, size)
+
+
 def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
     data = bytes(range(256)) * 100
     path = tmp_path / "f.bin"

@@ -37,6 +37,11 @@ READ_WINDOW = 0
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
 #: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
 EAGER_HASH = 1 << 30
+#: Whether they may do so whenever their chain runs dry (True: before session 17), not only while the stream waits
+#: for torch and the device. Measured (docs/compressed-tensors.md, "Session 17"): where the stream never waits for
+#: torch, a chain that reads ahead itself waits on the disk beside the stream's own reads (3 s of a 10 GB file's
+#: 10-12 s chain on the H200 machine) instead of hashing the bytes the stream reads anyway.
+TAKE_ANYTIME = False
 
 
 @dataclass
@@ -124,12 +129,12 @@ class Stream:
         self.hash_pool = shared.hash_pool
         self.reader = PreadReader(job.source)
         self.next_compute = 0  # the piece the compute thread needs next
-        # A file hash reads a range the stream reads itself when its chain would otherwise wait for the stream
-        # (``hashing.FileHasher``'s ``may_take``), up to EAGER_HASH (or job.eager) bytes ahead of the stream's
-        # reads: a file's sha256 is one sequential chain (1.4 GB/s a core on the H200 machine, the slowest
-        # stage of one large input file), which so runs on while torch loads (1.6-5 s there) and the stream
-        # waits; the start-up readahead brings those bytes into the page cache, where the stream's own reads
-        # find them later.
+        # A file hash reads a range the stream reads itself when its chain would otherwise wait for a stream that
+        # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to EAGER_HASH (or job.eager)
+        # bytes ahead of the stream's reads: a file's sha256 is one sequential chain (1.2-1.4 GB/s a core on the
+        # H200 machine, the slowest stage of one large input file), which so runs on while torch loads (1.6-5 s
+        # there); the start-up readahead brings those bytes into the page cache, where the stream's own reads find
+        # them later. While the stream runs, the chain hashes what it reads (TAKE_ANYTIME).
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
         at: dict[tuple[str, int], int] = {}  # (file, start) -> the stream's bytes read before that range
         pos = 0
@@ -144,8 +149,10 @@ class Stream:
         self.hinted = 0  # the last piece whose reads were hinted to the disk (load)
         lead = max(EAGER_HASH, job.eager)
 
+        self.stalled = False  # the stream waits for torch and the device (its file hashes may read ahead)
+
         def may_take(file: str) -> Callable[[int], bool]:
-            return lambda start: at[(file, start)] < self.read_pos + lead
+            return lambda start: (TAKE_ANYTIME or self.stalled) and at[(file, start)] < self.read_pos + lead
 
         # The input files' sha256 chains run on a thread of their own, not the shared pool: one chain is the
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
@@ -169,6 +176,14 @@ class Stream:
         now = time.perf_counter()
         self.seconds[key] += now - since
         return now
+
+    def _stall(self, on: bool) -> None:
+        """The stream starts or stops waiting for torch and the device: its file hashes may read ahead meanwhile
+        (a chain already idle is woken to)."""
+        self.stalled = on
+        if on:
+            for fh in self.files.values():
+                fh.wake()
 
     # -- read stage (reader thread) ---------------------------------------------------------------
     def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], np.ndarray | None]:
@@ -223,7 +238,11 @@ class Stream:
             return ({n: o.chunks for n, o in res.outputs.items()}, res.notes,
                     _nothing if buf is None else lambda reuse: pool.put(buf, reuse=reuse))
         if self.runner is None:
-            self.runner = self.shared.runner(self.device, self.job.block)
+            self._stall(True)
+            try:
+                self.runner = self.shared.runner(self.device, self.job.block)
+            finally:
+                self._stall(False)
             t = self._clock("compute: wait for torch and the device", t)
         done = self.runner.compute(pc.unit, loaded)
         self._clock("compute: kernels and copies", t)
