@@ -168,64 +168,6 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
     assert stalled > size // 2 and anytime > size // 2, (running, stalled, anytime, size)
 
 
-def test_after_hashes_runs_each_action_once_its_futures_are_done_and_keeps_the_first_failure():
-    """The writer's deferred releases: at once where every future is done, else on the executor (the writer's
-    thread) after the last one; an action runs even where a future failed, and the failure is raised after."""
-    from concurrent.futures import Future
-
-    from kimi_convert.pipeline.stream import _AfterHashes
-
-    with ThreadPoolExecutor(1, thread_name_prefix="writer") as ex:
-        after = _AfterHashes(ex)
-        ran: list[tuple[str, str]] = []
-        done: Future = Future()
-        done.set_result(None)
-        after.run([done], lambda: ran.append(("now", threading.current_thread().name)))
-        assert ran == [("now", threading.current_thread().name)]  # on the caller's thread, at once
-        a, b = Future(), Future()
-        after.run([a, b], lambda: ran.append(("later", threading.current_thread().name)))
-        a.set_result(None)
-        time.sleep(0.1)
-        assert len(ran) == 1  # b is not done yet
-        b.set_result(None)
-        after.wait()
-        assert ran[1][0] == "later" and ran[1][1].startswith("writer")
-        after.raise_failed()  # nothing failed
-        bad: Future = Future()
-        after.run([bad], lambda: ran.append(("given back", "")))
-        bad.set_exception(OSError("disk gone"))
-        with pytest.raises(OSError, match="disk gone"):
-            after.wait()
-        assert ran[-1][0] == "given back"
-        with pytest.raises(OSError, match="disk gone"):
-            after.raise_failed()
-
-
-def test_a_failed_hash_fails_the_pack_without_a_hang(tiny_k3, tmp_path, monkeypatch):
-    """A hash that fails after the writer went on (its buffers given back later) still fails the pack, with its
-    own error, and no manifest is written."""
-    from concurrent.futures import Future
-
-    feed, n = SerialHasher.feed, [0]
-
-    def failing(self, data):
-        n[0] += 1
-        if n[0] == 40:
-            f: Future = Future()
-            f.set_exception(OSError("the hash failed here"))
-            return f
-        return feed(self, data)
-
-    monkeypatch.setattr(SerialHasher, "feed", failing)
-    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
-    out = tmp_path / "out"
-    t = time.monotonic()
-    with pytest.raises(OSError, match="the hash failed here"):
-        pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
-    assert time.monotonic() - t < 60 and n[0] > 40
-    assert not (out / "manifest.json").exists()
-
-
 def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
     data = bytes(range(256)) * 100
     path = tmp_path / "f.bin"

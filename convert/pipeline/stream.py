@@ -253,35 +253,19 @@ class Stream:
     def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict],
               release: Callable[[bool], None], feeds: list[Future], digests: dict[str, Future], base: np.ndarray | None,
               finisher: ThreadPoolExecutor, finishing: list[Future]) -> None:
-        """Write the piece and offer its bytes to the hashes. Its buffers and its share of the in-flight budget go
-        back once every hash of them is done, run on this thread then (``_AfterHashes``): the writer goes on to the
-        next piece meanwhile (it waited here for them before session 17: 4.8 s of a 10 GB file's 10.6 s stream on
-        the H200 machine, with the compute waiting 4 s for the writer)."""
-        self.after_hashes.raise_failed()
+        held = True  # failed part-way: the file hash may hold any of the bytes
         try:
-            held, feeds = self._store(pc, outputs, notes, feeds, digests, finisher, finishing)
-        except BaseException:
-            release(False)  # failed part-way: the file hash may hold any of the bytes
-            self.shared.in_flight.give(pc_cost(pc))
-            raise
-
-        def settle() -> None:
-            if base is not None:
-                self.shared.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
+            held = self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
+        finally:
             release(not held)
             self.shared.in_flight.give(pc_cost(pc))
-            self.on_progress(pc.nbytes)
-
-        self.after_hashes.run(feeds, settle)
 
     def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
-               digests: dict[str, Future], finisher: ThreadPoolExecutor,
-               finishing: list[Future]) -> tuple[bool, list[Future]]:
-        """Whether the shard's file hash kept some of the piece's chunks (to hash them in file order later), and the
-        futures of every hash of the piece's bytes (its reads' and its outputs')."""
+               digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
+               finishing: list[Future]) -> bool:
+        """Whether the shard's file hash kept some of the piece's chunks (to hash them in file order later)."""
         if self.stop.is_set():
             raise Stopped("pack")
-        feeds = list(feeds)
         file = pc.unit.shard
         st = self.open.get(file)
         if st is None:
@@ -312,12 +296,19 @@ class Stream:
             if pc.last:
                 st.tensors[name] = h.hexdigest()
                 del self.out_hashers[name]
+        t = time.perf_counter()
+        for f in feeds:
+            f.result()  # the buffers may go once hashed
+        self._clock("write: wait for the hashes", t)
+        if base is not None:
+            self.shared.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
+        self.on_progress(pc.nbytes)
         if pc.last:
             st.units_left -= 1
-            if st.units_left == 0:  # (finish_shard waits for the shard's hashes itself)
+            if st.units_left == 0:
                 del self.open[file]
                 finishing.append(finisher.submit(self.finish_shard, file, st))
-        return held, feeds
+        return held
 
     def finish_shard(self, file: str, st: _ShardState) -> None:
         t = time.perf_counter()
@@ -345,7 +336,6 @@ class Stream:
         start = time.perf_counter()
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
-        self.after_hashes = _AfterHashes(writes)
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
         finishing: list[Future] = []
         loading: deque[Future] = deque()
@@ -370,10 +360,8 @@ class Stream:
                     writing.popleft().result()
                 self._clock("compute: wait for the writer", t)
                 _raise_failed(finishing)
-                self.after_hashes.raise_failed()
             while writing:
                 writing.popleft().result()
-            self.after_hashes.wait()
             for f in list(finishing):
                 f.result()
             t = time.perf_counter()
@@ -402,71 +390,6 @@ class Stream:
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
                          wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait,
                          early_units=self.early_units)
-
-
-class _AfterHashes:
-    """Actions run on ``executor`` (the writer's thread) once the futures they wait for are done: a piece's
-    buffers go back once its bytes are hashed, while the writer goes on. An action runs even where one of its
-    futures failed (what it gives back must not be lost: a reader waiting for the budget would wait for ever);
-    the first failure is raised by ``raise_failed`` and ``wait``."""
-
-    def __init__(self, executor: ThreadPoolExecutor):
-        self._executor = executor
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._error: BaseException | None = None
-
-    def run(self, futures: list[Future], action: Callable[[], None]) -> None:
-        """``action`` now if every future is done, else on the executor once the last one is."""
-        left = [f for f in futures if not f.done()]
-        if not left:
-            self._settle(futures, action, counted=False)
-            return
-        with self._cond:
-            self._pending += 1
-        count = [len(left)]
-        lock = threading.Lock()
-
-        def one_done(_: Future) -> None:
-            with lock:
-                count[0] -= 1
-                if count[0]:
-                    return
-            try:
-                self._executor.submit(self._settle, futures, action, True)
-            except RuntimeError:  # the executor is shut down: the stream failed, nothing waits for the action
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-        for f in left:
-            f.add_done_callback(one_done)
-
-    def _settle(self, futures: list[Future], action: Callable[[], None], counted: bool) -> None:
-        try:
-            for f in futures:
-                if f.exception() is not None and self._error is None:
-                    self._error = f.exception()
-            action()
-        except BaseException as e:
-            if self._error is None:
-                self._error = e
-        finally:
-            if counted:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-    def raise_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def wait(self) -> None:
-        """Until every action has run; then raises the first failure, if any."""
-        with self._cond:
-            while self._pending:
-                self._cond.wait()
-        self.raise_failed()
 
 
 def _runqueue_wait_s() -> float | None:
