@@ -168,6 +168,34 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
     assert stalled > size // 2 and anytime > size // 2, (running, stalled, anytime, size)
 
 
+def test_a_read_window_hints_the_pieces_beyond_the_next_from_a_thread_of_its_own(tiny_k3, tmp_path, monkeypatch):
+    """``READ_WINDOW``: the reader hints the next piece itself and the hint thread every piece up to the window
+    ahead of its reads (a large hint may block until the disk has queued it); 0: the reader's next piece only.
+    The bytes written are the same either way."""
+    from kimi_convert import readers
+
+    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
+    seen: list[tuple[str, str, int]] = []
+    need = readers.PreadReader.will_need
+
+    def watch(self, t, lo=0, hi=None):
+        seen.append((threading.current_thread().name, t.name, lo))
+        return need(self, t, lo, hi)
+
+    monkeypatch.setattr(readers.PreadReader, "will_need", watch)
+    opts = Options(**SGLANG, max_shard_size=400_000)
+    pack(tiny_k3, tmp_path / "plain", opts, device="cpu", progress=False)
+    plain = [s for s in seen if not s[0].startswith("kimi-convert-readahead")]
+    assert plain and all(s[0].startswith("kimi-convert-read") for s in plain)
+    seen.clear()
+    monkeypatch.setattr(pipeline.stream, "READ_WINDOW", 1 << 30)  # the whole input
+    pack(tiny_k3, tmp_path / "window", opts, device="cpu", progress=False)
+    hinted = [s for s in seen if s[0].startswith("kimi-convert-hints")]
+    assert len(hinted) > len(plain) // 2  # most pieces: from the hint thread
+    assert {(t, lo) for _, t, lo in plain} <= {(t, lo) for _, t, lo in seen}  # each piece hinted before, hinted
+    assert tree(tmp_path / "window") == tree(tmp_path / "plain")
+
+
 def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
     data = bytes(range(256)) * 100
     path = tmp_path / "f.bin"

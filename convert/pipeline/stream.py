@@ -3,6 +3,7 @@ thread, overlapped; ``run_jobs`` runs a worker's streams (the package docstring 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -32,7 +33,10 @@ if TYPE_CHECKING:
     from .runner import Runner
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
-#: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once
+#: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once.
+#: The reader hints the next piece itself; what lies beyond is hinted from a thread of its own (a large
+#: ``posix_fadvise`` can block until the disk has queued it, and the reader would wait with it). 0: off (measured
+#: no gain so far, docs/compressed-tensors.md, sessions 14 and 17; ``ct_profile.py``'s ``window=``).
 READ_WINDOW = 0
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
 #: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
@@ -195,11 +199,14 @@ class Stream:
         t = self._clock("read: wait for the memory budget", t)
         if self.stop.is_set():
             raise Stopped("pack")
+        first = self.hinted + 1
         while self.hinted + 1 < len(self.pieces) and (self.hinted <= i or
                                                       self.piece_at[self.hinted + 1] < self.read_pos + READ_WINDOW):
             self.hinted += 1
-            for r in self.pieces[self.hinted].reads:
-                self.reader.will_need(r.part, r.lo, r.hi)
+        for j in range(first, min(self.hinted, i + 1) + 1):  # the next piece: here and now
+            self._hint(j)
+        if self.hinted >= max(first, i + 2):  # beyond it: on the hint thread, in order
+            self.hints.submit(self._hint_quietly, range(max(first, i + 2), self.hinted + 1))
         base = self.shared.buffers.get(pc.nbytes)
         bufs, feeds, digests, held, off = {}, [], {}, False, 0
         for r in pc.reads:
@@ -220,6 +227,18 @@ class Stream:
         if held:  # a file hash keeps a view of it: never reused, only counted out
             self.shared.buffers.put(base, reuse=False)
         return Loaded(bufs), feeds, digests, None if held else base
+
+    def _hint(self, j: int) -> None:
+        for r in self.pieces[j].reads:
+            self.reader.will_need(r.part, r.lo, r.hi)
+
+    def _hint_quietly(self, js: range) -> None:
+        """Hint pieces ``js`` to the disk (the hint thread: a hint that fails is only a hint not given)."""
+        for j in js:
+            if self.stop.is_set():
+                return
+            with contextlib.suppress(OSError):
+                self._hint(j)
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
     def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict],
@@ -337,6 +356,7 @@ class Stream:
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
+        self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (READ_WINDOW)
         finishing: list[Future] = []
         loading: deque[Future] = deque()
         writing: deque[Future] = deque()
@@ -377,13 +397,13 @@ class Stream:
         except BaseException:
             self.stop.set()
             faults.release()
-            for ex in (reads, writes, finisher, self.chain_pool):
+            for ex in (reads, writes, finisher, self.hints, self.chain_pool):
                 ex.shutdown(wait=True, cancel_futures=True)
             for st in self.open.values():
                 st.writer.abort()
             self.reader.close()
             raise
-        for ex in (reads, writes, finisher, self.chain_pool):
+        for ex in (reads, writes, finisher, self.hints, self.chain_pool):
             ex.shutdown()
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
