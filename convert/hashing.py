@@ -49,6 +49,7 @@ class SerialHasher:
         self.busy_s = 0.0  # seconds spent hashing (--stats: how near a file's one chain is to its stream's wall)
         self.cpu_s = 0.0  # of which on a CPU (the rest: waiting for one, or for the interpreter's lock)
         self.read_s = 0.0  # of busy_s, the seconds in feeds that read the bytes themselves (a file's gaps)
+        self.hashed = 0  # bytes hashed so far (--stats' timeline)
 
     def feed(self, data) -> Future:
         """Hash ``data`` (a buffer, or a callable that feeds the hash itself) after what came before."""
@@ -64,6 +65,10 @@ class SerialHasher:
     def hexdigest(self) -> Future:
         """A future of the digest of everything fed so far."""
         return self.feed(None)
+
+    def _update(self, data) -> None:
+        self._h.update(data)
+        self.hashed += memoryview(data).nbytes
 
     def wake(self) -> None:
         """Run ``on_idle`` on the pool now if the stream is idle (what it may feed itself has changed)."""
@@ -88,10 +93,10 @@ class SerialHasher:
                     continue
                 t, c = time.perf_counter(), time.thread_time()
                 if callable(data):
-                    data(self._h.update)
+                    data(self._update)
                     self.read_s += time.perf_counter() - t
                 else:
-                    self._h.update(data)
+                    self._update(data)
                 self.busy_s += time.perf_counter() - t
                 self.cpu_s += time.thread_time() - c
                 fut.set_result(None)
@@ -150,6 +155,11 @@ class FileHasher:
     def cpu_s(self) -> float:
         """Of ``busy_s``, the seconds the chain's thread ran on a CPU."""
         return self._hasher.cpu_s
+
+    @property
+    def hashed(self) -> int:
+        """Bytes of the file hashed so far."""
+        return self._hasher.hashed
 
     @property
     def read_s(self) -> float:

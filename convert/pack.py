@@ -88,6 +88,7 @@ class PackStats:
     calibration: list[dict] = field(default_factory=list)  # auto: each worker's calibration thread (the GPU's
     #                   start-up seconds, units computed and their seconds, offers declined, the streams' copying)
     stream_wall_s: list[float] = field(default_factory=list)  # each stream's seconds, start to end
+    stream_timelines: list[dict] = field(default_factory=list)  # each stream's counters in time (pipeline.timeline)
     input_hash_wait_s: float = 0.0  # after the streams ended, waiting for the input file hashes (sequential chains)
     early_units: int = 0  # units computed without torch while it loaded, or for --device cpu (compute_early)
     setup_s: float = 0.0  # from pack's call to the workers' start (the plan, the journal, the output folder)
@@ -225,9 +226,9 @@ def pack(
         # the disk starts on the first groups while torch and the GPU start up (nothing is imported yet)
         # (on a thread: queueing that much readahead can block until the disk has taken it)
         if cluster is None and not from_hub:  # (with --ray, the nodes read; a Hub input: the downloads)
-            threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
+            threading.Thread(target=_startup_readahead, daemon=True, name="kimi-convert-readahead",
                              args=(source, [p for u in plan.units if u.shard not in j.shards for p in u.parts],
-                                   ahead)).start()
+                                   ahead, devices_, needs_torch)).start()
         jobs = split_jobs(ckpt, plan, todo, slots, output_dir, source=job_source, hash_inputs=not from_hub)
         for job in jobs:  # what the start-up readahead brings into the page cache, the file hashes read at once
             job.eager = 0 if from_hub else ahead // max(1, len(jobs))
@@ -305,6 +306,7 @@ def pack(
                           in_flight_peak=max((r.in_flight_peak for r in results), default=0),
                           in_flight_limit=max((r.in_flight_limit for r in results), default=0),
                           stream_wall_s=[r.wall_s for r in results],
+                          stream_timelines=[r.timeline for r in results],
                           input_hash_wait_s=max((r.hash_wait_s for r in results), default=0.0),
                           early_units=sum(r.early_units for r in results),
                           setup_s=round(t - called, 3), finish_s=round(time.perf_counter() - t - convert_s, 3),
@@ -316,6 +318,17 @@ def pack(
                           cast_lossless=sum(r.cast_lossless for r in recs), upload=up)
     finally:
         unlock_output(output_dir, lock)
+
+
+def _startup_readahead(source: Source, parts: list, budget: int, devs: list[Device], need: pipeline.TorchNeed) -> None:
+    """The start-up readahead, where the streams will wait for torch: a GPU's (torch and CUDA start meanwhile), or
+    the CPUs' where a unit needs torch. Where the C kernels take every unit (``--device cpu`` and ``auto``: its GPU is
+    measured in a probe process) the streams read at once, and the readahead's requests only queue ahead of their
+    reads: the first read of a 2.4 GB pack waited 1.2 s behind them on 2 cores (docs/compressed-tensors.md,
+    "Session 17")."""
+    if devs and all(d.kind in ("cpu", "auto") for d in devs) and not need.wait():
+        return
+    readahead(source, parts, budget)
 
 
 def _warm_up(device: Device | str, workers: int | None, cpus: int, need: pipeline.TorchNeed) -> None:

@@ -196,6 +196,51 @@ def test_a_read_window_hints_the_pieces_beyond_the_next_from_a_thread_of_its_own
     assert tree(tmp_path / "window") == tree(tmp_path / "plain")
 
 
+def test_the_startup_readahead_runs_only_where_a_stream_will_wait_for_torch(tiny_k3, tmp_path, monkeypatch):
+    """``--device cpu`` where the C kernels take every unit: no start-up readahead (the streams read at once, and its
+    requests would only queue ahead of theirs); where a unit needs torch, the readahead of the first units' parts."""
+    import kimi_convert.pack as pack_mod
+    from kimi_convert import compute_early
+
+    calls: list[int] = []
+    done = threading.Event()
+
+    def record(source, parts, budget):
+        calls.append(len(parts))
+        done.set()
+
+    monkeypatch.setattr(pack_mod, "readahead", record)
+    opts = Options(**SGLANG, max_shard_size=400_000)
+    _, plan = load_plan(tiny_k3, opts)
+    assert all(compute_early.takes(u) for u in plan.units)  # (the premise: every unit without torch)
+    pack(tiny_k3, tmp_path / "early", opts, device="cpu", progress=False)
+    time.sleep(0.5)  # (the thread decides after the plan: it would have called by now)
+    assert calls == []
+    monkeypatch.setattr(compute_early, "takes", lambda unit: False)
+    pack(tiny_k3, tmp_path / "torch", opts, device="cpu", progress=False)
+    assert done.wait(10) and calls and calls[0] == sum(len(u.parts) for u in plan.units)
+    assert tree(tmp_path / "torch") == tree(tmp_path / "early")
+
+
+def test_a_timeline_keeps_at_most_its_limit_of_evenly_spaced_rows():
+    """Past ``limit`` rows a timeline drops every other one and samples half as often: a long pack's record stays
+    bounded and evenly spaced; ``stop`` adds a last row (the counters at the end)."""
+    from kimi_convert.pipeline.timeline import Timeline
+
+    n = itertools.count()
+    tl = Timeline(lambda: (next(n), 0, 0, 0), every_s=0.005, limit=8)
+    tl.start()
+    time.sleep(0.5)
+    out = tl.stop()
+    rows = out["rows"]
+    assert out["every_s"] > 0.005 and 2 <= len(rows) <= 9 + 1
+    times = [r[0] for r in rows]
+    assert times == sorted(times) and times[-1] >= 0.5
+    assert [r[1] for r in rows] == sorted(r[1] for r in rows)  # the probe's count, in order
+    gaps = [b - a for a, b in itertools.pairwise(times[:-1])]
+    assert max(gaps) < 4 * min(gaps) + 0.05  # about even (the last row is stop's own)
+
+
 def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
     data = bytes(range(256)) * 100
     path = tmp_path / "f.bin"
@@ -429,6 +474,16 @@ def test_cli_stats_and_streams(tiny_k3, tmp_path):
     assert 0 < busy <= sum(st["stream_wall_s"])
     # of which the files' headers at least, read by the chains themselves (the pipeline never reads them)
     assert 0 < st["stages_s"]["hash: input file sha256 chains (own reads)"] <= busy
+    # each stream's counters in time: non-decreasing, ending with every byte read, hashed and stored
+    tls = st["stream_timelines"]
+    assert len(tls) == 2 and all(tl["columns"] == ["s", "read", "hashed", "stored", "in_flight"] for tl in tls)
+    for tl in tls:
+        cols = list(zip(*tl["rows"], strict=True))
+        assert all(list(c) == sorted(c) for c in cols[:4])
+        assert tl["rows"][-1][3] == tl["rows"][-1][1] > 0  # stored what it read (each piece once)
+        assert tl["rows"][-1][4] >= 0
+    size = sum(p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
+    assert sum(tl["rows"][-1][2] for tl in tls) == size  # the input files hashed whole, by one stream each
     v = run("verify-manifest", out, "--input", tiny_k3)
     assert v.code == 0, v.stdout + v.stderr
 

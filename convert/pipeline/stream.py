@@ -23,6 +23,7 @@ from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
 from .budgets import Shared, default_hash_threads, pc_cost, return_freed_memory
 from .slicing import Piece, PieceKind, pieces
+from .timeline import Timeline
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
 
 READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
 #: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once.
-#: The reader hints the next piece itself; what lies beyond is hinted from a thread of its own (a large
-#: ``posix_fadvise`` can block until the disk has queued it, and the reader would wait with it). 0: off (measured
-#: no gain so far, docs/compressed-tensors.md, sessions 14 and 17; ``ct_profile.py``'s ``window=``).
+#: The hints are given from a thread of their own, not the reader's: a ``posix_fadvise`` blocks while the disk's
+#: request queue is full, and the reader would wait with it. (Linux reads at most max(read_ahead_kb,
+#: max_sectors_kb) of one hint, 8 MB on the machines measured: a larger piece is hinted in part, the kernel's own
+#: readahead of a sequential ``pread`` does the rest.) 0: the next piece only (a wider window measured no gain so
+#: far, docs/compressed-tensors.md, sessions 14 and 17; ``ct_profile.py``'s ``window=``).
 READ_WINDOW = 0
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
 #: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
@@ -78,6 +81,7 @@ class JobResult:
     pinned_bytes: int = 0  # its worker's read buffers page-locked for the GPU
     pin_s: float = 0.0  # and the seconds that took
     calibration: dict = field(default_factory=dict)  # auto: its worker's calibration thread (Runner.calibration)
+    timeline: dict = field(default_factory=dict)  # its counters sampled in time (pipeline.timeline)
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
     hash_wait_s: float = 0.0  # its seconds, once its shards were written, waiting for its input files' hashes
     early_units: int = 0  # its units computed without torch (``compute_early``)
@@ -149,6 +153,7 @@ class Stream:
                     at.setdefault((r.part.file, r.file_range[0]), pos)
                 pos += r.hi - r.lo
         self.read_pos = 0  # bytes the stream has read (the reader thread's count)
+        self.stored = 0  # bytes of the pieces the writer has stored (their hashes done)
         self.piece_at = list(itertools.accumulate((pc.nbytes for pc in self.pieces), initial=0))
         self.hinted = 0  # the last piece whose reads were hinted to the disk (load)
         lead = max(EAGER_HASH, job.eager)
@@ -203,10 +208,8 @@ class Stream:
         while self.hinted + 1 < len(self.pieces) and (self.hinted <= i or
                                                       self.piece_at[self.hinted + 1] < self.read_pos + READ_WINDOW):
             self.hinted += 1
-        for j in range(first, min(self.hinted, i + 1) + 1):  # the next piece: here and now
-            self._hint(j)
-        if self.hinted >= max(first, i + 2):  # beyond it: on the hint thread, in order
-            self.hints.submit(self._hint_quietly, range(max(first, i + 2), self.hinted + 1))
+        if self.hinted >= first:  # on the hint thread, in order (a hint can block: see READ_WINDOW)
+            self.hints.submit(self._hint_quietly, range(first, self.hinted + 1))
         base = self.shared.buffers.get(pc.nbytes)
         bufs, feeds, digests, held, off = {}, [], {}, False, 0
         for r in pc.reads:
@@ -228,17 +231,14 @@ class Stream:
             self.shared.buffers.put(base, reuse=False)
         return Loaded(bufs), feeds, digests, None if held else base
 
-    def _hint(self, j: int) -> None:
-        for r in self.pieces[j].reads:
-            self.reader.will_need(r.part, r.lo, r.hi)
-
     def _hint_quietly(self, js: range) -> None:
         """Hint pieces ``js`` to the disk (the hint thread: a hint that fails is only a hint not given)."""
         for j in js:
             if self.stop.is_set():
                 return
             with contextlib.suppress(OSError):
-                self._hint(j)
+                for r in self.pieces[j].reads:
+                    self.reader.will_need(r.part, r.lo, r.hi)
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
     def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict],
@@ -322,6 +322,7 @@ class Stream:
         if base is not None:
             self.shared.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
         self.on_progress(pc.nbytes)
+        self.stored += pc.nbytes
         if pc.last:
             st.units_left -= 1
             if st.units_left == 0:
@@ -357,6 +358,9 @@ class Stream:
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
         self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (READ_WINDOW)
+        timeline = Timeline(lambda: (self.read_pos, sum(h.hashed for h in self.files.values()), self.stored,
+                                     self.shared.in_flight.held))
+        timeline.start()
         finishing: list[Future] = []
         loading: deque[Future] = deque()
         writing: deque[Future] = deque()
@@ -402,6 +406,7 @@ class Stream:
             for st in self.open.values():
                 st.writer.abort()
             self.reader.close()
+            timeline.stop()
             raise
         for ex in (reads, writes, finisher, self.hints, self.chain_pool):
             ex.shutdown()
@@ -409,7 +414,7 @@ class Stream:
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
                          wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait,
-                         early_units=self.early_units)
+                         early_units=self.early_units, timeline=timeline.stop())
 
 
 def _runqueue_wait_s() -> float | None:
