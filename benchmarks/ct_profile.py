@@ -13,9 +13,10 @@ computed without torch: ``compute_early.takes`` patched to refuse every unit, as
 (how far ahead of its reads a stream hints the disk: ``pipeline.stream.READ_WINDOW``), ``knice=N`` (the C kernels'
 pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``pnice=N`` (auto's probe process's nice value:
 ``pipeline.probe.PROBE_NICE``), ``kspin=NS`` (how long an idle C pool worker polls before it sleeps:
-``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the
-interpreter's thread switch interval, ``sys.setswitchinterval``; 0.005 by default), ``takes=1`` (the input file
-hashes read ahead of the stream whenever they run dry, as before session 17: ``pipeline.stream.TAKE_ANYTIME``).
+``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the interpreter's thread switch interval, ``sys.setswitchinterval``;
+0.005 by default), ``takes=1`` (the input file hashes read ahead of the stream whenever they run dry, as before
+session 17: ``pipeline.stream.TAKE_ANYTIME``), ``sra=1`` (the start-up readahead whatever the device, as before
+session 17: ``pack._startup_readahead`` patched).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "n, lead, early, kt, window, knice, pnice, kspin = (int(sys.argv.pop(1)) for _ in range(8))\n"
            "switch = float(sys.argv.pop(1))\n"
            "if int(sys.argv.pop(1)): s.TAKE_ANYTIME = True\n"
+           "if int(sys.argv.pop(1)):\n"
+           "    import kimi_convert.pack as pk\n"
+           "    pk._startup_readahead = lambda source, parts, budget, devs, need: pk.readahead(source, parts, budget)\n"
            "if switch > 0: sys.setswitchinterval(switch)\n"
            "if window >= 0: s.READ_WINDOW = window\n"
            "if knice > 0: c.KERNEL_NICE = knice\n"
@@ -88,10 +92,11 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", recipe, "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
-    patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch", "takes"} & kv.keys()
+    patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch", "takes",
+               "sra"} & kv.keys()
     cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
             kv.get("kthreads", "0"), kv.get("window", "-1"), kv.get("knice", "0"), kv.get("pnice", "0"),
-            kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), *args]
+            kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), kv.get("sra", "0"), *args]
            if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
     shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools
     evict(src)
