@@ -4,7 +4,8 @@ C kernels' pool workers), for one in-process `pack` from a cold page cache: whic
     python benchmarks/thread_cpu.py --input DIR [--recipe ct-nvfp4-a16] [--device cpu] [--json FILE]
 
 Sampled from /proc/self/task every 50 ms (Linux); a thread's last sample is its total (one that lives under 50 ms
-may be missed). Threads Python did not start (the C pool's workers, torch's) are counted as "C-worker".
+may be missed), less what it had used before the pack began (the main thread's imports). Threads Python did not
+start (the C pool's workers, torch's) are counted as "C-worker".
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ sys.path.insert(0, str(HERE))
 from compare_speed import evict  # noqa: E402
 
 
-def sample(seen: dict[int, tuple[str, float]], stop: threading.Event) -> None:
+def snapshot(seen: dict[int, tuple[str, float]]) -> None:
+    """Each live thread's name and CPU seconds so far, into ``seen``."""
     tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            f = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid)) or seen.get(int(tid), ("C-worker", 0.0))[0]
+        seen[int(tid)] = (name, (int(f[11]) + int(f[12])) / tick)  # utime + stime
+
+
+def sample(seen: dict[int, tuple[str, float]], stop: threading.Event) -> None:
     while not stop.is_set():
-        names = {t.native_id: t.name for t in threading.enumerate()}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                f = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            name = names.get(int(tid)) or seen.get(int(tid), ("C-worker", 0.0))[0]
-            seen[int(tid)] = (name, (int(f[11]) + int(f[12])) / tick)  # utime + stime
+        snapshot(seen)
         time.sleep(0.05)
 
 
@@ -53,6 +59,8 @@ def main() -> int:
     stop = threading.Event()
     with tempfile.TemporaryDirectory(dir=a.input.parent) as work:
         evict(a.input)
+        before: dict[int, tuple[str, float]] = {}
+        snapshot(before)  # the threads alive before the pack (the main one: its imports are not the pack's)
         t = threading.Thread(target=sample, args=(seen, stop), daemon=True, name="sampler")
         t.start()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -61,8 +69,8 @@ def main() -> int:
         stop.set()
         t.join()
     by_name: dict[str, float] = collections.defaultdict(float)
-    for name, c in seen.values():
-        by_name[name.rstrip("0123456789_").rstrip("-_")] += c
+    for tid, (name, c) in seen.items():
+        by_name[name.rstrip("0123456789_").rstrip("-_")] += c - before.get(tid, ("", 0.0))[1]
     rows = dict(sorted(((k, round(v, 2)) for k, v in by_name.items()), key=lambda kv: -kv[1]))
     print(json.dumps({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "threads_cpu_s": rows}))
     if a.json:
