@@ -106,7 +106,8 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
 
 
 def chain(stats: dict) -> str:
-    """The input file's sha256 chain's seconds from --stats: busy, of which on a CPU, and waiting for one."""
+    """The input file's sha256 chain's seconds from --stats: busy, of which on a CPU and on its own reads, and its
+    thread's wait for a CPU."""
     st = stats.get("stages_s", {})
     keys = {"busy": "hash: input file sha256 chains (busy)", "on CPU": "hash: input file sha256 chains (on a CPU)",
             "own reads": "hash: input file sha256 chains (own reads)",

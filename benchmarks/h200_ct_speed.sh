@@ -29,8 +29,9 @@ if missing:
 EOF
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 KIMI_CONVERT_LLMC_PYTHON=python3
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1
-{ nproc; lscpu | grep -iE "model name|thread|core|socket|mhz|numa"; grep -c . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | head -2
-  cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list; free -g; df -h "$W"; nvidia-smi -L
+{ nproc; lscpu | grep -iE "model name|thread|core|socket|mhz|numa"
+  for c in 0 1; do echo "cpu$c thread siblings: $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list)"; done
+  free -g; df -h "$W"; nvidia-smi -L
   python3 -c "import torch, transformers, llmcompressor, compressed_tensors as ct; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'llmcompressor', llmcompressor.__version__, 'compressed-tensors', ct.__version__)"
   for i in 1 2; do /usr/bin/time -f "import torch: %e s" python3 -c "import torch"; done
