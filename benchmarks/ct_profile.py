@@ -16,7 +16,8 @@ pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``pnice=N`` (auto's pro
 ``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the interpreter's thread switch interval, ``sys.setswitchinterval``;
 0.005 by default), ``takes=1`` (the input file hashes read ahead of the stream whenever they run dry, as before
 session 17: ``pipeline.stream.TAKE_ANYTIME``), ``sra=1`` (the start-up readahead whatever the device, as before
-session 17: ``pack._startup_readahead`` patched).
+session 17: ``pack._startup_readahead`` patched), ``rab=BYTES`` (the bytes a stream reads ahead of its compute beyond
+its three pieces: ``pipeline.stream.READ_AHEAD_BYTES``; 0 as before session 18).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "if int(sys.argv.pop(1)):\n"
            "    import kimi_convert.pack as pk\n"
            "    pk._startup_readahead = lambda source, parts, budget, devs, need: pk.readahead(source, parts, budget)\n"
+           "rab = int(sys.argv.pop(1))\n"
+           "if rab >= 0: s.READ_AHEAD_BYTES = rab\n"
            "if switch > 0: sys.setswitchinterval(switch)\n"
            "if window >= 0: s.READ_WINDOW = window\n"
            "if knice > 0: c.KERNEL_NICE = knice\n"
@@ -93,10 +96,11 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", recipe, "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
     patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch", "takes",
-               "sra"} & kv.keys()
+               "sra", "rab"} & kv.keys()
     cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
             kv.get("kthreads", "0"), kv.get("window", "-1"), kv.get("knice", "0"), kv.get("pnice", "0"),
-            kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), kv.get("sra", "0"), *args]
+            kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), kv.get("sra", "0"),
+            kv.get("rab", "-1"), *args]
            if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
     shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools
     evict(src)

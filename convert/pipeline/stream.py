@@ -33,7 +33,13 @@ if TYPE_CHECKING:
     from ..sources import Source
     from .runner import Runner
 
-READ_AHEAD = 3  # pieces read ahead of the compute, within the in-flight budget
+READ_AHEAD = 3  # pieces read ahead of the compute at least, within the in-flight budget
+#: Bytes read ahead of the compute beyond those pieces (at most a quarter of the in-flight budget): the input file's
+#: sha256 chain, the slowest stage of a large input file, hashes the pieces as they are read, and the writer waits
+#: for their hashes; three small pieces (an expert's 3 MB) left it 10-40 MB of slack, so the chain, the disk and the
+#: writer waited on each other in turn (a stream at 1.1-1.2 GB/s against the chain's 1.37 and the disk's 1.6 on the
+#: H200 machine, docs/compressed-tensors.md "Session 18"). 0: READ_AHEAD pieces only, as before session 18.
+READ_AHEAD_BYTES = 128 << 20
 #: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once.
 #: The hints are given from a thread of their own, not the reader's: a ``posix_fadvise`` blocks while the disk's
 #: request queue is full, and the reader would wait with it. (Linux reads at most max(read_ahead_kb,
@@ -365,15 +371,17 @@ class Stream:
         loading: deque[Future] = deque()
         writing: deque[Future] = deque()
         try:
-            for i in range(min(READ_AHEAD, len(self.pieces))):
-                loading.append(reads.submit(self.load, i))
+            queued = 0  # the next piece to hand the reader
+            ahead = min(READ_AHEAD_BYTES, self.shared.in_flight.limit // 4)
             for i, pc in enumerate(self.pieces):
+                while queued < len(self.pieces) and (queued <= i + READ_AHEAD or
+                                                     self.piece_at[queued] - self.piece_at[i] < ahead):
+                    loading.append(reads.submit(self.load, queued))
+                    queued += 1
                 t = time.perf_counter()
                 self.next_compute = i
                 loaded, feeds, digests, base = loading.popleft().result()
                 self._clock("compute: wait for the reader", t)
-                if i + READ_AHEAD < len(self.pieces):
-                    loading.append(reads.submit(self.load, i + READ_AHEAD))
                 outputs, notes, release = self.compute(pc, loaded)
                 del loaded
                 writing.append(writes.submit(self.store, pc, outputs, notes, release, feeds, digests, base,
