@@ -38,6 +38,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 } > "$OUT/machine.log" 2>&1 || { cat "$OUT"/*.log; exit 1; }
 # the C kernels built once for this machine (a first use compiles them: 2-3 s, once per machine and version)
 python3 -c "from kimi_convert.kernels import clib; assert clib.load() is not None" >> "$OUT/install.log" 2>&1
+# KIMI_LINEAR=1: instead, the speed table on the 2-core figure's input (`synth bench-kimi-linear`, 2.4 GB, 4 files),
+# ours auto and cpu against the peer on cuda with max_workers 1 and 2, then stop
+if [ -n "${KIMI_LINEAR:-}" ]; then
+  python3 benchmarks/ct_speed.py --preset bench-kimi-linear --device auto cpu --peer-workers 1 2 --peer-device cuda \
+    --work "$W/kl" --json "$OUT/ct-speed-kimi-linear.json" 2>&1 | tee "$OUT/ct-speed-kimi-linear.log"
+  exit 0
+fi
 { time python3 -m kimi_convert.cli synth bench-qwen3-moe "$W/q8" --layers 8 --shards 1 --overwrite; } > "$OUT/synth.log" 2>&1
 # DISK_RATES=1: the disk's cold read rates first, 1-8 concurrent reads of each 64 MB, alone and beside a writer
 [ -n "${DISK_RATES:-}" ] && python3 benchmarks/disk_rates.py --input "$W/q8" --threads 1 2 4 8 --json "$OUT/disk-rates.json" \
