@@ -423,6 +423,47 @@ def test_auto_with_a_probe_that_cannot_start_computes_everything_on_the_cpus(tin
     assert s["device_choices"] == [] and "could not start cuda:7" in s["calibration"][0]["broken"]
 
 
+def test_auto_starts_its_probe_only_in_a_pack_still_running_after_its_delay(tiny_k3, tmp_path, auto_without_gpu,
+                                                                           monkeypatch):
+    """The probe process starts ``probe.START_AFTER_S`` into the pack (it needs seconds to import torch and start the
+    GPU before it measures anything): a pack over by then never starts it, says so in --stats, and writes the same
+    bytes; a pack still running then starts it."""
+    import time
+
+    from kimi_convert import pipeline
+    from kimi_convert.pipeline import probe, runner
+
+    started: list[str] = []
+    made = probe.Probe.__init__
+
+    def record(self, device, threads, block):
+        started.append(device)
+        made(self, device, threads, block)
+
+    monkeypatch.setattr(probe.Probe, "__init__", record)
+    monkeypatch.setattr(probe, "WAITS", False)  # (and the streams not waiting for a calibration: as in a real pack)
+    monkeypatch.setattr(runner, "CALIBRATION_WAITS", False)
+    monkeypatch.setattr(probe, "START_AFTER_S", 60.0)
+    assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q").code == 0
+    t = time.monotonic()
+    s = _auto_stats(tiny_k3, tmp_path / "short", tmp_path / "s.json")
+    assert time.monotonic() - t < 30  # (the pack never waits for the delay)
+    assert started == [] and s["device_choices"] == []
+    assert s["calibration"][0]["probe"] is False and "ended within 60.0 s" in s["calibration"][0]["skipped"]
+    assert tree(tmp_path / "short") == tree(tmp_path / "ref")
+    monkeypatch.setattr(probe, "START_AFTER_S", 0.2)
+    compute = pipeline.Stream.compute
+
+    def slow(self, pc, loaded):  # a pack that lasts past the delay
+        time.sleep(0.05)
+        return compute(self, pc, loaded)
+
+    monkeypatch.setattr(pipeline.Stream, "compute", slow)
+    s = _auto_stats(tiny_k3, tmp_path / "long", tmp_path / "l.json")
+    assert started == ["reference"] and s["calibration"][0]["probe"] is True
+    assert tree(tmp_path / "long") == tree(tmp_path / "ref")
+
+
 def test_auto_with_a_probe_fails_the_run_on_different_bytes(tiny_k3, tmp_path, auto_without_gpu, monkeypatch):
     """The probe's outputs are checked against the CPUs' (their sha256): a mismatch is a kernel bug, loudly."""
     from kimi_convert.pipeline import probe

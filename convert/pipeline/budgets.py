@@ -113,6 +113,10 @@ class Shared:
         #: then made only where the GPU wins a kind of work, with the GPU alone
         self.probe: GpuProbe | None = None
         self._measured = False  # stop_measuring has been called: no probe is started after it
+        self._over = threading.Event()  # (set with _measured: wakes a probe's start that waits)
+        self._probe_due = False  # the GPU is to be measured in a probe (measure_soon), not yet started
+        #: auto's probe not started, and why (--stats' calibration)
+        self.probe_skipped: dict = {}
         #: Called before a stream opens a shard (``wait``: the stream has none open, so waiting cannot hold
         #: up a shard it must finish): ``pack --upload --no-keep-output`` waits there while the Hub is behind.
         self.admit: Callable[[bool, threading.Event], None] | None = None
@@ -158,7 +162,8 @@ class Shared:
         """``auto``: how the GPU is measured, decided on a thread of its own (a released checkpoint's plan has 100,000+
         units: half a second to look at, off the streams' start; until then they compute what ``compute_early``
         takes, as with the runner not yet made): in a probe process where ``compute_early`` takes every unit
-        (``probe``), else by the runner in this process, made now. ``probe.WAITS`` (the tests): decided here."""
+        (``probe``), started ``probe.START_AFTER_S`` into the streams (a pack over by then never starts it), else by
+        the runner in this process, made now. ``probe.WAITS`` (the tests): decided here, the probe started at once."""
         from . import probe as probe_mod
         from .choose import decisive_kinds
 
@@ -168,6 +173,9 @@ class Shared:
                 self.make_runner_soon(device, block)
                 return
             decisive = decisive_kinds(units)
+            self._probe_due = True
+            if not probe_mod.WAITS and self._over.wait(probe_mod.START_AFTER_S):
+                return  # (stop_measuring says so in probe_skipped)
             with self._lock:
                 if not self._measured:
                     self.probe = probe_mod.GpuProbe(device, self.threads, block, decisive, on_gpu=lambda: (
@@ -182,6 +190,12 @@ class Shared:
         """The run is over: no probe is started from now on; the one started, if any (to close)."""
         with self._lock:
             self._measured = True
+            self._over.set()
+            if self.probe is None and self._probe_due:
+                from .probe import START_AFTER_S
+
+                self.probe_skipped = {"probe": False, "skipped": f"the pack ended within {START_AFTER_S} s of its "
+                                      "start (probe.START_AFTER_S): the GPU not measured, every unit on the CPUs"}
             return self.probe
 
     def early_takes(self, unit: Unit, device: Device) -> bool:

@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 #: kind is offered to it (the tests, whose inputs are too few units to decide otherwise; set with monkeypatch, as
 #: ``runner.CALIBRATION_WAITS``); a kind won by the GPU gets its runner before the stream goes on.
 WAITS = False
+#: Seconds into the streams before the probe process is started (not with WAITS): a probe needs 3-4 s to import torch
+#: and start the GPU before it measures anything (``start_s`` in --stats on the H200 machine, session 18), so a pack
+#: shorter than that never gains from it, yet it held 0.47 GB of that pack's memory (bench-kimi-linear, 2.4 GB in 2.7
+#: s: 1.10 GB with the probe against 0.63 GB on the CPUs alone, docs/compressed-tensors.md "Session 18").
+START_AFTER_S = 3.0
 #: Seconds a probe that ended is waited for, for its exit status (a probe still running at the end of the pack is
 #: killed at once: the pack never waits on it).
 EXIT_S = 1.0

@@ -501,7 +501,8 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
         r.device = "auto" if shared.probe else runner.name if runner else str(device)
         r.choices = [dataclasses.asdict(c) for c in measured.choices()] if measured else []
         r.pinned_bytes, r.pin_s = shared.buffers.pinned_bytes, round(shared.buffers.pin_s, 3)
-        r.calibration = shared.probe.stats() if shared.probe else runner.calibration() if runner else {}
+        r.calibration = (shared.probe.stats() if shared.probe else runner.calibration() if runner
+                         else dict(shared.probe_skipped))
     return results
 
 
