@@ -233,13 +233,14 @@ def test_the_startup_readahead_runs_only_where_a_stream_will_wait_for_torch(tiny
 def test_a_stream_reads_ahead_of_its_compute_up_to_its_bytes_not_three_pieces(tiny_k3, tmp_path, monkeypatch):
     """While the compute of the first piece is held up, the reader goes on: past its READ_AHEAD pieces, while the
     bytes ahead are below READ_AHEAD_BYTES (the input file's chain then has bytes to hash while the compute or the
-    writer waits); READ_AHEAD_BYTES=0: the three pieces only, as before. The same bytes either way."""
+    writer waits); READ_AHEAD_BYTES=0, or a worker of fewer than READ_AHEAD_BYTES_CPUS CPUs: the three pieces only, as
+    before. The same bytes either way."""
     monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)  # many small pieces
     monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")
     opts = Options(**SGLANG, max_shard_size=400_000)
     compute = pipeline.Stream.compute
 
-    def packed(name: str, ahead: int) -> tuple[int, list[int], dict]:
+    def packed(name: str, ahead: int, cpus: int = pipeline.stream.READ_AHEAD_BYTES_CPUS) -> tuple[int, list[int], dict]:
         seen: list[tuple[int, list[int]]] = []
 
         def held_up(self, pc, loaded):
@@ -256,6 +257,7 @@ def test_a_stream_reads_ahead_of_its_compute_up_to_its_bytes_not_three_pieces(ti
 
         monkeypatch.setattr(pipeline.stream, "READ_AHEAD_BYTES", ahead)
         monkeypatch.setattr(pipeline.Stream, "compute", held_up)
+        monkeypatch.setenv("KIMI_CONVERT_THREADS", str(cpus))
         out = tmp_path / name
         pack(tiny_k3, out, opts, device="cpu", progress=False, streams=1)
         return seen[0][0], seen[0][1], tree(out)
@@ -266,7 +268,9 @@ def test_a_stream_reads_ahead_of_its_compute_up_to_its_bytes_not_three_pieces(ti
     assert len(at) > queued + 10 and read == at[queued]  # (not the whole input: the bound holds it)
     read, at, ref = packed("pieces", 0)
     assert read == at[pipeline.READ_AHEAD + 1]
-    assert out == ref
+    read, at, few = packed("few-cpus", ahead, pipeline.stream.READ_AHEAD_BYTES_CPUS - 1)
+    assert read == at[pipeline.READ_AHEAD + 1]
+    assert out == ref == few
 
 def test_a_timeline_keeps_at_most_its_limit_of_evenly_spaced_rows():
     """Past ``limit`` rows a timeline drops every other one and samples half as often: a long pack's record stays

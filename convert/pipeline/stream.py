@@ -40,6 +40,9 @@ READ_AHEAD = 3  # pieces read ahead of the compute at least, within the in-fligh
 #: writer waited on each other in turn (a stream at 1.1-1.2 GB/s against the chain's 1.37 and the disk's 1.6 on the
 #: H200 machine, docs/compressed-tensors.md "Session 18"). 0: READ_AHEAD pieces only, as before session 18.
 READ_AHEAD_BYTES = 128 << 20
+#: ... on a worker with at least this many CPUs: on fewer the compute is the bound, and reading ahead into more
+#: buffers cost CPU (2 cores: 4.73-5.04 s against 4.49-4.74 s, three pairs alternated, the same session).
+READ_AHEAD_BYTES_CPUS = 4
 #: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once.
 #: The hints are given from a thread of their own, not the reader's: a ``posix_fadvise`` blocks while the disk's
 #: request queue is full, and the reader would wait with it. (Linux reads at most max(read_ahead_kb,
@@ -372,7 +375,8 @@ class Stream:
         writing: deque[Future] = deque()
         try:
             queued = 0  # the next piece to hand the reader
-            ahead = min(READ_AHEAD_BYTES, self.shared.in_flight.limit // 4)
+            ahead = (min(READ_AHEAD_BYTES, self.shared.in_flight.limit // 4)
+                     if self.shared.threads >= READ_AHEAD_BYTES_CPUS else 0)
             for i, pc in enumerate(self.pieces):
                 while queued < len(self.pieces) and (queued <= i + READ_AHEAD or
                                                      self.piece_at[queued] - self.piece_at[i] < ahead):
