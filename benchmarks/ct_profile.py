@@ -17,7 +17,10 @@ pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``pnice=N`` (auto's pro
 0.005 by default), ``takes=1`` (the input file hashes read ahead of the stream whenever they run dry, as before
 session 17: ``pipeline.stream.TAKE_ANYTIME``), ``sra=1`` (the start-up readahead whatever the device, as before
 session 17: ``pack._startup_readahead`` patched), ``rab=BYTES`` (the bytes a stream reads ahead of its compute beyond
-its three pieces: ``pipeline.stream.READ_AHEAD_BYTES``; 0 as before session 18).
+its three pieces: ``pipeline.stream.READ_AHEAD_BYTES``; 0 as before session 18), ``fakegpu=1`` (``auto`` as on a
+machine with one GPU, the probe computing with the torch code on the CPUs: ``devices`` and ``probe.child_device``
+patched; for what ``auto`` costs beside ``cpu`` where there is no GPU), ``probe_after=S`` (``probe.START_AFTER_S``;
+0: the probe at once, as before session 18).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "    pk._startup_readahead = lambda source, parts, budget, devs, need: pk.readahead(source, parts, budget)\n"
            "rab = int(sys.argv.pop(1))\n"
            "if rab >= 0: s.READ_AHEAD_BYTES = rab\n"
+           "fake, after = int(sys.argv.pop(1)), float(sys.argv.pop(1))\n"
+           "if fake:\n"
+           "    import kimi_convert.devices as d\n"
+           "    d.gpu_count = d.gpus_at_most = lambda *a: 1\n"
+           "    d.torch_has_cuda = lambda: True\n"
+           "    p.child_device = lambda gpu: 'reference'\n"
+           "if after >= 0: p.START_AFTER_S = after\n"
            "if switch > 0: sys.setswitchinterval(switch)\n"
            "if window >= 0: s.READ_WINDOW = window\n"
            "if knice > 0: c.KERNEL_NICE = knice\n"
@@ -96,11 +106,11 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", recipe, "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
     patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch", "takes",
-               "sra", "rab"} & kv.keys()
+               "sra", "rab", "fakegpu", "probe_after"} & kv.keys()
     cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
             kv.get("kthreads", "0"), kv.get("window", "-1"), kv.get("knice", "0"), kv.get("pnice", "0"),
             kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), kv.get("sra", "0"),
-            kv.get("rab", "-1"), *args]
+            kv.get("rab", "-1"), kv.get("fakegpu", "0"), kv.get("probe_after", "-1"), *args]
            if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
     shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools
     evict(src)
