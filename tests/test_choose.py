@@ -454,8 +454,10 @@ def test_auto_starts_its_probe_only_in_a_pack_still_running_after_its_delay(tiny
     monkeypatch.setattr(probe, "START_AFTER_S", 0.2)
     compute = pipeline.Stream.compute
 
-    def slow(self, pc, loaded):  # a pack that lasts past the delay
-        time.sleep(0.05)
+    def slow(self, pc, loaded):  # a pack that lasts past the delay (up to 20 s while no probe has started)
+        deadline = time.monotonic() + 20
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
         return compute(self, pc, loaded)
 
     monkeypatch.setattr(pipeline.Stream, "compute", slow)

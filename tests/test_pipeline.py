@@ -244,13 +244,13 @@ def test_a_stream_reads_ahead_of_its_compute_up_to_its_bytes_not_three_pieces(ti
         seen: list[tuple[int, list[int]]] = []
 
         def held_up(self, pc, loaded):
-            if not seen:  # the first piece: wait until the reader has stopped
+            if not seen:  # the first piece: wait until the reader has stopped (1 s without a read; a loaded CI)
                 last, still = -1, 0
-                for _ in range(400):
+                for _ in range(2000):
                     time.sleep(0.01)
                     still = still + 1 if self.read_pos == last else 0
                     last = self.read_pos
-                    if still >= 30:
+                    if still >= 100:
                         break
                 seen.append((self.read_pos, self.piece_at))
             return compute(self, pc, loaded)
