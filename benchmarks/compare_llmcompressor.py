@@ -1,7 +1,7 @@
 """This tool's compressed-tensors output against llm-compressor's ``model_free_ptq`` (the peer) on one input.
 
     python benchmarks/compare_llmcompressor.py --preset tiny-kimi-linear [--input DIR] [--work DIR]
-        [--peer-python PY] [--exclude GLOB ...] [--json OUT]
+        [--peer-python PY] [--exclude GLOB ...] [--decode-fp8 float32|bfloat16] [--json OUT]
 
 1. ``kimi-convert pack INPUT OURS --recipe ct-nvfp4-a16`` (this python);
 2. the peer in its own python (``--peer-python``, default ``$KIMI_CONVERT_LLMC_PYTHON`` or
@@ -9,6 +9,10 @@
    list (so both keep the same modules), on the CPU: first as installed; where it refuses the input its message
    is recorded and it is run again with ``--partners-present`` (benchmarks/peer_model_free.py: its one patch);
 3. every tensor of both outputs by name (dtype, shape, bytes) and both ``config.json`` files (as JSON).
+
+``--decode-fp8 DTYPE`` (a DeepSeek-style FP8 block source, which the peer cannot read): the peer is given the input
+decoded by transformers' own FP8 dequantization to DTYPE (``benchmarks/peer_decode_fp8.py``, in the peer's python),
+as its users do; ours packs the FP8 input itself.
 
 Each module's global-scale group is taken from both sides: ours from the manifest records' ``shared_scale``,
 the peer's by its own rule (``llmcompressor/entrypoints/model_free/microscale.py: DEFAULT_FUSED_MAPPINGS``,
@@ -186,6 +190,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path)
     ap.add_argument("--exclude", action="append", default=[], help="kept by both (our --exclude, the peer's ignore)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--decode-fp8", choices=("float32", "bfloat16"),
+                    help="give the peer the FP8 input decoded by transformers (peer_decode_fp8.py) to this dtype")
     ap.add_argument("--move-to-next-shard", metavar="TENSOR",
                     help="compare on a copy of the input with TENSOR stored in the next shard")
     a = ap.parse_args()
@@ -203,10 +209,21 @@ def main() -> int:
     ours, peer = work / "ours", work / "peer"
     run_ours(src, ours, a.exclude, "cpu")
     ignore = json.loads((ours / "config.json").read_text())["quantization_config"]["ignore"]
-    rc, err = run_peer(src, peer, ignore, patched=False, device="cpu")
-    result = {"input": str(src), "peer_as_installed": "ran" if rc == 0 else err}
+    result: dict = {"input": str(src)}
+    peer_src = src
+    if a.decode_fp8:
+        peer_src = work / f"input-decoded-{a.decode_fp8}"
+        p = subprocess.run([PEER_PY, str(HERE / "peer_decode_fp8.py"), str(src), str(peer_src),
+                            "--dtype", a.decode_fp8], capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"the peer's decode of {src} failed: {p.stderr.strip()[-400:]}", file=sys.stderr)
+            return 2
+        result["peer_input"] = {"path": str(peer_src), "decoded_by": "transformers Fp8Dequantize._dequantize_one",
+                                **json.loads(p.stdout.splitlines()[-1])}
+    rc, err = run_peer(peer_src, peer, ignore, patched=False, device="cpu")
+    result["peer_as_installed"] = "ran" if rc == 0 else err
     if rc != 0:
-        rc, err2 = run_peer(src, peer, ignore, patched=True, device="cpu")
+        rc, err2 = run_peer(peer_src, peer, ignore, patched=True, device="cpu")
         result["peer_patched"] = "ran" if rc == 0 else err2
         if rc != 0:
             print(json.dumps(result, indent=1))

@@ -3,7 +3,8 @@ llm-compressor's ``model_free_ptq`` (the peer).
 
 The peer test runs ``benchmarks/compare_llmcompressor.py`` and is skipped, with the reason, where the peer's
 python is absent (``KIMI_CONVERT_LLMC_PYTHON``, default /work/peers/llmc/bin/python; ``scripts/peer-env.sh``
-creates it). More inputs join ``PEER_INPUTS`` as their presets land (Qwen3 MoE, DeepSeek-style FP8).
+creates it). ``PEER_INPUTS``: Kimi Linear and Qwen3 MoE (BF16), and DeepSeek V3's FP8 blocks, which the peer reads
+only decoded (by transformers' own FP8 dequantization: ``PEER_DECODE``) while this tool packs the FP8 input itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from kimi_convert.kernels import ct_nvfp4
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = os.environ.get("KIMI_CONVERT_LLMC_PYTHON", "/work/peers/llmc/bin/python")
 #: synth presets the peer is compared on (and the --exclude each needs on both sides)
-PEER_INPUTS = {"tiny-kimi-linear": [], "tiny-qwen3-moe": []}
+PEER_INPUTS = {"tiny-kimi-linear": [], "tiny-qwen3-moe": [], "tiny-deepseek-v3": []}
+#: presets the peer is given decoded (compare_llmcompressor.py --decode-fp8): to the dtype the FP8 decode is exact in
+PEER_DECODE = {"tiny-deepseek-v3": "float32"}
 
 
 def _e4m3(v: float) -> int:
@@ -100,6 +103,12 @@ def test_byte_identical_to_model_free_ptq(preset, tmp_path):
            "--work", str(tmp_path), "--json", str(tmp_path / "report.json")]
     for e in PEER_INPUTS[preset]:
         cmd += ["--exclude", e]
+    if preset in PEER_DECODE:
+        probe = subprocess.run([PEER_PY, "-c", "from transformers.integrations.finegrained_fp8 import Fp8Dequantize"],
+                               capture_output=True, text=True, timeout=300)
+        if probe.returncode != 0:
+            pytest.skip(f"the peer's transformers has no Fp8Dequantize: {probe.stderr.strip()[-200:]}")
+        cmd += ["--decode-fp8", PEER_DECODE[preset]]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     rep = json.loads((tmp_path / "report.json").read_text())
