@@ -262,8 +262,10 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         from .pipeline.choose import Choice
 
         chosen = "; ".join(Choice(**c).describe() for c in res.stats.device_choices)
+        skipped = any(c.get("skipped") for c in res.stats.calibration)  # (pipeline.probe.START_AFTER_S)
         click.echo("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
-                   + (chosen or "no kind of work was measured on both; every unit ran on the CPUs"))
+                   + (chosen or ("the pack was over before the GPU was to be measured" if skipped else
+                                 "no kind of work was measured on both") + "; every unit ran on the CPUs"))
 
 
 def _hub_source(spec: str, token: str | None):

@@ -446,9 +446,12 @@ def test_auto_starts_its_probe_only_in_a_pack_still_running_after_its_delay(tiny
     monkeypatch.setattr(probe, "START_AFTER_S", 60.0)
     assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q").code == 0
     t = time.monotonic()
-    s = _auto_stats(tiny_k3, tmp_path / "short", tmp_path / "s.json")
+    r = run("pack", tiny_k3, tmp_path / "short", "--device", "auto", "-q", "--stats", tmp_path / "s.json")
+    assert r.code == 0, r.stderr
     assert time.monotonic() - t < 30  # (the pack never waits for the delay)
-    assert started == [] and s["device_choices"] == []
+    assert "the pack was over before the GPU was to be measured; every unit ran on the CPUs" in r.stdout
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert started == [] and s["device_choices"] == [] and s["device"] == "auto"
     assert s["calibration"][0]["probe"] is False and "ended within 60.0 s" in s["calibration"][0]["skipped"]
     assert tree(tmp_path / "short") == tree(tmp_path / "ref")
     monkeypatch.setattr(probe, "START_AFTER_S", 0.2)

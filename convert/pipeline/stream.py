@@ -502,7 +502,8 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     for r in results:
         r.backend_s = shared.backend_s
         r.in_flight_peak, r.in_flight_limit = shared.in_flight.peak, shared.in_flight.limit
-        r.device = "auto" if shared.probe else runner.name if runner else str(device)
+        r.device = ("auto" if shared.probe or (device.kind == "auto" and runner is None)  # (probe skipped: auto too)
+                    else runner.name if runner else str(device))
         r.choices = [dataclasses.asdict(c) for c in measured.choices()] if measured else []
         r.pinned_bytes, r.pin_s = shared.buffers.pinned_bytes, round(shared.buffers.pin_s, 3)
         r.calibration = (shared.probe.stats() if shared.probe else runner.calibration() if runner
