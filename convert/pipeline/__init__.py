@@ -1,7 +1,8 @@
 """One worker's conversion: read -> compute -> write, the three stages overlapped.
 
-- A reader thread ``pread``s the sources of the next pieces into pooled buffers, asks the kernel to
-  start reading the piece after, and hands each buffer to the hashers: each source tensor's sha256,
+- A reader thread ``pread``s the sources of the next pieces into pooled buffers (``READ_AHEAD`` pieces, or
+  ``READ_AHEAD_BYTES`` ahead of the compute on 4 CPUs or more), asks the kernel to start reading the piece
+  after, and hands each buffer to the hashers: each source tensor's sha256,
   and its file's sha256 (``hashing.FileHasher``), come from these same bytes, not a second read.
 - A compute thread runs the kernels (a pass-through slice needs nothing).
 - A writer thread ``pwrite``s the results at their planned offsets and hashes them (the shard's own
