@@ -104,10 +104,10 @@ def test_byte_identical_to_model_free_ptq(preset, tmp_path):
     for e in PEER_INPUTS[preset]:
         cmd += ["--exclude", e]
     if preset in PEER_DECODE:
-        probe = subprocess.run([PEER_PY, "-c", "from transformers.integrations.finegrained_fp8 import Fp8Dequantize"],
-                               capture_output=True, text=True, timeout=300)
+        probe = subprocess.run([PEER_PY, "-c", "from transformers.integrations.finegrained_fp8 import Fp8Dequantize; "
+                                "Fp8Dequantize._dequantize_one"], capture_output=True, text=True, timeout=300)
         if probe.returncode != 0:
-            pytest.skip(f"the peer's transformers has no Fp8Dequantize: {probe.stderr.strip()[-200:]}")
+            pytest.skip(f"the peer's transformers has no Fp8Dequantize._dequantize_one: {probe.stderr.strip()[-200:]}")
         cmd += ["--decode-fp8", PEER_DECODE[preset]]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
