@@ -48,9 +48,9 @@ def main() -> int:
         with safe_open(f, "pt") as h:
             names = list(h.keys())
             for n in names:
-                t = h.get_tensor(n)
-                if n.endswith(".weight_scale_inv"):
+                if n.endswith(".weight_scale_inv"):  # (read with its weight, below)
                     continue
+                t = h.get_tensor(n)
                 s = f"{n}_scale_inv"
                 if t.dtype == torch.float8_e4m3fn and s in names:
                     # (self is not read on the FP8 path: the unpacking of FP4 is the method's only use of it)

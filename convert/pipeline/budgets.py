@@ -112,8 +112,8 @@ class Shared:
         #: auto where the C kernels take every unit: the GPU measured in a probe process (``probe``); the runner is
         #: then made only where the GPU wins a kind of work, with the GPU alone
         self.probe: GpuProbe | None = None
-        self._measured = False  # stop_measuring has been called: no probe is started after it
-        self._over = threading.Event()  # (set with _measured: wakes a probe's start that waits)
+        #: stop_measuring has been called: no probe is started after it (an Event: it wakes a probe's start that waits)
+        self._measured = threading.Event()
         self._probe_due = False  # the GPU is to be measured in a probe (measure_soon), not yet started
         #: auto's probe not started, and why (--stats' calibration)
         self.probe_skipped: dict = {}
@@ -174,10 +174,10 @@ class Shared:
                 return
             decisive = decisive_kinds(units)
             self._probe_due = True
-            if not probe_mod.WAITS and self._over.wait(probe_mod.START_AFTER_S):
+            if not probe_mod.WAITS and self._measured.wait(probe_mod.START_AFTER_S):
                 return  # (stop_measuring says so in probe_skipped)
             with self._lock:
-                if not self._measured:
+                if not self._measured.is_set():
                     self.probe = probe_mod.GpuProbe(device, self.threads, block, decisive, on_gpu=lambda: (
                         self.make_runner_soon(device, block, wait=probe_mod.WAITS)))
 
@@ -189,8 +189,7 @@ class Shared:
     def stop_measuring(self) -> GpuProbe | None:
         """The run is over: no probe is started from now on; the one started, if any (to close)."""
         with self._lock:
-            self._measured = True
-            self._over.set()
+            self._measured.set()
             if self.probe is None and self._probe_due:
                 from .probe import START_AFTER_S
 
