@@ -9,8 +9,9 @@
 #   2. each preset written whole (synth, as the preset is) and packed with --device cpu, cuda and auto under each
 #      of $RECIPES ("default": the mapping's; default "default ct-nvfp4-a16"), each timed (wall, peak RSS) with its
 #      --stats, every file of the cuda and auto outputs compared with the cpu output's: "same" or "DIFF".
-# Logs in /tmp/kc-families/logs, copied to $OUT/logs.tgz; the summary is printed last. Exit 1 on a DIFF or a failed
-# test. About 60-150 s of device time on a fresh machine for two presets (bench presets of 1-3 GB).
+# Logs in /tmp/kc-families/logs, copied to $OUT/logs.tgz after the tests and after each preset (what a `timeout`
+# around the script leaves comes back); the summary is printed last. Exit 1 on a DIFF or a failed test. Session 19's
+# times there suggest 150-300 s of command for a tiny and a bench preset of 1-3 GB, plus the machine's start (75 s).
 # Dry run without a GPU: DRY=1 PY=.venv/bin/python bash benchmarks/h200_families.sh tiny-qwen3-moe (cuda replaced
 # by the torch code on the CPU; the GPU tests skipped).
 set -u
@@ -31,6 +32,8 @@ k=$(printf ' or %s' "$@"); k=${k# or }
 TRITON_INTERPRET= $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rs -k "$k" \
   > "$L/tests.log" 2>&1 || status=1
 tail -5 "$L/tests.log" | tee "$L/summary.log"
+save() { tar czf "$OUT/logs.tgz" -C "$L" .; }
+save
 for preset in "$@"; do
   $PY -m kimi_convert.cli synth "$preset" "$W/$preset" --overwrite --jobs 8 > /dev/null 2>> "$L/synth.log" \
     || { echo "$preset: synth failed" | tee -a "$L/summary.log"; status=1; continue; }
@@ -54,7 +57,7 @@ for preset in "$@"; do
     rm -rf "$W"/o-*
   done
   rm -rf "${W:?}/$preset"
+  save
 done
-tar czf "$OUT/logs.tgz" -C "$L" .
 echo "--- summary"; cat "$L/summary.log"
 exit $status
