@@ -151,8 +151,10 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
         em = engine_module(ld.param)
         plain = view.modules.get(em, {})
         qm = {fmt: mods.get(em, {}).get("quant_method") for fmt, mods in view.quant_modules.items()}
+        # a module a format's build lacks or leaves without a quant method (SGLang fuses GLM's shared experts into
+        # the routed bank under compressed-tensors) says nothing of that format: only an Unquantized* method keeps
         out[ld.module] = Verdict(plain.get("kind", "absent"),
-                                 {f: bool(m) and "Unquantized" not in m for f, m in qm.items()}, em,
+                                 {f: "Unquantized" not in m for f, m in qm.items() if m}, em,
                                  plain.get("class", "?"), plain.get("parent_class", "?"),
                                  plain.get("parent_file", "?"), qm)
     return out
@@ -197,6 +199,11 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
             bank = f.parent.rpartition(".{expert}")[0]
             if bank and bank not in sets:
                 sets.append(bank)
+            continue
+        same = next((g for g in groups if (g["name"], g["members"], g.get("op"), g.get("engines")) ==
+                     (entry["name"], entry["members"], entry.get("op"), entry.get("engines"))), None)
+        if same is not None:  # the same packed module under another parent (a dense MLP and a shared expert)
+            same["parents"] += [p for p in entry["parents"] if p not in same["parents"]]
             continue
         key = (entry["name"], tuple(entry.get("engines", ())))
         names[key] += 1
