@@ -254,3 +254,80 @@ def test_every_builtin_table_and_recipe_passes_the_schema():
     assert {r.name for r in builtin_recipes()} >= {"nvidia-k3", "nvfp4-w4a16", "ct-nvfp4-a16"}
     for m in builtin_mappings():
         assert parse_mapping(m.source, m.path).moe is not None, m.name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Values no engine can use
+
+def _scale(name: str, value: float):
+    def fn(tensors: dict) -> None:
+        if name in tensors:
+            t = tensors[name].clone()
+            t[0, 0] = value
+            tensors[name] = t
+    return fn
+
+
+def _add(name: str, value: torch.Tensor, beside: str):
+    def fn(tensors: dict) -> None:
+        if beside in tensors:
+            tensors[name] = value
+    return fn
+
+
+def _to(name: str, dtype: torch.dtype):
+    def fn(tensors: dict) -> None:
+        if name in tensors:
+            tensors[name] = tensors[name].to(dtype)
+    return fn
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj"
+# (preset, tensor edit, extra options, commands, what the line must name)
+VALUES = {
+    "NaN block scale of a kept FP8 weight": (
+        "tiny-deepseek-v3", _scale(f"{O_PROJ}.weight_scale_inv", float("nan")), ["--exclude", O_PROJ], ("pack",),
+        [f"{O_PROJ}.weight_scale_inv", "NaN"]),
+    "Inf block scale of a quantized FP8 weight": (
+        "tiny-deepseek-v3", _scale(f"{O_PROJ}.weight_scale_inv", float("inf")), [], ("pack",),
+        [f"{O_PROJ}.weight_scale_inv", "inf"]),
+    "a block scale that overflows fp32 when decoded": (
+        "tiny-deepseek-v3", _scale(f"{O_PROJ}.weight_scale_inv", 3e38), [], ("pack",),
+        [f"{O_PROJ}.weight", "NaN or Inf"]),
+    "weight_scale_inv beside a BF16 weight": (
+        "tiny-kimi-linear", _add(f"{O_PROJ}.weight_scale_inv", torch.ones(1, 1), f"{O_PROJ}.weight"), [],
+        ("plan", "pack"), [f"{O_PROJ}.weight_scale_inv", "beside a BF16 weight"]),
+    "an F8_E5M2 weight": (
+        "tiny-kimi-linear", _to(f"{O_PROJ}.weight", torch.float8_e5m2), [], ("plan", "pack"),
+        [f"{O_PROJ}.weight", "F8_E5M2 weight"]),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUES))
+def test_values_no_engine_can_use(presets, tmp_path, case):
+    preset, edit, options, commands, names = VALUES[case]
+    ck = copy_ckpt(presets[preset], tmp_path / "c")
+    rewrite_tensors(ck, edit)
+    err = refused(ck, tmp_path, *options, commands=commands)  # one line: no numpy RuntimeWarning before it
+    for name in names:
+        assert name in err, err
+
+
+@pytest.mark.parametrize("options, names", [
+    (["--input-scale", "1e39"], ["--input-scale", "outside the F32 range"]),
+    (["--input-scale", "1e-39"], ["--input-scale", "outside the F32 range"]),
+    (["--format", "compressed-tensors", "--input-scale", "2.0"],
+     ["--input-scale 2", "in --format compressed-tensors is weight-only"]),
+    (["--exclude", "*"], ["quantizes no module of the input", "--exclude *"]),
+])
+def test_options_no_engine_can_use(presets, tmp_path, options, names):
+    err = refused(presets["tiny-kimi-linear"], tmp_path, *options)
+    for name in names:
+        assert name in err, err
+
+
+def test_recipe_keeping_every_module_is_refused(presets, tmp_path):
+    recipe = tmp_path / "all-keep.toml"
+    recipe.write_text('name = "all-keep"\n[[rule]]\nmodules = ["*"]\nformat = "keep"\n')
+    err = refused(presets["tiny-qwen3-moe"], tmp_path, "--recipe", recipe)
+    assert f"recipe 'all-keep' ({recipe}) quantizes no module of the input" in err, err

@@ -34,5 +34,10 @@ def decode_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``."""
     m, n = weight.shape
     bm, bn = block
+    if not bool(torch.isfinite(scale_inv).all()):
+        raise DecodeError("a block scale is NaN or Inf")
     s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
-    return weight.float() * s
+    out = weight.float() * s
+    if not bool(torch.isfinite(out).all()):
+        raise DecodeError("decodes to NaN or Inf (an e4m3 NaN byte, or a scale past fp32)")
+    return out
