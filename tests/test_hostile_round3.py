@@ -8,6 +8,7 @@ traceback, no hang, no ``manifest.json``, the input unchanged.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -331,3 +332,30 @@ def test_recipe_keeping_every_module_is_refused(presets, tmp_path):
     recipe.write_text('name = "all-keep"\n[[rule]]\nmodules = ["*"]\nformat = "keep"\n')
     err = refused(presets["tiny-qwen3-moe"], tmp_path, "--recipe", recipe)
     assert f"recipe 'all-keep' ({recipe}) quantizes no module of the input" in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --resume on a finished output: the same plan from the same inputs, or refused
+
+def test_resume_of_a_finished_output_checks_plan_and_inputs(presets, tmp_path):
+    ck = copy_ckpt(presets["tiny-qwen3-moe"], tmp_path / "c")
+    out = tmp_path / "out"
+    assert run("pack", ck, out, "--device", "cpu", "-q").code == 0
+    finished = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = run("pack", ck, out, "--device", "cpu", "-q", "--resume")
+    assert r.code == 0, r.stderr  # the same run: already complete
+
+    err = one_line_error(run("pack", ck, out, "--device", "cpu", "-q", "--resume", "--recipe", "ct-nvfp4-a16"))
+    assert "already finished, but by recipe 'nvfp4-w4a16', not 'ct-nvfp4-a16'" in err, err
+    err = one_line_error(run("pack", ck, out, "--device", "cpu", "-q", "--resume", "--exclude", "lm_head",
+                             "--exclude", "model.layers.0.self_attn.o_proj"))
+    assert "already finished, but by another plan" in err, err
+
+    name = "model.layers.1.self_attn.o_proj.weight"  # same header, other values: only the sha256 tells
+    shard = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"][name]
+    raw = bytearray((ck / shard).read_bytes())
+    raw[-1] ^= 0x01
+    (ck / shard).write_bytes(bytes(raw))
+    err = one_line_error(run("pack", ck, out, "--device", "cpu", "-q", "--resume"))
+    assert "already finished, but from another" in err and shard in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == finished
