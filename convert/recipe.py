@@ -129,9 +129,9 @@ def parse_recipe(text: str, path: str) -> Recipe:
     if refused:
         raise ConvertError(f"{path}: output_format {out_format!r} has no {', '.join(refused)} modules")
     bare = [i for i, r in enumerate(rules) if r.format is Format.NVFP4 and r.input_scale is None]
-    if algo == "NVFP4" and bare:  # W4A4: the engines quantize activations with each module's input_scale
+    if method == "modelopt" and algo == "NVFP4" and bare:  # one W4A4 algo: every module's activations quantized
         raise ConvertError(f"{path}: rule[{bare[0]}]: quant_algo 'NVFP4' quantizes activations too (W4A4), so every "
-                           "nvfp4 rule needs an 'input_scale' (or use quant_algo 'W4A16_NVFP4' / 'NVFP4A16')")
+                           "nvfp4 rule needs an 'input_scale' (or use quant_algo 'W4A16_NVFP4')")
     if method == "modelopt" and any(r.format is Format.FP8_BLOCK for r in rules):
         raise ConvertError(f"{path}: fp8-block modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
     cfg = t.get("config", {})

@@ -288,13 +288,13 @@ O_PROJ = "model.layers.0.self_attn.o_proj"
 VALUES = {
     "NaN block scale of a kept FP8 weight": (
         "tiny-deepseek-v3", _scale(f"{O_PROJ}.weight_scale_inv", float("nan")), ["--exclude", O_PROJ], ("pack",),
-        [f"{O_PROJ}.weight_scale_inv", "NaN"]),
+        [f"{O_PROJ}.weight_scale_inv", "block scale [0, 0] is nan (not a number)", f"{O_PROJ}.weight cannot be"]),
     "Inf block scale of a quantized FP8 weight": (
         "tiny-deepseek-v3", _scale(f"{O_PROJ}.weight_scale_inv", float("inf")), [], ("pack",),
-        [f"{O_PROJ}.weight_scale_inv", "inf"]),
+        [f"{O_PROJ}.weight_scale_inv", "block scale [0, 0] is inf"]),
     "a block scale that overflows fp32 when decoded": (
         "tiny-deepseek-v3", _scale(f"{O_PROJ}.weight_scale_inv", 3e38), [], ("pack",),
-        [f"{O_PROJ}.weight", "NaN or Inf"]),
+        [f"{O_PROJ}.weight_scale_inv", "is 3e+38 (past fp32 once times e4m3's 448)"]),
     "weight_scale_inv beside a BF16 weight": (
         "tiny-kimi-linear", _add(f"{O_PROJ}.weight_scale_inv", torch.ones(1, 1), f"{O_PROJ}.weight"), [],
         ("plan", "pack"), [f"{O_PROJ}.weight_scale_inv", "beside a BF16 weight"]),

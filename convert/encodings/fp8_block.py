@@ -82,4 +82,4 @@ class FP8Block(SourceEncoding):
         try:
             return decode_fp8_block(parts[0], parts[1], block)
         except DecodeError as e:
-            raise refused(src.parts[1], f"{e!s}: {src.parts[0].name} cannot be decoded") from None
+            raise refused(src.parts[1], f"{e}: {src.parts[0].name} cannot be decoded") from None

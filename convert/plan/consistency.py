@@ -98,9 +98,12 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[int, set[str]
             banked.append(name)  # a tensor of the experts module itself: a 3-D bank (gpt-oss)
         else:
             others.add(mod)
-    claimers = encodings.claimers()
+    claimers, strays = encodings.claimers(), encodings.strays()
     for name in banked:
-        for enc in claimers.get(name.rpartition(".")[2], ()):
+        suffix = name.rpartition(".")[2]
+        for enc in strays.get(suffix, ()):  # a bank's scales without its codes: the encoding's own words
+            enc.refuse_leftover(name, ckpt.tensors)
+        for enc in claimers.get(suffix, ()):
             for c in enc.claim(name, ckpt.tensors, ckpt.config):
                 cut = m.strip(c.module).rsplit(".", 2)
                 if len(cut) == 3 and cut[1].isdigit():
