@@ -359,3 +359,26 @@ def test_resume_of_a_finished_output_checks_plan_and_inputs(presets, tmp_path):
     err = one_line_error(run("pack", ck, out, "--device", "cpu", "-q", "--resume"))
     assert "already finished, but from another" in err and shard in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == finished
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Index paths: one normal form for pack and verify
+
+def test_index_naming_shards_with_dot_slash_packs_and_verifies(presets, tmp_path):
+    ck = copy_ckpt(presets["tiny-kimi-linear"], tmp_path / "c")
+    index = ck / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    idx["weight_map"] = {k: (f"./{v}" if i % 2 else f".//{v}") for i, (k, v) in enumerate(idx["weight_map"].items())}
+    index.write_text(json.dumps(idx))
+    out = tmp_path / "out"
+    assert run("plan", ck).code == 0
+    r = run("pack", ck, out, "--device", "cpu", "-q")
+    assert r.code == 0, r.stderr
+    written = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all(not v.startswith(".") and "/" not in v for v in written.values())
+    r = run("verify-manifest", out, "--input", ck, "-q")
+    assert r.code == 0, r.stdout + r.stderr
+    reference = tmp_path / "ref"
+    assert run("pack", presets["tiny-kimi-linear"], reference, "--device", "cpu", "-q").code == 0
+    for name in ("model.safetensors.index.json", *sorted(p.name for p in reference.glob("*.safetensors"))):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConvertError
 from ..jsonfile import MAX_JSON_BYTES, parse
-from .protocol import EntryKind, FileEntry, ResourceFreeFile
+from .protocol import EntryKind, FileEntry, ResourceFreeFile, normal_name
 
 SCHEME = "hf://"
 
@@ -166,10 +166,13 @@ class HubRepo:
         return e
 
     def canonical_names(self, files: list[str], what: str) -> dict[str, str]:
+        renamed = {}
         for f in files:
             if f.startswith("/"):
                 self.check_named(f, what)
-        return {}
+            elif normal_name(f) != f:  # ./model-00002-of-00003.safetensors: the tree's own spelling
+                renamed[f] = normal_name(f)
+        return renamed
 
     def list_files(self, prune: Callable[[str], bool] | None = None) -> list[FileEntry]:
         """Top-down as ``Source.list_files`` says: in each folder its sub-folders, then its files, sorted; then
