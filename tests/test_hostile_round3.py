@@ -382,3 +382,22 @@ def test_index_naming_shards_with_dot_slash_packs_and_verifies(presets, tmp_path
     assert run("pack", presets["tiny-kimi-linear"], reference, "--device", "cpu", "-q").code == 0
     for name in ("model.safetensors.index.json", *sorted(p.name for p in reference.glob("*.safetensors"))):
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The first hour: the help texts
+
+def test_help_names_every_family_and_synth_lists_every_user_preset():
+    from kimi_convert.cli import TEST_FIXTURES
+    from kimi_convert.synth import PRESETS
+
+    top = run("--help").stdout
+    for family in ("Kimi K3", "Kimi Linear", "DeepSeek V3", "Qwen3 MoE", "GLM-4.5", "MiniMax-M2", "gpt-oss"):
+        assert family in top, top
+    text = run("synth", "--help").stdout
+    section = text.split("Presets:")[1].split("Options:")[0]
+    listed = {line.split()[0] for line in section.splitlines() if line.startswith("  ") and line[2] != " "}
+    assert listed == set(PRESETS) - TEST_FIXTURES
+    assert "tiny-deepseek-fp8" not in text
+    err = one_line_error(run("synth", "tiny-deepseek-fp8", "/nonexistent/x"))
+    assert "unknown preset 'tiny-deepseek-fp8'" in err and "tiny-deepseek-v3" in err, err
