@@ -263,11 +263,13 @@ class FakeHub:
                 try:
                     if self._fault(method, path):
                         return
-                    status = 200
+                    # unanswered until the handler returns: a client killed mid-request (its truncated body,
+                    # the broken pipe of the reply) is never logged as 200, unless the hub took its object
+                    status, self.accepted = 0, None
                     try:
                         status = self._dispatch(method, path, parse_qs(url.query))
                     finally:
-                        hub.record(method, path, status)
+                        hub.record(method, path, status if self.accepted is None else self.accepted)
                 finally:
                     with hub._idle:
                         hub.in_flight -= 1
@@ -342,6 +344,7 @@ class FakeHub:
                         self._send(400, {"error": "sha256 mismatch"})
                         return 400
                     hub.lfs[m[1]] = data
+                    self.accepted = 200  # stored: accepted, whether or not the client lives to read the reply
                     self._send(200, {})
                     return 200
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/(.+)", path)
