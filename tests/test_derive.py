@@ -74,20 +74,35 @@ def test_the_qwen3_moe_table_reads_the_engines_facts():
     assert not any(k["pattern"].endswith(("norm", "layernorm")) for k in t["keep"])  # 1-D weights: no rule
 
 
+#: The MTP layer of a preset: its main model drops it (the engines' own rule), so the main models' answers say
+#: nothing of it; the hand tables keep its eh_proj / shared head by the draft models' rules (issue 39's [mtp]).
+MTP_LAYER = {"tiny-glm4-moe": "model.layers.3.", "tiny-deepseek-v3": "model.layers.2."}
+
+
+def _without(plan: dict, prefix: str | None) -> dict:
+    if prefix is None:
+        return plan
+    out = {"modules": [m for m in plan["modules"] if not m["name"].startswith(prefix)]}
+    out["exclude_modules"] = [n for n in plan.get("exclude_modules", []) if not n.startswith(prefix)]
+    return out
+
+
 @pytest.mark.parametrize("preset", RECORDED)
 def test_a_derived_table_plans_like_the_hand_table(preset, tmp_path):
+    """Under --layout source (a derived table writes nothing fused on disk: the hand tables' layouts are engine
+    checks' findings), every recipe: the same formats, fusions, global-scale sets, exclude list and shards; where
+    the preset has an MTP layer, the same outside it."""
     cmp = _compare_module()
     src = tmp_path / preset
     assert run("synth", preset, src).code == 0
     ckpt = open_checkpoint(src)
     derived = finish(_derived(preset).text, f"derived:{preset}")
     hand = find_mapping(ckpt.config)
-    layouts = ["source", *(k for k in ("vllm", "sglang") if hand.layouts.get(k, ((), ""))[0])]
     for recipe in cmp.RECIPES.get(preset, cmp.DEFAULT_RECIPES):
-        for layout in layouts:
-            opts = Options(recipe=recipe, layout=layout)
-            a, b = cmp.normalized(make_plan(ckpt, hand, opts)), cmp.normalized(make_plan(ckpt, derived, opts))
-            assert a == b, (recipe, layout, cmp.differences(a, b))
+        opts = Options(recipe=recipe)
+        a = _without(cmp.normalized(make_plan(ckpt, hand, opts)), MTP_LAYER.get(preset))
+        b = _without(cmp.normalized(make_plan(ckpt, derived, opts)), MTP_LAYER.get(preset))
+        assert a == b, (recipe, cmp.differences(a, b))
 
 
 def test_the_comparison_sees_a_table_that_differs(tmp_path):
