@@ -83,7 +83,7 @@ from safetensors.torch import save_file
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from . import synth_deepseek, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35
+from . import synth_deepseek, synth_glm, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35
 from .checkpoint import INDEX_NAME
 from .errors import ConvertError
 from .safetensors_format import HeaderTensor, encode_header
@@ -137,6 +137,11 @@ class Preset:
     nextn: int = 0  # num_nextn_predict_layers: MTP layers stored after the last layer (GLM-4.5)
     # Qwen3.5 MoE (synth_qwen35): Gated DeltaNet key heads (value heads: kda_heads, head dim: kda_head_dim)
     linear_k_heads: int = 0
+    # DeepSeek V3.2-style sparse-attention indexer (synth_glm: GLM-5.x): heads, head dim, and the top-k
+    # sharing period index_topk_freq (1: every layer has its own indexer, GLM-5 / 5.1; 4: GLM-5.2)
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_freq: int = 1
 
     def kinds(self) -> list[str]:
         """The releases' pattern: every fourth layer (1-based 4, 8, ...) and the last are MLA (full
@@ -280,6 +285,24 @@ PRESETS: dict[str, Preset] = {
         shards=8,
         description="Qwen3.5-35B-A3B's width: 3 DeltaNet + 1 full-attention layer, 64 of its 256 bf16 experts "
                     "512 x 2048 a layer",
+    ),
+    # GLM-5.x (synth_glm; zai-org/GLM-5.1's config with GLM-5.2's index sharing, docs/families.md): MLA head
+    # dims and kv_lora 512 as released, the DSA indexer (index_head_dim 128) on layers 0-2 and the MTP layer,
+    # layer 3 reusing layer 2's top-k (index_topk_freq 4, offset 3), a dense layer 0, one shared expert.
+    "tiny-glm5": Preset(
+        "glm_moe_dsa", hidden=256, layers=4, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2, q_lora=128,
+        kv_lora=512, nope=192, rope=64, v_head=256, experts=8, topk=2, moe_inter=128, latent=256, shared=1,
+        dense_inter=256, first_dense=1, vocab=1000, nextn=1, index_heads=4, index_head_dim=128, index_freq=4,
+        shards=3,
+        description="GLM-5.x layout (GLM-5.2's index sharing): MLA + DSA indexer, hidden 256, 1 dense + 3 MoE "
+                    "layers + the MTP layer, 8 bf16 experts",
+    ),
+    # GLM-4.7-Flash (zai-org/GLM-4.7-Flash's config at reduced sizes): MLA as GLM-5 without the indexer.
+    "tiny-glm4-moe-lite": Preset(
+        "glm4_moe_lite", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2, q_lora=128,
+        kv_lora=512, nope=192, rope=64, v_head=256, experts=8, topk=2, moe_inter=128, latent=256, shared=1,
+        dense_inter=256, first_dense=1, vocab=1000, nextn=1, shards=3,
+        description="GLM-4.7-Flash layout: MLA, hidden 256, 1 dense + 1 MoE layer + the MTP layer, 8 bf16 experts",
     ),
     # gpt-oss (openai/gpt-oss-20b's config at reduced sizes; docs/families.md "gpt-oss"): MXFP4 expert banks
     # [E, 2I, H/32, 16] with gate/up interleaved, biases everywhere, attention sinks; head_dim 64 as
@@ -434,7 +457,7 @@ def _moe(p: Preset, pre: str) -> Iterator[tuple[str, tuple[int, ...], torch.dtyp
 
 # The families laid out by their own module (each names its ARCHES and gives tensor_specs, config and
 # SIDE_FILES): adding a family adds a module here, not another branch in each function below.
-FAMILY_MODULES = (synth_deepseek, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35)
+FAMILY_MODULES = (synth_deepseek, synth_glm, synth_gptoss, synth_gqa, synth_minimax, synth_qwen35)
 
 
 def _family_module(p: Preset):

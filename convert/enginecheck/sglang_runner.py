@@ -117,6 +117,10 @@ PATCHES = [
      "(model_loader/utils.py should_async_load: True for a CPU tensor), whose threads the load observer does "
      "not see; should_async_load answers False there, SGLang's own synchronous path (the one it takes for "
      "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread"),
+    ("DeepGEMM SM count",
+     "deep_gemm.get_num_sms() (which asks the CUDA runtime) answers the presented B200's multi_processor_count "
+     "(148): the DSA indexer (layers/attention/dsa/utils.py resolve_num_sms, called by Indexer.__init__) only sizes "
+     "a schedule buffer with it; a query, no loading code changed"),
 ]
 
 
@@ -134,6 +138,15 @@ def preload() -> None:
                        "sglang.srt.layers.dp_attention", "sglang.srt.layers.moe", "sglang.srt.model_loader.loader",
                        "sglang.srt.models.registry", "sglang.srt.runtime_context", "sglang.srt.server_args",
                        "runner_numerics"])
+
+
+def _present_deep_gemm_sms() -> None:
+    """See PATCHES ("DeepGEMM SM count")."""
+    try:
+        import deep_gemm
+    except ImportError:  # SGLang then reads the (presented) device properties itself
+        return
+    deep_gemm.get_num_sms = lambda: torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def _load_deepseek_synchronously() -> None:
@@ -164,6 +177,7 @@ def run(model_dir: str, result: dict) -> None:
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
         _load_deepseek_synchronously()
+        _present_deep_gemm_sms()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
 

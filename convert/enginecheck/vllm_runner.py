@@ -99,6 +99,10 @@ PATCHES = [
     ("distributed",
      "a single-process gloo group (world size 1, TP=1) through vLLM's own init_distributed_environment and "
      "initialize_model_parallel; no collective moves weights at TP=1"),
+    ("workspace manager",
+     "vLLM's own init_workspace_manager(cpu) runs before the model is built, as its GPU worker does before "
+     "making the model runner (v1/worker/gpu_worker.py _init_workspace_and_model_runner): attention backends that "
+     "reserve scratch in their constructors (MLA prefill trtllm_ragged, DSA) get it; scratch holds no weights"),
     ("weight iterator observed",
      "DefaultModelLoader.get_all_weights is wrapped to record each (name, tensor) it yields, unchanged"),
 ]
@@ -174,6 +178,13 @@ def preload() -> None:
                    "runner_numerics"])
 
 
+def _init_workspace() -> None:
+    """See PATCHES ("workspace manager")."""
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))
+
+
 def run(model_dir: str, result: dict) -> None:
     t0 = time.perf_counter()
     result["phase"] = "import"
@@ -207,6 +218,7 @@ def run(model_dir: str, result: dict) -> None:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{rc.free_port()}")
         initialize_model_parallel(1, 1)
+        _init_workspace()
         with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
             model = loader.create_model(vllm_config=vllm_config, model_config=mc)
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
