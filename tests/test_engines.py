@@ -31,10 +31,10 @@ from kimi_convert.enginecheck import EngineUnavailable, find_python
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
-          "gpt": "tiny-gpt-oss"}
+          "gpt": "tiny-gpt-oss", "g5": "tiny-glm5", "g47": "tiny-glm4-moe-lite"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
-MTP_LAYER = {"glm": "3", "ds": "2"}
+MTP_LAYER = {"glm": "3", "ds": "2", "g5": "4", "g47": "2"}
 MTP_BLOCK = {"q35": "mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
@@ -108,6 +108,10 @@ OUTPUTS = {
     # gpt-oss (MXFP4 banks cast to NVFP4 per expert, byte-identical to ModelOpt's cast): both engines refuse
     # it, and ModelOpt's own export alike, for reasons in the engines (REFUSED; docs/families.md, "gpt-oss")
     "gpt": ("gpt", None, "source", ENGINES),  # nvfp4-w4a16
+    # GLM-5.x and GLM-4.7-Flash: no hand table, packed with the derived one (mappings/derived/); the DSA indexer's
+    # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
+    "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
+    "g47": ("g47", None, "source", ENGINES),  # nvfp4-w4a16
 }
 
 
@@ -285,7 +289,7 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
 
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
-RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2")}
+RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "g5", "g47")}
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:

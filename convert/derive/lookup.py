@@ -44,7 +44,9 @@ def finish(text: str, where: str) -> Mapping:
     ov = overlay_for(t.get("name", ""))
     if ov is not None:
         t = merge(t, ov[1])
-        text = f"{text}\n# merged with {ov[0]}\n{tomli_w.dumps(t)}"
+        # the derived text kept as comments (its keys parsed twice would clash), then the merged table
+        derived = "".join(f"# {line}\n" for line in text.splitlines())
+        text = f"{derived}# merged with {ov[0]}\n{tomli_w.dumps(t)}"
     return parse_mapping(text, where)
 
 
