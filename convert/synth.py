@@ -297,6 +297,15 @@ PRESETS: dict[str, Preset] = {
         description="GLM-5.x layout (GLM-5.2's index sharing): MLA + DSA indexer, hidden 256, 1 dense + 3 MoE "
                     "layers + the MTP layer, 8 bf16 experts",
     ),
+    # GLM-5.2-FP8 (zai-org/GLM-5.2-FP8): tiny-glm5 with DeepSeek-style 128x128 block FP8 linear weights (the router
+    # and the indexer's weights_proj BF16), the eh_proj and the MTP layer FP8 as well.
+    "tiny-glm5-fp8": Preset(
+        "glm_moe_dsa", hidden=256, layers=4, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2, q_lora=128,
+        kv_lora=512, nope=192, rope=64, v_head=256, experts=8, topk=2, moe_inter=128, latent=256, shared=1,
+        dense_inter=256, first_dense=1, vocab=1000, nextn=1, index_heads=4, index_head_dim=128, index_freq=4,
+        fp8=True, shards=3,
+        description="GLM-5.2-FP8 layout: tiny-glm5 with 128x128 block FP8 linear weights",
+    ),
     # GLM-4.7-Flash (zai-org/GLM-4.7-Flash's config at reduced sizes): MLA as GLM-5 without the indexer.
     "tiny-glm4-moe-lite": Preset(
         "glm4_moe_lite", hidden=256, layers=2, kda_heads=0, kda_head_dim=0, conv=0, mla_heads=2, q_lora=128,

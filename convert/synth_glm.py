@@ -90,8 +90,19 @@ def _layer(p: Preset, i: int) -> Iterator[Spec]:
         yield from _mlp(f"{pre}.mlp.experts.{e}", h, p.moe_inter)
 
 
+#: GLM-5.2-FP8's linear weights stored BF16 (the router and the indexer's weights_proj; public loaders of the
+#: release); every other decoder-layer linear is FP8 e4m3 with a 128x128 weight_scale_inv.
+FP8_KEPT = (".mlp.gate.weight", ".indexer.weights_proj.weight")
+
+
 def tensor_specs(p: Preset) -> Iterator[Spec]:
-    """Every stored tensor: name, shape, dtype."""
+    """Every stored tensor: name, shape, dtype (float8 marks an FP8 block weight with its weight_scale_inv)."""
+    for name, shape, dtype in _bf16_specs(p):
+        fp8 = p.fp8 and len(shape) == 2 and name.startswith("model.layers.") and not name.endswith(FP8_KEPT)
+        yield name, shape, (torch.float8_e4m3fn if fp8 else dtype)
+
+
+def _bf16_specs(p: Preset) -> Iterator[Spec]:
     h = p.hidden
     yield "lm_head.weight", (p.vocab, h), BF16
     yield "model.embed_tokens.weight", (p.vocab, h), BF16
@@ -153,6 +164,10 @@ def _glm5_config(p: Preset) -> dict:
            "scoring_func": "sigmoid", "transformers_version": "5.4.0", "use_cache": True}
     if p.index_freq > 1:
         cfg.update(index_topk_freq=p.index_freq, index_skip_topk_offset=SKIP_OFFSET)
+    if p.fp8:  # zai-org/GLM-5.2-FP8's quantization_config (its MTP layer's shared_head.norm named)
+        cfg["quantization_config"] = {
+            "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["model.embed_tokens", "lm_head", f"model.layers.{p.layers}.shared_head.norm"]}
     return cfg
 
 
