@@ -13,6 +13,7 @@ is refused with the node it met. Ranges and lists are capped so that a spec cann
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,14 +82,15 @@ class Expr:
     def __call__(self, lookup: Callable[[str], object]) -> object:
         return _Eval(lookup).run(self.tree.body, {})
 
-    def names(self) -> set[str]:
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
         """The dotted names the expression reads (comprehension variables included)."""
         out = set()
         for node in ast.walk(self.tree):
             name = dotted(node) if isinstance(node, ast.Name | ast.Attribute) else None
             if name is not None:
                 out.add(name)
-        return out
+        return frozenset(out)
 
 
 def parse(text: str) -> Expr:

@@ -132,7 +132,7 @@ class Preset:
 
     def eval(self, e: Expr, where: str, local: dict | None = None):
         """``e`` with loop variables ``local`` over the preset's values; an error names ``where``."""
-        lookup = self.values.lookup if not local else _with_local(self.values.lookup, local)
+        lookup = self.values.lookup if not local else _with_local(self.values, local)
         try:
             return e(lookup)
         except ExprError as err:
@@ -141,8 +141,18 @@ class Preset:
             raise SpecError(where, f"{e.text!r}: nested too deep") from None
 
 
-def _with_local(lookup: Callable, local: dict) -> Callable:
-    return lambda name: local[name] if name in local else lookup(name)
+def _with_local(values: Values, local: dict) -> Callable:
+    """Loop variables first; a ``let`` value that reads a loop variable is evaluated for this pass (the
+    others are evaluated once and cached)."""
+    let = values.family.let
+
+    def lookup(name: str):
+        if name in local:
+            return local[name]
+        if name in let and let[name].names & local.keys():
+            return let[name](lookup)
+        return values.lookup(name)
+    return lookup
 
 
 def _flatten(over: dict, raw: dict, family: Family, prefix: str = "") -> list[tuple[str, object]]:
