@@ -81,7 +81,18 @@ def cli() -> None:
     """Convert a sharded safetensors MoE checkpoint (Kimi K3, Kimi Linear) into pre-packed NVFP4."""
 
 
-@cli.command()
+class _SynthCommand(click.Command):
+    """``synth --help`` lists the built-in presets as their spec files name and describe them."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from .synth import builtin_presets
+
+        with formatter.section("Presets"):
+            formatter.write_dl([(name, v.description) for name, (_, v) in builtin_presets().items()])
+        super().format_epilog(ctx, formatter)
+
+
+@cli.command(cls=_SynthCommand)
 @click.argument("preset")
 @click.argument("output", callback=_checked(paths.output_folder))
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
@@ -95,29 +106,19 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
           overwrite: bool, jobs: int) -> None:
     """Write a synthetic checkpoint shaped like a real release.
 
-    Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB),
-    bench-k3-shards (4.8 GB in 24 shards: the NVIDIA-converter benchmark),
-    k3-full-sparse (the released K3's 497,220 tensors in 96 shards: real headers, data regions are holes).
+    PRESET is a built-in preset (below) or a spec file, FILE.toml holding one preset or FILE.toml:NAME
+    (the format: docs/presets.md; the tests' presets are in tests/presets/).
     """
-    from .synthspec import builtin_presets, load_preset
-    from .synthspec import write_synth as write_spec
+    from .synth import load_preset, write_synth
 
-    if ".toml" in preset or preset in builtin_presets():
-        spec = load_preset(preset, layers, experts, shards)
-        out = write_spec(spec, output, seed=seed, overwrite=overwrite, jobs=jobs)
-        description, is_sparse = spec.description, spec.sparse
-    else:
-        from .synth import PRESETS, write_synth
-
-        out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
-                          shards=shards)
-        description, is_sparse = PRESETS[preset].description, PRESETS[preset].sparse
+    spec = load_preset(preset, layers, experts, shards)
+    out = write_synth(spec, output, seed=seed, overwrite=overwrite, jobs=jobs)
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
-    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if is_sparse else ""
+    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if spec.sparse else ""
     given = {"layers": layers, "experts": experts, "shards": shards}  # the description gives the preset's own
     changed = "".join(f" {k}={v}" for k, v in given.items() if v is not None)
-    click.echo(f"wrote {paths.shown(out)}/: {description}{f' (changed:{changed})' if changed else ''}; "
+    click.echo(f"wrote {paths.shown(out)}/: {spec.description}{f' (changed:{changed})' if changed else ''}; "
                f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 

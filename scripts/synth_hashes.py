@@ -75,10 +75,7 @@ def folder_hashes(root: Path) -> dict[str, str]:
 def write(preset: str, out: Path, over: dict) -> None:
     """``preset`` written by the code importable as ``kimi_convert``: the old code knows every preset by
     name; the new one is handed the tests' spec file for a preset that is not built in."""
-    try:
-        from kimi_convert import synthspec as synth
-    except ImportError:
-        from kimi_convert import synth
+    from kimi_convert import synth
 
     if not hasattr(synth, "find_preset"):  # the old code
         synth.write_synth(preset, out, **over)

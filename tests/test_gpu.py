@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from gpu_compare import differing_files, differing_tensors, differing_tiles, files_under, on_gpu
-from helpers import run
+from helpers import run, write_synth
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
-from kimi_convert.synth import write_synth
 
 #: (preset, synth options, pack options): every preset family, both recipes where K3, both layouts that fuse on
 #: disk (--layout vllm quantizes K3's fused_qkv_a_g_proj as one tensor, on its joint block-FP8 tiles)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from .resolve import Preset
 from .spec import Block, Group, SpecError, Tensor
 
-ITEMSIZE = {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4}
+ITEMSIZE = {"U8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4}
 FP8_BLOCK = 128  # DeepSeek-style 128x128 weight_scale_inv tiles
 MX_GROUP = 32  # values an E8M0 scale covers
 
@@ -70,7 +70,21 @@ def fill(template: str, names: dict, where: str) -> str:
     return "".join(out)
 
 
-def _parts(name: str, shape: tuple[int, ...], storage: str, where: str) -> tuple[Part, ...]:
+def _parts(t: Tensor, name: str, shape: tuple[int, ...]) -> tuple[Part, ...]:
+    """The stored parts of ``name`` (the storage's own names, or the template's ``stored`` names)."""
+    parts = _storage_parts(name, shape, t.storage, t.where, bool(t.stored))
+    if t.scale_dtype == "e8m0":
+        parts = (parts[0], Part(parts[1].name, "F8_E8M0", parts[1].shape))
+    if not t.stored:
+        return parts
+    if len(t.stored) != len(parts):
+        raise SpecError(f"{t.where}: stored", f"{t.storage} stores {len(parts)} tensors, stored names {len(t.stored)}")
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return tuple(Part(fill(s, {"name": name, "base": base}, f"{t.where}: stored"), p.dtype, p.shape)
+                 for s, p in zip(t.stored, parts, strict=True))
+
+
+def _storage_parts(name: str, shape: tuple[int, ...], storage: str, where: str, renamed: bool) -> tuple[Part, ...]:
     if storage in ("bf16", "f32"):
         return (Part(name, storage.upper(), shape),)
     if storage == "mxfp4-bank":
@@ -79,9 +93,10 @@ def _parts(name: str, shape: tuple[int, ...], storage: str, where: str) -> tuple
         e, n, k = shape
         return (Part(f"{name}_blocks", "U8", (e, n, k // MX_GROUP, 16)),
                 Part(f"{name}_scales", "U8", (e, n, k // MX_GROUP)))
-    if not name.endswith(".weight") or len(shape) != 2:
-        raise SpecError(where, f"{storage} stores a 2-D '*.weight', got {name} {list(shape)}")
-    base, (n, k) = name[: -len(".weight")], shape
+    if not (renamed or name.endswith(".weight")) or len(shape) != 2:
+        raise SpecError(where, f"{storage} stores a 2-D '*.weight' (or names its parts: stored), "
+                               f"got {name} {list(shape)}")
+    base, (n, k) = name.removesuffix(".weight"), shape
     if storage == "fp8-block":
         scale = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
         return Part(name, "F8_E4M3", shape), Part(f"{base}.weight_scale_inv", "F32", scale)
@@ -137,7 +152,7 @@ class _Walk:
                                                      t.where, "zero_from")
         apart = bool(t.scale_apart is not None and self.p.eval(t.scale_apart, f"{t.where}: scale_apart", local))
         return Logical(name, shape, t.storage, t.where, self.block, local.get("layer") if self.var == "layer" else None,
-                       joined, wide, zero, apart, _parts(name, shape, t.storage, t.where))
+                       joined, wide, zero, apart, _parts(t, name, shape))
 
     def entries(self, entries, local: dict) -> Iterator[Logical]:
         for entry in entries:
@@ -231,7 +246,7 @@ def shard_name(p: Preset, index0: int, count: int) -> str:
     return fill(p.sharding.name, names, f"{p.family.path}: sharding.name")
 
 
-def shards(p: Preset) -> list[Shard]:
+def plan_shards(p: Preset) -> list[Shard]:
     """The preset's shards: its tensors cut as the family's sharding says, an FP8 scale marked
     ``scale_apart`` moved to the last shard (ahead of that shard's own tensors)."""
     specs = list(tensors(p))

@@ -124,6 +124,13 @@ class Preset:
     def sparse(self) -> bool:
         return self.sharding.sparse
 
+    def get(self, name: str):
+        """A config key (bare names through the family's scope), ``let`` or ``sets`` value."""
+        try:
+            return self.values.lookup(name)
+        except ExprError as err:
+            raise SpecError(self.family.path, str(err)) from None
+
     def config(self) -> dict:
         try:
             return self.values.config()

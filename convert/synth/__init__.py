@@ -32,13 +32,13 @@ from ..checkpoint import INDEX_NAME
 from ..errors import ConvertError
 from ..safetensors_format import HeaderTensor, encode_header
 from ..write import default_mode
-from .layout import Logical, Shard, byte_cuts, count_cuts, shard_name, shards, tensors
+from .layout import Logical, Shard, byte_cuts, count_cuts, plan_shards, shard_name, tensors
 from .resolve import Preset, make_preset
 from .spec import Family, SpecError, Variant, parse_family, parse_variants, read_toml
 from .values import fp8_block, mxfp4, tensor_values, weight
 
 __all__ = ["Preset", "SpecError", "builtin_presets", "byte_cuts", "config", "count_cuts", "find_preset",
-           "fp8_block", "index_text", "load_preset", "mxfp4", "shards", "tensor_specs", "tensors", "weight",
+           "fp8_block", "index_text", "load_preset", "mxfp4", "plan_shards", "tensor_specs", "tensors", "weight",
            "write_synth"]
 
 
@@ -151,7 +151,7 @@ def write_synth(preset: str | Preset, out: str | Path, seed: int = 0, layers: in
     touched, so a spec error leaves no half-written folder."""
     p = preset if isinstance(preset, Preset) else load_preset(preset, layers, experts, shards)
     cfg = config(p)
-    plan = None if p.sparse else _shards(p)
+    plan = None if p.sparse else plan_shards(p)
     parts = None if plan is not None else [(t, part) for t in tensors(p) for part in t.parts]
     out = Path(out)
     _prepare(out, overwrite)
@@ -174,9 +174,6 @@ def write_synth(preset: str | Preset, out: str | Path, seed: int = 0, layers: in
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     return out
-
-
-_shards = shards
 
 
 def _write_shard(shard: Shard, out: Path, seed: int) -> dict[str, int]:
@@ -206,7 +203,7 @@ def index_text(weight_map: dict[str, str], total: int, sort_keys: bool = False) 
 
 
 # safetensors orders a file's data by dtype (its enum order, descending), then by name; so do we.
-_ST_DTYPE_RANK = {"U8": 4, "F8_E4M3": 7, "BF16": 12, "F32": 15}
+_ST_DTYPE_RANK = {"U8": 4, "F8_E4M3": 7, "F8_E8M0": 8, "BF16": 12, "F32": 15}
 
 
 def _sparse_groups(parts: list, shards: int) -> list[list]:

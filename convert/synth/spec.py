@@ -42,6 +42,8 @@ class Tensor:
     wide: Expr | None = None  # mxfp4: one block scaled by 2^-24 (a cast that must refuse)
     zero_from: Expr | None = None  # values from this index of dim 0 on are zero (K3's A_log)
     scale_apart: Expr | None = None  # fp8-block: the scale is stored in the last shard
+    stored: tuple[str, ...] = ()  # the stored parts' names ({name}, {base}) instead of the storage's own
+    scale_dtype: str = "u8"  # mxfp4: the E8M0 scales as U8 (compressed-tensors, gpt-oss) or F8_E8M0
 
 
 @dataclass(frozen=True)
@@ -126,23 +128,32 @@ def _shape(value, where: str) -> tuple[Expr, ...] | Expr:
     return tuple(_expr(v, where) for v in value)
 
 
-_TENSOR_KEYS = {"name", "shape", "storage", "when", "layers", "wide", "zero_from", "scale_apart"}
+_TENSOR_KEYS = {"name", "shape", "storage", "when", "layers", "wide", "zero_from", "scale_apart", "stored",
+                "scale_dtype"}
+SCALE_DTYPES = ("u8", "e8m0")
 _GROUP_KEYS = {"tensors", "when", "layers", "experts", "use"}
+
+
+def _tensor(d: dict, where: str, default_storage: str) -> Tensor:
+    _keys(d, _TENSOR_KEYS, where)
+    if "shape" not in d:
+        raise SpecError(where, "a tensor needs a shape")
+    storage = d.get("storage", default_storage)
+    if storage not in STORAGES:
+        raise SpecError(where, f"unknown storage {storage!r} (known: {', '.join(STORAGES)})")
+    stored, scale_dtype = d.get("stored", []), d.get("scale_dtype", "u8")
+    if not isinstance(d["name"], str) or not isinstance(stored, list) or not all(isinstance(s, str) for s in stored):
+        raise SpecError(where, "name is a string, stored a list of strings")
+    if scale_dtype not in SCALE_DTYPES or (scale_dtype != "u8" and not storage.startswith("mxfp4")):
+        raise SpecError(f"{where}: scale_dtype", f"{scale_dtype!r}: u8 or e8m0, for an mxfp4 storage")
+    return Tensor(where, d["name"], _shape(d["shape"], f"{where}: shape"), storage,
+                  *(_opt_expr(d, k, where) for k in ("when", "layers", "wide", "zero_from", "scale_apart")),
+                  tuple(stored), scale_dtype)
 
 
 def _entry(d: dict, where: str, parts: dict, default_storage: str, depth: int) -> Tensor | Group:
     if isinstance(d, dict) and "name" in d:
-        where = f"{where} ({d['name']})"
-        _keys(d, _TENSOR_KEYS, where)
-        if "shape" not in d:
-            raise SpecError(where, "a tensor needs a shape")
-        storage = d.get("storage", default_storage)
-        if storage not in STORAGES:
-            raise SpecError(where, f"unknown storage {storage!r} (known: {', '.join(STORAGES)})")
-        if not isinstance(d["name"], str):
-            raise SpecError(where, "name is a string")
-        return Tensor(where, d["name"], _shape(d["shape"], f"{where}: shape"), storage,
-                      *(_opt_expr(d, k, where) for k in ("when", "layers", "wide", "zero_from", "scale_apart")))
+        return _tensor(d, f"{where} ({d['name']})", default_storage)
     _keys(d, _GROUP_KEYS, where)
     if ("tensors" in d) == ("use" in d):
         raise SpecError(where, "an entry is a tensor (name, shape), a group (tensors = [...]) or a part (use = ...)")

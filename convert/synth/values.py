@@ -82,7 +82,12 @@ def _bank(t: Logical, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tensor_values(t: Logical, seed: int) -> list[torch.Tensor]:
-    """The values of ``t``'s parts, in ``t.parts``'s order."""
+    """The values of ``t``'s parts, in ``t.parts``'s order (E8M0 scales as torch's float8_e8m0fnu)."""
+    values = _values(t, seed)
+    return [v.view(torch.float8_e8m0fnu) if p.dtype == "F8_E8M0" else v for p, v in zip(t.parts, values, strict=True)]
+
+
+def _values(t: Logical, seed: int) -> list[torch.Tensor]:
     if t.storage in ("bf16", "f32"):
         w = weight(t.name, t.shape, seed, DTYPES[t.parts[0].dtype])
         if t.zero_from is not None:
