@@ -78,21 +78,32 @@ def _fail(msg: str) -> None:
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kimi-convert")
 def cli() -> None:
-    """Convert a sharded safetensors MoE checkpoint (Kimi K3, Kimi Linear) into pre-packed NVFP4."""
+    """Convert a sharded safetensors MoE checkpoint into an engine-ready NVFP4 checkpoint with a manifest.
+
+    Built-in families: Kimi K3, Kimi Linear, DeepSeek V3 / R1, Kimi K2, Qwen3 MoE, Qwen3.5 MoE, GLM-4.5 MoE,
+    MiniMax-M2, gpt-oss; any other MoE model through a mapping table (--mapping FILE.toml).
+    """
 
 
-class _SynthCommand(click.Command):
-    """``synth --help`` lists the built-in presets as their spec files name and describe them."""
+def user_presets() -> dict[str, str]:
+    """The presets ``kimi-convert synth`` offers by name, with their descriptions: the built-in spec files'
+    (presets/*.toml). The tests' own fixtures (tiny-deepseek-fp8) are spec files in tests/presets/."""
+    from .synth import builtin_presets
 
-    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from .synth import builtin_presets
+    return {name: v.description for name, (_, v) in builtin_presets().items()}
 
+
+class SynthCommand(click.Command):
+    """``synth --help`` lists every preset it offers by name, read from the spec files themselves (torch is
+    imported only when the help is asked for)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
         with formatter.section("Presets"):
-            formatter.write_dl([(name, v.description) for name, (_, v) in builtin_presets().items()])
-        super().format_epilog(ctx, formatter)
+            formatter.write_dl(list(user_presets().items()))
 
 
-@cli.command(cls=_SynthCommand)
+@cli.command(cls=SynthCommand)
 @click.argument("preset")
 @click.argument("output", callback=_checked(paths.output_folder))
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
@@ -106,8 +117,8 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
           overwrite: bool, jobs: int) -> None:
     """Write a synthetic checkpoint shaped like a real release.
 
-    PRESET is a built-in preset (below) or a spec file, FILE.toml holding one preset or FILE.toml:NAME
-    (the format: docs/presets.md; the tests' presets are in tests/presets/).
+    PRESET: one of those below, or a spec file, FILE.toml holding one preset or FILE.toml:NAME (the format:
+    docs/presets.md).
     """
     from .synth import load_preset, write_synth
 
@@ -132,6 +143,38 @@ def inspect_cmd(path: str, as_json: bool, token: str | None) -> None:
 
     info = inspect_source(_hub_source(path, token)) if is_hub_spec(path) else inspect_path(path)
     click.echo(json.dumps(info.to_dict(), indent=2) if as_json else render(info))
+
+
+@cli.group(name="mapping")
+def mapping_group() -> None:
+    """Mapping tables: derive one from the serving engines' own model classes."""
+
+
+@mapping_group.command(name="derive")
+@click.argument("input_dir", metavar="SOURCE", callback=_checked(check_spec))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Write the table here (default: stdout).")
+@click.option("--answers", type=click.Path(dir_okay=False),
+              help="Also write the engines' raw answers (JSON), to rebuild the table without them.")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
+              help="Ask only this engine (repeatable; default: both, which the tool's tables need).")
+@click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
+def mapping_derive(input_dir: str, out: str | None, answers: str | None, engines: tuple[str, ...],
+                   token: str | None) -> None:
+    """Derive SOURCE's mapping table from vLLM's and SGLang's own model classes (needs scripts/engine-envs.sh).
+
+    Each engine builds its model for SOURCE's config (at SOURCE's size: derive from a small checkpoint of the
+    architecture), its loader is offered every weight and reports where each lands; the packed modules, the expert
+    banks and the layers each engine builds unquantized become the table, each rule naming its engine and class."""
+    from .checkpoint import open_checkpoint
+    from .derive import ENGINES, derive
+    from .derive.lookup import write_table
+
+    ckpt = open_checkpoint(_input(input_dir, token))
+    d = derive(ckpt, engines or ENGINES, Path(answers) if answers else None)
+    write_table(d.text, Path(out) if out else None)
+    for e, names in d.skipped.items():
+        if names:
+            click.echo(f"kimi-convert: note: {e} puts {len(names)} offered tensor(s) nowhere: {names[0]} ...", err=True)
 
 
 @cli.command()

@@ -146,16 +146,15 @@ def test_synth_help_lists_the_built_in_presets():
     assert r.code == 0
     for name in builtin_presets():
         assert name in r.stdout, name
-    assert {"tiny-k3", "tiny-kimi-linear", "bench-k3-shards", "k3-full-sparse"} <= set(builtin_presets())
-    for tests_only in ("tiny-qwen3-moe", "tiny-deepseek-fp8", "tiny-gpt-oss"):
-        assert tests_only not in r.stdout and tests_only not in builtin_presets()
+    assert {"tiny-k3", "tiny-qwen3-moe", "bench-k3-shards", "k3-full-sparse"} <= set(builtin_presets())
+    assert "tiny-deepseek-fp8" not in r.stdout and "tiny-deepseek-fp8" not in builtin_presets()
 
 
 def test_the_tests_presets_live_with_the_tests():
-    """The installed package holds no preset only the tests use; each tests' preset resolves to its
+    """The installed package holds no fixture only the tests use (tiny-deepseek-fp8); each resolves to its
     spec file under tests/presets/."""
     names = all_presets()
-    assert len(names) == len(set(names)) >= 20
+    assert len(names) == len(set(names)) >= 20 and "tiny-deepseek-fp8" in names
     for name in set(names) - set(builtin_presets()):
         assert spec(name).startswith(f"{TEST_PRESETS}/"), name
 
@@ -237,3 +236,18 @@ def test_a_new_family_is_a_spec_file(tmp_path):
     assert tuple(t["model.layers.1.ffn.experts.0.w1.weight"].shape) == (64, 128)
     assert tuple(t["model.layers.1.ffn.bank_blocks"].shape) == (2, 64, 8, 16)
     assert str(t["model.layers.0.attn.wq.weight"].dtype) == "torch.float8_e4m3fn"
+
+
+def test_a_spec_on_a_built_in_family_holds_only_its_presets(tmp_path):
+    """base = "FAMILY": the built-in family's layout with this file's sizes; a layout table next to it is
+    refused (one source for a family's layout)."""
+    path = tmp_path / "mine.toml"
+    path.write_text('base = "qwen3_moe"\n\n[presets.mine]\ndescription = "mine"\nshards = 1\n'
+                    "[presets.mine.config]\nhidden_size = 128\nnum_experts = 2\nmoe_intermediate_size = 64\n")
+    p = load_preset(str(path))
+    cfg = config(p)
+    assert (cfg["hidden_size"], cfg["num_experts"], cfg["max_window_layers"]) == (128, 2, cfg["num_hidden_layers"])
+    assert config(p)["architectures"] == config(synth_preset("tiny-qwen3-moe"))["architectures"]
+    path.write_text(path.read_text() + '\n[sets]\nx = "range(1)"\n')
+    r = run("synth", path, tmp_path / "o")
+    assert "a spec with base = ... holds only [presets.*], not 'sets'" in one_line_error(r)
