@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from ..checkpoint import INDEX_NAME
 from ..errors import ConvertError
+from ..gcpause import gc_paused
 from ..safetensors_format import HeaderTensor, encode_header
 from ..write import default_mode
 from .layout import Logical, Shard, byte_cuts, count_cuts, plan_shards, shard_name, tensors
@@ -151,8 +152,9 @@ def write_synth(preset: str | Preset, out: str | Path, seed: int = 0, layers: in
     touched, so a spec error leaves no half-written folder."""
     p = preset if isinstance(preset, Preset) else load_preset(preset, layers, experts, shards)
     cfg = config(p)
-    plan = None if p.sparse else plan_shards(p)
-    parts = None if plan is not None else [(t, part) for t in tensors(p) for part in t.parts]
+    with gc_paused():  # k3-full-sparse: 250k tensors, 500k parts, no cycles
+        plan = None if p.sparse else plan_shards(p)
+        parts = None if plan is not None else [(t, part) for t in tensors(p) for part in t.parts]
     out = Path(out)
     _prepare(out, overwrite)
     if parts is not None:

@@ -80,7 +80,12 @@ class Expr:
     tree: ast.Expression
 
     def __call__(self, lookup: Callable[[str], object]) -> object:
-        return _Eval(lookup).run(self.tree.body, {})
+        return self.fn(lookup, {})
+
+    @functools.cached_property
+    def fn(self) -> Fn:
+        """The checked tree as closures, built on first use."""
+        return _compile(self.tree.body)
 
     @functools.cached_property
     def names(self) -> frozenset[str]:
@@ -129,95 +134,144 @@ def _check_node(node: ast.AST, text: str) -> None:
         raise ExprError(f"{text!r}: a comprehension binds one plain name")
 
 
-class _Eval:
-    """The walk over a checked tree: config names through ``lookup``, comprehension variables locally."""
+Fn = Callable[[Callable[[str], object], dict], object]  # (lookup, comprehension variables) -> value
 
-    def __init__(self, lookup: Callable[[str], object]) -> None:
-        self.lookup = lookup
 
-    def run(self, node: ast.expr, local: dict[str, object]) -> object:
-        method = getattr(self, f"_{type(node).__name__}")
-        return method(node, local)
+def _compile(node: ast.AST) -> Fn:
+    """A checked node as a closure (built once per expression, called per layer and expert: k3-full-sparse
+    evaluates some expressions 250k times)."""
+    return _COMPILERS[type(node)](node)
 
-    def _Constant(self, node: ast.Constant, local: dict) -> object:
-        return node.value
 
-    def _Name(self, node: ast.Name, local: dict) -> object:
-        return local[node.id] if node.id in local else self.lookup(node.id)
+def _constant(node: ast.Constant) -> Fn:
+    value = node.value
+    return lambda lookup, local: value
 
-    def _Attribute(self, node: ast.Attribute, local: dict) -> object:
-        return self.lookup(dotted(node))
 
-    def _BinOp(self, node: ast.BinOp, local: dict) -> object:
-        a, b = self.run(node.left, local), self.run(node.right, local)
+def _name(node: ast.Name) -> Fn:
+    name = node.id
+    return lambda lookup, local: local[name] if name in local else lookup(name)
+
+
+def _attribute(node: ast.Attribute) -> Fn:
+    name = dotted(node)
+    return lambda lookup, local: lookup(name)
+
+
+def _binop(node: ast.BinOp) -> Fn:
+    left, right, op, what = _compile(node.left), _compile(node.right), _BINOPS[type(node.op)], type(node.op).__name__
+    divides = isinstance(node.op, ast.FloorDiv | ast.Mod)
+
+    def run(lookup, local):
+        a, b = left(lookup, local), right(lookup, local)
         if not (_is_int(a) and _is_int(b)):
-            raise ExprError(f"{type(node.op).__name__} takes integers, got {a!r} and {b!r}")
-        if isinstance(node.op, ast.FloorDiv | ast.Mod) and b == 0:
+            raise ExprError(f"{what} takes integers, got {a!r} and {b!r}")
+        if divides and b == 0:
             raise ExprError("division by zero")
-        return _BINOPS[type(node.op)](a, b)
+        return op(a, b)
+    return run
 
-    def _UnaryOp(self, node: ast.UnaryOp, local: dict) -> object:
-        v = self.run(node.operand, local)
-        if isinstance(node.op, ast.Not):
+
+def _unaryop(node: ast.UnaryOp) -> Fn:
+    operand, op = _compile(node.operand), node.op
+
+    def run(lookup, local):
+        v = operand(lookup, local)
+        if isinstance(op, ast.Not):
             return not v
         if not _is_int(v):
-            raise ExprError(f"unary {type(node.op).__name__} takes an integer, got {v!r}")
-        return -v if isinstance(node.op, ast.USub) else v
+            raise ExprError(f"unary {type(op).__name__} takes an integer, got {v!r}")
+        return -v if isinstance(op, ast.USub) else v
+    return run
 
-    def _BoolOp(self, node: ast.BoolOp, local: dict) -> object:
+
+def _boolop(node: ast.BoolOp) -> Fn:
+    values, is_and = [_compile(v) for v in node.values], isinstance(node.op, ast.And)
+
+    def run(lookup, local):
         v: object = None
-        for value in node.values:
-            v = self.run(value, local)
-            if isinstance(node.op, ast.And) != bool(v):
+        for value in values:
+            v = value(lookup, local)
+            if is_and != bool(v):
                 return v
         return v
+    return run
 
-    def _Compare(self, node: ast.Compare, local: dict) -> object:
-        left = self.run(node.left, local)
-        for op, right_node in zip(node.ops, node.comparators, strict=True):
-            right = self.run(right_node, local)
+
+def _compare(node: ast.Compare) -> Fn:
+    first = _compile(node.left)
+    rest = [(_COMPARE[type(op)], _compile(r)) for op, r in zip(node.ops, node.comparators, strict=True)]
+
+    def run(lookup, local):
+        left = first(lookup, local)
+        for op, right_fn in rest:
+            right = right_fn(lookup, local)
             try:
-                ok = _COMPARE[type(op)](left, right)
+                ok = op(left, right)
             except TypeError as e:
                 raise ExprError(f"cannot compare {left!r} and {right!r}") from e
             if not ok:
                 return False
             left = right
         return True
+    return run
 
-    def _IfExp(self, node: ast.IfExp, local: dict) -> object:
-        return self.run(node.body if self.run(node.test, local) else node.orelse, local)
 
-    def _List(self, node: ast.List, local: dict) -> object:
-        return [self.run(e, local) for e in node.elts]
+def _ifexp(node: ast.IfExp) -> Fn:
+    test, body, orelse = _compile(node.test), _compile(node.body), _compile(node.orelse)
+    return lambda lookup, local: body(lookup, local) if test(lookup, local) else orelse(lookup, local)
 
-    def _Subscript(self, node: ast.Subscript, local: dict) -> object:
-        seq, i = self.run(node.value, local), self.run(node.slice, local)
+
+def _list(node: ast.List) -> Fn:
+    items = [_compile(e) for e in node.elts]
+    return lambda lookup, local: [item(lookup, local) for item in items]
+
+
+def _subscript(node: ast.Subscript) -> Fn:
+    value, index = _compile(node.value), _compile(node.slice)
+
+    def run(lookup, local):
+        seq, i = value(lookup, local), index(lookup, local)
         if not isinstance(seq, list) or not _is_int(i):
             raise ExprError(f"x[i] takes a list and an integer, got {type(seq).__name__} and {i!r}")
         if not -len(seq) <= i < len(seq):
             raise ExprError(f"index {i} out of a list of {len(seq)}")
         return seq[i]
+    return run
 
-    def _Call(self, node: ast.Call, local: dict) -> object:
-        return _CALLS[node.func.id](*(self.run(a, local) for a in node.args))
 
-    def _ListComp(self, node: ast.ListComp, local: dict) -> object:
-        out: list = []
-        self._comp(node, list(node.generators), dict(local), out)
-        return out
+def _call(node: ast.Call) -> Fn:
+    fn, args = _CALLS[node.func.id], [_compile(a) for a in node.args]
+    return lambda lookup, local: fn(*(a(lookup, local) for a in args))
 
-    def _comp(self, node: ast.ListComp, gens: list[ast.comprehension], local: dict, out: list) -> None:
-        if not gens:
-            out.append(self.run(node.elt, local))
+
+def _listcomp(node: ast.ListComp) -> Fn:
+    elt = _compile(node.elt)
+    gens = [(g.target.id, _compile(g.iter), [_compile(c) for c in g.ifs]) for g in node.generators]
+
+    def expand(i: int, lookup, local: dict, out: list) -> None:
+        if i == len(gens):
+            out.append(elt(lookup, local))
             if len(out) > MAX_ITEMS:
                 raise ExprError(f"a list of more than {MAX_ITEMS} items")
             return
-        gen, rest = gens[0], gens[1:]
-        items = self.run(gen.iter, local)
+        target, source, conds = gens[i]
+        items = source(lookup, local)
         if not isinstance(items, list):
             raise ExprError(f"a comprehension iterates over a list, got {type(items).__name__}")
         for item in items:
-            local[gen.target.id] = item
-            if all(self.run(cond, local) for cond in gen.ifs):
-                self._comp(node, rest, local, out)
+            local[target] = item
+            if all(c(lookup, local) for c in conds):
+                expand(i + 1, lookup, local, out)
+
+    def run(lookup, local):
+        out: list = []
+        expand(0, lookup, dict(local), out)
+        return out
+    return run
+
+
+_COMPILERS: dict[type, Callable[[ast.AST], Fn]] = {
+    ast.Constant: _constant, ast.Name: _name, ast.Attribute: _attribute, ast.BinOp: _binop,
+    ast.UnaryOp: _unaryop, ast.BoolOp: _boolop, ast.Compare: _compare, ast.IfExp: _ifexp, ast.List: _list,
+    ast.Subscript: _subscript, ast.Call: _call, ast.ListComp: _listcomp}

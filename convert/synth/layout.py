@@ -8,13 +8,14 @@ itself (by dtype, then name).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .resolve import Preset
+from .resolve import Loop, Preset
 from .spec import Block, Group, SpecError, Tensor
 
 ITEMSIZE = {"U8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4}
@@ -22,20 +23,20 @@ FP8_BLOCK = 128  # DeepSeek-style 128x128 weight_scale_inv tiles
 MX_GROUP = 32  # values an E8M0 scale covers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Part:
     """One stored tensor: name, safetensors dtype, shape."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    nbytes: int = field(init=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * ITEMSIZE[self.dtype])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Logical:
     """One emitted template: a tensor as the release describes it (an FP8 weight with its scale, an MXFP4
     weight with its packed codes and scales are one), and where it came from."""
@@ -53,12 +54,17 @@ class Logical:
     parts: tuple[Part, ...] = field(default=(), compare=False)
 
 
+@functools.lru_cache(maxsize=1024)
+def _template(template: str) -> tuple[tuple[str, str | None, str, str | None], ...]:
+    return tuple(string.Formatter().parse(template))
+
+
 def fill(template: str, names: dict, where: str) -> str:
     """``template`` with its ``{field}`` / ``{field:spec}`` from ``names`` (plain names only: a spec
     file cannot reach attributes or items through a format string)."""
     out = []
     try:
-        for text, fname, spec, conv in string.Formatter().parse(template):
+        for text, fname, spec, conv in _template(template):
             out.append(text)
             if fname is None:
                 continue
@@ -119,13 +125,16 @@ def _ints(v, where: str, what: str) -> list[int]:
 
 @dataclass
 class _Walk:
-    """The expansion of one preset's blocks (its loop values, evaluated names cached per preset)."""
+    """The expansion of one preset's blocks. What a template computes from values no loop variable it
+    reads changes is computed once per those variables' values (an expert's shape once per layer, not
+    for each of 896 experts)."""
 
     p: Preset
     block: int = 0
     var: str = "layer"
+    done: dict = field(default_factory=dict)
 
-    def holds(self, entry: Tensor | Group, local: dict) -> bool:
+    def holds(self, entry: Tensor | Group, local: Loop) -> bool:
         if entry.when is not None:
             ok = self.p.eval(entry.when, f"{entry.where}: when", local)
             if not isinstance(ok, bool | int):
@@ -139,38 +148,57 @@ class _Walk:
             return local[self.var] in chosen
         return True
 
-    def tensor(self, t: Tensor, local: dict, joined: bool) -> Logical:
-        shape_v = self.p.eval(t.shape, f"{t.where}: shape", local) if not isinstance(t.shape, tuple) else [
-            self.p.eval(e, f"{t.where}: shape", local) for e in t.shape]
-        shape = tuple(_int(d, f"{t.where}: shape", "each dimension", 1) for d in _ints(shape_v, t.where, "shape"))
+    def _sized(self, t: Tensor, local: Loop) -> tuple[tuple[int, ...], int | None, bool]:
+        """``t``'s shape, zero_from and scale_apart (kept per the values of the loop variables they read)."""
+        read = self.done.get((id(t), local.keyset))
+        if read is None:
+            exprs = [e for e in (*((t.shape,) if not isinstance(t.shape, tuple) else t.shape), t.zero_from,
+                                 t.scale_apart) if e is not None]
+            read = sorted(frozenset().union(*(self.p.values.reads(e, local.keyset) for e in exprs)))
+            self.done[id(t), local.keyset] = read
+        key = (id(t), *(local[v] for v in read))
+        if key not in self.done:
+            where = f"{t.where}: shape"
+            shape_v = self.p.eval(t.shape, where, local) if not isinstance(t.shape, tuple) else [
+                self.p.eval(e, where, local) for e in t.shape]
+            shape = tuple(_int(d, where, "each dimension", 1) for d in _ints(shape_v, t.where, "shape"))
+            zero = None if t.zero_from is None else _int(
+                self.p.eval(t.zero_from, f"{t.where}: zero_from", local), t.where, "zero_from")
+            apart = bool(t.scale_apart is not None and self.p.eval(t.scale_apart, f"{t.where}: scale_apart", local))
+            self.done[key] = shape, zero, apart
+        return self.done[key]
+
+    def tensor(self, t: Tensor, local: Loop, joined: bool) -> Logical:
+        shape, zero, apart = self._sized(t, local)
         name = fill(t.name, local, t.where)
         wide: tuple[int, ...] = ()
         if t.wide is not None:
-            experts = range(shape[0]) if t.storage == "mxfp4-bank" else [local.get("expert", 0)]
-            wide = tuple(x for x in experts if self.p.eval(t.wide, f"{t.where}: wide", {**local, "expert": x}))
-        zero = None if t.zero_from is None else _int(self.p.eval(t.zero_from, f"{t.where}: zero_from", local),
-                                                     t.where, "zero_from")
-        apart = bool(t.scale_apart is not None and self.p.eval(t.scale_apart, f"{t.where}: scale_apart", local))
-        return Logical(name, shape, t.storage, t.where, self.block, local.get("layer") if self.var == "layer" else None,
-                       joined, wide, zero, apart, _parts(t, name, shape))
+            where = f"{t.where}: wide"
+            if t.storage == "mxfp4-bank" or "expert" not in local:  # expert x of the bank (or expert 0)
+                experts = range(shape[0]) if t.storage == "mxfp4-bank" else [0]
+                wide = tuple(x for x in experts if self.p.eval(t.wide, where, Loop(local, expert=x)))
+            else:
+                wide = (local["expert"],) if self.p.eval(t.wide, where, local) else ()
+        layer = local.get("layer") if self.var == "layer" else None
+        return Logical(name, shape, t.storage, t.where, self.block, layer, joined, wide, zero, apart,
+                       _parts(t, name, shape))
 
-    def entries(self, entries, local: dict) -> Iterator[Logical]:
+    def entries(self, entries, local: Loop, first: list[bool] | None = None) -> Iterator[Logical]:
+        """``first``: inside an expert, whether its first tensor is still to come (the others are
+        ``joined``: a byte cut never falls before them)."""
         for entry in entries:
             if not self.holds(entry, local):
                 continue
             if isinstance(entry, Tensor):
-                yield self.tensor(entry, local, False)
+                yield self.tensor(entry, local, first is not None and not first[0])
+                if first is not None:
+                    first[0] = False
             elif entry.experts is None:
-                yield from self.entries(entry.entries, local)
+                yield from self.entries(entry.entries, local, first)
             else:
                 n = _int(self.p.eval(entry.experts, f"{entry.where}: experts", local), entry.where, "experts")
                 for x in range(n):
-                    for i, logical in enumerate(self.entries(entry.entries, {**local, "expert": x})):
-                        yield logical if i == 0 else _joined(logical)
-
-
-def _joined(t: Logical) -> Logical:
-    return Logical(t.name, t.shape, t.storage, t.where, t.block, t.layer, True, t.wide, t.zero_from, t.apart, t.parts)
+                    yield from self.entries(entry.entries, Loop(local, expert=x), [True])
 
 
 def tensors(p: Preset) -> Iterator[Logical]:
@@ -185,9 +213,9 @@ def tensors(p: Preset) -> Iterator[Logical]:
             yield from walk.entries(block.entries, _names(block, {block.var: v}))
 
 
-def _names(block: Block, local: dict) -> dict:
+def _names(block: Block, local: dict) -> Loop:
     """The block's loop variable and its ``names``, each filled with the loop variable (``{layer}``)."""
-    return {**local, **{k: fill(t, local, f"{block.where}: names.{k}") for k, t in block.names}}
+    return Loop(local, **{k: fill(t, local, f"{block.where}: names.{k}") for k, t in block.names})
 
 
 def count_cuts(specs: list[Logical], shards: int, snap: tuple[str, ...]) -> list[int]:

@@ -9,8 +9,9 @@ of the layer or expert count changes everything derived from it, as the release'
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .expr import Expr, ExprError, parse
 from .spec import Family, Sharding, SpecError, Variant
@@ -54,8 +55,10 @@ class Values:
 
     family: Family
     raw: dict
-    done: dict
-    busy: set
+    done: dict = field(default_factory=dict)
+    busy: set = field(default_factory=set)
+    fixed: dict = field(default_factory=dict)  # id(expr) -> (expr, value) for those no loop variable reaches
+    reaches: dict = field(default_factory=dict)  # (id(expr), loop variables) -> whether they reach it
 
     def path(self, name: str) -> str:
         for scope in (*self.family.scope, ""):
@@ -98,6 +101,16 @@ class Values:
             self.busy.discard(key)
         return self.done[key]
 
+    def reads(self, e: Expr, loop: frozenset) -> frozenset:
+        """The ``loop`` variables ``e`` reads, itself or through ``let`` values (empty: none)."""
+        key = (id(e), loop)
+        if key not in self.reaches:
+            self.reaches[key] = frozenset()  # a let cycle is reported where it is evaluated
+            let = self.family.let
+            self.reaches[key] = frozenset().union(
+                *((n,) if n in loop else self.reads(let[n], loop) if n in let else () for n in e.names))
+        return self.reaches[key]
+
     def lookup(self, name: str):
         try:
             return self(name)
@@ -107,6 +120,24 @@ class Values:
     def config(self) -> dict:
         """The config.json to write, every expression evaluated."""
         return {k: self._config_value(k, v) for k, v in self.raw.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _shared(keys: frozenset) -> frozenset:
+    """The first key set equal to ``keys`` (its hash computed once)."""
+    return keys
+
+
+class Loop(dict):
+    """One pass's loop variables and names, with their key set made once (and shared between passes: its
+    hash is then computed once), which :meth:`Preset.eval` caches on."""
+
+    __slots__ = ("keyset", "lookup")
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.keyset = _shared(frozenset(self))
+        self.lookup: Callable | None = None  # the name lookup through these variables, made on first use
 
 
 @dataclass(frozen=True)
@@ -138,8 +169,21 @@ class Preset:
             raise SpecError(f"{self.family.path}: config", str(err)) from None
 
     def eval(self, e: Expr, where: str, local: dict | None = None):
-        """``e`` with loop variables ``local`` over the preset's values; an error names ``where``."""
-        lookup = self.values.lookup if not local else _with_local(self.values, local)
+        """``e`` with loop variables ``local`` over the preset's values; an error names ``where``. An
+        expression no loop variable reaches is evaluated once (k3-full-sparse emits 250k tensors)."""
+        loop = local.keyset if isinstance(local, Loop) else frozenset(local or ())
+        if loop and self.values.reads(e, loop):
+            if not isinstance(local, Loop):
+                return self._run(e, where, _with_local(self.values, local, loop))
+            if local.lookup is None:
+                local.lookup = _with_local(self.values, local, loop)
+            return self._run(e, where, local.lookup)
+        hit = self.values.fixed.get(id(e))
+        if hit is None or hit[0] is not e:
+            hit = self.values.fixed[id(e)] = (e, self._run(e, where, self.values.lookup))
+        return hit[1]
+
+    def _run(self, e: Expr, where: str, lookup: Callable):
         try:
             return e(lookup)
         except ExprError as err:
@@ -148,7 +192,7 @@ class Preset:
             raise SpecError(where, f"{e.text!r}: nested too deep") from None
 
 
-def _with_local(values: Values, local: dict) -> Callable:
+def _with_local(values: Values, local: dict, loop: frozenset) -> Callable:
     """Loop variables first; a ``let`` value that reads a loop variable is evaluated for this pass (the
     others are evaluated once and cached)."""
     let = values.family.let
@@ -156,7 +200,7 @@ def _with_local(values: Values, local: dict) -> Callable:
     def lookup(name: str):
         if name in local:
             return local[name]
-        if name in let and let[name].names & local.keys():
+        if name in let and values.reads(let[name], loop):
             return let[name](lookup)
         return values.lookup(name)
     return lookup
@@ -186,7 +230,7 @@ def make_preset(family: Family, v: Variant, layers: int | None = None, experts: 
         raise SpecError(f"{v.where}: config", f"unknown key {e.args[0]!r} (not in the family's [config])") from None
     for p, value in sets:
         _set(raw, p, value)
-    values = Values(family, raw, {}, set())
+    values = Values(family, raw)
     for key, given in ((family.layers_key, layers), (family.experts_key, experts)):
         if given is not None:
             try:
