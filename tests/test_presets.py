@@ -58,6 +58,9 @@ def test_the_evaluator_refuses_anything_else(text):
 
 
 def test_the_evaluator_caps_what_a_spec_can_allocate():
+    for text in ("1" + " + 1" * 100, "-" * 500 + "1", "not " * 300 + "1", "1" + "+1" * 5000):
+        with pytest.raises(ExprError, match="nested deeper|longer than"):
+            parse(text)
     with pytest.raises(ExprError, match="range of"):
         _eval("range(100000000)")
     with pytest.raises(ExprError, match="more than"):

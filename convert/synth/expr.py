@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 #: the most items a range or list may hold (k3-full-sparse's loops are a few thousand long)
 MAX_ITEMS = 1 << 20
+#: the longest expression text (the presets' longest is about 120 characters) and its deepest nesting
+MAX_TEXT, MAX_DEPTH = 2000, 64
 
 _BINOPS: dict[type, Callable] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
                                  ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
@@ -102,13 +104,29 @@ def parse(text: str) -> Expr:
     """The expression ``text``, checked against the whitelist before it is ever evaluated."""
     if not isinstance(text, str):
         raise ExprError(f"expected an expression string, got {type(text).__name__}")
+    if len(text) > MAX_TEXT:
+        raise ExprError(f"{text[:40]!r}...: longer than {MAX_TEXT} characters")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as e:
         raise ExprError(f"{text!r}: not an expression ({e.msg})") from None
+    except (RecursionError, MemoryError):
+        raise ExprError(f"{text[:40]!r}...: nested too deep") from None
     for node in ast.walk(tree):
         _check_node(node, text)
+    if _depth(tree) > MAX_DEPTH:
+        raise ExprError(f"{text[:40]!r}...: nested deeper than {MAX_DEPTH}")
     return Expr(text, tree)
+
+
+def _depth(tree: ast.AST) -> int:
+    """The tree's depth, without recursion (its evaluation recurses once a level)."""
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 _ALLOWED = (ast.Expression, ast.Name, ast.Load, ast.Store, ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp,
