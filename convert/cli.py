@@ -85,21 +85,17 @@ def cli() -> None:
     """
 
 
-#: Presets the tests pin as fixtures (tiny-deepseek-fp8: a layout neither engine loads): made by the tests through
-#: synth.write_synth, neither listed nor accepted by ``kimi-convert synth``.
-TEST_FIXTURES = frozenset({"tiny-deepseek-fp8"})
-
-
 def user_presets() -> dict[str, str]:
-    """The presets ``kimi-convert synth`` offers, with their descriptions (every preset but the test fixtures)."""
-    from .synth import PRESETS
+    """The presets ``kimi-convert synth`` offers by name, with their descriptions: the built-in spec files'
+    (presets/*.toml). The tests' own fixtures (tiny-deepseek-fp8) are spec files in tests/presets/."""
+    from .synth import builtin_presets
 
-    return {name: p.description for name, p in PRESETS.items() if name not in TEST_FIXTURES}
+    return {name: v.description for name, (_, v) in builtin_presets().items()}
 
 
 class SynthCommand(click.Command):
-    """``synth --help`` lists every preset it accepts, read from the presets themselves (torch is imported only
-    when the help is asked for)."""
+    """``synth --help`` lists every preset it offers by name, read from the spec files themselves (torch is
+    imported only when the help is asked for)."""
 
     def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_help_text(ctx, formatter)
@@ -119,21 +115,21 @@ class SynthCommand(click.Command):
               help="Shards written at once (the same bytes for any value).")
 def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None, shards: int | None,
           overwrite: bool, jobs: int) -> None:
-    """Write a synthetic checkpoint shaped like a real release (PRESET: one of those below)."""
-    from .synth import PRESETS, write_synth
+    """Write a synthetic checkpoint shaped like a real release.
 
-    offered = user_presets()
-    if preset not in offered:
-        raise ConvertError(f"unknown preset {preset!r}; presets: {', '.join(offered)}")
+    PRESET: one of those below, or a spec file, FILE.toml holding one preset or FILE.toml:NAME (the format:
+    docs/presets.md).
+    """
+    from .synth import load_preset, write_synth
 
-    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
-                      shards=shards)
+    spec = load_preset(preset, layers, experts, shards)
+    out = write_synth(spec, output, seed=seed, overwrite=overwrite, jobs=jobs)
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
-    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""
+    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if spec.sparse else ""
     given = {"layers": layers, "experts": experts, "shards": shards}  # the description gives the preset's own
     changed = "".join(f" {k}={v}" for k, v in given.items() if v is not None)
-    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}{f' (changed:{changed})' if changed else ''}; "
+    click.echo(f"wrote {paths.shown(out)}/: {spec.description}{f' (changed:{changed})' if changed else ''}; "
                f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 

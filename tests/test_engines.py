@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import Result, one_line_error, run, run_process
+from helpers import Result, one_line_error, run, run_process, spec
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
@@ -72,7 +72,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-inputs")
     out = {}
     for key, preset in MODELS.items():
-        r = run("synth", preset, root / key)
+        r = run("synth", spec(preset), root / key)
         assert r.code == 0, r.stderr
         out[key] = root / key
     return out

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import manifest_with_modules
+from helpers import manifest_with_modules, spec
 
 ROOT = Path(__file__).parents[1]
 BEFORE = "6e2401f"  # main after issue 12, before issue 13's moves
@@ -81,7 +81,7 @@ def test_every_preset_packs_to_the_same_bytes_as_before_the_restructuring(tmp_pa
         preset = case.removesuffix("-sglang")
         src = tmp_path / "in" / preset
         if not src.exists():
-            _run(None, "synth", preset, src)
+            _run(None, "synth", spec(preset), src)
         _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
         _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
         before, after = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
@@ -157,7 +157,7 @@ def test_every_preset_recipe_and_layout_packs_to_the_same_bytes_as_before_issue_
     for i, (preset, opts) in enumerate(CASES_22):
         src = tmp_path / "in" / preset
         if not src.exists():
-            _run(None, "synth", preset, src)
+            _run(None, "synth", spec(preset), src)
         case = f"{i}-{preset}"
         _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
         _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
