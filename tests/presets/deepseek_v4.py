@@ -178,10 +178,7 @@ def value_of(name: str, dtype: str, shape: tuple[int, ...], cfg: dict, seed: int
     x = torch.randn(shape, generator=g)
     if dtype == "F8_E4M3":
         return (x * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if name.endswith("norm.weight"):
-        x = 1 + 0.1 * x
-    else:
-        x = 0.02 * x
+    x = 1 + 0.1 * x if name.endswith("norm.weight") else 0.02 * x
     return x.to(torch.bfloat16 if dtype == "BF16" else torch.float32)
 
 
