@@ -53,6 +53,9 @@ class Recipe:
     source: str = ""
     path: str = ""
     output_format: str = "modelopt"  # how the quantized modules are stored (convert/formats/)
+    # a kept module whose source is encoded (FP8 with its scales, MXFP4) is copied as stored, its weight and scale
+    # tensors under their own names (NVIDIA's DeepSeek V4 recipe: "left in the source format"), not decoded to BF16
+    keep_stored: bool = False
 
     @property
     def sha256(self) -> str:
@@ -69,7 +72,7 @@ class Recipe:
 
 
 TOP_KEYS = {"name", "description", "default_for", "output_format", "quant_method", "quant_algo", "aliases", "rule",
-            "config"}
+            "config", "keep_stored"}
 RULE_KEYS = {"modules", "experts", "format", "input_scale", "reason"}
 
 
@@ -151,7 +154,15 @@ def parse_recipe(text: str, path: str) -> Recipe:
         source=text,
         path=path,
         output_format=out_format,
+        keep_stored=_flag(t, "keep_stored", path),
     )
+
+
+def _flag(t: dict, key: str, path: str) -> bool:
+    v = t.get(key, False)
+    if not isinstance(v, bool):
+        raise ConvertError(f"{path}: {key} must be true or false, not {v!r}")
+    return v
 
 
 def with_format(recipe: Recipe, name: str | None) -> Recipe:
