@@ -6,7 +6,8 @@ the first rule whose module globs match a linear module decides its format:
 - ``nvfp4``: packed E2M1 weight, e4m3 block scales, fp32 global scale (shared over the engine
   fusion group), and optionally a constant ``input_scale``;
 - ``fp8-block``: e4m3 weight with one fp32 scale per 128x128 tile, weight only;
-- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16).
+- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16; with the recipe's
+  ``keep_stored = true`` copied as stored instead, weight and scale tensors under their own names).
 
 The mapping still has the last word: modules the engines build unquantized are kept whatever a
 recipe says, and user exclusions (``--exclude``) keep a module too (``keep.py``: every source of a keep,
