@@ -122,6 +122,10 @@ PATCHES = [
      "not see; should_async_load answers False there, SGLang's own synchronous path (the one it takes for "
      "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread; "
      "likewise models/deepseek_v4.py, which imports should_async_load itself"),
+    ("DeepGEMM SM count",
+     "deep_gemm.get_num_sms (a CUDA runtime query; DeepSeek V3.2's DSA Indexer.__init__ sizes a schedule buffer "
+     "with it, layers/attention/dsa/utils.py resolve_num_sms) answers the presented B200's SM count, as "
+     "torch.cuda.get_device_properties does: a device query only"),
     ("DeepSeek V4 kernel prewarm deferred",
      "models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights ends with _prewarm_mhc_kernels, which compiles and "
      "runs the mHC GPU kernels once on zeros (no CPU build exists) and stores no parameter; the model's own "
@@ -131,7 +135,17 @@ PATCHES = [
 
 def apply_patches(result: dict) -> None:
     rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=True)
+    _deep_gemm_sm_count()
     result["patches"] = [name for name, _ in PATCHES]
+
+
+def _deep_gemm_sm_count() -> None:
+    """See PATCHES ("DeepGEMM SM count")."""
+    try:
+        import deep_gemm
+    except Exception:  # not installed, or not importable here: nothing asks it then
+        return
+    deep_gemm.get_num_sms = lambda: torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def preload() -> None:

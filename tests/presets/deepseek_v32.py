@@ -8,7 +8,8 @@ attention, the MTP layer's included (docs/families.md, "DeepSeek V3.2"):
 - ``weights_proj.weight`` BF16 [index_n_heads, hidden], no bias (vLLM PR #26889), ``k_norm.weight`` / ``.bias``
   BF16 [index_head_dim] (a LayerNorm);
 - config.json: DeepSeek V3's keys with ``architectures`` ``DeepseekV32ForCausalLM``, ``model_type``
-  ``deepseek_v32`` and ``index_head_dim`` 128, ``index_n_heads``, ``index_topk``.
+  ``deepseek_v32`` and ``index_head_dim`` 128, ``index_n_heads``, ``index_topk`` 2048; ``kv_lora_rank`` the release's
+  512 (``KV_LORA``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-INDEX = {"index_head_dim": 128, "index_n_heads": 4, "index_topk": 64}
+INDEX = {"index_head_dim": 128, "index_n_heads": 4, "index_topk": 2048}
+#: The release's kv_lora_rank: vLLM's sparse MLA backends take only head size kv_lora + rope = 576 (FLASHMLA_SPARSE,
+#: FLASHINFER_MLA_SPARSE), and FA4's sparse one an index_topk multiple of 128 (vLLM's selector, platforms/cuda.py)
+KV_LORA = 512
 
 
 def indexer_specs(cfg: dict, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -30,13 +34,17 @@ def indexer_specs(cfg: dict, layer: int) -> list[tuple[str, str, tuple[int, ...]
 def write(out: Path, seed: int = 0) -> Path:
     """``tiny-deepseek-v3`` written by the synth, then made V3.2: the config's keys, and each layer's indexer
     tensors added to the shard that holds its ``o_proj``."""
+    from dataclasses import replace
+
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from kimi_convert import synth
     from kimi_convert.synth import fp8_block, write_synth
 
-    write_synth("tiny-deepseek-v3", out, seed=seed)
+    synth.PRESETS.setdefault("tiny-deepseek-v3-kv512", replace(synth.PRESETS["tiny-deepseek-v3"], kv_lora=KV_LORA))
+    write_synth("tiny-deepseek-v3-kv512", out, seed=seed)
     cfg = json.loads((out / "config.json").read_text())
     cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", **INDEX)
     (out / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
