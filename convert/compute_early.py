@@ -24,6 +24,7 @@ import numpy as np
 
 from kimi_convert.kernels import RECIPE_KERNELS_ENV, clib, scales
 from kimi_convert.kernels.outputs import Arena
+from kimi_convert.kernels.scales import FP8_SCALE_MAX, fp8_scale_fault
 
 from . import encodings, formats
 from .encodings.base import refused
@@ -128,6 +129,11 @@ def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, in
     bm, bn = block
     out = E4M3[reader.raw(w)].reshape(m, n)
     scale = _as_f32(reader.raw(sc), sc.dtype, tuple(sc.shape))
+    bad = ~(np.abs(scale) <= FP8_SCALE_MAX)  # NaN compares false; no tile can then overflow (no RuntimeWarning)
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ConvertError(f"{sc.file}: tensor {sc.name}: {fp8_scale_fault(i, j, float(scale[i, j]))}: "
+                           f"{w.name} cannot be decoded")
     for i in range(scale.shape[0]):
         out[i * bm:(i + 1) * bm] *= np.repeat(scale[i], bn)[:n]
     return out

@@ -18,7 +18,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,11 +195,27 @@ def interpreter_note(backend: str = "triton") -> str:
     return f"triton (interpreter bytes held for {held}; installed: {', '.join(f'{k} {v}' for k, v in now.items())})"
 
 
+def _default_signals() -> None:
+    """In the child before it runs: SIGINT and SIGTERM at their default dispositions. A test run started where
+    SIGINT is ignored (``nohup``, a script's background job) would otherwise hand that on, and Python then
+    installs no KeyboardInterrupt handler: a test that sends SIGINT would wait on a child that never hears it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def readline_within(stream, seconds: float) -> str:
+    """One line of a child's pipe, or an assertion after ``seconds`` (never a wait without a bound)."""
+    ready, _, _ = select.select([stream], [], [], seconds)
+    assert ready, f"no line within {seconds} s"
+    return stream.readline()
+
+
 @contextlib.contextmanager
 def child(args: list, **kw):
     """A child process that is killed if the test fails or times out before it ends (a paused
-    ``pack`` would otherwise outlive the test run)."""
-    p = subprocess.Popen([str(a) for a in args], **kw)
+    ``pack`` would otherwise outlive the test run); its SIGINT and SIGTERM at their defaults, whatever this
+    process's are (:func:`_default_signals`)."""
+    p = subprocess.Popen([str(a) for a in args], preexec_fn=_default_signals, **kw)
     try:
         yield p
     finally:

@@ -161,3 +161,68 @@ def test_mapping_derive_asks_the_engines_and_matches_the_recorded_answers(tmp_pa
     a = cmp.normalized(make_plan(ckpt, find_mapping(ckpt.config), Options()))
     b = cmp.normalized(make_plan(ckpt, finish(out.read_text(), str(out)), Options()))
     assert a == b
+
+
+def _names(layers: dict[int, list[str]], experts: int = 0) -> list[tuple[str, tuple[int, ...], str]]:
+    out = [("model.embed_tokens.weight", (1000, 8), "bfloat16")]
+    for n, parts in layers.items():
+        for p in parts:
+            if "{e}" in p:
+                out += [(f"model.layers.{n}.{p.format(e=e)}.weight", (4, 8), "bfloat16") for e in range(experts)]
+            else:
+                out.append((f"model.layers.{n}.{p}.weight", (4, 8), "bfloat16"))
+    return out
+
+
+def test_a_reduction_keeps_each_kind_of_layer_once_and_renumbers_the_mtp_layer():
+    from kimi_convert.derive import reduce
+
+    dense, moe = ["self_attn.q_proj", "mlp.gate_proj"], ["self_attn.q_proj", "mlp.gate", "mlp.experts.{e}.w1"]
+    layers = {0: dense, 1: dense, 2: dense, **{n: moe for n in range(3, 61)}, 61: [*moe, "eh_proj"]}
+    config = {"num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "num_experts_per_tok": 8,
+              "n_group": 8, "topk_group": 4, "vocab_size": 1000, "num_nextn_predict_layers": 1}
+    tensors = _names(layers, experts=256)
+    r = reduce.plan(config, [n for n, _, _ in tensors])
+    assert (r.layers, r.mtp) == (4, 1)  # dense 0-2 and the first MoE layer; the MTP layer after them
+    assert r.experts == 16 and r.experts % 8 == 0  # 8 groups of ceil(8 / 4) = 2: the router's top-8 is possible
+    cfg, out = reduce.apply(config, tensors, r)
+    assert cfg["num_hidden_layers"] == 4 and cfg["n_routed_experts"] == 16 and cfg["vocab_size"] == 256
+    names = {n for n, _, _ in out}
+    assert "model.layers.4.eh_proj.weight" in names and "model.layers.5.self_attn.q_proj.weight" not in names
+    assert "model.layers.3.mlp.experts.15.w1.weight" in names and "model.layers.3.mlp.experts.16.w1.weight" not in names
+    assert dict((n, s) for n, s, _ in out)["model.embed_tokens.weight"] == (256, 8)
+    assert config["num_hidden_layers"] == 61  # the source's config is not changed
+
+
+def test_a_reduction_cuts_one_based_layer_lists_and_per_layer_lists():
+    from kimi_convert.derive import reduce
+
+    kda, mla = ["self_attn.q_proj", "self_attn.f_a_proj"], ["self_attn.q_a_proj", "self_attn.kv_b_proj"]
+    layers = {n: (mla if (n + 1) % 4 == 0 or n == 92 else kda) for n in range(93)}
+    config = {"text_config": {"num_hidden_layers": 93, "vocab_size": 160000, "num_experts": 8,
+                              "linear_attn_config": {"kda_layers": [n + 1 for n in range(93) if layers[n] is kda],
+                                                     "full_attn_layers": [n + 1 for n in range(93)
+                                                                          if layers[n] is mla]},
+                              "layer_types": ["x"] * 93}}
+    tensors = _names(layers)
+    r = reduce.plan(config, [n for n, _, _ in tensors])
+    cfg, _ = reduce.apply(config, tensors, r)
+    tc = cfg["text_config"]
+    assert r.layers == 4 and tc["num_hidden_layers"] == 4
+    assert tc["linear_attn_config"] == {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}  # 1-based, kept as such
+    assert tc["layer_types"] == ["x"] * 4
+
+
+@pytest.mark.engine
+@pytest.mark.xdist_group("engine")
+@pytest.mark.skipif(bool(_engines_absent()), reason=f"engine environments absent: {_engines_absent()}")
+def test_a_reduced_stand_in_derives_the_table_of_the_whole(tmp_path, monkeypatch):
+    """GLM-4.5 (dense first layer, MoE layers, an MTP layer) derived from 2 of its 3 layers, 2 of its 8 experts and
+    256 vocabulary rows gives the table its whole stand-in gave (the recorded answers)."""
+    from kimi_convert.derive import derive, standin
+
+    src = tmp_path / "glm"
+    assert run("synth", "tiny-glm4-moe", src).code == 0
+    monkeypatch.setattr(standin, "REDUCE_ABOVE", 0)
+    d = derive(open_checkpoint(src))
+    assert d.table == _derived("tiny-glm4-moe").table

@@ -95,7 +95,10 @@ def mapping_for(ckpt: Checkpoint, override: str | os.PathLike | None = None) -> 
         if not _engines_present():
             raise ConvertError(f"{e}; or create the engine environments (scripts/engine-envs.sh) and a table is "
                                "derived from the engines' own model classes") from None
-        return cached_or_derived(ckpt)
+        try:
+            return cached_or_derived(ckpt)
+        except ConvertError as why:
+            raise ConvertError(f"{e}; deriving one from the engines' model classes failed: {why}") from None
 
 
 def write_table(text: str, out: Path | None) -> None:

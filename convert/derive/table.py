@@ -151,8 +151,10 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
         em = engine_module(ld.param)
         plain = view.modules.get(em, {})
         qm = {fmt: mods.get(em, {}).get("quant_method") for fmt, mods in view.quant_modules.items()}
+        # a module a format's build lacks or leaves without a quant method (SGLang fuses GLM's shared experts into
+        # the routed bank under compressed-tensors) says nothing of that format: only an Unquantized* method keeps
         out[ld.module] = Verdict(plain.get("kind", "absent"),
-                                 {f: bool(m) and "Unquantized" not in m for f, m in qm.items()}, em,
+                                 {f: "Unquantized" not in m for f, m in qm.items() if m}, em,
                                  plain.get("class", "?"), plain.get("parent_class", "?"),
                                  plain.get("parent_file", "?"), qm)
     return out
@@ -197,6 +199,11 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
             bank = f.parent.rpartition(".{expert}")[0]
             if bank and bank not in sets:
                 sets.append(bank)
+            continue
+        same = next((g for g in groups if (g["name"], g["members"], g.get("op"), g.get("engines")) ==
+                     (entry["name"], entry["members"], entry.get("op"), entry.get("engines"))), None)
+        if same is not None:  # the same packed module under another parent (a dense MLP and a shared expert)
+            same["parents"] += [p for p in entry["parents"] if p not in same["parents"]]
             continue
         key = (entry["name"], tuple(entry.get("engines", ())))
         names[key] += 1
@@ -256,6 +263,48 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
     return [{"pattern": p, "reason": r} for p, r in keep.items()], uniq(not_linear), uniq(linear)
 
 
+#: config key -> the [moe] field that reads it (plan.consistency: which decoder layers hold experts), by the
+#: meaning these keys have in every config that carries them
+LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
+               "decoder_sparse_step": "sparse_step"}
+EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
+
+
+def _text(config: dict) -> dict:
+    sub = config.get("text_config")
+    return sub if isinstance(sub, dict) else config
+
+
+def _moe_check(views: list[EngineView], config: dict, sets: list[str]) -> dict | None:
+    """The ``[moe]`` section plan.consistency holds the tensors against: the expert count's config key, each
+    expert's members as the engines loaded them, and the config keys that say which layers are MoE."""
+    tc = _text(config)
+    key = next((k for k in EXPERT_KEYS if isinstance(tc.get(k), int)), None)
+    main = [s for s in sets if "{layer}" in s and not s.startswith("mtp.")]
+    if key is None or not main:
+        return None
+    leaves = set()
+    for v in views:
+        for ld in landings(v):
+            if v.modules.get(engine_module(ld.param), {}).get("kind") == "moe" and ".experts." in ld.module:
+                leaves.add(ld.module.rpartition(".")[2])
+    if not leaves:
+        return None
+    layers = main[0][: main[0].index("{layer}") + len("{layer}")]
+    out = {"experts": key, "members": sorted(leaves), "layers": layers}
+    if isinstance(tc.get("num_hidden_layers"), int):
+        out["num_layers"] = "num_hidden_layers"
+    out.update({field: k for k, field in LAYER_RULES.items() if k in tc})
+    return out
+
+
+def _head_check(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+    head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
+    if head is None or "tie_word_embeddings" not in _text(config):
+        return None
+    return {"tie": "tie_word_embeddings", "module": head}
+
+
 def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     """The mapping table (as a dict in today's TOML format) for ``config``'s architecture."""
     archs = list(config.get("architectures") or [])
@@ -279,6 +328,10 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["not_linear"] = not_linear
     if keep:
         t["keep"] = keep
+    if (moe := _moe_check(views, config, sets)) is not None:
+        t["moe"] = moe
+    if (head := _head_check(config, shapes)) is not None:
+        t["lm_head"] = head
     if groups:
         t["group"] = groups
     if scale_groups:
