@@ -36,6 +36,9 @@ from kimi_convert.plan import make_plan
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ROOT / "tests" / "derived"
 RECORDED = sorted(p.name.removesuffix(".answers.json") for p in ANSWERS.glob("*.answers.json"))
+#: Those of a synth preset whose architecture has a hand table (the others, a 2026 family's test-only preset with
+#: no hand table, are held to their shipped derived table: tests/test_family_*.py)
+WITH_HAND_TABLE = [p for p in RECORDED if p in __import__("kimi_convert.synth", fromlist=["PRESETS"]).PRESETS]
 
 
 def _compare_module():
@@ -74,7 +77,7 @@ def test_the_qwen3_moe_table_reads_the_engines_facts():
     assert not any(k["pattern"].endswith(("norm", "layernorm")) for k in t["keep"])  # 1-D weights: no rule
 
 
-@pytest.mark.parametrize("preset", RECORDED)
+@pytest.mark.parametrize("preset", WITH_HAND_TABLE)
 def test_a_derived_table_plans_like_the_hand_table(preset, tmp_path):
     cmp = _compare_module()
     src = tmp_path / preset

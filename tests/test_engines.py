@@ -33,11 +33,9 @@ ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2"}
-#: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``, and the
-#: draft mapping each is packed with until the derived table ships (branch i38).
+#: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
+#: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
 TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
-MAPPINGS = {m: ["--mapping", str(Path(__file__).parent / "presets" / f"{n}.mapping.toml")]
-            for m, n in (("ds4", "deepseek_v4"), ("ds32", "deepseek_v32"))}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2"}
@@ -131,7 +129,7 @@ def outputs(inputs, tmp_path_factory) -> dict[str, Path | str]:
     root = tmp_path_factory.mktemp("engine-outputs")
     out: dict[str, Path | str] = {}
     for key, (model, recipe, layout, _) in OUTPUTS.items():
-        extra = (["--recipe", recipe] if recipe else []) + ["--layout", layout] + MAPPINGS.get(model, [])
+        extra = (["--recipe", recipe] if recipe else []) + ["--layout", layout]
         r = run("pack", inputs[model], root / key, "-q", "--device", "cpu", *extra)
         out[key] = root / key if r.code == 0 else (r.stderr.strip().splitlines() or ["pack failed"])[-1]
     return out

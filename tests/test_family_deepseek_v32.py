@@ -12,21 +12,19 @@ from safetensors import safe_open
 
 from helpers import run
 
-MAPPING = str(Path(__file__).parent / "presets" / "deepseek_v32.mapping.toml")
-
 
 def test_indexer_kept_where_the_engines_build_it_unquantized(tmp_path: Path):
     src = deepseek_v32.write(tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV32ForCausalLM"] and cfg["model_type"] == "deepseek_v32"
     assert (cfg["index_head_dim"], cfg["kv_lora_rank"], cfg["index_topk"]) == (128, 512, 2048)
-    r = run("plan", src, "--mapping", MAPPING, "--json")
+    r = run("plan", src, "--json")
     assert r.code == 0, r.stderr
     kinds = {it["name"]: it["kind"] for it in json.loads(r.stdout)["modules"]}
     for layer in (0, 1, 2):  # the MTP layer (2) has its indexer too
         pre = f"model.layers.{layer}.self_attn.indexer"
         assert (kinds[f"{pre}.wk"], kinds[f"{pre}.weights_proj"], kinds[f"{pre}.wq_b"]) == ("keep", "keep", "nvfp4")
-    r = run("pack", src, tmp_path / "out", "--mapping", MAPPING, "--device", "cpu")
+    r = run("pack", src, tmp_path / "out", "--device", "cpu")
     assert r.code == 0, r.stderr
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
     wk = "model.layers.1.self_attn.indexer.wk.weight"

@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 from helpers import run
 
 REPO = Path(__file__).resolve().parents[1]
-MAPPING = str(REPO / "tests" / "presets" / "deepseek_v4.mapping.toml")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -32,7 +31,7 @@ def src(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def out(src: Path, tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("dsv4") / "out"
-    r = run("pack", str(src), str(dst), "--mapping", MAPPING, "--device", "cpu")
+    r = run("pack", str(src), str(dst), "--device", "cpu")
     assert r.code == 0, r.stderr
     return dst
 
@@ -112,7 +111,7 @@ def test_pack_casts_main_experts_and_keeps_the_rest_as_stored(src: Path, out: Pa
     assert q["scale_fmt"] == "ue8m0" and sorted(q["quantized_layers"]) == [f"layers.{i}.ffn.experts" for i in range(4)]
     assert q["ignore"][:4] == ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
     assert blocks == 196608 and lossless == blocks - 1
-    r = run("pack", str(src), str(out.parent / "again"), "--mapping", MAPPING, "--device", "cpu")
+    r = run("pack", str(src), str(out.parent / "again"), "--device", "cpu")
     assert f"MXFP4 cast: {lossless}/{blocks} blocks lossless" in r.stdout + r.stderr
 
 
@@ -129,7 +128,7 @@ def test_nan_scale_refused_naming_the_tensor(src: Path, tmp_path: Path):
     s[4, 1] = 255
     data["layers.1.ffn.experts.2.w3.scale"] = s.view(torch.float8_e8m0fnu)
     save_file(data, str(bad / name), metadata={"format": "pt"})
-    r = run("pack", str(bad), str(tmp_path / "o"), "--mapping", MAPPING, "--device", "cpu")
+    r = run("pack", str(bad), str(tmp_path / "o"), "--device", "cpu")
     assert r.code == 2
     line = r.stderr.strip().splitlines()[-1]
     assert name in line and "layers.1.ffn.experts.2.w3.scale" in line and "row 4, block 1" in line
@@ -164,8 +163,18 @@ def test_byte_identical_to_modelopts_own_converter(src: Path, tmp_path: Path):
     py, repo = peer
     report = tmp_path / "r.json"
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_dsv4_cast.py"), "--modelopt-repo", repo,
-                        "--peer-python", py, "--input", str(src), "--work", str(tmp_path / "w"), "--mapping", MAPPING,
+                        "--peer-python", py, "--input", str(src), "--work", str(tmp_path / "w"),
                         "--json", str(report)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(report.read_text())
     assert r["ok"] and r["byte_identical"] == r["theirs_tensors"] == 608 and r["expert_tensors_identical"] == 384
+
+
+def test_shipped_derived_tables_are_the_engines_answers():
+    """mappings/derived/deepseek_v4.toml and deepseek_v32.toml are what the recorded answers of vLLM 0.33.0 and
+    SGLang 0.5.23 give (``mapping derive ... --answers``, rebuilt without the engines)."""
+    from kimi_convert.derive import from_views, load_answers
+
+    for preset, table in (("tiny-deepseek-v4", "deepseek_v4"), ("tiny-deepseek-v3-2", "deepseek_v32")):
+        d = from_views(*load_answers(REPO / "tests" / "derived" / f"{preset}.answers.json"))
+        assert d.text == (REPO / "mappings" / "derived" / f"{table}.toml").read_text(), table
