@@ -32,3 +32,11 @@ def test_indexer_kept_where_the_engines_build_it_unquantized(tmp_path: Path):
         assert str(h.get_tensor(wk).dtype) == "torch.bfloat16"  # decoded from FP8 (SGLang's fused BF16 layer)
     assert f"{wk[:-len('weight')]}weight_scale_inv" not in index
     assert run("verify-manifest", tmp_path / "out", "--input", src).code == 0
+
+
+def test_inspect_gives_benchmark_moe_values(tmp_path: Path):
+    """V3.2 reads V3's keys (n_routed_experts, num_experts_per_tok, moe_intermediate_size): the DeepSeek branch of
+    benchmark_moe.py, as for V3 (docs/families.md)."""
+    r = run("inspect", deepseek_v32.write(tmp_path / "src"))
+    assert "E=8 topk=2 moe_intermediate_size=128 hidden_size=256" in r.stdout
+    assert "MoE layers       1 [1]" in r.stdout
