@@ -163,7 +163,7 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
 def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_classes: dict[str, str]) -> dict:
     f = found[0][1]
     engines = [e for e, _ in found]
-    who = "; ".join(f"{labels[e]} {model_classes[e]}.load_weights fills {g.engine_class} ({g.engine_file})"
+    who = "; ".join(f"{labels[e]} {model_classes[e]}.load_weights fills {g.name} ({g.engine_class}, {g.engine_file})"
                     for e, g in found)
     entry: dict = {"name": f.name, "members": list(f.members), "parents": [f.parent]}
     if f.op != "cat":
@@ -185,8 +185,11 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
         for f in fusions(v):
             # a bank's members share one global scale whatever order an engine stacks them in (SGLang's w13 may
             # hold up before gate): one scale group
+            # one fusion of the same members in both engines is one group (named as the first engine names it:
+            # vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa hold one global scale alike)
             members = tuple(sorted(f.members)) if f.experts else f.members
-            found.setdefault((f.name, members, f.parent, f.op, f.experts), []).append((v.engine, f))
+            key = (f.name if f.experts else "", members, f.parent, f.op, f.experts)
+            found.setdefault(key, []).append((v.engine, f))
     groups, scale_groups, sets = [], [], []
     names: dict[tuple, int] = defaultdict(int)
     for pairs in found.values():
