@@ -36,6 +36,9 @@ from kimi_convert.plan import make_plan
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ROOT / "tests" / "derived"
 RECORDED = sorted(p.name.removesuffix(".answers.json") for p in ANSWERS.glob("*.answers.json"))
+#: Those of a synth preset whose architecture has a hand table (the others, a 2026 family's test-only preset with
+#: no hand table, are held to their shipped derived table: tests/test_family_*.py)
+WITH_HAND_TABLE = [p for p in RECORDED if p in __import__("kimi_convert.synth", fromlist=["PRESETS"]).PRESETS]
 
 
 def _compare_module():
@@ -87,7 +90,7 @@ def _without(plan: dict, prefix: str | None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("preset", RECORDED)
+@pytest.mark.parametrize("preset", WITH_HAND_TABLE)
 def test_a_derived_table_plans_like_the_hand_table(preset, tmp_path):
     """Under --layout source (a derived table writes nothing fused on disk: the hand tables' layouts are engine
     checks' findings), every recipe: the same formats, fusions, global-scale sets, exclude list and shards; where

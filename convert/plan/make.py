@@ -27,7 +27,7 @@ from .fusion import (
     check_members,
     resolve_fusions,
 )
-from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size
+from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size, stored_copies
 from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
@@ -158,6 +158,8 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule
     _check_quantizes_something(items, recipe, opts)
     check_members([*disk, *fusions], modules, m, ckpt.config, {it.name: it.kind for it in items})
     check_engine_layers(items, fusions, m, opts)
+    if ctx.recipe.keep_stored:
+        items = stored_copies(items)
     units = make_units(items, fusions, ckpt)
     if opts.layout == "source":
         units, shards = shards_as_source(units, ckpt)
