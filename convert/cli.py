@@ -78,10 +78,32 @@ def _fail(msg: str) -> None:
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kimi-convert")
 def cli() -> None:
-    """Convert a sharded safetensors MoE checkpoint (Kimi K3, Kimi Linear) into pre-packed NVFP4."""
+    """Convert a sharded safetensors MoE checkpoint into an engine-ready NVFP4 checkpoint with a manifest.
+
+    Built-in families: Kimi K3, Kimi Linear, DeepSeek V3 / R1, Kimi K2, Qwen3 MoE, Qwen3.5 MoE, GLM-4.5 MoE,
+    MiniMax-M2, gpt-oss; any other MoE model through a mapping table (--mapping FILE.toml).
+    """
 
 
-@cli.command()
+def user_presets() -> dict[str, str]:
+    """The presets ``kimi-convert synth`` offers by name, with their descriptions: the built-in spec files'
+    (presets/*.toml). The tests' own fixtures (tiny-deepseek-fp8) are spec files in tests/presets/."""
+    from .synth import builtin_presets
+
+    return {name: v.description for name, (_, v) in builtin_presets().items()}
+
+
+class SynthCommand(click.Command):
+    """``synth --help`` lists every preset it offers by name, read from the spec files themselves (torch is
+    imported only when the help is asked for)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        with formatter.section("Presets"):
+            formatter.write_dl(list(user_presets().items()))
+
+
+@cli.command(cls=SynthCommand)
 @click.argument("preset")
 @click.argument("output", callback=_checked(paths.output_folder))
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic values.")
@@ -95,20 +117,19 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
           overwrite: bool, jobs: int) -> None:
     """Write a synthetic checkpoint shaped like a real release.
 
-    Presets: tiny-k3, tiny-kimi-linear (examples and tests), bench-k3, bench-kimi-linear (a few GB),
-    bench-k3-shards (4.8 GB in 24 shards: the NVIDIA-converter benchmark),
-    k3-full-sparse (the released K3's 497,220 tensors in 96 shards: real headers, data regions are holes).
+    PRESET: one of those below, or a spec file, FILE.toml holding one preset or FILE.toml:NAME (the format:
+    docs/presets.md).
     """
-    from .synth import PRESETS, write_synth
+    from .synth import load_preset, write_synth
 
-    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
-                      shards=shards)
+    spec = load_preset(preset, layers, experts, shards)
+    out = write_synth(spec, output, seed=seed, overwrite=overwrite, jobs=jobs)
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
-    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""
+    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if spec.sparse else ""
     given = {"layers": layers, "experts": experts, "shards": shards}  # the description gives the preset's own
     changed = "".join(f" {k}={v}" for k, v in given.items() if v is not None)
-    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}{f' (changed:{changed})' if changed else ''}; "
+    click.echo(f"wrote {paths.shown(out)}/: {spec.description}{f' (changed:{changed})' if changed else ''}; "
                f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 

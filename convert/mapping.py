@@ -11,15 +11,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import globs
+from . import globs, tomlfile
 from .errors import ConvertError
 from .keep import KeepRule
+from .schemes import Format
 
 ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
@@ -76,6 +76,34 @@ class LayerType:
     name: str
     config: str  # dotted path in the text config to a list of layer numbers
     base: int  # 1 when the list is 1-based
+    # module templates ({layer}) only a layer of this type holds: a layer holding one must be listed, and a
+    # listed layer must hold one (plan.consistency)
+    holds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoeCheck:
+    """The config fields the engines build routed experts from, as data, so that plan.consistency can hold
+    them against the tensors for any family: how many experts a MoE layer has, each expert's modules, and
+    which decoder layers are MoE (a layer is MoE when every rule whose field is set says so)."""
+
+    experts: str  # config path: routed experts in each MoE layer (``n_routed_experts``)
+    members: tuple[str, ...]  # each routed expert's modules (``w1``, ``w2``, ``w3``)
+    layers: str = ""  # decoder layer template (``model.layers.{layer}``): the rules below apply to it
+    num_layers: str = ""  # config path: decoder layers (past them: MTP layers, checked for experts only)
+    dense_below: str = ""  # config path: layers below it are dense (``first_k_dense_replace``)
+    every: str = ""  # config path: MoE where layer % every == 0 (``moe_layer_freq``)
+    dense_list: str = ""  # config path: a list of dense layers (``mlp_only_layers``)
+    sparse_step: str = ""  # config path: MoE where (layer + 1) % step == 0 (``decoder_sparse_step``)
+
+
+@dataclass(frozen=True)
+class LmHeadCheck:
+    """``tie``: the config path saying the output head is the embedding; ``module``: the head's module, which
+    an untied config needs (the engines build it and would leave it unset)."""
+
+    tie: str
+    module: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +130,8 @@ class Mapping:
     # module under one is not warned about the table's entries under it
     optional_blocks: tuple[str, ...] = ()
     layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
+    moe: MoeCheck | None = None  # the config fields of the routed experts (plan.consistency)
+    lm_head: LmHeadCheck | None = None
     source: str = ""  # the table's text, for the manifest
     path: str = ""
 
@@ -233,6 +263,10 @@ class Mapping:
             for parent, rx in zip(g.parents, g.parent_regexes(), strict=True):
                 if wanted(parent) and not any(rx.fullmatch(p) for p in parents):
                     out.append(f"{me}: group {g.name}: parents {parent!r} matches no module of the input")
+        leaves = {s.rpartition(".")[2] for s in shorts}
+        for g in self.groups:
+            if leaves.isdisjoint(g.members) and any(wanted(p) for p in g.parents):
+                out.append(f"{me}: group {g.name}: members {', '.join(g.members)}: none is a module of the input")
         for tmpl in self.expert_sets:
             rx = re.compile(template_regex(tmpl).pattern + r"\.")
             if wanted(tmpl) and not any(rx.match(x) for x in shorts):
@@ -240,11 +274,46 @@ class Mapping:
         return list(dict.fromkeys(out))
 
 
-TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
-            "linear", "not_linear", "config_defaults", "layer_types", "keep", "restrict", "exclude", "group",
-            "scale_group", "layout", "optional_blocks"}
 GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
               "unquantized_only", "on_disk", "rows", "same_rows"}
+
+
+def _schema() -> tomlfile.Spec:
+    """Every key a mapping table may hold and what its value must be (tomlfile.validate, at load)."""
+    t = tomlfile
+    tmpl, formats = t.template(tuple(PLACEHOLDERS)), t.strs(t.one_of(tuple(f.value for f in Format), "format"))
+    path = t.STR
+    rule = t.table({"pattern": t.STR, "reason": t.STR, "optional": t.BOOL}, ("pattern",))
+    group_fields = {"name": t.STR, "members": t.strs(), "op": t.one_of(("cat", "stack"), "op"),
+                    "parents": t.strs(tmpl), "layer_type": t.STR,
+                    "when": t.map_of(t.SCALAR, "a table of config values"), "quantize": t.BOOL, "reason": t.STR,
+                    "enabled": t.BOOL, "engines": t.strs(t.one_of(ENGINES, "engine")),
+                    "unquantized_only": t.BOOL, "on_disk": t.BOOL,
+                    "rows": t.map_of(t.STR, 'a table of member = "config.path [+ config.path ...]"'),
+                    "same_rows": t.BOOL}
+    scale_fields = {k: group_fields[k] for k in ("name", "members", "parents", "rows", "same_rows")}
+    layout = t.table({"formats": formats, "reason": t.STR})
+    return t.table({
+        "name": t.STR, "description": t.STR, "architectures": t.strs(), "model_types": t.strs(),
+        "text_config": t.STR, "text_prefix": t.STR, "expert_sets": t.strs(tmpl), "linear": t.strs(),
+        "not_linear": t.strs(), "config_defaults": t.map_of(t.Spec((bool, int, float, str, list), "a config value"),
+                                                            "a table of config values"),
+        "layer_types": t.map_of(t.table({"config": path, "base": t.INT, "holds": t.strs(tmpl)}, ("config",)),
+                                "a table of layer types"),
+        "keep": t.array_of(rule, "an array of tables ([[keep]])"),
+        "restrict": t.array_of(t.table({"pattern": t.STR, "formats": formats, "reason": t.STR}, ("pattern",)),
+                               "an array of tables ([[restrict]])"),
+        "exclude": t.array_of(rule, "an array of tables ([[exclude]])"),
+        "group": t.array_of(t.table(group_fields, ("name", "members", "parents")), "an array of tables ([[group]])"),
+        "scale_group": t.array_of(t.table(scale_fields, ("name", "members", "parents")),
+                                  "an array of tables ([[scale_group]])"),
+        "layout": t.table({e: layout for e in ENGINES}, expected="a table of layouts named after an engine"),
+        "optional_blocks": t.strs(),
+        "moe": t.table({"experts": path, "members": t.strs(), "layers": tmpl, "num_layers": path,
+                        "dense_below": path, "every": path, "dense_list": path, "sparse_step": path},
+                       ("experts", "members")),
+        "lm_head": t.table({"tie": path, "module": t.STR}, ("tie", "module")),
+    }, ("name",))
 
 
 def _known(table: dict, keys: set[str], where: str) -> None:
@@ -366,20 +435,19 @@ def _group(g: object, where: str) -> Group:
     return grp
 
 
+def _moe(table: dict | None) -> MoeCheck | None:
+    if table is None:
+        return None
+    return MoeCheck(**{**table, "members": tuple([table["members"]] if isinstance(table["members"], str)
+                                                 else table["members"])})
+
+
 def parse_mapping(text: str, path: str) -> Mapping:
     """Parse and validate one table; errors name the file and the key (or TOML line)."""
-    try:
-        t = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConvertError(f"{path}: {e}") from None
-    _known(t, TOP_KEYS, path)
-    lts = []
-    for name, lt in t.get("layer_types", {}).items():
-        w = f"{path}: layer_types.{name}"
-        if not isinstance(lt, dict):
-            raise ConvertError(f"{w}: must be a table")
-        _known(lt, {"config", "base"}, w)
-        lts.append(LayerType(name, _req(lt, "config", str, w), int(lt.get("base", 0))))
+    t = tomlfile.loads(text, path)
+    tomlfile.validate(t, _schema(), path)
+    lts = [LayerType(name, lt["config"], lt.get("base", 0), _strs(lt, "holds", path))
+           for name, lt in t.get("layer_types", {}).items()]
     groups = tuple(_group(g, f"{path}: group[{i}]") for i, g in enumerate(t.get("group", [])))
     # A scale_group is a packed module the engines build inside a layer (MoE w13) and that is never
     # written fused: sugar for a group with on_disk = false.
@@ -415,6 +483,8 @@ def parse_mapping(text: str, path: str) -> Mapping:
         config_defaults=dict(t.get("config_defaults", {})),
         optional_blocks=_strs(t, "optional_blocks", path),
         layouts=_layouts(t.get("layout", {}), f"{path}: layout"),
+        moe=_moe(t.get("moe")),
+        lm_head=LmHeadCheck(**t["lm_head"]) if "lm_head" in t else None,
         source=text,
         path=path,
     )
@@ -433,11 +503,7 @@ def builtin_mappings() -> list[Mapping]:
 
 def load_mapping(path: str | Path) -> Mapping:
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConvertError(f"{p}: cannot read mapping: {e.strerror or e}") from None
-    return parse_mapping(text, str(p))
+    return parse_mapping(tomlfile.read_toml_text(p, str(p)), str(p))
 
 
 class UnknownArchitecture(ConvertError):

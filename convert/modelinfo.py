@@ -95,7 +95,7 @@ def from_config(config: dict) -> ModelInfo:
 
 
 _EXPERT = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
+    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp|ffn)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
 )
 
 
@@ -117,8 +117,9 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         if not m:
             continue
         found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-        if shape is None:
-            shape = [t.shape[0], t.shape[1] * (2 if m.group(4) else 1)]
+        if shape is None:  # MXFP4 codes, two a byte: K/2 stored (compressed-tensors weight_packed, DeepSeek V4's I8)
+            packed = m.group(4) or getattr(t, "dtype", None) == "I8"
+            shape = [t.shape[0], t.shape[1] * (2 if packed else 1)]
     if not found:
         if info.num_experts:
             info.warnings.append("config declares experts but no expert weights were found")

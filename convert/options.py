@@ -21,7 +21,6 @@ clears it. A tuple field is a repeatable option; it is a list in the manifest.
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import click
 
 from . import paths
+from .schemes import scale_error
 
 DEFAULT_MAX_SHARD = 5 * 1000**3
 LAYOUTS = ("source", "sglang", "vllm")
@@ -69,7 +69,7 @@ class Size(click.ParamType):
 
 
 class PositiveFloat(click.ParamType):
-    """A positive finite number."""
+    """A positive number a constant F32 scale can hold (schemes.scale_error)."""
 
     name = "float"
 
@@ -78,8 +78,8 @@ class PositiveFloat(click.ParamType):
             x = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
-        if not (0 < x < math.inf):
-            self.fail(f"{x} is not a positive finite number", param, ctx)
+        if (why := scale_error(x)) is not None:
+            self.fail(why, param, ctx)
         return x
 
 

@@ -426,6 +426,7 @@ def _open_journal(source: Source, output_dir: Path, plan: Plan, overwrite: bool,
                                "rerun it with the same options, or start again with --overwrite")
         return existing
     if resume and (output_dir / filenames.MANIFEST).exists():
+        _check_same_run(source, output_dir, plan, plan_sha)
         _check_complete(output_dir, shards_may_be_gone=uploading)
         return None
     if existing is not None and not overwrite:
@@ -548,6 +549,29 @@ def _drop_partials(output_dir: Path) -> None:
     for p in output_dir.rglob("*" + write.PARTIAL):
         with contextlib.suppress(OSError):
             p.unlink()
+
+
+def _check_same_run(source: Source, output_dir: Path, plan: Plan, plan_sha: str) -> None:
+    """A finished output is "already complete" only for the run this command asks: the same plan (recipe,
+    options, mapping, input headers: the manifest's ``plan_sha256``) from the same input files (each one's size
+    and sha256 as the manifest records them; the Hub's LFS sha256 where the source knows it, else the file
+    re-hashed). Anything else is another output, refused in one line rather than passed off as this one."""
+    man = manifest_mod.load_manifest(output_dir)
+    if man.get("plan_sha256") != plan_sha:
+        was, now = man.get("recipe") or {}, plan.recipe.name
+        what = (f"recipe {was.get('name')!r}, not {now!r}" if isinstance(was, dict) and was.get("name") not in
+                (None, now) else "another plan (options, mapping or input headers)")
+        raise ConvertError(f"{output_dir}: already finished, but by {what} (manifest.json plan_sha256 differs): "
+                           "this is not the output this command makes; start again with --overwrite")
+    recorded = {e.get("file"): e for e in man.get("inputs", []) if isinstance(e, dict)}
+    for f, size in plan.inputs:
+        rec = recorded.get(f)
+        entry = source.entry(f)
+        sha = None if rec is None or rec.get("size") != size else (
+            entry.sha256 if entry is not None and entry.sha256 else sha256_file(f, source=source))
+        if rec is None or sha != rec.get("sha256"):
+            raise ConvertError(f"{output_dir}: already finished, but from another {source.shown(f)} (its size or "
+                               "sha256 differs from manifest.json's inputs); start again with --overwrite")
 
 
 def _check_complete(output_dir: Path, shards_may_be_gone: bool = False) -> None:

@@ -6,7 +6,8 @@ the first rule whose module globs match a linear module decides its format:
 - ``nvfp4``: packed E2M1 weight, e4m3 block scales, fp32 global scale (shared over the engine
   fusion group), and optionally a constant ``input_scale``;
 - ``fp8-block``: e4m3 weight with one fp32 scale per 128x128 tile, weight only;
-- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16).
+- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16; with the recipe's
+  ``keep_stored = true`` copied as stored instead, weight and scale tensors under their own names).
 
 The mapping still has the last word: modules the engines build unquantized are kept whatever a
 recipe says, and user exclusions (``--exclude``) keep a module too (``keep.py``: every source of a keep,
@@ -17,14 +18,13 @@ file, not editing the pipeline.
 from __future__ import annotations
 
 import hashlib
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import formats, globs
+from . import formats, globs, tomlfile
 from .errors import ConvertError
 from .mapping import builtin_tables
-from .schemes import Format
+from .schemes import Format, scale_error
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Recipe:
     source: str = ""
     path: str = ""
     output_format: str = "modelopt"  # how the quantized modules are stored (convert/formats/)
+    # a kept module whose source is encoded (FP8 with its scales, MXFP4) is copied as stored, its weight and scale
+    # tensors under their own names (NVIDIA's DeepSeek V4 recipe: "left in the source format"), not decoded to BF16
+    keep_stored: bool = False
 
     @property
     def sha256(self) -> str:
@@ -68,17 +71,23 @@ class Recipe:
         return None
 
 
-TOP_KEYS = {"name", "description", "default_for", "output_format", "quant_method", "quant_algo", "aliases", "rule",
-            "config"}
-RULE_KEYS = {"modules", "experts", "format", "input_scale", "reason"}
+def _schema() -> tomlfile.Spec:
+    """Every key a recipe may hold and what its value must be (tomlfile.validate, at load)."""
+    t = tomlfile
+    scale = t.Spec((int, float), "a positive number", check=lambda v: scale_error(v))
+    rule = t.table({"modules": t.strs(), "experts": t.BOOL,
+                    "format": t.one_of(tuple(f.value for f in Format), "format"), "input_scale": scale,
+                    "reason": t.STR}, ("format",))
+    return t.table({
+        "name": t.STR, "description": t.STR, "default_for": t.strs(),
+        "output_format": t.one_of(tuple(sorted(formats.FORMATS)), "output_format"),
+        "quant_method": t.STR, "quant_algo": t.STR, "aliases": t.BOOL, "keep_stored": t.BOOL,
+        "rule": t.array_of(rule, "an array of tables ([[rule]])"),
+        "config": t.table({"exclude_modules": t.strs()}),
+    }, ("name",))
 
 
 def _rule(r: object, where: str) -> RecipeRule:
-    if not isinstance(r, dict):
-        raise ConvertError(f"{where}: must be a table")
-    extra = sorted(set(r) - RULE_KEYS)
-    if extra:
-        raise ConvertError(f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(RULE_KEYS))})")
     mods = r.get("modules", [])
     if isinstance(mods, str):
         mods = [mods]
@@ -97,21 +106,14 @@ def _rule(r: object, where: str) -> RecipeRule:
     if scale is not None:
         if fmt is not Format.NVFP4:
             raise ConvertError(f"{where}: 'input_scale' applies to the nvfp4 format only")
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < float(scale) < float("inf"):
-            raise ConvertError(f"{where}: 'input_scale' must be a positive finite number")
-        scale = float(scale)
+        scale = float(scale)  # the schema checked it (schemes.scale_error)
     return RecipeRule(tuple(mods), experts, fmt, scale, str(r.get("reason", "")))
 
 
 def parse_recipe(text: str, path: str) -> Recipe:
     """Parse and validate one recipe; errors name the file and the key."""
-    try:
-        t = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConvertError(f"{path}: {e}") from None
-    extra = sorted(set(t) - TOP_KEYS)
-    if extra:
-        raise ConvertError(f"{path}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(TOP_KEYS))})")
+    t = tomlfile.loads(text, path)
+    tomlfile.validate(t, _schema(), path)
     name = t.get("name")
     if not isinstance(name, str) or not name:
         raise ConvertError(f"{path}: missing key 'name'")
@@ -130,6 +132,10 @@ def parse_recipe(text: str, path: str) -> Recipe:
     refused = sorted({r.format.value for r in rules} - formats.get(out_format).KINDS)
     if refused:
         raise ConvertError(f"{path}: output_format {out_format!r} has no {', '.join(refused)} modules")
+    bare = [i for i, r in enumerate(rules) if r.format is Format.NVFP4 and r.input_scale is None]
+    if method == "modelopt" and algo == "NVFP4" and bare:  # one W4A4 algo: every module's activations quantized
+        raise ConvertError(f"{path}: rule[{bare[0]}]: quant_algo 'NVFP4' quantizes activations too (W4A4), so every "
+                           "nvfp4 rule needs an 'input_scale' (or use quant_algo 'W4A16_NVFP4')")
     if method == "modelopt" and any(r.format is Format.FP8_BLOCK for r in rules):
         raise ConvertError(f"{path}: fp8-block modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
     cfg = t.get("config", {})
@@ -151,6 +157,7 @@ def parse_recipe(text: str, path: str) -> Recipe:
         source=text,
         path=path,
         output_format=out_format,
+        keep_stored=t.get("keep_stored", False),  # a bool: the schema checked it
     )
 
 
@@ -191,11 +198,7 @@ def find_recipe(name_or_file: str | None, mapping_name: str) -> Recipe:
     if hit is not None:
         return hit
     p = Path(name_or_file)
-    if not p.is_file():
+    if not p.exists():
         raise ConvertError(f"--recipe {name_or_file}: no such recipe or file "
                            f"(built-in: {', '.join(r.name for r in tables)})")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{p}: cannot read recipe: {e}") from None
-    return parse_recipe(text, str(p))
+    return parse_recipe(tomlfile.read_toml_text(p, str(p)), str(p))

@@ -46,9 +46,26 @@ def _strip(x):
     return x
 
 
+def _scale_sets(modules: list[dict]) -> None:
+    """A shared global scale as the set of modules that share it, not its label: a derived table may name the
+    union of one module's groups otherwise ("in_proj_qkvgfab" where the hand table says "in_proj_qkvgfab +
+    qkv_proj") while the modules, hence the scale and the bytes, are the same."""
+    sharing: dict[str, list[str]] = {}
+    for m in modules:
+        label = (m.get("quantization") or {}).get("shared_scale")
+        if label:
+            sharing.setdefault(label, []).append(m["name"])
+    for m in modules:
+        q = m.get("quantization") or {}
+        if q.get("shared_scale"):
+            q["shared_scale"] = sorted(sharing[q["shared_scale"]])
+
+
 def normalized(plan) -> dict:
     d = plan_dict(plan)
-    return {k: _strip(d[k]) for k in ("exclude_modules", "quantized_layers", "modules", "shards", "totals") if k in d}
+    out = {k: _strip(d[k]) for k in ("exclude_modules", "quantized_layers", "modules", "shards", "totals") if k in d}
+    _scale_sets(out.get("modules", []))
+    return out
 
 
 def differences(a: dict, b: dict, limit: int = 6) -> list[str]:

@@ -39,6 +39,7 @@ TOKEN = "hf_kimiConvertTestSecret0123456789"
 #: wait_idle: seconds without a new request before the server counts as idle (a killed client's last request can
 #: reach a handler thread after the others ended)
 QUIET_S = 0.5
+STALL = -1  # a Fault status: accept, never answer
 
 
 @dataclass
@@ -87,6 +88,7 @@ class FakeHub:
         self.in_flight = 0  # requests being answered
         self.started = 0  # requests ever begun (wait_idle's quiet period)
         self._idle = threading.Condition(self.lock)
+        self.closing = threading.Event()  # set on exit: a stalled answer (stall()) ends
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -96,11 +98,17 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
     def fail(self, method: str, path: str, status: int, times: int = 1, headers: dict | None = None) -> None:
         self.faults.append(Fault(method, re.compile(path), status, times, headers or {}))
+
+    def stall(self, method: str, path: str, times: int = 1_000_000) -> None:
+        """Requests matching ``method`` and ``path`` are accepted, read, and never answered (until the hub
+        closes): a server that takes the connection and sends nothing."""
+        self.faults.append(Fault(method, re.compile(path), STALL, times))
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Until no request is being answered: after a client is killed, the server may still be finishing
@@ -208,6 +216,10 @@ class FakeHub:
                         return False
                 self._body()
                 hub.record(method, path, status)
+                if status == STALL:  # keep the connection open, send nothing
+                    hub.closing.wait()
+                    self.close_connection = True
+                    return True
                 if status == 0:  # drop the connection, no answer
                     self.close_connection = True
                     self.connection.shutdown(2)
@@ -251,11 +263,13 @@ class FakeHub:
                 try:
                     if self._fault(method, path):
                         return
-                    status = 200
+                    # unanswered until the handler returns: a client killed mid-request (its truncated body,
+                    # the broken pipe of the reply) is never logged as 200, unless the hub took its object
+                    status, self.accepted = 0, None
                     try:
                         status = self._dispatch(method, path, parse_qs(url.query))
                     finally:
-                        hub.record(method, path, status)
+                        hub.record(method, path, status if self.accepted is None else self.accepted)
                 finally:
                     with hub._idle:
                         hub.in_flight -= 1
@@ -330,6 +344,7 @@ class FakeHub:
                         self._send(400, {"error": "sha256 mismatch"})
                         return 400
                     hub.lfs[m[1]] = data
+                    self.accepted = 200  # stored: accepted, whether or not the client lives to read the reply
                     self._send(200, {})
                     return 200
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/(.+)", path)

@@ -18,7 +18,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,11 +195,27 @@ def interpreter_note(backend: str = "triton") -> str:
     return f"triton (interpreter bytes held for {held}; installed: {', '.join(f'{k} {v}' for k, v in now.items())})"
 
 
+def _default_signals() -> None:
+    """In the child before it runs: SIGINT and SIGTERM at their default dispositions. A test run started where
+    SIGINT is ignored (``nohup``, a script's background job) would otherwise hand that on, and Python then
+    installs no KeyboardInterrupt handler: a test that sends SIGINT would wait on a child that never hears it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def readline_within(stream, seconds: float) -> str:
+    """One line of a child's pipe, or an assertion after ``seconds`` (never a wait without a bound)."""
+    ready, _, _ = select.select([stream], [], [], seconds)
+    assert ready, f"no line within {seconds} s"
+    return stream.readline()
+
+
 @contextlib.contextmanager
 def child(args: list, **kw):
     """A child process that is killed if the test fails or times out before it ends (a paused
-    ``pack`` would otherwise outlive the test run)."""
-    p = subprocess.Popen([str(a) for a in args], **kw)
+    ``pack`` would otherwise outlive the test run); its SIGINT and SIGTERM at their defaults, whatever this
+    process's are (:func:`_default_signals`)."""
+    p = subprocess.Popen([str(a) for a in args], preexec_fn=_default_signals, **kw)
     try:
         yield p
     finally:
@@ -226,3 +244,38 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             names = list(f.keys())  # safe_open is not a dict
             out.update({k: f.get_tensor(k) for k in names})
     return out
+
+
+#: the presets only the tests use (docs/presets.md): spec files on the package's families or their own
+TEST_PRESETS = Path(__file__).resolve().parent / "presets"
+
+
+def spec(name: str) -> str:
+    """The synth preset ``name`` as ``synth`` takes it: a built-in name or ``tests/presets/F.toml:name``."""
+    from kimi_convert.synth import find_preset
+
+    return find_preset(name, [TEST_PRESETS])
+
+
+def synth_preset(name: str, **over):
+    """The resolved preset ``name`` (built in or the tests'), with ``layers/experts/shards`` overrides."""
+    from kimi_convert.synth import load_preset
+
+    return load_preset(spec(name), **over)
+
+
+def write_synth(name: str, out, **kw) -> Path:
+    """``kimi-convert synth`` of a built-in or a tests' preset, in process."""
+    from kimi_convert import synth
+
+    return synth.write_synth(spec(name), out, **kw)
+
+
+def all_presets() -> list[str]:
+    """Every preset: the built-in ones, then the tests' (tests/presets/*.toml)."""
+    import tomllib
+
+    from kimi_convert.synth import builtin_presets
+
+    tests = [n for f in sorted(TEST_PRESETS.glob("*.toml")) for n in tomllib.loads(f.read_text())["presets"]]
+    return [*builtin_presets(), *tests]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from helpers import one_line_error, run, run_process
 
-COMMANDS = {"synth", "inspect", "plan", "pack", "verify-manifest", "upload"}
+COMMANDS = {"synth", "inspect", "plan", "pack", "verify-manifest", "upload", "mapping"}
+SUBCOMMANDS = {"mapping": {"derive"}}
 
 
 def test_help_for_every_command():
@@ -23,6 +24,11 @@ def test_help_for_every_command():
             assert r.stderr == ""
     r = run("--help")
     assert r.code == 0 and all(f"  {cmd} " in r.stdout for cmd in COMMANDS), r.stdout
+    for cmd, subs in SUBCOMMANDS.items():
+        assert set(group.commands[cmd].commands) == subs
+        for sub in subs:
+            r = run(cmd, sub, "--help")
+            assert r.code == 0 and r.stdout.startswith(f"Usage: kimi-convert {cmd} {sub} "), r.stdout
 
 
 # ---- the real entry points: exit codes and streams of a process of their own (the rest runs in-process)

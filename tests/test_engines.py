@@ -23,19 +23,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from presets import deepseek_v4, deepseek_v32
 from safetensors.torch import load_file, save_file
 
-from helpers import Result, one_line_error, run, run_process
+from helpers import Result, one_line_error, run, run_process, spec
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
-          "gpt": "tiny-gpt-oss", "g5": "tiny-glm5", "g47": "tiny-glm4-moe-lite"}
+          "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
+          "g47": "tiny-glm4-moe-lite"}
+#: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
+#: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
+TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
-MTP_LAYER = {"glm": "3", "ds": "2", "g5": "4", "g47": "2"}
-MTP_BLOCK = {"q35": "mtp."}
+MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
+MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -72,7 +77,10 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-inputs")
     out = {}
     for key, preset in MODELS.items():
-        r = run("synth", preset, root / key)
+        if key in TEST_PRESETS:
+            out[key] = TEST_PRESETS[key](root / key)
+            continue
+        r = run("synth", spec(preset), root / key)
         assert r.code == 0, r.stderr
         out[key] = root / key
     return out
@@ -108,6 +116,11 @@ OUTPUTS = {
     # gpt-oss (MXFP4 banks cast to NVFP4 per expert, byte-identical to ModelOpt's cast): both engines refuse
     # it, and ModelOpt's own export alike, for reasons in the engines (REFUSED; docs/families.md, "gpt-oss")
     "gpt": ("gpt", None, "source", ENGINES),  # nvfp4-w4a16
+    # DeepSeek V4 (MXFP4 experts I8 + E8M0, block-FP8 with E8M0 .scale): the default nvidia-dsv4, NVIDIA's recipe
+    # byte for byte (experts cast to NVFP4, the rest as stored; docs/families.md, "DeepSeek V4")
+    "ds4": ("ds4", None, "source", ENGINES),
+    # DeepSeek V3.2: V3 plus the DSA indexer (wk / weights_proj kept BF16 for both engines' fused wk_weights_proj)
+    "ds32": ("ds32", None, "source", ENGINES),
     # GLM-5.x and GLM-4.7-Flash: no hand table, packed with the derived one (mappings/derived/); the DSA indexer's
     # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
     "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
@@ -300,7 +313,7 @@ def _sglang_fused_shared_expert_lacks_input_scale(rep: dict) -> None:
 
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
-RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "g5")}
+RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "ds32", "g5")}
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import read_tensors, run, weight_map
-from kimi_convert.synth import PRESETS, config, tensor_specs, write_synth
+from helpers import read_tensors, run, synth_preset, weight_map, write_synth
+from kimi_convert.synth import config, tensor_specs
 
 # The values of the releases' config.json that are not sizes.
 COMMON = {
@@ -108,7 +108,7 @@ def test_inspect_gives_benchmark_moe_values(ckpts, tmp_path):
     num_experts_per_tok, moe_intermediate_size, hidden_size."""
     r = run("inspect", ckpts["deepseek-v3"])
     assert "benchmark_moe    E=8 topk=2 moe_intermediate_size=128 hidden_size=256" in r.stdout, r.stdout
-    (tmp_path / "bench.json").write_text(json.dumps(config(PRESETS["bench-deepseek-v3"])))
+    (tmp_path / "bench.json").write_text(json.dumps(config(synth_preset("bench-deepseek-v3"))))
     r = run("inspect", tmp_path / "bench.json")
     assert "benchmark_moe    E=16 topk=8 moe_intermediate_size=2048 hidden_size=7168" in r.stdout, r.stdout
 
@@ -124,7 +124,7 @@ BENCH_SHAPES = {
 
 
 def test_bench_preset_has_the_releases_shapes():
-    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(PRESETS["bench-deepseek-v3"])}
+    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(synth_preset("bench-deepseek-v3"))}
     scales = {f"{n[:-len('.weight')]}.weight_scale_inv": (-(-s[0] // 128), -(-s[1] // 128))
               for n, s in specs.items() if len(s) == 2 and n.endswith("_proj.weight")}
     got = {**specs, **scales}

@@ -11,28 +11,30 @@ import pytest
 import torch
 
 from gpu_compare import differing_files, differing_tensors, differing_tiles, files_under, on_gpu
-from helpers import run
+from helpers import all_presets, run, write_synth
+from kimi_convert.errors import ConvertError
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
-from kimi_convert.synth import write_synth
 
-#: (preset, synth options, pack options): every preset family, both recipes where K3, both layouts that fuse on
-#: disk (--layout vllm quantizes K3's fused_qkv_a_g_proj as one tensor, on its joint block-FP8 tiles)
+#: The device whose packs must write the CPU's bytes (a dry run on a machine without CUDA sets "reference", the
+#: torch code on the CPU, to run these tests' own code: benchmarks/h200_check.sh says how).
+DEVICE = "cuda"
+#: Every tiny preset (a new family's joins once synth has it) under every recipe and output format, in every
+#: layout. Where the CPU refuses a combination (nvidia-k3's block FP8 where a preset's K is not a multiple of 128,
+#: or nvidia-k3 written as compressed-tensors) the GPU must refuse it in the same words.
+TINY = sorted(p for p in all_presets() if p.startswith("tiny-"))
+RECIPES = [("nvfp4-w4a16", None), ("nvfp4-w4a16", "compressed-tensors"), ("ct-nvfp4-a16", None), ("nvidia-k3", None)]
+LAYOUTS = ["source", "sglang", "vllm"]
+#: Every bench preset at real width (bench-k3-shards is bench-k3's shape) with fewer experts or layers: the
+#: kernels at the releases' tile sizes, under the preset's default recipe and compressed-tensors'.
+BENCH = sorted(p for p in all_presets() if p.startswith("bench-") and p != "bench-k3-shards")
+BENCH_SYNTH = {"bench-kimi-linear": {"layers": 1}, "bench-k3": {"layers": 1, "experts": 8}}
+#: (preset, synth options, pack options): what the matrices above leave out: K3 at real width fused on disk and
+#: under nvfp4-w4a16 (--layout vllm quantizes K3's fused_qkv_a_g_proj as one tensor, on its joint block-FP8 tiles)
 PACKS = [
-    ("tiny-k3", {}, {}),
-    ("tiny-k3", {}, {"layout": "vllm"}),
-    ("tiny-k3", {}, {"recipe": "nvfp4-w4a16"}),
-    ("tiny-k3", {}, {"recipe": "nvfp4-w4a16", "layout": "sglang"}),
-    ("tiny-kimi-linear", {}, {}),
-    ("tiny-deepseek-fp8", {}, {}),
-    ("bench-kimi-linear", {"layers": 1}, {}),
-    ("bench-k3", {"layers": 1, "experts": 8}, {}),
     ("bench-k3", {"layers": 1, "experts": 8}, {"layout": "vllm"}),
     ("bench-k3", {"layers": 1, "experts": 8}, {"recipe": "nvfp4-w4a16"}),
-    ("tiny-kimi-linear", {}, {"recipe": "ct-nvfp4-a16"}),  # compressed-tensors' own arithmetic
-    ("bench-kimi-linear", {"layers": 1}, {"recipe": "ct-nvfp4-a16"}),
-    ("tiny-qwen3-moe", {}, {}),
-    ("tiny-glm4-moe", {}, {"layout": "vllm"}),
+    ("bench-k3", {"layers": 1, "experts": 8}, {"recipe": "nvfp4-w4a16", "layout": "sglang"}),
 ]
 
 
@@ -41,13 +43,84 @@ def _pack(src, out, device, **opts):
     return out
 
 
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory):
+    """Each synthetic input written once per test process: ``inputs(preset, **synth)`` is its folder."""
+    made = {}
+
+    def get(preset, **synth):
+        key = (preset, tuple(sorted(synth.items())))
+        if key not in made:
+            made[key] = write_synth(preset, tmp_path_factory.mktemp("in") / preset, **synth)
+        return made[key]
+    return get
+
+
+def _refusal(src, out, device, **opts) -> str | None:
+    """The pack's one-line error, or None where it wrote ``out``."""
+    try:
+        pack(src, out, Options(**opts), device=device, progress=False)
+    except ConvertError as e:
+        return str(e)
+    return None
+
+
+def same_on_both(src, tmp_path, **opts) -> str | None:
+    """``src`` packed on the CPU and on :data:`DEVICE`: the same files, or the same refusal (returned)."""
+    cpu = _refusal(src, tmp_path / "cpu", "cpu", **opts)
+    assert _refusal(src, tmp_path / "gpu", DEVICE, **opts) == cpu
+    if cpu is None:
+        assert files_under(tmp_path / "cpu") and differing_files(tmp_path / "gpu", tmp_path / "cpu") == []
+    return cpu
+
+
 @on_gpu
-@pytest.mark.parametrize("preset,synth,opts", PACKS, ids=lambda v: str(v) if v != {} else "-")
-def test_pack_on_the_gpu_writes_the_cpus_bytes(tmp_path, preset, synth, opts):
-    src = write_synth(preset, tmp_path / "in", **synth)
-    cuda = _pack(src, tmp_path / "cuda", "cuda", **opts)
-    cpu = _pack(src, tmp_path / "cpu", "cpu", **opts)
-    assert files_under(cpu) and differing_files(cuda, cpu) == []
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("recipe,fmt", RECIPES, ids=str)
+@pytest.mark.parametrize("preset", TINY)
+def test_every_tiny_preset_recipe_format_and_layout_writes_the_cpus_bytes(inputs, tmp_path, preset, recipe, fmt,
+                                                                          layout):
+    opts = {"recipe": recipe, "layout": layout, "max_shard_size": 1_000_000, **({"format": fmt} if fmt else {})}
+    refused = same_on_both(inputs(preset), tmp_path, **opts)
+    assert refused is None or recipe == "nvidia-k3", refused  # (only NVIDIA's recipe has shapes it refuses)
+
+
+@on_gpu
+@pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
+@pytest.mark.parametrize("preset", BENCH)
+def test_every_bench_preset_at_real_width_writes_the_cpus_bytes(inputs, tmp_path, preset, recipe):
+    src = inputs(preset, **BENCH_SYNTH.get(preset, {"experts": 8}))
+    assert same_on_both(src, tmp_path, recipe=recipe, max_shard_size=500_000_000) is None
+
+
+@on_gpu
+@pytest.mark.parametrize("preset,synth,opts", PACKS, ids=str)
+def test_pack_on_the_gpu_writes_the_cpus_bytes(inputs, tmp_path, preset, synth, opts):
+    assert same_on_both(inputs(preset, **synth), tmp_path, max_shard_size=500_000_000, **opts) is None
+
+
+@pytest.fixture
+def auto_takes_the_gpu(monkeypatch):
+    """--device auto measuring every kind of work on both (the streams wait for it: a tiny input has too few units
+    to decide otherwise) and taking the GPU for each kind whatever it measured: the GPU's bytes from then on."""
+    from kimi_convert.pipeline import probe, runner
+
+    monkeypatch.setattr(runner, "CALIBRATION_WAITS", True)
+    monkeypatch.setattr(probe, "WAITS", True)
+    monkeypatch.setattr(probe, "GPU_MARGIN", 1e-9)
+    monkeypatch.setattr(runner, "GPU_MARGIN", 1e-9)
+
+
+@on_gpu
+@pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
+@pytest.mark.parametrize("preset", TINY)
+def test_auto_taking_the_gpu_writes_the_cpus_bytes(inputs, tmp_path, auto_takes_the_gpu, preset, recipe):
+    src = inputs(preset)
+    cpu = _pack(src, tmp_path / "cpu", "cpu", recipe=recipe)
+    res = pack(src, tmp_path / "auto", Options(max_shard_size=500_000_000, recipe=recipe), device="auto",
+               progress=False)
+    assert "cuda" in {c["chosen"] for c in res.stats.device_choices}, res.stats.device_choices
+    assert differing_files(tmp_path / "auto", cpu) == []
 
 
 @on_gpu

@@ -313,3 +313,26 @@ def test_a_partial_download_is_continued_not_restarted(hub, medium, tmp_path):
     assert stats["resumed_bytes"] == sum(have.values()) and stats["bytes"] == sum(weights(src).values()) - sum(
         have.values())
     assert not scratch.exists()
+
+
+@pytest.mark.parametrize("path, what", [
+    (rf"^/api/models/{REPO}(/revision/[^/]+)?$", "looking up the repository"),
+    (rf"^/api/models/{REPO}/tree/", "listing the repository"),
+    (rf"^/{REPO}/resolve/[^/]+/config\.json$", "reading config.json"),
+    (rf"^/{REPO}/resolve/[^/]+/model-00001-", "reading model-00001-"),
+])
+def test_a_hub_that_never_answers_is_one_line_quickly(hub, tmp_path, path, what):
+    """A server that accepts the connection and sends nothing: each metadata step fails within the bound
+    (KIMI_CONVERT_HUB_METADATA_TIMEOUT, here 2 s), in one line naming the repository and the step; the library's
+    own retries of its timeout are not waited through."""
+    hub.stall("GET", path)
+    started = time.monotonic()
+    line = one_line_error(cli(hub, "plan", f"hf://{REPO}", tmp=tmp_path, KIMI_CONVERT_HUB_METADATA_TIMEOUT="2"))
+    took = time.monotonic() - started
+    assert REPO in line and what in line and "sent no answer within 2 s" in line, line
+    assert took < 20, took  # the interpreter's start, plus the 2 s bound and one retry's pause
+
+
+def test_metadata_timeout_setting_is_checked(hub, tmp_path):
+    line = one_line_error(cli(hub, "plan", f"hf://{REPO}", tmp=tmp_path, KIMI_CONVERT_HUB_METADATA_TIMEOUT="soon"))
+    assert "KIMI_CONVERT_HUB_METADATA_TIMEOUT=soon: expected a positive number of seconds" in line

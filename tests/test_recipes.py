@@ -278,7 +278,12 @@ def test_bad_recipe_is_refused_with_its_key(text, msg):
 def test_recipe_file_and_unknown_name_on_the_command_line(tiny_kl, tmp_path):
     f = tmp_path / "all-keep.toml"
     f.write_text('name = "all-keep"\nquant_algo = "W4A16_NVFP4"\n[[rule]]\nmodules = ["*"]\nformat = "keep"\n')
+    # read from the file, and refused: it quantizes nothing (issue 41: an NVFP4 config over BF16 weights)
+    assert f"recipe 'all-keep' ({f}) quantizes no module" in one_line_error(run("plan", tiny_kl, "--recipe", f))
+    f = tmp_path / "heads-keep.toml"
+    f.write_text('name = "heads-keep"\n[[rule]]\nmodules = ["lm_head"]\nformat = "keep"\n'
+                 '[[rule]]\nmodules = ["*"]\nformat = "nvfp4"\n')
     r = run("plan", tiny_kl, "--recipe", f)
-    assert r.code == 0 and "recipe all-keep" in r.stdout and "totals: 0 NVFP4 modules" in r.stdout, r.stderr
+    assert r.code == 0 and "recipe heads-keep" in r.stdout, r.stderr
     r = run("plan", tiny_kl, "--recipe", "nope")
-    assert "built-in: ct-nvfp4-a16, nvfp4-w4a16, nvidia-k3" in one_line_error(r)
+    assert "built-in: ct-nvfp4-a16, nvfp4-w4a16, nvidia-dsv4, nvidia-k3" in one_line_error(r)

@@ -26,6 +26,7 @@ from helpers import (
     copy_ckpt,
     edit_config,
     one_line_error,
+    readline_within,
     replace_tensor,
     rewrite_tensors,
     run,
@@ -160,7 +161,7 @@ def test_interrupt_stops_within_two_seconds_and_resumes(medium, tmp_path, sig):
         time.sleep(0.5)
         t = time.perf_counter()
         p.send_signal(sig)
-        first = p.stderr.readline()  # printed once the pipeline has stopped and the journal is saved
+        first = readline_within(p.stderr, 30)  # printed once the pipeline has stopped and the journal is saved
         stopped = time.perf_counter() - t
         _, rest = p.communicate(timeout=30)
         exited = time.perf_counter() - t

@@ -18,6 +18,7 @@ merged over it (:func:`merge`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -88,10 +89,28 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
 def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES) -> tuple[list[table_mod.EngineView], dict]:
     """Each engine's answers for ``ckpt``'s architecture, and the stand-in's logical shapes."""
     s = standin_mod.make(ckpt)
-    with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp, _zygotes(Path(tmp) / "servers"):
         dirs = standin_mod.write(s, Path(tmp))
         views = [ask_engine(e, dirs) for e in engines]
     return views, {n: list(shape) for n, shape, _ in s.tensors}
+
+
+@contextlib.contextmanager
+def _zygotes(folder: Path):
+    """Each engine imported once for its three runs (the engine check's fork server, ``enginecheck.server``),
+    unless the caller already names a server folder (the test suite's, shared by every check)."""
+    from ..enginecheck.server import SERVERS_ENV, stop_all
+
+    if os.environ.get(SERVERS_ENV):
+        yield
+        return
+    folder.mkdir()
+    os.environ[SERVERS_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        del os.environ[SERVERS_ENV]
+        stop_all(folder)
 
 
 def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict) -> Derived:

@@ -44,9 +44,8 @@ def finish(text: str, where: str) -> Mapping:
     ov = overlay_for(t.get("name", ""))
     if ov is not None:
         t = merge(t, ov[1])
-        # the derived text kept as comments (its keys parsed twice would clash), then the merged table
-        derived = "".join(f"# {line}\n" for line in text.splitlines())
-        text = f"{derived}# merged with {ov[0]}\n{tomli_w.dumps(t)}"
+        head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))  # the derivation's notes
+        text = f"{head}# merged with {ov[0]}\n{tomli_w.dumps(t)}"  # the merged table alone: no key twice
     return parse_mapping(text, where)
 
 
@@ -97,7 +96,10 @@ def mapping_for(ckpt: Checkpoint, override: str | os.PathLike | None = None) -> 
         if not _engines_present():
             raise ConvertError(f"{e}; or create the engine environments (scripts/engine-envs.sh) and a table is "
                                "derived from the engines' own model classes") from None
-        return cached_or_derived(ckpt)
+        try:
+            return cached_or_derived(ckpt)
+        except ConvertError as why:
+            raise ConvertError(f"{e}; deriving one from the engines' model classes failed: {why}") from None
 
 
 def write_table(text: str, out: Path | None) -> None:

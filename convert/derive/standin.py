@@ -20,11 +20,15 @@ from pathlib import Path
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..plan.discover import discover_sources
+from . import reduce
 
 #: safetensors dtype -> torch dtype name (what the runner's zeros are made of)
 TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+#: A stand-in larger than this is reduced first (``reduce``: fewer layers, experts and vocabulary rows).
+REDUCE_ABOVE = 512 << 20
 
 #: The largest stand-in offered whole (bytes of its zeros, held one tensor at a time by the loader but built in
 #: full by the engine's model): a larger source needs a reduced config, which this version does not make.
@@ -58,6 +62,7 @@ class StandIn:
     config: dict  # the source's config.json, quantization_config removed
     tensors: tuple[tuple[str, tuple[int, ...], str], ...]  # (logical name, logical shape, torch dtype name)
     side_files: dict[str, bytes]  # small files the engines' config parsing may read (generation_config.json...)
+    reduction: str = ""  # what ``reduce`` cut, in words ("" where the source is offered at its size)
 
     @property
     def nbytes(self) -> int:
@@ -102,12 +107,23 @@ def make(ckpt: Checkpoint) -> StandIn:
         with ckpt.source.open(rel) as f:
             side[rel] = f.read_range(0, entry.size)
     out = StandIn(_config(ckpt), tuple(tensors), side)
+    if out.nbytes > REDUCE_ABOVE:
+        out = reduced(out)
     if out.nbytes > MAX_BYTES:
-        raise ConvertError(f"{ckpt.source}: {out.nbytes / 1e9:.1f} GB of weights is larger than a derivation "
-                           f"offers an engine whole ({MAX_BYTES / 1e9:.1f} GB); derive from a small checkpoint of "
-                           "the same architecture (kimi-convert synth, or the release's config with fewer layers and "
-                           "experts) and pass it to pack with --mapping")
+        raise ConvertError(f"{ckpt.source}: reduced to {out.reduction}, its {out.nbytes / 1e9:.1f} GB of weights are "
+                           f"still more than a derivation offers an engine ({MAX_BYTES / 1e9:.1f} GB); derive from a "
+                           "smaller checkpoint of the architecture and pass the table to pack with --mapping")
     return out
+
+
+def reduced(s: StandIn) -> StandIn:
+    """``s`` cut to each kind of layer once, a few experts a bank and a small vocabulary (``reduce``)."""
+    tc = reduce.text_config(s.config)
+    r = reduce.plan(s.config, [n for n, _, _ in s.tensors])
+    was = {"layers": tc.get("num_hidden_layers"), "vocab": tc.get("vocab_size"),
+           "experts": next((tc[k] for k in reduce.EXPERT_KEYS if isinstance(tc.get(k), int)), None)}
+    config, tensors = reduce.apply(s.config, list(s.tensors), r)
+    return StandIn(config, tuple(tensors), s.side_files, r.describe(was))
 
 
 def write(standin: StandIn, folder: Path) -> dict[str, Path]:

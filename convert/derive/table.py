@@ -96,6 +96,8 @@ class Fusion:
     engine_class: str
     engine_file: str
     same_rows: bool
+    layers: set[int] = field(default_factory=set)  # the decoder layers it was seen in
+    unquantized_only: bool = False  # the engine builds it only for an unquantized model
 
 
 def fusions(view: EngineView) -> list[Fusion]:
@@ -120,9 +122,27 @@ def fusions(view: EngineView) -> list[Fusion]:
             rows = {ld.shape[0] if ld.shape else 0 for ld in members}
             leaf = param.rpartition(".")[0].rpartition(".")[2] if not experts else _bank_name(param)
             f = Fusion(leaf, leaves, template(parent), "stack" if stacked else "cat", experts,
-                       mod.get("class", "?"), mod.get("file", "?"), len(rows) == 1)
-            seen.setdefault((f.name, f.members, f.parent), f)
+                       mod.get("class", "?"), mod.get("file", "?"), len(rows) == 1,
+                       unquantized_only=not in_quant_builds(view, engine_module(param)))
+            f = seen.setdefault((f.name, f.members, f.parent), f)
+            if (n := _layer_of(parent)) is not None:
+                f.layers.add(n)
     return list(seen.values())
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER_NUMBER.search(name)
+    return None if m is None else int(m.group(1))
+
+
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def in_quant_builds(view: EngineView, module: str) -> bool:
+    """Whether the engine builds ``module`` for a quantized checkpoint too (SGLang's Kimi KDA builds
+    ``fused_qkvbfg_a_proj`` and ``fused_fg_b_proj`` only for an unquantized one)."""
+    builds = [mods for mods in view.quant_modules.values() if mods]
+    return not builds or any(module in mods for mods in builds)
 
 
 def _bank_name(param: str) -> str:
@@ -149,10 +169,16 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
     out = {}
     for ld in landings(view):
         em = engine_module(ld.param)
-        plain = view.modules.get(em, {})
+        if not in_quant_builds(view, em):  # built apart when quantized: the module named as the source's
+            alt = f"{em.rpartition('.')[0]}.{ld.module.rpartition('.')[2]}"
+            if any(alt in mods for mods in view.quant_modules.values()):
+                em = alt
+        plain = view.modules.get(em) or next((mods[em] for mods in view.quant_modules.values() if em in mods), {})
         qm = {fmt: mods.get(em, {}).get("quant_method") for fmt, mods in view.quant_modules.items()}
+        # a module a format's build lacks or leaves without a quant method (SGLang fuses GLM's shared experts into
+        # the routed bank under compressed-tensors) says nothing of that format: only an Unquantized* method keeps
         out[ld.module] = Verdict(plain.get("kind", "absent"),
-                                 {f: bool(m) and "Unquantized" not in m for f, m in qm.items()}, em,
+                                 {f: "Unquantized" not in m for f, m in qm.items() if m}, em,
                                  plain.get("class", "?"), plain.get("parent_class", "?"),
                                  plain.get("parent_file", "?"), qm)
     return out
@@ -161,11 +187,14 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
 def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_classes: dict[str, str]) -> dict:
     f = found[0][1]
     engines = [e for e, _ in found]
-    who = "; ".join(f"{labels[e]} {model_classes[e]}.load_weights fills {g.engine_class} ({g.engine_file})"
+    who = "; ".join(f"{labels[e]} {model_classes[e]}.load_weights fills {g.name} ({g.engine_class}, {g.engine_file})"
                     for e, g in found)
-    entry: dict = {"name": f.name, "members": list(f.members), "parents": [f.parent]}
+    entry: dict = {"name": f.name, "members": list(f.members), "parents": [f.parent],
+                   "_layers": sorted(set().union(*(g.layers for _, g in found)))}
     if f.op != "cat":
         entry["op"] = f.op
+    if all(g.unquantized_only for _, g in found):
+        entry["unquantized_only"] = True
     if sorted(engines) != sorted(labels):
         entry["engines"] = sorted(engines)
     if f.same_rows and len(f.members) == 2:
@@ -183,8 +212,11 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
         for f in fusions(v):
             # a bank's members share one global scale whatever order an engine stacks them in (SGLang's w13 may
             # hold up before gate): one scale group
+            # one fusion of the same members in both engines is one group (named as the first engine names it:
+            # vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa hold one global scale alike)
             members = tuple(sorted(f.members)) if f.experts else f.members
-            found.setdefault((f.name, members, f.parent, f.op, f.experts), []).append((v.engine, f))
+            key = (f.name if f.experts else "", members, f.parent, f.op, f.experts)
+            found.setdefault(key, []).append((v.engine, f))
     groups, scale_groups, sets = [], [], []
     names: dict[tuple, int] = defaultdict(int)
     for pairs in found.values():
@@ -193,10 +225,17 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
         if f.experts:
             entry.pop("engines", None)  # a scale group binds in every engine that holds one global scale
             entry.pop("reason", None)
+            entry.pop("_layers")
             scale_groups.append(entry)
             bank = f.parent.rpartition(".{expert}")[0]
             if bank and bank not in sets:
                 sets.append(bank)
+            continue
+        same = next((g for g in groups if (g["name"], g["members"], g.get("op"), g.get("engines")) ==
+                     (entry["name"], entry["members"], entry.get("op"), entry.get("engines"))), None)
+        if same is not None:  # the same packed module under another parent (a dense MLP and a shared expert)
+            same["parents"] += [p for p in entry["parents"] if p not in same["parents"]]
+            same["_layers"] = sorted(set(same["_layers"]) | set(entry["_layers"]))
             continue
         key = (entry["name"], tuple(entry.get("engines", ())))
         names[key] += 1
@@ -256,11 +295,100 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
     return [{"pattern": p, "reason": r} for p, r in keep.items()], uniq(not_linear), uniq(linear)
 
 
+#: config key -> the [moe] field that reads it (plan.consistency: which decoder layers hold experts), by the
+#: meaning these keys have in every config that carries them
+LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
+               "decoder_sparse_step": "sparse_step"}
+EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
+
+
+def _text(config: dict) -> dict:
+    sub = config.get("text_config")
+    return sub if isinstance(sub, dict) else config
+
+
+def _moe_check(views: list[EngineView], config: dict, sets: list[str]) -> dict | None:
+    """The ``[moe]`` section plan.consistency holds the tensors against: the expert count's config key, each
+    expert's members as the engines loaded them, and the config keys that say which layers are MoE."""
+    tc = _text(config)
+    key = next((k for k in EXPERT_KEYS if isinstance(tc.get(k), int)), None)
+    main = [s for s in sets if "{layer}" in s and not s.startswith("mtp.")]
+    if key is None or not main:
+        return None
+    leaves = set()
+    for v in views:
+        for ld in landings(v):
+            if v.modules.get(engine_module(ld.param), {}).get("kind") == "moe" and ".experts." in ld.module:
+                leaves.add(ld.module.rpartition(".")[2])
+    if not leaves:
+        return None
+    layers = main[0][: main[0].index("{layer}") + len("{layer}")]
+    out = {"experts": key, "members": sorted(leaves), "layers": layers}
+    if isinstance(tc.get("num_hidden_layers"), int):
+        out["num_layers"] = "num_hidden_layers"
+    out.update({field: k for k, field in LAYER_RULES.items() if k in tc})
+    return out
+
+
+def _head_check(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+    head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
+    if head is None or "tie_word_embeddings" not in _text(config):
+        return None
+    return {"tie": "tie_word_embeddings", "module": head}
+
+
+def _int_lists(d: dict, path: str = "") -> list[tuple[str, list[int]]]:
+    """Every config list of layer numbers (a key naming layers), by dotted path."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _int_lists(v, f"{path}{k}.")
+        elif isinstance(v, list) and v and "layer" in k and all(type(x) is int for x in v):
+            out.append((f"{path}{k}", v))
+    return out
+
+
+def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
+    """Layers where some but not all of a group's members exist and the engines built no such group."""
+    rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]]
+    have: dict[int, set[str]] = defaultdict(set)
+    for mod in modules:
+        for r in rx:
+            if (m := r.fullmatch(mod)) is not None:
+                have[int(m.group(1))].add(m.group(2))
+    return {n for n, leaves in have.items()
+            if n not in entry["_layers"] and leaves & set(entry["members"]) and not set(entry["members"]) <= leaves}
+
+
+def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[str, dict]:
+    """A group that the engines build in some layers while other layers hold only some of its members (Kimi
+    Linear's KDA ``q_proj`` beside its MLA ``q_proj``) applies by layer type: the config's list of layer numbers
+    (0- or 1-based) that is exactly the layers it was seen in."""
+    types: dict[str, dict] = {}
+    lists = _int_lists(_text(config))
+    for g in groups:
+        seen = set(g["_layers"])
+        if not seen or not _partial_layers(g, modules):
+            continue
+        for path, values in lists:
+            base = next((b for b in (0, 1) if {v - b for v in values} == seen), None)
+            if base is not None:
+                name = path.rpartition(".")[2]
+                types[name] = {"config": path, "base": base}
+                g["layer_type"] = name
+                break
+    return types
+
+
 def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     """The mapping table (as a dict in today's TOML format) for ``config``'s architecture."""
     archs = list(config.get("architectures") or [])
     model_type = config.get("model_type", "")
     groups, scale_groups, sets = _groups(views)
+    modules = {n.rpartition(".")[0] for n in shapes}
+    layer_types = _layer_types(groups, config, modules)
+    for g in groups:
+        del g["_layers"]
     keep, not_linear, linear = _rules(views, shapes)
     versions = ", ".join(v.label for v in views)
     t: dict = {
@@ -273,12 +401,22 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["text_config"] = "text_config"
     if sets:
         t["expert_sets"] = sets
+    if layer_types:
+        t["layer_types"] = layer_types
+    # nothing is written fused on disk from a derived table: that a module fused on disk loads is an engine check's
+    # finding (an overlay's [layout.*] allows it)
+    t["layout"] = {e: {"formats": [], "reason": f"derived table: no module fused on disk has been checked in {e}"}
+                   for e in ("vllm", "sglang")}
     if linear:
         t["linear"] = linear
     if not_linear:
         t["not_linear"] = not_linear
     if keep:
         t["keep"] = keep
+    if (moe := _moe_check(views, config, sets)) is not None:
+        t["moe"] = moe
+    if (head := _head_check(config, shapes)) is not None:
+        t["lm_head"] = head
     if groups:
         t["group"] = groups
     if scale_groups:

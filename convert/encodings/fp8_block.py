@@ -43,6 +43,9 @@ class FP8Block(SourceEncoding):
 
     def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
         w = tensors[name]
+        if w.dtype.startswith("F8_") and w.dtype != "F8_E4M3":  # F8_E5M2: no engine's block-FP8 path reads it
+            raise refused(w, f"{w.dtype} weight: the FP8 source format this tool reads is F8_E4M3 with "
+                             "weight_scale_inv block scales")
         if w.dtype != "F8_E4M3":
             return ()
         mod, _ = module_of(name)
@@ -62,7 +65,21 @@ class FP8Block(SourceEncoding):
             raise refused(s, f"FP8 scale must be F32 {want} for {list(w.shape)} with blocks {list(block)}, "
                              f"is {s.dtype}{list(s.shape)}")
 
-    def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
-        from ..kernels.formats import decode_fp8_block
+    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
+        """A ``weight_scale_inv`` no FP8 weight consumed: without its weight, or beside a weight of another
+        dtype (a BF16 weight with block scales is no format: copied through, the engines would read the
+        scale as a parameter of a module they build unquantized)."""
+        mod, suffix = module_of(name)
+        w = tensors.get(f"{mod}.weight")
+        if suffix in self.companions and w is not None:
+            raise refused(tensors[name], f"block scale beside a {w.dtype} weight {w.name}: only an F8_E4M3 "
+                                         "weight has one")
+        super().refuse_leftover(name, tensors)
 
-        return decode_fp8_block(parts[0], parts[1], block)
+    def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
+        from ..kernels.formats import DecodeError, decode_fp8_block
+
+        try:
+            return decode_fp8_block(parts[0], parts[1], block)
+        except DecodeError as e:
+            raise refused(src.parts[1], f"{e}: {src.parts[0].name} cannot be decoded") from None

@@ -135,6 +135,7 @@ class Report:
     rule_broken: list[dict] = field(default_factory=list)  # dropped by an engine rule whose condition fails here
     bad_casts: list[dict] = field(default_factory=list)
     widening_casts: list[dict] = field(default_factory=list)
+    exact_casts: list[dict] = field(default_factory=list)  # bytes or values unchanged (runner_common._exact)
     source_casts: list[dict] = field(default_factory=list)  # narrowing of tensors copied unchanged from the input
     created_during_load: list[str] = field(default_factory=list)
     buffers_never_written: list[str] = field(default_factory=list)
@@ -317,7 +318,7 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
             compare_s = round(time.perf_counter() - t1, 2)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
               "allowed_unfilled", "skipped", "mtp_skipped", "rule_dropped", "rule_broken",
-              "bad_casts", "widening_casts", "created_during_load",
+              "bad_casts", "widening_casts", "exact_casts", "created_during_load",
               "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])

@@ -16,7 +16,11 @@ The tracker never changes what the engine does; it watches:
   no parameter was skipped.
 * **casts**: a write whose checkpoint tensor had another dtype than the parameter it lands in
   (``reinterpret``: between integer/8-bit and float types, e.g. packed uint8 into bf16; ``narrowing``:
-  a float type to one with fewer bits; ``widening``: the opposite).
+  a float type to one with fewer bits; ``widening``: the opposite). Two kinds are exact and not reported as
+  bad (``exact_casts``): ``bitwise``, where the bytes land unchanged (int8 <-> uint8, whose conversion is modulo
+  256; or a same-size type the engine views as the parameter's before writing: DeepSeek V4's E8M0 scales viewed
+  as uint8, models/deepseek_v4/nvidia/model.py ``load_weights``), and ``exact``, an integer narrowed whose
+  offered values all fit the parameter's type (DeepSeek V4's I64 ``tid2eid`` expert ids into int32).
 """
 
 from __future__ import annotations
@@ -162,6 +166,9 @@ class Tracker:
         self.offered: dict[str, dict] = {}
         self.offered_order: list[str] = []
         self.current: str | None = None  # the tensor load_weights is working on (the last one offered)
+        # the last Python number read out of checkpoint data (``.item()``) and whose it was: a loader that writes
+        # a one-element parameter with ``fill_(w.item())`` (SGLang's default_weight_loader) writes that data
+        self._scalar: tuple[object, dict[str, torch.dtype]] | None = None
         self.stored: dict[str, set[str]] = defaultdict(set)
         self.casts: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.params: dict[str, torch.Tensor] = {}
@@ -176,6 +183,8 @@ class Tracker:
         # the value of each one-element checkpoint tensor (a global or input scale): an engine rule that keeps one
         # of two such tensors holds only where they are equal (``result``'s ``drop_rule``)
         self.scalars: dict[str, float] = {}
+        # (min, max) of each integer checkpoint tensor: an integer narrowed is exact where they fit (``_exact``)
+        self.int_range: dict[str, tuple[int, int]] = {}
 
     # -- before loading --------------------------------------------------------------------------
     def arm(self, model: torch.nn.Module) -> None:
@@ -212,6 +221,8 @@ class Tracker:
                 self._refs.append(t)
             if t.numel() == 1 and t.device.type != "meta":
                 self.scalars[name] = float(t.float().reshape(()))
+            if t.numel() and t.device.type != "meta" and not t.dtype.is_floating_point and t.dtype != torch.bool:
+                self.int_range[name] = (int(t.min()), int(t.max()))
             yield item
 
     def mode(self) -> _Observe:
@@ -233,6 +244,11 @@ class Tracker:
                         names[n] = dt
                         if k not in self.pstore:
                             direct[n] = (None, None) if sp is None else _part(t, lo, hi, sp)
+        if func is torch.ops.aten._local_scalar_dense.default and names:
+            self._scalar = (out, dict(names))
+        elif not names and self._scalar is not None and func is torch.ops.aten.fill_.Scalar \
+                and len(args) > 1 and args[1] == self._scalar[0]:
+            names = dict(self._scalar[1])  # fill_(w.item()): the checkpoint tensor's value written
         written: list[torch.Tensor] = []
         schema = func._schema
         for i, a in enumerate(schema.arguments):
@@ -255,7 +271,7 @@ class Tracker:
                             rel = part.storage_offset() - self.params[pname].storage_offset()
                             self.spans[(n, pname)].append((rel, tuple(part.shape), tuple(part.stride()),
                                                            direct[n][0]))
-                        c = cast_class(sdt, pdt)
+                        c = self._exact(n, sdt, pdt, cast_class(sdt, pdt), ins)
                         if c:
                             self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),
                                                       str(pdt).replace("torch.", ""))
@@ -269,6 +285,24 @@ class Tracker:
                 self.taint.setdefault(k, {}).update((n, (dt, None)) for n, dt in names.items())
                 if k not in self.pstore:
                     self._refs.append(t)
+
+    def _exact(self, name: str, src: torch.dtype, dst: torch.dtype, cls: str | None, ins) -> str | None:
+        """``cast_class``, with the exact kinds told apart (module docstring): ``bitwise`` and ``exact``."""
+        ints = (torch.int8, torch.uint8)
+        if cls == "reinterpret" and src.is_floating_point and src.itemsize == 1 \
+                and dst in (torch.bfloat16, torch.float32, torch.float64):
+            return "widening"  # every FP8 / E8M0 value is exact there (SGLang's FP8 weight_scale_inv is F32)
+        if cls == "reinterpret" and src.itemsize == dst.itemsize:
+            if src in ints and dst in ints:
+                return "bitwise"
+            if any(t.dtype == dst and name in self.taint.get(_key(t), {}) for t in ins):
+                return "bitwise"  # the engine viewed the bytes as the parameter's type before the write
+        if cls == "narrowing" and _kind(src) == _kind(dst) == "int" and name in self.int_range:
+            lo, hi = self.int_range[name]
+            info = torch.iinfo(dst)
+            if info.min <= lo and hi <= info.max:
+                return "exact"
+        return cls
 
     def _taint_cat(self, func, args, kwargs, out) -> None:
         """A dim-0 ``aten.cat`` of checkpoint data (SGLang's DeepSeek loader cats q_a_proj and
@@ -390,6 +424,7 @@ class Tracker:
             "bad_casts": sorted((c for c in casts if c["class"] in ("reinterpret", "narrowing")),
                                 key=lambda c: c["class"] != "reinterpret"),
             "widening_casts": [c for c in casts if c["class"] == "widening"],
+            "exact_casts": [c for c in casts if c["class"] in ("bitwise", "exact")],
             "created_during_load": created,
             "buffers_never_written": buffers_unfilled,
             "stored": {n: sorted(self.stored.get(n, ())) for n in self.offered_order},

@@ -60,6 +60,10 @@ def mtp_rule(config):
             return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
                     "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
                     "MTP model (qwen3_5_mtp.py) loads it")
+        if name.startswith("mtp.") and n > 0 and getattr(config, "model_type", None) == "deepseek_v4":
+            return ("MTP layer (num_nextn_predict_layers): SGLang's DeepSeek V4 main model skips names starting "
+                    "'mtp' (srt/models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights, not is_nextn); its NextN "
+                    "model (deepseek_v4_nextn.py) loads them")
         parts = name.split(".")
         if not (n > 0 and name.startswith("model.layers") and len(parts) >= 3 and parts[2].isdigit()
                 and int(parts[2]) >= base):
@@ -116,17 +120,32 @@ PATCHES = [
      "models/deepseek_common/deepseek_weight_loader.py hands CPU tensors to a ThreadPoolExecutor "
      "(model_loader/utils.py should_async_load: True for a CPU tensor), whose threads the load observer does "
      "not see; should_async_load answers False there, SGLang's own synchronous path (the one it takes for "
-     "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread"),
+     "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread; "
+     "likewise models/deepseek_v4.py, which imports should_async_load itself"),
     ("DeepGEMM SM count",
-     "deep_gemm.get_num_sms() (which asks the CUDA runtime) answers the presented B200's multi_processor_count "
-     "(148): the DSA indexer (layers/attention/dsa/utils.py resolve_num_sms, called by Indexer.__init__) only sizes "
-     "a schedule buffer with it; a query, no loading code changed"),
+     "deep_gemm.get_num_sms (a CUDA runtime query; DeepSeek V3.2's DSA Indexer.__init__ sizes a schedule buffer "
+     "with it, layers/attention/dsa/utils.py resolve_num_sms) answers the presented B200's SM count, as "
+     "torch.cuda.get_device_properties does: a device query only"),
+    ("DeepSeek V4 kernel prewarm deferred",
+     "models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights ends with _prewarm_mhc_kernels, which compiles and "
+     "runs the mHC GPU kernels once on zeros (no CPU build exists) and stores no parameter; the model's own "
+     "guard _mhc_prewarmed_at_load is set True before loading, so it returns at once"),
 ]
 
 
 def apply_patches(result: dict) -> None:
     rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=True)
+    _deep_gemm_sm_count()
     result["patches"] = [name for name, _ in PATCHES]
+
+
+def _deep_gemm_sm_count() -> None:
+    """See PATCHES ("DeepGEMM SM count")."""
+    try:
+        import deep_gemm
+    except Exception:  # not installed, or not importable here: nothing asks it then
+        return
+    deep_gemm.get_num_sms = lambda: torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def preload() -> None:
@@ -140,20 +159,14 @@ def preload() -> None:
                        "runner_numerics"])
 
 
-def _present_deep_gemm_sms() -> None:
-    """See PATCHES ("DeepGEMM SM count")."""
-    try:
-        import deep_gemm
-    except ImportError:  # SGLang then reads the (presented) device properties itself
-        return
-    deep_gemm.get_num_sms = lambda: torch.cuda.get_device_properties(0).multi_processor_count
-
-
 def _load_deepseek_synchronously() -> None:
     """See PATCHES ("DeepSeek weights loaded synchronously")."""
     from sglang.srt.models.deepseek_common import deepseek_weight_loader
 
     deepseek_weight_loader.should_async_load = lambda weight: False
+    from sglang.srt.models import deepseek_v4
+
+    deepseek_v4.should_async_load = lambda weight: False
 
 
 def run(model_dir: str, result: dict) -> None:
@@ -177,7 +190,6 @@ def run(model_dir: str, result: dict) -> None:
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
         _load_deepseek_synchronously()
-        _present_deep_gemm_sms()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
 
@@ -219,6 +231,8 @@ def run(model_dir: str, result: dict) -> None:
     t = time.perf_counter()
     tracker = rc.Tracker()
     tracker.arm(model)
+    if hasattr(model, "_mhc_prewarmed_at_load"):
+        model._mhc_prewarmed_at_load = True  # DeepSeek V4's kernel prewarm deferred; see PATCHES
     post_load = getattr(type(model), "post_load_weights", None)
     if post_load is not None:
         model.post_load_weights = lambda *a, **k: None  # deferred; see PATCHES

@@ -73,6 +73,11 @@ def mtp_rule(config):
             return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
                     "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "
                     "(qwen3_5_mtp.py Qwen3_5MoeMTP) loads it")
+        if name.startswith("mtp.") and getattr(config, "model_type", None) == "deepseek_v4" \
+                and getattr(config, "num_nextn_predict_layers", 0):
+            return ("MTP layer (num_nextn_predict_layers): vLLM's DeepSeek V4 main model maps 'mtp.' to None "
+                    "(models/deepseek_v4/nvidia/model.py _make_deepseek_v4_weights_mapper); its MTP model "
+                    "(models/deepseek_v4/nvidia/mtp.py DeepSeekV4MTP) loads it")
         layer = get_spec_layer_idx_from_weight_name(config, name)
         if layer is None:
             return None

@@ -8,8 +8,11 @@ The token is handed to the library only: never printed, logged or written.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,10 +48,93 @@ MAX_WAIT = 300.0
 CONNECT_TIMEOUT = float(os.environ.get("KIMI_CONVERT_CONNECT_TIMEOUT", "10"))
 #: Seconds without a byte before a transfer counts as dropped, then retried: hf_xet's own read timeout.
 IDLE_TIMEOUT = 300.0
+#: Seconds a metadata request (a repository's info and listing, config.json, the index, a shard header's ranges)
+#: may wait for its answer before the step fails in one line: these are small answers a working Hub gives in
+#: well under a second, so a server that accepts the connection and sends nothing is not waited on for minutes.
+METADATA_TIMEOUT_ENV = "KIMI_CONVERT_HUB_METADATA_TIMEOUT"
+METADATA_TIMEOUT_DEFAULT = 30.0
 IGNORE = [filenames.JOURNAL, filenames.LOCK, filenames.RAY_PROBE, "*.partial", ".cache/*"]
 RESUME = "re-run the same command to resume (files already uploaded are skipped)"
 NO_TOKEN = ("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login` (a token with write "
             "access: https://huggingface.co/settings/tokens)")
+
+
+def metadata_timeout() -> float:
+    """The metadata requests' bound (``KIMI_CONVERT_HUB_METADATA_TIMEOUT`` seconds, default 30)."""
+    raw = os.environ.get(METADATA_TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else METADATA_TIMEOUT_DEFAULT
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ConvertError(f"{METADATA_TIMEOUT_ENV}={raw}: expected a positive number of seconds")
+    return value
+
+
+class MetadataStall(ConvertError):
+    """A metadata request unanswered within its bound: final (neither the library's retries of a timeout nor
+    ours run again: the request hook raises this before the next attempt is sent)."""
+
+
+@dataclass
+class _Step:
+    """A metadata step in progress on one thread."""
+
+    bound: float
+    started: float
+    what: str
+    repo_id: str
+    answered: bool = False  # a response came (an error status too): the bound is on silence only
+
+
+_metadata = threading.local()  # .step: the _Step in progress on this thread, or None
+
+
+class _QuietInStep(logging.Filter):
+    """Drops the library's "'timed out' thrown while requesting ..." line inside a metadata step: the step's own
+    one line says what happened (the filter is per thread: other threads' retries still say theirs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(_metadata, "step", None) is None
+
+
+_QUIET = _QuietInStep()
+
+
+@contextlib.contextmanager
+def metadata_step(what: str, repo_id: str):
+    """Bound every request this thread sends inside the block by :func:`metadata_timeout` seconds to its first
+    byte, the library's explicit ``timeout=None`` (its listing's pages) included; a request sent after the bound
+    has already passed (the library retrying its timeout) is refused as :class:`MetadataStall`."""
+    _metadata.step = _Step(metadata_timeout(), time.monotonic(), what, repo_id)
+    library = logging.getLogger("huggingface_hub.utils._http")
+    if _QUIET not in library.filters:
+        library.addFilter(_QUIET)
+    try:
+        yield
+    finally:
+        _metadata.step = None
+
+
+def _stalled(step: _Step, host: str | None) -> MetadataStall:
+    return MetadataStall(f"{step.repo_id}: {step.what}: {host or 'the Hub'} sent no answer within {step.bound:g} s "
+                         f"(a metadata request; {METADATA_TIMEOUT_ENV} sets the bound): check the network or "
+                         "HF_ENDPOINT")
+
+
+def _bound_metadata_request(request) -> None:
+    """A request hook of the library's client (``bound_library``): within a :func:`metadata_step`, cap the read
+    timeout, and stop a retry once the step's bound has passed."""
+    step = getattr(_metadata, "step", None)
+    if step is None:
+        return
+    if not step.answered and time.monotonic() - step.started >= step.bound:
+        raise _stalled(step, urlparse(str(request.url)).hostname)
+    timeout = dict(request.extensions.get("timeout") or {})
+    for key in ("read", "connect", "pool"):
+        if timeout.get(key) is None or timeout[key] > step.bound:
+            timeout[key] = step.bound
+    request.extensions["timeout"] = timeout
 
 
 def _retry_base() -> float:
@@ -68,6 +154,8 @@ def _saw_answer(response) -> None:
     """A response hook on the library's client: the retry budget counts from the Hub's last useful
     answer, so the library's own retries count, and a long upload that was working is not out of it."""
     global _last_answer
+    if (step := getattr(_metadata, "step", None)) is not None:
+        step.answered = True
     if response.status_code not in RETRY_STATUS:
         _last_answer = time.monotonic()
 
@@ -147,7 +235,8 @@ def bound_library() -> None:
         client = default_client_factory()
         client.timeout = httpx2.Timeout(IDLE_TIMEOUT, connect=CONNECT_TIMEOUT)
         hooks = client.event_hooks
-        client.event_hooks = {**hooks, "response": [*hooks.get("response", []), _saw_answer]}
+        client.event_hooks = {**hooks, "request": [*hooks.get("request", []), _bound_metadata_request],
+                              "response": [*hooks.get("response", []), _saw_answer]}
         return client
     set_client_factory(bounded_client)
     _bounded = True
@@ -206,6 +295,13 @@ def _chain(e: BaseException) -> list[BaseException]:
         out.append(e)
         e = e.__cause__ or e.__context__
     return out
+
+
+def _has_request(e: BaseException) -> bool:
+    try:
+        return e.request is not None  # httpx raises RuntimeError when the error carries no request
+    except RuntimeError:
+        return False
 
 
 def _first(e: BaseException, types) -> BaseException | None:
@@ -329,7 +425,14 @@ def with_retries(fn: Callable[[], T], what: str, repo_id: str, say: Callable[[st
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
             return fn()
+        except MetadataStall:
+            raise
         except Exception as e:  # the library's HTTP errors, the transport's, and its own wrappers
+            if (stall := _first(e, MetadataStall)) is not None:
+                raise MetadataStall(str(stall)) from None
+            step = getattr(_metadata, "step", None)
+            if step is not None and not step.answered and (t := _first(e, httpx2.ReadTimeout)) is not None:
+                raise _stalled(step, urlparse(str(t.request.url)).hostname if _has_request(t) else None) from None
             failing_for = time.monotonic() - max(started, _last_answer)
             f = _classify(e, contacted)
             delay = _delay(f, attempt, failing_for)

@@ -232,8 +232,8 @@ def check_members(fusions: list[Fused], modules: dict[str, dict[str, SourceTenso
                     f"{list(s.shape)}: row counts differ, where the engine's fused parameter has equal halves")
         for member, expr in f.group.rows:
             src = modules[f.members[f.group.members.index(member)]]["weight"]
-            want = _config_rows(expr, m, config)
-            if want is not None and src.shape and src.shape[0] != want:
+            want = _config_rows(expr, m, config, f"module {f.name}: member {member} {src.name}")
+            if src.shape and src.shape[0] != want:
                 raise ConvertError(f"module {f.name}: member {member} {src.name} has {src.shape[0]} rows; the config "
                                    f"says {expr} = {want}, the rows the engine allots it")
 
@@ -247,13 +247,17 @@ def _loaded_dtype(s: SourceTensor) -> str:
     return s.dtype if s.encoding == "dense" else "BF16"
 
 
-def _config_rows(expr: str, m: Mapping, config: dict) -> int | None:
-    """The sum of the config values ``expr`` names (``a + b``); None when one is absent or not an integer."""
+def _config_rows(expr: str, m: Mapping, config: dict, what: str) -> int:
+    """The sum of the config values ``expr`` names (``a + b``). One absent or not an integer is refused: the
+    engine sizes the member's parameter from it (a table's ``rows`` naming a key no config has would otherwise
+    check nothing)."""
     total = 0
     for key in expr.split("+"):
         v = m.config_value(config, key.strip())
         if type(v) is not int:
-            return None
+            got = "absent" if v is None else f"{type(v).__name__} {v!r}"
+            raise ConvertError(f"config.json: {key.strip()} is {got}, expected an integer: mapping {m.name} "
+                               f"({m.path}) sizes {what} from it (rows = {expr!r})")
         total += v
     return total
 

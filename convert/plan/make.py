@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 from .. import globs
 from ..checkpoint import Checkpoint
+from ..errors import ConvertError
 from ..gcpause import gc_paused
 from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe, with_format
 from .banks import bank_outline, find_banks
+from .consistency import check_config_tensors
 from .decide import DecideContext
 from .discover import check_convertible, discover_sources
 from .fusion import (
@@ -25,7 +27,7 @@ from .fusion import (
     check_members,
     resolve_fusions,
 )
-from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size
+from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size, stored_copies
 from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
@@ -66,7 +68,9 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     and make the module-by-module plan only when asked for (``plan`` prints the outline alone); the
     same plan either way."""
     check_convertible(ckpt)
+    check_config_tensors(ckpt, m)
     recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
+    _check_input_scale(recipe, opts)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
     found = find_banks(ckpt, m, recipe, opts, patterns) if banked else None
     if found is not None:
@@ -84,6 +88,27 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe), lambda: per, _outline)
+
+
+def _check_quantizes_something(items: list[Item], recipe: Recipe, opts: Options) -> None:
+    """A plan that quantizes nothing would write a quantized checkpoint's config over BF16 weights: an output
+    that says it is NVFP4 and is not, which no engine has a reason to load. Refused, naming why."""
+    if any(it.kind in (Kind.NVFP4, Kind.FP8_BLOCK) for it in items):
+        return
+    kept = [it for it in items if it.kind == Kind.KEEP]
+    by = f"; --exclude {', '.join(opts.exclude)}" if opts.exclude else ""
+    raise ConvertError(f"recipe {recipe.name!r} ({recipe.path or 'built-in'}{by}) quantizes no module of the input: "
+                       f"every linear module is kept (e.g. {kept[0].name if kept else 'none'}: "
+                       f"{kept[0].rule if kept else 'no linear module'}); nothing to convert")
+
+
+def _check_input_scale(recipe: Recipe, opts: Options) -> None:
+    """``--input-scale`` replaces the recipe's constant activation scales; a recipe with none (weight-only, or
+    made weight-only by ``--format compressed-tensors``) would drop it without a word."""
+    if opts.input_scale is not None and not any(r.input_scale is not None for r in recipe.rules):
+        made = f" in --format {opts.format}" if opts.format else ""
+        raise ConvertError(f"--input-scale {opts.input_scale:g}: recipe {recipe.name!r}{made} is weight-only "
+                           f"({recipe.quant_algo}): it writes no activation scale to replace")
 
 
 def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe, st: _Staged,
@@ -130,8 +155,11 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule
     # per-module decision, then the dtypes of the members the decisions keep
     check_members([*disk, *fusions], modules, m, ckpt.config)
     items = build_items(ckpt, modules, disk, ctx)
+    _check_quantizes_something(items, recipe, opts)
     check_members([*disk, *fusions], modules, m, ckpt.config, {it.name: it.kind for it in items})
     check_engine_layers(items, fusions, m, opts)
+    if ctx.recipe.keep_stored:
+        items = stored_copies(items)
     units = make_units(items, fusions, ckpt)
     if opts.layout == "source":
         units, shards = shards_as_source(units, ckpt)

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConvertError
 from ..jsonfile import MAX_JSON_BYTES, parse
-from .protocol import EntryKind, FileEntry, ResourceFreeFile
+from .protocol import EntryKind, FileEntry, ResourceFreeFile, normal_name
 
 SCHEME = "hf://"
 
@@ -89,7 +89,7 @@ class HubRepo:
     @classmethod
     def connect(cls, spec: str, token: str | None = None, say: Callable[[str], None] = _say) -> HubRepo:
         """Resolve the revision to a commit (once), list the tree at that commit. Every failure: one line."""
-        from ..hub.transport import bound_library, check_repo_id, resolve_token, with_retries
+        from ..hub.transport import bound_library, check_repo_id, metadata_step, resolve_token, with_retries
 
         repo_id, revision = parse_spec(spec)
         check_repo_id(repo_id)
@@ -99,13 +99,15 @@ class HubRepo:
 
         api = HfApi(token=token)
         what = f"resolving revision {revision}" if revision else "looking up the repository"
-        info = with_retries(lambda: api.repo_info(repo_id, revision=revision), what, repo_id, say,
-                            contacted=False, hint=None)
+        with metadata_step(what, repo_id):
+            info = with_retries(lambda: api.repo_info(repo_id, revision=revision), what, repo_id, say,
+                                contacted=False, hint=None)
         commit = info.sha
         if not commit:
             raise ConvertError(f"{repo_id}: the Hub gave no commit for revision {revision or 'main'}")
-        tree = with_retries(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)),
-                            "listing the repository", repo_id, say, hint=None)
+        with metadata_step("listing the repository", repo_id):
+            tree = with_retries(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)),
+                                "listing the repository", repo_id, say, hint=None)
         files: dict[str, FileEntry] = {}
         folders: set[str] = set()
         for e in tree:
@@ -164,10 +166,13 @@ class HubRepo:
         return e
 
     def canonical_names(self, files: list[str], what: str) -> dict[str, str]:
+        renamed = {}
         for f in files:
             if f.startswith("/"):
                 self.check_named(f, what)
-        return {}
+            elif normal_name(f) != f:  # ./model-00002-of-00003.safetensors: the tree's own spelling
+                renamed[f] = normal_name(f)
+        return renamed
 
     def list_files(self, prune: Callable[[str], bool] | None = None) -> list[FileEntry]:
         """Top-down as ``Source.list_files`` says: in each folder its sub-folders, then its files, sorted; then
@@ -217,7 +222,7 @@ class HubRepo:
 
     def get_range(self, rel: str, lo: int, hi: int, what: str) -> bytes:
         """Bytes [lo, hi) of ``rel`` by one range request (the library's client, retries and errors)."""
-        from ..hub.transport import with_retries
+        from ..hub.transport import metadata_step, with_retries
 
         def fetch() -> bytes:
             from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
@@ -234,10 +239,8 @@ class HubRepo:
                 raise ConvertError(f"{self.shown(rel)}: the Hub sent {len(data)} bytes for a range of {hi - lo}")
             return data
 
-        try:
+        with metadata_step(what, self.repo_id):
             return with_retries(fetch, what, self.repo_id, _say, hint=None)
-        except ConvertError:
-            raise
 
 
 def _parent(rel: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from .. import paths
 from ..errors import ConvertError
 from ..jsonfile import MAX_JSON_BYTES, describe_mode, open_regular, read_json, regular_file_error, resolve
-from .protocol import EntryKind, FileEntry
+from .protocol import EntryKind, FileEntry, normal_name
 
 
 class LocalFile:
@@ -143,13 +143,16 @@ class LocalFolder:
         """An index whose files are named by absolute paths (written where the download lived): each one that
         resolves inside the folder is renamed to its path relative to it, so the plan, the output's index and
         the manifest name files as every other index does; one that does not is refused by ``check_named``."""
-        if not any(map(os.path.isabs, files)):
+        if not any(os.path.isabs(f) or normal_name(f) != f for f in files):
             return {}
         folder = self.folder
         root = resolve(folder, str(folder))
         renamed = {}
         for f in files:
-            if os.path.isabs(f):
+            if not os.path.isabs(f) and normal_name(f) != f:  # ./model-00002-of-00003.safetensors
+                self.check_named(f, what)
+                renamed[f] = normal_name(f)
+            elif os.path.isabs(f):
                 self.check_named(f, what)
                 for base in (root, Path(os.path.abspath(folder))):  # the name as given, else where it resolves
                     if Path(os.path.normpath(f)).is_relative_to(base):

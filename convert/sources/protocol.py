@@ -28,6 +28,7 @@ It offers:
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -180,3 +181,9 @@ class Source(Protocol):
     def for_worker(self) -> Source:
         """This source as a process elsewhere opens it (a Ray task, whose working folder differs)."""
         ...
+
+
+def normal_name(rel: str) -> str:
+    """An index's file name in the one form the plan, the output's index, the manifest and verify use: ``./a``,
+    ``a//b`` and ``a/./b`` are ``a`` and ``a/b`` (``..`` is left for ``check_named`` to refuse)."""
+    return posixpath.normpath(rel) if rel else rel

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .reference import code_values
+from .scales import FP8_SCALE_MAX, fp8_scale_fault
 
 MXFP4_GROUP = 32
 
@@ -34,5 +35,9 @@ def decode_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``."""
     m, n = weight.shape
     bm, bn = block
+    bad = ~(scale_inv.float().abs() <= FP8_SCALE_MAX)  # NaN compares false
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise DecodeError(fp8_scale_fault(i, j, float(scale_inv[i, j])))
     s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
     return weight.float() * s

@@ -68,3 +68,14 @@ def compressed_tensors(amax: float, dtype: str) -> float:
     with np.errstate(divide="ignore", over="ignore"):
         g = rnd(rnd(float(np.float32(1.0) / np.float32(a))) * GLOBAL)
     return 1.0 if not math.isfinite(g) else f32(g)
+
+
+#: The largest block scale whose tile decodes within fp32 (e4m3's largest value is 448).
+FP8_SCALE_MAX = 3.4028234663852886e38 / 448
+
+
+def fp8_scale_fault(i: int, j: int, value: float) -> str:
+    """The words for a block scale no decode can use (NaN, Inf, or one that takes e4m3 values past fp32): the
+    same in the torch and the C-kernel paths (compute_early)."""
+    why = "not a number" if value != value else "past fp32 once times e4m3's 448"
+    return f"block scale [{i}, {j}] is {value:g} ({why})"
