@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from presets import deepseek_v4, deepseek_v32
+from family_fixtures import deepseek_v4, deepseek_v32
 from safetensors.torch import load_file, save_file
 
 from helpers import Result, one_line_error, run, run_process, spec

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from presets import deepseek_v32
+from family_fixtures import deepseek_v32
 from safetensors import safe_open
 
 from helpers import run

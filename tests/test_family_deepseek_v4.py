@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from presets import deepseek_v4 as dsv4
+from family_fixtures import deepseek_v4 as dsv4
 from safetensors import safe_open
 from safetensors.torch import save_file
 
