@@ -124,6 +124,38 @@ def inspect_cmd(path: str, as_json: bool, token: str | None) -> None:
     click.echo(json.dumps(info.to_dict(), indent=2) if as_json else render(info))
 
 
+@cli.group(name="mapping")
+def mapping_group() -> None:
+    """Mapping tables: derive one from the serving engines' own model classes."""
+
+
+@mapping_group.command(name="derive")
+@click.argument("input_dir", metavar="SOURCE", callback=_checked(check_spec))
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="Write the table here (default: stdout).")
+@click.option("--answers", type=click.Path(dir_okay=False),
+              help="Also write the engines' raw answers (JSON), to rebuild the table without them.")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
+              help="Ask only this engine (repeatable; default: both, which the tool's tables need).")
+@click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
+def mapping_derive(input_dir: str, out: str | None, answers: str | None, engines: tuple[str, ...],
+                   token: str | None) -> None:
+    """Derive SOURCE's mapping table from vLLM's and SGLang's own model classes (needs scripts/engine-envs.sh).
+
+    Each engine builds its model for SOURCE's config (at SOURCE's size: derive from a small checkpoint of the
+    architecture), its loader is offered every weight and reports where each lands; the packed modules, the expert
+    banks and the layers each engine builds unquantized become the table, each rule naming its engine and class."""
+    from .checkpoint import open_checkpoint
+    from .derive import ENGINES, derive
+    from .derive.lookup import write_table
+
+    ckpt = open_checkpoint(_input(input_dir, token))
+    d = derive(ckpt, engines or ENGINES, Path(answers) if answers else None)
+    write_table(d.text, Path(out) if out else None)
+    for e, names in d.skipped.items():
+        if names:
+            click.echo(f"kimi-convert: note: {e} puts {len(names)} offered tensor(s) nowhere: {names[0]} ...", err=True)
+
+
 @cli.command()
 @click.argument("input_dir", metavar="INPUT", callback=_checked(check_spec))
 @click_options

@@ -440,6 +440,10 @@ def load_mapping(path: str | Path) -> Mapping:
     return parse_mapping(text, str(p))
 
 
+class UnknownArchitecture(ConvertError):
+    """No hand table names the config's architecture (``derive.lookup`` then tries a derived one)."""
+
+
 def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
     """The table for ``config`` (by architecture, then model_type), or the one given with --mapping."""
     if override is not None:
@@ -462,7 +466,7 @@ def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
     for m in tables:
         if model_type in m.model_types:
             return m
-    raise ConvertError(
+    raise UnknownArchitecture(
         f"config.json: unknown architecture {archs or model_type!r}; "
         f"known: {', '.join(sorted(a for m in tables for a in m.architectures))}; "
         "pass --mapping FILE.toml for another model"

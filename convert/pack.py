@@ -24,11 +24,11 @@ from . import configs, devices, faults, filenames, journal, pipeline, write
 from . import manifest as manifest_mod
 from .atomic import write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from .derive.lookup import mapping_for
 from .devices import Device
 from .errors import ConvertError
 from .hashing import sha256_file
 from .journal import Journal, ShardRecord
-from .mapping import find_mapping
 from .options import Options
 from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
 from .plan.serialize import plan_dict, plan_hash
@@ -102,7 +102,7 @@ def load_plan(source: Source | str | os.PathLike, opts: Options, banked: bool = 
     (a mapping entry or exclusion pattern that names nothing, a mapping for another architecture) is
     an error, before any work. ``banked``: see make_plan (for a caller that needs the outline only)."""
     ckpt = open_checkpoint(source)
-    m = find_mapping(ckpt.config, opts.mapping)
+    m = mapping_for(ckpt, opts.mapping)
     try:
         plan = make_plan(ckpt, m, opts, banked=banked)
     except ConvertError as e:

@@ -240,6 +240,41 @@ def runner_path(engine: str) -> Path:
     return Path(__file__).with_name(RUNNERS[engine])
 
 
+def runner_env(pr: Probe) -> dict:
+    """The environment a runner starts in: the engine's own (no PYTHONPATH of this one), offline, with the stub
+    CUDA driver library first on the library path."""
+    from . import stubcuda
+
+    stub = stubcuda.build(pr.site_packages)
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(stub), env.get("LD_LIBRARY_PATH")) if p)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONNOUSERSITE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1"})
+    env.pop("PYTHONPATH", None)  # the engine's environment, not this one's
+    return env
+
+
+def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: str | os.PathLike | None = None,
+               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """The runner in derivation mode (``mode`` 'trace' or 'build', see runner_common.main): its JSON result,
+    with the engine's version; a crash without a result is an :class:`EngineUnavailable`-free ConvertError."""
+    pr = resolve(engine, python)
+    with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp:
+        res, log = Path(tmp, "result.json"), Path(tmp, "runner.log")
+        argv = [str(Path(model_dir).resolve()), "--out", str(res), "--derive", mode]
+        if weights is not None:
+            argv += ["--weights", str(Path(weights).resolve())]
+        log.write_text("")
+        rc = run_runner(Path(pr.python), runner_path(engine), argv, runner_env(pr), tmp, log, timeout)
+        if not res.is_file():
+            tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+            raise ConvertError(f"{engine} {pr.version}: the derivation runner exited with status {rc} without a "
+                               f"result: {tail[0] if tail else ''}")
+        d = json.loads(res.read_text())
+    d["version"] = pr.version
+    return d
+
+
 def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike | None = None,
           any_version: bool = False, timeout: float = DEFAULT_TIMEOUT,
           source: Source | str | os.PathLike | None = None) -> Report:
@@ -251,14 +286,7 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
         raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
     pr = resolve(engine, python, any_version)
     py = Path(pr.python)
-    from . import stubcuda
-
-    stub = stubcuda.build(pr.site_packages)
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(stub), env.get("LD_LIBRARY_PATH")) if p)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONNOUSERSITE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "VLLM_CONFIGURE_LOGGING": "1"})
-    env.pop("PYTHONPATH", None)  # the engine's environment, not this one's
+    env = runner_env(pr)
     if source is not None:  # the numeric check runs the engines' own Triton GEMMs on the CPU (runner_numerics)
         env["TRITON_INTERPRET"] = "1"
     t0 = time.perf_counter()

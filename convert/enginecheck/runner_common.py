@@ -525,10 +525,16 @@ def main(engine: str, run) -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--out", help="write the JSON result here (default: stdout)")
     ap.add_argument("--numerics", help="also read every layer as the engine's GEMM does, into this folder")
+    ap.add_argument("--derive", choices=("trace", "build"),
+                    help="mapping derivation: 'trace' offers --weights' zeros and reports where each lands and every "
+                         "module as built; 'build' only builds the model and reports its modules")
+    ap.add_argument("--weights", help="with --derive trace: a JSON list of [name, shape, dtype] offered instead of "
+                                      "the checkpoint's files")
     a = ap.parse_args()
     t0 = time.perf_counter()
     result: dict = {"engine": engine, "model_dir": os.path.abspath(a.model_dir), "error": None,
-                    "phase": "start", "patches": [], "timings": {}, "numerics_dir": a.numerics}
+                    "phase": "start", "patches": [], "timings": {}, "numerics_dir": a.numerics,
+                    "derive": a.derive, "weights_spec": a.weights}
     try:
         run(os.path.abspath(a.model_dir), result)
     except BaseException as e:  # the engine's own exception is the result, not a crash of the runner
@@ -566,3 +572,68 @@ def finish(result: dict, error: BaseException | None, tracker) -> None:
         result["error"] = exception_info(error)
         result["error"]["tensor"] = tracker.current
         result["phase"] = "load-failed"
+
+
+# -- mapping derivation (kimi-convert mapping derive) -------------------------------------------------
+
+
+def spec_weights(path: str):
+    """The weights a derivation offers instead of a checkpoint's files: zeros of each ``[name, shape, dtype]``
+    in the JSON list at ``path``, in its order (only names and shapes matter to where a loader puts them)."""
+    with open(path) as f:
+        spec = json.load(f)
+    for name, shape, dtype in spec:
+        yield name, torch.zeros(shape, dtype=getattr(torch, dtype))
+
+
+_KINDS = (("FusedMoE", "moe"), ("LinearBase", "linear"), ("VocabParallelEmbedding", "embedding"))
+
+
+def _source_file(cls) -> str:
+    import inspect
+
+    try:
+        path = inspect.getsourcefile(cls) or ""
+    except TypeError:
+        return ""
+    return path.split("site-packages/", 1)[-1]
+
+
+def describe(model: torch.nn.Module) -> dict:
+    """Every module that holds parameters or a quant method, as the engine built it: its class and file, its
+    kind (``moe`` / ``linear`` / ``embedding`` / ``other``, by the engine's own base classes), its quant method's
+    class, its direct parameters with shapes, and the class and file of the module that built it (its parent)."""
+    mods = dict(model.named_modules())
+    out = {}
+    for name, m in mods.items():
+        direct = {n: list(p.shape) for n, p in m.named_parameters(recurse=False)}
+        qm = getattr(m, "quant_method", None)
+        if not direct and qm is None:
+            continue
+        mro = {c.__name__ for c in type(m).__mro__}
+        kind = next((k for base, k in _KINDS if base in mro), "other")
+        if kind == "other" and any(n.startswith(("w13_", "w2_")) for n in direct):
+            kind = "moe"  # an expert bank by its parameters (vLLM 0.33's RoutedExperts is no FusedMoE subclass)
+        parent = mods.get(name.rpartition(".")[0]) if "." in name else model
+        out[name] = {"class": type(m).__qualname__, "file": _source_file(type(m)), "kind": kind,
+                     "quant_method": type(qm).__name__ if qm is not None else None, "params": direct,
+                     "parent_class": type(parent).__qualname__, "parent_file": _source_file(type(parent))}
+    return out
+
+
+def spans(tracker: Tracker) -> list[dict]:
+    """Where each offered tensor landed: per (tensor, parameter), the index of the first element written (over
+    the parameter's shape), the shape written there, and how many writes; from the observer's own record."""
+    out = []
+    for (tensor, pname), writes in sorted(tracker.spans.items()):
+        p = tracker.params.get(pname)
+        if p is None or not writes:
+            continue
+        rel, shape, _, _ = min(writes, key=lambda w: w[0])
+        at, rest = [], rel
+        for st in p.stride():
+            at.append(rest // st if st else 0)
+            rest = rest % st if st else rest
+        out.append({"tensor": tensor, "param": pname, "param_shape": list(p.shape), "at": at, "shape": list(shape),
+                    "writes": len(writes)})
+    return out

@@ -195,6 +195,11 @@ def run(model_dir: str, result: dict) -> None:
             model = _initialize_model(model_config, load_config, quant_config)
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
+    if result["derive"]:
+        result["modules"] = rc.describe(model)
+        if result["derive"] == "build":
+            result["phase"] = "done"
+            return
 
     result["phase"] = "load"
     t = time.perf_counter()
@@ -206,7 +211,9 @@ def run(model_dir: str, result: dict) -> None:
     error = None
     try:
         with rc.CpuDevices(), set_default_torch_dtype(model_config.dtype), tracker.mode():
-            weights = tracker.weights(loader._get_all_weights(model_config, model))
+            offered = (rc.spec_weights(result["weights_spec"]) if result["weights_spec"]
+                       else loader._get_all_weights(model_config, model))
+            weights = tracker.weights(offered)
             DefaultModelLoader.load_weights_only(model, weights, torch.device("cpu"))
     except Exception as e:
         error = e
@@ -214,6 +221,8 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "check"
     result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(model_config.hf_config),
                                  qkv_a_scalar_rule(tracker)))
+    if result["derive"]:
+        result["spans"] = rc.spans(tracker)
     with rc.CpuDevices():  # before post_load_weights, which derives kernel buffers from the loaded weights
         rc.numerics("sglang", result, model, tracker, error)
     if post_load is not None and error is None:

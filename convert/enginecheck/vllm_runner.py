@@ -211,12 +211,20 @@ def run(model_dir: str, result: dict) -> None:
             model = loader.create_model(vllm_config=vllm_config, model_config=mc)
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
+    if result["derive"]:
+        result["modules"] = rc.describe(model)
+        if result["derive"] == "build":
+            result["phase"] = "done"
+            return
 
     result["phase"] = "load"
     t = time.perf_counter()
     tracker = rc.Tracker()
     tracker.arm(model)
     inner = loader.get_all_weights
+    if result["weights_spec"]:
+        def inner(model_config, m):
+            return rc.spec_weights(result["weights_spec"])
     loader.get_all_weights = lambda model_config, m: tracker.weights(inner(model_config, m))
     error = None
     try:
@@ -227,6 +235,8 @@ def run(model_dir: str, result: dict) -> None:
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
     result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
+    if result["derive"]:
+        result["spans"] = rc.spans(tracker)
     with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype):
         rc.numerics("vllm", result, model, tracker, error)
     rc.finish(result, error, tracker)

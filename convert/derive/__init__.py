@@ -1,0 +1,153 @@
+"""Mapping tables derived from the engines' own model classes (``kimi-convert mapping derive``).
+
+For an architecture with no table, the tool asks each serving engine, in the engine's own python (as
+``verify-manifest --engine`` runs it), how it builds and loads a checkpoint of that architecture:
+
+1. ``standin``: the source's config and weights' names and logical shapes (no tensor data read);
+2. each engine's runner (``enginecheck/*_runner.py --derive``) builds its registered model class from that config,
+   offers its own loader a zero tensor of every weight and reports where each landed (``trace``), then builds the
+   model under each output format's quantization config that ignores nothing and reports every module's quant
+   method (``build``);
+3. ``table`` turns the answers into today's mapping format, each rule's reason naming the engine, class and file.
+
+A derived table is cached per architecture, config and engine versions (``~/.cache/kimi-convert/derived``;
+``KIMI_CONVERT_CACHE`` moves it) and shipped for the architectures in ``mappings/derived/``; what the engines'
+structure cannot show (a quirk only an engine check reveals) goes in a hand overlay, ``mappings/overlays/NAME.toml``,
+merged over it (:func:`merge`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tomli_w
+
+from ..checkpoint import Checkpoint
+from ..errors import ConvertError
+from . import standin as standin_mod
+from . import table as table_mod
+
+ENGINES = ("vllm", "sglang")
+FORMATS = tuple(standin_mod.QUANT_CONFIGS)
+
+
+@dataclass
+class Derived:
+    table: dict  # the mapping table as data (today's TOML format)
+    text: str  # the same, as TOML with its header comment
+    skipped: dict[str, list[str]]  # engine -> offered tensors its loader put nowhere (not MTP)
+    mtp_skipped: dict[str, list[str]]
+    versions: dict[str, str]
+
+
+def _view(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.EngineView:
+    err = trace.get("error")
+    if err is not None:
+        where = f" (loading {err['tensor']})" if err.get("tensor") else ""
+        raise ConvertError(f"{engine} {trace.get('version')}: cannot build or load the architecture{where}: "
+                           f"{err['type']}: {err['message'].splitlines()[0] if err['message'] else ''}")
+    for fmt, b in builds.items():
+        if b.get("error") is not None:
+            raise ConvertError(f"{engine} {b.get('version')}: cannot build the architecture under a {fmt} config: "
+                               f"{b['error']['type']}: {(b['error']['message'] or '').splitlines()[0]}")
+    return table_mod.EngineView(
+        engine, trace["version"], trace.get("model_class", "?"), trace.get("spans", []),
+        [s["tensor"] for s in trace.get("skipped", [])], [s["tensor"] for s in trace.get("mtp_skipped", [])],
+        trace.get("modules", {}), {fmt: b.get("modules", {}) for fmt, b in builds.items()})
+
+
+def ask_engine(engine: str, dirs: dict[str, Path]) -> table_mod.EngineView:
+    """One engine's trace and builds (three runs of its runner, through the engine check's fork server)."""
+    from ..enginecheck import run_derive
+
+    trace = run_derive(dirs["plain"], engine, "trace", dirs["weights"])
+    builds = {fmt: run_derive(dirs[fmt], engine, "build") for fmt in FORMATS}
+    return _view(engine, trace, builds)
+
+
+def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp: dict) -> str:
+    lines = [f"# Derived by kimi-convert mapping derive for {config.get('architectures')} "
+             f"(model_type {config.get('model_type')!r}) from the engines' own model classes:"]
+    for v in views:
+        lines.append(f"#   {v.label}: {v.model_class}")
+    for e, names in mtp.items():
+        if names:
+            lines.append(f"# {e}: {len(names)} MTP tensors its main model drops on purpose (its draft loads them)")
+    for e, names in skipped.items():
+        if names:
+            lines.append(f"# {e}: {len(names)} tensors its loader puts nowhere: {', '.join(names[:6])}"
+                         + (" ..." if len(names) > 6 else ""))
+    return "\n".join(lines) + "\n"
+
+
+def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES) -> tuple[list[table_mod.EngineView], dict]:
+    """Each engine's answers for ``ckpt``'s architecture, and the stand-in's logical shapes."""
+    s = standin_mod.make(ckpt)
+    with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp:
+        dirs = standin_mod.write(s, Path(tmp))
+        views = [ask_engine(e, dirs) for e in engines]
+    return views, {n: list(shape) for n, shape, _ in s.tensors}
+
+
+def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict) -> Derived:
+    """The table the engines' answers give (pure: see ``table``)."""
+    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()})
+    skipped = {v.engine: v.skipped for v in views}
+    mtp = {v.engine: v.mtp_skipped for v in views}
+    text = _header(views, config, skipped, mtp) + tomli_w.dumps(t)
+    return Derived(t, text, skipped, mtp, {v.engine: v.version for v in views})
+
+
+def save_answers(path: Path, views: list[table_mod.EngineView], config: dict, shapes: dict) -> None:
+    """The engines' raw answers, kept beside a derived table: it can be rebuilt (and tested) without the engines."""
+    path.write_text(json.dumps({"config": config, "shapes": shapes, "views": [asdict(v) for v in views]}))
+
+
+def load_answers(path: Path) -> tuple[list[table_mod.EngineView], dict, dict]:
+    d = json.loads(path.read_text())
+    return [table_mod.EngineView(**v) for v in d["views"]], d["config"], d["shapes"]
+
+
+def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None) -> Derived:
+    """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
+    ``answers``, the engines' raw answers are written there too."""
+    views, shapes = ask(ckpt, engines)
+    if answers is not None:
+        save_answers(answers, views, ckpt.config, shapes)
+    return from_views(views, ckpt.config, shapes)
+
+
+def merge(derived: dict, overlay: dict) -> dict:
+    """A hand overlay over a derived table: scalar keys replace, lists of rules and groups are appended (an overlay
+    group of the same name, engines and parents replaces the derived one)."""
+    out = dict(derived)
+    for k, v in overlay.items():
+        if isinstance(v, list) and isinstance(out.get(k), list):
+            if k in ("group", "scale_group"):
+                def key(g: dict) -> tuple:
+                    return g["name"], tuple(g.get("engines", ())), tuple(g.get("parents", ()))
+                mine = {key(g) for g in v}
+                out[k] = [g for g in out[k] if key(g) not in mine] + list(v)
+            else:
+                out[k] = list(dict.fromkeys([*out[k], *v])) if all(isinstance(x, str) for x in v) else [*out[k], *v]
+        else:
+            out[k] = v
+    return out
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KIMI_CONVERT_CACHE") or Path.home() / ".cache" / "kimi-convert"
+    return Path(root) / "derived"
+
+
+def cache_key(config: dict, versions: dict[str, str]) -> str:
+    """Architecture, config (its structure decides the model the engines build) and engine versions."""
+    blob = json.dumps({"config": {k: v for k, v in config.items() if k != "quantization_config"},
+                       "engines": versions}, sort_keys=True, default=str)
+    archs = "-".join(config.get("architectures") or [str(config.get("model_type"))])
+    return f"{archs}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
