@@ -20,6 +20,8 @@ from pathlib import Path
 from . import globs
 from .errors import ConvertError
 from .keep import KeepRule
+from .mtp import Mtp
+from .mtp import parse as parse_mtp
 
 ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
@@ -102,6 +104,7 @@ class Mapping:
     # module under one is not warned about the table's entries under it
     optional_blocks: tuple[str, ...] = ()
     layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
+    mtp: Mtp | None = None  # the MTP layers and what each engine's draft model needs of them (convert/mtp.py)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
 
@@ -127,6 +130,12 @@ class Mapping:
                 off = len(module) - len(short)
                 return f"{module[:off + a]}#{module[off + b:]}"
         return None
+
+    def mtp_prefixes(self, config: dict) -> tuple[str, ...]:
+        """The name prefixes of the MTP layers ``config`` announces (none without an ``[mtp]`` table)."""
+        if self.mtp is None:
+            return ()
+        return self.mtp.prefixes(lambda path: self.config_value(config, path))
 
     @property
     def sha256(self) -> str:
@@ -242,7 +251,7 @@ class Mapping:
 
 TOP_KEYS = {"name", "description", "architectures", "model_types", "text_config", "text_prefix", "expert_sets",
             "linear", "not_linear", "config_defaults", "layer_types", "keep", "restrict", "exclude", "group",
-            "scale_group", "layout", "optional_blocks"}
+            "scale_group", "layout", "optional_blocks", "mtp"}
 GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantize", "reason", "enabled", "engines",
               "unquantized_only", "on_disk", "rows", "same_rows"}
 
@@ -415,6 +424,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         config_defaults=dict(t.get("config_defaults", {})),
         optional_blocks=_strs(t, "optional_blocks", path),
         layouts=_layouts(t.get("layout", {}), f"{path}: layout"),
+        mtp=parse_mtp(t.get("mtp"), f"{path}: mtp"),
         source=text,
         path=path,
     )

@@ -79,11 +79,13 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
                     full = _stages(ckpt, m, opts, patterns, recipe)
                 return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
 
-            return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, banks.members),
+            return _plan(ckpt, m, opts, patterns, recipe, st,
+                         exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config)),
                          per_module, lambda _: outline)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
-    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe), lambda: per, _outline)
+    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
+                                                                   m.mtp_prefixes(ckpt.config)), lambda: per, _outline)
 
 
 def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe, st: _Staged,
@@ -114,7 +116,8 @@ def _outline(plan: Plan) -> Outline:
 
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
-    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
+    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()),
+                        mtp_prefixes=m.mtp_prefixes(ckpt.config))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules
