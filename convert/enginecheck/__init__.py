@@ -263,13 +263,14 @@ def runner_env(pr: Probe) -> dict:
 
 
 def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: str | os.PathLike | None = None,
-               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT) -> dict:
+               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT, draft: bool = False) -> dict:
     """The runner in derivation mode (``mode`` 'trace' or 'build', see runner_common.main): its JSON result,
-    with the engine's version; a crash without a result is an :class:`EngineUnavailable`-free ConvertError."""
+    with the engine's version; a crash without a result is an :class:`EngineUnavailable`-free ConvertError.
+    ``draft``: of the engine's speculative-decoding draft model for the checkpoint (``derive/draft.py``)."""
     pr = resolve(engine, python)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp:
         res, log = Path(tmp, "result.json"), Path(tmp, "runner.log")
-        argv = [str(Path(model_dir).resolve()), "--out", str(res), "--derive", mode]
+        argv = [str(Path(model_dir).resolve()), "--out", str(res), "--derive", mode] + (["--draft"] if draft else [])
         if weights is not None:
             argv += ["--weights", str(Path(weights).resolve())]
         log.write_text("")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .. import globs
+from .. import globs, mtp
 from ..checkpoint import Checkpoint
 from ..gcpause import gc_paused
 from ..keep import KeepRule
@@ -66,6 +66,8 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     and make the module-by-module plan only when asked for (``plan`` prints the outline alone); the
     same plan either way."""
     check_convertible(ckpt)
+    if m.mtp is not None:  # the MTP layers the config announces are the ones stored (convert/mtp.py)
+        mtp.check_layers(list(ckpt.tensors), lambda path: m.config_value(ckpt.config, path), m.mtp)
     recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
     found = find_banks(ckpt, m, recipe, opts, patterns) if banked else None
