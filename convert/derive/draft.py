@@ -98,6 +98,9 @@ def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str]) 
     for s in trace.get("spans", []):
         if s["tensor"].endswith(".weight") and s["param"].endswith("weight"):
             land.setdefault(s["tensor"][: -len(".weight")], s["param"].rpartition(".")[0])
+    for t in trace.get("from_target", []):  # what the engine takes from the target: the target's module's name
+        if t.get("target") == "lm_head":
+            land.setdefault("lm_head", t["param"].rpartition(".")[0])
     quantized, unquantized, names = [], {}, set()
     for fmt, b in sorted(answers["builds"].items()):
         mods = b.get("modules", {})
@@ -105,7 +108,8 @@ def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str]) 
         any_q = False
         for src, attr in sorted(land.items()):
             info = mods.get(attr)
-            if info is None or info.get("kind") == "embedding" or not src.startswith(tuple(mtp_prefixes)):
+            if info is None or info.get("kind") == "embedding" or not src.startswith(tuple(mtp_prefixes)) or (
+                    info.get("kind") == "other" and len(info.get("params", {}).get("weight", ())) != 2):  # a norm
                 continue
             if _unquantized(info.get("quant_method"), info.get("kind", "other")):
                 off.add(_templ(src, mtp_prefixes, loc["prefix"]))

@@ -348,12 +348,13 @@ class Tracker:
         tensor by its own rule that is right only on a condition (SGLang keeps one of two equal scales), or
         None: one that holds is listed as ``rule_dropped``, one that does not as ``rule_broken`` (a failure).
         A speculative-decoding draft's check: ``main_rule(name)``, why the draft drops a checkpoint tensor of the main
-        model on purpose (listed as ``main_skipped``), and ``target``, (regex, why) naming the draft's parameters the
-        engine replaces with the target model's after loading (``from_target`` where unwritten)."""
+        model on purpose (listed as ``main_skipped``), and ``target``, (regex, why, the target's module) naming the
+        draft's parameters the engine replaces with the target model's after loading (``from_target`` where
+        unwritten)."""
         import re
 
         opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
-        targ = [(re.compile(rx), why) for rx, why in target or []]
+        targ = [(re.compile(t[0]), {"why": t[1], "target": t[2]}) for t in target or []]
         unfilled, allowed, from_target = [], [], []
         now = dict(model.named_parameters())
         for name, p in self.params.items():
@@ -366,7 +367,7 @@ class Tracker:
             why = next((w for rx, w, count in opt if rx.search(name) and count in (None, n)), None)
             shared = next((w for rx, w in targ if rx.search(name)), None)
             if shared:
-                from_target.append({**entry, "why": shared})
+                from_target.append({**entry, **shared})
             elif why:
                 allowed.append({**entry, "why": why})
             else:

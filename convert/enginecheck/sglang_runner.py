@@ -143,7 +143,7 @@ def _load_deepseek_synchronously() -> None:
     deepseek_weight_loader.should_async_load = lambda weight: False
 
 
-def from_target(model) -> list[tuple[str, str]]:
+def from_target(model) -> list[tuple[str, str, str]]:
     """The draft's parameters SGLang's speculative worker replaces with the target model's after loading the draft
     (speculative/eagle_worker_v2.py ``init_lm_head``: ``set_embed_and_head(embed, head)``, which NextN / MTP models
     define as swapping in ``model.embed_tokens.weight`` and ``lm_head.weight``): what the draft does not need from the
@@ -153,7 +153,7 @@ def from_target(model) -> list[tuple[str, str]]:
     why = ("taken from the target model: SGLang's speculative worker (speculative/eagle_worker_v2.py init_lm_head) "
            f"calls {type(model).__name__}.set_embed_and_head with the target's embedding and lm_head after the draft "
            "is loaded")
-    return [(r"^model\.embed_tokens\.weight$", why), (r"^lm_head\.weight$", why)]
+    return [(r"^model\.embed_tokens\.weight$", why, "embed_tokens"), (r"^lm_head\.weight$", why, "lm_head")]
 
 
 def draft_rule(config):
@@ -164,9 +164,13 @@ def draft_rule(config):
     mtp = mtp_rule(config)
 
     def why(name: str) -> str | None:
-        if mtp(name):
-            return None
-        return "the main model's tensor (no MTP layer by SGLang's own rule): its draft model drops it on purpose"
+        if not mtp(name):
+            return "the main model's tensor (no MTP layer by SGLang's own rule): its draft model drops it on purpose"
+        if "shared_head.head" in name or "embed_tokens" in name:
+            return ("the MTP layer's own copy of the target's lm_head / embedding: SGLang's NextN loader skips it to "
+                    "use the target model's (models/deepseek_common/deepseek_weight_loader.py do_load_weights: "
+                    "'Use shared head and embed weights from target model'; set_embed_and_head)")
+        return None
     return why
 
 

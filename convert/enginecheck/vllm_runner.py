@@ -189,7 +189,7 @@ def preload() -> None:
                    "runner_numerics"])
 
 
-def from_target(model) -> list[tuple[str, str]]:
+def from_target(model) -> list[tuple[str, str, str]]:
     """The draft's parameters vLLM's proposer replaces with the target model's after loading the draft
     (v1/spec_decode/llm_base_proposer.py: ``_maybe_share_embeddings`` takes the target's ``embed_tokens`` for an MTP
     draft, ``_maybe_share_lm_head`` its ``lm_head``, also as every MTP layer's ``shared_head.head``): what the draft
@@ -199,11 +199,12 @@ def from_target(model) -> list[tuple[str, str]]:
     out = []
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "embed_tokens") and not hasattr(model, "has_own_embed_tokens"):
-        out.append((r"^model\.embed_tokens\.", why.format(fn="_maybe_share_embeddings", what="embed_tokens")))
+        out.append((r"^model\.embed_tokens\.", why.format(fn="_maybe_share_embeddings", what="embed_tokens"),
+                    "embed_tokens"))
     if not hasattr(model, "has_own_lm_head"):
-        out.append((r"^lm_head\.", why.format(fn="_maybe_share_lm_head", what="lm_head")))
+        out.append((r"^lm_head\.", why.format(fn="_maybe_share_lm_head", what="lm_head"), "lm_head"))
         out.append((r"^model\.layers\.\d+\.shared_head\.head\.",
-                    why.format(fn="_maybe_share_lm_head", what="lm_head (as shared_head.head)")))
+                    why.format(fn="_maybe_share_lm_head", what="lm_head (as shared_head.head)"), "lm_head"))
     return out
 
 
