@@ -109,8 +109,8 @@ def test_locate_reads_layers_and_blocks_from_the_main_models_mtp_names():
     assert draft.locate([], cfg) is None
 
 
-def _module(kind, method, prefix=None):
-    d = {"kind": kind, "quant_method": method}
+def _module(kind, method, prefix=None, weight=(256, 512)):
+    d = {"kind": kind, "quant_method": method, "params": {"weight": list(weight)}}
     if prefix:
         d["quant_prefix"] = prefix
     return d
@@ -122,10 +122,12 @@ def test_draft_entry_from_answers():
     spans = [{"tensor": "model.layers.3.self_attn.q_proj.weight", "param": "model.layers.3.mtp_block.self_attn.qkv_proj.weight"},
              {"tensor": "model.layers.3.mlp.experts.0.gate_proj.weight", "param": "model.layers.3.mtp_block.mlp.experts.w13_weight"},
              {"tensor": "model.layers.3.eh_proj.weight", "param": "model.layers.3.eh_proj.weight"},
+             {"tensor": "model.layers.3.enorm.weight", "param": "model.layers.3.enorm.weight"},
              {"tensor": "lm_head.weight", "param": "model.layers.3.shared_head.head.weight"}]
     mods = {"model.layers.3.mtp_block.self_attn.qkv_proj": _module("linear", "Lin", "model.layers.3.self_attn.qkv_proj"),
             "model.layers.3.mtp_block.mlp.experts": _module("moe", "Moe", "model.layers.3.mlp.experts"),
             "model.layers.3.eh_proj": _module("other", None),
+            "model.layers.3.enorm": _module("other", None, weight=(256,)),  # a norm: not a linear layer
             "model.layers.3.shared_head.head": _module("embedding", "Lin", "model.layers.3.head")}
     answers = {"trace": {"model_class": "x.Glm4MoeMTP", "version": "0.33.0", "spans": spans, "from_target": []},
                "builds": {"compressed-tensors": {"modules": mods}}}
