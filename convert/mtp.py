@@ -58,6 +58,9 @@ class Mtp:
     count: tuple[str, ...]  # config paths counting the MTP layers
     drafts: tuple[Draft, ...]
     reason: str = ""
+    # (source module globs, reason): MTP modules the default leaves to the recipe although a draft builds them
+    # unquantized, because keeping them breaks another check (a hand rule naming the failing engine check)
+    quantize: tuple[tuple[str, ...], str] = ((), "")
 
     def layers(self, value) -> int:
         """The number of MTP layers the config announces (``value(path)`` reads the text config)."""
@@ -109,7 +112,7 @@ def _pairs(t: dict, key: str, where: str) -> tuple[tuple[str, str], ...]:
 
 
 DRAFT_KEYS = {"engine", "model_class", "quantized", "unquantized", "names", "from_target", "reason"}
-MTP_KEYS = {"prefix", "first", "count", "draft", "reason"}
+MTP_KEYS = {"prefix", "first", "count", "draft", "reason", "quantize", "quantize_reason"}
 
 
 def _draft(t: object, where: str) -> Draft:
@@ -144,7 +147,8 @@ def parse(t: object, where: str) -> Mtp | None:
     if not isinstance(drafts, list):
         raise ConvertError(f"{where}: 'draft' must be an array of tables")
     return Mtp(prefix, str(t.get("first", "")), _strs(t, "count", where),
-               tuple(_draft(d, f"{where}.draft[{i}]") for i, d in enumerate(drafts)), str(t.get("reason", "")))
+               tuple(_draft(d, f"{where}.draft[{i}]") for i, d in enumerate(drafts)), str(t.get("reason", "")),
+               (_strs(t, "quantize", where), str(t.get("quantize_reason", ""))))
 
 
 def in_layers(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -200,15 +204,21 @@ def decide(module: str, mtp: Mtp, prefixes: tuple[str, ...], fmt: str, quantize:
     (``--quantize-mtp``): only the modules a draft builds unquantized."""
     if not in_layers(module, prefixes):
         return None
+    if any(_glob(module, g) for g in mtp.quantize[0]):
+        return None
     refusing = [d for d in mtp.drafts if fmt not in d.quantized]
     if not quantize and refusing:
         d = refusing[0]
         return (f"MTP layer kept as the source stores it: {d.engine} {d.model_class} (its speculative-decoding "
                 f"draft) builds it unquantized under a {fmt} config" + (f" ({d.reason})" if d.reason else ""))
     for d, g in draft_keeps(mtp, fmt):
-        if fnmatchcase(module, g.replace("{n}", "*").replace("{expert}", "*")):
+        if _glob(module, g):
             return f"MTP module kept: {d.engine} {d.model_class} builds it unquantized under a {fmt} config"
     return None
+
+
+def _glob(module: str, template: str) -> bool:
+    return fnmatchcase(module, template.replace("{n}", "*").replace("{expert}", "*"))
 
 
 def check_layers(tensors: list[str], value, mtp: Mtp) -> None:

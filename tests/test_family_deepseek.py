@@ -94,10 +94,13 @@ def test_pack_keeps_what_the_engines_build_unquantized(ckpts, tmp_path):
     # (deepseek_mtp.py SharedHead, no packed mapping), SGLang's NextN its decoder under model.decoder
     ignore = set(qc["ignore"])
     assert {"lm_head", "model.layers.1.mlp.gate", "model.layers.2.eh_proj", "model.layers.2.mlp.gate",
-            "model.layers.2.shared_head.head", "model.layers.2.mlp.experts", "model.layers.2.self_attn.q_a_proj",
-            "model.layers.2.head", "model.layers.2.self_attn.fused_qkv_a_proj",
-            "model.layers.2.mlp.shared_experts.gate_up_proj", "model.shared_head.head", "model.decoder.mlp.experts",
-            "model.decoder.self_attn.fused_qkv_a_proj_with_mqa"} <= ignore
+            "model.layers.2.shared_head.head", "model.layers.2.mlp.experts", "model.layers.2.self_attn.o_proj",
+            "model.layers.2.head", "model.layers.2.mlp.shared_experts.gate_up_proj", "model.shared_head.head",
+            "model.decoder.mlp.experts", "model.decoder.self_attn.o_proj"} <= ignore
+    # but its MLA projections quantized: SGLang's ModelOptFp4Config.is_layer_excluded would read an excluded
+    # kv_b_proj as excluding every layer's (the table's [mtp] quantize rule)
+    assert not any(n.endswith(("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "fused_qkv_a_proj",
+                               "fused_qkv_a_proj_with_mqa")) for n in ignore)
     assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in ignore - {"model.layers.1.mlp.gate"})
     t = read_tensors(out)
     assert not any(n.endswith("weight_scale_inv") for n in t)  # the FP8 source decoded, its scales consumed

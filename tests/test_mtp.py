@@ -119,13 +119,14 @@ def _module(kind, method, prefix=None, weight=(256, 512)):
 def test_draft_entry_from_answers():
     """A vLLM-like draft: the MTP block under mtp_block, quant prefixes without it and no packed mapping, the
     target's lm_head loaded into the layer's head; under compressed-tensors the block is built quantized."""
-    spans = [{"tensor": "model.layers.3.self_attn.q_proj.weight", "param": "model.layers.3.mtp_block.self_attn.qkv_proj.weight"},
-             {"tensor": "model.layers.3.mlp.experts.0.gate_proj.weight", "param": "model.layers.3.mtp_block.mlp.experts.w13_weight"},
+    blk = "model.layers.3.mtp_block"
+    spans = [{"tensor": "model.layers.3.self_attn.q_proj.weight", "param": f"{blk}.self_attn.qkv_proj.weight"},
+             {"tensor": "model.layers.3.mlp.experts.0.gate_proj.weight", "param": f"{blk}.mlp.experts.w13_weight"},
              {"tensor": "model.layers.3.eh_proj.weight", "param": "model.layers.3.eh_proj.weight"},
              {"tensor": "model.layers.3.enorm.weight", "param": "model.layers.3.enorm.weight"},
              {"tensor": "lm_head.weight", "param": "model.layers.3.shared_head.head.weight"}]
-    mods = {"model.layers.3.mtp_block.self_attn.qkv_proj": _module("linear", "Lin", "model.layers.3.self_attn.qkv_proj"),
-            "model.layers.3.mtp_block.mlp.experts": _module("moe", "Moe", "model.layers.3.mlp.experts"),
+    mods = {f"{blk}.self_attn.qkv_proj": _module("linear", "Lin", "model.layers.3.self_attn.qkv_proj"),
+            f"{blk}.mlp.experts": _module("moe", "Moe", "model.layers.3.mlp.experts"),
             "model.layers.3.eh_proj": _module("other", None),
             "model.layers.3.enorm": _module("other", None, weight=(256,)),  # a norm: not a linear layer
             "model.layers.3.shared_head.head": _module("embedding", "Lin", "model.layers.3.head")}
@@ -181,3 +182,27 @@ def test_a_missing_mtp_shard_is_named_with_what_the_index_lists_in_it(glm, tmp_p
     assert r.code == 2
     err = one_line_error(r)
     assert f"names missing file '{shard}'" in err and "model.layers.3.eh_proj.weight" in err
+
+
+@pytest.mark.parametrize(("preset", "table"), [("tiny-glm4-moe", "glm4_moe"), ("tiny-deepseek-v3", "deepseek_v3"),
+                                               ("tiny-qwen3-5-moe", "qwen3_5_moe")])
+def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
+    """The shipped tables' [mtp] is derive/draft.py's reading of the engines' own answers, recorded by
+    `kimi-convert mapping derive --answers` (tests/derived/PRESET.draft-answers.json, main and draft answers; named
+    apart from test_derive.py's PRESET.answers.json, whose tables it compares whole). Only the hand rules differ:
+    DeepSeek's quantize rule (it names the engine check that needs it) and Qwen3.5's count path (its hand table
+    reads the top-level config)."""
+    import tomllib
+
+    from kimi_convert.derive import load_answers, load_draft_answers
+
+    path = Path(__file__).parent / "derived" / f"{preset}.draft-answers.json"
+    views, config, _ = load_answers(path)
+    derived = draft.section(sorted({n for v in views for n in v.mtp_skipped}), config, load_draft_answers(path))
+    text = (Path(__file__).resolve().parents[1] / "mappings" / f"{table}.toml").read_text()
+    hand = {k: v for k, v in tomllib.loads(text)["mtp"].items() if k not in ("quantize", "quantize_reason")}
+    hand["count"] = [c.removeprefix("text_config.") for c in hand["count"]]
+    assert derived == hand
+    assert {d["engine"] for d in derived["draft"]} == {"vllm", "sglang"}
+    sglang = next(d for d in derived["draft"] if d["engine"] == "sglang")
+    assert "modelopt" not in sglang["quantized"]  # SGLang's draft builds the MTP layer unquantized under ModelOpt

@@ -397,6 +397,8 @@ class Tracker:
             "mtp_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in mtp.items()],
             "main_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in main.items()],
             "from_target": from_target,
+            # every parameter the engine replaces with the target model's after loading, written by the draft or not
+            "target_params": sorted(n for n in self.params if any(rx.search(n) for rx, _ in targ)),
             "rule_dropped": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if ok],
             "rule_broken": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if not ok],
             # widening loses nothing; reinterpretations (the worst) first
@@ -568,7 +570,8 @@ def main(engine: str, run) -> None:
 
 
 def numerics(engine: str, result: dict, model, tracker, error: BaseException | None) -> None:
-    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``)."""
+    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``); a draft's layers
+    the engine replaces with the target model's (``target_params``) are not read: the main model's check reads them."""
     folder = result.get("numerics_dir")
     if not folder or error is not None:
         return
@@ -576,7 +579,7 @@ def numerics(engine: str, result: dict, model, tracker, error: BaseException | N
 
     t = time.perf_counter()
     try:
-        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder)
+        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder, set(result.get("target_params", ())))
     except Exception as e:  # reported, never mistaken for a passing check
         result["numerics"] = {"error": exception_info(e)}
     result["timings"]["numerics_s"] = round(time.perf_counter() - t, 2)
