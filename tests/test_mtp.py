@@ -206,3 +206,28 @@ def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
     assert {d["engine"] for d in derived["draft"]} == {"vllm", "sglang"}
     sglang = next(d for d in derived["draft"] if d["engine"] == "sglang")
     assert "modelopt" not in sglang["quantized"]  # SGLang's draft builds the MTP layer unquantized under ModelOpt
+
+
+def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts(glm):
+    """Default: the MTP layer kept, each module's reason naming the draft that builds it unquantized under ModelOpt
+    NVFP4 (SGLang's Glm4MoeForCausalLMNextN); --quantize-mtp quantizes only what every draft builds quantized, which
+    under ModelOpt is nothing here (SGLang's draft builds all of it unquantized), and is recorded in the manifest's
+    options only when given."""
+    def plan(*extra):
+        r = run("plan", glm, "--json", *extra)
+        assert r.code == 0, r.stderr
+        return json.loads(r.stdout)
+
+    d = plan()
+    mods = {m["name"]: m for m in d["modules"]}
+    rule = mods["model.layers.3.mlp.experts.0.gate_proj"]["rule"]
+    assert "Glm4MoeForCausalLMNextN" in rule and "unquantized under a modelopt config" in rule
+    assert mods["model.layers.2.mlp.experts.0.gate_proj"]["kind"] == "nvfp4"
+    assert "quantize_mtp" not in d["options"]
+    q = plan("--quantize-mtp")
+    qm = {m["name"]: m for m in q["modules"]}
+    assert qm["model.layers.3.mlp.experts.0.gate_proj"]["kind"] == "keep"
+    assert "MTP module kept: sglang" in qm["model.layers.3.mlp.experts.0.gate_proj"]["rule"]
+    assert q["options"]["quantize_mtp"] is True
+    ct = {m["name"]: m for m in plan("--format", "compressed-tensors")["modules"]}
+    assert ct["model.layers.3.mlp.experts.0.gate_proj"]["kind"] == "nvfp4"  # both drafts build it quantized there
