@@ -388,12 +388,16 @@ def _report_commit(res, repo_id: str | None, output_dir: str, committed: str) ->
 @click.option("--numerics/--no-numerics", default=True, show_default=True,
               help="With --engine and --input: read every layer as the engine's GEMM does and compare it, row for "
                    "row, with INPUT's weights, each row held to its format's own error.")
+@click.option("--draft/--no-draft", default=True, show_default=True,
+              help="With --engine: where the engine's main model leaves MTP layers to its speculative-decoding draft, "
+                   "also build that draft model (vLLM's --speculative-config method mtp, SGLang's "
+                   "--speculative-algorithm NEXTN) and check it the same way.")
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable report (with --engine: every parameter's details).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, remote: str | None,
                     revision: str | None, token: str | None, engines: tuple[str, ...], engine_python: str | None,
-                    engine_any_version: bool, numerics: bool, as_json: bool, quiet: bool) -> None:
+                    engine_any_version: bool, numerics: bool, draft: bool, as_json: bool, quiet: bool) -> None:
     """Check OUTPUT against its manifest.json (exit 0 only if everything holds).
 
     With --engine and no manifest.json in OUTPUT (any checkpoint: NVIDIA's, llm-compressor's), only the engine
@@ -427,23 +431,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 
         rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
-    engine_reports = []
-    if engines:
-        from .enginecheck import check, resolve
-
-        for engine in engines:  # every engine's python checked before any engine runs
-            resolve(engine, engine_python, engine_any_version)
-        for engine in engines:
-            if not (quiet or as_json):
-                click.echo(f"loading {output_dir} with {engine} (its own loader, on the CPU)...", err=True)
-            er = check(output_dir, engine, python=engine_python, any_version=engine_any_version,
-                       source=input_dir if numerics else None)
-            engine_reports.append(er)
-            rep.check(f"{engine} {er.version}: its own loader ({er.seconds:.0f} s)", [] if er.loads else [er.verdict],
-                      er.load_verdict if er.loads else "")
-            if er.loads and er.numerics is not None:
-                rep.check(f"{engine} {er.version}: numerics, every layer as its GEMM reads it",
-                          [] if er.numerics["ok"] else er.numerics["problems"], er.numeric_verdict)
+    engine_reports = _engine_checks(rep, output_dir, engines, engine_python, engine_any_version,
+                                    input_dir if numerics else None, draft, not (quiet or as_json))
     if engines and numerics and not input_dir and not (quiet or as_json):
         click.echo("note: numeric check not run: give --input SOURCE (the checkpoint OUTPUT was converted from)",
                    err=True)
@@ -462,6 +451,37 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
             if not er.ok:
                 click.echo(er.verdict, err=True)
     sys.exit(0 if rep.ok else 1)
+
+
+def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python: str | None, any_version: bool,
+                   source: str | None, draft: bool, say: bool) -> list:
+    """Each engine's check of OUTPUT, and, where the engine's main model leaves MTP layers to its draft, the same check
+    of the engine's speculative-decoding draft model (its own line: ``ENGINE VERSION draft``)."""
+    from .enginecheck import check, resolve
+
+    for engine in engines:  # every engine's python checked before any engine runs
+        resolve(engine, engine_python, any_version)
+    reports = []
+    for engine in engines:
+        roles = [False]
+        while roles:
+            as_draft = roles.pop()
+            if say:
+                what = "its speculative-decoding draft" if as_draft else "its own loader"
+                click.echo(f"loading {output_dir} with {engine} ({what}, on the CPU)...", err=True)
+            er = check(output_dir, engine, python=engine_python, any_version=any_version, source=source,
+                       draft=as_draft)
+            reports.append(er)
+            head = f"{engine} {er.version}" + (f" draft ({(er.model_class or '?').rpartition('.')[2]})" if as_draft
+                                               else "")
+            rep.check(f"{head}: its own loader ({er.seconds:.0f} s)", [] if er.loads else [er.verdict],
+                      er.load_verdict if er.loads else "")
+            if er.loads and er.numerics is not None:
+                rep.check(f"{head}: numerics, every layer as its GEMM reads it",
+                          [] if er.numerics["ok"] else er.numerics["problems"], er.numeric_verdict)
+            if draft and not as_draft and er.mtp_skipped:
+                roles.append(True)
+    return reports
 
 
 @cli.command()

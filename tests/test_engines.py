@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -152,7 +153,10 @@ def record(engine: str, key: str, folder: Path, rep: dict, producer: tuple[str, 
         producer = (man["recipe"]["name"], man["options"]["layout"])
     num = rep.get("numerics") or {}
     summary = num.get("summary", {})
-    row = {"engine": engine, "version": rep.get("version"), "model": MODELS[OUTPUTS[key][0]],
+    model = MODELS[OUTPUTS[key][0]]
+    if rep.get("role") == "draft":  # the engine's speculative-decoding draft model of the same checkpoint
+        model += f" draft ({(rep.get('model_class') or '?').rpartition('.')[2]})"
+    row = {"engine": engine, "version": rep.get("version"), "model": model,
            "recipe": producer[0], "layout": producer[1], "loads": rep.get("error") is None,
            "filled": not rep["unfilled"], "skipped": len(rep["skipped"]), "bad_casts": len(rep["bad_casts"]),
            "optional_unset": len(rep.get("allowed_unfilled", [])), "ok": rep["ok"],
@@ -164,13 +168,21 @@ def record(engine: str, key: str, folder: Path, rep: dict, producer: tuple[str, 
 
 
 def engine_check(folder: Path, engine: str, source: Path | None = None, env: dict | None = None) -> tuple[int, dict]:
-    """verify-manifest --engine; with ``source``, --input too (the manifest checks against it and the
-    numeric check). The suite's checks go through the engines' fork servers (tests/conftest.py)."""
-    r = run_process("verify-manifest", folder, "--engine", engine, "--json",
+    """verify-manifest --engine (its main model only: --no-draft); with ``source``, --input too (the manifest checks
+    against it and the numeric check). The suite's checks go through the engines' fork servers (tests/conftest.py)."""
+    r = run_process("verify-manifest", folder, "--engine", engine, "--json", "--no-draft",
                     *(["--input", source] if source else []), env=env, timeout=1800)
     assert r.stdout.strip(), f"no report (rc {r.code}): {r.stderr[-2000:]}"
     d = json.loads(r.stdout)
     return r.code, d["engines"][0]
+
+
+def draft_check(folder: Path, engine: str, source: Path | None = None) -> tuple[int, list[dict]]:
+    """verify-manifest --engine with the engine's speculative-decoding draft: every engine report (main, draft)."""
+    r = run_process("verify-manifest", folder, "--engine", engine, "--json",
+                    *(["--input", source] if source else []), timeout=1800)
+    assert r.stdout.strip(), f"no report (rc {r.code}): {r.stderr[-2000:]}"
+    return r.code, json.loads(r.stdout)["engines"]
 
 
 def describe(rep: dict) -> str:
@@ -633,3 +645,49 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
     assert all(any(w in p for w in widened) for p in num["problems"]), num["problems"]
     if engine == "sglang":
         assert any("share one weight_global_scale" in p for p in num["problems"]), num["problems"]
+
+
+# -- the MTP layers as each engine's speculative-decoding draft reads them ----------------------------------------
+
+#: Checkpoints with MTP layers: the source itself and the default output (MTP layers kept where a draft cannot take
+#: them quantized, named in the exclude list as each draft asks for them: docs/families.md, "MTP layers").
+DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")]
+#: Drafts an engine cannot load from the default output, for a reason in the engine: SGLang's DeepSeek NextN builds
+#: the MTP layer unquantized under ModelOpt NVFP4, but its ModelOptFp4Config.is_layer_excluded reads an excluded MLA
+#: projection as excluding every layer's, so the main model needs the MTP layer's MLA projections quantized
+#: (mappings/deepseek_v3.toml [mtp] quantize; docs/families.md, "MTP layers").
+DRAFT_REFUSED = {("ds", "output", "sglang"): r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"}
+DRAFT_PARAMS = [pytest.param(m, kind, e.values[0], marks=e.marks, id=f"{m}-{kind}-{e.id}")
+                for m, kind in DRAFTS for e in ENGINE_PARAMS]
+
+
+@pytest.mark.parametrize(("model", "kind", "engine"), DRAFT_PARAMS)
+def test_draft_loads(model, kind, engine, outputs, inputs):
+    """Each engine's draft model (vLLM's speculative config method mtp, SGLang's NEXTN draft), built for the
+    checkpoint as a deployment builds it: loads, every parameter filled but what the engine takes from the target
+    model (embed_tokens, lm_head, shared heads: named as such), nothing skipped but the main model's tensors (and
+    SGLang's own skip of the MTP layer's embedding / head copies), no bad cast, and, on the output, every MTP layer
+    read right against the source. The main model's report comes first and is the same check as test_output_loads."""
+    folder = inputs[model] if kind == "source" else outputs[model]
+    assert isinstance(folder, Path), f"pack failed: {folder}"
+    rc, reps = draft_check(folder, engine, inputs[model] if kind == "output" else None)
+    assert [r["role"] for r in reps] == ["main", "draft"], [r["verdict"] for r in reps]
+    main, draft = reps
+    if kind == "output":
+        record(engine, model, folder, draft)
+    if (model, kind, engine) in DRAFT_REFUSED:  # the known refusal, and the main model unharmed
+        assert main["ok"] and not draft["ok"] and rc == 1, describe(draft)
+        err = f"{(draft['error'] or {}).get('tensor', '')} {' '.join(t['tensor'] for t in draft['skipped'])}"
+        assert re.search(DRAFT_REFUSED[(model, kind, engine)], err), describe(draft)
+        return
+    bad = [c for c in draft["bad_casts"] if c["class"] != "narrowing" or kind == "output"]
+    assert draft["error"] is None and not draft["unfilled"] and not draft["skipped"] and not bad, describe(draft)
+    assert draft["main_skipped"] and not draft["mtp_skipped"], describe(draft)
+    stored = {t for t, params in draft["stored"].items() if params}
+    assert {t["tensor"] for t in main["mtp_skipped"]} - stored <= {
+        t["tensor"] for t in draft["main_skipped"]}, "an MTP tensor the draft neither loaded nor dropped by its rule"
+    if kind == "output":
+        num = draft["numerics"]
+        assert num is not None and num["ok"] and num["layers"], describe(draft) + "\n" + "\n".join(
+            (num or {}).get("problems", [])[:5])
+        assert rc == 0 and draft["ok"] and main["ok"], describe(draft)

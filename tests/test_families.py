@@ -139,10 +139,16 @@ def test_glm_plan(ckpts):
         pre = f"model.layers.{layer}"
         assert mods[f"{pre}.mlp.gate"]["kind"] == "keep"
         assert mods[f"{pre}.mlp.gate.e_score_correction_bias"]["kind"] == "copy"
+        assert mods[f"{pre}.self_attn.q_proj.bias"]["kind"] == "copy"
+    for layer in (1, 2):
+        pre = f"model.layers.{layer}"
         assert {mods[f"{pre}.mlp.shared_experts.{x}_proj"]["quantization"]["shared_scale"] for x in ("gate", "up")} \
             == {f"{pre}.mlp.shared_experts.gate_up_proj"}
-        assert mods[f"{pre}.self_attn.q_proj.bias"]["kind"] == "copy"
     assert mods["model.layers.3.eh_proj"]["kind"] == "keep"  # both engines build it as a plain nn.Linear
+    # the MTP layer kept whole: SGLang's Glm4MoeForCausalLMNextN builds it unquantized under a ModelOpt NVFP4 config
+    for m in ("self_attn.q_proj", "mlp.shared_experts.gate_proj", "mlp.experts.0.gate_proj"):
+        assert mods[f"model.layers.3.{m}"]["kind"] == "keep"
+        assert "Glm4MoeForCausalLMNextN" in mods[f"model.layers.3.{m}"]["rule"]
 
 
 def test_qwen3_pack_shares_scales_and_keeps_routers(ckpts, tmp_path):

@@ -372,18 +372,24 @@ class Tracker:
                 sent = sent & ~wv.all(-1)
         return int(sent.sum())
 
-    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None, drop_rule=None) -> dict:
+    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None, drop_rule=None,
+               main_rule=None, target: list[tuple] | None = None) -> dict:
         """``optional``: (regex, why) or (regex, why, count) naming parameters the engine legitimately
         leaves unwritten (with a count: exactly that many elements, e.g. a module's padding rows).
         ``mtp_rule(name)``: why the engine's main model drops a checkpoint tensor of an MTP layer on purpose
         (the engine's own rule; its MTP model loads it), or None: such a skipped tensor is listed as
         ``mtp_skipped``, not ``skipped``. ``drop_rule(name)``: (why, holds) where the engine drops a checkpoint
         tensor by its own rule that is right only on a condition (SGLang keeps one of two equal scales), or
-        None: one that holds is listed as ``rule_dropped``, one that does not as ``rule_broken`` (a failure)."""
+        None: one that holds is listed as ``rule_dropped``, one that does not as ``rule_broken`` (a failure).
+        A speculative-decoding draft's check: ``main_rule(name)``, why the draft drops a checkpoint tensor of the main
+        model on purpose (listed as ``main_skipped``), and ``target``, (regex, why, the target's module) naming the
+        draft's parameters the engine replaces with the target model's after loading (``from_target`` where
+        unwritten)."""
         import re
 
         opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
-        unfilled, allowed = [], []
+        targ = [(re.compile(t[0]), {"why": t[1], "target": t[2]}) for t in target or []]
+        unfilled, allowed, from_target = [], [], []
         now = dict(model.named_parameters())
         for name, p in self.params.items():
             cur = now.get(name, p)
@@ -393,7 +399,10 @@ class Tracker:
             entry = {"param": name, "dtype": str(cur.dtype).replace("torch.", ""), "shape": list(cur.shape),
                      "unfilled": n, "numel": cur.numel()}
             why = next((w for rx, w, count in opt if rx.search(name) and count in (None, n)), None)
-            if why:
+            shared = next((w for rx, w in targ if rx.search(name)), None)
+            if shared:
+                from_target.append({**entry, **shared})
+            elif why:
                 allowed.append({**entry, "why": why})
             else:
                 unfilled.append(entry)
@@ -407,6 +416,8 @@ class Tracker:
         skipped = [n for n in self.offered_order if not self.stored.get(n)]
         mtp = {n: why for n in skipped if mtp_rule is not None and (why := mtp_rule(n))}
         skipped = [n for n in skipped if n not in mtp]
+        main = {n: why for n in skipped if main_rule is not None and (why := main_rule(n))}
+        skipped = [n for n in skipped if n not in main]
         ruled = {n: r for n in skipped if drop_rule is not None and (r := drop_rule(n))}
         skipped = [n for n in skipped if n not in ruled]
         casts = [{"tensor": n, "param": p, "class": c, "from": a, "to": b}
@@ -418,6 +429,10 @@ class Tracker:
             "allowed_unfilled": allowed,
             "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
             "mtp_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in mtp.items()],
+            "main_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in main.items()],
+            "from_target": from_target,
+            # every parameter the engine replaces with the target model's after loading, written by the draft or not
+            "target_params": sorted(n for n in self.params if any(rx.search(n) for rx, _ in targ)),
             "rule_dropped": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if ok],
             "rule_broken": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if not ok],
             # widening loses nothing; reinterpretations (the worst) first
@@ -563,13 +578,17 @@ def main(engine: str, run) -> None:
     ap.add_argument("--derive", choices=("trace", "build"),
                     help="mapping derivation: 'trace' offers --weights' zeros and reports where each lands and every "
                          "module as built; 'build' only builds the model and reports its modules")
+    ap.add_argument("--draft", action="store_true",
+                    help="build and load the engine's speculative-decoding draft model (MTP / NextN) for the "
+                         "checkpoint instead of its main model")
     ap.add_argument("--weights", help="with --derive trace: a JSON list of [name, shape, dtype] offered instead of "
                                       "the checkpoint's files")
     a = ap.parse_args()
     t0 = time.perf_counter()
     result: dict = {"engine": engine, "model_dir": os.path.abspath(a.model_dir), "error": None,
                     "phase": "start", "patches": [], "timings": {}, "numerics_dir": a.numerics,
-                    "derive": a.derive, "weights_spec": a.weights}
+                    "derive": a.derive, "weights_spec": a.weights, "draft": a.draft, "role": "draft" if a.draft
+                    else "main"}
     try:
         run(os.path.abspath(a.model_dir), result)
     except BaseException as e:  # the engine's own exception is the result, not a crash of the runner
@@ -586,7 +605,8 @@ def main(engine: str, run) -> None:
 
 
 def numerics(engine: str, result: dict, model, tracker, error: BaseException | None) -> None:
-    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``)."""
+    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``); a draft's layers
+    the engine replaces with the target model's (``target_params``) are not read: the main model's check reads them."""
     folder = result.get("numerics_dir")
     if not folder or error is not None:
         return
@@ -594,7 +614,7 @@ def numerics(engine: str, result: dict, model, tracker, error: BaseException | N
 
     t = time.perf_counter()
     try:
-        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder)
+        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder, set(result.get("target_params", ())))
     except Exception as e:  # reported, never mistaken for a passing check
         result["numerics"] = {"error": exception_info(e)}
     result["timings"]["numerics_s"] = round(time.perf_counter() - t, 2)
@@ -634,10 +654,30 @@ def _source_file(cls) -> str:
     return path.split("site-packages/", 1)[-1]
 
 
-def describe(model: torch.nn.Module) -> dict:
+def watch_prefixes(quant_config) -> dict[int, str]:
+    """The prefix each layer asks its quant method with (``quant_config.get_quant_method(layer, prefix)``, both
+    engines): the name an exclude list must select, which is not always the module's attribute path (vLLM's
+    Glm4MoeMTP builds its MTP block under ``model.layers.N``, not ``model.layers.N.mtp_block``). Observation only:
+    the instance's own method is called unchanged; returns {id(layer): prefix}, filled while the model is built."""
+    seen: dict[int, str] = {}
+    if quant_config is None:
+        return seen
+    inner = quant_config.get_quant_method
+
+    def get_quant_method(layer, prefix="", *a, **k):
+        seen[id(layer)] = prefix
+        return inner(layer, prefix, *a, **k)
+
+    quant_config.get_quant_method = get_quant_method
+    return seen
+
+
+def describe(model: torch.nn.Module, prefixes: dict[int, str] | None = None) -> dict:
     """Every module that holds parameters or a quant method, as the engine built it: its class and file, its
     kind (``moe`` / ``linear`` / ``embedding`` / ``other``, by the engine's own base classes), its quant method's
-    class, its direct parameters with shapes, and the class and file of the module that built it (its parent)."""
+    class, its direct parameters with shapes, the class and file of the module that built it (its parent) and,
+    with ``prefixes`` (``watch_prefixes``), the prefix it asked its quant method with."""
+    prefixes = prefixes or {}
     mods = dict(model.named_modules())
     out = {}
     for name, m in mods.items():
@@ -653,6 +693,8 @@ def describe(model: torch.nn.Module) -> dict:
         out[name] = {"class": type(m).__qualname__, "file": _source_file(type(m)), "kind": kind,
                      "quant_method": type(qm).__name__ if qm is not None else None, "params": direct,
                      "parent_class": type(parent).__qualname__, "parent_file": _source_file(type(parent))}
+        if id(m) in prefixes:
+            out[name]["quant_prefix"] = prefixes[id(m)]
     return out
 
 

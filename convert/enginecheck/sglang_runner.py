@@ -169,26 +169,88 @@ def _load_deepseek_synchronously() -> None:
     deepseek_v4.should_async_load = lambda weight: False
 
 
+def from_target(model) -> list[tuple[str, str, str]]:
+    """The draft's parameters SGLang's speculative worker replaces with the target model's after loading the draft
+    (speculative/eagle_worker_v2.py ``init_lm_head``: ``set_embed_and_head(embed, head)``, which NextN / MTP models
+    define as swapping in ``model.embed_tokens.weight`` and ``lm_head.weight``): what the draft does not need from the
+    checkpoint; anything it does load into them must still load."""
+    if not hasattr(model, "set_embed_and_head"):
+        return []
+    why = ("taken from the target model: SGLang's speculative worker (speculative/eagle_worker_v2.py init_lm_head) "
+           f"calls {type(model).__name__}.set_embed_and_head with the target's embedding and lm_head after the draft "
+           "is loaded")
+    return [(r"^model\.embed_tokens\.weight$", why, "embed_tokens"), (r"^lm_head\.weight$", why, "lm_head")]
+
+
+def draft_rule(config):
+    """The draft's side of the MTP rule: a checkpoint tensor the main model's MTP rule does not assign to an MTP
+    layer is the main model's, and the draft drops it (glm4_moe.py Glm4MoeForCausalLM.load_weights with
+    ``is_nextn``: only ``model.layers.{num_hidden_layers}.*``; deepseek_nextn.py likewise; qwen3_5_mtp.py only
+    ``mtp.*``)."""
+    mtp = mtp_rule(config)
+
+    def why(name: str) -> str | None:
+        if not mtp(name):
+            return "the main model's tensor (no MTP layer by SGLang's own rule): its draft model drops it on purpose"
+        if "shared_head.head" in name or "embed_tokens" in name:
+            return ("the MTP layer's own copy of the target's lm_head / embedding: SGLang's NextN loader skips it to "
+                    "use the target model's (models/deepseek_common/deepseek_weight_loader.py do_load_weights: "
+                    "'Use shared head and embed weights from target model'; set_embed_and_head)")
+        return None
+    return why
+
+
+def engine_config(model_dir: str, draft: bool):
+    """SGLang's own config for the checkpoint: with ``draft``, as a deployment asks for its draft
+    (``--speculative-algorithm NEXTN``: the draft worker's ``ModelConfig.from_server_args(...,
+    is_draft_model=True)``, managers/tp_worker.py ``_init_model_config``, which picks the NextN / MTP class,
+    configs/model_config.py). Returns (server_args, model_config, load_config, loader, quant_config)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.model_loader.loader import _get_quantization_config, get_model_loader
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
+              load_format="auto", skip_server_warmup=True)
+    if draft:
+        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=2)
+    server_args = ServerArgs(**kw)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    initialize_moe_config()
+    model_config = (ModelConfig.from_server_args(server_args, model_path=model_dir, is_draft_model=True) if draft
+                    else ModelConfig.from_server_args(server_args))
+    load_config = LoadConfig(load_format="auto")
+    loader = get_model_loader(load_config=load_config, model_config=model_config)
+    return server_args, model_config, load_config, loader, _get_quantization_config(model_config, load_config)
+
+
+def _draft_scope(draft: bool):
+    """The contexts SGLang's draft worker builds its model in (speculative/eagle_worker_v2.py EAGLEWorkerV2.__init__:
+    ``speculative_moe_backend_context``, ``draft_model_build_scope``, layers/moe/utils.py)."""
+    import contextlib
+
+    if not draft:
+        return contextlib.nullcontext()
+    from sglang.srt.layers.moe.utils import draft_model_build_scope, speculative_moe_backend_context
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(speculative_moe_backend_context())
+    stack.enter_context(draft_model_build_scope())
+    return stack
+
+
 def run(model_dir: str, result: dict) -> None:
     t0 = time.perf_counter()
     result["phase"] = "import"
     apply_patches(result)
     with rc.CpuDevices():
         import sglang
-        from sglang.srt.configs.load_config import LoadConfig
-        from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
         from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
-        from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.model_loader.loader import (
-            DefaultModelLoader,
-            _get_quantization_config,
-            _initialize_model,
-            get_model_loader,
-            set_default_torch_dtype,
-        )
-        from sglang.srt.runtime_context import SpawnRanks, publish
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
         _load_deepseek_synchronously()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
@@ -196,14 +258,7 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "config"
     t = time.perf_counter()
     with rc.CpuDevices():
-        server_args = ServerArgs(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
-                                 load_format="auto", skip_server_warmup=True)
-        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-        initialize_moe_config()
-        model_config = ModelConfig.from_server_args(server_args)
-        load_config = LoadConfig(load_format="auto")
-        loader = get_model_loader(load_config=load_config, model_config=model_config)
-        quant_config = _get_quantization_config(model_config, load_config)
+        server_args, model_config, load_config, loader, quant_config = engine_config(model_dir, result["draft"])
     result["architectures"] = list(getattr(model_config.hf_config, "architectures", None) or [])
     result["quantization"] = model_config.quantization
     result["quant_config"] = type(quant_config).__name__ if quant_config is not None else None
@@ -217,15 +272,22 @@ def run(model_dir: str, result: dict) -> None:
         initialize_model_parallel()
         initialize_dp_attention(server_args=server_args)
         init_dp_gathered_buffer(model_config)
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        prefixes = rc.watch_prefixes(quant_config) if result["derive"] else None
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"), _draft_scope(result["draft"]):
             model = _initialize_model(model_config, load_config, quant_config)
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
     if result["derive"]:
-        result["modules"] = rc.describe(model)
+        result["modules"] = rc.describe(model, prefixes)
         if result["derive"] == "build":
             result["phase"] = "done"
             return
+    load(result, model_config, loader, model)
+
+
+def load(result: dict, model_config, loader, model) -> None:
+    """SGLang's own weight loading of ``model`` under the load observer, then the check (and the numeric read)."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader, set_default_torch_dtype
 
     result["phase"] = "load"
     t = time.perf_counter()
@@ -247,8 +309,13 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(model_config.hf_config),
-                                 qkv_a_scalar_rule(tracker)))
+    config = model_config.hf_config
+    if result["draft"]:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), drop_rule=qkv_a_scalar_rule(tracker),
+                                     main_rule=draft_rule(config), target=from_target(model)))
+    else:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(config),
+                                     qkv_a_scalar_rule(tracker)))
     if result["derive"]:
         result["spans"] = rc.spans(tracker)
     with rc.CpuDevices():  # before post_load_weights, which derives kernel buffers from the loaded weights

@@ -86,6 +86,20 @@ def mtp_rule(config):
     return why
 
 
+def draft_rule(config):
+    """The draft's side of the same rule: a checkpoint tensor the MTP rule does not assign to an MTP layer is the
+    main model's, and the draft drops it (glm4_moe_mtp.py Glm4MoeMTP.load_weights and deepseek_mtp.py
+    DeepSeekMTP.load_weights ``continue`` where ``get_spec_layer_idx_from_weight_name`` finds no MTP layer;
+    qwen3_5_mtp.py Qwen3_5MTP maps every name outside ``mtp.`` away)."""
+    mtp = mtp_rule(config)
+
+    def why(name: str) -> str | None:
+        if mtp(name):
+            return None
+        return "the main model's tensor (no MTP layer by vLLM's own rule): its draft model drops it on purpose"
+    return why
+
+
 #: Every patch, with why it is safe (docs/engine-checks.md lists the same).
 PATCHES = [
     ("platform",
@@ -168,7 +182,7 @@ def apply_patches(result: dict) -> None:
 
 #: vLLM imports a model's module when its registry resolves the architecture: the families the tool converts.
 MODEL_MODULES = ("deepseek_v2", "deepseek_mtp", "kimi_linear", "kimi_k3", "qwen3_moe", "glm4_moe", "glm4_moe_mtp",
-                 "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5")
+                 "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_mtp")
 
 
 def preload() -> None:
@@ -176,7 +190,8 @@ def preload() -> None:
     modules a check imports next: done once by the fork server (``zygote.py``)."""
     apply_patches({})
     rc.import_all(["vllm.config", "vllm.distributed", "vllm.engine.arg_utils", "vllm.model_executor.model_loader",
-                   "vllm.utils.torch_utils", *(f"vllm.model_executor.models.{m}" for m in MODEL_MODULES),
+                   "vllm.utils.torch_utils", "vllm.config.speculative",
+                   *(f"vllm.model_executor.models.{m}" for m in MODEL_MODULES),
                    "vllm.model_executor.layers.quantization.modelopt", "vllm.model_executor.layers.quantization.fp8",
                    "vllm.model_executor.layers.quantization.mxfp4",
                    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
@@ -190,6 +205,61 @@ def _init_workspace() -> None:
     init_workspace_manager(torch.device("cpu"))
 
 
+def from_target(model) -> list[tuple[str, str, str]]:
+    """The draft's parameters vLLM's proposer replaces with the target model's after loading the draft
+    (v1/spec_decode/llm_base_proposer.py: ``_maybe_share_embeddings`` takes the target's ``embed_tokens`` for an MTP
+    draft, ``_maybe_share_lm_head`` its ``lm_head``, also as every MTP layer's ``shared_head.head``): what the draft
+    does not need from the checkpoint; anything it does load into them must still load."""
+    why = ("taken from the target model: vLLM's proposer (v1/spec_decode/llm_base_proposer.py "
+           "{fn}) replaces it with the target's {what} after the draft is loaded")
+    out = []
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens") and not hasattr(model, "has_own_embed_tokens"):
+        out.append((r"^model\.embed_tokens\.", why.format(fn="_maybe_share_embeddings", what="embed_tokens"),
+                    "embed_tokens"))
+    if not hasattr(model, "has_own_lm_head"):
+        out.append((r"^lm_head\.", why.format(fn="_maybe_share_lm_head", what="lm_head"), "lm_head"))
+        out.append((r"^model\.layers\.\d+\.shared_head\.head\.",
+                    why.format(fn="_maybe_share_lm_head", what="lm_head (as shared_head.head)"), "lm_head"))
+    return out
+
+
+def mtp_layers(config) -> int:
+    """How many MTP layers the config announces (the speculative tokens a deployment asks for: one a layer)."""
+    text = getattr(config, "text_config", None) or config
+    for c in (config, text):
+        for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules"):
+            n = getattr(c, key, None)
+            if isinstance(n, int) and n > 0:
+                return n
+    return 1
+
+
+def engine_config(model_dir: str, draft: bool):
+    """vLLM's own config for the checkpoint: with ``draft``, as a deployment asks for its MTP draft
+    (``--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'``), and then the draft's config the
+    proposer builds it with (llm_base_proposer.py ``_get_model``: ``_create_draft_vllm_config``, the speculative
+    config's ``draft_model_config``, ``get_draft_load_config``). Returns (vllm_config, model_config, load_config)."""
+    from dataclasses import replace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = dict(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
+              max_model_len=4096, trust_remote_code=False)
+    if not draft:
+        vc = EngineArgs(**kw).create_engine_config()
+        return vc, vc.model_config, vc.load_config
+    from transformers import AutoConfig
+
+    n = mtp_layers(AutoConfig.from_pretrained(model_dir))
+    vc = EngineArgs(**kw, speculative_config={"method": "mtp", "num_speculative_tokens": n}).create_engine_config()
+    spec = vc.speculative_config
+    vc = replace(vc, attention_config=replace(vc.attention_config, backend=spec.attention_backend))
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    return vc, spec.draft_model_config, get_draft_load_config(vc)
+
+
 def run(model_dir: str, result: dict) -> None:
     t0 = time.perf_counter()
     result["phase"] = "import"
@@ -197,7 +267,6 @@ def run(model_dir: str, result: dict) -> None:
     import vllm
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -207,10 +276,7 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "config"
     t = time.perf_counter()
     with rc.CpuDevices():
-        args = EngineArgs(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
-                          max_model_len=4096, trust_remote_code=False)
-        vllm_config = args.create_engine_config()
-    mc = vllm_config.model_config
+        vllm_config, mc, load_config = engine_config(model_dir, result["draft"])
     result["architectures"] = list(getattr(mc.hf_config, "architectures", None) or [])
     result["quantization"] = mc.quantization
     result["quant_config"] = type(vllm_config.quant_config).__name__ if vllm_config.quant_config else None
@@ -218,7 +284,8 @@ def run(model_dir: str, result: dict) -> None:
 
     result["phase"] = "init"
     t = time.perf_counter()
-    loader = get_model_loader(vllm_config.load_config)
+    loader = get_model_loader(load_config)
+    prefixes = rc.watch_prefixes(vllm_config.quant_config) if result["derive"] else None
     with set_current_vllm_config(vllm_config), rc.CpuDevices():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{rc.free_port()}")
@@ -229,10 +296,17 @@ def run(model_dir: str, result: dict) -> None:
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
     if result["derive"]:
-        result["modules"] = rc.describe(model)
+        result["modules"] = rc.describe(model, prefixes)
         if result["derive"] == "build":
             result["phase"] = "done"
             return
+    load(result, vllm_config, mc, loader, model)
+
+
+def load(result: dict, vllm_config, mc, loader, model) -> None:
+    """vLLM's own weight loading of ``model`` under the load observer, then the check (and the numeric read)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     result["phase"] = "load"
     t = time.perf_counter()
@@ -251,7 +325,11 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
+    if result["draft"]:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), main_rule=draft_rule(mc.hf_text_config),
+                                     target=from_target(model)))
+    else:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
     if result["derive"]:
         result["spans"] = rc.spans(tracker)
     with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .. import globs
+from .. import globs, mtp
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..gcpause import gc_paused
@@ -69,6 +69,8 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     same plan either way."""
     check_convertible(ckpt)
     check_config_tensors(ckpt, m)
+    if m.mtp is not None:  # the MTP layers the config announces are the ones stored (convert/mtp.py)
+        mtp.check_layers(list(ckpt.tensors), lambda path: m.config_value(ckpt.config, path), m.mtp)
     recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
     _check_input_scale(recipe, opts)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
@@ -83,11 +85,13 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
                     full = _stages(ckpt, m, opts, patterns, recipe)
                 return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
 
-            return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, banks.members),
+            return _plan(ckpt, m, opts, patterns, recipe, st,
+                         exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config)),
                          per_module, lambda _: outline)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
-    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe), lambda: per, _outline)
+    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
+                                                                   m.mtp_prefixes(ckpt.config)), lambda: per, _outline)
 
 
 def _check_quantizes_something(items: list[Item], recipe: Recipe, opts: Options) -> None:
@@ -139,7 +143,8 @@ def _outline(plan: Plan) -> Outline:
 
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
-    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
+    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()),
+                        mtp_prefixes=m.mtp_prefixes(ckpt.config))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules
