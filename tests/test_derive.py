@@ -25,7 +25,7 @@ import pytest
 
 from helpers import all_presets, one_line_error, run, run_process
 from kimi_convert.checkpoint import open_checkpoint
-from kimi_convert.derive import from_views, load_answers, merge
+from kimi_convert.derive import from_views, load_answers, load_draft_answers, merge
 from kimi_convert.derive.lookup import finish
 from kimi_convert.derive.table import glob, template
 from kimi_convert.enginecheck import EngineUnavailable, find_python
@@ -60,8 +60,10 @@ def _compare_module():
 
 
 def _derived(preset: str):
+    """The table of a preset's recorded answers, with its drafts' where recorded (the [mtp] table)."""
     views, config, shapes = load_answers(ANSWERS / f"{preset}.answers.json")
-    return from_views(views, config, shapes)
+    drafts = ANSWERS / f"{preset}.draft-answers.json"
+    return from_views(views, config, shapes, load_draft_answers(drafts) if drafts.is_file() else None)
 
 
 def test_templates_number_layers_and_experts_only():
@@ -94,10 +96,13 @@ MTP_LAYER = {"tiny-glm4-moe": "model.layers.3.", "tiny-deepseek-v3": "model.laye
 
 
 def _without(plan: dict, prefix: str | None) -> dict:
+    """The plan outside the MTP layer: its modules, and the exclude list's names of modules the plan holds (the
+    names a draft looks its kept modules up by, ``model.decoder.*``, are the [mtp] table's: test_mtp)."""
     if prefix is None:
         return plan
+    names = {m["name"] for m in plan["modules"]}
     out = {"modules": [m for m in plan["modules"] if not m["name"].startswith(prefix)]}
-    out["exclude_modules"] = [n for n in plan.get("exclude_modules", []) if not n.startswith(prefix)]
+    out["exclude_modules"] = [n for n in plan.get("exclude_modules", []) if not n.startswith(prefix) and n in names]
     return out
 
 

@@ -34,17 +34,15 @@ def indexer_specs(cfg: dict, layer: int) -> list[tuple[str, str, tuple[int, ...]
 def write(out: Path, seed: int = 0) -> Path:
     """``tiny-deepseek-v3`` written by the synth, then made V3.2: the config's keys, and each layer's indexer
     tensors added to the shard that holds its ``o_proj``."""
-    from dataclasses import replace
 
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from kimi_convert import synth
-    from kimi_convert.synth import fp8_block, write_synth
+    from kimi_convert.synth import find_preset, fp8_block, write_synth
 
-    synth.PRESETS.setdefault("tiny-deepseek-v3-kv512", replace(synth.PRESETS["tiny-deepseek-v3"], kv_lora=KV_LORA))
-    write_synth("tiny-deepseek-v3-kv512", out, seed=seed)
+    tests_presets = Path(__file__).resolve().parent.parent / "presets"
+    write_synth(find_preset("tiny-deepseek-v3-kv512", [tests_presets]), out, seed=seed)  # kv_lora_rank KV_LORA
     cfg = json.loads((out / "config.json").read_text())
     cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", **INDEX)
     (out / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
