@@ -68,7 +68,11 @@ def mtp_rule(config):
     glm4_moe.py Glm4MoeModel.load_weights); the MTP model (glm4_moe_mtp.py Glm4MoeMTP) loads those."""
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
+    minimax_m3 = minimax_m3_mtp_rule(config)
+
     def why(name: str) -> str | None:
+        if (m3 := minimax_m3(name)) is not None:
+            return m3
         if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
                     "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "
@@ -78,6 +82,22 @@ def mtp_rule(config):
             return None
         return (f"MTP layer {layer} (num_nextn_predict_layers): vLLM's main model drops it "
                 "(models/utils.py get_spec_layer_idx_from_weight_name via skip_spec_layers); its MTP model loads it")
+    return why
+
+
+def minimax_m3_mtp_rule(config):
+    """MiniMax M3's MTP modules (``language_model.model.mtp.layers.{i}.*``, i < ``num_mtp_modules``): vLLM's
+    main model skips every name with ``mtp.`` in it (vllm/models/minimax_m3/nvidia/model.py
+    MiniMaxM3Model.load_weights, "The MTP module is not modeled yet"); its MTP model (registry ``MiniMaxM3MTP``,
+    nvidia/mtp.py MiniMaxM3MTP._map_checkpoint_name) loads them."""
+    n = getattr(config, "num_mtp_modules", 0) or 0
+
+    def why(name: str) -> str | None:
+        m = re.match(r"(?:language_model\.)?model\.mtp\.layers\.(\d+)\.", name)
+        if not (n > 0 and m and int(m.group(1)) < n):
+            return None
+        return (f"MTP module {m.group(1)} (num_mtp_modules): vLLM's main model skips names with 'mtp.' "
+                "(models/minimax_m3/nvidia/model.py MiniMaxM3Model.load_weights); its MTP model MiniMaxM3MTP loads it")
     return why
 
 
