@@ -99,16 +99,25 @@ def synth(preset: str, output: str, seed: int, layers: int | None, experts: int 
     bench-k3-shards (4.8 GB in 24 shards: the NVIDIA-converter benchmark),
     k3-full-sparse (the released K3's 497,220 tensors in 96 shards: real headers, data regions are holes).
     """
-    from .synth import PRESETS, write_synth
+    from .synthspec import builtin_presets, load_preset
+    from .synthspec import write_synth as write_spec
 
-    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
-                      shards=shards)
+    if ".toml" in preset or preset in builtin_presets():
+        spec = load_preset(preset, layers, experts, shards)
+        out = write_spec(spec, output, seed=seed, overwrite=overwrite, jobs=jobs)
+        description, is_sparse = spec.description, spec.sparse
+    else:
+        from .synth import PRESETS, write_synth
+
+        out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
+                          shards=shards)
+        description, is_sparse = PRESETS[preset].description, PRESETS[preset].sparse
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
-    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""
+    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if is_sparse else ""
     given = {"layers": layers, "experts": experts, "shards": shards}  # the description gives the preset's own
     changed = "".join(f" {k}={v}" for k, v in given.items() if v is not None)
-    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}{f' (changed:{changed})' if changed else ''}; "
+    click.echo(f"wrote {paths.shown(out)}/: {description}{f' (changed:{changed})' if changed else ''}; "
                f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 
