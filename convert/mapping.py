@@ -73,9 +73,24 @@ class Group:
 
 @dataclass(frozen=True)
 class LayerType:
+    """Which layers are of a type, read from the config: a list of layer numbers (``base`` 1 when it is
+    1-based), or, with ``per_layer``, one entry a layer (MiniMax M3's ``sparse_attention_freq`` 0/1 flags):
+    layer i is of the type where entry i is not 0 / false / empty."""
+
     name: str
-    config: str  # dotted path in the text config to a list of layer numbers
+    config: str  # dotted path in the text config
     base: int  # 1 when the list is 1-based
+    per_layer: bool = False
+
+    def layers(self, value: object, where: str) -> list[int]:
+        """The 0-based layer numbers ``value`` (the config's entry) names; one line naming it when malformed."""
+        if self.per_layer:
+            if not isinstance(value, list) or not all(type(f) in (int, bool) for f in value):
+                raise ConvertError(f"config.json: {where}{self.config} must be a list of 0/1 flags, one a layer")
+            return [i for i, f in enumerate(value) if f]
+        if not isinstance(value, list) or not all(type(i) is int for i in value):
+            raise ConvertError(f"config.json: {where}{self.config} must be a list of layer numbers")
+        return [i - self.base for i in value]
 
 
 @dataclass(frozen=True)
@@ -158,12 +173,10 @@ class Mapping:
             if layers is None:
                 raise ConvertError(f"config.json: {where}{lt.config} is missing (mapping {self.name} needs it "
                                    f"to tell {lt.name} layers)")
-            if not isinstance(layers, list) or not all(type(i) is int for i in layers):
-                raise ConvertError(f"config.json: {where}{lt.config} must be a list of layer numbers")
-            for i in layers:
-                if kinds.get(i - lt.base, lt.name) != lt.name:
-                    raise ConvertError(f"config.json: layer {i} is listed as both {kinds[i - lt.base]} and {lt.name}")
-                kinds[i - lt.base] = lt.name
+            for i in lt.layers(layers, where):
+                if kinds.get(i, lt.name) != lt.name:
+                    raise ConvertError(f"config.json: layer {i + lt.base} is listed as both {kinds[i]} and {lt.name}")
+                kinds[i] = lt.name
         return kinds
 
     def strip(self, name: str) -> str:
@@ -378,8 +391,11 @@ def parse_mapping(text: str, path: str) -> Mapping:
         w = f"{path}: layer_types.{name}"
         if not isinstance(lt, dict):
             raise ConvertError(f"{w}: must be a table")
-        _known(lt, {"config", "base"}, w)
-        lts.append(LayerType(name, _req(lt, "config", str, w), int(lt.get("base", 0))))
+        _known(lt, {"config", "base", "per_layer"}, w)
+        per_layer = lt.get("per_layer", False)
+        if not isinstance(per_layer, bool):
+            raise ConvertError(f"{w}: per_layer must be true or false")
+        lts.append(LayerType(name, _req(lt, "config", str, w), int(lt.get("base", 0)), per_layer))
     groups = tuple(_group(g, f"{path}: group[{i}]") for i, g in enumerate(t.get("group", [])))
     # A scale_group is a packed module the engines build inside a layer (MoE w13) and that is never
     # written fused: sugar for a group with on_disk = false.

@@ -45,11 +45,25 @@ def optional_for(model) -> list[tuple[str, str]]:
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16_NVFP4) linear: SGLang's ModelOptNvFp4A16LinearMethod registers input_scale "
                         "only for fused-loader compatibility and deletes it after loading"))
+        elif type(qm).__name__ == "ModelOptNvFp4FusedMoEMethod" and getattr(module, "num_fused_shared_experts", 0):
+            out.extend(_fused_shared_input_scales(name, module.num_fused_shared_experts))
         elif getattr(qm, "quant_mode", None) == "w4a16" and hasattr(module, "input_scale"):
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16) NVFP4 linear: SGLang's ModelOptFp4LinearMethod reads input_scale only "
                         "in quant_mode w4a4; w4a16 builds its GEMM alpha from weight_scale_2 alone"))
     return out
+
+
+def _fused_shared_input_scales(name: str, fused: int) -> list[tuple[str, str, int]]:
+    """A shared expert SGLang fuses into the routed experts as expert slot E.. (``num_fused_shared_experts``:
+    MiniMax M3's loader renames ``mlp.shared_experts.*`` to ``mlp.experts.{E}.w1/w2/w3``, srt/models/minimax_m3_vl.py
+    _load_llm_weight) is a dense MLP in the checkpoint, with no input_scale; ModelOptNvFp4FusedMoEMethod.create_weights
+    fills w13/w2_input_scale with 1.0 (layers/quantization/modelopt_quant.py ``input_scale_fill``), which that slot
+    keeps: the value a routed expert's written input_scale has."""
+    why = ("input_scale of the shared expert fused as a routed expert slot: ModelOptNvFp4FusedMoEMethod.create_weights "
+           "fills it with 1.0 (modelopt_quant.py input_scale_fill) and the checkpoint's dense shared expert has none")
+    return [(rf"^{re.escape(name)}\.w13_input_scale$", why, 2 * fused),
+            (rf"^{re.escape(name)}\.w2_input_scale$", why, fused)]
 
 
 def mtp_rule(config):
