@@ -27,15 +27,19 @@ from safetensors.torch import load_file, save_file
 
 from helpers import Result, one_line_error, run, run_process
 from kimi_convert.enginecheck import EngineUnavailable, find_python
+from kimi_convert.synth import PRESETS
+from kimi_convert.synthspec import find_preset
+
+TEST_PRESETS = Path(__file__).parent / "presets"  # the tests' own presets (docs/presets.md)
 
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
-          "gpt": "tiny-gpt-oss"}
+          "gpt": "tiny-gpt-oss", "m3": "tiny-minimax-m3"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2"}
-MTP_BLOCK = {"q35": "mtp."}
+MTP_BLOCK = {"q35": "mtp.", "m3": "language_model.model.mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -72,7 +76,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-inputs")
     out = {}
     for key, preset in MODELS.items():
-        r = run("synth", preset, root / key)
+        r = run("synth", preset if preset in PRESETS else find_preset(preset, [TEST_PRESETS]), root / key)
         assert r.code == 0, r.stderr
         out[key] = root / key
     return out
@@ -243,7 +247,7 @@ def test_served_check_is_fresh_checks(engine, outputs, inputs):
 def assert_mtp_only(model: str, rep: dict) -> None:
     """What the main model dropped by the engine's MTP rule is the MTP layer, all of it, and nothing else."""
     names = [t["tensor"] for t in rep.get("mtp_skipped", [])]
-    if model in MTP_BLOCK:  # Qwen3.5 stores its MTP block under its own prefix (mtp.*), not as a layer
+    if model in MTP_BLOCK:  # Qwen3.5 (mtp.*) and MiniMax M3 (model.mtp.layers.*) store it under their own prefix
         assert names and all(n.startswith(MTP_BLOCK[model]) for n in names), names
         return
     layers = {n.split(".")[2] for n in names}
