@@ -120,3 +120,16 @@ def test_layer_type_flags_malformed_is_one_line():
         m.layer_kinds({"text_config": {"sparse_attention_config": {"sparse_attention_freq": [0, "x"]}}})
     with pytest.raises(ConvertError, match="per_layer must be true or false"):
         parse_mapping(TABLE.replace("per_layer = true", 'per_layer = "yes"'), "t.toml")
+
+
+def test_inspect_gives_benchmark_moe_values(ckpt):
+    """vLLM's benchmarks/kernels/benchmark_moe.py (main, vllm-project/vllm at 71acd375) has no MiniMax branch:
+    MiniMaxM3SparseForConditionalGeneration takes the default one on config.get_text_config(): E =
+    num_local_experts, topk = num_experts_per_tok, intermediate_size = intermediate_size (the experts' width)."""
+    r = run("inspect", ckpt, "--json")
+    assert r.code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["num_experts"], d["top_k"], d["moe_intermediate_size"], d["hidden_size"]) == (8, 2, 128, 256)
+    assert d["moe_layers"] == [1, 2]  # moe_layer_freq [0, 1, 1]: one flag a layer, not a step
+    assert d["layer_kinds"] == {"attention": [0], "sparse_attention": [1, 2]}
+    assert d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [128, 256] and not d["warnings"]
