@@ -35,11 +35,12 @@ TEST_PRESETS = Path(__file__).parent / "presets"  # the tests' own presets (docs
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
-          "gpt": "tiny-gpt-oss", "m3": "tiny-minimax-m3"}
+          "gpt": "tiny-gpt-oss", "m3": "tiny-minimax-m3",
+          "q4": "tiny-qwen4-exp"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2"}
-MTP_BLOCK = {"q35": "mtp.", "m3": "language_model.model.mtp."}
+MTP_BLOCK = {"q35": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and

@@ -59,7 +59,22 @@ def optional_for(model) -> list[tuple[str, str]]:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.weight_scale$", why, pad * p.shape[1]))
                 elif pname in ("weight_scale_2", "input_scale") and p.dim() == 1:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.{pname}$", why, 1))
+        out.extend(_hyper_connection_padding(name, module))
     return out
+
+
+def _hyper_connection_padding(name: str, module) -> list[tuple[str, str, int]]:
+    """Qwen3.8-Flash-Next's hyper-connection: vLLM packs input_mix_weight_down and block_inject_weight into one
+    MergedColumnParallelLinear padded to 16 rows (models/qwen4_exp/nvidia/hyperconnection.py ``pad_size``, shard
+    ``_input_mix_padding``, which no checkpoint tensor maps to); the padding rows' outputs are split off and dropped
+    (``_down_and_inject``)."""
+    pad = getattr(module, "pad_size", 0)
+    proj = getattr(module, "input_mix_weight_down_block_inject", None)
+    if not pad or proj is None:
+        return []
+    why = (f"alignment padding of {name}.input_mix_weight_down_block_inject ({pad} rows, hyperconnection.py pad_size): "
+           "no checkpoint tensor maps there; their outputs are split off and dropped (_down_and_inject)")
+    return [(rf"^{re.escape(name)}\.input_mix_weight_down_block_inject\.weight$", why, pad * proj.weight.shape[1])]
 
 
 def mtp_rule(config):
@@ -121,7 +136,20 @@ PATCHES = [
      "initialize_model_parallel; no collective moves weights at TP=1"),
     ("weight iterator observed",
      "DefaultModelLoader.get_all_weights is wrapped to record each (name, tensor) it yields, unchanged"),
+    ("engram tables on the device",
+     "for a model with n-gram embedding tables (Qwen3.8-Flash-Next's PLE), EngramConfig.cpu_offload (on by default: "
+     "the table in pinned host memory read through UVA, which a CPU without CUDA cannot give) is turned off, as "
+     "--engram-config '{\"cpu_offload\": false}' does: the table is then the parent class of the offloaded one "
+     "(models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLEEmbedding), with the same parameter and weight loader"),
 ]
+
+
+def engram_on_device(vllm_config) -> None:
+    """The "engram tables on the device" patch (PATCHES): applied only where vLLM resolved an EngramConfig
+    (config/vllm.py _resolve_and_verify_engram_config: models with n-gram layers)."""
+    engram = getattr(vllm_config, "engram_config", None)
+    if engram is not None and engram.cpu_offload:
+        engram.cpu_offload = False
 
 
 def apply_patches(result: dict) -> None:
@@ -214,6 +242,7 @@ def run(model_dir: str, result: dict) -> None:
         args = EngineArgs(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
                           max_model_len=4096, trust_remote_code=False)
         vllm_config = args.create_engine_config()
+        engram_on_device(vllm_config)
     mc = vllm_config.model_config
     result["architectures"] = list(getattr(mc.hf_config, "architectures", None) or [])
     result["quantization"] = mc.quantization
