@@ -34,14 +34,14 @@ ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
-          "g47": "tiny-glm4-moe-lite"}
+          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp"}
 #: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
 #: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
 TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
-MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp."}
+MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -272,7 +272,7 @@ def test_served_check_is_fresh_checks(engine, outputs, inputs):
 def assert_mtp_only(model: str, rep: dict) -> None:
     """What the main model dropped by the engine's MTP rule is the MTP layer, all of it, and nothing else."""
     names = [t["tensor"] for t in rep.get("mtp_skipped", [])]
-    if model in MTP_BLOCK:  # Qwen3.5 stores its MTP block under its own prefix (mtp.*), not as a layer
+    if model in MTP_BLOCK:  # Qwen3.5 (mtp.*) and MiniMax M3 (model.mtp.layers.*) store it under their own prefix
         assert names and all(n.startswith(MTP_BLOCK[model]) for n in names), names
         return
     layers = {n.split(".")[2] for n in names}

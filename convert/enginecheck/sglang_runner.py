@@ -26,6 +26,11 @@ OPTIONAL = [
     (r"experts\.w(13|2)_weight_bias$",
      "Mxfp4MoEMethod.create_weights makes zero expert biases on CUDA whatever the checkpoint (gpt-oss has "
      "them; Kimi has none)"),
+    (r"^vision_tower\.vision_model\.post_layernorm\.(weight|bias)$",
+     "MiniMax VL vision tower: SGLang's MiniMaxVLVisionTransformer.__init__ builds post_layernorm when every encoder "
+     "layer is built (srt/models/minimax_vl_common.py require_post_norm) but its forward never reads it; the "
+     "MiniMax-M3 release ships none (vLLM's models/minimax_m3/common/vision_tower.py MiniMaxVLVisionModel says so "
+     "and builds it with require_post_norm=False)"),
     (r"experts\.w(13|2)_blockscale_swizzled$",
      "ModelOptNvFp4FusedMoEMethod.create_weights makes it as swizzle(w13/w2_weight_scale) before loading; "
      "process_weights_after_loading recomputes it from the loaded weight_scale"),
@@ -40,11 +45,25 @@ def optional_for(model) -> list[tuple[str, str]]:
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16_NVFP4) linear: SGLang's ModelOptNvFp4A16LinearMethod registers input_scale "
                         "only for fused-loader compatibility and deletes it after loading"))
+        elif type(qm).__name__ == "ModelOptNvFp4FusedMoEMethod" and getattr(module, "num_fused_shared_experts", 0):
+            out.extend(_fused_shared_input_scales(name, module.num_fused_shared_experts))
         elif getattr(qm, "quant_mode", None) == "w4a16" and hasattr(module, "input_scale"):
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16) NVFP4 linear: SGLang's ModelOptFp4LinearMethod reads input_scale only "
                         "in quant_mode w4a4; w4a16 builds its GEMM alpha from weight_scale_2 alone"))
     return out
+
+
+def _fused_shared_input_scales(name: str, fused: int) -> list[tuple[str, str, int]]:
+    """A shared expert SGLang fuses into the routed experts as expert slot E.. (``num_fused_shared_experts``:
+    MiniMax M3's loader renames ``mlp.shared_experts.*`` to ``mlp.experts.{E}.w1/w2/w3``, srt/models/minimax_m3_vl.py
+    _load_llm_weight) is a dense MLP in the checkpoint, with no input_scale; ModelOptNvFp4FusedMoEMethod.create_weights
+    fills w13/w2_input_scale with 1.0 (layers/quantization/modelopt_quant.py ``input_scale_fill``), which that slot
+    keeps: the value a routed expert's written input_scale has."""
+    why = ("input_scale of the shared expert fused as a routed expert slot: ModelOptNvFp4FusedMoEMethod.create_weights "
+           "fills it with 1.0 (modelopt_quant.py input_scale_fill) and the checkpoint's dense shared expert has none")
+    return [(rf"^{re.escape(name)}\.w13_input_scale$", why, 2 * fused),
+            (rf"^{re.escape(name)}\.w2_input_scale$", why, fused)]
 
 
 def mtp_rule(config):
@@ -55,7 +74,11 @@ def mtp_rule(config):
     n = getattr(config, "num_nextn_predict_layers", 0) or 0
     base = getattr(config, "num_hidden_layers", 0)
 
+    minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
+
     def why(name: str) -> str | None:
+        if (m3 := minimax_m3(name)) is not None:
+            return m3
         if name.startswith("mtp.") and getattr(getattr(config, "text_config", config), "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
                     "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
@@ -70,6 +93,23 @@ def mtp_rule(config):
             return None
         return (f"MTP layer {parts[2]} (num_nextn_predict_layers): SGLang's main model drops it in load_weights "
                 "(layer >= num_hidden_layers); its NextN model loads it")
+    return why
+
+
+def minimax_m3_mtp_rule(config):
+    """MiniMax M3's MTP modules (``language_model.model.mtp.layers.{i}.*``): SGLang's main model skips the names
+    its ``get_spec_layer_idx_from_weight_name`` finds (srt/models/minimax_m3.py: ``model.mtp.layers.{i}.`` for
+    i < ``num_mtp_modules``), called from MiniMaxM3SparseForConditionalGeneration._load_llm_weight (minimax_m3_vl.py)
+    on the name without ``language_model.``. SGLang 0.5.23 registers no MiniMax M3 MTP model."""
+    n = getattr(config, "num_mtp_modules", 0) or 0
+
+    def why(name: str) -> str | None:
+        m = re.match(r"(?:language_model\.)?model\.mtp\.layers\.(\d+)\.", name)
+        if not (n > 0 and m and int(m.group(1)) < n):
+            return None
+        return (f"MTP module {m.group(1)} (num_mtp_modules): SGLang's main model skips it "
+                "(srt/models/minimax_m3.py get_spec_layer_idx_from_weight_name); SGLang 0.5.23 has no MiniMax M3 "
+                "MTP model to load it")
     return why
 
 

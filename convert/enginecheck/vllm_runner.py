@@ -59,7 +59,22 @@ def optional_for(model) -> list[tuple[str, str]]:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.weight_scale$", why, pad * p.shape[1]))
                 elif pname in ("weight_scale_2", "input_scale") and p.dim() == 1:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.{pname}$", why, 1))
+        out.extend(_hyper_connection_padding(name, module))
     return out
+
+
+def _hyper_connection_padding(name: str, module) -> list[tuple[str, str, int]]:
+    """Qwen3.8-Flash-Next's hyper-connection: vLLM packs input_mix_weight_down and block_inject_weight into one
+    MergedColumnParallelLinear padded to 16 rows (models/qwen4_exp/nvidia/hyperconnection.py ``pad_size``, shard
+    ``_input_mix_padding``, which no checkpoint tensor maps to); the padding rows' outputs are split off and dropped
+    (``_down_and_inject``)."""
+    pad = getattr(module, "pad_size", 0)
+    proj = getattr(module, "input_mix_weight_down_block_inject", None)
+    if not pad or proj is None:
+        return []
+    why = (f"alignment padding of {name}.input_mix_weight_down_block_inject ({pad} rows, hyperconnection.py pad_size): "
+           "no checkpoint tensor maps there; their outputs are split off and dropped (_down_and_inject)")
+    return [(rf"^{re.escape(name)}\.input_mix_weight_down_block_inject\.weight$", why, pad * proj.weight.shape[1])]
 
 
 def mtp_rule(config):
@@ -68,7 +83,11 @@ def mtp_rule(config):
     glm4_moe.py Glm4MoeModel.load_weights); the MTP model (glm4_moe_mtp.py Glm4MoeMTP) loads those."""
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
+    minimax_m3 = minimax_m3_mtp_rule(config)
+
     def why(name: str) -> str | None:
+        if (m3 := minimax_m3(name)) is not None:
+            return m3
         if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
                     "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "
@@ -97,6 +116,21 @@ def draft_rule(config):
         if mtp(name):
             return None
         return "the main model's tensor (no MTP layer by vLLM's own rule): its draft model drops it on purpose"
+
+
+def minimax_m3_mtp_rule(config):
+    """MiniMax M3's MTP modules (``language_model.model.mtp.layers.{i}.*``, i < ``num_mtp_modules``): vLLM's
+    main model skips every name with ``mtp.`` in it (vllm/models/minimax_m3/nvidia/model.py
+    MiniMaxM3Model.load_weights, "The MTP module is not modeled yet"); its MTP model (registry ``MiniMaxM3MTP``,
+    nvidia/mtp.py MiniMaxM3MTP._map_checkpoint_name) loads them."""
+    n = getattr(config, "num_mtp_modules", 0) or 0
+
+    def why(name: str) -> str | None:
+        m = re.match(r"(?:language_model\.)?model\.mtp\.layers\.(\d+)\.", name)
+        if not (n > 0 and m and int(m.group(1)) < n):
+            return None
+        return (f"MTP module {m.group(1)} (num_mtp_modules): vLLM's main model skips names with 'mtp.' "
+                "(models/minimax_m3/nvidia/model.py MiniMaxM3Model.load_weights); its MTP model MiniMaxM3MTP loads it")
     return why
 
 
@@ -124,7 +158,20 @@ PATCHES = [
      "reserve scratch in their constructors (MLA prefill trtllm_ragged, DSA) get it; scratch holds no weights"),
     ("weight iterator observed",
      "DefaultModelLoader.get_all_weights is wrapped to record each (name, tensor) it yields, unchanged"),
+    ("engram tables on the device",
+     "for a model with n-gram embedding tables (Qwen3.8-Flash-Next's PLE), EngramConfig.cpu_offload (on by default: "
+     "the table in pinned host memory read through UVA, which a CPU without CUDA cannot give) is turned off, as "
+     "--engram-config '{\"cpu_offload\": false}' does: the table is then the parent class of the offloaded one "
+     "(models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLEEmbedding), with the same parameter and weight loader"),
 ]
+
+
+def engram_on_device(vllm_config) -> None:
+    """The "engram tables on the device" patch (PATCHES): applied only where vLLM resolved an EngramConfig
+    (config/vllm.py _resolve_and_verify_engram_config: models with n-gram layers)."""
+    engram = getattr(vllm_config, "engram_config", None)
+    if engram is not None and engram.cpu_offload:
+        engram.cpu_offload = False
 
 
 def apply_patches(result: dict) -> None:
@@ -277,6 +324,7 @@ def run(model_dir: str, result: dict) -> None:
     t = time.perf_counter()
     with rc.CpuDevices():
         vllm_config, mc, load_config = engine_config(model_dir, result["draft"])
+        engram_on_device(vllm_config)
     result["architectures"] = list(getattr(mc.hf_config, "architectures", None) or [])
     result["quantization"] = mc.quantization
     result["quant_config"] = type(vllm_config.quant_config).__name__ if vllm_config.quant_config else None
