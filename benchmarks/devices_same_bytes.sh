@@ -9,7 +9,9 @@ PY=${PYTHON:-python}
 WORK=${WORKDIR:-/tmp/kimi-convert-devices}
 status=0
 for p in "$@"; do
-    "$PY" -m kimi_convert.cli synth "$p" "$WORK/$p" --overwrite >/dev/null
+    # a built-in preset by name, the tests' (tiny-gpt-oss) by their spec file in tests/presets/
+    spec=$("$PY" -c "import sys; from kimi_convert.synth import find_preset; print(find_preset(sys.argv[1], ['tests/presets']))" "$p")
+    "$PY" -m kimi_convert.cli synth "$spec" "$WORK/$p" --overwrite >/dev/null
     for d in cpu cuda; do "$PY" -m kimi_convert.cli pack "$WORK/$p" "$WORK/$p-$d" --device "$d" -q --overwrite; done
     for f in "$WORK/$p-cpu"/*; do
         [ -f "$f" ] || continue

@@ -1,7 +1,10 @@
 """pack against the disk floor on the same disk (issue 6), in one run.
 
     python benchmarks/pack_throughput.py [--preset bench-kimi-linear] [--layers 4] [--device cpu|cuda]
-        [--workers 1 2] [--quantize-alone] [--cold input|all|warm] [--workdir DIR]
+        [--workers 1 2] [--quantize-alone] [--cold input|all|warm] [--workdir DIR] [--input DIR] [--mapping FILE]
+
+``--input`` takes a checkpoint written elsewhere (a test-only preset's generator) instead of ``synth --preset``;
+``--mapping`` is passed to every pack (a draft table for an architecture with none shipped).
 
 1. disk floor: read every input file once, then write and fsync a file of the output's size;
 2. with --quantize-alone: the time the kernels alone take on the checkpoint's NVFP4 modules, their
@@ -125,7 +128,7 @@ def disk_floor(src: Path, out_bytes: int, scratch: Path, drop: bool) -> tuple[fl
     return read_s, write_s
 
 
-def quantize_alone(src: Path, device: str) -> tuple[float, int]:
+def quantize_alone(src: Path, device: str, mapping: str | None = None) -> tuple[float, int]:
     """Seconds the compute stage takes on every NVFP4 unit, sources preloaded (one unit at a time)."""
     import torch
 
@@ -135,7 +138,7 @@ def quantize_alone(src: Path, device: str) -> tuple[float, int]:
     from kimi_convert.plan import Options, fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
 
-    ckpt, plan = load_plan(src, Options())
+    ckpt, plan = load_plan(src, Options(mapping=mapping))
     backend = get_backend(device)
     block = fp8_block_size(ckpt.config)
     reader = PreadReader(src)
@@ -158,14 +161,14 @@ def quantize_alone(src: Path, device: str) -> tuple[float, int]:
 
 
 def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_shard: str,
-             streams: int | None) -> tuple[float, int, int, dict]:
+             streams: int | None, extra: list[str]) -> tuple[float, int, int, dict]:
     shutil.rmtree(out, ignore_errors=True)
     stats = out.with_name("stats.json")
     drop_caches(drop)
     t = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(out), "-q",
                               "--device", device, "--workers", str(workers), "--stats", str(stats),
-                              "--max-shard-size", max_shard] + (["--streams", str(streams)] if streams else []),
+                              "--max-shard-size", max_shard] + (["--streams", str(streams)] if streams else []) + extra,
                              stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - t
@@ -191,12 +194,17 @@ def main() -> None:
                     help="before each timed step: nothing, evict the input's pages, or drop the whole page cache")
     ap.add_argument("--drop-caches", action="store_true", help="the same as --cold all")
     ap.add_argument("--repeat", type=int, default=1, help="pack runs per --workers value (the median is shown)")
+    ap.add_argument("--input", help="a checkpoint to pack instead of the synth preset's")
+    ap.add_argument("--mapping", help="a mapping table passed to every pack")
     a = ap.parse_args()
+    extra = ["--mapping", a.mapping] if a.mapping else []
     global COLD, SRC
     COLD = "all" if a.drop_caches else a.cold
     work = Path(a.workdir)
     src, out = work / f"{a.preset}-L{a.layers or 'd'}", work / "out"
-    if not (src / "config.json").exists():
+    if a.input:
+        src, a.preset = Path(a.input), Path(a.input).name
+    elif not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         cmd = [sys.executable, "-m", "kimi_convert.cli", "synth", a.preset, str(src)]
         subprocess.run(cmd + (["--layers", str(a.layers)] if a.layers else []), check=True)
@@ -206,7 +214,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "kimi_convert.cli", "pack", str(src), str(out), "-q", "--device",
                     a.device, "--workers", "1",
-                    "--max-shard-size", a.max_shard_size], check=True, stdout=subprocess.DEVNULL)
+                    "--max-shard-size", a.max_shard_size, *extra], check=True, stdout=subprocess.DEVNULL)
     size_out = sum(p.stat().st_size for p in files(out))
     shutil.rmtree(out)
     cache = drop_caches()
@@ -218,7 +226,7 @@ def main() -> None:
           f"({size_out / write_s / 1e9:.2f} GB/s) = **{floor:.2f} s**")
     bound, what = floor, "disk floor"
     if a.quantize_alone:
-        q, qbytes = quantize_alone(src, a.device)
+        q, qbytes = quantize_alone(src, a.device, a.mapping)
         print(f"quantize alone ({a.device}): {q:.2f} s for {qbytes / 1e9:.2f} GB of NVFP4 sources "
               f"({qbytes / q / 1e9:.2f} GB/s)")
         bound, what = floor + q, "disk floor + quantize alone"
@@ -227,7 +235,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     stages = []
     for w in a.workers:
-        runs = sorted((run_pack(src, out, a.device, w, True, a.max_shard_size, a.streams)
+        runs = sorted((run_pack(src, out, a.device, w, True, a.max_shard_size, a.streams, extra)
                        for _ in range(a.repeat)), key=lambda r: r[0])
         wall, rss, read, st = runs[len(runs) // 2]
         every = ", ".join(f"{r[0]:.2f}" for r in runs)

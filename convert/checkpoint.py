@@ -50,6 +50,20 @@ class Checkpoint:
 
 
 @gc_paused()
+def _check_named(source: Source, rel: str, what: str, weight_map: dict[str, str] | None):
+    """``source.check_named``; a file the index names that is missing or not a file is refused with what the index
+    lists in it (an MTP layer's own shard, say: ``model.layers.92.*``)."""
+    try:
+        return source.check_named(rel, what)
+    except ConvertError as e:
+        if weight_map is None:
+            raise
+        listed = sorted(n for n, f in weight_map.items() if f == rel)
+        more = " ..." if len(listed) > 3 else ""
+        raise ConvertError(f"{e} (the index lists {len(listed)} tensor(s) in it: {', '.join(listed[:3])}{more})"
+                           ) from None
+
+
 def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True) -> Checkpoint:
     """Read config.json, the index and every shard header of ``where`` (a source, or a folder: ``open_source``;
     no tensor data)."""
@@ -82,7 +96,7 @@ def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True
     # Every named file must exist inside the source before any header is read: a missing or
     # escaping file is the more useful error than the tensors it leaves unaccounted for.
     what = INDEX_NAME if weight_map is not None else source.name
-    named = {rel: source.check_named(rel, what) for rel in files}
+    named = {rel: _check_named(source, rel, what, weight_map) for rel in files}
     sizes: dict[str, int] = {}
     headers = _headers(source, list(named))
     for rel, entry in named.items():

@@ -85,21 +85,17 @@ def cli() -> None:
     """
 
 
-#: Presets the tests pin as fixtures (tiny-deepseek-fp8: a layout neither engine loads): made by the tests through
-#: synth.write_synth, neither listed nor accepted by ``kimi-convert synth``.
-TEST_FIXTURES = frozenset({"tiny-deepseek-fp8"})
-
-
 def user_presets() -> dict[str, str]:
-    """The presets ``kimi-convert synth`` offers, with their descriptions (every preset but the test fixtures)."""
-    from .synth import PRESETS
+    """The presets ``kimi-convert synth`` offers by name, with their descriptions: the built-in spec files'
+    (presets/*.toml). The tests' own fixtures (tiny-deepseek-fp8) are spec files in tests/presets/."""
+    from .synth import builtin_presets
 
-    return {name: p.description for name, p in PRESETS.items() if name not in TEST_FIXTURES}
+    return {name: v.description for name, (_, v) in builtin_presets().items()}
 
 
 class SynthCommand(click.Command):
-    """``synth --help`` lists every preset it accepts, read from the presets themselves (torch is imported only
-    when the help is asked for)."""
+    """``synth --help`` lists every preset it offers by name, read from the spec files themselves (torch is
+    imported only when the help is asked for)."""
 
     def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_help_text(ctx, formatter)
@@ -119,21 +115,21 @@ class SynthCommand(click.Command):
               help="Shards written at once (the same bytes for any value).")
 def synth(preset: str, output: str, seed: int, layers: int | None, experts: int | None, shards: int | None,
           overwrite: bool, jobs: int) -> None:
-    """Write a synthetic checkpoint shaped like a real release (PRESET: one of those below)."""
-    from .synth import PRESETS, write_synth
+    """Write a synthetic checkpoint shaped like a real release.
 
-    offered = user_presets()
-    if preset not in offered:
-        raise ConvertError(f"unknown preset {preset!r}; presets: {', '.join(offered)}")
+    PRESET: one of those below, or a spec file, FILE.toml holding one preset or FILE.toml:NAME (the format:
+    docs/presets.md).
+    """
+    from .synth import load_preset, write_synth
 
-    out = write_synth(preset, output, seed=seed, layers=layers, experts=experts, overwrite=overwrite, jobs=jobs,
-                      shards=shards)
+    spec = load_preset(preset, layers, experts, shards)
+    out = write_synth(spec, output, seed=seed, overwrite=overwrite, jobs=jobs)
     stats = [p.stat() for p in out.iterdir() if p.is_file()]
     size, used = sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats)
-    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if PRESETS[preset].sparse else ""
+    sparse = f" ({size / 1e9:.1f} GB apparent, data regions are holes)" if spec.sparse else ""
     given = {"layers": layers, "experts": experts, "shards": shards}  # the description gives the preset's own
     changed = "".join(f" {k}={v}" for k, v in given.items() if v is not None)
-    click.echo(f"wrote {paths.shown(out)}/: {PRESETS[preset].description}{f' (changed:{changed})' if changed else ''}; "
+    click.echo(f"wrote {paths.shown(out)}/: {spec.description}{f' (changed:{changed})' if changed else ''}; "
                f"{(used if sparse else size) / 1e6:.1f} MB on disk{sparse}")
 
 
@@ -392,12 +388,16 @@ def _report_commit(res, repo_id: str | None, output_dir: str, committed: str) ->
 @click.option("--numerics/--no-numerics", default=True, show_default=True,
               help="With --engine and --input: read every layer as the engine's GEMM does and compare it, row for "
                    "row, with INPUT's weights, each row held to its format's own error.")
+@click.option("--draft/--no-draft", default=True, show_default=True,
+              help="With --engine: where the engine's main model leaves MTP layers to its speculative-decoding draft, "
+                   "also build that draft model (vLLM's --speculative-config method mtp, SGLang's "
+                   "--speculative-algorithm NEXTN) and check it the same way.")
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable report (with --engine: every parameter's details).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, remote: str | None,
                     revision: str | None, token: str | None, engines: tuple[str, ...], engine_python: str | None,
-                    engine_any_version: bool, numerics: bool, as_json: bool, quiet: bool) -> None:
+                    engine_any_version: bool, numerics: bool, draft: bool, as_json: bool, quiet: bool) -> None:
     """Check OUTPUT against its manifest.json (exit 0 only if everything holds).
 
     With --engine and no manifest.json in OUTPUT (any checkpoint: NVIDIA's, llm-compressor's), only the engine
@@ -431,23 +431,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 
         rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
-    engine_reports = []
-    if engines:
-        from .enginecheck import check, resolve
-
-        for engine in engines:  # every engine's python checked before any engine runs
-            resolve(engine, engine_python, engine_any_version)
-        for engine in engines:
-            if not (quiet or as_json):
-                click.echo(f"loading {output_dir} with {engine} (its own loader, on the CPU)...", err=True)
-            er = check(output_dir, engine, python=engine_python, any_version=engine_any_version,
-                       source=input_dir if numerics else None)
-            engine_reports.append(er)
-            rep.check(f"{engine} {er.version}: its own loader ({er.seconds:.0f} s)", [] if er.loads else [er.verdict],
-                      er.load_verdict if er.loads else "")
-            if er.loads and er.numerics is not None:
-                rep.check(f"{engine} {er.version}: numerics, every layer as its GEMM reads it",
-                          [] if er.numerics["ok"] else er.numerics["problems"], er.numeric_verdict)
+    engine_reports = _engine_checks(rep, output_dir, engines, engine_python, engine_any_version,
+                                    input_dir if numerics else None, draft, not (quiet or as_json))
     if engines and numerics and not input_dir and not (quiet or as_json):
         click.echo("note: numeric check not run: give --input SOURCE (the checkpoint OUTPUT was converted from)",
                    err=True)
@@ -466,6 +451,37 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
             if not er.ok:
                 click.echo(er.verdict, err=True)
     sys.exit(0 if rep.ok else 1)
+
+
+def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python: str | None, any_version: bool,
+                   source: str | None, draft: bool, say: bool) -> list:
+    """Each engine's check of OUTPUT, and, where the engine's main model leaves MTP layers to its draft, the same check
+    of the engine's speculative-decoding draft model (its own line: ``ENGINE VERSION draft``)."""
+    from .enginecheck import check, resolve
+
+    for engine in engines:  # every engine's python checked before any engine runs
+        resolve(engine, engine_python, any_version)
+    reports = []
+    for engine in engines:
+        roles = [False]
+        while roles:
+            as_draft = roles.pop()
+            if say:
+                what = "its speculative-decoding draft" if as_draft else "its own loader"
+                click.echo(f"loading {output_dir} with {engine} ({what}, on the CPU)...", err=True)
+            er = check(output_dir, engine, python=engine_python, any_version=any_version, source=source,
+                       draft=as_draft)
+            reports.append(er)
+            head = f"{engine} {er.version}" + (f" draft ({(er.model_class or '?').rpartition('.')[2]})" if as_draft
+                                               else "")
+            rep.check(f"{head}: its own loader ({er.seconds:.0f} s)", [] if er.loads else [er.verdict],
+                      er.load_verdict if er.loads else "")
+            if er.loads and er.numerics is not None:
+                rep.check(f"{head}: numerics, every layer as its GEMM reads it",
+                          [] if er.numerics["ok"] else er.numerics["problems"], er.numeric_verdict)
+            if draft and not as_draft and er.mtp_skipped:
+                roles.append(True)
+    return reports
 
 
 @cli.command()

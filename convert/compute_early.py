@@ -64,7 +64,7 @@ def takes(unit: Unit) -> bool:
     """Whether this module computes ``unit`` (a pure function of the plan, and of $KIMI_CONVERT_RECIPE_KERNELS:
     ``torch`` has NVIDIA's recipe computed by its torch code, which the tests compare the C kernels with)."""
     quant = [s for it in unit.items if it.kind == NVFP4 for s in it.sources]
-    cast = bool(quant) and any(s.encoding == Encoding.MXFP4 for s in quant)
+    cast = bool(quant) and any(encodings.holds_mxfp4(s) for s in quant)
     torch_recipe = os.environ.get(RECIPE_KERNELS_ENV, "auto") == "torch"
     if cast and (torch_recipe or not all(_mxfp4(s) for s in quant) or formats.get(
             next(it for it in unit.items if it.kind == NVFP4).output_format).NVFP4_MATH != "modelopt"):
@@ -84,8 +84,10 @@ def takes(unit: Unit) -> bool:
 
 
 def _mxfp4(s: SourceTensor) -> bool:
-    """Kimi K3's MXFP4 as stored (``weight_packed`` U8 [N, K/2], ``weight_scale`` U8 [N, K/32]): the cast's input."""
-    return s.encoding == Encoding.MXFP4 and not s.view and len(s.parts) == 2 and len(s.parts[0].shape) == 2
+    """MXFP4 as stored, codes [N, K/2] and E8M0 bytes [N, K/32], two parts: Kimi K3's (``weight_packed`` U8,
+    ``weight_scale`` U8) and DeepSeek V4's (``weight`` I8, ``scale`` F8_E8M0; the same bytes): the cast's input.
+    gpt-oss's banks (a third part, a view) go through torch."""
+    return encodings.holds_mxfp4(s) and not s.view and len(s.parts) == 2 and len(s.parts[0].shape) == 2
 
 
 def _dense(s: SourceTensor) -> bool:
@@ -168,7 +170,7 @@ class EarlyCompute:
                     self._fp8_block(it, reader, arena, res)
                 elif it.kind != NVFP4:
                     res.outputs[it.outputs[0].name] = Output(raw_chunks(it, reader))
-            if quant and any(s.encoding == Encoding.MXFP4 for it in quant for s in it.sources):
+            if quant and any(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
                 self._cast(quant, reader, arena, res)
             elif quant:
                 self._quantize(quant, reader, arena, res)

@@ -19,6 +19,8 @@ from pathlib import Path
 from . import globs, tomlfile
 from .errors import ConvertError
 from .keep import KeepRule
+from .mtp import Mtp
+from .mtp import parse as parse_mtp
 from .schemes import Format
 
 ENGINES = ("vllm", "sglang")
@@ -132,6 +134,7 @@ class Mapping:
     layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
     moe: MoeCheck | None = None  # the config fields of the routed experts (plan.consistency)
     lm_head: LmHeadCheck | None = None
+    mtp: Mtp | None = None  # the MTP layers and what each engine's draft model needs of them (convert/mtp.py)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
 
@@ -157,6 +160,12 @@ class Mapping:
                 off = len(module) - len(short)
                 return f"{module[:off + a]}#{module[off + b:]}"
         return None
+
+    def mtp_prefixes(self, config: dict) -> tuple[str, ...]:
+        """The name prefixes of the MTP layers ``config`` announces (none without an ``[mtp]`` table)."""
+        if self.mtp is None:
+            return ()
+        return self.mtp.prefixes(lambda path: self.config_value(config, path))
 
     @property
     def sha256(self) -> str:
@@ -313,6 +322,7 @@ def _schema() -> tomlfile.Spec:
                         "dense_below": path, "every": path, "dense_list": path, "sparse_step": path},
                        ("experts", "members")),
         "lm_head": t.table({"tie": path, "module": t.STR}, ("tie", "module")),
+        "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
     }, ("name",))
 
 
@@ -485,6 +495,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         layouts=_layouts(t.get("layout", {}), f"{path}: layout"),
         moe=_moe(t.get("moe")),
         lm_head=LmHeadCheck(**t["lm_head"]) if "lm_head" in t else None,
+        mtp=parse_mtp(t.get("mtp"), f"{path}: mtp"),
         source=text,
         path=path,
     )

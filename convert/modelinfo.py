@@ -84,18 +84,30 @@ def from_config(config: dict) -> ModelInfo:
         for i, k in enumerate(text["layer_types"]):
             kinds.setdefault(str(k), []).append(i)
         info.layer_kinds = kinds
+    elif isinstance(sparse := (text.get("sparse_attention_config") or {}).get("sparse_attention_freq"), list):
+        info.layer_kinds = {"attention": [i for i, f in enumerate(sparse) if not f],  # MiniMax M3
+                            "sparse_attention": [i for i, f in enumerate(sparse) if f]}
     elif n:
         info.layer_kinds = {"mla" if "kv_lora_rank" in text else "attention": list(range(n))}
     if info.num_experts:
-        first = int(text.get("first_k_dense_replace", 0) or 0)
-        freq = int(text.get("moe_layer_freq", 1) or 1)
-        step = int(text.get("decoder_sparse_step", 1) or 1)
-        info.moe_layers = [i for i in range(n) if i >= first and i % freq == 0 and (i + 1) % step == 0]
+        info.moe_layers = _moe_layers(text, n)
     return info
 
 
+def _moe_layers(text: dict, n: int) -> list[int]:
+    """The MoE layers: DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq`` (an integer step), Qwen's
+    ``decoder_sparse_step``, or MiniMax M3's ``moe_layer_freq`` as one 0/1 flag a layer (vLLM
+    models/minimax_m3/nvidia/model.py ``_is_moe_layer``)."""
+    freq = text.get("moe_layer_freq", 1)
+    if isinstance(freq, list):
+        return [i for i, f in enumerate(freq[:n]) if f]
+    first = int(text.get("first_k_dense_replace", 0) or 0)
+    step = int(text.get("decoder_sparse_step", 1) or 1)
+    return [i for i in range(n) if i >= first and i % int(freq or 1) == 0 and (i + 1) % step == 0]
+
+
 _EXPERT = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
+    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp|ffn)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
 )
 
 
@@ -117,8 +129,9 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         if not m:
             continue
         found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-        if shape is None:
-            shape = [t.shape[0], t.shape[1] * (2 if m.group(4) else 1)]
+        if shape is None:  # MXFP4 codes, two a byte: K/2 stored (compressed-tensors weight_packed, DeepSeek V4's I8)
+            packed = m.group(4) or getattr(t, "dtype", None) == "I8"
+            shape = [t.shape[0], t.shape[1] * (2 if packed else 1)]
     if not found:
         if info.num_experts:
             info.warnings.append("config declares experts but no expert weights were found")

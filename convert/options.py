@@ -90,7 +90,8 @@ def _opt(default, help: str, *, flag: str | None = None, metavar: str | None = N
          type: click.ParamType | None = None, show_default: str | bool | None = None, check: tuple | None = None,
          manifest: bool = True, omit_none: bool = False) -> Any:
     """A field of :class:`Options` and how the command line and the manifest spell it (``omit_none``: left
-    out of the manifest while unset, so manifests made before the option existed keep their bytes)."""
+    out of the manifest while unset (None, or a flag's False), so manifests made before the option existed keep
+    their bytes)."""
     meta = {"help": help, "flag": flag, "metavar": metavar, "type": type, "show_default": show_default,
             "check": check, "manifest": manifest, "omit_none": omit_none}
     return field(default=default, compare=manifest, metadata=meta)
@@ -126,6 +127,10 @@ class Options:
     keep_partial: bool = _opt(
         False, "Keep a fused module (or MoE layer) whole in high precision when only some of its shards are "
                "excluded.")
+    quantize_mtp: bool = _opt(
+        False, "Quantize the MTP (speculative-decoding draft) layers by the recipe where every engine's draft model "
+               "builds them quantized; by default they are kept as the source stores them wherever a draft cannot "
+               "take them quantized.", omit_none=True)
     max_shard_size: int = _opt(
         DEFAULT_MAX_SHARD, "Largest output shard, e.g. 5GB, 500MB.", type=SIZE, show_default="5GB")
     fuse: tuple[str, ...] = _opt((), "Enable an opt-in fused group of the mapping.", metavar="GROUP")
@@ -146,7 +151,7 @@ class Options:
         for f in fields(self):
             if f.metadata["manifest"]:
                 v = getattr(self, f.name)
-                if v is None and f.metadata["omit_none"]:
+                if f.metadata["omit_none"] and (v is None or v is False):
                     continue
                 out[f.name] = list(v) if isinstance(v, tuple) else v
         return out

@@ -6,7 +6,8 @@ the first rule whose module globs match a linear module decides its format:
 - ``nvfp4``: packed E2M1 weight, e4m3 block scales, fp32 global scale (shared over the engine
   fusion group), and optionally a constant ``input_scale``;
 - ``fp8-block``: e4m3 weight with one fp32 scale per 128x128 tile, weight only;
-- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16).
+- ``keep``: the source precision (MXFP4 or FP8 sources are decoded to BF16; with the recipe's
+  ``keep_stored = true`` copied as stored instead, weight and scale tensors under their own names).
 
 The mapping still has the last word: modules the engines build unquantized are kept whatever a
 recipe says, and user exclusions (``--exclude``) keep a module too (``keep.py``: every source of a keep,
@@ -52,6 +53,9 @@ class Recipe:
     source: str = ""
     path: str = ""
     output_format: str = "modelopt"  # how the quantized modules are stored (convert/formats/)
+    # a kept module whose source is encoded (FP8 with its scales, MXFP4) is copied as stored, its weight and scale
+    # tensors under their own names (NVIDIA's DeepSeek V4 recipe: "left in the source format"), not decoded to BF16
+    keep_stored: bool = False
 
     @property
     def sha256(self) -> str:
@@ -77,7 +81,7 @@ def _schema() -> tomlfile.Spec:
     return t.table({
         "name": t.STR, "description": t.STR, "default_for": t.strs(),
         "output_format": t.one_of(tuple(sorted(formats.FORMATS)), "output_format"),
-        "quant_method": t.STR, "quant_algo": t.STR, "aliases": t.BOOL,
+        "quant_method": t.STR, "quant_algo": t.STR, "aliases": t.BOOL, "keep_stored": t.BOOL,
         "rule": t.array_of(rule, "an array of tables ([[rule]])"),
         "config": t.table({"exclude_modules": t.strs()}),
     }, ("name",))
@@ -153,6 +157,7 @@ def parse_recipe(text: str, path: str) -> Recipe:
         source=text,
         path=path,
         output_format=out_format,
+        keep_stored=t.get("keep_stored", False),  # a bool: the schema checked it
     )
 
 

@@ -57,6 +57,7 @@ DTYPES: dict[str, DType] = {
         DType("BF16", 2, "bfloat16"),
         DType("F8_E4M3", 1, "float8_e4m3fn"),
         DType("F8_E5M2", 1, "float8_e5m2"),
+        DType("F8_E8M0", 1, "float8_e8m0fnu"),  # MX scales (DeepSeek V4's `.scale` tensors)
         DType("I64", 8, "int64"),
         DType("I32", 4, "int32"),
         DType("I16", 2, "int16"),

@@ -26,12 +26,19 @@ CASES=(
   "tiny-deepseek-fp8-vllm|tiny-deepseek-fp8|--layout vllm"
 )
 
+# a built-in preset by name, the tests' by their spec file (tests/presets/, docs/presets.md)
+TEST_PRESETS="$(cd "$(dirname "$0")/.." && pwd)/tests/presets"
+spec() {
+  python -c "import sys; from kimi_convert.synth import find_preset; print(find_preset(sys.argv[1], [sys.argv[2]]))" \
+    "$1" "$TEST_PRESETS"
+}
+
 pack() {
   local dir=$1
   mkdir -p "$dir/in"
   for c in "${CASES[@]}"; do
     IFS='|' read -r name preset opts <<<"$c"
-    [ -d "$dir/in/$preset" ] || kimi-convert synth "$preset" "$dir/in/$preset" >/dev/null
+    [ -d "$dir/in/$preset" ] || kimi-convert synth "$(spec "$preset")" "$dir/in/$preset" >/dev/null
     # shellcheck disable=SC2086
     TQDM_DISABLE=1 kimi-convert pack "$dir/in/$preset" "$dir/$name" --device cpu -q --overwrite $opts
     # shellcheck disable=SC2086

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import write_synth
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
-from kimi_convert.synth import write_synth
 
 #: The engine checks' fork servers (``kimi_convert.enginecheck.server``): one folder for the whole run, made by
 #: the first process (pytest-xdist's controller, whose workers inherit the variable), so that each engine is

@@ -244,3 +244,38 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             names = list(f.keys())  # safe_open is not a dict
             out.update({k: f.get_tensor(k) for k in names})
     return out
+
+
+#: the presets only the tests use (docs/presets.md): spec files on the package's families or their own
+TEST_PRESETS = Path(__file__).resolve().parent / "presets"
+
+
+def spec(name: str) -> str:
+    """The synth preset ``name`` as ``synth`` takes it: a built-in name or ``tests/presets/F.toml:name``."""
+    from kimi_convert.synth import find_preset
+
+    return find_preset(name, [TEST_PRESETS])
+
+
+def synth_preset(name: str, **over):
+    """The resolved preset ``name`` (built in or the tests'), with ``layers/experts/shards`` overrides."""
+    from kimi_convert.synth import load_preset
+
+    return load_preset(spec(name), **over)
+
+
+def write_synth(name: str, out, **kw) -> Path:
+    """``kimi-convert synth`` of a built-in or a tests' preset, in process."""
+    from kimi_convert import synth
+
+    return synth.write_synth(spec(name), out, **kw)
+
+
+def all_presets() -> list[str]:
+    """Every preset: the built-in ones, then the tests' (tests/presets/*.toml)."""
+    import tomllib
+
+    from kimi_convert.synth import builtin_presets
+
+    tests = [n for f in sorted(TEST_PRESETS.glob("*.toml")) for n in tomllib.loads(f.read_text())["presets"]]
+    return [*builtin_presets(), *tests]

@@ -16,8 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_plan_scale import CASES, _input, plan_options
 
-from helpers import rewrite_tensors, run
-from kimi_convert.synth import write_synth
+from helpers import rewrite_tensors, run, write_synth
 
 LAYER1 = "language_model.model.layers.1.block_sparse_moe.experts"
 

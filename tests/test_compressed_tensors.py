@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import one_line_error, run
+from helpers import one_line_error, run, spec
 from kimi_convert.kernels import ct_nvfp4
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def _peer_absent() -> str | None:
 @pytest.mark.skipif(_peer_absent() is not None, reason=_peer_absent() or "")
 @pytest.mark.parametrize("preset", sorted(PEER_INPUTS))
 def test_byte_identical_to_model_free_ptq(preset, tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_llmcompressor.py"), "--preset", preset,
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_llmcompressor.py"), "--preset", spec(preset),
            "--work", str(tmp_path), "--json", str(tmp_path / "report.json")]
     for e in PEER_INPUTS[preset]:
         cmd += ["--exclude", e]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import rewrite_tensors, tree
+from helpers import rewrite_tensors, tree, write_synth
 from kimi_convert import compute_early
 from kimi_convert.compute import compute_unit
 from kimi_convert.errors import ConvertError
@@ -22,7 +22,6 @@ from kimi_convert.pack import load_plan
 from kimi_convert.pipeline import is_pass_through
 from kimi_convert.plan import Options, fp8_block_size
 from kimi_convert.readers import BufferPool, Loaded, PreadReader
-from kimi_convert.synth import write_synth
 
 
 def _bits(x: float) -> int:

@@ -127,7 +127,9 @@ def test_source_formats_and_decoding_come_from_the_encodings():
     assert encodings.source_formats() == {"compressed-tensors": {"mxfp4-pack-quantized"},
                                           "fp8": {"e4m3", "float8_e4m3fn"},  # DeepSeek V3's and MiniMax-M2's fmt
                                           "mxfp4": {"mxfp4"}}  # gpt-oss (no format key: its method's one)
-    assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["MXFP4", "FP8Block", "GptOssMXFP4", "Dense"]
+    # DeepSeek V4's two (weight + .scale) before fp8_block, which refuses an F8_E4M3 weight without weight_scale_inv
+    assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["MXFP4", "DeepseekV4MXFP4", "DeepseekV4FP8",
+                                                                   "FP8Block", "GptOssMXFP4", "Dense"]
     scale = torch.full((2, 1), 255, dtype=torch.uint8)
     src = SourceTensor("m", "m.weight", encodings.Encoding.MXFP4, "MXFP4", (2, 32),
                        (_info("m.weight_packed", "U8", (2, 16)), _info("m.weight_scale", "U8", (2, 1), 32)))

@@ -17,25 +17,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from family_fixtures import deepseek_v4, deepseek_v32
 from safetensors.torch import load_file, save_file
 
-from helpers import Result, one_line_error, run, run_process
+from helpers import Result, one_line_error, run, run_process, spec
 from kimi_convert.enginecheck import EngineUnavailable, find_python
 
 ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
-          "gpt": "tiny-gpt-oss"}
+          "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
+          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp"}
+#: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
+#: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
+TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
-MTP_LAYER = {"glm": "3", "ds": "2"}
-MTP_BLOCK = {"q35": "mtp."}
+MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
+MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -72,7 +78,10 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-inputs")
     out = {}
     for key, preset in MODELS.items():
-        r = run("synth", preset, root / key)
+        if key in TEST_PRESETS:
+            out[key] = TEST_PRESETS[key](root / key)
+            continue
+        r = run("synth", spec(preset), root / key)
         assert r.code == 0, r.stderr
         out[key] = root / key
     return out
@@ -108,6 +117,15 @@ OUTPUTS = {
     # gpt-oss (MXFP4 banks cast to NVFP4 per expert, byte-identical to ModelOpt's cast): both engines refuse
     # it, and ModelOpt's own export alike, for reasons in the engines (REFUSED; docs/families.md, "gpt-oss")
     "gpt": ("gpt", None, "source", ENGINES),  # nvfp4-w4a16
+    # DeepSeek V4 (MXFP4 experts I8 + E8M0, block-FP8 with E8M0 .scale): the default nvidia-dsv4, NVIDIA's recipe
+    # byte for byte (experts cast to NVFP4, the rest as stored; docs/families.md, "DeepSeek V4")
+    "ds4": ("ds4", None, "source", ENGINES),
+    # DeepSeek V3.2: V3 plus the DSA indexer (wk / weights_proj kept BF16 for both engines' fused wk_weights_proj)
+    "ds32": ("ds32", None, "source", ENGINES),
+    # GLM-5.x and GLM-4.7-Flash: no hand table, packed with the derived one (mappings/derived/); the DSA indexer's
+    # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
+    "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
+    "g47": ("g47", None, "source", ENGINES),  # nvfp4-w4a16
 }
 
 
@@ -135,7 +153,10 @@ def record(engine: str, key: str, folder: Path, rep: dict, producer: tuple[str, 
         producer = (man["recipe"]["name"], man["options"]["layout"])
     num = rep.get("numerics") or {}
     summary = num.get("summary", {})
-    row = {"engine": engine, "version": rep.get("version"), "model": MODELS[OUTPUTS[key][0]],
+    model = MODELS[OUTPUTS[key][0]]
+    if rep.get("role") == "draft":  # the engine's speculative-decoding draft model of the same checkpoint
+        model += f" draft ({(rep.get('model_class') or '?').rpartition('.')[2]})"
+    row = {"engine": engine, "version": rep.get("version"), "model": model,
            "recipe": producer[0], "layout": producer[1], "loads": rep.get("error") is None,
            "filled": not rep["unfilled"], "skipped": len(rep["skipped"]), "bad_casts": len(rep["bad_casts"]),
            "optional_unset": len(rep.get("allowed_unfilled", [])), "ok": rep["ok"],
@@ -147,13 +168,21 @@ def record(engine: str, key: str, folder: Path, rep: dict, producer: tuple[str, 
 
 
 def engine_check(folder: Path, engine: str, source: Path | None = None, env: dict | None = None) -> tuple[int, dict]:
-    """verify-manifest --engine; with ``source``, --input too (the manifest checks against it and the
-    numeric check). The suite's checks go through the engines' fork servers (tests/conftest.py)."""
-    r = run_process("verify-manifest", folder, "--engine", engine, "--json",
+    """verify-manifest --engine (its main model only: --no-draft); with ``source``, --input too (the manifest checks
+    against it and the numeric check). The suite's checks go through the engines' fork servers (tests/conftest.py)."""
+    r = run_process("verify-manifest", folder, "--engine", engine, "--json", "--no-draft",
                     *(["--input", source] if source else []), env=env, timeout=1800)
     assert r.stdout.strip(), f"no report (rc {r.code}): {r.stderr[-2000:]}"
     d = json.loads(r.stdout)
     return r.code, d["engines"][0]
+
+
+def draft_check(folder: Path, engine: str, source: Path | None = None) -> tuple[int, list[dict]]:
+    """verify-manifest --engine with the engine's speculative-decoding draft: every engine report (main, draft)."""
+    r = run_process("verify-manifest", folder, "--engine", engine, "--json",
+                    *(["--input", source] if source else []), timeout=1800)
+    assert r.stdout.strip(), f"no report (rc {r.code}): {r.stderr[-2000:]}"
+    return r.code, json.loads(r.stdout)["engines"]
 
 
 def describe(rep: dict) -> str:
@@ -243,7 +272,7 @@ def test_served_check_is_fresh_checks(engine, outputs, inputs):
 def assert_mtp_only(model: str, rep: dict) -> None:
     """What the main model dropped by the engine's MTP rule is the MTP layer, all of it, and nothing else."""
     names = [t["tensor"] for t in rep.get("mtp_skipped", [])]
-    if model in MTP_BLOCK:  # Qwen3.5 stores its MTP block under its own prefix (mtp.*), not as a layer
+    if model in MTP_BLOCK:  # Qwen3.5 (mtp.*) and MiniMax M3 (model.mtp.layers.*) store it under their own prefix
         assert names and all(n.startswith(MTP_BLOCK[model]) for n in names), names
         return
     layers = {n.split(".")[2] for n in names}
@@ -283,9 +312,20 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
     assert layers and rep["skipped"], describe(rep)
 
 
+def _sglang_fused_shared_expert_lacks_input_scale(rep: dict) -> None:
+    """SGLang 0.5.23 fuses GLM-4.7-Flash's shared expert into the routed bank as slot n_routed_experts
+    (glm4_moe_lite.py shared_experts_fusion_disable_reason None on capability >= 8.0), and its NVFP4 MoE reads
+    every slot's input_scale; nvfp4-w4a16 writes input_scale for the routed experts only, so exactly that slot
+    of w13_input_scale / w2_input_scale stays unwritten (docs/families.md, "GLM-4.7-Flash"). Nothing else."""
+    assert rep["error"] is None and not rep["skipped"] and not rep["bad_casts"], describe(rep)
+    unfilled = {u["param"]: u["unfilled"] for u in rep["unfilled"]}
+    assert unfilled == {"model.layers.1.mlp.experts.w13_input_scale": 2,
+                        "model.layers.1.mlp.experts.w2_input_scale": 1}, describe(rep)
+
+
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
-RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2")}
+RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "ds32", "g5")}
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
@@ -302,7 +342,8 @@ def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
 
 
 #: Outputs an engine refuses for a reason in the engine, and the assertion of exactly that refusal.
-REFUSED = {("gpt", "vllm"): _vllm_refuses_gpt_oss, ("gpt", "sglang"): _sglang_refuses_gpt_oss}
+REFUSED = {("gpt", "vllm"): _vllm_refuses_gpt_oss, ("gpt", "sglang"): _sglang_refuses_gpt_oss,
+           ("g47", "sglang"): _sglang_fused_shared_expert_lacks_input_scale}
 
 
 @pytest.mark.parametrize(("key", "engine"), OUTPUT_PARAMS)
@@ -604,3 +645,49 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
     assert all(any(w in p for w in widened) for p in num["problems"]), num["problems"]
     if engine == "sglang":
         assert any("share one weight_global_scale" in p for p in num["problems"]), num["problems"]
+
+
+# -- the MTP layers as each engine's speculative-decoding draft reads them ----------------------------------------
+
+#: Checkpoints with MTP layers: the source itself and the default output (MTP layers kept where a draft cannot take
+#: them quantized, named in the exclude list as each draft asks for them: docs/families.md, "MTP layers").
+DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")]
+#: Drafts an engine cannot load from the default output, for a reason in the engine: SGLang's DeepSeek NextN builds
+#: the MTP layer unquantized under ModelOpt NVFP4, but its ModelOptFp4Config.is_layer_excluded reads an excluded MLA
+#: projection as excluding every layer's, so the main model needs the MTP layer's MLA projections quantized
+#: (mappings/deepseek_v3.toml [mtp] quantize; docs/families.md, "MTP layers").
+DRAFT_REFUSED = {("ds", "output", "sglang"): r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"}
+DRAFT_PARAMS = [pytest.param(m, kind, e.values[0], marks=e.marks, id=f"{m}-{kind}-{e.id}")
+                for m, kind in DRAFTS for e in ENGINE_PARAMS]
+
+
+@pytest.mark.parametrize(("model", "kind", "engine"), DRAFT_PARAMS)
+def test_draft_loads(model, kind, engine, outputs, inputs):
+    """Each engine's draft model (vLLM's speculative config method mtp, SGLang's NEXTN draft), built for the
+    checkpoint as a deployment builds it: loads, every parameter filled but what the engine takes from the target
+    model (embed_tokens, lm_head, shared heads: named as such), nothing skipped but the main model's tensors (and
+    SGLang's own skip of the MTP layer's embedding / head copies), no bad cast, and, on the output, every MTP layer
+    read right against the source. The main model's report comes first and is the same check as test_output_loads."""
+    folder = inputs[model] if kind == "source" else outputs[model]
+    assert isinstance(folder, Path), f"pack failed: {folder}"
+    rc, reps = draft_check(folder, engine, inputs[model] if kind == "output" else None)
+    assert [r["role"] for r in reps] == ["main", "draft"], [r["verdict"] for r in reps]
+    main, draft = reps
+    if kind == "output":
+        record(engine, model, folder, draft)
+    if (model, kind, engine) in DRAFT_REFUSED:  # the known refusal, and the main model unharmed
+        assert main["ok"] and not draft["ok"] and rc == 1, describe(draft)
+        err = f"{(draft['error'] or {}).get('tensor', '')} {' '.join(t['tensor'] for t in draft['skipped'])}"
+        assert re.search(DRAFT_REFUSED[(model, kind, engine)], err), describe(draft)
+        return
+    bad = [c for c in draft["bad_casts"] if c["class"] != "narrowing" or kind == "output"]
+    assert draft["error"] is None and not draft["unfilled"] and not draft["skipped"] and not bad, describe(draft)
+    assert draft["main_skipped"] and not draft["mtp_skipped"], describe(draft)
+    stored = {t for t, params in draft["stored"].items() if params}
+    assert {t["tensor"] for t in main["mtp_skipped"]} - stored <= {
+        t["tensor"] for t in draft["main_skipped"]}, "an MTP tensor the draft neither loaded nor dropped by its rule"
+    if kind == "output":
+        num = draft["numerics"]
+        assert num is not None and num["ok"] and num["layers"], describe(draft) + "\n" + "\n".join(
+            (num or {}).get("problems", [])[:5])
+        assert rc == 0 and draft["ok"] and main["ok"], describe(draft)

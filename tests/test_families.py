@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from helpers import run
-from kimi_convert.synth import PRESETS, config, write_synth
+from helpers import run, synth_preset, write_synth
+from kimi_convert.synth import config
 
 # Qwen/Qwen3-30B-A3B config.json: the values that are not sizes (sizes: the preset's).
 QWEN3_RELEASE = {
@@ -139,10 +139,16 @@ def test_glm_plan(ckpts):
         pre = f"model.layers.{layer}"
         assert mods[f"{pre}.mlp.gate"]["kind"] == "keep"
         assert mods[f"{pre}.mlp.gate.e_score_correction_bias"]["kind"] == "copy"
+        assert mods[f"{pre}.self_attn.q_proj.bias"]["kind"] == "copy"
+    for layer in (1, 2):
+        pre = f"model.layers.{layer}"
         assert {mods[f"{pre}.mlp.shared_experts.{x}_proj"]["quantization"]["shared_scale"] for x in ("gate", "up")} \
             == {f"{pre}.mlp.shared_experts.gate_up_proj"}
-        assert mods[f"{pre}.self_attn.q_proj.bias"]["kind"] == "copy"
     assert mods["model.layers.3.eh_proj"]["kind"] == "keep"  # both engines build it as a plain nn.Linear
+    # the MTP layer kept whole: SGLang's Glm4MoeForCausalLMNextN builds it unquantized under a ModelOpt NVFP4 config
+    for m in ("self_attn.q_proj", "mlp.shared_experts.gate_proj", "mlp.experts.0.gate_proj"):
+        assert mods[f"model.layers.3.{m}"]["kind"] == "keep"
+        assert "Glm4MoeForCausalLMNextN" in mods[f"model.layers.3.{m}"]["rule"]
 
 
 def test_qwen3_pack_shares_scales_and_keeps_routers(ckpts, tmp_path):
@@ -179,7 +185,7 @@ def test_inspect_gives_benchmark_moe_values(ckpts, tmp_path):
     assert "MoE layers       2 [1-2]" in r.stdout
     for preset, want in (("bench-qwen3-moe", "E=128 topk=8 moe_intermediate_size=768 hidden_size=2048"),
                          ("bench-glm4-moe", "E=64 topk=8 moe_intermediate_size=1408 hidden_size=4096")):
-        (tmp_path / f"{preset}.json").write_text(json.dumps(config(PRESETS[preset])))
+        (tmp_path / f"{preset}.json").write_text(json.dumps(config(synth_preset(preset))))
         r = run("inspect", tmp_path / f"{preset}.json")
         assert f"benchmark_moe    {want}" in r.stdout, r.stdout
 
@@ -207,7 +213,7 @@ BENCH_SHAPES = {
 def test_bench_presets_have_the_releases_shapes(preset):
     from kimi_convert.synth import tensor_specs
 
-    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(PRESETS[preset])}
+    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(synth_preset(preset))}
     assert {n: specs.get(n) for n in BENCH_SHAPES[preset]} == BENCH_SHAPES[preset]
     assert not any("q_norm" in n for n in specs) or preset == "bench-qwen3-moe"  # GLM-4.5-Air: use_qk_norm false
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import read_tensors, run, weight_map
-from kimi_convert.synth import PRESETS, config, tensor_specs, write_synth
+from helpers import read_tensors, run, synth_preset, weight_map, write_synth
+from kimi_convert.synth import config, tensor_specs
 
 # The values of the releases' config.json that are not sizes.
 COMMON = {
@@ -88,18 +88,32 @@ def test_pack_keeps_what_the_engines_build_unquantized(ckpts, tmp_path):
     assert r.code == 0, r.stderr
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "W4A16_NVFP4")
-    assert sorted(qc["ignore"]) == ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.eh_proj",
-                                    "model.layers.2.mlp.gate", "model.layers.2.shared_head.head"]
+    # the MTP layer (2) kept as the source stores it, decoded: SGLang's DeepseekV3ForCausalLMNextN builds it
+    # unquantized under a ModelOpt NVFP4 config (deepseek_nextn.py); and named as each draft asks for it: vLLM's
+    # DeepSeekMTP builds its head as model.layers.2.head and the MTP block's packed modules under their own names
+    # (deepseek_mtp.py SharedHead, no packed mapping), SGLang's NextN its decoder under model.decoder
+    ignore = set(qc["ignore"])
+    assert {"lm_head", "model.layers.1.mlp.gate", "model.layers.2.eh_proj", "model.layers.2.mlp.gate",
+            "model.layers.2.shared_head.head", "model.layers.2.mlp.experts", "model.layers.2.self_attn.o_proj",
+            "model.layers.2.head", "model.layers.2.mlp.shared_experts.gate_up_proj", "model.shared_head.head",
+            "model.decoder.mlp.experts", "model.decoder.self_attn.o_proj"} <= ignore
+    # but its MLA projections quantized: SGLang's ModelOptFp4Config.is_layer_excluded would read an excluded
+    # kv_b_proj as excluding every layer's (the table's [mtp] quantize rule)
+    assert not any(n.endswith(("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "fused_qkv_a_proj",
+                               "fused_qkv_a_proj_with_mqa")) for n in ignore)
+    assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in ignore - {"model.layers.1.mlp.gate"})
     t = read_tensors(out)
     assert not any(n.endswith("weight_scale_inv") for n in t)  # the FP8 source decoded, its scales consumed
     assert t["model.layers.2.eh_proj.weight"].dtype == torch.bfloat16
     assert t["model.layers.2.embed_tokens.weight"].dtype == torch.bfloat16
-    for layer in (1, 2):
+    for layer in (1,):
         for e in range(8):
             ex = f"model.layers.{layer}.mlp.experts.{e}"
             assert t[f"{ex}.gate_proj.weight_scale_2"].equal(t[f"{ex}.up_proj.weight_scale_2"])  # w13
         sh = f"model.layers.{layer}.mlp.shared_experts"
         assert t[f"{sh}.gate_proj.weight_scale_2"].equal(t[f"{sh}.up_proj.weight_scale_2"])  # gate_up_proj
+    assert t["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.2.mlp.experts.0.gate_proj.weight_scale_2" not in t
     assert t["model.layers.0.mlp.gate_proj.weight_scale_2"].equal(t["model.layers.0.mlp.up_proj.weight_scale_2"])
 
 
@@ -108,7 +122,7 @@ def test_inspect_gives_benchmark_moe_values(ckpts, tmp_path):
     num_experts_per_tok, moe_intermediate_size, hidden_size."""
     r = run("inspect", ckpts["deepseek-v3"])
     assert "benchmark_moe    E=8 topk=2 moe_intermediate_size=128 hidden_size=256" in r.stdout, r.stdout
-    (tmp_path / "bench.json").write_text(json.dumps(config(PRESETS["bench-deepseek-v3"])))
+    (tmp_path / "bench.json").write_text(json.dumps(config(synth_preset("bench-deepseek-v3"))))
     r = run("inspect", tmp_path / "bench.json")
     assert "benchmark_moe    E=16 topk=8 moe_intermediate_size=2048 hidden_size=7168" in r.stdout, r.stdout
 
@@ -124,7 +138,7 @@ BENCH_SHAPES = {
 
 
 def test_bench_preset_has_the_releases_shapes():
-    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(PRESETS["bench-deepseek-v3"])}
+    specs = {name: tuple(shape) for name, shape, _ in tensor_specs(synth_preset("bench-deepseek-v3"))}
     scales = {f"{n[:-len('.weight')]}.weight_scale_inv": (-(-s[0] // 128), -(-s[1] // 128))
               for n, s in specs.items() if len(s) == 2 and n.endswith("_proj.weight")}
     got = {**specs, **scales}

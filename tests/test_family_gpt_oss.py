@@ -9,17 +9,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import tree
-from kimi_convert.synth import PRESETS, write_synth
+from helpers import synth_preset, tree, write_synth
+from kimi_convert.synth import config
 
 #: E2M1 code -> value (OCP MX spec, table of FP4 E2M1), low nibble first as transformers'
 #: integrations/mxfp4.py convert_moe_packed_tensors reads the release.
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _tiny() -> SimpleNamespace:
+    """tiny-gpt-oss's sizes, from the config.json it writes."""
+    cfg = config(synth_preset("tiny-gpt-oss"))
+    return SimpleNamespace(experts=cfg["num_local_experts"], moe_inter=cfg["intermediate_size"],
+                           hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"])
 
 
 def _release_layer(i: int, h: int, inter: int, e: int, heads: int, kv: int, hd: int) -> dict:
@@ -85,7 +93,7 @@ def test_banks_decode_to_their_experts_weights(tiny):
     with safe_open(str(tiny / "model-00000-of-00001.safetensors"), "pt") as f:
         w = _decode(f.get_tensor(f"{name}_blocks"), f.get_tensor(f"{name}_scales"))
         scales = f.get_tensor(f"{name}_scales")
-    p = PRESETS["tiny-gpt-oss"]
+    p = _tiny()
     assert w.shape == (p.experts, 2 * p.moe_inter, p.hidden)
     for x in range(p.experts):
         ref = weight(f"{name}.{x}", (2 * p.moe_inter, p.hidden), 0, torch.float32)
@@ -129,7 +137,7 @@ def test_default_pack_casts_each_expert_from_its_bank(tiny, packed):
     planted 2^-24 below its bank; weight_scale_2 is 2^(k_max - 8) with k_max the whole bank's, though the
     experts' own k_max differ (so a per-expert scale would differ); the biases are the bank's rows."""
     src, out = _load(tiny), _load(packed)
-    p = PRESETS["tiny-gpt-oss"]
+    p = _tiny()
     own_differs = False
     inexact = 0
     for li in range(p.layers):
@@ -153,7 +161,7 @@ def test_default_pack_casts_each_expert_from_its_bank(tiny, packed):
                     assert torch.equal(out[f"{m}.bias"], bias[x][rows]), m
                     assert float(out[f"{m}.input_scale"]) == 1.0
     assert own_differs, "the preset must have experts whose own k_max is below their bank's"
-    assert inexact == 1  # the planted block (synth_gptoss: last layer, expert 0, down_proj)
+    assert inexact == 1  # the planted block (presets/gpt_oss.toml: last layer, expert 0, down_proj)
     for name in src:
         if "mlp.experts" not in name:
             assert torch.equal(out[name], src[name]), name  # attention, router, norms, embed, lm_head as stored
@@ -164,7 +172,7 @@ def test_output_config_names_what_stays_unquantized(packed):
     q = cfg["quantization_config"]
     assert (q["quant_method"], q["quant_algo"]) == ("modelopt", "W4A16_NVFP4")
     ignore = set(q["ignore"])
-    for li in range(PRESETS["tiny-gpt-oss"].layers):
+    for li in range(_tiny().layers):
         assert {f"model.layers.{li}.mlp.router", *(f"model.layers.{li}.self_attn.{x}_proj" for x in "qkvo")} <= ignore
     assert "lm_head" in ignore and not any("experts" in n for n in ignore)
 
@@ -296,6 +304,6 @@ def test_inspect_reads_the_experts_from_the_banks(tiny):
 
     r = run("inspect", tiny)
     assert r.code == 0, r.stderr
-    p = PRESETS["tiny-gpt-oss"]
+    p = _tiny()
     assert f"{p.experts} experts per layer, expert gate weight [{p.moe_inter}, {p.hidden}]" in r.stdout
     assert "warning" not in r.stdout

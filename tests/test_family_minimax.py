@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import one_line_error, read_tensors, run, weight_map
-from kimi_convert.synth import PRESETS, config, tensor_specs, write_synth
+from helpers import one_line_error, read_tensors, run, synth_preset, weight_map, write_synth
+from kimi_convert.synth import config, tensor_specs
 
 # MiniMaxAI/MiniMax-M2 config.json: the values that are not sizes (sizes: the preset's).
 RELEASE = {
@@ -124,13 +124,13 @@ def test_inspect_gives_benchmark_moe_values(ckpt, tmp_path):
     topk = num_experts_per_tok, intermediate_size = intermediate_size (the experts' width), hidden_size."""
     r = run("inspect", ckpt)
     assert "benchmark_moe    E=8 topk=2 moe_intermediate_size=256 hidden_size=256" in r.stdout, r.stdout
-    (tmp_path / "bench.json").write_text(json.dumps(config(PRESETS["bench-minimax-m2"])))
+    (tmp_path / "bench.json").write_text(json.dumps(config(synth_preset("bench-minimax-m2"))))
     r = run("inspect", tmp_path / "bench.json")
     assert "benchmark_moe    E=64 topk=8 moe_intermediate_size=1536 hidden_size=3072" in r.stdout, r.stdout
 
 
 def test_bench_preset_has_the_releases_shapes():
-    specs = {name: (tuple(shape), dtype) for name, shape, dtype in tensor_specs(PRESETS["bench-minimax-m2"])}
+    specs = {name: (tuple(shape), dtype) for name, shape, dtype in tensor_specs(synth_preset("bench-minimax-m2"))}
     want = {"self_attn.q_proj.weight": (6144, 3072), "self_attn.k_proj.weight": (1024, 3072),
             "self_attn.o_proj.weight": (3072, 6144), "self_attn.q_norm.weight": (6144,),
             "self_attn.k_norm.weight": (1024,), "block_sparse_moe.gate.weight": (64, 3072),

@@ -5,13 +5,13 @@ and under ``globs.match``."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 from fnmatch import fnmatchcase
 
 import pytest
 
+from helpers import all_presets, synth_preset
 from kimi_convert import globs, synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import builtin_mappings, find_mapping, parse_mapping
@@ -38,19 +38,35 @@ def _old_short_or_full(pattern: str, module: str, text_prefix: str) -> bool:
     return fnmatchcase(short, pattern) or fnmatchcase(module, pattern)
 
 
-def _modules(preset: synth.Preset) -> list[str]:
-    """Every source module of a preset, from its tensor specs (no tensor data made). The full-size K3
-    keeps its 93 layers and every tensor name form with 40 of its 896 experts a layer (two-digit indices:
-    the names of experts 40..895 are formed the same way), so the comparison stays a few seconds."""
-    if preset.experts > 40:
-        preset = dataclasses.replace(preset, experts=40)
-    return sorted({name.rpartition(".")[0] for name, _, _ in synth.tensor_specs(preset)})
+def _modules(name: str) -> tuple[dict, list[str]]:
+    """A preset's config and every source module, from its tensor specs (no tensor data made). The
+    full-size K3 keeps its 93 layers and every tensor name form with 40 of its 896 experts a layer
+    (two-digit indices: the names of experts 40..895 are formed the same way), so the comparison stays a
+    few seconds."""
+    p = synth_preset(name)
+    if p.get(p.family.experts_key) > 40:
+        p = synth_preset(name, experts=40)
+    return synth.config(p), sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
 
 
 #: Presets whose family has no mapping table yet (none now: gpt-oss has mappings/gpt_oss.toml).
 NO_MAPPING_YET: set[str] = set()
-CASES = [(name, find_mapping(synth.config(p)), _modules(p)) for name, p in synth.PRESETS.items()
-         if p.arch not in NO_MAPPING_YET]
+
+
+def _table(cfg: dict):
+    """The table plan uses for ``cfg`` without --mapping and without the engines: a hand table, else the shipped
+    derived one (GLM-5.x, GLM-4.7-Flash: mappings/derived/ with its overlay)."""
+    from kimi_convert.derive.lookup import shipped_for
+    from kimi_convert.mapping import UnknownArchitecture
+
+    try:
+        return find_mapping(cfg)
+    except UnknownArchitecture:
+        return shipped_for(cfg)
+
+
+CASES = [(name, _table(cfg), modules) for name in all_presets() if name not in NO_MAPPING_YET
+         for cfg, modules in [_modules(name)]]
 
 
 def _selected(read, pattern: str, modules: list[str], prefix: str) -> set[str]:
@@ -89,7 +105,7 @@ def test_every_recipe_pattern_means_what_it_meant(preset):
 
 def test_every_table_has_a_preset():
     """The comparison above covers every built-in table (a new table needs a preset to be checked)."""
-    assert {m.name for m in builtin_mappings()} == {c[1].name for c in CASES}
+    assert {m.name for m in builtin_mappings()} == {c[1].name for c in CASES if not c[1].name.startswith("derived-")}
 
 
 # --- the semantics -------------------------------------------------------------------------------------

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from gpu_compare import differing_files, differing_tensors, differing_tiles, files_under, on_gpu
-from helpers import run
+from helpers import all_presets, run, write_synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
-from kimi_convert.synth import PRESETS, write_synth
 
 #: The device whose packs must write the CPU's bytes (a dry run on a machine without CUDA sets "reference", the
 #: torch code on the CPU, to run these tests' own code: benchmarks/h200_check.sh says how).
@@ -23,12 +22,12 @@ DEVICE = "cuda"
 #: Every tiny preset (a new family's joins once synth has it) under every recipe and output format, in every
 #: layout. Where the CPU refuses a combination (nvidia-k3's block FP8 where a preset's K is not a multiple of 128,
 #: or nvidia-k3 written as compressed-tensors) the GPU must refuse it in the same words.
-TINY = sorted(p for p in PRESETS if p.startswith("tiny-"))
+TINY = sorted(p for p in all_presets() if p.startswith("tiny-"))
 RECIPES = [("nvfp4-w4a16", None), ("nvfp4-w4a16", "compressed-tensors"), ("ct-nvfp4-a16", None), ("nvidia-k3", None)]
 LAYOUTS = ["source", "sglang", "vllm"]
 #: Every bench preset at real width (bench-k3-shards is bench-k3's shape) with fewer experts or layers: the
 #: kernels at the releases' tile sizes, under the preset's default recipe and compressed-tensors'.
-BENCH = sorted(p for p in PRESETS if p.startswith("bench-") and p != "bench-k3-shards")
+BENCH = sorted(p for p in all_presets() if p.startswith("bench-") and p != "bench-k3-shards")
 BENCH_SYNTH = {"bench-kimi-linear": {"layers": 1}, "bench-k3": {"layers": 1, "experts": 8}}
 #: (preset, synth options, pack options): what the matrices above leave out: K3 at real width fused on disk and
 #: under nvfp4-w4a16 (--layout vllm quantizes K3's fused_qkv_a_g_proj as one tensor, on its joint block-FP8 tiles)

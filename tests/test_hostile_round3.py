@@ -20,10 +20,9 @@ if not torch.cuda.is_available():
 
 from test_hostile_files import snapshot
 
-from helpers import copy_ckpt, edit_config, one_line_error, rewrite_tensors, run, run_process
+from helpers import copy_ckpt, edit_config, one_line_error, rewrite_tensors, run, run_process, write_synth
 from kimi_convert.mapping import builtin_mappings, parse_mapping
 from kimi_convert.recipe import builtin_recipes
-from kimi_convert.synth import write_synth
 
 
 @pytest.fixture(scope="module")
@@ -388,8 +387,7 @@ def test_index_naming_shards_with_dot_slash_packs_and_verifies(presets, tmp_path
 # The first hour: the help texts
 
 def test_help_names_every_family_and_synth_lists_every_user_preset():
-    from kimi_convert.cli import TEST_FIXTURES
-    from kimi_convert.synth import PRESETS
+    from kimi_convert.synth import builtin_presets
 
     top = run("--help").stdout
     for family in ("Kimi K3", "Kimi Linear", "DeepSeek V3", "Qwen3 MoE", "GLM-4.5", "MiniMax-M2", "gpt-oss"):
@@ -397,7 +395,7 @@ def test_help_names_every_family_and_synth_lists_every_user_preset():
     text = run("synth", "--help").stdout
     section = text.split("Presets:")[1].split("Options:")[0]
     listed = {line.split()[0] for line in section.splitlines() if line.startswith("  ") and line[2] != " "}
-    assert listed == set(PRESETS) - TEST_FIXTURES
+    assert listed == set(builtin_presets()) and "tiny-qwen3-moe" in listed
     assert "tiny-deepseek-fp8" not in text
     err = one_line_error(run("synth", "tiny-deepseek-fp8", "/nonexistent/x"))
     assert "unknown preset 'tiny-deepseek-fp8'" in err and "tiny-deepseek-v3" in err, err

@@ -63,3 +63,27 @@ def test_tensors_checked_against_config(tiny_k3, tmp_path):
     d = json.loads(run("inspect", ck, "--json").stdout)
     assert any("num_experts=16 but layers hold 8" in w for w in d["warnings"])
     assert any("moe_intermediate_size=96 but expert weights have 128 rows" in w for w in d["warnings"])
+
+
+# zai-org/GLM-5.1's and GLM-4.7-Flash's config.json (the MoE keys; docs/families.md "GLM-5.x", "GLM-4.7-Flash").
+GLM51 = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 6144,
+         "num_hidden_layers": 78, "first_k_dense_replace": 3, "n_routed_experts": 256, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 2048, "intermediate_size": 12288, "n_shared_experts": 1, "kv_lora_rank": 512,
+         "q_lora_rank": 2048, "index_n_heads": 32, "index_head_dim": 128, "num_nextn_predict_layers": 1}
+GLM47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "hidden_size": 2048,
+               "num_hidden_layers": 47, "first_k_dense_replace": 1, "n_routed_experts": 64, "num_experts_per_tok": 4,
+               "moe_intermediate_size": 1536, "intermediate_size": 10240, "n_shared_experts": 1, "kv_lora_rank": 512,
+               "q_lora_rank": 768, "num_nextn_predict_layers": 1}
+
+
+def test_glm_mla_families_give_benchmark_moe_values(tmp_path):
+    """vLLM benchmark_moe.py's get_model_params reads GlmMoeDsaForCausalLM and Glm4MoeLiteForCausalLM as DeepSeek:
+    E = n_routed_experts, topk = num_experts_per_tok, moe_intermediate_size, hidden_size."""
+    for cfg, line, moe in ((GLM51, "E=256 topk=8 moe_intermediate_size=2048 hidden_size=6144", 75),
+                           (GLM47_FLASH, "E=64 topk=4 moe_intermediate_size=1536 hidden_size=2048", 46)):
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        r = run("inspect", tmp_path)
+        assert r.code == 0, r.stderr
+        assert f"benchmark_moe    {line}" in r.stdout, r.stdout
+        info = from_config(cfg)
+        assert info.moe_layers[0] == cfg["first_k_dense_replace"] and len(info.moe_layers) == moe

@@ -458,8 +458,8 @@ def test_workers_and_streams_give_the_same_bytes_as_one(tiny_k3, tmp_path, worke
 
 
 def test_split_jobs_is_consecutive_balanced_and_hashes_each_input_once(tmp_path):
+    from helpers import write_synth
     from kimi_convert.pack import split_jobs
-    from kimi_convert.synth import write_synth
 
     src = write_synth("tiny-k3", tmp_path / "in", seed=1, experts=16)
     ckpt, p = load_plan(src, Options(**SGLANG, max_shard_size=200_000))

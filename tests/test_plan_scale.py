@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run
-from kimi_convert.synth import write_synth
+from helpers import run, write_synth
 
 # (case, preset, synth overrides, plan arguments)
 SMALL_SPARSE = {"layers": 5, "experts": 32}

@@ -286,4 +286,4 @@ def test_recipe_file_and_unknown_name_on_the_command_line(tiny_kl, tmp_path):
     r = run("plan", tiny_kl, "--recipe", f)
     assert r.code == 0 and "recipe heads-keep" in r.stdout, r.stderr
     r = run("plan", tiny_kl, "--recipe", "nope")
-    assert "built-in: ct-nvfp4-a16, nvfp4-w4a16, nvidia-k3" in one_line_error(r)
+    assert "built-in: ct-nvfp4-a16, nvfp4-w4a16, nvidia-dsv4, nvidia-k3" in one_line_error(r)

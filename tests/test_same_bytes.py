@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import manifest_with_modules
+from helpers import manifest_with_modules, spec
 
 ROOT = Path(__file__).parents[1]
 BEFORE = "6e2401f"  # main after issue 12, before issue 13's moves
@@ -81,7 +81,7 @@ def test_every_preset_packs_to_the_same_bytes_as_before_the_restructuring(tmp_pa
         preset = case.removesuffix("-sglang")
         src = tmp_path / "in" / preset
         if not src.exists():
-            _run(None, "synth", preset, src)
+            _run(None, "synth", spec(preset), src)
         _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
         _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
         before, after = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
@@ -139,9 +139,10 @@ def test_plan_json_is_the_same_as_before_the_restructuring(tmp_path):
 
 #: Presets whose mapping table's text changed since BEFORE_22 (the manifest quotes it as mapping_source, with
 #: its sha256): deepseek_v3.toml gained the MTP layer's keep entries (optional, matching nothing in
-#: tiny-deepseek-fp8) and the engines' fusion notes (issue 23), so that preset's manifest is compared without
-#: the table's text and hashes; every shard, the index, config and every decision are still byte-compared.
-MAPPING_EDITED = {"tiny-deepseek-fp8"}
+#: tiny-deepseek-fp8) and the engines' fusion notes (issue 23), and every table gained the [moe] / [lm_head] data
+#: plan's config-against-tensors check reads (issue 41), so these presets' manifests are compared without the
+#: table's text and hashes; every shard, the index, config and every decision are still byte-compared.
+MAPPING_EDITED = {"tiny-k3", "tiny-kimi-linear", "tiny-deepseek-fp8"}
 
 #: (preset, options) packed by BEFORE_22's code and by this one (scripts/same_bytes.sh packs the same cases).
 CASES_22 = [(preset, opts) for preset in ("tiny-k3", "tiny-kimi-linear", "tiny-deepseek-fp8")
@@ -157,7 +158,7 @@ def test_every_preset_recipe_and_layout_packs_to_the_same_bytes_as_before_issue_
     for i, (preset, opts) in enumerate(CASES_22):
         src = tmp_path / "in" / preset
         if not src.exists():
-            _run(None, "synth", preset, src)
+            _run(None, "synth", spec(preset), src)
         case = f"{i}-{preset}"
         _run(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
         _run(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 import fault_inject
-from helpers import one_line_error, run, run_process
+from helpers import one_line_error, run, run_process, write_synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 from kimi_convert.sidefiles import Skipped, scan
-from kimi_convert.synth import write_synth
 from kimi_convert.verify import verify
 
 #: The side files the fixture adds to tiny-kimi-linear, and their content.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from memsource import MemorySource
 
+from helpers import write_synth
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import find_mapping
@@ -19,7 +20,6 @@ from kimi_convert.plan import Options, make_plan
 from kimi_convert.plan.serialize import plan_dict, plan_hash
 from kimi_convert.sources import EntryKind, Source, SourceFile, open_source
 from kimi_convert.sources.local import LocalFolder
-from kimi_convert.synth import write_synth
 from kimi_convert.verify import verify
 
 

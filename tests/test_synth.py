@@ -2,7 +2,7 @@
 
 The expected tensor set is rebuilt here from config.json alone, the way the engines build their
 parameters (vLLM 0.33 models/kimi_k3/nvidia/model.py + kda.py + mla.py + kimi_k25_vit.py, SGLang 0.5.23
-models/kimi_k3.py + kimi_k3_vl.py + kimi_linear.py; see convert/synth.py's docstring for file:line), so a
+models/kimi_k3.py + kimi_k3_vl.py + kimi_linear.py; see presets/kimi_k3.toml and docs/families.md for file:line), so a
 synthetic checkpoint whose names, shapes or dtypes drift from what the engines load fails here.
 """
 
@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kimi_convert.synth import PRESETS, _byte_cuts, _spec_bytes, config, tensor_specs, write_synth
+from helpers import synth_preset, write_synth
+from kimi_convert.synth import byte_cuts, config, tensor_specs, tensors
+from kimi_convert.synth.layout import Logical, Part
 
 F32, BF16, U8 = "F32", "BF16", "U8"
 
@@ -150,17 +152,17 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _specs(preset: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _specs(name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """tensor_specs as stored: an MXFP4 weight becomes weight_packed + weight_scale."""
     names = {torch.bfloat16: BF16, torch.float32: F32}
     out = {}
-    for name, shape, dtype in tensor_specs(PRESETS[preset]):
+    for tensor, shape, dtype in tensor_specs(synth_preset(name)):
         if dtype == torch.uint8:
-            base, (n, k) = name[: -len(".weight")], shape
+            base, (n, k) = tensor[: -len(".weight")], shape
             out[f"{base}.weight_packed"] = (U8, (n, k // 2))
             out[f"{base}.weight_scale"] = (U8, (n, k // 32))
         else:
-            out[name] = (names[dtype], tuple(shape))
+            out[tensor] = (names[dtype], tuple(shape))
     return out
 
 
@@ -246,9 +248,9 @@ def test_checkpoint_holds_exactly_what_the_engines_build(fixture, request):
     assert set(_index(ck)) == set(got)
 
 
-@pytest.mark.parametrize("preset", ["bench-k3", "bench-k3-shards", "bench-kimi-linear", "k3-full-sparse"])
-def test_bench_presets_match_their_config(preset):
-    got, want = _specs(preset), expected_tensors(config(PRESETS[preset]))
+@pytest.mark.parametrize("name", ["bench-k3", "bench-k3-shards", "bench-kimi-linear", "k3-full-sparse"])
+def test_bench_presets_match_their_config(name):
+    got, want = _specs(name), expected_tensors(config(synth_preset(name)))
     assert got == want, _diff(got, want)
 
 
@@ -283,9 +285,10 @@ def test_k3_a_log_is_head_dim_long_and_zero_past_the_heads(tiny_k3):
     assert torch.count_nonzero(a[lac["num_heads"]:]) == 0 and torch.count_nonzero(a[: lac["num_heads"]]) > 0
 
 
-@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear", "bench-k3", "bench-k3-shards", "bench-kimi-linear"])
-def test_every_linear_k_is_a_multiple_of_16(preset):
-    for name, (dtype, shape) in _specs(preset).items():
+@pytest.mark.parametrize("preset_name", ["tiny-k3", "tiny-kimi-linear", "bench-k3", "bench-k3-shards",
+                                         "bench-kimi-linear"])
+def test_every_linear_k_is_a_multiple_of_16(preset_name):
+    for name, (dtype, shape) in _specs(preset_name).items():
         if dtype == BF16 and len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name:
             assert shape[1] % 16 == 0, (name, shape)
         if name.endswith(".weight_packed"):
@@ -312,15 +315,15 @@ def test_tiny_presets_stay_tiny(tiny_k3, tiny_kl):
         assert sum(f.stat().st_size for f in ck.glob("*.safetensors")) < 12_000_000
 
 
-@pytest.mark.parametrize("preset", ["tiny-k3", "bench-k3", "bench-k3-shards"])
-def test_k3_block_fp8_modules_have_k_a_multiple_of_128(preset):
+@pytest.mark.parametrize("preset_name", ["tiny-k3", "bench-k3", "bench-k3-shards"])
+def test_k3_block_fp8_modules_have_k_a_multiple_of_128(preset_name):
     """NVIDIA's K3 recipe stores these attention projections as 128x128 block FP8; vLLM's
     validate_fp8_block_shape refuses a K that is not a multiple of the block (the release's K are 7168,
     128, 1536, 512, 12288)."""
     fp8 = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "q_a_proj", "q_b_proj",
            "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "g_proj")
     seen = set()
-    for name, (_, shape) in _specs(preset).items():
+    for name, (_, shape) in _specs(preset_name).items():
         mod = name.rsplit(".", 2)[-2]
         if ".self_attn." in name and mod in fp8:
             seen.add(mod)
@@ -328,17 +331,17 @@ def test_k3_block_fp8_modules_have_k_a_multiple_of_128(preset):
     assert seen == set(fp8)
 
 
-def _shard_bytes(specs: list, shards: int) -> list[int]:
-    cuts = _byte_cuts(specs, shards)
+def _shard_bytes(specs: list[Logical], shards: int) -> list[int]:
+    cuts = byte_cuts(specs, shards)
     assert cuts[0] == 0 and cuts[-1] == len(specs) and cuts == sorted(set(cuts))
-    return [sum(_spec_bytes(shape, dtype) for _, shape, dtype in specs[a:b]) for a, b in itertools.pairwise(cuts)]
+    return [sum(part.nbytes for t in specs[a:b] for part in t.parts) for a, b in itertools.pairwise(cuts)]
 
 
 def test_bench_k3_shards_has_24_shards_of_about_equal_bytes():
     """The NVIDIA-converter benchmark's input: many shards, none much larger or smaller than the mean, so
     that a converter working shard by shard can spread them over its jobs."""
-    p = PRESETS["bench-k3-shards"]
-    sizes = _shard_bytes(list(tensor_specs(p)), p.shards)
+    p = synth_preset("bench-k3-shards")
+    sizes = _shard_bytes(list(tensors(p)), p.shards)
     mean = sum(sizes) / len(sizes)
     assert len(sizes) == 24 and 4.5e9 < sum(sizes) < 5.2e9
     assert 0.5 * mean < min(sizes) and max(sizes) < 1.5 * mean, sizes
@@ -346,19 +349,22 @@ def test_bench_k3_shards_has_24_shards_of_about_equal_bytes():
 
 def test_byte_cuts_keep_each_expert_in_one_shard():
     """NVIDIA's converter refuses an expert whose w1 and w3 are in two shards (they share scale_2)."""
-    specs = list(tensor_specs(PRESETS["bench-k3-shards"]))
-    cuts = set(_byte_cuts(specs, 24))
+    specs = list(tensors(synth_preset("bench-k3-shards")))
+    cuts = set(byte_cuts(specs, 24))
     shard, where = 0, {}
-    for i, (name, _, _) in enumerate(specs):
+    for i, t in enumerate(specs):
         shard += i in cuts
-        if ".experts." in name:
-            where.setdefault(name.rsplit(".", 2)[0], set()).add(shard)
+        if ".experts." in t.name:
+            where.setdefault(t.name.rsplit(".", 2)[0], set()).add(shard)
     assert len(where) == 2 * 96 and all(len(s) == 1 for s in where.values())
 
 
 def test_byte_cuts_after_a_large_tensor_leave_no_tiny_shard():
-    big = [("big.weight", (1000,), torch.bfloat16)]
-    small = [(f"s{i}.weight", (100,), torch.bfloat16) for i in range(10)]
+    def bf16(name: str, n: int) -> Logical:
+        return Logical(name, (n,), "bf16", "test", 0, parts=(Part(name, "BF16", (n,)),))
+
+    big = [bf16("big.weight", 1000)]
+    small = [bf16(f"s{i}.weight", 100) for i in range(10)]
     # 4000 bytes into 4: "big" holds half of them, so it is one shard and the rest two of 1000 bytes
     assert _shard_bytes(big + small, 4) == [2000, 1000, 1000]
 
@@ -366,9 +372,7 @@ def test_byte_cuts_after_a_large_tensor_leave_no_tiny_shard():
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-deepseek-fp8"])
 def test_synth_jobs_write_the_same_bytes(tmp_path, preset):
     """Shards written at once (threads) give the files one at a time gives, index included (the
-    FP8 preset, whose last shard takes scales the others defer, is written in order whatever --jobs)."""
-    from kimi_convert.synth import write_synth
-
+    FP8 preset, whose last shard takes scales the others defer)."""
     a, b = write_synth(preset, tmp_path / "one"), write_synth(preset, tmp_path / "three", jobs=3)
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())

@@ -30,6 +30,7 @@ import tomli_w
 
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
+from . import draft as draft_mod
 from . import standin as standin_mod
 from . import table as table_mod
 
@@ -86,13 +87,15 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
     return "\n".join(lines) + "\n"
 
 
-def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES) -> tuple[list[table_mod.EngineView], dict]:
-    """Each engine's answers for ``ckpt``'s architecture, and the stand-in's logical shapes."""
+def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES) -> tuple[list[table_mod.EngineView], dict, dict]:
+    """Each engine's answers for ``ckpt``'s architecture, the stand-in's logical shapes, and, where a main model
+    drops MTP layers, each engine's speculative-decoding draft's answers (``draft.ask``)."""
     s = standin_mod.make(ckpt)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp, _zygotes(Path(tmp) / "servers"):
         dirs = standin_mod.write(s, Path(tmp))
         views = [ask_engine(e, dirs) for e in engines]
-    return views, {n: list(shape) for n, shape, _ in s.tensors}
+        drafts = draft_mod.ask(dirs, engines, FORMATS) if any(v.mtp_skipped for v in views) else {}
+    return views, {n: list(shape) for n, shape, _ in s.tensors}, drafts
 
 
 @contextlib.contextmanager
@@ -113,32 +116,44 @@ def _zygotes(folder: Path):
         stop_all(folder)
 
 
-def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict) -> Derived:
-    """The table the engines' answers give (pure: see ``table``)."""
+def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None) -> Derived:
+    """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``)."""
     t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()})
+    mtp = draft_mod.section(sorted({n for v in views for n in v.mtp_skipped}), config, drafts or {})
+    if mtp is not None:
+        t["mtp"] = mtp
     skipped = {v.engine: v.skipped for v in views}
     mtp = {v.engine: v.mtp_skipped for v in views}
     text = _header(views, config, skipped, mtp) + tomli_w.dumps(t)
     return Derived(t, text, skipped, mtp, {v.engine: v.version for v in views})
 
 
-def save_answers(path: Path, views: list[table_mod.EngineView], config: dict, shapes: dict) -> None:
+def save_answers(path: Path, views: list[table_mod.EngineView], config: dict, shapes: dict,
+                 drafts: dict | None = None) -> None:
     """The engines' raw answers, kept beside a derived table: it can be rebuilt (and tested) without the engines."""
-    path.write_text(json.dumps({"config": config, "shapes": shapes, "views": [asdict(v) for v in views]}))
+    d = {"config": config, "shapes": shapes, "views": [asdict(v) for v in views]}
+    if drafts:
+        d["drafts"] = drafts
+    path.write_text(json.dumps(d))
 
 
 def load_answers(path: Path) -> tuple[list[table_mod.EngineView], dict, dict]:
+    """(views, config, shapes); the drafts' answers: :func:`load_draft_answers`."""
     d = json.loads(path.read_text())
     return [table_mod.EngineView(**v) for v in d["views"]], d["config"], d["shapes"]
+
+
+def load_draft_answers(path: Path) -> dict:
+    return json.loads(path.read_text()).get("drafts", {})
 
 
 def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None) -> Derived:
     """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
     ``answers``, the engines' raw answers are written there too."""
-    views, shapes = ask(ckpt, engines)
+    views, shapes, drafts = ask(ckpt, engines)
     if answers is not None:
-        save_answers(answers, views, ckpt.config, shapes)
-    return from_views(views, ckpt.config, shapes)
+        save_answers(answers, views, ckpt.config, shapes, drafts)
+    return from_views(views, ckpt.config, shapes, drafts)
 
 
 def merge(derived: dict, overlay: dict) -> dict:

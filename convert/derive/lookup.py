@@ -44,7 +44,8 @@ def finish(text: str, where: str) -> Mapping:
     ov = overlay_for(t.get("name", ""))
     if ov is not None:
         t = merge(t, ov[1])
-        text = f"{text}\n# merged with {ov[0]}\n{tomli_w.dumps(t)}"
+        head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))  # the derivation's notes
+        text = f"{head}# merged with {ov[0]}\n{tomli_w.dumps(t)}"  # the merged table alone: no key twice
     return parse_mapping(text, where)
 
 

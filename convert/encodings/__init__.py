@@ -3,7 +3,10 @@
 - ``dense``: the stored tensor is the weight (BF16, F32...); the fallback of discovery;
 - ``mxfp4``: compressed-tensors MXFP4, ``weight_packed`` + ``weight_scale`` (Kimi K3's routed experts);
 - ``fp8_block``: ``weight`` F8_E4M3 + ``weight_scale_inv``, tiles from ``weight_block_size`` (DeepSeek V3);
-- ``gpt_oss_mxfp4``: gpt-oss's 3-D MXFP4 expert banks, ``*_blocks`` + ``*_scales`` (+ ``*_bias``).
+- ``gpt_oss_mxfp4``: gpt-oss's 3-D MXFP4 expert banks, ``*_blocks`` + ``*_scales`` (+ ``*_bias``);
+- ``deepseek_v4``: DeepSeek V4's ``weight`` + ``scale``: MXFP4 experts (I8 + F8_E8M0 [N, K/32], ``dsv4_mxfp4``) and
+  block-FP8 linears (F8_E4M3 + F8_E8M0 or F32 tiles, ``dsv4_fp8``); before ``fp8_block``, which takes a bare
+  F8_E4M3 ``weight``.
 
 Each module holds one :class:`~.base.SourceEncoding`: its discovery (``claim``), its refusal rules
 (``check``, ``check_config``, ``refuse_leftover``, the ``quantization_config`` values it accepts, values
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .base import Claim, Encoding, MxCodes, Slice, SourceEncoding, SourceTensor, narrow, stored_name
+from .deepseek_v4 import DeepseekV4FP8, DeepseekV4MXFP4
 from .dense import Dense
 from .fp8_block import FP8Block, block_size
 from .gpt_oss_mxfp4 import GptOssMXFP4
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
 #: Every encoding, in discovery order (claimers first, the dense fallback last).
-REGISTRY: list[SourceEncoding] = [MXFP4(), FP8Block(), GptOssMXFP4(), Dense()]
+REGISTRY: list[SourceEncoding] = [MXFP4(), DeepseekV4MXFP4(), DeepseekV4FP8(), FP8Block(), GptOssMXFP4(), Dense()]
 
 
 def of(src: SourceTensor) -> SourceEncoding:
@@ -134,6 +138,8 @@ __all__ = [
     "MXFP4",
     "REGISTRY",
     "Claim",
+    "DeepseekV4FP8",
+    "DeepseekV4MXFP4",
     "Dense",
     "Encoding",
     "FP8Block",

@@ -131,10 +131,14 @@ class Report:
     allowed_unfilled: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
     mtp_skipped: list[dict] = field(default_factory=list)  # MTP-layer tensors the main model drops by its own rule
+    role: str = "main"  # "main": the model the checkpoint names; "draft": the engine's speculative-decoding draft
+    main_skipped: list[dict] = field(default_factory=list)  # a draft's check: the main model's tensors it drops
+    from_target: list[dict] = field(default_factory=list)  # a draft's parameters the engine takes from the target
     rule_dropped: list[dict] = field(default_factory=list)  # dropped by an engine rule whose condition holds
     rule_broken: list[dict] = field(default_factory=list)  # dropped by an engine rule whose condition fails here
     bad_casts: list[dict] = field(default_factory=list)
     widening_casts: list[dict] = field(default_factory=list)
+    exact_casts: list[dict] = field(default_factory=list)  # bytes or values unchanged (runner_common._exact)
     source_casts: list[dict] = field(default_factory=list)  # narrowing of tensors copied unchanged from the input
     created_during_load: list[str] = field(default_factory=list)
     buffers_never_written: list[str] = field(default_factory=list)
@@ -182,7 +186,7 @@ class Report:
 
     @property
     def load_verdict(self) -> str:
-        head = f"{self.engine} {self.version or '?'}"
+        head = f"{self.engine} {self.version or '?'}" + (" draft" if self.role == "draft" else "")
         where = self.output_dir
         if self.error:
             frame = self.error.get("frames") or []
@@ -198,6 +202,11 @@ class Report:
                 if self.allowed_unfilled else ""
             if self.source_casts:
                 extra += f"; {len(self.source_casts)} input tensor(s) narrowed as the engine reads the input itself"
+            if self.from_target:
+                extra += (f"; {len(self.from_target)} taken from the target model "
+                          f"({', '.join(t['param'] for t in self.from_target)})")
+            if self.main_skipped:
+                extra += f"; {len(self.main_skipped)} main-model tensor(s) left to the main model"
             if self.mtp_skipped:
                 extra += (f"; {len(self.mtp_skipped)} MTP-layer tensor(s) left to the engine's MTP model (its main "
                           "model drops them by its own rule)")
@@ -255,13 +264,14 @@ def runner_env(pr: Probe) -> dict:
 
 
 def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: str | os.PathLike | None = None,
-               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT) -> dict:
+               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT, draft: bool = False) -> dict:
     """The runner in derivation mode (``mode`` 'trace' or 'build', see runner_common.main): its JSON result,
-    with the engine's version; a crash without a result is an :class:`EngineUnavailable`-free ConvertError."""
+    with the engine's version; a crash without a result is an :class:`EngineUnavailable`-free ConvertError.
+    ``draft``: of the engine's speculative-decoding draft model for the checkpoint (``derive/draft.py``)."""
     pr = resolve(engine, python)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp:
         res, log = Path(tmp, "result.json"), Path(tmp, "runner.log")
-        argv = [str(Path(model_dir).resolve()), "--out", str(res), "--derive", mode]
+        argv = [str(Path(model_dir).resolve()), "--out", str(res), "--derive", mode] + (["--draft"] if draft else [])
         if weights is not None:
             argv += ["--weights", str(Path(weights).resolve())]
         log.write_text("")
@@ -277,10 +287,12 @@ def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: st
 
 def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike | None = None,
           any_version: bool = False, timeout: float = DEFAULT_TIMEOUT,
-          source: Source | str | os.PathLike | None = None) -> Report:
+          source: Source | str | os.PathLike | None = None, draft: bool = False) -> Report:
     """Load ``output_dir`` with ``engine``'s own code in its own python and report what it did; with
     ``source`` (the checkpoint it was converted from), also the numeric check (``numerics``): every layer
-    read as the engine's GEMM reads it, against the source's weight of the same rows."""
+    read as the engine's GEMM reads it, against the source's weight of the same rows. With ``draft``, the model
+    loaded is the engine's speculative-decoding draft for the checkpoint (its MTP / NextN class, built as a
+    deployment with ``--speculative-config`` / ``--speculative-algorithm NEXTN`` builds it)."""
     out = Path(output_dir)
     if not (out / "config.json").is_file():
         raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
@@ -290,11 +302,12 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     if source is not None:  # the numeric check runs the engines' own Triton GEMMs on the CPU (runner_numerics)
         env["TRITON_INTERPRET"] = "1"
     t0 = time.perf_counter()
-    rep = Report(engine=engine, version=pr.version, output_dir=str(out), python=str(py))
+    rep = Report(engine=engine, version=pr.version, output_dir=str(out), python=str(py),
+                 role="draft" if draft else "main")
     with tempfile.TemporaryDirectory(prefix="kimi-enginecheck-") as tmp:
         res = Path(tmp, "result.json")
         log = Path(tmp, "runner.log")
-        argv = [str(out.resolve()), "--out", str(res)]
+        argv = [str(out.resolve()), "--out", str(res)] + (["--draft"] if draft else [])
         if source is not None:
             argv += ["--numerics", str(Path(tmp, "numerics"))]
         log.write_text("")
@@ -316,8 +329,8 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
             rep.numerics = numerics.run(engine, res, Path(tmp, "numerics"), source, out).to_dict()
             compare_s = round(time.perf_counter() - t1, 2)
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
-              "allowed_unfilled", "skipped", "mtp_skipped", "rule_dropped", "rule_broken",
-              "bad_casts", "widening_casts", "created_during_load",
+              "allowed_unfilled", "skipped", "mtp_skipped", "main_skipped", "from_target", "rule_dropped",
+              "rule_broken", "bad_casts", "widening_casts", "exact_casts", "created_during_load",
               "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])

@@ -16,7 +16,11 @@ The tracker never changes what the engine does; it watches:
   no parameter was skipped.
 * **casts**: a write whose checkpoint tensor had another dtype than the parameter it lands in
   (``reinterpret``: between integer/8-bit and float types, e.g. packed uint8 into bf16; ``narrowing``:
-  a float type to one with fewer bits; ``widening``: the opposite).
+  a float type to one with fewer bits; ``widening``: the opposite). Two kinds are exact and not reported as
+  bad (``exact_casts``): ``bitwise``, where the bytes land unchanged (int8 <-> uint8, whose conversion is modulo
+  256; or a same-size type the engine views as the parameter's before writing: DeepSeek V4's E8M0 scales viewed
+  as uint8, models/deepseek_v4/nvidia/model.py ``load_weights``), and ``exact``, an integer narrowed whose
+  offered values all fit the parameter's type (DeepSeek V4's I64 ``tid2eid`` expert ids into int32).
 """
 
 from __future__ import annotations
@@ -162,6 +166,9 @@ class Tracker:
         self.offered: dict[str, dict] = {}
         self.offered_order: list[str] = []
         self.current: str | None = None  # the tensor load_weights is working on (the last one offered)
+        # the last Python number read out of checkpoint data (``.item()``) and whose it was: a loader that writes
+        # a one-element parameter with ``fill_(w.item())`` (SGLang's default_weight_loader) writes that data
+        self._scalar: tuple[object, dict[str, torch.dtype]] | None = None
         self.stored: dict[str, set[str]] = defaultdict(set)
         self.casts: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.params: dict[str, torch.Tensor] = {}
@@ -176,6 +183,8 @@ class Tracker:
         # the value of each one-element checkpoint tensor (a global or input scale): an engine rule that keeps one
         # of two such tensors holds only where they are equal (``result``'s ``drop_rule``)
         self.scalars: dict[str, float] = {}
+        # (min, max) of each integer checkpoint tensor: an integer narrowed is exact where they fit (``_exact``)
+        self.int_range: dict[str, tuple[int, int]] = {}
 
     # -- before loading --------------------------------------------------------------------------
     def arm(self, model: torch.nn.Module) -> None:
@@ -212,6 +221,8 @@ class Tracker:
                 self._refs.append(t)
             if t.numel() == 1 and t.device.type != "meta":
                 self.scalars[name] = float(t.float().reshape(()))
+            if t.numel() and t.device.type != "meta" and not t.dtype.is_floating_point and t.dtype != torch.bool:
+                self.int_range[name] = (int(t.min()), int(t.max()))
             yield item
 
     def mode(self) -> _Observe:
@@ -233,6 +244,11 @@ class Tracker:
                         names[n] = dt
                         if k not in self.pstore:
                             direct[n] = (None, None) if sp is None else _part(t, lo, hi, sp)
+        if func is torch.ops.aten._local_scalar_dense.default and names:
+            self._scalar = (out, dict(names))
+        elif not names and self._scalar is not None and func is torch.ops.aten.fill_.Scalar \
+                and len(args) > 1 and args[1] == self._scalar[0]:
+            names = dict(self._scalar[1])  # fill_(w.item()): the checkpoint tensor's value written
         written: list[torch.Tensor] = []
         schema = func._schema
         for i, a in enumerate(schema.arguments):
@@ -255,7 +271,7 @@ class Tracker:
                             rel = part.storage_offset() - self.params[pname].storage_offset()
                             self.spans[(n, pname)].append((rel, tuple(part.shape), tuple(part.stride()),
                                                            direct[n][0]))
-                        c = cast_class(sdt, pdt)
+                        c = self._exact(n, sdt, pdt, cast_class(sdt, pdt), ins)
                         if c:
                             self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),
                                                       str(pdt).replace("torch.", ""))
@@ -269,6 +285,24 @@ class Tracker:
                 self.taint.setdefault(k, {}).update((n, (dt, None)) for n, dt in names.items())
                 if k not in self.pstore:
                     self._refs.append(t)
+
+    def _exact(self, name: str, src: torch.dtype, dst: torch.dtype, cls: str | None, ins) -> str | None:
+        """``cast_class``, with the exact kinds told apart (module docstring): ``bitwise`` and ``exact``."""
+        ints = (torch.int8, torch.uint8)
+        if cls == "reinterpret" and src.is_floating_point and src.itemsize == 1 \
+                and dst in (torch.bfloat16, torch.float32, torch.float64):
+            return "widening"  # every FP8 / E8M0 value is exact there (SGLang's FP8 weight_scale_inv is F32)
+        if cls == "reinterpret" and src.itemsize == dst.itemsize:
+            if src in ints and dst in ints:
+                return "bitwise"
+            if any(t.dtype == dst and name in self.taint.get(_key(t), {}) for t in ins):
+                return "bitwise"  # the engine viewed the bytes as the parameter's type before the write
+        if cls == "narrowing" and _kind(src) == _kind(dst) == "int" and name in self.int_range:
+            lo, hi = self.int_range[name]
+            info = torch.iinfo(dst)
+            if info.min <= lo and hi <= info.max:
+                return "exact"
+        return cls
 
     def _taint_cat(self, func, args, kwargs, out) -> None:
         """A dim-0 ``aten.cat`` of checkpoint data (SGLang's DeepSeek loader cats q_a_proj and
@@ -338,18 +372,24 @@ class Tracker:
                 sent = sent & ~wv.all(-1)
         return int(sent.sum())
 
-    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None, drop_rule=None) -> dict:
+    def result(self, model: torch.nn.Module, optional: list[tuple], mtp_rule=None, drop_rule=None,
+               main_rule=None, target: list[tuple] | None = None) -> dict:
         """``optional``: (regex, why) or (regex, why, count) naming parameters the engine legitimately
         leaves unwritten (with a count: exactly that many elements, e.g. a module's padding rows).
         ``mtp_rule(name)``: why the engine's main model drops a checkpoint tensor of an MTP layer on purpose
         (the engine's own rule; its MTP model loads it), or None: such a skipped tensor is listed as
         ``mtp_skipped``, not ``skipped``. ``drop_rule(name)``: (why, holds) where the engine drops a checkpoint
         tensor by its own rule that is right only on a condition (SGLang keeps one of two equal scales), or
-        None: one that holds is listed as ``rule_dropped``, one that does not as ``rule_broken`` (a failure)."""
+        None: one that holds is listed as ``rule_dropped``, one that does not as ``rule_broken`` (a failure).
+        A speculative-decoding draft's check: ``main_rule(name)``, why the draft drops a checkpoint tensor of the main
+        model on purpose (listed as ``main_skipped``), and ``target``, (regex, why, the target's module) naming the
+        draft's parameters the engine replaces with the target model's after loading (``from_target`` where
+        unwritten)."""
         import re
 
         opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
-        unfilled, allowed = [], []
+        targ = [(re.compile(t[0]), {"why": t[1], "target": t[2]}) for t in target or []]
+        unfilled, allowed, from_target = [], [], []
         now = dict(model.named_parameters())
         for name, p in self.params.items():
             cur = now.get(name, p)
@@ -359,7 +399,10 @@ class Tracker:
             entry = {"param": name, "dtype": str(cur.dtype).replace("torch.", ""), "shape": list(cur.shape),
                      "unfilled": n, "numel": cur.numel()}
             why = next((w for rx, w, count in opt if rx.search(name) and count in (None, n)), None)
-            if why:
+            shared = next((w for rx, w in targ if rx.search(name)), None)
+            if shared:
+                from_target.append({**entry, **shared})
+            elif why:
                 allowed.append({**entry, "why": why})
             else:
                 unfilled.append(entry)
@@ -373,6 +416,8 @@ class Tracker:
         skipped = [n for n in self.offered_order if not self.stored.get(n)]
         mtp = {n: why for n in skipped if mtp_rule is not None and (why := mtp_rule(n))}
         skipped = [n for n in skipped if n not in mtp]
+        main = {n: why for n in skipped if main_rule is not None and (why := main_rule(n))}
+        skipped = [n for n in skipped if n not in main]
         ruled = {n: r for n in skipped if drop_rule is not None and (r := drop_rule(n))}
         skipped = [n for n in skipped if n not in ruled]
         casts = [{"tensor": n, "param": p, "class": c, "from": a, "to": b}
@@ -384,12 +429,17 @@ class Tracker:
             "allowed_unfilled": allowed,
             "skipped": [{"tensor": n, **self.offered[n]} for n in skipped],
             "mtp_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in mtp.items()],
+            "main_skipped": [{"tensor": n, **self.offered[n], "why": why} for n, why in main.items()],
+            "from_target": from_target,
+            # every parameter the engine replaces with the target model's after loading, written by the draft or not
+            "target_params": sorted(n for n in self.params if any(rx.search(n) for rx, _ in targ)),
             "rule_dropped": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if ok],
             "rule_broken": [{"tensor": n, **self.offered[n], "why": why} for n, (why, ok) in ruled.items() if not ok],
             # widening loses nothing; reinterpretations (the worst) first
             "bad_casts": sorted((c for c in casts if c["class"] in ("reinterpret", "narrowing")),
                                 key=lambda c: c["class"] != "reinterpret"),
             "widening_casts": [c for c in casts if c["class"] == "widening"],
+            "exact_casts": [c for c in casts if c["class"] in ("bitwise", "exact")],
             "created_during_load": created,
             "buffers_never_written": buffers_unfilled,
             "stored": {n: sorted(self.stored.get(n, ())) for n in self.offered_order},
@@ -528,13 +578,17 @@ def main(engine: str, run) -> None:
     ap.add_argument("--derive", choices=("trace", "build"),
                     help="mapping derivation: 'trace' offers --weights' zeros and reports where each lands and every "
                          "module as built; 'build' only builds the model and reports its modules")
+    ap.add_argument("--draft", action="store_true",
+                    help="build and load the engine's speculative-decoding draft model (MTP / NextN) for the "
+                         "checkpoint instead of its main model")
     ap.add_argument("--weights", help="with --derive trace: a JSON list of [name, shape, dtype] offered instead of "
                                       "the checkpoint's files")
     a = ap.parse_args()
     t0 = time.perf_counter()
     result: dict = {"engine": engine, "model_dir": os.path.abspath(a.model_dir), "error": None,
                     "phase": "start", "patches": [], "timings": {}, "numerics_dir": a.numerics,
-                    "derive": a.derive, "weights_spec": a.weights}
+                    "derive": a.derive, "weights_spec": a.weights, "draft": a.draft, "role": "draft" if a.draft
+                    else "main"}
     try:
         run(os.path.abspath(a.model_dir), result)
     except BaseException as e:  # the engine's own exception is the result, not a crash of the runner
@@ -551,7 +605,8 @@ def main(engine: str, run) -> None:
 
 
 def numerics(engine: str, result: dict, model, tracker, error: BaseException | None) -> None:
-    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``)."""
+    """With ``--numerics DIR``: every layer read as the engine's GEMM reads it (``runner_numerics``); a draft's layers
+    the engine replaces with the target model's (``target_params``) are not read: the main model's check reads them."""
     folder = result.get("numerics_dir")
     if not folder or error is not None:
         return
@@ -559,7 +614,7 @@ def numerics(engine: str, result: dict, model, tracker, error: BaseException | N
 
     t = time.perf_counter()
     try:
-        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder)
+        result["numerics"] = runner_numerics.dump(engine, model, tracker, folder, set(result.get("target_params", ())))
     except Exception as e:  # reported, never mistaken for a passing check
         result["numerics"] = {"error": exception_info(e)}
     result["timings"]["numerics_s"] = round(time.perf_counter() - t, 2)
@@ -599,10 +654,30 @@ def _source_file(cls) -> str:
     return path.split("site-packages/", 1)[-1]
 
 
-def describe(model: torch.nn.Module) -> dict:
+def watch_prefixes(quant_config) -> dict[int, str]:
+    """The prefix each layer asks its quant method with (``quant_config.get_quant_method(layer, prefix)``, both
+    engines): the name an exclude list must select, which is not always the module's attribute path (vLLM's
+    Glm4MoeMTP builds its MTP block under ``model.layers.N``, not ``model.layers.N.mtp_block``). Observation only:
+    the instance's own method is called unchanged; returns {id(layer): prefix}, filled while the model is built."""
+    seen: dict[int, str] = {}
+    if quant_config is None:
+        return seen
+    inner = quant_config.get_quant_method
+
+    def get_quant_method(layer, prefix="", *a, **k):
+        seen[id(layer)] = prefix
+        return inner(layer, prefix, *a, **k)
+
+    quant_config.get_quant_method = get_quant_method
+    return seen
+
+
+def describe(model: torch.nn.Module, prefixes: dict[int, str] | None = None) -> dict:
     """Every module that holds parameters or a quant method, as the engine built it: its class and file, its
     kind (``moe`` / ``linear`` / ``embedding`` / ``other``, by the engine's own base classes), its quant method's
-    class, its direct parameters with shapes, and the class and file of the module that built it (its parent)."""
+    class, its direct parameters with shapes, the class and file of the module that built it (its parent) and,
+    with ``prefixes`` (``watch_prefixes``), the prefix it asked its quant method with."""
+    prefixes = prefixes or {}
     mods = dict(model.named_modules())
     out = {}
     for name, m in mods.items():
@@ -618,6 +693,8 @@ def describe(model: torch.nn.Module) -> dict:
         out[name] = {"class": type(m).__qualname__, "file": _source_file(type(m)), "kind": kind,
                      "quant_method": type(qm).__name__ if qm is not None else None, "params": direct,
                      "parent_class": type(parent).__qualname__, "parent_file": _source_file(type(parent))}
+        if id(m) in prefixes:
+            out[name]["quant_prefix"] = prefixes[id(m)]
     return out
 
 

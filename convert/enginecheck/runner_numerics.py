@@ -430,12 +430,13 @@ def _index(offset: int, stride: tuple[int, ...]) -> list[int]:
     return idx
 
 
-def dump(engine: str, model, tracker, folder: str) -> dict:
-    """Read every layer, write the fp32 weights to ``folder/numerics.safetensors`` and return the index."""
+def dump(engine: str, model, tracker, folder: str, skip: set[str] | None = None) -> dict:
+    """Read every layer (but those whose weight is in ``skip``: a draft's parameters the engine replaces with the
+    target model's), write the fp32 weights to ``folder/numerics.safetensors`` and return the index."""
     from safetensors.torch import save_file
 
     params = dict(tracker.params)
-    entries = read_model(engine, model)
+    entries = [e for e in read_model(engine, model) if e["param"] not in (skip or ())]
     tensors = {}
     for e in entries:
         w = e.pop("weight", None)

@@ -26,6 +26,11 @@ OPTIONAL = [
     (r"experts\.w(13|2)_weight_bias$",
      "Mxfp4MoEMethod.create_weights makes zero expert biases on CUDA whatever the checkpoint (gpt-oss has "
      "them; Kimi has none)"),
+    (r"^vision_tower\.vision_model\.post_layernorm\.(weight|bias)$",
+     "MiniMax VL vision tower: SGLang's MiniMaxVLVisionTransformer.__init__ builds post_layernorm when every encoder "
+     "layer is built (srt/models/minimax_vl_common.py require_post_norm) but its forward never reads it; the "
+     "MiniMax-M3 release ships none (vLLM's models/minimax_m3/common/vision_tower.py MiniMaxVLVisionModel says so "
+     "and builds it with require_post_norm=False)"),
     (r"experts\.w(13|2)_blockscale_swizzled$",
      "ModelOptNvFp4FusedMoEMethod.create_weights makes it as swizzle(w13/w2_weight_scale) before loading; "
      "process_weights_after_loading recomputes it from the loaded weight_scale"),
@@ -40,11 +45,25 @@ def optional_for(model) -> list[tuple[str, str]]:
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16_NVFP4) linear: SGLang's ModelOptNvFp4A16LinearMethod registers input_scale "
                         "only for fused-loader compatibility and deletes it after loading"))
+        elif type(qm).__name__ == "ModelOptNvFp4FusedMoEMethod" and getattr(module, "num_fused_shared_experts", 0):
+            out.extend(_fused_shared_input_scales(name, module.num_fused_shared_experts))
         elif getattr(qm, "quant_mode", None) == "w4a16" and hasattr(module, "input_scale"):
             out.append((rf"^{re.escape(name)}\.input_scale$",
                         "weight-only (W4A16) NVFP4 linear: SGLang's ModelOptFp4LinearMethod reads input_scale only "
                         "in quant_mode w4a4; w4a16 builds its GEMM alpha from weight_scale_2 alone"))
     return out
+
+
+def _fused_shared_input_scales(name: str, fused: int) -> list[tuple[str, str, int]]:
+    """A shared expert SGLang fuses into the routed experts as expert slot E.. (``num_fused_shared_experts``:
+    MiniMax M3's loader renames ``mlp.shared_experts.*`` to ``mlp.experts.{E}.w1/w2/w3``, srt/models/minimax_m3_vl.py
+    _load_llm_weight) is a dense MLP in the checkpoint, with no input_scale; ModelOptNvFp4FusedMoEMethod.create_weights
+    fills w13/w2_input_scale with 1.0 (layers/quantization/modelopt_quant.py ``input_scale_fill``), which that slot
+    keeps: the value a routed expert's written input_scale has."""
+    why = ("input_scale of the shared expert fused as a routed expert slot: ModelOptNvFp4FusedMoEMethod.create_weights "
+           "fills it with 1.0 (modelopt_quant.py input_scale_fill) and the checkpoint's dense shared expert has none")
+    return [(rf"^{re.escape(name)}\.w13_input_scale$", why, 2 * fused),
+            (rf"^{re.escape(name)}\.w2_input_scale$", why, fused)]
 
 
 def mtp_rule(config):
@@ -55,17 +74,42 @@ def mtp_rule(config):
     n = getattr(config, "num_nextn_predict_layers", 0) or 0
     base = getattr(config, "num_hidden_layers", 0)
 
+    minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
+
     def why(name: str) -> str | None:
+        if (m3 := minimax_m3(name)) is not None:
+            return m3
         if name.startswith("mtp.") and getattr(getattr(config, "text_config", config), "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
                     "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
                     "MTP model (qwen3_5_mtp.py) loads it")
+        if name.startswith("mtp.") and n > 0 and getattr(config, "model_type", None) == "deepseek_v4":
+            return ("MTP layer (num_nextn_predict_layers): SGLang's DeepSeek V4 main model skips names starting "
+                    "'mtp' (srt/models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights, not is_nextn); its NextN "
+                    "model (deepseek_v4_nextn.py) loads them")
         parts = name.split(".")
         if not (n > 0 and name.startswith("model.layers") and len(parts) >= 3 and parts[2].isdigit()
                 and int(parts[2]) >= base):
             return None
         return (f"MTP layer {parts[2]} (num_nextn_predict_layers): SGLang's main model drops it in load_weights "
                 "(layer >= num_hidden_layers); its NextN model loads it")
+    return why
+
+
+def minimax_m3_mtp_rule(config):
+    """MiniMax M3's MTP modules (``language_model.model.mtp.layers.{i}.*``): SGLang's main model skips the names
+    its ``get_spec_layer_idx_from_weight_name`` finds (srt/models/minimax_m3.py: ``model.mtp.layers.{i}.`` for
+    i < ``num_mtp_modules``), called from MiniMaxM3SparseForConditionalGeneration._load_llm_weight (minimax_m3_vl.py)
+    on the name without ``language_model.``. SGLang 0.5.23 registers no MiniMax M3 MTP model."""
+    n = getattr(config, "num_mtp_modules", 0) or 0
+
+    def why(name: str) -> str | None:
+        m = re.match(r"(?:language_model\.)?model\.mtp\.layers\.(\d+)\.", name)
+        if not (n > 0 and m and int(m.group(1)) < n):
+            return None
+        return (f"MTP module {m.group(1)} (num_mtp_modules): SGLang's main model skips it "
+                "(srt/models/minimax_m3.py get_spec_layer_idx_from_weight_name); SGLang 0.5.23 has no MiniMax M3 "
+                "MTP model to load it")
     return why
 
 
@@ -116,13 +160,32 @@ PATCHES = [
      "models/deepseek_common/deepseek_weight_loader.py hands CPU tensors to a ThreadPoolExecutor "
      "(model_loader/utils.py should_async_load: True for a CPU tensor), whose threads the load observer does "
      "not see; should_async_load answers False there, SGLang's own synchronous path (the one it takes for "
-     "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread"),
+     "device and RunAI tensors): the same weight_loader calls, in order, on the loading thread; "
+     "likewise models/deepseek_v4.py, which imports should_async_load itself"),
+    ("DeepGEMM SM count",
+     "deep_gemm.get_num_sms (a CUDA runtime query; DeepSeek V3.2's DSA Indexer.__init__ sizes a schedule buffer "
+     "with it, layers/attention/dsa/utils.py resolve_num_sms) answers the presented B200's SM count, as "
+     "torch.cuda.get_device_properties does: a device query only"),
+    ("DeepSeek V4 kernel prewarm deferred",
+     "models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights ends with _prewarm_mhc_kernels, which compiles and "
+     "runs the mHC GPU kernels once on zeros (no CPU build exists) and stores no parameter; the model's own "
+     "guard _mhc_prewarmed_at_load is set True before loading, so it returns at once"),
 ]
 
 
 def apply_patches(result: dict) -> None:
     rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=True)
+    _deep_gemm_sm_count()
     result["patches"] = [name for name, _ in PATCHES]
+
+
+def _deep_gemm_sm_count() -> None:
+    """See PATCHES ("DeepGEMM SM count")."""
+    try:
+        import deep_gemm
+    except Exception:  # not installed, or not importable here: nothing asks it then
+        return
+    deep_gemm.get_num_sms = lambda: torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def preload() -> None:
@@ -141,6 +204,82 @@ def _load_deepseek_synchronously() -> None:
     from sglang.srt.models.deepseek_common import deepseek_weight_loader
 
     deepseek_weight_loader.should_async_load = lambda weight: False
+    from sglang.srt.models import deepseek_v4
+
+    deepseek_v4.should_async_load = lambda weight: False
+
+
+def from_target(model) -> list[tuple[str, str, str]]:
+    """The draft's parameters SGLang's speculative worker replaces with the target model's after loading the draft
+    (speculative/eagle_worker_v2.py ``init_lm_head``: ``set_embed_and_head(embed, head)``, which NextN / MTP models
+    define as swapping in ``model.embed_tokens.weight`` and ``lm_head.weight``): what the draft does not need from the
+    checkpoint; anything it does load into them must still load."""
+    if not hasattr(model, "set_embed_and_head"):
+        return []
+    why = ("taken from the target model: SGLang's speculative worker (speculative/eagle_worker_v2.py init_lm_head) "
+           f"calls {type(model).__name__}.set_embed_and_head with the target's embedding and lm_head after the draft "
+           "is loaded")
+    return [(r"^model\.embed_tokens\.weight$", why, "embed_tokens"), (r"^lm_head\.weight$", why, "lm_head")]
+
+
+def draft_rule(config):
+    """The draft's side of the MTP rule: a checkpoint tensor the main model's MTP rule does not assign to an MTP
+    layer is the main model's, and the draft drops it (glm4_moe.py Glm4MoeForCausalLM.load_weights with
+    ``is_nextn``: only ``model.layers.{num_hidden_layers}.*``; deepseek_nextn.py likewise; qwen3_5_mtp.py only
+    ``mtp.*``)."""
+    mtp = mtp_rule(config)
+
+    def why(name: str) -> str | None:
+        if not mtp(name):
+            return "the main model's tensor (no MTP layer by SGLang's own rule): its draft model drops it on purpose"
+        if "shared_head.head" in name or "embed_tokens" in name:
+            return ("the MTP layer's own copy of the target's lm_head / embedding: SGLang's NextN loader skips it to "
+                    "use the target model's (models/deepseek_common/deepseek_weight_loader.py do_load_weights: "
+                    "'Use shared head and embed weights from target model'; set_embed_and_head)")
+        return None
+    return why
+
+
+def engine_config(model_dir: str, draft: bool):
+    """SGLang's own config for the checkpoint: with ``draft``, as a deployment asks for its draft
+    (``--speculative-algorithm NEXTN``: the draft worker's ``ModelConfig.from_server_args(...,
+    is_draft_model=True)``, managers/tp_worker.py ``_init_model_config``, which picks the NextN / MTP class,
+    configs/model_config.py). Returns (server_args, model_config, load_config, loader, quant_config)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.model_loader.loader import _get_quantization_config, get_model_loader
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
+              load_format="auto", skip_server_warmup=True)
+    if draft:
+        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=2)
+    server_args = ServerArgs(**kw)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    initialize_moe_config()
+    model_config = (ModelConfig.from_server_args(server_args, model_path=model_dir, is_draft_model=True) if draft
+                    else ModelConfig.from_server_args(server_args))
+    load_config = LoadConfig(load_format="auto")
+    loader = get_model_loader(load_config=load_config, model_config=model_config)
+    return server_args, model_config, load_config, loader, _get_quantization_config(model_config, load_config)
+
+
+def _draft_scope(draft: bool):
+    """The contexts SGLang's draft worker builds its model in (speculative/eagle_worker_v2.py EAGLEWorkerV2.__init__:
+    ``speculative_moe_backend_context``, ``draft_model_build_scope``, layers/moe/utils.py)."""
+    import contextlib
+
+    if not draft:
+        return contextlib.nullcontext()
+    from sglang.srt.layers.moe.utils import draft_model_build_scope, speculative_moe_backend_context
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(speculative_moe_backend_context())
+    stack.enter_context(draft_model_build_scope())
+    return stack
 
 
 def run(model_dir: str, result: dict) -> None:
@@ -149,20 +288,9 @@ def run(model_dir: str, result: dict) -> None:
     apply_patches(result)
     with rc.CpuDevices():
         import sglang
-        from sglang.srt.configs.load_config import LoadConfig
-        from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
         from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
-        from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.model_loader.loader import (
-            DefaultModelLoader,
-            _get_quantization_config,
-            _initialize_model,
-            get_model_loader,
-            set_default_torch_dtype,
-        )
-        from sglang.srt.runtime_context import SpawnRanks, publish
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
         _load_deepseek_synchronously()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
@@ -170,14 +298,7 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "config"
     t = time.perf_counter()
     with rc.CpuDevices():
-        server_args = ServerArgs(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
-                                 load_format="auto", skip_server_warmup=True)
-        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-        initialize_moe_config()
-        model_config = ModelConfig.from_server_args(server_args)
-        load_config = LoadConfig(load_format="auto")
-        loader = get_model_loader(load_config=load_config, model_config=model_config)
-        quant_config = _get_quantization_config(model_config, load_config)
+        server_args, model_config, load_config, loader, quant_config = engine_config(model_dir, result["draft"])
     result["architectures"] = list(getattr(model_config.hf_config, "architectures", None) or [])
     result["quantization"] = model_config.quantization
     result["quant_config"] = type(quant_config).__name__ if quant_config is not None else None
@@ -191,20 +312,29 @@ def run(model_dir: str, result: dict) -> None:
         initialize_model_parallel()
         initialize_dp_attention(server_args=server_args)
         init_dp_gathered_buffer(model_config)
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        prefixes = rc.watch_prefixes(quant_config) if result["derive"] else None
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"), _draft_scope(result["draft"]):
             model = _initialize_model(model_config, load_config, quant_config)
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
     if result["derive"]:
-        result["modules"] = rc.describe(model)
+        result["modules"] = rc.describe(model, prefixes)
         if result["derive"] == "build":
             result["phase"] = "done"
             return
+    load(result, model_config, loader, model)
+
+
+def load(result: dict, model_config, loader, model) -> None:
+    """SGLang's own weight loading of ``model`` under the load observer, then the check (and the numeric read)."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader, set_default_torch_dtype
 
     result["phase"] = "load"
     t = time.perf_counter()
     tracker = rc.Tracker()
     tracker.arm(model)
+    if hasattr(model, "_mhc_prewarmed_at_load"):
+        model._mhc_prewarmed_at_load = True  # DeepSeek V4's kernel prewarm deferred; see PATCHES
     post_load = getattr(type(model), "post_load_weights", None)
     if post_load is not None:
         model.post_load_weights = lambda *a, **k: None  # deferred; see PATCHES
@@ -219,8 +349,13 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(model_config.hf_config),
-                                 qkv_a_scalar_rule(tracker)))
+    config = model_config.hf_config
+    if result["draft"]:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), drop_rule=qkv_a_scalar_rule(tracker),
+                                     main_rule=draft_rule(config), target=from_target(model)))
+    else:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(config),
+                                     qkv_a_scalar_rule(tracker)))
     if result["derive"]:
         result["spans"] = rc.spans(tracker)
     with rc.CpuDevices():  # before post_load_weights, which derives kernel buffers from the loaded weights

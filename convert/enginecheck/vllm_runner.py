@@ -59,7 +59,22 @@ def optional_for(model) -> list[tuple[str, str]]:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.weight_scale$", why, pad * p.shape[1]))
                 elif pname in ("weight_scale_2", "input_scale") and p.dim() == 1:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.{pname}$", why, 1))
+        out.extend(_hyper_connection_padding(name, module))
     return out
+
+
+def _hyper_connection_padding(name: str, module) -> list[tuple[str, str, int]]:
+    """Qwen3.8-Flash-Next's hyper-connection: vLLM packs input_mix_weight_down and block_inject_weight into one
+    MergedColumnParallelLinear padded to 16 rows (models/qwen4_exp/nvidia/hyperconnection.py ``pad_size``, shard
+    ``_input_mix_padding``, which no checkpoint tensor maps to); the padding rows' outputs are split off and dropped
+    (``_down_and_inject``)."""
+    pad = getattr(module, "pad_size", 0)
+    proj = getattr(module, "input_mix_weight_down_block_inject", None)
+    if not pad or proj is None:
+        return []
+    why = (f"alignment padding of {name}.input_mix_weight_down_block_inject ({pad} rows, hyperconnection.py pad_size): "
+           "no checkpoint tensor maps there; their outputs are split off and dropped (_down_and_inject)")
+    return [(rf"^{re.escape(name)}\.input_mix_weight_down_block_inject\.weight$", why, pad * proj.weight.shape[1])]
 
 
 def mtp_rule(config):
@@ -68,16 +83,54 @@ def mtp_rule(config):
     glm4_moe.py Glm4MoeModel.load_weights); the MTP model (glm4_moe_mtp.py Glm4MoeMTP) loads those."""
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
+    minimax_m3 = minimax_m3_mtp_rule(config)
+
     def why(name: str) -> str | None:
+        if (m3 := minimax_m3(name)) is not None:
+            return m3
         if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
                     "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "
                     "(qwen3_5_mtp.py Qwen3_5MoeMTP) loads it")
+        if name.startswith("mtp.") and getattr(config, "model_type", None) == "deepseek_v4" \
+                and getattr(config, "num_nextn_predict_layers", 0):
+            return ("MTP layer (num_nextn_predict_layers): vLLM's DeepSeek V4 main model maps 'mtp.' to None "
+                    "(models/deepseek_v4/nvidia/model.py _make_deepseek_v4_weights_mapper); its MTP model "
+                    "(models/deepseek_v4/nvidia/mtp.py DeepSeekV4MTP) loads it")
         layer = get_spec_layer_idx_from_weight_name(config, name)
         if layer is None:
             return None
         return (f"MTP layer {layer} (num_nextn_predict_layers): vLLM's main model drops it "
                 "(models/utils.py get_spec_layer_idx_from_weight_name via skip_spec_layers); its MTP model loads it")
+    return why
+
+
+def draft_rule(config):
+    """The draft's side of the same rule: a checkpoint tensor the MTP rule does not assign to an MTP layer is the
+    main model's, and the draft drops it (glm4_moe_mtp.py Glm4MoeMTP.load_weights and deepseek_mtp.py
+    DeepSeekMTP.load_weights ``continue`` where ``get_spec_layer_idx_from_weight_name`` finds no MTP layer;
+    qwen3_5_mtp.py Qwen3_5MTP maps every name outside ``mtp.`` away)."""
+    mtp = mtp_rule(config)
+
+    def why(name: str) -> str | None:
+        if mtp(name):
+            return None
+        return "the main model's tensor (no MTP layer by vLLM's own rule): its draft model drops it on purpose"
+
+
+def minimax_m3_mtp_rule(config):
+    """MiniMax M3's MTP modules (``language_model.model.mtp.layers.{i}.*``, i < ``num_mtp_modules``): vLLM's
+    main model skips every name with ``mtp.`` in it (vllm/models/minimax_m3/nvidia/model.py
+    MiniMaxM3Model.load_weights, "The MTP module is not modeled yet"); its MTP model (registry ``MiniMaxM3MTP``,
+    nvidia/mtp.py MiniMaxM3MTP._map_checkpoint_name) loads them."""
+    n = getattr(config, "num_mtp_modules", 0) or 0
+
+    def why(name: str) -> str | None:
+        m = re.match(r"(?:language_model\.)?model\.mtp\.layers\.(\d+)\.", name)
+        if not (n > 0 and m and int(m.group(1)) < n):
+            return None
+        return (f"MTP module {m.group(1)} (num_mtp_modules): vLLM's main model skips names with 'mtp.' "
+                "(models/minimax_m3/nvidia/model.py MiniMaxM3Model.load_weights); its MTP model MiniMaxM3MTP loads it")
     return why
 
 
@@ -99,9 +152,26 @@ PATCHES = [
     ("distributed",
      "a single-process gloo group (world size 1, TP=1) through vLLM's own init_distributed_environment and "
      "initialize_model_parallel; no collective moves weights at TP=1"),
+    ("workspace manager",
+     "vLLM's own init_workspace_manager(cpu) runs before the model is built, as its GPU worker does before "
+     "making the model runner (v1/worker/gpu_worker.py _init_workspace_and_model_runner): attention backends that "
+     "reserve scratch in their constructors (MLA prefill trtllm_ragged, DSA) get it; scratch holds no weights"),
     ("weight iterator observed",
      "DefaultModelLoader.get_all_weights is wrapped to record each (name, tensor) it yields, unchanged"),
+    ("engram tables on the device",
+     "for a model with n-gram embedding tables (Qwen3.8-Flash-Next's PLE), EngramConfig.cpu_offload (on by default: "
+     "the table in pinned host memory read through UVA, which a CPU without CUDA cannot give) is turned off, as "
+     "--engram-config '{\"cpu_offload\": false}' does: the table is then the parent class of the offloaded one "
+     "(models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLEEmbedding), with the same parameter and weight loader"),
 ]
+
+
+def engram_on_device(vllm_config) -> None:
+    """The "engram tables on the device" patch (PATCHES): applied only where vLLM resolved an EngramConfig
+    (config/vllm.py _resolve_and_verify_engram_config: models with n-gram layers)."""
+    engram = getattr(vllm_config, "engram_config", None)
+    if engram is not None and engram.cpu_offload:
+        engram.cpu_offload = False
 
 
 def apply_patches(result: dict) -> None:
@@ -159,7 +229,7 @@ def apply_patches(result: dict) -> None:
 
 #: vLLM imports a model's module when its registry resolves the architecture: the families the tool converts.
 MODEL_MODULES = ("deepseek_v2", "deepseek_mtp", "kimi_linear", "kimi_k3", "qwen3_moe", "glm4_moe", "glm4_moe_mtp",
-                 "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5")
+                 "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_mtp")
 
 
 def preload() -> None:
@@ -167,11 +237,74 @@ def preload() -> None:
     modules a check imports next: done once by the fork server (``zygote.py``)."""
     apply_patches({})
     rc.import_all(["vllm.config", "vllm.distributed", "vllm.engine.arg_utils", "vllm.model_executor.model_loader",
-                   "vllm.utils.torch_utils", *(f"vllm.model_executor.models.{m}" for m in MODEL_MODULES),
+                   "vllm.utils.torch_utils", "vllm.config.speculative",
+                   *(f"vllm.model_executor.models.{m}" for m in MODEL_MODULES),
                    "vllm.model_executor.layers.quantization.modelopt", "vllm.model_executor.layers.quantization.fp8",
                    "vllm.model_executor.layers.quantization.mxfp4",
                    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
                    "runner_numerics"])
+
+
+def _init_workspace() -> None:
+    """See PATCHES ("workspace manager")."""
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))
+
+
+def from_target(model) -> list[tuple[str, str, str]]:
+    """The draft's parameters vLLM's proposer replaces with the target model's after loading the draft
+    (v1/spec_decode/llm_base_proposer.py: ``_maybe_share_embeddings`` takes the target's ``embed_tokens`` for an MTP
+    draft, ``_maybe_share_lm_head`` its ``lm_head``, also as every MTP layer's ``shared_head.head``): what the draft
+    does not need from the checkpoint; anything it does load into them must still load."""
+    why = ("taken from the target model: vLLM's proposer (v1/spec_decode/llm_base_proposer.py "
+           "{fn}) replaces it with the target's {what} after the draft is loaded")
+    out = []
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens") and not hasattr(model, "has_own_embed_tokens"):
+        out.append((r"^model\.embed_tokens\.", why.format(fn="_maybe_share_embeddings", what="embed_tokens"),
+                    "embed_tokens"))
+    if not hasattr(model, "has_own_lm_head"):
+        out.append((r"^lm_head\.", why.format(fn="_maybe_share_lm_head", what="lm_head"), "lm_head"))
+        out.append((r"^model\.layers\.\d+\.shared_head\.head\.",
+                    why.format(fn="_maybe_share_lm_head", what="lm_head (as shared_head.head)"), "lm_head"))
+    return out
+
+
+def mtp_layers(config) -> int:
+    """How many MTP layers the config announces (the speculative tokens a deployment asks for: one a layer)."""
+    text = getattr(config, "text_config", None) or config
+    for c in (config, text):
+        for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules"):
+            n = getattr(c, key, None)
+            if isinstance(n, int) and n > 0:
+                return n
+    return 1
+
+
+def engine_config(model_dir: str, draft: bool):
+    """vLLM's own config for the checkpoint: with ``draft``, as a deployment asks for its MTP draft
+    (``--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'``), and then the draft's config the
+    proposer builds it with (llm_base_proposer.py ``_get_model``: ``_create_draft_vllm_config``, the speculative
+    config's ``draft_model_config``, ``get_draft_load_config``). Returns (vllm_config, model_config, load_config)."""
+    from dataclasses import replace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = dict(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
+              max_model_len=4096, trust_remote_code=False)
+    if not draft:
+        vc = EngineArgs(**kw).create_engine_config()
+        return vc, vc.model_config, vc.load_config
+    from transformers import AutoConfig
+
+    n = mtp_layers(AutoConfig.from_pretrained(model_dir))
+    vc = EngineArgs(**kw, speculative_config={"method": "mtp", "num_speculative_tokens": n}).create_engine_config()
+    spec = vc.speculative_config
+    vc = replace(vc, attention_config=replace(vc.attention_config, backend=spec.attention_backend))
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    return vc, spec.draft_model_config, get_draft_load_config(vc)
 
 
 def run(model_dir: str, result: dict) -> None:
@@ -181,7 +314,6 @@ def run(model_dir: str, result: dict) -> None:
     import vllm
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -191,10 +323,8 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "config"
     t = time.perf_counter()
     with rc.CpuDevices():
-        args = EngineArgs(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
-                          max_model_len=4096, trust_remote_code=False)
-        vllm_config = args.create_engine_config()
-    mc = vllm_config.model_config
+        vllm_config, mc, load_config = engine_config(model_dir, result["draft"])
+        engram_on_device(vllm_config)
     result["architectures"] = list(getattr(mc.hf_config, "architectures", None) or [])
     result["quantization"] = mc.quantization
     result["quant_config"] = type(vllm_config.quant_config).__name__ if vllm_config.quant_config else None
@@ -202,20 +332,29 @@ def run(model_dir: str, result: dict) -> None:
 
     result["phase"] = "init"
     t = time.perf_counter()
-    loader = get_model_loader(vllm_config.load_config)
+    loader = get_model_loader(load_config)
+    prefixes = rc.watch_prefixes(vllm_config.quant_config) if result["derive"] else None
     with set_current_vllm_config(vllm_config), rc.CpuDevices():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{rc.free_port()}")
         initialize_model_parallel(1, 1)
+        _init_workspace()
         with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
             model = loader.create_model(vllm_config=vllm_config, model_config=mc)
     result["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     result["timings"]["init_s"] = round(time.perf_counter() - t, 2)
     if result["derive"]:
-        result["modules"] = rc.describe(model)
+        result["modules"] = rc.describe(model, prefixes)
         if result["derive"] == "build":
             result["phase"] = "done"
             return
+    load(result, vllm_config, mc, loader, model)
+
+
+def load(result: dict, vllm_config, mc, loader, model) -> None:
+    """vLLM's own weight loading of ``model`` under the load observer, then the check (and the numeric read)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     result["phase"] = "load"
     t = time.perf_counter()
@@ -234,7 +373,11 @@ def run(model_dir: str, result: dict) -> None:
         error = e
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
-    result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
+    if result["draft"]:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), main_rule=draft_rule(mc.hf_text_config),
+                                     target=from_target(model)))
+    else:
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
     if result["derive"]:
         result["spans"] = rc.spans(tracker)
     with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype):

@@ -32,7 +32,16 @@ if TYPE_CHECKING:
     from ..plan.model import Item, Plan
 
 NAME = "modelopt"
-QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"}}
+QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"},
+                 "fp8": {"MIXED_PRECISION"}}
+#: NVIDIA's DeepSeek V4 hybrid (nvidia/DeepSeek-V4-Pro-NVFP4, Model Optimizer's
+#: examples/deepseek/deepseek_v4/quantize_to_nvfp4.py ``_rewrite_config_json``): the source's block-FP8
+#: quantization_config kept (its FP8 layers stay as stored), ``moe_quant_algo: NVFP4`` and a quantized_layers map
+#: added. vLLM models/deepseek_v4/quant_config.py DeepseekV4FP8Config.get_quant_method and SGLang
+#: configs/model_config.py (``nvfp4_moe_meta``) with layers/quantization/modelopt_quant.py HybridFp8NvFp4Config
+#: route the routed experts to their ModelOpt NVFP4 MoE methods by it.
+HYBRID = "fp8"
+MIXED = ("modelopt_mixed", HYBRID)  # the methods whose config carries a quantized_layers map
 CONFIG_FILES = ("hf_quant_config.json",)
 CARD_TAGS = ("nvfp4", "modelopt", "kimi-convert", "quantized")
 KINDS = frozenset({"nvfp4", "fp8-block", "keep"})
@@ -131,7 +140,7 @@ def quantized_layers(plan: Plan) -> dict[str, dict]:
 
 def manifest_layers(plan: Plan) -> dict[str, dict] | None:
     """What the manifest keeps of the per-layer map (None where the config has none)."""
-    return quantized_layers(plan) if plan.recipe.quant_method == "modelopt_mixed" else None
+    return quantized_layers(plan) if plan.recipe.quant_method in MIXED else None
 
 
 def _algo_entry(kind: str, input_scale: float | None) -> dict:
@@ -141,7 +150,7 @@ def _algo_entry(kind: str, input_scale: float | None) -> dict:
 
 def hf_quant_config(plan: Plan) -> dict:
     q: dict = {"quant_algo": plan.recipe.quant_algo, "kv_cache_quant_algo": None, "group_size": GROUP_SIZE}
-    if plan.recipe.quant_method == "modelopt_mixed":
+    if plan.recipe.quant_method in MIXED:
         q["quantized_layers"] = quantized_layers(plan)
     q["exclude_modules"] = list(plan.exclude_modules)
     return {"producer": producer(), "quantization": q}
@@ -158,9 +167,26 @@ def _group_config(algo: str) -> dict:
     return {"quant_algo": algo}
 
 
+def hybrid_config(config: dict, plan: Plan) -> dict:
+    """NVIDIA's DeepSeek V4 config (``HYBRID``): the source's quantization_config with NVIDIA's keys added, as its
+    converter's ``_rewrite_config_json`` writes them (one NVFP4 config group, the quantized_layers map, ``ignore``
+    the exclude list)."""
+    hq = hf_quant_config(plan)["quantization"]
+    q = {k: v for k, v in (config.get("quantization_config") or {}).items() if k != "exclude_modules"}
+    q.setdefault("activation_scheme", "dynamic")
+    q.setdefault("weight_block_size", [128, 128])
+    q.update({"quant_method": HYBRID, "moe_quant_algo": "NVFP4", "producer": producer(), "quant_algo": hq["quant_algo"],
+              "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
+              "config_groups": {"group_0": {**_group_config("NVFP4"), "targets": ["Linear"]}},
+              "quantized_layers": hq["quantized_layers"], "ignore": hq["exclude_modules"]})
+    return {**config, "quantization_config": q}
+
+
 def output_config(config: dict, plan: Plan) -> dict:
     """The input's config.json with its quantization_config (also the one nested in the text config,
     which a loader would otherwise read the NVFP4 experts by, as MXFP4) replaced by the recipe's."""
+    if plan.recipe.quant_method == HYBRID:
+        return hybrid_config(config, plan)
     out = dict(config)
     key = plan.mapping.text_config
     if key and isinstance(out.get(key), dict):

@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .. import globs, keep
+from .. import globs, keep, mtp
 from ..keep import KeepRule
 from ..mapping import Group, Mapping
 from ..options import Options
@@ -37,6 +37,7 @@ class DecideContext:
     modules: dict[str, dict[str, SourceTensor]] = field(default_factory=dict)
     memo: dict[tuple, tuple] = field(default_factory=dict)  # per expert template: is_linear, decisions
     blind: bool | None = None  # made on first use: whether no rule in force tells expert indices apart
+    mtp_prefixes: tuple[str, ...] = ()  # the MTP layers the config announces (mapping's [mtp]: convert/mtp.py)
 
     def is_expert(self, module: str) -> bool:
         return any(rx.fullmatch(self.m.strip(module)) for rx in self.expert_rx)
@@ -99,6 +100,10 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
     if k is not None:
         return Decision(KEEP, k.reason)
+    if m.mtp is not None and ctx.mtp_prefixes:
+        why = mtp.decide(members[0], m.mtp, ctx.mtp_prefixes, ctx.recipe.output_format, ctx.opts.quantize_mtp)
+        if why is not None:
+            return Decision(KEEP, f"mapping {m.name}: mtp: {why}")
     assert rule is not None  # keep.kept keeps a module no rule matches
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
     return Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)

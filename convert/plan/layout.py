@@ -110,6 +110,26 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
     return items
 
 
+def stored_copies(items: list[Item]) -> list[Item]:
+    """A recipe's ``keep_stored``: each kept module whose source is encoded (FP8 with its scales, MXFP4) becomes
+    copies of its stored tensors, each under its own name (the weight and its scale, as the source stores them),
+    instead of one weight decoded to BF16. A module fused on disk cannot stay as stored: refused."""
+    out: list[Item] = []
+    for it in items:
+        if it.kind != KEEP or all(s.encoding == Encoding.DENSE for s in it.sources):
+            out.append(it)
+            continue
+        if it.op != Op.NONE or any(s.view for s in it.sources):
+            raise ConvertError(f"module {it.name}: kept as stored ({it.sources[0].encoding}), but it is fused on "
+                               "disk or a view of a stored tensor; pass --layout source")
+        for s in it.sources:
+            for p in s.parts:
+                src = SourceTensor(s.module, p.name, Encoding.DENSE, p.dtype, p.shape, (p,))
+                out.append(Item(p.name, COPY, Op.NONE, None, (src,), (OutTensor(p.name, p.dtype, p.shape),),
+                                f"{it.rule}; kept as stored ({s.encoding})"))
+    return out
+
+
 def _rekeep(it: Item, why: str) -> Item:
     """The item kept in high precision instead. Only modules stored apart are re-decided (members of an
     engine packed module, a MoE layer's experts); a module fused on disk is decided as a whole."""

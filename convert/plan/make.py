@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .. import globs
+from .. import globs, mtp
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..gcpause import gc_paused
@@ -27,7 +27,7 @@ from .fusion import (
     check_members,
     resolve_fusions,
 )
-from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size
+from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size, stored_copies
 from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
@@ -69,6 +69,8 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     same plan either way."""
     check_convertible(ckpt)
     check_config_tensors(ckpt, m)
+    if m.mtp is not None:  # the MTP layers the config announces are the ones stored (convert/mtp.py)
+        mtp.check_layers(list(ckpt.tensors), lambda path: m.config_value(ckpt.config, path), m.mtp)
     recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
     _check_input_scale(recipe, opts)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
@@ -83,11 +85,13 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
                     full = _stages(ckpt, m, opts, patterns, recipe)
                 return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
 
-            return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, banks.members),
+            return _plan(ckpt, m, opts, patterns, recipe, st,
+                         exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config)),
                          per_module, lambda _: outline)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
-    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe), lambda: per, _outline)
+    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
+                                                                   m.mtp_prefixes(ckpt.config)), lambda: per, _outline)
 
 
 def _check_quantizes_something(items: list[Item], recipe: Recipe, opts: Options) -> None:
@@ -139,7 +143,8 @@ def _outline(plan: Plan) -> Outline:
 
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
-    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()))
+    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()),
+                        mtp_prefixes=m.mtp_prefixes(ckpt.config))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules
@@ -158,6 +163,8 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule
     _check_quantizes_something(items, recipe, opts)
     check_members([*disk, *fusions], modules, m, ckpt.config, {it.name: it.kind for it in items})
     check_engine_layers(items, fusions, m, opts)
+    if ctx.recipe.keep_stored:
+        items = stored_copies(items)
     units = make_units(items, fusions, ckpt)
     if opts.layout == "source":
         units, shards = shards_as_source(units, ckpt)

@@ -5,29 +5,37 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
-from .. import rules
+from .. import mtp, rules
 from ..engines import aliases
 from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
 from .layout import expert_sets
-from .model import KEEP, Item
+from .model import COPY, KEEP, Item
 
 
 def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
-                 members: Callable[[str], Iterable[str]] | None = None) -> list[str]:
+                 members: Callable[[str], Iterable[str]] | None = None,
+                 mtp_prefixes: tuple[str, ...] = ()) -> list[str]:
     """The recipe's own list (if it has one) plus every kept linear module it does not already name,
-    each fused module's shards, and whole MoE expert sets. ``members``: the modules an item's module
-    stands for (a bank's first expert: every expert of the bank, banks.py)."""
+    each fused module's shards, and whole MoE expert sets; and, for the MTP layers, each kept module under the
+    prefix each engine's draft model asks its quant method with (``mtp.draft_aliases``). ``members``: the modules
+    an item's module stands for (a bank's first expert: every expert of the bank, banks.py)."""
     names: set[str] = set()
+    linear: set[str] = set()
     for it in items:
-        if it.kind != KEEP:
+        if it.kind == COPY:
             continue
-        names.update(members(it.name) if members else (it.name,))
+        mods = set(members(it.name) if members else (it.name,))
         if it.group is not None:
-            names.update(s.module for s in it.sources)
+            mods.update(s.module for s in it.sources)
+        linear.update(mods)
+        if it.kind == KEEP:
+            names.update(mods)
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
+    if m.mtp is not None and mtp_prefixes:
+        names.update(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]

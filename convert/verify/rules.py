@@ -69,7 +69,7 @@ def check_engine_rules(man: dict, mods: Modules, rep: Report) -> None:
     problems: list[str] = []
     quantized_layers = man.get("quantized_layers") or {}
     for name, (kind, built_by) in sorted(layers.items()):
-        if method == "modelopt_mixed":
+        if method in ("modelopt_mixed", "fp8"):  # fp8: NVIDIA's DeepSeek V4 hybrid, a quantized_layers map too
             try:
                 got = engines.mixed_algo(name, quantized_layers, packed["vllm"])
             except engines.MixedShards as e:

@@ -1,0 +1,237 @@
+"""Multi-token-prediction (MTP) layers: where they are, what each engine's speculative-decoding draft needs of them.
+
+Most MoE releases store MTP layers that serving engines load as the speculative-decoding draft (vLLM's ``*MTP``
+classes, SGLang's ``*NextN`` / ``*MTP`` models), while the main models drop them. A mapping table says, as data
+(its ``[mtp]`` table, written by ``kimi-convert mapping derive`` from the engines' own draft classes, or by hand):
+
+- **where** they are: ``prefix`` (``model.layers.{n}.`` for ``n`` from ``first`` (a config path, e.g.
+  ``num_hidden_layers``) to ``first + count - 1``; or a block such as ``mtp.``) and ``count`` (config paths: the
+  first present and positive counts the layers);
+- per engine (``[[mtp.draft]]``), what its draft model builds: the formats under which it builds the MTP layer's
+  linear layers quantized (``quantized``; a draft that builds them unquantized under the output's format reads
+  only the source's precision), the source modules it builds unquantized whatever the exclude list says
+  (``unquantized``, per format), and the prefix under which it asks its quant method for each source module
+  (``names``: [source module template, draft prefix template], ``{n}`` the MTP layer's number, ``{expert}`` an
+  expert's): the exclude list names a kept module under those prefixes too, so that the draft's own matching
+  (vLLM's ``Glm4MoeMTP`` has no ``packed_modules_mapping``, and builds the target's ``lm_head`` as
+  ``model.layers.{n}.head``) finds it.
+
+The plan's rules (``plan/decide.py``, ``plan/names.py``): by default the MTP layers are kept as the source stores them
+wherever an engine's draft cannot take them quantized under the output's format (as NVIDIA's converter keeps
+DeepSeek V4's MTP experts); ``--quantize-mtp`` quantizes the MTP modules every draft builds quantized and keeps the
+rest. Pure: no engine, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from .errors import ConvertError
+
+_N = re.compile(r"\{n\}")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One engine's draft model for the architecture, as the engine builds it."""
+
+    engine: str
+    model_class: str  # the class and file the engine builds (``vllm.model_executor.models.glm4_moe_mtp.Glm4MoeMTP``)
+    quantized: tuple[str, ...]  # output formats under which it builds the MTP layer quantized
+    unquantized: tuple[tuple[str, tuple[str, ...]], ...]  # (format, source module globs it builds unquantized)
+    names: tuple[tuple[str, str], ...]  # (source module template, the draft's quant prefix template)
+    from_target: tuple[str, ...]  # the draft's parameters the engine takes from the target model
+    reason: str = ""
+
+    def keeps(self, fmt: str) -> tuple[str, ...]:
+        return next((globs for f, globs in self.unquantized if f == fmt), ())
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """Where a family's MTP layers are, and its engines' drafts."""
+
+    prefix: str  # "model.layers.{n}." or "mtp."
+    first: str  # config path of the first MTP layer's number ("" for 0)
+    count: tuple[str, ...]  # config paths counting the MTP layers
+    drafts: tuple[Draft, ...]
+    reason: str = ""
+    # (source module globs, reason): MTP modules the default leaves to the recipe although a draft builds them
+    # unquantized, because keeping them breaks another check (a hand rule naming the failing engine check)
+    quantize: tuple[tuple[str, ...], str] = ((), "")
+
+    def layers(self, value) -> int:
+        """The number of MTP layers the config announces (``value(path)`` reads the text config)."""
+        for path in self.count:
+            n = value(path)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return n
+        return 0
+
+    def prefixes(self, value) -> tuple[str, ...]:
+        """The name prefixes of the MTP layers the config announces."""
+        n = self.layers(value)
+        if not _N.search(self.prefix):
+            return (self.prefix,) if n else ()
+        first = value(self.first) if self.first else 0
+        if not isinstance(first, int):
+            raise ConvertError(f"config.json: {self.first} must be an integer (the first MTP layer's number)")
+        return tuple(self.prefix.replace("{n}", str(first + i)) for i in range(n))
+
+    def pattern(self) -> re.Pattern[str]:
+        """Names under the prefix, any ``{n}`` (group 1: its number)."""
+        head, _, tail = self.prefix.partition("{n}")
+        return re.compile(re.escape(head) + (r"(\d+)" + re.escape(tail) if "{n}" in self.prefix else ""))
+
+    def stored(self, tensors, value) -> list[str]:
+        """The stored names that are MTP layers whatever the config announces: under the block prefix, or under a
+        layer numbered ``first`` or more (the decoder layers are numbered below it)."""
+        rx = self.pattern()
+        if "{n}" not in self.prefix:
+            return [t for t in tensors if rx.match(t)]
+        first = value(self.first) if self.first else 0
+        return [t for t in tensors if (h := rx.match(t)) and isinstance(first, int) and int(h.group(1)) >= first]
+
+
+def _strs(t: dict, key: str, where: str) -> tuple[str, ...]:
+    v = t.get(key, [])
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConvertError(f"{where}: {key!r} must be a list of strings")
+    return tuple(v)
+
+
+def _pairs(t: dict, key: str, where: str) -> tuple[tuple[str, str], ...]:
+    v = t.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                          for p in v):
+        raise ConvertError(f"{where}: {key!r} must be a list of [source module, draft prefix] pairs")
+    return tuple((a, b) for a, b in v)
+
+
+DRAFT_KEYS = {"engine", "model_class", "quantized", "unquantized", "names", "from_target", "reason"}
+MTP_KEYS = {"prefix", "first", "count", "draft", "reason", "quantize", "quantize_reason"}
+
+
+def _draft(t: object, where: str) -> Draft:
+    if not isinstance(t, dict):
+        raise ConvertError(f"{where}: must be a table")
+    extra = sorted(set(t) - DRAFT_KEYS)
+    if extra:
+        raise ConvertError(f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(DRAFT_KEYS))})")
+    if t.get("engine") not in ("vllm", "sglang"):
+        raise ConvertError(f"{where}: engine must be 'vllm' or 'sglang'")
+    unq = t.get("unquantized", {})
+    if not isinstance(unq, dict):
+        raise ConvertError(f"{where}: 'unquantized' must be a table of format = [source module globs]")
+    return Draft(t["engine"], str(t.get("model_class", "")), _strs(t, "quantized", where),
+                 tuple(sorted((f, _strs(unq, f, f"{where}.unquantized")) for f in unq)),
+                 _pairs(t, "names", where), _strs(t, "from_target", where), str(t.get("reason", "")))
+
+
+def parse(t: object, where: str) -> Mtp | None:
+    """A mapping table's ``[mtp]``."""
+    if t is None:
+        return None
+    if not isinstance(t, dict):
+        raise ConvertError(f"{where}: must be a table")
+    extra = sorted(set(t) - MTP_KEYS)
+    if extra:
+        raise ConvertError(f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(MTP_KEYS))})")
+    prefix = t.get("prefix")
+    if not isinstance(prefix, str) or not prefix.endswith("."):
+        raise ConvertError(f"{where}: 'prefix' must be a name prefix ending in '.' (model.layers.{{n}}. or mtp.)")
+    drafts = t.get("draft", [])
+    if not isinstance(drafts, list):
+        raise ConvertError(f"{where}: 'draft' must be an array of tables")
+    return Mtp(prefix, str(t.get("first", "")), _strs(t, "count", where),
+               tuple(_draft(d, f"{where}.draft[{i}]") for i, d in enumerate(drafts)), str(t.get("reason", "")),
+               (_strs(t, "quantize", where), str(t.get("quantize_reason", ""))))
+
+
+def in_layers(module: str, prefixes: tuple[str, ...]) -> bool:
+    return module.startswith(prefixes)
+
+
+def numbers(prefixes: tuple[str, ...], mtp: Mtp) -> list[str]:
+    """Each MTP layer's number (``{n}``) from its prefix; one empty value for a block prefix (``mtp.``)."""
+    rx = mtp.pattern()
+    out = [h.group(1) for p in prefixes if (h := rx.match(p)) and h.groups()]
+    return out or [""]
+
+
+def _matches(template: str, module: str) -> dict[str, str] | None:
+    """``{expert}`` (and any other ``{x}``) of a names template matched against ``module``: the values, or None."""
+    parts = re.split(r"(\{\w+\})", template)
+    rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if p.startswith("{") else re.escape(p) for p in parts)
+    hit = re.fullmatch(rx, module)
+    return hit.groupdict() if hit else None
+
+
+def draft_aliases(kept: set[str], present: set[str], mtp: Mtp, prefixes: tuple[str, ...]) -> list[str]:
+    """The names the exclude list must also hold so that each engine's draft finds the kept modules: the draft's
+    prefix of every source module it builds, where every source module it builds there is kept (a draft module
+    built from kept and quantized modules is not excluded: the plan keeps an engine's packed module whole)."""
+    out: set[str] = set()
+    in_mtp = sorted(x for x in present if x.startswith(prefixes))
+    for d in mtp.drafts:
+        sources: dict[str, set[str]] = {}
+        for src_t, dst_t in d.names:
+            for n in numbers(prefixes, mtp):
+                src_n = src_t.replace("{n}", n)
+                for mod in (in_mtp if "{" in src_n else [src_n] if src_n in present else []):
+                    vals = _matches(src_n, mod)
+                    if vals is None:
+                        continue
+                    dst = dst_t.replace("{n}", n)
+                    for k, v in vals.items():
+                        dst = dst.replace(f"{{{k}}}", v)
+                    sources.setdefault(dst, set()).add(mod)
+        out.update(dst for dst, mods in sources.items() if mods <= kept and dst not in present)
+    return sorted(out)
+
+
+def draft_keeps(mtp: Mtp, fmt: str) -> list[tuple[Draft, str]]:
+    """(draft, glob) of the MTP modules some draft builds unquantized under ``fmt`` whatever the exclude list says."""
+    return [(d, g) for d in mtp.drafts for g in d.keeps(fmt)]
+
+
+def decide(module: str, mtp: Mtp, prefixes: tuple[str, ...], fmt: str, quantize: bool) -> str | None:
+    """Why MTP module ``module`` stays in the source's precision, or None (the recipe decides). Default: the whole
+    MTP layer is kept where some engine's draft does not build it quantized under ``fmt``; ``quantize``
+    (``--quantize-mtp``): only the modules a draft builds unquantized."""
+    if not in_layers(module, prefixes):
+        return None
+    if any(_glob(module, g) for g in mtp.quantize[0]):
+        return None
+    refusing = [d for d in mtp.drafts if fmt not in d.quantized]
+    if not quantize and refusing:
+        d = refusing[0]
+        return (f"MTP layer kept as the source stores it: {d.engine} {d.model_class} (its speculative-decoding "
+                f"draft) builds it unquantized under a {fmt} config" + (f" ({d.reason})" if d.reason else ""))
+    for d, g in draft_keeps(mtp, fmt):
+        if _glob(module, g):
+            return f"MTP module kept: {d.engine} {d.model_class} builds it unquantized under a {fmt} config"
+    return None
+
+
+def _glob(module: str, template: str) -> bool:
+    return fnmatchcase(module, template.replace("{n}", "*").replace("{expert}", "*"))
+
+
+def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
+    """Bad input, before any work: a config that announces MTP layers the checkpoint lacks, or stores MTP layers
+    the config does not announce (the engines' main models would then load them as decoder layers, or their drafts
+    find nothing)."""
+    prefixes = mtp.prefixes(value)
+    count = " / ".join(mtp.count) or "its MTP count"
+    for p in prefixes:
+        if not any(t.startswith(p) for t in tensors):
+            raise ConvertError(f"config.json: {count} announces MTP layer {p}* but the checkpoint stores no tensor "
+                               "under it")
+    stray = next((t for t in mtp.stored(tensors, value) if not t.startswith(prefixes)), None)
+    if stray is not None:
+        raise ConvertError(f"{stray}: an MTP-layer tensor, but config.json's {count} announces "
+                           + (f"only {', '.join(prefixes)}" if prefixes else "no MTP layer"))

@@ -1,0 +1,1 @@
+"""Preset spec files (``*.toml``), one per model family; read by ``kimi_convert.synth`` (docs/presets.md)."""

@@ -1,0 +1,105 @@
+"""MiniMax M3 without an engine: the tiny preset is laid out as the BF16 release (nested config, text model
+under ``language_model.``, CLIP vision tower, dense-first layers, sparse-attention MoE layers with the
+lightning indexer's projections, MTP modules), and a mapping can tell sparse-attention layers from their
+per-layer 0/1 flags (``sparse_attention_freq``).
+
+The expected values are the release's own (docs/families.md, "MiniMax M3", cites them): MiniMaxAI/MiniMax-M3's
+config.json and tensor names, written here by hand, not produced by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import run, weight_map
+
+PRESET = Path(__file__).parent / "presets" / "minimax_m3.toml"
+
+# MiniMaxAI/MiniMax-M3 config.json, the values that are not sizes (sizes: the preset's).
+RELEASE_TOP = {
+    "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+    "auto_map": {"AutoConfig": "configuration_minimax_m3_vl.MiniMaxM3VLConfig"}, "image_seq_length": 576,
+    "image_token_index": 200025, "video_token_index": 200026, "multimodal_projector_bias": True,
+    "num_reward_heads": 0, "process_image_mode": "dynamic_res", "projector_hidden_act": "gelu",
+    "torch_dtype": "bfloat16", "transformers_version": "4.52.4", "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+}
+RELEASE_TEXT = {
+    "architectures": ["MiniMaxM3SparseForCausalLM"], "head_dim": 128, "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-06, "use_gemma_norm": True, "attention_output_gate": False, "rope_theta": 5000000,
+    "rotary_dim": 64, "partial_rotary_factor": 0.5, "hidden_act": "swigluoai", "use_qk_norm": True,
+    "qk_norm_type": "per_head", "tie_word_embeddings": False, "n_shared_experts": 1, "scoring_func": "sigmoid",
+    "use_routing_bias": True, "num_nextn_predict_layers": 1, "swiglu_alpha": 1.702, "swiglu_beta": 1.0,
+    "swiglu_limit": 7.0, "routed_scaling_factor": 2.0,
+}
+RELEASE_SPARSE = {"use_sparse_attention": True, "sparse_index_dim": 128, "sparse_topk_blocks": 16,
+                  "sparse_block_size": 128, "sparse_score_type": "max", "sparse_init_block": 0,
+                  "sparse_local_block": 1}
+
+ATTN = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
+        "post_attention_layernorm.weight"}
+INDEXER = {"self_attn.index_q_proj.weight", "self_attn.index_k_proj.weight", "self_attn.index_q_norm.weight",
+           "self_attn.index_k_norm.weight"}
+DENSE = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+MOE = ({"block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias"}
+       | {f"block_sparse_moe.experts.{e}.w{i}.weight" for e in range(8) for i in (1, 2, 3)}
+       | {f"block_sparse_moe.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")})
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("minimax-m3") / "m3"
+    r = run("synth", f"{PRESET}:tiny-minimax-m3", out)
+    assert r.code == 0, r.stderr
+    return out
+
+
+def test_config_is_the_releases(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert {k: cfg[k] for k in RELEASE_TOP} == RELEASE_TOP
+    text = cfg["text_config"]
+    assert {k: text[k] for k in RELEASE_TEXT} == RELEASE_TEXT
+    assert {k: text["sparse_attention_config"][k] for k in RELEASE_SPARSE} == RELEASE_SPARSE
+    # the release's structure at 3 layers: dense first, then sparse-attention MoE layers (the release: 3 + 57)
+    assert text["moe_layer_freq"] == [0, 1, 1]
+    for key in ("sparse_attention_freq", "sparse_disable_index_value"):
+        assert text["sparse_attention_config"][key] == [0, 1, 1]
+    # as many index heads as KV heads (the release: 4 and 4)
+    assert text["sparse_attention_config"]["sparse_num_index_heads"] == text["num_key_value_heads"]
+    assert cfg["vision_config"]["model_type"] == "clip_vision_model"
+    assert cfg["vision_config"]["img_token_compression_config"] == {
+        "image_token_compression_method": "patch_merge", "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+def test_tensors_are_the_releases(ckpt):
+    names = set(weight_map(ckpt))
+    lm = "language_model.model"
+    for layer, want in ((0, ATTN | DENSE), (1, ATTN | INDEXER | MOE), (2, ATTN | INDEXER | MOE)):
+        pre = f"{lm}.layers.{layer}."
+        assert {n[len(pre):] for n in names if n.startswith(pre)} == want, layer
+    mtp = f"{lm}.mtp.layers.0."
+    assert {n[len(mtp):] for n in names if n.startswith(mtp)} == (
+        {"enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"}
+        | {f"transformer_layer.{n}" for n in ATTN | INDEXER | MOE})
+    assert {f"{lm}.embed_tokens.weight", f"{lm}.norm.weight", "language_model.lm_head.weight",
+            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "vision_tower.vision_model.encoder.layers.0.self_attn.out_proj.weight",
+            "multi_modal_projector.linear_2.weight", "patch_merge_mlp.linear_1.weight"} <= names
+    assert not any("post_layernorm" in n for n in names)  # the release ships none
+
+
+def test_inspect_gives_benchmark_moe_values(ckpt):
+    """vLLM's benchmarks/kernels/benchmark_moe.py (main, vllm-project/vllm at 71acd375) has no MiniMax branch:
+    MiniMaxM3SparseForConditionalGeneration takes the default one on config.get_text_config(): E =
+    num_local_experts, topk = num_experts_per_tok, intermediate_size = intermediate_size (the experts' width)."""
+    r = run("inspect", ckpt, "--json")
+    assert r.code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["num_experts"], d["top_k"], d["moe_intermediate_size"], d["hidden_size"]) == (8, 2, 128, 256)
+    assert d["moe_layers"] == [1, 2]  # moe_layer_freq [0, 1, 1]: one flag a layer, not a step
+    assert d["layer_kinds"] == {"attention": [0], "sparse_attention": [1, 2]}
+    assert d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [128, 256] and not d["warnings"]

@@ -1,0 +1,233 @@
+"""MTP (speculative-decoding draft) layers without an engine: the ``[mtp]`` table (convert/mtp.py), the plan's
+default (kept where a draft cannot take them quantized) and ``--quantize-mtp``, the draft's names in the exclude list,
+bad input (a config and a checkpoint that disagree on MTP layers, a missing MTP shard), and the derivation of the
+``[mtp]`` table from the engines' draft answers (convert/derive/draft.py).
+
+The expected names are written by hand from the engines' sources (docs/families.md, "MTP layers and the engines'
+drafts"), not produced by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import one_line_error, run
+from kimi_convert import mtp
+from kimi_convert.derive import draft
+from kimi_convert.errors import ConvertError
+from kimi_convert.synth import write_synth
+
+GLM_MTP = {
+    "prefix": "model.layers.{n}.", "first": "num_hidden_layers", "count": ["num_nextn_predict_layers"],
+    "draft": [
+        {"engine": "vllm", "model_class": "Glm4MoeMTP", "quantized": ["modelopt"],
+         "unquantized": {"modelopt": ["model.layers.{n}.eh_proj"]},
+         "names": [["model.layers.{n}.self_attn.q_proj", "model.layers.{n}.self_attn.qkv_proj"],
+                   ["model.layers.{n}.self_attn.k_proj", "model.layers.{n}.self_attn.qkv_proj"],
+                   ["model.layers.{n}.self_attn.v_proj", "model.layers.{n}.self_attn.qkv_proj"],
+                   ["lm_head", "model.layers.{n}.head"]]},
+        {"engine": "sglang", "model_class": "Glm4MoeForCausalLMNextN", "quantized": []},
+    ],
+}
+
+
+def value_of(config: dict):
+    return lambda path: config.get(path)
+
+
+def test_prefixes_follow_the_config():
+    m = mtp.parse(GLM_MTP, "t")
+    assert m.prefixes(value_of({"num_hidden_layers": 92, "num_nextn_predict_layers": 1})) == ("model.layers.92.",)
+    assert m.prefixes(value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 2})) == (
+        "model.layers.3.", "model.layers.4.")
+    assert m.prefixes(value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 0})) == ()
+    block = mtp.parse({"prefix": "mtp.", "count": ["mtp_num_hidden_layers"]}, "t")
+    assert block.prefixes(value_of({"mtp_num_hidden_layers": 1})) == ("mtp.",)
+    assert block.prefixes(value_of({})) == ()
+
+
+def test_parse_refuses_unknown_keys_and_bad_prefix():
+    with pytest.raises(ConvertError, match="unknown key"):
+        mtp.parse({**GLM_MTP, "layers": 1}, "t")
+    with pytest.raises(ConvertError, match="prefix"):
+        mtp.parse({**GLM_MTP, "prefix": "model.layers.{n}"}, "t")
+    with pytest.raises(ConvertError, match=r"draft\[0\]: engine"):
+        mtp.parse({**GLM_MTP, "draft": [{"engine": "trt"}]}, "t")
+
+
+def test_default_keeps_where_a_draft_builds_unquantized_and_quantize_mtp_follows_both():
+    m = mtp.parse(GLM_MTP, "t")
+    p = ("model.layers.3.",)
+    why = mtp.decide("model.layers.3.mlp.experts.0.gate_proj", m, p, "modelopt", quantize=False)
+    assert why and "sglang Glm4MoeForCausalLMNextN" in why and "unquantized under a modelopt config" in why
+    assert mtp.decide("model.layers.2.mlp.experts.0.gate_proj", m, p, "modelopt", quantize=False) is None
+    # --quantize-mtp: quantized where no draft keeps the module; a module a draft builds unquantized stays kept
+    assert mtp.decide("model.layers.3.mlp.experts.0.gate_proj", m, p, "modelopt", quantize=True) is None
+    assert "vllm Glm4MoeMTP" in mtp.decide("model.layers.3.eh_proj", m, p, "modelopt", quantize=True)
+    # every draft builds it quantized under this format: the recipe decides, by default too
+    both = mtp.parse({**GLM_MTP, "draft": [{**d, "quantized": ["modelopt"]} for d in GLM_MTP["draft"]]}, "t")
+    assert mtp.decide("model.layers.3.mlp.experts.0.gate_proj", both, p, "modelopt", quantize=False) is None
+
+
+def test_draft_aliases_name_what_the_draft_asks_for_only_when_all_its_sources_are_kept():
+    m = mtp.parse(GLM_MTP, "t")
+    present = {"lm_head", "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",
+               "model.layers.3.self_attn.v_proj", "model.layers.2.self_attn.q_proj"}
+    kept = {"lm_head", "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",
+            "model.layers.3.self_attn.v_proj"}
+    assert mtp.draft_aliases(kept, present, m, ("model.layers.3.",)) == [
+        "model.layers.3.head", "model.layers.3.self_attn.qkv_proj"]
+    # v_proj quantized: qkv_proj is not excluded for the draft (it would be built unquantized over NVFP4 codes)
+    assert mtp.draft_aliases(kept - {"model.layers.3.self_attn.v_proj"}, present, m, ("model.layers.3.",)) == [
+        "model.layers.3.head"]
+
+
+def test_check_layers_refuses_a_config_and_checkpoint_that_disagree():
+    m = mtp.parse(GLM_MTP, "t")
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.3.eh_proj.weight"]
+    mtp.check_layers(names, value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 1}), m)
+    with pytest.raises(ConvertError, match=r"announces MTP layer model\.layers\.4\.\* but the checkpoint stores"):
+        mtp.check_layers(names, value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 2}), m)
+    with pytest.raises(ConvertError, match=r"model\.layers\.3\.eh_proj\.weight: an MTP-layer tensor, but .* no MTP"):
+        mtp.check_layers(names, value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 0}), m)
+
+
+# -- the derivation's rules, on answers written by hand in the runners' format -----------------------------------
+
+
+def test_locate_reads_layers_and_blocks_from_the_main_models_mtp_names():
+    cfg = {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
+    assert draft.locate(["model.layers.3.eh_proj.weight", "model.layers.3.mlp.gate.weight"], cfg) == {
+        "prefix": "model.layers.{n}.", "first": "num_hidden_layers", "count": ["num_nextn_predict_layers"]}
+    q = {"text_config": {"num_hidden_layers": 4, "mtp_num_hidden_layers": 1}}
+    assert draft.locate(["mtp.fc.weight", "mtp.layers.0.mlp.gate.weight"], q) == {
+        "prefix": "mtp.", "count": ["mtp_num_hidden_layers"]}
+    assert draft.locate([], cfg) is None
+
+
+def _module(kind, method, prefix=None, weight=(256, 512)):
+    d = {"kind": kind, "quant_method": method, "params": {"weight": list(weight)}}
+    if prefix:
+        d["quant_prefix"] = prefix
+    return d
+
+
+def test_draft_entry_from_answers():
+    """A vLLM-like draft: the MTP block under mtp_block, quant prefixes without it and no packed mapping, the
+    target's lm_head loaded into the layer's head; under compressed-tensors the block is built quantized."""
+    blk = "model.layers.3.mtp_block"
+    spans = [{"tensor": "model.layers.3.self_attn.q_proj.weight", "param": f"{blk}.self_attn.qkv_proj.weight"},
+             {"tensor": "model.layers.3.mlp.experts.0.gate_proj.weight", "param": f"{blk}.mlp.experts.w13_weight"},
+             {"tensor": "model.layers.3.eh_proj.weight", "param": "model.layers.3.eh_proj.weight"},
+             {"tensor": "model.layers.3.enorm.weight", "param": "model.layers.3.enorm.weight"},
+             {"tensor": "lm_head.weight", "param": "model.layers.3.shared_head.head.weight"}]
+    mods = {f"{blk}.self_attn.qkv_proj": _module("linear", "Lin", "model.layers.3.self_attn.qkv_proj"),
+            f"{blk}.mlp.experts": _module("moe", "Moe", "model.layers.3.mlp.experts"),
+            "model.layers.3.eh_proj": _module("other", None),
+            "model.layers.3.enorm": _module("other", None, weight=(256,)),  # a norm: not a linear layer
+            "model.layers.3.shared_head.head": _module("embedding", "Lin", "model.layers.3.head")}
+    answers = {"trace": {"model_class": "x.Glm4MoeMTP", "version": "0.33.0", "spans": spans, "from_target": []},
+               "builds": {"compressed-tensors": {"modules": mods}}}
+    loc = {"prefix": "model.layers.{n}.", "first": "num_hidden_layers", "count": ["num_nextn_predict_layers"]}
+    e = draft.draft_entry("vllm", answers, loc, ["model.layers.3."])
+    assert e["quantized"] == ["compressed-tensors"]
+    assert e["unquantized"] == {"compressed-tensors": ["model.layers.{n}.eh_proj"]}
+    assert e["names"] == [["lm_head", "model.layers.{n}.head"],
+                          ["model.layers.{n}.mlp.experts.{expert}.gate_proj", "model.layers.{n}.mlp.experts"],
+                          ["model.layers.{n}.self_attn.q_proj", "model.layers.{n}.self_attn.qkv_proj"]]
+
+
+# -- bad input through the command line --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory) -> Path:
+    return write_synth("tiny-glm4-moe", tmp_path_factory.mktemp("mtp") / "glm")
+
+
+def _config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def test_plan_refuses_mtp_layers_the_checkpoint_lacks(glm, tmp_path):
+    bad = _config(glm, tmp_path / "more", num_nextn_predict_layers=2)
+    r = run("plan", bad)
+    assert r.code == 2
+    assert "announces MTP layer model.layers.4.* but the checkpoint stores no tensor under it" in one_line_error(r)
+
+
+def test_plan_refuses_mtp_tensors_the_config_does_not_announce(glm, tmp_path):
+    bad = _config(glm, tmp_path / "none", num_nextn_predict_layers=0)
+    r = run("plan", bad)
+    assert r.code == 2
+    err = one_line_error(r)
+    assert err.startswith("kimi-convert: error: model.layers.3.") and "announces no MTP layer" in err
+
+
+def test_a_missing_mtp_shard_is_named_with_what_the_index_lists_in_it(glm, tmp_path):
+    bad = tmp_path / "lost"
+    shutil.copytree(glm, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.layers.3.eh_proj.weight"]
+    (bad / shard).unlink()
+    r = run("plan", bad)
+    assert r.code == 2
+    err = one_line_error(r)
+    assert f"names missing file '{shard}'" in err and "model.layers.3.eh_proj.weight" in err
+
+
+@pytest.mark.parametrize(("preset", "table"), [("tiny-glm4-moe", "glm4_moe"), ("tiny-deepseek-v3", "deepseek_v3"),
+                                               ("tiny-qwen3-5-moe", "qwen3_5_moe")])
+def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
+    """The shipped tables' [mtp] is derive/draft.py's reading of the engines' own answers, recorded by
+    `kimi-convert mapping derive --answers` (tests/derived/PRESET.draft-answers.json, main and draft answers; named
+    apart from test_derive.py's PRESET.answers.json, whose tables it compares whole). Only the hand rules differ:
+    DeepSeek's quantize rule (it names the engine check that needs it) and Qwen3.5's count path (its hand table
+    reads the top-level config)."""
+    import tomllib
+
+    from kimi_convert.derive import load_answers, load_draft_answers
+
+    path = Path(__file__).parent / "derived" / f"{preset}.draft-answers.json"
+    views, config, _ = load_answers(path)
+    derived = draft.section(sorted({n for v in views for n in v.mtp_skipped}), config, load_draft_answers(path))
+    text = (Path(__file__).resolve().parents[1] / "mappings" / f"{table}.toml").read_text()
+    hand = {k: v for k, v in tomllib.loads(text)["mtp"].items() if k not in ("quantize", "quantize_reason")}
+    hand["count"] = [c.removeprefix("text_config.") for c in hand["count"]]
+    assert derived == hand
+    assert {d["engine"] for d in derived["draft"]} == {"vllm", "sglang"}
+    sglang = next(d for d in derived["draft"] if d["engine"] == "sglang")
+    assert "modelopt" not in sglang["quantized"]  # SGLang's draft builds the MTP layer unquantized under ModelOpt
+
+
+def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts(glm):
+    """Default: the MTP layer kept, each module's reason naming the draft that builds it unquantized under ModelOpt
+    NVFP4 (SGLang's Glm4MoeForCausalLMNextN); --quantize-mtp quantizes only what every draft builds quantized, which
+    under ModelOpt is nothing here (SGLang's draft builds all of it unquantized), and is recorded in the manifest's
+    options only when given."""
+    def plan(*extra):
+        r = run("plan", glm, "--json", *extra)
+        assert r.code == 0, r.stderr
+        return json.loads(r.stdout)
+
+    d = plan()
+    mods = {m["name"]: m for m in d["modules"]}
+    rule = mods["model.layers.3.mlp.experts.0.gate_proj"]["rule"]
+    assert "Glm4MoeForCausalLMNextN" in rule and "unquantized under a modelopt config" in rule
+    assert mods["model.layers.2.mlp.experts.0.gate_proj"]["kind"] == "nvfp4"
+    assert "quantize_mtp" not in d["options"]
+    q = plan("--quantize-mtp")
+    qm = {m["name"]: m for m in q["modules"]}
+    assert qm["model.layers.3.mlp.experts.0.gate_proj"]["kind"] == "keep"
+    assert "MTP module kept: sglang" in qm["model.layers.3.mlp.experts.0.gate_proj"]["rule"]
+    assert q["options"]["quantize_mtp"] is True
+    ct = {m["name"]: m for m in plan("--format", "compressed-tensors")["modules"]}
+    assert ct["model.layers.3.mlp.experts.0.gate_proj"]["kind"] == "nvfp4"  # both drafts build it quantized there
