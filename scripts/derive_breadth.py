@@ -440,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ship", action="store_true")
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--fixtures-only", action="store_true", help="step 1 only (no engine): the fixtures, cached")
     ap.add_argument("--hold-s", type=float, default=600.0, help="give the engine lock back after this long")
     a = ap.parse_args(argv)
     results = load_results()
@@ -456,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
         results.setdefault(x.name, {**base_record(x), "why_not_run": "not reached by the batch yet"})
     todo = [x for x in archs if (not a.archs or x.name in a.archs)
             and (a.redo or not finished(results[x.name]))]
+    if a.fixtures_only:
+        for x in todo:
+            if not x.same_as:
+                f = make_fixture(x, Path(a.work) / x.name)
+                print(x.name, json.dumps({k: f.get(k) for k in ("ok", "why", "model_type", "layers", "layers_full",
+                                                                "tensors", "bytes", "expert_3d_count")}), flush=True)
+        return 0
     env, hold = engine_env(a.servers), {"max_s": a.hold_s}
     try:
         for x in todo:

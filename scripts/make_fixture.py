@@ -43,16 +43,20 @@ TOP_K = 2
 VOCAB = 1024
 POSITIONS = 4096
 
+MAMBA_HEADS = ("mamba_n_heads", "mamba_num_heads")
 LAYER_KEYS = ("num_hidden_layers", "n_layers", "num_layers")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd")
 HEAD_KEYS = ("num_attention_heads", "n_heads", "num_heads", "swa_num_attention_heads", "index_n_heads",
-             "linear_num_value_heads", "linear_num_heads", "mamba_n_heads", "mamba_num_heads")
+             "linear_num_value_heads", "linear_num_heads", *MAMBA_HEADS)
 KV_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads",
            "linear_num_key_heads")
 HEAD_DIM = re.compile(r"(^|_)(head_dim|d_head|linear_head_dim)$")
 LATENT_KEYS = ("q_lora_rank", "kv_lora_rank", "o_lora_rank", "mamba_dt_rank")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
-TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "top_k_experts")
+MAMBA_HEAD_DIM = ("mamba_d_head", "mamba_head_dim")
+MAMBA_EXPAND = ("mamba_expand", "expand")
+MOE_SWITCH = re.compile(r"^(enable|use)_moe")
 MLP = re.compile(r"intermediate|ffn_hidden|ffn_dim")
 EXPERT_WORD = re.compile(r"moe|expert|shared")
 POSITION_KEYS = ("max_position_embeddings", "max_seq_len", "model_max_length")
@@ -88,7 +92,7 @@ def _shrink_int(key: str, v: int, heads_were: int | None) -> int:
         return min(v, 2)
     if key == "topk_group":
         return min(v, 1)
-    if key == "vocab_size":
+    if key.startswith("vocab_size"):
         return min(v, VOCAB)
     if key in POSITION_KEYS:
         return min(v, POSITIONS)
@@ -108,6 +112,7 @@ def shrink_widths(d: dict) -> dict:
             out[k] = _shrink_int(k, v, heads_were)
         else:
             out[k] = v
+    _mamba_heads(out)
     if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out and "qk_rope_head_dim" in out:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     vocab = out.get("vocab_size")
@@ -117,6 +122,33 @@ def shrink_widths(d: dict) -> dict:
                 out[k] = v % vocab
             elif k.endswith("token_id") and isinstance(v, list):
                 out[k] = [x % vocab if isinstance(x, int) else x for x in v]
+    return out
+
+
+def _mamba_heads(d: dict) -> None:
+    """Mamba heads x head dim is the mamba width (expand x hidden): the head count follows the shrunk widths."""
+    heads = next((k for k in MAMBA_HEADS if isinstance(d.get(k), int)), None)
+    dim = next((d[k] for k in MAMBA_HEAD_DIM if isinstance(d.get(k), int)), None)
+    expand = next((d[k] for k in MAMBA_EXPAND if isinstance(d.get(k), int)), None)
+    hidden = next((d[k] for k in HIDDEN_KEYS if isinstance(d.get(k), int)), None)
+    if heads and dim and expand and hidden and expand * hidden % dim == 0:
+        d[heads] = expand * hidden // dim
+
+
+def switch_moe_on(d: dict) -> dict | None:
+    """``d`` with its MoE switch (``enable_moe_*`` / ``use_moe*``) on and unset expert sizes given the tiny ones;
+    None where it has no switch that is off (a config whose defaults build a dense model)."""
+    keys = [k for k, v in d.items() if MOE_SWITCH.match(k) and v is False]
+    if not keys:
+        return None
+    out = {**d, **dict.fromkeys(keys, True)}
+    for k, v in d.items():
+        if v is None and k in EXPERT_KEYS:
+            out[k] = EXPERTS
+        elif v is None and k in TOPK_KEYS:
+            out[k] = TOP_K
+        elif v is None and MLP.search(k) and EXPERT_WORD.search(k):
+            out[k] = EXPERT_MLP
     return out
 
 
@@ -145,7 +177,7 @@ def cut_layers(d: dict, old: int, new: int) -> dict:
                 and v == sorted(set(v)):
             out[k] = [x for x in v if x < new]
         elif isinstance(v, int) and not isinstance(v, bool) and "layer" in k and k not in LAYER_KEYS \
-                and new <= v <= old:
+                and new <= old - 1 <= v <= old:  # the last layer, or the count: counted from the end
             out[k] = v - (old - new)
         else:
             out[k] = v
@@ -182,12 +214,23 @@ def build(model_type: str, d: dict, device: str, dtype=None):
 
 
 def choose_layers(model_type: str, d: dict) -> tuple[int, int, set]:
-    """(full depth, tiny depth, the full-depth model's layer kinds)."""
-    _, full = layer_count(d)
+    """(full depth, tiny depth, the full-depth model's layer kinds); a config without a layer-count key (one
+    derived from a layer pattern) keeps its depth."""
     _, meta = build(model_type, d, "meta")
     sigs = [signature(layer) for layer in layer_lists(meta)]
     last = max((sigs.index(s) for s in set(sigs)), default=0)
-    return full, max(2, last + 1), set(sigs)
+    found = layer_count(d)
+    if found is None:
+        return len(sigs), len(sigs), set(sigs)
+    return found[1], max(2, last + 1), set(sigs)
+
+
+def routed(model) -> int:
+    """Routed-expert weights: per-expert modules (``experts.N``) or 3-D banks whose first dimension is the expert
+    count."""
+    n_experts = {v for k, v in model.config.to_dict().items() if k in EXPERT_KEYS and isinstance(v, int)}
+    return sum(1 for name, p in model.named_parameters()
+               if ROUTED.search(name) or (p.ndim == 3 and p.shape[0] in n_experts))
 
 
 def randomize(model, seed: int) -> None:
@@ -203,7 +246,7 @@ def randomize(model, seed: int) -> None:
 def written(out: Path) -> dict:
     from safetensors import safe_open
 
-    names, three_d, routed, nbytes = 0, [], 0, 0
+    names, three_d, nbytes = 0, [], 0
     for f in sorted(out.glob("*.safetensors")):
         nbytes += f.stat().st_size
         with safe_open(str(f), "pt") as s:
@@ -211,9 +254,7 @@ def written(out: Path) -> dict:
                 names += 1
                 if len(s.get_slice(k).get_shape()) == 3 and "expert" in k:
                     three_d.append(k)
-                if ROUTED.search(k) or (len(s.get_slice(k).get_shape()) == 3 and "expert" in k):
-                    routed += 1
-    return {"tensors": names, "bytes": nbytes, "routed_expert_tensors": routed, "expert_3d": three_d[:4],
+    return {"tensors": names, "bytes": nbytes, "expert_3d": three_d[:4],
             "expert_3d_count": len(three_d)}
 
 
@@ -233,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 3
     d = shrink_widths(AutoConfig.for_model(mt).to_dict())
+    switched = False
+    if not routed(build(mt, d, "meta")[1]) and switch_moe_on(d) is not None:
+        d, switched = switch_moe_on(d), True
     full, tiny, kinds_full = choose_layers(mt, d)
     d = cut_layers(d, full, tiny)
     torch.manual_seed(a.seed)
@@ -245,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out)
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
-           "layer_kinds": len(kinds_tiny), "kinds_lost": lost, **written(out)}
+           "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched,
+           "routed_expert_tensors": routed(model), **written(out)}
     print(json.dumps(rep))
     return 0
 
