@@ -227,7 +227,9 @@ def derive_step(work: Path, engines: tuple[str, ...], env: dict) -> dict:
                                                              else "") for g in t.get("group", [])],
             "scale_groups": [f"{g['name']}={'+'.join(g['members'])}" for g in t.get("scale_group", [])],
             "keep": [k["pattern"] for k in t.get("keep", [])], "not_linear": t.get("not_linear", []),
-            "linear": t.get("linear", []), "header": [ln for ln in table.read_text().splitlines()
+            "linear": t.get("linear", []),
+            "absent_keeps": [k["pattern"] for k in t.get("keep", []) if " with None under " in k["reason"]],
+            "header": [ln for ln in table.read_text().splitlines()
                                                       if ln.startswith("#")]}
 
 
@@ -355,8 +357,14 @@ def _derive_cell(rec: dict, notes: Notes) -> str:
         return ""
     if not d["ok"]:
         return "no " + notes.ref(rec["arch"], d["why"])
-    return (f"yes: {len(d['groups'])} group(s), {len(d['scale_groups'])} scale group(s), {len(d['keep'])} keep "
+    cell = (f"yes: {len(d['groups'])} group(s), {len(d['scale_groups'])} scale group(s), {len(d['keep'])} keep "
             + notes.ref(rec["arch"], "; ".join(d["groups"] + d["scale_groups"]) + "; keep " + ", ".join(d["keep"])))
+    if d.get("absent_keeps"):
+        cell += (f"; **{len(d['absent_keeps'])} keep(s) of a module absent from a quantized build** "
+                 + notes.ref(rec["arch"], "kept because an engine's build under an output format's config has no "
+                             "module where the plain build put the weight (the rule reads 'no quant method' as "
+                             "unquantized): " + ", ".join(d["absent_keeps"])))
+    return cell
 
 
 def _shipped_cell(rec: dict) -> str:
@@ -417,7 +425,8 @@ edit by hand (`--table-only` rewrites it from the JSONL). The architectures: eve
 def shippable(rec: dict) -> bool:
     out = rec.get("output_check") or {}
     regs = [e for e in ENGINES if rec.get(e)]
-    return not rec.get("hand_table") and bool(regs) and all(out.get(e, {}).get("read_right") for e in regs)
+    return (not rec.get("hand_table") and bool(regs) and all(out.get(e, {}).get("read_right") for e in regs)
+            and not rec.get("derive", {}).get("absent_keeps"))
 
 
 def ship(rec: dict, work: Path) -> str | None:
