@@ -19,7 +19,8 @@ Each step runs only when the one before held. The engine steps of one architectu
 the whole batch (each engine imported once) and ``TRITON_INTERPRET=1`` for all of them (one fork server per engine).
 After each architecture the JSONL and ``docs/derived-architectures.md`` (generated from it: ``--table-only``
 rewrites it alone) are rewritten; ``--ship`` copies the table of every architecture whose output both registering
-engines read right to ``mappings/derived/MODEL_TYPE.toml`` and its answers to ``tests/derived/ARCH.answers.json``.
+engines read right to ``mappings/derived/MODEL_TYPE.toml`` and its answers to
+``tests/derived/breadth/ARCH.answers.json`` (``tests/test_derive_breadth.py`` rebuilds each shipped table from them).
 """
 
 from __future__ import annotations
@@ -147,12 +148,18 @@ def engine_env(servers: str) -> dict:
     return env
 
 
-def run(cmd: list[str], env: dict, timeout: float = STEP_TIMEOUT) -> tuple[int | None, str, str]:
+def run(cmd: list[str], env: dict, timeout: float = STEP_TIMEOUT, log: Path | None = None
+        ) -> tuple[int | None, str, str]:
+    """The command's exit status (None past ``timeout``), stdout and stderr; both also appended to ``log``."""
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+        rc, out, err = r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired:
-        return None, "", f"timed out after {timeout:.0f} s"
-    return r.returncode, r.stdout, r.stderr
+        rc, out, err = None, "", f"timed out after {timeout:.0f} s"
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n[exit {rc}]\n{out}\n{err}\n")
+    return rc, out, err
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -173,8 +180,9 @@ def make_fixture(arch: Arch, work: Path) -> dict:
     if (work / "fixture.json").is_file() and (fx / "config.json").is_file():
         return json.loads((work / "fixture.json").read_text())
     shutil.rmtree(fx, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     rc, out, err = run([vllm_python(), str(REPO / "scripts/make_fixture.py"), arch.name, str(fx)], dict(os.environ),
-                       timeout=900)
+                       timeout=900, log=work / "steps.log")
     if rc != 0:
         res = {"ok": False, "why": one_line(err) or f"exit {rc}"}
     else:
@@ -182,7 +190,6 @@ def make_fixture(arch: Arch, work: Path) -> dict:
         if not res["routed_expert_tensors"]:
             res = {**res, "ok": False, "why": f"{res['model_type']}'s default config builds no routed experts "
                    "(dense at its defaults)"}
-    work.mkdir(parents=True, exist_ok=True)
     (work / "fixture.json").write_text(json.dumps(res))
     return res
 
@@ -197,7 +204,7 @@ def engine_check(folder: Path, source: Path, engines: tuple[str, ...], env: dict
     cmd = ["kimi-convert", "verify-manifest", str(folder), "--input", str(source), "--json", "-q"]
     for e in engines:
         cmd += ["--engine", e]
-    rc, out, err = run(cmd, env)
+    rc, out, err = run(cmd, env, log=folder.parent / "steps.log")
     try:
         reports = json.loads(out)["engines"]
     except (ValueError, KeyError):
@@ -218,7 +225,7 @@ def derive_step(work: Path, engines: tuple[str, ...], env: dict) -> dict:
     if engines != ENGINES:
         for e in engines:
             cmd += ["--engine", e]
-    rc, out, err = run(cmd, env)
+    rc, out, err = run(cmd, env, log=work / "steps.log")
     if rc != 0 or not table.is_file():
         return {"ok": False, "why": one_line(err or out) or f"exit {rc}"}
     t = tomllib.loads(table.read_text())
@@ -237,7 +244,7 @@ def pack_step(work: Path, env: dict) -> dict:
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     rc, so, err = run(["kimi-convert", "pack", str(work / "fixture"), str(out), "--mapping",
-                       str(work / "derived.toml"), "--device", "cpu", "-q"], env)
+                       str(work / "derived.toml"), "--device", "cpu", "-q"], env, log=work / "steps.log")
     return {"ok": rc == 0, **({} if rc == 0 else {"why": one_line(err or so) or f"exit {rc}"})}
 
 
@@ -430,13 +437,15 @@ def shippable(rec: dict) -> bool:
 
 
 def ship(rec: dict, work: Path) -> str | None:
-    """The verified derived table into mappings/derived/MODEL_TYPE.toml, its answers into tests/derived/."""
+    """The verified derived table into mappings/derived/MODEL_TYPE.toml, its answers into tests/derived/breadth/."""
     if not shippable(rec):
         return None
     dest = REPO / "mappings" / "derived" / f"{rec['fixture']['model_type']}.toml"
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(work / "derived.toml", dest)
-    shutil.copyfile(work / "answers.json", REPO / "tests" / "derived" / f"{rec['arch']}.answers.json")
+    answers = REPO / "tests" / "derived" / "breadth" / f"{rec['arch']}.answers.json"
+    answers.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(work / "answers.json", answers)
     return str(dest.relative_to(REPO))
 
 
