@@ -16,7 +16,10 @@ imported by the tool. Nothing in it names a family:
    that holds every distinct layer (its submodules' names, classes and shapes): dense-first layers, hybrid layer
    patterns and interleaved MoE layers stay; per-layer lists are cut to it, layer-index keys counted from the end
    moved with it;
-4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded), and saved.
+4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded), and saved;
+5. the keys a release's config.json carries and transformers' save leaves out are added: the legacy keys its
+   config class reads and converts (``kwargs.pop("KEY", DEFAULT)``, with that default), ``first_k_dense_replace``
+   / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, and ``head_dim`` where the model derived it.
 
 Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
 3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
@@ -95,7 +98,7 @@ def _shrink_int(key: str, v: int, heads_were: int | None) -> int:
     if key.startswith("vocab_size"):
         return min(v, VOCAB)
     if key in POSITION_KEYS:
-        return min(v, POSITIONS)
+        return POSITIONS  # the engine checks ask for this context length
     if MLP.search(key) and "layer" not in key:
         return min(v, EXPERT_MLP if EXPERT_WORD.search(key) else DENSE_MLP)
     return v
@@ -258,6 +261,51 @@ def written(out: Path) -> dict:
             "expert_3d_count": len(three_d)}
 
 
+LEGACY = re.compile(r"kwargs\.(?:pop|get)\(\s*[\"'](\w+)[\"']\s*,\s*([^()]+?)\s*\)")
+NOT_LEGACY = re.compile(r"^(rope|tie_|out_|use_timm|backbone|num_labels|model_type|trust_remote|torch_dtype|dtype)")
+
+
+def legacy_keys(config_class, saved: dict) -> dict:
+    """The release-only keys the config class reads from ``kwargs`` and converts (``kwargs.pop("KEY", DEFAULT)``),
+    with their literal defaults, where the saved config lacks them: transformers writes only its own fields, the
+    engines read the releases' keys (``full_attention_interval``, ``first_k_dense_replace``...)."""
+    import ast
+    import inspect
+
+    try:
+        text = inspect.getsource(inspect.getmodule(config_class))
+    except (OSError, TypeError):
+        return {}
+    out = {}
+    for key, default in LEGACY.findall(text):
+        if key in saved or NOT_LEGACY.match(key):
+            continue
+        try:
+            value = ast.literal_eval(default)
+        except (ValueError, SyntaxError):
+            continue
+        if value is not None:
+            out.setdefault(key, value)
+    return out
+
+
+def release_keys(model, saved: dict) -> dict:
+    """Keys a release's config.json carries that transformers' save leaves out: the legacy keys its config class
+    converts, the dense-first count (and MoE every layer after it) that transformers writes as ``mlp_layer_types``,
+    and ``head_dim`` where the model derived it (hidden / heads)."""
+    extra = legacy_keys(type(model.config), saved)
+    mlp = saved.get("mlp_layer_types")
+    if isinstance(mlp, list) and mlp and "first_k_dense_replace" not in saved:
+        dense = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
+        extra["first_k_dense_replace"] = dense
+        if "moe_layer_freq" not in saved and all(t != "dense" for t in mlp[dense:]):
+            extra["moe_layer_freq"] = 1
+    heads = saved.get("num_attention_heads")
+    if "head_dim" not in saved and isinstance(heads, int) and isinstance(saved.get("hidden_size"), int):
+        extra["head_dim"] = saved["hidden_size"] // heads
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("architecture")
@@ -287,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     model.config.architectures = [a.architecture]
     out = Path(a.out)
     model.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    extra = release_keys(model, saved)
+    (out / "config.json").write_text(json.dumps({**saved, **extra}, indent=2, sort_keys=True) + "\n")
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
-           "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched,
+           "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched, "release_keys": extra,
            "routed_expert_tensors": routed(model), **written(out)}
     print(json.dumps(rep))
     return 0
