@@ -284,7 +284,7 @@ def legacy_keys(config_class, saved: dict) -> dict:
             value = ast.literal_eval(default)
         except (ValueError, SyntaxError):
             continue
-        if value is not None:
+        if value is not None and value not in ({}, [], ""):  # an empty default is no release's value
             out.setdefault(key, value)
     return out
 
