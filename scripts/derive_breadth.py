@@ -428,7 +428,9 @@ edit by hand (`--table-only` rewrites it from the JSONL). The architectures: eve
   the shortest prefix that holds every distinct layer), random BF16 weights, `save_pretrained`: the checkpoint
   naming transformers writes (per-expert tensors, as the releases).
 - **Fixture loads**: `kimi-convert verify-manifest FIXTURE --no-numerics --engine vllm --engine sglang`: the
-  engine's own loader fills every parameter from the fixture, none skipped.
+  engine's own loader fills every parameter from the fixture, none skipped. (Rows run before that step dropped
+  its numeric check were checked with `--input FIXTURE`: where the engine's read of the BF16 fixture was not its
+  weights, the cell's note gives the check's finding.)
 - **Derived**: `kimi-convert mapping derive FIXTURE` (docs/derive.md); the note lists its groups, scale groups and
   keeps.
 - **Output**: `kimi-convert pack FIXTURE OUT --mapping DERIVED` (default recipe `nvfp4-w4a16`, ModelOpt, source
