@@ -391,6 +391,14 @@ def _shipped_cell(rec: dict) -> str:
     return f"`{rec['shipped']}`" if rec.get("shipped") else ""
 
 
+def _file(path: str | None) -> str:
+    """A model file as the table shows it: its name, or its package's (``vllm/models/deepseek_v4/``)."""
+    if not path:
+        return "-"
+    head, _, name = path.rpartition("/")
+    return f"`{head.rpartition('/')[2]}/`" if name == "__init__.py" else f"`{name}`"
+
+
 def render(results: dict[str, dict], names: list[str]) -> str:
     notes = Notes()
     rows = []
@@ -400,8 +408,7 @@ def render(results: dict[str, dict], names: list[str]) -> str:
         out_cells = [_engine_cell(rec, "output_check", e, "read_right", notes) for e in ENGINES]
         if pack is not None and not pack["ok"]:
             out_cells = ["pack failed " + notes.ref(n, pack["why"])] * 2
-        rows.append([f"`{n}`", f"{'`' + rec['vllm'].rpartition('/')[2] + '`' if rec.get('vllm') else '-'} / "
-                     f"{'`' + rec['sglang'].rpartition('/')[2] + '`' if rec.get('sglang') else '-'}",
+        rows.append([f"`{n}`", f"{_file(rec.get('vllm'))} / {_file(rec.get('sglang'))}",
                      _fixture_cell(rec, notes),
                      " / ".join(_fixture_check_cell(rec, e, notes) for e in ENGINES),
                      _derive_cell(rec, notes), " / ".join(out_cells), _shipped_cell(rec)])
