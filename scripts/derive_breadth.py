@@ -1,0 +1,527 @@
+"""The derivation over every MoE text architecture of both pinned engines' registries (issue 38, item 4).
+
+    python scripts/derive_breadth.py [ARCH ...] [--work DIR] [--redo] [--ship] [--table-only] [--list]
+
+For each architecture (default: all, from ``architectures()``), resumably (an architecture with a line in
+``docs/derived-architectures.jsonl`` is skipped unless ``--redo``):
+
+1. **fixture**: ``scripts/make_fixture.py ARCH`` in the vLLM environment's python: the architecture's transformers
+   class at a tiny size, random BF16 weights, saved by its own ``save_pretrained`` (no per-family code);
+2. **fixture loads**: ``kimi-convert verify-manifest FIXTURE --no-numerics --engine E...`` for each engine that
+   registers it (every parameter filled, none skipped);
+3. **derived**: ``kimi-convert mapping derive FIXTURE -o derived.toml --answers answers.json``;
+4. **pack**: ``kimi-convert pack FIXTURE OUT --mapping derived.toml`` (default recipe, modelopt, source layout);
+5. **output read right**: ``kimi-convert verify-manifest OUT --input FIXTURE --engine E...`` (loads with every
+   parameter filled, numeric check).
+
+Each step runs only when the one before held. The engine steps of one architecture run under one hold of
+``/tmp/kimi-engine.lock`` (the machine's engine lock), with ``KIMI_CONVERT_ENGINE_SERVERS`` naming one folder for
+the whole batch (each engine imported once) and ``TRITON_INTERPRET=1`` for all of them (one fork server per engine).
+After each architecture the JSONL and ``docs/derived-architectures.md`` (generated from it: ``--table-only``
+rewrites it alone) are rewritten; ``--ship`` copies the table of every architecture whose output both registering
+engines read right to ``mappings/derived/MODEL_TYPE.toml`` and its answers to
+``tests/derived/breadth/ARCH.answers.json`` (``tests/test_derive_breadth.py`` rebuilds each shipped table from them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "derived-architectures.jsonl"
+TABLE = REPO / "docs" / "derived-architectures.md"
+LOCK = "/tmp/kimi-engine.lock"
+ENGINES = ("vllm", "sglang")
+STEP_TIMEOUT = 2400
+MOE_CODE = re.compile(r"FusedMoE|fused_moe|get_moe_impl_class")
+NOT_TEXT = re.compile(r"NextN|MTP|DSpark|DFlash|^Transformers|VL|OCR|Vision")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    vllm: str | None  # the vLLM model file registering it (relative to site-packages), None if not registered
+    sglang: str | None
+    same_as: str | None  # an earlier registry name for the same engine classes (an alias)
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return tuple(e for e in ENGINES if getattr(self, e))
+
+
+def site_packages(engine: str) -> Path:
+    from kimi_convert.enginecheck import resolve
+
+    for p in resolve(engine).site_packages:
+        if (Path(p) / engine).is_dir():
+            return Path(p)
+    raise SystemExit(f"{engine}: no site-packages holding it")
+
+
+def _vllm_registry(site: Path) -> dict[str, tuple[str, str]]:
+    tree = ast.parse((site / "vllm/model_executor/models/registry.py").read_text())
+    for node in tree.body:
+        tgt = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if getattr(tgt, "id", None) == "_TEXT_GENERATION_MODELS":
+            return {k.value: (v.elts[0].value, v.elts[1].value)
+                    for k, v in zip(node.value.keys, node.value.values, strict=True) if k is not None}
+    raise SystemExit("vLLM registry: no _TEXT_GENERATION_MODELS")
+
+
+def _vllm_files(site: Path, mod: str) -> list[Path]:
+    if mod.startswith("vllm."):
+        p = site / Path(*mod.split("."))
+        return sorted(p.rglob("*.py")) if p.is_dir() else [p.with_suffix(".py")]
+    return [site / "vllm/model_executor/models" / f"{mod}.py"]
+
+
+def _uses_moe(site: Path, files: list[Path], depth: int = 0) -> bool:
+    """The model file (or a sibling model file it imports from) builds routed experts."""
+    for f in files:
+        if not f.is_file():
+            continue
+        text = f.read_text(errors="ignore")
+        if MOE_CODE.search(text):
+            return True
+        if depth == 0:
+            subs = [site / "vllm/model_executor/models" / f"{a or b}.py" for a, b in
+                    re.findall(r"from\s+\.(\w+)\s+import|from\s+vllm\.model_executor\.models\.(\w+)\s+import", text)]
+            if _uses_moe(site, [s for s in subs if s.name not in ("utils.py", "interfaces.py")], 1):
+                return True
+    return False
+
+
+def _sglang_entries(site: Path) -> dict[str, tuple[str, bool]]:
+    """SGLang entry class -> (its model file, whether that file has MoE code)."""
+    out = {}
+    for f in sorted((site / "sglang/srt/models").glob("*.py")):
+        text = f.read_text(errors="ignore")
+        m = re.search(r"EntryClass\s*=\s*(\[[^\]]*\]|\w+)", text, re.S)
+        if m:
+            for n in re.findall(r"\w+", m.group(1)):
+                out.setdefault(n, (f"sglang/srt/models/{f.name}", bool(MOE_CODE.search(text))))
+    return out
+
+
+def hand_tables() -> set[str]:
+    """The architectures a hand table (mappings/*.toml) names: the lookup gives them that table first."""
+    return {a for f in sorted((REPO / "mappings").glob("*.toml"))
+            for a in tomllib.loads(f.read_text()).get("architectures", [])}
+
+
+def architectures() -> list[Arch]:
+    """Every MoE text architecture: vLLM's text-generation registry entries whose model code builds routed experts,
+    then SGLang's MoE entry classes that vLLM does not register (drafts, MTP heads and vision models left out)."""
+    vsite, ssite = site_packages("vllm"), site_packages("sglang")
+    sg = _sglang_entries(ssite)
+    out, first = [], {}
+    for name, (mod, cls) in _vllm_registry(vsite).items():
+        files = _vllm_files(vsite, mod)
+        if not _uses_moe(vsite, files):
+            continue
+        rel = str(files[0].relative_to(vsite)) if files and files[0].exists() else mod
+        out.append(Arch(name, rel, sg.get(name, (None,))[0], first.get((mod, cls))))
+        first.setdefault((mod, cls), name)
+    known = {a.name for a in out}
+    for name, (f, moe) in sg.items():
+        if moe and name not in known and name.endswith("ForCausalLM") and not NOT_TEXT.search(name):
+            out.append(Arch(name, None, f, None))
+    return out
+
+
+def engine_env(servers: str) -> dict:
+    env = dict(os.environ)
+    env.update({"KIMI_CONVERT_ENGINE_SERVERS": servers, "TRITON_INTERPRET": "1"})
+    return env
+
+
+def run(cmd: list[str], env: dict, timeout: float = STEP_TIMEOUT, log: Path | None = None
+        ) -> tuple[int | None, str, str]:
+    """The command's exit status (None past ``timeout``), stdout and stderr; both also appended to ``log``."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    except subprocess.TimeoutExpired:
+        rc, out, err = None, "", f"timed out after {timeout:.0f} s"
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n[exit {rc}]\n{out}\n{err}\n")
+    return rc, out, err
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith(("Writing", "WARNING"))]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def vllm_python() -> str:
+    from kimi_convert.enginecheck import resolve
+
+    return resolve("vllm").python
+
+
+def make_fixture(arch: Arch, work: Path) -> dict:
+    """Step 1 (no engine lock: it builds a transformers model only)."""
+    fx = work / "fixture"
+    if (work / "fixture.json").is_file() and (fx / "config.json").is_file():
+        return json.loads((work / "fixture.json").read_text())
+    shutil.rmtree(fx, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    rc, out, err = run([vllm_python(), str(REPO / "scripts/make_fixture.py"), arch.name, str(fx)], dict(os.environ),
+                       timeout=900, log=work / "steps.log")
+    if rc != 0:
+        res = {"ok": False, "why": one_line(err) or f"exit {rc}"}
+    else:
+        res = {"ok": True, **json.loads(out.strip().splitlines()[-1])}
+        if not res["routed_expert_tensors"]:
+            res = {**res, "ok": False, "why": f"{res['model_type']}'s default config builds no routed experts "
+                   "(dense at its defaults)"}
+    (work / "fixture.json").write_text(json.dumps(res))
+    return res
+
+
+def _loads(er: dict) -> bool:
+    return bool(er.get("loaded")) and not any(er.get(k) for k in ("unfilled", "skipped", "bad_casts",
+                                                                    "observer_errors", "rule_broken"))
+
+
+def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict) -> dict:
+    """verify-manifest FOLDER [--input SOURCE] --engine E...: per engine, loads / read right / its verdict."""
+    cmd = ["kimi-convert", "verify-manifest", str(folder), "--json", "-q"]
+    cmd += ["--input", str(source)] if source is not None else ["--no-numerics"]
+    for e in engines:
+        cmd += ["--engine", e]
+    rc, out, err = run(cmd, env, log=folder.parent / "steps.log")
+    try:
+        reports = json.loads(out)["engines"]
+    except (ValueError, KeyError):
+        return {e: {"loads": False, "read_right": False, "verdict": one_line(err or out) or f"exit {rc}"}
+                for e in engines}
+    res = {}
+    for er in reports:
+        num = er.get("numerics") or {}
+        read = None if source is None else _loads(er) and bool(num.get("ok"))  # None: no numeric check asked
+        res[er["engine"]] = {"loads": _loads(er), "read_right": read,
+                             "verdict": er.get("verdict", ""), "params": er.get("params"),
+                             "numerics": (num.get("summary") if num else None)}
+    return res
+
+
+def derive_step(work: Path, engines: tuple[str, ...], env: dict) -> dict:
+    table, answers = work / "derived.toml", work / "answers.json"
+    cmd = ["kimi-convert", "mapping", "derive", str(work / "fixture"), "-o", str(table), "--answers", str(answers)]
+    if engines != ENGINES:
+        for e in engines:
+            cmd += ["--engine", e]
+    rc, out, err = run(cmd, env, log=work / "steps.log")
+    if rc != 0 or not table.is_file():
+        return {"ok": False, "why": one_line(err or out) or f"exit {rc}"}
+    t = tomllib.loads(table.read_text())
+    return {"ok": True, "name": t.get("name"), "groups": [f"{g['name']}={'+'.join(g['members'])}"
+                                                          + (f" ({','.join(g['engines'])})" if g.get("engines")
+                                                             else "") for g in t.get("group", [])],
+            "scale_groups": [f"{g['name']}={'+'.join(g['members'])}" for g in t.get("scale_group", [])],
+            "keep": [k["pattern"] for k in t.get("keep", [])], "not_linear": t.get("not_linear", []),
+            "linear": t.get("linear", []),
+            "absent_keeps": [k["pattern"] for k in t.get("keep", []) if " with None under " in k["reason"]],
+            "header": [ln for ln in table.read_text().splitlines()
+                                                      if ln.startswith("#")]}
+
+
+def pack_step(work: Path, env: dict) -> dict:
+    out = work / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    rc, so, err = run(["kimi-convert", "pack", str(work / "fixture"), str(out), "--mapping",
+                       str(work / "derived.toml"), "--device", "cpu", "-q"], env, log=work / "steps.log")
+    return {"ok": rc == 0, **({} if rc == 0 else {"why": one_line(err or so) or f"exit {rc}"})}
+
+
+def engine_steps(arch: Arch, work: Path, env: dict) -> dict:
+    """Steps 2-5 (the caller holds the engine lock)."""
+    fx = work / "fixture"
+    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env)}
+    if not all(r["loads"] for r in res["fixture_check"].values()):
+        return res
+    res["derive"] = derive_step(work, arch.engines, env)
+    if not res["derive"]["ok"]:
+        return res
+    res["pack"] = pack_step(work, env)
+    if res["pack"]["ok"]:
+        res["output_check"] = engine_check(work / "out", fx, arch.engines, env)
+    return res
+
+
+@contextlib.contextmanager
+def engine_lock():
+    with open(LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load_results() -> dict[str, dict]:
+    if not RESULTS.is_file():
+        return {}
+    return {d["arch"]: d for d in map(json.loads, RESULTS.read_text().splitlines()) if d.get("arch")}
+
+
+def save_results(results: dict[str, dict], order: list[str]) -> None:
+    names = order + sorted(set(results) - set(order))
+    RESULTS.write_text("".join(json.dumps(results[n], sort_keys=True) + "\n" for n in names if n in results))
+    TABLE.write_text(render(results, names))
+
+
+def base_record(a: Arch) -> dict:
+    return {"arch": a.name, "vllm": a.vllm, "sglang": a.sglang, "same_as": a.same_as,
+            "hand_table": a.name in hand_tables()}
+
+
+def finished(rec: dict) -> bool:
+    """A record whose last step ran (or one that stopped at a step's failure)."""
+    return "fixture" in rec or rec.get("why_not_run", "").startswith("alias")
+
+
+def process(a: Arch, work: Path, env: dict, hold: dict) -> dict:
+    """One architecture's record: the fixture (outside the lock), then the engine steps (under it)."""
+    rec = base_record(a)
+    if a.same_as:
+        return {**rec, "why_not_run": f"alias of {a.same_as}: the same engine classes"}
+    t0 = time.monotonic()
+    rec["fixture"] = make_fixture(a, work)
+    if rec["fixture"]["ok"]:
+        rec.update(under_lock(a, work, env, hold))
+    rec["seconds"] = round(time.monotonic() - t0)
+    return rec
+
+
+def under_lock(a: Arch, work: Path, env: dict, hold: dict) -> dict:
+    """The engine steps, the lock taken if the batch does not hold it, given back once held ``hold['max_s']``."""
+    if hold.get("since") is None:
+        hold["cm"] = engine_lock()
+        hold["cm"].__enter__()
+        hold["since"] = time.monotonic()
+    try:
+        return engine_steps(a, work, env)
+    finally:
+        if time.monotonic() - hold["since"] > hold["max_s"]:
+            release(hold)
+
+
+def release(hold: dict) -> None:
+    if hold.get("since") is not None:
+        hold["cm"].__exit__(None, None, None)
+        hold["since"] = None
+
+
+class Notes:
+    """The engines' and steps' own messages, numbered, below the table (cells keep a short verdict)."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def ref(self, arch: str, text: str) -> str:
+        self.items.append(f"{arch}: {' '.join(str(text).split()).replace('|', '/')}")
+        return f"[{len(self.items)}](#n{len(self.items)})"
+
+
+def _engine_cell(rec: dict, step: str, engine: str, key: str, notes: Notes) -> str:
+    if not rec.get(engine):
+        return "not registered"
+    r = (rec.get(step) or {}).get(engine)
+    if r is None:
+        return "not run"
+    if r.get(key):
+        return "yes"
+    return "no " + notes.ref(rec["arch"], r.get("verdict") or "")
+
+
+def _fixture_check_cell(rec: dict, engine: str, notes: Notes) -> str:
+    """Loads with every parameter filled; where the BF16 weights are not read back as stored, the note says so."""
+    cell = _engine_cell(rec, "fixture_check", engine, "loads", notes)
+    r = (rec.get("fixture_check") or {}).get(engine) or {}
+    if r.get("loads") and r.get("read_right") is False:
+        cell += " (numeric check: " + notes.ref(rec["arch"], r.get("verdict") or "") + ")"
+    return cell
+
+
+def _fixture_cell(rec: dict, notes: Notes) -> str:
+    f = rec.get("fixture")
+    if f is None:
+        return "not run " + notes.ref(rec["arch"], rec.get("why_not_run", "not reached"))
+    if not f["ok"]:
+        return "no " + notes.ref(rec["arch"], f["why"])
+    return f"`{f['model_type']}`, {f['layers']} of {f['layers_full']} layers"
+
+
+def _derive_cell(rec: dict, notes: Notes) -> str:
+    d = rec.get("derive")
+    if d is None:
+        return ""
+    if not d["ok"]:
+        return "no " + notes.ref(rec["arch"], d["why"])
+    cell = (f"yes: {len(d['groups'])} group(s), {len(d['scale_groups'])} scale group(s), {len(d['keep'])} keep "
+            + notes.ref(rec["arch"], "; ".join(d["groups"] + d["scale_groups"]) + "; keep " + ", ".join(d["keep"])))
+    if d.get("absent_keeps"):
+        cell += (f"; **{len(d['absent_keeps'])} keep(s) of a module absent from a quantized build** "
+                 + notes.ref(rec["arch"], "kept because an engine's build under an output format's config has no "
+                             "module where the plain build put the weight (the rule reads 'no quant method' as "
+                             "unquantized): " + ", ".join(d["absent_keeps"])))
+    return cell
+
+
+def _shipped_cell(rec: dict) -> str:
+    if rec.get("hand_table"):
+        return "hand table"
+    return f"`{rec['shipped']}`" if rec.get("shipped") else ""
+
+
+def _file(path: str | None) -> str:
+    """A model file as the table shows it: its name, or its package's (``vllm/models/deepseek_v4/``)."""
+    if not path:
+        return "-"
+    head, _, name = path.rpartition("/")
+    return f"`{head.rpartition('/')[2]}/`" if name == "__init__.py" else f"`{name}`"
+
+
+def render(results: dict[str, dict], names: list[str]) -> str:
+    notes = Notes()
+    rows = []
+    for n in names:
+        rec = results[n]
+        pack = rec.get("pack")
+        out_cells = [_engine_cell(rec, "output_check", e, "read_right", notes) for e in ENGINES]
+        if pack is not None and not pack["ok"]:
+            out_cells = ["pack failed " + notes.ref(n, pack["why"])] * 2
+        rows.append([f"`{n}`", f"{_file(rec.get('vllm'))} / {_file(rec.get('sglang'))}",
+                     _fixture_cell(rec, notes),
+                     " / ".join(_fixture_check_cell(rec, e, notes) for e in ENGINES),
+                     _derive_cell(rec, notes), " / ".join(out_cells), _shipped_cell(rec)])
+    head = ["Architecture", "vLLM / SGLang model file", "Fixture (transformers model type, layers)",
+            "Fixture loads: vLLM / SGLang", "Derived table",
+            "Output loads and read right: vLLM / SGLang", "Table shipped"]
+    lines = [HEADER, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "## Notes (each step's or engine's own message)", ""]
+    lines += [f"<a id=\"n{i}\"></a>{i}. {t}" for i, t in enumerate(notes.items, 1)]
+    return "\n".join(lines) + "\n"
+
+
+HEADER = """# MoE text architectures of vLLM 0.33.0 and SGLang 0.5.23: derived tables
+
+Generated by `python scripts/derive_breadth.py` (issue 38, item 4) from `docs/derived-architectures.jsonl`; do not
+edit by hand (`--table-only` rewrites it from the JSONL). The architectures: every entry of vLLM's
+`_TEXT_GENERATION_MODELS` (`vllm/model_executor/models/registry.py`) whose model code builds routed experts
+(`FusedMoE`), then every SGLang `EntryClass` (`sglang/srt/models/*.py`) with MoE code that vLLM does not register
+(drafts, MTP heads and vision models left out). Per architecture:
+
+- **Fixture**: `scripts/make_fixture.py` in the vLLM environment's python builds transformers' own class for the
+  architecture from its config class's defaults shrunk by key name (widths, heads, experts, vocab; the layer count
+  the shortest prefix that holds every distinct layer), random BF16 weights, `save_pretrained`: the checkpoint
+  naming transformers writes (per-expert tensors, as the releases).
+- **Fixture loads**: `kimi-convert verify-manifest FIXTURE --no-numerics --engine vllm --engine sglang`: the
+  engine's own loader fills every parameter from the fixture, none skipped. (Rows run before that step dropped
+  its numeric check were checked with `--input FIXTURE`: where the engine's read of the BF16 fixture was not its
+  weights, the cell's note gives the check's finding.)
+- **Derived**: `kimi-convert mapping derive FIXTURE` (docs/derive.md); the note lists its groups, scale groups and
+  keeps.
+- **Output**: `kimi-convert pack FIXTURE OUT --mapping DERIVED` (default recipe `nvfp4-w4a16`, ModelOpt, source
+  layout), then `verify-manifest OUT --input FIXTURE --engine vllm --engine sglang`: every parameter filled and
+  every layer read within its format's bound (the numeric check).
+- **Table shipped**: the derived table in `mappings/derived/` (what `plan` / `pack` use with no engine environment:
+  `convert/derive/lookup.py`) where both engines that register the architecture read the output right; "hand
+  table" where a table in `mappings/` already names it (it wins over a derived one).
+"""
+
+
+def shippable(rec: dict) -> bool:
+    out = rec.get("output_check") or {}
+    regs = [e for e in ENGINES if rec.get(e)]
+    return (not rec.get("hand_table") and bool(regs) and all(out.get(e, {}).get("read_right") for e in regs)
+            and not rec.get("derive", {}).get("absent_keeps"))
+
+
+def ship(rec: dict, work: Path) -> str | None:
+    """The verified derived table into mappings/derived/MODEL_TYPE.toml, its answers into tests/derived/breadth/."""
+    if not shippable(rec):
+        return None
+    dest = REPO / "mappings" / "derived" / f"{rec['fixture']['model_type']}.toml"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(work / "derived.toml", dest)
+    answers = REPO / "tests" / "derived" / "breadth" / f"{rec['arch']}.answers.json"
+    answers.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(work / "answers.json", answers)
+    return str(dest.relative_to(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("archs", nargs="*")
+    ap.add_argument("--work", default="/tmp/i38b/breadth")
+    ap.add_argument("--servers", default=os.environ.get("KIMI_CONVERT_ENGINE_SERVERS", "/tmp/i38b-servers"))
+    ap.add_argument("--redo", action="store_true", help="run the named architectures again")
+    ap.add_argument("--ship", action="store_true")
+    ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--fixtures-only", action="store_true", help="step 1 only (no engine): the fixtures, cached")
+    ap.add_argument("--hold-s", type=float, default=600.0, help="give the engine lock back after this long")
+    a = ap.parse_args(argv)
+    results = load_results()
+    if a.table_only:
+        save_results(results, list(results))
+        return 0
+    archs = architectures()
+    if a.list:
+        for x in archs:
+            print(x.name, x.vllm, x.sglang, x.same_as or "")
+        return 0
+    order = [x.name for x in archs]
+    for x in archs:
+        results.setdefault(x.name, {**base_record(x), "why_not_run": "not reached by the batch yet"})
+    todo = [x for x in archs if (not a.archs or x.name in a.archs)
+            and (a.redo or not finished(results[x.name]))]
+    if a.fixtures_only:
+        for x in todo:
+            if not x.same_as:
+                f = make_fixture(x, Path(a.work) / x.name)
+                print(x.name, json.dumps({k: f.get(k) for k in ("ok", "why", "model_type", "layers", "layers_full",
+                                                                "tensors", "bytes", "expert_3d_count")}), flush=True)
+        return 0
+    env, hold = engine_env(a.servers), {"max_s": a.hold_s}
+    try:
+        for x in todo:
+            print(f"{time.strftime('%H:%M:%S')} {x.name}", flush=True)
+            work = Path(a.work) / x.name
+            rec = process(x, work, env, hold)
+            if a.ship and "output_check" in rec:
+                rec["shipped"] = ship(rec, work)
+            results[x.name] = rec
+            save_results(results, order)
+            print(f"  {summary(rec)}", flush=True)
+    finally:
+        release(hold)
+    return 0
+
+
+def summary(rec: dict) -> str:
+    steps = [k for k in ("fixture", "fixture_check", "derive", "pack", "output_check", "shipped") if rec.get(k)]
+    return f"{rec['arch']}: reached {steps[-1] if steps else 'nothing'} ({rec.get('seconds', 0)} s)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""A tiny random checkpoint of any architecture the installed transformers knows, written by its own
+``save_pretrained`` (so in the checkpoint naming transformers writes for the architecture's releases).
+
+    ENGINE_PYTHON scripts/make_fixture.py ARCHITECTURE OUT [--seed N]
+
+Run it with the vLLM environment's python (``~/.cache/kimi-convert/engines/vllm-0.33.0/bin/python``: its
+transformers knows the 2026 architectures); it is a script of the breadth run (``scripts/derive_breadth.py``), never
+imported by the tool. Nothing in it names a family:
+
+1. the model type is the one transformers' causal-LM registry maps to ARCHITECTURE (a ``*_text`` type first);
+2. its config class's defaults (the flagship's sizes) are shrunk by key name, wherever the key is: widths to 256,
+   dense MLPs to 512, expert / shared-expert MLPs to 128, 4 attention heads, at most 2 KV heads (4 where the
+   config has as many KV heads as heads), head dims at most 128, latent ranks 128, 8 experts, top-k 2, vocab
+   1024, 4096 positions; every other key (structure flags, layer patterns, routing) is kept;
+3. the layer count is the shortest prefix of the full-depth model (built on the meta device at the shrunk widths)
+   that holds every distinct layer (its submodules' names, classes and shapes): dense-first layers, hybrid layer
+   patterns and interleaved MoE layers stay; per-layer lists are cut to it, layer-index keys counted from the end
+   moved with it;
+4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded), and saved;
+5. the keys a release's config.json carries and transformers' save leaves out are added: the legacy keys its
+   config class reads and converts (``kwargs.pop("KEY", DEFAULT)``, with that default), ``first_k_dense_replace``
+   / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, and ``head_dim`` where the model derived it.
+
+Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
+3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
+Exit 3 with one line when transformers has no causal-LM class for ARCHITECTURE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+HIDDEN = 256
+DENSE_MLP = 512
+EXPERT_MLP = 128
+HEADS = 4
+KV_HEADS = 2
+MAX_HEAD_DIM = 128
+LATENT = 128
+EXPERTS = 8
+TOP_K = 2
+VOCAB = 1024
+POSITIONS = 4096
+
+MAMBA_HEADS = ("mamba_n_heads", "mamba_num_heads")
+LAYER_KEYS = ("num_hidden_layers", "n_layers", "num_layers")
+HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd")
+HEAD_KEYS = ("num_attention_heads", "n_heads", "num_heads", "swa_num_attention_heads", "index_n_heads",
+             "linear_num_value_heads", "linear_num_heads", *MAMBA_HEADS)
+KV_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads",
+           "linear_num_key_heads")
+HEAD_DIM = re.compile(r"(^|_)(head_dim|d_head|linear_head_dim)$")
+LATENT_KEYS = ("q_lora_rank", "kv_lora_rank", "o_lora_rank", "mamba_dt_rank")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "top_k_experts")
+MAMBA_HEAD_DIM = ("mamba_d_head", "mamba_head_dim")
+MAMBA_EXPAND = ("mamba_expand", "expand")
+MOE_SWITCH = re.compile(r"^(enable|use)_moe")
+MLP = re.compile(r"intermediate|ffn_hidden|ffn_dim")
+EXPERT_WORD = re.compile(r"moe|expert|shared")
+POSITION_KEYS = ("max_position_embeddings", "max_seq_len", "model_max_length")
+ROUTED = re.compile(r"experts?\.\d+\.")
+SKIP_SUBCONFIGS = ("vision_config", "audio_config", "vision_tower_config")
+
+
+def model_type_for(arch: str) -> str | None:
+    from transformers.models.auto import modeling_auto
+
+    hits = [mt for mt, cls in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls.lower() == arch.lower()]
+    hits.sort(key=lambda mt: (not mt.endswith("_text"), mt))
+    return hits[0] if hits else None
+
+
+def _shrink_int(key: str, v: int, heads_were: int | None) -> int:
+    """The tiny value of one integer size key (unchanged where the key is no size this knows)."""
+    if key in HIDDEN_KEYS:
+        return min(v, HIDDEN)
+    if key in HEAD_KEYS:
+        return min(v, HEADS)
+    if key in KV_KEYS:
+        return min(v, HEADS if heads_were is not None and v == heads_were else KV_HEADS)
+    if HEAD_DIM.search(key):
+        return min(v, MAX_HEAD_DIM)
+    if key in LATENT_KEYS:
+        return min(v, LATENT)
+    if key in EXPERT_KEYS:
+        return min(v, EXPERTS)
+    if key in TOPK_KEYS:
+        return min(v, TOP_K)
+    if key == "n_group":
+        return min(v, 2)
+    if key == "topk_group":
+        return min(v, 1)
+    if key.startswith("vocab_size"):
+        return min(v, VOCAB)
+    if key in POSITION_KEYS:
+        return POSITIONS  # the engine checks ask for this context length
+    if MLP.search(key) and "layer" not in key:
+        return min(v, EXPERT_MLP if EXPERT_WORD.search(key) else DENSE_MLP)
+    return v
+
+
+def shrink_widths(d: dict) -> dict:
+    """Every known size key of ``d`` and its sub-configs made tiny (the layer count is left to :func:`cut_layers`)."""
+    out = {}
+    heads_were = next((d[k] for k in HEAD_KEYS if isinstance(d.get(k), int)), None)
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in SKIP_SUBCONFIGS:
+            out[k] = shrink_widths(v)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out[k] = _shrink_int(k, v, heads_were)
+        else:
+            out[k] = v
+    _mamba_heads(out)
+    if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out and "qk_rope_head_dim" in out:
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    vocab = out.get("vocab_size")
+    if isinstance(vocab, int):
+        for k, v in list(out.items()):
+            if k.endswith("token_id") and isinstance(v, int) and v >= vocab:
+                out[k] = v % vocab
+            elif k.endswith("token_id") and isinstance(v, list):
+                out[k] = [x % vocab if isinstance(x, int) else x for x in v]
+    return out
+
+
+def _mamba_heads(d: dict) -> None:
+    """Mamba heads x head dim is the mamba width (expand x hidden): the head count follows the shrunk widths."""
+    heads = next((k for k in MAMBA_HEADS if isinstance(d.get(k), int)), None)
+    dim = next((d[k] for k in MAMBA_HEAD_DIM if isinstance(d.get(k), int)), None)
+    expand = next((d[k] for k in MAMBA_EXPAND if isinstance(d.get(k), int)), None)
+    hidden = next((d[k] for k in HIDDEN_KEYS if isinstance(d.get(k), int)), None)
+    if heads and dim and expand and hidden and expand * hidden % dim == 0:
+        d[heads] = expand * hidden // dim
+
+
+def switch_moe_on(d: dict) -> dict | None:
+    """``d`` with its MoE switch (``enable_moe_*`` / ``use_moe*``) on and unset expert sizes given the tiny ones;
+    None where it has no switch that is off (a config whose defaults build a dense model)."""
+    keys = [k for k, v in d.items() if MOE_SWITCH.match(k) and v is False]
+    if not keys:
+        return None
+    out = {**d, **dict.fromkeys(keys, True)}
+    for k, v in d.items():
+        if v is None and k in EXPERT_KEYS:
+            out[k] = EXPERTS
+        elif v is None and k in TOPK_KEYS:
+            out[k] = TOP_K
+        elif v is None and MLP.search(k) and EXPERT_WORD.search(k):
+            out[k] = EXPERT_MLP
+    return out
+
+
+def layer_count(d: dict) -> tuple[str, int] | None:
+    for k in LAYER_KEYS:
+        if isinstance(d.get(k), int):
+            return k, d[k]
+    return None
+
+
+def cut_layers(d: dict, old: int, new: int) -> dict:
+    """``d`` with ``new`` layers instead of ``old``: per-layer lists cut, layer-index lists filtered, integer keys
+    naming a layer counted from the end moved with it (recursively, skipping vision sub-configs)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in SKIP_SUBCONFIGS:
+            if v and all(re.fullmatch(r"\d+", str(x)) for x in v):  # per-layer dict keyed by index
+                out[k] = {x: y for x, y in v.items() if int(x) < new}
+            else:
+                out[k] = cut_layers(v, old, new)
+        elif k in LAYER_KEYS and v == old:
+            out[k] = new
+        elif isinstance(v, list) and len(v) == old and old != new:
+            out[k] = v[:new]
+        elif isinstance(v, list) and "layer" in k and v and all(isinstance(x, int) and 0 <= x < old for x in v) \
+                and v == sorted(set(v)):
+            out[k] = [x for x in v if x < new]
+        elif isinstance(v, int) and not isinstance(v, bool) and "layer" in k and k not in LAYER_KEYS \
+                and new <= old - 1 <= v <= old:  # the last layer, or the count: counted from the end
+            out[k] = v - (old - new)
+        else:
+            out[k] = v
+    return out
+
+
+def make_config(model_type: str, d: dict):
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    return type(base).from_dict(d)
+
+
+def layer_lists(model) -> list:
+    """The model's decoder layers: its longest ModuleList."""
+    import torch.nn as nn
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else []
+
+
+def signature(layer) -> tuple:
+    return tuple((n, type(m).__name__, tuple((pn, tuple(p.shape)) for pn, p in m.named_parameters(recurse=False)))
+                 for n, m in layer.named_modules())
+
+
+def build(model_type: str, d: dict, device: str, dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(model_type, d)
+    with torch.device(device):
+        return cfg, AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
+
+
+def choose_layers(model_type: str, d: dict) -> tuple[int, int, set]:
+    """(full depth, tiny depth, the full-depth model's layer kinds); a config without a layer-count key (one
+    derived from a layer pattern) keeps its depth."""
+    _, meta = build(model_type, d, "meta")
+    sigs = [signature(layer) for layer in layer_lists(meta)]
+    last = max((sigs.index(s) for s in set(sigs)), default=0)
+    found = layer_count(d)
+    if found is None:
+        return len(sigs), len(sigs), set(sigs)
+    return found[1], max(2, last + 1), set(sigs)
+
+
+def routed(model) -> int:
+    """Routed-expert weights: per-expert modules (``experts.N``) or 3-D banks whose first dimension is the expert
+    count."""
+    n_experts = {v for k, v in model.config.to_dict().items() if k in EXPERT_KEYS and isinstance(v, int)}
+    return sum(1 for name, p in model.named_parameters()
+               if ROUTED.search(name) or (p.ndim == 3 and p.shape[0] in n_experts))
+
+
+def randomize(model, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda x: x[0]):
+            if p.ndim >= 2 and p.is_floating_point():
+                p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(p.dtype))
+
+
+def written(out: Path) -> dict:
+    from safetensors import safe_open
+
+    names, three_d, nbytes = 0, [], 0
+    for f in sorted(out.glob("*.safetensors")):
+        nbytes += f.stat().st_size
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():  # noqa: SIM118 (a safe_open handle has no __iter__)
+                names += 1
+                if len(s.get_slice(k).get_shape()) == 3 and "expert" in k:
+                    three_d.append(k)
+    return {"tensors": names, "bytes": nbytes, "expert_3d": three_d[:4],
+            "expert_3d_count": len(three_d)}
+
+
+LEGACY = re.compile(r"kwargs\.(?:pop|get)\(\s*[\"'](\w+)[\"']\s*,\s*([^()]+?)\s*\)")
+NOT_LEGACY = re.compile(r"^(rope|tie_|out_|use_timm|backbone|num_labels|model_type|trust_remote|torch_dtype|dtype)")
+
+
+def legacy_keys(config_class, saved: dict) -> dict:
+    """The release-only keys the config class reads from ``kwargs`` and converts (``kwargs.pop("KEY", DEFAULT)``),
+    with their literal defaults, where the saved config lacks them: transformers writes only its own fields, the
+    engines read the releases' keys (``full_attention_interval``, ``first_k_dense_replace``...)."""
+    import ast
+    import inspect
+
+    try:
+        text = inspect.getsource(inspect.getmodule(config_class))
+    except (OSError, TypeError):
+        return {}
+    out = {}
+    for key, default in LEGACY.findall(text):
+        if key in saved or NOT_LEGACY.match(key):
+            continue
+        try:
+            value = ast.literal_eval(default)
+        except (ValueError, SyntaxError):
+            continue
+        if value is not None and value not in ({}, [], ""):  # an empty default is no release's value
+            out.setdefault(key, value)
+    return out
+
+
+def release_keys(model, saved: dict) -> dict:
+    """Keys a release's config.json carries that transformers' save leaves out: the legacy keys its config class
+    converts, the dense-first count (and MoE every layer after it) that transformers writes as ``mlp_layer_types``,
+    and ``head_dim`` where the model derived it (hidden / heads)."""
+    extra = legacy_keys(type(model.config), saved)
+    mlp = saved.get("mlp_layer_types")
+    if isinstance(mlp, list) and mlp and "first_k_dense_replace" not in saved:
+        dense = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
+        extra["first_k_dense_replace"] = dense
+        if "moe_layer_freq" not in saved and all(t != "dense" for t in mlp[dense:]):
+            extra["moe_layer_freq"] = 1
+    heads = saved.get("num_attention_heads")
+    if "head_dim" not in saved and isinstance(heads, int) and isinstance(saved.get("hidden_size"), int):
+        extra["head_dim"] = saved["hidden_size"] // heads
+    return extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("architecture")
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    mt = model_type_for(a.architecture)
+    if mt is None:
+        print(f"{a.architecture}: transformers {transformers.__version__} has no causal-LM class for it",
+              file=sys.stderr)
+        return 3
+    d = shrink_widths(AutoConfig.for_model(mt).to_dict())
+    switched = False
+    if not routed(build(mt, d, "meta")[1]) and switch_moe_on(d) is not None:
+        d, switched = switch_moe_on(d), True
+    full, tiny, kinds_full = choose_layers(mt, d)
+    d = cut_layers(d, full, tiny)
+    torch.manual_seed(a.seed)
+    _, model = build(mt, d, "cpu")
+    kinds_tiny = {signature(layer) for layer in layer_lists(model)}
+    lost = len(kinds_full - kinds_tiny)
+    randomize(model, a.seed)
+    model.config.architectures = [a.architecture]
+    out = Path(a.out)
+    model.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    extra = release_keys(model, saved)
+    (out / "config.json").write_text(json.dumps({**saved, **extra}, indent=2, sort_keys=True) + "\n")
+    rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
+           "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
+           "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched, "release_keys": extra,
+           "routed_expert_tensors": routed(model), **written(out)}
+    print(json.dumps(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

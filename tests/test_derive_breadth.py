@@ -1,0 +1,69 @@
+"""The derived tables shipped for the engines' MoE architectures (``mappings/derived/``, issue 38 item 4).
+
+Each was written by ``scripts/derive_breadth.py --ship`` from a fixture both registering engines loaded, and shipped
+only once both read the output packed with it right; the engines' raw answers are kept in
+``tests/derived/breadth/ARCH.answers.json``. Here, without the engines: the table rules give each shipped table from
+its answers (a change to the rules that would change a shipped table fails here, naming it), ``plan`` / ``pack``
+find the shipped table for the architecture with no engine environment, and the docs table is the one its JSONL
+gives (it is generated, never edited).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kimi_convert.derive import from_views, load_answers
+from kimi_convert.derive.lookup import shipped_for
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "mappings" / "derived").glob("*.toml"))
+ANSWERS = ROOT / "tests" / "derived" / "breadth"
+
+
+def _answers_for(table: dict) -> Path:
+    (arch,) = table["architectures"]
+    return ANSWERS / f"{arch}.answers.json"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_the_rules_give_the_shipped_table_from_the_engines_answers(path):
+    text = path.read_text()
+    answers = _answers_for(tomllib.loads(text))
+    assert answers.is_file(), f"{path.name}: no recorded answers at {answers}"
+    views, config, shapes = load_answers(answers)
+    assert from_views(views, config, shapes).text == text, f"{path.name}: the rules now give another table"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_plan_finds_the_shipped_table_without_engines(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("KIMI_CONVERT_ENGINE_ENVS", str(tmp_path / "none"))  # no engine environment
+    table = tomllib.loads(path.read_text())
+    _, config, _ = load_answers(_answers_for(table))
+    found = shipped_for(config)
+    assert found is not None and found.name == table["name"]
+
+
+def test_every_shipped_table_has_its_architecture_verified_in_the_docs():
+    rows = {d["arch"]: d for d in map(json.loads, (ROOT / "docs" / "derived-architectures.jsonl").read_text()
+                                      .splitlines())}
+    for path in SHIPPED:
+        (arch,) = tomllib.loads(path.read_text())["architectures"]
+        out = rows[arch]["output_check"]
+        engines = [e for e in ("vllm", "sglang") if rows[arch].get(e)]
+        assert engines and all(out[e]["read_right"] for e in engines), arch
+        assert rows[arch]["shipped"] == f"mappings/derived/{path.name}"
+
+
+def test_the_docs_table_is_the_one_its_jsonl_gives(monkeypatch):
+    spec = importlib.util.spec_from_file_location("derive_breadth", ROOT / "scripts" / "derive_breadth.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    results = mod.load_results()
+    assert mod.render(results, list(results)) == (ROOT / "docs" / "derived-architectures.md").read_text()
