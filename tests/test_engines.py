@@ -312,17 +312,6 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
     assert layers and rep["skipped"], describe(rep)
 
 
-def _sglang_fused_shared_expert_lacks_input_scale(rep: dict) -> None:
-    """SGLang 0.5.23 fuses GLM-4.7-Flash's shared expert into the routed bank as slot n_routed_experts
-    (glm4_moe_lite.py shared_experts_fusion_disable_reason None on capability >= 8.0), and its NVFP4 MoE reads
-    every slot's input_scale; nvfp4-w4a16 writes input_scale for the routed experts only, so exactly that slot
-    of w13_input_scale / w2_input_scale stays unwritten (docs/families.md, "GLM-4.7-Flash"). Nothing else."""
-    assert rep["error"] is None and not rep["skipped"] and not rep["bad_casts"], describe(rep)
-    unfilled = {u["param"]: u["unfilled"] for u in rep["unfilled"]}
-    assert unfilled == {"model.layers.1.mlp.experts.w13_input_scale": 2,
-                        "model.layers.1.mlp.experts.w2_input_scale": 1}, describe(rep)
-
-
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
 RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "ds32", "g5")}
@@ -342,8 +331,7 @@ def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
 
 
 #: Outputs an engine refuses for a reason in the engine, and the assertion of exactly that refusal.
-REFUSED = {("gpt", "vllm"): _vllm_refuses_gpt_oss, ("gpt", "sglang"): _sglang_refuses_gpt_oss,
-           ("g47", "sglang"): _sglang_fused_shared_expert_lacks_input_scale}
+REFUSED = {("gpt", "vllm"): _vllm_refuses_gpt_oss, ("gpt", "sglang"): _sglang_refuses_gpt_oss}
 
 
 @pytest.mark.parametrize(("key", "engine"), OUTPUT_PARAMS)

@@ -116,6 +116,7 @@ def draft_rule(config):
         if mtp(name):
             return None
         return "the main model's tensor (no MTP layer by vLLM's own rule): its draft model drops it on purpose"
+    return why
 
 
 def minimax_m3_mtp_rule(config):
