@@ -197,8 +197,8 @@ def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_
         entry["unquantized_only"] = True
     if sorted(engines) != sorted(labels):
         entry["engines"] = sorted(engines)
-    if f.same_rows and len(f.members) == 2:
-        entry["same_rows"] = True
+    if f.experts and f.same_rows and len(f.members) == 2:  # a bank's w13: equal halves; elsewhere the written
+        entry["same_rows"] = True  # pieces need not be the members' rows (Qwen3.5's in_proj_qkvz is written by head)
     entry["reason"] = f"derived: {who}, members in row order"
     return entry
 
