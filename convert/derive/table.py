@@ -25,6 +25,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from .reduce import EXPERT_KEYS
+
 _LAYER = re.compile(r"(^|\.)layers\.\d+(?=\.)")
 _EXPERT = re.compile(r"\.experts\.\d+(?=\.|$)")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -299,7 +301,6 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
 #: meaning these keys have in every config that carries them
 LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
                "decoder_sparse_step": "sparse_step"}
-EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
 
 
 def _text(config: dict) -> dict:

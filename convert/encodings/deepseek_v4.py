@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ..errors import ConvertError
 from ..safetensors_format import TensorInfo
 from .base import Claim, MxCodes, SourceEncoding, SourceTensor, module_of, refused
-from .fp8_block import block_size
+from .fp8_block import check_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -129,14 +129,7 @@ class DeepseekV4FP8(SourceEncoding):
         return (Claim(mod, "weight", SourceTensor(mod, name, FP8_NAME, "F8_E4M3", w.shape, (w, scale))),)
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
-        w, s = parts
-        block = block_size(config)
-        if len(w.shape) != 2:
-            raise refused(w, f"FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
-        want = [math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])]
-        if s.dtype not in ("F8_E8M0", "F32") or list(s.shape) != want:
-            raise refused(s, f"FP8 scale must be F8_E8M0 or F32 {want} for {list(w.shape)} with blocks "
-                             f"{list(block)}, is {s.dtype}{list(s.shape)}")
+        check_blocks(parts, config, ("F8_E8M0", "F32"), "F8_E8M0 or F32")
 
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         import torch

@@ -31,6 +31,19 @@ def block_size(config: dict) -> tuple[int, int]:
     return b[0], b[1]
 
 
+def check_blocks(parts: Sequence[TensorInfo], config: dict, dtypes: tuple[str, ...], said: str) -> None:
+    """A 2-D FP8 weight and its scale of one value per tile (``weight_block_size``), the scale in one of ``dtypes``
+    (named ``said`` in the refusal): the one shape check of every block-scaled FP8 encoding."""
+    w, s = parts
+    block = block_size(config)
+    if len(w.shape) != 2:
+        raise refused(w, f"FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
+    want = [math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])]
+    if s.dtype not in dtypes or list(s.shape) != want:
+        raise refused(s, f"FP8 scale must be {said} {want} for {list(w.shape)} with blocks {list(block)}, "
+                         f"is {s.dtype}{list(s.shape)}")
+
+
 class FP8Block(SourceEncoding):
     name = Encoding.FP8_BLOCK
     label = "block-FP8"
@@ -56,14 +69,7 @@ class FP8Block(SourceEncoding):
         return (Claim(mod, "weight", SourceTensor(mod, w.name, Encoding.FP8_BLOCK, "F8_E4M3", w.shape, (w, s))),)
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
-        w, s = parts
-        block = block_size(config)
-        if len(w.shape) != 2:
-            raise refused(w, f"FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
-        want = [math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])]
-        if s.dtype not in ("F32", "BF16") or list(s.shape) != want:
-            raise refused(s, f"FP8 scale must be F32 {want} for {list(w.shape)} with blocks {list(block)}, "
-                             f"is {s.dtype}{list(s.shape)}")
+        check_blocks(parts, config, ("F32", "BF16"), "F32")
 
     def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
         """A ``weight_scale_inv`` no FP8 weight consumed: without its weight, or beside a weight of another
