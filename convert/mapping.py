@@ -75,12 +75,27 @@ class Group:
 
 @dataclass(frozen=True)
 class LayerType:
+    """Which layers are of a type, read from the config: a list of layer numbers (``base`` 1 when it is
+    1-based), or, with ``per_layer``, one entry a layer (MiniMax M3's ``sparse_attention_freq`` 0/1 flags):
+    layer i is of the type where entry i is not 0 / false."""
+
     name: str
-    config: str  # dotted path in the text config to a list of layer numbers
+    config: str  # dotted path in the text config
     base: int  # 1 when the list is 1-based
     # module templates ({layer}) only a layer of this type holds: a layer holding one must be listed, and a
     # listed layer must hold one (plan.consistency)
     holds: tuple[str, ...] = ()
+    per_layer: bool = False
+
+    def layers(self, value: object, where: str) -> list[int]:
+        """The 0-based layer numbers ``value`` (the config's entry) names; one line naming it when malformed."""
+        if self.per_layer:
+            if not isinstance(value, list) or not all(type(f) is bool or f in (0, 1) for f in value):
+                raise ConvertError(f"config.json: {where}{self.config} must be a list of 0/1 flags, one a layer")
+            return [i for i, f in enumerate(value) if f]
+        if not isinstance(value, list) or not all(type(i) is int for i in value):
+            raise ConvertError(f"config.json: {where}{self.config} must be a list of layer numbers")
+        return [i - self.base for i in value]
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,7 @@ class MoeCheck:
     every: str = ""  # config path: MoE where layer % every == 0 (``moe_layer_freq``)
     dense_list: str = ""  # config path: a list of dense layers (``mlp_only_layers``)
     sparse_step: str = ""  # config path: MoE where (layer + 1) % step == 0 (``decoder_sparse_step``)
+    flags: str = ""  # config path: one 0/1 flag a layer, MoE where set (MiniMax M3's ``moe_layer_freq`` list)
 
 
 @dataclass(frozen=True)
@@ -197,12 +213,10 @@ class Mapping:
             if layers is None:
                 raise ConvertError(f"config.json: {where}{lt.config} is missing (mapping {self.name} needs it "
                                    f"to tell {lt.name} layers)")
-            if not isinstance(layers, list) or not all(type(i) is int for i in layers):
-                raise ConvertError(f"config.json: {where}{lt.config} must be a list of layer numbers")
-            for i in layers:
-                if kinds.get(i - lt.base, lt.name) != lt.name:
-                    raise ConvertError(f"config.json: layer {i} is listed as both {kinds[i - lt.base]} and {lt.name}")
-                kinds[i - lt.base] = lt.name
+            for i in lt.layers(layers, where):
+                if kinds.get(i, lt.name) != lt.name:
+                    raise ConvertError(f"config.json: layer {i + lt.base} is listed as both {kinds[i]} and {lt.name}")
+                kinds[i] = lt.name
         return kinds
 
     def strip(self, name: str) -> str:
@@ -307,7 +321,8 @@ def _schema() -> tomlfile.Spec:
         "text_config": t.STR, "text_prefix": t.STR, "expert_sets": t.strs(tmpl), "linear": t.strs(),
         "not_linear": t.strs(), "config_defaults": t.map_of(t.Spec((bool, int, float, str, list), "a config value"),
                                                             "a table of config values"),
-        "layer_types": t.map_of(t.table({"config": path, "base": t.INT, "holds": t.strs(tmpl)}, ("config",)),
+        "layer_types": t.map_of(t.table({"config": path, "base": t.INT, "holds": t.strs(tmpl), "per_layer": t.BOOL},
+                                        ("config",)),
                                 "a table of layer types"),
         "keep": t.array_of(rule, "an array of tables ([[keep]])"),
         "restrict": t.array_of(t.table({"pattern": t.STR, "formats": formats, "reason": t.STR}, ("pattern",)),
@@ -319,7 +334,8 @@ def _schema() -> tomlfile.Spec:
         "layout": t.table({e: layout for e in ENGINES}, expected="a table of layouts named after an engine"),
         "optional_blocks": t.strs(),
         "moe": t.table({"experts": path, "members": t.strs(), "layers": tmpl, "num_layers": path,
-                        "dense_below": path, "every": path, "dense_list": path, "sparse_step": path},
+                        "dense_below": path, "every": path, "dense_list": path, "sparse_step": path,
+                        "flags": path},
                        ("experts", "members")),
         "lm_head": t.table({"tie": path, "module": t.STR}, ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
@@ -456,7 +472,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
     """Parse and validate one table; errors name the file and the key (or TOML line)."""
     t = tomlfile.loads(text, path)
     tomlfile.validate(t, _schema(), path)
-    lts = [LayerType(name, lt["config"], lt.get("base", 0), _strs(lt, "holds", path))
+    lts = [LayerType(name, lt["config"], lt.get("base", 0), _strs(lt, "holds", path), lt.get("per_layer", False))
            for name, lt in t.get("layer_types", {}).items()]
     groups = tuple(_group(g, f"{path}: group[{i}]") for i, g in enumerate(t.get("group", [])))
     # A scale_group is a packed module the engines build inside a layer (MoE w13) and that is never

@@ -10,11 +10,14 @@ config.json and tensor names, written here by hand, not produced by the code und
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import run, weight_map
+from helpers import one_line_error, run, weight_map
+from kimi_convert.errors import ConvertError
+from kimi_convert.mapping import parse_mapping
 
 PRESET = Path(__file__).parent / "presets" / "minimax_m3.toml"
 
@@ -103,3 +106,104 @@ def test_inspect_gives_benchmark_moe_values(ckpt):
     assert d["moe_layers"] == [1, 2]  # moe_layer_freq [0, 1, 1]: one flag a layer, not a step
     assert d["layer_kinds"] == {"attention": [0], "sparse_attention": [1, 2]}
     assert d["tensor_experts"] == 8 and d["tensor_expert_shape"] == [128, 256] and not d["warnings"]
+
+
+TABLE = """
+name = "t"
+description = "t"
+architectures = ["MiniMaxM3SparseForConditionalGeneration"]
+model_types = ["minimax_m3_vl"]
+text_config = "text_config"
+text_prefix = "language_model."
+[layer_types.sparse_attention_freq]
+config = "sparse_attention_config.sparse_attention_freq"
+per_layer = true
+"""
+
+
+def test_a_layer_type_is_read_from_per_layer_flags():
+    """``per_layer``: entry i of the config's list says whether layer i is of the type (MiniMax M3's
+    ``sparse_attention_freq``, one 0/1 flag a layer), where a plain layer type reads a list of layer numbers."""
+    m = parse_mapping(TABLE, "t.toml")
+    cfg = {"text_config": {"sparse_attention_config": {"sparse_attention_freq": [0, 0, 1, 0, 1]}}}
+    assert m.layer_kinds(cfg) == {2: "sparse_attention_freq", 4: "sparse_attention_freq"}
+    cfg["text_config"]["sparse_attention_config"]["sparse_attention_freq"] = [False, True]
+    assert m.layer_kinds(cfg) == {1: "sparse_attention_freq"}
+    # the same list read as layer numbers names layers 0, 0, 1, 0, 1
+    plain = parse_mapping(TABLE.replace("per_layer = true", ""), "t.toml")
+    assert plain.layer_kinds({"text_config": {"sparse_attention_config": {"sparse_attention_freq": [1, 3]}}}) == {
+        1: "sparse_attention_freq", 3: "sparse_attention_freq"}
+
+
+def test_per_layer_flags_malformed_are_one_line():
+    m = parse_mapping(TABLE, "t.toml")
+    for bad in ([0, "x"], [0, 2], 3):
+        with pytest.raises(ConvertError, match=r"^config.json: text_config\.sparse_attention_config\."
+                                               r"sparse_attention_freq must be a list of 0/1 flags, one a layer$"):
+            m.layer_kinds({"text_config": {"sparse_attention_config": {"sparse_attention_freq": bad}}})
+    with pytest.raises(ConvertError, match="per_layer"):
+        parse_mapping(TABLE.replace("per_layer = true", 'per_layer = "yes"'), "t.toml")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _shipped():
+    """The derived table as plan finds it (mappings/derived/minimax_m3_vl.toml with its overlay), and the table the
+    recorded answers of vLLM 0.33.0 / SGLang 0.5.23 give (``mapping derive tiny-minimax-m3 --answers``)."""
+    from kimi_convert.derive import from_views, load_answers, load_draft_answers
+
+    answers = REPO / "tests" / "derived" / "tiny-minimax-m3.answers.json"
+    return from_views(*load_answers(answers), load_draft_answers(answers))
+
+
+def test_the_shipped_derived_table_is_the_engines_answers():
+    d = _shipped()
+    assert d.text == (REPO / "mappings" / "derived" / "minimax_m3_vl.toml").read_text()
+    t = d.table
+    # vLLM's five-shard qkv_proj on the sparse-attention layers only, told by a per-layer 0/1 list; SGLang's
+    # index_qkv_proj beside its own q/k/v qkv_proj; both engines' q/k/v qkv_proj on the dense-attention layer
+    groups = {(g["name"], tuple(g.get("engines", ()))): g for g in t["group"]}
+    five = groups[("qkv_proj", ("vllm",))]
+    assert five["members"] == ["q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"]
+    assert t["layer_types"][five["layer_type"]]["per_layer"] is True
+    assert groups[("index_qkv_proj", ("sglang",))]["members"] == ["index_q_proj", "index_k_proj"]
+    assert groups[("qkv_proj", ())]["members"] == ["q_proj", "k_proj", "v_proj"]
+    # the routed experts' w13 (w1, w3) and the shared expert SGLang fuses into the bank (gate, up): two scale
+    # groups, named apart; moe_layer_freq read as one flag a layer
+    assert sorted((s["name"], tuple(s["members"])) for s in t["scale_group"]) == [
+        ("w13", ("w1", "w3")), ("w13_2", ("gate_proj", "up_proj"))]
+    assert t["moe"]["flags"] == "moe_layer_freq" and "every" not in t["moe"]
+
+
+def test_the_default_plan_keeps_the_indexer_and_the_sparse_layers_qkv(ckpt):
+    """The overlay's rule: vLLM's MinimaxM3QKVParallelLinearWithIndexer takes no NVFP4 index_q/index_k (its
+    per-tensor scale knows shards q, k, v only), so they and the q/k/v fused with them stay BF16 on the
+    sparse-attention layers 1 and 2; the dense-attention layer 0's q/k/v are NVFP4 with one global scale."""
+    r = run("plan", ckpt, "--json")
+    assert r.code == 0, r.stderr
+    mods = {m["name"]: m for m in json.loads(r.stdout)["modules"]}
+    att = "language_model.model.layers.{}.self_attn.{}"
+    for layer in (1, 2):
+        for p in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
+            assert mods[att.format(layer, p)]["kind"] == "keep", (layer, p)
+        assert mods[att.format(layer, "o_proj")]["kind"] == "nvfp4"
+    assert {mods[att.format(0, p)]["kind"] for p in ("q_proj", "k_proj", "v_proj")} == {"nvfp4"}
+    assert mods["language_model.model.layers.1.block_sparse_moe.gate"]["kind"] == "keep"
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    ([1, 1, 1], "num_local_experts 8 makes layer 0 a MoE layer, but language_model.model.layers.0 holds no routed "
+                "experts"),
+    ([0, 0, 1], "moe_layer_freq [0, 0, 1] makes layer 1 dense, but language_model.model.layers.1."
+                "block_sparse_moe.experts holds 8 routed experts"),
+    ([0, 2, 1], "moe_layer_freq is [0, 2, 1], expected a list of 0/1 flags, one a layer"),
+])
+def test_moe_layer_flags_held_against_the_tensors(ckpt, tmp_path, flags, says):
+    """[moe] flags: MiniMax M3's moe_layer_freq, one 0/1 flag a layer, says which layers hold routed experts."""
+    bad = tmp_path / "m3"
+    shutil.copytree(ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["text_config"]["moe_layer_freq"] = flags
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert says in one_line_error(run("plan", bad))

@@ -38,8 +38,12 @@ def template(name: str) -> str:
 
 
 def glob(name: str) -> str:
-    """The keep-rule pattern of a module name: layer and expert numbers as ``*``."""
-    return template(name).replace("{layer}", "*").replace("{expert}", "*")
+    """The keep-rule pattern of a module name: layer and expert numbers, and any other module-list index (a vision
+    tower's ``blocks.N``: the release has 27 where the tiny preset has 1), as ``*``."""
+    return _INDEX.sub(".*", template(name).replace("{layer}", "*").replace("{expert}", "*"))
+
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 @dataclass
@@ -110,6 +114,8 @@ def fusions(view: EngineView) -> list[Fusion]:
     seen: dict[tuple, Fusion] = {}
     for param, lds in by_param.items():
         mod = view.modules.get(engine_module(param), {})
+        if mod.get("kind") == "embedding":  # a table stored in row blocks (Qwen3.8's n-gram shards): no linear layer
+            continue
         experts = mod.get("kind") == "moe"
         groups: dict[str, list[Landing]] = defaultdict(list)
         for ld in lds:
@@ -248,13 +254,32 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
 
 
 def _dedupe(entries: list[dict]) -> list[dict]:
+    """One scale group per bank name and members, its parents merged; a bank of the same name over other members
+    (MiniMax M3: SGLang's routed ``w13`` holds ``w1``/``w3``, the shared expert fused in as slot E holds
+    ``gate_proj``/``up_proj``) is named apart (``w13_2``): a table's groups of one name must differ in engines."""
     out: list[dict] = []
     for e in entries:
-        same = next((o for o in out if o["name"] == e["name"] and o["members"] == e["members"]), None)
+        same = next((o for o in out if o["_bank"] == e["name"] and o["members"] == e["members"]), None)
         if same is None:
-            out.append(e)
+            n = sum(o["_bank"] == e["name"] for o in out)
+            out.append({**e, "_bank": e["name"], "name": f"{e['name']}_{n + 1}" if n else e["name"]})
         elif e["parents"][0] not in same["parents"]:
             same["parents"].append(e["parents"][0])
+    for o in out:
+        del o["_bank"]
+    return out
+
+
+def _embedding_blocks(views: list[EngineView]) -> dict[str, str]:
+    """Source module -> its parent, for the modules an engine loads as row blocks of one embedding table
+    (Qwen3.8's ``ngram_embedding.shard_N``, as many as the config's ``split_ngram_parts``): one rule for them all."""
+    out: dict[str, str] = {}
+    for v in views:
+        by_param: dict[str, list[str]] = defaultdict(list)
+        for ld in landings(v):
+            if v.modules.get(engine_module(ld.param), {}).get("kind") == "embedding":
+                by_param[ld.param].append(ld.module)
+        out.update({m: m.rpartition(".")[0] for mods in by_param.values() if len(mods) > 1 for m in mods})
     return out
 
 
@@ -276,6 +301,7 @@ def _why_kept(v: EngineView, module: str, vd: Verdict, two_d: bool) -> str | Non
 def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple[list[dict], list[str], list[str]]:
     """([[keep]], not_linear, linear) from how each engine builds each source weight's module."""
     per = {v.engine: verdicts(v) for v in views}
+    blocks = _embedding_blocks(views)
     keep: dict[str, str] = {}
     not_linear, linear = [], []
     for module in sorted({m for vds in per.values() for m in vds}):
@@ -284,7 +310,7 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
         two_d = len(shapes.get(module + ".weight", ())) == 2
         if kinds <= {"embedding", "other", "absent"} and two_d:
             if not any(vd.module_class == "ParallelLMHead" for _, vd in vds):
-                not_linear.append(glob(module))
+                not_linear.append(f"{glob(blocks[module])}.*" if module in blocks else glob(module))
             continue
         if not two_d and kinds & {"linear"}:
             linear.append(glob(module))
@@ -327,8 +353,20 @@ def _moe_check(views: list[EngineView], config: dict, sets: list[str]) -> dict |
     out = {"experts": key, "members": sorted(leaves), "layers": layers}
     if isinstance(tc.get("num_hidden_layers"), int):
         out["num_layers"] = "num_hidden_layers"
-    out.update({field: k for k, field in LAYER_RULES.items() if k in tc})
+    out.update({f: k for k, field in LAYER_RULES.items() if k in tc and (f := _reads(field, tc[k]))})
     return out
+
+
+def _reads(field: str, value: object) -> str | None:
+    """The ``[moe]`` field that reads ``value`` as the config gives it: a list of layer numbers for ``dense_list``,
+    an integer for the others; MiniMax M3's ``moe_layer_freq`` is one 0/1 flag a layer, not MiniMax M2's /
+    DeepSeek's step: ``flags`` then (plan.consistency refuses a list where it reads an integer)."""
+    if field == "dense_list":
+        return field if isinstance(value, list) and all(type(i) is int for i in value) else None
+    if type(value) is int:
+        return field
+    flags = isinstance(value, list) and value and all(type(f) is bool or f in (0, 1) for f in value)
+    return "flags" if field == "every" and flags else None
 
 
 def _head_check(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
@@ -349,6 +387,19 @@ def _int_lists(d: dict, path: str = "") -> list[tuple[str, list[int]]]:
     return out
 
 
+def _flag_lists(d: dict, n: int, path: str = "") -> list[tuple[str, list]]:
+    """Every config list of one 0/1 flag a layer (``n`` of them; MiniMax M3's ``sparse_attention_freq``), by
+    dotted path; not the MoE layer rules (``LAYER_RULES``: ``[moe]`` reads them, and they tell MLPs apart)."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _flag_lists(v, n, f"{path}{k}.")
+        elif (isinstance(v, list) and len(v) == n and k not in LAYER_RULES
+              and all(type(f) is bool or f in (0, 1) for f in v)):
+            out.append((f"{path}{k}", v))
+    return out
+
+
 def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
     """Layers where some but not all of a group's members exist and the engines built no such group."""
     rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]]
@@ -364,20 +415,26 @@ def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
 def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[str, dict]:
     """A group that the engines build in some layers while other layers hold only some of its members (Kimi
     Linear's KDA ``q_proj`` beside its MLA ``q_proj``) applies by layer type: the config's list of layer numbers
-    (0- or 1-based) that is exactly the layers it was seen in."""
+    (0- or 1-based) that is exactly the layers it was seen in, else its list of one flag a layer set exactly there
+    (MiniMax M3's five-member ``qkv_proj`` of its sparse-attention layers, ``per_layer``)."""
     types: dict[str, dict] = {}
-    lists = _int_lists(_text(config))
+    text = _text(config)
+    lists = _int_lists(text)
+    n = text.get("num_hidden_layers")
+    flags = _flag_lists(text, n) if type(n) is int else []
     for g in groups:
         seen = set(g["_layers"])
         if not seen or not _partial_layers(g, modules):
             continue
-        for path, values in lists:
-            base = next((b for b in (0, 1) if {v - b for v in values} == seen), None)
-            if base is not None:
-                name = path.rpartition(".")[2]
-                types[name] = {"config": path, "base": base}
-                g["layer_type"] = name
-                break
+        found = next(({"config": path, "base": base} for path, values in lists
+                      for base in (0, 1) if {v - base for v in values} == seen), None)
+        if found is None:
+            found = next(({"config": path, "per_layer": True} for path, values in flags
+                          if {i for i, f in enumerate(values) if f} == seen), None)
+        if found is not None:
+            name = found["config"].rpartition(".")[2]
+            types[name] = found
+            g["layer_type"] = name
     return types
 
 

@@ -153,12 +153,16 @@ def _moe_rule(config: dict, m: Mapping, moe: MoeCheck) -> tuple:
     if dense is not None and dense.value is not None and not (
             isinstance(dense.value, list) and all(type(i) is int for i in dense.value)):
         raise ConvertError(f"config.json: {dense.shown} is {dense.says()}, expected a list of layer numbers")
-    return below, every, step, dense
+    flags = _field(config, m, moe.flags) if moe.flags else None
+    if flags is not None and flags.value is not None and not (
+            isinstance(flags.value, list) and all(type(f) is bool or f in (0, 1) for f in flags.value)):
+        raise ConvertError(f"config.json: {flags.shown} is {flags.says()}, expected a list of 0/1 flags, one a layer")
+    return below, every, step, dense, flags
 
 
 def _dense_because(layer: int, rule: tuple) -> _Field | None:
     """The field that makes ``layer`` dense, or None when every rule says MoE (an absent field says MoE)."""
-    below, every, step, dense = rule
+    below, every, step, dense, flags = rule
     if below is not None and below.value is not None and layer < below.value:
         return below
     if every is not None and every.value is not None and layer % every.value:
@@ -167,6 +171,8 @@ def _dense_because(layer: int, rule: tuple) -> _Field | None:
         return step
     if dense is not None and dense.value is not None and layer in dense.value:
         return dense
+    if flags is not None and flags.value is not None and not (layer < len(flags.value) and flags.value[layer]):
+        return flags
     return None
 
 
