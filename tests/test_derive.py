@@ -71,6 +71,10 @@ def test_templates_number_layers_and_experts_only():
     assert template("mtp.layers.0.mlp.experts.3.gate_proj") == "mtp.layers.{layer}.mlp.experts.{expert}.gate_proj"
     assert template("model.layers.3.mlp.shared_experts.up_proj") == "model.layers.{layer}.mlp.shared_experts.up_proj"
     assert glob("language_model.model.layers.4.self_attn.q_proj") == "language_model.model.layers.*.self_attn.q_proj"
+    # a rule's pattern covers every index of a module list (a vision tower's blocks), not a name's own digits
+    assert glob("model.visual.blocks.0.mlp.linear_fc1") == "model.visual.blocks.*.mlp.linear_fc1"
+    assert glob("multi_modal_projector.linear_1") == "multi_modal_projector.linear_1"
+    assert glob("model.layers.2.mlp.experts.5.w1") == "model.layers.*.mlp.experts.*.w1"
 
 
 def test_the_qwen3_moe_table_reads_the_engines_facts():

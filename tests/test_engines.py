@@ -126,6 +126,10 @@ OUTPUTS = {
     # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
     "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
     "g47": ("g47", None, "source", ENGINES),  # nvfp4-w4a16
+    # MiniMax M3 and Qwen3.8-Flash-Next: the derived tables (mappings/derived/), M3's with its overlay (the sparse
+    # layers' indexer and q/k/v kept for vLLM's five-shard qkv_proj; docs/families.md, "MiniMax M3")
+    "m3": ("m3", None, "source", ENGINES),  # nvfp4-w4a16
+    "q4": ("q4", None, "source", ENGINES),  # nvfp4-w4a16; QSA q/k/v/indexer, hyper-connections kept
 }
 
 

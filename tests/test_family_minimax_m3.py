@@ -207,3 +207,20 @@ def test_moe_layer_flags_held_against_the_tensors(ckpt, tmp_path, flags, says):
     cfg["text_config"]["moe_layer_freq"] = flags
     (bad / "config.json").write_text(json.dumps(cfg))
     assert says in one_line_error(run("plan", bad))
+
+
+def test_inspect_gives_the_releases_moe_values_without_weights(tmp_path):
+    """MiniMaxAI/MiniMax-M3's text_config (docs/families.md, "MiniMax M3"): 128 experts of 3072, top-4, hidden
+    6144; moe_layer_freq and sparse_attention_freq [0]*3 + [1]*57 (3 dense-attention dense layers, then 57)."""
+    flags = [0] * 3 + [1] * 57
+    cfg = {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+           "text_config": {"hidden_size": 6144, "intermediate_size": 3072, "dense_intermediate_size": 12288,
+                           "num_hidden_layers": 60, "num_local_experts": 128, "num_experts_per_tok": 4,
+                           "moe_layer_freq": flags, "sparse_attention_config": {"sparse_attention_freq": flags}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = run("inspect", tmp_path)
+    assert r.code == 0, r.stderr
+    assert "benchmark_moe    E=128 topk=4 moe_intermediate_size=3072 hidden_size=6144" in r.stdout, r.stdout
+    d = json.loads(run("inspect", tmp_path, "--json").stdout)
+    assert d["moe_layers"] == list(range(3, 60))
+    assert d["layer_kinds"] == {"attention": [0, 1, 2], "sparse_attention": list(range(3, 60))}

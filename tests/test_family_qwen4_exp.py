@@ -79,3 +79,68 @@ def test_inspect_gives_the_moe_values(ckpt):
     assert (d["num_experts"], d["top_k"], d["moe_intermediate_size"], d["hidden_size"]) == (8, 2, 128, 256)
     assert d["layer_kinds"] == {"linear_attention": [0, 1, 2], "full_attention": [3]}
     assert d["moe_layers"] == [0, 1, 2, 3]
+
+
+#: Qwen/Qwen3.8-Flash-Next's text_config, its MoE and layer keys (docs/families.md, "Qwen3.8-Flash-Next")
+RELEASE_MOE = {"model_type": "qwen4_exp_text", "hidden_size": 2560, "num_hidden_layers": 48,
+               "full_attention_interval": 4, "num_experts": 512, "num_experts_per_tok": 10,
+               "moe_intermediate_size": 640, "shared_expert_intermediate_size": 640,
+               "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]}
+
+
+def test_inspect_gives_the_releases_moe_values_without_weights(tmp_path):
+    """vLLM's benchmark_moe.py (71acd375) has no Qwen4Exp branch and its default one reads num_local_experts, which
+    Qwen4ExpTextConfig lacks; inspect reads the experts as for Qwen3.5 (num_experts, moe_intermediate_size) from
+    the nested text_config: the release's 512 experts of 640, top-10, hidden 2560, every layer MoE."""
+    cfg = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+           "text_config": RELEASE_MOE}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = run("inspect", tmp_path)
+    assert r.code == 0, r.stderr
+    assert "benchmark_moe    E=512 topk=10 moe_intermediate_size=640 hidden_size=2560" in r.stdout, r.stdout
+    d = json.loads(run("inspect", tmp_path, "--json").stdout)
+    assert d["moe_layers"] == list(range(48))
+    assert d["layer_kinds"]["full_attention"] == list(range(3, 48, 4))  # every fourth layer
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_shipped_derived_table_is_the_engines_answers():
+    """mappings/derived/qwen4_exp.toml is what the recorded answers of vLLM 0.33.0 / SGLang 0.5.23 give
+    (``mapping derive tiny-qwen4-exp --answers``), and it holds what the exploration table needed by hand."""
+    from kimi_convert.derive import from_views, load_answers, load_draft_answers
+
+    answers = REPO / "tests" / "derived" / "tiny-qwen4-exp.answers.json"
+    d = from_views(*load_answers(answers), load_draft_answers(answers))
+    assert d.text == (REPO / "mappings" / "derived" / "qwen4_exp.toml").read_text()
+    t = d.table
+    keep = {k["pattern"]: k["reason"] for k in t["keep"]}
+    lm = "model.language_model"
+    # vLLM builds the QSA qkv_proj (q, k, v and indexer.index_qk_proj) and the hyper-connections unquantized
+    for p in ("q_proj", "k_proj", "v_proj", "indexer.index_qk_proj"):
+        assert "Qwen4ExpQSAQKVIndexerLinear with UnquantizedLinearMethod" in keep[f"{lm}.layers.*.self_attn.{p}"]
+    for hc in ("attn", "mlp"):
+        for p in ("input_mix_weight_down", "input_mix_weight_up", "block_inject_weight"):
+            assert "hyperconnection.py GatedResidual" in keep[f"{lm}.layers.*.{hc}_hyper_connection.{p}"]
+    # the n-gram table's row blocks: one embedding, however many blocks the release has (split_ngram_parts 128)
+    assert f"{lm}.layers.*.ple.ple_embedding.ngram_embedding.*" in t["not_linear"]
+    assert not any(g["name"] == "ngram_embedding" for g in t["group"])
+    # the vision tower, every block of it (the release has 27)
+    assert "model.visual.blocks.*.attn.qkv" in keep
+    kv = next(g for g in t["group"] if g["name"] == "kv_proj")
+    assert kv["members"] == ["key_proj", "value_proj"] and kv["engines"] == ["vllm"]
+
+
+def test_the_default_plan_keeps_what_the_engines_build_unquantized(ckpt):
+    r = run("plan", ckpt, "--json")
+    assert r.code == 0, r.stderr
+    mods = {m["name"]: m for m in json.loads(r.stdout)["modules"]}
+    lm = "model.language_model.layers"
+    for p in ("q_proj", "k_proj", "v_proj", "indexer.index_qk_proj"):
+        assert mods[f"{lm}.3.self_attn.{p}"]["kind"] == "keep", p
+    assert mods[f"{lm}.3.self_attn.o_proj"]["kind"] == "nvfp4"
+    assert mods[f"{lm}.0.attn_hyper_connection.block_inject_weight"]["kind"] == "keep"
+    assert mods[f"{lm}.1.ple.ple_embedding.ngram_embedding.shard_1.weight"]["kind"] == "copy"  # not linear
+    assert {mods[f"{lm}.1.ple.{p}"]["kind"] for p in ("key_proj", "value_proj")} == {"nvfp4"}
+    assert mods[f"{lm}.0.linear_attn.in_proj_qkv"]["kind"] == "nvfp4"
