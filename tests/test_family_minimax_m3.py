@@ -174,6 +174,8 @@ def test_the_shipped_derived_table_is_the_engines_answers():
     assert sorted((s["name"], tuple(s["members"])) for s in t["scale_group"]) == [
         ("w13", ("w1", "w3")), ("w13_2", ("gate_proj", "up_proj"))]
     assert t["moe"]["flags"] == "moe_layer_freq" and "every" not in t["moe"]
+    # the MTP modules' block, not the whole text model under language_model.
+    assert t["mtp"]["prefix"] == "language_model.model.mtp." and t["mtp"]["count"] == ["num_mtp_modules"]
 
 
 def test_the_default_plan_keeps_the_indexer_and_the_sparse_layers_qkv(ckpt):

@@ -106,6 +106,13 @@ def test_locate_reads_layers_and_blocks_from_the_main_models_mtp_names():
     q = {"text_config": {"num_hidden_layers": 4, "mtp_num_hidden_layers": 1}}
     assert draft.locate(["mtp.fc.weight", "mtp.layers.0.mlp.gate.weight"], q) == {
         "prefix": "mtp.", "count": ["mtp_num_hidden_layers"]}
+    # a block under the text model's own prefix (MiniMax M3): the block, not the whole text model
+    m3 = {"text_config": {"num_hidden_layers": 3, "num_mtp_modules": 1}}
+    assert draft.locate(["language_model.model.mtp.layers.0.eh_proj.weight",
+                         "language_model.model.mtp.layers.0.transformer_layer.self_attn.q_proj.weight"], m3) == {
+        "prefix": "language_model.model.mtp.", "count": ["num_mtp_modules"]}
+    # a block indexed without a layers list (DeepSeek V4's mtp.0.)
+    assert draft.locate(["mtp.0.attn.wkv.weight", "mtp.0.ffn.gate.weight"], q)["prefix"] == "mtp."
     assert draft.locate([], cfg) is None
 
 

@@ -64,11 +64,24 @@ def locate(mtp_names: list[str], config: dict) -> dict | None:
         if min(nums) >= base:
             key = _count_key(text, len(nums))
             return {"prefix": f"{heads.pop()}{{n}}.", "first": "num_hidden_layers", "count": [key] if key else []}
-    block = {n.split(".", 1)[0] for n in mtp_names}
-    if len(block) == 1:
+    block = _block(mtp_names)
+    if block:
         key = _count_key(text, max(1, len({h.group(2) for h in hits if h})))
-        return {"prefix": f"{block.pop()}.", "count": [key] if key else []}
+        return {"prefix": block, "count": [key] if key else []}
     return None
+
+
+def _block(names: list[str]) -> str:
+    """The MTP block's prefix: the dotted parts all ``names`` share, up to its layer list (``layers`` or an index;
+    Qwen3.5's and DeepSeek V4's ``mtp.``, MiniMax M3's ``language_model.model.mtp.``, not the ``language_model.``
+    the whole text model shares)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for column in zip(*parts, strict=False):  # as far as the shortest name
+        if len(set(column)) != 1 or column[0] == "layers" or column[0].isdigit():
+            break
+        common.append(column[0])
+    return "".join(f"{p}." for p in common)
 
 
 def _templ(name: str, mtp_prefixes: list[str], prefix: str) -> str:
