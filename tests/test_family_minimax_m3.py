@@ -226,3 +226,22 @@ def test_inspect_gives_the_releases_moe_values_without_weights(tmp_path):
     d = json.loads(run("inspect", tmp_path, "--json").stdout)
     assert d["moe_layers"] == list(range(3, 60))
     assert d["layer_kinds"] == {"attention": [0, 1, 2], "sparse_attention": list(range(3, 60))}
+
+
+def test_the_bench_preset_is_the_releases_width():
+    """bench-minimax-m3 (benchmarks/RESULTS.md): the release's widths at two layers and 16 experts, a few GB."""
+    import math
+
+    from helpers import synth_preset
+    from kimi_convert import synth
+
+    p = synth_preset("bench-minimax-m3")
+    text = synth.config(p)["text_config"]
+    assert {k: text[k] for k in ("hidden_size", "intermediate_size", "dense_intermediate_size", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim")} == {
+        "hidden_size": 6144, "intermediate_size": 3072, "dense_intermediate_size": 12288, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128}
+    assert text["sparse_attention_config"]["sparse_num_index_heads"] == 4
+    assert text["moe_layer_freq"] == text["sparse_attention_config"]["sparse_attention_freq"] == [0, 1]
+    size = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in synth.tensor_specs(p))
+    assert 3.0e9 < size < 3.5e9
