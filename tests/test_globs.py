@@ -55,8 +55,8 @@ NO_MAPPING_YET: set[str] = set()
 #: Recipe patterns that mean more under one semantics than under the old whole-name reading, for a table that came
 #: after the move: MiniMax M3's derived table has no text prefix and its head is ``language_model.lm_head``; the
 #: recipes' dotless ``lm_head`` now matches that name part, the head the recipes mean (the old reading, on the whole
-#: name, matched nothing there). preset -> pattern -> what it selects now.
-NEW_MEANING = {"tiny-minimax-m3": {"lm_head": {"language_model.lm_head"}}}
+#: name, matched nothing there). table -> pattern -> what it selects now.
+NEW_MEANING = {"derived-minimax_m3_vl": {"lm_head": {"language_model.lm_head"}}}
 
 
 def _table(cfg: dict):
@@ -105,7 +105,7 @@ def test_every_recipe_pattern_means_what_it_meant(preset):
     patterns = {g for r in builtin_recipes() for rule in r.rules for g in rule.modules}
     assert {"lm_head", "*", "model.layers.*.self_attn.o_proj"} <= patterns
     for pattern in sorted(patterns):
-        before = NEW_MEANING.get(preset, {}).get(pattern) or _selected(_old_short_or_full, pattern, modules,
+        before = NEW_MEANING.get(m.name, {}).get(pattern) or _selected(_old_short_or_full, pattern, modules,
                                                                      m.text_prefix)
         assert _selected(globs.match, pattern, modules, m.text_prefix) == before, pattern
 
