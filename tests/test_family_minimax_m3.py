@@ -184,8 +184,13 @@ def test_the_default_plan_keeps_the_indexer_and_the_sparse_layers_qkv(ckpt):
     sparse-attention layers 1 and 2; the dense-attention layer 0's q/k/v are NVFP4 with one global scale."""
     r = run("plan", ckpt, "--json")
     assert r.code == 0, r.stderr
-    mods = {m["name"]: m for m in json.loads(r.stdout)["modules"]}
+    plan = json.loads(r.stdout)
+    mods = {m["name"]: m for m in plan["modules"]}
     att = "language_model.model.layers.{}.self_attn.{}"
+    # the overlay's [mtp]: the MTP modules kept as stored, and no exclude-list alias in vLLM's MiniMaxM3MTP names
+    # (model.layers.{i}.*), which name the main model's layer i too (both engines then built layer 0 unquantized)
+    assert mods["language_model.model.mtp.layers.0.eh_proj"]["kind"] == "keep"
+    assert not [n for n in plan["exclude_modules"] if n.startswith(("model.", "lm_head"))]
     for layer in (1, 2):
         for p in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
             assert mods[att.format(layer, p)]["kind"] == "keep", (layer, p)
