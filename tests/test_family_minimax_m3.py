@@ -250,3 +250,16 @@ def test_the_bench_preset_is_the_releases_width():
     assert text["moe_layer_freq"] == text["sparse_attention_config"]["sparse_attention_freq"] == [0, 1]
     size = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in synth.tensor_specs(p))
     assert 3.0e9 < size < 3.5e9
+
+
+def test_the_default_output_verifies_under_the_engines_matching_rules(ckpt, tmp_path):
+    """verify-manifest without an engine: among its checks, the exclude list under vLLM's and SGLang's own matching
+    rules; the MTP modules' kept expert bank is named as the engines match it (the overlay's expert_sets; before:
+    'vllm would quantize language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts, which is
+    written keep')."""
+    out = tmp_path / "out"
+    r = run("pack", ckpt, out, "-q", "--device", "cpu")
+    assert r.code == 0, r.stderr
+    r = run("verify-manifest", out, "--input", ckpt)
+    assert r.code == 0, r.stdout + r.stderr
+    assert "ok    exclude list / quantized_layers under vLLM's and SGLang's matching rules" in r.stdout
