@@ -49,16 +49,20 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ``packed`` int32 [N, K/8] holding eight 4-bit codes a word, lowest nibble first (element ``8j + i`` in
     bits ``4i..4i+3`` of word ``j``: ``pack_to_int32``), ``scale`` [N, K/G] one per group of G along K.
 
+    The words' little-endian bytes (safetensors' order, as torch holds them on the little-endian hosts the
+    engines run on) are MXFP4's layout: byte ``b`` holds element ``2b`` in its low nibble, ``2b + 1`` in its high
+    one; unpacked a byte at a time (3-4x faster than shifting each word eight times).
+
     Exact: a code times a BF16 scale needs at most 3 + 8 significant bits, which fp32 holds (BF16 does not:
     compressed-tensors' own ``dequantize`` in the scale's dtype rounds such products)."""
     n, words = packed.shape
     k = words * 8
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    codes = ((packed.view(torch.int32).unsqueeze(-1) >> shifts) & 0xF).reshape(n, k) - 8
     s = scale.float()
     if not bool(torch.isfinite(s).all()):
         raise DecodeError("INT4 scale is not finite (NaN or Inf)")
-    out = (codes.float().reshape(n, s.shape[1], -1) * s.unsqueeze(-1)).reshape(n, k)
+    b = packed.contiguous().view(torch.uint8)
+    out = torch.stack([b & 0xF, b >> 4], -1).reshape(n, k).float().sub_(8)
+    out = out.view(n, s.shape[1], -1).mul_(s.unsqueeze(-1)).view(n, k)
     if not bool(torch.isfinite(out).all()):
         raise DecodeError("INT4 scales too large: decoded values overflow fp32")
     return out
