@@ -317,7 +317,8 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
 
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
-RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "ds32", "g5")}
+RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$"
+                for m in ("ds", "k2", "ds32", "g5", "k25")}
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
@@ -330,7 +331,7 @@ def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
         assert not names, names
         return
     assert names and all(re.search(rx, n) for n in names), names
-    assert len({n.split(".")[2] for n in names}) == len(names), names
+    assert len({re.search(r"(?:^|\.)layers\.(\d+)\.", n).group(1) for n in names}) == len(names), names  # one a layer
 
 
 #: Outputs an engine refuses for a reason in the engine, and the assertion of exactly that refusal.
