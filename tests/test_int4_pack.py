@@ -159,3 +159,10 @@ def test_a_weight_shape_that_disagrees_with_the_packed_weight_is_refused_when_de
     err = one_line_error(run("pack", src, tmp_path / "out", "--device", "cpu"))
     assert f"{EXPERT}.weight_shape: INT4 weight_shape [256, 120] is not the packed weight's [256, 128]" in err
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_int4_tensors_without_their_quantization_config_are_refused(tiny_k25, tmp_path):
+    src = copy_ckpt(tiny_k25, tmp_path / "noq")
+    edit_config(src, lambda c: c["text_config"].pop("quantization_config"))
+    err = one_line_error(run("plan", src))
+    assert "weight_packed: INT4 packed weight, but config.json declares no compressed-tensors pack-quantized" in err
