@@ -170,3 +170,37 @@ def test_missing_shard_one_line(ckpt, tmp_path):
         f.unlink()
     err = one_line_error(run("plan", src))
     assert "no consolidated*.safetensors files" in err, err
+
+
+ADAPT = {  # each engine's own adaptation of params.json, run in its own python: the keys of the DeepSeek V3 view
+    "vllm": "from vllm.transformers_utils.configs.mistral import adapt_config_dict as a\n"
+            "d = json.load(open(sys.argv[1])); a(d, {})",
+    "sglang": "from sglang.srt.utils.hf_transformers.mistral_utils import adapt_config_dict as a\n"
+              "d, _ = a(json.load(open(sys.argv[1])), sys.argv[1])",
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("engine", list(ADAPT))
+def test_view_is_the_engines_own_adaptation(ckpt, engine, tmp_path):
+    """config_view agrees, key for key, with vLLM's / SGLang's adapt_config_dict on the preset's params.json."""
+    import subprocess
+
+    from kimi_convert.checkpoint import open_checkpoint
+    from kimi_convert.enginecheck import EngineUnavailable, find_python
+
+    try:
+        py = find_python(engine)
+    except EngineUnavailable as e:
+        pytest.skip(f"{engine} environment absent: {e}")
+    code = f"import json, sys\n{ADAPT[engine]}\nprint(json.dumps(d, default=str))"
+    r = subprocess.run([str(py), "-c", code, str(ckpt / "params.json")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    ours = open_checkpoint(ckpt).config
+    keys = ["model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "rms_norm_eps", "n_routed_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq",
+            "routed_scaling_factor", "n_group", "topk_group", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank",
+            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "vocab_size"]
+    assert {k: ours.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
