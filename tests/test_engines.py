@@ -34,7 +34,10 @@ ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
-          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp"}
+          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp",
+          # Mistral's own layout (params.json, consolidated-*.safetensors): the key is the folder's name, and SGLang
+          # reads params.json only where the path holds "mistral-large-3" (mistral_utils.py is_mistral_model)
+          "mistral-large-3": "tiny-mistral-large-3"}
 #: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
 #: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
 TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
@@ -126,6 +129,9 @@ OUTPUTS = {
     # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
     "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
     "g47": ("g47", None, "source", ENGINES),  # nvfp4-w4a16
+    # Mistral Large 3 in Mistral's layout: the output keeps it (params.json as is, the quantization config in
+    # hf_quant_config.json, which both engines read when params.json has none; docs/families.md, "Mistral Large 3")
+    "mistral-large-3": ("mistral-large-3", None, "source", ENGINES),  # nvfp4-w4a16
 }
 
 
