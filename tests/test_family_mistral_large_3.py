@@ -122,7 +122,9 @@ def test_plan_pack_keep_the_layout(ckpt, tmp_path):
     assert "layers.1.experts.0.w1.weight_packed" not in wm and "layers.1.experts.0.w1.weight_scale_2" in wm
     assert wm["layers.1.gate.weight"] and wm["output.weight"]  # kept: router and head
     hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
-    assert hq["quant_algo"] == "W4A16_NVFP4" and "output" in hq["exclude_modules"]
+    # the kept modules in both spellings: the engines match the list against their own names
+    assert hq["quant_algo"] == "W4A16_NVFP4" and hq["exclude_modules"] == [
+        "layers.1.gate", "lm_head", "model.layers.1.mlp.gate", "output"]
 
 
 def test_index_is_optional(ckpt, tmp_path):
@@ -204,3 +206,28 @@ def test_view_is_the_engines_own_adaptation(ckpt, engine, tmp_path):
             "routed_scaling_factor", "n_group", "topk_group", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank",
             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "vocab_size"]
     assert {k: ours.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
+
+
+@pytest.mark.engine
+def test_engine_names_are_vllms_mapper(ckpt):
+    """The table's engine_names give, for every module of the preset, the name vLLM's own
+    MistralLarge3ForCausalLM.hf_to_vllm_mapper gives its weight (run in vLLM's python)."""
+    import subprocess
+
+    from kimi_convert.enginecheck import EngineUnavailable, find_python
+    from kimi_convert.mapping import builtin_by_name
+
+    try:
+        py = find_python("vllm")
+    except EngineUnavailable as e:
+        pytest.skip(f"vllm environment absent: {e}")
+    names = sorted(json.loads((ckpt / INDEX).read_text())["weight_map"])
+    code = ("import json, sys\nfrom vllm.model_executor.models.mistral_large_3 import MistralLarge3ForCausalLM as M\n"
+            "print(json.dumps({n: M.hf_to_vllm_mapper._map_name(n) for n in json.loads(sys.argv[1])}))")
+    r = subprocess.run([str(py), "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    m = builtin_by_name("mistral_large_3")
+    norms = {n for n in names if "norm" in n}  # layer norms: not modules an exclude list names
+    ours = {n: f"{m.engine_spelling(n.rpartition('.')[0])}.{n.rpartition('.')[2]}" for n in names if n not in norms}
+    assert ours == {n: theirs[n] for n in ours}
