@@ -321,6 +321,7 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
 RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "ds32", "g5")}
+RULE_DROPPED[("mistral-large-3", "sglang")] = r"attention\.wkv_a_with_mqa\.weight_scale_2$"  # the same, Mistral's names
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
