@@ -240,6 +240,29 @@ def draft_rule(config):
     return why
 
 
+def deployment_args(model_dir: str) -> dict:
+    """Server arguments a deployment of this checkpoint has to pass, where SGLang's defaults refuse it. A DSA model
+    with an index k-pool gets ``page_size = 64 * index_kpool`` (arg_groups/model_overrides/deepseek_v2.py: "a logical
+    page must own a whole pooled index group"), and a hybrid linear-attention model's radix cache asserts
+    ``mamba_track_interval % page_size == 0`` (arg_groups/mamba_hook.py validate_mamba_extra_buffer) against the
+    default interval of 256: GLM-5.3-Flash (index_kpool 16, page 1024) is served with ``--mamba-track-interval``
+    a multiple of the page. A cache setting only: no weight, parameter or loader depends on it."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kpool = text.get("index_kpool")
+    default_interval = 256
+    if isinstance(kpool, int) and kpool > 0 and default_interval % (64 * kpool) and text.get("linear_attn_config"):
+        return {"mamba_track_interval": 64 * kpool}
+    return {}
+
+
 def engine_config(model_dir: str, draft: bool):
     """SGLang's own config for the checkpoint: with ``draft``, as a deployment asks for its draft
     (``--speculative-algorithm NEXTN``: the draft worker's ``ModelConfig.from_server_args(...,
@@ -253,7 +276,7 @@ def engine_config(model_dir: str, draft: bool):
     from sglang.srt.server_args import ServerArgs
 
     kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
-              load_format="auto", skip_server_warmup=True)
+              load_format="auto", skip_server_warmup=True, **deployment_args(model_dir))
     if draft:
         kw.update(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=2)
