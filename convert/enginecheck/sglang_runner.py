@@ -71,14 +71,18 @@ def mtp_rule(config):
     (GLM-4.5: srt/models/glm4_moe.py Glm4MoeForCausalLM.load_weights, ``not is_nextn``: a name
     ``model.layers.{i}...`` with i >= num_hidden_layers is skipped when num_nextn_predict_layers > 0); the
     MTP model (glm4_moe_nextn.py Glm4MoeForCausalLMNextN) loads those."""
-    n = getattr(config, "num_nextn_predict_layers", 0) or 0
-    base = getattr(config, "num_hidden_layers", 0)
+    glm5_next = getattr(config, "model_type", None) == "glm5_next"
+    counts = getattr(config, "text_config", config) if glm5_next else config
+    n = getattr(counts, "num_nextn_predict_layers", 0) or 0
+    base = getattr(counts, "num_hidden_layers", 0)
 
     minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
 
     def why(name: str) -> str | None:
         if (m3 := minimax_m3(name)) is not None:
             return m3
+        if glm5_next:  # GLM-5.3-Flash: srt/models/glm5_next.py Glm5NextForConditionalGeneration.load_weights drops
+            name = name.replace("language_model.", "", 1)  # "language_model." first, then applies the same rule
         if name.startswith("mtp.") and getattr(getattr(config, "text_config", config), "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
                     "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
