@@ -71,6 +71,9 @@ def test_templates_number_layers_and_experts_only():
     assert template("mtp.layers.0.mlp.experts.3.gate_proj") == "mtp.layers.{layer}.mlp.experts.{expert}.gate_proj"
     assert template("model.layers.3.mlp.shared_experts.up_proj") == "model.layers.{layer}.mlp.shared_experts.up_proj"
     assert glob("language_model.model.layers.4.self_attn.q_proj") == "language_model.model.layers.*.self_attn.q_proj"
+    # a vision tower's blocks too (GLM-5.3-Flash's model.visual.blocks.N: a rule for block 0 alone would miss the rest)
+    assert template("model.visual.blocks.3.mlp.up_proj") == "model.visual.blocks.{layer}.mlp.up_proj"
+    assert glob("model.visual.blocks.12.attn.qkv") == "model.visual.blocks.*.attn.qkv"
 
 
 def test_the_qwen3_moe_table_reads_the_engines_facts():

@@ -110,3 +110,22 @@ def test_release_values_without_weights():
                                             "full_attn_layers": [i for i in range(n) if i % 4 == 3]}}})
     assert (info.num_experts, info.top_k, info.moe_intermediate_size, info.hidden_size) == (288, 8, 2048, 4096)
     assert len(info.layer_kinds["kda"]) == 34 and info.layer_kinds["mla"][:2] == [3, 7] and info.moe_layers[0] == 3
+
+
+def test_shipped_derived_table_is_the_engines_answers():
+    """mappings/derived/glm5_next.toml is what the recorded answers of vLLM 0.33.0 and SGLang 0.5.23 give
+    (``mapping derive ... --answers``, rebuilt without the engines). Two rules were fixed for it: a group whose parents
+    include one outside the numbered layers (the vision merger's gate_up_proj) stopped the layer-type rule with a
+    ValueError, and the vision blocks were not numbered (a keep for block 0 only)."""
+    from kimi_convert.derive import from_views, load_answers, load_draft_answers
+
+    answers = PRESET.parent.parent / "tests" / "derived" / "tiny-glm5-next.answers.json"
+    views, config, shapes = load_answers(answers)
+    d = from_views(views, config, shapes, load_draft_answers(answers))
+    assert d.text == (PRESET.parent.parent / "mappings" / "derived" / "glm5_next.toml").read_text()
+    keeps = {k["pattern"] for k in d.table["keep"]}
+    assert {"model.visual.blocks.*.attn.qkv", "model.visual.merger.proj", "model.language_model.layers.*.mlp.gate",
+            "model.language_model.layers.*.self_attn.q_proj"} <= keeps  # vLLM builds all of these unquantized
+    assert not any(".0." in k for k in keeps)
+    (w13,) = d.table["scale_group"]
+    assert w13["parents"] == ["model.language_model.layers.{layer}.mlp.experts.{expert}"]

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 
 from .reduce import EXPERT_KEYS
 
-_LAYER = re.compile(r"(^|\.)layers\.\d+(?=\.)")
+_LAYER = re.compile(r"(^|\.)(layers|blocks)\.\d+(?=\.)")  # a vision tower's blocks are numbered like layers
 _EXPERT = re.compile(r"\.experts\.\d+(?=\.|$)")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def template(name: str) -> str:
     """``model.layers.3.mlp.experts.7.w1`` -> ``model.layers.{layer}.mlp.experts.{expert}.w1``."""
-    return _EXPERT.sub(".experts.{expert}", _LAYER.sub(r"\1layers.{layer}", name))
+    return _EXPERT.sub(".experts.{expert}", _LAYER.sub(r"\1\2.{layer}", name))
 
 
 def glob(name: str) -> str:
@@ -351,7 +351,8 @@ def _int_lists(d: dict, path: str = "") -> list[tuple[str, list[int]]]:
 
 def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
     """Layers where some but not all of a group's members exist and the engines built no such group."""
-    rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]]
+    rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]
+          if "{layer}" in p]  # a parent outside the numbered layers (a vision tower's) has no layer to be partial in
     have: dict[int, set[str]] = defaultdict(set)
     for mod in modules:
         for r in rx:
