@@ -34,14 +34,15 @@ ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
-          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp"}
+          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp", "g53": "tiny-glm5-next"}
 #: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
 #: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
 TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
-MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp."}
+MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp.",
+             "g53": "model.language_model.layers.4."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
