@@ -127,6 +127,9 @@ OUTPUTS = {
     # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
     "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
     "g47": ("g47", None, "source", ENGINES),  # nvfp4-w4a16
+    # GLM-5.3-Flash: KDA + DSA (k-pool indexer) + hyper-connections, packed with the derived table (docs/families.md,
+    # "GLM-5.3-Flash")
+    "g53": ("g53", None, "source", ENGINES),  # nvfp4-w4a16
 }
 
 
