@@ -94,7 +94,7 @@ class JobResult:
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
     hash_wait_s: float = 0.0  # its seconds, once its shards were written, waiting for its input files' hashes
     early_units: int = 0  # its units computed without torch (``compute_early``)
-    downloads: dict | None = None  # a Hub input's Ray task: its downloads' figures and folders (rayhub.run_task)
+    downloads: dict | None = None  # a Hub input's Ray task: its downloads' figures (raycluster.run_hub_task)
 
 
 @dataclass

@@ -462,7 +462,7 @@ class Downloads:
             for st in self.state.values():  # (a file left unread: an empty read plan; removed as well)
                 with contextlib.suppress(FileNotFoundError):
                     (self.scratch / st.need.rel).unlink()
-            _remove_empty(self.scratch)
+            remove_empty(self.scratch)
             if self._error is not None:
                 raise self._error
 
@@ -481,7 +481,7 @@ def _sha256(path: Path, stop: threading.Event) -> str:
     return h.hexdigest()
 
 
-def _remove_empty(folder: Path) -> None:
+def remove_empty(folder: Path) -> None:
     """``folder`` and its sub-folders, where empty (what the downloads made)."""
     if not folder.is_dir():
         return
