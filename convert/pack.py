@@ -81,24 +81,11 @@ def load_plan(source: Source | str | os.PathLike, opts: Options, banked: bool = 
     return ckpt, plan
 
 
-def pack(
-    input_source: Source | str | os.PathLike,
-    output_dir: str | os.PathLike,
-    opts: Options,
-    *,
-    device: Device | str = "auto",
-    workers: int | None = None,
-    streams: int | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    progress: bool = True,
-    command: str | None = None,
-    ray: str | None = None,
-    upload: UploadTarget | None = None,
-    scratch: str | os.PathLike | None = None,
-    max_scratch: int | None = None,
-    say: Callable[[str], None] = print,
-) -> PackResult:
+def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike, opts: Options, *,
+         device: Device | str = "auto", workers: int | None = None, streams: int | None = None,
+         overwrite: bool = False, resume: bool = False, progress: bool = True, command: str | None = None,
+         ray: str | None = None, upload: UploadTarget | None = None, scratch: str | os.PathLike | None = None,
+         max_scratch: int | None = None, say: Callable[[str], None] = print) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
     worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4).
@@ -117,8 +104,8 @@ def pack(
     command = staging.command(command, input_source, output_dir)
     hub = _connect_upload(upload, say)  # before the plan: a Hub that cannot be reached costs no work
     cluster = _connect_ray(ray, device)  # likewise an unreachable cluster
-    start = _StartUp(cluster is None, devices.cpus())  # the one CPU count, passed on as an argument
-    ckpt, plan = start.plan(source, opts, device, workers)  # plan (torch and the devices start meanwhile)
+    start = _StartUp.begin(cluster is None, device, workers)  # torch and the devices start while we plan
+    ckpt, plan = start.plan(source, opts)  # plan
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     executor = _executor(cluster, staging, hub, output_dir, device, workers, streams, start)
     staging.check_plan(plan.units, resume, lambda: [j.units for j in split_jobs(
@@ -136,12 +123,7 @@ def pack(
         read = {f: h for r in results for f, h in r.input_hashes.items()}
         out.finish(ckpt, plan, staging.input_hashes(plan.inputs, read), keep_journal=hub is not None,
                    origin=provenance(source))  # finish
-        up = None
-        if hub is not None:  # publish
-            j = out.journal
-            up = _publish(hub, output_dir, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256)
-                                            for s in plan.shards}, set(j.uploaded))
-            out.remove_journal()
+        up = _publish_run(hub, out, plan) if hub is not None else None  # publish
         stats = PackStats.of(results, workers=executor.workers(jobs), convert_s=convert_s, setup_s=t - called,
                              finish_s=time.perf_counter() - t - convert_s, downloads=staging.stats(results))
         recs = list(out.journal.shards.values())
@@ -169,20 +151,26 @@ def _connect_ray(ray: str | None, device: Device | str):
 
 @dataclass
 class _StartUp:
-    """What starts while the plan is made, where this process computes (no ``--ray``): the devices found (the
-    CUDA driver's start) and torch loaded, on a thread (``_warm_up``); then the start-up readahead."""
+    """What starts while the plan is made: where this process computes (``local``: no ``--ray``), the devices
+    found (the CUDA driver's start) and torch loaded on a thread (``_warm_up``); ``ahead``: the start-up
+    readahead's bytes; ``need``: whether a unit needs torch (decided by the plan); ``stop``: the pipeline's (a Hub
+    input's downloads stop with it)."""
 
     local: bool
-    cpus: int
-    need: pipeline.TorchNeed = None  # type: ignore[assignment]
-    ahead: int = 0
-    stop: threading.Event = None  # type: ignore[assignment]  # the pipeline's; a Hub input's downloads stop with it
+    cpus: int  # the one CPU count: every worker's share of it is passed on as an argument
+    ahead: int
+    need: pipeline.TorchNeed
+    stop: threading.Event
 
-    def plan(self, source: Source, opts: Options, device: Device | str, workers: int | None) -> tuple[Checkpoint, Plan]:
-        self.ahead, self.need, self.stop = startup_readahead(), pipeline.TorchNeed(), threading.Event()
-        if self.local:
-            threading.Thread(target=_warm_up, args=(device, workers, self.cpus, self.need), daemon=True,
+    @classmethod
+    def begin(cls, local: bool, device: Device | str, workers: int | None) -> _StartUp:
+        s = cls(local, devices.cpus(), startup_readahead(), pipeline.TorchNeed(), threading.Event())
+        if local:
+            threading.Thread(target=_warm_up, args=(device, workers, s.cpus, s.need), daemon=True,
                              name="kimi-convert-warm-up").start()
+        return s
+
+    def plan(self, source: Source, opts: Options) -> tuple[Checkpoint, Plan]:
         plan = None
         try:
             ckpt, plan = load_plan(source, opts)
@@ -337,6 +325,16 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_d
                      {f: size for f, size in plan.inputs if owner[f] == i and hash_inputs}, block)
         for i, p in enumerate(parts)
     ]
+
+
+def _publish_run(hub: LiveUpload, out: OutputFolder, plan: Plan) -> Uploaded:
+    """The run's shards committed (their journaled sizes and sha256, those this run or an earlier one sent), then
+    the journal goes."""
+    j = out.journal
+    up = _publish(hub, out.path, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256) for s in plan.shards},
+                  set(j.uploaded))
+    out.remove_journal()
+    return up
 
 
 def _publish(hub: LiveUpload, output_dir: Path, shards: dict[str, tuple[int, str]],
