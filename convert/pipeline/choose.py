@@ -34,10 +34,9 @@ from ..plan import FP8, NVFP4, Encoding, Unit
 SAMPLES = 2
 #: How many times faster than the CPUs the GPU's timed units must be for a kind of work to go to it. A unit
 #: timed alone does not show what the GPU costs in steady state: the page-locking of every read buffer, one
-#: GPU shared by all the worker's streams and their copies against the reader's (on the H200 machine the cast
-#: was timed 1.29x faster on the GPU, 0.52 against 0.67 s/GB, and the pack then ran 10.95 s against the
-#: CPUs' 8.59; docs/history/RESULTS-history.md, issue 26). Where the GPU is the better device it wins by far more
-#: (NVFP4 from BF16: 10-40x).
+#: GPU shared by all the worker's streams and their copies against the reader's: a cast timed faster alone on
+#: the GPU made a slower pack. Where the GPU is the better device it wins by far more (the figures:
+#: benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
 GPU_MARGIN = 1.5
 R = TypeVar("R")
 B = TypeVar("B")
