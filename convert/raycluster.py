@@ -303,6 +303,7 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
     driver keeps the journal, writes configs, index and manifest, and makes the one commit, as a local
     ``pack --upload`` does. Returns the job's result, its input hashes the verified downloads' and its
     ``downloads`` the scratch folder's figures."""
+    from .hub.live import QUEUE
     from .hub.transport import bound_library
     from .sources.hubstage import TaskStaging
 
@@ -310,7 +311,7 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
     stage = TaskStaging(job.source, t, job.units, job.output_dir)  # type: ignore[arg-type]
     uploader: _TaskUpload | None = None
     try:
-        stage.check_space([s.size for s in job.shards])
+        stage.check_space([s.size for s in job.shards], QUEUE)
         uploader = _uploader(t, stage.out, emit)
         source = stage.start()
         res = run_jobs([dataclasses.replace(job, source=source, output_dir=stage.out)], resolve_device(device),

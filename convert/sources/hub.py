@@ -21,7 +21,6 @@ The token is kept out of ``repr`` and handed to the library only.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -147,14 +146,6 @@ class HubRepo:
 
     def local_path(self, rel: str = "") -> Path | None:
         return None
-
-    def staging(self, output_dir: Path, scratch: str | os.PathLike | None, max_scratch: int | None, ray: bool,
-                say: Callable[[str], None]):
-        """``pack``'s staging of this repository (``staging.staging_for``): its weight files downloaded just in
-        time within ``--max-scratch`` (``hubstage``)."""
-        from .hubstage import HubStaging
-
-        return HubStaging(self, output_dir, scratch, max_scratch, ray, say)
 
     def for_worker(self) -> HubRepo:
         return self

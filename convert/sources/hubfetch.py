@@ -41,10 +41,10 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import faults
 from ..errors import ConvertError
@@ -52,7 +52,6 @@ from .local import LocalFile
 from .protocol import FileEntry, ResourceFreeFile
 
 if TYPE_CHECKING:
-    from ..plan import Unit
     from .hub import HubRepo
 
 INCOMPLETE = ".incomplete"
@@ -105,7 +104,20 @@ class ScratchPlan:
                                f"{human(self.required)} in all; raise it to at least that")
 
 
-def scratch_plan(units: Iterable[Unit], entries: dict[str, FileEntry], source_name: str) -> ScratchPlan:
+class _Part(Protocol):
+    file: str
+    nbytes: int
+
+
+class ReadingUnit(Protocol):
+    """What the downloads need of a plan unit (``plan.Unit``, which this layer below the plan does not import):
+    the input ranges it reads."""
+
+    @property
+    def parts(self) -> Sequence[_Part]: ...
+
+
+def scratch_plan(units: Iterable[ReadingUnit], entries: dict[str, FileEntry], source_name: str) -> ScratchPlan:
     """The files ``units`` (in the order the pipeline runs them) read, in the order of their first read, and
     the largest set alive at once (a file is alive from its first unit to its last)."""
     first: dict[str, int] = {}

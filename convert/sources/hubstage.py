@@ -271,15 +271,14 @@ class TaskStaging:
         self.stop = threading.Event()
         self.downloads = Downloads(hub, self.folder / "in", t.bound, self.plan, self.stop, say_on_node)
 
-    def check_space(self, shard_sizes: list[int]) -> None:
+    def check_space(self, shard_sizes: list[int], queue: int) -> None:
         """The task folder's disk holds the scratch bound (or all the job downloads, if less) and, with the
-        shards written there, the ones that may be there at once (``--no-keep-output``'s bound)."""
-        from ..hub.live import QUEUE
-
+        shards written there, the ones that may be there at once (``--no-keep-output``'s bound: the uploader's
+        ``queue``, the one being sent and the one being written)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         need = min(self.t.bound, sum(n.size for n in self.plan.needs))
         if self.t.local_output:
-            need += sum(sorted(shard_sizes, reverse=True)[: QUEUE + 2])
+            need += sum(sorted(shard_sizes, reverse=True)[: queue + 2])
         free = shutil.disk_usage(self.folder).free
         if need > free:
             raise ConvertError(f"{self.folder} (Ray node {socket.gethostname()}): the task needs up to "

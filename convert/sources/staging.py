@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConvertError
+from .hub import HubRepo
+from .hubstage import HubStaging
 
 if TYPE_CHECKING:
     from .protocol import Source
@@ -102,12 +104,12 @@ class LocalStaging:
 
 def staging_for(source: Source, output_dir: Path, scratch: str | os.PathLike | None, max_scratch: int | None,
                 ray: bool, say: Callable[[str], None]) -> Staging:
-    """The staging of ``source`` for a pack into ``output_dir``: the source's own (``Source.staging``, where it
-    has one: a Hub repository), else read in place. ``--scratch`` / ``--max-scratch`` belong to a source that
-    stages; any other refuses them in one line."""
-    make = getattr(source, "staging", None)
-    if callable(make):
-        return make(output_dir, scratch, max_scratch, ray, say)
+    """The staging of ``source`` for a pack into ``output_dir``: a Hub repository's downloads (``hubstage``), else
+    read in place (the one place a kind of source is told from another: a new source that stages its bytes adds
+    its case here). ``--scratch`` / ``--max-scratch`` belong to a source that stages; any other refuses them in
+    one line."""
+    if isinstance(source, HubRepo):
+        return HubStaging(source, output_dir, scratch, max_scratch, ray, say)
     if scratch is not None or max_scratch is not None:
         raise ConvertError(f"--{'scratch' if scratch is not None else 'max-scratch'} applies to a Hub input "
                            "(hf://OWNER/REPO) only")
