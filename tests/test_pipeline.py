@@ -131,7 +131,7 @@ def test_an_idle_file_hash_woken_asks_may_take_again(tmp_path, pool):
 def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, tmp_path, monkeypatch):
     """The input files' chains read ahead of the stream themselves while it waits for the runner (torch and the
     device: here made to take 1 s), not while it runs (then they hash what it reads: reading the same bytes beside
-    it made them wait on the disk); ``stream.TAKE_ANYTIME`` restores reading ahead whenever a chain runs dry."""
+    it made them wait on the disk)."""
     from kimi_convert.pipeline import budgets
 
     monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 1 << 40)
