@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConvertError
 from .hub import HubRepo
-from .hubstage import HubStaging
 
 if TYPE_CHECKING:
     from .protocol import Source
@@ -108,7 +107,9 @@ def staging_for(source: Source, output_dir: Path, scratch: str | os.PathLike | N
     read in place (the one place a kind of source is told from another: a new source that stages its bytes adds
     its case here). ``--scratch`` / ``--max-scratch`` belong to a source that stages; any other refuses them in
     one line."""
-    if isinstance(source, HubRepo):
+    if isinstance(source, HubRepo):  # (its downloads' module loaded only for a Hub input)
+        from .hubstage import HubStaging
+
         return HubStaging(source, output_dir, scratch, max_scratch, ray, say)
     if scratch is not None or max_scratch is not None:
         raise ConvertError(f"--{'scratch' if scratch is not None else 'max-scratch'} applies to a Hub input "
