@@ -264,6 +264,30 @@ def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
     assert "modelopt" not in sglang["quantized"]  # SGLang's draft builds the MTP layer unquantized under ModelOpt
 
 
+#: The 2026 families' derived tables (mappings/derived/) with the [mtp] their drafts answered
+DERIVED_WITH_DRAFTS = {"tiny-glm5": "glm_moe_dsa", "tiny-glm4-moe-lite": "glm4_moe_lite"}
+
+
+@pytest.mark.parametrize("preset", sorted(DERIVED_WITH_DRAFTS))
+def test_derived_tables_mtp_is_what_the_engines_drafts_answered(preset):
+    """mappings/derived/TABLE.toml is the table the recorded answers give, main models' and drafts'
+    (tests/derived/PRESET.answers.json and PRESET.draft-answers.json, both from `kimi-convert mapping derive
+    --answers`), and its [mtp] names both engines' drafts, SGLang's building the MTP layer unquantized under ModelOpt
+    NVFP4 (so the default keeps it)."""
+    import tomllib
+
+    from kimi_convert.derive import from_views, load_answers, load_draft_answers
+
+    answers = Path(__file__).parent / "derived"
+    drafts = load_draft_answers(answers / f"{preset}.draft-answers.json")
+    d = from_views(*load_answers(answers / f"{preset}.answers.json"), drafts)
+    shipped = Path(__file__).resolve().parents[1] / "mappings" / "derived" / f"{DERIVED_WITH_DRAFTS[preset]}.toml"
+    assert d.text == shipped.read_text()
+    table = tomllib.loads(d.text)["mtp"]
+    assert {x["engine"] for x in table["draft"]} == {"vllm", "sglang"}
+    assert "modelopt" not in next(x for x in table["draft"] if x["engine"] == "sglang")["quantized"]
+
+
 def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts(glm):
     """Default: the MTP layer kept, each module's reason naming the draft that builds it unquantized under ModelOpt
     NVFP4 (SGLang's Glm4MoeForCausalLMNextN); --quantize-mtp quantizes only what every draft builds quantized, which
