@@ -265,7 +265,8 @@ def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
 
 
 #: The 2026 families' derived tables (mappings/derived/) with the [mtp] their drafts answered
-DERIVED_WITH_DRAFTS = {"tiny-glm5": "glm_moe_dsa", "tiny-glm4-moe-lite": "glm4_moe_lite"}
+DERIVED_WITH_DRAFTS = {"tiny-glm5": "glm_moe_dsa", "tiny-glm4-moe-lite": "glm4_moe_lite",
+                       "tiny-deepseek-v3-2": "deepseek_v32"}
 
 
 @pytest.mark.parametrize("preset", sorted(DERIVED_WITH_DRAFTS))
