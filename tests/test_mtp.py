@@ -266,15 +266,14 @@ def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
 
 #: The 2026 families' derived tables (mappings/derived/) with the [mtp] their drafts answered
 DERIVED_WITH_DRAFTS = {"tiny-glm5": "glm_moe_dsa", "tiny-glm4-moe-lite": "glm4_moe_lite",
-                       "tiny-deepseek-v3-2": "deepseek_v32"}
+                       "tiny-deepseek-v3-2": "deepseek_v32", "tiny-deepseek-v4": "deepseek_v4"}
 
 
 @pytest.mark.parametrize("preset", sorted(DERIVED_WITH_DRAFTS))
 def test_derived_tables_mtp_is_what_the_engines_drafts_answered(preset):
     """mappings/derived/TABLE.toml is the table the recorded answers give, main models' and drafts'
     (tests/derived/PRESET.answers.json and PRESET.draft-answers.json, both from `kimi-convert mapping derive
-    --answers`), and its [mtp] names both engines' drafts, SGLang's building the MTP layer unquantized under ModelOpt
-    NVFP4 (so the default keeps it)."""
+    --answers`), and its [mtp] names both engines' drafts."""
     import tomllib
 
     from kimi_convert.derive import from_views, load_answers, load_draft_answers
@@ -286,7 +285,10 @@ def test_derived_tables_mtp_is_what_the_engines_drafts_answered(preset):
     assert d.text == shipped.read_text()
     table = tomllib.loads(d.text)["mtp"]
     assert {x["engine"] for x in table["draft"]} == {"vllm", "sglang"}
-    assert "modelopt" not in next(x for x in table["draft"] if x["engine"] == "sglang")["quantized"]
+    sglang = next(x for x in table["draft"] if x["engine"] == "sglang")
+    # SGLang's DeepSeek / GLM NextN set quant_config None under modelopt_fp4 (deepseek_nextn.py, glm4_moe_nextn.py);
+    # its DeepSeek V4 NextN (deepseek_v4_nextn.py DeepseekV4ModelNextN) builds the layer with the model's quant config
+    assert ("modelopt" in sglang["quantized"]) == (preset == "tiny-deepseek-v4")
 
 
 def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts(glm):
