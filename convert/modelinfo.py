@@ -129,9 +129,10 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         if not m:
             continue
         found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-        if shape is None:  # MXFP4 codes, two a byte: K/2 stored (compressed-tensors weight_packed, DeepSeek V4's I8)
-            packed = m.group(4) or getattr(t, "dtype", None) == "I8"
-            shape = [t.shape[0], t.shape[1] * (2 if packed else 1)]
+        if shape is None:  # MXFP4 codes, two a byte: K/2 stored (compressed-tensors weight_packed, DeepSeek V4's I8);
+            dtype = getattr(t, "dtype", None)  # INT4 codes, eight an I32 (compressed-tensors pack-quantized): K/8
+            per = 8 if m.group(4) and dtype == "I32" else 2 if m.group(4) or dtype == "I8" else 1
+            shape = [t.shape[0], t.shape[1] * per]
     if not found:
         if info.num_experts:
             info.warnings.append("config declares experts but no expert weights were found")

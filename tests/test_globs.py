@@ -95,11 +95,23 @@ def test_every_table_pattern_means_what_it_meant(preset):
     assert tested >= 2  # every table has a not_linear glob and a keep or an exclusion
 
 
+#: Derived tables written after the glob change for a model under a prefix they do not declare (Kimi K2.5:
+#: language_model.): the recipes' short globs never had the old reading there; globs.match's is checked instead.
+#: (Without a text_prefix, a recipe's `model.layers.*...` glob does not reach language_model.model.layers: the
+#: derived tables' rules name full names; a recipe rule on such a glob does not apply to them: docs/families.md.)
+NEW_UNDER_PREFIX = {"tiny-kimi-k25": "language_model.", "bench-kimi-k25": "language_model."}
+
+
 @pytest.mark.parametrize("preset", [c[0] for c in CASES])
 def test_every_recipe_pattern_means_what_it_meant(preset):
     _, m, modules = next(c for c in CASES if c[0] == preset)
     patterns = {g for r in builtin_recipes() for rule in r.rules for g in rule.modules}
     assert {"lm_head", "*", "model.layers.*.self_attn.o_proj"} <= patterns
+    if preset in NEW_UNDER_PREFIX:
+        prefix = NEW_UNDER_PREFIX[preset]
+        assert _selected(globs.match, "lm_head", modules, m.text_prefix) == {f"{prefix}lm_head"}
+        assert _selected(globs.match, "*", modules, m.text_prefix) == set(modules)
+        return
     for pattern in sorted(patterns):
         before = _selected(_old_short_or_full, pattern, modules, m.text_prefix)
         assert _selected(globs.match, pattern, modules, m.text_prefix) == before, pattern

@@ -120,7 +120,8 @@ def config(p: Preset) -> dict:
     return p.config()
 
 
-_TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "fp8-block": torch.float8_e4m3fn, "mxfp4-pack": torch.uint8}
+_TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "fp8-block": torch.float8_e4m3fn, "mxfp4-pack": torch.uint8,
+          "int4-pack": torch.int32}
 
 
 def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -18,7 +18,7 @@ from ..errors import ConvertError
 from .expr import Expr, ExprError, parse
 
 #: storages a tensor template may name (docs/presets.md, "Storage")
-STORAGES = ("bf16", "f32", "fp8-block", "mxfp4-pack", "mxfp4-bank")
+STORAGES = ("bf16", "f32", "fp8-block", "mxfp4-pack", "mxfp4-bank", "int4-pack")
 CUTS = ("count", "bytes", "layers")
 
 
