@@ -256,7 +256,9 @@ def engine_config(model_dir: str, draft: bool):
     kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
               load_format="auto", skip_server_warmup=True)
     if draft:
-        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+        # EAGLE: what SGLang resolves NEXTN to (arg_groups/speculative_hook.py), and the only spelling DeepSeek V4
+        # takes (arg_groups/deepseek_v4_hook.py asserts "Only EAGLE and DSPARK ..." before that resolution)
+        kw.update(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=2)
     server_args = ServerArgs(**kw)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
 from .. import mtp, rules
-from ..engines import aliases
+from ..engines import aliases, sglang_exact
 from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
@@ -36,7 +36,10 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     names.update(s for n in list(names) if (s := m.engine_spelling(n)) is not None)  # the engines' own names
     if m.mtp is not None and mtp_prefixes:
-        names.update(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
+        drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
+        names.update(drafts)
+        if recipe.output_format == "modelopt":  # a kept MTP MLA projection must not exclude every layer's in SGLang
+            names = {sglang_exact(n) if n in drafts or n.startswith(mtp_prefixes) else n for n in names}
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
