@@ -26,7 +26,8 @@ its bound (``--max-scratch`` for a Hub input, plus ``QUEUE + 2`` output shards i
 docs/pack-upload.md), the manifest's size (``manifest.json`` plus its records files), time to the first uploaded
 shard, and per shard the wall and CPU time between one shard's arrival and the next (CPU time is what shows no
 quadratic step on a shared, loaded machine). Writes ``NAME.json``, ``NAME.md`` (the command and a table),
-``NAME.csv`` (per shard) and ``NAME.png`` (per shard, when matplotlib is installed) into benchmarks/results/.
+``NAME.csv`` (per shard), ``NAME-samples.csv`` (every sample) and ``NAME.png`` (per shard, and RSS and disk over
+time; when matplotlib is installed: ``pip install matplotlib``) into benchmarks/results/.
 CPU only (``--device cpu``); run it under ``nice -n 19`` on a shared machine.
 """
 
@@ -212,7 +213,8 @@ def watch(cmd: list[str], env: dict, log: Path, folders: list[Path], every: floa
         while not done.wait(every):
             t = time.monotonic() - t0
             rss, cpu = _tree_usage(proc)
-            run.samples.append(Sample(round(t, 2), rss, round(cpu, 2), _allocated(*folders)))
+            if rss:  # (0: the process has ended, not yet reaped)
+                run.samples.append(Sample(round(t, 2), rss, round(cpu, 2), _allocated(*folders)))
             low = shutil.disk_usage(folders[0].parent).free < min_free
             if run.killed_at is None and (low or (kill_when is not None and kill_when(t))):
                 run.killed_at, run.low_disk = round(t, 2), low
@@ -324,7 +326,7 @@ def figures(run: Run, rows: list[dict], input_bytes: int, out: Path, release_byt
          "peak_rss_tree": max((s.rss for s in run.samples), default=0), "pack_maxrss": run.maxrss,
          "peak_rss_first_shard": max((s.rss for s in run.samples if first is None or s.t <= first), default=0),
          "peak_local_disk": max((s.disk for s in run.samples), default=0),
-         "cpu_s": run.samples[-1].cpu if run.samples else None,
+         "cpu_s": max((s.cpu for s in run.samples), default=None),
          "manifest_bytes": (out / "manifest.json").stat().st_size if (out / "manifest.json").exists() else None,
          "records_bytes": sum(p.stat().st_size for p in records.iterdir()) if records.is_dir() else None,
          "finish_s": round(finish, 2) if finish is not None else None,
@@ -346,6 +348,10 @@ def write_report(name: str, result: dict, rows: list[dict], run: Run, cmd: str) 
     RESULTS.mkdir(parents=True, exist_ok=True)
     base = RESULTS / name
     (base.with_suffix(".json")).write_text(json.dumps({**result, "per_shard": rows}, indent=1) + "\n")
+    with open(base.parent / f"{name}-samples.csv", "w", newline="") as f:  # for another look
+        w = csv.writer(f)
+        w.writerow(["t_s", "rss_tree_bytes", "cpu_tree_s", "local_disk_bytes"])
+        w.writerows([s.t, s.rss, s.cpu, s.disk] for s in run.samples)
     with open(base.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["index"])
         w.writeheader()
@@ -356,7 +362,7 @@ def write_report(name: str, result: dict, rows: list[dict], run: Run, cmd: str) 
     (base.with_suffix(".md")).write_text(
         f"`{cmd}`\n\n| figure | value |\n|---|---|\n{table}\n\n| # | shard | GB out | arrived s | wall s | CPU s | "
         f"wall s/GB | CPU s/GB |\n|---|---|---|---|---|---|---|---|\n{shard_rows}\n")
-    written = [base.with_suffix(s) for s in (".json", ".csv", ".md")]
+    written = [base.with_suffix(s) for s in (".json", ".csv", ".md")] + [base.parent / f"{name}-samples.csv"]
     if _plot(base.with_suffix(".png"), rows, run):
         written.append(base.with_suffix(".png"))
     return written
@@ -479,6 +485,8 @@ def main(argv: list[str] | None = None) -> dict:
         out, repo = a.work / "out", "user/k3-nvfp4"
         shutil.rmtree(out, ignore_errors=True)
         run = leg.pack(out, repo)
+        if run.code != 0 and not run.low_disk:
+            sys.exit(f"the pack failed ({run.code}): {(a.work / 'out.log').read_text()[-2000:]}")
         rows = per_shard(run, arrivals(hub, repo, run.started)) if run.code == 0 else []
         result |= figures(run, rows, input_bytes, out, release_bytes)
         queue = 2 if a.upload_queue is None else a.upload_queue  # hub.live.QUEUE's default
