@@ -87,15 +87,18 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
     return "\n".join(lines) + "\n"
 
 
-def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES) -> tuple[list[table_mod.EngineView], dict, dict]:
-    """Each engine's answers for ``ckpt``'s architecture, the stand-in's logical shapes, and, where a main model
-    drops MTP layers, each engine's speculative-decoding draft's answers (``draft.ask``)."""
+def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES
+        ) -> tuple[list[table_mod.EngineView], dict, dict, dict]:
+    """Each engine's answers for ``ckpt``'s architecture, the stand-in's config and logical shapes, and, where a
+    main model drops MTP layers, each engine's speculative-decoding draft's answers (``draft.ask``). The config is
+    the stand-in's: a reduced stand-in's names (its MTP layer renumbered after the kept layers) are read against the
+    config that numbers them so; the table holds config paths only, which the full config then resolves."""
     s = standin_mod.make(ckpt)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp, _zygotes(Path(tmp) / "servers"):
         dirs = standin_mod.write(s, Path(tmp))
         views = [ask_engine(e, dirs) for e in engines]
         drafts = draft_mod.ask(dirs, engines, FORMATS) if any(v.mtp_skipped for v in views) else {}
-    return views, {n: list(shape) for n, shape, _ in s.tensors}, drafts
+    return views, s.config, {n: list(shape) for n, shape, _ in s.tensors}, drafts
 
 
 @contextlib.contextmanager
@@ -118,9 +121,17 @@ def _zygotes(folder: Path):
 
 def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None) -> Derived:
     """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``)."""
+    unsplit = [line for v in views for line in table_mod.unsplit_banks(v)]
+    if unsplit:
+        more = f" (+{len(unsplit) - 1} more)" if len(unsplit) > 1 else ""
+        raise ConvertError(f"{unsplit[0]}{more}; the routed experts' rules cannot be derived: write a table by hand "
+                           "and pass it with --mapping")
     t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()})
     mtp = draft_mod.section(sorted({n for v in views for n in v.mtp_skipped}), config, drafts or {})
     if mtp is not None:
+        extra = mtp.pop("not_linear", [])  # the MTP layer's own embedding: not a linear layer
+        if extra:
+            t["not_linear"] = list(dict.fromkeys([*t.get("not_linear", []), *extra]))
         t["mtp"] = mtp
     skipped = {v.engine: v.skipped for v in views}
     mtp = {v.engine: v.mtp_skipped for v in views}
@@ -150,18 +161,21 @@ def load_draft_answers(path: Path) -> dict:
 def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None) -> Derived:
     """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
     ``answers``, the engines' raw answers are written there too."""
-    views, shapes, drafts = ask(ckpt, engines)
+    views, config, shapes, drafts = ask(ckpt, engines)
     if answers is not None:
-        save_answers(answers, views, ckpt.config, shapes, drafts)
-    return from_views(views, ckpt.config, shapes, drafts)
+        save_answers(answers, views, config, shapes, drafts)
+    return from_views(views, config, shapes, drafts)
 
 
 def merge(derived: dict, overlay: dict) -> dict:
     """A hand overlay over a derived table: scalar keys replace, lists of rules and groups are appended (an overlay
-    group of the same name, engines and parents replaces the derived one)."""
+    group of the same name, engines and parents replaces the derived one), tables are merged key by key (an
+    overlay's ``[mtp] quantize`` beside the derived ``[mtp]``)."""
     out = dict(derived)
     for k, v in overlay.items():
-        if isinstance(v, list) and isinstance(out.get(k), list):
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        elif isinstance(v, list) and isinstance(out.get(k), list):
             if k in ("group", "scale_group"):
                 def key(g: dict) -> tuple:
                     return g["name"], tuple(g.get("engines", ())), tuple(g.get("parents", ()))

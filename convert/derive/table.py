@@ -147,6 +147,31 @@ def in_quant_builds(view: EngineView, module: str) -> bool:
     return not builds or any(module in mods for mods in builds)
 
 
+def unsplit_banks(view: EngineView) -> list[str]:
+    """Why the engine's routed experts cannot be read off the stand-in, one line each (empty: they can):
+
+    - a source weight that fills several experts of the engine's bank in one tensor (GraniteMoe's
+      ``input_linear`` [E, 2I, H] into ``w13_weight``; a BF16 gpt-oss ``gate_up_proj``): a fused 3-D bank, which
+      this tool quantizes only as per-expert modules;
+    - a per-expert source weight (``experts.N.x``) the loader put nowhere in a layer where the engine builds a
+      bank (gpt-oss, whose plain build reads the experts only under the release's 3-D names): the bank's
+      members and fusions are not seen.
+    """
+    out = []
+    for s in view.spans:
+        mod = view.modules.get(engine_module(s["param"]), {})
+        shape, pshape = tuple(s["shape"]), tuple(s["param_shape"])
+        if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1:
+            out.append(f"{s['tensor']} {list(shape)} fills every expert of {view.label}'s {s['param']} in one tensor: "
+                       "a fused 3-D expert bank, which this tool quantizes only as per-expert modules")
+    banks = {_layer_of(m) for m, info in view.modules.items() if info.get("kind") == "moe"}
+    for t in view.skipped:
+        if _EXPERT.search(t) and t.endswith(".weight") and _layer_of(t) in banks:
+            out.append(f"{t}: {view.label}'s loader puts this expert weight nowhere although it builds a routed-expert "
+                       "bank in its layer (it reads the experts under other names, such as a release's 3-D bank)")
+    return out
+
+
 def _bank_name(param: str) -> str:
     """``...experts.w13_weight`` -> ``w13``."""
     last = param.rpartition(".")[2]
@@ -331,11 +356,32 @@ def _moe_check(views: list[EngineView], config: dict, sets: list[str]) -> dict |
     return out
 
 
-def _head_check(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
-    head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
-    if head is None or "tie_word_embeddings" not in _text(config):
+def _quantized_heads(views: list[EngineView]) -> list[str]:
+    """The output heads (``*LMHead`` modules) some engine builds with a quantized method under some output
+    format's config: vLLM 0.33's ModelOpt config gives a ``ParallelLMHead`` its linear method unless excluded."""
+    out = []
+    for v in views:
+        for mods in v.quant_modules.values():
+            for name, info in mods.items():
+                qm = info.get("quant_method")
+                if "LMHead" in (info.get("class") or "") and qm and "Unquantized" not in qm and name not in out:
+                    out.append(name)
+    return out
+
+
+def _head_check(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+    """``[lm_head]``: the head's module and the config key that ties it; where the source stores no head (tied)
+    and an engine would build one quantized, ``exclude_tied`` names it in the exclude list (else vLLM leaves its
+    quantized parameters unset: Ernie 4.5 MoE's ``lm_head.weight_scale_2``)."""
+    if "tie_word_embeddings" not in _text(config):
         return None
-    return {"tie": "tie_word_embeddings", "module": head}
+    head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
+    if head is not None:
+        return {"tie": "tie_word_embeddings", "module": head}
+    built = [h for h in _quantized_heads(views) if h.endswith("lm_head")]
+    if not built:
+        return None
+    return {"tie": "tie_word_embeddings", "module": built[0], "exclude_tied": True}
 
 
 def _int_lists(d: dict, path: str = "") -> list[tuple[str, list[int]]]:
@@ -416,7 +462,7 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["keep"] = keep
     if (moe := _moe_check(views, config, sets)) is not None:
         t["moe"] = moe
-    if (head := _head_check(config, shapes)) is not None:
+    if (head := _head_check(views, config, shapes)) is not None:
         t["lm_head"] = head
     if groups:
         t["group"] = groups
