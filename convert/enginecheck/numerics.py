@@ -287,6 +287,11 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
                 c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
                 continue
             s0 = src_row if src_row is not None else 0
+            if w.dim() != r.values.dim() or row + n > w.shape[0]:  # read back not as it was placed: one line
+                c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1} hold {tensor} "
+                                  f"{list(r.values.shape)}, but the engine's read of the parameter is "
+                                  f"{list(w.shape)}: the rows placed are not rows of it")
+                continue
             if (src_row is None and r.values.shape[0] != n) or s0 + n > r.values.shape[0] \
                     or r.values.shape[-1] != w.shape[-1]:
                 c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1} hold {tensor}, whose source is "
