@@ -329,3 +329,39 @@ def test_the_mtp_layer_rules_come_from_the_drafts():
     assert "model.layers.{n}.shared_head.head" in vllm["unquantized"]["compressed-tensors"]
     assert "model.layers.{n}.shared_head.head" not in vllm["unquantized"]["modelopt"]  # ModelOptLinearMethod there
     assert "not_linear" not in t["mtp"]
+
+
+#: Hand tables the derived table replaced (docs/derive.md, "Which hand tables stay"): the shipped derived table, the
+#: preset its answers are recorded for, and the last commit that held the hand table.
+REPLACED = {"minimax_m2": ("tiny-minimax-m2", "e32571f")}
+
+
+@pytest.mark.parametrize("name", sorted(REPLACED))
+def test_a_replaced_hand_table_is_its_shipped_derived_table(name, tmp_path):
+    """The shipped derived table is what the rules give from the preset's recorded answers, ``plan`` finds it with
+    no engine environment, and it plans the preset like the hand table it replaced (taken from git) under every
+    recipe: the same formats, fusions, global-scale sets, exclude list and shards (the bytes:
+    ``scripts/derive_compare.py --pack`` before the hand table went, docs/derive.md)."""
+    import subprocess
+
+    from kimi_convert.derive.lookup import shipped_for
+    from kimi_convert.mapping import parse_mapping
+
+    preset, commit = REPLACED[name]
+    text = (ROOT / "mappings" / "derived" / f"{name}.toml").read_text()
+    assert _derived(preset).text == text
+    src = tmp_path / preset
+    assert run("synth", preset, src).code == 0
+    ckpt = open_checkpoint(src)
+    derived = shipped_for(ckpt.config)
+    assert derived is not None and derived.name == f"derived-{name}"
+    try:
+        hand_text = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:mappings/{name}.toml"], check=True,
+                                   capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git history to take the replaced hand table from")
+    hand = parse_mapping(hand_text, f"{commit}:mappings/{name}.toml")
+    cmp = _compare_module()
+    for recipe in cmp.DEFAULT_RECIPES:
+        a, b = (cmp.normalized(make_plan(ckpt, m, Options(recipe=recipe))) for m in (hand, derived))
+        assert a == b, (recipe, cmp.differences(a, b))
