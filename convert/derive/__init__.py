@@ -119,6 +119,19 @@ def _zygotes(folder: Path):
         stop_all(folder)
 
 
+def _draft_views(drafts: dict) -> list[table_mod.EngineView]:
+    """Each engine's draft model's trace and builds as a view (its packed modules in the MTP layers); a draft that
+    failed says nothing."""
+    out = []
+    for engine, a in sorted(drafts.items()):
+        trace = a.get("trace", {})
+        if trace.get("error") is None and trace.get("spans"):
+            out.append(table_mod.EngineView(engine, trace.get("version", "?"), trace.get("model_class", "?"),
+                                            trace["spans"], [], [], trace.get("modules", {}),
+                                            {f: b.get("modules", {}) for f, b in a.get("builds", {}).items()}))
+    return out
+
+
 def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None) -> Derived:
     """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``)."""
     unsplit = [line for v in views for line in table_mod.unsplit_banks(v)]
@@ -126,7 +139,7 @@ def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, dr
         more = f" (+{len(unsplit) - 1} more)" if len(unsplit) > 1 else ""
         raise ConvertError(f"{unsplit[0]}{more}; the routed experts' rules cannot be derived: write a table by hand "
                            "and pass it with --mapping")
-    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()})
+    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()}, _draft_views(drafts or {}))
     mtp = draft_mod.section(sorted({n for v in views for n in v.mtp_skipped}), config, drafts or {})
     if mtp is not None:
         extra = mtp.pop("not_linear", [])  # the MTP layer's own embedding: not a linear layer

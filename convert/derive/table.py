@@ -100,6 +100,7 @@ class Fusion:
     same_rows: bool
     layers: set[int] = field(default_factory=set)  # the decoder layers it was seen in
     unquantized_only: bool = False  # the engine builds it only for an unquantized model
+    model_class: str = ""  # the model (main or draft) whose load_weights filled it
 
 
 def fusions(view: EngineView) -> list[Fusion]:
@@ -214,8 +215,8 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
 def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_classes: dict[str, str]) -> dict:
     f = found[0][1]
     engines = [e for e, _ in found]
-    who = "; ".join(f"{labels[e]} {model_classes[e]}.load_weights fills {g.name} ({g.engine_class}, {g.engine_file})"
-                    for e, g in found)
+    who = "; ".join(f"{labels[e]} {g.model_class or model_classes[e]}.load_weights fills {g.name} ({g.engine_class}, "
+                    f"{g.engine_file})" for e, g in found)
     entry: dict = {"name": f.name, "members": list(f.members), "parents": [f.parent],
                    "_layers": sorted(set().union(*(g.layers for _, g in found)))}
     if f.op != "cat":
@@ -230,20 +231,31 @@ def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_
     return entry
 
 
-def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]:
-    """([[group]], [[scale_group]], expert_sets) from both engines' packed modules."""
+def _all_fusions(views: list[EngineView], drafts: list[EngineView]) -> list[tuple[str, Fusion]]:
+    """(engine, fusion) of the main models, then those of the drafts (the MTP layers the main models drop: Qwen3.5's
+    ``mtp.layers.N.self_attn`` ``qkv_proj``), each named after the model that filled it."""
+    out = []
+    for v in [*views, *drafts]:
+        for f in fusions(v):
+            f.model_class = v.model_class.rpartition(".")[2]
+            out.append((v.engine, f))
+    return out
+
+
+def _groups(views: list[EngineView], drafts: list[EngineView] = ()) -> tuple[list[dict], list[dict], list[str]]:
+    """([[group]], [[scale_group]], expert_sets) from both engines' packed modules (the drafts' too)."""
     labels = {v.engine: v.label for v in views}
     classes = {v.engine: v.model_class.rpartition(".")[2] for v in views}
     found: dict[tuple, list[tuple[str, Fusion]]] = {}
-    for v in views:
-        for f in fusions(v):
-            # a bank's members share one global scale whatever order an engine stacks them in (SGLang's w13 may
-            # hold up before gate): one scale group
-            # one fusion of the same members in both engines is one group (named as the first engine names it:
-            # vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa hold one global scale alike)
-            members = tuple(sorted(f.members)) if f.experts else f.members
-            key = (f.name if f.experts else "", members, f.parent, f.op, f.experts)
-            found.setdefault(key, []).append((v.engine, f))
+    for engine, f in _all_fusions(views, list(drafts)):
+        # a bank's members share one global scale whatever order an engine stacks them in (SGLang's w13 may
+        # hold up before gate): one scale group
+        # one fusion of the same members in both engines is one group (named as the first engine names it:
+        # vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa hold one global scale alike)
+        members = tuple(sorted(f.members)) if f.experts else f.members
+        key = (f.name if f.experts else "", members, f.parent, f.op, f.experts)
+        if all(e != engine for e, _ in found.get(key, [])):  # a draft's fusion the main model has: once
+            found.setdefault(key, []).append((engine, f))
     groups, scale_groups, sets = [], [], []
     names: dict[tuple, int] = defaultdict(int)
     for pairs in found.values():
@@ -275,7 +287,8 @@ def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]
 def _dedupe(entries: list[dict]) -> list[dict]:
     out: list[dict] = []
     for e in entries:
-        same = next((o for o in out if o["name"] == e["name"] and o["members"] == e["members"]), None)
+        same = next((o for o in out if o["name"] == e["name"] and sorted(o["members"]) == sorted(e["members"])),
+                    None)  # one bank's members, whatever order an engine stacks them in
         if same is None:
             out.append(e)
         elif e["parents"][0] not in same["parents"]:
@@ -427,11 +440,13 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
     return types
 
 
-def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """The mapping table (as a dict in today's TOML format) for ``config``'s architecture."""
+def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]],
+          drafts: list[EngineView] = ()) -> dict:
+    """The mapping table (as a dict in today's TOML format) for ``config``'s architecture; ``drafts``: the engines'
+    draft models' traces (their packed modules in the MTP layers)."""
     archs = list(config.get("architectures") or [])
     model_type = config.get("model_type", "")
-    groups, scale_groups, sets = _groups(views)
+    groups, scale_groups, sets = _groups(views, drafts)
     modules = {n.rpartition(".")[0] for n in shapes}
     layer_types = _layer_types(groups, config, modules)
     for g in groups:
