@@ -365,3 +365,25 @@ def test_a_replaced_hand_table_is_its_shipped_derived_table(name, tmp_path):
     for recipe in cmp.DEFAULT_RECIPES:
         a, b = (cmp.normalized(make_plan(ckpt, m, Options(recipe=recipe))) for m in (hand, derived))
         assert a == b, (recipe, cmp.differences(a, b))
+
+
+def test_the_drafts_packed_modules_are_groups(tmp_path):
+    """Qwen3.5's MTP block (``mtp.layers.N``): the main models drop it, its drafts (vLLM Qwen3_5MoeMTP, SGLang
+    Qwen3_5ForCausalLMMTP) pack its q/k/v, the shared expert's gate/up and the experts' w13 as the main layers: the
+    derived table groups them, and plans the block like the hand table (one global scale per packed module)."""
+    t = _derived("tiny-qwen3-5-moe").table
+    (qkv,) = [g for g in t["group"] if g["name"] == "qkv_proj"]
+    assert "mtp.layers.{layer}.self_attn" in qkv["parents"]
+    (w13,) = t["scale_group"]
+    assert sorted(w13["parents"]) == ["model.language_model.layers.{layer}.mlp.experts.{expert}",
+                                      "mtp.layers.{layer}.mlp.experts.{expert}"]
+    cmp = _compare_module()
+    src = tmp_path / "q35"
+    assert run("synth", "tiny-qwen3-5-moe", src).code == 0
+    ckpt = open_checkpoint(src)
+    derived = finish(_derived("tiny-qwen3-5-moe").text, "derived")
+    for recipe in cmp.DEFAULT_RECIPES:
+        a, b = (cmp.normalized(make_plan(ckpt, m, Options(recipe=recipe))) for m in (find_mapping(ckpt.config),
+                                                                                      derived))
+        mtp = [[m for m in p["modules"] if m["name"].startswith("mtp.")] for p in (a, b)]
+        assert mtp[0] and mtp[0] == mtp[1], recipe
