@@ -392,8 +392,8 @@ def _head_check(views: list[EngineView], config: dict, shapes: dict[str, tuple[i
     if head is not None:
         return {"tie": "tie_word_embeddings", "module": head}
     built = [h for h in _quantized_heads(views) if h.endswith("lm_head")]
-    if not built:
-        return None
+    if not built or _text(config)["tie_word_embeddings"] is not True:  # untied, no lm_head: the head is another's
+        return None  # (DeepSeek V4's ``head``), which [lm_head] would wrongly ask for
     return {"tie": "tie_word_embeddings", "module": built[0], "exclude_tied": True}
 
 
