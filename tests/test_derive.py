@@ -387,3 +387,31 @@ def test_the_drafts_packed_modules_are_groups(tmp_path):
                                                                                       derived))
         mtp = [[m for m in p["modules"] if m["name"].startswith("mtp.")] for p in (a, b)]
         assert mtp[0] and mtp[0] == mtp[1], recipe
+
+
+def test_a_module_a_quantized_build_makes_under_another_class_is_read_there():
+    """SGLang builds ModelOpt Mixtral as QuantMixtralForCausalLM (one linear layer per expert and member): its
+    ModelOpt build has no routed bank where the plain build put the experts. The build's own module of the source's
+    name then says how that format builds the weight: an unquantized one keeps it, a quantized one does not, and a
+    format that builds neither says nothing."""
+    def table(method: str | None) -> dict:
+        views, config, shapes = _qwen3_answers()
+        sg = next(v for v in views if v.engine == "sglang")
+        mods = sg.quant_modules["modelopt"]
+        for name in [n for n in mods if n.endswith(".mlp.experts")]:
+            del mods[name]
+            if method is not None:
+                for e in range(config["num_experts"]):
+                    for leaf in ("gate_proj", "up_proj", "down_proj"):
+                        mods[f"{name}.{e}.{leaf}"] = {"class": "ReplicatedLinear", "kind": "linear",
+                                                      "quant_method": method, "parent_class": "QuantMixtralMoE",
+                                                      "parent_file": "sglang/srt/models/mixtral_quant.py"}
+        return from_views(views, config, shapes).table
+
+    def kept(t: dict) -> set[str]:
+        return {k["pattern"] for k in t.get("keep", []) if ".experts." in k["pattern"]}
+
+    assert kept(table(None)) == set()  # absent: nothing said of ModelOpt (the CT build quantizes the bank)
+    assert kept(table("ModelOptNvFp4A16LinearMethod")) == set()
+    assert kept(table("UnquantizedLinearMethod")) == {f"model.layers.*.mlp.experts.*.{m}"
+                                                      for m in ("gate_proj", "up_proj", "down_proj")}

@@ -202,7 +202,10 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
             if any(alt in mods for mods in view.quant_modules.values()):
                 em = alt
         plain = view.modules.get(em) or next((mods[em] for mods in view.quant_modules.values() if em in mods), {})
-        qm = {fmt: mods.get(em, {}).get("quant_method") for fmt, mods in view.quant_modules.items()}
+        # a format's build that lacks the module may build the source's own module under another class (SGLang's
+        # ModelOpt Mixtral is QuantMixtralForCausalLM: one linear layer per expert and member): its method then
+        qm = {fmt: (mods.get(em) or mods.get(ld.module) or {}).get("quant_method")
+              for fmt, mods in view.quant_modules.items()}
         # a module a format's build lacks or leaves without a quant method (SGLang fuses GLM's shared experts into
         # the routed bank under compressed-tensors) says nothing of that format: only an Unquantized* method keeps
         out[ld.module] = Verdict(plain.get("kind", "absent"),
