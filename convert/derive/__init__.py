@@ -140,10 +140,10 @@ def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, dr
         raise ConvertError(f"{unsplit[0]}{more}; the routed experts' rules cannot be derived: write a table by hand "
                            "and pass it with --mapping")
     t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()}, _draft_views(drafts or {}))
-    mtp = draft_mod.section(sorted({n for v in views for n in v.mtp_skipped}), config, drafts or {})
+    mtp_names = sorted({n for v in views for n in v.mtp_skipped})
+    mtp = draft_mod.section(mtp_names, config, drafts or {})
     if mtp is not None:
-        extra = mtp.pop("not_linear", [])  # the MTP layer's own embedding: not a linear layer
-        if extra:
+        if extra := draft_mod.mtp_embeddings(mtp_names, config, drafts or {}):  # the MTP layer's own embedding
             t["not_linear"] = list(dict.fromkeys([*t.get("not_linear", []), *extra]))
         t["mtp"] = mtp
     skipped = {v.engine: v.skipped for v in views}

@@ -169,6 +169,16 @@ def section(mtp_names: list[str], config: dict, drafts: dict[str, dict]) -> dict
     out = dict(loc)
     out["reason"] = "the engines' main models drop these layers on purpose; their speculative-decoding drafts load them"
     out["draft"] = [draft_entry(e, a, loc, prefixes) for e, a in sorted(drafts.items())]
-    if emb := embeddings(drafts, loc, prefixes):
-        out["not_linear"] = emb  # the caller moves it to the table's not_linear
     return out
+
+
+def mtp_embeddings(mtp_names: list[str], config: dict, drafts: dict[str, dict]) -> list[str]:
+    """:func:`embeddings` of the MTP layers the main models drop (none where they drop none)."""
+    loc = locate(mtp_names, config)
+    if loc is None:
+        return []
+    text, _ = _text(config)
+    n = next((text.get(k) for k in loc.get("count", []) if isinstance(text.get(k), int)), 1)
+    prefixes = ([loc["prefix"].replace("{n}", str(text["num_hidden_layers"] + i)) for i in range(n)]
+                if "{n}" in loc["prefix"] else [loc["prefix"]])
+    return embeddings(drafts, loc, prefixes)
