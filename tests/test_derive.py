@@ -307,6 +307,11 @@ def test_a_fused_3d_expert_bank_is_refused_not_derived():
     with pytest.raises(ConvertError, match=r"experts\.0\.gate_proj\.weight: vLLM 0\.33\.0's loader puts this expert "
                                            r"weight nowhere.*--mapping"):
         from_views(*load_answers(ANSWERS / "tiny-gpt-oss.answers.json"))
+    for arch, tensor in (("GraniteMoeForCausalLM", r"block_sparse_moe\.input_linear\.weight \[8, 1024, 256\]"),
+                         ("GptOssForCausalLM", r"mlp\.experts\.(gate_up|down)_proj \[8, \d+, \d+\]")):
+        # the breadth run's fixtures (transformers' own save: one 3-D tensor a bank), both engines' answers
+        with pytest.raises(ConvertError, match=tensor + r" fills every expert of .* in one tensor: a fused 3-D"):
+            from_views(*load_answers(ANSWERS / "refused" / f"{arch}.answers.json"))
     views, config, shapes = _qwen3_answers()
     v = views[0]
     bank = next(s for s in v.spans if s["param"].endswith("w13_weight"))

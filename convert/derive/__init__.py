@@ -134,7 +134,7 @@ def _draft_views(drafts: dict) -> list[table_mod.EngineView]:
 
 def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None) -> Derived:
     """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``)."""
-    unsplit = [line for v in views for line in table_mod.unsplit_banks(v)]
+    unsplit = [line for v in views for line in table_mod.unsplit_banks(v, {n: tuple(s) for n, s in shapes.items()})]
     if unsplit:
         more = f" (+{len(unsplit) - 1} more)" if len(unsplit) > 1 else ""
         raise ConvertError(f"{unsplit[0]}{more}; the routed experts' rules cannot be derived: write a table by hand "

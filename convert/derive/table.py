@@ -148,7 +148,7 @@ def in_quant_builds(view: EngineView, module: str) -> bool:
     return not builds or any(module in mods for mods in builds)
 
 
-def unsplit_banks(view: EngineView) -> list[str]:
+def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
     """Why the engine's routed experts cannot be read off the stand-in, one line each (empty: they can):
 
     - a source weight that fills several experts of the engine's bank in one tensor (GraniteMoe's
@@ -161,7 +161,8 @@ def unsplit_banks(view: EngineView) -> list[str]:
     out = []
     for s in view.spans:
         mod = view.modules.get(engine_module(s["param"]), {})
-        shape, pshape = tuple(s["shape"]), tuple(s["param_shape"])
+        # the offered tensor's own shape (a loader that writes a bank expert by expert records one write's)
+        shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
         if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1:
             out.append(f"{s['tensor']} {list(shape)} fills every expert of {view.label}'s {s['param']} in one tensor: "
                        "a fused 3-D expert bank, which this tool quantizes only as per-expert modules")
