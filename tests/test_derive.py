@@ -420,3 +420,24 @@ def test_a_module_a_quantized_build_makes_under_another_class_is_read_there():
     assert kept(table("ModelOptNvFp4A16LinearMethod")) == set()
     assert kept(table("UnquantizedLinearMethod")) == {f"model.layers.*.mlp.experts.*.{m}"
                                                       for m in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_a_format_an_engine_cannot_build_under_says_nothing_of_it():
+    """vLLM 0.33 cannot build Kimi K3 under a compressed-tensors config ('_KimiGDNMergedColumnParallelLinear' object
+    has no attribute 'weight'): that format's build says nothing (its output cannot load there anyway) and the table's
+    header says so; an engine that can build under no format refuses the derivation in one line."""
+    from kimi_convert.derive import view_of
+    from kimi_convert.errors import ConvertError
+
+    trace = {"version": "0.33.0", "model_class": "vllm.X", "spans": [], "modules": {}}
+    err = {"error": {"type": "AttributeError", "message": "no attribute 'weight'\nmore"}}
+    v = view_of("vllm", trace, {"modelopt": {"modules": {"a": {}}}, "compressed-tensors": err})
+    assert v.build_errors == {"compressed-tensors": "AttributeError: no attribute 'weight'"}
+    assert list(v.quant_modules) == ["modelopt"]
+    with pytest.raises(ConvertError, match=r"^vllm 0\.33\.0: cannot build the architecture under a modelopt config: "
+                                           r"AttributeError: no attribute 'weight'$"):
+        view_of("vllm", trace, {"modelopt": err, "compressed-tensors": err})
+    views, config, shapes = _qwen3_answers()
+    views[0].build_errors = {"compressed-tensors": "AttributeError: no attribute 'weight'"}
+    assert "# vLLM 0.33.0: cannot build the model under a compressed-tensors config (AttributeError: no attribute " \
+           "'weight'): nothing read of it" in from_views(views, config, shapes).text

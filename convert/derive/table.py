@@ -55,6 +55,7 @@ class EngineView:
     mtp_skipped: list[str]
     modules: dict[str, dict]  # plain build
     quant_modules: dict[str, dict[str, dict]] = field(default_factory=dict)  # format -> modules
+    build_errors: dict[str, str] = field(default_factory=dict)  # format -> why the engine could not build under it
 
     @property
     def label(self) -> str:
