@@ -14,6 +14,9 @@ The rules, each the hand tables' own (docs/families.md), now read off the engine
   parameter by both) is ``not_linear``; a non-2-D weight an engine builds as a linear layer (conv1d) is ``linear``.
 - Names are templated: ``layers.N`` -> ``layers.{layer}``, ``experts.N`` -> ``experts.{expert}`` (a rule applies where
   its members exist, in whichever layers those are).
+- The drafts' packed modules (the MTP layers the main models drop) are groups too; a tied head an engine would build
+  quantized is ``[lm_head] exclude_tied``; routed experts the stand-in cannot show per expert (a fused 3-D bank) are
+  refused (:func:`unsplit_banks`).
 
 Pure: no engine, no torch; the engines' results come in as the runners' JSON (``runner_common.describe`` /
 ``spans``).
