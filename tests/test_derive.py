@@ -441,3 +441,52 @@ def test_a_format_an_engine_cannot_build_under_says_nothing_of_it():
     views[0].build_errors = {"compressed-tensors": "AttributeError: no attribute 'weight'"}
     assert "# vLLM 0.33.0: cannot build the model under a compressed-tensors config (AttributeError: no attribute " \
            "'weight'): nothing read of it" in from_views(views, config, shapes).text
+
+
+def test_a_reduced_stand_ins_mtp_maps_back_to_the_full_size_layers():
+    """GLM-4.5's engines' recorded answers renamed as a reduced stand-in's would be (derive/reduce.py: 2 of 3 layers,
+    the MTP layer renumbered from 3 to 2) give the whole stand-in's [mtp] table when read against the stand-in's own
+    config (what ``derive`` now does), and not when read against the source's (what it did: the drafts' names then
+    miss the MTP prefix computed from 3 layers)."""
+    import copy
+    import re
+
+    from kimi_convert.derive import reduce
+
+    path = ANSWERS / "tiny-glm4-moe.draft-answers.json"
+    views, config, shapes = load_answers(path)
+    drafts = load_draft_answers(path)
+    r = reduce.plan(config, list(shapes))
+    assert (r.layers, r.mtp) == (2, 1)
+    small_config, small = reduce.apply(config, [(n, tuple(s), "bfloat16") for n, s in shapes.items()], r)
+    main = config["num_hidden_layers"]
+
+    def rename(text: str) -> str:
+        return re.sub(r"(layers\.)(\d+)(?=\.)",
+                      lambda m: m.group(1) + str(r.layers + int(m.group(2)) - main if int(m.group(2)) >= main
+                                                 else int(m.group(2))), text)
+
+    def renamed(x):
+        if isinstance(x, str):
+            return rename(x)
+        if isinstance(x, list):
+            return [renamed(v) for v in x]
+        if isinstance(x, dict):
+            return {renamed(k): renamed(v) for k, v in x.items()}
+        return x
+
+    def dropped(name: str) -> bool:  # a main layer past the kept prefix
+        return any(r.layers <= int(n) < main for n in re.findall(r"layers\.(\d+)\.", name))
+
+    small_views = [copy.deepcopy(v) for v in views]
+    for v in small_views:
+        v.spans = renamed([s for s in v.spans if not dropped(s["tensor"])])
+        v.modules = renamed({k: m for k, m in v.modules.items() if not dropped(k)})
+        v.quant_modules = renamed({f: {k: m for k, m in ms.items() if not dropped(k)}
+                                   for f, ms in v.quant_modules.items()})
+        v.mtp_skipped = renamed(v.mtp_skipped)
+    small_drafts = renamed(drafts)
+    small_shapes = {n: list(s) for n, s, _ in small}
+    whole = from_views(views, config, shapes, drafts).table["mtp"]
+    assert from_views(small_views, small_config, small_shapes, small_drafts).table["mtp"] == whole
+    assert from_views(small_views, config, small_shapes, small_drafts).table.get("mtp") != whole
