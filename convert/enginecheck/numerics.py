@@ -349,10 +349,11 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
 
 def _misplaced(tensor: str, row: int, n: int, src_row: int | None, src: tuple, read: tuple) -> str | None:
     """Why the ``n`` rows a write placed at ``row`` cannot be held to ``tensor``'s source rows, or None: the engine's
-    read is not rows of that shape (fewer rows, a 3-D read without an expert: the Afmoe fixture's traceback once),
+    read is not rows of that shape (rows past its end or before its start, a 3-D read without an expert: the Afmoe
+    fixture's traceback once),
     or the source has other rows or columns than placed."""
     s0 = src_row if src_row is not None else 0
-    if len(read) != len(src) or row + n > read[0]:
+    if len(read) != len(src) or row < 0 or row + n > read[0]:
         return (f"rows {row}..{row + n - 1} hold {tensor} {list(src)}, but the engine's read of the parameter is "
                 f"{list(read)}: the rows placed are not rows of it")
     if (src_row is None and src[0] != n) or s0 + n > src[0] or src[-1] != read[-1]:
