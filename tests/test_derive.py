@@ -490,3 +490,12 @@ def test_a_reduced_stand_ins_mtp_maps_back_to_the_full_size_layers():
     whole = from_views(views, config, shapes, drafts).table["mtp"]
     assert from_views(small_views, small_config, small_shapes, small_drafts).table["mtp"] == whole
     assert from_views(small_views, config, small_shapes, small_drafts).table.get("mtp") != whole
+
+
+def test_ernies_first_moe_layer_key_reads_as_dense_below():
+    """Ernie 4.5 MoE's dense first layers: vLLM's Ernie4_5_MoeDecoderLayer makes a layer MoE from
+    ``moe_layer_start_index`` on; the derived [moe] holds the layers against it (the breadth fixture's layer 0 is
+    dense, and plan refused the pack without it)."""
+    views, config, shapes = _qwen3_answers()
+    t = from_views(views, {**config, "moe_layer_start_index": 1}, shapes).table
+    assert t["moe"]["dense_below"] == "moe_layer_start_index"

@@ -346,7 +346,9 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
 #: config key -> the [moe] field that reads it (plan.consistency: which decoder layers hold experts), by the
 #: meaning these keys have in every config that carries them
 LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
-               "decoder_sparse_step": "sparse_step"}
+               "decoder_sparse_step": "sparse_step",
+               # Ernie 4.5 MoE: layer_idx >= moe_layer_start_index (vLLM ernie45_moe.py Ernie4_5_MoeDecoderLayer)
+               "moe_layer_start_index": "dense_below"}
 
 
 def _text(config: dict) -> dict:
