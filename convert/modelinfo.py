@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import mistral_format
 from .checkpoint import INDEX_NAME, load_json, open_checkpoint
 from .errors import ConvertError
 from .sources import EntryKind, Source
@@ -106,8 +107,9 @@ def _moe_layers(text: dict, n: int) -> list[int]:
     return [i for i in range(n) if i >= first and i % int(freq or 1) == 0 and (i + 1) % step == 0]
 
 
+#: a routed expert's first projection; Mistral's own names have no block between the layer and ``experts``
 _EXPERT = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp|ffn)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
+    r"(?:^|\.)layers\.(\d+)\.(?:(?:block_sparse_moe|mlp|ffn)\.)?experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
 )
 
 
@@ -129,9 +131,10 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         if not m:
             continue
         found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-        if shape is None:  # MXFP4 codes, two a byte: K/2 stored (compressed-tensors weight_packed, DeepSeek V4's I8)
-            packed = m.group(4) or getattr(t, "dtype", None) == "I8"
-            shape = [t.shape[0], t.shape[1] * (2 if packed else 1)]
+        if shape is None:  # MXFP4 codes, two a byte: K/2 stored (compressed-tensors weight_packed, DeepSeek V4's I8);
+            dtype = getattr(t, "dtype", None)  # INT4 codes, eight an I32 (compressed-tensors pack-quantized): K/8
+            per = 8 if m.group(4) and dtype == "I32" else 2 if m.group(4) or dtype == "I8" else 1
+            shape = [t.shape[0], t.shape[1] * per]
     if not found:
         if info.num_experts:
             info.warnings.append("config declares experts but no expert weights were found")
@@ -167,7 +170,14 @@ def inspect_path(path: str | Path) -> ModelInfo:
 
 
 def inspect_source(source: Source) -> ModelInfo:
-    """The model's facts from a source's config.json, and from its weights' headers where it has weights."""
+    """The model's facts from a source's config.json, and from its weights' headers where it has weights; a
+    release in Mistral's own layout (params.json, no config.json) through the config the engines make of it
+    (``mistral_format.config_view``, read with the checkpoint)."""
+    if not _exists(source, "config.json") and _exists(source, mistral_format.PARAMS):
+        ckpt = open_checkpoint(source)
+        info = from_config(ckpt.config)
+        add_tensors(info, ckpt.tensors)
+        return info
     if not _exists(source, "config.json"):
         raise ConvertError(f"{source.shown('config.json')}: missing")
     info = from_config(source.read_json("config.json"))

@@ -83,7 +83,7 @@ def test_a_new_encoding_refuses_by_its_own_rules(tiny_kl, tmp_path, transposed):
 
 
 def test_the_refusal_of_a_converted_checkpoint_names_the_registered_encodings(transposed):
-    assert encodings.labels() == "BF16, MXFP4, block-FP8 or transposed BF16"
+    assert encodings.labels() == "BF16, INT4, MXFP4, block-FP8 or transposed BF16"
 
 
 def test_no_encoding_is_named_outside_its_module():
@@ -124,12 +124,13 @@ def test_one_stored_tensor_as_several_logical_weights():
 
 
 def test_source_formats_and_decoding_come_from_the_encodings():
-    assert encodings.source_formats() == {"compressed-tensors": {"mxfp4-pack-quantized"},
+    assert encodings.source_formats() == {"compressed-tensors": {"mxfp4-pack-quantized", "pack-quantized"},
                                           "fp8": {"e4m3", "float8_e4m3fn"},  # DeepSeek V3's and MiniMax-M2's fmt
                                           "mxfp4": {"mxfp4"}}  # gpt-oss (no format key: its method's one)
-    # DeepSeek V4's two (weight + .scale) before fp8_block, which refuses an F8_E4M3 weight without weight_scale_inv
-    assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["MXFP4", "DeepseekV4MXFP4", "DeepseekV4FP8",
-                                                                   "FP8Block", "GptOssMXFP4", "Dense"]
+    # DeepSeek V4's two (weight + .scale) before fp8_block, which refuses an F8_E4M3 weight without weight_scale_inv;
+    # INT4 (I32 weight_packed) before MXFP4, which refuses a weight_packed that is not U8
+    assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["Int4Pack", "MXFP4", "DeepseekV4MXFP4",
+                                                                   "DeepseekV4FP8", "FP8Block", "GptOssMXFP4", "Dense"]
     scale = torch.full((2, 1), 255, dtype=torch.uint8)
     src = SourceTensor("m", "m.weight", encodings.Encoding.MXFP4, "MXFP4", (2, 32),
                        (_info("m.weight_packed", "U8", (2, 16)), _info("m.weight_scale", "U8", (2, 1), 32)))

@@ -34,7 +34,10 @@ ENGINES = ("vllm", "sglang")
 MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "glm": "tiny-glm4-moe",
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
-          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp"}
+          "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp", "k25": "tiny-kimi-k25",
+          # Mistral's own layout (params.json, consolidated-*.safetensors): the key is the folder's name, and SGLang
+          # reads params.json only where the path holds "mistral-large-3" (mistral_utils.py is_mistral_model)
+          "mistral-large-3": "tiny-mistral-large-3"}
 #: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
 #: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
 TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
@@ -126,6 +129,12 @@ OUTPUTS = {
     # wk / weights_proj kept (both engines build wk_weights_proj unquantized; docs/families.md, "GLM-5.x")
     "g5": ("g5", None, "source", ENGINES),  # nvfp4-w4a16
     "g47": ("g47", None, "source", ENGINES),  # nvfp4-w4a16
+    # Kimi K2.5 / K2.6: INT4 pack-quantized routed experts decoded (encodings/int4_pack.py) and made NVFP4, packed with
+    # the derived table and its overlay (docs/families.md, "Kimi K2.5 / K2.6")
+    "k25": ("k25", None, "source", ENGINES),  # nvfp4-w4a16
+    # Mistral Large 3 in Mistral's layout: the output keeps it (params.json as is, the quantization config in
+    # hf_quant_config.json, which both engines read when params.json has none; docs/families.md, "Mistral Large 3")
+    "mistral-large-3": ("mistral-large-3", None, "source", ENGINES),  # nvfp4-w4a16
 }
 
 
@@ -314,7 +323,9 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
 
 #: The checkpoint tensors an engine drops by its own rule, its condition checked by the runner (rule_dropped):
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
-RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$" for m in ("ds", "k2", "ds32", "g5")}
+RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$"
+                for m in ("ds", "k2", "ds32", "g5", "k25")}
+RULE_DROPPED[("mistral-large-3", "sglang")] = r"attention\.wkv_a_with_mqa\.weight_scale_2$"  # the same, Mistral's names
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
@@ -327,7 +338,7 @@ def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
         assert not names, names
         return
     assert names and all(re.search(rx, n) for n in names), names
-    assert len({n.split(".")[2] for n in names}) == len(names), names
+    assert len({re.search(r"layers\.(\d+)\.", n).group(1) for n in names}) == len(names), names  # any naming
 
 
 #: Outputs an engine refuses for a reason in the engine, and the assertion of exactly that refusal.

@@ -46,7 +46,12 @@ def _modules(name: str) -> tuple[dict, list[str]]:
     p = synth_preset(name)
     if p.get(p.family.experts_key) > 40:
         p = synth_preset(name, experts=40)
-    return synth.config(p), sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
+    cfg = synth.config(p)
+    if p.family.config_file == "params.json":  # Mistral's own layout: the config the engines make of it
+        from kimi_convert.mistral_format import config_view
+
+        cfg = config_view(cfg)
+    return cfg, sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
 
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet (MiniMax M3 and Qwen3.8-Flash-Next:
@@ -95,11 +100,23 @@ def test_every_table_pattern_means_what_it_meant(preset):
     assert tested >= 2  # every table has a not_linear glob and a keep or an exclusion
 
 
+#: Derived tables written after the glob change for a model under a prefix they do not declare (Kimi K2.5:
+#: language_model.): the recipes' short globs never had the old reading there; globs.match's is checked instead.
+#: (Without a text_prefix, a recipe's `model.layers.*...` glob does not reach language_model.model.layers: the
+#: derived tables' rules name full names; a recipe rule on such a glob does not apply to them: docs/families.md.)
+NEW_UNDER_PREFIX = {"tiny-kimi-k25": "language_model.", "bench-kimi-k25": "language_model."}
+
+
 @pytest.mark.parametrize("preset", [c[0] for c in CASES])
 def test_every_recipe_pattern_means_what_it_meant(preset):
     _, m, modules = next(c for c in CASES if c[0] == preset)
     patterns = {g for r in builtin_recipes() for rule in r.rules for g in rule.modules}
     assert {"lm_head", "*", "model.layers.*.self_attn.o_proj"} <= patterns
+    if preset in NEW_UNDER_PREFIX:
+        prefix = NEW_UNDER_PREFIX[preset]
+        assert _selected(globs.match, "lm_head", modules, m.text_prefix) == {f"{prefix}lm_head"}
+        assert _selected(globs.match, "*", modules, m.text_prefix) == set(modules)
+        return
     for pattern in sorted(patterns):
         before = _selected(_old_short_or_full, pattern, modules, m.text_prefix)
         assert _selected(globs.match, pattern, modules, m.text_prefix) == before, pattern

@@ -87,3 +87,22 @@ def test_glm_mla_families_give_benchmark_moe_values(tmp_path):
         assert f"benchmark_moe    {line}" in r.stdout, r.stdout
         info = from_config(cfg)
         assert info.moe_layers[0] == cfg["first_k_dense_replace"] and len(info.moe_layers) == moe
+
+
+def test_kimi_k25_gives_benchmark_moe_values_and_reads_int4_experts(tmp_path):
+    """Kimi K2.5 / K2.6: the DeepSeek V3 text model in text_config (benchmark_moe.py's DeepSeek fields), its routed
+    experts INT4 pack-quantized (eight codes an I32: K = 8 x the packed width)."""
+    from helpers import write_synth
+
+    src = write_synth("tiny-kimi-k25", tmp_path / "k25")
+    r = run("inspect", src)
+    assert r.code == 0, r.stderr
+    assert "benchmark_moe    E=8 topk=2 moe_intermediate_size=128 hidden_size=256" in r.stdout, r.stdout
+    assert "expert gate weight [128, 256]" in r.stdout and "warning" not in r.stdout, r.stdout
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"].update({"hidden_size": 7168, "num_hidden_layers": 61, "n_routed_experts": 384,
+                               "num_experts_per_tok": 8, "moe_intermediate_size": 2048})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = run("inspect", tmp_path)
+    assert "benchmark_moe    E=384 topk=8 moe_intermediate_size=2048 hidden_size=7168" in r.stdout, r.stdout
+    assert len(from_config(cfg).moe_layers) == 60

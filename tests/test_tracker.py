@@ -127,3 +127,30 @@ def test_sglang_dropped_kv_a_scale_unequal_fails():
     rep = Report("sglang", "0.5.23", "out", "py", loaded=True, rule_broken=res["rule_broken"])
     assert not rep.loads and not rep.ok
     assert "rule that does not hold" in rep.verdict and "NOT equal" in rep.verdict
+
+
+class Shapes(torch.nn.Module):
+    """Both engines' WNA16 MoE ``w13_weight_shape``: [experts, 2] of the model's float dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.w13_weight_shape = torch.nn.Parameter(torch.empty(2, 2, dtype=torch.bfloat16), requires_grad=False)
+
+
+def _shapes(values: list[int]) -> dict:
+    """compressed-tensors' I64 ``weight_shape`` of expert 0 written into row 0, as the engines' loaders do."""
+    model = torch.nn.Module()
+    model.experts = Shapes()
+    tr = runner_common.Tracker()
+    tr.arm(model)
+    with tr.mode():
+        t = dict(tr.weights([("e0.weight_shape", torch.tensor(values))]))
+        model.experts.w13_weight_shape.data[0].copy_(t["e0.weight_shape"])
+    return {c: [k[0] for k, v in tr.casts.items() if v[0] == c] for c in ("exact", "reinterpret")}
+
+
+def test_an_integer_made_a_float_that_holds_every_value_is_an_exact_cast():
+    """weight_shape [256, 128] into bf16 (8 significant bits: every integer up to 2^8) is exact; [257, 128] is not
+    (257 needs 9 bits), and stays a bad cast."""
+    assert _shapes([256, 128]) == {"exact": ["e0.weight_shape"], "reinterpret": []}
+    assert _shapes([257, 128]) == {"exact": [], "reinterpret": ["e0.weight_shape"]}

@@ -1,6 +1,8 @@
 """Source encodings: one module per way a source checkpoint stores a weight, and their registry.
 
 - ``dense``: the stored tensor is the weight (BF16, F32...); the fallback of discovery;
+- ``int4_pack``: compressed-tensors INT4 ``pack-quantized``, ``weight_packed`` I32 + ``weight_scale`` BF16 +
+  ``weight_shape`` (Kimi K2.5 / K2.6's routed experts); before ``mxfp4``, which refuses a non-U8 ``weight_packed``;
 - ``mxfp4``: compressed-tensors MXFP4, ``weight_packed`` + ``weight_scale`` (Kimi K3's routed experts);
 - ``fp8_block``: ``weight`` F8_E4M3 + ``weight_scale_inv``, tiles from ``weight_block_size`` (DeepSeek V3);
 - ``gpt_oss_mxfp4``: gpt-oss's 3-D MXFP4 expert banks, ``*_blocks`` + ``*_scales`` (+ ``*_bias``);
@@ -39,13 +41,15 @@ from .deepseek_v4 import DeepseekV4FP8, DeepseekV4MXFP4
 from .dense import Dense
 from .fp8_block import FP8Block, block_size
 from .gpt_oss_mxfp4 import GptOssMXFP4
+from .int4_pack import Int4Pack
 from .mxfp4 import MXFP4
 
 if TYPE_CHECKING:
     import torch
 
 #: Every encoding, in discovery order (claimers first, the dense fallback last).
-REGISTRY: list[SourceEncoding] = [MXFP4(), DeepseekV4MXFP4(), DeepseekV4FP8(), FP8Block(), GptOssMXFP4(), Dense()]
+REGISTRY: list[SourceEncoding] = [Int4Pack(), MXFP4(), DeepseekV4MXFP4(), DeepseekV4FP8(), FP8Block(), GptOssMXFP4(),
+                                  Dense()]
 
 
 def of(src: SourceTensor) -> SourceEncoding:
@@ -144,6 +148,7 @@ __all__ = [
     "Encoding",
     "FP8Block",
     "GptOssMXFP4",
+    "Int4Pack",
     "MxCodes",
     "Slice",
     "SourceEncoding",

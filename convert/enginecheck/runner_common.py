@@ -20,7 +20,10 @@ The tracker never changes what the engine does; it watches:
   bad (``exact_casts``): ``bitwise``, where the bytes land unchanged (int8 <-> uint8, whose conversion is modulo
   256; or a same-size type the engine views as the parameter's before writing: DeepSeek V4's E8M0 scales viewed
   as uint8, models/deepseek_v4/nvidia/model.py ``load_weights``), and ``exact``, an integer narrowed whose
-  offered values all fit the parameter's type (DeepSeek V4's I64 ``tid2eid`` expert ids into int32).
+  offered values all fit the parameter's type (DeepSeek V4's I64 ``tid2eid`` expert ids into int32), or an integer
+  made a float whose significand holds every offered value (|v| <= 2^(mantissa bits + 1): compressed-tensors' I64
+  ``weight_shape`` into both engines' WNA16 MoE parameter of the model's float dtype, vLLM
+  ``CompressedTensorsWNA16MoEMethod.create_weights``, SGLang ``CompressedTensorsWNA16MoE.create_weights``).
 """
 
 from __future__ import annotations
@@ -297,6 +300,10 @@ class Tracker:
                 return "bitwise"
             if any(t.dtype == dst and name in self.taint.get(_key(t), {}) for t in ins):
                 return "bitwise"  # the engine viewed the bytes as the parameter's type before the write
+        if cls == "reinterpret" and _kind(src) == "int" and dst.is_floating_point and name in self.int_range:
+            lo, hi = self.int_range[name]
+            if max(-lo, hi) <= 2 / torch.finfo(dst).eps:  # 2^(mantissa bits + 1)
+                return "exact"
         if cls == "narrowing" and _kind(src) == _kind(dst) == "int" and name in self.int_range:
             lo, hi = self.int_range[name]
             info = torch.iinfo(dst)

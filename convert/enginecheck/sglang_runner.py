@@ -122,10 +122,11 @@ def qkv_a_scalar_rule(tracker):
     shared over the fused layer, as this tool writes): otherwise kv_a's rows are read with q_a's scale."""
 
     def why(name: str) -> tuple[str, bool] | None:
-        partner = name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.")
-        fused = name.replace(".kv_a_proj_with_mqa.", ".fused_qkv_a_proj_with_mqa.")
-        if partner == name or name not in tracker.scalars or partner not in tracker.scalars \
-                or fused not in tracker.stored.get(partner, ()):
+        # DeepSeek's names, or Mistral Large 3's (wq_a / wkv_a_with_mqa: models/mistral_large_3.py remapping)
+        partner = name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.").replace(".wkv_a_with_mqa.", ".wq_a.")
+        fused = next((t for t in tracker.stored.get(partner, ())
+                      if t.endswith(f".fused_qkv_a_proj_with_mqa.{name.rpartition('.')[2]}")), None)
+        if partner == name or name not in tracker.scalars or partner not in tracker.scalars or fused is None:
             return None
         mine, kept = tracker.scalars[name], tracker.scalars[partner]
         verb = "equal to" if mine == kept else "NOT equal to"

@@ -37,6 +37,7 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if tied_head is not None:
         names.add(tied_head)
+    names.update(s for n in list(names) if (s := m.engine_spelling(n)) is not None)  # the engines' own names
     if m.mtp is not None and mtp_prefixes:
         names.update(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
     if recipe.exclude_modules is None:

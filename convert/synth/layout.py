@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from .resolve import Loop, Preset
 from .spec import Block, Group, SpecError, Tensor
 
-ITEMSIZE = {"U8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4}
+ITEMSIZE = {"U8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 FP8_BLOCK = 128  # DeepSeek-style 128x128 weight_scale_inv tiles
 MX_GROUP = 32  # values an E8M0 scale covers
+INT4_GROUP = 32  # values a BF16 scale of compressed-tensors INT4 covers (Kimi K2.5's group_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,10 @@ def _storage_parts(name: str, shape: tuple[int, ...], storage: str, where: str, 
         scale = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
         return Part(name, "F8_E4M3", shape), Part(f"{base}.weight_scale_inv", "F32", scale)
     if k % MX_GROUP:
-        raise SpecError(where, f"mxfp4-pack needs K a multiple of 32, got {list(shape)}")
+        raise SpecError(where, f"{storage} needs K a multiple of 32, got {list(shape)}")
+    if storage == "int4-pack":  # compressed-tensors pack-quantized: 8 codes an int32, BF16 scales, [N, K]
+        return (Part(f"{base}.weight_packed", "I32", (n, k // 8)),
+                Part(f"{base}.weight_scale", "BF16", (n, k // INT4_GROUP)), Part(f"{base}.weight_shape", "I64", (2,)))
     return Part(f"{base}.weight_packed", "U8", (n, k // 2)), Part(f"{base}.weight_scale", "U8", (n, k // MX_GROUP))
 
 

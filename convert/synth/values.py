@@ -12,7 +12,7 @@ import torch
 
 from kimi_convert.kernels.reference import e2m1_codes, pack
 
-from .layout import MX_GROUP, Logical
+from .layout import INT4_GROUP, MX_GROUP, Logical
 
 DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -56,6 +56,19 @@ def mxfp4(name: str, shape: tuple[int, int], seed: int, wide: bool = False) -> t
     return pack(codes), (exp + 127).to(torch.uint8)
 
 
+def int4(name: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors' symmetric INT4 ``pack-quantized`` (group 32): ``weight_packed`` int32 [N, K/8] (codes
+    + 8, lowest nibble first, as ``pack_to_int32``), BF16 ``weight_scale`` amax/7 a group, ``weight_shape``."""
+    w = weight(name, shape, seed, torch.float32)
+    n, k = shape
+    blocks = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    scale = (blocks.abs().amax(-1) / 7.0).clamp(min=2.0**-100).to(torch.bfloat16)
+    q = torch.clamp(torch.round(blocks / scale.float().unsqueeze(-1)), -8, 7).to(torch.int64).reshape(n, k // 8, 8) + 8
+    words = (q << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
+    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return packed, scale, torch.tensor([n, k], dtype=torch.int64)
+
+
 def fp8_block(name: str, shape: tuple[int, int], seed: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 e4m3 weight and its fp32 weight_scale_inv [ceil(M/128), ceil(N/128)], DeepSeek style."""
     w = weight(name, shape, seed, torch.float32)
@@ -97,4 +110,6 @@ def _values(t: Logical, seed: int) -> list[torch.Tensor]:
         return list(fp8_block(t.name, t.shape, seed))
     if t.storage == "mxfp4-pack":
         return list(mxfp4(t.name, t.shape, seed, bool(t.wide)))
+    if t.storage == "int4-pack":
+        return list(int4(t.name, t.shape, seed))
     return list(_bank(t, seed))

@@ -1,6 +1,7 @@
-"""Decoding the quantized formats checkpoints arrive in: MXFP4 (Kimi K3's routed experts) and
-DeepSeek-style FP8 with 128x128 block scales. Both decode exactly to fp32 (MXFP4 values are
-E2M1 codes times powers of two; FP8 times an fp32 scale is one fp32 multiply, as the format defines).
+"""Decoding the quantized formats checkpoints arrive in: MXFP4 (Kimi K3's routed experts), INT4 (Kimi K2.5's) and
+DeepSeek-style FP8 with 128x128 block scales. All decode exactly to fp32 (MXFP4 values are
+E2M1 codes times powers of two; FP8 times an fp32 scale is one fp32 multiply, as the format defines; an INT4
+code in [-8, 7] times a BF16 scale fits fp32's 24-bit significand).
 """
 
 from __future__ import annotations
@@ -41,3 +42,43 @@ def decode_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple
         raise DecodeError(fp8_scale_fault(i, j, float(scale_inv[i, j])))
     s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
     return weight.float() * s
+
+
+def decode_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values ``(code - 8) * scale`` of compressed-tensors' symmetric INT4 ``pack-quantized`` weight:
+    ``packed`` int32 [N, K/8] holding eight 4-bit codes a word, lowest nibble first (element ``8j + i`` in
+    bits ``4i..4i+3`` of word ``j``: ``pack_to_int32``), ``scale`` [N, K/G] one per group of G along K.
+
+    The words' little-endian bytes (safetensors' order, as torch holds them on the little-endian hosts the
+    engines run on) are MXFP4's layout: byte ``b`` holds element ``2b`` in its low nibble, ``2b + 1`` in its high
+    one; unpacked a byte at a time (3-4x faster than shifting each word eight times).
+
+    Exact: a code times a BF16 scale needs at most 3 + 8 significant bits, which fp32 holds (BF16 does not:
+    compressed-tensors' own ``dequantize`` in the scale's dtype rounds such products)."""
+    n, words = packed.shape
+    k = words * 8
+    s = scale.float()
+    if not bool(torch.isfinite(s).all()):
+        raise DecodeError("INT4 scale is not finite (NaN or Inf)")
+    fast = _int4_c(packed, s)
+    if fast is not None:
+        return fast
+    b = packed.contiguous().view(torch.uint8)
+    out = torch.stack([b & 0xF, b >> 4], -1).reshape(n, k).float().sub_(8)
+    out = out.view(n, s.shape[1], -1).mul_(s.unsqueeze(-1)).view(n, k)
+    if not bool(torch.isfinite(out).all()):
+        raise DecodeError("INT4 scales too large: decoded values overflow fp32")
+    return out
+
+
+def _int4_c(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The C decode (``recipe_cpu.c`` ``kc_int4_decode_mt``, the same values) on the process's torch threads, for a
+    CPU tensor where the library builds; None: the torch code (another device, no compiler, an overflow to name).
+    Why: the torch code's byte split, float conversion and group multiply pass over the weight five times
+    (benchmarks/RESULTS.md, bench-kimi-k25)."""
+    if packed.device.type != "cpu" or packed.dim() != 2:
+        return None
+    from . import recipe_cpu
+
+    lib = recipe_cpu.load()
+    return None if lib is None else recipe_cpu.int4_decode(lib, packed, scale, torch.get_num_threads())
