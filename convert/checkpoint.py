@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import eq
 from pathlib import Path
 
-from . import filenames
+from . import filenames, mistral_format
 from .errors import ConvertError
 from .gcpause import gc_paused
 from .jsonfile import read_json
@@ -64,38 +64,50 @@ def _check_named(source: Source, rel: str, what: str, weight_map: dict[str, str]
                            ) from None
 
 
-def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True) -> Checkpoint:
-    """Read config.json, the index and every shard header of ``where`` (a source, or a folder: ``open_source``;
-    no tensor data)."""
-    source = open_source(where)
+def _layout(source: Source) -> tuple[dict, str, Callable[[str], bool]]:
+    """The config, the index's name and which top-level files are shards: config.json, the HF index and every
+    ``*.safetensors``; or, with ``params.json`` and no config.json, Mistral's own layout (``mistral_format``)."""
+    if source.entry("config.json") is None and source.entry(mistral_format.PARAMS) is not None:
+        params = source.read_json(mistral_format.PARAMS, f"{source.name}/{mistral_format.PARAMS}")
+        return (mistral_format.config_view(params, f"{source.name}/{mistral_format.PARAMS}"), mistral_format.INDEX,
+                mistral_format.is_shard)
     config = source.read_json("config.json", f"{source.name}/config.json")
+    return config, INDEX_NAME, lambda rel: "/" not in rel and rel.endswith(".safetensors")
+
+
+def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True) -> Checkpoint:
+    """Read config.json (or Mistral's params.json: ``_layout``), the index and every shard header of ``where`` (a
+    source, or a folder: ``open_source``; no tensor data)."""
+    source = open_source(where)
+    config, index_name, is_shard = _layout(source)
     tensors: dict[str, TensorInfo] = {}
     files: list[str]
     weight_map: dict[str, str] | None = None
     listing = None
-    if source.entry(INDEX_NAME) is not None:  # a dangling link or a symlink loop is refused by the reader, not ignored
-        index = source.read_json(INDEX_NAME, INDEX_NAME)
+    if source.entry(index_name) is not None:  # a dangling link or a symlink loop is refused by the reader, not ignored
+        index = source.read_json(index_name, index_name)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not (
             all(map(isinstance, weight_map, repeat(str))) and all(map(isinstance, weight_map.values(), repeat(str)))
         ):
-            raise ConvertError(f"{INDEX_NAME}: weight_map is not a map of tensor name to file")
+            raise ConvertError(f"{index_name}: weight_map is not a map of tensor name to file")
         if not weight_map and need_weights:
-            raise ConvertError(f"{INDEX_NAME}: weight_map is empty: the index names no tensor (a checkpoint with "
+            raise ConvertError(f"{index_name}: weight_map is empty: the index names no tensor (a checkpoint with "
                                "weights lists each one; remove the index if the shards are to be read without it)")
         files = list(dict.fromkeys(weight_map.values()))
-        renamed = source.canonical_names(files, INDEX_NAME)
+        renamed = source.canonical_names(files, index_name)
         if renamed:
             weight_map = {k: renamed.get(v, v) for k, v in weight_map.items()}
             files = list(dict.fromkeys(renamed.get(f, f) for f in files))
     else:
         listing = source.list_files(prune=pruned)
-        files = sorted(e.rel for e in listing if "/" not in e.rel and e.rel.endswith(".safetensors"))
+        files = sorted(e.rel for e in listing if is_shard(e.rel))
         if not files and need_weights:
-            raise ConvertError(f"{source.name}: no *.safetensors files and no {INDEX_NAME}")
+            shards = "consolidated*.safetensors" if index_name == mistral_format.INDEX else "*.safetensors"
+            raise ConvertError(f"{source.name}: no {shards} files and no {index_name}")
     # Every named file must exist inside the source before any header is read: a missing or
     # escaping file is the more useful error than the tensors it leaves unaccounted for.
-    what = INDEX_NAME if weight_map is not None else source.name
+    what = index_name if weight_map is not None else source.name
     named = {rel: _check_named(source, rel, what, weight_map) for rel in files}
     sizes: dict[str, int] = {}
     headers = _headers(source, list(named))
@@ -114,15 +126,15 @@ def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True
             if weight_map is not None and weight_map.get(name) != rel:
                 where = weight_map.get(name)
                 raise ConvertError(
-                    f"{rel}: tensor {name} is not listed in {INDEX_NAME}"
+                    f"{rel}: tensor {name} is not listed in {index_name}"
                     if where is None
-                    else f"{rel}: tensor {name} is stored here but {INDEX_NAME} says {where}"
+                    else f"{rel}: tensor {name} is stored here but {index_name} says {where}"
                 )
             tensors[name] = info
     if weight_map is not None and len(tensors) != len(weight_map):  # every stored tensor is listed: equal sets
         for name, rel in weight_map.items():
             if name not in tensors:
-                raise ConvertError(f"{INDEX_NAME}: tensor {name} is not in {rel}")
+                raise ConvertError(f"{index_name}: tensor {name} is not in {rel}")
     side = scan(source, consumed(files), listing)
     return Checkpoint(source, config, files, tensors, sizes, list(side.copied), weight_map is not None,
                       list(side.folders), list(side.skipped))
@@ -154,5 +166,7 @@ def _headers(source: Source, files: list[str]) -> Iterator[tuple[dict[str, Tenso
 
 
 def consumed(files: list[str]) -> list[str]:
-    """The input files pack reads and writes anew: the shards, ``config.json`` and the index."""
-    return [*files, "config.json", INDEX_NAME]
+    """The input files pack reads and writes anew: the shards, ``config.json`` and the index (Mistral's own
+    index too, for a Mistral-layout input: its ``params.json`` is copied, as the engines read it)."""
+    mistral = bool(files) and all(map(mistral_format.is_shard, files))
+    return [*files, "config.json", INDEX_NAME, *([mistral_format.INDEX] if mistral else [])]

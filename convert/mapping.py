@@ -106,6 +106,10 @@ class LmHeadCheck:
 
     tie: str
     module: str
+    # the checkpoint stores no head where the config ties it, yet an engine builds one it would quantize (vLLM 0.33's
+    # ModelOpt config quantizes a ParallelLMHead it is not told to exclude, and its tie copies the weight alone):
+    # the exclude list names the head then (plan/make.py)
+    exclude_tied: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,9 @@ class Mapping:
     moe: MoeCheck | None = None  # the config fields of the routed experts (plan.consistency)
     lm_head: LmHeadCheck | None = None
     mtp: Mtp | None = None  # the MTP layers and what each engine's draft model needs of them (convert/mtp.py)
+    # (regex, replacement): how the engines rename a module of a checkpoint whose names are not their own
+    # (Mistral Large 3: models/mistral_large_3.py hf_to_vllm_mapper / remapping); the exclude list names both
+    engine_names: tuple[tuple[str, str], ...] = ()
     source: str = ""  # the table's text, for the manifest
     path: str = ""
 
@@ -236,6 +243,13 @@ class Mapping:
                     seen.add(key)
         return out
 
+    def engine_spelling(self, module: str) -> str | None:
+        """``module`` as the engines name it after their own rename (``engine_names``), or None."""
+        for rx, new in self.engine_names:
+            if re.fullmatch(rx, module):
+                return re.sub(rx, new, module)
+        return None
+
     def fits(self, config: dict) -> str | None:
         """Why this table is not for ``config`` (a ``--mapping`` given by hand), or None."""
         archs = config.get("architectures") or []
@@ -321,8 +335,9 @@ def _schema() -> tomlfile.Spec:
         "moe": t.table({"experts": path, "members": t.strs(), "layers": tmpl, "num_layers": path,
                         "dense_below": path, "every": path, "dense_list": path, "sparse_step": path},
                        ("experts", "members")),
-        "lm_head": t.table({"tie": path, "module": t.STR}, ("tie", "module")),
+        "lm_head": t.table({"tie": path, "module": t.STR, "exclude_tied": t.BOOL}, ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
+        "engine_names": t.map_of(t.STR, "a table of module regex = the engines' name for it"),
     }, ("name",))
 
 
@@ -452,6 +467,15 @@ def _moe(table: dict | None) -> MoeCheck | None:
                                                  else table["members"])})
 
 
+def _engine_names(table: dict, where: str) -> tuple[tuple[str, str], ...]:
+    for rx in table:
+        try:
+            re.compile(rx)
+        except re.error as e:
+            raise ConvertError(f"{where}: {rx!r} is not a regular expression: {e}") from None
+    return tuple(table.items())
+
+
 def parse_mapping(text: str, path: str) -> Mapping:
     """Parse and validate one table; errors name the file and the key (or TOML line)."""
     t = tomlfile.loads(text, path)
@@ -496,6 +520,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         moe=_moe(t.get("moe")),
         lm_head=LmHeadCheck(**t["lm_head"]) if "lm_head" in t else None,
         mtp=parse_mtp(t.get("mtp"), f"{path}: mtp"),
+        engine_names=_engine_names(t.get("engine_names", {}), f"{path}: engine_names"),
         source=text,
         path=path,
     )

@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import mistral_format
 from .checkpoint import INDEX_NAME, load_json, open_checkpoint
 from .errors import ConvertError
 from .sources import EntryKind, Source
@@ -107,8 +108,9 @@ def _moe_layers(text: dict, n: int) -> list[int]:
     return [i for i in range(n) if i >= first and i % int(freq or 1) == 0 and (i + 1) % step == 0]
 
 
+#: a routed expert's first projection; Mistral's own names have no block between the layer and ``experts``
 _EXPERT = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:block_sparse_moe|mlp|ffn)\.experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
+    r"(?:^|\.)layers\.(\d+)\.(?:(?:block_sparse_moe|mlp|ffn)\.)?experts\.(\d+)\.(w1|gate_proj)\.weight(_packed)?$"
 )
 
 
@@ -169,7 +171,14 @@ def inspect_path(path: str | Path) -> ModelInfo:
 
 
 def inspect_source(source: Source) -> ModelInfo:
-    """The model's facts from a source's config.json, and from its weights' headers where it has weights."""
+    """The model's facts from a source's config.json, and from its weights' headers where it has weights; a
+    release in Mistral's own layout (params.json, no config.json) through the config the engines make of it
+    (``mistral_format.config_view``, read with the checkpoint)."""
+    if not _exists(source, "config.json") and _exists(source, mistral_format.PARAMS):
+        ckpt = open_checkpoint(source)
+        info = from_config(ckpt.config)
+        add_tensors(info, ckpt.tensors)
+        return info
     if not _exists(source, "config.json"):
         raise ConvertError(f"{source.shown('config.json')}: missing")
     info = from_config(source.read_json("config.json"))

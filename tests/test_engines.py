@@ -35,7 +35,10 @@ MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "gl
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
           "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp", "k25": "tiny-kimi-k25",
-          "g53": "tiny-glm5-next"}
+          "g53": "tiny-glm5-next",
+          # Mistral's own layout (params.json, consolidated-*.safetensors): the key is the folder's name, and SGLang
+          # reads params.json only where the path holds "mistral-large-3" (mistral_utils.py is_mistral_model)
+          "mistral-large-3": "tiny-mistral-large-3"}
 #: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
 #: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
 TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
@@ -134,6 +137,9 @@ OUTPUTS = {
     # Kimi K2.5 / K2.6: INT4 pack-quantized routed experts decoded (encodings/int4_pack.py) and made NVFP4, packed with
     # the derived table and its overlay (docs/families.md, "Kimi K2.5 / K2.6")
     "k25": ("k25", None, "source", ENGINES),  # nvfp4-w4a16
+    # Mistral Large 3 in Mistral's layout: the output keeps it (params.json as is, the quantization config in
+    # hf_quant_config.json, which both engines read when params.json has none; docs/families.md, "Mistral Large 3")
+    "mistral-large-3": ("mistral-large-3", None, "source", ENGINES),  # nvfp4-w4a16
 }
 
 
@@ -324,6 +330,7 @@ def _sglang_refuses_gpt_oss(rep: dict) -> None:
 #: SGLang keeps q_a_proj's 0-d weight_scale_2 for fused_qkv_a_proj_with_mqa, kv_a_proj_with_mqa's being equal.
 RULE_DROPPED = {(m, "sglang"): r"self_attn\.kv_a_proj_with_mqa\.weight_scale_2$"
                 for m in ("ds", "k2", "ds32", "g5", "k25")}
+RULE_DROPPED[("mistral-large-3", "sglang")] = r"attention\.wkv_a_with_mqa\.weight_scale_2$"  # the same, Mistral's names
 
 
 def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
@@ -336,7 +343,7 @@ def assert_rule_dropped(key: str, engine: str, rep: dict) -> None:
         assert not names, names
         return
     assert names and all(re.search(rx, n) for n in names), names
-    assert len({re.search(r"(?:^|\.)layers\.(\d+)\.", n).group(1) for n in names}) == len(names), names  # one a layer
+    assert len({re.search(r"layers\.(\d+)\.", n).group(1) for n in names}) == len(names), names  # any naming
 
 
 #: Outputs an engine refuses for a reason in the engine, and the assertion of exactly that refusal.
@@ -647,13 +654,15 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
 # -- the MTP layers as each engine's speculative-decoding draft reads them ----------------------------------------
 
 #: Checkpoints with MTP layers: the source itself and the default output (MTP layers kept where a draft cannot take
-#: them quantized, named in the exclude list as each draft asks for them: docs/families.md, "MTP layers").
-DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")]
-#: Drafts an engine cannot load from the default output, for a reason in the engine: SGLang's DeepSeek NextN builds
-#: the MTP layer unquantized under ModelOpt NVFP4, but its ModelOptFp4Config.is_layer_excluded reads an excluded MLA
-#: projection as excluding every layer's, so the main model needs the MTP layer's MLA projections quantized
-#: (mappings/deepseek_v3.toml [mtp] quantize; docs/families.md, "MTP layers").
-DRAFT_REFUSED = {("ds", "output", "sglang"): r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"}
+#: them quantized, named in the exclude list as each draft asks for them: docs/families.md, "MTP layers"); the 2026
+#: families' default output only (one draft check per family: --quantize-mtp writes the same under ModelOpt NVFP4,
+#: SGLang's drafts building the whole MTP layer unquantized).
+DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")] + [
+    (m, "output") for m in ("ds32", "g5", "g47")]
+#: Drafts an engine cannot load from the default output, for a reason in the engine (none now: DeepSeek V3's SGLang
+#: NextN loads since the exclude list spells the kept MTP MLA projections so that SGLang's fused-pattern rule does
+#: not widen them to every layer, convert/engines.py SGLANG_FUSED_TAILS).
+DRAFT_REFUSED: dict[tuple[str, str, str], str] = {}
 DRAFT_PARAMS = [pytest.param(m, kind, e.values[0], marks=e.marks, id=f"{m}-{kind}-{e.id}")
                 for m, kind in DRAFTS for e in ENGINE_PARAMS]
 

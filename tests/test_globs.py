@@ -46,7 +46,12 @@ def _modules(name: str) -> tuple[dict, list[str]]:
     p = synth_preset(name)
     if p.get(p.family.experts_key) > 40:
         p = synth_preset(name, experts=40)
-    return synth.config(p), sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
+    cfg = synth.config(p)
+    if p.family.config_file == "params.json":  # Mistral's own layout: the config the engines make of it
+        from kimi_convert.mistral_format import config_view
+
+        cfg = config_view(cfg)
+    return cfg, sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
 
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet (MiniMax M3 and Qwen3.8-Flash-Next:

@@ -18,6 +18,7 @@ from helpers import copy_ckpt, edit_config, one_line_error, read_tensors, rewrit
 from kimi_convert import encodings
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
+from kimi_convert.kernels import recipe_cpu
 from kimi_convert.kernels.formats import DecodeError, decode_int4
 from kimi_convert.plan import discover_sources
 
@@ -54,6 +55,30 @@ def test_decoding_is_compressed_tensors_own_unpack_times_the_scale_exactly(n, k,
     assert torch.equal(got, dequantize(codes, scale.float(), dtype=torch.float32))
     state = {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([n, k])}
     assert torch.equal(got.to(torch.bfloat16), PackedQuantizationCompressor.decompress(state, _scheme(group))["weight"])
+
+
+@pytest.mark.parametrize(("n", "k", "group", "threads"), [(64, 2048, 32, 2), (64, 2048, 32, 1), (5, 96, 16, 2),
+                                                       (300, 512, 128, 2)])
+def test_the_c_decode_is_compressed_tensors_own_unpack_times_the_scale(n, k, group, threads):
+    """recipe_cpu.c's decode (which decode_int4 takes on the CPU) against compressed-tensors' unpack and dequantize
+    in fp32, bit for bit, on one thread and split across two (the larger shapes split into tasks)."""
+    lib = recipe_cpu.load()
+    if lib is None:
+        pytest.skip("no C compiler: the torch code decodes")
+    codes, scale = _random(n, k, group, seed=n)
+    got = recipe_cpu.int4_decode(lib, pack_to_int32(codes, 4), scale.float(), threads)
+    assert got is not None
+    want = dequantize(codes, scale.float(), dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_c_decode_leaves_an_overflow_and_odd_groups_to_the_torch_code():
+    lib = recipe_cpu.load()
+    if lib is None:
+        pytest.skip("no C compiler: the torch code decodes")
+    packed = pack_to_int32(torch.full((2, 64), -8, dtype=torch.int8), 4)
+    assert recipe_cpu.int4_decode(lib, packed, torch.full((2, 2), 3.0e38), 1) is None
+    assert recipe_cpu.int4_decode(lib, packed, torch.ones((2, 64)), 1) is None  # a group of one element
 
 
 def test_an_int4_times_bf16_product_is_not_always_a_bf16_value():

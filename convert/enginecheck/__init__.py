@@ -294,7 +294,7 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     loaded is the engine's speculative-decoding draft for the checkpoint (its MTP / NextN class, built as a
     deployment with ``--speculative-config`` / ``--speculative-algorithm NEXTN`` builds it)."""
     out = Path(output_dir)
-    if not (out / "config.json").is_file():
+    if not (out / "config.json").is_file() and not (out / "params.json").is_file():  # params.json: Mistral's layout
         raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
     pr = resolve(engine, python, any_version)
     py = Path(pr.python)

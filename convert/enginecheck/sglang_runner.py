@@ -126,10 +126,11 @@ def qkv_a_scalar_rule(tracker):
     shared over the fused layer, as this tool writes): otherwise kv_a's rows are read with q_a's scale."""
 
     def why(name: str) -> tuple[str, bool] | None:
-        partner = name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.")
-        fused = name.replace(".kv_a_proj_with_mqa.", ".fused_qkv_a_proj_with_mqa.")
-        if partner == name or name not in tracker.scalars or partner not in tracker.scalars \
-                or fused not in tracker.stored.get(partner, ()):
+        # DeepSeek's names, or Mistral Large 3's (wq_a / wkv_a_with_mqa: models/mistral_large_3.py remapping)
+        partner = name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.").replace(".wkv_a_with_mqa.", ".wq_a.")
+        fused = next((t for t in tracker.stored.get(partner, ())
+                      if t.endswith(f".fused_qkv_a_proj_with_mqa.{name.rpartition('.')[2]}")), None)
+        if partner == name or name not in tracker.scalars or partner not in tracker.scalars or fused is None:
             return None
         mine, kept = tracker.scalars[name], tracker.scalars[partner]
         verb = "equal to" if mine == kept else "NOT equal to"
@@ -282,7 +283,9 @@ def engine_config(model_dir: str, draft: bool):
     kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
               load_format="auto", skip_server_warmup=True, **deployment_args(model_dir))
     if draft:
-        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+        # EAGLE: what SGLang resolves NEXTN to (arg_groups/speculative_hook.py), and the only spelling DeepSeek V4
+        # takes (arg_groups/deepseek_v4_hook.py asserts "Only EAGLE and DSPARK ..." before that resolution)
+        kw.update(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=2)
     server_args = ServerArgs(**kw)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import INDEX_NAME
 from ..errors import ConvertError
 from ..gcpause import gc_paused
 from ..safetensors_format import HeaderTensor, encode_header
@@ -135,11 +134,11 @@ def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]
             yield t.name, t.shape, _TORCH[t.storage]
 
 
-def _prepare(out: Path, overwrite: bool) -> None:
+def _prepare(out: Path, overwrite: bool, config_file: str = "config.json") -> None:
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ConvertError(f"{out}: not empty; pass --overwrite to replace it")
-        if not (out / "config.json").exists():
+        if not (out / config_file).exists():
             raise ConvertError(f"{out}: not empty and not a checkpoint; refusing to replace it")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +156,7 @@ def write_synth(preset: str | Preset, out: str | Path, seed: int = 0, layers: in
         plan = None if p.sparse else plan_shards(p)
         parts = None if plan is not None else [(t, part) for t in tensors(p) for part in t.parts]
     out = Path(out)
-    _prepare(out, overwrite)
+    _prepare(out, overwrite, p.family.config_file)
     if parts is not None:
         weight_map, total = write_sparse(p, out, parts)
     else:
@@ -171,8 +170,8 @@ def write_synth(preset: str | Preset, out: str | Path, seed: int = 0, layers: in
                 sizes = list(ex.map(one, plan))
         weight_map = {k: s.file for s, sz in zip(plan, sizes, strict=True) for k in sz}
         total = sum(sum(sz.values()) for sz in sizes)
-    (out / INDEX_NAME).write_text(index_text(weight_map, total, p.sparse))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / p.family.index_file).write_text(index_text(weight_map, total, p.sparse))
+    (out / p.family.config_file).write_text(json.dumps(cfg, indent=2) + "\n")
     for name, text in p.family.files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)

@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import filenames
 from ..errors import ConvertError
 from .expr import Expr, ExprError, parse
 
@@ -98,6 +99,8 @@ class Family:
     blocks: tuple[Block, ...]
     files: dict[str, str]
     sharding: Sharding
+    config_file: str = filenames.CONFIG  # Mistral's own layout: params.json (convert/mistral_format.py)
+    index_file: str = filenames.INDEX  # Mistral's: consolidated.safetensors.index.json
     variants: dict[str, Variant] = field(default_factory=dict)
 
 
@@ -219,7 +222,8 @@ def parse_family(doc: dict, path: str) -> Family:
     """A family file's layout (everything but its presets)."""
     _keys(doc, _FAMILY_KEYS, path)
     fam = doc.get("family", {})
-    _keys(fam, {"scope", "layers", "experts", "storage", "description"}, f"{path}: family")
+    _keys(fam, {"scope", "layers", "experts", "storage", "description", "config_file", "index_file"},
+          f"{path}: family")
     for key in ("layers", "experts"):
         if not isinstance(fam.get(key), str):
             raise SpecError(f"{path}: family.{key}", "names the config key that --" + key + " sets")
@@ -237,7 +241,16 @@ def parse_family(doc: dict, path: str) -> Family:
     return Family(path, doc["config"], tuple(fam.get("scope", ())), fam["layers"], fam["experts"],
                   _exprs(doc.get("sets", {}), f"{path}: sets"), _exprs(doc.get("let", {}), f"{path}: let"),
                   _blocks(doc.get("blocks"), path, parts, storage), files,
-                  _sharding(doc.get("sharding", {}), f"{path}: sharding", Sharding()))
+                  _sharding(doc.get("sharding", {}), f"{path}: sharding", Sharding()), *_file_names(fam, path))
+
+
+def _file_names(fam: dict, path: str) -> tuple[str, str]:
+    """The config's and the index's file names: a release in Mistral's own layout writes params.json and
+    consolidated.safetensors.index.json."""
+    names = (fam.get("config_file", Family.config_file), fam.get("index_file", Family.index_file))
+    if not all(isinstance(n, str) and n.endswith(".json") and "/" not in n for n in names):
+        raise SpecError(f"{path}: family", "config_file and index_file are top-level *.json file names")
+    return names
 
 
 def parse_variants(doc: dict, path: str, sharding: Sharding) -> dict[str, Variant]:

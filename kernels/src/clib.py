@@ -149,6 +149,8 @@ def load_recipe() -> ctypes.CDLL | None:
     lib.kc_cast_mxfp4_mt.restype = i64
     lib.kc_fp8_block_bf16_mt.argtypes = [p, i64, i64, p, p, i32, i32]
     lib.kc_fp8_block_bf16_mt.restype = i32
+    lib.kc_int4_decode_mt.argtypes = [p, p, i64, i64, i64, p, i32]
+    lib.kc_int4_decode_mt.restype = i32
     set_pool_types(lib)
     return lib
 

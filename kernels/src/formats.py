@@ -60,9 +60,25 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s = scale.float()
     if not bool(torch.isfinite(s).all()):
         raise DecodeError("INT4 scale is not finite (NaN or Inf)")
+    fast = _int4_c(packed, s)
+    if fast is not None:
+        return fast
     b = packed.contiguous().view(torch.uint8)
     out = torch.stack([b & 0xF, b >> 4], -1).reshape(n, k).float().sub_(8)
     out = out.view(n, s.shape[1], -1).mul_(s.unsqueeze(-1)).view(n, k)
     if not bool(torch.isfinite(out).all()):
         raise DecodeError("INT4 scales too large: decoded values overflow fp32")
     return out
+
+
+def _int4_c(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The C decode (``recipe_cpu.c`` ``kc_int4_decode_mt``, the same values) on the process's torch threads, for a
+    CPU tensor where the library builds; None: the torch code (another device, no compiler, an overflow to name).
+    Why: the torch code's byte split, float conversion and group multiply pass over the weight five times
+    (benchmarks/RESULTS.md, bench-kimi-k25)."""
+    if packed.device.type != "cpu" or packed.dim() != 2:
+        return None
+    from . import recipe_cpu
+
+    lib = recipe_cpu.load()
+    return None if lib is None else recipe_cpu.int4_decode(lib, packed, scale, torch.get_num_threads())

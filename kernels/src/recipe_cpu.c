@@ -1,11 +1,13 @@
 /* NVIDIA's K3 recipe kernels on the CPU: the closed-form MXFP4 -> NVFP4 cast and the 128x128 block FP8
- * quantizer, bit-identical to kernels/src/mxfp4_cast.py and kernels/src/fp8_block.py (torch 2.13's rounding).
+ * quantizer, bit-identical to kernels/src/mxfp4_cast.py and kernels/src/fp8_block.py (torch 2.13's rounding); and
+ * the INT4 pack-quantized decode of Kimi K2.5's experts, bit-identical to kernels/src/formats.py decode_int4.
  *
  * Built and called like nvfp4_cpu.c (kernels/src/recipe_cpu.py): system C compiler at first use,
  * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's); the *_mt entry points split
  * rows (the cast) or bands' tile runs (block FP8) across the caller's threads in kc_pool.c, which is
  * built into the same library ahead of this file.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -397,5 +399,58 @@ int32_t kc_fp8_block_bf16_mt(const uint16_t *x, int64_t n, int64_t k, uint8_t *q
     int64_t groups = (8 * (int64_t)threads + bands - 1) / bands, most = tk / 4 > 1 ? tk / 4 : 1;
     kc_fp8_job j = {x, n, k, groups < most ? groups : most, q, scales, 0, stream};
     kc_parallel(kc_fp8_task, &j, bands * j.groups, threads);
+    return j.bad;
+}
+
+/* compressed-tensors' symmetric INT4 `pack-quantized` weight decoded to fp32: `packed` [rows, 4 * words] bytes (the
+ * int32 words' little-endian bytes: byte b holds element 2b in its low nibble, 2b + 1 in its high one), `scale`
+ * [rows, groups] fp32, `per` = elements a group (a multiple of 2). Each value is (code - 8) * scale, one fp32
+ * multiply as the torch code (kernels/src/formats.py decode_int4) does. Returns 1 if a value overflows fp32. */
+CLONES static int32_t kc_int4_rows(const uint8_t *restrict packed, const float *restrict scale, int64_t rows,
+                                   int64_t words, int64_t groups, float *restrict out) {
+    const int64_t k = 8 * words, half = k / groups / 2;
+    float most = 0.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *p = packed + r * 4 * words;
+        const float *s = scale + r * groups;
+        float *o = out + r * k;
+        for (int64_t g = 0; g < groups; g++) {
+            const float sc = s[g];
+            const uint8_t *pg = p + g * half;
+            float *og = o + 2 * g * half;
+            for (int64_t b = 0; b < half; b++) {
+                const float lo = (float)((int32_t)(pg[b] & 15u) - 8) * sc;
+                const float hi = (float)((int32_t)(pg[b] >> 4) - 8) * sc;
+                og[2 * b] = lo;
+                og[2 * b + 1] = hi;
+                most = fmaxf(most, fmaxf(fabsf(lo), fabsf(hi)));
+            }
+        }
+    }
+    return isinf(most) ? 1 : 0;
+}
+
+typedef struct {
+    const uint8_t *packed;
+    const float *scale;
+    int64_t rows, words, groups, ntasks;
+    float *out;
+    int32_t bad;
+} kc_int4_job;
+
+static void kc_int4_task(void *ctx, int64_t t) {
+    kc_int4_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    if (kc_int4_rows(j->packed + a * 4 * j->words, j->scale + a * j->groups, b - a, j->words, j->groups,
+                     j->out + a * 8 * j->words))
+        __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+}
+
+/* kc_int4_rows of all `rows` on `threads` threads (rows independent: any split gives the same values). */
+int32_t kc_int4_decode_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t words, int64_t groups,
+                          float *out, int32_t threads) {
+    kc_int4_job j = {packed, scale, rows, words, groups, kc_tasks(rows, 8 * words, threads, KC_MIN_SPLIT), out, 0};
+    kc_parallel(kc_int4_task, &j, j.ntasks, threads);
     return j.bad;
 }

@@ -1,5 +1,6 @@
-"""NVIDIA's K3 recipe on the CPU: ``recipe_cpu.c`` (the MXFP4 -> NVFP4 cast, 128x128 block FP8), built at first
-use and called like ``nvfp4_cpu`` (same compiler, flags, cache, and a thread pool of the C library's own).
+"""NVIDIA's K3 recipe on the CPU: ``recipe_cpu.c`` (the MXFP4 -> NVFP4 cast, 128x128 block FP8; and the INT4
+decode of Kimi K2.5's experts), built at first use and called like ``nvfp4_cpu`` (same compiler, flags, cache, and
+a thread pool of the C library's own).
 
 Bit-identical to :mod:`.mxfp4_cast` and :mod:`.fp8_block` (the tests hold them to it). Where the C code has no
 answer of its own (a block-FP8 weight that is not 2-D bf16, or holds a NaN or an Inf, whose torch bytes depend
@@ -69,3 +70,18 @@ def fp8_into(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.T
     n, k = x.shape
     return not lib.kc_fp8_block_bf16_mt(x.data_ptr(), n, k, q.data_ptr(), scales.data_ptr(), threads,
                                         q.numel() >= STREAM_MIN_BYTES)
+
+
+def int4_decode(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, threads: int = 1) -> torch.Tensor | None:
+    """fp32 [N, K] of an INT4 ``pack-quantized`` weight (``packed`` int32 [N, K/8], ``scale`` fp32 [N, K/G] with
+    every scale finite), as :func:`.formats.decode_int4`'s torch code; None where a value overflows fp32 (the
+    caller's torch code then names it) or a group is not whole bytes (G odd: the torch code)."""
+    n, words = packed.shape
+    groups = scale.shape[1]
+    if packed.dtype != torch.int32 or scale.dtype != torch.float32 or not groups or (8 * words // groups) % 2:
+        return None
+    p, s = packed.contiguous(), scale.contiguous()
+    out = outputs.empty((n, 8 * words), torch.float32)
+    if n and words and lib.kc_int4_decode_mt(p.data_ptr(), s.data_ptr(), n, words, groups, out.data_ptr(), threads):
+        return None
+    return out
