@@ -4,23 +4,20 @@ from a cold page cache, with their `--stats`; everything in one JSON.
 
     python benchmarks/ct_profile.py --input DIR --json FILE [--variant "cpu streams=1" ...]
 
-A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams), ``hash=N`` (the worker's
-hashing threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
+A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams), ``hash=N`` (the worker's hashing
+threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
 (``$KIMI_CONVERT_STARTUP_READAHEAD``: also each stream's file-hash lead), ``lead=BYTES`` (the least lead of a
-stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``), ``early=0`` (no unit
-computed without torch: ``compute_early.takes`` patched to refuse every unit, as before session 14), ``kthreads=N``
-(the threads of the C kernels run without torch, patched in: ``compute_early.EarlyCompute``), ``window=BYTES``
-(how far ahead of its reads a stream hints the disk: ``pipeline.stream.READ_WINDOW``), ``knice=N`` (the C kernels'
-pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``pnice=N`` (auto's probe process's nice value:
-``pipeline.probe.PROBE_NICE``), ``kspin=NS`` (how long an idle C pool worker polls before it sleeps:
-``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the interpreter's thread switch interval, ``sys.setswitchinterval``;
-0.005 by default), ``takes=1`` (the input file hashes read ahead of the stream whenever they run dry, as before
-session 17: ``pipeline.stream.TAKE_ANYTIME``), ``sra=1`` (the start-up readahead whatever the device, as before
-session 17: ``pack._startup_readahead`` patched), ``rab=BYTES`` (the bytes a stream reads ahead of its compute beyond
-its three pieces: ``pipeline.stream.READ_AHEAD_BYTES``; 0 as before session 18), ``fakegpu=1`` (``auto`` as on a
-machine with one GPU, the probe computing with the torch code on the CPUs: ``devices`` and ``probe.child_device``
-patched; for what ``auto`` costs beside ``cpu`` where there is no GPU), ``probe_after=S`` (``probe.START_AFTER_S``;
-0: the probe at once, as before session 18).
+stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``), ``early=0`` (no unit computed
+without torch: ``compute_early.takes`` patched to refuse every unit, as before session 14), ``kthreads=N`` (the
+threads of the C kernels run without torch, patched in: ``compute_early.EarlyCompute``), ``knice=N`` (the C kernels'
+pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``kspin=NS`` (how long an idle C pool worker polls before
+it sleeps: ``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the interpreter's thread switch interval,
+``sys.setswitchinterval``; 0.005 by default), ``sra=1`` (the start-up readahead whatever the device, as before
+session 17: ``pack._startup_readahead`` patched), ``rab=BYTES`` (the bytes a stream reads ahead of its compute
+beyond its three pieces: ``pipeline.stream.READ_AHEAD_BYTES``; 0 as before session 18), ``fakegpu=1`` (``auto`` as
+on a machine with one GPU, the probe computing with the torch code on the CPUs: ``devices`` and
+``probe.child_device`` patched; for what ``auto`` costs beside ``cpu`` where there is no GPU), ``probe_after=S``
+(``probe.START_AFTER_S``; 0: the probe at once, as before session 18).
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ from compare_speed import evict, measure  # noqa: E402
 #: -1: as the package has it)
 PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_early as e\n"
            "import kimi_convert.kernels.clib as c, kimi_convert.pipeline.probe as p\n"
-           "n, lead, early, kt, window, knice, pnice, kspin = (int(sys.argv.pop(1)) for _ in range(8))\n"
+           "n, lead, early, kt, knice, kspin = (int(sys.argv.pop(1)) for _ in range(6))\n"
            "switch = float(sys.argv.pop(1))\n"
-           "if int(sys.argv.pop(1)): s.TAKE_ANYTIME = True\n"
            "if int(sys.argv.pop(1)):\n"
            "    import kimi_convert.pack as pk\n"
            "    pk._startup_readahead = lambda source, parts, budget, devs, need: pk.readahead(source, parts, budget)\n"
@@ -61,9 +57,7 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "    p.child_device = lambda gpu: 'reference'\n"
            "if after >= 0: p.START_AFTER_S = after\n"
            "if switch > 0: sys.setswitchinterval(switch)\n"
-           "if window >= 0: s.READ_WINDOW = window\n"
            "if knice > 0: c.KERNEL_NICE = knice\n"
-           "if pnice > 0: p.PROBE_NICE = pnice\n"
            "if kspin >= 0: c.KERNEL_SPIN_NS = kspin\n"
            "if n >= 0: s.default_hash_threads = lambda streams, share: n\n"
            "if lead >= 0: s.EAGER_HASH = lead\n"
@@ -105,11 +99,14 @@ def run_variant(src: Path, spec: str, work: Path, recipe: str = "ct-nvfp4-a16") 
         env["KIMI_CONVERT_STARTUP_READAHEAD"] = kv["readahead"]
     args = ["pack", str(src), str(out), "-q", "--overwrite", "--recipe", recipe, "--device", device,
             "--stats", str(stats), *(["--streams", kv["streams"]] if "streams" in kv else [])]
-    patched = {"hash", "lead", "early", "kthreads", "window", "knice", "pnice", "kspin", "switch", "takes",
-               "sra", "rab", "fakegpu", "probe_after"} & kv.keys()
+    removed = {"window", "pnice", "takes"} & kv.keys()  # knobs that were off by default, removed (issue 40)
+    if removed:
+        raise SystemExit(f"{spec}: {', '.join(sorted(removed))}: no longer a setting (benchmarks/RESULTS.md)")
+    patched = {"hash", "lead", "early", "kthreads", "knice", "kspin", "switch", "sra", "rab", "fakegpu",
+               "probe_after"} & kv.keys()
     cmd = ([sys.executable, "-c", PATCHED, kv.get("hash", "-1"), kv.get("lead", "-1"), kv.get("early", "1"),
-            kv.get("kthreads", "0"), kv.get("window", "-1"), kv.get("knice", "0"), kv.get("pnice", "0"),
-            kv.get("kspin", "-1"), kv.get("switch", "0"), kv.get("takes", "0"), kv.get("sra", "0"),
+            kv.get("kthreads", "0"), kv.get("knice", "0"), kv.get("kspin", "-1"), kv.get("switch", "0"),
+            kv.get("sra", "0"),
             kv.get("rab", "-1"), kv.get("fakegpu", "0"), kv.get("probe_after", "-1"), *args]
            if patched else [sys.executable, "-m", "kimi_convert.cli", *args])
     shutil.rmtree(out, ignore_errors=True)  # outside the timing, as ct_speed.py does for both tools

@@ -9,7 +9,7 @@ manifest, without converting data: the plan of the sparse K3 (default options: r
 source layout), each output shard written sparse (its real header, the data region a hole), each
 shard's records file written by ``manifest.write_records`` (what a pack's stream calls as a shard
 finishes) from stand-in hashes (sha256 of each tensor's name) and notes shaped like a real pack's
-(cast counts, amax, zero tiles), then ``pack._finish`` (configs, index, side files, manifest.json,
+(cast counts, amax, zero tiles), then ``outfolder.OutputFolder.finish`` (configs, index, side files, manifest.json,
 exactly as pack ends). The format 2 manifest is the same records in one file, written as format 2's
 pack wrote it (``atomic.dumps`` with ``modules`` one compact entry a line), in a second folder whose
 other files are links to the first's.
@@ -83,6 +83,7 @@ def make_output(src: Path, out: Path) -> dict:
     from kimi_convert.journal import Journal, ShardRecord
     from kimi_convert.manifest import write_records
     from kimi_convert.options import Options
+    from kimi_convert.outfolder import OutputFolder
     from kimi_convert.plan.serialize import plan_dict, plan_hash
 
     t0 = time.process_time()
@@ -107,7 +108,9 @@ def make_output(src: Path, out: Path) -> dict:
         j.shards[s.file] = ShardRecord(s.size, stand_in(s.file), rec.size, rec.sha256, rec.modules)
     t_records = time.process_time() - t0
     t0 = time.process_time()
-    P._finish(ckpt, plan, src, out, j, {f: stand_in(f) for f, _ in plan.inputs})
+    folder = OutputFolder(out, -1)  # (no lock: nothing else writes here)
+    folder.journal = j
+    folder.finish(ckpt, plan, {f: stand_in(f) for f, _ in plan.inputs})
     t_finish = time.process_time() - t0
     return {"plan_cpu_s": t_plan, "records_cpu_s": t_records, "finish_cpu_s": t_finish,
             "modules": sum(len(u.items) for u in plan.units),

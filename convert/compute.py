@@ -17,6 +17,7 @@ from kimi_convert.kernels.outputs import Arena
 from . import encodings, formats
 from .compute_early import Chunk, Output, UnitResult, raw_chunks
 from .errors import ConvertError
+from .operations import Operation, operations
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
 
@@ -68,20 +69,21 @@ def _keep_decoded(item: Item, reader: TensorSource, block, backend: Backend) -> 
 
 
 def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tuple[int, int]) -> UnitResult:
+    """Each item by its operation (``operations``: decided once for every backend), the NVFP4 items last, together."""
     res = UnitResult({})
+    ops = operations(unit)
     quant = [it for it in unit.items if it.kind == NVFP4]
     for it in unit.items:
-        if it.kind == FP8:
+        op = ops[it.name]
+        if op is Operation.FP8_BLOCK:
             _fp8_block(it, reader, block, backend, res)
-        elif it.kind != NVFP4:
-            stored = all(encodings.as_stored(s) for s in it.sources)
-            chunks = raw_chunks(it, reader) if stored else _keep_decoded(it, reader, block, backend)
+        elif op in (Operation.COPY, Operation.DECODE):
+            chunks = raw_chunks(it, reader) if op is Operation.COPY else _keep_decoded(it, reader, block, backend)
             res.outputs[it.outputs[0].name] = Output(chunks)
             if not all(s.encoding == Encoding.DENSE for s in it.sources):
                 res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
     if quant:
-        modelopt_math = formats.get(quant[0].output_format).NVFP4_MATH == "modelopt"
-        if modelopt_math and all(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
+        if ops[quant[0].name] is Operation.CAST:
             _cast_mxfp4(quant, reader, backend, res)
         else:
             _quantize(quant, reader, backend, block, res)

@@ -29,6 +29,7 @@ from kimi_convert.kernels.scales import FP8_SCALE_MAX, fp8_scale_fault
 from . import encodings, formats
 from .encodings.base import refused
 from .errors import ConvertError
+from .operations import Operation, operations
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
 
 if TYPE_CHECKING:
@@ -62,25 +63,23 @@ def raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
 
 def takes(unit: Unit) -> bool:
     """Whether this module computes ``unit`` (a pure function of the plan, and of $KIMI_CONVERT_RECIPE_KERNELS:
-    ``torch`` has NVIDIA's recipe computed by its torch code, which the tests compare the C kernels with)."""
-    quant = [s for it in unit.items if it.kind == NVFP4 for s in it.sources]
-    cast = bool(quant) and any(encodings.holds_mxfp4(s) for s in quant)
+    ``torch`` has NVIDIA's recipe computed by its torch code, which the tests compare the C kernels with): each
+    item's operation (``operations``) on the inputs the C kernels read."""
     torch_recipe = os.environ.get(RECIPE_KERNELS_ENV, "auto") == "torch"
-    if cast and (torch_recipe or not all(_mxfp4(s) for s in quant) or formats.get(
-            next(it for it in unit.items if it.kind == NVFP4).output_format).NVFP4_MATH != "modelopt"):
-        return False  # NVIDIA's cast: every member MXFP4, ModelOpt's format (else torch decodes them)
-    for it in unit.items:
-        if it.kind == FP8:
-            if torch_recipe or not all(_dense(s) and s.dtype == "BF16" and len(s.shape) == 2 and math.prod(s.shape)
-                                       for s in it.sources):
-                return False
-        elif it.kind != NVFP4:
-            if not all(encodings.as_stored(s) for s in it.sources):
-                return False
-        elif not cast and not all((_dense(s) or _fp8_block(s)) and s.shape and not s.shape[-1] % GROUP
-                                  and math.prod(s.shape) for s in it.sources):
-            return False
-    return True
+    ops = operations(unit)
+    return all(_takes(it, ops[it.name], torch_recipe) for it in unit.items)
+
+
+def _takes(it: Item, op: Operation, torch_recipe: bool) -> bool:
+    if op is Operation.CAST:  # NVIDIA's cast of MXFP4 codes as stored (gpt-oss's banks: torch decodes them)
+        return not torch_recipe and all(_mxfp4(s) for s in it.sources)
+    if op is Operation.QUANTIZE:
+        return all((_dense(s) or _fp8_block(s)) and s.shape and not s.shape[-1] % GROUP and math.prod(s.shape)
+                   for s in it.sources)
+    if op is Operation.FP8_BLOCK:
+        return not torch_recipe and all(_dense(s) and s.dtype == "BF16" and len(s.shape) == 2 and math.prod(s.shape)
+                                        for s in it.sources)
+    return op is Operation.COPY
 
 
 def _mxfp4(s: SourceTensor) -> bool:

@@ -28,6 +28,19 @@ def vllm_is_skipped(prefix: str, ignore: list[str], packed: dict[str, list[str]]
     return skipped or any(e in prefix for e in ignore) or any(fnmatch(prefix, e) for e in ignore)
 
 
+#: SGLang's ModelOptQuantConfig.is_layer_excluded (layers/quantization/modelopt_quant.py) reads an exclude entry
+#: whose last part is one of these as a fused MLA pattern: it excludes every module whose last part contains it, in
+#: every layer (``kv_b_proj`` -> all layers' ``kv_b_proj``; ``q_a_proj`` -> all ``fused_qkv_a_proj_with_mqa``).
+SGLANG_FUSED_TAILS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def sglang_exact(name: str) -> str:
+    """``name`` as an exclude entry that SGLang's fused-pattern rule does not widen to every layer: a trailing ``*``
+    (its last part is then no longer one of SGLANG_FUSED_TAILS; SGLang's and vLLM's globs still match the module
+    itself, and nothing else of a layer's attention has that name as its start)."""
+    return name + "*" if name.rpartition(".")[2] in SGLANG_FUSED_TAILS else name
+
+
 def _sglang_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern.replace(".", r"\.").replace("*", r".*"))
 
@@ -39,7 +52,10 @@ def sglang_is_excluded(prefix: str, patterns: list[str], text_prefix: str = "lan
         names.append(prefix[len(text_prefix) :])
     names += prefix.split(".")
     rxs = [_sglang_regex(p) for p in patterns]
-    return any(rx.fullmatch(n) for rx in rxs for n in names)
+    if any(rx.fullmatch(n) for rx in rxs for n in names):
+        return True
+    tails = {p.rpartition(".")[2] for p in patterns} & set(SGLANG_FUSED_TAILS)  # any layer's, as SGLang reads it
+    return any(t in prefix.rpartition(".")[2] for t in tails)
 
 
 def _candidates(prefix: str) -> list[str]:

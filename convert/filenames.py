@@ -9,7 +9,7 @@ MANIFEST = "manifest.json"  # kimi-convert's record of the output (convert/manif
 RECORDS_DIR = "manifest-records"  # one JSON Lines records file per output shard
 JOURNAL = ".kimi-convert-pack.json"  # the resume journal of an unfinished pack (convert/journal.py)
 LOCK = ".kimi-convert-pack.lock"  # held by the pack writing the output
-RAY_PROBE = ".kimi-convert-ray-probe"  # pack --ray with a Hub input: do the Ray nodes see this output? (rayhub)
+RAY_PROBE = ".kimi-convert-ray-probe"  # pack --ray with a Hub input: do the Ray nodes see this output? (hubstage)
 
 
 def records_name(shard: str) -> str:

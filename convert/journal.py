@@ -25,7 +25,7 @@ from .jsonfile import read_json
 from .sources import EntryKind, Source
 
 NAME = filenames.JOURNAL
-#: The lock a running pack holds on its output (pack.lock_output): its pid; removed when the output is finished.
+#: The lock a running pack holds on its output (outfolder.lock_output): its pid; removed when the output is finished.
 LOCK = filenames.LOCK
 VERSION = 3  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files
 

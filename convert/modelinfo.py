@@ -78,8 +78,9 @@ def from_config(config: dict) -> ModelInfo:
     lac = text.get("linear_attn_config") or {}
     n = info.num_layers or 0
     if isinstance(lac, dict) and lac.get("kda_layers") is not None:
-        info.layer_kinds = {"kda": [i - 1 for i in lac.get("kda_layers", [])],
-                            "mla": [i - 1 for i in lac.get("full_attn_layers", [])]}
+        kda, mla = list(lac.get("kda_layers", [])), list(lac.get("full_attn_layers", []))
+        base = 0 if 0 in kda + mla else 1  # K3 / Kimi Linear count from 1, GLM-5.3-Flash from 0
+        info.layer_kinds = {"kda": [i - base for i in kda], "mla": [i - base for i in mla]}
     elif isinstance(text.get("layer_types"), list):
         kinds: dict[str, list[int]] = {}
         for i, k in enumerate(text["layer_types"]):

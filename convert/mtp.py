@@ -235,3 +235,26 @@ def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
     if stray is not None:
         raise ConvertError(f"{stray}: an MTP-layer tensor, but config.json's {count} announces "
                            + (f"only {', '.join(prefixes)}" if prefixes else "no MTP layer"))
+    if prefixes and "{n}" not in mtp.prefix:
+        _check_numbered_block(tensors, mtp.prefix, mtp.layers(value), count)
+
+
+def _check_numbered_block(tensors: list[str], prefix: str, n: int, count: str) -> None:
+    """A block prefix whose layers are numbered under it (DeepSeek V4's ``mtp.0.``, Qwen3.5's ``mtp.layers.0.``):
+    the numbers stored must be the config's count, 0 to n - 1, or the drafts build more layers than the checkpoint
+    fills (or leave some unloaded)."""
+    rx = re.compile(re.escape(prefix) + r"((?:layers\.)?)(\d+)\.")
+    found: dict[int, str] = {}
+    for t in tensors:
+        if h := rx.match(t):
+            found.setdefault(int(h.group(2)), f"{prefix}{h.group(1)}")
+    if not found:
+        return
+    head = next(iter(found.values()))
+    lost = next((i for i in range(n) if i not in found), None)
+    if lost is not None:
+        raise ConvertError(f"config.json: {count} announces MTP layer {head}{lost}.* but the checkpoint stores no "
+                           "tensor under it")
+    extra = min((i for i in found if i >= n), default=None)
+    if extra is not None:
+        raise ConvertError(f"{found[extra]}{extra}.*: an MTP layer, but config.json's {count} announces only {n}")

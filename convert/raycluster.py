@@ -9,7 +9,8 @@ it sends back only small things: each finished shard's record (hashes and notes,
 journal keeps them) and, at the end, the sha256 of the input files it hashed. The driver journals
 each shard as its record arrives, and writes configs, index and manifest as a local pack does.
 A Hub input (``hf://``) needs no shared input: each task downloads its own job's files, and with
-``--upload --no-keep-output`` uploads its own shards, no shared output either (``rayhub``).
+``--upload --no-keep-output`` uploads its own shards, no shared output either (``sources.hubstage`` stages
+its inputs, ``run_hub_task`` below converts and uploads).
 
 Placement: where nodes have GPUs, GPU tasks (``--device auto`` or ``cuda``; one to four tasks a
 GPU, like a local worker's streams, each with its share of the node's CPUs); else CPU tasks of up
@@ -36,15 +37,17 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import filenames
 from .devices import resolve_device
 from .errors import ConvertError
 from .journal import Journal, ShardRecord, intact
 from .pipeline import Job, JobResult, run_jobs
 
 if TYPE_CHECKING:
-    from .rayhub import HubTask
+    from .sources.hubstage import HubTask
 
 #: Times Ray re-runs a task whose worker process or node died.
 RETRIES = 3
@@ -160,9 +163,9 @@ def _shard_runs(job: Job) -> str:
 def run(jobs: list[Job], p: Placement, on_shard: Callable[..., None], on_progress: Callable[[int], None],
         hub: list[HubTask] | None = None, env: dict[str, str] | None = None) -> list[JobResult]:
     """One Ray task per job; ``on_shard(file, record)`` as each shard's record arrives (a Hub input's task:
-    ``on_shard(file, record, rayhub.Arrived)`` where it sends more), ``on_progress`` with the shard's input
-    bytes. ``hub``: each job's ``rayhub.HubTask`` (a Hub input); ``env``: more of the tasks' environment
-    (``rayhub.task_env``). Returns the jobs' results in order."""
+    ``on_shard(file, record, Arrived)`` where it sends more), ``on_progress`` with the shard's input
+    bytes. ``hub``: each job's ``hubstage.HubTask`` (a Hub input); ``env``: more of the tasks' environment
+    (``hubstage.task_env``). Returns the jobs' results in order."""
     ray = import_ray()
     remote = ray.remote(_task)
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)} | (env or {})
@@ -238,8 +241,8 @@ def kept_shards(job: Job) -> dict[str, ShardRecord]:
 
 def _task(job: Job, device: str, threads: int, hub: HubTask | None = None) -> Iterator[tuple]:
     """One attempt at a job, on a Ray worker: yields ("shard", file, record) for each of its shards (a Hub
-    input's task, where it sends more: ("shard", file, record, rayhub.Arrived)), in plan order, then
-    ("done", JobResult). ``hub``: the job reads a Hub input (``rayhub.run_task``)."""
+    input's task, where it sends more: ("shard", file, record, Arrived)), in plan order, then
+    ("done", JobResult). ``hub``: the job reads a Hub input (``run_hub_task``)."""
     kept = kept_shards(job) if hub is None or not hub.local_output else {}
     todo = dataclasses.replace(job, shards=[s for s in job.shards if s.file not in kept],
                                units=[u for u in job.units if u.shard not in kept])
@@ -252,9 +255,7 @@ def _task(job: Job, device: str, threads: int, hub: HubTask | None = None) -> It
     def work() -> None:
         try:
             if hub is not None:
-                from .rayhub import run_task
-
-                out["result"] = run_task(todo, device, threads, hub, emit)
+                out["result"] = run_hub_task(todo, device, threads, hub, emit)
             else:
                 out["result"] = run_jobs([todo], resolve_device(device), emit, threads=threads)[0]
         except BaseException as e:
@@ -281,3 +282,83 @@ def _task(job: Job, device: str, threads: int, hub: HubTask | None = None) -> It
     if sent != len(order):
         raise RuntimeError(f"shards not finished: {order[sent:]}")
     yield ("done", out["result"])
+
+
+# -- a Hub input's task: its own downloads (``sources.hubstage``), its own uploads ---------------------------
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """What a task sends with a shard's record: its records file (None: written in OUTPUT by the task) and
+    whether the task uploaded the shard (the driver journals it as on the Hub)."""
+
+    records: bytes | None
+    uploaded: bool
+
+
+def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
+                 emit: Callable[[str, ShardRecord, Arrived | None], None]) -> JobResult:
+    """One attempt at a Hub-input job on a Ray node: its inputs downloaded into its task folder
+    (``hubstage.TaskStaging``), converted, and (with --upload) each shard uploaded before it is emitted; the
+    driver keeps the journal, writes configs, index and manifest, and makes the one commit, as a local
+    ``pack --upload`` does. Returns the job's result, its input hashes the verified downloads' and its
+    ``downloads`` the scratch folder's figures."""
+    from .hub.live import QUEUE
+    from .hub.transport import bound_library
+    from .sources.hubstage import TaskStaging
+
+    bound_library()  # the library's timeouts, in this process too
+    stage = TaskStaging(job.source, t, job.units, job.output_dir)  # type: ignore[arg-type]
+    uploader: _TaskUpload | None = None
+    try:
+        stage.check_space([s.size for s in job.shards], QUEUE)
+        uploader = _uploader(t, stage.out, emit)
+        source = stage.start()
+        res = run_jobs([dataclasses.replace(job, source=source, output_dir=stage.out)], resolve_device(device),
+                       uploader.on_shard if uploader else lambda f, rec: emit(f, rec, None), threads=threads,
+                       stop=stage.stop, **({"admit": uploader.live.admit} if uploader else {}))[0]
+        stage.close(ok=True)
+        if uploader is not None:
+            uploader.live.close()  # every shard on the Hub, or the upload's error
+    except BaseException as e:
+        with contextlib.suppress(BaseException):
+            stage.close(ok=False)
+        if uploader is not None:
+            uploader.live.abandon()
+        raise stage.failed(e) from None
+    res.input_hashes, res.downloads = stage.finish([s.file for s in job.shards])
+    return res
+
+
+@dataclass
+class _TaskUpload:
+    """A task's uploader: each shard queued as it is final, emitted to the driver once the Hub has it."""
+
+    live: object  # hub.live.LiveUpload
+    out: Path
+    local: bool
+    emit: Callable[[str, ShardRecord, Arrived | None], None]
+    pending: dict[str, tuple[ShardRecord, bytes | None]]
+
+    def on_shard(self, file: str, rec: ShardRecord) -> None:
+        records = (self.out / filenames.records_name(file)).read_bytes() if self.local else None
+        self.pending[file] = (rec, records)
+        self.live.submit(file, rec.size, rec.sha256)
+
+    def on_uploaded(self, file: str, sha256: str) -> None:
+        rec, records = self.pending.pop(file)
+        self.emit(file, rec, Arrived(records, True))
+
+
+def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
+    """With --upload: the task's ``LiveUpload`` on an ``HfApi`` of the task's environment (no connect)."""
+    if t.upload is None:
+        return None
+    from huggingface_hub import HfApi
+
+    from .hub.live import LiveUpload
+    from .sources.hubstage import say_on_node
+
+    up = _TaskUpload(LiveUpload(t.upload, say_on_node, api=HfApi()), out, t.local_output, emit, {})
+    up.live.start(out, up.on_uploaded)
+    return up

@@ -287,9 +287,17 @@ def save_results(results: dict[str, dict], order: list[str]) -> None:
     TABLE.write_text(render(results, names))
 
 
+#: architectures whose shipped derived table comes from a tiny preset's recorded answers (tests/derived/), not from
+#: a breadth fixture: its output is proven by the engine tests on that preset (tests/test_engines.py)
+PRESET_TABLES = {"MiniMaxM2ForCausalLM": {"table": "mappings/derived/minimax_m2.toml", "preset": "tiny-minimax-m2"}}
+
+
 def base_record(a: Arch) -> dict:
-    return {"arch": a.name, "vllm": a.vllm, "sglang": a.sglang, "same_as": a.same_as,
-            "hand_table": a.name in hand_tables()}
+    rec = {"arch": a.name, "vllm": a.vllm, "sglang": a.sglang, "same_as": a.same_as,
+           "hand_table": a.name in hand_tables()}
+    if a.name in PRESET_TABLES:
+        rec["preset_table"] = PRESET_TABLES[a.name]
+    return rec
 
 
 def finished(rec: dict) -> bool:
@@ -388,6 +396,8 @@ def _derive_cell(rec: dict, notes: Notes) -> str:
 def _shipped_cell(rec: dict) -> str:
     if rec.get("hand_table"):
         return "hand table"
+    if rec.get("preset_table"):  # derived from a tiny preset's answers, its output proven by the engine tests
+        return f"`{rec['preset_table']['table']}` (from `{rec['preset_table']['preset']}`)"
     return f"`{rec['shipped']}`" if rec.get("shipped") else ""
 
 

@@ -16,6 +16,13 @@ recorded sha256 no longer matches).
 
 ``hub_cli`` runs kimi-convert against it in a process with a hermetic environment (huggingface_hub
 reads HF_* when it is imported); ``assert_arrived`` compares a repo's files with a local folder.
+
+At a release's scale (benchmarks/whole_release.py: 96 files of 16 GB in, 0.6 TB out), neither side may hold the
+bytes in memory: ``seed(..., on_disk=True)`` serves each weight file from its path (``OnDisk``; its sha256
+computed once and kept in ``sha_cache``, keyed by path, size and mtime), and ``FakeHub(keep_uploads=False)``
+is a sink: each LFS PUT is hashed as it streams in, checked against its oid and the size the LFS batch
+announced, and only recorded (``Received``; ``hub.received`` lists each with its arrival time).
+``tree_sha256`` gives a repo's files as path -> sha256, whichever way they are held.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,6 +48,53 @@ TOKEN = "hf_kimiConvertTestSecret0123456789"
 #: reach a handler thread after the others ended)
 QUIET_S = 0.5
 STALL = -1  # a Fault status: accept, never answer
+#: Bytes read or sent at a time by the streamed routes (a seeded file served from disk, a PUT into the sink).
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """An LFS object served from a file (``seed(on_disk=True)``): never read into memory."""
+
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class Received:
+    """An LFS object the sink took (``keep_uploads=False``): its sha256 (the key) and size checked, no bytes."""
+
+    size: int
+    at: float  # monotonic seconds when its last byte arrived
+
+
+def _object_bytes(obj: bytes | OnDisk | Received) -> bytes:
+    if isinstance(obj, OnDisk):
+        return obj.path.read_bytes()
+    if isinstance(obj, Received):
+        raise AssertionError("the sink keeps no bytes (FakeHub(keep_uploads=False)): compare tree_sha256")
+    return obj
+
+
+def file_sha256(path: Path, cache: Path | None = None) -> str:
+    """``path``'s sha256, read in ``CHUNK``s; with ``cache`` (a JSON file) computed once per (path, size, mtime):
+    the released K3's 96 files of 16 GB cost about 25 CPU minutes to hash."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK * 8):
+            h.update(chunk)
+    if cache is not None:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+        known[key] = h.hexdigest()
+        tmp = cache.with_name(cache.name + ".tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        tmp.replace(cache)
+    return h.hexdigest()
 
 
 @dataclass
@@ -72,11 +127,15 @@ class FakeHub:
     #: Download throttle (bytes/s) of the ``resolve`` route's bodies, one link shared by concurrent GETs.
     download_bps: float | None = None
 
-    def __init__(self, token: str, read_only_token: str = "read-only"):
+    def __init__(self, token: str, read_only_token: str = "read-only", keep_uploads: bool = True):
+        """``keep_uploads`` False: the upload routes are a sink (module docstring)."""
         self.token = token
         self.read_only_token = read_only_token
+        self.keep_uploads = keep_uploads
         self.repos: dict[str, Repo] = {}
-        self.lfs: dict[str, bytes] = {}
+        self.lfs: dict[str, bytes | OnDisk | Received] = {}
+        self.announced: dict[str, int] = {}  # oid -> size, as the LFS batch requests named them
+        self.received: list[tuple[str, Received]] = []  # (oid, record) in arrival order (the sink)
         self.faults: list[Fault] = []
         self.log: list[tuple[str, str, int]] = []
         self.times: list[float] = []
@@ -133,23 +192,36 @@ class FakeHub:
 
     def file_bytes(self, repo_id: str, path: str) -> bytes:
         f = self.repos[repo_id].files[path]
-        return self.lfs[f["lfs"]] if f["lfs"] else f["content"]
+        return _object_bytes(self.lfs[f["lfs"]]) if f["lfs"] else f["content"]
 
-    def seed(self, repo_id: str, folder: Path, private: bool = False) -> str:
+    def tree_sha256(self, repo_id: str) -> dict[str, str]:
+        """Every file of the repo's head as path -> sha256 (an LFS file's oid, a regular file's content hashed)."""
+        return {p: f["lfs"] or hashlib.sha256(f["content"]).hexdigest()
+                for p, f in sorted(self.repos[repo_id].files.items())}
+
+    def seed(self, repo_id: str, folder: Path, private: bool = False, on_disk: bool = False,
+             sha_cache: Path | None = None) -> str:
         """Commit every file of ``folder`` to ``repo_id`` (created if new): ``.safetensors`` files through
-        LFS (the tree lists their sha256), the rest as regular files. Returns the commit's sha."""
+        LFS (the tree lists their sha256), the rest as regular files. Returns the commit's sha. ``on_disk``:
+        the LFS files are served from their paths (``OnDisk``), hashed through ``sha_cache`` (``file_sha256``)."""
         repo = self.repos.setdefault(repo_id, Repo(private=private))
         files = dict(repo.files)
         for p in sorted(Path(folder).rglob("*")):
             if not p.is_file():
                 continue
-            data, rel = p.read_bytes(), p.relative_to(folder).as_posix()
+            rel = p.relative_to(folder).as_posix()
             if rel.endswith(".safetensors"):
-                oid = hashlib.sha256(data).hexdigest()
-                self.lfs[oid] = data
-                pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {len(data)}\n".encode()
-                files[rel] = {"size": len(data), "blob": _blob(pointer), "lfs": oid}
+                if on_disk:
+                    oid, size = file_sha256(p, sha_cache), p.stat().st_size
+                    self.lfs[oid] = OnDisk(p, size)
+                else:
+                    data = p.read_bytes()
+                    oid, size = hashlib.sha256(data).hexdigest(), len(data)
+                    self.lfs[oid] = data
+                pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n".encode()
+                files[rel] = {"size": size, "blob": _blob(pointer), "lfs": oid}
             else:
+                data = p.read_bytes()
                 files[rel] = {"size": len(data), "blob": _blob(data), "lfs": None, "content": data}
         sha = hashlib.sha1(json.dumps(sorted((k, v["blob"]) for k, v in files.items())).encode()
                            + str(len(repo.commits)).encode()).hexdigest()
@@ -181,19 +253,30 @@ class FakeHub:
                 pass
 
             def _body(self) -> bytes:
+                return b"".join(self._body_chunks())
+
+            def _body_chunks(self) -> Iterator[bytes]:
+                """The request's body, ``CHUNK`` bytes at most at a time (Content-Length or chunked)."""
                 n = int(self.headers.get("Content-Length") or 0)
-                if n:
-                    return self.rfile.read(n)
+                while n > 0:
+                    part = self.rfile.read(min(n, CHUNK))
+                    if not part:
+                        return  # the client went away: the caller sees a short body
+                    n -= len(part)
+                    yield part
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = b""
                     while True:
                         size = int(self.rfile.readline().strip() or b"0", 16)
                         if size == 0:
                             self.rfile.readline()
-                            return out
-                        out += self.rfile.read(size)
+                            return
+                        while size > 0:
+                            part = self.rfile.read(min(size, CHUNK))
+                            if not part:
+                                return
+                            size -= len(part)
+                            yield part
                         self.rfile.readline()
-                return b""
 
             def _send(self, status: int, obj=None, headers: dict | None = None) -> None:
                 data = b"" if obj is None else json.dumps(obj).encode()
@@ -325,6 +408,7 @@ class FakeHub:
                     objs = []
                     for o in body["objects"]:
                         entry = {"oid": o["oid"], "size": o["size"]}
+                        hub.announced[o["oid"]] = o["size"]
                         if o["oid"] not in hub.lfs:
                             entry["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}",
                                                            "header": {}}}
@@ -333,20 +417,7 @@ class FakeHub:
                     return 200
                 m = re.fullmatch(r"/lfs-upload/([0-9a-f]{64})", path)
                 if m and method == "PUT":
-                    t0 = time.monotonic()
-                    data = self._body()
-                    if hub.upload_bps:  # one link at that rate, shared by concurrent uploads
-                        with hub.lock:
-                            start = max(t0, getattr(hub, "_link_free", 0.0))
-                            hub._link_free = end = start + len(data) / hub.upload_bps
-                        time.sleep(max(0.0, end - time.monotonic()))
-                    if hashlib.sha256(data).hexdigest() != m[1]:
-                        self._send(400, {"error": "sha256 mismatch"})
-                        return 400
-                    hub.lfs[m[1]] = data
-                    self.accepted = 200  # stored: accepted, whether or not the client lives to read the reply
-                    self._send(200, {})
-                    return 200
+                    return self._put(m[1])
                 m = re.fullmatch(r"/api/models/([^/]+)/([^/]+)/commit/(.+)", path)
                 if m and method == "POST":
                     return self._commit(m[1], m[2], m[3], query)
@@ -377,6 +448,38 @@ class FakeHub:
                     return 200
                 self._send(404, {"error": f"no route {method} {path}"})
                 return 404
+
+            def _put(self, oid: str) -> int:
+                """An LFS object's bytes: hashed as they stream in; kept, or with ``keep_uploads`` False only
+                recorded once its sha256 and its size (the one the LFS batch announced) are checked."""
+                t0 = time.monotonic()
+                h, n, kept = hashlib.sha256(), 0, []
+                for part in self._body_chunks():
+                    h.update(part)
+                    n += len(part)
+                    if hub.keep_uploads:
+                        kept.append(part)
+                if hub.upload_bps:  # one link at that rate, shared by concurrent uploads
+                    with hub.lock:
+                        start = max(t0, getattr(hub, "_link_free", 0.0))
+                        hub._link_free = end = start + n / hub.upload_bps
+                    time.sleep(max(0.0, end - time.monotonic()))
+                if h.hexdigest() != oid:
+                    self._send(400, {"error": "sha256 mismatch"})
+                    return 400
+                if oid in hub.announced and hub.announced[oid] != n:
+                    self._send(400, {"error": f"size {n} is not the {hub.announced[oid]} the LFS batch announced"})
+                    return 400
+                if hub.keep_uploads:
+                    hub.lfs[oid] = b"".join(kept)
+                else:
+                    rec = Received(n, time.monotonic())
+                    with hub.lock:
+                        hub.lfs[oid] = rec
+                        hub.received.append((oid, rec))
+                self.accepted = 200  # stored: accepted, whether or not the client lives to read the reply
+                self._send(200, {})
+                return 200
 
             def _at_revision(self, repo: Repo, revision: str) -> dict | None:
                 m = re.fullmatch(r"refs%2Fpr%2F(\d+)|refs/pr/(\d+)", revision)
@@ -409,20 +512,19 @@ class FakeHub:
                 if f is None:
                     self._send(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
                     return 404
-                data = hub.lfs[f["lfs"]] if f["lfs"] else f["content"]
-                if rel in hub.corrupt:
-                    k = hub.corrupt[rel]
-                    data = data[:k] + bytes([data[k] ^ 0xFF]) + data[k + 1:]
-                lo, hi, status = 0, len(data), 200
+                obj = hub.lfs[f["lfs"]] if f["lfs"] else f["content"]
+                if isinstance(obj, Received):
+                    raise AssertionError("the sink keeps no bytes (FakeHub(keep_uploads=False)): nothing to serve")
+                size = obj.size if isinstance(obj, OnDisk) else len(obj)
+                lo, hi, status = 0, size, 200
                 rng = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
                 if rng:
-                    lo, hi, status = int(rng[1]), min(len(data), int(rng[2]) + 1 if rng[2] else len(data)), 206
-                    if lo >= len(data):
+                    lo, hi, status = int(rng[1]), min(size, int(rng[2]) + 1 if rng[2] else size), 206
+                    if lo >= size:
                         self._send(416, {"error": "Requested Range Not Satisfiable"})
                         return 416
-                body = data[lo:hi]
                 self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(hi - lo))
                 self.send_header("Accept-Ranges", "bytes")
                 self.send_header("ETag", f'"{f["lfs"] or f["blob"]}"')
                 self.send_header("X-Repo-Commit", self._commit_of(repo, revision) or revision)
@@ -430,20 +532,22 @@ class FakeHub:
                     self.send_header("X-Linked-Etag", f'"{f["lfs"]}"')
                     self.send_header("X-Linked-Size", str(f["size"]))
                 if status == 206:
-                    self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}")
                 self.end_headers()
                 if method == "HEAD":
                     return status
-                step = 1 << 16
-                for k in range(0, len(body), step):
-                    part = body[k:k + step]
+                key = f"{ns}/{name}/{rel}"
+                for k, part in _ranges(obj, lo, hi, 1 << 16 if isinstance(obj, bytes) else CHUNK):
+                    if rel in hub.corrupt and k <= hub.corrupt[rel] < k + len(part):
+                        j = hub.corrupt[rel] - k
+                        part = part[:j] + bytes([part[j] ^ 0xFF]) + part[j + 1:]
                     hub._throttle(len(part))
                     try:
                         self.wfile.write(part)
                     except (BrokenPipeError, ConnectionResetError):
                         return status
                     with hub.lock:
-                        hub.served[f"{ns}/{name}/{rel}"] = hub.served.get(f"{ns}/{name}/{rel}", 0) + len(part)
+                        hub.served[key] = hub.served.get(key, 0) + len(part)
                 return status
 
             def _commit(self, ns: str, name: str, revision: str, query: dict) -> int:
@@ -485,6 +589,19 @@ class FakeHub:
         return Handler
 
 
+def _ranges(obj: bytes | OnDisk, lo: int, hi: int, step: int) -> Iterator[tuple[int, bytes]]:
+    """``obj``'s bytes ``lo:hi`` as (offset, part) of ``step`` bytes at most; a file's read as they are sent."""
+    if isinstance(obj, bytes):
+        yield from ((k, obj[k:min(hi, k + step)]) for k in range(lo, hi, step))
+        return
+    fd = os.open(obj.path, os.O_RDONLY)
+    try:
+        for k in range(lo, hi, step):
+            yield k, os.pread(fd, min(step, hi - k), k)
+    finally:
+        os.close(fd)
+
+
 def _blob(data: bytes) -> str:
     return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
 
@@ -513,5 +630,5 @@ def assert_arrived(hub: FakeHub, repo_id: str, out: Path, files: dict | None = N
     assert set(repo_files) == set(local), set(repo_files) ^ set(local)
     for name, p in local.items():
         f = repo_files[name]
-        data = hub.lfs[f["lfs"]] if f["lfs"] else f["content"]
+        data = _object_bytes(hub.lfs[f["lfs"]]) if f["lfs"] else f["content"]
         assert data == p.read_bytes(), name

@@ -6,7 +6,6 @@ choice in --stats and in pack's summary."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -511,20 +510,6 @@ def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny
         p._proc.wait()
         with pytest.raises(CandidateLost, match=r"the probe on reference ended \(exit -9\)"):
             p.compute(pickle.dumps((unit, buffers)))
-    finally:
-        p.close()
-
-
-def test_probe_runs_at_its_nice_value(monkeypatch):
-    """``probe.PROBE_NICE``: the probe process's nice value from its start (its threads inherit it)."""
-    from kimi_convert.pipeline import probe
-
-    monkeypatch.setattr(probe, "PROBE_NICE", 6)
-    p = probe.Probe("reference", 1, (128, 128))
-    try:
-        p.ready()
-        assert os.getpriority(os.PRIO_PROCESS, p._proc.pid) == 6
-        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the pack's own
     finally:
         p.close()
 

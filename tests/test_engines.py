@@ -35,6 +35,7 @@ MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "gl
           "mm": "tiny-minimax-m2", "q35": "tiny-qwen3-5-moe", "ds": "tiny-deepseek-v3", "k2": "tiny-kimi-k2",
           "gpt": "tiny-gpt-oss", "ds4": "tiny-deepseek-v4", "ds32": "tiny-deepseek-v3-2", "g5": "tiny-glm5",
           "g47": "tiny-glm4-moe-lite", "m3": "tiny-minimax-m3", "q4": "tiny-qwen4-exp", "k25": "tiny-kimi-k25",
+          "g53": "tiny-glm5-next",
           # Mistral's own layout (params.json, consolidated-*.safetensors): the key is the folder's name, and SGLang
           # reads params.json only where the path holds "mistral-large-3" (mistral_utils.py is_mistral_model)
           "mistral-large-3": "tiny-mistral-large-3"}
@@ -44,7 +45,8 @@ TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
-MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp."}
+MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp.",
+             "g53": "model.language_model.layers.4."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -133,6 +135,9 @@ OUTPUTS = {
     # layers' indexer and q/k/v kept for vLLM's five-shard qkv_proj; docs/families.md, "MiniMax M3")
     "m3": ("m3", None, "source", ENGINES),  # nvfp4-w4a16
     "q4": ("q4", None, "source", ENGINES),  # nvfp4-w4a16; QSA q/k/v/indexer, hyper-connections kept
+    # GLM-5.3-Flash: KDA + DSA (k-pool indexer) + hyper-connections, packed with the derived table (docs/families.md,
+    # "GLM-5.3-Flash")
+    "g53": ("g53", None, "source", ENGINES),  # nvfp4-w4a16
     # Kimi K2.5 / K2.6: INT4 pack-quantized routed experts decoded (encodings/int4_pack.py) and made NVFP4, packed with
     # the derived table and its overlay (docs/families.md, "Kimi K2.5 / K2.6")
     "k25": ("k25", None, "source", ENGINES),  # nvfp4-w4a16
@@ -653,13 +658,15 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
 # -- the MTP layers as each engine's speculative-decoding draft reads them ----------------------------------------
 
 #: Checkpoints with MTP layers: the source itself and the default output (MTP layers kept where a draft cannot take
-#: them quantized, named in the exclude list as each draft asks for them: docs/families.md, "MTP layers").
-DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")]
-#: Drafts an engine cannot load from the default output, for a reason in the engine: SGLang's DeepSeek NextN builds
-#: the MTP layer unquantized under ModelOpt NVFP4, but its ModelOptFp4Config.is_layer_excluded reads an excluded MLA
-#: projection as excluding every layer's, so the main model needs the MTP layer's MLA projections quantized
-#: (mappings/deepseek_v3.toml [mtp] quantize; docs/families.md, "MTP layers").
-DRAFT_REFUSED = {("ds", "output", "sglang"): r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"}
+#: them quantized, named in the exclude list as each draft asks for them: docs/families.md, "MTP layers"); the 2026
+#: families' default output only (one draft check per family: --quantize-mtp writes the same under ModelOpt NVFP4,
+#: SGLang's drafts building the whole MTP layer unquantized).
+DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")] + [
+    (m, "output") for m in ("ds32", "g5", "g47")]
+#: Drafts an engine cannot load from the default output, for a reason in the engine (none now: DeepSeek V3's SGLang
+#: NextN loads since the exclude list spells the kept MTP MLA projections so that SGLang's fused-pattern rule does
+#: not widen them to every layer, convert/engines.py SGLANG_FUSED_TAILS).
+DRAFT_REFUSED: dict[tuple[str, str, str], str] = {}
 DRAFT_PARAMS = [pytest.param(m, kind, e.values[0], marks=e.marks, id=f"{m}-{kind}-{e.id}")
                 for m, kind in DRAFTS for e in ENGINE_PARAMS]
 

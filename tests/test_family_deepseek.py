@@ -97,14 +97,19 @@ def test_pack_keeps_what_the_engines_build_unquantized(ckpts, tmp_path):
             "model.layers.2.shared_head.head", "model.layers.2.mlp.experts", "model.layers.2.self_attn.o_proj",
             "model.layers.2.head", "model.layers.2.mlp.shared_experts.gate_up_proj", "model.shared_head.head",
             "model.decoder.mlp.experts", "model.decoder.self_attn.o_proj"} <= ignore
-    # but its MLA projections quantized: SGLang's ModelOptFp4Config.is_layer_excluded would read an excluded
-    # kv_b_proj as excluding every layer's (the table's [mtp] quantize rule)
-    assert not any(n.endswith(("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "fused_qkv_a_proj",
-                               "fused_qkv_a_proj_with_mqa")) for n in ignore)
+    # its MLA projections kept too, each named with a trailing "*": SGLang's ModelOptQuantConfig.is_layer_excluded
+    # reads an entry ending in q_a_proj / q_b_proj / kv_a_proj_with_mqa / kv_b_proj as that projection of EVERY
+    # layer (modelopt_quant.py, its fused_patterns), which "...kv_b_proj*" is not; both engines' globs still match it
+    mla = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    assert {f"model.layers.2.self_attn.{p}*" for p in mla} | {"model.layers.2.self_attn.fused_qkv_a_proj",
+                                                             "model.decoder.self_attn.fused_qkv_a_proj_with_mqa",
+                                                             "model.decoder.self_attn.kv_b_proj*"} <= ignore
+    assert not any(n.rpartition(".")[2] in mla for n in ignore)
     assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in ignore - {"model.layers.1.mlp.gate"})
     t = read_tensors(out)
     assert not any(n.endswith("weight_scale_inv") for n in t)  # the FP8 source decoded, its scales consumed
     assert t["model.layers.2.eh_proj.weight"].dtype == torch.bfloat16
+    assert t["model.layers.2.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
     assert t["model.layers.2.embed_tokens.weight"].dtype == torch.bfloat16
     for layer in (1,):
         for e in range(8):

@@ -173,8 +173,10 @@ def test_byte_identical_to_modelopts_own_converter(src: Path, tmp_path: Path):
 def test_shipped_derived_tables_are_the_engines_answers():
     """mappings/derived/deepseek_v4.toml and deepseek_v32.toml are what the recorded answers of vLLM 0.33.0 and
     SGLang 0.5.23 give (``mapping derive ... --answers``, rebuilt without the engines)."""
-    from kimi_convert.derive import from_views, load_answers
+    from kimi_convert.derive import from_views, load_answers, load_draft_answers
 
     for preset, table in (("tiny-deepseek-v4", "deepseek_v4"), ("tiny-deepseek-v3-2", "deepseek_v32")):
-        d = from_views(*load_answers(REPO / "tests" / "derived" / f"{preset}.answers.json"))
+        drafts = REPO / "tests" / "derived" / f"{preset}.draft-answers.json"  # the [mtp] drafts' (tests/test_mtp.py)
+        d = from_views(*load_answers(REPO / "tests" / "derived" / f"{preset}.answers.json"),
+                       load_draft_answers(drafts) if drafts.is_file() else None)
         assert d.text == (REPO / "mappings" / "derived" / f"{table}.toml").read_text(), table

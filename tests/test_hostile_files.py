@@ -255,15 +255,16 @@ def test_space_message_shows_the_numbers(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from kimi_convert import pack as pack_mod
+    from kimi_convert import outfolder
+    from kimi_convert.progress import human_bytes
 
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 2048, 2048))
     Shard = namedtuple("Shard", "size")
     with pytest.raises(ConvertError) as e:
-        pack_mod._check_space(tmp_path, [Shard(1_500_000), Shard(3000)])
+        outfolder.check_space(tmp_path, [Shard(1_500_000), Shard(3000)])
     assert "needs 1.50 MB for 2 shard(s), 2.05 kB free" in str(e.value), e.value
-    assert pack_mod.human_bytes(0) == "0 B" and pack_mod.human_bytes(7_200_000_000_000) == "7.20 TB"
+    assert human_bytes(0) == "0 B" and human_bytes(7_200_000_000_000) == "7.20 TB"
 
 
 # --- item 1: an E8M0 NaN scale byte in a routed expert the cast converts ------------------------------------

@@ -96,6 +96,22 @@ def test_check_layers_refuses_a_config_and_checkpoint_that_disagree():
         mtp.check_layers(names, value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 0}), m)
 
 
+def test_a_numbered_block_is_held_to_the_config_count():
+    """DeepSeek V4's ``mtp.0.*`` (and Qwen3.5's ``mtp.layers.0.*``) under a block prefix: the count is checked per
+    numbered layer too."""
+    m = mtp.parse({"prefix": "mtp.", "count": ["num_nextn_predict_layers"]}, "t")
+    names = ["layers.0.ffn.gate.weight", "mtp.0.e_proj.weight", "mtp.0.ffn.gate.weight"]
+    mtp.check_layers(names, value_of({"num_nextn_predict_layers": 1}), m)
+    with pytest.raises(ConvertError, match=r"announces MTP layer mtp\.1\.\* but the checkpoint stores no tensor"):
+        mtp.check_layers(names, value_of({"num_nextn_predict_layers": 2}), m)
+    with pytest.raises(ConvertError, match=r"mtp\.1\.\*: an MTP layer, but .* announces only 1"):
+        mtp.check_layers([*names, "mtp.1.e_proj.weight"], value_of({"num_nextn_predict_layers": 1}), m)
+    q = ["mtp.fc.weight", "mtp.layers.0.mlp.gate.weight"]
+    with pytest.raises(ConvertError, match=r"announces MTP layer mtp\.layers\.1\.\*"):
+        mtp.check_layers(q, value_of({"mtp_num_hidden_layers": 2}), mtp.parse({"prefix": "mtp.", "count": [
+            "mtp_num_hidden_layers"]}, "t"))
+
+
 # -- the derivation's rules, on answers written by hand in the runners' format -----------------------------------
 
 
@@ -191,6 +207,46 @@ def test_a_missing_mtp_shard_is_named_with_what_the_index_lists_in_it(glm, tmp_p
     assert f"names missing file '{shard}'" in err and "model.layers.3.eh_proj.weight" in err
 
 
+#: The 2026 families' MTP layers (issue 39 item 4): preset, the layer's prefix with two layers announced, the
+#: tensor its shard holds (each writer's own layout: docs/families.md).
+NEW_FAMILIES = {
+    "tiny-glm5": ("model.layers.5.", "model.layers.4.eh_proj.weight"),
+    "tiny-glm4-moe-lite": ("model.layers.3.", "model.layers.2.eh_proj.weight"),
+    "tiny-deepseek-v3-2": ("model.layers.3.", "model.layers.2.eh_proj.weight"),
+    "tiny-deepseek-v4": ("mtp.1.", "mtp.0.e_proj.weight"),
+}
+
+
+def _family_source(preset: str, dst: Path) -> Path:
+    from family_fixtures import deepseek_v4, deepseek_v32
+
+    writers = {"tiny-deepseek-v4": deepseek_v4.write, "tiny-deepseek-v3-2": deepseek_v32.write}
+    return writers[preset](dst) if preset in writers else write_synth(preset, dst)
+
+
+@pytest.mark.parametrize("preset", sorted(NEW_FAMILIES))
+def test_new_families_mtp_bad_input_is_one_line_before_any_work(preset, tmp_path):
+    """Each bad input of issue 39 item 4 on the 2026 families' own layouts: exit 2, one line naming it, in plan
+    (before any tensor is read)."""
+    more, tensor = NEW_FAMILIES[preset]
+    src = _family_source(preset, tmp_path / "src")
+    assert run("plan", src).code == 0
+    r = run("plan", _config(src, tmp_path / "more", num_nextn_predict_layers=2))
+    assert r.code == 2 and f"announces MTP layer {more}* but the checkpoint stores no tensor" in one_line_error(r)
+    r = run("plan", _config(src, tmp_path / "none", num_nextn_predict_layers=0))
+    assert r.code == 2 and "announces no MTP layer" in one_line_error(r)
+    assert one_line_error(r).startswith(f"kimi-convert: error: {tensor.split('.')[0]}.")
+    lost = tmp_path / "lost"
+    shutil.copytree(src, lost)
+    index = json.loads((lost / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index[tensor]
+    (lost / shard).unlink()
+    r = run("plan", lost)
+    assert r.code == 2
+    held = sum(f == shard for f in index.values())  # the line says how much the index lists in the lost file
+    assert f"names missing file '{shard}' (the index lists {held} tensor(s) in it" in one_line_error(r)
+
+
 @pytest.mark.parametrize(("preset", "table"), [("tiny-glm4-moe", "glm4_moe"), ("tiny-deepseek-v3", "deepseek_v3"),
                                                ("tiny-qwen3-5-moe", "qwen3_5_moe")])
 def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
@@ -213,6 +269,33 @@ def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
     assert {d["engine"] for d in derived["draft"]} == {"vllm", "sglang"}
     sglang = next(d for d in derived["draft"] if d["engine"] == "sglang")
     assert "modelopt" not in sglang["quantized"]  # SGLang's draft builds the MTP layer unquantized under ModelOpt
+
+
+#: The 2026 families' derived tables (mappings/derived/) with the [mtp] their drafts answered
+DERIVED_WITH_DRAFTS = {"tiny-glm5": "glm_moe_dsa", "tiny-glm4-moe-lite": "glm4_moe_lite",
+                       "tiny-deepseek-v3-2": "deepseek_v32", "tiny-deepseek-v4": "deepseek_v4"}
+
+
+@pytest.mark.parametrize("preset", sorted(DERIVED_WITH_DRAFTS))
+def test_derived_tables_mtp_is_what_the_engines_drafts_answered(preset):
+    """mappings/derived/TABLE.toml is the table the recorded answers give, main models' and drafts'
+    (tests/derived/PRESET.answers.json and PRESET.draft-answers.json, both from `kimi-convert mapping derive
+    --answers`), and its [mtp] names both engines' drafts."""
+    import tomllib
+
+    from kimi_convert.derive import from_views, load_answers, load_draft_answers
+
+    answers = Path(__file__).parent / "derived"
+    drafts = load_draft_answers(answers / f"{preset}.draft-answers.json")
+    d = from_views(*load_answers(answers / f"{preset}.answers.json"), drafts)
+    shipped = Path(__file__).resolve().parents[1] / "mappings" / "derived" / f"{DERIVED_WITH_DRAFTS[preset]}.toml"
+    assert d.text == shipped.read_text()
+    table = tomllib.loads(d.text)["mtp"]
+    assert {x["engine"] for x in table["draft"]} == {"vllm", "sglang"}
+    sglang = next(x for x in table["draft"] if x["engine"] == "sglang")
+    # SGLang's DeepSeek / GLM NextN set quant_config None under modelopt_fp4 (deepseek_nextn.py, glm4_moe_nextn.py);
+    # its DeepSeek V4 NextN (deepseek_v4_nextn.py DeepseekV4ModelNextN) builds the layer with the model's quant config
+    assert ("modelopt" in sglang["quantized"]) == (preset == "tiny-deepseek-v4")
 
 
 def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts(glm):

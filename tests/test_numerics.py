@@ -151,3 +151,17 @@ def test_the_runner_reads_our_formats_as_the_writers_define_them():
     q, s = fp8_block.quantize(w.to(torch.bfloat16))
     assert torch.equal(runner_numerics.fp8_block(q, s), fp8_block.dequantize(q, s))
     assert torch.equal(runner_numerics.fp8_block(q, s.reshape(s.shape[0], s.shape[2])), fp8_block.dequantize(q, s))
+
+
+def test_rows_placed_past_the_read_parameter_are_one_line_not_a_traceback(tmp_path):
+    """The breadth run's Afmoe fixture: the numeric check raised from ``_row_err`` where the rows a write placed were
+    not rows of the engine's read (fewer rows; a 3-D read with no expert index). Each is now a problem line."""
+    src = _weights(128, 64, 0)
+    for w, row, shown in ((src[:64].clone(), 0, "[64, 64]"), (torch.stack([src, src]), 0, "[2, 128, 64]"),
+                          (src.clone(), -128, "[128, 64]")):  # a row before the start: w[-128:0] reads no row
+        rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "format": "dense", "dtype": "bfloat16"}, w,
+                       {"a.weight": [{"param": "m.weight", "row": row, "rows": 128, "src_row": 0}]},
+                       FakeSources({"a.weight": src}))
+        assert not rep.ok
+        assert rep.failures() == [f"vllm: m.weight rows {row}..{row + 127} hold a.weight [128, 64], but the engine's "
+                                  f"read of the parameter is {shown}: the rows placed are not rows of it"]

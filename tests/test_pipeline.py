@@ -131,7 +131,7 @@ def test_an_idle_file_hash_woken_asks_may_take_again(tmp_path, pool):
 def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, tmp_path, monkeypatch):
     """The input files' chains read ahead of the stream themselves while it waits for the runner (torch and the
     device: here made to take 1 s), not while it runs (then they hash what it reads: reading the same bytes beside
-    it made them wait on the disk); ``stream.TAKE_ANYTIME`` restores reading ahead whenever a chain runs dry."""
+    it made them wait on the disk)."""
     from kimi_convert.pipeline import budgets
 
     monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 1 << 40)
@@ -141,7 +141,7 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
     monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)  # many pieces: the stream reads them one by one
     size = sum(p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
 
-    def packed(name: str, stall: float, anytime: bool) -> tuple[int, dict]:
+    def packed(name: str, stall: float) -> tuple[int, dict]:
         made = budgets.Shared.runner
 
         def slow(self, device, block):
@@ -149,29 +149,26 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
             return made(self, device, block)
 
         monkeypatch.setattr(budgets.Shared, "runner", slow)
-        monkeypatch.setattr(pipeline.stream, "TAKE_ANYTIME", anytime)
         monkeypatch.setattr(pipeline.budgets.Shared, "early_takes", lambda self, unit, device: False)  # via torch
         out = tmp_path / name
         r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
         monkeypatch.setattr(budgets.Shared, "runner", made)
         return r.stats.hash_reread, tree(out)
 
-    running, ref = packed("running", 0, False)
-    stalled, out = packed("stalled", 1.0, False)
-    anytime, other = packed("anytime", 0, True)
-    assert out == ref and other == ref
+    running, ref = packed("running", 0)
+    stalled, out = packed("stalled", 1.0)
+    assert out == ref
     import json
 
     inputs = {f["file"]: f["sha256"] for f in json.loads(ref["manifest.json"])["inputs"]}
     assert inputs and all(hashlib.sha256((tiny_k3 / f).read_bytes()).hexdigest() == h for f, h in inputs.items())
     assert running < size // 10  # headers and gaps only
-    assert stalled > size // 2 and anytime > size // 2, (running, stalled, anytime, size)
+    assert stalled > size // 2, (running, stalled, size)
 
 
-def test_read_hints_come_from_a_thread_of_their_own_and_reach_the_window(tiny_k3, tmp_path, monkeypatch):
+def test_read_hints_come_from_a_thread_of_their_own(tiny_k3, tmp_path, monkeypatch):
     """Every read hint is given on the hint thread, never the reader's (a hint blocks while the disk's queue is
-    full): with ``READ_WINDOW`` 0 the next piece at each read, with a window every piece up to it at once. The bytes
-    written are the same either way."""
+    full): the next piece at each read."""
     from kimi_convert import readers
 
     monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
@@ -193,13 +190,6 @@ def test_read_hints_come_from_a_thread_of_their_own_and_reach_the_window(tiny_k3
     pack(tiny_k3, tmp_path / "plain", opts, device="cpu", progress=False)
     assert threads and all(t.startswith("kimi-convert-hints") for t in threads), threads
     assert len(batches) > 100 and set(batches) == {1}  # the next piece, read by read
-    threads.clear()
-    batches.clear()
-    monkeypatch.setattr(pipeline.stream, "READ_WINDOW", 1 << 30)  # the whole input
-    pack(tiny_k3, tmp_path / "window", opts, device="cpu", progress=False)
-    assert threads and all(t.startswith("kimi-convert-hints") for t in threads), threads
-    assert batches[0] > 100 and len(batches) < 5  # every piece of the stream, at its first read
-    assert tree(tmp_path / "window") == tree(tmp_path / "plain")
 
 
 def test_the_startup_readahead_runs_only_where_a_stream_will_wait_for_torch(tiny_k3, tmp_path, monkeypatch):

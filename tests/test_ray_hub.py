@@ -137,7 +137,7 @@ def test_a_task_bound_too_small_is_one_line_before_any_download(hub, cluster, sr
 
 def test_a_node_that_does_not_see_the_output_is_one_line(tmp_path):
     from kimi_convert.errors import ConvertError
-    from kimi_convert.rayhub import check_probe, remove_probe, write_probe
+    from kimi_convert.sources.hubstage import check_probe, remove_probe, write_probe
 
     nonce = write_probe(tmp_path)
     check_probe(tmp_path, nonce)  # the driver's folder

@@ -47,20 +47,25 @@ class Derived:
     versions: dict[str, str]
 
 
-def _view(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.EngineView:
+def view_of(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.EngineView:
     err = trace.get("error")
     if err is not None:
         where = f" (loading {err['tensor']})" if err.get("tensor") else ""
         raise ConvertError(f"{engine} {trace.get('version')}: cannot build or load the architecture{where}: "
                            f"{err['type']}: {err['message'].splitlines()[0] if err['message'] else ''}")
-    for fmt, b in builds.items():
-        if b.get("error") is not None:
-            raise ConvertError(f"{engine} {b.get('version')}: cannot build the architecture under a {fmt} config: "
-                               f"{b['error']['type']}: {(b['error']['message'] or '').splitlines()[0]}")
+    # a format the engine cannot build the model under says nothing of that format (vLLM 0.33 cannot build K3 under
+    # compressed-tensors: its output in that format cannot load there anyway); the table's header says so
+    failed = {fmt: f"{b['error']['type']}: {(b['error']['message'] or '').splitlines()[0]}"
+              for fmt, b in builds.items() if b.get("error") is not None}
+    if failed and len(failed) == len(builds):
+        fmt, why = next(iter(failed.items()))
+        raise ConvertError(f"{engine} {trace.get('version')}: cannot build the architecture under a {fmt} config: "
+                           f"{why}")
     return table_mod.EngineView(
         engine, trace["version"], trace.get("model_class", "?"), trace.get("spans", []),
         [s["tensor"] for s in trace.get("skipped", [])], [s["tensor"] for s in trace.get("mtp_skipped", [])],
-        trace.get("modules", {}), {fmt: b.get("modules", {}) for fmt, b in builds.items()})
+        trace.get("modules", {}), {fmt: b.get("modules", {}) for fmt, b in builds.items() if fmt not in failed},
+        failed)
 
 
 def ask_engine(engine: str, dirs: dict[str, Path]) -> table_mod.EngineView:
@@ -69,7 +74,7 @@ def ask_engine(engine: str, dirs: dict[str, Path]) -> table_mod.EngineView:
 
     trace = run_derive(dirs["plain"], engine, "trace", dirs["weights"])
     builds = {fmt: run_derive(dirs[fmt], engine, "build") for fmt in FORMATS}
-    return _view(engine, trace, builds)
+    return view_of(engine, trace, builds)
 
 
 def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp: dict) -> str:
@@ -77,6 +82,9 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
              f"(model_type {config.get('model_type')!r}) from the engines' own model classes:"]
     for v in views:
         lines.append(f"#   {v.label}: {v.model_class}")
+    for v in views:
+        for fmt, why in v.build_errors.items():
+            lines.append(f"# {v.label}: cannot build the model under a {fmt} config ({why[:160]}): nothing read of it")
     for e, names in mtp.items():
         if names:
             lines.append(f"# {e}: {len(names)} MTP tensors its main model drops on purpose (its draft loads them)")
@@ -87,15 +95,18 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
     return "\n".join(lines) + "\n"
 
 
-def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES) -> tuple[list[table_mod.EngineView], dict, dict]:
-    """Each engine's answers for ``ckpt``'s architecture, the stand-in's logical shapes, and, where a main model
-    drops MTP layers, each engine's speculative-decoding draft's answers (``draft.ask``)."""
+def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES
+        ) -> tuple[list[table_mod.EngineView], dict, dict, dict]:
+    """Each engine's answers for ``ckpt``'s architecture, the stand-in's config and logical shapes, and, where a
+    main model drops MTP layers, each engine's speculative-decoding draft's answers (``draft.ask``). The config is
+    the stand-in's: a reduced stand-in's names (its MTP layer renumbered after the kept layers) are read against the
+    config that numbers them so; the table holds config paths only, which the full config then resolves."""
     s = standin_mod.make(ckpt)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp, _zygotes(Path(tmp) / "servers"):
         dirs = standin_mod.write(s, Path(tmp))
         views = [ask_engine(e, dirs) for e in engines]
         drafts = draft_mod.ask(dirs, engines, FORMATS) if any(v.mtp_skipped for v in views) else {}
-    return views, {n: list(shape) for n, shape, _ in s.tensors}, drafts
+    return views, s.config, {n: list(shape) for n, shape, _ in s.tensors}, drafts
 
 
 @contextlib.contextmanager
@@ -116,11 +127,32 @@ def _zygotes(folder: Path):
         stop_all(folder)
 
 
+def _draft_views(drafts: dict) -> list[table_mod.EngineView]:
+    """Each engine's draft model's trace and builds as a view (its packed modules in the MTP layers); a draft that
+    failed says nothing."""
+    out = []
+    for engine, a in sorted(drafts.items()):
+        trace = a.get("trace", {})
+        if trace.get("error") is None and trace.get("spans"):
+            out.append(table_mod.EngineView(engine, trace.get("version", "?"), trace.get("model_class", "?"),
+                                            trace["spans"], [], [], trace.get("modules", {}),
+                                            {f: b.get("modules", {}) for f, b in a.get("builds", {}).items()}))
+    return out
+
+
 def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None) -> Derived:
     """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``)."""
-    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()})
-    mtp = draft_mod.section(sorted({n for v in views for n in v.mtp_skipped}), config, drafts or {})
+    unsplit = [line for v in views for line in table_mod.unsplit_banks(v, {n: tuple(s) for n, s in shapes.items()})]
+    if unsplit:
+        more = f" (+{len(unsplit) - 1} more)" if len(unsplit) > 1 else ""
+        raise ConvertError(f"{unsplit[0]}{more}; the routed experts' rules cannot be derived: write a table by hand "
+                           "and pass it with --mapping")
+    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()}, _draft_views(drafts or {}))
+    mtp_names = sorted({n for v in views for n in v.mtp_skipped})
+    mtp = draft_mod.section(mtp_names, config, drafts or {})
     if mtp is not None:
+        if extra := draft_mod.mtp_embeddings(mtp_names, config, drafts or {}):  # the MTP layer's own embedding
+            t["not_linear"] = list(dict.fromkeys([*t.get("not_linear", []), *extra]))
         t["mtp"] = mtp
     skipped = {v.engine: v.skipped for v in views}
     mtp = {v.engine: v.mtp_skipped for v in views}
@@ -150,20 +182,25 @@ def load_draft_answers(path: Path) -> dict:
 def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None) -> Derived:
     """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
     ``answers``, the engines' raw answers are written there too."""
-    views, shapes, drafts = ask(ckpt, engines)
+    views, config, shapes, drafts = ask(ckpt, engines)
     if answers is not None:
-        save_answers(answers, views, ckpt.config, shapes, drafts)
-    return from_views(views, ckpt.config, shapes, drafts)
+        save_answers(answers, views, config, shapes, drafts)
+    return from_views(views, config, shapes, drafts)
 
 
 def merge(derived: dict, overlay: dict) -> dict:
     """A hand overlay over a derived table: scalar keys replace, lists of rules and groups are appended (an overlay
-    group of the same name, engines and parents replaces the derived one)."""
+    group of the same name, engines and parents replaces the derived one), tables are merged key by key (an
+    overlay's ``[mtp] quantize`` beside the derived ``[mtp]``)."""
     out = dict(derived)
     for k, v in overlay.items():
-        if isinstance(v, list) and isinstance(out.get(k), list):
-            if k in ("group", "scale_group"):
-                def key(g: dict) -> tuple:
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        elif isinstance(v, list) and isinstance(out.get(k), list):
+            if k in ("group", "scale_group", "draft"):  # an [[mtp.draft]] of the same engine replaces the derived one
+                def key(g: dict, k: str = k) -> tuple:
+                    if k == "draft":
+                        return (g.get("engine"),)
                     return g["name"], tuple(g.get("engines", ())), tuple(g.get("parents", ()))
                 mine = {key(g) for g in v}
                 out[k] = [g for g in out[k] if key(g) not in mine] + list(v)

@@ -97,6 +97,32 @@ def _unquantized(method: str | None, kind: str) -> bool:
     return kind == "other" or method is None or "Unquantized" in method
 
 
+def _is_head(info: dict) -> bool:
+    """An output head (``ParallelLMHead``): an embedding class the engines quantize like a linear layer where its
+    config does (vLLM's DeepSeekMTP builds the MTP layer's ``shared_head.head`` with ModelOpt's linear method, and
+    with ``UnquantizedEmbeddingMethod`` under compressed-tensors)."""
+    return "LMHead" in (info.get("class") or "")
+
+
+def embeddings(drafts: dict[str, dict], loc: dict, mtp_prefixes: list[str]) -> list[str]:
+    """Globs of the MTP source modules some draft loads into an embedding that is no output head (the MTP layer's
+    own ``embed_tokens``, which vLLM's DeepSeekMTP reads into its ``model.embed_tokens``): ``not_linear``."""
+    out: set[str] = set()
+    for answers in drafts.values():
+        trace = answers.get("trace", {})
+        mods = trace.get("modules", {})
+        for s in trace.get("spans", []):
+            src, param = s["tensor"], s["param"]
+            if not (src.endswith(".weight") and src.startswith(tuple(mtp_prefixes))):
+                continue
+            info = mods.get(param.rpartition(".")[0]) or next(
+                (b.get("modules", {}).get(param.rpartition(".")[0]) for b in answers.get("builds", {}).values()
+                 if param.rpartition(".")[0] in b.get("modules", {})), None)
+            if info and info.get("kind") == "embedding" and not _is_head(info):
+                out.add(_templ(src[: -len(".weight")], mtp_prefixes, loc["prefix"]).replace("{n}", "*"))
+    return sorted(out)
+
+
 def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str]) -> dict:
     """One engine's ``[[mtp.draft]]`` from its answers (see the module docstring)."""
     trace = answers["trace"]
@@ -121,7 +147,8 @@ def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str]) 
         any_q = False
         for src, attr in sorted(land.items()):
             info = mods.get(attr)
-            if info is None or info.get("kind") == "embedding" or not src.startswith(tuple(mtp_prefixes)) or (
+            if info is None or (info.get("kind") == "embedding" and not _is_head(info)) or not src.startswith(
+                    tuple(mtp_prefixes)) or (
                     info.get("kind") == "other" and len(info.get("params", {}).get("weight", ())) != 2):  # a norm
                 continue
             if _unquantized(info.get("quant_method"), info.get("kind", "other")):
@@ -156,3 +183,15 @@ def section(mtp_names: list[str], config: dict, drafts: dict[str, dict]) -> dict
     out["reason"] = "the engines' main models drop these layers on purpose; their speculative-decoding drafts load them"
     out["draft"] = [draft_entry(e, a, loc, prefixes) for e, a in sorted(drafts.items())]
     return out
+
+
+def mtp_embeddings(mtp_names: list[str], config: dict, drafts: dict[str, dict]) -> list[str]:
+    """:func:`embeddings` of the MTP layers the main models drop (none where they drop none)."""
+    loc = locate(mtp_names, config)
+    if loc is None:
+        return []
+    text, _ = _text(config)
+    n = next((text.get(k) for k in loc.get("count", []) if isinstance(text.get(k), int)), 1)
+    prefixes = ([loc["prefix"].replace("{n}", str(text["num_hidden_layers"] + i)) for i in range(n)]
+                if "{n}" in loc["prefix"] else [loc["prefix"]])
+    return embeddings(drafts, loc, prefixes)

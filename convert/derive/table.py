@@ -14,6 +14,9 @@ The rules, each the hand tables' own (docs/families.md), now read off the engine
   parameter by both) is ``not_linear``; a non-2-D weight an engine builds as a linear layer (conv1d) is ``linear``.
 - Names are templated: ``layers.N`` -> ``layers.{layer}``, ``experts.N`` -> ``experts.{expert}`` (a rule applies where
   its members exist, in whichever layers those are).
+- The drafts' packed modules (the MTP layers the main models drop) are groups too; a tied head an engine would build
+  quantized is ``[lm_head] exclude_tied``; routed experts the stand-in cannot show per expert (a fused 3-D bank) are
+  refused (:func:`unsplit_banks`).
 
 Pure: no engine, no torch; the engines' results come in as the runners' JSON (``runner_common.describe`` /
 ``spans``).
@@ -27,14 +30,14 @@ from dataclasses import dataclass, field
 
 from .reduce import EXPERT_KEYS
 
-_LAYER = re.compile(r"(^|\.)layers\.\d+(?=\.)")
+_LAYER = re.compile(r"(^|\.)(layers|blocks)\.\d+(?=\.)")  # a vision tower's blocks are numbered like layers
 _EXPERT = re.compile(r"\.experts\.\d+(?=\.|$)")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def template(name: str) -> str:
     """``model.layers.3.mlp.experts.7.w1`` -> ``model.layers.{layer}.mlp.experts.{expert}.w1``."""
-    return _EXPERT.sub(".experts.{expert}", _LAYER.sub(r"\1layers.{layer}", name))
+    return _EXPERT.sub(".experts.{expert}", _LAYER.sub(r"\1\2.{layer}", name))
 
 
 def glob(name: str) -> str:
@@ -59,6 +62,7 @@ class EngineView:
     mtp_skipped: list[str]
     modules: dict[str, dict]  # plain build
     quant_modules: dict[str, dict[str, dict]] = field(default_factory=dict)  # format -> modules
+    build_errors: dict[str, str] = field(default_factory=dict)  # format -> why the engine could not build under it
 
     @property
     def label(self) -> str:
@@ -104,6 +108,7 @@ class Fusion:
     same_rows: bool
     layers: set[int] = field(default_factory=set)  # the decoder layers it was seen in
     unquantized_only: bool = False  # the engine builds it only for an unquantized model
+    model_class: str = ""  # the model (main or draft) whose load_weights filled it
 
 
 def fusions(view: EngineView) -> list[Fusion]:
@@ -133,7 +138,8 @@ def fusions(view: EngineView) -> list[Fusion]:
                        mod.get("class", "?"), mod.get("file", "?"), len(rows) == 1,
                        unquantized_only=not in_quant_builds(view, engine_module(param)))
             f = seen.setdefault((f.name, f.members, f.parent), f)
-            if (n := _layer_of(parent)) is not None:
+            # a decoder layer's number (an MTP block's mtp.layers.0 is no decoder layer 0: MiniMax M3)
+            if (n := _layer_of(parent)) is not None and "mtp." not in f".{parent}":
                 f.layers.add(n)
     return list(seen.values())
 
@@ -151,6 +157,32 @@ def in_quant_builds(view: EngineView, module: str) -> bool:
     ``fused_qkvbfg_a_proj`` and ``fused_fg_b_proj`` only for an unquantized one)."""
     builds = [mods for mods in view.quant_modules.values() if mods]
     return not builds or any(module in mods for mods in builds)
+
+
+def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """Why the engine's routed experts cannot be read off the stand-in, one line each (empty: they can):
+
+    - a source weight that fills several experts of the engine's bank in one tensor (GraniteMoe's
+      ``input_linear`` [E, 2I, H] into ``w13_weight``; a BF16 gpt-oss ``gate_up_proj``): a fused 3-D bank, which
+      this tool quantizes only as per-expert modules;
+    - a per-expert source weight (``experts.N.x``) the loader put nowhere in a layer where the engine builds a
+      bank (gpt-oss, whose plain build reads the experts only under the release's 3-D names): the bank's
+      members and fusions are not seen.
+    """
+    out = []
+    for s in view.spans:
+        mod = view.modules.get(engine_module(s["param"]), {})
+        # the offered tensor's own shape (a loader that writes a bank expert by expert records one write's)
+        shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
+        if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1:
+            out.append(f"{s['tensor']} {list(shape)} fills every expert of {view.label}'s {s['param']} in one tensor: "
+                       "a fused 3-D expert bank, which this tool quantizes only as per-expert modules")
+    banks = {_layer_of(m) for m, info in view.modules.items() if info.get("kind") == "moe"}
+    for t in view.skipped:
+        if _EXPERT.search(t) and t.endswith(".weight") and _layer_of(t) in banks:
+            out.append(f"{t}: {view.label}'s loader puts this expert weight nowhere although it builds a routed-expert "
+                       "bank in its layer (it reads the experts under other names, such as a release's 3-D bank)")
+    return out
 
 
 def _bank_name(param: str) -> str:
@@ -182,7 +214,10 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
             if any(alt in mods for mods in view.quant_modules.values()):
                 em = alt
         plain = view.modules.get(em) or next((mods[em] for mods in view.quant_modules.values() if em in mods), {})
-        qm = {fmt: mods.get(em, {}).get("quant_method") for fmt, mods in view.quant_modules.items()}
+        # a format's build that lacks the module may build the source's own module under another class (SGLang's
+        # ModelOpt Mixtral is QuantMixtralForCausalLM: one linear layer per expert and member): its method then
+        qm = {fmt: (mods.get(em) or mods.get(ld.module) or {}).get("quant_method")
+              for fmt, mods in view.quant_modules.items()}
         # a module a format's build lacks or leaves without a quant method (SGLang fuses GLM's shared experts into
         # the routed bank under compressed-tensors) says nothing of that format: only an Unquantized* method keeps
         out[ld.module] = Verdict(plain.get("kind", "absent"),
@@ -195,8 +230,8 @@ def verdicts(view: EngineView) -> dict[str, Verdict]:
 def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_classes: dict[str, str]) -> dict:
     f = found[0][1]
     engines = [e for e, _ in found]
-    who = "; ".join(f"{labels[e]} {model_classes[e]}.load_weights fills {g.name} ({g.engine_class}, {g.engine_file})"
-                    for e, g in found)
+    who = "; ".join(f"{labels[e]} {g.model_class or model_classes[e]}.load_weights fills {g.name} ({g.engine_class}, "
+                    f"{g.engine_file})" for e, g in found)
     entry: dict = {"name": f.name, "members": list(f.members), "parents": [f.parent],
                    "_layers": sorted(set().union(*(g.layers for _, g in found)))}
     if f.op != "cat":
@@ -211,20 +246,31 @@ def _group_entry(found: list[tuple[str, Fusion]], labels: dict[str, str], model_
     return entry
 
 
-def _groups(views: list[EngineView]) -> tuple[list[dict], list[dict], list[str]]:
-    """([[group]], [[scale_group]], expert_sets) from both engines' packed modules."""
+def _all_fusions(views: list[EngineView], drafts: list[EngineView]) -> list[tuple[str, Fusion]]:
+    """(engine, fusion) of the main models, then those of the drafts (the MTP layers the main models drop: Qwen3.5's
+    ``mtp.layers.N.self_attn`` ``qkv_proj``), each named after the model that filled it."""
+    out = []
+    for v in [*views, *drafts]:
+        for f in fusions(v):
+            f.model_class = v.model_class.rpartition(".")[2]
+            out.append((v.engine, f))
+    return out
+
+
+def _groups(views: list[EngineView], drafts: list[EngineView] = ()) -> tuple[list[dict], list[dict], list[str]]:
+    """([[group]], [[scale_group]], expert_sets) from both engines' packed modules (the drafts' too)."""
     labels = {v.engine: v.label for v in views}
     classes = {v.engine: v.model_class.rpartition(".")[2] for v in views}
     found: dict[tuple, list[tuple[str, Fusion]]] = {}
-    for v in views:
-        for f in fusions(v):
-            # a bank's members share one global scale whatever order an engine stacks them in (SGLang's w13 may
-            # hold up before gate): one scale group
-            # one fusion of the same members in both engines is one group (named as the first engine names it:
-            # vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa hold one global scale alike)
-            members = tuple(sorted(f.members)) if f.experts else f.members
-            key = (f.name if f.experts else "", members, f.parent, f.op, f.experts)
-            found.setdefault(key, []).append((v.engine, f))
+    for engine, f in _all_fusions(views, list(drafts)):
+        # a bank's members share one global scale whatever order an engine stacks them in (SGLang's w13 may
+        # hold up before gate): one scale group
+        # one fusion of the same members in both engines is one group (named as the first engine names it:
+        # vLLM's fused_qkv_a_proj and SGLang's fused_qkv_a_proj_with_mqa hold one global scale alike)
+        members = tuple(sorted(f.members)) if f.experts else f.members
+        key = (f.name if f.experts else "", members, f.parent, f.op, f.experts)
+        if all(e != engine for e, _ in found.get(key, [])):  # a draft's fusion the main model has: once
+            found.setdefault(key, []).append((engine, f))
     groups, scale_groups, sets = [], [], []
     names: dict[tuple, int] = defaultdict(int)
     for pairs in found.values():
@@ -259,7 +305,8 @@ def _dedupe(entries: list[dict]) -> list[dict]:
     ``gate_proj``/``up_proj``) is named apart (``w13_2``): a table's groups of one name must differ in engines."""
     out: list[dict] = []
     for e in entries:
-        same = next((o for o in out if o["_bank"] == e["name"] and o["members"] == e["members"]), None)
+        same = next((o for o in out if o["_bank"] == e["name"] and sorted(o["members"]) == sorted(e["members"])),
+                    None)  # one bank's members, whatever order an engine stacks them in
         if same is None:
             n = sum(o["_bank"] == e["name"] for o in out)
             out.append({**e, "_bank": e["name"], "name": f"{e['name']}_{n + 1}" if n else e["name"]})
@@ -326,7 +373,9 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
 #: config key -> the [moe] field that reads it (plan.consistency: which decoder layers hold experts), by the
 #: meaning these keys have in every config that carries them
 LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
-               "decoder_sparse_step": "sparse_step"}
+               "decoder_sparse_step": "sparse_step",
+               # Ernie 4.5 MoE: layer_idx >= moe_layer_start_index (vLLM ernie45_moe.py Ernie4_5_MoeDecoderLayer)
+               "moe_layer_start_index": "dense_below"}
 
 
 def _text(config: dict) -> dict:
@@ -369,11 +418,32 @@ def _reads(field: str, value: object) -> str | None:
     return "flags" if field == "every" and flags else None
 
 
-def _head_check(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
-    head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
-    if head is None or "tie_word_embeddings" not in _text(config):
+def _quantized_heads(views: list[EngineView]) -> list[str]:
+    """The output heads (``*LMHead`` modules) some engine builds with a quantized method under some output
+    format's config: vLLM 0.33's ModelOpt config gives a ``ParallelLMHead`` its linear method unless excluded."""
+    out = []
+    for v in views:
+        for mods in v.quant_modules.values():
+            for name, info in mods.items():
+                qm = info.get("quant_method")
+                if "LMHead" in (info.get("class") or "") and qm and "Unquantized" not in qm and name not in out:
+                    out.append(name)
+    return out
+
+
+def _head_check(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+    """``[lm_head]``: the head's module and the config key that ties it; where the source stores no head (tied)
+    and an engine would build one quantized, ``exclude_tied`` names it in the exclude list (else vLLM leaves its
+    quantized parameters unset: Ernie 4.5 MoE's ``lm_head.weight_scale_2``)."""
+    if "tie_word_embeddings" not in _text(config):
         return None
-    return {"tie": "tie_word_embeddings", "module": head}
+    head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
+    if head is not None:
+        return {"tie": "tie_word_embeddings", "module": head}
+    built = [h for h in _quantized_heads(views) if h.endswith("lm_head")]
+    if not built or _text(config)["tie_word_embeddings"] is not True:  # untied, no lm_head: the head is another's
+        return None  # (DeepSeek V4's ``head``), which [lm_head] would wrongly ask for
+    return {"tie": "tie_word_embeddings", "module": built[0], "exclude_tied": True}
 
 
 def _int_lists(d: dict, path: str = "") -> list[tuple[str, list[int]]]:
@@ -402,13 +472,14 @@ def _flag_lists(d: dict, n: int, path: str = "") -> list[tuple[str, list]]:
 
 def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
     """Layers where some but not all of a group's members exist and the engines built no such group."""
-    rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]]
-    have: dict[int, set[str]] = defaultdict(set)
-    for mod in modules:
-        for r in rx:
+    rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]
+          if "{layer}" in p]  # a parent outside the numbered layers (a vision tower's) has no layer to be partial in
+    have: dict[tuple[int, int], set[str]] = defaultdict(set)  # (parent, layer): an MTP block's layer 0 is not
+    for mod in modules:                                        # the decoder's layer 0 (MiniMax M3)
+        for i, r in enumerate(rx):
             if (m := r.fullmatch(mod)) is not None:
-                have[int(m.group(1))].add(m.group(2))
-    return {n for n, leaves in have.items()
+                have[i, int(m.group(1))].add(m.group(2))
+    return {n for (_, n), leaves in have.items()
             if n not in entry["_layers"] and leaves & set(entry["members"]) and not set(entry["members"]) <= leaves}
 
 
@@ -438,11 +509,13 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
     return types
 
 
-def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """The mapping table (as a dict in today's TOML format) for ``config``'s architecture."""
+def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]],
+          drafts: list[EngineView] = ()) -> dict:
+    """The mapping table (as a dict in today's TOML format) for ``config``'s architecture; ``drafts``: the engines'
+    draft models' traces (their packed modules in the MTP layers)."""
     archs = list(config.get("architectures") or [])
     model_type = config.get("model_type", "")
-    groups, scale_groups, sets = _groups(views)
+    groups, scale_groups, sets = _groups(views, drafts)
     modules = {n.rpartition(".")[0] for n in shapes}
     layer_types = _layer_types(groups, config, modules)
     for g in groups:
@@ -473,7 +546,7 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["keep"] = keep
     if (moe := _moe_check(views, config, sets)) is not None:
         t["moe"] = moe
-    if (head := _head_check(config, shapes)) is not None:
+    if (head := _head_check(views, config, shapes)) is not None:
         t["lm_head"] = head
     if groups:
         t["group"] = groups

@@ -287,10 +287,8 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
                 c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
                 continue
             s0 = src_row if src_row is not None else 0
-            if (src_row is None and r.values.shape[0] != n) or s0 + n > r.values.shape[0] \
-                    or r.values.shape[-1] != w.shape[-1]:
-                c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1} hold {tensor}, whose source is "
-                                  f"{list(r.values.shape)} (placed: {n} rows of {w.shape[-1]} columns)")
+            if (bad := _misplaced(tensor, row, n, src_row, r.values.shape, tuple(w.shape))) is not None:
+                c.problems.append(f"{engine}: {where} {bad}")
                 continue
             refs.append((r, s0, n))
             ok_spots.append((tensor, row, n))
@@ -347,6 +345,21 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         c.max_bound = float(b.max())
     c.worst = sorted(c.worst, key=lambda w: -w["ratio"])[:3]
     return c
+
+
+def _misplaced(tensor: str, row: int, n: int, src_row: int | None, src: tuple, read: tuple) -> str | None:
+    """Why the ``n`` rows a write placed at ``row`` cannot be held to ``tensor``'s source rows, or None: the engine's
+    read is not rows of that shape (rows past its end or before its start, a 3-D read without an expert: the Afmoe
+    fixture's traceback once),
+    or the source has other rows or columns than placed."""
+    s0 = src_row if src_row is not None else 0
+    if len(read) != len(src) or row < 0 or row + n > read[0]:
+        return (f"rows {row}..{row + n - 1} hold {tensor} {list(src)}, but the engine's read of the parameter is "
+                f"{list(read)}: the rows placed are not rows of it")
+    if (src_row is None and src[0] != n) or s0 + n > src[0] or src[-1] != read[-1]:
+        return f"rows {row}..{row + n - 1} hold {tensor}, whose source is {list(src)} (placed: {n} rows of " \
+               f"{read[-1]} columns)"
+    return None
 
 
 def _rows(r: Ref, start: int, n: int) -> Ref:

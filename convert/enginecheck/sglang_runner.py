@@ -71,14 +71,18 @@ def mtp_rule(config):
     (GLM-4.5: srt/models/glm4_moe.py Glm4MoeForCausalLM.load_weights, ``not is_nextn``: a name
     ``model.layers.{i}...`` with i >= num_hidden_layers is skipped when num_nextn_predict_layers > 0); the
     MTP model (glm4_moe_nextn.py Glm4MoeForCausalLMNextN) loads those."""
-    n = getattr(config, "num_nextn_predict_layers", 0) or 0
-    base = getattr(config, "num_hidden_layers", 0)
+    glm5_next = getattr(config, "model_type", None) == "glm5_next"
+    counts = getattr(config, "text_config", config) if glm5_next else config
+    n = getattr(counts, "num_nextn_predict_layers", 0) or 0
+    base = getattr(counts, "num_hidden_layers", 0)
 
     minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
 
     def why(name: str) -> str | None:
         if (m3 := minimax_m3(name)) is not None:
             return m3
+        if glm5_next:  # GLM-5.3-Flash: srt/models/glm5_next.py Glm5NextForConditionalGeneration.load_weights drops
+            name = name.replace("language_model.", "", 1)  # "language_model." first, then applies the same rule
         if name.startswith("mtp.") and getattr(getattr(config, "text_config", config), "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): SGLang's main model skips names with 'mtp' in "
                     "load_weights (srt/models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights); its "
@@ -241,6 +245,29 @@ def draft_rule(config):
     return why
 
 
+def deployment_args(model_dir: str) -> dict:
+    """Server arguments a deployment of this checkpoint has to pass, where SGLang's defaults refuse it. A DSA model
+    with an index k-pool gets ``page_size = 64 * index_kpool`` (arg_groups/model_overrides/deepseek_v2.py: "a logical
+    page must own a whole pooled index group"), and a hybrid linear-attention model's radix cache asserts
+    ``mamba_track_interval % page_size == 0`` (arg_groups/mamba_hook.py validate_mamba_extra_buffer) against the
+    default interval of 256: GLM-5.3-Flash (index_kpool 16, page 1024) is served with ``--mamba-track-interval``
+    a multiple of the page. A cache setting only: no weight, parameter or loader depends on it."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kpool = text.get("index_kpool")
+    default_interval = 256
+    if isinstance(kpool, int) and kpool > 0 and default_interval % (64 * kpool) and text.get("linear_attn_config"):
+        return {"mamba_track_interval": 64 * kpool}
+    return {}
+
+
 def engine_config(model_dir: str, draft: bool):
     """SGLang's own config for the checkpoint: with ``draft``, as a deployment asks for its draft
     (``--speculative-algorithm NEXTN``: the draft worker's ``ModelConfig.from_server_args(...,
@@ -254,9 +281,11 @@ def engine_config(model_dir: str, draft: bool):
     from sglang.srt.server_args import ServerArgs
 
     kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
-              load_format="auto", skip_server_warmup=True)
+              load_format="auto", skip_server_warmup=True, **deployment_args(model_dir))
     if draft:
-        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+        # EAGLE: what SGLang resolves NEXTN to (arg_groups/speculative_hook.py), and the only spelling DeepSeek V4
+        # takes (arg_groups/deepseek_v4_hook.py asserts "Only EAGLE and DSPARK ..." before that resolution)
+        kw.update(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=2)
     server_args = ServerArgs(**kw)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))

@@ -119,6 +119,18 @@ def draft_rule(config):
     return why
 
 
+def _draft_config(model, mc):
+    """The config the draft's own ``load_weights`` classifies names with: the model's ``config`` (GLM-4.7-Flash's
+    Glm4MoeLiteMTP reads the target's, ``vllm_config.model_config.hf_config``, num_hidden_layers as stored, while the
+    draft config's override sets num_hidden_layers 0: config/speculative.py hf_config_override), where it counts MTP
+    layers; else the draft config's text config."""
+    own = getattr(model, "config", None)
+    text = own.get_text_config() if hasattr(own, "get_text_config") else own
+    if text is not None and getattr(text, "num_nextn_predict_layers", None) and hasattr(text, "num_hidden_layers"):
+        return text
+    return mc.hf_text_config
+
+
 def minimax_m3_mtp_rule(config):
     """MiniMax M3's MTP modules (``language_model.model.mtp.layers.{i}.*``, i < ``num_mtp_modules``): vLLM's
     main model skips every name with ``mtp.`` in it (vllm/models/minimax_m3/nvidia/model.py
@@ -375,8 +387,8 @@ def load(result: dict, vllm_config, mc, loader, model) -> None:
     result["timings"]["load_s"] = round(time.perf_counter() - t, 2)
     result["phase"] = "check"
     if result["draft"]:
-        result.update(tracker.result(model, OPTIONAL + optional_for(model), main_rule=draft_rule(mc.hf_text_config),
-                                     target=from_target(model)))
+        rule = draft_rule(_draft_config(model, mc))
+        result.update(tracker.result(model, OPTIONAL + optional_for(model), main_rule=rule, target=from_target(model)))
     else:
         result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
     if result["derive"]:

@@ -9,7 +9,7 @@ costs no packing; retries and one-line errors are ``upload``'s (``with_retries``
 Why ``admit``: with ``--no-keep-output`` a shard is deleted once the Hub has it, so the local disk holds
 only the shards in flight; a slow uplink must then slow the conversion down instead of filling the disk,
 so a stream waits before opening a shard while ``QUEUE + 1`` are on the disk and not yet on the Hub
-(in-process workers and a Hub input's Ray tasks, each with its own uploader: ``rayhub``; with --workers N
+(in-process workers and a Hub input's Ray tasks, each with its own uploader: ``run_hub_task``; with --workers N
 or --ray of a local input the shards are still uploaded as they finish, but not waited for).
 
 Resume: the journal records each upload with the shard's sha256 (``Journal.uploaded``); a resumed pack
@@ -84,7 +84,7 @@ class LiveUpload:
     that preuploads each finished shard (``THREADS`` of them); the commit and the remote check at the end."""
 
     def __init__(self, target: UploadTarget, say: Callable[[str], None] = print, api: HfApi | None = None):
-        """``api``: a Ray task's (``rayhub``), whose driver has already checked the token and created the repo:
+        """``api``: a Ray task's (``run_hub_task``), whose driver has already checked the token and created the repo:
         nothing is asked of the Hub here then."""
         self.target, self.say = target, say
         if api is None:

@@ -27,17 +27,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .. import encodings
-from ..plan import FP8, NVFP4, Encoding, Unit
+from ..operations import Operation, operations
+from ..plan import Encoding, Unit
 
 #: Timed units per kind of work and candidate, after the warm-up one.
 SAMPLES = 2
 #: How many times faster than the CPUs the GPU's timed units must be for a kind of work to go to it. A unit
 #: timed alone does not show what the GPU costs in steady state: the page-locking of every read buffer, one
-#: GPU shared by all the worker's streams and their copies against the reader's (on the H200 machine the cast
-#: was timed 1.29x faster on the GPU, 0.52 against 0.67 s/GB, and the pack then ran 10.95 s against the
-#: CPUs' 8.59; docs/history/RESULTS-history.md, issue 26). Where the GPU is the better device it wins by far more
-#: (NVFP4 from BF16: 10-40x).
+#: GPU shared by all the worker's streams and their copies against the reader's: a cast timed faster alone on
+#: the GPU made a slower pack. Where the GPU is the better device it wins by far more (the figures:
+#: benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
 GPU_MARGIN = 1.5
 R = TypeVar("R")
 B = TypeVar("B")
@@ -53,12 +52,15 @@ def work_kind(unit: Unit) -> str | None:
     ``nvfp4``, ``nvfp4-from-mxfp4``, ``fp8-block``, ``decode``...) and its input size class (a factor of 4:
     ``@16MB`` holds 4-16 MB). None when it needs no kernel (bytes kept as they are)."""
     ops = set()
+    decided = operations(unit)
     for it in unit.items:
+        op = decided[it.name]
         coded = any(s.encoding != Encoding.DENSE for s in it.sources)
-        if it.kind == NVFP4:
-            cast = all(encodings.holds_mxfp4(s) for s in it.sources)  # as compute_unit decides
-            ops.add("mxfp4-cast" if cast else "nvfp4" + (f"-from-{it.sources[0].encoding}" if coded else ""))
-        elif it.kind == FP8:
+        if op is Operation.CAST:
+            ops.add("mxfp4-cast")
+        elif op is Operation.QUANTIZE:
+            ops.add("nvfp4" + (f"-from-{it.sources[0].encoding}" if coded else ""))
+        elif op is Operation.FP8_BLOCK:
             ops.add("fp8-block" + (f"-from-{it.sources[0].encoding}" if coded else ""))
         elif coded:
             ops.add(f"decode-{it.sources[0].encoding}")

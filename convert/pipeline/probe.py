@@ -50,17 +50,13 @@ if TYPE_CHECKING:
 #: kind is offered to it (the tests, whose inputs are too few units to decide otherwise; set with monkeypatch, as
 #: ``runner.CALIBRATION_WAITS``); a kind won by the GPU gets its runner before the stream goes on.
 WAITS = False
-#: Seconds into the streams before the probe process is started (not with WAITS): a probe needs 3-4 s to import torch
-#: and start the GPU before it measures anything (``start_s`` in --stats on the H200 machine, session 18), so a pack
-#: shorter than that never gains from it, yet it held 0.47 GB of that pack's memory (bench-kimi-linear, 2.4 GB in 2.7
-#: s: 1.10 GB with the probe against 0.63 GB on the CPUs alone, docs/compressed-tensors.md "Session 18").
+#: Seconds into the streams before the probe process is started (not with WAITS): a probe needs seconds to import
+#: torch and start the GPU before it measures anything (``start_s`` in --stats), so a pack shorter than that never
+#: gains from it, yet its memory counts (benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
 START_AFTER_S = 3.0
 #: Seconds a probe that ended is waited for, for its exit status (a probe still running at the end of the pack is
 #: killed at once: the pack never waits on it).
 EXIT_S = 1.0
-#: The probe process's nice value (set as it starts, before its own threads): 0, the pack's, until a benchmark
-#: shows better (benchmarks/ct_profile.py's ``pnice=``: its torch import and copies beside the streams' CPUs)
-PROBE_NICE = 0
 
 
 def child_device(gpu: Device) -> str:
@@ -106,9 +102,6 @@ class Probe:
         self._proc = subprocess.Popen([sys.executable, "-m", "kimi_convert.pipeline.probe", device, str(threads),
                                        *map(str, block)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
-        if PROBE_NICE:  # (not preexec_fn: the pack has threads) its main thread, whose threads inherit it
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, self._proc.pid, PROBE_NICE)
         self._stopped = False
 
     def ready(self) -> None:

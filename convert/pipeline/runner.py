@@ -72,8 +72,8 @@ class Runner:
 
         self.backends, self.pool, self.block = backends, pool, block
         cpu = backends.get("cpu")
-        #: the CPU backend's units that ``compute_early`` takes are its (the same bytes in less time: through torch
-        #: they took 1.3x as long on the H200 machine, session 14's ct-profile.json)
+        #: the CPU backend's units that ``compute_early`` takes are its (the same bytes in less time than through
+        #: torch: benchmarks/RESULTS.md, "The figures behind the pipeline's constants")
         self.early = EarlyCompute(cpu.threads if cpu is not None else 1, block)
         self.chooser = Chooser(backends, on_decided=self._decided, margin=GPU_MARGIN) if len(backends) > 1 else None
         self._local = threading.local()

@@ -37,27 +37,15 @@ READ_AHEAD = 3  # pieces read ahead of the compute at least, within the in-fligh
 #: Bytes read ahead of the compute beyond those pieces (at most a quarter of the in-flight budget): the input file's
 #: sha256 chain, the slowest stage of a large input file, hashes the pieces as they are read, and the writer waits
 #: for their hashes; three small pieces (an expert's 3 MB) left it 10-40 MB of slack, so the chain, the disk and the
-#: writer waited on each other in turn (a stream at 1.1-1.2 GB/s against the chain's 1.37 and the disk's 1.6 on the
-#: H200 machine, docs/compressed-tensors.md "Session 18"). 0: READ_AHEAD pieces only, as before session 18.
+#: writer waited on each other in turn (benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
+#: 0: READ_AHEAD pieces only.
 READ_AHEAD_BYTES = 128 << 20
 #: ... on a worker with at least this many CPUs: on fewer the compute is the bound, and reading ahead into more
-#: buffers cost CPU (2 cores: 4.73-5.04 s against 4.49-4.74 s, three pairs alternated, the same session).
+#: buffers cost CPU (measured on 2 cores: the same section of benchmarks/RESULTS.md).
 READ_AHEAD_BYTES_CPUS = 4
-#: Bytes ahead of its reads a stream hints to the disk (at least the next piece): more requests in flight at once.
-#: The hints are given from a thread of their own, not the reader's: a ``posix_fadvise`` blocks while the disk's
-#: request queue is full, and the reader would wait with it. (Linux reads at most max(read_ahead_kb,
-#: max_sectors_kb) of one hint, 8 MB on the machines measured: a larger piece is hinted in part, the kernel's own
-#: readahead of a sequential ``pread`` does the rest.) 0: the next piece only (a wider window measured no gain so
-#: far, docs/compressed-tensors.md, sessions 14 and 17; ``ct_profile.py``'s ``window=``).
-READ_WINDOW = 0
 WRITE_DEPTH = 2  # computed pieces waiting for the writer
 #: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
 EAGER_HASH = 1 << 30
-#: Whether they may do so whenever their chain runs dry (True: before session 17), not only while the stream waits
-#: for torch and the device. Measured (docs/compressed-tensors.md, "Session 17"): where the stream never waits for
-#: torch, a chain that reads ahead itself waits on the disk beside the stream's own reads (3 s of a 10 GB file's
-#: 10-12 s chain on the H200 machine) instead of hashing the bytes the stream reads anyway.
-TAKE_ANYTIME = False
 
 
 @dataclass
@@ -94,7 +82,7 @@ class JobResult:
     wall_s: float = 0.0  # the stream's own seconds, start to end (the slowest one is the worker's wall)
     hash_wait_s: float = 0.0  # its seconds, once its shards were written, waiting for its input files' hashes
     early_units: int = 0  # its units computed without torch (``compute_early``)
-    downloads: dict | None = None  # a Hub input's Ray task: its downloads' figures and folders (rayhub.run_task)
+    downloads: dict | None = None  # a Hub input's Ray task: its downloads' figures (raycluster.run_hub_task)
 
 
 @dataclass
@@ -148,10 +136,10 @@ class Stream:
         self.next_compute = 0  # the piece the compute thread needs next
         # A file hash reads a range the stream reads itself when its chain would otherwise wait for a stream that
         # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to EAGER_HASH (or job.eager)
-        # bytes ahead of the stream's reads: a file's sha256 is one sequential chain (1.2-1.4 GB/s a core on the
-        # H200 machine, the slowest stage of one large input file), which so runs on while torch loads (1.6-5 s
-        # there); the start-up readahead brings those bytes into the page cache, where the stream's own reads find
-        # them later. While the stream runs, the chain hashes what it reads (TAKE_ANYTIME).
+        # bytes ahead of the stream's reads: a file's sha256 is one sequential chain (the slowest stage of one
+        # large input file), which so runs on while torch loads; the start-up readahead brings those bytes into the
+        # page cache, where the stream's own reads find them later. While the stream runs, the chain hashes what it
+        # reads (reading the same bytes beside it made the chain wait on the disk: benchmarks/RESULTS.md).
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
         at: dict[tuple[str, int], int] = {}  # (file, start) -> the stream's bytes read before that range
         pos = 0
@@ -170,7 +158,7 @@ class Stream:
         self.stalled = False  # the stream waits for torch and the device (its file hashes may read ahead)
 
         def may_take(file: str) -> Callable[[int], bool]:
-            return lambda start: (TAKE_ANYTIME or self.stalled) and at[(file, start)] < self.read_pos + lead
+            return lambda start: self.stalled and at[(file, start)] < self.read_pos + lead
 
         # The input files' sha256 chains run on a thread of their own, not the shared pool: one chain is the
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
@@ -214,10 +202,9 @@ class Stream:
         if self.stop.is_set():
             raise Stopped("pack")
         first = self.hinted + 1
-        while self.hinted + 1 < len(self.pieces) and (self.hinted <= i or
-                                                      self.piece_at[self.hinted + 1] < self.read_pos + READ_WINDOW):
+        while self.hinted + 1 < len(self.pieces) and self.hinted <= i:  # the next piece
             self.hinted += 1
-        if self.hinted >= first:  # on the hint thread, in order (a hint can block: see READ_WINDOW)
+        if self.hinted >= first:  # on the hint thread, in order (a hint can block while the disk's queue is full)
             self.hints.submit(self._hint_quietly, range(first, self.hinted + 1))
         base = self.shared.buffers.get(pc.nbytes)
         bufs, feeds, digests, held, off = {}, [], {}, False, 0
@@ -366,7 +353,7 @@ class Stream:
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
-        self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (READ_WINDOW)
+        self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (not the reader's)
         timeline = Timeline(lambda: (self.read_pos, sum(h.hashed for h in self.files.values()), self.stored,
                                      self.shared.in_flight.held))
         timeline.start()

@@ -86,12 +86,27 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
                 return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
 
             return _plan(ckpt, m, opts, patterns, recipe, st,
-                         exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config)),
+                         exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config),
+                                      tied_head(ckpt, m)),
                          per_module, lambda _: outline)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
-                                                                   m.mtp_prefixes(ckpt.config)), lambda: per, _outline)
+                                                                   m.mtp_prefixes(ckpt.config), tied_head(ckpt, m)),
+                 lambda: per, _outline)
+
+
+def tied_head(ckpt: Checkpoint, m: Mapping) -> str | None:
+    """The output head to name in the exclude list although the checkpoint stores none: a table's ``[lm_head]
+    exclude_tied`` where the config ties the head to the embedding (Ernie 4.5 MoE: vLLM 0.33 builds the tied
+    ``lm_head`` with ModelOpt's linear method unless excluded, and its tie fills the weight alone)."""
+    head = m.lm_head
+    if head is None or not head.exclude_tied or f"{m.text_prefix}{head.module}.weight" in ckpt.tensors:
+        return None
+    tie = m.config_value(ckpt.config, head.tie)
+    if tie is None and m.text_config:
+        tie = ckpt.config.get(head.tie)
+    return f"{m.text_prefix}{head.module}" if tie is True else None
 
 
 def _check_quantizes_something(items: list[Item], recipe: Recipe, opts: Options) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
 from .. import mtp, rules
-from ..engines import aliases
+from ..engines import aliases, sglang_exact
 from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
@@ -17,11 +17,12 @@ from .model import COPY, KEEP, Item
 
 def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
                  members: Callable[[str], Iterable[str]] | None = None,
-                 mtp_prefixes: tuple[str, ...] = ()) -> list[str]:
+                 mtp_prefixes: tuple[str, ...] = (), tied_head: str | None = None) -> list[str]:
     """The recipe's own list (if it has one) plus every kept linear module it does not already name,
     each fused module's shards, and whole MoE expert sets; and, for the MTP layers, each kept module under the
     prefix each engine's draft model asks its quant method with (``mtp.draft_aliases``). ``members``: the modules
-    an item's module stands for (a bank's first expert: every expert of the bank, banks.py)."""
+    an item's module stands for (a bank's first expert: every expert of the bank, banks.py); ``tied_head``: an
+    output head the checkpoint does not store that the engines would build quantized (``plan.make.tied_head``)."""
     names: set[str] = set()
     linear: set[str] = set()
     for it in items:
@@ -34,9 +35,14 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
         if it.kind == KEEP:
             names.update(mods)
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
+    if tied_head is not None:
+        names.add(tied_head)
     names.update(s for n in list(names) if (s := m.engine_spelling(n)) is not None)  # the engines' own names
     if m.mtp is not None and mtp_prefixes:
-        names.update(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
+        drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
+        names.update(drafts)
+        if recipe.output_format == "modelopt":  # a kept MTP MLA projection must not exclude every layer's in SGLang
+            names = {sglang_exact(n) if n in drafts or n.startswith(mtp_prefixes) else n for n in names}
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]

@@ -41,10 +41,10 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import faults
 from ..errors import ConvertError
@@ -52,7 +52,6 @@ from .local import LocalFile
 from .protocol import FileEntry, ResourceFreeFile
 
 if TYPE_CHECKING:
-    from ..plan import Unit
     from .hub import HubRepo
 
 INCOMPLETE = ".incomplete"
@@ -105,7 +104,20 @@ class ScratchPlan:
                                f"{human(self.required)} in all; raise it to at least that")
 
 
-def scratch_plan(units: Iterable[Unit], entries: dict[str, FileEntry], source_name: str) -> ScratchPlan:
+class _Part(Protocol):
+    file: str
+    nbytes: int
+
+
+class ReadingUnit(Protocol):
+    """What the downloads need of a plan unit (``plan.Unit``, which this layer below the plan does not import):
+    the input ranges it reads."""
+
+    @property
+    def parts(self) -> Sequence[_Part]: ...
+
+
+def scratch_plan(units: Iterable[ReadingUnit], entries: dict[str, FileEntry], source_name: str) -> ScratchPlan:
     """The files ``units`` (in the order the pipeline runs them) read, in the order of their first read, and
     the largest set alive at once (a file is alive from its first unit to its last)."""
     first: dict[str, int] = {}
@@ -462,7 +474,7 @@ class Downloads:
             for st in self.state.values():  # (a file left unread: an empty read plan; removed as well)
                 with contextlib.suppress(FileNotFoundError):
                     (self.scratch / st.need.rel).unlink()
-            _remove_empty(self.scratch)
+            remove_empty(self.scratch)
             if self._error is not None:
                 raise self._error
 
@@ -481,7 +493,7 @@ def _sha256(path: Path, stop: threading.Event) -> str:
     return h.hexdigest()
 
 
-def _remove_empty(folder: Path) -> None:
+def remove_empty(folder: Path) -> None:
     """``folder`` and its sub-folders, where empty (what the downloads made)."""
     if not folder.is_dir():
         return

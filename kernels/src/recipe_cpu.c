@@ -406,10 +406,10 @@ int32_t kc_fp8_block_bf16_mt(const uint16_t *x, int64_t n, int64_t k, uint8_t *q
  * int32 words' little-endian bytes: byte b holds element 2b in its low nibble, 2b + 1 in its high one), `scale`
  * [rows, groups] fp32, `per` = elements a group (a multiple of 2). Each value is (code - 8) * scale, one fp32
  * multiply as the torch code (kernels/src/formats.py decode_int4) does. Returns 1 if a value overflows fp32. */
-static int32_t kc_int4_rows(const uint8_t *restrict packed, const float *restrict scale, int64_t rows, int64_t words,
-                            int64_t groups, float *restrict out) {
+CLONES static int32_t kc_int4_rows(const uint8_t *restrict packed, const float *restrict scale, int64_t rows,
+                                   int64_t words, int64_t groups, float *restrict out) {
     const int64_t k = 8 * words, half = k / groups / 2;
-    int32_t bad = 0;
+    float most = 0.0f;
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *p = packed + r * 4 * words;
         const float *s = scale + r * groups;
@@ -423,11 +423,11 @@ static int32_t kc_int4_rows(const uint8_t *restrict packed, const float *restric
                 const float hi = (float)((int32_t)(pg[b] >> 4) - 8) * sc;
                 og[2 * b] = lo;
                 og[2 * b + 1] = hi;
-                bad |= isinf(lo) | isinf(hi);
+                most = fmaxf(most, fmaxf(fabsf(lo), fabsf(hi)));
             }
         }
     }
-    return bad;
+    return isinf(most) ? 1 : 0;
 }
 
 typedef struct {
