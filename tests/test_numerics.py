@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
+import oracle
 from kimi_convert.enginecheck import numerics, runner_numerics
 from kimi_convert.kernels import fp8_block, reference
 
@@ -165,3 +166,61 @@ def test_rows_placed_past_the_read_parameter_are_one_line_not_a_traceback(tmp_pa
         assert not rep.ok
         assert rep.failures() == [f"vllm: m.weight rows {row}..{row + 127} hold a.weight [128, 64], but the engine's "
                                   f"read of the parameter is {shown}: the rows placed are not rows of it"]
+
+
+class Mxfp4MoEMethod:
+    """Stands for the engine's quant method: the runner names it in its report, never calls it."""
+
+
+def _mx_experts(seed: int, experts: int = 2, n: int = 64, k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 experts as DeepSeek V4 stores them: E2M1 codes [E, N, K/2] and E8M0 bytes [E, N, K/32]."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(118, 132, (experts, n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return codes, scales
+
+
+def _mx_module(engine: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.nn.Module:
+    """The parameters each engine's MXFP4 MoE method makes (create_weights): vLLM's Mxfp4MoEMethod uint8 codes and
+    uint8 E8M0 ``w13_weight_scale``; SGLang's Mxfp4FlashinferTrtllmMoEMethod int8 codes and fp32
+    ``w13_weight_scale_inv`` holding the scales' values."""
+    m = torch.nn.Module()
+    m.quant_method = Mxfp4MoEMethod()
+    if engine == "vllm":
+        m.w13_weight = torch.nn.Parameter(codes.clone(), requires_grad=False)
+        m.w13_weight_scale = torch.nn.Parameter(scales.clone(), requires_grad=False)
+    else:
+        m.w13_weight = torch.nn.Parameter(codes.view(torch.int8).clone(), requires_grad=False)
+        m.w13_weight_scale_inv = torch.nn.Parameter(torch.exp2(scales.float() - 127), requires_grad=False)
+    return m
+
+
+def test_the_runner_reads_mxfp4_experts_as_the_oracle_decodes_them():
+    """Both engines' MXFP4 expert parameters read as tests/oracle.py's numpy MXFP4 decode, expert by expert."""
+    codes, scales = _mx_experts(7)
+    for engine in ("vllm", "sglang"):
+        (entry,) = runner_numerics.read_moe(engine, "e", _mx_module(engine, codes, scales))
+        assert entry["format"] == "mxfp4" and not entry.get("unread") and entry["method"] == "Mxfp4MoEMethod"
+        for e in range(codes.shape[0]):
+            want = torch.from_numpy(oracle.decode_mxfp4(codes[e].numpy(), scales[e].numpy()))
+            assert torch.equal(entry["weight"][e], want), (engine, e)
+
+
+def test_mxfp4_experts_kept_as_stored_must_be_exact(tmp_path):
+    """An MXFP4 expert kept as its source stores it is read back bit-exact; one scale byte off by one (a planted
+    defect) fails that row of that expert only."""
+    codes, scales = _mx_experts(8)
+    src = {f"x.{e}.w1.weight": torch.from_numpy(oracle.decode_mxfp4(codes[e].numpy(), scales[e].numpy()))
+           for e in range(2)}
+    placed = {f"x.{e}.w1.weight": [{"param": "e.w13_weight", "expert": e, "row": 0, "rows": 64, "src_row": 0}]
+              for e in range(2)}
+    bad = scales.clone()
+    bad[1, 9, 1] += 1
+    for s, ok in ((scales, True), (bad, False)):
+        (entry,) = runner_numerics.read_moe("vllm", "e", _mx_module("vllm", codes, s))
+        layer = {k: v for k, v in entry.items() if k != "weight"}
+        rep = _compare(tmp_path, layer, entry["weight"], placed, FakeSources(src))
+        assert rep.ok == ok, rep.failures()
+        assert rep.layers[0].exact and rep.layers[0].rows == 128
+        if not ok:
+            assert len(rep.failures()) == 1 and "expert 1 rows 9..9" in rep.failures()[0], rep.failures()

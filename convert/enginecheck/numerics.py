@@ -17,6 +17,8 @@ Each row is held to the format's own error on that row, computed from the source
   back **exactly**, the others are held to the quantizer with the cast's global scale ``2^(k_max - 8)``;
 * ``fp8-block``: ModelOpt's 128x128 block FP8 (``kernels.fp8_block``) on the output tensor's own tiles;
 * ``dense``: the source rounded to the parameter's dtype (exactly 0 for BF16 kept as BF16).
+* ``mxfp4``: bit-exact: this tool writes no MXFP4, so an MXFP4 layer is one kept as its source stores it
+  (DeepSeek V4's MTP experts under ``nvidia-dsv4``), read back as the source's own decode.
 
 A row passes when its relative error (L2 over the row) is at most ``SLACK`` times its bound plus
 ``FLOOR``; a zero bound means bit-exact. Tolerating the slack lets another tool's rounding (a different

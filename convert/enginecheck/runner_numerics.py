@@ -15,6 +15,8 @@ rule below cites the engine file and function it follows):
   the gate's ``w13_weight_scale_2[:, 0]`` for both halves of an expert's w13.
 * 128x128 block FP8: row ``r``, column ``c`` of the (fused) weight uses scale ``[r // 128, c // 128]`` of
   the (fused) scale tensor: the engines' block-scaled GEMMs index their scale grid that way.
+* MXFP4 experts (kept as the source stores them, e.g. DeepSeek V4's MTP experts under ``nvidia-dsv4``):
+  ``e2m1[code] * 2^(e8m0 - 127)`` per 32 values, the OCP MX reading both engines' MXFP4 MoE methods hold.
 * unquantized layers: the parameter as stored.
 
 It also turns the load tracker's observed writes into **placements**: for every checkpoint tensor, which
@@ -69,6 +71,14 @@ RULES = {
                                 "compressed_tensors_w4a16_nvfp4_moe.py: process_weights_after_loading (refuses "
                                 "experts whose w1 and w3 global scales differ; 1 / w13_weight_global_scale[:, 0]; "
                                 "not run: Marlin layouts)",
+    ("vllm", "mxfp4-moe"): "vllm/model_executor/layers/quantization/mxfp4.py: Mxfp4MoEMethod.create_weights "
+                           "(uint8 E2M1 codes [E, N, K/2], uint8 E8M0 scales [E, N, K/32]; the OCP MX reading "
+                           "code * 2^(scale - 127), utils/mxfp4_utils.py: dequant_mxfp4, whose CPU path needs "
+                           "amd-quark; not run: process_weights_after_loading converts to the GPU backend's layout)",
+    ("sglang", "mxfp4-moe"): "sglang/srt/layers/quantization/mxfp4_flashinfer_trtllm_moe.py: "
+                             "Mxfp4FlashinferTrtllmMoEMethod.create_weights (int8 E2M1 codes, fp32 scales "
+                             "w13_weight_scale_inv per 32) and process_weights_after_loading (the scales cast "
+                             "to float8_e8m0fnu by value, w1/w3 reordered and shuffled for TRT-LLM; not run: GPU)",
     ("any", "dense"): "unquantized layer: the parameter as loaded",
 }
 
@@ -102,6 +112,16 @@ def engine_nvfp4(engine: str, weight: torch.Tensor, scale: torch.Tensor, glob: t
         out = dequantize_to_dtype(weight.contiguous(), scale.contiguous(), g, torch.float32, 16, swizzle=False)
         return out, "vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py: dequantize_to_dtype"
     return nvfp4(weight, scale, glob), "code * scale * global (this check's own product)"
+
+
+def mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``code * 2^(e - 127)`` for [..., N, K/2] codes (int8 or uint8: the same bytes) and [..., N, K/32] scales:
+    uint8 or float8_e8m0fnu are E8M0 bytes, a float tensor holds the scale's value (SGLang's fp32 parameter,
+    which its process_weights_after_loading casts to E8M0 by value)."""
+    vals = e2m1_values(weight.view(torch.uint8))
+    s = torch.exp2(scale.float() - 127.0) if scale.dtype == torch.uint8 else scale.float()
+    blocks = vals.reshape(*vals.shape[:-1], vals.shape[-1] // 32, 32)
+    return (blocks * s.unsqueeze(-1)).reshape(vals.shape)
 
 
 def tile_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -322,10 +342,21 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
         elif w.is_floating_point():
             entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
             entry["weight"] = w.float()
+        elif _is_mxfp4(w, sx := s if s is not None else _p(module, f"{which}_weight_scale_inv"), s2):
+            entry["weight"] = mxfp4(w, sx)
+            entry.update(format="mxfp4", rule=RULES[(engine, "mxfp4-moe")], processed="not run",
+                         read_by="code * 2^(scale - 127) (this check's own product)")
         else:
             entry.update(format=str(w.dtype), rule=f"no read rule in this check for {qname}", unread=True)
         out.append(entry)
     return out
+
+
+def _is_mxfp4(w: torch.Tensor, scale, scale_2) -> bool:
+    """MXFP4 experts as both engines' MXFP4 MoE methods hold them: 8-bit codes, one scale per 32 values (16
+    bytes), no second-level scale."""
+    return (w.dtype in (torch.uint8, torch.int8) and scale_2 is None and isinstance(scale, torch.Tensor)
+            and scale.dim() == w.dim() and scale.shape[-1] * 16 == w.shape[-1])
 
 
 def _is_nvfp4_scale(scale, packed) -> bool:
