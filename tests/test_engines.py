@@ -662,7 +662,7 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
 #: families' default output only (one draft check per family: --quantize-mtp writes the same under ModelOpt NVFP4,
 #: SGLang's drafts building the whole MTP layer unquantized).
 DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")] + [
-    (m, "output") for m in ("ds32", "g5", "g47")]
+    (m, "output") for m in ("ds32", "g5", "g47", "q4", "ds4")]
 #: Drafts an engine cannot load from the default output, for a reason in the engine (none now: DeepSeek V3's SGLang
 #: NextN loads since the exclude list spells the kept MTP MLA projections so that SGLang's fused-pattern rule does
 #: not widen them to every layer, convert/engines.py SGLANG_FUSED_TAILS).
@@ -692,7 +692,10 @@ def test_draft_loads(model, kind, engine, outputs, inputs):
         return
     bad = [c for c in draft["bad_casts"] if c["class"] != "narrowing" or kind == "output"]
     assert draft["error"] is None and not draft["unfilled"] and not draft["skipped"] and not bad, describe(draft)
-    assert draft["main_skipped"] and not draft["mtp_skipped"], describe(draft)
+    # the main model's tensors: dropped by the draft's own rule, or never offered to it (vLLM's weight_utils skips the
+    # shards holding no weight the draft loads: "Skipped 6/7 safetensors shard(s)" for DeepSeek V4's MTP shard)
+    assert draft["main_skipped"] or draft["offered"] < main["offered"], describe(draft)
+    assert not draft["mtp_skipped"], describe(draft)
     stored = {t for t, params in draft["stored"].items() if params}
     assert {t["tensor"] for t in main["mtp_skipped"]} - stored <= {
         t["tensor"] for t in draft["main_skipped"]}, "an MTP tensor the draft neither loaded nor dropped by its rule"
