@@ -11,18 +11,21 @@ from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
+from .fusion import EngineGroup
 from .layout import expert_sets
 from .model import COPY, KEEP, Item
 
 
 def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
                  members: Callable[[str], Iterable[str]] | None = None,
-                 mtp_prefixes: tuple[str, ...] = (), tied_head: str | None = None) -> list[str]:
+                 mtp_prefixes: tuple[str, ...] = (), tied_head: str | None = None,
+                 groups: Iterable[EngineGroup] = ()) -> list[str]:
     """The recipe's own list (if it has one) plus every kept linear module it does not already name,
     each fused module's shards, and whole MoE expert sets; and, for the MTP layers, each kept module under the
     prefix each engine's draft model asks its quant method with (``mtp.draft_aliases``). ``members``: the modules
     an item's module stands for (a bank's first expert: every expert of the bank, banks.py); ``tied_head``: an
-    output head the checkpoint does not store that the engines would build quantized (``plan.make.tied_head``)."""
+    output head the checkpoint does not store that the engines would build quantized (``plan.make.tied_head``);
+    ``groups``: the engines' packed modules (an MTP layer's whose members are all kept is named itself, below)."""
     names: set[str] = set()
     linear: set[str] = set()
     for it in items:
@@ -43,12 +46,21 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
         names.update(drafts)
         if recipe.output_format == "modelopt":  # a kept MTP MLA projection must not exclude every layer's in SGLang
             names = {sglang_exact(n) if n in drafts or n.startswith(mtp_prefixes) else n for n in names}
+            names.update(_starred_groups(names, groups))
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
     # the recipe's list is text for the engines, not a selector of this tool (globs.py): read as fnmatch does
     extra = sorted(n for n in names if not any(fnmatchcase(n, p) for p in recipe.exclude_modules))
     return list(dict.fromkeys([*listed, *extra]))
+
+
+def _starred_groups(names: set[str], groups: Iterable[EngineGroup]) -> list[str]:
+    """The packed modules whose members are all written ``NAME*`` (``sglang_exact``): vLLM's ``is_layer_skipped``
+    asks for a packed module's shards by exact name, which ``NAME*`` is not, so the packed module is named itself
+    (fnmatch then matches it exactly; its leaf, ``fused_qkv_a_proj``..., is no SGLang fused tail)."""
+    return [sglang_exact(g.name) for g in groups
+            if all(f"{mod}*" in names for mod in g.members) and f"{g.name}*" not in names]
 
 
 def collect_patterns(m: Mapping, opts: Options) -> list[KeepRule]:
