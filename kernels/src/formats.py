@@ -76,7 +76,7 @@ def _int4_c(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     CPU tensor where the library builds; None: the torch code (another device, no compiler, an overflow to name).
     Why: the torch code's byte split, float conversion and group multiply pass over the weight five times
     (benchmarks/RESULTS.md, bench-kimi-k25)."""
-    if packed.device.type != "cpu" or packed.dim() != 2:
+    if packed.device.type != "cpu":
         return None
     from . import recipe_cpu
 
