@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import one_line_error, run
+from helpers import write_synth as write_preset
 from kimi_convert import mtp
 from kimi_convert.derive import draft
 from kimi_convert.errors import ConvertError
@@ -126,7 +127,8 @@ def test_minimax_m3_keeps_main_layer_i_attention_with_the_mtp_layers_and_sglang_
     m = _shipped_mtp("minimax_m3_vl")
     assert [d.engine for d in m.present()] == ["vllm"]
     mtp_q = "language_model.model.mtp.layers.0.transformer_layer.self_attn.q_proj"
-    present = {mtp_q, "language_model.model.layers.0.self_attn.q_proj", "language_model.model.layers.1.self_attn.q_proj"}
+    present = {mtp_q, "language_model.model.layers.0.self_attn.q_proj",
+               "language_model.model.layers.1.self_attn.q_proj"}
     pre = ("language_model.model.mtp.",)
     why = mtp.decide("language_model.model.layers.0.self_attn.q_proj", m, pre, "modelopt", False, present)
     assert why is not None and mtp_q in why and "MiniMaxM3MTP" in why
@@ -270,14 +272,30 @@ NEW_FAMILIES = {
     "tiny-glm4-moe-lite": ("model.layers.3.", "model.layers.2.eh_proj.weight"),
     "tiny-deepseek-v3-2": ("model.layers.3.", "model.layers.2.eh_proj.weight"),
     "tiny-deepseek-v4": ("mtp.1.", "mtp.0.e_proj.weight"),
+    "tiny-glm5-next": ("model.language_model.layers.5.", "model.language_model.layers.4.eh_proj.weight"),  # GLM-5.3
+    "tiny-qwen4-exp": ("mtp.layers.1.", "mtp.fc_hidden.weight"),  # Qwen3.8-Flash-Next
+    "tiny-minimax-m3": ("language_model.model.mtp.layers.1.", "language_model.model.mtp.layers.0.eh_proj.weight"),
 }
+#: Where a family's config counts its MTP layers, if not the top level's num_nextn_predict_layers (the [mtp] count)
+COUNT_KEY = {"tiny-glm5-next": ("text_config", "num_nextn_predict_layers"),
+             "tiny-qwen4-exp": ("text_config", "mtp_num_hidden_layers"),
+             "tiny-minimax-m3": ("text_config", "num_mtp_modules")}
 
 
 def _family_source(preset: str, dst: Path) -> Path:
     from family_fixtures import deepseek_v4, deepseek_v32
 
     writers = {"tiny-deepseek-v4": deepseek_v4.write, "tiny-deepseek-v3-2": deepseek_v32.write}
-    return writers[preset](dst) if preset in writers else write_synth(preset, dst)
+    return writers[preset](dst) if preset in writers else write_preset(preset, dst)
+
+
+def _count(src: Path, dst: Path, preset: str, n: int) -> Path:
+    """A copy of ``src`` whose config announces ``n`` MTP layers (under the key the family's [mtp] counts by)."""
+    where = COUNT_KEY.get(preset)
+    if where is None:
+        return _config(src, dst, num_nextn_predict_layers=n)
+    cfg = json.loads((src / "config.json").read_text())
+    return _config(src, dst, **{where[0]: {**cfg[where[0]], where[1]: n}})
 
 
 @pytest.mark.parametrize("preset", sorted(NEW_FAMILIES))
@@ -287,9 +305,9 @@ def test_new_families_mtp_bad_input_is_one_line_before_any_work(preset, tmp_path
     more, tensor = NEW_FAMILIES[preset]
     src = _family_source(preset, tmp_path / "src")
     assert run("plan", src).code == 0
-    r = run("plan", _config(src, tmp_path / "more", num_nextn_predict_layers=2))
+    r = run("plan", _count(src, tmp_path / "more", preset, 2))
     assert r.code == 2 and f"announces MTP layer {more}* but the checkpoint stores no tensor" in one_line_error(r)
-    r = run("plan", _config(src, tmp_path / "none", num_nextn_predict_layers=0))
+    r = run("plan", _count(src, tmp_path / "none", preset, 0))
     assert r.code == 2 and "announces no MTP layer" in one_line_error(r)
     assert one_line_error(r).startswith(f"kimi-convert: error: {tensor.split('.')[0]}.")
     lost = tmp_path / "lost"
