@@ -101,8 +101,9 @@ warm_up() {  # untimed: torch, Triton's cache and the C kernels from the disk on
 stage() {
   case $1 in
   tests) TRITON_INTERPRET= timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu tests/test_gpu.py tests/test_gpu_kernels.py -p no:cacheprovider \
-      -n "${TEST_WORKERS:-4}" -rs --durations=25 ${TEST_K:+-k "$TEST_K"} > "$L/tests.log" 2>&1
-    local rc=$?; tail -45 "$L/tests.log"; return $rc ;;
+      -p no:benchmark -v --dist loadgroup --basetemp "$W/pt" -n "${TEST_WORKERS:-4}" -rfEs --durations=25 \
+      ${TEST_K:+-k "$TEST_K"} > "$L/tests.log" 2>&1
+    local rc=$?; rm -rf "$W/pt"; grep -E "FAILED|ERROR" "$L/tests.log" | head -20; tail -30 "$L/tests.log"; return $rc ;;
   k3-auto|ct-auto|k25-auto|dsv4-auto)
     local name=k3 recipe=nvidia-k3 tiny=tiny-k3 in=("${K3[@]}")
     [ "$1" = ct-auto ] && { name=ct; recipe=ct-nvfp4-a16; tiny=tiny-qwen3-moe; in=("${CT[@]}"); }

@@ -26,7 +26,8 @@ TINY = sorted(p for p in all_presets() if p.startswith("tiny-"))
 RECIPES = [("nvfp4-w4a16", None), ("nvfp4-w4a16", "compressed-tensors"), ("ct-nvfp4-a16", None), ("nvidia-k3", None)]
 LAYOUTS = ["source", "sglang", "vllm"]
 #: Every bench preset at real width (bench-k3-shards is bench-k3's shape) with fewer experts or layers: the
-#: kernels at the releases' tile sizes, under the preset's default recipe and compressed-tensors'.
+#: kernels at the releases' tile sizes, under the preset's default recipe and compressed-tensors'. Each preset's
+#: tests are one xdist group (run with ``--dist loadgroup``): one worker writes its input once, not every worker.
 BENCH = sorted(p for p in all_presets() if p.startswith("bench-") and p != "bench-k3-shards")
 BENCH_SYNTH = {"bench-kimi-linear": {"layers": 1}, "bench-k3": {"layers": 1, "experts": 8}}
 #: (preset, synth options, pack options): what the matrices above leave out: K3 at real width fused on disk and
@@ -87,13 +88,14 @@ def test_every_tiny_preset_recipe_format_and_layout_writes_the_cpus_bytes(inputs
 
 @on_gpu
 @pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
-@pytest.mark.parametrize("preset", BENCH)
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.xdist_group(p)) for p in BENCH], ids=str)
 def test_every_bench_preset_at_real_width_writes_the_cpus_bytes(inputs, tmp_path, preset, recipe):
     src = inputs(preset, **BENCH_SYNTH.get(preset, {"experts": 8}))
     assert same_on_both(src, tmp_path, recipe=recipe, max_shard_size=500_000_000) is None
 
 
 @on_gpu
+@pytest.mark.xdist_group("bench-k3")
 @pytest.mark.parametrize("preset,synth,opts", PACKS, ids=str)
 def test_pack_on_the_gpu_writes_the_cpus_bytes(inputs, tmp_path, preset, synth, opts):
     assert same_on_both(inputs(preset, **synth), tmp_path, max_shard_size=500_000_000, **opts) is None
@@ -135,6 +137,7 @@ def test_every_family_fixture_recipe_format_and_layout_writes_the_cpus_bytes(fix
 
 
 @on_gpu
+@pytest.mark.xdist_group("deepseek_v4-bench")
 @pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
 def test_deepseek_v4_at_real_width_writes_the_cpus_bytes(tmp_path_factory, tmp_path, recipe):
     """DeepSeek-V4-Flash's widths (experts 2048 x 4096 in MXFP4), 8 of its experts: the cast and quantize kernels
