@@ -58,7 +58,7 @@ class Uploaded:
     """``pack --upload``: the commit, the remote check, and how many shards this run sent itself."""
 
     commit_url: str
-    remote: object  # hub.RemoteCheck
+    remote: object  # upload.publish.RemoteCheck
     sent: int
     card_written: bool
 
