@@ -488,7 +488,7 @@ def _edit_output(src: Path, dst: Path, edits: dict[str, object]) -> None:
 def _k3_numeric_defects(source: Path) -> dict[str, tuple[str, object]]:
     """The issue's six numeric defects in the default K3 output, each in its own module."""
     from kimi_convert.kernels import reference
-    from kimi_convert.kernels.formats import decode_mxfp4
+    from kimi_convert.kernels.encodings import decode_mxfp4
 
     L = "language_model.model.layers"
 
@@ -669,7 +669,7 @@ DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output
 DRAFT_ENGINES = {"m3": ("vllm",)}
 #: Drafts an engine cannot load from the default output, for a reason in the engine (none now: DeepSeek V3's SGLang
 #: NextN loads since the exclude list spells the kept MTP MLA projections so that SGLang's fused-pattern rule does
-#: not widen them to every layer, convert/engines.py SGLANG_FUSED_TAILS; MiniMax M3's vLLM MiniMaxM3MTP loads since
+#: not widen them to every layer, convert/engine_rules.py SGLANG_FUSED_TAILS; MiniMax M3's vLLM MiniMaxM3MTP loads since
 #: the exclude list names its lm_head and model.layers.{i}.self_attn.qkv_proj, main layer i's q/k/v kept with it).
 DRAFT_REFUSED: dict[tuple[str, str, str], str] = {}
 DRAFT_PARAMS = [pytest.param(m, kind, e.values[0], marks=e.marks, id=f"{m}-{kind}-{e.id}")
