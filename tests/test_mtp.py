@@ -395,3 +395,34 @@ def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts
     assert q["options"]["quantize_mtp"] is True
     ct = {m["name"]: m for m in plan("--format", "compressed-tensors")["modules"]}
     assert ct["model.layers.3.mlp.experts.0.gate_proj"]["kind"] == "nvfp4"  # both drafts build it quantized there
+
+
+def test_an_engine_whose_draft_config_builds_the_main_class_again_has_no_draft(monkeypatch):
+    """SGLang 0.5.23 and MiniMax M3: ModelConfig(is_draft_model=True) keeps MiniMaxM3SparseForConditionalGeneration
+    (no draft model for it), whose loader drops the MTP layers again: verify-manifest says the engine has no draft
+    and does not fail the checkpoint (it did: "draft ... loads ... but 127 skipped tensor(s)", rc 1); a real draft
+    (another class) is still checked and fails where it fails."""
+    from types import SimpleNamespace
+
+    from kimi_convert import cli, enginecheck
+    from kimi_convert.verify import Report
+
+    main = "sglang.srt.models.minimax_m3_vl.MiniMaxM3SparseForConditionalGeneration"
+
+    def fake(draft_class):
+        def check(output_dir, engine, *, python, any_version, source, draft):
+            cls = draft_class if draft else main
+            return SimpleNamespace(model_class=cls, version="0.5.23", loads=not draft, verdict="skipped 127",
+                                   load_verdict="loads", seconds=1.0, numerics=None, mtp_skipped=[{"tensor": "x"}])
+        return check
+
+    monkeypatch.setattr(enginecheck, "resolve", lambda *a: None)
+    monkeypatch.setattr(enginecheck, "check", fake(main))
+    rep = Report()
+    reports = cli._engine_checks(rep, "out", ("sglang",), None, False, None, True, False)
+    assert rep.ok and [r.model_class for r in reports] == [main]
+    assert any("draft: none for MiniMaxM3SparseForConditionalGeneration" in name for name, _, _ in rep.checks)
+    monkeypatch.setattr(enginecheck, "check", fake("sglang.srt.models.x_nextn.XForCausalLMNextN"))
+    rep = Report()
+    assert len(cli._engine_checks(rep, "out", ("sglang",), None, False, None, True, False)) == 2
+    assert not rep.ok and rep.problems == ["skipped 127"]
