@@ -1,0 +1,99 @@
+"""The conversion's tuning: every figure that trades memory, threads or waiting for speed, in one frozen object that
+``pack`` builds once (:meth:`Tuning.from_env`) and passes down to where each is used; a test passes its own.
+
+None of them changes an output byte (``tests/test_same_bytes.py``, and the tests that shrink them). Each field says
+why it has its value; the measurements behind them are in ``benchmarks/RESULTS.md`` ("The figures behind the
+pipeline's constants"). The one environment variable read here, ``KIMI_CONVERT_STARTUP_READAHEAD``, is listed with
+the others a user may set in ``docs/commands.md`` ("Environment variables"). Imports nothing of the package."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+STARTUP_READAHEAD_ENV = "KIMI_CONVERT_STARTUP_READAHEAD"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    #: A pass-through tensor is cut into slices of at most this many bytes, so a huge embedding streams through
+    #: like the rest (a slice is one piece of the in-flight budget).
+    slice_bytes: int = 64 << 20
+    #: Pieces a stream reads ahead of its compute at least, within the in-flight budget.
+    read_ahead: int = 3
+    #: Bytes a stream reads ahead of its compute beyond those pieces (at most a quarter of the in-flight budget):
+    #: the input file's sha256 chain hashes the pieces as they are read and the writer waits for those hashes; a
+    #: few small pieces left the chain too little slack, so the chain, the disk and the writer waited on each other
+    #: in turn. 0: ``read_ahead`` pieces only.
+    read_ahead_bytes: int = 128 << 20
+    #: ... on a worker with at least this many CPUs: on fewer the compute is the bound, and reading ahead into more
+    #: buffers costs the CPU it needs.
+    read_ahead_bytes_cpus: int = 4
+    #: Computed pieces waiting for the writer.
+    write_depth: int = 2
+    #: Bytes ahead of a stream's reads its file hashes may read themselves while the stream waits for torch and the
+    #: device: a file's sha256 is one sequential chain, which so runs on while torch loads.
+    eager_hash: int = 1 << 30
+    #: A worker's in-flight budget: at least this (``in_flight_per_cpu`` a CPU of its share below 4 CPUs), and at
+    #: least two of its largest pieces.
+    min_in_flight: int = 512 << 20
+    #: On a small share of CPUs the compute, not the read-ahead, is the bound: a smaller budget there costs no CPU
+    #: time and holds less memory.
+    in_flight_per_cpu: int = 128 << 20
+    #: The most bytes the file hashes hold to hash them in file order (at most a quarter of the in-flight budget).
+    hold_bytes: int = 128 << 20
+    #: Allocations of this size and more are mapped on their own and given back to the system when freed (glibc's
+    #: M_MMAP_THRESHOLD, which glibc otherwise raises up to 32 MB: a converter's tensors then come from per-thread
+    #: heaps that keep what is freed, and the process grows with its threads).
+    mmap_threshold: int = 1 << 20
+    #: A worker process reports its progress at most every this many bytes (a queue message each time).
+    progress_step: int = 64 << 20
+    #: --device auto: timed units per kind of work and candidate, after the warm-up one.
+    samples: int = 2
+    #: --device auto: how many times faster than the CPUs the GPU's timed units must be for a kind of work to go to
+    #: it. A unit timed alone does not show what the GPU costs in steady state (page-locking every read buffer, one
+    #: GPU shared by the worker's streams, its copies against the reader's); where the GPU is the better device it
+    #: wins by far more.
+    gpu_margin: float = 1.5
+    #: --device auto: seconds into the streams before the probe process is started: a probe needs seconds to import
+    #: torch and start the GPU before it measures anything, so a pack shorter than that never gains from it, yet its
+    #: memory counts.
+    probe_after_s: float = 3.0
+    #: Seconds a probe that ended is waited for, for its exit status (a probe still running at the end of the pack
+    #: is killed at once: the pack never waits on it).
+    probe_exit_s: float = 1.0
+    #: The start-up readahead's bytes (``KIMI_CONVERT_STARTUP_READAHEAD``); None: an eighth of the available memory,
+    #: at most 4 GiB (:meth:`startup_bytes`).
+    startup_readahead: int | None = None
+    #: For the tests, whose inputs are too few units to decide otherwise: auto's streams wait for the calibration
+    #: thread (``pipeline.runner``), so that every unit of an undecided kind is computed on every candidate.
+    calibration_waits: bool = False
+    #: For the tests likewise: auto's probe process (``pipeline.probe``) is set up before the streams start and a
+    #: stream waits for it; a kind won by the GPU gets its runner before the stream goes on.
+    probe_waits: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Tuning:
+        """The defaults, with ``KIMI_CONVERT_STARTUP_READAHEAD`` where set (ValueError: not a number of bytes)."""
+        env = environ.get(STARTUP_READAHEAD_ENV)
+        if not env:
+            return cls()
+        if not env.isdigit():
+            raise ValueError(f"{STARTUP_READAHEAD_ENV}={env!r}: expected a number of bytes")
+        return cls(startup_readahead=int(env))
+
+    def startup_bytes(self) -> int:
+        """The start-up readahead's bytes: ``startup_readahead``, else an eighth of the available memory, at most
+        4 GiB (the page cache it fills must not push out what the streams read next)."""
+        if self.startup_readahead is not None:
+            return self.startup_readahead
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return 512 << 20
+        return min(4 << 30, avail // 8)
+
+    def in_flight_floor(self, threads: int) -> int:
+        """The smallest in-flight budget of a worker with ``threads`` CPUs (two of its largest pieces always fit)."""
+        return min(self.min_in_flight, self.in_flight_per_cpu * max(1, threads))
