@@ -209,9 +209,10 @@ def _sync_file_range():
 
 def start_writeback(fd: int) -> None:
     """Ask the kernel to start writing the file's dirty pages to disk now (``SYNC_FILE_RANGE_WRITE``: it does
-    not wait for them), so that a shard's closing fsync finds little left to write: on the H200 machine that
-    fsync of a 2.9 GB shard took 1.2-2.0 s at the end of the stream, after the last byte (issue 24's GPU
-    figures). A no-op where the call does not exist; a failure is left to the fsync, which reports it."""
+    not wait for them), so that a shard's closing fsync finds little left to write: otherwise a large shard's
+    fsync takes seconds at the end of the stream, after the last byte (benchmarks/RESULTS.md, "The figures behind
+    the pipeline's constants"). A no-op where the call does not exist; a failure is left to the fsync, which
+    reports it."""
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: the whole file, no waiting

@@ -750,6 +750,7 @@ def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):
 _MALLOC_PROBE = """
 import ctypes, sys
 from kimi_convert.pipeline import budgets
+from kimi_convert.tuning import Tuning
 libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     print("no-mallinfo2"); sys.exit()
@@ -759,7 +760,7 @@ class Info(ctypes.Structure):
 libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 if sys.argv[1] == "set":
-    assert budgets.return_freed_memory()
+    assert budgets.return_freed_memory(Tuning().mmap_threshold)
 p = libc.malloc(8 << 20); libc.free(p)  # left alone, glibc raises its mmap threshold to 8 MB here
 before = libc.mallinfo2().hblks
 p = libc.malloc(8 << 20); print(libc.mallinfo2().hblks - before); libc.free(p)

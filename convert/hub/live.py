@@ -43,7 +43,7 @@ from .transport import IGNORE, RESUME, connect, with_retries
 QUEUE = int(os.environ.get("KIMI_CONVERT_UPLOAD_QUEUE", "2"))
 #: Shards sent at once: two hide each shard's round trips (preupload, LFS batch) behind the other's bytes;
 #: more would only split the same uplink (each large shard's own multipart upload is the library's).
-THREADS = max(1, int(os.environ.get("KIMI_CONVERT_UPLOAD_THREADS", "2")))
+THREADS = 2
 #: Objects per LFS batch request (huggingface_hub's UPLOAD_BATCH_MAX_NUM_FILES for the same endpoint).
 BATCH = 256
 #: Files per commit. The Hub takes commits of many files, but a very large one can time out server-side;

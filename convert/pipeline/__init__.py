@@ -10,7 +10,7 @@
   while the next is written, and reports it (``on_shard``) for the journal.
 
 A worker runs several such streams on consecutive runs of its shards, in threads: a file's sha256
-is sequential (about 1-2 GB/s a core), so one stream could not hash as fast as a disk reads.
+is sequential (one core's speed), so one stream could not hash as fast as a disk reads.
 Streams start reading and hashing before torch has loaded (about a second, more on some machines);
 the backend is made once the first pieces are in flight.
 

@@ -179,8 +179,8 @@ class Calibrator(Generic[B, R]):
     """The other candidates' side of the calibration, on a thread of its own, off the streams' critical path.
 
     Why: timed in the stream, a GPU unit held its stream as long as the GPU took, start-up and kernel
-    compilation included (on the H200 machine 10-60 s/GB, where the CPUs cast at 1-2: auto ran 19% slower
-    than ``--device cpu`` with every kind decided for the CPUs; docs/history/RESULTS-history.md, issue 26 item 9).
+    compilation included, many times the CPUs' time for the same unit: auto ran slower than ``--device cpu`` with
+    every kind decided for the CPUs (benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
     Now the stream computes an undecided kind's unit on the first candidate (the CPUs) and goes on with
     that result; ``offer`` gives this thread a copy of the unit (when it is idle: a stream never waits for
     it) to compute on the others, timed and checked against the first's bytes here.

@@ -1,8 +1,8 @@
 """How a worker's streams compute a unit: on its one backend, or (``--device auto`` with a GPU) on the
 GPU or the CPUs, whichever ``choose.Chooser`` measured faster for that kind of work.
 
-On a GPU, what costs is moving the bytes, not the kernels (the MXFP4 cast runs at 1.6 TB/s on the H200,
-the host's copies at 7-50 GB/s), so a GPU unit is run so that its copies overlap and go at DMA speed:
+On a GPU, what costs is moving the bytes, not the kernels (a kernel runs at the GPU memory's speed, the host's
+copies at a small fraction of it), so a GPU unit is run so that its copies overlap and go at DMA speed:
 - each stream computes on a CUDA stream of its own (threads on torch's default stream wait for each
   other's copies and synchronizations);
 - the sources are copied from the pipeline's pooled read buffers, page-locked (``BufferPool.pin_with``),

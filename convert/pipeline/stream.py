@@ -539,8 +539,8 @@ def _report(results: list[JobResult], shared: Shared, device: Device) -> None:
 
 class TorchNeed:
     """Whether the plan has a unit that needs torch on the CPUs (one ``compute_early`` does not take): the
-    warm-up of ``--device cpu`` waits for the plan to say so, and without such a unit never imports torch (3.6-5 s
-    of a core, and of the interpreter's lock, on the H200 machine)."""
+    warm-up of ``--device cpu`` waits for the plan to say so, and without such a unit never imports torch (seconds of
+    a core, and of the interpreter's lock, the streams need)."""
 
     def __init__(self):
         self._decided = threading.Event()
