@@ -103,6 +103,7 @@ class RayTasks:
     upload: object = None  # hub.live.UploadTarget
     token: str | None = None  # the upload's
     local_output: bool = False  # the shards stay on the nodes (a Hub input with --upload --no-keep-output)
+    tuning: Tuning | None = None  # pack's
 
     @property
     def slots(self) -> int:
@@ -113,4 +114,4 @@ class RayTasks:
 
     def run(self, jobs: list[pipeline.Job], on_shard: OnShard, on_progress: OnProgress) -> list[pipeline.JobResult]:
         with self.staging.tasks(jobs, self.output_dir, self.upload, self.token, self.local_output) as (tasks, env):
-            return self.cluster.run(jobs, on_shard, on_progress, hub=tasks, env=env)
+            return self.cluster.run(jobs, on_shard, on_progress, hub=tasks, env=env, tuning=self.tuning)

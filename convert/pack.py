@@ -195,7 +195,7 @@ def _executor(cluster, staging: Staging, hub: LiveUpload | None, output_dir: Pat
     if cluster is not None:
         local_output = staging.per_task and hub is not None and not hub.target.keep_output
         return RayTasks(cluster, staging, output_dir, hub.target if hub is not None else None,
-                        hub.api.token if hub is not None else None, local_output)
+                        hub.api.token if hub is not None else None, local_output, start.tuning)
     devs = devices.worker_devices(device, workers)
     return WorkerProcesses(devs, streams or pipeline.default_streams(start.cpus, len(devs)), start.cpus, start.stop,
                            hub.admit if hub is not None else None, tuning=start.tuning)

@@ -776,3 +776,16 @@ def test_freed_tensor_memory_goes_back_to_the_system(mode, mapped):
     if r.stdout.strip() == "no-mallinfo2":
         pytest.skip("not glibc >= 2.33")
     assert r.stdout.strip() == mapped
+
+
+def test_the_tuning_reads_its_one_variable_once_and_refuses_a_bad_value(tiny_k3, tmp_path):
+    """``KIMI_CONVERT_STARTUP_READAHEAD`` is read into the tuning pack builds (the other fields are its defaults); a
+    value that is not a number of bytes is one line, exit 2, before anything is written."""
+    assert Tuning.from_env({}) == Tuning()
+    assert Tuning.from_env({"KIMI_CONVERT_STARTUP_READAHEAD": "4096"}) == Tuning(startup_readahead=4096)
+    assert Tuning(startup_readahead=0).startup_bytes() == 0
+    assert 0 < Tuning().startup_bytes() <= 4 << 30
+    out = tmp_path / "out"
+    err = one_line_error(run("pack", tiny_k3, out, "-q", env={"KIMI_CONVERT_STARTUP_READAHEAD": "lots"}))
+    assert "KIMI_CONVERT_STARTUP_READAHEAD='lots': expected a number of bytes" in err
+    assert not out.exists()
