@@ -100,12 +100,13 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     downloads its own job's inputs (``sources.hubstage``). ``tuning``: the pipeline's figures (default:
     ``Tuning.from_env()``; a test passes its own)."""
     called = time.perf_counter()
+    tuning = tuning or _tuning_from_env()
     source, output_dir = open_source(input_source), Path(output_dir)  # open the source
     write.check_output_dir(source.local_path(), output_dir)
     staging = staging_for(source, output_dir, scratch, max_scratch, ray is not None, say)
     workers, streams = staging.limits(workers, streams)
     command = staging.command(command, input_source, output_dir)
-    hub = _connect_upload(upload, say)  # before the plan: a Hub that cannot be reached costs no work
+    hub = _connect_upload(upload, say, tuning)  # before the plan: a Hub that cannot be reached costs no work
     cluster = _connect_ray(ray, device)  # likewise an unreachable cluster
     start = _StartUp.begin(cluster is None, device, workers, tuning)  # torch and the devices start while we plan
     ckpt, plan = start.plan(source, opts)  # plan
@@ -135,12 +136,20 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
                           cast_lossless=sum(r.cast_lossless for r in recs), upload=up)
 
 
-def _connect_upload(upload: UploadTarget | None, say: Callable[[str], None]) -> LiveUpload | None:
+def _tuning_from_env() -> Tuning:
+    """The defaults with the ``KIMI_CONVERT_*`` variables that set a field (``tuning.ENV``); a bad value is one line."""
+    try:
+        return Tuning.from_env()
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _connect_upload(upload: UploadTarget | None, say: Callable[[str], None], tuning: Tuning) -> LiveUpload | None:
     if upload is None:
         return None
     from .hub.live import LiveUpload
 
-    return LiveUpload(upload, say)
+    return LiveUpload(upload, say, tuning=tuning)
 
 
 def _connect_ray(ray: str | None, device: Device | str):
@@ -167,12 +176,7 @@ class _StartUp:
     tuning: Tuning
 
     @classmethod
-    def begin(cls, local: bool, device: Device | str, workers: int | None, tuning: Tuning | None) -> _StartUp:
-        if tuning is None:
-            try:
-                tuning = Tuning.from_env()
-            except ValueError as e:
-                raise ConvertError(str(e)) from None
+    def begin(cls, local: bool, device: Device | str, workers: int | None, tuning: Tuning) -> _StartUp:
         s = cls(local, devices.cpus(), tuning.startup_bytes(), pipeline.TorchNeed(), threading.Event(), tuning)
         if local:
             threading.Thread(target=_warm_up, args=(device, workers, s.cpus, s.need), daemon=True,
@@ -207,7 +211,8 @@ def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, 
     started on the first groups while torch and the GPU start up, and the jobs cut."""
     todo = out.todo(plan)
     if not executor.local_output:
-        out.check_space(todo, None if hub is None or hub.target.keep_output else executor.slots)
+        out.check_space(todo, None if hub is None or hub.target.keep_output else executor.slots,
+                        start.tuning.upload_queue)
     done = out.journal.shards
     source = staging.start([u for u in plan.units if u.shard not in done], todo, out.path, start.stop, bool(done))
     if hub is not None:

@@ -307,16 +307,18 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
     driver keeps the journal, writes configs, index and manifest, and makes the one commit, as a local
     ``pack --upload`` does. Returns the job's result, its input hashes the verified downloads' and its
     ``downloads`` the scratch folder's figures."""
-    from .hub.live import QUEUE
     from .hub.transport import bound_library
     from .sources.hubstage import TaskStaging
+    from .tuning import Tuning
+
+    tuning = tuning or Tuning()
 
     bound_library()  # the library's timeouts, in this process too
     stage = TaskStaging(job.source, t, job.units, job.output_dir)  # type: ignore[arg-type]
     uploader: _TaskUpload | None = None
     try:
-        stage.check_space([s.size for s in job.shards], QUEUE)
-        uploader = _uploader(t, stage.out, emit)
+        stage.check_space([s.size for s in job.shards], tuning.upload_queue)
+        uploader = _uploader(t, stage.out, emit, tuning)
         source = stage.start()
         res = run_jobs([dataclasses.replace(job, source=source, output_dir=stage.out)], resolve_device(device),
                        uploader.on_shard if uploader else lambda f, rec: emit(f, rec, None), threads=threads,
@@ -354,7 +356,7 @@ class _TaskUpload:
         self.emit(file, rec, Arrived(records, True))
 
 
-def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
+def _uploader(t: HubTask, out: Path, emit: Callable, tuning: Tuning) -> _TaskUpload | None:
     """With --upload: the task's ``LiveUpload`` on an ``HfApi`` of the task's environment (no connect)."""
     if t.upload is None:
         return None
@@ -363,6 +365,6 @@ def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
     from .hub.live import LiveUpload
     from .sources.hubstage import say_on_node
 
-    up = _TaskUpload(LiveUpload(t.upload, say_on_node, api=HfApi()), out, t.local_output, emit, {})
+    up = _TaskUpload(LiveUpload(t.upload, say_on_node, api=HfApi(), tuning=tuning), out, t.local_output, emit, {})
     up.live.start(out, up.on_uploaded)
     return up

@@ -3,8 +3,8 @@
 
 None of them changes an output byte (``tests/test_same_bytes.py``, and the tests that shrink them). Each field says
 why it has its value; the measurements behind them are in ``benchmarks/RESULTS.md`` ("The figures behind the
-pipeline's constants"). The one environment variable read here, ``KIMI_CONVERT_STARTUP_READAHEAD``, is listed with
-the others a user may set in ``docs/commands.md`` ("Environment variables"). Imports nothing of the package."""
+pipeline's constants"). The environment variables read here (``ENV``) are listed with the others a user may set in
+``docs/commands.md`` ("Environment variables"). Imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-STARTUP_READAHEAD_ENV = "KIMI_CONVERT_STARTUP_READAHEAD"
+#: The variables ``Tuning.from_env`` reads: name -> (field, what its value must be)
+ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of bytes"),
+       "KIMI_CONVERT_UPLOAD_QUEUE": ("upload_queue", "a number of shards"),
+       "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files")}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,18 @@ class Tuning:
     #: The start-up readahead's bytes (``KIMI_CONVERT_STARTUP_READAHEAD``); None: an eighth of the available memory,
     #: at most 4 GiB (:meth:`startup_bytes`).
     startup_readahead: int | None = None
+    #: ``pack --upload --no-keep-output``: the shards that may be on the local disk besides the one being sent
+    #: (written, being written, or waiting for the uploader): a stream waits before opening another
+    #: (``KIMI_CONVERT_UPLOAD_QUEUE``).
+    upload_queue: int = 2
+    #: ``pack --upload``: shards sent at once: two hide each shard's round trips (preupload, LFS batch) behind the
+    #: other's bytes; more would only split the same uplink (each large shard's own multipart upload is the library's).
+    upload_threads: int = 2
+    #: ``pack --upload``: files per commit (``KIMI_CONVERT_MAX_COMMIT_FILES``; the tests lower it). The Hub takes
+    #: commits of many files, but a very large one can time out server-side; above this the shards and records files
+    #: go in commits of their own, the rest (configs, card, manifest) in the last one, so the repository only looks
+    #: finished once the manifest is in.
+    max_commit_files: int = 1000
     #: For the tests, whose inputs are too few units to decide otherwise: auto's streams wait for the calibration
     #: thread (``pipeline.runner``), so that every unit of an undecided kind is computed on every candidate.
     calibration_waits: bool = False
@@ -75,13 +90,16 @@ class Tuning:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Tuning:
-        """The defaults, with ``KIMI_CONVERT_STARTUP_READAHEAD`` where set (ValueError: not a number of bytes)."""
-        env = environ.get(STARTUP_READAHEAD_ENV)
-        if not env:
-            return cls()
-        if not env.isdigit():
-            raise ValueError(f"{STARTUP_READAHEAD_ENV}={env!r}: expected a number of bytes")
-        return cls(startup_readahead=int(env))
+        """The defaults, with the variables of ``ENV`` where set (ValueError: one that is not a whole number)."""
+        fields = {}
+        for name, (field, what) in ENV.items():
+            env = environ.get(name, "").strip()
+            if not env:
+                continue
+            if not env.isdigit():
+                raise ValueError(f"{name}={env!r}: expected {what}")
+            fields[field] = int(env)
+        return cls(**fields)
 
     def startup_bytes(self) -> int:
         """The start-up readahead's bytes: ``startup_readahead``, else an eighth of the available memory, at most
