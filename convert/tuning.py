@@ -50,6 +50,9 @@ class Tuning:
     #: M_MMAP_THRESHOLD, which glibc otherwise raises up to 32 MB: a converter's tensors then come from per-thread
     #: heaps that keep what is freed, and the process grows with its threads).
     mmap_threshold: int = 1 << 20
+    #: Bytes a shard writer lets accumulate in the page cache before it asks the kernel to start writing them back
+    #: (``write.start_writeback``), so that the shard's closing fsync finds little left to write.
+    writeback_every: int = 64 << 20
     #: A worker process reports its progress at most every this many bytes (a queue message each time).
     progress_step: int = 64 << 20
     #: --device auto: timed units per kind of work and candidate, after the warm-up one.

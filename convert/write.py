@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from .sources import Source
 
 CHUNK = 16 << 20
-#: Bytes a shard writer lets accumulate in the page cache before it asks the kernel to start writing them back.
-WRITEBACK_EVERY = 64 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
 OWN_FILES = (filenames.MANIFEST, filenames.INDEX, filenames.CONFIG, *formats.config_files(), filenames.JOURNAL,
@@ -114,11 +112,12 @@ class ShardWriter:
     """Writes one shard: header first, then each tensor's chunks at its planned offset.
 
     The file's space is reserved up front (posix_fallocate), so a full disk fails at the start of a
-    shard rather than in the middle of one; every OS error names the file.
+    shard rather than in the middle of one; every OS error names the file. ``writeback_every``: the bytes it lets
+    accumulate in the page cache before it asks the kernel to start writing them back (``Tuning.writeback_every``).
     """
 
-    def __init__(self, output_dir: Path, shard: Shard):
-        self.shard = shard
+    def __init__(self, output_dir: Path, shard: Shard, writeback_every: int):
+        self.shard, self.writeback_every = shard, writeback_every
         self.final = output_dir / shard.file
         self.tmp = output_dir / (shard.file + PARTIAL)
         self.fd = -1
@@ -169,7 +168,7 @@ class ShardWriter:
             pos += n
             self._unflushed += n
         self.written[name] = self.written.get(name, 0) + pos - p.start - offset
-        if self._unflushed >= WRITEBACK_EVERY:
+        if self._unflushed >= self.writeback_every:
             self._unflushed = 0
             start_writeback(self.fd)
 
