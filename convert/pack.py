@@ -103,7 +103,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     tuning = tuning or _tuning_from_env()
     source, output_dir = open_source(input_source), Path(output_dir)  # open the source
     write.check_output_dir(source.local_path(), output_dir)
-    staging = staging_for(source, output_dir, scratch, max_scratch, ray is not None, say)
+    staging = staging_for(source, output_dir, scratch, max_scratch, ray is not None, say, tuning.download_threads)
     workers, streams = staging.limits(workers, streams)
     command = staging.command(command, input_source, output_dir)
     hub = _connect_upload(upload, say, tuning)  # before the plan: a Hub that cannot be reached costs no work

@@ -314,7 +314,7 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
     tuning = tuning or Tuning()
 
     bound_library()  # the library's timeouts, in this process too
-    stage = TaskStaging(job.source, t, job.units, job.output_dir)  # type: ignore[arg-type]
+    stage = TaskStaging(job.source, t, job.units, job.output_dir, tuning.download_threads)  # type: ignore[arg-type]
     uploader: _TaskUpload | None = None
     try:
         stage.check_space([s.size for s in job.shards], tuning.upload_queue)

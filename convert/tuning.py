@@ -15,6 +15,7 @@ from dataclasses import dataclass
 #: The variables ``Tuning.from_env`` reads: name -> (field, what its value must be)
 ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of bytes"),
        "KIMI_CONVERT_UPLOAD_QUEUE": ("upload_queue", "a number of shards"),
+       "KIMI_CONVERT_DOWNLOAD_THREADS": ("download_threads", "a number of threads"),
        "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files")}
 
 
@@ -72,6 +73,10 @@ class Tuning:
     #: The start-up readahead's bytes (``KIMI_CONVERT_STARTUP_READAHEAD``); None: an eighth of the available memory,
     #: at most 4 GiB (:meth:`startup_bytes`).
     startup_readahead: int | None = None
+    #: A Hub input's downloads in flight at once (each one sequential stream, within ``--max-scratch``): two hide
+    #: each file's request round trips behind the other's bytes (``KIMI_CONVERT_DOWNLOAD_THREADS``; docs/hub-input.md
+    #: measures one against two).
+    download_threads: int = 2
     #: ``pack --upload --no-keep-output``: the shards that may be on the local disk besides the one being sent
     #: (written, being written, or waiting for the uploader): a stream waits before opening another
     #: (``KIMI_CONVERT_UPLOAD_QUEUE``).
