@@ -778,11 +778,13 @@ def test_freed_tensor_memory_goes_back_to_the_system(mode, mapped):
     assert r.stdout.strip() == mapped
 
 
-def test_the_tuning_reads_its_one_variable_once_and_refuses_a_bad_value(tiny_k3, tmp_path):
-    """``KIMI_CONVERT_STARTUP_READAHEAD`` is read into the tuning pack builds (the other fields are its defaults); a
-    value that is not a number of bytes is one line, exit 2, before anything is written."""
+def test_the_tuning_reads_its_variables_once_and_refuses_a_bad_value(tiny_k3, tmp_path):
+    """The ``KIMI_CONVERT_*`` variables that set a field are read into the tuning pack builds (the other fields are
+    its defaults); a value that is not a whole number is one line, exit 2, before anything is written."""
     assert Tuning.from_env({}) == Tuning()
     assert Tuning.from_env({"KIMI_CONVERT_STARTUP_READAHEAD": "4096"}) == Tuning(startup_readahead=4096)
+    env = {"KIMI_CONVERT_UPLOAD_QUEUE": "0", "KIMI_CONVERT_DOWNLOAD_THREADS": "1", "KIMI_CONVERT_MAX_COMMIT_FILES": "9"}
+    assert Tuning.from_env(env) == Tuning(upload_queue=0, download_threads=1, max_commit_files=9)
     assert Tuning(startup_readahead=0).startup_bytes() == 0
     assert 0 < Tuning().startup_bytes() <= 4 << 30
     out = tmp_path / "out"
