@@ -30,7 +30,7 @@ from .progress import human_bytes
 from .sources import Source
 
 if TYPE_CHECKING:
-    from .hub.live import LiveUpload
+    from .upload.live import LiveUpload
 
 
 class OutputFolder:

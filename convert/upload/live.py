@@ -35,8 +35,8 @@ from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from .. import faults, filenames
 from ..errors import ConvertError
+from ..transport import IGNORE, RESUME, connect, with_retries
 from ..tuning import Tuning
-from .transport import IGNORE, RESUME, connect, with_retries
 
 #: Objects per LFS batch request (huggingface_hub's UPLOAD_BATCH_MAX_NUM_FILES for the same endpoint).
 BATCH = 256
