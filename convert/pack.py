@@ -97,8 +97,8 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     to the Hub as it is final (``upload.live``); its checks (id, token, the Hub's answer) come first.
     A Hub input (``hf://``): its weight files are downloaded just in time into ``scratch`` (default: beside
     the output), at most ``max_scratch`` bytes at once; one worker, one stream; with ``ray``, each task
-    downloads its own job's inputs (``sources.hubstage``). ``tuning``: the pipeline's figures (default:
-    ``Tuning.from_env()``; a test passes its own)."""
+    downloads its own job's inputs (``sources.hubstage``). ``tuning``: the pipeline's, the upload's and the
+    downloads' figures (default: ``Tuning.from_env()``; a test passes its own)."""
     called = time.perf_counter()
     tuning = tuning or _tuning_from_env()
     source, output_dir = open_source(input_source), Path(output_dir)  # open the source
