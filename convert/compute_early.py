@@ -151,26 +151,36 @@ def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, in
     return out
 
 
-def decode_int4(s: SourceTensor, reader: TensorSource, threads: int) -> np.ndarray:
-    """fp32 ``(code - 8) * scale`` of an INT4 weight (``_int4``), by ``recipe_cpu.c``'s ``kc_int4_decode_mt``: the
-    values and the refusals (a ``weight_shape`` not the weight's, a scale not finite, a product beyond fp32) of
-    ``encodings.int4_pack``'s decode, in its words (tests/test_early.py)."""
+@dataclass
+class Int4Rows:
+    """An INT4 weight as the C kernels read it (``kc_int4_*_mt``: decoded a row at a time, never whole): its codes,
+    its scales widened to fp32, and the amax of its values."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    groups: int
+    amax: float
+
+
+def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: int) -> Int4Rows:
+    """An INT4 weight (``_int4``) and its amax, refused where ``encodings.int4_pack``'s decode refuses it (a
+    ``weight_shape`` not the weight's, a scale not finite, a product beyond fp32), in its words
+    (tests/test_early.py)."""
     packed, scale, shape = s.parts
     stored = np.asarray(reader.raw(shape)).view(np.int64 if shape.dtype == "I64" else np.int32)
     if stored.tolist() != list(s.shape):
         raise refused(shape, f"INT4 weight_shape {stored.tolist()} is not the packed weight's {list(s.shape)}")
-    raw = np.asarray(reader.raw(scale))
-    count = math.prod(scale.shape)
+    raw, count = np.asarray(reader.raw(scale)), math.prod(scale.shape)
     sc = raw.view(np.float16).astype(np.float32) if scale.dtype == "F16" else _as_f32(raw, scale.dtype, (count,))
     if not np.isfinite(sc).all():
         raise refused(scale, "INT4 scale is not finite (NaN or Inf)")
     n, k = s.shape
-    codes = np.asarray(reader.raw(packed))
-    out = np.empty(n * k, dtype=np.float32)
-    if clib.load_recipe().kc_int4_decode_mt(codes.ctypes.data, sc.ctypes.data, n, k // 8, scale.shape[1],
-                                            out.ctypes.data, threads):
+    codes, groups = np.asarray(reader.raw(packed)), scale.shape[1]
+    bits = clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, groups, threads)
+    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    if not math.isfinite(amax):
         raise refused(scale, "INT4 scales too large: decoded values overflow fp32")
-    return out
+    return Int4Rows(codes, sc, groups, amax)
 
 
 class EarlyCompute:
@@ -272,12 +282,13 @@ class EarlyCompute:
         """One global scale over the unit's members (its fused module or scale group), as ``compute._quantize``."""
         lib, threads = self.lib, self.threads
         srcs = {s.name: s for it in items for s in it.sources}
-        # each source's values: its stored bytes (dense), or decoded to fp32 (FP8, INT4), held for the unit
-        values = {n: (reader.raw(s.parts[0]), s.dtype) if _dense(s) else (self._decoded(s, reader), "F32")
-                  for n, s in srcs.items()}
-        amax = max(self._finite_amax(s, name, *values[name]) for name, s in srcs.items())
+        # each source's values (``_values``), held for the unit
+        values = {n: self._values(s, reader) for n, s in srcs.items()}
+        amax = max(v.amax if isinstance(v, Int4Rows) else self._finite_amax(srcs[n], n, *v) for n, v in values.items())
         ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
-        s2 = scales.compressed_tensors(amax, next(iter(values.values()))[1]) if ct else scales.modelopt(amax)
+        first = next(iter(values.values()))
+        s2 = scales.compressed_tensors(amax, "F32" if isinstance(first, Int4Rows) else first[1]) if ct \
+            else scales.modelopt(amax)
         kernel = clib.ct_quant if ct else clib.quant
         for it in items:
             packed, block_scales = [], []
@@ -285,8 +296,12 @@ class EarlyCompute:
                 k = s.shape[-1]
                 m = math.prod(s.shape) // k
                 p, sc = _carve(arena, m * k // 2), _carve(arena, m * k // GROUP)
-                buf, dtype = values[s.name]
-                kernel(lib, buf.ctypes.data, m, k, dtype == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
+                v = values[s.name]
+                if isinstance(v, Int4Rows):
+                    clib.int4_quant(lib, v.codes.ctypes.data, v.scale.ctypes.data, m, k, v.groups, ct, s2,
+                                    p.ctypes.data, sc.ctypes.data, threads)
+                else:
+                    kernel(lib, v[0].ctypes.data, m, k, v[1] == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
                 packed.append(p)
                 block_scales.append(sc)
             _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
@@ -294,10 +309,14 @@ class EarlyCompute:
             method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
 
-    def _decoded(self, s: SourceTensor, reader: TensorSource) -> np.ndarray:
-        """A coded source's fp32 values (FP8 or INT4) as flat bytes."""
-        v = decode_int4(s, reader, self.threads) if s.encoding == INT4 else decode_fp8_block(s, reader, self.block)
-        return v.reshape(-1).view(np.uint8)
+    def _values(self, s: SourceTensor, reader: TensorSource) -> tuple[Chunk, str] | Int4Rows:
+        """A source's values as the kernels read them: its stored bytes (dense), decoded to fp32 (FP8), or its
+        codes (INT4: decoded a row at a time by the kernels)."""
+        if _dense(s):
+            return reader.raw(s.parts[0]), s.dtype
+        if s.encoding == INT4:
+            return int4_rows(s, reader, self.lib, self.threads)
+        return decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32"
 
 
 def _k_max(s: SourceTensor, reader: TensorSource) -> int:

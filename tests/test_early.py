@@ -183,6 +183,32 @@ def test_each_int4_unit_matches_compute_unit(int4_ckpt, recipe):
     assert {s.parts[1].dtype for s in int4} == {"BF16", "F32", "F16"}
 
 
+@pytest.mark.parametrize(("n", "k", "group"), [(3, 32, 2), (70, 256, 32), (257, 512, 128), (40, 4096, 4096)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_int4_kernels_are_the_decoded_weights_amax_and_quantization(n, k, group, threads):
+    """``kc_int4_amax_mt`` / ``kc_int4_quant_mt`` (rows decoded one at a time, never whole) give the amax and both
+    formats' bytes of ``kc_amax_f32`` / ``kc_quant_f32`` / ``kc_ct_quant`` on the weight the torch code decodes
+    (``kernels.formats.decode_int4``), every code in the mix, subnormal and large scales among the groups."""
+    from kimi_convert.kernels import clib
+    from kimi_convert.kernels.formats import decode_int4
+
+    g = torch.Generator().manual_seed(n + k)
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    scale = torch.randn(n, k // group, generator=g) * torch.tensor([1e-40, 1e-3, 1.0, 1e30]).repeat(k)[:k // group]
+    lib, values = clib.load(), decode_int4(packed, scale).numpy()
+    codes, sc = packed.numpy().view(np.uint8), scale.numpy()
+    bits = clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, k // group, threads)
+    assert bits == clib.amax_bits(lib, values.ctypes.data, n * k, True, threads)
+    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    for ct, s2 in ((False, scales.modelopt(amax)), (True, scales.compressed_tensors(amax, "F32"))):
+        got, want = [(np.zeros(n * k // 2, np.uint8), np.zeros(n * k // 16, np.uint8)) for _ in range(2)]
+        clib.int4_quant(lib, codes.ctypes.data, sc.ctypes.data, n, k, k // group, ct, s2, got[0].ctypes.data,
+                        got[1].ctypes.data, threads)
+        (clib.ct_quant if ct else clib.quant)(lib, values.ctypes.data, n, k, True, s2, want[0].ctypes.data,
+                                              want[1].ctypes.data, threads)
+        assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes(), ct
+
+
 #: an INT4 expert's scale edits, each refused when the expert is decoded: the words of both codes
 INT4_REFUSED = {"nan": ("weight_scale", lambda t: t.float().index_put_((torch.tensor(1), torch.tensor(0)),
                                                                        torch.tensor(float("nan")))),
