@@ -7,9 +7,9 @@ backend (tests/test_early.py holds them to it, unit by unit and pack by pack).
 Why: ``import torch`` takes 3.6-5 s on the H200 machine, and until it returns a stream's compute waited (2.8-5.5 s
 of a 10 GB one-file input's 13-16 s: docs/compressed-tensors.md). A stream now computes the units this module
 takes while torch loads (``--device auto``: until its runner is made, then the runner measures and chooses), and
-with ``--device cpu`` always: a dense, FP8 or Kimi K3 checkpoint is then converted without importing torch at all.
-Anything else (an MXFP4 weight not cast, fp16 weights, an FP8 weight kept, a slice of a stored tensor, NVIDIA's
-recipe with ``KIMI_CONVERT_RECIPE_KERNELS=torch``) is ``compute.compute_unit``'s.
+with ``--device cpu`` always: a dense, FP8, Kimi K3 or Kimi K2.5 checkpoint is then converted without importing
+torch at all. Anything else (an MXFP4 weight not cast, fp16 weights, an FP8 weight kept, a slice of a stored
+tensor, NVIDIA's recipe with ``KIMI_CONVERT_RECIPE_KERNELS=torch``) is ``compute.compute_unit``'s.
 """
 
 from __future__ import annotations
