@@ -188,9 +188,9 @@ def test_each_int4_unit_matches_compute_unit(int4_ckpt, recipe):
 def test_the_int4_kernels_are_the_decoded_weights_amax_and_quantization(n, k, group, threads):
     """``kc_int4_amax_mt`` / ``kc_int4_quant_mt`` (rows decoded one at a time, never whole) give the amax and both
     formats' bytes of ``kc_amax_f32`` / ``kc_quant_f32`` / ``kc_ct_quant`` on the weight the torch code decodes
-    (``kernels.formats.decode_int4``), every code in the mix, subnormal and large scales among the groups."""
+    (``kernels.encodings.decode_int4``), every code in the mix, subnormal and large scales among the groups."""
     from kimi_convert.kernels import clib
-    from kimi_convert.kernels.formats import decode_int4
+    from kimi_convert.kernels.encodings import decode_int4
 
     g = torch.Generator().manual_seed(n + k)
     packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)

@@ -500,7 +500,7 @@ void kc_ct_quant_mt(const void *x, int64_t rows, int64_t k, float g, int32_t f32
 
 /* --- Kimi K2.5's INT4 pack-quantized weights, quantized from their codes --------------------------------------
  * Each row decoded into a buffer the cache holds, then amax'd or quantized as the fp32 row it is: the values of
- * recipe_cpu.c kc_int4_rows and kernels/src/formats.py decode_int4, (code - 8) * scale in one IEEE multiply, so the
+ * recipe_cpu.c kc_int4_rows and kernels/src/encodings.py decode_int4, (code - 8) * scale in one IEEE multiply, so the
  * bytes of kc_amax_f32 / kc_quant_f32 / kc_ct_quant_mt on the decoded weight. Why: decoded whole, the weight is 4
  * bytes a value written to memory and read back twice, for a source of half a byte (compute_early.py). */
 
