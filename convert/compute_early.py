@@ -102,8 +102,8 @@ def _fp8_block(s: SourceTensor) -> bool:
 
 def _int4(s: SourceTensor) -> bool:
     """Compressed-tensors' INT4 ``pack-quantized`` (Kimi K2.5's experts: I32 codes [N, K/8], a BF16, F16 or F32
-    scale a group, ``weight_shape``), decoded here by ``kc_int4_decode_mt`` as ``kernels.encodings.decode_int4``
-    decodes it on the CPU; a group of an odd size (not whole bytes) is the torch code's."""
+    scale a group, ``weight_shape``), quantized here from its codes (``int4_rows``), each row decoded as
+    ``kernels.encodings.decode_int4`` decodes it; a group of an odd size (not whole bytes) is the torch code's."""
     if s.encoding != INT4 or s.view or len(s.parts) != 3 or len(s.shape) != 2:
         return False
     packed, scale, _ = s.parts
