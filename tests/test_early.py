@@ -209,6 +209,24 @@ def test_the_int4_kernels_are_the_decoded_weights_amax_and_quantization(n, k, gr
         assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes(), ct
 
 
+def _refusals(src: Path, name: str) -> tuple[str, str]:
+    """The errors of ``compute_early`` and of the torch code on the unit that reads the tensor or part ``name``
+    (which ``compute_early`` takes)."""
+    ckpt, plan = load_plan(src, Options())
+    unit = next(u for u in plan.units if any(name in (s.name, *(p.name for p in s.parts))
+                                             for it in u.items for s in it.sources))
+    assert compute_early.takes(unit)
+    reader = PreadReader(src)
+    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+    block = fp8_block_size(ckpt.config)
+    with pytest.raises(ConvertError) as early:
+        compute_early.EarlyCompute(2, block).compute(unit, loaded, BufferPool(limit=64 << 20))
+    with pytest.raises(ConvertError) as torch_code:
+        compute_unit(unit, loaded, get_backend("cpu", 2), block)
+    reader.close()
+    return str(early.value), str(torch_code.value)
+
+
 #: an INT4 expert's scale edits, each refused when the expert is decoded: the words of both codes
 INT4_REFUSED = {"nan": ("weight_scale", lambda t: t.float().index_put_((torch.tensor(1), torch.tensor(0)),
                                                                        torch.tensor(float("nan")))),
@@ -228,18 +246,8 @@ def test_int4_faults_refused_in_the_same_words(tmp_path, fault):
         if f"{expert}.{part}" in tensors:
             tensors[f"{expert}.{part}"] = edit(tensors[f"{expert}.{part}"])
     rewrite_tensors(src, plant)
-    ckpt, plan = load_plan(src, Options())
-    unit = next(u for u in plan.units if any(s.name == f"{expert}.weight" for it in u.items for s in it.sources))
-    assert compute_early.takes(unit)
-    reader = PreadReader(src)
-    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
-    block = fp8_block_size(ckpt.config)
-    with pytest.raises(ConvertError) as early:
-        compute_early.EarlyCompute(2, block).compute(unit, loaded, BufferPool(limit=64 << 20))
-    with pytest.raises(ConvertError) as torch_code:
-        compute_unit(unit, loaded, get_backend("cpu", 2), block)
-    reader.close()
-    assert str(early.value) == str(torch_code.value) and f"{expert}.{part}" in str(early.value)
+    early, torch_code = _refusals(src, f"{expert}.{part}")
+    assert early == torch_code and f"{expert}.{part}" in early
 
 
 #: per preset, the weight given a NaN (an FP8 weight: e4m3's NaN code 0x7F; an E8M0 scale: its NaN byte 0xFF)
@@ -264,19 +272,8 @@ def test_nan_refused_in_the_same_words(tmp_path, preset):
         else:
             t[0, 3] = float("nan")
     rewrite_tensors(src, plant)
-    ckpt, plan = load_plan(src, Options())
-    unit = next(u for u in plan.units if any(NAN_AT[preset] in (s.name, *(p.name for p in s.parts))
-                                             for it in u.items for s in it.sources))
-    assert compute_early.takes(unit)
-    reader = PreadReader(src)
-    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
-    block = fp8_block_size(ckpt.config)
-    with pytest.raises(ConvertError) as early:
-        compute_early.EarlyCompute(2, block).compute(unit, loaded, BufferPool(limit=64 << 20))
-    with pytest.raises(ConvertError) as torch_code:
-        compute_unit(unit, loaded, get_backend("cpu", 2), block)
-    reader.close()
-    assert str(early.value) == str(torch_code.value) and "NaN" in str(early.value)
+    early, torch_code = _refusals(src, NAN_AT[preset])
+    assert early == torch_code and "NaN" in early
 
 
 @pytest.mark.parametrize("recipe", [None, "nvfp4-w4a16"])
