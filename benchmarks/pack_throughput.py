@@ -133,7 +133,7 @@ def quantize_alone(src: Path, device: str, mapping: str | None = None) -> tuple[
     import torch
 
     from kimi_convert.compute import compute_unit
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
     from kimi_convert.pack import load_plan
     from kimi_convert.plan import Options, fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
