@@ -21,9 +21,10 @@ from pathlib import Path
 import click
 
 from . import __version__, devices, filenames, paths
+from .clioptions import SIZE, click_options
+from .clioptions import checked as _checked
 from .errors import ConvertError
-from .options import SIZE, Options, click_options
-from .options import checked as _checked
+from .options import Options
 from .plan.render import mb
 from .sources import check_spec, provenance
 from .sources.hub import is_hub_spec

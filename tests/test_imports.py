@@ -191,3 +191,24 @@ def test_the_kernel_check_sees_an_application_import(tmp_path):
                                    "from . import clib\nimport os\n")
     assert _kernel_imports_of_the_application([tmp_path / "k.py"]) == [
         "k.py:1: kimi_convert.devices", "k.py:2: kimi_convert"]
+
+
+#: The vocabulary the stages share, each module importing nothing of the package but ``schemes`` (the scheme
+#: names), itself a leaf: what the plan's data names, so the plan ties no stage to another.
+LEAVES = {"vocabulary": {"schemes"}, "options": set(), "schemes": set()}
+
+
+def test_the_vocabulary_is_a_leaf():
+    graph = _graph(typing=True)
+    assert {m: graph[m] for m in LEAVES} == LEAVES
+
+
+def test_the_plan_loads_no_command_line_library():
+    """``plan/model.py`` records an ``Options``; the plan stays a pure function of its inputs, loading neither
+    click (``clioptions`` makes the flags) nor torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, kimi_convert.plan; print(sorted({'click', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
