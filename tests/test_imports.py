@@ -129,9 +129,12 @@ def _imported(name: str, path: Path, tree: ast.AST):
     relative ones resolved to dotted names."""
     here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for n in ast.walk(tree):
-        if isinstance(n, ast.Import):
+        if isinstance(n, ast.Import):  # ``import a.b as c`` binds c to the module a.b
             for a in n.names:
                 yield n.lineno, a.name, ()
+                if a.asname:
+                    base, _, leaf = a.name.rpartition(".")
+                    yield n.lineno, base, ((leaf, a.asname),)
         elif isinstance(n, ast.ImportFrom):
             base = ".".join([*here[: len(here) - (n.level - 1)], *([n.module] if n.module else [])]) if n.level \
                 else n.module or ""
@@ -164,9 +167,11 @@ def test_no_private_name_crosses_a_module():
 
 def test_the_private_check_sees_both_spellings(tmp_path):
     (tmp_path / "a.py").write_text("def _x(): pass\n")
-    (tmp_path / "b.py").write_text("from .a import _x\nfrom . import a\na._x()\n__all__ = []\n")
+    (tmp_path / "b.py").write_text("from .a import _x\nfrom . import a\na._x()\nimport kimi_convert.a as k\n"
+                                   "k._x()\n__all__ = []\n")
     mods = {"kimi_convert.a": tmp_path / "a.py", "kimi_convert.b": tmp_path / "b.py"}
-    assert _private_crossings(mods) == ["b.py:1: from kimi_convert.a import _x", "b.py:3: kimi_convert.a._x"]
+    assert _private_crossings(mods) == ["b.py:1: from kimi_convert.a import _x", "b.py:3: kimi_convert.a._x",
+                                        "b.py:5: kimi_convert.a._x"]
 
 
 def _kernel_imports_of_the_application(files) -> list[str]:
