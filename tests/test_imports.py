@@ -32,12 +32,14 @@ KERNELS = Path(__file__).parents[1] / "kernels" / "src"
 
 
 def _runtime_imports(tree: ast.AST, typing: bool = False):
-    """ImportFrom nodes outside ``if TYPE_CHECKING:`` blocks (``typing``: those inside them too)."""
+    """ImportFrom nodes of the package (relative, or ``from kimi_convert...``) outside ``if TYPE_CHECKING:``
+    blocks (``typing``: those inside them too)."""
     skip: set[int] = set()
     for n in ast.walk(tree):
         if not typing and isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
             skip.update(id(x) for x in ast.walk(n))
-    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level and id(n) not in skip]
+    return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in skip
+            and (n.level or (n.module or "").split(".")[0] == "kimi_convert")]
 
 
 def _graph(typing: bool = False) -> dict[str, set[str]]:
@@ -49,7 +51,8 @@ def _graph(typing: bool = False) -> dict[str, set[str]]:
             here = here[:-1]
         for n in _runtime_imports(ast.parse(path.read_text()), typing):
             base = here[: len(here) - (n.level - 1)] if n.level > 1 else here
-            target = ".".join([*base, *([n.module] if n.module else [])])
+            target = ".".join([*base, *([n.module] if n.module else [])]) if n.level \
+                else n.module.removeprefix("kimi_convert").lstrip(".")
             subs = {f"{target}.{a.name}".lstrip(".") for a in n.names} & mods.keys()
             # ``from . import x``: the submodule x (its package is already imported); else the module named
             for t in subs or ({target} & mods.keys()):
