@@ -1,7 +1,7 @@
 """No import circle in the package: every module's imports (at the top and inside functions, but not the
 ``TYPE_CHECKING`` ones, which never run) form a graph without cycles, so each stage can be read, tested
 and replaced on its own (source -> plan -> compute -> write, with leaves such as ``filenames``, ``schemes``,
-``engines`` under them).
+``engine_rules`` under them).
 
 Counting the ``TYPE_CHECKING`` imports as well (a type named across modules ties them for a reader as an import
 does), there is no circle either: the vocabulary the stages share (the plan's data, the keep rules, the recipe's
@@ -27,6 +27,7 @@ def _modules() -> dict[str, Path]:
             parts = parts[:-1]
         out[".".join(parts)] = p
     return out
+
 
 KERNELS = Path(__file__).parents[1] / "kernels" / "src"
 
