@@ -136,7 +136,7 @@ def quantize_alone(src: Path, device: str, mapping: str | None = None, torch_onl
 
     from kimi_convert import compute_early
     from kimi_convert.compute import compute_unit
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
     from kimi_convert.pack import load_plan
     from kimi_convert.plan import Options, fp8_block_size
     from kimi_convert.readers import BufferPool, Loaded, PreadReader

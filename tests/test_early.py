@@ -16,8 +16,9 @@ import torch
 from helpers import rewrite_tensors, tree, write_synth
 from kimi_convert import compute_early
 from kimi_convert.compute import compute_unit
+from kimi_convert.devices import get_backend
 from kimi_convert.errors import ConvertError
-from kimi_convert.kernels import ct_nvfp4, get_backend, reference, scales
+from kimi_convert.kernels import ct_nvfp4, reference, scales
 from kimi_convert.pack import load_plan
 from kimi_convert.pipeline import is_pass_through
 from kimi_convert.plan import Options, fp8_block_size

@@ -42,7 +42,10 @@ def _compiler() -> str | None:
     return os.environ.get("KIMI_CONVERT_CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
+def build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
+    """The shared library of C source ``src`` built with ``cc``, cached under a key of the source, the flags and
+    the compiler's version (so an edit or another compiler builds anew); public for ``nvfp4_cpu``, which names it
+    among its own, and the tests of a build that fails."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     out = _cache_dir() / f"{stem}-{key}.so"
@@ -88,7 +91,7 @@ def _open_library(stem: str, what: str) -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or clang) on PATH")
-        return ctypes.CDLL(str(_build(src, cc, stem)))
+        return ctypes.CDLL(str(build(src, cc, stem)))
     except OSError as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kimi-convert: warning: {what} unavailable ({reason}); using the torch code (same bytes, slower)",
