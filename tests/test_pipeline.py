@@ -306,6 +306,79 @@ def test_buffer_pool_reuses_and_bounds_what_it_holds():
     assert [x.nbytes for x in bp._free] == [300] and bp._in_use == 0
 
 
+def test_a_buffer_a_file_hash_holds_is_reused_only_once_hashed(tmp_path):
+    data = random.Random(3).randbytes(30_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    bp = BufferPool(limit=30_000)  # under pressure: three buffers fill it
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as slow:
+        slow.submit(gate.wait)  # the hash's one thread is busy: nothing is hashed until the gate opens
+        fh = FileHasher(path, len(data), [(100, 10_100), (10_100, 20_100)], slow, HoldBudget(1 << 20))
+        late = bp.get(10_000)
+        late[:] = memoryview(data)[10_100:20_100]
+        lent = bp.lend(late)
+        on_hashed = lent.hold()
+        assert fh.offer(10_100, [late], on_hashed) == (None, True)  # ahead of the cursor: held
+        lent.let_go()  # the pipeline is done with it; the hash is not
+        first = bp.get(10_000)
+        assert first.ctypes.data != late.ctypes.data  # not lent out again while a hash holds a view
+        first[:] = memoryview(data)[100:10_100]
+        fut, held = fh.offer(100, [first])
+        assert not held and not fut.done()  # queued behind the gate, the held range after it
+        other = bp.get(10_000)
+        assert other.ctypes.data not in (late.ctypes.data, first.ctypes.data)
+        other[:] = 0xAB  # what a reuse too early would hash
+        gate.set()
+        assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+        fut.result()
+    bp.put(first)
+    bp.put(other)
+    assert any(b.ctypes.data == late.ctypes.data for b in bp._free)  # back for reuse, not dropped
+    with pytest.raises(RuntimeError, match="let go more often"):
+        lent.let_go()
+
+
+def test_a_slow_file_hash_under_buffer_pressure_keeps_every_byte_right(tiny_k3, tmp_path, monkeypatch):
+    """Buffers a file hash holds come back to the pool once hashed: with every hash slowed and each buffer the
+    pool hands out overwritten first, a buffer reused while a hash or the writer still reads it would change the
+    output or an input's sha256."""
+    ref = tmp_path / "ref"
+    opts = Options(**SGLANG, max_shard_size=400_000)
+    pack(tiny_k3, ref, opts, device="cpu", progress=False)
+    get, update = BufferPool.get, SerialHasher._update
+    handed, came_back = [], []
+
+    def poisoned(self, n):
+        buf = get(self, n)
+        buf[:] = 0xAB
+        handed.append(buf.ctypes.data)
+        return buf
+
+    def slow(self, data):
+        time.sleep(0.002)
+        update(self, data)
+
+    def offer(self, start, chunks, on_hashed=None):
+        back = None if on_hashed is None else lambda: (came_back.append(start), on_hashed())
+        return offer_(self, start, chunks, back)
+
+    offer_ = FileHasher.offer
+    monkeypatch.setattr(BufferPool, "get", poisoned)
+    monkeypatch.setattr(SerialHasher, "_update", slow)
+    monkeypatch.setattr(FileHasher, "offer", offer)
+    out = tmp_path / "slow"
+    pack(tiny_k3, out, opts, device="cpu", progress=False,
+         tuning=Tuning(slice_bytes=4096, read_ahead=1, min_in_flight=1, startup_readahead=0))
+    assert tree(out) == tree(ref)
+    import json
+
+    for f in json.loads((out / "manifest.json").read_text())["inputs"]:
+        assert f["sha256"] == hashlib.sha256((tiny_k3 / f["file"]).read_bytes()).hexdigest()
+    assert came_back  # file hashes held buffers, and gave them back to the pool
+    assert len(set(handed)) < len(handed)  # buffers were reused
+
+
 def test_in_flight_budget_blocks_until_given_back_and_lets_a_huge_piece_pass_alone():
     stop = threading.Event()
     b = pipeline.ByteBudget(100, stop)
