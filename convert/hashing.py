@@ -166,20 +166,18 @@ class FileHasher:
         """Of ``busy_s``, the seconds spent on the ranges the chain read from the file itself (reading and hashing)."""
         return self._hasher.read_s
 
-    def offer(self, start: int, chunks: list,
-              on_hashed: Callable[[], None] | None = None) -> tuple[Future | None, bool]:
+    def offer(self, start: int, chunks: list) -> tuple[Future | None, bool]:
         """Bytes [start, start + their length) of the file, as read or written by the pipeline (one
         or more buffers back to back). Returns the future of their hashing if they are hashed now
         (the buffers must live until it is done), and whether they are held for later (the buffers
-        must not be reused until ``on_hashed`` is called: once, on a hashing thread, when the held bytes
-        are hashed; never if the hash fails or stops first, nor for bytes not held)."""
+        must not be reused)."""
         n = sum(memoryview(c).nbytes for c in chunks)
         with self._lock:
             if self._ends.get(start) != start + n:
                 return None, False  # not expected (any more): the cursor reads these bytes from the file
             if start != self._cursor:
                 if self._budget.take(n):
-                    self._held[start] = (chunks, on_hashed)
+                    self._held[start] = chunks
                     return None, True
                 self._forget(start)  # read again when the cursor gets there
                 return None, False
@@ -233,13 +231,11 @@ class FileHasher:
         while self._cursor < self.size:
             c = self._cursor
             if c in self._held:
-                chunks, on_hashed = self._held.pop(c)
+                chunks = self._held.pop(c)
                 n = self._ends[c] - c
                 self._budget.give(n)
                 self._forget(c)
-                fut = self._feed(chunks, n, pipeline=True)
-                if on_hashed is not None:  # the last chunk's future: fed in order, so all of them are hashed
-                    fut.add_done_callback(lambda f, done=on_hashed: f.exception() is None and done())
+                self._feed(chunks, n, pipeline=True)
                 continue
             if c in self._ends:
                 return  # the pipeline reads it next

@@ -244,11 +244,6 @@ class BufferPool:
             dropped = self._trim() + ([] if reuse and self._pin is not None else [buf])
         self._release(dropped)
 
-    def lend(self, buf: np.ndarray) -> Lent:
-        """``buf`` (from ``get``), shared by holders that let it go in any order, on any thread: it comes back
-        for reuse once the last has (``Lent``)."""
-        return Lent(lambda: self.put(buf))
-
     def _trim(self) -> list[np.ndarray]:
         """Drop free buffers over the limit (with the lock held); returns them, to unlock. Page-locked
         buffers may take twice the limit: with the in-flight budget full, a pool held to it would drop
@@ -268,39 +263,6 @@ class BufferPool:
         for b in locked:
             if unpin is not None:
                 unpin(b)
-
-
-class Lent:
-    """A pool buffer and the holders of views into it: the pipeline (one hold from the start) and each file hash
-    that keeps some of its bytes to hash them later, in file order. The buffer goes back to the pool, for reuse,
-    when the last hold is let go, never before: until then a holder may still read it. A hold never let go (a
-    failed pack) leaves the buffer to the garbage collector, still counted in use.
-
-    Why: a buffer a hash kept was once given back unreusable, and the pool made a new one, faulting in
-    zeroed pages (benchmarks/RESULTS.md, "Issue 38's bench presets at real width")."""
-
-    def __init__(self, give_back: Callable[[], None]):
-        self._give_back = give_back
-        self._holds = 1
-        self._lock = threading.Lock()
-
-    def hold(self) -> Callable[[], None]:
-        """One more holder; returns what it calls, once, when it no longer reads the buffer."""
-        with self._lock:
-            if self._holds == 0:
-                raise RuntimeError("a buffer given back is held again")
-            self._holds += 1
-        return self.let_go
-
-    def let_go(self) -> None:
-        """One holder is done with the buffer (the last: the buffer goes back to the pool)."""
-        with self._lock:
-            if self._holds == 0:
-                raise RuntimeError("a buffer let go more often than held")
-            self._holds -= 1
-            last = self._holds == 0
-        if last:
-            self._give_back()
 
 
 def _size_class(n: int) -> int:

@@ -20,7 +20,7 @@ from ..hashing import FileHasher, SerialHasher, Stopped
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
-from ..readers import Lent, Loaded, PreadReader
+from ..readers import Loaded, PreadReader
 from ..tuning import Tuning
 from .budgets import Memory, default_hash_threads, pc_cost, return_freed_memory
 from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
@@ -28,6 +28,8 @@ from .slicing import Piece, PieceKind, pieces
 from .timeline import Timeline
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..compute import Chunk
     from ..devices import Device
     from ..sources import Source
@@ -198,10 +200,9 @@ class Stream:
                 fh.wake()
 
     # -- read stage (reader thread) ---------------------------------------------------------------
-    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], Lent]:
+    def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], np.ndarray | None]:
         """Read piece ``i`` into one pooled buffer, start the hashes of its bytes, and ask the kernel
-        to start reading piece ``i + 1``. Returns the buffer's holds too: the pipeline's, let go once the piece
-        is stored, and those of the file hashes that keep some of its bytes (the buffer is reused after all)."""
+        to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
         pc = self.pieces[i]
         t = time.perf_counter()
         self.shared.memory.in_flight.take(pc_cost(pc), urgent=lambda: self.next_compute >= i)
@@ -214,8 +215,7 @@ class Stream:
         if self.hinted >= first:  # on the hint thread, in order (a hint can block while the disk's queue is full)
             self.hints.submit(self._hint_quietly, range(first, self.hinted + 1))
         base = self.shared.memory.buffers.get(pc.nbytes)
-        lent = self.shared.memory.buffers.lend(base)
-        bufs, feeds, digests, off = {}, [], {}, 0
+        bufs, feeds, digests, held, off = {}, [], {}, False, 0
         for r in pc.reads:
             buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
             off += r.hi - r.lo
@@ -227,9 +227,13 @@ class Stream:
                 digests[r.part.name] = h.hexdigest()
                 del self.source_hashers[r.part.name]
             if (fh := self.files.get(r.part.file)) is not None:
-                feeds += _offer(fh, r.part.start + r.lo, [buf], lent)
+                fut, kept = fh.offer(r.part.start + r.lo, [buf])
+                feeds += [fut] if fut is not None else []
+                held = held or kept
         self._clock("read: pread and start hashing", t)
-        return Loaded(bufs), feeds, digests, lent
+        if held:  # a file hash keeps a view of it: never reused, only counted out
+            self.shared.memory.buffers.put(base, reuse=False)
+        return Loaded(bufs), feeds, digests, None if held else base
 
     def _hint_quietly(self, js: range) -> None:
         """Hint pieces ``js`` to the disk (the hint thread: a hint that fails is only a hint not given)."""
@@ -270,7 +274,7 @@ class Stream:
 
     # -- write stage (writer thread) --------------------------------------------------------------
     def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict],
-              release: Callable[[bool], None], feeds: list[Future], digests: dict[str, Future], base: Lent,
+              release: Callable[[bool], None], feeds: list[Future], digests: dict[str, Future], base: np.ndarray | None,
               finisher: ThreadPoolExecutor, finishing: list[Future]) -> None:
         held = True  # failed part-way: the file hash may hold any of the bytes
         try:
@@ -280,10 +284,9 @@ class Stream:
             self.shared.memory.in_flight.give(pc_cost(pc))
 
     def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
-               digests: dict[str, Future], base: Lent, finisher: ThreadPoolExecutor,
+               digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
                finishing: list[Future]) -> bool:
-        """Whether the shard's file hash kept some of the piece's computed chunks (to hash them in file order later;
-        a copy's chunks are views of the read buffer: their holds are ``base``'s)."""
+        """Whether the shard's file hash kept some of the piece's chunks (to hash them in file order later)."""
         if self.stop.is_set():
             raise Stopped("pack")
         file = pc.unit.shard
@@ -305,13 +308,9 @@ class Stream:
             t = time.perf_counter()
             st.writer.write(name, chunks, pc.copy_at)
             self._clock("write: pwrite", t)
-            at = st.writer.placed[name].start + pc.copy_at
-            if pc.kind is PieceKind.COPY:
-                feeds += _offer(st.file_hash, at, chunks, base)
-            else:
-                fut, kept = st.file_hash.offer(at, chunks)
-                feeds += [fut] if fut is not None else []
-                held = held or kept
+            fut, kept = st.file_hash.offer(st.writer.placed[name].start + pc.copy_at, chunks)
+            feeds += [fut] if fut is not None else []
+            held = held or kept
             if single:  # a one-tensor pass-through: its bytes are the source's, hashed once
                 if pc.last:
                     st.tensors[name] = digests[pc.unit.parts[0].name]
@@ -325,7 +324,8 @@ class Stream:
         for f in feeds:
             f.result()  # the buffers may go once hashed
         self._clock("write: wait for the hashes", t)
-        base.let_go()  # the pipeline's hold (a file hash may hold it on)
+        if base is not None:
+            self.shared.memory.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
         self.on_progress(pc.nbytes)
         self.stored += pc.nbytes
         if pc.last:
@@ -446,16 +446,6 @@ def _runqueue_wait_s() -> float | None:
     except (OSError, ValueError):
         return None
     return wait_ns / 1e9 if run_ns else None  # all zero: the kernel keeps no such counts (schedstats off)
-
-
-def _offer(fh: FileHasher, start: int, chunks: list, lent: Lent) -> list[Future]:
-    """Offer a file hash chunks that are views of ``lent``'s buffer: held by the hash (a hold of the buffer, let go
-    once hashed), or the future of their hashing now (none: the hash reads them from the file)."""
-    on_hashed = lent.hold()
-    fut, kept = fh.offer(start, chunks, on_hashed)
-    if not kept:
-        on_hashed()
-    return [fut] if fut is not None else []
 
 
 def _nothing(reuse: bool = True) -> None:
