@@ -207,7 +207,7 @@ class EarlyCompute:
             qs.append(q)
             tile_scales.append(sc)
             zero += int((sc == 0).sum())
-        _store(res, formats.get(it.output_format).fp8_outputs(it, qs, tile_scales))
+        _store(res, formats.outputs(it, {"codes": qs, "scales": tile_scales}))
         res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
 
     def _cast(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
@@ -229,7 +229,7 @@ class EarlyCompute:
                 packed.append(out)
                 block_scales.append(sb)
             s2 = np.array([2.0 ** (shared - scales.E4M3_KMAX)], dtype=np.float32)
-            _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales, s2))
+            _store(res, formats.outputs(it, {"codes": packed, "scales": block_scales, "global": [s2.reshape(1)]}))
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "mxfp4-cast", "k_max": shared,
                                   "blocks": blocks, "lossless_blocks": lossless}
 
@@ -242,7 +242,7 @@ class EarlyCompute:
                   (decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32")
                   for n, s in srcs.items()}
         amax = max(self._finite_amax(s, name, *values[name]) for name, s in srcs.items())
-        ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
+        ct = formats.arithmetic(items[0]) == "compressed-tensors"
         s2 = scales.compressed_tensors(amax, next(iter(values.values()))[1]) if ct else scales.modelopt(amax)
         kernel = clib.ct_quant if ct else clib.quant
         for it in items:
@@ -255,8 +255,8 @@ class EarlyCompute:
                 kernel(lib, buf.ctypes.data, m, k, dtype == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
                 packed.append(p)
                 block_scales.append(sc)
-            _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
-                                                                    np.array([s2], dtype=np.float32)))
+            _store(res, formats.outputs(it, {"codes": packed, "scales": block_scales,
+                                             "global": [np.array([s2], dtype=np.float32)]}))
             method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
 

@@ -24,7 +24,7 @@ class Operation(StrEnum):
 def nvfp4_operation(quant: list[Item]) -> Operation:
     """The unit's NVFP4 items, decided together (w1 and w3 share one ``k_max`` or one amax): NVIDIA's cast where
     every source holds MXFP4 codes and the output format computes ModelOpt's arithmetic, else quantized."""
-    modelopt_math = formats.get(quant[0].output_format).NVFP4_MATH == "modelopt"
+    modelopt_math = formats.arithmetic(quant[0]) == "modelopt"
     if modelopt_math and all(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
         return Operation.CAST
     return Operation.QUANTIZE

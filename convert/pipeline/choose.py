@@ -58,10 +58,8 @@ def work_kind(unit: Unit) -> str | None:
         coded = any(s.encoding != Encoding.DENSE for s in it.sources)
         if op is Operation.CAST:
             ops.add("mxfp4-cast")
-        elif op is Operation.QUANTIZE:
-            ops.add("nvfp4" + (f"-from-{it.sources[0].encoding}" if coded else ""))
-        elif op is Operation.FP8_BLOCK:
-            ops.add("fp8-block" + (f"-from-{it.sources[0].encoding}" if coded else ""))
+        elif op in (Operation.QUANTIZE, Operation.FP8_BLOCK):  # the scheme's name (the operation's value)
+            ops.add(op.value + (f"-from-{it.sources[0].encoding}" if coded else ""))
         elif coded:
             ops.add(f"decode-{it.sources[0].encoding}")
     if not ops:
