@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Format(StrEnum):
@@ -48,6 +52,16 @@ class Spelling:
     def algo(self, input_scale: float | None) -> str:
         """The format's name for a module of this scheme (with or without a constant activation scale)."""
         return self.algos[1] if input_scale is not None and len(self.algos) > 1 else self.algos[0]
+
+
+def row_err(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of each row of ``w`` against ``r``; inf where the source row is 0 and the read is not (the
+    numeric check's measure, and each scheme's bound in it)."""
+    import torch
+
+    d = (w - r).norm(dim=-1)
+    n = r.norm(dim=-1)
+    return torch.where(n > 0, d / n.clamp_min(1e-38), torch.where(d > 0, torch.inf, 0.0))
 
 
 #: The largest finite F32 value: a constant scale is written as F32 (ModelOpt's ``input_scale``) or as its

@@ -7,7 +7,13 @@ compressed-tensors refuses the scheme), the weights it can take (``shape_error``
 
 from __future__ import annotations
 
-from .base import Format, Spelling
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .base import Format, Spelling, row_err
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = Format.FP8_BLOCK.value
 TITLE = "block FP8"  # the summaries' word (plan's totals, pack's line)
@@ -42,3 +48,23 @@ def record(algo: str, shared_scale: str | None, input_scale: float | None) -> di
 SPELLINGS = {
     "modelopt": Spelling(tensors=(("codes", ".weight"), ("scales", ".weight_scale")), algos=("FP8_PB_WO",)),
 }
+
+
+def engine_bound(placed: list, layer: dict, expert: int | None, rows: Callable) -> list[tuple[torch.Tensor,
+                                                                                              torch.Tensor]]:
+    """Per placed source block (``numerics.Ref``, first row, rows): each row's error ModelOpt's 128x128 block FP8
+    (``kernels.fp8_block``) makes on the stored tensor's own tile grid, then the rows this write placed; no element
+    is read back exactly."""
+    import torch
+
+    return [(_bound(r)[s0: s0 + n], torch.zeros((n, r.values.shape[1]), dtype=torch.bool)) for r, s0, n in placed]
+
+
+def _bound(r) -> torch.Tensor:
+    import torch
+
+    from ..kernels import fp8_block
+
+    src = r.dense if r.dense is not None and r.dense.dtype == torch.bfloat16 else r.values
+    q, s = fp8_block.quantize(src)
+    return row_err(fp8_block.dequantize(q, s), r.values)

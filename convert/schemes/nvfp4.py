@@ -14,7 +14,13 @@ their bytes):
 
 from __future__ import annotations
 
-from .base import Format, Spelling
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .base import Format, Spelling, row_err
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = Format.NVFP4.value
 TITLE = "NVFP4"  # the summaries' word (plan's totals, pack's line)
@@ -95,3 +101,83 @@ SPELLINGS = {
                                    algos=("NVFP4A16", "NVFP4"), scalar=(1,), reciprocal_input=True, group=ct_group,
                                    arithmetic="compressed-tensors"),
 }
+
+
+# -- the numeric check's bound (verify-manifest --engine, enginecheck/numerics.py) ----------------------------
+
+E4M3_WINDOW = (-9, 8)  # the powers of two an e4m3 scale holds exactly relative to the global scale (the cast's window)
+
+
+def engine_bound(placed: list, layer: dict, expert: int | None, rows: Callable) -> list[tuple[torch.Tensor,
+                                                                                              torch.Tensor]]:
+    """Per placed source block (``numerics.Ref``, first row, rows): (each row's error ModelOpt's quantizer makes
+    with the global scale of the engine's fused layer: the amax of every source row placed in it; the elements
+    read back exactly). Where the source is MXFP4 and the output NVIDIA's closed-form cast, the blocks the cast
+    keeps exactly (``k_j - (k_max - 8)`` inside e4m3's window, ``k_max`` over the fused layer) must be read back
+    exactly, the others are held to the quantizer with the cast's global scale ``2^(k_max - 8)``. A
+    compressed-tensors layer: that format's own arithmetic."""
+    refs = [rows(r, s0, n) for r, s0, n in placed]
+    kmax = _kmax(refs)
+    glob = _global_of(layer, expert)
+    claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8)) for r in refs]
+    if layer.get("convention", "modelopt") == "compressed-tensors" and refs:
+        return _ct_bound(refs)
+    return _modelopt_bound(refs, claims, kmax)
+
+
+def _ct_bound(refs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """compressed-tensors' own error (kernels' ct_nvfp4) of each member under the members' one global scale."""
+    import torch
+
+    from ..kernels import ct_nvfp4
+
+    srcs = [r.dense if r.dense is not None else r.values for r in refs]
+    amax = max(float(v.abs().max().float()) for v in srcs)
+    g = ct_nvfp4.global_scale(torch.tensor(amax), srcs[0].dtype)
+    return [(row_err(ct_nvfp4.dequantize(*ct_nvfp4.quantize(v, g), g), r.values),
+             torch.zeros_like(r.values, dtype=torch.bool)) for v, r in zip(srcs, refs, strict=True)]
+
+
+def _modelopt_bound(refs: list, cast_claim: list[bool], kmax: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    import torch
+
+    from ..kernels import reference
+
+    amax = max(float(r.values.abs().max()) for r in refs) if refs else 0.0
+    s2 = reference.global_scale(torch.tensor(amax))
+    out = []
+    for r, cast in zip(refs, cast_claim, strict=True):
+        v = r.values
+        if cast and r.e8m0 is not None and kmax is not None:
+            kj = (r.e8m0.to(torch.int32) - 127).repeat_interleave(32, dim=-1)[:, : v.shape[1]]
+            delta = kj - (kmax - 8)
+            exact = ((delta >= E4M3_WINDOW[0]) & (delta <= E4M3_WINDOW[1])) | (r.e8m0 == 0).repeat_interleave(
+                32, dim=-1)[:, : v.shape[1]]
+            q = reference.dequantize(*reference.quantize(v, torch.tensor(2.0 ** (kmax - 8))),
+                                     torch.tensor(2.0 ** (kmax - 8)))
+            q = torch.where(exact, v, q)
+        else:
+            exact = torch.zeros_like(v, dtype=torch.bool)
+            q = reference.dequantize(*reference.quantize(v, s2), s2)
+        out.append((row_err(q, v), exact))
+    return out
+
+
+def _kmax(refs: list) -> int | None:
+    """The fused layer's ``k_max`` (the largest MXFP4 E8M0 exponent), None unless every member is MXFP4."""
+    tops = [int(r.e8m0.max()) for r in refs if r.e8m0 is not None and r.e8m0.numel()]
+    if len(tops) != len(refs) or not tops:
+        return None
+    top = max(tops)
+    return top - 127 if top else 0
+
+
+def _global_of(layer: dict, expert: int | None) -> float | None:
+    """The global scale the engine keeps for the layer (an expert: its gate's slot)."""
+    slots = layer.get("global_slots")
+    if slots is None:
+        return None
+    if expert is None:
+        return float(layer.get("global_scale", max(slots)))
+    row = slots[expert]
+    return float(row[0] if isinstance(row, list) else row)
