@@ -53,7 +53,8 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
     dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format)
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
-                dec.input_scale if dec.kind == NVFP4 else None, output_format if dec.kind != KEEP else None)
+                dec.input_scale if schemes.quantized(dec.kind) and schemes.get(dec.kind).INPUT_SCALE else None,
+                output_format if dec.kind != KEEP else None)
 
 
 def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:

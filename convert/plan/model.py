@@ -18,7 +18,7 @@ from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
 from ..safetensors_format import DTYPES, TensorInfo
-from ..schemes import Format
+from ..schemes import SCHEMES, Format
 from ..sidefiles import Skipped
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Op(StrEnum):
 
 
 NVFP4, FP8, KEEP, COPY = Kind.NVFP4, Kind.FP8_BLOCK, Kind.KEEP, Kind.COPY
-QUANTIZED = (NVFP4, FP8)
+QUANTIZED = tuple(Kind(name) for name in SCHEMES)  # every registered quantization scheme (convert/schemes)
 
 
 class OutTensor(NamedTuple):  # a tuple: one per output tensor (a million in the released K3)
