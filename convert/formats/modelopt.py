@@ -9,7 +9,7 @@
   a ``quantized_layers`` map), the source's own ``quantization_config`` removed (also from the text config).
 
 The rules of which layers the engines then quantize (exclude list, quantized_layers) are in
-``convert/engines.py``; docs/engines.md cites the engines' source for each.
+``convert/engine_rules.py``; docs/engines.md cites the engines' source for each.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from .. import schemes
-from ..engines import aliases
+from ..engine_rules import aliases
 from ..schemes import GROUP_SIZE
 
 if TYPE_CHECKING:
