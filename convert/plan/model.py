@@ -28,13 +28,9 @@ if TYPE_CHECKING:
 
 
 
-class Kind(StrEnum):
-    """What an item becomes: a recipe format (``recipe.Format``, same values) or a copied tensor."""
-
-    NVFP4 = Format.NVFP4.value
-    FP8_BLOCK = Format.FP8_BLOCK.value
-    KEEP = Format.KEEP.value  # a linear layer kept in high precision
-    COPY = "copy"  # not a linear layer: copied as stored
+#: What an item becomes: a recipe's scheme (``schemes.Format``, member by member: each registered scheme, and
+#: ``KEEP``, a linear layer kept in high precision) or ``COPY`` (not a linear layer: copied as stored).
+Kind = StrEnum("Kind", [*((f.name, f.value) for f in Format), ("COPY", "copy")], module=__name__)
 
 
 class Op(StrEnum):

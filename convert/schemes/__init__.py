@@ -5,17 +5,19 @@ scheme in its configs, the weights it can take, its manifest record and the nume
 this registry (``get``, ``quantized``, ``tensor_specs``, ``outputs``) instead of testing a scheme's name; an output
 format (``convert/formats``) spells any scheme through its ``Spelling``.
 
-A new scheme is one module here with what :class:`Scheme` lists, its ``SCHEMES`` entry, its ``Format`` value,
-its kernels (``kernels/src``, reached through ``kernels.Backend``) and its compute step (``compute.py``).
-A leaf: nothing here imports the rest of the package.
+A new scheme is one module here with what :class:`Scheme` lists and its ``SCHEMES`` entry (which gives it its
+``Format`` member and the plan's ``Kind``), its kernels (``kernels/src``, reached through ``kernels.Backend``) and
+its compute step (``compute.py``, with its ``Operation`` value in ``operations.py``): docs/architecture.md, "Adding
+a quantization scheme". A leaf: nothing here imports the rest of the package.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from . import fp8_block, nvfp4
-from .base import F32_MAX, Format, Spelling, TensorSpec, scale_error
+from .base import F32_MAX, Spelling, TensorSpec, scale_error
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +54,12 @@ class Scheme(Protocol):
 
 
 SCHEMES: dict[str, Scheme] = {nvfp4.NAME: nvfp4, fp8_block.NAME: fp8_block}  # type: ignore[dict-item]
+
+#: A module's quantization scheme as a recipe names it: every registered scheme (``NVFP4``, ``FP8_BLOCK``: its name
+#: upper-cased, ``-`` as ``_``), and ``KEEP`` (none: the module stays in high precision). The plan's ``Kind`` adds
+#: ``COPY``.
+Format = StrEnum("Format", [*((n.upper().replace("-", "_"), n) for n in SCHEMES), ("KEEP", "keep")],
+                 module=__name__)
 
 
 def get(kind: str) -> Scheme:

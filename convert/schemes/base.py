@@ -1,24 +1,16 @@
-"""The vocabulary every scheme module and its callers share: the scheme names a recipe chooses between
-(``Format``), how one output format spells a scheme (``Spelling``), and the constant activation scale's checks.
-A leaf: it imports nothing of the package."""
+"""The vocabulary every scheme module and its callers share: how one output format spells a scheme
+(``Spelling``), the numeric check's measure (``row_err``), and the constant activation scale's checks. A leaf: it
+imports nothing of the package. (The enum of scheme names, ``Format``, is built from the registry in
+``schemes/__init__``.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-
-class Format(StrEnum):
-    """A module's quantization scheme (the plan's ``Kind`` of a linear module)."""
-
-    NVFP4 = "nvfp4"
-    FP8_BLOCK = "fp8-block"
-    KEEP = "keep"
 
 
 #: (suffix, dtype, shape) of one output tensor, as the plan sizes it

@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .base import Format, Spelling, row_err
+from .base import Spelling, row_err
 
 if TYPE_CHECKING:
     import torch
 
-NAME = Format.NVFP4.value
+NAME = "nvfp4"  # the recipes' and the plan's name (``Format.NVFP4``)
 TITLE = "NVFP4"  # the summaries' word (plan's totals, pack's line)
 CARD = "NVFP4"  # the model card's "quantized to ..." row
 TOTALS = "nvfp4"  # the manifest's totals key
