@@ -190,6 +190,12 @@ class Mapping:
             return ()
         return self.mtp.prefixes(lambda path: self.config_value(config, path))
 
+    def mtp_layers(self, config: dict) -> tuple[dict[str, str], ...]:
+        """What ``{i}`` and ``{n}`` of the ``[mtp]`` templates stand for in each MTP layer ``config`` announces."""
+        if self.mtp is None:
+            return ()
+        return self.mtp.layer_values(lambda path: self.config_value(config, path))
+
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()

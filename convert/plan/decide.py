@@ -101,7 +101,8 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     if k is not None:
         return Decision(KEEP, k.reason)
     if m.mtp is not None and ctx.mtp_prefixes:
-        why = mtp.decide(members[0], m.mtp, ctx.mtp_prefixes, ctx.recipe.output_format, ctx.opts.quantize_mtp)
+        why = mtp.decide(members[0], m.mtp, ctx.mtp_prefixes, ctx.recipe.output_format, ctx.opts.quantize_mtp,
+                         ctx.modules)
         if why is not None:
             return Decision(KEEP, f"mapping {m.name}: mtp: {why}")
     assert rule is not None  # keep.kept keeps a module no rule matches

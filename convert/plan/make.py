@@ -87,13 +87,13 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
 
             return _plan(ckpt, m, opts, patterns, recipe, st,
                          exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config),
-                                      tied_head(ckpt, m), st.engine_groups),
+                                      tied_head(ckpt, m), st.engine_groups, m.mtp_layers(ckpt.config)),
                          per_module, lambda _: outline)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
                                                                    m.mtp_prefixes(ckpt.config), tied_head(ckpt, m),
-                                                                   st.engine_groups),
+                                                                   st.engine_groups, m.mtp_layers(ckpt.config)),
                  lambda: per, _outline)
 
 
