@@ -18,10 +18,10 @@ from pathlib import Path
 
 from . import globs, tomlfile
 from .errors import ConvertError
-from .keep import KeepRule
 from .mtp import Mtp
 from .mtp import parse as parse_mtp
 from .schemes import Format
+from .vocabulary import KeepRule
 
 ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}

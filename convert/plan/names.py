@@ -7,13 +7,12 @@ from fnmatch import fnmatchcase
 
 from .. import keep_rules, mtp
 from ..engine_rules import aliases, sglang_exact
-from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
-from .fusion import EngineGroup
+from ..vocabulary import KeepRule
 from .layout import expert_sets
-from .model import COPY, KEEP, Item
+from .model import COPY, KEEP, EngineGroup, Item
 
 
 def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,

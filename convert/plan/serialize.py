@@ -13,8 +13,7 @@ from collections.abc import Iterator
 
 from .. import formats, schemes
 from ..gcpause import gc_paused
-from .fusion import EngineGroup
-from .model import COPY, KEEP, Item, Plan
+from .model import COPY, KEEP, EngineGroup, Item, Plan
 
 #: modules written per piece of ``plan_json`` (a piece is joined text: fewer, larger writes)
 _BATCH = 4096
