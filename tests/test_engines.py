@@ -662,11 +662,14 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
 #: families' default output only (one draft check per family: --quantize-mtp writes the same under ModelOpt NVFP4,
 #: SGLang's drafts building the whole MTP layer unquantized).
 DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")] + [
-    (m, "output") for m in ("ds32", "g5", "g47", "g53", "q4", "ds4", "m3")]
+    (m, "output") for m in ("ds32", "g5", "g47", "g53", "q4", "ds4", "m3", "ds-ct")]
+#: A draft row under another recipe than the family's default: the output's key in OUTPUTS -> its input's model (every
+#: main row of a family with MTP layers under a recipe has its draft row: DeepSeek V3 under ct-nvfp4-a16, vLLM only)
+DRAFT_INPUT = {"ds-ct": "ds"}
 #: The engines with a draft model for the family, where not both: SGLang 0.5.23 has no MiniMax M3 draft (its registry's
 #: M3 classes are the main ones and the external DSpark draft; configs/model_config.py ModelConfig._config_draft_model
 #: renames no MiniMax architecture: docs/families.md, "MiniMax M3's drafts").
-DRAFT_ENGINES = {"m3": ("vllm",)}
+DRAFT_ENGINES = {"m3": ("vllm",), "ds-ct": ("vllm",)}  # (ds-ct: SGLang refuses the main model, OUTPUTS above)
 #: Drafts an engine cannot load from the default output, for a reason in the engine (none now: DeepSeek V3's SGLang
 #: NextN loads since the exclude list spells the kept MTP MLA projections so that SGLang's fused-pattern rule does
 #: not widen them to every layer, convert/engine_rules.py SGLANG_FUSED_TAILS; MiniMax M3's vLLM MiniMaxM3MTP loads since
@@ -685,9 +688,10 @@ def test_draft_loads(model, kind, engine, outputs, inputs):
     model (embed_tokens, lm_head, shared heads: named as such), nothing skipped but the main model's tensors (and
     SGLang's own skip of the MTP layer's embedding / head copies), no bad cast, and, on the output, every MTP layer
     read right against the source. The main model's report comes first and is the same check as test_output_loads."""
-    folder = inputs[model] if kind == "source" else outputs[model]
+    src = inputs[DRAFT_INPUT.get(model, model)]
+    folder = src if kind == "source" else outputs[model]
     assert isinstance(folder, Path), f"pack failed: {folder}"
-    rc, reps = draft_check(folder, engine, inputs[model] if kind == "output" else None)
+    rc, reps = draft_check(folder, engine, src if kind == "output" else None)
     assert [r["role"] for r in reps] == ["main", "draft"], [r["verdict"] for r in reps]
     main, draft = reps
     if kind == "output":
