@@ -1,5 +1,5 @@
-"""Kimi K2.5 / K2.6 (``KimiK25ForConditionalGeneration``): packed with the shipped derived table and its overlay,
-no hand table. The routed experts arrive INT4 (``encodings/int4_pack.py``, held to compressed-tensors in
+"""Kimi K2.5 / K2.6 (``KimiK25ForConditionalGeneration``): packed with the shipped derived table alone, no hand
+table, no overlay. The routed experts arrive INT4 (``encodings/int4_pack.py``, held to compressed-tensors in
 tests/test_int4_pack.py) and leave NVFP4; every vision block stays BF16 at any tower depth."""
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def test_the_shipped_table_makes_the_int4_experts_nvfp4_and_keeps_the_rest_the_e
 
 
 def test_every_vision_block_is_kept_beyond_the_blocks_the_table_was_derived_on(tiny_k25, tmp_path):
-    """The derived keep rules name the fixture's blocks 0 and 1; the overlay keeps the tower whole (the release has
-    27 blocks)."""
+    """The derived keep rules name the tower's blocks by glob (``vision_tower.encoder.blocks.*``), so a block beyond
+    the fixture's two is kept as well (the release has 27)."""
     src = copy_ckpt(tiny_k25, tmp_path / "deep")
     block = "vision_tower.encoder.blocks."
 
