@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_line_error, run, weight_map
+from helpers import one_line_error, run, weight_map, write_synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import parse_mapping
-
-PRESET = Path(__file__).parent / "presets" / "minimax_m3.toml"
 
 # MiniMaxAI/MiniMax-M3 config.json, the values that are not sizes (sizes: the preset's).
 RELEASE_TOP = {
@@ -55,10 +53,7 @@ MOE = ({"block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bia
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("minimax-m3") / "m3"
-    r = run("synth", f"{PRESET}:tiny-minimax-m3", out)
-    assert r.code == 0, r.stderr
-    return out
+    return write_synth("tiny-minimax-m3", tmp_path_factory.mktemp("minimax-m3") / "m3")
 
 
 def test_config_is_the_releases(ckpt):

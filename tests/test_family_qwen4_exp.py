@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, run, weight_map
-
-PRESET = Path(__file__).parent / "presets" / "qwen4_exp.toml"
+from helpers import read_tensors, run, weight_map, write_synth
 
 # Qwen/Qwen3.8-Flash-Next's text_config: the values that are not sizes
 RELEASE_TEXT = {
@@ -33,10 +31,7 @@ HYPER = {f"{b}_hyper_connection.{p}.weight" for b in ("attn", "mlp")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qwen4-exp") / "q4"
-    r = run("synth", f"{PRESET}:tiny-qwen4-exp", out)
-    assert r.code == 0, r.stderr
-    return out
+    return write_synth("tiny-qwen4-exp", tmp_path_factory.mktemp("qwen4-exp") / "q4")
 
 
 def test_config_is_the_releases(ckpt):
