@@ -10,7 +10,7 @@ from itertools import repeat
 from operator import eq
 from pathlib import Path
 
-from . import filenames, mistral_format
+from . import filenames, mistral_checkpoint
 from .errors import ConvertError
 from .gcpause import gc_paused
 from .jsonfile import read_json
@@ -66,11 +66,11 @@ def _check_named(source: Source, rel: str, what: str, weight_map: dict[str, str]
 
 def _layout(source: Source) -> tuple[dict, str, Callable[[str], bool]]:
     """The config, the index's name and which top-level files are shards: config.json, the HF index and every
-    ``*.safetensors``; or, with ``params.json`` and no config.json, Mistral's own layout (``mistral_format``)."""
-    if source.entry("config.json") is None and source.entry(mistral_format.PARAMS) is not None:
-        params = source.read_json(mistral_format.PARAMS, f"{source.name}/{mistral_format.PARAMS}")
-        return (mistral_format.config_view(params, f"{source.name}/{mistral_format.PARAMS}"), mistral_format.INDEX,
-                mistral_format.is_shard)
+    ``*.safetensors``; or, with ``params.json`` and no config.json, Mistral's own layout (``mistral_checkpoint``)."""
+    if source.entry("config.json") is None and source.entry(mistral_checkpoint.PARAMS) is not None:
+        params = source.read_json(mistral_checkpoint.PARAMS, f"{source.name}/{mistral_checkpoint.PARAMS}")
+        return (mistral_checkpoint.config_view(params, f"{source.name}/{mistral_checkpoint.PARAMS}"),
+                mistral_checkpoint.INDEX, mistral_checkpoint.is_shard)
     config = source.read_json("config.json", f"{source.name}/config.json")
     return config, INDEX_NAME, lambda rel: "/" not in rel and rel.endswith(".safetensors")
 
@@ -103,7 +103,7 @@ def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True
         listing = source.list_files(prune=pruned)
         files = sorted(e.rel for e in listing if is_shard(e.rel))
         if not files and need_weights:
-            shards = "consolidated*.safetensors" if index_name == mistral_format.INDEX else "*.safetensors"
+            shards = "consolidated*.safetensors" if index_name == mistral_checkpoint.INDEX else "*.safetensors"
             raise ConvertError(f"{source.name}: no {shards} files and no {index_name}")
     # Every named file must exist inside the source before any header is read: a missing or
     # escaping file is the more useful error than the tensors it leaves unaccounted for.
@@ -168,5 +168,5 @@ def _headers(source: Source, files: list[str]) -> Iterator[tuple[dict[str, Tenso
 def consumed(files: list[str]) -> list[str]:
     """The input files pack reads and writes anew: the shards, ``config.json`` and the index (Mistral's own
     index too, for a Mistral-layout input: its ``params.json`` is copied, as the engines read it)."""
-    mistral = bool(files) and all(map(mistral_format.is_shard, files))
-    return [*files, "config.json", INDEX_NAME, *([mistral_format.INDEX] if mistral else [])]
+    mistral = bool(files) and all(map(mistral_checkpoint.is_shard, files))
+    return [*files, "config.json", INDEX_NAME, *([mistral_checkpoint.INDEX] if mistral else [])]

@@ -264,7 +264,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         raise click.UsageError(f"{used} needs --upload REPO_ID")
     target = None
     if upload_repo:
-        from .hub.live import UploadTarget
+        from .upload.live import UploadTarget
 
         target = UploadTarget(upload_repo, revision=revision, private=private, token=token, keep_output=keep_output)
     if ray_address is not None and (workers or streams):  # --ray: Ray's tasks replace workers and streams
@@ -414,7 +414,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     manifest = Path(output_dir, filenames.MANIFEST).exists() or not engines
     hub_api = None
     if remote and manifest:  # the repo id, the Hub and the repo checked before any hashing
-        from .hub import connect
+        from .transport import connect
 
         hub_api = connect(remote, token, write=False, revision=revision, say=lambda m: click.echo(m, err=True))
     if manifest:
@@ -427,7 +427,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
                                "have nothing to check")
         rep = Report()
     if remote:
-        from .hub import verify_remote
+        from .upload.publish import verify_remote
 
         rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
@@ -498,7 +498,7 @@ def upload(output_dir: str, repo_id: str, private: bool, revision: str | None, c
 
     REPO_ID's form, the token and the Hub's answer are checked first, in seconds, before verifying.
     """
-    from .hub import upload as run
+    from .upload.publish import upload as run
 
     if create_pr and revision:
         raise click.UsageError("--create-pr opens a PR against the default branch; drop --revision")

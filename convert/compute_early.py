@@ -122,7 +122,7 @@ def _as_f32(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, int]) -> np.ndarray:
     """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``, one IEEE multiply a value, as
-    ``kernels.formats.decode_fp8_block`` (the bytes: tests/test_early.py)."""
+    ``kernels.encodings.decode_fp8_block`` (the bytes: tests/test_early.py)."""
     w, sc = s.parts
     m, n = s.shape
     bm, bn = block

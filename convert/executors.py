@@ -95,7 +95,7 @@ class RayTasks:
     cluster: Cluster
     staging: Staging
     output_dir: Path
-    upload: object = None  # hub.live.UploadTarget
+    upload: object = None  # upload.live.UploadTarget
     token: str | None = None  # the upload's
     local_output: bool = False  # the shards stay on the nodes (a Hub input with --upload --no-keep-output)
 

@@ -349,7 +349,7 @@ def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None, *,
 
 def git_blob_sha1(path: str | os.PathLike) -> str:
     """A file's git object id (what the Hub lists for a file that is not in LFS): sha1 of "blob SIZE\\0" and
-    the bytes. Here, not in ``hub``, because ``verify`` needs it too and ``hub`` imports ``verify``."""
+    the bytes. Here, not in ``upload``, because ``verify`` needs it too and ``upload`` imports ``verify``."""
     h = hashlib.sha1(f"blob {os.stat(path).st_size}\0".encode())
     with open(path, "rb") as f:
         while block := f.read(1 << 20):

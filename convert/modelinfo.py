@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import mistral_format
+from . import mistral_checkpoint
 from .checkpoint import INDEX_NAME, load_json, open_checkpoint
 from .errors import ConvertError
 from .sources import EntryKind, Source
@@ -173,8 +173,8 @@ def inspect_path(path: str | Path) -> ModelInfo:
 def inspect_source(source: Source) -> ModelInfo:
     """The model's facts from a source's config.json, and from its weights' headers where it has weights; a
     release in Mistral's own layout (params.json, no config.json) through the config the engines make of it
-    (``mistral_format.config_view``, read with the checkpoint)."""
-    if not _exists(source, "config.json") and _exists(source, mistral_format.PARAMS):
+    (``mistral_checkpoint.config_view``, read with the checkpoint)."""
+    if not _exists(source, "config.json") and _exists(source, mistral_checkpoint.PARAMS):
         ckpt = open_checkpoint(source)
         info = from_config(ckpt.config)
         add_tensors(info, ckpt.tensors)

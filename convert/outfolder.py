@@ -30,7 +30,7 @@ from .progress import human_bytes
 from .sources import Source
 
 if TYPE_CHECKING:
-    from .hub.live import LiveUpload
+    from .upload.live import LiveUpload
 
 
 class OutputFolder:
@@ -225,7 +225,7 @@ def check_space(output_dir: Path, todo: list[Shard], in_flight: int | None = Non
     uploader's queue adds its own: the disk needs the largest of those only."""
     sizes = sorted((s.size for s in todo), reverse=True)
     if in_flight is not None:
-        from .hub.live import QUEUE
+        from .upload.live import QUEUE
 
         sizes = sizes[: in_flight + QUEUE + 1]
     need = sum(sizes)

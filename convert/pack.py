@@ -2,7 +2,7 @@
 run the units -> finish -> publish. Each step's machinery lives where its concern does: the source's staging
 (``sources.staging``: a Hub input's downloads), the output folder (``outfolder``: lock, journal, resume, space,
 the finish and its crash safety), the executor (``executors``: this process, worker processes or Ray tasks),
-the pipeline that runs a job's units (``pipeline``), the upload (``hub.live``), the figures (``packstats``).
+the pipeline that runs a job's units (``pipeline``), the upload (``upload.live``), the figures (``packstats``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from .sources import Source, open_source, provenance
 from .sources.staging import Staging, staging_for
 
 if TYPE_CHECKING:
-    from .hub.live import LiveUpload, UploadTarget
     from .raycluster import Arrived
+    from .upload.live import LiveUpload, UploadTarget
 
 __all__ = ["PackResult", "PackStats", "Uploaded", "load_plan", "pack", "split_jobs"]
 
@@ -58,7 +58,7 @@ class Uploaded:
     """``pack --upload``: the commit, the remote check, and how many shards this run sent itself."""
 
     commit_url: str
-    remote: object  # hub.RemoteCheck
+    remote: object  # upload.publish.RemoteCheck
     sent: int
     card_written: bool
 
@@ -92,7 +92,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     ``ray``: spread the shards over a Ray cluster instead (``raycluster``; its address, "" for the
     local one), whose tasks replace workers and streams. ``input_source``: a ``Source``, or a folder
     (``sources.open_source``); everything below reads the input through it. ``upload``: send each shard
-    to the Hub as it is final (``hub.live``); its checks (id, token, the Hub's answer) come first.
+    to the Hub as it is final (``upload.live``); its checks (id, token, the Hub's answer) come first.
     A Hub input (``hf://``): its weight files are downloaded just in time into ``scratch`` (default: beside
     the output), at most ``max_scratch`` bytes at once; one worker, one stream; with ``ray``, each task
     downloads its own job's inputs (``sources.hubstage``)."""
@@ -135,7 +135,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
 def _connect_upload(upload: UploadTarget | None, say: Callable[[str], None]) -> LiveUpload | None:
     if upload is None:
         return None
-    from .hub.live import LiveUpload
+    from .upload.live import LiveUpload
 
     return LiveUpload(upload, say)
 
@@ -341,8 +341,9 @@ def _publish(hub: LiveUpload, output_dir: Path, shards: dict[str, tuple[int, str
              on_hub: set[str]) -> Uploaded:
     """The model card (as ``upload`` writes it, where the output has none), the commit, the remote check.
     ``shards``: file -> size, sha256 (default: the manifest's); ``on_hub``: those preuploaded."""
-    from .hub import check_remote, model_card
     from .manifest import iter_modules
+    from .upload.card import model_card
+    from .upload.publish import check_remote
 
     man = manifest_mod.load_manifest(output_dir)
     shards = shards or {f["file"]: (f["size"], f["sha256"]) for f in man["outputs"]}

@@ -303,9 +303,9 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
     driver keeps the journal, writes configs, index and manifest, and makes the one commit, as a local
     ``pack --upload`` does. Returns the job's result, its input hashes the verified downloads' and its
     ``downloads`` the scratch folder's figures."""
-    from .hub.live import QUEUE
-    from .hub.transport import bound_library
     from .sources.hubstage import TaskStaging
+    from .transport import bound_library
+    from .upload.live import QUEUE
 
     bound_library()  # the library's timeouts, in this process too
     stage = TaskStaging(job.source, t, job.units, job.output_dir)  # type: ignore[arg-type]
@@ -334,7 +334,7 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
 class _TaskUpload:
     """A task's uploader: each shard queued as it is final, emitted to the driver once the Hub has it."""
 
-    live: object  # hub.live.LiveUpload
+    live: object  # upload.live.LiveUpload
     out: Path
     local: bool
     emit: Callable[[str, ShardRecord, Arrived | None], None]
@@ -356,8 +356,8 @@ def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
         return None
     from huggingface_hub import HfApi
 
-    from .hub.live import LiveUpload
     from .sources.hubstage import say_on_node
+    from .upload.live import LiveUpload
 
     up = _TaskUpload(LiveUpload(t.upload, say_on_node, api=HfApi()), out, t.local_output, emit, {})
     up.live.start(out, up.on_uploaded)

@@ -17,7 +17,7 @@ from kimi_convert.compute import compute_unit
 from kimi_convert.encodings import Slice, SourceTensor, narrow
 from kimi_convert.errors import ConvertError
 from kimi_convert.kernels import get_backend
-from kimi_convert.kernels.formats import decode_mxfp4
+from kimi_convert.kernels.encodings import decode_mxfp4
 from kimi_convert.pack import load_plan
 from kimi_convert.plan import KEEP, NVFP4, Options, discover_sources, fp8_block_size
 from kimi_convert.readers import MappedReader

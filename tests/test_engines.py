@@ -481,7 +481,7 @@ def _edit_output(src: Path, dst: Path, edits: dict[str, object]) -> None:
 def _k3_numeric_defects(source: Path) -> dict[str, tuple[str, object]]:
     """The issue's six numeric defects in the default K3 output, each in its own module."""
     from kimi_convert.kernels import reference
-    from kimi_convert.kernels.formats import decode_mxfp4
+    from kimi_convert.kernels.encodings import decode_mxfp4
 
     L = "language_model.model.layers"
 
@@ -658,7 +658,7 @@ DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output
     (m, "output") for m in ("ds32", "g5", "g47", "q4", "ds4")]
 #: Drafts an engine cannot load from the default output, for a reason in the engine (none now: DeepSeek V3's SGLang
 #: NextN loads since the exclude list spells the kept MTP MLA projections so that SGLang's fused-pattern rule does
-#: not widen them to every layer, convert/engines.py SGLANG_FUSED_TAILS).
+#: not widen them to every layer, convert/engine_rules.py SGLANG_FUSED_TAILS).
 #: MiniMax M3 (vLLM only: SGLang 0.5.23 has no M3 draft): MiniMaxM3MTP names its modules lm_head and
 #: model.layers.{i}.*, which both engines' exclusion rules also match on the main model's language_model.lm_head and
 #: language_model.model.layers.{i}.* (docs/families.md, "MTP layers"); its NVFP4 lm_head refuses the BF16 one.

@@ -48,7 +48,7 @@ def _modules(name: str) -> tuple[dict, list[str]]:
         p = synth_preset(name, experts=40)
     cfg = synth.config(p)
     if p.family.config_file == "params.json":  # Mistral's own layout: the config the engines make of it
-        from kimi_convert.mistral_format import config_view
+        from kimi_convert.mistral_checkpoint import config_view
 
         cfg = config_view(cfg)
     return cfg, sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})

@@ -19,7 +19,7 @@ from kimi_convert import encodings
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
 from kimi_convert.kernels import recipe_cpu
-from kimi_convert.kernels.formats import DecodeError, decode_int4
+from kimi_convert.kernels.encodings import DecodeError, decode_int4
 from kimi_convert.plan import discover_sources
 
 PRESET = "tiny-kimi-k25"

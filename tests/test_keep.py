@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from kimi_convert import keep, rules
+from kimi_convert import keep, keep_rules
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import parse_mapping
 from kimi_convert.recipe import parse_recipe
@@ -70,7 +70,7 @@ def test_each_source_names_itself():
     assert _kept(["lm.model.layers.0.attn.q_conv1d"]) == \
         "mapping toy: keep '*_conv1d': engines build it unquantized"
     assert _kept(["lm.head"]) == "excluded by default (toy) 'head': the output head"
-    assert _kept(["lm.model.layers.0.mlp.up"], exclusions=rules.from_cli(("*.mlp.up",))) == \
+    assert _kept(["lm.model.layers.0.mlp.up"], exclusions=keep_rules.from_cli(("*.mlp.up",))) == \
         "excluded by --exclude '*.mlp.up'"
     assert _kept(["lm.model.norm_x"]) == "recipe toy-recipe: no rule matches: kept"
     assert _kept(["lm.model.layers.0.attn.o_proj"]) == ("kept for the engines: mapping toy: nvfp4 asked by recipe "
@@ -82,7 +82,7 @@ def test_each_source_names_itself():
 
 def test_order_mapping_keep_before_exclusions_before_recipe():
     used = defaultdict(int)
-    excl = rules.from_cli(("*_conv1d", "*.attn.o_proj"))
+    excl = keep_rules.from_cli(("*_conv1d", "*.attn.o_proj"))
     assert _kept(["lm.model.layers.0.attn.q_conv1d"], exclusions=excl, used=used).startswith("mapping toy: keep")
     assert _kept(["lm.model.layers.0.attn.o_proj"], exclusions=excl, used=used) == \
         "excluded by --exclude '*.attn.o_proj'"  # before the restrict
@@ -91,7 +91,7 @@ def test_order_mapping_keep_before_exclusions_before_recipe():
 
 def test_partial_exclusion_fails_or_keeps_whole():
     members = ["lm.model.layers.0.attn.q_proj", "lm.model.layers.0.attn.k_proj"]
-    excl = rules.from_cli(("*.attn.q_proj",))
+    excl = keep_rules.from_cli(("*.attn.q_proj",))
     with pytest.raises(ConvertError, match=r"^module lm.model.layers.0.attn.q_proj: only some shards are excluded: "
                                            r"excluded lm.model.layers.0.attn.q_proj; not excluded "
                                            r"lm.model.layers.0.attn.k_proj; .*--keep-partial"):

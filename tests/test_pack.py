@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import oracle
 from helpers import copy_ckpt, interpreter_note, manifest_with_modules, one_line_error, replace_tensor, run
-from kimi_convert.engines import sglang_is_excluded, vllm_is_skipped
+from kimi_convert.engine_rules import sglang_is_excluded, vllm_is_skipped
 from kimi_convert.mapping import builtin_by_name
 
 

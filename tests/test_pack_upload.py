@@ -32,7 +32,7 @@ from helpers import cli_command, one_line_error, run
 UPLOAD_S = 6.0
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu",
              "--workers", "1", "--streams", "1"]
-QUEUE = 2  # convert/hub/live.py's default, pinned here by the environment of every run
+QUEUE = 2  # convert/upload/live.py's default, pinned here by the environment of every run
 
 
 @pytest.fixture
@@ -294,7 +294,7 @@ def test_hub_gone_costs_milliseconds_in_process(medium, tmp_path, monkeypatch):
     plan is never made."""
     src, _, _ = medium
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setattr("kimi_convert.hub.transport._bounded", True)  # leave this process's HTTP client be
+    monkeypatch.setattr("kimi_convert.transport._bounded", True)  # leave this process's HTTP client be
     planned = []
     monkeypatch.setattr("kimi_convert.pack.load_plan", lambda *a, **k: planned.append(a))
     t = time.monotonic()

@@ -168,7 +168,7 @@ def test_every_preset_resolves(name):
     p = synth_preset(name, experts=16) if name == "k3-full-sparse" else synth_preset(name)
     cfg = config(p)
     if p.family.config_file == "params.json":  # Mistral's own layout: the config the engines make of it
-        from kimi_convert.mistral_format import config_view
+        from kimi_convert.mistral_checkpoint import config_view
 
         cfg = config_view(cfg)
     assert cfg["architectures"] and len(list(tensors(p))) > 20

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from helpers import copy_ckpt, edit_config, manifest_with_modules, one_line_error, run
-from kimi_convert import engines
+from kimi_convert import engine_rules
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import find_mapping
@@ -206,8 +206,8 @@ def test_modelopt_exclude_list_selects_exactly_the_kept_linear_modules(out, src,
     assert ignore == json.loads((folder / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     for mod, fmt in _linear_modules(folder, source).items():
         kept = fmt == "keep"
-        assert engines.vllm_is_skipped(mod, ignore, {}) == kept, mod
-        assert engines.sglang_is_excluded(mod, ignore) == kept, mod
+        assert engine_rules.vllm_is_skipped(mod, ignore, {}) == kept, mod
+        assert engine_rules.sglang_is_excluded(mod, ignore) == kept, mod
 
 
 def test_mixed_precision_layers_resolve_to_what_is_on_disk(k3_nvidia, tiny_k3):

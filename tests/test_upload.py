@@ -169,7 +169,7 @@ def test_missing_repo_for_remote_check_fails_before_hashing(hub, out, tmp_path, 
     # in-process, to see that the local verification (hashing every file) never started
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.url)
     # leave this process's HTTP client and environment be
-    monkeypatch.setattr("kimi_convert.hub.transport._bounded", True)
+    monkeypatch.setattr("kimi_convert.transport._bounded", True)
     verified = []
     monkeypatch.setattr("kimi_convert.verify.verify", lambda *a, **k: verified.append(a))
     r = run("verify-manifest", out, "--remote", "user/nope", "--token", TOKEN)

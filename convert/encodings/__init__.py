@@ -12,7 +12,7 @@
 
 Each module holds one :class:`~.base.SourceEncoding`: its discovery (``claim``), its refusal rules
 (``check``, ``check_config``, ``refuse_leftover``, the ``quantization_config`` values it accepts, values
-it cannot decode) and its decoding (calling ``kernels.formats``). The interface is in ``base``.
+it cannot decode) and its decoding (calling ``kernels.encodings``). The interface is in ``base``.
 
 **A new encoding** is one new module here and its line in ``REGISTRY`` (the order is discovery's: the
 first encoding to claim a stored tensor has it; the fallback last). Nothing in ``plan/``, ``compute`` or

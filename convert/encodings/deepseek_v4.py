@@ -97,7 +97,7 @@ class DeepseekV4MXFP4(SourceEncoding):
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         import torch
 
-        from ..kernels.formats import decode_mxfp4
+        from ..kernels.encodings import decode_mxfp4
 
         return decode_mxfp4(parts[0].view(torch.uint8), _e8m0_bytes(src, parts[1]))
 
@@ -134,7 +134,7 @@ class DeepseekV4FP8(SourceEncoding):
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         import torch
 
-        from ..kernels.formats import decode_fp8_block
+        from ..kernels.encodings import decode_fp8_block
 
         scale = parts[1]
         if scale.dtype != torch.float32:

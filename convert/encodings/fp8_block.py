@@ -3,7 +3,7 @@ BF16, one a ``weight_block_size`` tile: ``quantization_config.weight_block_size`
 declared by ``quant_method: fp8`` with format ``e4m3`` (DeepSeek V3) or ``float8_e4m3fn`` (MiniMax-M2's
 spelling of the same format).
 
-Decoded exactly to fp32: one multiply a value by its tile's scale (``kernels.formats.decode_fp8_block``)."""
+Decoded exactly to fp32: one multiply a value by its tile's scale (``kernels.encodings.decode_fp8_block``)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class FP8Block(SourceEncoding):
         super().refuse_leftover(name, tensors)
 
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
-        from ..kernels.formats import DecodeError, decode_fp8_block
+        from ..kernels.encodings import DecodeError, decode_fp8_block
 
         try:
             return decode_fp8_block(parts[0], parts[1], block)

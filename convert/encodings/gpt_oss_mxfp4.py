@@ -17,7 +17,7 @@ codes' bytes, and each of the E units of a bank reads them (w13 and down apart):
 bytes read again in all (2x for gpt-oss-20b's 32 experts, 8x for -120b's 128, mostly from the page cache),
 the price of planning experts one at a time with NVIDIA's per-bank scale (docs/families.md, "Left").
 
-Decoded exactly to fp32 (``kernels.formats.decode_mxfp4`` on codes reshaped [N, K/32, 16] -> [N, K/2]);
+Decoded exactly to fp32 (``kernels.encodings.decode_mxfp4`` on codes reshaped [N, K/32, 16] -> [N, K/2]);
 an E8M0 byte 0xFF (NaN) is refused naming the scale tensor."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class GptOssMXFP4(SourceEncoding):
         return part != BANK_SCALES
 
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
-        from ..kernels.formats import DecodeError, decode_mxfp4
+        from ..kernels.encodings import DecodeError, decode_mxfp4
 
         try:
             return decode_mxfp4(parts[0].reshape(parts[0].shape[0], -1), parts[1])
@@ -106,7 +106,7 @@ class GptOssMXFP4(SourceEncoding):
 
     def mxfp4_codes(self, src: SourceTensor, parts: Sequence[torch.Tensor]) -> MxCodes:
         """The weight's codes [N, K/2] and scales [N, K/32]; ``k_max`` is its whole bank's."""
-        from ..kernels.formats import DecodeError
+        from ..kernels.encodings import DecodeError
         from ..kernels.mxfp4_cast import k_max
 
         for i in (1, BANK_SCALES):  # a NaN byte: named in the weight's own scales when it is there

@@ -9,7 +9,7 @@ Names, dtypes and layout are compressed-tensors' own (``PackedQuantizationCompre
 (vLLM ``CompressedTensorsWNA16MoEMethod.create_weights``: ``w13_weight_packed`` int32 [E, 2I, H/8],
 ``w13_weight_scale`` [E, 2I, H/G], ``w13_weight_shape`` [E, 2]).
 
-Decoded exactly to fp32 (``kernels.formats.decode_int4``): the product of a code in [-8, 7] and a BF16 scale
+Decoded exactly to fp32 (``kernels.encodings.decode_int4``): the product of a code in [-8, 7] and a BF16 scale
 has at most 11 significant bits. It is not always a BF16 value (7 x (1 + 2^-7) needs 10 bits), so
 compressed-tensors' own ``decompress`` (``dequantize`` in the scale's dtype) and a BF16 kernel round it; NVFP4
 is quantized here from the exact product. Asymmetric weights (``weight_zero_point``), ``actorder: group``
@@ -137,7 +137,7 @@ class Int4Pack(SourceEncoding):
             super().refuse_leftover(name, tensors)
 
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
-        from ..kernels.formats import DecodeError, decode_int4
+        from ..kernels.encodings import DecodeError, decode_int4
 
         if [int(v) for v in parts[2].reshape(-1).tolist()] != list(src.shape):
             raise refused(src.parts[2], f"INT4 weight_shape {parts[2].tolist()} is not the packed weight's "

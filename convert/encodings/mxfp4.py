@@ -2,7 +2,7 @@
 byte) and ``weight_scale`` (U8 [N, K/32], one E8M0 exponent a group of 32 along K), declared by
 ``quant_method: compressed-tensors`` with format ``mxfp4-pack-quantized``.
 
-Decoded exactly to fp32 (``kernels.formats.decode_mxfp4``); a weight cast to NVFP4 by NVIDIA's closed form
+Decoded exactly to fp32 (``kernels.encodings.decode_mxfp4``); a weight cast to NVFP4 by NVIDIA's closed form
 hands over its codes instead (``mxfp4_codes``). An E8M0 byte 0xFF is NaN in the OCP MX spec: both paths
 refuse it, naming the scale tensor."""
 
@@ -18,7 +18,7 @@ from .base import Claim, Encoding, MxCodes, SourceEncoding, SourceTensor, module
 if TYPE_CHECKING:
     import torch
 
-GROUP = 32  # values an E8M0 scale covers along K (kernels.formats.MXFP4_GROUP)
+GROUP = 32  # values an E8M0 scale covers along K (kernels.encodings.MXFP4_GROUP)
 
 
 class MXFP4(SourceEncoding):
@@ -50,7 +50,7 @@ class MXFP4(SourceEncoding):
                                  f"{GROUP}), is {scale.dtype}{list(scale.shape)}")
 
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
-        from ..kernels.formats import DecodeError, decode_mxfp4
+        from ..kernels.encodings import DecodeError, decode_mxfp4
 
         try:
             return decode_mxfp4(parts[0], parts[1])
@@ -58,7 +58,7 @@ class MXFP4(SourceEncoding):
             raise refused(src.parts[1], str(e)) from None
 
     def mxfp4_codes(self, src: SourceTensor, parts: Sequence[torch.Tensor]) -> MxCodes:
-        from ..kernels.formats import DecodeError
+        from ..kernels.encodings import DecodeError
         from ..kernels.mxfp4_cast import k_max
 
         try:  # a NaN scale byte (0xFF) is refused here, before any backend casts

@@ -10,7 +10,7 @@
   a ``quantized_layers`` map), the source's own ``quantization_config`` removed (also from the text config).
 
 The rules of which layers the engines then quantize (exclude list, quantized_layers) are in
-``convert/engines.py``; docs/engines.md cites the engines' source for each.
+``convert/engine_rules.py``; docs/engines.md cites the engines' source for each.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from ..engines import aliases
+from ..engine_rules import aliases
 from ..schemes import FP8_BLOCK as FP8_TILE
 from ..schemes import GROUP_SIZE
 

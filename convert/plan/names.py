@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
-from .. import mtp, rules
-from ..engines import aliases, sglang_exact
+from .. import keep_rules, mtp
+from ..engine_rules import aliases, sglang_exact
 from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
@@ -69,7 +69,7 @@ def collect_patterns(m: Mapping, opts: Options) -> list[KeepRule]:
     patterns: list[KeepRule] = []
     if opts.default_excludes:
         patterns += m.exclude
-    patterns += rules.from_cli(opts.exclude)
+    patterns += keep_rules.from_cli(opts.exclude)
     for f in opts.exclude_from:
-        patterns += rules.from_file(f)
+        patterns += keep_rules.from_file(f)
     return patterns

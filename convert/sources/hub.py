@@ -12,7 +12,7 @@ Why it looks the way it does:
   (``http_backoff``: its retries of 429/5xx, its auth headers, its typed errors), so that ``plan`` and
   ``inspect`` read config.json, the index and the two ranges of each shard header (``read_header``), nothing
   else: no weights;
-- every failure goes through ``hub.transport.with_retries``: one line naming the repository and what went
+- every failure goes through ``transport.with_retries``: one line naming the repository and what went
   wrong (not found, gated, revision not found, no network), classified by the library's exception types.
 
 Holds no open connection (it is pickled to workers): the library's shared client is per process.
@@ -89,7 +89,7 @@ class HubRepo:
     @classmethod
     def connect(cls, spec: str, token: str | None = None, say: Callable[[str], None] = _say) -> HubRepo:
         """Resolve the revision to a commit (once), list the tree at that commit. Every failure: one line."""
-        from ..hub.transport import bound_library, check_repo_id, metadata_step, resolve_token, with_retries
+        from ..transport import bound_library, check_repo_id, metadata_step, resolve_token, with_retries
 
         repo_id, revision = parse_spec(spec)
         check_repo_id(repo_id)
@@ -222,7 +222,7 @@ class HubRepo:
 
     def get_range(self, rel: str, lo: int, hi: int, what: str) -> bytes:
         """Bytes [lo, hi) of ``rel`` by one range request (the library's client, retries and errors)."""
-        from ..hub.transport import metadata_step, with_retries
+        from ..transport import metadata_step, with_retries
 
         def fetch() -> bytes:
             from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff

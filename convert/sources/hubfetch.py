@@ -29,7 +29,7 @@ a local folder. What this module adds to ``HubRepo`` is the disk bound and the o
   hash a Hub input's files a second time);
 - the transfer is huggingface_hub's ``http_get`` on the file's ``resolve`` URL at the resolved commit: the
   library's auth headers, its retries and resumption of a dropped stream, its typed errors, which
-  ``hub.transport.with_retries`` turns into one line;
+  ``transport.with_retries`` turns into one line;
 - a verified file stays in the scratch folder until it is consumed, so a killed pack resumed later finds it
   (checked again against the Hub's sha256) instead of downloading it again; a partial download
   (``.incomplete``) is continued from where it stopped.
@@ -375,7 +375,7 @@ class Downloads:
         from huggingface_hub.file_download import http_get
         from huggingface_hub.utils import build_hf_headers
 
-        from ..hub.transport import with_retries
+        from ..transport import with_retries
 
         def go() -> None:
             if w.n:  # an attempt after one that received bytes: continue after them

@@ -203,7 +203,7 @@ class HubTask:
     bound: int  # --max-scratch for this task (checked by the driver against its job)
     root: str | None  # --scratch (the same node-local path on every node), None: the node's temporary folder
     tag: str  # the task folder's name (its first shard, the run's nonce): a re-run on the node finds its downloads
-    upload: object  # hub.live.UploadTarget | None
+    upload: object  # upload.live.UploadTarget | None
     local_output: bool  # the shards in the task folder (--upload --no-keep-output), else in OUTPUT
     probe: str  # the nonce the driver wrote into OUTPUT/RAY_PROBE (checked where the shards go to OUTPUT)
 

@@ -101,7 +101,7 @@ class Family:
     blocks: tuple[Block, ...]
     files: dict[str, str]
     sharding: Sharding
-    config_file: str = filenames.CONFIG  # Mistral's own layout: params.json (convert/mistral_format.py)
+    config_file: str = filenames.CONFIG  # Mistral's own layout: params.json (convert/mistral_checkpoint.py)
     index_file: str = filenames.INDEX  # Mistral's: consolidated.safetensors.index.json
     variants: dict[str, Variant] = field(default_factory=dict)
 

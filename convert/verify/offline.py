@@ -18,8 +18,8 @@ from ..plan import Kind
 from ..safetensors_format import DTYPES, parse_header
 from ..sidefiles import WEIGHT_SUFFIXES
 from ..write import is_inside
+from .config_checks import check_configs, check_engine_rules, row_problems
 from .report import Report
-from .rules import check_configs, check_engine_rules, row_problems
 
 
 @dataclass

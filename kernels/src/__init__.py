@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
-    from .formats import DecodeError, decode_fp8_block, decode_mxfp4
+    from .encodings import DecodeError, decode_fp8_block, decode_mxfp4
 
 __all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend",
            "mxfp4_cast", "reference"]
@@ -28,7 +28,7 @@ __all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxf
 #: What this package gives on first use rather than on import: each of them imports torch, and the pipeline
 #: computes its first units with ``clib`` (no torch) while torch loads (``pipeline.early``).
 _LAZY = {"ct_nvfp4": None, "fp8_block": None, "mxfp4_cast": None, "reference": None,
-         "DecodeError": "formats", "decode_fp8_block": "formats", "decode_mxfp4": "formats"}
+         "DecodeError": "encodings", "decode_fp8_block": "encodings", "decode_mxfp4": "encodings"}
 
 
 def __getattr__(name: str):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import DecodeError
+from .encodings import DecodeError
 from .reference import code_values, e2m1_codes, pack
 from .scales import E4M3_KMAX, E8M0_BIAS, E8M0_NAN, MX_GROUP, mxfp4_nan_message
 

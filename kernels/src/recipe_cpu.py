@@ -74,7 +74,7 @@ def fp8_into(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scales: torch.T
 
 def int4_decode(lib: ctypes.CDLL, packed: torch.Tensor, scale: torch.Tensor, threads: int = 1) -> torch.Tensor | None:
     """fp32 [N, K] of an INT4 ``pack-quantized`` weight (``packed`` int32 [N, K/8], ``scale`` fp32 [N, K/G] with
-    every scale finite), as :func:`.formats.decode_int4`'s torch code; None where a value overflows fp32 (the
+    every scale finite), as :func:`.encodings.decode_int4`'s torch code; None where a value overflows fp32 (the
     caller's torch code then names it) or a group is not whole bytes (G odd: the torch code)."""
     n, words = packed.shape
     groups = scale.shape[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import engines, formats
+from .. import engine_rules, formats
 from ..errors import ConvertError
 from ..jsonfile import read_json
 from ..plan import Kind, Op
@@ -71,23 +71,23 @@ def check_engine_rules(man: dict, mods: Modules, rep: Report) -> None:
     for name, (kind, built_by) in sorted(layers.items()):
         if method in ("modelopt_mixed", "fp8"):  # fp8: NVIDIA's DeepSeek V4 hybrid, a quantized_layers map too
             try:
-                got = engines.mixed_algo(name, quantized_layers, packed["vllm"])
-            except engines.MixedShards as e:
+                got = engine_rules.mixed_algo(name, quantized_layers, packed["vllm"])
+            except engine_rules.MixedShards as e:
                 problems.append(f"vLLM: {e}")
                 continue
             want = {Kind.KEEP: None, Kind.FP8_BLOCK: "FP8_PB_WO"}.get(kind, "NVFP4")
             if kind == Kind.NVFP4 and got == "W4A16_NVFP4":
                 want = got
-            if got != want and not (kind == Kind.KEEP and engines.vllm_is_skipped(name, ignore, {})):
+            if got != want and not (kind == Kind.KEEP and engine_rules.vllm_is_skipped(name, ignore, {})):
                 problems.append(f"quantized_layers resolve {name} to {got}, but it is written {kind}")
             continue
         kept = kind == Kind.KEEP
         for engine in built_by:
             try:  # both engines first ask is_layer_skipped (a packed layer through its shards)
-                got = engines.vllm_is_skipped(name, ignore, packed[engine])
+                got = engine_rules.vllm_is_skipped(name, ignore, packed[engine])
                 if engine == "sglang":
-                    got = got or engines.sglang_is_excluded(name, ignore, prefix)
-            except engines.MixedShards as e:
+                    got = got or engine_rules.sglang_is_excluded(name, ignore, prefix)
+            except engine_rules.MixedShards as e:
                 problems.append(f"{engine}: {e}")
                 continue
             if got != kept:

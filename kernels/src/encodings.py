@@ -1,4 +1,4 @@
-"""Decoding the quantized formats checkpoints arrive in: MXFP4 (Kimi K3's routed experts), INT4 (Kimi K2.5's) and
+"""Decoding the quantized encodings checkpoints arrive in: MXFP4 (Kimi K3's routed experts), INT4 (Kimi K2.5's) and
 DeepSeek-style FP8 with 128x128 block scales. All decode exactly to fp32 (MXFP4 values are
 E2M1 codes times powers of two; FP8 times an fp32 scale is one fp32 multiply, as the format defines; an INT4
 code in [-8, 7] times a BF16 scale fits fp32's 24-bit significand).

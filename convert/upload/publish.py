@@ -30,11 +30,11 @@ from ..errors import ConvertError
 from ..hashing import git_blob_sha1, sha256_file
 from ..jsonfile import read_json
 from ..manifest import iter_modules
+from ..transport import IGNORE, RESUME, connect, with_retries
 from ..verify import load, verify
 from .card import model_card
-from .transport import IGNORE, RESUME, connect, with_retries
 
-__all__ = ["connect", "model_card", "upload", "verify_remote", "with_retries"]
+__all__ = ["check_remote", "upload", "verify_remote"]
 
 @dataclass
 class RemoteCheck:

@@ -33,8 +33,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import get_session, parse_ratelimit_headers, set_client_factory, validate_repo_id
 
-from .. import filenames
-from ..errors import ConvertError
+from . import filenames
+from .errors import ConvertError
 
 T = TypeVar("T")
 #: Statuses a later attempt can get past: a timeout, a rate limit, the server's own trouble.

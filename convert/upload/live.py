@@ -36,7 +36,7 @@ from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from .. import faults, filenames
 from ..errors import ConvertError
-from .transport import IGNORE, RESUME, connect, with_retries
+from ..transport import IGNORE, RESUME, connect, with_retries
 
 #: With --no-keep-output, the shards that may be on the local disk besides the one being sent (written,
 #: being written, or waiting for the uploader): a stream waits before opening another (``admit``).
