@@ -7,17 +7,18 @@ from a cold page cache, with their `--stats`; everything in one JSON.
 A variant is a device and ``key=value`` settings: ``streams=N`` (pack --streams), ``hash=N`` (the worker's hashing
 threads, patched in: ``pipeline.stream.default_hash_threads``), ``readahead=BYTES``
 (``$KIMI_CONVERT_STARTUP_READAHEAD``: also each stream's file-hash lead), ``lead=BYTES`` (the least lead of a
-stream's file hashes ahead of its reads, patched in: ``pipeline.stream.EAGER_HASH``), ``early=0`` (no unit computed
+stream's file hashes ahead of its reads: ``Tuning.eager_hash``), ``early=0`` (no unit computed
 without torch: ``compute_early.takes`` patched to refuse every unit, as before session 14), ``kthreads=N`` (the
 threads of the C kernels run without torch, patched in: ``compute_early.EarlyCompute``), ``knice=N`` (the C kernels'
 pool workers' nice value: ``kernels.clib.KERNEL_NICE``), ``kspin=NS`` (how long an idle C pool worker polls before
 it sleeps: ``kernels.clib.KERNEL_SPIN_NS``), ``switch=S`` (the interpreter's thread switch interval,
 ``sys.setswitchinterval``; 0.005 by default), ``sra=1`` (the start-up readahead whatever the device, as before
 session 17: ``pack._startup_readahead`` patched), ``rab=BYTES`` (the bytes a stream reads ahead of its compute
-beyond its three pieces: ``pipeline.stream.READ_AHEAD_BYTES``; 0 as before session 18), ``fakegpu=1`` (``auto`` as
+beyond its three pieces: ``Tuning.read_ahead_bytes``; 0 as before session 18), ``fakegpu=1`` (``auto`` as
 on a machine with one GPU, the probe computing with the torch code on the CPUs: ``devices`` and
 ``probe.child_device`` patched; for what ``auto`` costs beside ``cpu`` where there is no GPU), ``probe_after=S``
-(``probe.START_AFTER_S``; 0: the probe at once, as before session 18).
+(``Tuning.probe_after_s``; 0: the probe at once, as before session 18). The ``Tuning`` fields are passed to pack
+as the CLI's context object, the rest patched in.
 """
 
 from __future__ import annotations
@@ -47,24 +48,27 @@ PATCHED = ("import sys, kimi_convert.pipeline.stream as s, kimi_convert.compute_
            "if int(sys.argv.pop(1)):\n"
            "    import kimi_convert.pack as pk\n"
            "    pk._startup_readahead = lambda source, parts, budget, devs, need: pk.readahead(source, parts, budget)\n"
+           "import dataclasses\n"
+           "from kimi_convert.tuning import Tuning\n"
+           "t = Tuning.from_env()\n"
            "rab = int(sys.argv.pop(1))\n"
-           "if rab >= 0: s.READ_AHEAD_BYTES = rab\n"
+           "if rab >= 0: t = dataclasses.replace(t, read_ahead_bytes=rab)\n"
            "fake, after = int(sys.argv.pop(1)), float(sys.argv.pop(1))\n"
            "if fake:\n"
            "    import kimi_convert.devices as d\n"
            "    d.gpu_count = d.gpus_at_most = lambda *a: 1\n"
            "    d.torch_has_cuda = lambda: True\n"
            "    p.child_device = lambda gpu: 'reference'\n"
-           "if after >= 0: p.START_AFTER_S = after\n"
+           "if after >= 0: t = dataclasses.replace(t, probe_after_s=after)\n"
            "if switch > 0: sys.setswitchinterval(switch)\n"
            "if knice > 0: c.KERNEL_NICE = knice\n"
            "if kspin >= 0: c.KERNEL_SPIN_NS = kspin\n"
            "if n >= 0: s.default_hash_threads = lambda streams, share: n\n"
-           "if lead >= 0: s.EAGER_HASH = lead\n"
+           "if lead >= 0: t = dataclasses.replace(t, eager_hash=lead)\n"
            "if early == 0: e.takes = lambda unit: False\n"
            "init = e.EarlyCompute.__init__\n"
            "if kt > 0: e.EarlyCompute.__init__ = lambda self, threads, block: init(self, kt, block)\n"
-           "from kimi_convert.cli import main; main()")
+           "from kimi_convert.cli import cli; cli(prog_name='kimi-convert', obj=t)")
 
 
 def sha256_rate(threads: int, nbytes: int = 512 << 20) -> float:

@@ -18,7 +18,7 @@ PY=${PY:-python3}
 evict() { "$PY" -c 'import sys; from pathlib import Path; sys.path.insert(0, "benchmarks"); from compare_speed import evict; evict(Path(sys.argv[1]))' "$1"; }
 patch_for() {
   case $1 in
-    glibc-default) echo 'from kimi_convert.pipeline import stream; assert stream.return_freed_memory; stream.return_freed_memory = lambda: False' ;;
+    glibc-default) echo 'from kimi_convert.pipeline import stream; assert stream.return_freed_memory; stream.return_freed_memory = lambda threshold: False' ;;
     fresh-outputs) echo 'from kimi_convert.pipeline import runner; assert runner.work_kind; runner.work_kind = lambda unit: None' ;;
     *) echo 'pass' ;;
   esac

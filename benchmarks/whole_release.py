@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"the pack failed ({run.code}): {(a.work / 'out.log').read_text()[-2000:]}")
         rows = per_shard(run, arrivals(hub, repo, run.started)) if run.code == 0 else []
         result |= figures(run, rows, input_bytes, out, release_bytes)
-        queue = 2 if a.upload_queue is None else a.upload_queue  # upload.live.QUEUE's default
+        queue = 2 if a.upload_queue is None else a.upload_queue  # Tuning.upload_queue's default
         result["local_disk_bound"] = (queue + 2) * max((r["out_bytes"] for r in rows), default=0) + (
             _size(a.max_scratch) if a.input == "hub" else 0)  # docs/pack-upload.md, docs/hub-input.md
         result["local_disk_within_bound"] = result["peak_local_disk"] <= result["local_disk_bound"]

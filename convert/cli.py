@@ -255,6 +255,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
     from .journal import Journal
     from .pack import pack as run
+    from .tuning import Tuning
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
@@ -286,7 +287,8 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
     res = run(source, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
               resume=resume, progress=not quiet, command=command, ray=ray_address, upload=target,
               scratch=scratch, max_scratch=max_scratch,
-              say=lambda m: click.echo(m, err=True))
+              say=lambda m: click.echo(m, err=True),
+              tuning=click.get_current_context().find_object(Tuning))  # (a test's, passed as the context's obj)
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:
@@ -315,7 +317,7 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         from .pipeline.choose import Choice
 
         chosen = "; ".join(Choice(**c).describe() for c in res.stats.device_choices)
-        skipped = any(c.get("skipped") for c in res.stats.calibration)  # (pipeline.probe.START_AFTER_S)
+        skipped = any(c.get("skipped") for c in res.stats.calibration)  # (Tuning.probe_after_s)
         click.echo("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
                    + (chosen or ("the pack was over before the GPU was to be measured" if skipped else
                                  "no kind of work was measured on both") + "; every unit ran on the CPUs"))

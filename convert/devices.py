@@ -96,8 +96,8 @@ def resolve_device(text: str | Device) -> Device:
 
 
 def gpus_at_most(root: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
-    """An upper bound on the GPUs the CUDA driver would see, without starting it (``cuInit``: 0.5-1 s on the
-    H200 machine): the GPUs the kernel driver lists (``/proc/driver/nvidia/gpus``, none without the driver),
+    """An upper bound on the GPUs the CUDA driver would see, without starting it (``cuInit`` takes most of a
+    second): the GPUs the kernel driver lists (``/proc/driver/nvidia/gpus``, none without the driver),
     fewer where ``CUDA_VISIBLE_DEVICES`` names fewer; None where it cannot say."""
     try:
         listed = len(list(root.iterdir())) if root.is_dir() else 0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from . import pipeline
 from .devices import Device
+from .tuning import Tuning
 
 if TYPE_CHECKING:
     from .raycluster import Cluster
@@ -37,7 +38,7 @@ class Executor(Protocol):
 @dataclass
 class InProcess:
     """One worker, this process: each job a stream (a thread). ``stop``: the pipeline's (a Hub input's downloads
-    stop with it); ``admit``: --no-keep-output's disk bound (the uploader's)."""
+    stop with it); ``admit``: --no-keep-output's disk bound (the uploader's); ``tuning``: pack's."""
 
     device: Device
     slots: int
@@ -45,13 +46,15 @@ class InProcess:
     stop: threading.Event
     admit: Callable[[bool, threading.Event], None] | None = None
     local_output: bool = False
+    tuning: Tuning | None = None
 
     def workers(self, jobs: list[pipeline.Job]) -> int:
         return 1
 
     def run(self, jobs: list[pipeline.Job], on_shard: OnShard, on_progress: OnProgress) -> list[pipeline.JobResult]:
         wait = {"admit": self.admit} if self.admit is not None else {}
-        return pipeline.run_jobs(jobs, self.device, on_shard, on_progress, threads=self.cpus, stop=self.stop, **wait)
+        return pipeline.run_jobs(jobs, self.device, on_shard, on_progress, threads=self.cpus, stop=self.stop,
+                                 tuning=self.tuning, **wait)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class WorkerProcesses:
     stop: threading.Event
     admit: Callable[[bool, threading.Event], None] | None = None
     local_output: bool = False
+    tuning: Tuning | None = None
 
     @property
     def slots(self) -> int:
@@ -80,11 +84,12 @@ class WorkerProcesses:
     def run(self, jobs: list[pipeline.Job], on_shard: OnShard, on_progress: OnProgress) -> list[pipeline.JobResult]:
         groups = self.groups(jobs)
         if len(groups) == 1:
-            return InProcess(self.devices[0], self.streams, self.cpus, self.stop, self.admit).run(
+            return InProcess(self.devices[0], self.streams, self.cpus, self.stop, self.admit, tuning=self.tuning).run(
                 groups[0], on_shard, on_progress)
         from . import workers
 
-        return workers.run(groups, self.devices[: len(groups)], on_shard, on_progress, cpus=self.cpus)
+        return workers.run(groups, self.devices[: len(groups)], on_shard, on_progress, cpus=self.cpus,
+                           tuning=self.tuning)
 
 
 @dataclass
@@ -98,6 +103,7 @@ class RayTasks:
     upload: object = None  # upload.live.UploadTarget
     token: str | None = None  # the upload's
     local_output: bool = False  # the shards stay on the nodes (a Hub input with --upload --no-keep-output)
+    tuning: Tuning | None = None  # pack's
 
     @property
     def slots(self) -> int:
@@ -108,4 +114,4 @@ class RayTasks:
 
     def run(self, jobs: list[pipeline.Job], on_shard: OnShard, on_progress: OnProgress) -> list[pipeline.JobResult]:
         with self.staging.tasks(jobs, self.output_dir, self.upload, self.token, self.local_output) as (tasks, env):
-            return self.cluster.run(jobs, on_shard, on_progress, hub=tasks, env=env)
+            return self.cluster.run(jobs, on_shard, on_progress, hub=tasks, env=env, tuning=self.tuning)

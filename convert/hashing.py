@@ -118,7 +118,7 @@ class FileHasher:
 
     ``may_take(start)``: whether the hash may read the expected range at ``start`` from the file itself
     when it would otherwise wait for it (its queue ran dry there, nothing offered yet): a sha256 is one
-    sequential chain, the slowest stage of one large input file (1.4 GB/s a core), and a pipeline stalled
+    sequential chain, the slowest stage of one large input file (one core's speed), and a pipeline stalled
     behind it (torch loading, a GPU starting) must not stall the chain too. The pipeline's later read of a
     range taken so comes from the page cache (one disk read either way); the caller bounds how far ahead
     of its own reads (what the page cache holds for it).

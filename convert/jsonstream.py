@@ -25,23 +25,24 @@ from typing import Any, BinaryIO
 from . import jsonfile
 from .errors import ConvertError
 
+#: Bytes read at a time (more where a value is longer): the parser's memory, whatever the file's size.
 PIECE = 1 << 20
 _WS = re.compile(r"[ \t\n\r]*")
 _decoder = json.JSONDecoder()
 
 
-def iter_object(path: Path, streamed: str) -> Iterator[tuple[str, Any]]:
+def iter_object(path: Path, streamed: str, piece: int = PIECE) -> Iterator[tuple[str, Any]]:
     """The top-level entries of the JSON object in ``path``, in file order, as (key, value); the
     entries of the object under key ``streamed`` come one at a time, as (streamed, (key, value)).
     Raises ValueError on anything that is not one JSON object or nests values deeper than
     ``jsonfile.MAX_DEPTH``, or that is not a regular file (a FIFO is refused, never waited on); OSError if
-    the file cannot be read."""
+    the file cannot be read. ``piece``: the bytes read at a time (the tests cut values at every boundary)."""
     try:
         fd = jsonfile.open_regular(path, path.name)
     except ConvertError as e:
         raise ValueError(str(e).removeprefix(f"{path.name}: ")) from None
     with open(fd, "rb") as f:
-        b = _Buffer(f)
+        b = _Buffer(f, piece)
         b.expect("{")
         for key in b.entries():
             if key != streamed:
@@ -78,14 +79,15 @@ class _TooDeep(Exception):
 
 
 class _Buffer:
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO, piece: int):
         self.f, self.s, self.i, self.offset, self.eof = f, "", 0, 0, False
+        self.piece = piece
         self.text = codecs.getincrementaldecoder("utf-8")()
 
     def more(self, n: int) -> None:
         """At least ``n`` characters from the read position, or the rest of the file."""
         while len(self.s) - self.i < n and not self.eof:
-            piece = self.f.read(max(PIECE, n))
+            piece = self.f.read(max(self.piece, n))
             self.eof = not piece
             self.offset += self.i
             self.s = self.s[self.i:] + self.text.decode(piece, final=self.eof)
@@ -129,7 +131,7 @@ class _Buffer:
 
     def parse(self, fn: Callable[[str, int], tuple[Any, int]]) -> Any:
         self.skip_ws()
-        want = PIECE
+        want = self.piece
         while True:
             try:
                 value, end = fn(self.s, self.i)

@@ -120,8 +120,8 @@ class OutputFolder:
     def done_bytes(self, plan: Plan) -> int:
         return sum(u.nbytes_in for u in plan.units if u.shard in self.journal.shards)
 
-    def check_space(self, todo: list[Shard], in_flight: int | None = None) -> None:
-        check_space(self.path, todo, in_flight)
+    def check_space(self, todo: list[Shard], in_flight: int | None = None, queue: int = 0) -> None:
+        check_space(self.path, todo, in_flight, queue)
 
     def record(self, file: str, rec: ShardRecord, uploaded: bool = False) -> None:
         """A finished shard journaled (``uploaded``: by a Ray task, this run's upload as well)."""
@@ -220,14 +220,12 @@ def _check_complete(output_dir: Path, shards_may_be_gone: bool = False) -> None:
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
 
 
-def check_space(output_dir: Path, todo: list[Shard], in_flight: int | None = None) -> None:
+def check_space(output_dir: Path, todo: list[Shard], in_flight: int | None = None, queue: int = 0) -> None:
     """``in_flight``: with --no-keep-output, the shards being written at once (each stream's), to which the
-    uploader's queue adds its own: the disk needs the largest of those only."""
+    uploader's ``queue`` (``Tuning.upload_queue``) adds its own: the disk needs the largest of those only."""
     sizes = sorted((s.size for s in todo), reverse=True)
     if in_flight is not None:
-        from .upload.live import QUEUE
-
-        sizes = sizes[: in_flight + QUEUE + 1]
+        sizes = sizes[: in_flight + queue + 1]
     need = sum(sizes)
     free = shutil.disk_usage(output_dir).free
     if need > free:

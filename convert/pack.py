@@ -31,6 +31,7 @@ from .progress import Progress
 from .readers import readahead
 from .sources import Source, open_source, provenance
 from .sources.staging import Staging, staging_for
+from .tuning import Tuning
 
 if TYPE_CHECKING:
     from .raycluster import Arrived
@@ -85,7 +86,8 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
          device: Device | str = "auto", workers: int | None = None, streams: int | None = None,
          overwrite: bool = False, resume: bool = False, progress: bool = True, command: str | None = None,
          ray: str | None = None, upload: UploadTarget | None = None, scratch: str | os.PathLike | None = None,
-         max_scratch: int | None = None, say: Callable[[str], None] = print) -> PackResult:
+         max_scratch: int | None = None, say: Callable[[str], None] = print, tuning: Tuning | None = None
+         ) -> PackResult:
     """Any number of workers or streams gives the same bytes. ``workers``: processes, each on its own
     device (default: one per visible GPU for ``auto``/``cuda``, else one); ``streams``: pipelines per
     worker, on threads, each on consecutive shards (default: one per 4 CPUs of the worker, at most 4).
@@ -95,16 +97,18 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     to the Hub as it is final (``upload.live``); its checks (id, token, the Hub's answer) come first.
     A Hub input (``hf://``): its weight files are downloaded just in time into ``scratch`` (default: beside
     the output), at most ``max_scratch`` bytes at once; one worker, one stream; with ``ray``, each task
-    downloads its own job's inputs (``sources.hubstage``)."""
+    downloads its own job's inputs (``sources.hubstage``). ``tuning``: the pipeline's, the upload's and the
+    downloads' figures (default: ``Tuning.from_env()``; a test passes its own)."""
     called = time.perf_counter()
+    tuning = tuning or _tuning_from_env()
     source, output_dir = open_source(input_source), Path(output_dir)  # open the source
     write.check_output_dir(source.local_path(), output_dir)
-    staging = staging_for(source, output_dir, scratch, max_scratch, ray is not None, say)
+    staging = staging_for(source, output_dir, scratch, max_scratch, ray is not None, say, tuning.download_threads)
     workers, streams = staging.limits(workers, streams)
     command = staging.command(command, input_source, output_dir)
-    hub = _connect_upload(upload, say)  # before the plan: a Hub that cannot be reached costs no work
+    hub = _connect_upload(upload, say, tuning)  # before the plan: a Hub that cannot be reached costs no work
     cluster = _connect_ray(ray, device)  # likewise an unreachable cluster
-    start = _StartUp.begin(cluster is None, device, workers)  # torch and the devices start while we plan
+    start = _StartUp.begin(cluster is None, device, workers, tuning)  # torch and the devices start while we plan
     ckpt, plan = start.plan(source, opts)  # plan
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     executor = _executor(cluster, staging, hub, output_dir, device, workers, streams, start)
@@ -132,12 +136,20 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
                           cast_lossless=sum(r.cast_lossless for r in recs), upload=up)
 
 
-def _connect_upload(upload: UploadTarget | None, say: Callable[[str], None]) -> LiveUpload | None:
+def _tuning_from_env() -> Tuning:
+    """The defaults with the ``KIMI_CONVERT_*`` variables that set a field (``tuning.ENV``); a bad value is one line."""
+    try:
+        return Tuning.from_env()
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _connect_upload(upload: UploadTarget | None, say: Callable[[str], None], tuning: Tuning) -> LiveUpload | None:
     if upload is None:
         return None
     from .upload.live import LiveUpload
 
-    return LiveUpload(upload, say)
+    return LiveUpload(upload, say, tuning=tuning)
 
 
 def _connect_ray(ray: str | None, device: Device | str):
@@ -154,17 +166,18 @@ class _StartUp:
     """What starts while the plan is made: where this process computes (``local``: no ``--ray``), the devices
     found (the CUDA driver's start) and torch loaded on a thread (``_warm_up``); ``ahead``: the start-up
     readahead's bytes; ``need``: whether a unit needs torch (decided by the plan); ``stop``: the pipeline's (a Hub
-    input's downloads stop with it)."""
+    input's downloads stop with it); ``tuning``: the pipeline's figures, passed down to it."""
 
     local: bool
     cpus: int  # the one CPU count: every worker's share of it is passed on as an argument
     ahead: int
     need: pipeline.TorchNeed
     stop: threading.Event
+    tuning: Tuning
 
     @classmethod
-    def begin(cls, local: bool, device: Device | str, workers: int | None) -> _StartUp:
-        s = cls(local, devices.cpus(), startup_readahead(), pipeline.TorchNeed(), threading.Event())
+    def begin(cls, local: bool, device: Device | str, workers: int | None, tuning: Tuning) -> _StartUp:
+        s = cls(local, devices.cpus(), tuning.startup_bytes(), pipeline.TorchNeed(), threading.Event(), tuning)
         if local:
             threading.Thread(target=_warm_up, args=(device, workers, s.cpus, s.need), daemon=True,
                              name="kimi-convert-warm-up").start()
@@ -186,10 +199,10 @@ def _executor(cluster, staging: Staging, hub: LiveUpload | None, output_dir: Pat
     if cluster is not None:
         local_output = staging.per_task and hub is not None and not hub.target.keep_output
         return RayTasks(cluster, staging, output_dir, hub.target if hub is not None else None,
-                        hub.api.token if hub is not None else None, local_output)
+                        hub.api.token if hub is not None else None, local_output, start.tuning)
     devs = devices.worker_devices(device, workers)
     return WorkerProcesses(devs, streams or pipeline.default_streams(start.cpus, len(devs)), start.cpus, start.stop,
-                           hub.admit if hub is not None else None)
+                           hub.admit if hub is not None else None, tuning=start.tuning)
 
 
 def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, executor: Executor,
@@ -198,7 +211,8 @@ def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, 
     started on the first groups while torch and the GPU start up, and the jobs cut."""
     todo = out.todo(plan)
     if not executor.local_output:
-        out.check_space(todo, None if hub is None or hub.target.keep_output else executor.slots)
+        out.check_space(todo, None if hub is None or hub.target.keep_output else executor.slots,
+                        start.tuning.upload_queue)
     done = out.journal.shards
     source = staging.start([u for u in plan.units if u.shard not in done], todo, out.path, start.stop, bool(done))
     if hub is not None:
@@ -254,8 +268,8 @@ def _startup_readahead(source: Source, parts: list, budget: int, devs: list[Devi
     """The start-up readahead, where the streams will wait for torch: a GPU's (torch and CUDA start meanwhile), or
     the CPUs' where a unit needs torch. Where the C kernels take every unit (``--device cpu`` and ``auto``: its GPU is
     measured in a probe process) the streams read at once, and the readahead's requests only queue ahead of their
-    reads: the first read of a 2.4 GB pack waited 1.2 s behind them on 2 cores (docs/compressed-tensors.md,
-    "Session 17")."""
+    reads, and the streams' first read waits behind them (benchmarks/RESULTS.md, "The figures behind the pipeline's
+    constants")."""
     if devs and all(d.kind in ("cpu", "auto") for d in devs) and not need.wait():
         return
     readahead(source, parts, budget)
@@ -270,20 +284,6 @@ def _warm_up(device: Device | str, workers: int | None, cpus: int, need: pipelin
         return
     if len(ds) == 1:
         pipeline.warm_up(ds[0], cpus, need)
-
-
-def startup_readahead() -> int:
-    """$KIMI_CONVERT_STARTUP_READAHEAD, else an eighth of the available memory, at most 4 GiB."""
-    env = os.environ.get("KIMI_CONVERT_STARTUP_READAHEAD")
-    if env:
-        if not env.isdigit():
-            raise ConvertError(f"KIMI_CONVERT_STARTUP_READAHEAD={env!r}: expected a number of bytes")
-        return int(env)
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 512 << 20
-    return min(4 << 30, avail // 8)
 
 
 def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path,

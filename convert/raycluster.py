@@ -48,6 +48,7 @@ from .pipeline import Job, JobResult, run_jobs
 
 if TYPE_CHECKING:
     from .sources.hubstage import HubTask
+    from .tuning import Tuning
 
 #: Times Ray re-runs a task whose worker process or node died.
 RETRIES = 3
@@ -105,9 +106,10 @@ class Cluster:
     owned: bool  # this process called ray.init, so it shuts the connection down (a local cluster with it)
 
     def run(self, jobs: list[Job], on_shard: Callable[..., None], on_progress: Callable[[int], None],
-            hub: list[HubTask] | None = None, env: dict[str, str] | None = None) -> list[JobResult]:
+            hub: list[HubTask] | None = None, env: dict[str, str] | None = None,
+            tuning: Tuning | None = None) -> list[JobResult]:
         try:
-            return run(jobs, self.placement, on_shard, on_progress, hub, env)
+            return run(jobs, self.placement, on_shard, on_progress, hub, env, tuning)
         finally:
             self.close()
 
@@ -161,11 +163,12 @@ def _shard_runs(job: Job) -> str:
 
 
 def run(jobs: list[Job], p: Placement, on_shard: Callable[..., None], on_progress: Callable[[int], None],
-        hub: list[HubTask] | None = None, env: dict[str, str] | None = None) -> list[JobResult]:
+        hub: list[HubTask] | None = None, env: dict[str, str] | None = None,
+        tuning: Tuning | None = None) -> list[JobResult]:
     """One Ray task per job; ``on_shard(file, record)`` as each shard's record arrives (a Hub input's task:
     ``on_shard(file, record, Arrived)`` where it sends more), ``on_progress`` with the shard's input
     bytes. ``hub``: each job's ``hubstage.HubTask`` (a Hub input); ``env``: more of the tasks' environment
-    (``hubstage.task_env``). Returns the jobs' results in order."""
+    (``hubstage.task_env``); ``tuning``: pack's, pickled to each task. Returns the jobs' results in order."""
     ray = import_ray()
     remote = ray.remote(_task)
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)} | (env or {})
@@ -181,7 +184,7 @@ def run(jobs: list[Job], p: Placement, on_shard: Callable[..., None], on_progres
                 "runtime_env": {"env_vars": env}, "name": f"kimi-convert {_shard_runs(job)}"}
         if p.num_gpus:
             opts["num_gpus"] = p.num_gpus
-        gens[i] = remote.options(**opts).remote(job, p.device, p.num_cpus, hub[i] if hub else None)
+        gens[i] = remote.options(**opts).remote(job, p.device, p.num_cpus, hub[i] if hub else None, tuning)
     results: dict[int, JobResult] = {}
     try:
         while gens:
@@ -239,7 +242,8 @@ def kept_shards(job: Job) -> dict[str, ShardRecord]:
     return kept
 
 
-def _task(job: Job, device: str, threads: int, hub: HubTask | None = None) -> Iterator[tuple]:
+def _task(job: Job, device: str, threads: int, hub: HubTask | None = None, tuning: Tuning | None = None
+          ) -> Iterator[tuple]:
     """One attempt at a job, on a Ray worker: yields ("shard", file, record) for each of its shards (a Hub
     input's task, where it sends more: ("shard", file, record, Arrived)), in plan order, then
     ("done", JobResult). ``hub``: the job reads a Hub input (``run_hub_task``)."""
@@ -255,9 +259,9 @@ def _task(job: Job, device: str, threads: int, hub: HubTask | None = None) -> It
     def work() -> None:
         try:
             if hub is not None:
-                out["result"] = run_hub_task(todo, device, threads, hub, emit)
+                out["result"] = run_hub_task(todo, device, threads, hub, emit, tuning)
             else:
-                out["result"] = run_jobs([todo], resolve_device(device), emit, threads=threads)[0]
+                out["result"] = run_jobs([todo], resolve_device(device), emit, threads=threads, tuning=tuning)[0]
         except BaseException as e:
             out["error"] = e
         finally:
@@ -297,7 +301,7 @@ class Arrived:
 
 
 def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
-                 emit: Callable[[str, ShardRecord, Arrived | None], None]) -> JobResult:
+                 emit: Callable[[str, ShardRecord, Arrived | None], None], tuning: Tuning | None = None) -> JobResult:
     """One attempt at a Hub-input job on a Ray node: its inputs downloaded into its task folder
     (``hubstage.TaskStaging``), converted, and (with --upload) each shard uploaded before it is emitted; the
     driver keeps the journal, writes configs, index and manifest, and makes the one commit, as a local
@@ -305,18 +309,20 @@ def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
     ``downloads`` the scratch folder's figures."""
     from .sources.hubstage import TaskStaging
     from .transport import bound_library
-    from .upload.live import QUEUE
+    from .tuning import Tuning
+
+    tuning = tuning or Tuning()
 
     bound_library()  # the library's timeouts, in this process too
-    stage = TaskStaging(job.source, t, job.units, job.output_dir)  # type: ignore[arg-type]
+    stage = TaskStaging(job.source, t, job.units, job.output_dir, tuning.download_threads)  # type: ignore[arg-type]
     uploader: _TaskUpload | None = None
     try:
-        stage.check_space([s.size for s in job.shards], QUEUE)
-        uploader = _uploader(t, stage.out, emit)
+        stage.check_space([s.size for s in job.shards], tuning.upload_queue)
+        uploader = _uploader(t, stage.out, emit, tuning)
         source = stage.start()
         res = run_jobs([dataclasses.replace(job, source=source, output_dir=stage.out)], resolve_device(device),
                        uploader.on_shard if uploader else lambda f, rec: emit(f, rec, None), threads=threads,
-                       stop=stage.stop, **({"admit": uploader.live.admit} if uploader else {}))[0]
+                       stop=stage.stop, tuning=tuning, **({"admit": uploader.live.admit} if uploader else {}))[0]
         stage.close(ok=True)
         if uploader is not None:
             uploader.live.close()  # every shard on the Hub, or the upload's error
@@ -350,7 +356,7 @@ class _TaskUpload:
         self.emit(file, rec, Arrived(records, True))
 
 
-def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
+def _uploader(t: HubTask, out: Path, emit: Callable, tuning: Tuning) -> _TaskUpload | None:
     """With --upload: the task's ``LiveUpload`` on an ``HfApi`` of the task's environment (no connect)."""
     if t.upload is None:
         return None
@@ -359,6 +365,6 @@ def _uploader(t: HubTask, out: Path, emit: Callable) -> _TaskUpload | None:
     from .sources.hubstage import say_on_node
     from .upload.live import LiveUpload
 
-    up = _TaskUpload(LiveUpload(t.upload, say_on_node, api=HfApi()), out, t.local_output, emit, {})
+    up = _TaskUpload(LiveUpload(t.upload, say_on_node, api=HfApi(), tuning=tuning), out, t.local_output, emit, {})
     up.live.start(out, up.on_uploaded)
     return up

@@ -247,8 +247,8 @@ class BufferPool:
     def _trim(self) -> list[np.ndarray]:
         """Drop free buffers over the limit (with the lock held); returns them, to unlock. Page-locked
         buffers may take twice the limit: with the in-flight budget full, a pool held to it would drop
-        every buffer given back, and locking a new one costs more than the read into it (measured:
-        5.2 GB locked over a 14.6 GB pack, 3.5 s, docs/history/RESULTS-history.md)."""
+        every buffer given back, and locking a new one costs more than the read into it (benchmarks/RESULTS.md,
+        "The figures behind the pipeline's constants")."""
         limit = self.limit * (2 if self._pin is not None else 1)
         dropped = []
         while self._free and self._in_use + sum(b.nbytes for b in self._free) > limit:

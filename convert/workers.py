@@ -24,9 +24,7 @@ from .devices import Device
 from .errors import ConvertError
 from .journal import ShardRecord
 from .pipeline import Job, JobResult, cpu_share, run_jobs
-
-#: A worker reports progress at most every this many bytes (a queue message each time).
-PROGRESS_STEP = 64 << 20
+from .tuning import Tuning
 
 
 def _die_with(parent: int) -> None:
@@ -38,19 +36,20 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _main(index: int, jobs: list[Job], device: Device, threads: int, q, parent: int) -> None:
+def _main(index: int, jobs: list[Job], device: Device, threads: int, q, parent: int, tuning: Tuning) -> None:
     _die_with(parent)
     pending = 0
 
     def progress(n: int) -> None:
         nonlocal pending
         pending += n
-        if pending >= PROGRESS_STEP:
+        if pending >= tuning.progress_step:
             q.put(("progress", index, pending))
             pending = 0
 
     try:
-        res = run_jobs(jobs, device, lambda f, rec: q.put(("shard", index, (f, rec))), progress, threads=threads)
+        res = run_jobs(jobs, device, lambda f, rec: q.put(("shard", index, (f, rec))), progress, threads=threads,
+                       tuning=tuning)
         q.put(("progress", index, pending))
         q.put(("done", index, res))
     except ConvertError as e:
@@ -60,15 +59,17 @@ def _main(index: int, jobs: list[Job], device: Device, threads: int, q, parent: 
 
 
 def run(jobs: list[list[Job]], devices: list[Device], on_shard: Callable[[str, ShardRecord], None],
-        on_progress: Callable[[int], None], *, cpus: int) -> list[JobResult]:
+        on_progress: Callable[[int], None], *, cpus: int, tuning: Tuning | None = None) -> list[JobResult]:
     """Worker ``i`` runs the streams ``jobs[i]`` on ``devices[i]`` with an equal share of ``cpus``
-    (``devices.cpus()``, handed to it as an argument); returns every stream's result."""
+    (``devices.cpus()``, handed to it as an argument) and ``tuning`` (pack's, pickled to it); returns every stream's
+    result."""
+    tuning = tuning or Tuning()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = cpu_share(cpus, len(jobs))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec by the workers
     try:
-        procs = [ctx.Process(target=_main, args=(i, job, devices[i], threads, q, os.getpid()),
+        procs = [ctx.Process(target=_main, args=(i, job, devices[i], threads, q, os.getpid(), tuning),
                              name=f"kimi-convert-worker-{i}") for i, job in enumerate(jobs)]
         for p in procs:
             p.start()

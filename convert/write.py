@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from .sources import Source
 
 CHUNK = 16 << 20
-#: Bytes a shard writer lets accumulate in the page cache before it asks the kernel to start writing them back.
-WRITEBACK_EVERY = 64 << 20
 
 #: Files a previous run of pack may have left, removed by --overwrite (nothing else is touched).
 OWN_FILES = (filenames.MANIFEST, filenames.INDEX, filenames.CONFIG, *formats.config_files(), filenames.JOURNAL,
@@ -114,11 +112,12 @@ class ShardWriter:
     """Writes one shard: header first, then each tensor's chunks at its planned offset.
 
     The file's space is reserved up front (posix_fallocate), so a full disk fails at the start of a
-    shard rather than in the middle of one; every OS error names the file.
+    shard rather than in the middle of one; every OS error names the file. ``writeback_every``: the bytes it lets
+    accumulate in the page cache before it asks the kernel to start writing them back (``Tuning.writeback_every``).
     """
 
-    def __init__(self, output_dir: Path, shard: Shard):
-        self.shard = shard
+    def __init__(self, output_dir: Path, shard: Shard, writeback_every: int):
+        self.shard, self.writeback_every = shard, writeback_every
         self.final = output_dir / shard.file
         self.tmp = output_dir / (shard.file + PARTIAL)
         self.fd = -1
@@ -169,7 +168,7 @@ class ShardWriter:
             pos += n
             self._unflushed += n
         self.written[name] = self.written.get(name, 0) + pos - p.start - offset
-        if self._unflushed >= WRITEBACK_EVERY:
+        if self._unflushed >= self.writeback_every:
             self._unflushed = 0
             start_writeback(self.fd)
 
@@ -209,9 +208,10 @@ def _sync_file_range():
 
 def start_writeback(fd: int) -> None:
     """Ask the kernel to start writing the file's dirty pages to disk now (``SYNC_FILE_RANGE_WRITE``: it does
-    not wait for them), so that a shard's closing fsync finds little left to write: on the H200 machine that
-    fsync of a 2.9 GB shard took 1.2-2.0 s at the end of the stream, after the last byte (issue 24's GPU
-    figures). A no-op where the call does not exist; a failure is left to the fsync, which reports it."""
+    not wait for them), so that a shard's closing fsync finds little left to write: otherwise a large shard's
+    fsync takes seconds at the end of the stream, after the last byte (benchmarks/RESULTS.md, "The figures behind
+    the pipeline's constants"). A no-op where the call does not exist; a failure is left to the fsync, which
+    reports it."""
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: the whole file, no waiting

@@ -145,11 +145,13 @@ class Result:
     stderr: str
 
 
-def run(*args, env: dict[str, str] | None = None) -> Result:
+def run(*args, env: dict[str, str] | None = None, tuning=None) -> Result:
     """``kimi-convert ARGS`` in this process. ``env`` is added to the environment for the call (only
-    what the tool reads at call time: a fault point or a thread count needs :func:`run_process`).
+    what the tool reads at call time: a fault point or a thread count needs :func:`run_process`); ``tuning``: a
+    ``Tuning`` that ``pack`` uses instead of its defaults (the context's obj).
     An exception the CLI does not turn into its one-line error propagates (a bug, not an exit)."""
-    r = CliRunner().invoke(cli, [str(a) for a in args], prog_name="kimi-convert", env=env, catch_exceptions=False)
+    r = CliRunner().invoke(cli, [str(a) for a in args], prog_name="kimi-convert", env=env, catch_exceptions=False,
+                           obj=tuning)
     return Result(r.exit_code, r.stdout, r.stderr)
 
 

@@ -17,6 +17,9 @@ from kimi_convert.pipeline.choose import Chooser
 from kimi_convert.pipeline.choose import choose as pick
 from kimi_convert.plan import Options
 from kimi_convert.readers import BufferPool
+from kimi_convert.tuning import Tuning
+
+SAMPLES = Tuning().samples
 
 
 def test_choose_takes_the_lower_median_seconds_per_byte():
@@ -197,8 +200,10 @@ def test_pool_page_locks_its_own_buffers_and_unlocks_each_before_letting_it_go()
 
 
 @pytest.fixture
-def auto_without_gpu(monkeypatch):
-    """--device auto as on a GPU machine, with the C kernels and the torch code as the two candidates."""
+def auto_without_gpu(monkeypatch) -> Tuning:
+    """--device auto as on a GPU machine, with the C kernels and the torch code as the two candidates; the tuning
+    to pack with (the streams wait for the calibration thread and the probe: a tiny input has too few units to
+    decide otherwise)."""
     from kimi_convert import devices
     from kimi_convert.kernels import get_backend
     from kimi_convert.pipeline import runner
@@ -211,11 +216,9 @@ def auto_without_gpu(monkeypatch):
     monkeypatch.setattr(runner, "candidates", lambda device, threads: {"cuda": get_backend("reference", threads)}
                         if device.kind == "cuda" else {  # (with a probe: the GPU's runner, for the kinds it won)
                             "cpu": get_backend("cpu", threads), "reference": get_backend("reference", threads)})
-    # the streams wait for the calibration thread: a tiny input has too few units to decide otherwise
-    monkeypatch.setattr(runner, "CALIBRATION_WAITS", True)
     # where the C kernels take every unit, the "GPU" is the torch code in the probe process (pipeline.probe)
     monkeypatch.setattr(probe, "child_device", lambda gpu: "reference")
-    monkeypatch.setattr(probe, "WAITS", True)
+    return Tuning(calibration_waits=True, probe_waits=True)
 
 
 @pytest.mark.parametrize("where", ["probe", "in-process"])
@@ -228,7 +231,7 @@ def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_pat
     if where == "in-process":
         monkeypatch.setenv("KIMI_CONVERT_RECIPE_KERNELS", "torch")
     assert run("pack", tiny_k3, ref, "--device", "cpu", "-q").code == 0
-    r = run("pack", tiny_k3, out, "--device", "auto", "-q", "--streams", "2", "--stats", stats)
+    r = run("pack", tiny_k3, out, "--device", "auto", "-q", "--streams", "2", "--stats", stats, tuning=auto_without_gpu)
     assert r.code == 0, r.stderr
     assert tree(out) == tree(ref)
     s = json.loads(stats.read_text())
@@ -238,7 +241,7 @@ def test_auto_pack_writes_the_same_bytes_and_says_what_it_chose(tiny_k3, tmp_pat
     assert any(k.startswith("mxfp4-cast@") for k in kinds)
     for c in s["device_choices"]:
         assert c["chosen"] in ("cpu", other) and set(c["s_per_gb"]) == {"cpu", other}
-        assert c["samples"] >= choose.SAMPLES
+        assert c["samples"] >= SAMPLES
     line = next(x for x in r.stdout.splitlines() if x.startswith("device auto"))
     assert all(k in line for k in kinds)
 
@@ -274,10 +277,10 @@ def test_auto_page_locks_only_once_a_kind_went_to_the_gpu(tiny_k3, monkeypatch):
                           (128, 128), plan.units)  # a stand-in GPU: never run here
     kinds = sorted(r._decisive)
     assert len(kinds) >= 2 and not pool.pinning and pool.get(1 << 20) is not None and not locked
-    for name, s in [("cpu", 0.1), ("cuda", 1.0)] * (choose.SAMPLES + 1):  # the CPUs win the first kind
+    for name, s in [("cpu", 0.1), ("cuda", 1.0)] * (SAMPLES + 1):  # the CPUs win the first kind
         r.chooser.record(kinds[0], name, s, 1 << 20)
     assert [c.chosen for c in r.choices()] == ["cpu"] and not pool.pinning
-    for name, s in [("cpu", 1.0), ("cuda", 0.01)] * (choose.SAMPLES + 1):  # the GPU, by far, the second
+    for name, s in [("cpu", 1.0), ("cuda", 0.01)] * (SAMPLES + 1):  # the GPU, by far, the second
         r.chooser.record(kinds[1], name, s, 1 << 20)
     assert pool.pinning and pool.get(2 << 20) is not None and locked
 
@@ -292,12 +295,12 @@ def test_auto_computes_undecided_units_on_the_cpus_in_the_stream(tiny_k3, monkey
     from kimi_convert.plan import fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
 
-    monkeypatch.setattr(runner_mod, "CALIBRATION_WAITS", True)  # the stream waits: the thread's start has failed
     ckpt, plan = load_plan(tiny_k3, Options())
     cpu = get_backend("cpu")
     pool = BufferPool(limit=64 << 20)
     block = fp8_block_size(ckpt.config)
-    r = runner_mod.Runner({"cpu": cpu, "cuda": Backend("triton", torch.device("cuda"))}, pool, block, plan.units)
+    r = runner_mod.Runner({"cpu": cpu, "cuda": Backend("triton", torch.device("cuda"))}, pool, block, plan.units,
+                          Tuning(calibration_waits=True))  # the stream waits: the thread's start has failed
     alone = runner_mod.Runner({"cpu": cpu}, BufferPool(limit=64 << 20), block, plan.units)
     reader = PreadReader(tiny_k3)
     for unit in [u for u in plan.units if choose.work_kind(u) in r._decisive][:4]:
@@ -353,30 +356,31 @@ def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3):
 def test_the_gpu_must_win_by_the_margin():
     """A GPU timed a little faster than the CPUs on its first units is not chosen (its steady-state costs are
     not in the samples: issue 26 item 9); one faster by more than the margin is."""
-    from kimi_convert.pipeline.choose import GPU_MARGIN, choose
+    from kimi_convert.pipeline.choose import choose
 
-    assert GPU_MARGIN > 1
+    margin = Tuning().gpu_margin
+    assert margin > 1
     near = {"cpu": [(0.67, 1000)], "cuda": [(0.52, 1000)]}  # the H200 machine's cast: 1.29x
-    assert choose("cast", near).chosen == "cuda" and choose("cast", near, GPU_MARGIN).chosen == "cpu"
+    assert choose("cast", near).chosen == "cuda" and choose("cast", near, margin).chosen == "cpu"
     far = {"cpu": [(1.0, 1000)], "cuda": [(0.1, 1000)]}
-    assert choose("nvfp4", far, GPU_MARGIN).chosen == "cuda"
-    assert choose("nvfp4", far, GPU_MARGIN).s_per_gb == {"cpu": 1e6, "cuda": 1e5}  # the rates as measured
+    assert choose("nvfp4", far, margin).chosen == "cuda"
+    assert choose("nvfp4", far, margin).s_per_gb == {"cpu": 1e6, "cuda": 1e5}  # the rates as measured
 
 
-def _auto_stats(src, out, stats) -> dict:
-    r = run("pack", src, out, "--device", "auto", "-q", "--stats", stats)
+def _auto_stats(src, out, stats, tuning: Tuning) -> dict:
+    r = run("pack", src, out, "--device", "auto", "-q", "--stats", stats, tuning=tuning)
     assert r.code == 0, r.stderr
     return json.loads(stats.read_text())
 
 
-def test_auto_with_a_probe_uses_the_gpu_for_the_kinds_it_won(tiny_k3, tmp_path, auto_without_gpu, monkeypatch):
+def test_auto_with_a_probe_uses_the_gpu_for_the_kinds_it_won(tiny_k3, tmp_path, auto_without_gpu):
     """A kind decided for the GPU by the probe is computed from then on by a runner of this process with the GPU
     alone (here the torch code): the same bytes as --device cpu, some units no longer the C kernels'."""
-    from kimi_convert.pipeline import probe
+    import dataclasses
 
-    monkeypatch.setattr(probe, "GPU_MARGIN", 1e-9)  # the "GPU" wins whatever it measures
+    wins = dataclasses.replace(auto_without_gpu, gpu_margin=1e-9)  # the "GPU" wins whatever it measures
     assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q", "--stats", tmp_path / "c.json").code == 0
-    s = _auto_stats(tiny_k3, tmp_path / "out", tmp_path / "s.json")
+    s = _auto_stats(tiny_k3, tmp_path / "out", tmp_path / "s.json", wins)
     assert tree(tmp_path / "out") == tree(tmp_path / "ref")
     assert s["device"] == "auto" and s["device_choices"] and {c["chosen"] for c in s["device_choices"]} == {"cuda"}
     on_cpus = json.loads((tmp_path / "c.json").read_text())["early_units"]
@@ -389,11 +393,12 @@ from kimi_convert import devices
 from kimi_convert.pack import pack
 from kimi_convert.pipeline import probe
 from kimi_convert.plan import Options
+from kimi_convert.tuning import Tuning
 devices.gpu_count = devices.gpus_at_most = lambda *a: 1
 devices.torch_has_cuda = lambda: True
 probe.child_device = lambda gpu: "reference"
-probe.WAITS, probe.GPU_MARGIN = True, 1e9  # every kind measured, and the CPUs' by far
-r = pack(sys.argv[1], sys.argv[2], Options(), device="auto", progress=False)
+tuning = Tuning(probe_waits=True, gpu_margin=1e9)  # every kind measured, and the CPUs' by far
+r = pack(sys.argv[1], sys.argv[2], Options(), device="auto", progress=False, tuning=tuning)
 print(json.dumps({"torch": "torch" in sys.modules, "choices": [c["chosen"] for c in r.stats.device_choices]}))
 """
 
@@ -417,35 +422,34 @@ def test_auto_with_a_probe_that_cannot_start_computes_everything_on_the_cpus(tin
 
     monkeypatch.setattr(probe, "child_device", lambda gpu: "cuda:7")
     assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q").code == 0
-    s = _auto_stats(tiny_k3, tmp_path / "out", tmp_path / "s.json")
+    s = _auto_stats(tiny_k3, tmp_path / "out", tmp_path / "s.json", auto_without_gpu)
     assert tree(tmp_path / "out") == tree(tmp_path / "ref")
     assert s["device_choices"] == [] and "could not start cuda:7" in s["calibration"][0]["broken"]
 
 
 def test_auto_starts_its_probe_only_in_a_pack_still_running_after_its_delay(tiny_k3, tmp_path, auto_without_gpu,
                                                                            monkeypatch):
-    """The probe process starts ``probe.START_AFTER_S`` into the pack (it needs seconds to import torch and start the
+    """The probe process starts ``Tuning.probe_after_s`` into the pack (it needs seconds to import torch and start the
     GPU before it measures anything): a pack over by then never starts it, says so in --stats, and writes the same
     bytes; a pack still running then starts it."""
     import time
 
     from kimi_convert import pipeline
-    from kimi_convert.pipeline import probe, runner
+    from kimi_convert.pipeline import probe
 
     started: list[str] = []
     made = probe.Probe.__init__
 
-    def record(self, device, threads, block):
+    def record(self, device, *args):
         started.append(device)
-        made(self, device, threads, block)
+        made(self, device, *args)
 
     monkeypatch.setattr(probe.Probe, "__init__", record)
-    monkeypatch.setattr(probe, "WAITS", False)  # (and the streams not waiting for a calibration: as in a real pack)
-    monkeypatch.setattr(runner, "CALIBRATION_WAITS", False)
-    monkeypatch.setattr(probe, "START_AFTER_S", 60.0)
+    # (the probe and the streams not waiting for a calibration: as in a real pack)
     assert run("pack", tiny_k3, tmp_path / "ref", "--device", "cpu", "-q").code == 0
     t = time.monotonic()
-    r = run("pack", tiny_k3, tmp_path / "short", "--device", "auto", "-q", "--stats", tmp_path / "s.json")
+    r = run("pack", tiny_k3, tmp_path / "short", "--device", "auto", "-q", "--stats", tmp_path / "s.json",
+            tuning=Tuning(probe_after_s=60.0))
     assert r.code == 0, r.stderr
     assert time.monotonic() - t < 30  # (the pack never waits for the delay)
     assert "the pack was over before the GPU was to be measured; every unit ran on the CPUs" in r.stdout
@@ -453,7 +457,6 @@ def test_auto_starts_its_probe_only_in_a_pack_still_running_after_its_delay(tiny
     assert started == [] and s["device_choices"] == [] and s["device"] == "auto"
     assert s["calibration"][0]["probe"] is False and "ended within 60.0 s" in s["calibration"][0]["skipped"]
     assert tree(tmp_path / "short") == tree(tmp_path / "ref")
-    monkeypatch.setattr(probe, "START_AFTER_S", 0.2)
     compute = pipeline.Stream.compute
 
     def slow(self, pc, loaded):  # a pack that lasts past the delay (up to 20 s while no probe has started)
@@ -463,7 +466,7 @@ def test_auto_starts_its_probe_only_in_a_pack_still_running_after_its_delay(tiny
         return compute(self, pc, loaded)
 
     monkeypatch.setattr(pipeline.Stream, "compute", slow)
-    s = _auto_stats(tiny_k3, tmp_path / "long", tmp_path / "l.json")
+    s = _auto_stats(tiny_k3, tmp_path / "long", tmp_path / "l.json", Tuning(probe_after_s=0.2))
     assert started == ["reference"] and s["calibration"][0]["probe"] is True
     assert tree(tmp_path / "long") == tree(tmp_path / "ref")
 
@@ -474,7 +477,7 @@ def test_auto_with_a_probe_fails_the_run_on_different_bytes(tiny_k3, tmp_path, a
 
     monkeypatch.setattr(probe, "output_digests", lambda outputs: {k: "0" * 64 for k in outputs})
     with pytest.raises(RuntimeError, match="--device auto: cpu and cuda computed different bytes for "):
-        run("pack", tiny_k3, tmp_path / "out", "--device", "auto", "-q")
+        run("pack", tiny_k3, tmp_path / "out", "--device", "auto", "-q", tuning=auto_without_gpu)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -498,7 +501,7 @@ def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny
     from kimi_convert.kernels import get_backend
 
     want = compute_unit(unit, Loaded(buffers), get_backend("cpu"), block)
-    p = Probe("reference", 1, block)
+    p = Probe("reference", 1, block, Tuning().probe_exit_s)
     try:
         p.ready()
         a = p.compute(pickle.dumps((unit, buffers)))
@@ -518,7 +521,7 @@ def test_calibrator_stops_calibrating_on_a_lost_candidate():
     """CandidateLost from a unit's work: the job's copies go, later offers are declined, nothing is raised."""
     from kimi_convert.pipeline.choose import Calibrator, CandidateLost
 
-    chooser = Chooser({"cpu": "cpu", "cuda": "cuda"})
+    chooser = Chooser({"cpu": "cpu", "cuda": "cuda"}, SAMPLES)
     cal = Calibrator(chooser, wait=True)
     released = []
 

@@ -273,23 +273,20 @@ def test_byte_identical_to_modelopts_own_cast(tiny, packed, tmp_path):
     assert lossless[1] - lossless[0] == 1  # the one planted block, by ModelOpt's own count
 
 
-def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path, monkeypatch):
+def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path):
     """Each expert's unit reads its rows of a bank's scales and the whole scales (for the bank's k_max): reads
     that overlap. With the file hashes taken from the pipeline's reads (no eager head start), the pack is the
     same bytes and the manifest's input sha256 are the files' (the overlapping bytes read by the hash itself)."""
     import hashlib
 
-    from kimi_convert import pipeline
     from kimi_convert.pack import pack
     from kimi_convert.plan import Options
+    from kimi_convert.tuning import Tuning
 
-    monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 0)
-    monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")  # (pack's eager share of the readahead: none)
-    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
-    monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
-    monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)
+    # no eager head start (and no eager share of the start-up readahead), small pieces, a tiny budget
+    tuning = Tuning(eager_hash=0, startup_readahead=0, slice_bytes=4096, read_ahead=1, min_in_flight=1)
     out = tmp_path / "out"
-    r = pack(tiny, out, Options(), device="cpu", progress=False, streams=2)
+    r = pack(tiny, out, Options(), device="cpu", progress=False, streams=2, tuning=tuning)
     assert r.stats.hashed_from_pipeline > 0
     assert tree(out) == tree(packed)
     man = json.loads((out / "manifest.json").read_text())

@@ -116,13 +116,14 @@ def test_a_tiny_presets_own_default_recipe_writes_the_cpus_bytes(inputs, tmp_pat
 @pytest.fixture
 def auto_takes_the_gpu(monkeypatch):
     """--device auto measuring every kind of work on both (the streams wait for it: a tiny input has too few units
-    to decide otherwise) and taking the GPU for each kind whatever it measured: the GPU's bytes from then on."""
-    from kimi_convert.pipeline import probe, runner
+    to decide otherwise) and taking the GPU for each kind whatever it measured: the GPU's bytes from then on. The
+    test's ``pack`` is given that tuning (the calibration in this process and the probe process both)."""
+    import functools
 
-    monkeypatch.setattr(runner, "CALIBRATION_WAITS", True)
-    monkeypatch.setattr(probe, "WAITS", True)
-    monkeypatch.setattr(probe, "GPU_MARGIN", 1e-9)
-    monkeypatch.setattr(runner, "GPU_MARGIN", 1e-9)
+    from kimi_convert.tuning import Tuning
+
+    tuning = Tuning(calibration_waits=True, probe_waits=True, gpu_margin=1e-9)
+    monkeypatch.setitem(globals(), "pack", functools.partial(pack, tuning=tuning))
 
 
 @on_gpu

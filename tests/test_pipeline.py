@@ -22,6 +22,7 @@ from kimi_convert.pack import load_plan, pack
 from kimi_convert.plan import Options, OutTensor
 from kimi_convert.plan import layout as plan_layout
 from kimi_convert.readers import BufferPool
+from kimi_convert.tuning import Tuning
 
 # Many small shards: SGLang's fused layout with its own shard size (the source layout keeps the input's files).
 SGLANG = {"layout": "sglang", "recipe": "nvfp4-w4a16"}
@@ -132,27 +133,25 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
     """The input files' chains read ahead of the stream themselves while it waits for the runner (torch and the
     device: here made to take 1 s), not while it runs (then they hash what it reads: reading the same bytes beside
     it made them wait on the disk)."""
-    from kimi_convert.pipeline import budgets
+    from kimi_convert.pipeline import dispatch
 
-    monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 1 << 40)
-    monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")
-    monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
-    monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)
-    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)  # many pieces: the stream reads them one by one
+    # many pieces (the stream reads them one by one), a tiny budget, no start-up readahead
+    tuning = Tuning(eager_hash=1 << 40, startup_readahead=0, read_ahead=1, min_in_flight=1, slice_bytes=4096)
     size = sum(p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
 
     def packed(name: str, stall: float) -> tuple[int, dict]:
-        made = budgets.Shared.runner
+        made = dispatch.RunnerOnce.get
 
         def slow(self, device, block):
             time.sleep(stall)
             return made(self, device, block)
 
-        monkeypatch.setattr(budgets.Shared, "runner", slow)
-        monkeypatch.setattr(pipeline.budgets.Shared, "early_takes", lambda self, unit, device: False)  # via torch
+        monkeypatch.setattr(dispatch.RunnerOnce, "get", slow)
+        monkeypatch.setattr(dispatch.Dispatch, "early_takes", lambda self, unit, device: False)  # via torch
         out = tmp_path / name
-        r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
-        monkeypatch.setattr(budgets.Shared, "runner", made)
+        r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False,
+                 tuning=tuning)
+        monkeypatch.setattr(dispatch.RunnerOnce, "get", made)
         return r.stats.hash_reread, tree(out)
 
     running, ref = packed("running", 0)
@@ -171,7 +170,6 @@ def test_read_hints_come_from_a_thread_of_their_own(tiny_k3, tmp_path, monkeypat
     full): the next piece at each read."""
     from kimi_convert import readers
 
-    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
     threads: set[str] = set()
     batches: list[int] = []
     need, hint = readers.PreadReader.will_need, pipeline.Stream._hint_quietly
@@ -187,7 +185,7 @@ def test_read_hints_come_from_a_thread_of_their_own(tiny_k3, tmp_path, monkeypat
     monkeypatch.setattr(readers.PreadReader, "will_need", watch_need)
     monkeypatch.setattr(pipeline.Stream, "_hint_quietly", watch_hint)
     opts = Options(**SGLANG, max_shard_size=400_000)
-    pack(tiny_k3, tmp_path / "plain", opts, device="cpu", progress=False)
+    pack(tiny_k3, tmp_path / "plain", opts, device="cpu", progress=False, tuning=Tuning(slice_bytes=4096))
     assert threads and all(t.startswith("kimi-convert-hints") for t in threads), threads
     assert len(batches) > 100 and set(batches) == {1}  # the next piece, read by read
 
@@ -221,16 +219,15 @@ def test_the_startup_readahead_runs_only_where_a_stream_will_wait_for_torch(tiny
 
 
 def test_a_stream_reads_ahead_of_its_compute_up_to_its_bytes_not_three_pieces(tiny_k3, tmp_path, monkeypatch):
-    """While the compute of the first piece is held up, the reader goes on: past its READ_AHEAD pieces, while the
-    bytes ahead are below READ_AHEAD_BYTES (the input file's chain then has bytes to hash while the compute or the
-    writer waits); READ_AHEAD_BYTES=0, or a worker of fewer than READ_AHEAD_BYTES_CPUS CPUs: the three pieces only, as
-    before. The same bytes either way."""
-    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)  # many small pieces
-    monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")
+    """While the compute of the first piece is held up, the reader goes on: past its ``read_ahead`` pieces, while the
+    bytes ahead are below ``read_ahead_bytes`` (the input file's chain then has bytes to hash while the compute or the
+    writer waits); ``read_ahead_bytes=0``, or a worker of fewer than ``read_ahead_bytes_cpus`` CPUs: the three pieces
+    only, as before. The same bytes either way."""
     opts = Options(**SGLANG, max_shard_size=400_000)
     compute = pipeline.Stream.compute
+    default = Tuning()
 
-    def packed(name: str, ahead: int, cpus: int = pipeline.stream.READ_AHEAD_BYTES_CPUS) -> tuple[int, list[int], dict]:
+    def packed(name: str, ahead: int, cpus: int = default.read_ahead_bytes_cpus) -> tuple[int, list[int], dict]:
         seen: list[tuple[int, list[int]]] = []
 
         def held_up(self, pc, loaded):
@@ -245,21 +242,21 @@ def test_a_stream_reads_ahead_of_its_compute_up_to_its_bytes_not_three_pieces(ti
                 seen.append((self.read_pos, self.piece_at))
             return compute(self, pc, loaded)
 
-        monkeypatch.setattr(pipeline.stream, "READ_AHEAD_BYTES", ahead)
         monkeypatch.setattr(pipeline.Stream, "compute", held_up)
         monkeypatch.setenv("KIMI_CONVERT_THREADS", str(cpus))
-        out = tmp_path / name
-        pack(tiny_k3, out, opts, device="cpu", progress=False, streams=1)
+        out = tmp_path / name  # many small pieces, no start-up readahead
+        pack(tiny_k3, out, opts, device="cpu", progress=False, streams=1,
+             tuning=Tuning(slice_bytes=4096, startup_readahead=0, read_ahead_bytes=ahead))
         return seen[0][0], seen[0][1], tree(out)
 
     ahead = 100_000
     read, at, out = packed("ahead", ahead)
-    queued = next(j for j in range(len(at)) if j > pipeline.READ_AHEAD and at[j] - at[0] >= ahead)
+    queued = next(j for j in range(len(at)) if j > default.read_ahead and at[j] - at[0] >= ahead)
     assert len(at) > queued + 10 and read == at[queued]  # (not the whole input: the bound holds it)
     read, at, ref = packed("pieces", 0)
-    assert read == at[pipeline.READ_AHEAD + 1]
-    read, at, few = packed("few-cpus", ahead, pipeline.stream.READ_AHEAD_BYTES_CPUS - 1)
-    assert read == at[pipeline.READ_AHEAD + 1]
+    assert read == at[default.read_ahead + 1]
+    read, at, few = packed("few-cpus", ahead, default.read_ahead_bytes_cpus - 1)
+    assert read == at[default.read_ahead + 1]
     assert out == ref == few
 
 def test_a_timeline_keeps_at_most_its_limit_of_evenly_spaced_rows():
@@ -405,14 +402,13 @@ class InFlight:
 def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_path, monkeypatch):
     ref = tmp_path / "ref"
     pack(tiny_k3, ref, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
-    monkeypatch.setattr(pipeline.slicing, "SLICE", 4096)
-    monkeypatch.setattr(pipeline.stream, "READ_AHEAD", 1)
-    monkeypatch.setattr(pipeline.budgets, "MIN_IN_FLIGHT", 1)  # a tiny budget: little held, more read again
-    monkeypatch.setattr(pipeline.stream, "EAGER_HASH", 50_000)  # file hashes: a head start, then the pipeline's bytes
-    monkeypatch.setenv("KIMI_CONVERT_STARTUP_READAHEAD", "0")  # (pack's eager share of the readahead: none)
+    # a tiny budget (little held, more read again); the file hashes a head start, then the pipeline's bytes; pack's
+    # eager share of the start-up readahead: none
+    tuning = Tuning(slice_bytes=4096, read_ahead=1, min_in_flight=1, eager_hash=50_000, startup_readahead=0)
     watch = InFlight(monkeypatch)
     out = tmp_path / "sliced"
-    r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False, streams=2)
+    r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False, streams=2,
+             tuning=tuning)
     assert tree(out) == tree(ref)
     assert r.stats.hashed_from_pipeline > 0 and r.stats.streams == 2
     # memory, as observed: with the smallest budget, never more bytes held at once than the two largest
@@ -671,7 +667,7 @@ def test_pack_passes_cpus_to_its_one_worker(tiny_k3, tmp_path, monkeypatch):
     """pack reads ``cpus()`` once and hands it on as an argument: the stream threads, the warm-up."""
     seen = {}
 
-    def run_jobs(jobs, device, on_shard, on_progress, *, threads, stop=None):
+    def run_jobs(jobs, device, on_shard, on_progress, *, threads, stop=None, tuning=None):
         seen["threads"], seen["device"] = threads, device
         raise _Stop
 
@@ -704,9 +700,9 @@ def test_workers_receive_their_share_of_cpus_as_an_argument(tiny_k3, tmp_path, m
 
     got, real = [], workers.run_jobs
 
-    def run_jobs(jobs, device, on_shard, on_progress, *, threads, stop=None):
+    def run_jobs(jobs, device, on_shard, on_progress, *, threads, stop=None, tuning=None):
         got.append((str(device), threads))
-        return real(jobs, device, on_shard, on_progress, threads=threads, stop=stop)
+        return real(jobs, device, on_shard, on_progress, threads=threads, stop=stop, tuning=tuning)
 
     monkeypatch.setenv("KIMI_CONVERT_THREADS", "6")
     monkeypatch.setattr(workers.mp, "get_context", lambda method: Context())
@@ -754,6 +750,7 @@ def test_workers_die_with_a_killed_parent(tiny_k3, tmp_path):
 _MALLOC_PROBE = """
 import ctypes, sys
 from kimi_convert.pipeline import budgets
+from kimi_convert.tuning import Tuning
 libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     print("no-mallinfo2"); sys.exit()
@@ -763,7 +760,7 @@ class Info(ctypes.Structure):
 libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 if sys.argv[1] == "set":
-    assert budgets.return_freed_memory()
+    assert budgets.return_freed_memory(Tuning().mmap_threshold)
 p = libc.malloc(8 << 20); libc.free(p)  # left alone, glibc raises its mmap threshold to 8 MB here
 before = libc.mallinfo2().hblks
 p = libc.malloc(8 << 20); print(libc.mallinfo2().hblks - before); libc.free(p)
@@ -779,3 +776,18 @@ def test_freed_tensor_memory_goes_back_to_the_system(mode, mapped):
     if r.stdout.strip() == "no-mallinfo2":
         pytest.skip("not glibc >= 2.33")
     assert r.stdout.strip() == mapped
+
+
+def test_the_tuning_reads_its_variables_once_and_refuses_a_bad_value(tiny_k3, tmp_path):
+    """The ``KIMI_CONVERT_*`` variables that set a field are read into the tuning pack builds (the other fields are
+    its defaults); a value that is not a whole number is one line, exit 2, before anything is written."""
+    assert Tuning.from_env({}) == Tuning()
+    assert Tuning.from_env({"KIMI_CONVERT_STARTUP_READAHEAD": "4096"}) == Tuning(startup_readahead=4096)
+    env = {"KIMI_CONVERT_UPLOAD_QUEUE": "0", "KIMI_CONVERT_DOWNLOAD_THREADS": "1", "KIMI_CONVERT_MAX_COMMIT_FILES": "9"}
+    assert Tuning.from_env(env) == Tuning(upload_queue=0, download_threads=1, max_commit_files=9)
+    assert Tuning(startup_readahead=0).startup_bytes() == 0
+    assert 0 < Tuning().startup_bytes() <= 4 << 30
+    out = tmp_path / "out"
+    err = one_line_error(run("pack", tiny_k3, out, "-q", env={"KIMI_CONVERT_STARTUP_READAHEAD": "lots"}))
+    assert "KIMI_CONVERT_STARTUP_READAHEAD='lots': expected a number of bytes" in err
+    assert not out.exists()

@@ -35,7 +35,7 @@ import time
 #: Environment variables read when a module is imported (so a child's value must be the zygote's).
 IMPORT_TIME_ENV = ("TRITON_INTERPRET", "LD_LIBRARY_PATH", "PYTHONPATH", "VLLM_CONFIGURE_LOGGING", "HF_HUB_OFFLINE",
                    "TRANSFORMERS_OFFLINE", "CUDA_VISIBLE_DEVICES")
-IDLE_S = float(os.environ.get("KIMI_CONVERT_ZYGOTE_IDLE_S", "1800"))
+IDLE_S = 1800.0
 
 
 def preload(runner_file: str) -> None:

@@ -6,7 +6,7 @@ place; a BF16 weight quantized to NVFP4 or block FP8 is arithmetic the GPU does 
 of work* (``work_kind``: the unit's operations, and its size within a factor of 4, since a launch costs
 the same for 1 MB as for 100 MB) is calibrated on its own: its first units are computed on every
 candidate, in the pipeline as it runs (so under the run's own load: hashing, reading, the other streams),
-the first on each candidate only to warm up (Triton compiles its kernels then), the next ``SAMPLES`` timed.
+the first on each candidate only to warm up (Triton compiles its kernels then), the next ``Tuning.samples`` timed.
 The candidate with the lower median seconds per byte then computes every later unit of that kind. The
 bytes are the same on every device by design (the tests and the GPU equality scripts hold each kernel to
 the torch code); the calibration checks it again on the units it computes twice, and fails loudly if not.
@@ -30,14 +30,6 @@ from typing import Generic, TypeVar
 from ..operations import Operation, operations
 from ..plan import Encoding, Unit
 
-#: Timed units per kind of work and candidate, after the warm-up one.
-SAMPLES = 2
-#: How many times faster than the CPUs the GPU's timed units must be for a kind of work to go to it. A unit
-#: timed alone does not show what the GPU costs in steady state: the page-locking of every read buffer, one
-#: GPU shared by all the worker's streams and their copies against the reader's: a cast timed faster alone on
-#: the GPU made a slower pack. Where the GPU is the better device it wins by far more (the figures:
-#: benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
-GPU_MARGIN = 1.5
 R = TypeVar("R")
 B = TypeVar("B")
 
@@ -72,10 +64,10 @@ def work_kind(unit: Unit) -> str | None:
     return "+".join(sorted(ops)) + f"@{_mb(size)}"
 
 
-def decisive_kinds(units: Iterable[Unit]) -> set[str]:
-    """The kinds of work with units enough to be decided (a warm-up and the samples); the others stay on the CPUs."""
+def decisive_kinds(units: Iterable[Unit], samples: int) -> set[str]:
+    """The kinds of work with units enough to be decided (a warm-up and ``samples``); the others stay on the CPUs."""
     counts = Counter(k for u in units if (k := work_kind(u)) is not None)
-    return {k for k, n in counts.items() if n > SAMPLES}
+    return {k for k, n in counts.items() if n > samples}
 
 
 def _mb(n: int) -> str:
@@ -99,7 +91,7 @@ class Choice:
 def choose(kind: str, timings: dict[str, list[tuple[float, int]]], margin: float = 1.0) -> Choice:
     """The candidate with the lowest median seconds per byte over its ``(seconds, bytes)`` samples; a tie
     goes to the first candidate (the order given: the CPU, which leaves the GPU free). ``margin``: another
-    candidate must be that many times faster than the first to be chosen (:data:`GPU_MARGIN`)."""
+    candidate must be that many times faster than the first to be chosen (``Tuning.gpu_margin``)."""
     rate = {b: statistics.median(s / max(n, 1) for s, n in ts) for b, ts in timings.items()}
     first = next(iter(rate))
     scaled = {b: r if b == first else r * margin for b, r in rate.items()}
@@ -119,7 +111,7 @@ class Chooser(Generic[B]):
     name -> backend, the CPU first. The timings come in by :meth:`record`, one unit at a time, from wherever
     the unit was computed (the CPU's in its stream, the others' on :class:`Calibrator`'s thread)."""
 
-    def __init__(self, candidates: dict[str, B], samples: int = SAMPLES,
+    def __init__(self, candidates: dict[str, B], samples: int,
                  on_decided: Callable[[Choice], None] = lambda c: None, margin: float = 1.0):
         self.candidates, self.samples, self.on_decided = candidates, samples, on_decided
         self.margin = margin
@@ -187,8 +179,8 @@ class Calibrator(Generic[B, R]):
     """The other candidates' side of the calibration, on a thread of its own, off the streams' critical path.
 
     Why: timed in the stream, a GPU unit held its stream as long as the GPU took, start-up and kernel
-    compilation included (on the H200 machine 10-60 s/GB, where the CPUs cast at 1-2: auto ran 19% slower
-    than ``--device cpu`` with every kind decided for the CPUs; docs/history/RESULTS-history.md, issue 26 item 9).
+    compilation included, many times the CPUs' time for the same unit: auto ran slower than ``--device cpu`` with
+    every kind decided for the CPUs (benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
     Now the stream computes an undecided kind's unit on the first candidate (the CPUs) and goes on with
     that result; ``offer`` gives this thread a copy of the unit (when it is idle: a stream never waits for
     it) to compute on the others, timed and checked against the first's bytes here.

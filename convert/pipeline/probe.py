@@ -1,11 +1,11 @@
 """``--device auto`` with a GPU, where every unit of the plan can be computed without torch: the GPU is measured in a
 process of its own (the *probe*), and this one imports torch only if the GPU wins a kind of work.
 
-Why: measured in this process, the GPU cost the streams what they never gained back where the CPUs won. On the H200
-machine (16 CPUs) a 10 GB dense input converted in 13.6-14.7 s with ``auto`` against 11.0-13.1 s with ``cpu``, every
-kind of work decided for the CPUs by 4x (session 14, ``benchmarks/results/h200-session14``): ``import torch`` and the
-GPU's start took 3.5-4.4 s on a thread holding the interpreter's lock the streams need, and the calibration's GPU
-units 1.3-3.2 s more of it. In a process of its own they hold no lock of this one's.
+Why: measured in this process, the GPU cost the streams what they never gained back where the CPUs won: ``import
+torch``, the GPU's start and the calibration's GPU units ran on a thread holding the interpreter's lock the streams
+need, for seconds, and ``auto`` was slower than ``cpu`` with every kind of work decided for the CPUs (the figures:
+benchmarks/RESULTS.md, "The figures behind the pipeline's constants"). In a process of its own they hold no lock of
+this one's.
 
 How, kind of work by kind of work (``choose.work_kind``), as the calibration in this process does (``choose``):
 - the streams compute every unit with the C kernels (``compute_early``), the undecided kinds' timed;
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..compute_early import flat_bytes
-from .choose import GPU_MARGIN, Calibrator, CandidateLost, Chooser, work_kind
+from .choose import Calibrator, CandidateLost, Chooser, work_kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,18 +45,7 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..plan import Unit
     from ..readers import BufferPool, Loaded
-
-#: True: the probe is set up before the streams start and a stream waits for it, so that every unit of an undecided
-#: kind is offered to it (the tests, whose inputs are too few units to decide otherwise; set with monkeypatch, as
-#: ``runner.CALIBRATION_WAITS``); a kind won by the GPU gets its runner before the stream goes on.
-WAITS = False
-#: Seconds into the streams before the probe process is started (not with WAITS): a probe needs seconds to import
-#: torch and start the GPU before it measures anything (``start_s`` in --stats), so a pack shorter than that never
-#: gains from it, yet its memory counts (benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
-START_AFTER_S = 3.0
-#: Seconds a probe that ended is waited for, for its exit status (a probe still running at the end of the pack is
-#: killed at once: the pack never waits on it).
-EXIT_S = 1.0
+    from ..tuning import Tuning
 
 
 def child_device(gpu: Device) -> str:
@@ -93,10 +82,10 @@ class Answer:
 class Probe:
     """The probe process: spawned at once (``python -m kimi_convert.pipeline.probe DEVICE THREADS BM BN``, the
     checkpoint's FP8 tile), ready once it has imported torch and started the GPU (:meth:`ready`); one unit at a time
-    (:meth:`compute`)."""
+    (:meth:`compute`). ``exit_s``: how long a probe that ended is waited for, for its exit status."""
 
-    def __init__(self, device: str, threads: int, block: tuple[int, int]):
-        self.device = device
+    def __init__(self, device: str, threads: int, block: tuple[int, int], exit_s: float):
+        self.device, self.exit_s = device, exit_s
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 - open for the probe's life, closed by close()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch's own CPU threads: none of the streams' CPUs
         self._proc = subprocess.Popen([sys.executable, "-m", "kimi_convert.pipeline.probe", device, str(threads),
@@ -133,7 +122,7 @@ class Probe:
         if self._stopped:
             return f"the pack was done before the probe on {self.device} answered"
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(EXIT_S)
+            self._proc.wait(self.exit_s)
         self._err.seek(0)
         lines = [x for x in self._err.read().decode(errors="replace").splitlines() if x.strip()]
         return f"the probe on {self.device} ended (exit {self._proc.returncode})" + (f": {lines[-1]}" if lines else "")
@@ -157,15 +146,17 @@ class Probe:
 class GpuProbe:
     """A worker's calibration against a GPU in a probe process (the module's docstring): shared by its streams.
     ``decisive``: the kinds of work to measure (``choose.decisive_kinds``). ``on_gpu()`` is called once, on the first
-    kind decided for the GPU (the worker then makes its GPU runner)."""
+    kind decided for the GPU (the worker then makes its GPU runner). ``tuning``: the samples and margin, the probe's
+    exit wait and (the tests) whether a stream waits for the probe."""
 
-    def __init__(self, gpu: Device, threads: int, block: tuple[int, int], decisive: set[str],
+    def __init__(self, gpu: Device, threads: int, block: tuple[int, int], decisive: set[str], tuning: Tuning,
                  on_gpu: Callable[[], None]):
         self.gpu, self.decisive, self._on_gpu = gpu, decisive, on_gpu
-        self.chooser = Chooser({"cpu": "cpu", "cuda": "cuda"}, on_decided=self._decided, margin=GPU_MARGIN)
-        self.process = Probe(child_device(gpu), threads, block) if decisive else None
+        self.chooser = Chooser({"cpu": "cpu", "cuda": "cuda"}, tuning.samples, on_decided=self._decided,
+                               margin=tuning.gpu_margin)
+        self.process = Probe(child_device(gpu), threads, block, tuning.probe_exit_s) if decisive else None
         self.calibrator = Calibrator(self.chooser, start=self.process.ready if self.process else lambda: None,
-                                     wait=WAITS)
+                                     wait=tuning.probe_waits)
         self._gpu_called = False
         self._lock = threading.Lock()
 

@@ -1,8 +1,8 @@
 """How a worker's streams compute a unit: on its one backend, or (``--device auto`` with a GPU) on the
 GPU or the CPUs, whichever ``choose.Chooser`` measured faster for that kind of work.
 
-On a GPU, what costs is moving the bytes, not the kernels (the MXFP4 cast runs at 1.6 TB/s on the H200,
-the host's copies at 7-50 GB/s), so a GPU unit is run so that its copies overlap and go at DMA speed:
+On a GPU, what costs is moving the bytes, not the kernels (a kernel runs at the GPU memory's speed, the host's
+copies at a small fraction of it), so a GPU unit is run so that its copies overlap and go at DMA speed:
 - each stream computes on a CUDA stream of its own (threads on torch's default stream wait for each
   other's copies and synchronizations);
 - the sources are copied from the pipeline's pooled read buffers, page-locked (``BufferPool.pin_with``),
@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..compute_early import flat_bytes
-from .choose import GPU_MARGIN, Calibrator, Choice, Chooser, decisive_kinds, work_kind
+from .choose import Calibrator, Choice, Chooser, decisive_kinds, work_kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -35,10 +35,8 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..plan import Unit
     from ..readers import BufferPool, Loaded
+    from ..tuning import Tuning
 
-#: True: auto's streams wait for the calibration thread, so that every unit of an undecided kind is computed on
-#: every candidate. For the tests (set with monkeypatch), whose inputs are too few units to decide otherwise.
-CALIBRATION_WAITS = False
 Computed = tuple["UnitResult", "np.ndarray | None"]  # the result, and the pool buffer lent for its outputs
 
 
@@ -66,22 +64,27 @@ class Runner:
     first). Thread-safe; each calling thread gets its own CUDA stream."""
 
     def __init__(self, backends: dict[str, Backend], pool: BufferPool, block: tuple[int, int],
-                 units: list[Unit] = ()):
-        """``units``: the worker's units to compute (auto: the kinds of work that can be decided)."""
+                 units: list[Unit] = (), tuning: Tuning | None = None):
+        """``units``: the worker's units to compute (auto: the kinds of work that can be decided); ``tuning``: auto's
+        samples, margin and (the tests) whether the streams wait for the calibration thread."""
         from ..compute_early import EarlyCompute
+        from ..tuning import Tuning
+
+        tuning = tuning or Tuning()
 
         self.backends, self.pool, self.block = backends, pool, block
         cpu = backends.get("cpu")
         #: the CPU backend's units that ``compute_early`` takes are its (the same bytes in less time than through
         #: torch: benchmarks/RESULTS.md, "The figures behind the pipeline's constants")
         self.early = EarlyCompute(cpu.threads if cpu is not None else 1, block)
-        self.chooser = Chooser(backends, on_decided=self._decided, margin=GPU_MARGIN) if len(backends) > 1 else None
+        self.chooser = (Chooser(backends, tuning.samples, on_decided=self._decided, margin=tuning.gpu_margin)
+                        if len(backends) > 1 else None)
         self._local = threading.local()
-        self._decisive = decisive_kinds(units)
+        self._decisive = decisive_kinds(units, tuning.samples)
         gpu = [b for b in backends.values() if b.device.type == "cuda"]
         self._gpu = gpu[0] if gpu else None
         self.calibrator = Calibrator(self.chooser, start=self._start_others,
-                                     wait=CALIBRATION_WAITS) if self.chooser else None
+                                     wait=tuning.calibration_waits) if self.chooser else None
         self.copy_s = 0.0  # seconds the streams spent copying units for the calibration thread
         self._lock = threading.Lock()
         if self.chooser is None and self._gpu is not None:  # --device cuda: every unit's on the GPU

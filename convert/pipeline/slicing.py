@@ -1,5 +1,5 @@
 """Slicing: the plan's units cut into the pieces a stream reads, computes and writes one at a time
-(a unit, or a slice of at most ``SLICE`` bytes of a pass-through tensor, so a huge embedding streams
+(a unit, or a slice of at most ``Tuning.slice_bytes`` of a pass-through tensor, so a huge embedding streams
 through like the rest), each with the source reads it needs, in the order the input files lie."""
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from enum import StrEnum
 from .. import encodings
 from ..plan import COPY, KEEP, Unit
 from ..safetensors_format import TensorInfo
-
-SLICE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -49,10 +47,9 @@ def is_pass_through(unit: Unit) -> bool:
         encodings.as_stored(s) for s in unit.items[0].sources)
 
 
-def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int | None = None) -> list[Piece]:
-    """The units cut into pieces: pass-through units in slices, the others whole (their reads in
-    file order, so that file hashes mostly advance without holding anything)."""
-    slice_bytes = slice_bytes or SLICE
+def pieces(units: list[Unit], file_order: dict[str, int], slice_bytes: int) -> list[Piece]:
+    """The units cut into pieces: pass-through units in slices of at most ``slice_bytes``, the others whole (their
+    reads in file order, so that file hashes mostly advance without holding anything)."""
     out = []
     for u in units:
         if not is_pass_through(u):

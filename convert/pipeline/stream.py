@@ -21,7 +21,9 @@ from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
-from .budgets import Shared, default_hash_threads, pc_cost, return_freed_memory
+from ..tuning import Tuning
+from .budgets import Memory, default_hash_threads, pc_cost, return_freed_memory
+from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
 from .slicing import Piece, PieceKind, pieces
 from .timeline import Timeline
 
@@ -33,19 +35,25 @@ if TYPE_CHECKING:
     from ..sources import Source
     from .runner import Runner
 
-READ_AHEAD = 3  # pieces read ahead of the compute at least, within the in-flight budget
-#: Bytes read ahead of the compute beyond those pieces (at most a quarter of the in-flight budget): the input file's
-#: sha256 chain, the slowest stage of a large input file, hashes the pieces as they are read, and the writer waits
-#: for their hashes; three small pieces (an expert's 3 MB) left it 10-40 MB of slack, so the chain, the disk and the
-#: writer waited on each other in turn (benchmarks/RESULTS.md, "The figures behind the pipeline's constants").
-#: 0: READ_AHEAD pieces only.
-READ_AHEAD_BYTES = 128 << 20
-#: ... on a worker with at least this many CPUs: on fewer the compute is the bound, and reading ahead into more
-#: buffers cost CPU (measured on 2 cores: the same section of benchmarks/RESULTS.md).
-READ_AHEAD_BYTES_CPUS = 4
-WRITE_DEPTH = 2  # computed pieces waiting for the writer
-#: Bytes ahead of a stream's reads its file hashes may read themselves rather than wait (see Stream).
-EAGER_HASH = 1 << 30
+
+@dataclass
+class Shared:
+    """What a worker's streams share, each part with its own job: the stop signal, the CPUs and the tuning, the
+    hashing threads, the memory bounds (``budgets.Memory``), the way a unit is computed (``dispatch.Dispatch``),
+    and ``admit``, called before a stream opens a shard (``wait``: the stream has none open, so waiting cannot hold
+    up a shard it must finish): ``pack --upload --no-keep-output`` waits there while the Hub is behind."""
+
+    stop: threading.Event
+    threads: int
+    tuning: Tuning
+    hash_pool: ThreadPoolExecutor
+    memory: Memory
+    compute: Dispatch
+    admit: Callable[[bool, threading.Event], None] | None = None
+
+    def close(self, wait: bool = True) -> None:
+        self.hash_pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.memory.close()
 
 
 @dataclass
@@ -59,7 +67,7 @@ class Job:
     file_order: dict[str, int]
     hash_files: dict[str, int]  # input file -> size: the files whose sha256 this stream computes
     block: tuple[int, int]
-    #: Bytes ahead of its reads its file hashes may read themselves, if more than EAGER_HASH (pack: its share
+    #: Bytes ahead of its reads its file hashes may read themselves, if more than ``Tuning.eager_hash`` (pack: its share
     #: of the start-up readahead, which brings them into the page cache)
     eager: int = 0
 
@@ -135,9 +143,9 @@ class Stream:
         self.reader = PreadReader(job.source)
         self.next_compute = 0  # the piece the compute thread needs next
         # A file hash reads a range the stream reads itself when its chain would otherwise wait for a stream that
-        # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to EAGER_HASH (or job.eager)
-        # bytes ahead of the stream's reads: a file's sha256 is one sequential chain (the slowest stage of one
-        # large input file), which so runs on while torch loads; the start-up readahead brings those bytes into the
+        # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to ``Tuning.eager_hash`` (or
+        # job.eager) bytes ahead of the stream's reads: a file's sha256 is one sequential chain (the slowest stage of
+        # one large input file), which so runs on while torch loads; the start-up readahead brings those bytes into the
         # page cache, where the stream's own reads find them later. While the stream runs, the chain hashes what it
         # reads (reading the same bytes beside it made the chain wait on the disk: benchmarks/RESULTS.md).
         expected: dict[str, list[tuple[int, int]]] = {f: [] for f in job.hash_files}
@@ -153,7 +161,7 @@ class Stream:
         self.stored = 0  # bytes of the pieces the writer has stored (their hashes done)
         self.piece_at = list(itertools.accumulate((pc.nbytes for pc in self.pieces), initial=0))
         self.hinted = 0  # the last piece whose reads were hinted to the disk (load)
-        lead = max(EAGER_HASH, job.eager)
+        lead = max(shared.tuning.eager_hash, job.eager)
 
         self.stalled = False  # the stream waits for torch and the device (its file hashes may read ahead)
 
@@ -163,7 +171,7 @@ class Stream:
         # The input files' sha256 chains run on a thread of their own, not the shared pool: one chain is the
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
-        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.hold, self.stop,
+        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.memory.hold, self.stop,
                                     source=job.source, may_take=may_take(f)) for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
@@ -197,7 +205,7 @@ class Stream:
         to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
         pc = self.pieces[i]
         t = time.perf_counter()
-        self.shared.in_flight.take(pc_cost(pc), urgent=lambda: self.next_compute >= i)
+        self.shared.memory.in_flight.take(pc_cost(pc), urgent=lambda: self.next_compute >= i)
         t = self._clock("read: wait for the memory budget", t)
         if self.stop.is_set():
             raise Stopped("pack")
@@ -206,7 +214,7 @@ class Stream:
             self.hinted += 1
         if self.hinted >= first:  # on the hint thread, in order (a hint can block while the disk's queue is full)
             self.hints.submit(self._hint_quietly, range(first, self.hinted + 1))
-        base = self.shared.buffers.get(pc.nbytes)
+        base = self.shared.memory.buffers.get(pc.nbytes)
         bufs, feeds, digests, held, off = {}, [], {}, False, 0
         for r in pc.reads:
             buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
@@ -224,7 +232,7 @@ class Stream:
                 held = held or kept
         self._clock("read: pread and start hashing", t)
         if held:  # a file hash keeps a view of it: never reused, only counted out
-            self.shared.buffers.put(base, reuse=False)
+            self.shared.memory.buffers.put(base, reuse=False)
         return Loaded(bufs), feeds, digests, None if held else base
 
     def _hint_quietly(self, js: range) -> None:
@@ -245,17 +253,17 @@ class Stream:
             name = pc.unit.items[0].outputs[0].name
             return {name: list(loaded.buffers.values())}, {}, _nothing
         t = time.perf_counter()
-        if self.shared.early_takes(pc.unit, self.device):
-            res, buf = self.shared.early_compute(pc.unit, loaded)
+        if self.shared.compute.early_takes(pc.unit, self.device):
+            res, buf = self.shared.compute.early_compute(pc.unit, loaded)
             self._clock("compute: C kernels without torch", t)
             self.early_units += 1
-            pool = self.shared.buffers
+            pool = self.shared.memory.buffers
             return ({n: o.chunks for n, o in res.outputs.items()}, res.notes,
                     _nothing if buf is None else lambda reuse: pool.put(buf, reuse=reuse))
         if self.runner is None:
             self._stall(True)
             try:
-                self.runner = self.shared.runner(self.device, self.job.block)
+                self.runner = self.shared.compute.runner(self.device, self.job.block)
             finally:
                 self._stall(False)
             t = self._clock("compute: wait for torch and the device", t)
@@ -273,7 +281,7 @@ class Stream:
             held = self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
         finally:
             release(not held)
-            self.shared.in_flight.give(pc_cost(pc))
+            self.shared.memory.in_flight.give(pc_cost(pc))
 
     def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
                digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
@@ -287,9 +295,10 @@ class Stream:
             shard = self.shard_of[file]
             if self.shared.admit is not None:
                 self.shared.admit(not self.open, self.stop)
-            w = write.ShardWriter(self.job.output_dir, shard)
-            st = self.open[file] = _ShardState(w, FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool,
-                                                             self.shared.hold, self.stop), self.units_per_shard[file])
+            w = write.ShardWriter(self.job.output_dir, shard, self.shared.tuning.writeback_every)
+            hasher = FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool, self.shared.memory.hold,
+                                self.stop)
+            st = self.open[file] = _ShardState(w, hasher, self.units_per_shard[file])
             st.file_hash.offer(0, [shard.header])
         st.sources.update(digests)
         st.notes.update(notes)
@@ -316,7 +325,7 @@ class Stream:
             f.result()  # the buffers may go once hashed
         self._clock("write: wait for the hashes", t)
         if base is not None:
-            self.shared.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
+            self.shared.memory.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
         self.on_progress(pc.nbytes)
         self.stored += pc.nbytes
         if pc.last:
@@ -355,17 +364,18 @@ class Stream:
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
         self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (not the reader's)
         timeline = Timeline(lambda: (self.read_pos, sum(h.hashed for h in self.files.values()), self.stored,
-                                     self.shared.in_flight.held))
+                                     self.shared.memory.in_flight.held))
         timeline.start()
         finishing: list[Future] = []
         loading: deque[Future] = deque()
         writing: deque[Future] = deque()
         try:
             queued = 0  # the next piece to hand the reader
-            ahead = (min(READ_AHEAD_BYTES, self.shared.in_flight.limit // 4)
-                     if self.shared.threads >= READ_AHEAD_BYTES_CPUS else 0)
+            tuning = self.shared.tuning
+            ahead = (min(tuning.read_ahead_bytes, self.shared.memory.in_flight.limit // 4)
+                     if self.shared.threads >= tuning.read_ahead_bytes_cpus else 0)
             for i, pc in enumerate(self.pieces):
-                while queued < len(self.pieces) and (queued <= i + READ_AHEAD or
+                while queued < len(self.pieces) and (queued <= i + tuning.read_ahead or
                                                      self.piece_at[queued] - self.piece_at[i] < ahead):
                     loading.append(reads.submit(self.load, queued))
                     queued += 1
@@ -379,7 +389,7 @@ class Stream:
                                              finisher, finishing))
                 del outputs, base, release
                 t = time.perf_counter()
-                while len(writing) > WRITE_DEPTH or (writing and writing[0].done()):
+                while len(writing) > tuning.write_depth or (writing and writing[0].done()):
                     writing.popleft().result()
                 self._clock("compute: wait for the writer", t)
                 _raise_failed(finishing)
@@ -440,22 +450,17 @@ def _raise_failed(futs: list[Future]) -> None:
 def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardRecord], None],
              on_progress: Callable[[int], None] = lambda n: None, *, threads: int,
              stop: threading.Event | None = None,
-             admit: Callable[[bool, threading.Event], None] | None = None) -> list[JobResult]:
+             admit: Callable[[bool, threading.Event], None] | None = None,
+             tuning: Tuning | None = None) -> list[JobResult]:
     """Convert each job's shards on its own stream (threads of this process), calling ``on_shard``
     as each shard is complete; the first failure stops every stream. ``threads``: the CPUs this
-    worker may use (its C kernel's threads, and the bound on its hashing threads)."""
+    worker may use (its C kernel's threads, and the bound on its hashing threads); ``tuning``: pack's (default:
+    ``Tuning()``)."""
+    tuning = tuning or Tuning()
     stop = stop or threading.Event()
-    return_freed_memory()
-    mine = [pieces(j.units, j.file_order) for j in jobs]
-    shared = Shared(mine, threads, default_hash_threads(len(jobs), threads), stop)
-    shared.admit = admit
-    if device.kind in ("cpu", "auto"):
-        from ..compute_early import EarlyCompute
-
-        block = jobs[0].block if jobs else (128, 128)  # (one checkpoint: every job's tile is the same)
-        shared.early = EarlyCompute(threads, block)
-        if device.kind == "auto":
-            shared.measure_soon(device, block, jobs)
+    return_freed_memory(tuning.mmap_threshold)
+    mine = [pieces(j.units, j.file_order, tuning.slice_bytes) for j in jobs]
+    shared = _shared(jobs, mine, device, threads, stop, admit, tuning)
     lock = threading.Lock()
 
     def report(f: str, rec: ShardRecord) -> None:
@@ -475,33 +480,67 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
         raise
     finally:
         pool.shutdown(wait=True)
+        _close(shared, ok)
+    _report(results, shared, device)
+    return results
+
+
+def _shared(jobs: list[Job], mine: list[list[Piece]], device: Device, threads: int, stop: threading.Event,
+            admit: Callable[[bool, threading.Event], None] | None, tuning: Tuning) -> Shared:
+    """What the streams share; with --device cpu and auto the C kernels without torch, and with auto the GPU's
+    measuring started."""
+    memory = Memory(mine, threads, stop, tuning)
+    runners = RunnerOnce(threads, memory.buffers, [pc.unit for ps in mine for pc in ps
+                                                   if pc.kind is PieceKind.COMPUTE], tuning)
+    compute = Dispatch(runners)
+    if device.kind in ("cpu", "auto"):
+        from ..compute_early import EarlyCompute
+
+        block = jobs[0].block if jobs else (128, 128)  # (one checkpoint: every job's tile is the same)
+        compute.early = EarlyCompute(threads, block)
+        if device.kind == "auto":
+            compute.measuring = GpuMeasuring(compute.early, runners, threads, tuning)
+            compute.measuring.start(device, block, jobs)
+    pool = ThreadPoolExecutor(default_hash_threads(len(jobs), threads), thread_name_prefix="kimi-convert-hash")
+    return Shared(stop, threads, tuning, pool, memory, compute, admit)
+
+
+def _close(shared: Shared, ok: bool) -> None:
+    """The probe process and the calibration thread closed (each raises what it found, different bytes, where the
+    run went well: ``ok``), then the hashing threads and the buffers."""
+    try:
+        measuring = shared.compute.measuring
+        if measuring is not None and (probe := measuring.stop()) is not None:
+            probe.close(check=ok)
+    finally:
         try:
-            if (probe := shared.stop_measuring()) is not None:
-                probe.close(check=ok)  # the probe process; raises what it found (different bytes)
+            if (made := shared.compute.runners.made()) is not None:
+                made.close(check=ok)
         finally:
-            try:
-                if (made := shared.runner_made()) is not None:
-                    made.close(check=ok)  # auto's calibration thread; raises what it found (different bytes)
-            finally:
-                shared.close(wait=not stop.is_set())
-    runner = shared.runner_made()
-    measured = shared.probe or runner  # what chose the devices (auto), if anything did
+            shared.close(wait=not shared.stop.is_set())
+
+
+def _report(results: list[JobResult], shared: Shared, device: Device) -> None:
+    """The worker's figures on each of its streams' results: its device and auto's choices, its memory."""
+    runners, probe = shared.compute.runners, shared.compute.probe
+    runner = runners.made()
+    measured = probe or runner  # what chose the devices (auto), if anything did
+    skipped = shared.compute.measuring.skipped if shared.compute.measuring is not None else {}
+    buffers, in_flight = shared.memory.buffers, shared.memory.in_flight
     for r in results:
-        r.backend_s = shared.backend_s
-        r.in_flight_peak, r.in_flight_limit = shared.in_flight.peak, shared.in_flight.limit
-        r.device = ("auto" if shared.probe or (device.kind == "auto" and runner is None)  # (probe skipped: auto too)
+        r.backend_s = runners.backend_s
+        r.in_flight_peak, r.in_flight_limit = in_flight.peak, in_flight.limit
+        r.device = ("auto" if probe or (device.kind == "auto" and runner is None)  # (probe skipped: auto too)
                     else runner.name if runner else str(device))
         r.choices = [dataclasses.asdict(c) for c in measured.choices()] if measured else []
-        r.pinned_bytes, r.pin_s = shared.buffers.pinned_bytes, round(shared.buffers.pin_s, 3)
-        r.calibration = (shared.probe.stats() if shared.probe else runner.calibration() if runner
-                         else dict(shared.probe_skipped))
-    return results
+        r.pinned_bytes, r.pin_s = buffers.pinned_bytes, round(buffers.pin_s, 3)
+        r.calibration = (probe.stats() if probe else runner.calibration() if runner else dict(skipped))
 
 
 class TorchNeed:
     """Whether the plan has a unit that needs torch on the CPUs (one ``compute_early`` does not take): the
-    warm-up of ``--device cpu`` waits for the plan to say so, and without such a unit never imports torch (3.6-5 s
-    of a core, and of the interpreter's lock, on the H200 machine)."""
+    warm-up of ``--device cpu`` waits for the plan to say so, and without such a unit never imports torch (seconds of
+    a core, and of the interpreter's lock, the streams need)."""
 
     def __init__(self):
         self._decided = threading.Event()

@@ -55,9 +55,6 @@ if TYPE_CHECKING:
     from .hub import HubRepo
 
 INCOMPLETE = ".incomplete"
-#: Downloads in flight at once (each one sequential stream, within the bound): two hide each file's
-#: request round trips behind the other's bytes.
-THREADS = max(1, int(os.environ.get("KIMI_CONVERT_DOWNLOAD_THREADS", "2")))
 #: --max-scratch's default: this many of the largest weight files (and at least ``ScratchPlan.required``).
 DEFAULT_FILES = 3
 #: Bytes a download writes at a time, each step within the bound.
@@ -221,13 +218,15 @@ class DownloadStats:
 
 
 class Downloads:
-    """The scratch folder of one pack: ``THREADS`` threads fetching ``plan.needs`` in order within ``bound``
+    """The scratch folder of one pack: ``threads`` threads (``Tuning.download_threads``) fetching ``plan.needs`` in
+    order within ``bound``
     (module docstring); ``stop``: the pack's stop event (a failing or interrupted pack ends the transfers
     and wakes the pipeline's reader out of a wait)."""
 
     def __init__(self, hub: HubRepo, scratch: Path, bound: int, plan: ScratchPlan, stop: threading.Event,
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], threads: int):
         self.hub, self.scratch, self.bound, self.plan, self.stop, self.say = hub, scratch, bound, plan, stop, say
+        self.threads = max(1, threads)  # (0 would never download)
         self.state = {n.rel: _State(n, k, left=n.reads) for k, n in enumerate(plan.needs)}
         self._order = [self.state[n.rel] for n in plan.needs]
         self._cv = threading.Condition()
@@ -241,7 +240,7 @@ class Downloads:
     def start(self) -> None:
         self.scratch.mkdir(parents=True, exist_ok=True)
         self._threads = [threading.Thread(target=self._run, daemon=True, name=f"kimi-convert-download-{k}")
-                         for k in range(THREADS)]
+                         for k in range(self.threads)]
         for t in self._threads:
             t.start()
 

@@ -96,6 +96,7 @@ class HubStaging:
     max_scratch: int | None
     ray: bool
     say: Callable[[str], None]
+    download_threads: int  # Tuning.download_threads
     hashes_inputs: bool = False  # the downloads verify and hash each file as it arrives
     reads_ahead: bool = False  # nothing local to read ahead: the downloads are the readahead
     per_task: bool = True  # with --ray, each task downloads its own inputs (``TaskStaging``)
@@ -139,7 +140,7 @@ class HubStaging:
             self.hub, units, self.max_scratch)
         folder = self.folder or scratch_folder(output_dir, self.scratch)
         check_scratch_space(folder, output_dir, [s.size for s in todo], sp, bound)
-        self.downloads = Downloads(self.hub, folder, bound, sp, stop, self.say)
+        self.downloads = Downloads(self.hub, folder, bound, sp, stop, self.say, self.download_threads)
         self.downloads.start()
         return FetchedHub(self.hub, self.downloads)
 
@@ -258,9 +259,10 @@ def say_on_node(line: str) -> None:
 
 class TaskStaging:
     """One attempt's downloads on a Ray node: its task folder (``in``: the downloads; ``out``: its shards with
-    --upload --no-keep-output, else OUTPUT, whose probe it checks)."""
+    --upload --no-keep-output, else OUTPUT, whose probe it checks). ``threads``: its downloads at once
+    (``Tuning.download_threads``)."""
 
-    def __init__(self, hub: HubRepo, t: HubTask, units: list, output_dir: Path):
+    def __init__(self, hub: HubRepo, t: HubTask, units: list, output_dir: Path, threads: int):
         self.hub, self.t = hub, t
         self.folder = task_folder(hub, t)
         self.out = self.folder / "out" if t.local_output else output_dir
@@ -269,7 +271,7 @@ class TaskStaging:
         self.out.mkdir(parents=True, exist_ok=True)
         self.plan = scratch_plan(units, hub.files, hub.name)
         self.stop = threading.Event()
-        self.downloads = Downloads(hub, self.folder / "in", t.bound, self.plan, self.stop, say_on_node)
+        self.downloads = Downloads(hub, self.folder / "in", t.bound, self.plan, self.stop, say_on_node, threads)
 
     def check_space(self, shard_sizes: list[int], queue: int) -> None:
         """The task folder's disk holds the scratch bound (or all the job downloads, if less) and, with the

@@ -102,15 +102,15 @@ class LocalStaging:
 
 
 def staging_for(source: Source, output_dir: Path, scratch: str | os.PathLike | None, max_scratch: int | None,
-                ray: bool, say: Callable[[str], None]) -> Staging:
+                ray: bool, say: Callable[[str], None], download_threads: int) -> Staging:
     """The staging of ``source`` for a pack into ``output_dir``: a Hub repository's downloads (``hubstage``), else
     read in place (the one place a kind of source is told from another: a new source that stages its bytes adds
     its case here). ``--scratch`` / ``--max-scratch`` belong to a source that stages; any other refuses them in
-    one line."""
+    one line. ``download_threads``: a Hub input's downloads at once (``Tuning.download_threads``)."""
     if isinstance(source, HubRepo):  # (its downloads' module loaded only for a Hub input)
         from .hubstage import HubStaging
 
-        return HubStaging(source, output_dir, scratch, max_scratch, ray, say)
+        return HubStaging(source, output_dir, scratch, max_scratch, ray, say, download_threads)
     if scratch is not None or max_scratch is not None:
         raise ConvertError(f"--{'scratch' if scratch is not None else 'max-scratch'} applies to a Hub input "
                            "(hf://OWNER/REPO) only")

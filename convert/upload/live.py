@@ -8,7 +8,7 @@ costs no packing; retries and one-line errors are ``upload``'s (``with_retries``
 
 Why ``admit``: with ``--no-keep-output`` a shard is deleted once the Hub has it, so the local disk holds
 only the shards in flight; a slow uplink must then slow the conversion down instead of filling the disk,
-so a stream waits before opening a shard while ``QUEUE + 1`` are on the disk and not yet on the Hub
+so a stream waits before opening a shard while ``Tuning.upload_queue + 1`` are on the disk and not yet on the Hub
 (in-process workers and a Hub input's Ray tasks, each with its own uploader: ``run_hub_task``; with --workers N
 or --ray of a local input the shards are still uploaded as they finish, but not waited for).
 
@@ -22,7 +22,6 @@ library, which otherwise re-reads the whole file to hash it before the upload.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -37,19 +36,10 @@ from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 from .. import faults, filenames
 from ..errors import ConvertError
 from ..transport import IGNORE, RESUME, connect, with_retries
+from ..tuning import Tuning
 
-#: With --no-keep-output, the shards that may be on the local disk besides the one being sent (written,
-#: being written, or waiting for the uploader): a stream waits before opening another (``admit``).
-QUEUE = int(os.environ.get("KIMI_CONVERT_UPLOAD_QUEUE", "2"))
-#: Shards sent at once: two hide each shard's round trips (preupload, LFS batch) behind the other's bytes;
-#: more would only split the same uplink (each large shard's own multipart upload is the library's).
-THREADS = max(1, int(os.environ.get("KIMI_CONVERT_UPLOAD_THREADS", "2")))
 #: Objects per LFS batch request (huggingface_hub's UPLOAD_BATCH_MAX_NUM_FILES for the same endpoint).
 BATCH = 256
-#: Files per commit. The Hub takes commits of many files, but a very large one can time out server-side;
-#: above this the shards and records files go in commits of their own, the rest (configs, card, manifest)
-#: in the last one, so the repository only looks finished once the manifest is in.
-MAX_COMMIT_FILES = int(os.environ.get("KIMI_CONVERT_MAX_COMMIT_FILES", "1000"))
 
 
 @dataclass(frozen=True)
@@ -81,12 +71,14 @@ def _addition(path_in_repo: str, size: int, sha256: str, local: Path | None) -> 
 
 class LiveUpload:
     """The Hub side of one ``pack --upload``: connected and the repo created before the plan; a thread
-    that preuploads each finished shard (``THREADS`` of them); the commit and the remote check at the end."""
+    that preuploads each finished shard (``Tuning.upload_threads`` of them); the commit and the remote check at the
+    end."""
 
-    def __init__(self, target: UploadTarget, say: Callable[[str], None] = print, api: HfApi | None = None):
+    def __init__(self, target: UploadTarget, say: Callable[[str], None] = print, api: HfApi | None = None,
+                 tuning: Tuning | None = None):
         """``api``: a Ray task's (``run_hub_task``), whose driver has already checked the token and created the repo:
-        nothing is asked of the Hub here then."""
-        self.target, self.say = target, say
+        nothing is asked of the Hub here then. ``tuning``: pack's (its queue, threads and files per commit)."""
+        self.target, self.say, self.tuning = target, say, tuning or Tuning()
         if api is None:
             api = connect(target.repo_id, target.token, write=True, say=say)
             with_retries(lambda: api.create_repo(target.repo_id, private=target.private, exist_ok=True,
@@ -101,23 +93,23 @@ class LiveUpload:
         self.sent: list[str] = []  # shards this run preuploaded, in order (for tests and the summary)
 
     # ------------------------------------------------------------------------------------------
-    # While packing: ``THREADS`` threads, each sending one shard at a time.
+    # While packing: ``Tuning.upload_threads`` threads, each sending one shard at a time.
 
     def start(self, output_dir: Path, on_uploaded: Callable[[str, str], None]) -> None:
         """``on_uploaded(file, sha256)``: the Hub has the shard (the journal records it)."""
         self.output_dir, self._on_uploaded = output_dir, on_uploaded
         self._threads = [threading.Thread(target=self._run, daemon=True, name=f"kimi-convert-upload-{k}")
-                         for k in range(THREADS)]
+                         for k in range(self.tuning.upload_threads)]
         for t in self._threads:
             t.start()
 
     def admit(self, wait: bool, stop: threading.Event) -> None:
         """A stream is about to open a shard: with --no-keep-output and ``wait``, wait until fewer than
-        ``QUEUE + 1`` shards are local and not on the Hub (the disk bound). Raises the uploader's error,
+        ``Tuning.upload_queue + 1`` shards are local and not on the Hub (the disk bound). Raises the uploader's error,
         so that a failed upload stops the pack instead of letting shards pile up."""
         with self._room:
-            while (wait and not self.target.keep_output and self._local > QUEUE and self._error is None
-                   and not stop.is_set()):
+            while (wait and not self.target.keep_output and self._local > self.tuning.upload_queue
+                   and self._error is None and not stop.is_set()):
                 self._room.wait(0.2)
             self._raise()
             self._local += 1
@@ -226,8 +218,9 @@ class LiveUpload:
         tail = [*rest, *([filenames.MANIFEST] if filenames.MANIFEST in names else [])]
         ops += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(output_dir / n)) for n in records]
         last = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(output_dir / n)) for n in tail]
-        batches = [ops[i:i + MAX_COMMIT_FILES] for i in range(0, len(ops), MAX_COMMIT_FILES)]
-        if batches and len(batches[-1]) + len(last) <= MAX_COMMIT_FILES:
+        most = self.tuning.max_commit_files
+        batches = [ops[i:i + most] for i in range(0, len(ops), most)]
+        if batches and len(batches[-1]) + len(last) <= most:
             batches[-1] += last
         else:
             batches.append(last)
