@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from kimi_convert.kernels import ct_nvfp4, get_backend
+from kimi_convert.devices import get_backend
+from kimi_convert.kernels import ct_nvfp4
 
 
 def best(fn, repeat: int) -> float:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 
 from compare_speed import evict  # noqa: E402
 
-from kimi_convert.options import SIZE  # noqa: E402 - the CLI's sizes (64MB, 2GiB, ...)
+from kimi_convert.clioptions import SIZE  # noqa: E402 - the CLI's sizes (64MB, 2GiB, ...)
 
 
 def _read_part(fd: int, pos: int, view: memoryview) -> None:

@@ -128,20 +128,25 @@ def disk_floor(src: Path, out_bytes: int, scratch: Path, drop: bool) -> tuple[fl
     return read_s, write_s
 
 
-def quantize_alone(src: Path, device: str, mapping: str | None = None) -> tuple[float, int]:
-    """Seconds the compute stage takes on every NVFP4 unit, sources preloaded (one unit at a time)."""
+def quantize_alone(src: Path, device: str, mapping: str | None = None, torch_only: bool = False) -> tuple[float, int]:
+    """Seconds the compute stage takes on every NVFP4 unit, sources preloaded (one unit at a time): on the CPUs
+    the units ``compute_early`` takes by its C kernels, as pack computes them (``torch_only``: every unit by the
+    torch code, ``compute.compute_unit``), the others by the torch code."""
     import torch
 
+    from kimi_convert import compute_early
     from kimi_convert.compute import compute_unit
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
     from kimi_convert.pack import load_plan
     from kimi_convert.plan import Options, fp8_block_size
-    from kimi_convert.readers import Loaded, PreadReader
+    from kimi_convert.readers import BufferPool, Loaded, PreadReader
 
     ckpt, plan = load_plan(src, Options(mapping=mapping))
     backend = get_backend(device)
     block = fp8_block_size(ckpt.config)
     reader = PreadReader(src)
+    early = compute_early.EarlyCompute(len(os.sched_getaffinity(0)), block)
+    pool = BufferPool(limit=1 << 30)
     total, nbytes = 0.0, 0
     for u in plan.units:
         if not any(it.kind == "nvfp4" for it in u.items):
@@ -153,8 +158,14 @@ def quantize_alone(src: Path, device: str, mapping: str | None = None) -> tuple[
         if backend.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        compute_unit(u, loaded, backend, block)  # results come back to host memory, as pack needs them
-        total += time.perf_counter() - t
+        if device == "cpu" and not torch_only and early.takes(u):
+            _, buf = early.compute(u, loaded, pool)
+            total += time.perf_counter() - t
+            if buf is not None:
+                pool.put(buf)
+        else:
+            compute_unit(u, loaded, backend, block)  # results come back to host memory, as pack needs them
+            total += time.perf_counter() - t
         nbytes += u.nbytes_in
     reader.close()
     return total, nbytes
@@ -187,6 +198,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1])
     ap.add_argument("--streams", type=int, help="pipelines per worker (default: pack's)")
     ap.add_argument("--quantize-alone", action="store_true")
+    ap.add_argument("--torch-compute", action="store_true",
+                    help="quantize alone: every unit by the torch code (default: the C kernels where pack uses them)")
     ap.add_argument("--max-shard-size", default="500MB",
                     help="output shard size (workers split the shards: several are needed to use several)")
     ap.add_argument("--workdir", default="/tmp/kimi-convert-throughput")
@@ -226,7 +239,7 @@ def main() -> None:
           f"({size_out / write_s / 1e9:.2f} GB/s) = **{floor:.2f} s**")
     bound, what = floor, "disk floor"
     if a.quantize_alone:
-        q, qbytes = quantize_alone(src, a.device, a.mapping)
+        q, qbytes = quantize_alone(src, a.device, a.mapping, a.torch_compute)
         print(f"quantize alone ({a.device}): {q:.2f} s for {qbytes / 1e9:.2f} GB of NVFP4 sources "
               f"({qbytes / q / 1e9:.2f} GB/s)")
         bound, what = floor + q, "disk floor + quantize alone"

@@ -271,7 +271,7 @@ def hub_env(hub: FakeHub, work: Path, queue: int | None) -> dict:
 
 
 def _size(text: str) -> int:
-    from kimi_convert.options import Size
+    from kimi_convert.clioptions import Size
 
     return Size().convert(text, None, None)
 

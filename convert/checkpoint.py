@@ -15,8 +15,9 @@ from .errors import ConvertError
 from .gcpause import gc_paused
 from .jsonfile import read_json
 from .safetensors_format import TensorInfo, read_header
-from .sidefiles import Skipped, pruned, scan
+from .sidefiles import pruned, scan
 from .sources import Source, open_source
+from .vocabulary import Skipped
 
 INDEX_NAME = filenames.INDEX  # the name other modules have used
 
@@ -80,26 +81,11 @@ def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True
     source, or a folder: ``open_source``; no tensor data)."""
     source = open_source(where)
     config, index_name, is_shard = _layout(source)
-    tensors: dict[str, TensorInfo] = {}
-    files: list[str]
-    weight_map: dict[str, str] | None = None
     listing = None
     if source.entry(index_name) is not None:  # a dangling link or a symlink loop is refused by the reader, not ignored
-        index = source.read_json(index_name, index_name)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not (
-            all(map(isinstance, weight_map, repeat(str))) and all(map(isinstance, weight_map.values(), repeat(str)))
-        ):
-            raise ConvertError(f"{index_name}: weight_map is not a map of tensor name to file")
-        if not weight_map and need_weights:
-            raise ConvertError(f"{index_name}: weight_map is empty: the index names no tensor (a checkpoint with "
-                               "weights lists each one; remove the index if the shards are to be read without it)")
-        files = list(dict.fromkeys(weight_map.values()))
-        renamed = source.canonical_names(files, index_name)
-        if renamed:
-            weight_map = {k: renamed.get(v, v) for k, v in weight_map.items()}
-            files = list(dict.fromkeys(renamed.get(f, f) for f in files))
+        files, weight_map = _indexed_files(source, index_name, need_weights)
     else:
+        weight_map = None
         listing = source.list_files(prune=pruned)
         files = sorted(e.rel for e in listing if is_shard(e.rel))
         if not files and need_weights:
@@ -109,6 +95,38 @@ def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True
     # escaping file is the more useful error than the tensors it leaves unaccounted for.
     what = index_name if weight_map is not None else source.name
     named = {rel: _check_named(source, rel, what, weight_map) for rel in files}
+    tensors, sizes = _stored_tensors(source, named, weight_map, index_name)
+    side = scan(source, consumed(files), listing)
+    return Checkpoint(source, config, files, tensors, sizes, list(side.copied), weight_map is not None,
+                      list(side.folders), list(side.skipped))
+
+
+def _indexed_files(source: Source, index_name: str, need_weights: bool) -> tuple[list[str], dict[str, str]]:
+    """The shard files the index names, in first-listed order, and its weight_map (under the source's own names
+    for the files: ``Source.canonical_names``); an index that is not a map of tensor name to file, or (where
+    weights are needed) names no tensor, is refused here, before any header is read."""
+    index = source.read_json(index_name, index_name)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not (
+        all(map(isinstance, weight_map, repeat(str))) and all(map(isinstance, weight_map.values(), repeat(str)))
+    ):
+        raise ConvertError(f"{index_name}: weight_map is not a map of tensor name to file")
+    if not weight_map and need_weights:
+        raise ConvertError(f"{index_name}: weight_map is empty: the index names no tensor (a checkpoint with "
+                           "weights lists each one; remove the index if the shards are to be read without it)")
+    files = list(dict.fromkeys(weight_map.values()))
+    renamed = source.canonical_names(files, index_name)
+    if renamed:
+        weight_map = {k: renamed.get(v, v) for k, v in weight_map.items()}
+        files = list(dict.fromkeys(renamed.get(f, f) for f in files))
+    return files, weight_map
+
+
+def _stored_tensors(source: Source, named: dict, weight_map: dict[str, str] | None, index_name: str
+                    ) -> tuple[dict[str, TensorInfo], dict[str, int]]:
+    """Every tensor the shards' headers store, and each shard's size: a tensor stored twice, or stored where the
+    index does not list it, or listed and stored nowhere, is refused, naming the file and the tensor."""
+    tensors: dict[str, TensorInfo] = {}
     sizes: dict[str, int] = {}
     headers = _headers(source, list(named))
     for rel, entry in named.items():
@@ -135,9 +153,7 @@ def open_checkpoint(where: str | os.PathLike | Source, need_weights: bool = True
         for name, rel in weight_map.items():
             if name not in tensors:
                 raise ConvertError(f"{index_name}: tensor {name} is not in {rel}")
-    side = scan(source, consumed(files), listing)
-    return Checkpoint(source, config, files, tensors, sizes, list(side.copied), weight_map is not None,
-                      list(side.folders), list(side.skipped))
+    return tensors, sizes
 
 
 #: Header reads in flight at once for a source with no local files (a Hub repository: two range requests a file,

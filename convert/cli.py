@@ -21,9 +21,10 @@ from pathlib import Path
 import click
 
 from . import __version__, devices, filenames, paths
+from .clioptions import SIZE, click_options
+from .clioptions import checked as _checked
 from .errors import ConvertError
-from .options import SIZE, Options, click_options
-from .options import checked as _checked
+from .options import Options
 from .plan.render import mb
 from .sources import check_spec, provenance
 from .sources.hub import is_hub_spec
@@ -253,21 +254,13 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
          upload_repo: str | None, revision: str | None, private: bool, token: str | None, keep_output: bool,
          scratch: str | None, max_scratch: int | None) -> None:
     """Fuse, quantize to NVFP4 and write INPUT as a pre-packed checkpoint in OUTPUT."""
-    from .journal import Journal
     from .pack import pack as run
     from .tuning import Tuning
 
     if overwrite and resume:
         raise click.UsageError("--overwrite and --resume exclude each other")
     hub_input = is_hub_spec(input_dir)
-    if not upload_repo and (revision or private or (token and not hub_input) or not keep_output):
-        used = "--revision" if revision else "--private" if private else "--token" if token else "--no-keep-output"
-        raise click.UsageError(f"{used} needs --upload REPO_ID")
-    target = None
-    if upload_repo:
-        from .upload.live import UploadTarget
-
-        target = UploadTarget(upload_repo, revision=revision, private=private, token=token, keep_output=keep_output)
+    target = _upload_target(upload_repo, revision, private, token, keep_output, hub_input)
     if ray_address is not None and (workers or streams):  # --ray: Ray's tasks replace workers and streams
         raise click.UsageError(f"--{'workers' if workers else 'streams'} does not apply with --ray "
                                "(a task per run of shards, as many as the cluster's GPUs or CPUs run at once)")
@@ -279,16 +272,45 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         source = _hub_source(input_dir, token)
         command = command.replace(input_dir, source.name, 1) if command else None
 
-    def interrupted() -> str:
-        j = Journal.load(Path(output_dir)) if Path(output_dir).is_dir() else None
-        return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
-    global _interrupt_hint
-    _interrupt_hint = interrupted
+    _hint_resume(output_dir)
     res = run(source, output_dir, opts, device=device, workers=workers, streams=streams, overwrite=overwrite,
               resume=resume, progress=not quiet, command=command, ray=ray_address, upload=target,
               scratch=scratch, max_scratch=max_scratch,
               say=lambda m: click.echo(m, err=True),
               tuning=click.get_current_context().find_object(Tuning))  # (a test's, passed as the context's obj)
+    _report_pack(res, output_dir, upload_repo, stats_path)
+
+
+def _upload_target(upload_repo: str | None, revision: str | None, private: bool, token: str | None,
+                   keep_output: bool, hub_input: bool):
+    """``--upload``'s target, or None; an upload option without ``--upload`` is a usage error (``--token`` alone
+    serves a Hub input too), refused before any work."""
+    if not upload_repo and (revision or private or (token and not hub_input) or not keep_output):
+        used = "--revision" if revision else "--private" if private else "--token" if token else "--no-keep-output"
+        raise click.UsageError(f"{used} needs --upload REPO_ID")
+    if not upload_repo:
+        return None
+    from .upload.live import UploadTarget
+
+    return UploadTarget(upload_repo, revision=revision, private=private, token=token, keep_output=keep_output)
+
+
+def _hint_resume(output_dir: str) -> None:
+    """What an interrupted ``pack`` adds to its one line: the shards finished and the resume command, read from
+    the output's journal when the interrupt comes (``main``'s handler calls it)."""
+    from .journal import Journal
+
+    def interrupted() -> str:
+        j = Journal.load(Path(output_dir)) if Path(output_dir).is_dir() else None
+        return f"; {len(j.shards)} shard(s) finished; resume with: {j.command}" if j else ""
+    global _interrupt_hint
+    _interrupt_hint = interrupted
+
+
+def _report_pack(res, output_dir: str, upload_repo: str | None, stats_path: str | None) -> None:
+    """What ``pack`` says when done: the plan's warnings, then either that the output was already complete or
+    the summary (the --stats file, the side files not copied, the counts), the upload, and ``--device auto``'s
+    choice."""
     for w in res.plan.warnings:
         click.echo(f"kimi-convert: warning: {w}", err=True)
     if res.already_complete:
@@ -302,9 +324,17 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         from .sidefiles import summary
 
         click.echo(summary(res.plan.skipped_files))
+    click.echo(_pack_summary(res, output_dir))
+    _report_upload(res.upload, upload_repo, output_dir)
+    if res.stats and res.stats.device == "auto":  # what the measurement chose, and on what (also in --stats)
+        click.echo(_auto_choice(res.stats))
+
+
+def _pack_summary(res, output_dir: str) -> str:
+    """The line a finished ``pack`` prints: what was written, its size, and the modules of each kind."""
     items = res.plan.items
     cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
-    click.echo(
+    return (
         f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
         f"{mb(res.bytes_out)} from {mb(res.bytes_in)}; "
         f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'fp8-block' for i in items)} "
@@ -312,15 +342,18 @@ def pack(input_dir: str, output_dir: str, opts: Options, device: str, workers: i
         f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
-    _report_upload(res.upload, upload_repo, output_dir)
-    if res.stats and res.stats.device == "auto":  # what the measurement chose, and on what (also in --stats)
-        from .pipeline.choose import Choice
 
-        chosen = "; ".join(Choice(**c).describe() for c in res.stats.device_choices)
-        skipped = any(c.get("skipped") for c in res.stats.calibration)  # (Tuning.probe_after_s)
-        click.echo("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
-                   + (chosen or ("the pack was over before the GPU was to be measured" if skipped else
-                                 "no kind of work was measured on both") + "; every unit ran on the CPUs"))
+
+def _auto_choice(stats) -> str:
+    """``--device auto``'s line: what its measurement chose for each kind of work, or why every unit ran on the
+    CPUs."""
+    from .pipeline.choose import Choice
+
+    chosen = "; ".join(Choice(**c).describe() for c in stats.device_choices)
+    skipped = any(c.get("skipped") for c in stats.calibration)  # (Tuning.probe_after_s)
+    return ("device auto (GPU or CPUs, whichever was faster on the first units of each kind of work): "
+            + (chosen or ("the pack was over before the GPU was to be measured" if skipped else
+                          "no kind of work was measured on both") + "; every unit ran on the CPUs"))
 
 
 def _hub_source(spec: str, token: str | None):
@@ -466,6 +499,7 @@ def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python
     reports = []
     for engine in engines:
         roles = [False]
+        main_class = None
         while roles:
             as_draft = roles.pop()
             if say:
@@ -473,6 +507,10 @@ def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python
                 click.echo(f"loading {output_dir} with {engine} ({what}, on the CPU)...", err=True)
             er = check(output_dir, engine, python=engine_python, any_version=any_version, source=source,
                        draft=as_draft)
+            if as_draft and er.model_class and er.model_class == main_class:
+                rep.check(*_no_draft(engine, er.version, main_class))
+                continue
+            main_class = er.model_class
             reports.append(er)
             head = f"{engine} {er.version}" + (f" draft ({(er.model_class or '?').rpartition('.')[2]})" if as_draft
                                                else "")
@@ -484,6 +522,17 @@ def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python
             if draft and not as_draft and er.mtp_skipped:
                 roles.append(True)
     return reports
+
+
+def _no_draft(engine: str, version: str | None, main_class: str) -> tuple[str, list[str], str]:
+    """The check line of an engine whose speculative-decoding draft config builds the main class again: it has no
+    draft model for the architecture (SGLang 0.5.23 and MiniMax M3: ``configs/model_config.py``
+    ``ModelConfig._config_draft_model`` renames no MiniMax architecture), so nothing reads the MTP layers there; not
+    a fault of the checkpoint (the main model's own check above holds it)."""
+    name = main_class.rpartition(".")[2]
+    return (f"{engine} {version} draft: none for {name}", [],
+            f"{engine} {version} has no speculative-decoding draft model for {name}: its draft config builds {name} "
+            "again, whose loader drops the MTP layers (docs/families.md, \"MTP layers and the engines' drafts\")")
 
 
 @cli.command()

@@ -1,15 +1,15 @@
 """The compute stage without torch: the units whose every item is a dense BF16 or FP32 weight made NVFP4 (either
-format's arithmetic; or a DeepSeek-style FP8 one, decoded here), a BF16 weight made 128x128 block FP8, a Kimi K3
-MXFP4 weight cast to NVFP4 by NVIDIA's closed form, or a stored tensor kept as it is, computed by the C kernels on
-the read buffers (``kernels.clib``), with the bytes and notes ``compute.compute_unit`` gives on the CPU backend
-(tests/test_early.py holds them to it, unit by unit and pack by pack).
+format's arithmetic; or a DeepSeek-style FP8 or Kimi K2.5 INT4 one, decoded here), a BF16 weight made 128x128 block
+FP8, a Kimi K3 MXFP4 weight cast to NVFP4 by NVIDIA's closed form, or a stored tensor kept as it is, computed by the C
+kernels on the read buffers (``kernels.clib``), with the bytes and notes ``compute.compute_unit`` gives on the CPU
+backend (tests/test_early.py holds them to it, unit by unit and pack by pack).
 
 Why: ``import torch`` takes 3.6-5 s on the H200 machine, and until it returns a stream's compute waited (2.8-5.5 s
 of a 10 GB one-file input's 13-16 s: docs/compressed-tensors.md). A stream now computes the units this module
 takes while torch loads (``--device auto``: until its runner is made, then the runner measures and chooses), and
-with ``--device cpu`` always: a dense, FP8 or Kimi K3 checkpoint is then converted without importing torch at all.
-Anything else (an MXFP4 weight not cast, fp16 weights, an FP8 weight kept, a slice of a stored tensor, NVIDIA's
-recipe with ``KIMI_CONVERT_RECIPE_KERNELS=torch``) is ``compute.compute_unit``'s.
+with ``--device cpu`` always: a dense, FP8, Kimi K3 or Kimi K2.5 checkpoint is then converted without importing
+torch at all. Anything else (an MXFP4 weight not cast, fp16 weights, an FP8 weight kept, a slice of a stored
+tensor, NVIDIA's recipe with ``KIMI_CONVERT_RECIPE_KERNELS=torch``) is ``compute.compute_unit``'s.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kimi_convert.kernels.scales import FP8_SCALE_MAX, fp8_scale_fault
 
 from . import encodings, formats
 from .encodings.base import refused
+from .encodings.int4_pack import NAME as INT4
 from .errors import ConvertError
 from .operations import Operation, operations
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
@@ -74,8 +75,8 @@ def _takes(it: Item, op: Operation, torch_recipe: bool) -> bool:
     if op is Operation.CAST:  # NVIDIA's cast of MXFP4 codes as stored (gpt-oss's banks: torch decodes them)
         return not torch_recipe and all(_mxfp4(s) for s in it.sources)
     if op is Operation.QUANTIZE:
-        return all((_dense(s) or _fp8_block(s)) and s.shape and not s.shape[-1] % GROUP and math.prod(s.shape)
-                   for s in it.sources)
+        return all((_dense(s) or _fp8_block(s) or _int4(s)) and s.shape and not s.shape[-1] % GROUP
+                   and math.prod(s.shape) for s in it.sources)
     if op is Operation.FP8_BLOCK:
         return not torch_recipe and all(_dense(s) and s.dtype == "BF16" and len(s.shape) == 2 and math.prod(s.shape)
                                         for s in it.sources)
@@ -97,6 +98,18 @@ def _fp8_block(s: SourceTensor) -> bool:
     """DeepSeek-style FP8 (e4m3 values, an F32 or BF16 scale a tile), decoded here as the torch code does."""
     return s.encoding == Encoding.FP8_BLOCK and not s.view and len(s.parts) == 2 and len(s.shape) == 2 \
         and s.parts[0].dtype == "F8_E4M3" and s.parts[1].dtype in ("F32", "BF16")
+
+
+def _int4(s: SourceTensor) -> bool:
+    """Compressed-tensors' INT4 ``pack-quantized`` (Kimi K2.5's experts: I32 codes [N, K/8], a BF16, F16 or F32
+    scale a group, ``weight_shape``), quantized here from its codes (``int4_rows``), each row decoded as
+    ``kernels.encodings.decode_int4`` decodes it; a group of an odd size (not whole bytes) is the torch code's."""
+    if s.encoding != INT4 or s.view or len(s.parts) != 3 or len(s.shape) != 2:
+        return False
+    packed, scale, _ = s.parts
+    groups = scale.shape[1] if len(scale.shape) == 2 else 0
+    return packed.dtype == "I32" and scale.dtype in ("BF16", "F16", "F32") and groups > 0 \
+        and not s.shape[1] % groups and not (s.shape[1] // groups) % 2
 
 
 def _e4m3_values() -> np.ndarray:
@@ -136,6 +149,38 @@ def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, in
     for i in range(scale.shape[0]):
         out[i * bm:(i + 1) * bm] *= np.repeat(scale[i], bn)[:n]
     return out
+
+
+@dataclass
+class Int4Rows:
+    """An INT4 weight as the C kernels read it (``kc_int4_*_mt``: decoded a row at a time, never whole): its codes,
+    its scales widened to fp32, and the amax of its values."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    groups: int
+    amax: float
+
+
+def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: int) -> Int4Rows:
+    """An INT4 weight (``_int4``) and its amax, refused where ``encodings.int4_pack``'s decode refuses it (a
+    ``weight_shape`` not the weight's, a scale not finite, a product beyond fp32), in its words
+    (tests/test_early.py)."""
+    packed, scale, shape = s.parts
+    stored = np.asarray(reader.raw(shape)).view(np.int64 if shape.dtype == "I64" else np.int32)
+    if stored.tolist() != list(s.shape):
+        raise refused(shape, f"INT4 weight_shape {stored.tolist()} is not the packed weight's {list(s.shape)}")
+    raw, count = np.asarray(reader.raw(scale)), math.prod(scale.shape)
+    sc = raw.view(np.float16).astype(np.float32) if scale.dtype == "F16" else _as_f32(raw, scale.dtype, (count,))
+    if not np.isfinite(sc).all():
+        raise refused(scale, "INT4 scale is not finite (NaN or Inf)")
+    n, k = s.shape
+    codes, groups = np.asarray(reader.raw(packed)), scale.shape[1]
+    bits = clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, groups, threads)
+    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    if not math.isfinite(amax):
+        raise refused(scale, "INT4 scales too large: decoded values overflow fp32")
+    return Int4Rows(codes, sc, groups, amax)
 
 
 class EarlyCompute:
@@ -237,13 +282,13 @@ class EarlyCompute:
         """One global scale over the unit's members (its fused module or scale group), as ``compute._quantize``."""
         lib, threads = self.lib, self.threads
         srcs = {s.name: s for it in items for s in it.sources}
-        # each source's values: its stored bytes (dense), or decoded to fp32 (FP8), held for the unit
-        values = {n: (reader.raw(s.parts[0]), s.dtype) if _dense(s) else
-                  (decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32")
-                  for n, s in srcs.items()}
-        amax = max(self._finite_amax(s, name, *values[name]) for name, s in srcs.items())
+        # each source's values (``_values``), held for the unit
+        values = {n: self._values(s, reader) for n, s in srcs.items()}
+        amax = max(v.amax if isinstance(v, Int4Rows) else self._finite_amax(srcs[n], n, *v) for n, v in values.items())
         ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
-        s2 = scales.compressed_tensors(amax, next(iter(values.values()))[1]) if ct else scales.modelopt(amax)
+        first = next(iter(values.values()))
+        s2 = scales.compressed_tensors(amax, "F32" if isinstance(first, Int4Rows) else first[1]) if ct \
+            else scales.modelopt(amax)
         kernel = clib.ct_quant if ct else clib.quant
         for it in items:
             packed, block_scales = [], []
@@ -251,14 +296,27 @@ class EarlyCompute:
                 k = s.shape[-1]
                 m = math.prod(s.shape) // k
                 p, sc = _carve(arena, m * k // 2), _carve(arena, m * k // GROUP)
-                buf, dtype = values[s.name]
-                kernel(lib, buf.ctypes.data, m, k, dtype == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
+                v = values[s.name]
+                if isinstance(v, Int4Rows):
+                    clib.int4_quant(lib, v.codes.ctypes.data, v.scale.ctypes.data, m, k, v.groups, ct, s2,
+                                    p.ctypes.data, sc.ctypes.data, threads)
+                else:
+                    kernel(lib, v[0].ctypes.data, m, k, v[1] == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
                 packed.append(p)
                 block_scales.append(sc)
             _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
                                                                     np.array([s2], dtype=np.float32)))
             method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
+
+    def _values(self, s: SourceTensor, reader: TensorSource) -> tuple[Chunk, str] | Int4Rows:
+        """A source's values as the kernels read them: its stored bytes (dense), decoded to fp32 (FP8), or its
+        codes (INT4: decoded a row at a time by the kernels)."""
+        if _dense(s):
+            return reader.raw(s.parts[0]), s.dtype
+        if s.encoding == INT4:
+            return int4_rows(s, reader, self.lib, self.threads)
+        return decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32"
 
 
 def _k_max(s: SourceTensor, reader: TensorSource) -> int:

@@ -14,8 +14,12 @@ import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConvertError
+
+if TYPE_CHECKING:
+    from .kernels import Backend
 
 
 @cache
@@ -147,3 +151,14 @@ def cpus() -> int:
         except ValueError:
             raise ConvertError(f"KIMI_CONVERT_THREADS={env!r}: expected a number of threads") from None
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def get_backend(device: Device | str = "auto", threads: int | None = None) -> Backend:
+    """The kernels' backend of a device (a string is resolved by ``resolve_device``: ``auto``, ``cpu``,
+    ``cuda[:N]``, ``reference``, ``triton``). ``threads``: the C kernel's threads (default: ``cpus()``). Here, not
+    in the kernels: the spelling of ``--device`` and what the machine has are the application's; the kernels take
+    the resolved device (``kernels.make_backend``)."""
+    from .kernels import make_backend
+
+    device = resolve_device(device)
+    return make_backend(device.kind, device.index, threads or cpus())

@@ -30,35 +30,10 @@ from typing import TYPE_CHECKING
 from . import globs
 from .errors import ConvertError
 from .schemes import Format
+from .vocabulary import KEPT_FOR_ENGINE, KeepRule, Recipe, RecipeRule
 
 if TYPE_CHECKING:
     from .mapping import Group, Mapping
-    from .recipe import Recipe, RecipeRule
-
-KEPT_FOR_ENGINE = "kept for the engines: "  # a reason of source 5: the plan keeps the engine's packed module whole
-
-
-@dataclass(frozen=True)
-class KeepRule:
-    """One glob that keeps the source modules it matches in high precision, and where it comes from.
-
-    ``origin`` is what the plan's reason names: ``mapping NAME: keep``, ``mapping NAME: restrict``,
-    ``default (NAME)`` (the mapping's exclude), ``--exclude``, ``FILE:LINE``, ``FILE`` (a JSON list or an
-    hf_quant_config.json). ``formats`` (a restrict only): the formats the engine loads the module in; the
-    module is kept only when the recipe asks for another one. ``optional``: a module only some inputs of
-    the family have (DeepSeek's MTP layer: ``num_nextn_predict_layers`` 1 in DeepSeek V3, 0 in Kimi K2), so
-    the unmatched-entry warning (``Mapping.unmatched``) does not name it."""
-
-    text: str
-    origin: str
-    reason: str = ""
-    formats: tuple[str, ...] | None = None
-    optional: bool = False
-
-    def describe(self) -> str:
-        why = f": {self.reason}" if self.reason else ""
-        return f"{self.origin} {self.text!r}{why}"
-
 
 @dataclass(frozen=True)
 class Kept:

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import jsonfile, paths
 from .errors import ConvertError
 from .globs import check
-from .keep import KeepRule
+from .vocabulary import KeepRule
 
 
 def from_cli(values: tuple[str, ...]) -> list[KeepRule]:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from . import globs, tomlfile
 from .errors import ConvertError
-from .keep import KeepRule
 from .mtp import Mtp
 from .mtp import parse as parse_mtp
 from .schemes import Format
+from .vocabulary import KeepRule
 
 ENGINES = ("vllm", "sglang")
 PLACEHOLDERS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
@@ -189,6 +189,12 @@ class Mapping:
         if self.mtp is None:
             return ()
         return self.mtp.prefixes(lambda path: self.config_value(config, path))
+
+    def mtp_layers(self, config: dict) -> tuple[dict[str, str], ...]:
+        """What ``{i}`` and ``{n}`` of the ``[mtp]`` templates stand for in each MTP layer ``config`` announces."""
+        if self.mtp is None:
+            return ()
+        return self.mtp.layer_values(lambda path: self.config_value(config, path))
 
     @property
     def sha256(self) -> str:

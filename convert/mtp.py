@@ -11,10 +11,16 @@ classes, SGLang's ``*NextN`` / ``*MTP`` models), while the main models drop them
   linear layers quantized (``quantized``; a draft that builds them unquantized under the output's format reads
   only the source's precision), the source modules it builds unquantized whatever the exclude list says
   (``unquantized``, per format), and the prefix under which it asks its quant method for each source module
-  (``names``: [source module template, draft prefix template], ``{n}`` the MTP layer's number, ``{expert}`` an
-  expert's): the exclude list names a kept module under those prefixes too, so that the draft's own matching
-  (vLLM's ``Glm4MoeMTP`` has no ``packed_modules_mapping``, and builds the target's ``lm_head`` as
-  ``model.layers.{n}.head``) finds it.
+  (``names``: [source module template, draft prefix template], ``{n}`` the MTP layer's number (``first`` + its
+  index, also under a block prefix: DeepSeek V4's ``mtp.{i}.`` is vLLM's ``model.layers.{n}.``), ``{i}`` its index
+  (0, 1, ...), ``{expert}`` an expert's): the exclude list names a kept module under those prefixes too, so that the
+  draft's own matching (vLLM's ``Glm4MoeMTP`` has no ``packed_modules_mapping``, and builds the target's ``lm_head``
+  as ``model.layers.{n}.head``) finds it; ``shadows`` (per format): [MTP source module template, main-model module
+  template] pairs where the engines' exclusion matching cannot tell the draft's name of the kept MTP module from the
+  main model's module (vLLM's ``MiniMaxM3MTP`` asks with ``model.layers.{i}.self_attn.qkv_proj``, which vLLM's
+  substring rule and SGLang's rule after removing ``language_model.`` also read as the main model's layer ``{i}``):
+  the main model's module is kept with it. ``absent``: the engine has no draft model for the architecture (SGLang
+  0.5.23 and MiniMax M3): it reads no MTP layer, so it asks nothing of them.
 
 The plan's rules (``plan/decide.py``, ``plan/names.py``): by default the MTP layers are kept as the source stores them
 wherever an engine's draft cannot take them quantized under the output's format (as NVIDIA's converter keeps
@@ -25,6 +31,7 @@ rest. Pure: no engine, no torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -44,9 +51,15 @@ class Draft:
     names: tuple[tuple[str, str], ...]  # (source module template, the draft's quant prefix template)
     from_target: tuple[str, ...]  # the draft's parameters the engine takes from the target model
     reason: str = ""
+    # (format, ((MTP source module template, main-model module template), ...)): see the module docstring
+    shadows: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    absent: bool = False  # the engine has no draft model for the architecture
 
     def keeps(self, fmt: str) -> tuple[str, ...]:
         return next((globs for f, globs in self.unquantized if f == fmt), ())
+
+    def shadowed(self, fmt: str) -> tuple[tuple[str, str], ...]:
+        return next((pairs for f, pairs in self.shadows if f == fmt), ())
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,18 @@ class Mtp:
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
         return 0
+
+    def present(self) -> tuple[Draft, ...]:
+        """The drafts the engines have (not ``absent``)."""
+        return tuple(d for d in self.drafts if not d.absent)
+
+    def layer_values(self, value) -> tuple[dict[str, str], ...]:
+        """Per MTP layer the config announces, what its templates' ``{i}`` (its index) and ``{n}`` (``first`` + the
+        index: its number where the prefix is ``model.layers.{n}.``, the draft's under a block prefix) stand for."""
+        first = value(self.first) if self.first else 0
+        if not isinstance(first, int):
+            raise ConvertError(f"config.json: {self.first} must be an integer (the first MTP layer's number)")
+        return tuple({"i": str(i), "n": str(first + i)} for i in range(self.layers(value)))
 
     def prefixes(self, value) -> tuple[str, ...]:
         """The name prefixes of the MTP layers the config announces."""
@@ -111,7 +136,8 @@ def _pairs(t: dict, key: str, where: str) -> tuple[tuple[str, str], ...]:
     return tuple((a, b) for a, b in v)
 
 
-DRAFT_KEYS = {"engine", "model_class", "quantized", "unquantized", "names", "from_target", "reason"}
+DRAFT_KEYS = {"engine", "model_class", "quantized", "unquantized", "names", "from_target", "reason", "shadows",
+              "absent"}
 MTP_KEYS = {"prefix", "first", "count", "draft", "reason", "quantize", "quantize_reason"}
 
 
@@ -126,9 +152,16 @@ def _draft(t: object, where: str) -> Draft:
     unq = t.get("unquantized", {})
     if not isinstance(unq, dict):
         raise ConvertError(f"{where}: 'unquantized' must be a table of format = [source module globs]")
+    shadows = t.get("shadows", {})
+    if not isinstance(shadows, dict):
+        raise ConvertError(f"{where}: 'shadows' must be a table of format = [[MTP module, main module], ...]")
+    if not isinstance(t.get("absent", False), bool):
+        raise ConvertError(f"{where}: 'absent' must be true or false")
     return Draft(t["engine"], str(t.get("model_class", "")), _strs(t, "quantized", where),
                  tuple(sorted((f, _strs(unq, f, f"{where}.unquantized")) for f in unq)),
-                 _pairs(t, "names", where), _strs(t, "from_target", where), str(t.get("reason", "")))
+                 _pairs(t, "names", where), _strs(t, "from_target", where), str(t.get("reason", "")),
+                 tuple(sorted((f, _pairs(shadows, f, f"{where}.shadows")) for f in shadows)),
+                 bool(t.get("absent", False)))
 
 
 def parse(t: object, where: str) -> Mtp | None:
@@ -155,13 +188,6 @@ def in_layers(module: str, prefixes: tuple[str, ...]) -> bool:
     return module.startswith(prefixes)
 
 
-def numbers(prefixes: tuple[str, ...], mtp: Mtp) -> list[str]:
-    """Each MTP layer's number (``{n}``) from its prefix; one empty value for a block prefix (``mtp.``)."""
-    rx = mtp.pattern()
-    out = [h.group(1) for p in prefixes if (h := rx.match(p)) and h.groups()]
-    return out or [""]
-
-
 def _matches(template: str, module: str) -> dict[str, str] | None:
     """``{expert}`` (and any other ``{x}``) of a names template matched against ``module``: the values, or None."""
     parts = re.split(r"(\{\w+\})", template)
@@ -170,43 +196,49 @@ def _matches(template: str, module: str) -> dict[str, str] | None:
     return hit.groupdict() if hit else None
 
 
-def draft_aliases(kept: set[str], present: set[str], mtp: Mtp, prefixes: tuple[str, ...]) -> list[str]:
+def _fill(template: str, values: dict[str, str]) -> str:
+    for k, v in values.items():
+        template = template.replace(f"{{{k}}}", v)
+    return template
+
+
+def draft_aliases(kept: set[str], present: set[str], mtp: Mtp, prefixes: tuple[str, ...],
+                  layers: tuple[dict[str, str], ...]) -> list[str]:
     """The names the exclude list must also hold so that each engine's draft finds the kept modules: the draft's
     prefix of every source module it builds, where every source module it builds there is kept (a draft module
-    built from kept and quantized modules is not excluded: the plan keeps an engine's packed module whole)."""
+    built from kept and quantized modules is not excluded: the plan keeps an engine's packed module whole).
+    ``layers``: ``Mtp.layer_values``, what ``{i}`` and ``{n}`` stand for in each MTP layer."""
     out: set[str] = set()
     in_mtp = sorted(x for x in present if x.startswith(prefixes))
-    for d in mtp.drafts:
+    for d in mtp.present():
         sources: dict[str, set[str]] = {}
         for src_t, dst_t in d.names:
-            for n in numbers(prefixes, mtp):
-                src_n = src_t.replace("{n}", n)
+            for lv in layers:
+                src_n = _fill(src_t, lv)
                 for mod in (in_mtp if "{" in src_n else [src_n] if src_n in present else []):
                     vals = _matches(src_n, mod)
-                    if vals is None:
-                        continue
-                    dst = dst_t.replace("{n}", n)
-                    for k, v in vals.items():
-                        dst = dst.replace(f"{{{k}}}", v)
-                    sources.setdefault(dst, set()).add(mod)
+                    if vals is not None:
+                        sources.setdefault(_fill(_fill(dst_t, lv), vals), set()).add(mod)
         out.update(dst for dst, mods in sources.items() if mods <= kept and dst not in present)
     return sorted(out)
 
 
 def draft_keeps(mtp: Mtp, fmt: str) -> list[tuple[Draft, str]]:
     """(draft, glob) of the MTP modules some draft builds unquantized under ``fmt`` whatever the exclude list says."""
-    return [(d, g) for d in mtp.drafts for g in d.keeps(fmt)]
+    return [(d, g) for d in mtp.present() for g in d.keeps(fmt)]
 
 
-def decide(module: str, mtp: Mtp, prefixes: tuple[str, ...], fmt: str, quantize: bool) -> str | None:
+def decide(module: str, mtp: Mtp, prefixes: tuple[str, ...], fmt: str, quantize: bool,
+           present: Container[str] = frozenset()) -> str | None:
     """Why MTP module ``module`` stays in the source's precision, or None (the recipe decides). Default: the whole
     MTP layer is kept where some engine's draft does not build it quantized under ``fmt``; ``quantize``
-    (``--quantize-mtp``): only the modules a draft builds unquantized."""
+    (``--quantize-mtp``): only the modules a draft builds unquantized. A main-model module is kept where a draft's
+    ``shadows`` pair it with an MTP module ``present`` (the checkpoint's modules): :func:`shadowed`."""
     if not in_layers(module, prefixes):
-        return None
+        return shadowed(module, mtp, fmt, present)
     if any(_glob(module, g) for g in mtp.quantize[0]):
         return None
-    refusing = [d for d in mtp.drafts if fmt not in d.quantized]
+    refusing = [d for d in mtp.present() if fmt not in d.quantized]
     if not quantize and refusing:
         d = refusing[0]
         return (f"MTP layer kept as the source stores it: {d.engine} {d.model_class} (its speculative-decoding "
@@ -217,8 +249,21 @@ def decide(module: str, mtp: Mtp, prefixes: tuple[str, ...], fmt: str, quantize:
     return None
 
 
+def shadowed(module: str, mtp: Mtp, fmt: str, present: Container[str]) -> str | None:
+    """Why main-model module ``module`` is kept with an MTP module: a draft's exclude entry for the kept MTP module
+    is one the engines' exclusion matching also applies to ``module`` (the draft's ``shadows``), so both are kept
+    or the main model would build ``module`` unquantized against its quantized tensors."""
+    for d in mtp.present():
+        for mtp_t, main_t in d.shadowed(fmt):
+            vals = _matches(main_t, module)
+            if vals is not None and _fill(mtp_t, vals) in present:
+                return (f"kept with MTP module {_fill(mtp_t, vals)}: {d.engine} {d.model_class} asks for that module "
+                        f"under a name the engines' exclusion matching also reads as this one ({d.reason})")
+    return None
+
+
 def _glob(module: str, template: str) -> bool:
-    return fnmatchcase(module, template.replace("{n}", "*").replace("{expert}", "*"))
+    return fnmatchcase(module, template.replace("{n}", "*").replace("{i}", "*").replace("{expert}", "*"))
 
 
 def check_layers(tensors: list[str], value, mtp: Mtp) -> None:

@@ -1,9 +1,10 @@
 """The options of ``plan`` and ``pack``, defined once.
 
 :class:`Options` is the one definition: each field carries its command-line flag, help, metavar and
-click type in its metadata, and everything else is derived from the fields, in their order:
+value type (as data: choices, a size, a scale, a path check) in its metadata, and everything else is derived
+from the fields, in their order:
 
-- :func:`click_options`, the decorator that adds the flags to ``plan`` and ``pack`` and hands the
+- ``clioptions.click_options``, the decorator that adds the flags to ``plan`` and ``pack`` and hands the
   command one ``opts: Options`` (``Options.from_cli`` of the flags' values);
 - :meth:`Options.to_dict`, the manifest's ``options`` (every field marked ``manifest``, in field
   order: the JSON, and so the manifest's bytes, follow from this class);
@@ -16,82 +17,28 @@ the manifest dict and out of equality, so an ``Options`` equals the one read bac
 
 A bool field is a flag: default False, ``--name`` sets it; default True, its flag (``--no-...``)
 clears it. A tuple field is a repeatable option; it is a list in the manifest.
+
+A leaf: this module imports nothing of the package and not click (``clioptions`` makes the flags), so the
+plan, which records an ``Options``, never loads the command line's library.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import click
-
-from . import paths
-from .schemes import scale_error
-
 DEFAULT_MAX_SHARD = 5 * 1000**3
 LAYOUTS = ("source", "sglang", "vllm")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.I)
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
-
-
-def checked(check, *args):
-    """A click callback running one of ``paths``' checks (or another), so a bad value is refused in
-    the tool's one-line form before any work, never in click's own wording."""
-    def callback(ctx: click.Context, param: click.Parameter, value):
-        if value is None:
-            return value
-        for v in value if isinstance(value, tuple) else (value,):
-            check(v, *args)
-        return value
-    return callback
-
-
-class Size(click.ParamType):
-    """A byte count: ``5GB``, ``500MB``, ``2GiB``, ``300KB`` or plain bytes (an int passes through)."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            size = value
-        else:
-            m = _SIZE.match(str(value))
-            unit = (m.group(2) or "").upper() if m else None
-            if not m or unit not in _UNITS:
-                self.fail(f"{value!r} is not a size like 5GB, 500MB or 2GiB", param, ctx)
-            size = int(float(m.group(1)) * _UNITS[unit])
-        if size <= 0:
-            self.fail(f"{value!r} is not a positive size", param, ctx)
-        return size
-
-
-class PositiveFloat(click.ParamType):
-    """A positive number a constant F32 scale can hold (schemes.scale_error)."""
-
-    name = "float"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        try:
-            x = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        if (why := scale_error(x)) is not None:
-            self.fail(why, param, ctx)
-        return x
-
-
-SIZE = Size()
 
 
 def _opt(default, help: str, *, flag: str | None = None, metavar: str | None = None,
-         type: click.ParamType | None = None, show_default: str | bool | None = None, check: tuple | None = None,
-         manifest: bool = True, omit_none: bool = False) -> Any:
-    """A field of :class:`Options` and how the command line and the manifest spell it (``omit_none``: left
+         type: str | tuple[str, ...] | None = None, show_default: str | bool | None = None,
+         check: tuple[str, str] | None = None, manifest: bool = True, omit_none: bool = False) -> Any:
+    """A field of :class:`Options` and how the command line and the manifest spell it. ``type``: the value's
+    choices (a tuple), ``"size"`` (a byte count: 5GB, 2GiB) or ``"scale"`` (a positive F32 scale); ``check``:
+    (the name of a ``paths`` check, what the value is), run on the value before any work; ``omit_none``: left
     out of the manifest while unset (None, or a flag's False), so manifests made before the option existed keep
-    their bytes)."""
+    their bytes. Plain data, read by ``clioptions``."""
     meta = {"help": help, "flag": flag, "metavar": metavar, "type": type, "show_default": show_default,
             "check": check, "manifest": manifest, "omit_none": omit_none}
     return field(default=default, compare=manifest, metadata=meta)
@@ -109,19 +56,19 @@ class Options:
     format: str | None = _opt(
         None, "Output format, replacing the recipe's output_format: modelopt (the default) or compressed-tensors "
               "(llm-compressor's nvfp4-pack-quantized, in compressed-tensors' own arithmetic).",
-        type=click.Choice(("modelopt", "compressed-tensors")), omit_none=True)
+        type=("modelopt", "compressed-tensors"), omit_none=True)
     layout: str = _opt(
         "source", "source: the input's tensor names and files (loads in vLLM and SGLang); sglang / vllm: that "
                   "engine's packed modules fused on disk where its loader takes them (that engine only; for K3 in "
-                  "vLLM, vllm is the layout it reads right).", type=click.Choice(LAYOUTS), show_default=True)
+                  "vLLM, vllm is the layout it reads right).", type=LAYOUTS, show_default=True)
     input_scale: float | None = _opt(
         None, "Replace the recipe's constant activation input_scale (nvidia-k3: 1.0).", metavar="X",
-        type=PositiveFloat())
+        type="scale")
     exclude: tuple[str, ...] = _opt(
         (), "Keep source modules matching GLOB in high precision (repeatable).", metavar="GLOB")
     exclude_from: tuple[str, ...] = _opt(
         (), "Patterns from FILE: one per line, a JSON list, or an hf_quant_config.json.", metavar="FILE",
-        check=(paths.file, "an exclude file"))
+        check=("file", "an exclude file"))
     default_excludes: bool = _opt(
         True, "Do not apply the mapping's default recipe.", flag="--no-default-excludes")
     keep_partial: bool = _opt(
@@ -132,7 +79,7 @@ class Options:
                "builds them quantized; by default they are kept as the source stores them wherever a draft cannot "
                "take them quantized.", omit_none=True)
     max_shard_size: int = _opt(
-        DEFAULT_MAX_SHARD, "Largest output shard, e.g. 5GB, 500MB.", type=SIZE, show_default="5GB")
+        DEFAULT_MAX_SHARD, "Largest output shard, e.g. 5GB, 500MB.", type="size", show_default="5GB")
     fuse: tuple[str, ...] = _opt((), "Enable an opt-in fused group of the mapping.", metavar="GROUP")
     no_fuse: tuple[str, ...] = _opt((), "Do not build this fused group.", metavar="GROUP")
     strict: bool = _opt(
@@ -161,35 +108,3 @@ class Options:
         """From a manifest's ``options``: a key an older manifest lacks takes its default."""
         return cls(**{f.name: tuple(d[f.name]) if isinstance(f.default, tuple) else d[f.name]
                       for f in fields(cls) if f.metadata["manifest"] and f.name in d})
-
-
-def _flag(name: str, meta) -> str:
-    return meta["flag"] or "--" + name.replace("_", "-")
-
-
-def click_options(command):
-    """Adds every :class:`Options` field as a flag of ``command``, which receives them as one
-    keyword argument, ``opts``."""
-    @functools.wraps(command)
-    def wrapper(*args, **kw):
-        names = [f.name for f in fields(Options)]
-        opts = Options.from_cli({n: kw.pop(n) for n in names})
-        return command(*args, opts=opts, **kw)
-
-    f: Any = wrapper
-    for fl in reversed(fields(Options)):
-        m = fl.metadata
-        kw: dict[str, Any] = {"help": m["help"]}
-        if isinstance(fl.default, bool):
-            kw.update(is_flag=True, flag_value=not fl.default, default=fl.default)
-        elif isinstance(fl.default, tuple):
-            kw.update(multiple=True)
-        else:
-            kw.update(default=fl.default)
-        for key in ("metavar", "type", "show_default"):
-            if m[key] is not None:
-                kw[key] = m[key]
-        if m["check"]:
-            kw["callback"] = checked(*m["check"])
-        f = click.option(_flag(fl.name, m), fl.name, **kw)(f)
-    return f

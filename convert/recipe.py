@@ -17,58 +17,25 @@ file, not editing the pipeline.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from . import formats, globs, tomlfile
 from .errors import ConvertError
 from .mapping import builtin_tables
 from .schemes import Format, scale_error
+from .vocabulary import Recipe, RecipeRule
 
 
-@dataclass(frozen=True)
-class RecipeRule:
-    modules: tuple[str, ...]  # module globs (globs.match: the one semantics of every pattern)
-    experts: bool  # also (or only) every routed expert module of the mapping's expert sets
-    format: Format
-    input_scale: float | None  # nvfp4: a constant activation scale written per module
-    reason: str
-
-    def describe(self) -> str:
-        what = ", ".join(self.modules) if self.modules else "routed experts"
-        return f"{self.format} ({what})"
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    description: str
-    default_for: tuple[str, ...]  # mapping names this recipe is the default of ("*": any)
-    quant_method: str  # "modelopt" (one quant_algo) or "modelopt_mixed" (quantized_layers)
-    quant_algo: str  # "W4A16_NVFP4", "NVFP4" or "MIXED_PRECISION"
-    aliases: bool  # write every runtime spelling of a module name (NVIDIA's converter does)
-    exclude_modules: tuple[str, ...] | None  # the exclude list to write as is (else: computed)
-    rules: tuple[RecipeRule, ...]
-    source: str = ""
-    path: str = ""
-    output_format: str = "modelopt"  # how the quantized modules are stored (convert/formats/)
-    # a kept module whose source is encoded (FP8 with its scales, MXFP4) is copied as stored, its weight and scale
-    # tensors under their own names (NVIDIA's DeepSeek V4 recipe: "left in the source format"), not decoded to BF16
-    keep_stored: bool = False
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()
-
-    def decide(self, module: str, text_prefix: str, is_expert: bool) -> RecipeRule | None:
-        """The first rule for this module (``text_prefix``: the mapping's, globs.match)."""
-        for r in self.rules:
-            if r.experts and is_expert:
-                return r
-            if any(globs.match(p, module, text_prefix) for p in r.modules):
-                return r
-        return None
+def rule_for(recipe: Recipe, module: str, text_prefix: str, is_expert: bool) -> RecipeRule | None:
+    """The recipe's first rule for this module (``text_prefix``: the mapping's, globs.match): the recipe decides
+    in rule order, so the first match wins."""
+    for r in recipe.rules:
+        if r.experts and is_expert:
+            return r
+        if any(globs.match(p, module, text_prefix) for p in r.modules):
+            return r
+    return None
 
 
 def _schema() -> tomlfile.Spec:

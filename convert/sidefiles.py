@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from . import filenames, formats, journal
 from .errors import ConvertError
 from .sources import EntryKind, FileEntry, Source, open_source
+from .vocabulary import Skipped
 
 #: Folders never descended into, at any depth (the Hub itself refuses .git/ and .cache/ folders).
 SKIP_DIRS = {
@@ -49,15 +50,6 @@ OWN_TOP_DIRS = {filenames.RECORDS_DIR: "the output writes its own (manifest reco
 #: The skip is listed in the manifest and printed, so a needed one (a sentence-transformers
 #: ``2_Dense/model.safetensors`` head) can be copied by hand.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
-
-
-@dataclass(frozen=True)
-class Skipped:
-    file: str  # relative path, forward slashes; a skipped folder ends with "/"
-    reason: str
-
-    def to_dict(self) -> dict:
-        return {"file": self.file, "reason": self.reason}
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ def auto_without_gpu(monkeypatch) -> Tuning:
     to pack with (the streams wait for the calibration thread and the probe: a tiny input has too few units to
     decide otherwise)."""
     from kimi_convert import devices
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
     from kimi_convert.pipeline import runner
 
     monkeypatch.setattr(devices, "gpu_count", lambda: 1)
@@ -265,7 +265,8 @@ def test_auto_page_locks_only_once_a_kind_went_to_the_gpu(tiny_k3, monkeypatch):
     work decided for the GPU, not before (issue 26 item 9)."""
     import torch
 
-    from kimi_convert.kernels import Backend, get_backend
+    from kimi_convert.devices import get_backend
+    from kimi_convert.kernels import Backend
     from kimi_convert.pipeline import runner as runner_mod
 
     locked = set()
@@ -290,7 +291,8 @@ def test_auto_computes_undecided_units_on_the_cpus_in_the_stream(tiny_k3, monkey
     build of torch), and the stream neither waits for it nor fails; the bytes are --device cpu's."""
     import torch
 
-    from kimi_convert.kernels import Backend, get_backend
+    from kimi_convert.devices import get_backend
+    from kimi_convert.kernels import Backend
     from kimi_convert.pipeline import runner as runner_mod
     from kimi_convert.plan import fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
@@ -324,7 +326,7 @@ def test_cpu_kernels_write_into_a_lent_pool_buffer(tiny_k3):
     import numpy as np
 
     from kimi_convert.compute import compute_unit
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
     from kimi_convert.pipeline import runner as runner_mod
     from kimi_convert.plan import FP8, NVFP4, fp8_block_size
     from kimi_convert.readers import Loaded, PreadReader
@@ -498,7 +500,7 @@ def test_probe_that_ends_is_a_lost_candidate_and_a_kernel_error_is_the_runs(tiny
     buffers = {p.name: reader.read(p) for p in unit.parts}
     reader.close()
     from kimi_convert.compute import compute_unit
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
 
     want = compute_unit(unit, Loaded(buffers), get_backend("cpu"), block)
     p = Probe("reference", 1, block, Tuning().probe_exit_s)

@@ -122,7 +122,7 @@ def test_byte_identical_to_model_free_ptq(preset, tmp_path):
 def test_c_kernel_gives_the_torch_bytes(dtype):
     """The CPU backend's C kernel (nvfp4_cpu.c: kc_ct_quant_mt) against ct_nvfp4's torch steps, over magnitudes
     from subnormal block scales to saturated ones, zero blocks, -0.0 and negative values that round to zero."""
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
 
     backend = get_backend("cpu")
     gen = torch.Generator().manual_seed(5)

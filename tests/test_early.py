@@ -16,8 +16,9 @@ import torch
 from helpers import rewrite_tensors, tree, write_synth
 from kimi_convert import compute_early
 from kimi_convert.compute import compute_unit
+from kimi_convert.devices import get_backend
 from kimi_convert.errors import ConvertError
-from kimi_convert.kernels import ct_nvfp4, get_backend, reference, scales
+from kimi_convert.kernels import ct_nvfp4, reference, scales
 from kimi_convert.pack import load_plan
 from kimi_convert.pipeline import is_pass_through
 from kimi_convert.plan import Options, fp8_block_size
@@ -145,6 +146,111 @@ def test_each_fp8_unit_matches_compute_unit(fp8_ckpt, bf16_scale_ckpt, recipe):
                    for s in it.sources), ckpt_dir
 
 
+def _int4_edges(tensors: dict[str, torch.Tensor]) -> None:
+    """INT4 experts the decoding treats apart: scales that make the products subnormal or near fp32's largest,
+    zero scales, scales stored F32 and F16 (the torch code widens each exactly), every code in every group."""
+    names = sorted(n for n in tensors if n.endswith(".weight_scale") and n[:-5] + "packed" in tensors)
+    for i, n in enumerate(names):
+        s = tensors[n]
+        if i % 6 == 0:
+            tensors[n] = (s.float() * 1e-37).to(torch.bfloat16)
+        elif i % 6 == 1:
+            tensors[n] = s.float() * 1e36
+        elif i % 6 == 2:
+            tensors[n] = s.half()
+        elif i % 6 == 3:
+            tensors[n] = torch.where(torch.arange(s.shape[0]).unsqueeze(1) % 3 == 0, 0, s)
+        elif i % 6 == 4:
+            p = tensors[n[:-5] + "packed"]
+            every = torch.arange(16, dtype=torch.int32).repeat(p.numel() * 8 // 16 + 1)[:p.numel() * 8]
+            tensors[n[:-5] + "packed"] = (every.view(-1, 8) << (4 * torch.arange(8, dtype=torch.int32))).sum(
+                1, dtype=torch.int32).view(p.shape)
+
+
+@pytest.fixture(scope="module")
+def int4_ckpt(tmp_path_factory):
+    """Kimi K2.5's layout (INT4 pack-quantized routed experts) with ``_int4_edges``."""
+    return _edited(tmp_path_factory, "tiny-kimi-k25", 2, _int4_edges)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-w4a16", "ct-nvfp4-a16"])
+def test_each_int4_unit_matches_compute_unit(int4_ckpt, recipe):
+    """Kimi K2.5's INT4 experts, decoded (``kc_int4_decode_mt``) and quantized here: every unit of the checkpoint
+    taken, each with compute_unit's bytes and notes, the scales' three dtypes among them."""
+    taken = _same_as_compute_unit(int4_ckpt, recipe)
+    _, plan = load_plan(int4_ckpt, Options(recipe=recipe))
+    assert len(taken) == len(plan.units)
+    int4 = [s for u in taken for it in u.items if it.kind == "nvfp4" for s in it.sources if s.encoding == "int4_pack"]
+    assert {s.parts[1].dtype for s in int4} == {"BF16", "F32", "F16"}
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(3, 32, 2), (70, 256, 32), (257, 512, 128), (40, 4096, 4096)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_int4_kernels_are_the_decoded_weights_amax_and_quantization(n, k, group, threads):
+    """``kc_int4_amax_mt`` / ``kc_int4_quant_mt`` (rows decoded one at a time, never whole) give the amax and both
+    formats' bytes of ``kc_amax_f32`` / ``kc_quant_f32`` / ``kc_ct_quant`` on the weight the torch code decodes
+    (``kernels.encodings.decode_int4``), every code in the mix, subnormal and large scales among the groups."""
+    from kimi_convert.kernels import clib
+    from kimi_convert.kernels.encodings import decode_int4
+
+    g = torch.Generator().manual_seed(n + k)
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    scale = torch.randn(n, k // group, generator=g) * torch.tensor([1e-40, 1e-3, 1.0, 1e30]).repeat(k)[:k // group]
+    lib, values = clib.load(), decode_int4(packed, scale).numpy()
+    codes, sc = packed.numpy().view(np.uint8), scale.numpy()
+    bits = clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, k // group, threads)
+    assert bits == clib.amax_bits(lib, values.ctypes.data, n * k, True, threads)
+    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    for ct, s2 in ((False, scales.modelopt(amax)), (True, scales.compressed_tensors(amax, "F32"))):
+        got, want = [(np.zeros(n * k // 2, np.uint8), np.zeros(n * k // 16, np.uint8)) for _ in range(2)]
+        clib.int4_quant(lib, codes.ctypes.data, sc.ctypes.data, n, k, k // group, ct, s2, got[0].ctypes.data,
+                        got[1].ctypes.data, threads)
+        (clib.ct_quant if ct else clib.quant)(lib, values.ctypes.data, n, k, True, s2, want[0].ctypes.data,
+                                              want[1].ctypes.data, threads)
+        assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes(), ct
+
+
+def _refusals(src: Path, name: str) -> tuple[str, str]:
+    """The errors of ``compute_early`` and of the torch code on the unit that reads the tensor or part ``name``
+    (which ``compute_early`` takes)."""
+    ckpt, plan = load_plan(src, Options())
+    unit = next(u for u in plan.units if any(name in (s.name, *(p.name for p in s.parts))
+                                             for it in u.items for s in it.sources))
+    assert compute_early.takes(unit)
+    reader = PreadReader(src)
+    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
+    block = fp8_block_size(ckpt.config)
+    with pytest.raises(ConvertError) as early:
+        compute_early.EarlyCompute(2, block).compute(unit, loaded, BufferPool(limit=64 << 20))
+    with pytest.raises(ConvertError) as torch_code:
+        compute_unit(unit, loaded, get_backend("cpu", 2), block)
+    reader.close()
+    return str(early.value), str(torch_code.value)
+
+
+#: an INT4 expert's scale edits, each refused when the expert is decoded: the words of both codes
+INT4_REFUSED = {"nan": ("weight_scale", lambda t: t.float().index_put_((torch.tensor(1), torch.tensor(0)),
+                                                                       torch.tensor(float("nan")))),
+                "overflow": ("weight_scale", lambda t: torch.full_like(t, 3.0e38, dtype=torch.float32)),
+                "shape": ("weight_shape", lambda t: torch.tensor([int(t[0]), int(t[1]) - 8], dtype=t.dtype))}
+
+
+@pytest.mark.parametrize("fault", sorted(INT4_REFUSED))
+def test_int4_faults_refused_in_the_same_words(tmp_path, fault):
+    """A NaN scale, scales whose products overflow fp32, a ``weight_shape`` not the weight's: the torch code's
+    one-line error, word for word."""
+    src = write_synth("tiny-kimi-k25", tmp_path / "src", seed=0)
+    expert = "language_model.model.layers.1.mlp.experts.1.down_proj"
+    part, edit = INT4_REFUSED[fault]
+
+    def plant(tensors):
+        if f"{expert}.{part}" in tensors:
+            tensors[f"{expert}.{part}"] = edit(tensors[f"{expert}.{part}"])
+    rewrite_tensors(src, plant)
+    early, torch_code = _refusals(src, f"{expert}.{part}")
+    assert early == torch_code and f"{expert}.{part}" in early
+
+
 #: per preset, the weight given a NaN (an FP8 weight: e4m3's NaN code 0x7F; an E8M0 scale: its NaN byte 0xFF)
 NAN_AT = {"tiny-qwen3-moe": "model.layers.0.mlp.experts.1.up_proj.weight",
           "tiny-deepseek-fp8": "model.layers.1.mlp.experts.1.up_proj.weight",
@@ -167,19 +273,8 @@ def test_nan_refused_in_the_same_words(tmp_path, preset):
         else:
             t[0, 3] = float("nan")
     rewrite_tensors(src, plant)
-    ckpt, plan = load_plan(src, Options())
-    unit = next(u for u in plan.units if any(NAN_AT[preset] in (s.name, *(p.name for p in s.parts))
-                                             for it in u.items for s in it.sources))
-    assert compute_early.takes(unit)
-    reader = PreadReader(src)
-    loaded = Loaded({p.name: reader.read(p) for p in unit.parts})
-    block = fp8_block_size(ckpt.config)
-    with pytest.raises(ConvertError) as early:
-        compute_early.EarlyCompute(2, block).compute(unit, loaded, BufferPool(limit=64 << 20))
-    with pytest.raises(ConvertError) as torch_code:
-        compute_unit(unit, loaded, get_backend("cpu", 2), block)
-    reader.close()
-    assert str(early.value) == str(torch_code.value) and "NaN" in str(early.value)
+    early, torch_code = _refusals(src, NAN_AT[preset])
+    assert early == torch_code and "NaN" in early
 
 
 @pytest.mark.parametrize("recipe", [None, "nvfp4-w4a16"])
@@ -239,10 +334,12 @@ def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe)
 
 
 @pytest.mark.parametrize(("preset", "recipe", "needs_torch"), [("tiny-k3", "", False), ("tiny-deepseek-fp8", "", False),
+                                                                ("tiny-kimi-k25", "", False),
                                                                 ("tiny-gpt-oss", "", True)])
 def test_pack_takes_what_it_can_and_torch_the_rest(preset, recipe, needs_torch, tmp_path):
-    """Kimi K3 under NVIDIA's recipe and DeepSeek V3 (FP8 weights, decoded here) pack wholly without torch, never
-    importing it; gpt-oss (its banks: torch's) with torch: each the same files as the torch code alone."""
+    """Kimi K3 under NVIDIA's recipe, DeepSeek V3 (FP8 weights, decoded here) and Kimi K2.5 (INT4 experts, decoded
+    here) pack wholly without torch, never importing it; gpt-oss (its banks: torch's) with torch: each the same files
+    as the torch code alone."""
     src = write_synth(preset, tmp_path / "src", seed=0)
     early = _pack("early", src, tmp_path / "early", recipe)
     torch_code = _pack("torch", src, tmp_path / "torch", recipe)

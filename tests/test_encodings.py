@@ -14,9 +14,9 @@ from helpers import copy_ckpt, rewrite_tensors
 from kimi_convert import encodings
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.compute import compute_unit
+from kimi_convert.devices import get_backend
 from kimi_convert.encodings import Slice, SourceTensor, narrow
 from kimi_convert.errors import ConvertError
-from kimi_convert.kernels import get_backend
 from kimi_convert.kernels.encodings import decode_mxfp4
 from kimi_convert.pack import load_plan
 from kimi_convert.plan import KEEP, NVFP4, Options, discover_sources, fp8_block_size

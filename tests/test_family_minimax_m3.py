@@ -175,22 +175,34 @@ def test_the_derived_table_reads_the_engines_fusions():
 def test_the_default_plan_keeps_the_indexer_and_the_sparse_layers_qkv(ckpt):
     """The overlay's rule: vLLM's MinimaxM3QKVParallelLinearWithIndexer takes no NVFP4 index_q/index_k (its
     per-tensor scale knows shards q, k, v only), so they and the q/k/v fused with them stay BF16 on the
-    sparse-attention layers 1 and 2; the dense-attention layer 0's q/k/v are NVFP4 with one global scale."""
+    sparse-attention layers 1 and 2, and on the MTP layer (vLLM's MiniMaxM3MTP builds it force_sparse_attn);
+    the rest of the MTP layer is NVFP4 (the draft reads it so), named as the draft asks (lm_head,
+    model.layers.0.self_attn.qkv_proj), which both engines' exclusion rules also read as the main model's layer 0
+    attention: its q/k/v are kept with the MTP layer's (issue 39; docs/families.md, "MiniMax M3's drafts")."""
     r = run("plan", ckpt, "--json")
     assert r.code == 0, r.stderr
     plan = json.loads(r.stdout)
     mods = {m["name"]: m for m in plan["modules"]}
     att = "language_model.model.layers.{}.self_attn.{}"
-    # the overlay's [mtp]: the MTP modules kept as stored, and no exclude-list alias in vLLM's MiniMaxM3MTP names
-    # (model.layers.{i}.*), which name the main model's layer i too (both engines then built layer 0 unquantized)
-    assert mods["language_model.model.mtp.layers.0.eh_proj"]["kind"] == "keep"
-    assert not [n for n in plan["exclude_modules"] if n.startswith(("model.", "lm_head"))]
+    mtp_att = "language_model.model.mtp.layers.0.transformer_layer.self_attn.{}"
     for layer in (1, 2):
         for p in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
             assert mods[att.format(layer, p)]["kind"] == "keep", (layer, p)
         assert mods[att.format(layer, "o_proj")]["kind"] == "nvfp4"
-    assert {mods[att.format(0, p)]["kind"] for p in ("q_proj", "k_proj", "v_proj")} == {"nvfp4"}
     assert mods["language_model.model.layers.1.block_sparse_moe.gate"]["kind"] == "keep"
+    for p in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
+        assert mods[mtp_att.format(p)]["kind"] == "keep", p
+        assert "MiniMaxM3MTP" in mods[mtp_att.format(p)]["rule"]
+    for name in ("language_model.model.mtp.layers.0.eh_proj", mtp_att.format("o_proj"),
+                 "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.shared_experts.down_proj",
+                 "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts.0.w1"):
+        assert mods[name]["kind"] == "nvfp4", name
+    assert mods["language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.gate"]["kind"] == "keep"
+    assert [n for n in plan["exclude_modules"] if n.startswith(("model.", "lm_head"))] == [
+        "lm_head", "model.layers.0.self_attn.qkv_proj"]
+    for p in ("q_proj", "k_proj", "v_proj"):  # layer 0 (dense attention): kept with the MTP layer's, o_proj not
+        assert mods[att.format(0, p)]["kind"] == "keep" and mtp_att.format(p) in mods[att.format(0, p)]["rule"]
+    assert mods[att.format(0, "o_proj")]["kind"] == "nvfp4"
 
 
 @pytest.mark.parametrize(("flags", "says"), [

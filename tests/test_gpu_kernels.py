@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpu_compare import GPU, differing_tensors, differing_tiles
-from kimi_convert.devices import cpus
-from kimi_convert.kernels import fp8_block, get_backend, mxfp4_cast, nvfp4_cpu, recipe_cpu, reference
+from kimi_convert.devices import cpus, get_backend
+from kimi_convert.kernels import fp8_block, mxfp4_cast, nvfp4_cpu, recipe_cpu, reference
 
 pytestmark = GPU
 THREADS = cpus()

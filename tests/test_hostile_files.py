@@ -284,7 +284,8 @@ def test_cast_refuses_a_nan_scale_on_every_backend(backend):
     would otherwise read it as exponent 128 (weight_scale_2 = 2^120)."""
     import torch
 
-    from kimi_convert.kernels import DecodeError, get_backend
+    from kimi_convert.devices import get_backend
+    from kimi_convert.kernels import DecodeError
 
     g = torch.Generator().manual_seed(0)
     packed = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=g)

@@ -10,7 +10,7 @@ import pytest
 from kimi_convert import keep, keep_rules
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import parse_mapping
-from kimi_convert.recipe import parse_recipe
+from kimi_convert.recipe import parse_recipe, rule_for
 
 MAPPING = parse_mapping('''
 name = "toy"
@@ -56,7 +56,7 @@ reason = "NVFP4"
 
 
 def _kept(members, group=None, exclusions=None, keep_partial=False, used=None):
-    rule = RECIPE.decide(members[0], MAPPING.text_prefix, False)
+    rule = rule_for(RECIPE, members[0], MAPPING.text_prefix, False)
     exclusions = list(MAPPING.exclude) if exclusions is None else exclusions
     k = keep.kept(members[0], members, group, rule, MAPPING, RECIPE, exclusions, keep_partial,
                   defaultdict(int) if used is None else used)

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import oracle
 from helpers import interpreter_note, run_process
-from kimi_convert.kernels import Backend, get_backend, mxfp4_cast, nvfp4_cpu, reference
+from kimi_convert.devices import get_backend
+from kimi_convert.kernels import Backend, mxfp4_cast, nvfp4_cpu, reference
 
 if not torch.cuda.is_available():  # CI: the Triton kernels run in the interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -165,7 +166,7 @@ def test_cpu_kernel_without_compiler_falls_back(tmp_path, tiny_kl, packed_kl):
 def test_cpu_kernel_build_error_is_an_oserror(tmp_path, monkeypatch):
     monkeypatch.setenv("KIMI_CONVERT_CACHE", str(tmp_path))
     with pytest.raises(OSError):
-        nvfp4_cpu._build(b"this is not C", "cc")
+        nvfp4_cpu.build(b"this is not C", "cc")
 
 
 def test_get_backend_rejects_bad_devices():
@@ -254,7 +255,7 @@ def test_triton_quantize_tile_orders(order):
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the compiled kernel on a GPU, else the interpreter
     packed = torch.empty((11, 40), dtype=torch.uint8, device=dev)
     scales = torch.empty((11, 5), dtype=torch.uint8, device=dev)
-    with nvfp4_triton._INTERPRETER:
+    with nvfp4_triton.INTERPRETER:
         nvfp4_triton._launch_quant(w.to(dev), a.to(dev), packed, scales, 11, 80, (4, 2, 1, order))
     assert torch.equal(packed.cpu(), want_p), interpreter_note("triton")
     assert torch.equal(scales.cpu(), want_s.view(torch.uint8)), interpreter_note("triton")

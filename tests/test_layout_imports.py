@@ -101,7 +101,7 @@ def test_kimi_convert_kernels_imports_from_the_root_with_its_c_sources():
         "import sys, json\nfrom importlib import resources\n"
         "import kimi_convert.kernels as k\nfrom kimi_convert.kernels import nvfp4_cpu\n"
         "files = resources.files('kimi_convert.kernels')\n"
-        "print(json.dumps({'backend': k.get_backend('reference').name, 'top_level': 'kernels' in sys.modules,\n"
+        "print(json.dumps({'backend': k.make_backend('reference').name, 'top_level': 'kernels' in sys.modules,\n"
         "  'c': sorted(n for n in ('kc_pool.c', 'nvfp4_cpu.c', 'recipe_cpu.c') if files.joinpath(n).is_file()),\n"
         "  'open_library': callable(nvfp4_cpu.open_library)}))")
     assert json.loads(out) == {"backend": "reference", "top_level": False,

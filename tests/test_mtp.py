@@ -78,11 +78,68 @@ def test_draft_aliases_name_what_the_draft_asks_for_only_when_all_its_sources_ar
                "model.layers.3.self_attn.v_proj", "model.layers.2.self_attn.q_proj"}
     kept = {"lm_head", "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",
             "model.layers.3.self_attn.v_proj"}
-    assert mtp.draft_aliases(kept, present, m, ("model.layers.3.",)) == [
+    layers = m.layer_values(value_of({"num_hidden_layers": 3, "num_nextn_predict_layers": 1}))
+    assert mtp.draft_aliases(kept, present, m, ("model.layers.3.",), layers) == [
         "model.layers.3.head", "model.layers.3.self_attn.qkv_proj"]
     # v_proj quantized: qkv_proj is not excluded for the draft (it would be built unquantized over NVFP4 codes)
-    assert mtp.draft_aliases(kept - {"model.layers.3.self_attn.v_proj"}, present, m, ("model.layers.3.",)) == [
-        "model.layers.3.head"]
+    assert mtp.draft_aliases(kept - {"model.layers.3.self_attn.v_proj"}, present, m, ("model.layers.3.",),
+                             layers) == ["model.layers.3.head"]
+
+
+def _shipped_mtp(table: str) -> mtp.Mtp:
+    import tomllib
+
+    from kimi_convert.derive import merge
+
+    root = Path(__file__).resolve().parents[1] / "mappings"
+    t = tomllib.loads((root / "derived" / f"{table}.toml").read_text())
+    overlay = root / "overlays" / f"{table}.toml"
+    if overlay.is_file():
+        t = merge(t, tomllib.loads(overlay.read_text()))
+    return mtp.parse(t["mtp"], table)
+
+
+def test_a_block_prefixs_draft_names_follow_the_real_config_not_the_stand_ins():
+    """DeepSeek V4's MTP block ``mtp.{i}.``: vLLM's DeepSeekV4MTP numbers its layer num_hidden_layers + i
+    (deepseek_v4/nvidia/mtp.py ``mtp_start_layer_idx = config.num_hidden_layers``), 43 in the release and 4 in the
+    tiny stand-in the table was derived from: the exclude list's aliases of the kept MTP modules follow the
+    config planned, never the stand-in's number."""
+    m = _shipped_mtp("deepseek_v4")
+    present = {"lm_head", "mtp.0.e_proj", "mtp.0.attn.wq_a", "mtp.0.attn.wkv", "mtp.0.ffn.experts.3.w1",
+               "mtp.1.e_proj"}
+    for hidden, count in ((43, 1), (61, 2)):
+        layers = m.layer_values(value_of({"num_hidden_layers": hidden, "num_nextn_predict_layers": count}))
+        got = mtp.draft_aliases(present, present, m, ("mtp.",), layers)
+        assert f"model.layers.{hidden}.e_proj" in got and f"model.layers.{hidden}.head" in got
+        assert f"model.layers.{hidden}.attn.fused_wqa_wkv" in got and f"model.layers.{hidden}.ffn.experts" in got
+        assert ("model.layers.62.e_proj" in got) == (count == 2)  # mtp.1's, under the second layer's number
+        assert "model.decoder.self_attn.wqkv_a" in got  # SGLang's NextN: one decoder, no number
+        assert not any(a.startswith("model.layers.4.") for a in got), got
+
+
+def test_minimax_m3_keeps_main_layer_i_attention_with_the_mtp_layers_and_sglang_has_no_draft():
+    """MiniMax M3: vLLM's MiniMaxM3MTP asks for the kept MTP attention as model.layers.{i}.self_attn.qkv_proj,
+    which both engines' exclusion rules also read as the main model's layer i (vLLM modelopt.py
+    is_layer_excluded: a substring; SGLang: full match after removing language_model.): main layer i's q/k/v are
+    kept where MTP layer i exists, and only there. SGLang has no M3 draft: it keeps nothing of the MTP layer."""
+    m = _shipped_mtp("minimax_m3_vl")
+    assert [d.engine for d in m.present()] == ["vllm"]
+    mtp_q = "language_model.model.mtp.layers.0.transformer_layer.self_attn.q_proj"
+    present = {mtp_q, "language_model.model.layers.0.self_attn.q_proj",
+               "language_model.model.layers.1.self_attn.q_proj"}
+    pre = ("language_model.model.mtp.",)
+    why = mtp.decide("language_model.model.layers.0.self_attn.q_proj", m, pre, "modelopt", False, present)
+    assert why is not None and mtp_q in why and "MiniMaxM3MTP" in why
+    assert mtp.decide("language_model.model.layers.1.self_attn.q_proj", m, pre, "modelopt", False, present) is None
+    assert mtp.decide("language_model.model.layers.0.self_attn.o_proj", m, pre, "modelopt", False, present) is None
+    # the MTP layer itself: quantized by the recipe (vLLM's draft reads it NVFP4) but the router
+    assert mtp.decide("language_model.model.mtp.layers.0.eh_proj", m, pre, "modelopt", False, present) is None
+    gate = "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.gate"
+    assert "builds it unquantized" in mtp.decide(gate, m, pre, "modelopt", False, present)
+    layers = m.layer_values(value_of({"num_mtp_modules": 1}))
+    kept = {mtp_q.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")}
+    assert mtp.draft_aliases(kept | {"language_model.lm_head"}, kept | {"language_model.lm_head"}, m, pre,
+                             layers) == ["lm_head", "model.layers.0.self_attn.qkv_proj"]
 
 
 def test_check_layers_refuses_a_config_and_checkpoint_that_disagree():
@@ -213,7 +270,23 @@ NEW_FAMILIES = {
     "tiny-glm4-moe-lite": ("model.layers.3.", "model.layers.2.eh_proj.weight"),
     "tiny-deepseek-v3-2": ("model.layers.3.", "model.layers.2.eh_proj.weight"),
     "tiny-deepseek-v4": ("mtp.1.", "mtp.0.e_proj.weight"),
+    "tiny-glm5-next": ("model.language_model.layers.5.", "model.language_model.layers.4.eh_proj.weight"),  # GLM-5.3
+    "tiny-qwen4-exp": ("mtp.layers.1.", "mtp.fc_hidden.weight"),  # Qwen3.8-Flash-Next
+    "tiny-minimax-m3": ("language_model.model.mtp.layers.1.", "language_model.model.mtp.layers.0.eh_proj.weight"),
 }
+#: Where a family's config counts its MTP layers, if not the top level's num_nextn_predict_layers (the [mtp] count)
+COUNT_KEY = {"tiny-glm5-next": ("text_config", "num_nextn_predict_layers"),
+             "tiny-qwen4-exp": ("text_config", "mtp_num_hidden_layers"),
+             "tiny-minimax-m3": ("text_config", "num_mtp_modules")}
+
+
+def _count(src: Path, dst: Path, preset: str, n: int) -> Path:
+    """A copy of ``src`` whose config announces ``n`` MTP layers (under the key the family's [mtp] counts by)."""
+    where = COUNT_KEY.get(preset)
+    if where is None:
+        return _config(src, dst, num_nextn_predict_layers=n)
+    cfg = json.loads((src / "config.json").read_text())
+    return _config(src, dst, **{where[0]: {**cfg[where[0]], where[1]: n}})
 
 
 @pytest.mark.parametrize("preset", sorted(NEW_FAMILIES))
@@ -223,9 +296,9 @@ def test_new_families_mtp_bad_input_is_one_line_before_any_work(preset, tmp_path
     more, tensor = NEW_FAMILIES[preset]
     src = write_synth(preset, tmp_path / "src")
     assert run("plan", src).code == 0
-    r = run("plan", _config(src, tmp_path / "more", num_nextn_predict_layers=2))
+    r = run("plan", _count(src, tmp_path / "more", preset, 2))
     assert r.code == 2 and f"announces MTP layer {more}* but the checkpoint stores no tensor" in one_line_error(r)
-    r = run("plan", _config(src, tmp_path / "none", num_nextn_predict_layers=0))
+    r = run("plan", _count(src, tmp_path / "none", preset, 0))
     assert r.code == 2 and "announces no MTP layer" in one_line_error(r)
     assert one_line_error(r).startswith(f"kimi-convert: error: {tensor.split('.')[0]}.")
     lost = tmp_path / "lost"
@@ -307,3 +380,34 @@ def test_plan_says_why_the_mtp_layer_is_kept_and_quantize_mtp_follows_the_drafts
     assert q["options"]["quantize_mtp"] is True
     ct = {m["name"]: m for m in plan("--format", "compressed-tensors")["modules"]}
     assert ct["model.layers.3.mlp.experts.0.gate_proj"]["kind"] == "nvfp4"  # both drafts build it quantized there
+
+
+def test_an_engine_whose_draft_config_builds_the_main_class_again_has_no_draft(monkeypatch):
+    """SGLang 0.5.23 and MiniMax M3: ModelConfig(is_draft_model=True) keeps MiniMaxM3SparseForConditionalGeneration
+    (no draft model for it), whose loader drops the MTP layers again: verify-manifest says the engine has no draft
+    and does not fail the checkpoint (it did: "draft ... loads ... but 127 skipped tensor(s)", rc 1); a real draft
+    (another class) is still checked and fails where it fails."""
+    from types import SimpleNamespace
+
+    from kimi_convert import cli, enginecheck
+    from kimi_convert.verify import Report
+
+    main = "sglang.srt.models.minimax_m3_vl.MiniMaxM3SparseForConditionalGeneration"
+
+    def fake(draft_class):
+        def check(output_dir, engine, *, python, any_version, source, draft):
+            cls = draft_class if draft else main
+            return SimpleNamespace(model_class=cls, version="0.5.23", loads=not draft, verdict="skipped 127",
+                                   load_verdict="loads", seconds=1.0, numerics=None, mtp_skipped=[{"tensor": "x"}])
+        return check
+
+    monkeypatch.setattr(enginecheck, "resolve", lambda *a: None)
+    monkeypatch.setattr(enginecheck, "check", fake(main))
+    rep = Report()
+    reports = cli._engine_checks(rep, "out", ("sglang",), None, False, None, True, False)
+    assert rep.ok and [r.model_class for r in reports] == [main]
+    assert any("draft: none for MiniMaxM3SparseForConditionalGeneration" in name for name, _, _ in rep.checks)
+    monkeypatch.setattr(enginecheck, "check", fake("sglang.srt.models.x_nextn.XForCausalLMNextN"))
+    rep = Report()
+    assert len(cli._engine_checks(rep, "out", ("sglang",), None, False, None, True, False)) == 2
+    assert not rep.ok and rep.problems == ["skipped 127"]

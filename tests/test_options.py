@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import one_line_error, run
-from kimi_convert.options import DEFAULT_MAX_SHARD, SIZE, Options, click_options
+from kimi_convert.clioptions import SIZE, click_options
+from kimi_convert.options import DEFAULT_MAX_SHARD, Options
 from kimi_convert.plan import Options as PlanOptions
 
 #: The manifest's ``options`` keys, in the order every manifest so far has written them.

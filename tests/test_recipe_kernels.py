@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import tree
-from kimi_convert.kernels import RECIPE_KERNELS_ENV, fp8_block, get_backend, mxfp4_cast, recipe_cpu
+from kimi_convert.devices import get_backend
+from kimi_convert.kernels import RECIPE_KERNELS_ENV, fp8_block, mxfp4_cast, recipe_cpu
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 

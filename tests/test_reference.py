@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from kimi_convert.kernels import get_backend, reference
+from kimi_convert.devices import get_backend
+from kimi_convert.kernels import reference
 
 
 def quantize_ref(w: torch.Tensor):

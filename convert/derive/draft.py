@@ -85,12 +85,32 @@ def _block(names: list[str]) -> str:
 
 
 def _templ(name: str, mtp_prefixes: list[str], prefix: str) -> str:
-    """``name`` with its MTP layer's number as ``{n}`` and an expert's index as ``{expert}``."""
+    """``name`` with its MTP layer's number as ``{n}`` (its index under a block prefix as ``{i}``: DeepSeek V4's
+    ``mtp.{i}.``, Qwen3.5's ``mtp.layers.{i}.``) and an expert's index as ``{expert}``."""
     if "{n}" in prefix:
         hit = next((p for p in mtp_prefixes if name.startswith(p)), None)
         if hit is not None:
             name = prefix + name[len(hit):]
+    elif name.startswith(prefix):
+        name = prefix + re.sub(r"^((?:layers\.)?)\d+\.", r"\1{i}.", name[len(prefix):])
     return _EXPERT.sub(".experts.{expert}.", name)
+
+
+def _draft_templ(qp: str, src: str, prefix: str, first: int | None, count: int) -> str:
+    """The draft's quant prefix ``qp`` for source ``src`` as a template: under a block prefix its MTP layer's number
+    as the draft spells it, ``{n}`` where it is the stand-in's ``num_hidden_layers`` (``first``) + the layer's index
+    (vLLM's DeepSeekV4MTP: ``mtp.0.`` -> ``model.layers.43.`` in the release, 4 in the stand-in), ``{i}`` where it
+    is the index (vLLM's MiniMaxM3MTP: ``model.layers.0.``); a source outside the block (the target's ``lm_head``)
+    stands for every layer's."""
+    if "{n}" in prefix:
+        return qp
+    hit = re.match(re.escape(prefix) + r"(?:layers\.)?(\d+)\.", src)
+    for i in ([int(hit.group(1))] if hit else range(count)):
+        if first is not None and (m := re.search(rf"\blayers\.{first + i}\.", qp)):
+            return qp[: m.start()] + "layers.{n}." + qp[m.end():]
+        if hit and (m := re.search(rf"\blayers\.{i}\.", qp)):
+            return qp[: m.start()] + "layers.{i}." + qp[m.end():]
+    return qp
 
 
 def _unquantized(method: str | None, kind: str) -> bool:
@@ -119,12 +139,16 @@ def embeddings(drafts: dict[str, dict], loc: dict, mtp_prefixes: list[str]) -> l
                 (b.get("modules", {}).get(param.rpartition(".")[0]) for b in answers.get("builds", {}).values()
                  if param.rpartition(".")[0] in b.get("modules", {})), None)
             if info and info.get("kind") == "embedding" and not _is_head(info):
-                out.add(_templ(src[: -len(".weight")], mtp_prefixes, loc["prefix"]).replace("{n}", "*"))
+                out.add(_templ(src[: -len(".weight")], mtp_prefixes, loc["prefix"]).replace("{n}", "*").replace(
+                    "{i}", "*"))
     return sorted(out)
 
 
-def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str]) -> dict:
-    """One engine's ``[[mtp.draft]]`` from its answers (see the module docstring)."""
+def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str], first: int | None = None,
+                count: int = 1) -> dict:
+    """One engine's ``[[mtp.draft]]`` from its answers (see the module docstring); ``first`` / ``count``: the
+    stand-in's ``num_hidden_layers`` and MTP layer count, which a draft's layer numbers under a block prefix are
+    read against (``_draft_templ``)."""
     trace = answers["trace"]
     label = {"vllm": "vLLM", "sglang": "SGLang"}.get(engine, engine)
     cls = trace.get("model_class") or "?"
@@ -158,7 +182,8 @@ def draft_entry(engine: str, answers: dict, loc: dict, mtp_prefixes: list[str]) 
         for src, attr in land.items():
             qp = (mods.get(attr) or {}).get("quant_prefix")
             if qp and qp != src:
-                names.add((_templ(src, mtp_prefixes, loc["prefix"]), _templ(qp, mtp_prefixes, loc["prefix"])))
+                names.add((_templ(src, mtp_prefixes, loc["prefix"]),
+                           _draft_templ(_templ(qp, mtp_prefixes, loc["prefix"]), src, loc["prefix"], first, count)))
         if any_q:
             quantized.append(fmt)
         unquantized[fmt] = sorted(off)
@@ -179,9 +204,13 @@ def section(mtp_names: list[str], config: dict, drafts: dict[str, dict]) -> dict
         prefixes = [loc["prefix"].replace("{n}", str(text["num_hidden_layers"] + i)) for i in range(n)]
     else:
         prefixes = [loc["prefix"]]
+    first = text.get("num_hidden_layers") if isinstance(text.get("num_hidden_layers"), int) else None
+    entries = [draft_entry(e, a, loc, prefixes, first, n) for e, a in sorted(drafts.items())]
     out = dict(loc)
+    if "first" not in loc and any("{n}" in dst for d in entries for _, dst in d.get("names", [])):
+        out = {"prefix": loc["prefix"], "first": "num_hidden_layers", **loc}  # the drafts number {n} from it
     out["reason"] = "the engines' main models drop these layers on purpose; their speculative-decoding drafts load them"
-    out["draft"] = [draft_entry(e, a, loc, prefixes) for e, a in sorted(drafts.items())]
+    out["draft"] = entries
     return out
 
 

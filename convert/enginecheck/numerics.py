@@ -259,6 +259,8 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
 
 
 def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str]) -> LayerCheck | None:
+    """One layer the runner read: each expert's (or the layer's) placed rows held to their sources and bounds.
+    None where no checkpoint tensor reached the layer (a derived or engine-made one)."""
     param = layer["param"]
     c = LayerCheck(param, layer["module"], layer.get("format", "?"), layer.get("rule", ""),
                    layer.get("processed", ""), kernel_read=layer.get("kernel_read"))
@@ -278,67 +280,13 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         expert = key[1]
         w = w_all[expert] if expert is not None else w_all
         where = f"{param}" + (f" expert {expert}" if expert is not None else "")
-        spots = sorted(placed[key], key=lambda s: s[1])
-        refs, ok_spots = [], []
-        for tensor, row, n, src_row in spots:
-            used.add(tensor)
-            if tensor not in decoded:
-                decoded[tensor] = sources.ref(tensor)
-            r = decoded[tensor]
-            if r is None:
-                c.problems.append(f"{engine}: {where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
-                continue
-            s0 = src_row if src_row is not None else 0
-            if (bad := _misplaced(tensor, row, n, src_row, r.values.shape, tuple(w.shape))) is not None:
-                c.problems.append(f"{engine}: {where} {bad}")
-                continue
-            refs.append((r, s0, n))
-            ok_spots.append((tensor, row, n))
-            if tensor not in c.members:
-                c.members.append(tensor)
+        refs, ok_spots = _placed_refs(f"{engine}: {where}", placed[key], w, sources, decoded, used, c)
         if not refs:
             continue
-        if c.format == "nvfp4":  # rows are independent but for the layer's one global scale
-            refs = [_rows(r, s0, n) for r, s0, n in refs]
-            kmax = _kmax(refs)
-            glob = _global_of(layer, expert)
-            claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8))
-                      for r in refs]
-            bl = _nvfp4_bound(refs, claims, kmax, layer.get("convention", "modelopt"))
-        elif c.format == "fp8-block":  # the stored tensor's own tile grid, then the rows this write placed
-            bl = [(_fp8_bound(r)[s0: s0 + n], torch.zeros((n, r.values.shape[1]), dtype=torch.bool))
-                  for r, s0, n in refs]
-            refs = [_rows(r, s0, n) for r, s0, n in refs]
-        else:
-            refs = [_rows(r, s0, n) for r, s0, n in refs]
-            bl = [(_dense_bound(r, layer.get("dtype", "float32")), torch.ones_like(r.values, dtype=torch.bool))
-                  for r in refs]
-        for (tensor, row, n), r, (bound, exact) in zip(ok_spots, refs, bl, strict=True):
-            got = w[row: row + n].float()
-            err = _row_err(got, r.values)
-            if c.format == "dense":  # exact only the rows the parameter's dtype holds exactly
-                exact = exact & (bound == 0).unsqueeze(-1)
-            differ = exact & (got != r.values)
-            exact_bad = int(differ.sum())
-            c.exact_elements += int(exact.sum())
-            lim = torch.where(bound == 0, torch.zeros_like(bound), bound * SLACK + FLOOR)
-            bad = (err > lim) | differ.any(dim=-1)
-            errs.append(err)
+        refs, bl = _bounds(c.format, refs, layer, expert)
+        for spot, r, (bound, exact) in zip(ok_spots, refs, bl, strict=True):
+            errs.append(_check_rows(f"{engine}: {where}", layer, c, expert, spot, w, r, bound, exact))
             bounds.append(bound)
-            c.rows += n
-            c.exact = c.exact and bool((bound == 0).all())
-            ratio = torch.where(lim > 0, err / lim, torch.where(err > 0, torch.inf, 0.0))
-            top = torch.argsort(ratio, descending=True)[:3]
-            for i in top.tolist():
-                c.worst.append({"tensor": tensor, "expert": expert, "row": row + i, "source_row": i,
-                                "rel_err": float(err[i]), "bound": float(bound[i]), "ratio": float(ratio[i])})
-            if bool(bad.any()):
-                rows = torch.nonzero(bad).flatten().tolist()
-                what = (f"{exact_bad} element(s) the recipe keeps exactly differ" if exact_bad else
-                        f"relative error up to {float(err[bad].max()):.3g} against a bound of "
-                        f"{float(bound[bad].max()):.3g}")
-                c.problems.append(f"{engine}: {where} rows {row + rows[0]}..{row + rows[-1]} ({len(rows)} of {n}, "
-                                  f"from {tensor}): {what} ({c.format}: {_why(layer)})")
     if errs:
         e, b = torch.cat(errs), torch.cat(bounds)
         finite = e[torch.isfinite(e)]
@@ -347,6 +295,84 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         c.max_bound = float(b.max())
     c.worst = sorted(c.worst, key=lambda w: -w["ratio"])[:3]
     return c
+
+
+def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, decoded: dict[str, Ref | None],
+                 used: set[str], c: LayerCheck) -> tuple[list[tuple[Ref, int, int]], list[tuple[str, int, int]]]:
+    """The source rows behind each placement of one expert (or layer), in the parameter's row order, as
+    (reference, its first row, rows) beside (tensor, row, rows); a placement without a source weight or
+    with rows that cannot be where the write put them is a problem of ``c`` instead (checked apart, so the
+    report names each)."""
+    refs, ok_spots = [], []
+    for tensor, row, n, src_row in sorted(spots, key=lambda s: s[1]):
+        used.add(tensor)
+        if tensor not in decoded:
+            decoded[tensor] = sources.ref(tensor)
+        r = decoded[tensor]
+        if r is None:
+            c.problems.append(f"{where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
+            continue
+        s0 = src_row if src_row is not None else 0
+        if (bad := _misplaced(tensor, row, n, src_row, r.values.shape, tuple(w.shape))) is not None:
+            c.problems.append(f"{where} {bad}")
+            continue
+        refs.append((r, s0, n))
+        ok_spots.append((tensor, row, n))
+        if tensor not in c.members:
+            c.members.append(tensor)
+    return refs, ok_spots
+
+
+def _bounds(fmt: str, refs: list[tuple[Ref, int, int]], layer: dict, expert: int | None
+            ) -> tuple[list[Ref], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The placed rows' references and, per reference, its rows' error bound and which elements must be exact,
+    by the layer's format: NVFP4's rows are independent but for the layer's one global scale (so the bound is
+    taken over every placed row at once); block FP8's follow the stored tensor's own tile grid (so the bound
+    is made before the rows are cut); a dense layer's by its dtype."""
+    if fmt == "nvfp4":
+        rows = [_rows(r, s0, n) for r, s0, n in refs]
+        kmax = _kmax(rows)
+        glob = _global_of(layer, expert)
+        claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8)) for r in rows]
+        return rows, _nvfp4_bound(rows, claims, kmax, layer.get("convention", "modelopt"))
+    if fmt == "fp8-block":
+        bl = [(_fp8_bound(r)[s0: s0 + n], torch.zeros((n, r.values.shape[1]), dtype=torch.bool)) for r, s0, n in refs]
+        return [_rows(r, s0, n) for r, s0, n in refs], bl
+    rows = [_rows(r, s0, n) for r, s0, n in refs]
+    return rows, [(_dense_bound(r, layer.get("dtype", "float32")), torch.ones_like(r.values, dtype=torch.bool))
+                  for r in rows]
+
+
+def _check_rows(where: str, layer: dict, c: LayerCheck, expert: int | None, spot: tuple[str, int, int],
+                w: torch.Tensor, r: Ref, bound: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """The rows one placement wrote, held to their reference: counted in ``c``, its three worst rows noted, a
+    row beyond its bound (or an element that must be exact and is not) a problem. Returns the rows' relative
+    errors, which the layer's summary takes."""
+    tensor, row, n = spot
+    got = w[row: row + n].float()
+    err = _row_err(got, r.values)
+    if c.format == "dense":  # exact only the rows the parameter's dtype holds exactly
+        exact = exact & (bound == 0).unsqueeze(-1)
+    differ = exact & (got != r.values)
+    exact_bad = int(differ.sum())
+    c.exact_elements += int(exact.sum())
+    lim = torch.where(bound == 0, torch.zeros_like(bound), bound * SLACK + FLOOR)
+    bad = (err > lim) | differ.any(dim=-1)
+    c.rows += n
+    c.exact = c.exact and bool((bound == 0).all())
+    ratio = torch.where(lim > 0, err / lim, torch.where(err > 0, torch.inf, 0.0))
+    top = torch.argsort(ratio, descending=True)[:3]
+    for i in top.tolist():
+        c.worst.append({"tensor": tensor, "expert": expert, "row": row + i, "source_row": i,
+                        "rel_err": float(err[i]), "bound": float(bound[i]), "ratio": float(ratio[i])})
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()
+        what = (f"{exact_bad} element(s) the recipe keeps exactly differ" if exact_bad else
+                f"relative error up to {float(err[bad].max()):.3g} against a bound of "
+                f"{float(bound[bad].max()):.3g}")
+        c.problems.append(f"{where} rows {row + rows[0]}..{row + rows[-1]} ({len(rows)} of {n}, "
+                          f"from {tensor}): {what} ({c.format}: {_why(layer)})")
+    return err
 
 
 def _misplaced(tensor: str, row: int, n: int, src_row: int | None, src: tuple, read: tuple) -> str | None:

@@ -394,39 +394,10 @@ class Tracker:
         unwritten)."""
         import re
 
-        opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
         targ = [(re.compile(t[0]), {"why": t[1], "target": t[2]}) for t in target or []]
-        unfilled, allowed, from_target = [], [], []
         now = dict(model.named_parameters())
-        for name, p in self.params.items():
-            cur = now.get(name, p)
-            n = self._unwritten(name, cur)
-            if not n:
-                continue
-            entry = {"param": name, "dtype": str(cur.dtype).replace("torch.", ""), "shape": list(cur.shape),
-                     "unfilled": n, "numel": cur.numel()}
-            why = next((w for rx, w, count in opt if rx.search(name) and count in (None, n)), None)
-            shared = next((w for rx, w in targ if rx.search(name)), None)
-            if shared:
-                from_target.append({**entry, **shared})
-            elif why:
-                allowed.append({**entry, "why": why})
-            else:
-                unfilled.append(entry)
-        created = sorted(set(now) - set(self.params))
-        buffers_unfilled = []
-        nowb = dict(model.named_buffers())
-        for name, b in self.buffers.items():
-            cur = nowb.get(name, b)
-            if cur.numel() and cur.device.type != "meta" and bool(sentinel_mask(cur.data).all()):
-                buffers_unfilled.append(name)
-        skipped = [n for n in self.offered_order if not self.stored.get(n)]
-        mtp = {n: why for n in skipped if mtp_rule is not None and (why := mtp_rule(n))}
-        skipped = [n for n in skipped if n not in mtp]
-        main = {n: why for n in skipped if main_rule is not None and (why := main_rule(n))}
-        skipped = [n for n in skipped if n not in main]
-        ruled = {n: r for n in skipped if drop_rule is not None and (r := drop_rule(n))}
-        skipped = [n for n in skipped if n not in ruled]
+        unfilled, allowed, from_target = self._unfilled(now, optional, targ)
+        skipped, mtp, main, ruled = self._skipped(mtp_rule, main_rule, drop_rule)
         casts = [{"tensor": n, "param": p, "class": c, "from": a, "to": b}
                  for (n, p), (c, a, b) in sorted(self.casts.items())]
         return {
@@ -447,12 +418,61 @@ class Tracker:
                                 key=lambda c: c["class"] != "reinterpret"),
             "widening_casts": [c for c in casts if c["class"] == "widening"],
             "exact_casts": [c for c in casts if c["class"] in ("bitwise", "exact")],
-            "created_during_load": created,
-            "buffers_never_written": buffers_unfilled,
+            "created_during_load": sorted(set(now) - set(self.params)),
+            "buffers_never_written": self._buffers_unfilled(model),
             "stored": {n: sorted(self.stored.get(n, ())) for n in self.offered_order},
             "observer_errors": self.observer_errors[:20],
             "shared_storage_offers": self.shared_storage_offers[:20],
         }
+
+    def _unfilled(self, now: dict[str, torch.Tensor], optional: list[tuple], targ: list[tuple]
+                  ) -> tuple[list[dict], list[dict], list[dict]]:
+        """The parameters left (partly) unwritten, in three lists: unexplained (a failure), allowed by the engine's
+        ``optional`` rule, and replaced with the target model's after loading (a draft's). ``now``: the
+        parameters after loading by name (an engine may replace a parameter object while it processes)."""
+        import re
+
+        opt = [(re.compile(o[0]), o[1], o[2] if len(o) > 2 else None) for o in optional]
+        unfilled, allowed, from_target = [], [], []
+        for name, p in self.params.items():
+            cur = now.get(name, p)
+            n = self._unwritten(name, cur)
+            if not n:
+                continue
+            entry = {"param": name, "dtype": str(cur.dtype).replace("torch.", ""), "shape": list(cur.shape),
+                     "unfilled": n, "numel": cur.numel()}
+            why = next((w for rx, w, count in opt if rx.search(name) and count in (None, n)), None)
+            shared = next((w for rx, w in targ if rx.search(name)), None)
+            if shared:
+                from_target.append({**entry, **shared})
+            elif why:
+                allowed.append({**entry, "why": why})
+            else:
+                unfilled.append(entry)
+        return unfilled, allowed, from_target
+
+    def _buffers_unfilled(self, model: torch.nn.Module) -> list[str]:
+        """The buffers still wholly the sentinel after loading: never written."""
+        out = []
+        nowb = dict(model.named_buffers())
+        for name, b in self.buffers.items():
+            cur = nowb.get(name, b)
+            if cur.numel() and cur.device.type != "meta" and bool(sentinel_mask(cur.data).all()):
+                out.append(name)
+        return out
+
+    def _skipped(self, mtp_rule, main_rule, drop_rule) -> tuple[list[str], dict, dict, dict]:
+        """The offered tensors stored nowhere, less those an engine's own rule drops on purpose, and those three
+        rules' tensors apart (MTP layer, main model, conditional drop: each rule's tensors left out of the next),
+        so a failure lists only the unexplained."""
+        skipped = [n for n in self.offered_order if not self.stored.get(n)]
+        mtp = {n: why for n in skipped if mtp_rule is not None and (why := mtp_rule(n))}
+        skipped = [n for n in skipped if n not in mtp]
+        main = {n: why for n in skipped if main_rule is not None and (why := main_rule(n))}
+        skipped = [n for n in skipped if n not in main]
+        ruled = {n: r for n in skipped if drop_rule is not None and (r := drop_rule(n))}
+        skipped = [n for n in skipped if n not in ruled]
+        return skipped, mtp, main, ruled
 
 
 

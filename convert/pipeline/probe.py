@@ -236,8 +236,7 @@ def _serve(device: str, threads: int, block: tuple[int, int], inp, out) -> int:
     try:
         import torch
 
-        from kimi_convert.devices import resolve_device
-        from kimi_convert.kernels import get_backend
+        from kimi_convert.devices import get_backend, resolve_device
 
         from ..readers import BufferPool, Loaded
         from .runner import Runner

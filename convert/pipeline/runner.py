@@ -48,8 +48,8 @@ def candidates(device: Device, threads: int) -> dict[str, Backend]:
     import torch
 
     from kimi_convert.devices import Device as Dev
-    from kimi_convert.devices import gpu_count
-    from kimi_convert.kernels import Backend, get_backend
+    from kimi_convert.devices import get_backend, gpu_count
+    from kimi_convert.kernels import Backend
 
     if device.kind == "auto" and not gpu_count():  # (devices.worker_devices left it to confirm here)
         return {"cpu": get_backend(Dev("cpu"), threads)}

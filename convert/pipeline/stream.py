@@ -397,24 +397,9 @@ class Stream:
                 writing.popleft().result()
             for f in list(finishing):
                 f.result()
-            t = time.perf_counter()
-            hashes = {f: h.finish() for f, h in self.files.items()}
-            done = {f: fut.result() for f, fut in hashes.items()}
-            hash_wait = round(time.perf_counter() - t, 3)
-            # the input files' sha256 chains: each one sequential, the floor of a stream over one large file
-            self.seconds["hash: input file sha256 chains (busy)"] = sum(h.busy_s for h in self.files.values())
-            self.seconds["hash: input file sha256 chains (on a CPU)"] = sum(h.cpu_s for h in self.files.values())
-            self.seconds["hash: input file sha256 chains (own reads)"] = sum(h.read_s for h in self.files.values())
-            if self.files and (wait := self.chain_pool.submit(_runqueue_wait_s).result()) is not None:
-                self.seconds["hash: input file sha256 chains' thread (waiting for a CPU)"] = wait
+            done, hash_wait = self._finish_inputs()
         except BaseException:
-            self.stop.set()
-            faults.release()
-            for ex in (reads, writes, finisher, self.hints, self.chain_pool):
-                ex.shutdown(wait=True, cancel_futures=True)
-            for st in self.open.values():
-                st.writer.abort()
-            self.reader.close()
+            self._abort((reads, writes, finisher))
             timeline.stop()
             raise
         for ex in (reads, writes, finisher, self.hints, self.chain_pool):
@@ -424,6 +409,32 @@ class Stream:
                          sum(h.reread for h in self.files.values()), stages=dict(self.seconds),
                          wall_s=round(time.perf_counter() - start, 3), hash_wait_s=hash_wait,
                          early_units=self.early_units, timeline=timeline.stop())
+
+    def _finish_inputs(self) -> tuple[dict[str, str], float]:
+        """The input files' sha256 (each file's chain finishes once its last bytes are in) and the seconds waited
+        for them; the chains' own time goes to the stages' seconds: each chain is sequential, the floor of a
+        stream over one large file."""
+        t = time.perf_counter()
+        hashes = {f: h.finish() for f, h in self.files.items()}
+        done = {f: fut.result() for f, fut in hashes.items()}
+        hash_wait = round(time.perf_counter() - t, 3)
+        self.seconds["hash: input file sha256 chains (busy)"] = sum(h.busy_s for h in self.files.values())
+        self.seconds["hash: input file sha256 chains (on a CPU)"] = sum(h.cpu_s for h in self.files.values())
+        self.seconds["hash: input file sha256 chains (own reads)"] = sum(h.read_s for h in self.files.values())
+        if self.files and (wait := self.chain_pool.submit(_runqueue_wait_s).result()) is not None:
+            self.seconds["hash: input file sha256 chains' thread (waiting for a CPU)"] = wait
+        return done, hash_wait
+
+    def _abort(self, pools: tuple[ThreadPoolExecutor, ...]) -> None:
+        """A failed or interrupted run: every thread told to stop and waited for (a queued piece is dropped), every
+        open shard's file closed (its ``.partial`` name never looks finished), the reader closed."""
+        self.stop.set()
+        faults.release()
+        for ex in (*pools, self.hints, self.chain_pool):
+            ex.shutdown(wait=True, cancel_futures=True)
+        for st in self.open.values():
+            st.writer.abort()
+        self.reader.close()
 
 
 def _runqueue_wait_s() -> float | None:
@@ -575,7 +586,7 @@ def warm_up(device: Device, threads: int, need: TorchNeed | None = None) -> None
                 return
         import torch
 
-        from kimi_convert.kernels import get_backend
+        from kimi_convert.devices import get_backend
 
         from .. import compute  # noqa: F401 - imported for its side effect: loaded now, not later
         from ..devices import Device as Dev

@@ -14,7 +14,7 @@ aliases, patterns), ``make`` (make_plan).
 from ..options import DEFAULT_MAX_SHARD, LAYOUTS, Options
 from ..schemes import GROUP_SIZE
 from .discover import check_convertible, discover_sources, fp8_block_size
-from .fusion import EngineGroup, Fused, resolve_fusions
+from .fusion import Fused, resolve_fusions
 from .layout import build_items
 from .make import make_plan
 from .model import (
@@ -26,6 +26,7 @@ from .model import (
     NVFP4,
     QUANTIZED,
     Encoding,
+    EngineGroup,
     Item,
     Kind,
     Op,

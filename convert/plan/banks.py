@@ -21,14 +21,13 @@ from dataclasses import dataclass, replace
 from operator import itemgetter, lt
 
 from ..checkpoint import Checkpoint
-from ..keep import KeepRule
 from ..mapping import Mapping, template_regex
 from ..options import Options
 from ..recipe import Recipe
 from ..safetensors_format import DTYPES, HEADER_HEAD, TensorInfo, entry_text_len, padded_len, size_of
+from ..vocabulary import KeepRule
 from .decide import index_blind_rules
-from .fusion import EngineGroup
-from .model import Kind, Outline, Unit
+from .model import EngineGroup, Kind, Outline, Unit
 
 _DTYPE_SHAPE_FILE = itemgetter(2, 3, 1)  # of a TensorInfo
 

@@ -7,10 +7,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .. import globs, keep, mtp
-from ..keep import KeepRule
 from ..mapping import Group, Mapping
 from ..options import Options
-from ..recipe import Recipe
+from ..recipe import rule_for
+from ..vocabulary import KeepRule, Recipe
 from .model import KEEP, Kind, SourceTensor
 
 # ---------------------------------------------------------------------------------------------
@@ -96,12 +96,13 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     precision when one of keep.py's sources says so (its reason names the source), else the recipe's
     first matching rule."""
     m = ctx.m
-    rule = ctx.recipe.decide(members[0], m.text_prefix, ctx.is_expert(members[0]))
+    rule = rule_for(ctx.recipe, members[0], m.text_prefix, ctx.is_expert(members[0]))
     k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
     if k is not None:
         return Decision(KEEP, k.reason)
     if m.mtp is not None and ctx.mtp_prefixes:
-        why = mtp.decide(members[0], m.mtp, ctx.mtp_prefixes, ctx.recipe.output_format, ctx.opts.quantize_mtp)
+        why = mtp.decide(members[0], m.mtp, ctx.mtp_prefixes, ctx.recipe.output_format, ctx.opts.quantize_mtp,
+                         ctx.modules)
         if why is not None:
             return Decision(KEEP, f"mapping {m.name}: mtp: {why}")
     assert rule is not None  # keep.kept keeps a module no rule matches

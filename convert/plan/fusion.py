@@ -28,17 +28,6 @@ class Fused:
         return f"{self.parent}.{self.group.name}"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineGroup:
-    """One packed module an engine builds from stored-apart members: recorded in the plan and manifest,
-    and the reason its quantized members share one global scale."""
-
-    name: str  # full name of the engine's packed module
-    engines: tuple[str, ...]
-    members: tuple[str, ...]  # source modules in the engine's order
-    rows: tuple[tuple[int, int], ...]  # each member's rows in the engine's fused weight
-
-
 def _applies(g: Group, short_parent: str, kinds: dict[int, str], m: Mapping, config: dict,
              when: bool | str | None = "") -> bool | None:
     """True or False; None when a config condition is absent (the tensors present decide). ``when``:
@@ -132,7 +121,7 @@ def _children(modules: dict[str, dict[str, SourceTensor]]) -> tuple[dict[str, di
     return out
 
 
-def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
+def disk_groups(m: Mapping, opts: Options) -> list[Group]:
     """The groups written fused on disk: none for the source layout; SGLang's for --layout sglang."""
     known = {g.name for g in m.groups}
     for n in (*opts.fuse, *opts.no_fuse):
@@ -148,7 +137,7 @@ def _disk_groups(m: Mapping, opts: Options) -> list[Group]:
             and (g.enabled or g.name in opts.fuse) and g.name not in opts.no_fuse]
 
 
-def _not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[str]:
+def not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[str]:
     """Why a packed module of the layout's engine present in this checkpoint is still written unfused."""
     if opts.layout == "source":
         return []
@@ -162,7 +151,7 @@ def _not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[
     return list(out.values())
 
 
-def _loadable_on_disk(disk: list[Fused], ctx: DecideContext, notes: list[str]) -> list[Fused]:
+def loadable_on_disk(disk: list[Fused], ctx: DecideContext, notes: list[str]) -> list[Fused]:
     """Only the fused modules the layout's engine loads fused on disk in the format decided for them (the
     mapping's [layout.ENGINE] formats, found with verify-manifest --engine); the others stay unfused."""
     allowed = ctx.m.layouts.get(ctx.opts.layout)
@@ -187,7 +176,7 @@ def _loadable_on_disk(disk: list[Fused], ctx: DecideContext, notes: list[str]) -
     return out
 
 
-def _engine_groups(m: Mapping) -> dict[str, list[Group]]:
+def packed_groups(m: Mapping) -> dict[str, list[Group]]:
     """Per engine, the packed modules it builds for a quantized model."""
     return {e: [g for g in m.groups if e in g.engines and not g.unquantized_only] for e in ENGINES}
 

@@ -9,26 +9,25 @@ from .. import globs, mtp
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..gcpause import gc_paused
-from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe, find_recipe, with_format
+from ..vocabulary import KeepRule
 from .banks import bank_outline, find_banks
 from .consistency import check_config_tensors
 from .decide import DecideContext
 from .discover import check_convertible, discover_sources
 from .fusion import (
-    EngineGroup,
     Fused,
-    _disk_groups,
-    _engine_groups,
-    _loadable_on_disk,
-    _not_on_disk_notes,
     check_members,
+    disk_groups,
+    loadable_on_disk,
+    not_on_disk_notes,
+    packed_groups,
     resolve_fusions,
 )
 from .layout import build_items, check_engine_layers, make_units, shards_as_source, shards_by_size, stored_copies
-from .model import Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
+from .model import EngineGroup, Item, Kind, Outline, PerModule, Plan, Shard, SourceTensor, Unit
 from .names import collect_patterns, exclude_list
 
 
@@ -87,13 +86,13 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
 
             return _plan(ckpt, m, opts, patterns, recipe, st,
                          exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config),
-                                      tied_head(ckpt, m), st.engine_groups),
+                                      tied_head(ckpt, m), st.engine_groups, m.mtp_layers(ckpt.config)),
                          per_module, lambda _: outline)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
                                                                    m.mtp_prefixes(ckpt.config), tied_head(ckpt, m),
-                                                                   st.engine_groups),
+                                                                   st.engine_groups, m.mtp_layers(ckpt.config)),
                  lambda: per, _outline)
 
 
@@ -165,13 +164,13 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule
     modules = discover_sources(ckpt)
     ctx.modules = modules
     resolve_fusions(modules, m, ckpt.config, list(m.groups))  # any group the config says applies must be whole
-    disk = _loadable_on_disk(resolve_fusions(modules, m, ckpt.config, _disk_groups(m, opts), opts.layout, notes),
+    disk = loadable_on_disk(resolve_fusions(modules, m, ckpt.config, disk_groups(m, opts), opts.layout, notes),
                              ctx, notes)
     fused_on_disk = {mod for f in disk for mod in f.members}
-    fusions = [f for e, gs in _engine_groups(m).items()
+    fusions = [f for e, gs in packed_groups(m).items()
                for f in resolve_fusions(modules, m, ckpt.config, gs, e, notes)
                if fused_on_disk.isdisjoint(f.members)]
-    notes += _not_on_disk_notes(m, opts, fusions)
+    notes += not_on_disk_notes(m, opts, fusions)
     # the engines' packed modules buildable from their members, under every layout: shapes before any
     # per-module decision, then the dtypes of the members the decisions keep
     check_members([*disk, *fusions], modules, m, ckpt.config)

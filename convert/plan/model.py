@@ -12,20 +12,14 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..encodings import Encoding as Encoding  # how a source stores a weight: the source encodings' data
 from ..encodings import SourceTensor
 from ..encodings.mxfp4 import GROUP as MXFP4_GROUP  # noqa: F401 (re-exported)
-from ..keep import KEPT_FOR_ENGINE as KEPT_FOR_ENGINE  # the reason's mark of a module kept for the engines
-from ..keep import KeepRule
-from ..mapping import Mapping
-from ..options import Options
-from ..recipe import Recipe
 from ..safetensors_format import DTYPES, TensorInfo
 from ..schemes import Format
-from ..sidefiles import Skipped
+from ..vocabulary import KEPT_FOR_ENGINE as KEPT_FOR_ENGINE  # the reason's mark of a module kept for the engines
+from ..vocabulary import KeepRule, Recipe, Skipped
 
 if TYPE_CHECKING:
-    from .fusion import EngineGroup
-
-
-
+    from ..mapping import Mapping
+    from ..options import Options
 
 
 class Kind(StrEnum):
@@ -104,6 +98,17 @@ class Unit:
         """Every stored input tensor the unit reads, once (sources that are views of the same parts, gate
         and up of one gpt-oss expert, share them)."""
         return list(dict.fromkeys(p for it in self.items for s in it.sources for p in s.parts))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGroup:
+    """One packed module an engine builds from stored-apart members: recorded in the plan and manifest,
+    and the reason its quantized members share one global scale (``fusion`` finds them)."""
+
+    name: str  # full name of the engine's packed module
+    engines: tuple[str, ...]
+    members: tuple[str, ...]  # source modules in the engine's order
+    rows: tuple[tuple[int, int], ...]  # each member's rows in the engine's fused weight
 
 
 class Placed(NamedTuple):  # a tuple: one per output tensor

@@ -7,25 +7,25 @@ from fnmatch import fnmatchcase
 
 from .. import keep_rules, mtp
 from ..engine_rules import aliases, sglang_exact
-from ..keep import KeepRule
 from ..mapping import Mapping
 from ..options import Options
 from ..recipe import Recipe
-from .fusion import EngineGroup
+from ..vocabulary import KeepRule
 from .layout import expert_sets
-from .model import COPY, KEEP, Item
+from .model import COPY, KEEP, EngineGroup, Item
 
 
 def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
                  members: Callable[[str], Iterable[str]] | None = None,
                  mtp_prefixes: tuple[str, ...] = (), tied_head: str | None = None,
-                 groups: Iterable[EngineGroup] = ()) -> list[str]:
+                 groups: Iterable[EngineGroup] = (), mtp_layers: tuple[dict[str, str], ...] = ()) -> list[str]:
     """The recipe's own list (if it has one) plus every kept linear module it does not already name,
     each fused module's shards, and whole MoE expert sets; and, for the MTP layers, each kept module under the
     prefix each engine's draft model asks its quant method with (``mtp.draft_aliases``). ``members``: the modules
     an item's module stands for (a bank's first expert: every expert of the bank, banks.py); ``tied_head``: an
     output head the checkpoint does not store that the engines would build quantized (``plan.make.tied_head``);
-    ``groups``: the engines' packed modules (an MTP layer's whose members are all kept is named itself, below)."""
+    ``groups``: the engines' packed modules (an MTP layer's whose members are all kept is named itself, below);
+    ``mtp_layers``: ``Mapping.mtp_layers``, what the ``[mtp]`` templates' ``{i}`` / ``{n}`` stand for."""
     names: set[str] = set()
     linear: set[str] = set()
     for it in items:
@@ -42,7 +42,7 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
         names.add(tied_head)
     names.update(s for n in list(names) if (s := m.engine_spelling(n)) is not None)  # the engines' own names
     if m.mtp is not None and mtp_prefixes:
-        drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes))
+        drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes, mtp_layers))
         names.update(drafts)
         if recipe.output_format == "modelopt":  # a kept MTP MLA projection must not exclude every layer's in SGLang
             names = {sglang_exact(n) if n in drafts or n.startswith(mtp_prefixes) else n for n in names}

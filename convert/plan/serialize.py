@@ -13,8 +13,7 @@ from collections.abc import Iterator
 
 from .. import formats
 from ..gcpause import gc_paused
-from .fusion import EngineGroup
-from .model import COPY, FP8, KEEP, NVFP4, Item, Plan
+from .model import COPY, FP8, KEEP, NVFP4, EngineGroup, Item, Plan
 
 #: modules written per piece of ``plan_json`` (a piece is joined text: fewer, larger writes)
 _BATCH = 4096

@@ -4,7 +4,7 @@ check) and every engine layer resolved, under vLLM's and SGLang's own matching r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .. import engine_rules, formats
 from ..errors import ConvertError
@@ -12,8 +12,14 @@ from ..jsonfile import read_json
 from ..plan import Kind, Op
 from .report import Report
 
-if TYPE_CHECKING:
-    from .offline import Modules
+
+class ModuleKinds(Protocol):
+    """What the engine rules read of the module records (``offline.Modules`` gathers them as the records
+    stream by): each module's kind, and each MoE layer's experts' kinds. Named here, so this module needs nothing
+    of ``offline``, which calls it."""
+
+    kinds: dict[str, str]  # module -> kind, MoE experts excepted
+    experts: dict[str, set[str]]  # MoE layer's experts -> their kinds
 
 
 def check_configs(output: Path, man: dict, rep: Report) -> None:
@@ -40,7 +46,7 @@ def row_problems(where: str, m: dict) -> list[str]:
     return problems
 
 
-def _layer_kinds(man: dict, mods: Modules
+def _layer_kinds(man: dict, mods: ModuleKinds
                  ) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
     """Every layer an engine builds from the output -> (the format written: 'nvfp4', 'fp8-block' or 'keep';
     the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
@@ -59,7 +65,7 @@ def _layer_kinds(man: dict, mods: Modules
     return layers, packed
 
 
-def check_engine_rules(man: dict, mods: Modules, rep: Report) -> None:
+def check_engine_rules(man: dict, mods: ModuleKinds, rep: Report) -> None:
     """Each engine layer resolves, under vLLM's and SGLang's own matching rules, to the format written:
     the exclude list (quant_method modelopt), or quantized_layers and the exclude list (modelopt_mixed)."""
     prefix = man["mapping_table"].get("text_prefix", "")

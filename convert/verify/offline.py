@@ -87,20 +87,11 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None
     few shards' tensors, never the whole model's."""
     shards = {f["file"]: f for f in man["outputs"]}
     others = {f["file"]: f for f in man.get("files", [])}
-    problems: list[str] = _side_records(man, others)
     index_problems: list[str] = []
     index = _read_index(output / INDEX_NAME, index_problems)
     mods = Modules()
     records = {e["shard"]: e for e in man["records"]}
-    problems += [f"manifest.json: no records file for shard {f}" for f in shards if f not in records]
-    problems += [f"manifest.json: records file {e['file']} for {f}, which is not among its outputs"
-                 for f, e in records.items() if f not in shards]
-    for name in others:
-        if not (output / name).is_file():
-            problems.append(f"{name}: missing")
-    problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
-                 if not (output / d).is_dir()]
-    problems += _strangers(output, {*shards, *others})
+    problems = _listing_problems(output, man, shards, others, records)
     present = {n for n in [*shards, *others] if (output / n).is_file()}
     if total:
         total(sum((output / n).stat().st_size for n in present))
@@ -125,23 +116,47 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None
     rep.check("tensors: names, dtypes, shapes and sha256", [p for c in checked.values() for p in c.tensor_problems],
               f"{mods.tensors} tensors")
     if index is not None:
-        listing, total_size = index
-        want = _Listing({}, {})
-        for c in checked.values():
-            for f, n in c.listed.counts.items():
-                want.sums[f], want.counts[f] = c.listed.sums[f], n
-        unread = {f for f, c in checked.items() if c.unread}
-        files = listing.differs(want)
-        index_problems += [f"{INDEX_NAME}: not compared for {f}, whose records file is unreadable" for f in files
-                           if f in unread]
-        if [f for f in files if f not in unread]:
-            index_problems += _index_differences(output, man, [f for f in files if f not in unread], records)
-        if total_size != mods.nbytes:
-            index_problems.append(f"{INDEX_NAME}: total_size {total_size}, tensors hold {mods.nbytes}")
+        index_problems += _index_problems(output, man, index, checked, records, mods.nbytes)
     rep.check("index: weight_map and total_size", index_problems)
     check_configs(output, man, rep)
     rep.check("fused modules: row ranges tile the fused tensors", mods.problems)
     check_engine_rules(man, mods, rep)
+
+
+def _listing_problems(output: Path, man: dict, shards: dict, others: dict, records: dict) -> list[str]:
+    """What is wrong with the output's files as a listing, before any is read: a side file's record, a shard
+    without a records file or a records file without its shard, a file the manifest names and the folder lacks
+    (an empty input folder too), a file the folder holds and the manifest does not name."""
+    problems: list[str] = _side_records(man, others)
+    problems += [f"manifest.json: no records file for shard {f}" for f in shards if f not in records]
+    problems += [f"manifest.json: records file {e['file']} for {f}, which is not among its outputs"
+                 for f, e in records.items() if f not in shards]
+    for name in others:
+        if not (output / name).is_file():
+            problems.append(f"{name}: missing")
+    problems += [f"{d}/: missing (an empty folder of the input)" for d in man.get("side_folders", [])
+                 if not (output / d).is_dir()]
+    problems += _strangers(output, {*shards, *others})
+    return problems
+
+
+def _index_problems(output: Path, man: dict, index: tuple, checked: dict, records: dict, nbytes: int) -> list[str]:
+    """The index's weight_map against the tensors the shards hold (counted per file while they were read; a file
+    that differs is then listed in full, ``_index_differences``, so a million-tensor index is compared without
+    holding it twice) and its total_size against their bytes."""
+    listing, total_size = index
+    want = _Listing({}, {})
+    for c in checked.values():
+        for f, n in c.listed.counts.items():
+            want.sums[f], want.counts[f] = c.listed.sums[f], n
+    unread = {f for f, c in checked.items() if c.unread}
+    files = listing.differs(want)
+    out = [f"{INDEX_NAME}: not compared for {f}, whose records file is unreadable" for f in files if f in unread]
+    if [f for f in files if f not in unread]:
+        out += _index_differences(output, man, [f for f in files if f not in unread], records)
+    if total_size != nbytes:
+        out.append(f"{INDEX_NAME}: total_size {total_size}, tensors hold {nbytes}")
+    return out
 
 
 def _compare_file(name: str, sha: str, size: int, rec: dict, problems: list[str]) -> None:

@@ -13,7 +13,6 @@ from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
 from ..hashing import git_blob_sha1, hash_file
-from ..keep import KeepRule
 from ..manifest import iter_modules
 from ..mapping import parse_mapping
 from ..options import Options
@@ -22,6 +21,7 @@ from ..plan.serialize import plan_dict, plan_hash
 from ..recipe import parse_recipe
 from ..sidefiles import scan
 from ..sources import EntryKind, Source, provenance
+from ..vocabulary import KeepRule
 from .report import Report
 
 SAMPLE_EVERY = 8  # default: re-quantize one NVFP4 unit in 8 (chosen by name hash), plus the first and last
@@ -137,7 +137,7 @@ def _check_input_side_files(source: Source, man: dict, rep: Report, output: Path
 
 def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep: Report, full: bool,
                device: str | Device) -> None:
-    from kimi_convert.kernels import get_backend
+    from kimi_convert.devices import get_backend
 
     from ..compute import compute_unit
     from ..plan import fp8_block_size

@@ -1,10 +1,11 @@
 """Compute kernels: NVFP4 quantization (reference, fast CPU, Triton), MXFP4 transcoding, decoding.
 
-The pipeline only calls :func:`get_backend` and the :class:`Backend` methods, so every quantizer
-plugs into the same code path and is held to the same bytes as ``reference``. NVIDIA's K3 recipe
-(:meth:`Backend.cast_mxfp4`, :meth:`Backend.fp8_block`) runs its torch code (``mxfp4_cast``, ``fp8_block``)
-on the ``reference`` backend or with ``KIMI_CONVERT_RECIPE_KERNELS=torch``, else this backend's kernels
-(``recipe_cpu``, ``recipe_triton``), which give the same bytes.
+The pipeline only calls :func:`make_backend` (``kimi_convert.devices.get_backend``: the application resolves
+the device) and the :class:`Backend` methods, so every quantizer plugs into the same code path and is held to
+the same bytes as ``reference``. NVIDIA's K3 recipe (:meth:`Backend.cast_mxfp4`, :meth:`Backend.fp8_block`)
+runs its torch code (``mxfp4_cast``, ``fp8_block``) on the ``reference`` backend or with
+``KIMI_CONVERT_RECIPE_KERNELS=torch``, else this backend's kernels (``recipe_cpu``, ``recipe_triton``), which
+give the same bytes.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kimi_convert.devices import Device, cpus, resolve_device
-
 if TYPE_CHECKING:
     import torch
 
     from . import ct_nvfp4, fp8_block, mxfp4_cast, reference
     from .encodings import DecodeError, decode_fp8_block, decode_mxfp4
 
-__all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "get_backend",
+__all__ = ["Backend", "DecodeError", "ct_nvfp4", "decode_fp8_block", "decode_mxfp4", "fp8_block", "make_backend",
            "mxfp4_cast", "reference"]
 
 #: What this package gives on first use rather than on import: each of them imports torch, and the pipeline
@@ -162,27 +161,27 @@ class Backend:
         return p.reshape(*w.shape[:-1], -1), s.reshape(*w.shape[:-1], -1)
 
 
-def get_backend(device: Device | str = "auto", threads: int | None = None) -> Backend:
-    """The backend of a resolved device (a string is resolved by ``resolve_device``: ``auto``, ``cpu``,
-    ``cuda[:N]``, ``reference``, ``triton``). ``threads``: the C kernel's threads (default: ``cpus()``).
+def make_backend(kind: str, index: int | None = None, threads: int = 1) -> Backend:
+    """The backend of a resolved device (``kimi_convert.devices.get_backend`` resolves ``--device``'s spelling
+    against the machine, so the kernels need nothing of the application): ``kind`` ``reference``, ``cpu``,
+    ``triton`` or ``cuda`` (also ``auto``'s GPU), ``index`` the GPU, ``threads`` the C kernel's threads.
 
     ``triton`` runs the Triton kernel on the CPU under ``TRITON_INTERPRET=1`` (tests) or on the GPU.
     """
     import torch
 
-    device = resolve_device(device)
-    threads = threads or cpus()
-    if device.kind == "reference":
+    if kind == "reference":
         return Backend("reference", torch.device("cpu"), threads)
-    if device.kind == "cpu":
+    if kind == "cpu":
         from . import nvfp4_cpu
 
         return Backend("cpu" if nvfp4_cpu.load() is not None else "reference", torch.device("cpu"), threads)
-    if device.kind == "triton":
+    if kind == "triton":
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         return Backend("triton", torch.device("cpu" if interpret or not torch.cuda.is_available() else "cuda"),
                        threads)
     # cuda, and auto's GPU (a pipeline measures the CPU against it: pipeline.choose)
     if not torch.cuda.is_available():  # cuda: resolve_device saw the GPU; torch must be able to start it
+        device = kind if index is None else f"{kind}:{index}"
         raise ValueError(f"--device {device}: torch sees no CUDA device")
-    return Backend("triton", torch.device("cuda", device.index), threads)
+    return Backend("triton", torch.device("cuda", index), threads)

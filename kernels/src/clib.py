@@ -42,7 +42,10 @@ def _compiler() -> str | None:
     return os.environ.get("KIMI_CONVERT_CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
+def build(src: bytes, cc: str, stem: str = "nvfp4_cpu") -> Path:
+    """The shared library of C source ``src`` built with ``cc``, cached under a key of the source, the flags and
+    the compiler's version (so an edit or another compiler builds anew); public for ``nvfp4_cpu``, which names it
+    among its own, and the tests of a build that fails."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     out = _cache_dir() / f"{stem}-{key}.so"
@@ -88,7 +91,7 @@ def _open_library(stem: str, what: str) -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or clang) on PATH")
-        return ctypes.CDLL(str(_build(src, cc, stem)))
+        return ctypes.CDLL(str(build(src, cc, stem)))
     except OSError as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kimi-convert: warning: {what} unavailable ({reason}); using the torch code (same bytes, slower)",
@@ -108,6 +111,10 @@ def load() -> ctypes.CDLL | None:
     lib.kc_quant_bf16_mt.argtypes = lib.kc_quant_f32_mt.argtypes = [p, i64, i64, f32, p, p, i32]
     lib.kc_ct_quant_mt.argtypes = [p, i64, i64, f32, i32, p, p, i32]
     lib.kc_ct_quant_mt.restype = None
+    lib.kc_int4_amax_mt.argtypes = [p, p, i64, i64, i64, i32]
+    lib.kc_int4_amax_mt.restype = ctypes.c_uint32
+    lib.kc_int4_quant_mt.argtypes = [p, p, i64, i64, i64, f32, i32, p, p, i32]
+    lib.kc_int4_quant_mt.restype = None
     lib.kc_nvfp4_avx512.argtypes = []
     lib.kc_nvfp4_avx512.restype = ctypes.c_int
     set_pool_types(lib)
@@ -171,3 +178,15 @@ def ct_quant(lib: ctypes.CDLL, ptr: int, m: int, k: int, fp32: bool, g: float, p
              threads: int) -> None:
     """compressed-tensors' NVFP4 of the same rows under ``weight_global_scale`` ``g``."""
     lib.kc_ct_quant_mt(ptr, m, k, g, int(fp32), packed, scales, threads)
+
+
+def int4_amax_bits(lib: ctypes.CDLL, packed: int, scale: int, m: int, k: int, groups: int, threads: int) -> int:
+    """The bits of the fp32 amax of an INT4 ``pack-quantized`` weight [m, k] decoded (codes at ``packed``, ``groups``
+    finite fp32 scales a row at ``scale``), without it in memory; 0x7F800000: a product overflows fp32."""
+    return lib.kc_int4_amax_mt(packed, scale, m, k, groups, threads)
+
+
+def int4_quant(lib: ctypes.CDLL, packed: int, scale: int, m: int, k: int, groups: int, ct: bool, s2: float, out: int,
+               scales: int, threads: int) -> None:
+    """:func:`quant` (``ct``: :func:`ct_quant`) of the same weight's fp32 values, decoded a row at a time."""
+    lib.kc_int4_quant_mt(packed, scale, m, k, groups, s2, int(ct), out, scales, threads)

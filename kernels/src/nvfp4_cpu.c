@@ -497,3 +497,89 @@ void kc_ct_quant_mt(const void *x, int64_t rows, int64_t k, float g, int32_t f32
     kc_ct_job j = {x, rows, k, kc_tasks(rows, k, threads, KC_MIN_SPLIT), g, f32, packed, scales};
     kc_parallel(kc_ct_task, &j, j.ntasks, threads);
 }
+
+/* --- Kimi K2.5's INT4 pack-quantized weights, quantized from their codes --------------------------------------
+ * Each row decoded into a buffer the cache holds, then amax'd or quantized as the fp32 row it is: the values of
+ * recipe_cpu.c kc_int4_rows and kernels/src/encodings.py decode_int4, (code - 8) * scale in one IEEE multiply, so the
+ * bytes of kc_amax_f32 / kc_quant_f32 / kc_ct_quant_mt on the decoded weight. Why: decoded whole, the weight is 4
+ * bytes a value written to memory and read back twice, for a source of half a byte (compute_early.py). */
+
+/* One row: `packed` k/2 bytes (codes + 8, two a byte, the low nibble first), `scale` k/(2*half) fp32 scales. */
+static inline void int4_row(const uint8_t *restrict packed, const float *restrict scale, int64_t k, int64_t half,
+                            float *restrict out) {
+    for (int64_t g = 0; g < k / (2 * half); g++) {
+        const float sc = scale[g];
+        const uint8_t *p = packed + g * half;
+        float *o = out + 2 * g * half;
+        for (int64_t b = 0; b < half; b++) {
+            o[2 * b] = (float)((int32_t)(p[b] & 15u) - 8) * sc;
+            o[2 * b + 1] = (float)((int32_t)(p[b] >> 4) - 8) * sc;
+        }
+    }
+}
+
+typedef struct {
+    const uint8_t *packed;
+    const float *scale;
+    int64_t rows, k, groups, ntasks;
+    float s2;       /* ModelOpt's weight_scale_2, or compressed-tensors' global scale g (ct) */
+    int ct;         /* compressed-tensors' arithmetic (kc_ct_quant_mt's fp32 rows) */
+    uint32_t *amax; /* the amax pass: each task's amax bits (no codes written) */
+    uint8_t *out, *scales;
+} kc_int4q_job;
+
+CLONES static void kc_int4q_rows(const kc_int4q_job *j, int64_t lo, int64_t hi, int64_t t) {
+    const int64_t k = j->k, half = k / j->groups / 2;
+    float *v = malloc(sizeof(float) * (size_t)(k + k / 16 + 1) + (size_t)k);
+    float *denom = v + k;
+    uint8_t *codes = (uint8_t *)(denom + k / 16 + 1);
+    const float s2 = j->ct || j->s2 > 0.0f ? j->s2 : 1.0f; /* kc_quant_f32's */
+    uint32_t m = 0;
+    for (int64_t r = lo; r < hi; r++) {
+        int4_row(j->packed + r * (k / 2), j->scale + r * j->groups, k, half, v);
+        uint8_t *p = j->out ? j->out + r * (k / 2) : 0, *s = j->scales ? j->scales + r * (k / 16) : 0;
+        if (j->amax) {
+            const uint32_t *bits = (const uint32_t *)v;
+            for (int64_t c = 0; c < k; c++) {
+                uint32_t a = bits[c] & 0x7FFFFFFFu;
+                m = a > m ? a : m;
+            }
+        } else if (j->ct) {
+            ct_quant_row(v, k, s2, 0, p, s, denom, codes);
+        } else {
+            quant_row(v, k, s2, p, s, denom, codes);
+        }
+    }
+    if (j->amax) j->amax[t] = m >= 0x7F800000u ? 0x7F800000u : m;
+    free(v);
+}
+
+static void kc_int4q_task(void *ctx, int64_t t) {
+    kc_int4q_job *j = ctx;
+    int64_t a, b;
+    kc_range(j->rows, j->ntasks, t, &a, &b);
+    kc_int4q_rows(j, a, b, t);
+}
+
+/* The fp32 amax bits of the decoded rows x k weight (`groups` scales a row, each of an even k/groups values):
+ * 0x7F800000 where a product overflows fp32 (the caller checked the scales finite), as kc_amax_f32_mt. */
+uint32_t kc_int4_amax_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t k, int64_t groups,
+                         int32_t threads) {
+    uint32_t parts[4 * 1024 + 1];
+    kc_int4q_job j = {packed, scale, rows, k, groups, kc_tasks(rows, k, threads > 1024 ? 1024 : threads,
+                                                                KC_MIN_SPLIT), 0.0f, 0, parts, 0, 0};
+    if (!j.ntasks) return 0;
+    kc_parallel(kc_int4q_task, &j, j.ntasks, threads);
+    uint32_t m = 0;
+    for (int64_t t = 0; t < j.ntasks; t++) m = parts[t] > m ? parts[t] : m;
+    return m;
+}
+
+/* kc_quant_f32_mt (ct = 0: s2 ModelOpt's weight_scale_2) or kc_ct_quant_mt's fp32 rows (ct = 1: s2 the global
+ * scale) of the decoded weight, without it in memory. */
+void kc_int4_quant_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t k, int64_t groups, float s2,
+                      int32_t ct, uint8_t *out, uint8_t *scales, int32_t threads) {
+    kc_int4q_job j = {packed, scale, rows, k, groups, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2, ct, 0, out,
+                      scales};
+    kc_parallel(kc_int4q_task, &j, j.ntasks, threads);
+}

@@ -8,7 +8,7 @@ import ctypes
 import torch
 
 from . import clib, outputs
-from .clib import FLAGS, _build, load, open_library, set_pool_types  # noqa: F401 - this module's names, kept
+from .clib import FLAGS, build, load, open_library, set_pool_types  # noqa: F401 - this module's names, kept
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ def _amax_kernel(x_ptr, n, out_ptr, ITERS, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_rne(sb):
+def e4m3_rne(sb):
     """Round fp32 sb in [2^-9, 448] to e4m3 (ties to even): (value as fp32, e4m3 byte)."""
     e = ((sb.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6)
@@ -58,7 +58,7 @@ def _e4m3_rne(sb):
 
 
 @triton.jit
-def _e2m1_mag(a):
+def e2m1_mag(a):
     """E2M1 magnitude code (0..7) of fp32 a = |x|: nearest value, ties to even, saturating at 6.
 
     Rounds to the quantum of a's range (0.5 below 2, 1 below 4, 2 above) by adding and removing
@@ -76,7 +76,7 @@ def _e2m1_mag(a):
 @triton.jit
 def _e2m1(xs):
     """E2M1 code, sign in bit 3 (set when xs < 0, as in the reference)."""
-    return _e2m1_mag(tl.abs(xs)) | ((xs < 0).to(tl.int32) << 3)
+    return e2m1_mag(tl.abs(xs)) | ((xs < 0).to(tl.int32) << 3)
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _e2m1_mag4(y):
     """E2M1 magnitude code (0..7) of a >= 0 from y = 4a, in four fp32 operations and two integer ones: y
     saturated at 24 (6 scaled), rounded to 2 significant bits by Veltkamp's split (ties to even), whose fp32 bits
     22-24 are then the code (the scaling by 4 aligns E2M1's exponent with fp32's); below 4 (1 scaled) E2M1's grid
-    is 2 (1/2 scaled), reached by adding 2^24. The same code as ``_e2m1_mag`` for every fp32 (checked on every
+    is 2 (1/2 scaled), reached by adding 2^24. The same code as ``e2m1_mag`` for every fp32 (checked on every
     value below 7: all above saturate); NaN gives 7. Needs ``enable_fp_fusion=False`` (the split's rounding)."""
     y = tl.minimum(y, 24.0)
     g = y * 4194305.0
@@ -124,7 +124,7 @@ def _quant_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BL
     sb = tl.math.div_rn(bamax, 6.0 * s2)
     sb = tl.where(sb == 0.0, 1.0, sb)
     sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
-    v, byte = _e4m3_rne(sb)
+    v, byte = e4m3_rne(sb)
     denom = v * s2
     code = _e2m1(tl.math.div_rn(xb, denom[:, :, None]))
     lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -190,7 +190,7 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
     sb = tl.math.div_rn(bamax, 6.0 * s2)
     sb = tl.where(sb == 0.0, 1.0, sb)
     sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
-    v, byte = _e4m3_rne(sb)
+    v, byte = e4m3_rne(sb)
     denom = (v * s2)[:, :, None]
     # One reciprocal a block when 1/d stays normal (s2 in [2^-80, 2^80]: every real checkpoint),
     # else the full IEEE division per element.
@@ -213,13 +213,13 @@ def _quant_bf16_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexp
 #: Triton's interpreter (TRITON_INTERPRET=1) keeps the grid of the running launch in one global
 #: builder, so two threads launching at once corrupt each other's grid ("x >= grid_dim[0]"); the
 #: interpreter's launches are serialised. Compiled launches need no lock.
-_INTERPRETER = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
+INTERPRETER = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
 
 
 def amax_into(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int, int] | None = None) -> None:
     """out (fp32 [1], start at 0) = max(out, amax|x|); +inf if x holds NaN or Inf. ``tile``: (values a step, at
     most this many programs, warps), default AMAX_TILE (benchmarks time others)."""
-    with _INTERPRETER:
+    with INTERPRETER:
         _amax_into(x, out, tile or AMAX_TILE)
 
 
@@ -261,7 +261,7 @@ def quantize(x: torch.Tensor, amax: torch.Tensor, packed: torch.Tensor | None = 
     if scales is None:
         scales = torch.empty((m, k // 16), dtype=torch.uint8, device=x.device)
     amax = amax.reshape(1).to(device=x.device, dtype=torch.float32)
-    with _INTERPRETER:
+    with INTERPRETER:
         _launch_quant(x2, amax, packed, scales, m, k)
     lead = x.shape[:-1]
     return packed.reshape(*lead, k // 2), scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)

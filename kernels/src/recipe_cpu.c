@@ -1,6 +1,6 @@
 /* NVIDIA's K3 recipe kernels on the CPU: the closed-form MXFP4 -> NVFP4 cast and the 128x128 block FP8
  * quantizer, bit-identical to kernels/src/mxfp4_cast.py and kernels/src/fp8_block.py (torch 2.13's rounding); and
- * the INT4 pack-quantized decode of Kimi K2.5's experts, bit-identical to kernels/src/formats.py decode_int4.
+ * the INT4 pack-quantized decode of Kimi K2.5's experts, bit-identical to kernels/src/encodings.py decode_int4.
  *
  * Built and called like nvfp4_cpu.c (kernels/src/recipe_cpu.py): system C compiler at first use,
  * -ffp-contract=off (every operation one IEEE fp32 operation, as torch's); the *_mt entry points split
@@ -405,7 +405,7 @@ int32_t kc_fp8_block_bf16_mt(const uint16_t *x, int64_t n, int64_t k, uint8_t *q
 /* compressed-tensors' symmetric INT4 `pack-quantized` weight decoded to fp32: `packed` [rows, 4 * words] bytes (the
  * int32 words' little-endian bytes: byte b holds element 2b in its low nibble, 2b + 1 in its high one), `scale`
  * [rows, groups] fp32, `per` = elements a group (a multiple of 2). Each value is (code - 8) * scale, one fp32
- * multiply as the torch code (kernels/src/formats.py decode_int4) does. Returns 1 if a value overflows fp32. */
+ * multiply as the torch code (kernels/src/encodings.py decode_int4) does. Returns 1 if a value overflows fp32. */
 CLONES static int32_t kc_int4_rows(const uint8_t *restrict packed, const float *restrict scale, int64_t rows,
                                    int64_t words, int64_t groups, float *restrict out) {
     const int64_t k = 8 * words, half = k / groups / 2;

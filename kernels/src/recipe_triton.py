@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import fp8_block, mxfp4_cast
-from .nvfp4_triton import _INTERPRETER, _e2m1_mag, _e4m3_rne
+from .nvfp4_triton import INTERPRETER, e2m1_mag, e4m3_rne
 
 #: cast: 32-blocks a program and warps of the closed-form kernel; at most this many programs, blocks a step and
 #: warps of the long-path kernel (each reads the flags of enough fast programs to stay under that many: the empty
@@ -74,7 +74,7 @@ def _cast_scale(e, k, kmm, in_range, mx):
     q = r6 * _pow2(tl.minimum(tl.maximum(kmm, -40), 40))
     q = tl.where(in_range & (k >= 126), float("inf"), q)
     sb = tl.minimum(tl.maximum(q, 0.001953125), 448.0)
-    v, byte = _e4m3_rne(sb)
+    v, byte = e4m3_rne(sb)
     exact = (e > 0) & (kmm >= -9) & (kmm <= 8) & (v == _pow2(tl.minimum(tl.maximum(kmm, -9), 8)))
     return v, byte, exact
 
@@ -90,7 +90,7 @@ def _cast_codes(c, k, kmm, sbv, m):
     v = _e2m1_value(mag)
     y = tl.math.div_rn(v, sbv)  # normal / normal; 0 for the zero code
     z = y * _pow2(tl.minimum(tl.maximum(kmm, -14), 14))
-    out = tl.where(kmm > 14, tl.where(mag > 0, 7, 0), tl.where(kmm < -14, 0, _e2m1_mag(z)))
+    out = tl.where(kmm > 14, tl.where(mag > 0, 7, 0), tl.where(kmm < -14, 0, e2m1_mag(z)))
     t = -150 - kmm  # |quotient| > 2^-150  <=>  v > sbv 2^t
     far = tl.where(t > 13, 0, 1)
     near = (v > sbv * _pow2(tl.minimum(tl.maximum(t, -13), 13))).to(tl.int32)
@@ -282,7 +282,7 @@ def cast(packed: torch.Tensor, scale: torch.Tensor, shared_k_max: int, own_k_max
     programs = cast_programs(s2d.numel())
     stats = torch.empty(2 * programs, dtype=torch.int32, device=packed.device)  # counts, then flags
     if programs:
-        with _INTERPRETER:
+        with INTERPRETER:
             launch_cast(p2, s2d, out, sb, stats, own, shared_k_max)
     # made on the device (a fill), not copied there: no host-to-device copy to wait for
     s2 = torch.full((), 2.0 ** (shared_k_max - mxfp4_cast.E4M3_KMAX), dtype=torch.float32, device=packed.device)
@@ -323,7 +323,7 @@ def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = x.shape
     q = torch.empty((n, k), dtype=torch.uint8, device=w.device)
     scales = torch.empty(fp8_block.scale_shape(n, k), dtype=torch.float32, device=w.device)
-    with _INTERPRETER:
+    with INTERPRETER:
         launch_fp8(x, q, scales)
     if not bool(torch.isfinite(scales).all()):
         return fp8_block.quantize(w)
