@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__, devices, filenames, paths
+from . import __version__, devices, filenames, paths, schemes
 from .clioptions import SIZE, click_options
 from .clioptions import checked as _checked
 from .errors import ConvertError
@@ -337,8 +337,8 @@ def _pack_summary(res, output_dir: str) -> str:
     return (
         f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
         f"{mb(res.bytes_out)} from {mb(res.bytes_in)}; "
-        f"{sum(i.kind == 'nvfp4' for i in items)} NVFP4 modules, {sum(i.kind == 'fp8-block' for i in items)} "
-        f"block FP8, {sum(i.kind == 'keep' for i in items)} kept, "
+        + "".join(f"{sum(i.kind == n for i in items)} {s.TITLE} modules, " for n, s in schemes.SCHEMES.items())
+        + f"{sum(i.kind == 'keep' for i in items)} kept, "
         f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )

@@ -92,7 +92,7 @@ def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tupl
 
 def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor, res: UnitResult,
           note: dict) -> None:
-    for name, parts in formats.get(it.output_format).nvfp4_outputs(it, packed, scales, s2):
+    for name, parts in formats.outputs(it, {"codes": packed, "scales": scales, "global": [s2.reshape(1)]}):
         res.outputs[name] = Output([as_bytes(p) for p in parts])
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
 
@@ -138,7 +138,7 @@ def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: 
         qs.append(as_bytes(q))
         scales.append(as_bytes(scale))
         zero += int((scale == 0).sum())
-    for name, parts in formats.get(it.output_format).fp8_outputs(it, qs, scales):
+    for name, parts in formats.outputs(it, {"codes": qs, "scales": scales}):
         res.outputs[name] = Output(parts)
     res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
 
@@ -152,7 +152,7 @@ def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, 
             src = next(s for it in items for s in it.sources if s.name == name)
             raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
         amax = a if amax is None else torch.maximum(amax, a)
-    ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
+    ct = formats.arithmetic(items[0]) == "compressed-tensors"
     # compressed-tensors' own global scale is computed in the weights' dtype (kernels/src/ct_nvfp4.py)
     s2 = ct_nvfp4.global_scale(amax, next(iter(values.values())).dtype) if ct else reference.global_scale(amax)
     for it in items:

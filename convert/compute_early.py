@@ -252,7 +252,7 @@ class EarlyCompute:
             qs.append(q)
             tile_scales.append(sc)
             zero += int((sc == 0).sum())
-        _store(res, formats.get(it.output_format).fp8_outputs(it, qs, tile_scales))
+        _store(res, formats.outputs(it, {"codes": qs, "scales": tile_scales}))
         res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
 
     def _cast(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
@@ -274,7 +274,7 @@ class EarlyCompute:
                 packed.append(out)
                 block_scales.append(sb)
             s2 = np.array([2.0 ** (shared - scales.E4M3_KMAX)], dtype=np.float32)
-            _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales, s2))
+            _store(res, formats.outputs(it, {"codes": packed, "scales": block_scales, "global": [s2.reshape(1)]}))
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "mxfp4-cast", "k_max": shared,
                                   "blocks": blocks, "lossless_blocks": lossless}
 
@@ -285,7 +285,7 @@ class EarlyCompute:
         # each source's values (``_values``), held for the unit
         values = {n: self._values(s, reader) for n, s in srcs.items()}
         amax = max(v.amax if isinstance(v, Int4Rows) else self._finite_amax(srcs[n], n, *v) for n, v in values.items())
-        ct = formats.get(items[0].output_format).NVFP4_MATH == "compressed-tensors"
+        ct = formats.arithmetic(items[0]) == "compressed-tensors"
         first = next(iter(values.values()))
         s2 = scales.compressed_tensors(amax, "F32" if isinstance(first, Int4Rows) else first[1]) if ct \
             else scales.modelopt(amax)
@@ -304,8 +304,8 @@ class EarlyCompute:
                     kernel(lib, v[0].ctypes.data, m, k, v[1] == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
                 packed.append(p)
                 block_scales.append(sc)
-            _store(res, formats.get(it.output_format).nvfp4_outputs(it, packed, block_scales,
-                                                                    np.array([s2], dtype=np.float32)))
+            _store(res, formats.outputs(it, {"codes": packed, "scales": block_scales,
+                                             "global": [np.array([s2], dtype=np.float32)]}))
             method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
             res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
 

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from . import __version__, filenames
+from . import __version__, filenames, schemes
 from .atomic import write_atomic
 from .errors import ConvertError
 from .jsonfile import loads, read_json
-from .plan import FP8, NVFP4, Item, Plan, Unit
+from .plan import Item, Plan, Unit
 from .plan.serialize import engine_groups, head_dict, item_dict, side_dict
 
 FORMAT = "kimi-convert-manifest"
@@ -41,7 +41,7 @@ def module_record(it: Item, shared_scale: str | None, shard: str, tensor_hashes:
     for t in mod["tensors"]:
         t["sha256"] = tensor_hashes[t["name"]]
     note = dict(sorted(notes.get(it.name, {}).items()))  # key order must not depend on a resume
-    if note and it.kind in (NVFP4, FP8):
+    if note and schemes.quantized(it.kind):
         mod["quantization"].update(note)
     elif note:
         mod["decoded"] = note

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from . import encodings, formats
-from .plan import FP8, NVFP4, Item, Unit
+from . import encodings, formats, schemes
+from .plan import NVFP4, Item, Unit
 
 
 class Operation(StrEnum):
@@ -24,7 +24,7 @@ class Operation(StrEnum):
 def nvfp4_operation(quant: list[Item]) -> Operation:
     """The unit's NVFP4 items, decided together (w1 and w3 share one ``k_max`` or one amax): NVIDIA's cast where
     every source holds MXFP4 codes and the output format computes ModelOpt's arithmetic, else quantized."""
-    modelopt_math = formats.get(quant[0].output_format).NVFP4_MATH == "modelopt"
+    modelopt_math = formats.arithmetic(quant[0]) == "modelopt"
     if modelopt_math and all(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
         return Operation.CAST
     return Operation.QUANTIZE
@@ -38,8 +38,8 @@ def operations(unit: Unit) -> dict[str, Operation]:
     for it in unit.items:
         if it.kind == NVFP4:
             out[it.name] = nvfp4
-        elif it.kind == FP8:
-            out[it.name] = Operation.FP8_BLOCK
+        elif schemes.quantized(it.kind):  # another scheme: its own step, named as the scheme
+            out[it.name] = Operation(it.kind)
         else:
             stored = all(encodings.as_stored(s) for s in it.sources)
             out[it.name] = Operation.COPY if stored else Operation.DECODE

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from . import formats, globs, tomlfile
+from . import formats, globs, schemes, tomlfile
 from .errors import ConvertError
 from .mapping import builtin_tables
 from .schemes import Format, scale_error
@@ -71,8 +71,9 @@ def _rule(r: object, where: str) -> RecipeRule:
                            f"not {r.get('format')!r}") from None
     scale = r.get("input_scale")
     if scale is not None:
-        if fmt is not Format.NVFP4:
-            raise ConvertError(f"{where}: 'input_scale' applies to the nvfp4 format only")
+        if not (schemes.quantized(fmt) and schemes.get(fmt).INPUT_SCALE):
+            takes = ", ".join(n for n, s in schemes.SCHEMES.items() if s.INPUT_SCALE)
+            raise ConvertError(f"{where}: 'input_scale' applies to the {takes} format only")
         scale = float(scale)  # the schema checked it (schemes.scale_error)
     return RecipeRule(tuple(mods), experts, fmt, scale, str(r.get("reason", "")))
 
@@ -99,12 +100,15 @@ def parse_recipe(text: str, path: str) -> Recipe:
     refused = sorted({r.format.value for r in rules} - formats.get(out_format).KINDS)
     if refused:
         raise ConvertError(f"{path}: output_format {out_format!r} has no {', '.join(refused)} modules")
-    bare = [i for i, r in enumerate(rules) if r.format is Format.NVFP4 and r.input_scale is None]
+    bare = [i for i, r in enumerate(rules)
+            if schemes.quantized(r.format) and schemes.get(r.format).INPUT_SCALE and r.input_scale is None]
     if method == "modelopt" and algo == "NVFP4" and bare:  # one W4A4 algo: every module's activations quantized
         raise ConvertError(f"{path}: rule[{bare[0]}]: quant_algo 'NVFP4' quantizes activations too (W4A4), so every "
                            "nvfp4 rule needs an 'input_scale' (or use quant_algo 'W4A16_NVFP4')")
-    if method == "modelopt" and any(r.format is Format.FP8_BLOCK for r in rules):
-        raise ConvertError(f"{path}: fp8-block modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
+    single = [r.format.value for r in rules
+              if schemes.quantized(r.format) and algo not in schemes.spelling(r.format, out_format).algos]
+    if method == "modelopt" and single:  # one quant_algo for every layer: a scheme it does not name needs the map
+        raise ConvertError(f"{path}: {single[0]} modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
     cfg = t.get("config", {})
     if not isinstance(cfg, dict) or set(cfg) - {"exclude_modules"}:
         raise ConvertError(f"{path}: [config] takes only 'exclude_modules'")

@@ -655,7 +655,7 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
 #: families' default output only (one draft check per family: --quantize-mtp writes the same under ModelOpt NVFP4,
 #: SGLang's drafts building the whole MTP layer unquantized).
 DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")] + [
-    (m, "output") for m in ("ds32", "g5", "g47", "q4", "ds4", "m3")]
+    (m, "output") for m in ("ds32", "g5", "g47", "g53", "q4", "ds4", "m3")]
 #: The engines with a draft model for the family, where not both: SGLang 0.5.23 has no MiniMax M3 draft (its registry's
 #: M3 classes are the main ones and the external DSpark draft; configs/model_config.py ModelConfig._config_draft_model
 #: renames no MiniMax architecture: docs/families.md, "MiniMax M3's drafts").

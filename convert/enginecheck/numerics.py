@@ -10,12 +10,13 @@ the same module name.
 
 Each row is held to the format's own error on that row, computed from the source alone:
 
-* ``nvfp4``: ModelOpt's NVFP4 quantizer (``kernels.reference``) with the global scale of the engine's
+* a quantization scheme (``nvfp4``, ``fp8-block``): the scheme module's ``engine_bound`` (``convert/schemes``):
+  ``nvfp4``: ModelOpt's NVFP4 quantizer (``kernels.reference``) with the global scale of the engine's
   fused layer (the amax of every source row placed in it, for an expert: in its w13 or w2); where the
   source is MXFP4 and the output is NVIDIA's closed-form cast, the blocks the cast keeps exactly
   (``k_j - (k_max - 8)`` inside e4m3's power-of-two window, ``k_max`` over the fused layer) must be read
   back **exactly**, the others are held to the quantizer with the cast's global scale ``2^(k_max - 8)``;
-* ``fp8-block``: ModelOpt's 128x128 block FP8 (``kernels.fp8_block``) on the output tensor's own tiles;
+  ``fp8-block``: ModelOpt's 128x128 block FP8 (``kernels.fp8_block``) on the output tensor's own tiles;
 * ``dense``: the source rounded to the parameter's dtype (exactly 0 for BF16 kept as BF16).
 * ``mxfp4``: bit-exact: this tool writes no MXFP4, so an MXFP4 layer is one kept as its source stores it
   (DeepSeek V4's MTP experts under ``nvidia-dsv4``), read back as the source's own decode.
@@ -34,15 +35,14 @@ from pathlib import Path
 
 import torch
 
-from .. import encodings, filenames
+from .. import encodings, filenames, schemes
 from ..errors import ConvertError
-from ..kernels import ct_nvfp4, fp8_block, reference
 from ..plan import Encoding
+from ..schemes.base import row_err
 from ..sources import Source
 
 SLACK = 1.25
 FLOOR = 1e-6
-E4M3_WINDOW = (-9, 8)
 
 
 @dataclass
@@ -167,65 +167,9 @@ class Sources:
                    [s["name"] for s, _ in srcs])
 
 
-def _row_err(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Relative L2 error of each row; inf where the source row is 0 and the read is not."""
-    d = (w - r).norm(dim=-1)
-    n = r.norm(dim=-1)
-    return torch.where(n > 0, d / n.clamp_min(1e-38), torch.where(d > 0, torch.inf, 0.0))
-
-
-def _ct_bound(refs: list[Ref]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """compressed-tensors' own error (kernels' ct_nvfp4) of each member under the members' one global scale."""
-    srcs = [r.dense if r.dense is not None else r.values for r in refs]
-    amax = max(float(v.abs().max().float()) for v in srcs)
-    g = ct_nvfp4.global_scale(torch.tensor(amax), srcs[0].dtype)
-    return [(_row_err(ct_nvfp4.dequantize(*ct_nvfp4.quantize(v, g), g), r.values),
-             torch.zeros_like(r.values, dtype=torch.bool)) for v, r in zip(srcs, refs, strict=True)]
-
-
-def _nvfp4_bound(refs: list[Ref], cast_claim: list[bool], kmax: int | None, convention: str = "modelopt"
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per member: (row bound, mask of elements the closed-form cast keeps exactly) for NVFP4 (a
-    compressed-tensors layer: that format's own arithmetic)."""
-    if convention == "compressed-tensors" and refs:
-        return _ct_bound(refs)
-    amax = max(float(r.values.abs().max()) for r in refs) if refs else 0.0
-    s2 = reference.global_scale(torch.tensor(amax))
-    out = []
-    for r, cast in zip(refs, cast_claim, strict=True):
-        v = r.values
-        if cast and r.e8m0 is not None and kmax is not None:
-            kj = (r.e8m0.to(torch.int32) - 127).repeat_interleave(32, dim=-1)[:, : v.shape[1]]
-            delta = kj - (kmax - 8)
-            exact = ((delta >= E4M3_WINDOW[0]) & (delta <= E4M3_WINDOW[1])) | (r.e8m0 == 0).repeat_interleave(
-                32, dim=-1)[:, : v.shape[1]]
-            q = reference.dequantize(*reference.quantize(v, torch.tensor(2.0 ** (kmax - 8))),
-                                     torch.tensor(2.0 ** (kmax - 8)))
-            q = torch.where(exact, v, q)
-        else:
-            exact = torch.zeros_like(v, dtype=torch.bool)
-            q = reference.dequantize(*reference.quantize(v, s2), s2)
-        out.append((_row_err(q, v), exact))
-    return out
-
-
-def _fp8_bound(r: Ref) -> torch.Tensor:
-    src = r.dense if r.dense is not None and r.dense.dtype == torch.bfloat16 else r.values
-    q, s = fp8_block.quantize(src)
-    return _row_err(fp8_block.dequantize(q, s), r.values)
-
-
 def _dense_bound(r: Ref, dtype: str) -> torch.Tensor:
     dt = getattr(torch, dtype.replace("torch.", ""), torch.float32)
-    return _row_err(r.values.to(dt).float(), r.values)
-
-
-def _kmax(refs: list[Ref]) -> int | None:
-    tops = [int(r.e8m0.max()) for r in refs if r.e8m0 is not None and r.e8m0.numel()]
-    if len(tops) != len(refs) or not tops:
-        return None
-    top = max(tops)
-    return top - 127 if top else 0
+    return row_err(r.values.to(dt).float(), r.values)
 
 
 def compare(engine: str, result: dict, folder: Path, sources: Sources) -> NumericReport:
@@ -326,18 +270,11 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
 def _bounds(fmt: str, refs: list[tuple[Ref, int, int]], layer: dict, expert: int | None
             ) -> tuple[list[Ref], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The placed rows' references and, per reference, its rows' error bound and which elements must be exact,
-    by the layer's format: NVFP4's rows are independent but for the layer's one global scale (so the bound is
-    taken over every placed row at once); block FP8's follow the stored tensor's own tile grid (so the bound
-    is made before the rows are cut); a dense layer's by its dtype."""
-    if fmt == "nvfp4":
-        rows = [_rows(r, s0, n) for r, s0, n in refs]
-        kmax = _kmax(rows)
-        glob = _global_of(layer, expert)
-        claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8)) for r in rows]
-        return rows, _nvfp4_bound(rows, claims, kmax, layer.get("convention", "modelopt"))
-    if fmt == "fp8-block":
-        bl = [(_fp8_bound(r)[s0: s0 + n], torch.zeros((n, r.values.shape[1]), dtype=torch.bool)) for r, s0, n in refs]
-        return [_rows(r, s0, n) for r, s0, n in refs], bl
+    by the layer's format: a quantization scheme's by the scheme itself (``schemes/*.engine_bound``: NVFP4's rows
+    are independent but for the layer's one global scale, block FP8's follow the stored tensor's own tile grid); a
+    dense layer's by its dtype."""
+    if schemes.quantized(fmt):
+        return [_rows(r, s0, n) for r, s0, n in refs], schemes.get(fmt).engine_bound(refs, layer, expert, _rows)
     rows = [_rows(r, s0, n) for r, s0, n in refs]
     return rows, [(_dense_bound(r, layer.get("dtype", "float32")), torch.ones_like(r.values, dtype=torch.bool))
                   for r in rows]
@@ -350,7 +287,7 @@ def _check_rows(where: str, layer: dict, c: LayerCheck, expert: int | None, spot
     errors, which the layer's summary takes."""
     tensor, row, n = spot
     got = w[row: row + n].float()
-    err = _row_err(got, r.values)
+    err = row_err(got, r.values)
     if c.format == "dense":  # exact only the rows the parameter's dtype holds exactly
         exact = exact & (bound == 0).unsqueeze(-1)
     differ = exact & (got != r.values)
@@ -396,16 +333,6 @@ def _rows(r: Ref, start: int, n: int) -> Ref:
         return r
     cut = lambda t: None if t is None else t[start: start + n]  # noqa: E731
     return Ref(r.values[start: start + n], cut(r.dense), cut(r.e8m0), r.cast, r.sources)
-
-
-def _global_of(layer: dict, expert: int | None) -> float | None:
-    slots = layer.get("global_slots")
-    if slots is None:
-        return None
-    if expert is None:
-        return float(layer.get("global_scale", max(slots)))
-    row = slots[expert]
-    return float(row[0] if isinstance(row, list) else row)
 
 
 def _why(layer: dict) -> str:

@@ -1,10 +1,11 @@
 """Output formats: how a quantized module is stored on disk and described to the engines.
 
-A recipe decides, module by module, a quantization (``nvfp4``, ``fp8-block`` or ``keep``: the plan's
-``Kind``); the recipe's output **format** decides how that is spelled: the tensors a module becomes,
-how a unit's computed codes and scales fill them, the config files the engines read, and how ``verify``
-and the engine-rule check read them back. Each format is one module here, and a new one is one new module
-plus an entry in ``FORMATS`` (and recipes that name it):
+A recipe decides, module by module, a quantization scheme (``nvfp4``, ``fp8-block`` or ``keep``: the plan's
+``Kind``; ``convert/schemes``); the recipe's output **format** decides how that is spelled: the tensors a module
+becomes and how a unit's computed codes and scales fill them (each scheme's ``Spelling`` for the format: the
+functions below spell any scheme through it), the config files the engines read, and how ``verify`` and the
+engine-rule check read them back. Each format is one module here, and a new one is one new module plus an entry
+in ``FORMATS`` and a spelling in each scheme it writes (and recipes that name it):
 
 * ``modelopt``: NVIDIA Model Optimizer's layout (``weight`` / ``weight_scale`` / ``weight_scale_2`` /
   ``input_scale``, ``hf_quant_config.json``, ``quant_method: modelopt`` or ``modelopt_mixed``).
@@ -17,17 +18,17 @@ format's tensor names or config keys.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Protocol
 
+from .. import schemes
 from ..errors import ConvertError
 from . import compressed_tensors, modelopt
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import torch
-
-    from ..plan.model import Item, Kind, Plan
+    from ..plan.model import Item, Plan
 
 
 class OutputFormat(Protocol):
@@ -40,29 +41,10 @@ class OutputFormat(Protocol):
     #: --overwrite, side-file copying skips an input's own)
     CONFIG_FILES: tuple[str, ...]
     CARD_TAGS: tuple[str, ...]
-    #: the quantization schemes (the plan's Kind values) the format can spell
+    #: the plan kinds the format can write: the schemes whose module spells them in it (``schemes.spelled_by``)
     KINDS: frozenset[str]
-    #: whose NVFP4 arithmetic makes its bytes: "modelopt" (kernels' reference) or "compressed-tensors"
-    #: (kernels' ct_nvfp4); the compute stage picks the quantizer by it
-    NVFP4_MATH: str
-
-    def tensor_specs(self, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: bool
-                     ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-        """(name suffix, dtype, shape) of each output tensor of one quantized module of ``kind``."""
-
-    def nvfp4_outputs(self, it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor],
-                      s2: torch.Tensor) -> list[tuple[str, list[torch.Tensor]]]:
-        """Output tensor name -> its parts (one per source member), from an NVFP4 unit's results."""
-
-    def fp8_outputs(self, it: Item, codes: list[torch.Tensor], scales: list[torch.Tensor]
-                    ) -> list[tuple[str, list[torch.Tensor]]]:
-        """The same for a block-FP8 module."""
-
-    def layer_algo(self, kind: str, input_scale: float | None) -> str:
-        """The format's name for one module's quantization (recorded in the manifest)."""
-
-    def record(self, it: Item, shared_scale: str | None) -> dict | None:
-        """The manifest record's ``quantization`` entry of a quantized module."""
+    #: what the format adds to a quantized module's manifest record (its scheme's ``record``)
+    RECORD_KEYS: dict
 
     def config_files(self, config: dict, plan: Plan) -> dict[str, dict]:
         """Every config file the engines read (file name -> JSON), config.json included."""
@@ -93,3 +75,34 @@ def get(name: str) -> OutputFormat:
 def config_files() -> tuple[str, ...]:
     """Every format's own top-level config files (what an output may hold besides config.json and the index)."""
     return tuple(dict.fromkeys(f for fmt in FORMATS.values() for f in fmt.CONFIG_FILES))
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_specs(fmt: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+                 ) -> tuple[schemes.TensorSpec, ...]:
+    """(name suffix, dtype, shape) of each output tensor of one linear module of ``kind`` in format ``fmt``: its
+    scheme's tensors as the format spells them, or the ``weight`` of a kept module (made once per kind and shape:
+    a million output tensors share a few dozen shape tuples in the released K3)."""
+    if not schemes.quantized(kind):
+        return ((".weight", src_dtype, shape),)
+    return schemes.tensor_specs(kind, fmt, shape, input_scale)
+
+
+def outputs(it: Item, parts: dict[str, list]) -> list[tuple[str, list]]:
+    """Output tensor name -> its parts (one per source member), from a quantized unit's result by role (the
+    scheme's ``roles``: ``codes``, ``scales``, ``global``)."""
+    return schemes.outputs(it.kind, it.output_format, tuple(t.name for t in it.outputs), it.input_scale, parts)
+
+
+def arithmetic(it: Item) -> str:
+    """Whose arithmetic makes a quantized item's bytes in its format (the compute stage picks its quantizer by it)."""
+    return schemes.spelling(it.kind, it.output_format).arithmetic
+
+
+def record(it: Item, shared_scale: str | None) -> dict | None:
+    """The manifest record's ``quantization`` entry of a module (None where it is not quantized): its scheme's
+    record under the format's quant_algo, and what the format adds."""
+    if not schemes.quantized(it.kind):
+        return None
+    algo = schemes.spelling(it.kind, it.output_format).algo(it.input_scale)
+    return {**schemes.get(it.kind).record(algo, shared_scale, it.input_scale), **get(it.output_format).RECORD_KEYS}

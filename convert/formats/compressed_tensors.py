@@ -3,7 +3,8 @@ nvfp4-pack-quantized``), as llm-compressor's ``model_free_ptq`` writes it and vL
 compressed-tensors loaders read it. Each convention is taken from the peer's installed source
 (docs/compressed-tensors.md cites file and function):
 
-* NVFP4 module: ``weight_packed`` (U8 [N, K/2], E2M1 codes, even element in the low nibble),
+* NVFP4 module (its scheme's ``SPELLINGS["compressed-tensors"]``, ``convert/schemes/nvfp4.py``):
+  ``weight_packed`` (U8 [N, K/2], E2M1 codes, even element in the low nibble),
   ``weight_scale`` (F8_E4M3 [N, K/16]), ``weight_global_scale`` (F32 [1], the reciprocal convention:
   ``448*6/amax``, the engines dequantize with ``code * weight_scale / weight_global_scale``), and
   ``input_global_scale`` (F32 [1], ``1/input_scale``) where the recipe pins an activation scale
@@ -27,14 +28,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..schemes import GROUP_SIZE
+from .. import schemes
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import torch
-
-    from ..plan.model import Item, Plan
+    from ..plan.model import Plan
 
 NAME = "compressed-tensors"
 #: the compressed-tensors preset schemes a recipe may name (quant_algo): weight-only, and weights with
@@ -42,64 +41,18 @@ NAME = "compressed-tensors"
 QUANT_METHODS = {"compressed-tensors": {"NVFP4A16", "NVFP4"}}
 CONFIG_FILES: tuple[str, ...] = ()
 CARD_TAGS = ("nvfp4", "compressed-tensors", "kimi-convert", "quantized")
-KINDS = frozenset({"nvfp4", "keep"})  # the quantization schemes this format spells
-NVFP4_MATH = "compressed-tensors"  # kernels/src/ct_nvfp4.py (the pipeline's compute picks it by this name)
+KINDS = schemes.spelled_by(NAME)  # the schemes that spell themselves in this format (schemes/*.SPELLINGS), and keep
+RECORD_KEYS = {"output_format": NAME}  # what this format adds to a module's manifest record
 #: compressed-tensors' version whose format this module writes (``compressed_tensors.__version__``,
 #: written as ``quantization_config.version`` by ``save_utils.update_config``)
 CT_VERSION = "0.19.0"
-PACK_FORMAT = "nvfp4-pack-quantized"
+PACK_FORMAT = schemes.nvfp4.CT_PACK_FORMAT
 #: what a ModelOpt recipe's quant_algo becomes under ``pack --format compressed-tensors``
 FROM_MODELOPT = {"W4A16_NVFP4": "NVFP4A16", "NVFP4": "NVFP4"}
-_NVFP4, _COPY = "nvfp4", "copy"  # the plan's Kind values (a StrEnum: compared as strings)
-
-
-# -- tensors --------------------------------------------------------------------------------------
-
-
-def tensor_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
-                 ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-    """(suffix, dtype, shape) of each output tensor, in the order ``nvfp4_outputs`` fills them."""
-    if kind == _NVFP4:
-        lead = shape[:-1]
-        outs = ((".weight_packed", "U8", (*lead, shape[-1] // 2)),
-                (".weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
-                (".weight_global_scale", "F32", (1,)))
-        return outs + (((".input_global_scale", "F32", (1,)),) if input_scale else ())
-    if kind == "fp8-block":
-        raise ValueError("the compressed-tensors format spells nvfp4 and keep modules only")
-    return ((".weight", src_dtype, shape),)
-
-
-def nvfp4_outputs(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor
-                  ) -> list[tuple[str, list[torch.Tensor]]]:
-    """A module's tensors; ``s2`` is the group's ``weight_global_scale`` (compressed-tensors' own, from
-    ``ct_nvfp4.global_scale``: the compute stage computes it by ``NVFP4_MATH``)."""
-    import numpy as np
-
-    w, ws, wg = it.outputs[:3]
-    out = [(w.name, packed), (ws.name, scales), (wg.name, [s2.reshape(1)])]
-    if it.input_scale is not None:
-        out.append((it.outputs[3].name, [np.array([1.0 / it.input_scale], dtype=np.float32)]))
-    return out
-
-
-def fp8_outputs(it: Item, codes, scales):
-    raise ValueError(f"{it.name}: the compressed-tensors format has no fp8-block modules")
+_COPY = "copy"  # the plan's Kind value of a copied tensor (a StrEnum: compared as strings)
 
 
 # -- what the manifest records ----------------------------------------------------------------------
-
-
-def layer_algo(kind: str, input_scale: float | None) -> str:
-    """The preset scheme of one module: NVFP4 with a constant activation global scale, else NVFP4A16."""
-    return "NVFP4" if input_scale is not None else "NVFP4A16"
-
-
-def record(it: Item, shared_scale: str | None) -> dict | None:
-    if it.kind != _NVFP4:
-        return None
-    return {"format": _NVFP4, "group_size": GROUP_SIZE, "quant_algo": layer_algo(it.kind, it.input_scale),
-            "shared_scale": shared_scale, "input_scale": it.input_scale, "output_format": NAME}
 
 
 def manifest_layers(plan: Plan) -> dict | None:
@@ -107,27 +60,6 @@ def manifest_layers(plan: Plan) -> dict | None:
 
 
 # -- configs ----------------------------------------------------------------------------------------
-
-
-def _weights_args() -> dict:
-    """The NVFP4 presets' weights (``compressed_tensors/quantization/quant_scheme.py: NVFP4A16``), as
-    ``QuantizationArgs.model_dump`` writes them (a symmetric scheme's zp_dtype None)."""
-    return {"actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4,
-            "observer": None, "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
-            "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
-
-
-def _input_args() -> dict:
-    """The NVFP4 preset's input_activations (``quant_scheme.py: NVFP4``): local scales dynamic, the global
-    static (the ``input_global_scale`` tensor)."""
-    return {"actorder": None, "block_structure": None, "dynamic": "local", "group_size": GROUP_SIZE, "num_bits": 4,
-            "observer": "static_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
-            "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
-
-
-def _group(algo: str, targets: list[str]) -> dict:
-    return {"format": PACK_FORMAT, "input_activations": _input_args() if algo == "NVFP4" else None,
-            "output_activations": None, "targets": targets, "weights": _weights_args()}
 
 
 def ignore_list(plan: Plan) -> list[str]:
@@ -139,14 +71,18 @@ def ignore_list(plan: Plan) -> list[str]:
 
 
 def config_groups(plan: Plan) -> dict[str, dict]:
-    """One group per preset: weight-only modules target ``Linear``; modules with a constant activation scale are
-    named exactly (a name match wins over the class in the engines' target matching)."""
-    w4a4 = sorted({it.name for it in plan.items if it.kind == _NVFP4 and it.input_scale is not None})
+    """One group per preset scheme (its scheme's spelling: ``schemes/nvfp4.py``'s ``ct_group``): weight-only
+    modules target ``Linear``; modules with a constant activation scale are named exactly (a name match wins over
+    the class in the engines' target matching)."""
     groups = {}
-    if w4a4:
-        groups["NVFP4"] = _group("NVFP4", w4a4)
-    if any(it.kind == _NVFP4 and it.input_scale is None for it in plan.items) or not w4a4:
-        groups["NVFP4A16"] = _group("NVFP4A16", ["Linear"])
+    for kind in sorted(KINDS - {"keep"}):
+        sp = schemes.spelling(kind, NAME)
+        mods = [it for it in plan.items if it.kind == kind]
+        w4a4 = sorted({it.name for it in mods if it.input_scale is not None})
+        if w4a4:
+            groups[sp.algo(1.0)] = sp.group(sp.algo(1.0), w4a4)
+        if any(it.input_scale is None for it in mods) or not w4a4:
+            groups[sp.algo(None)] = sp.group(sp.algo(None), ["Linear"])
     return groups
 
 

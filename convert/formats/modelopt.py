@@ -1,10 +1,9 @@
 """NVIDIA Model Optimizer's checkpoint format, as vLLM's and SGLang's ModelOpt loaders read it.
 
-* NVFP4 module: ``weight`` (U8, packed E2M1 codes, even element in the low nibble), ``weight_scale``
-  (F8_E4M3, one per 16 values), ``weight_scale_2`` (F32 scalar, the global decode multiplier:
-  ``value = code * weight_scale * weight_scale_2``), ``input_scale`` (F32 scalar) where the recipe pins one.
-* block-FP8 module (``FP8_PB_WO``): ``weight`` (F8_E4M3) and ``weight_scale`` (F32
-  ``[ceil(N/128), 1, ceil(K/128), 1]``, the shape NVIDIA's K3 converter writes).
+* a quantized module's tensors, their names and quant_algo: its scheme's ``SPELLINGS["modelopt"]``
+  (``convert/schemes``): NVFP4 ``weight`` / ``weight_scale`` / ``weight_scale_2`` (F32 scalar, the global decode
+  multiplier: ``value = code * weight_scale * weight_scale_2``) / ``input_scale`` where the recipe pins one;
+  block FP8 (``FP8_PB_WO``) ``weight`` / ``weight_scale``.
 * configs: ``hf_quant_config.json`` (``producer``, ``quantization``) and ``config.json``'s
   ``quantization_config`` (``quant_method`` ``modelopt`` with one ``quant_algo``, or ``modelopt_mixed`` with
   a ``quantized_layers`` map), the source's own ``quantization_config`` removed (also from the text config).
@@ -15,21 +14,18 @@ The rules of which layers the engines then quantize (exclude list, quantized_lay
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from .. import schemes
 from ..engine_rules import aliases
-from ..schemes import FP8_BLOCK as FP8_TILE
 from ..schemes import GROUP_SIZE
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import torch
-
-    from ..plan.model import Item, Plan
+    from ..plan.model import Plan
 
 NAME = "modelopt"
 QUANT_METHODS = {"modelopt": {"W4A16_NVFP4", "NVFP4"}, "modelopt_mixed": {"MIXED_PRECISION"},
@@ -44,67 +40,17 @@ HYBRID = "fp8"
 MIXED = ("modelopt_mixed", HYBRID)  # the methods whose config carries a quantized_layers map
 CONFIG_FILES = ("hf_quant_config.json",)
 CARD_TAGS = ("nvfp4", "modelopt", "kimi-convert", "quantized")
-KINDS = frozenset({"nvfp4", "fp8-block", "keep"})
-NVFP4_MATH = "modelopt"  # kernels/src/reference.py's math (and the kernels held to its bytes)
-_NVFP4, _FP8 = "nvfp4", "fp8-block"  # the plan's Kind values (a StrEnum: compared as strings)
-
-
-# -- tensors --------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4096)
-def tensor_specs(kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
-                 ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-    """(suffix, dtype, shape) of each output tensor of a linear module, in the order ``nvfp4_outputs`` /
-    ``fp8_outputs`` fill them (made once per kind and shape: a million output tensors share a few dozen
-    shape tuples in the released K3)."""
-    if kind == _NVFP4:
-        lead = shape[:-1]
-        outs = ((".weight", "U8", (*lead, shape[-1] // 2)),
-                (".weight_scale", "F8_E4M3", (*lead, shape[-1] // GROUP_SIZE)),
-                (".weight_scale_2", "F32", ()))
-        return outs + (((".input_scale", "F32", ()),) if input_scale else ())
-    if kind == _FP8:
-        n, k = shape
-        return ((".weight", "F8_E4M3", shape), (".weight_scale", "F32", (-(-n // FP8_TILE), 1, -(-k // FP8_TILE), 1)))
-    return ((".weight", src_dtype, shape),)
-
-
-def nvfp4_outputs(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor
-                  ) -> list[tuple[str, list[torch.Tensor]]]:
-    """An NVFP4 module's tensors from its members' codes and scales and the group's global scale."""
-    import numpy as np
-
-    w, ws, ws2 = it.outputs[:3]
-    out = [(w.name, packed), (ws.name, scales), (ws2.name, [s2.reshape(1)])]
-    if it.input_scale is not None:
-        out.append((it.outputs[3].name, [np.array([it.input_scale], dtype=np.float32)]))
-    return out
-
-
-def fp8_outputs(it: Item, codes: list[torch.Tensor], scales: list[torch.Tensor]
-                ) -> list[tuple[str, list[torch.Tensor]]]:
-    return [(it.outputs[0].name, codes), (it.outputs[1].name, scales)]
+KINDS = schemes.spelled_by(NAME)  # the schemes that spell themselves in this format (schemes/*.SPELLINGS), and keep
+RECORD_KEYS: dict = {}  # what this format adds to a module's manifest record
 
 
 # -- what the manifest records ----------------------------------------------------------------------
 
 
-def layer_algo(kind: str, input_scale: float | None) -> str:
-    """ModelOpt's quant_algo of one module: NVFP4 with a (constant) input_scale is W4A4."""
-    if kind == _FP8:
-        return "FP8_PB_WO"
-    return "NVFP4" if input_scale is not None else "W4A16_NVFP4"
-
-
-def record(it: Item, shared_scale: str | None) -> dict | None:
-    """A quantized module's ``quantization`` entry in its manifest record."""
-    if it.kind == _NVFP4:
-        return {"format": _NVFP4, "group_size": GROUP_SIZE, "quant_algo": layer_algo(it.kind, it.input_scale),
-                "shared_scale": shared_scale, "input_scale": it.input_scale}
-    if it.kind == _FP8:
-        return {"format": _FP8, "block": [FP8_TILE, FP8_TILE], "quant_algo": layer_algo(it.kind, None)}
-    return None
+def _algo_entry(kind: str, input_scale: float | None) -> dict:
+    """One module's entry in the quantized_layers map: its quant_algo and what its scheme's spelling adds."""
+    sp = schemes.spelling(kind, NAME)
+    return {"quant_algo": sp.algo(input_scale), **dict(sp.layer_keys)}
 
 
 # -- configs ----------------------------------------------------------------------------------------
@@ -124,7 +70,7 @@ def quantized_layers(plan: Plan) -> dict[str, dict]:
     kind_of: dict[str, tuple[str, float | None]] = {}
     banks = m.expert_regexes()
     for it in plan.items:
-        if it.kind not in (_NVFP4, _FP8):
+        if not schemes.quantized(it.kind):
             continue
         kind_of[it.name] = (it.kind, it.input_scale)
         name = it.name.rsplit(".", 2)[0] if any(rx.fullmatch(m.strip(it.name)) for rx in banks) else it.name
@@ -143,11 +89,6 @@ def manifest_layers(plan: Plan) -> dict[str, dict] | None:
     return quantized_layers(plan) if plan.recipe.quant_method in MIXED else None
 
 
-def _algo_entry(kind: str, input_scale: float | None) -> dict:
-    algo = layer_algo(kind, input_scale)
-    return {"quant_algo": algo} if kind == _FP8 else {"quant_algo": algo, "group_size": GROUP_SIZE}
-
-
 def hf_quant_config(plan: Plan) -> dict:
     q: dict = {"quant_algo": plan.recipe.quant_algo, "kv_cache_quant_algo": None, "group_size": GROUP_SIZE}
     if plan.recipe.quant_method in MIXED:
@@ -156,15 +97,12 @@ def hf_quant_config(plan: Plan) -> dict:
     return {"producer": producer(), "quantization": q}
 
 
-def _group_config(algo: str) -> dict:
-    """ModelOpt's compressed-tensors-style config group of one quant_algo (its convert_hf_config;
-    written here because ModelOpt is not a dependency of this tool)."""
-    weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
-    if algo == "NVFP4":
-        return {"input_activations": dict(weights), "weights": weights}
-    if algo == "W4A16_NVFP4":
-        return {"weights": weights}
-    return {"quant_algo": algo}
+def _group(algo: str, targets: list[str]) -> dict:
+    """The config group of one quant_algo, as the scheme that algo names spells it (``{"quant_algo": ...}`` for
+    one whose spelling has none)."""
+    sp = schemes.by_algo(NAME, algo)
+    return sp.group(algo, targets) if sp is not None and sp.group is not None else {"quant_algo": algo,
+                                                                                     "targets": targets}
 
 
 def hybrid_config(config: dict, plan: Plan) -> dict:
@@ -177,7 +115,7 @@ def hybrid_config(config: dict, plan: Plan) -> dict:
     q.setdefault("weight_block_size", [128, 128])
     q.update({"quant_method": HYBRID, "moe_quant_algo": "NVFP4", "producer": producer(), "quant_algo": hq["quant_algo"],
               "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
-              "config_groups": {"group_0": {**_group_config("NVFP4"), "targets": ["Linear"]}},
+              "config_groups": {"group_0": _group("NVFP4", ["Linear"])},
               "quantized_layers": hq["quantized_layers"], "ignore": hq["exclude_modules"]})
     return {**config, "quantization_config": q}
 
@@ -197,11 +135,11 @@ def output_config(config: dict, plan: Plan) -> dict:
         by_algo: dict[str, list[str]] = defaultdict(list)
         for name, e in hq["quantized_layers"].items():
             by_algo[json.dumps(sorted(e.items()))].append(name)
-        q["config_groups"] = {f"group_{i}": {**_group_config(dict(json.loads(k))["quant_algo"]), "targets": sorted(v)}
+        q["config_groups"] = {f"group_{i}": _group(dict(json.loads(k))["quant_algo"], sorted(v))
                               for i, (k, v) in enumerate(by_algo.items())}
         q["quantized_layers"] = hq["quantized_layers"]
     else:
-        q["config_groups"] = {"group_0": {**_group_config(hq["quant_algo"]), "targets": ["Linear"]}}
+        q["config_groups"] = {"group_0": _group(hq["quant_algo"], ["Linear"])}
         q["group_size"] = GROUP_SIZE
         q["kv_cache_quant_algo"] = None
     q["ignore"] = hq["exclude_modules"]

@@ -48,14 +48,13 @@ def work_kind(unit: Unit) -> str | None:
     for it in unit.items:
         op = decided[it.name]
         coded = any(s.encoding != Encoding.DENSE for s in it.sources)
-        if op is Operation.CAST:
-            ops.add("mxfp4-cast")
-        elif op is Operation.QUANTIZE:
-            ops.add("nvfp4" + (f"-from-{it.sources[0].encoding}" if coded else ""))
-        elif op is Operation.FP8_BLOCK:
-            ops.add("fp8-block" + (f"-from-{it.sources[0].encoding}" if coded else ""))
-        elif coded:
-            ops.add(f"decode-{it.sources[0].encoding}")
+        if op in (Operation.COPY, Operation.DECODE):
+            if coded:
+                ops.add(f"decode-{it.sources[0].encoding}")
+        elif op is Operation.CAST:
+            ops.add(op.value)
+        else:  # a scheme's own step: its name (the operation's value)
+            ops.add(op.value + (f"-from-{it.sources[0].encoding}" if coded else ""))
     if not ops:
         return None
     size = 1 << 20

@@ -5,18 +5,16 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 
-from .. import formats
+from .. import formats, schemes
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..mapping import Group, Mapping
 from ..options import Options
 from ..safetensors_format import DTYPES, encode_header, size_of
-from ..schemes import FP8_BLOCK, GROUP_SIZE
 from .decide import DecideContext, Decision, decide_apart, decide_module, is_linear_once
 from .fusion import Fused, fuse_shape
 from .model import (
     COPY,
-    FP8,
     KEEP,
     KEPT_FOR_ENGINE,
     NVFP4,
@@ -41,31 +39,22 @@ def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, inpu
     module is its ``weight`` in every format (``output_format`` None)."""
     if kind == KEEP:
         return (OutTensor(f"{name}.weight", src_dtype, shape),)
-    specs = formats.get(output_format).tensor_specs(kind, shape, src_dtype, input_scale is not None)
+    specs = formats.tensor_specs(output_format, kind, shape, src_dtype, input_scale is not None)
     return tuple(OutTensor(name + suffix, dtype, shp) for suffix, dtype, shp in specs)
 
 
 def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape: tuple[int, ...],
                  dec: Decision, output_format: str | None) -> Item:
-    where = f"module {name}: weight {list(shape)}"
-    if dec.kind == NVFP4:
-        if group is None and len(shape) != 2:
-            raise ConvertError(f"{where} selected for NVFP4 is not 2-D; exclude it (--exclude '{name}')")
-        if shape[-1] % GROUP_SIZE:
-            raise ConvertError(
-                f"{where} selected for NVFP4 but K={shape[-1]} is not a multiple of {GROUP_SIZE}; "
-                f"exclude it (--exclude '{name}')"
-            )
-    elif dec.kind == FP8:
-        if len(shape) != 2 or op == Op.STACK:
-            raise ConvertError(f"{where} selected for block FP8 is not 2-D; exclude it (--exclude '{name}')")
-        if shape[1] % FP8_BLOCK:
-            raise ConvertError(f"{where} selected for block FP8 but K={shape[1]} is not a multiple of {FP8_BLOCK} "
-                               f"(the engines refuse it); exclude it (--exclude '{name}')")
+    if schemes.quantized(dec.kind):
+        why = schemes.get(dec.kind).shape_error(shape, group is not None, op == Op.STACK)
+        if why is not None:
+            raise ConvertError(f"module {name}: weight {list(shape)} selected for {schemes.get(dec.kind).TITLE} "
+                               f"{why}; exclude it (--exclude '{name}')")
     dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format)
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
-                dec.input_scale if dec.kind == NVFP4 else None, output_format if dec.kind != KEEP else None)
+                dec.input_scale if schemes.quantized(dec.kind) and schemes.get(dec.kind).INPUT_SCALE else None,
+                output_format if dec.kind != KEEP else None)
 
 
 def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:

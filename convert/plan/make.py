@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .. import globs, mtp
+from .. import globs, mtp, schemes
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from ..gcpause import gc_paused
@@ -112,7 +112,7 @@ def tied_head(ckpt: Checkpoint, m: Mapping) -> str | None:
 def _check_quantizes_something(items: list[Item], recipe: Recipe, opts: Options) -> None:
     """A plan that quantizes nothing would write a quantized checkpoint's config over BF16 weights: an output
     that says it is NVFP4 and is not, which no engine has a reason to load. Refused, naming why."""
-    if any(it.kind in (Kind.NVFP4, Kind.FP8_BLOCK) for it in items):
+    if any(schemes.quantized(it.kind) for it in items):
         return
     kept = [it for it in items if it.kind == Kind.KEEP]
     by = f"; --exclude {', '.join(opts.exclude)}" if opts.exclude else ""

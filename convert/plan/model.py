@@ -13,7 +13,7 @@ from ..encodings import Encoding as Encoding  # how a source stores a weight: th
 from ..encodings import SourceTensor
 from ..encodings.mxfp4 import GROUP as MXFP4_GROUP  # noqa: F401 (re-exported)
 from ..safetensors_format import DTYPES, TensorInfo
-from ..schemes import Format
+from ..schemes import SCHEMES, Format
 from ..vocabulary import KEPT_FOR_ENGINE as KEPT_FOR_ENGINE  # the reason's mark of a module kept for the engines
 from ..vocabulary import KeepRule, Recipe, Skipped
 
@@ -22,13 +22,9 @@ if TYPE_CHECKING:
     from ..options import Options
 
 
-class Kind(StrEnum):
-    """What an item becomes: a recipe format (``recipe.Format``, same values) or a copied tensor."""
-
-    NVFP4 = Format.NVFP4.value
-    FP8_BLOCK = Format.FP8_BLOCK.value
-    KEEP = Format.KEEP.value  # a linear layer kept in high precision
-    COPY = "copy"  # not a linear layer: copied as stored
+#: What an item becomes: a recipe's scheme (``schemes.Format``, member by member: each registered scheme, and
+#: ``KEEP``, a linear layer kept in high precision) or ``COPY`` (not a linear layer: copied as stored).
+Kind = StrEnum("Kind", [*((f.name, f.value) for f in Format), ("COPY", "copy")], module=__name__)
 
 
 class Op(StrEnum):
@@ -40,7 +36,7 @@ class Op(StrEnum):
 
 
 NVFP4, FP8, KEEP, COPY = Kind.NVFP4, Kind.FP8_BLOCK, Kind.KEEP, Kind.COPY
-QUANTIZED = (NVFP4, FP8)
+QUANTIZED = tuple(Kind(name) for name in SCHEMES)  # every registered quantization scheme (convert/schemes)
 
 
 class OutTensor(NamedTuple):  # a tuple: one per output tensor (a million in the released K3)

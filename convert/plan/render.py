@@ -4,7 +4,7 @@ routed experts folded into one entry per bank (``plan --json`` is the plan's ser
 
 from __future__ import annotations
 
-from .. import encodings, sidefiles
+from .. import encodings, schemes, sidefiles
 from .model import Encoding, Kind, Op, Plan
 
 
@@ -63,8 +63,8 @@ def render(p: Plan, input_dir: str) -> str:
     t = o.kinds
     lines += [
         "",
-        f"totals: {t['nvfp4']} NVFP4 modules, {t['fp8-block']} block FP8 modules, {t['keep']} kept linear modules, "
-        f"{t['copy']} tensors copied",
+        "totals: " + "".join(f"{t[n]} {s.TITLE} modules, " for n, s in schemes.SCHEMES.items())
+        + f"{t['keep']} kept linear modules, {t['copy']} tensors copied",
         f"bytes in {o.bytes_in} ({mb(o.bytes_in)}), bytes out {o.bytes_out} ({mb(o.bytes_out)}) "
         f"in {o.shards} shard(s)",
         f"exclude list: {len(p.exclude_modules)} names (hf_quant_config.json exclude_modules, config.json ignore)",

@@ -11,9 +11,9 @@ import itertools
 import json
 from collections.abc import Iterator
 
-from .. import formats
+from .. import formats, schemes
 from ..gcpause import gc_paused
-from .model import COPY, FP8, KEEP, NVFP4, EngineGroup, Item, Plan
+from .model import COPY, KEEP, EngineGroup, Item, Plan
 
 #: modules written per piece of ``plan_json`` (a piece is joined text: fewer, larger writes)
 _BATCH = 4096
@@ -50,8 +50,7 @@ def head_dict(plan: Plan) -> dict:
         "engine_groups": [],
         "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
         "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
-                   "nvfp4": sum(it.kind == NVFP4 for it in items),
-                   "fp8_block": sum(it.kind == FP8 for it in items),
+                   **{s.TOTALS: sum(it.kind == n for it in items) for n, s in schemes.SCHEMES.items()},
                    "kept": sum(it.kind == KEEP for it in items),
                    "copied": sum(it.kind == COPY for it in items)},
     }
@@ -97,8 +96,8 @@ def item_dict(it: Item, shared_scale: str | None, shard: str) -> dict:
     if it.group:
         d["group"] = it.group
     d["op"] = it.op
-    if it.kind in (NVFP4, FP8):
-        d["quantization"] = formats.get(it.output_format).record(it, shared_scale)
+    if schemes.quantized(it.kind):
+        d["quantization"] = formats.record(it, shared_scale)
     d["sources"] = [
         {
             "name": s.name,

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .. import formats
+from .. import formats, schemes
 from ..plan import Kind
 
 
@@ -14,13 +14,13 @@ def model_card(man: dict, config: dict, base_model: str | None, modules: Iterabl
     """``modules``: the manifest's module records (``iter_modules``; default: manifest.json's own, a
     version 1 or 2 manifest), read once, in a stream."""
     counts = dict.fromkeys(Kind, 0)
-    cast_n, cast_blocks, cast_lossless = 0, 0, 0
+    cast_n, cast_blocks, cast_lossless, cast_kind = 0, 0, 0, None
     reasons: dict[str, int] = {}
     for m in man["modules"] if modules is None else modules:
         counts[m["kind"]] += 1
         q = m.get("quantization") or {}
         if q.get("method") == "mxfp4-cast":
-            cast_n, cast_blocks = cast_n + 1, cast_blocks + q["blocks"]
+            cast_n, cast_blocks, cast_kind = cast_n + 1, cast_blocks + q["blocks"], m["kind"]
             cast_lossless += q["lossless_blocks"]
         if m["kind"] == Kind.KEEP:
             reasons[m["rule"]] = reasons.get(m["rule"], 0) + 1
@@ -41,9 +41,9 @@ def model_card(man: dict, config: dict, base_model: str | None, modules: Iterabl
         "",
         "| | modules |",
         "|---|---|",
-        f"| quantized to NVFP4 | {counts['nvfp4']}"
-        + (f" ({cast_n} cast from MXFP4; {lossless} blocks lossless)" if cast_n else "") + " |",
-        f"| quantized to 128x128 block FP8 | {counts['fp8-block']} |",
+        *[f"| quantized to {s.CARD} | {counts[n]}"
+          + (f" ({cast_n} cast from MXFP4; {lossless} blocks lossless)" if cast_n and n == cast_kind else "") + " |"
+          for n, s in schemes.SCHEMES.items()],
         f"| linear layers kept in high precision | {counts['keep']} |",
         f"| other tensors copied unchanged | {counts['copy']} |",
         "",

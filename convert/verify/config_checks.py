@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from .. import engine_rules, formats
+from .. import engine_rules, formats, schemes
 from ..errors import ConvertError
 from ..jsonfile import read_json
 from ..plan import Kind, Op
@@ -81,10 +81,10 @@ def check_engine_rules(man: dict, mods: ModuleKinds, rep: Report) -> None:
             except engine_rules.MixedShards as e:
                 problems.append(f"vLLM: {e}")
                 continue
-            want = {Kind.KEEP: None, Kind.FP8_BLOCK: "FP8_PB_WO"}.get(kind, "NVFP4")
-            if kind == Kind.NVFP4 and got == "W4A16_NVFP4":
-                want = got
-            if got != want and not (kind == Kind.KEEP and engine_rules.vllm_is_skipped(name, ignore, {})):
+            # a quantized layer resolves to one of its scheme's quant_algo names in ModelOpt's spelling, a kept one
+            # to none
+            ok = got in schemes.spelling(kind, "modelopt").algos if schemes.quantized(kind) else got is None
+            if not ok and not (kind == Kind.KEEP and engine_rules.vllm_is_skipped(name, ignore, {})):
                 problems.append(f"quantized_layers resolve {name} to {got}, but it is written {kind}")
             continue
         kept = kind == Kind.KEEP

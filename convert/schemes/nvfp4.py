@@ -1,0 +1,183 @@
+"""NVFP4: E2M1 codes, one E4M3 scale per ``GROUP_SIZE`` values, one F32 global scale per module (or per engine
+packed module: its members share it), and optionally the recipe's constant activation scale. Everything the tool
+knows of the scheme itself, apart from its kernels' arithmetic (``kernels/src``: ``reference`` is ModelOpt's
+math, ``ct_nvfp4`` compressed-tensors', ``nvfp4_cpu.c`` / ``nvfp4_triton`` / ``recipe_*`` the fast paths held to
+their bytes):
+
+* the tensors a module becomes and their dtypes and shapes (``roles``), and each output format's names for them,
+  its quant_algo names and config groups (``SPELLINGS``; docs/nvfp4.md and docs/compressed-tensors.md cite the
+  formats' sources);
+* which weights it can take (``shape_error``);
+* the manifest's record of a module (``record``);
+* the numeric check's bound (``engine_bound``: what ``verify-manifest --engine`` holds each row to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .base import Spelling, row_err
+
+if TYPE_CHECKING:
+    import torch
+
+NAME = "nvfp4"  # the recipes' and the plan's name (``Format.NVFP4``)
+TITLE = "NVFP4"  # the summaries' word (plan's totals, pack's line)
+CARD = "NVFP4"  # the model card's "quantized to ..." row
+TOTALS = "nvfp4"  # the manifest's totals key
+GROUP_SIZE = 16  # values per e4m3 scale
+INPUT_SCALE = True  # a recipe may pin a constant activation scale (written with the module: W4A4)
+#: how compressed-tensors names the packed NVFP4 layout (its ``format``; also every config group's)
+CT_PACK_FORMAT = "nvfp4-pack-quantized"
+
+
+def roles(shape: tuple[int, ...], scalar: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """dtype and shape of each role of a module of weight ``shape``: two codes a byte (even element in the low
+    nibble), one e4m3 scale per group, the global and activation scales as scalars of the format's shape."""
+    lead, k = shape[:-1], shape[-1]
+    return {"codes": ("U8", (*lead, k // 2)), "scales": ("F8_E4M3", (*lead, k // GROUP_SIZE)),
+            "global": ("F32", scalar), "input": ("F32", scalar)}
+
+
+def shape_error(shape: tuple[int, ...], fused: bool, stacked: bool) -> str | None:
+    """Why a weight cannot be NVFP4 (the words after "selected for NVFP4"), or None: 2-D (a fused bank of
+    experts may be 3-D), K a multiple of the group."""
+    if not fused and len(shape) != 2:
+        return "is not 2-D"
+    if shape[-1] % GROUP_SIZE:
+        return f"but K={shape[-1]} is not a multiple of {GROUP_SIZE}"
+    return None
+
+
+def record(algo: str, shared_scale: str | None, input_scale: float | None) -> dict:
+    """The manifest record's ``quantization`` entry (in every format; a format may add its own keys)."""
+    return {"format": NAME, "group_size": GROUP_SIZE, "quant_algo": algo, "shared_scale": shared_scale,
+            "input_scale": input_scale}
+
+
+def modelopt_group(algo: str, targets: list[str]) -> dict:
+    """ModelOpt's compressed-tensors-style config group of one NVFP4 quant_algo (its convert_hf_config;
+    written here because ModelOpt is not a dependency of this tool)."""
+    weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
+    if algo == "NVFP4":
+        return {"input_activations": dict(weights), "weights": weights, "targets": targets}
+    return {"weights": weights, "targets": targets}
+
+
+def _ct_weights() -> dict:
+    """The NVFP4 presets' weights (``compressed_tensors/quantization/quant_scheme.py: NVFP4A16``), as
+    ``QuantizationArgs.model_dump`` writes them (a symmetric scheme's zp_dtype None)."""
+    return {"actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4,
+            "observer": None, "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
+            "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
+
+
+def _ct_inputs() -> dict:
+    """The NVFP4 preset's input_activations (``quant_scheme.py: NVFP4``): local scales dynamic, the global
+    static (the ``input_global_scale`` tensor)."""
+    return {"actorder": None, "block_structure": None, "dynamic": "local", "group_size": GROUP_SIZE, "num_bits": 4,
+            "observer": "static_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
+            "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
+
+
+def ct_group(algo: str, targets: list[str]) -> dict:
+    """compressed-tensors' config group of one preset scheme (``NVFP4A16``, or ``NVFP4`` with a constant
+    activation global scale)."""
+    return {"format": CT_PACK_FORMAT, "input_activations": _ct_inputs() if algo == "NVFP4" else None,
+            "output_activations": None, "targets": targets, "weights": _ct_weights()}
+
+
+SPELLINGS = {
+    # ModelOpt: value = code * weight_scale * weight_scale_2; vLLM's and SGLang's ModelOpt FP4 loaders
+    "modelopt": Spelling(tensors=(("codes", ".weight"), ("scales", ".weight_scale"), ("global", ".weight_scale_2"),
+                                  ("input", ".input_scale")),
+                         algos=("W4A16_NVFP4", "NVFP4"), layer_keys=(("group_size", GROUP_SIZE),),
+                         group=modelopt_group),
+    # compressed-tensors: the global scale's reciprocal convention (code * weight_scale / weight_global_scale), the
+    # activation scale as 1/input_scale (compressors/nvfp4/base.py: NVFP4PackedCompressor.compression_param_names)
+    "compressed-tensors": Spelling(tensors=(("codes", ".weight_packed"), ("scales", ".weight_scale"),
+                                            ("global", ".weight_global_scale"), ("input", ".input_global_scale")),
+                                   algos=("NVFP4A16", "NVFP4"), scalar=(1,), reciprocal_input=True, group=ct_group,
+                                   arithmetic="compressed-tensors"),
+}
+
+
+# -- the numeric check's bound (verify-manifest --engine, enginecheck/numerics.py) ----------------------------
+
+E4M3_WINDOW = (-9, 8)  # the powers of two an e4m3 scale holds exactly relative to the global scale (the cast's window)
+
+
+def engine_bound(placed: list, layer: dict, expert: int | None, rows: Callable) -> list[tuple[torch.Tensor,
+                                                                                              torch.Tensor]]:
+    """Per placed source block (``numerics.Ref``, first row, rows): (each row's error ModelOpt's quantizer makes
+    with the global scale of the engine's fused layer: the amax of every source row placed in it; the elements
+    read back exactly). Where the source is MXFP4 and the output NVIDIA's closed-form cast, the blocks the cast
+    keeps exactly (``k_j - (k_max - 8)`` inside e4m3's window, ``k_max`` over the fused layer) must be read back
+    exactly, the others are held to the quantizer with the cast's global scale ``2^(k_max - 8)``. A
+    compressed-tensors layer: that format's own arithmetic."""
+    refs = [rows(r, s0, n) for r, s0, n in placed]
+    kmax = _kmax(refs)
+    glob = _global_of(layer, expert)
+    claims = [r.cast if r.cast is not None else (kmax is not None and glob == 2.0 ** (kmax - 8)) for r in refs]
+    if layer.get("convention", "modelopt") == "compressed-tensors" and refs:
+        return _ct_bound(refs)
+    return _modelopt_bound(refs, claims, kmax)
+
+
+def _ct_bound(refs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """compressed-tensors' own error (kernels' ct_nvfp4) of each member under the members' one global scale."""
+    import torch
+
+    from ..kernels import ct_nvfp4
+
+    srcs = [r.dense if r.dense is not None else r.values for r in refs]
+    amax = max(float(v.abs().max().float()) for v in srcs)
+    g = ct_nvfp4.global_scale(torch.tensor(amax), srcs[0].dtype)
+    return [(row_err(ct_nvfp4.dequantize(*ct_nvfp4.quantize(v, g), g), r.values),
+             torch.zeros_like(r.values, dtype=torch.bool)) for v, r in zip(srcs, refs, strict=True)]
+
+
+def _modelopt_bound(refs: list, cast_claim: list[bool], kmax: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    import torch
+
+    from ..kernels import reference
+
+    amax = max(float(r.values.abs().max()) for r in refs) if refs else 0.0
+    s2 = reference.global_scale(torch.tensor(amax))
+    out = []
+    for r, cast in zip(refs, cast_claim, strict=True):
+        v = r.values
+        if cast and r.e8m0 is not None and kmax is not None:
+            kj = (r.e8m0.to(torch.int32) - 127).repeat_interleave(32, dim=-1)[:, : v.shape[1]]
+            delta = kj - (kmax - 8)
+            exact = ((delta >= E4M3_WINDOW[0]) & (delta <= E4M3_WINDOW[1])) | (r.e8m0 == 0).repeat_interleave(
+                32, dim=-1)[:, : v.shape[1]]
+            q = reference.dequantize(*reference.quantize(v, torch.tensor(2.0 ** (kmax - 8))),
+                                     torch.tensor(2.0 ** (kmax - 8)))
+            q = torch.where(exact, v, q)
+        else:
+            exact = torch.zeros_like(v, dtype=torch.bool)
+            q = reference.dequantize(*reference.quantize(v, s2), s2)
+        out.append((row_err(q, v), exact))
+    return out
+
+
+def _kmax(refs: list) -> int | None:
+    """The fused layer's ``k_max`` (the largest MXFP4 E8M0 exponent), None unless every member is MXFP4."""
+    tops = [int(r.e8m0.max()) for r in refs if r.e8m0 is not None and r.e8m0.numel()]
+    if len(tops) != len(refs) or not tops:
+        return None
+    top = max(tops)
+    return top - 127 if top else 0
+
+
+def _global_of(layer: dict, expert: int | None) -> float | None:
+    """The global scale the engine keeps for the layer (an expert: its gate's slot)."""
+    slots = layer.get("global_slots")
+    if slots is None:
+        return None
+    if expert is None:
+        return float(layer.get("global_scale", max(slots)))
+    row = slots[expert]
+    return float(row[0] if isinstance(row, list) else row)
