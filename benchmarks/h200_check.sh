@@ -13,8 +13,8 @@
 #   ct-auto   --device auto against cpu and cuda on a 10 GB one-file Qwen3 MoE (synth bench-qwen3-moe --layers 8
 #             --shards 1), --recipe ct-nvfp4-a16, as k3-auto
 #   k25-auto  as k3-auto on synth bench-kimi-k25 (2.1 GB: INT4 pack-quantized experts, the default recipe)
-#   dsv4-auto as k3-auto on DeepSeek V4's bench fixture (tests/family_fixtures/deepseek_v4.py DIR bench: 1.9 GB, MXFP4
-#             experts), recipe nvidia-dsv4 (the MXFP4 -> NVFP4 cast)
+#   dsv4-auto as k3-auto on synth bench-deepseek-v4 (1.9 GB, MXFP4 experts), recipe nvidia-dsv4 (the MXFP4 -> NVFP4
+#             cast)
 #   ct-gpu    the same input: pack --device auto and cpu against llm-compressor's model_free_ptq on device="cuda"
 #             (max_workers 1; benchmarks/ct_speed.py)
 #   kl-gpu    the same on synth bench-kimi-linear (2.4 GB, 4 files), the peer with max_workers 1 and 2
@@ -32,9 +32,9 @@ PY=${PY:-python3}
 DEADLINE=${DEADLINE:-560}
 ROUNDS=${ROUNDS:-3}
 GPU=cuda; K3=(bench-k3-shards --jobs 8); CT=(bench-qwen3-moe --layers 8 --shards 1); KL=(bench-kimi-linear)
-K25=(bench-kimi-k25 --jobs 8); DSV4=bench
+K25=(bench-kimi-k25 --jobs 8); DSV4=(bench-deepseek-v4 --jobs 8)
 if [ -n "${DRY:-}" ]; then GPU=reference; K3=(tiny-k3); CT=(tiny-qwen3-moe --shards 1); KL=(tiny-kimi-linear)
-  K25=(tiny-kimi-k25); DSV4=tiny; fi
+  K25=(tiny-kimi-k25); DSV4=(tiny-deepseek-v4); fi
 mkdir -p "$OUT" "$L"
 export PYTHONUNBUFFERED=1 KIMI_CONVERT_LLMC_PYTHON=$PY TQDM_DISABLE=1
 unset TRITON_INTERPRET
@@ -82,16 +82,6 @@ synth() {  # synth NAME ARGS...: $W/NAME, unless a previous call on this machine
     --overwrite "${@:2}" > /dev/null; } 2>> "$L/synth.log"
 }
 
-fixture() {  # fixture NAME ARG: $W/NAME written by DeepSeek V4's test fixture (tests/family_fixtures/deepseek_v4.py DIR ARG)
-  [ -f "$W/$1/config.json" ] || { /usr/bin/time -f "fixture deepseek_v4 $2: %e s" $PY tests/family_fixtures/deepseek_v4.py \
-    "$W/$1" "$2" > /dev/null; } 2>> "$L/synth.log"
-}
-
-warm_up_dir() {  # untimed, as warm_up, on a folder already written ($1) under recipe $2
-  for d in $GPU auto; do $PY -m kimi_convert.cli pack "$1" "$W/warm-out" -q --overwrite --device $d --recipe $2 \
-    >> "$L/warm-up.log" 2>&1; done
-}
-
 warm_up() {  # untimed: torch, Triton's cache and the C kernels from the disk once ($1: a tiny preset, $2: recipe)
   synth "warm-$1" "$1"
   for d in $GPU auto; do $PY -m kimi_convert.cli pack "$W/warm-$1" "$W/warm-out" -q --overwrite --device $d \
@@ -108,9 +98,8 @@ stage() {
     local name=k3 recipe=nvidia-k3 tiny=tiny-k3 in=("${K3[@]}")
     [ "$1" = ct-auto ] && { name=ct; recipe=ct-nvfp4-a16; tiny=tiny-qwen3-moe; in=("${CT[@]}"); }
     [ "$1" = k25-auto ] && { name=k25; recipe=nvfp4-w4a16; tiny=tiny-kimi-k25; in=("${K25[@]}"); }
-    if [ "$1" = dsv4-auto ]; then name=dsv4; recipe=nvidia-dsv4; fixture dsv4 "$DSV4"; fixture dsv4-tiny tiny
-      warm_up_dir "$W/dsv4-tiny" $recipe
-    else synth "$name" "${in[@]}"; warm_up $tiny $recipe; fi
+    [ "$1" = dsv4-auto ] && { name=dsv4; recipe=nvidia-dsv4; tiny=tiny-deepseek-v4; in=("${DSV4[@]}"); }
+    synth "$name" "${in[@]}"; warm_up $tiny $recipe
     $PY benchmarks/auto_vs_devices.py --input "$W/$name" --work "$W/auto-$name" --recipe $recipe --rounds "$ROUNDS" \
       --configs cpu $GPU auto --check-equal --json "$L/$name-auto.json" > "$L/$name-auto.log" 2>&1
     local rc=$?; tail -8 "$L/$name-auto.log"; rm -rf "$W/auto-$name"; return $rc ;;

@@ -9,8 +9,6 @@
 #   2. each preset written whole (synth, as the preset is) and packed with --device cpu, cuda and auto under each
 #      of $RECIPES ("default": the mapping's; default "default ct-nvfp4-a16"), each timed (wall, peak RSS) with its
 #      --stats, every file of the cuda and auto outputs compared with the cpu output's: "same" or "DIFF".
-#      A name fixture:FILE:ARG writes its input with a test fixture writer instead (python FILE DIR ARG:
-#      fixture:tests/family_fixtures/deepseek_v4.py:bench), not selected by the tests of step 1.
 # Logs in /tmp/kc-families/logs, copied to $OUT/logs.tgz after the tests and after each preset (what a `timeout`
 # around the script leaves comes back); the summary is printed last. Exit 1 on a DIFF or a failed test. Session 19's
 # times there suggest 150-300 s of command for a tiny and a bench preset of 1-3 GB, plus the machine's start (75 s).
@@ -30,21 +28,15 @@ unset TRITON_INTERPRET
 { git log -1 --format="%h %s" 2>/dev/null; nproc; nvidia-smi -L
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$L/machine.log" 2>&1
 status=0
-k=$(printf ' or %s' $(printf '%s\n' "$@" | grep -v '^fixture:')); k=${k# or }; k=${k:-nothing-selected}
+k=$(printf ' or %s' "$@"); k=${k# or }
 TRITON_INTERPRET= $PY -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -n "${TEST_WORKERS:-4}" -rs -k "$k" \
   > "$L/tests.log" 2>&1 || status=1
 tail -5 "$L/tests.log" | tee "$L/summary.log"
 save() { tar czf "$OUT/logs.tgz" -C "$L" .; }
 save
 for preset in "$@"; do
-  if [[ $preset == fixture:* ]]; then  # fixture:FILE:ARG, a test fixture writer (tests/family_fixtures/X.py DIR ARG)
-    IFS=: read -r _ file arg <<< "$preset"; preset=$(basename "$file" .py)-$arg
-    $PY "$file" "$W/$preset" "$arg" > /dev/null 2>> "$L/synth.log" \
-      || { echo "$preset: fixture failed" | tee -a "$L/summary.log"; status=1; continue; }
-  else
   $PY -m kimi_convert.cli synth "$preset" "$W/$preset" --overwrite --jobs 8 > /dev/null 2>> "$L/synth.log" \
     || { echo "$preset: synth failed" | tee -a "$L/summary.log"; status=1; continue; }
-  fi
   for recipe in ${RECIPES:-default ct-nvfp4-a16}; do
     r=(); [ "$recipe" = default ] || r=(--recipe "$recipe")
     for dev in cpu $GPU auto; do

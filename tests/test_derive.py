@@ -36,8 +36,8 @@ from kimi_convert.plan import make_plan
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ROOT / "tests" / "derived"
 RECORDED = sorted(p.name.removesuffix(".answers.json") for p in ANSWERS.glob("*.answers.json"))
-#: Those of a synth preset whose architecture has a hand table (the others, a 2026 family's test-only preset with
-#: no hand table, are held to their shipped derived table: tests/test_family_*.py)
+
+
 def _hand_table(preset: str) -> bool:
     """Whether a hand table (mappings/*.toml) names the architecture of ``preset``'s recorded config."""
     from kimi_convert.mapping import UnknownArchitecture
@@ -49,7 +49,10 @@ def _hand_table(preset: str) -> bool:
     return True
 
 
+#: Those of a synth preset whose architecture has a hand table; the others are held to their shipped derived table
+#: (test_a_shipped_derived_table_is_its_recorded_answers)
 WITH_HAND_TABLE = [p for p in RECORDED if p in all_presets() and _hand_table(p)]
+WITHOUT_HAND_TABLE = [p for p in RECORDED if not _hand_table(p)]
 
 
 def _compare_module():
@@ -60,10 +63,24 @@ def _compare_module():
 
 
 def _derived(preset: str):
-    """The table of a preset's recorded answers, with its drafts' where recorded (the [mtp] table)."""
+    """The table of a preset's recorded answers, with its drafts' where recorded (the [mtp] table): in
+    PRESET.draft-answers.json where the drafts were asked apart, else in PRESET.answers.json itself (none: {})."""
     views, config, shapes = load_answers(ANSWERS / f"{preset}.answers.json")
     drafts = ANSWERS / f"{preset}.draft-answers.json"
-    return from_views(views, config, shapes, load_draft_answers(drafts) if drafts.is_file() else None)
+    return from_views(views, config, shapes, load_draft_answers(drafts if drafts.is_file() else
+                                                                ANSWERS / f"{preset}.answers.json"))
+
+
+@pytest.mark.parametrize("preset", WITHOUT_HAND_TABLE)
+def test_a_shipped_derived_table_is_its_recorded_answers(preset):
+    """Each architecture without a hand table ships mappings/derived/TABLE.toml (the one naming its architecture),
+    and that file is, character for character, the table the rules make of the recorded answers of vLLM 0.33.0 and
+    SGLang 0.5.23 (``mapping derive --answers``), rebuilt here without the engines."""
+    archs = set(json.loads((ANSWERS / f"{preset}.answers.json").read_text())["config"]["architectures"])
+    shipped = [f for f in sorted((ROOT / "mappings" / "derived").glob("*.toml"))
+               if archs & set(tomllib.loads(f.read_text()).get("architectures", ()))]
+    assert len(shipped) == 1, (preset, archs, shipped)
+    assert _derived(preset).text == shipped[0].read_text(), shipped[0].name
 
 
 def test_templates_number_layers_and_experts_only():

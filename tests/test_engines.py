@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_fixtures import deepseek_v4, deepseek_v32
 from safetensors.torch import load_file, save_file
 
 from helpers import Result, one_line_error, run, run_process, spec
@@ -39,9 +38,6 @@ MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "gl
           # Mistral's own layout (params.json, consolidated-*.safetensors): the key is the folder's name, and SGLang
           # reads params.json only where the path holds "mistral-large-3" (mistral_utils.py is_mistral_model)
           "mistral-large-3": "tiny-mistral-large-3"}
-#: Test-only presets (tests/presets/), written by their own generator instead of ``kimi-convert synth``; they are
-#: packed with the derived tables shipped for them (mappings/derived/, with mappings/overlays/deepseek_v32.toml).
-TEST_PRESETS = {"ds4": deepseek_v4.write, "ds32": deepseek_v32.write}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
@@ -83,9 +79,6 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-inputs")
     out = {}
     for key, preset in MODELS.items():
-        if key in TEST_PRESETS:
-            out[key] = TEST_PRESETS[key](root / key)
-            continue
         r = run("synth", spec(preset), root / key)
         assert r.code == 0, r.stderr
         out[key] = root / key

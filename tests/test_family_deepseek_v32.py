@@ -1,20 +1,19 @@
-"""DeepSeek V3.2 (``DeepseekV32ForCausalLM``): DeepSeek V3's layout plus the DSA indexer; both engines build the
-indexer's ``wk`` and ``weights_proj`` as one unquantized BF16 layer, ``wq_b`` with the model's quant config
-(docs/families.md, "DeepSeek V3.2")."""
+"""DeepSeek V3.2 (``DeepseekV32ForCausalLM``, preset ``tiny-deepseek-v3-2``): DeepSeek V3's layout plus the DSA
+indexer; both engines build the indexer's ``wk`` and ``weights_proj`` as one unquantized BF16 layer, ``wq_b`` with the
+model's quant config (docs/families.md, "DeepSeek V3.2")."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from family_fixtures import deepseek_v32
 from safetensors import safe_open
 
-from helpers import run
+from helpers import run, write_synth
 
 
 def test_indexer_kept_where_the_engines_build_it_unquantized(tmp_path: Path):
-    src = deepseek_v32.write(tmp_path / "src")
+    src = write_synth("tiny-deepseek-v3-2", tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV32ForCausalLM"] and cfg["model_type"] == "deepseek_v32"
     assert (cfg["index_head_dim"], cfg["kv_lora_rank"], cfg["index_topk"]) == (128, 512, 2048)
@@ -38,6 +37,6 @@ def test_indexer_kept_where_the_engines_build_it_unquantized(tmp_path: Path):
 def test_inspect_gives_benchmark_moe_values(tmp_path: Path):
     """V3.2 reads V3's keys (n_routed_experts, num_experts_per_tok, moe_intermediate_size): the DeepSeek branch of
     benchmark_moe.py, as for V3 (docs/families.md)."""
-    r = run("inspect", deepseek_v32.write(tmp_path / "src"))
+    r = run("inspect", write_synth("tiny-deepseek-v3-2", tmp_path / "src"))
     assert "E=8 topk=2 moe_intermediate_size=128 hidden_size=256" in r.stdout
     assert "MoE layers       1 [1]" in r.stdout

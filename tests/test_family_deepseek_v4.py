@@ -1,6 +1,6 @@
-"""DeepSeek V4 (``DeepseekV4ForCausalLM``): the tiny preset laid out as the release, its source encoding (MXFP4
-experts I8 + F8_E8M0, block-FP8 with E8M0 ``.scale``), and NVIDIA's recipe (``nvidia-dsv4``) against Model
-Optimizer's own converter. docs/families.md, "DeepSeek V4"."""
+"""DeepSeek V4 (``DeepseekV4ForCausalLM``): the preset laid out as the release (presets/deepseek_v4.toml), its source
+encoding (MXFP4 experts I8 + F8_E8M0, block-FP8 with E8M0 ``.scale``), and NVIDIA's recipe (``nvidia-dsv4``) against
+Model Optimizer's own converter. docs/families.md, "DeepSeek V4"."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_fixtures import deepseek_v4 as dsv4
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import run
+from helpers import run, weight_map, write_synth
 
 REPO = Path(__file__).resolve().parents[1]
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -25,7 +24,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    return dsv4.write(tmp_path_factory.mktemp("dsv4") / "src")
+    return write_synth("tiny-deepseek-v4", tmp_path_factory.mktemp("dsv4") / "src")
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +45,20 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_preset_at_release_sizes_is_deepseek_v4_flash():
-    """At DeepSeek-V4-Flash's config the tensor list gives the release's counts: 69,187 tensors, 159,609,485,896
-    bytes (the figures a public static checker of the release holds; docs/families.md)."""
-    shards = dsv4.tensors(dsv4.config(**dsv4.FLASH))
+    """The family's own config (no preset's sizes) is DeepSeek-V4-Flash's, and its tensor list gives the release's
+    counts: 69,187 tensors, 159,609,485,896 bytes (the figures a public static checker of the release holds;
+    docs/families.md)."""
+    import dataclasses
+
+    from kimi_convert.synth import builtin_presets, tensors
+    from kimi_convert.synth.resolve import make_preset
+
+    family, tiny = builtin_presets()["tiny-deepseek-v4"]
+    parts = [part for t in tensors(make_preset(family, dataclasses.replace(tiny, config={}))) for part in t.parts]
     size = {"BF16": 2, "F32": 4, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
-    assert sum(len(s) for s in shards) == 69187
-    assert sum(math.prod(shape) * size[dt] for s in shards for _, dt, shape in s) == 159_609_485_896
-    names = {n for s in shards for n, _, _ in s}
+    assert len(parts) == 69187
+    assert sum(math.prod(p.shape) * size[p.dtype] for p in parts) == 159_609_485_896
+    names = {p.name for p in parts}
     assert "layers.2.attn.indexer.wq_b.weight" in names and "layers.3.attn.indexer.wq_b.weight" not in names
     assert "layers.0.ffn.gate.tid2eid" in names and "layers.3.ffn.gate.bias" in names
     assert "mtp.0.ffn.experts.255.w2.scale" in names and "mtp.0.emb.tok_emb.weight" not in names
@@ -120,7 +126,7 @@ def test_nan_scale_refused_naming_the_tensor(src: Path, tmp_path: Path):
     import shutil
 
     bad = shutil.copytree(src, tmp_path / "bad")
-    name = "model-00003-of-00007.safetensors"
+    name = weight_map(src)["layers.1.ffn.experts.2.w3.scale"]
     t = _tensors(src)
     with safe_open(str(src / name), "pt") as h:
         data = {k: t[k] for k in h.keys()}  # noqa: SIM118
@@ -168,15 +174,3 @@ def test_byte_identical_to_modelopts_own_converter(src: Path, tmp_path: Path):
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(report.read_text())
     assert r["ok"] and r["byte_identical"] == r["theirs_tensors"] == 608 and r["expert_tensors_identical"] == 384
-
-
-def test_shipped_derived_tables_are_the_engines_answers():
-    """mappings/derived/deepseek_v4.toml and deepseek_v32.toml are what the recorded answers of vLLM 0.33.0 and
-    SGLang 0.5.23 give (``mapping derive ... --answers``, rebuilt without the engines)."""
-    from kimi_convert.derive import from_views, load_answers, load_draft_answers
-
-    for preset, table in (("tiny-deepseek-v4", "deepseek_v4"), ("tiny-deepseek-v3-2", "deepseek_v32")):
-        drafts = REPO / "tests" / "derived" / f"{preset}.draft-answers.json"  # the [mtp] drafts' (tests/test_mtp.py)
-        d = from_views(*load_answers(REPO / "tests" / "derived" / f"{preset}.answers.json"),
-                       load_draft_answers(drafts) if drafts.is_file() else None)
-        assert d.text == (REPO / "mappings" / "derived" / f"{table}.toml").read_text(), table

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run, weight_map
+from helpers import run, weight_map, write_synth
 from kimi_convert.modelinfo import from_config
 
-PRESET = Path(__file__).parent.parent / "presets" / "glm5_next.toml"
+REPO = Path(__file__).resolve().parent.parent
 
 RELEASE_TOP = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
                "image_token_id": 154854, "video_token_id": 154855, "tie_word_embeddings": False}
@@ -51,10 +51,7 @@ MTP_OWN = {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.w
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("glm5-next") / "g53"
-    r = run("synth", f"{PRESET}:tiny-glm5-next", out)
-    assert r.code == 0, r.stderr
-    return out
+    return write_synth("tiny-glm5-next", tmp_path_factory.mktemp("glm5-next") / "g53")
 
 
 def test_config_is_the_releases(ckpt):
@@ -112,17 +109,17 @@ def test_release_values_without_weights():
     assert len(info.layer_kinds["kda"]) == 34 and info.layer_kinds["mla"][:2] == [3, 7] and info.moe_layers[0] == 3
 
 
-def test_shipped_derived_table_is_the_engines_answers():
-    """mappings/derived/glm5_next.toml is what the recorded answers of vLLM 0.33.0 and SGLang 0.5.23 give
-    (``mapping derive ... --answers``, rebuilt without the engines). Two rules were fixed for it: a group whose parents
-    include one outside the numbered layers (the vision merger's gate_up_proj) stopped the layer-type rule with a
-    ValueError, and the vision blocks were not numbered (a keep for block 0 only)."""
+def test_the_derived_table_reads_the_engines_answers():
+    """The table the recorded answers of vLLM 0.33.0 and SGLang 0.5.23 give (the shipped
+    mappings/derived/glm5_next.toml: tests/test_derive.py) keeps what vLLM builds unquantized, the vision blocks
+    numbered. Two rules were fixed for it: a group whose parents include one outside the numbered layers (the vision
+    merger's gate_up_proj) stopped the layer-type rule with a ValueError, and the vision blocks were not numbered (a
+    keep for block 0 only)."""
     from kimi_convert.derive import from_views, load_answers, load_draft_answers
 
-    answers = PRESET.parent.parent / "tests" / "derived" / "tiny-glm5-next.answers.json"
+    answers = REPO / "tests" / "derived" / "tiny-glm5-next.answers.json"
     views, config, shapes = load_answers(answers)
     d = from_views(views, config, shapes, load_draft_answers(answers))
-    assert d.text == (PRESET.parent.parent / "mappings" / "derived" / "glm5_next.toml").read_text()
     keeps = {k["pattern"] for k in d.table["keep"]}
     assert {"model.visual.blocks.*.attn.qkv", "model.visual.merger.proj", "model.language_model.layers.*.mlp.gate",
             "model.language_model.layers.*.self_attn.q_proj"} <= keeps  # vLLM builds all of these unquantized

@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_line_error, run, weight_map
+from helpers import one_line_error, run, weight_map, write_synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import parse_mapping
-
-PRESET = Path(__file__).parent / "presets" / "minimax_m3.toml"
 
 # MiniMaxAI/MiniMax-M3 config.json, the values that are not sizes (sizes: the preset's).
 RELEASE_TOP = {
@@ -55,10 +53,7 @@ MOE = ({"block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bia
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("minimax-m3") / "m3"
-    r = run("synth", f"{PRESET}:tiny-minimax-m3", out)
-    assert r.code == 0, r.stderr
-    return out
+    return write_synth("tiny-minimax-m3", tmp_path_factory.mktemp("minimax-m3") / "m3")
 
 
 def test_config_is_the_releases(ckpt):
@@ -157,10 +152,9 @@ def _shipped():
     return from_views(*load_answers(answers), load_draft_answers(answers))
 
 
-def test_the_shipped_derived_table_is_the_engines_answers():
-    d = _shipped()
-    assert d.text == (REPO / "mappings" / "derived" / "minimax_m3_vl.toml").read_text()
-    t = d.table
+def test_the_derived_table_reads_the_engines_fusions():
+    """The table the recorded answers give (the shipped mappings/derived/minimax_m3_vl.toml: tests/test_derive.py)."""
+    t = _shipped().table
     # vLLM's five-shard qkv_proj on the sparse-attention layers only, told by a per-layer 0/1 list; SGLang's
     # index_qkv_proj beside its own q/k/v qkv_proj; both engines' q/k/v qkv_proj on the dense-attention layer
     groups = {(g["name"], tuple(g.get("engines", ()))): g for g in t["group"]}

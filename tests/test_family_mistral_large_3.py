@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_ckpt, edit_json, one_line_error, run
+from helpers import copy_ckpt, edit_json, one_line_error, run, write_synth
 
 PRESET = "tiny-mistral-large-3"
 INDEX = "consolidated.safetensors.index.json"
@@ -58,10 +58,7 @@ def vllm_name(module: str) -> str:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ml3") / "tiny-mistral-large-3"
-    r = run("synth", PRESET, out)
-    assert r.code == 0, r.stderr
-    return out
+    return write_synth(PRESET, tmp_path_factory.mktemp("ml3") / "tiny-mistral-large-3")
 
 
 def test_laid_out_as_the_release(ckpt):

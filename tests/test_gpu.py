@@ -101,51 +101,16 @@ def test_pack_on_the_gpu_writes_the_cpus_bytes(inputs, tmp_path, preset, synth, 
     assert same_on_both(inputs(preset, **synth), tmp_path, max_shard_size=500_000_000, **opts) is None
 
 
-#: The families whose tiny input a test fixture writes rather than a synth preset (tests/family_fixtures/), under
-#: the recipes of the matrix above and their own default: DeepSeek V3.2 (block-FP8 source with the DSA indexer) and
-#: DeepSeek V4 (MXFP4 routed experts, E8M0 block-FP8 scales; its default ``nvidia-dsv4`` casts the MXFP4 experts).
-FIXTURES = ["deepseek_v32", "deepseek_v4"]
-FIXTURE_RECIPES = [(None, None), *RECIPES]
-
-
-def _fixture(name: str, out):
-    import importlib
-
-    return importlib.import_module(f"family_fixtures.{name}").write(out)
-
-
-@pytest.fixture(scope="session")
-def fixture_inputs(tmp_path_factory):
-    """Each family fixture's tiny input written once per test process."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = _fixture(name, tmp_path_factory.mktemp("fx") / name)
-        return made[name]
-    return get
+#: The tiny presets whose default recipe is none of the matrix's (DeepSeek V3.2 and V4 joined TINY and BENCH as
+#: presets; V4's default ``nvidia-dsv4`` casts its MXFP4 routed experts and keeps the rest as stored), in every layout.
+OWN_DEFAULT = ["tiny-deepseek-v4"]
 
 
 @on_gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("recipe,fmt", FIXTURE_RECIPES, ids=str)
-@pytest.mark.parametrize("family", FIXTURES)
-def test_every_family_fixture_recipe_format_and_layout_writes_the_cpus_bytes(fixture_inputs, tmp_path, family,
-                                                                             recipe, fmt, layout):
-    opts = {"recipe": recipe, "layout": layout, "max_shard_size": 1_000_000, **({"format": fmt} if fmt else {})}
-    same_on_both(fixture_inputs(family), tmp_path, **opts)  # (the same files, or the same refusal)
-
-
-@on_gpu
-@pytest.mark.xdist_group("deepseek_v4-bench")
-@pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
-def test_deepseek_v4_at_real_width_writes_the_cpus_bytes(tmp_path_factory, tmp_path, recipe):
-    """DeepSeek-V4-Flash's widths (experts 2048 x 4096 in MXFP4), 8 of its experts: the cast and quantize kernels
-    at the release's tile sizes."""
-    from family_fixtures import deepseek_v4 as dsv4
-
-    src = dsv4.write(tmp_path_factory.mktemp("fx") / "dsv4-bench", dsv4.config(**{**dsv4.BENCH, "n_routed_experts": 8}))
-    assert same_on_both(src, tmp_path, recipe=recipe, max_shard_size=500_000_000) is None
+@pytest.mark.parametrize("preset", OWN_DEFAULT)
+def test_a_tiny_presets_own_default_recipe_writes_the_cpus_bytes(inputs, tmp_path, preset, layout):
+    same_on_both(inputs(preset), tmp_path, layout=layout, max_shard_size=1_000_000)  # (the same files, or refusal)
 
 
 @pytest.fixture

@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_line_error, run
-from helpers import write_synth as write_preset
+from helpers import one_line_error, run, write_synth
 from kimi_convert import mtp
 from kimi_convert.derive import draft
 from kimi_convert.errors import ConvertError
-from kimi_convert.synth import write_synth
 
 GLM_MTP = {
     "prefix": "model.layers.{n}.", "first": "num_hidden_layers", "count": ["num_nextn_predict_layers"],
@@ -282,13 +280,6 @@ COUNT_KEY = {"tiny-glm5-next": ("text_config", "num_nextn_predict_layers"),
              "tiny-minimax-m3": ("text_config", "num_mtp_modules")}
 
 
-def _family_source(preset: str, dst: Path) -> Path:
-    from family_fixtures import deepseek_v4, deepseek_v32
-
-    writers = {"tiny-deepseek-v4": deepseek_v4.write, "tiny-deepseek-v3-2": deepseek_v32.write}
-    return writers[preset](dst) if preset in writers else write_preset(preset, dst)
-
-
 def _count(src: Path, dst: Path, preset: str, n: int) -> Path:
     """A copy of ``src`` whose config announces ``n`` MTP layers (under the key the family's [mtp] counts by)."""
     where = COUNT_KEY.get(preset)
@@ -303,7 +294,7 @@ def test_new_families_mtp_bad_input_is_one_line_before_any_work(preset, tmp_path
     """Each bad input of issue 39 item 4 on the 2026 families' own layouts: exit 2, one line naming it, in plan
     (before any tensor is read)."""
     more, tensor = NEW_FAMILIES[preset]
-    src = _family_source(preset, tmp_path / "src")
+    src = write_synth(preset, tmp_path / "src")
     assert run("plan", src).code == 0
     r = run("plan", _count(src, tmp_path / "more", preset, 2))
     assert r.code == 2 and f"announces MTP layer {more}* but the checkpoint stores no tensor" in one_line_error(r)
@@ -345,26 +336,20 @@ def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
     assert "modelopt" not in sglang["quantized"]  # SGLang's draft builds the MTP layer unquantized under ModelOpt
 
 
-#: The 2026 families' derived tables (mappings/derived/) with the [mtp] their drafts answered
+#: The 2026 families' derived tables (mappings/derived/) with the [mtp] their drafts answered (each the table its
+#: recorded answers give: tests/test_derive.py, test_a_shipped_derived_table_is_its_recorded_answers)
 DERIVED_WITH_DRAFTS = {"tiny-glm5": "glm_moe_dsa", "tiny-glm4-moe-lite": "glm4_moe_lite",
                        "tiny-deepseek-v3-2": "deepseek_v32", "tiny-deepseek-v4": "deepseek_v4"}
 
 
 @pytest.mark.parametrize("preset", sorted(DERIVED_WITH_DRAFTS))
-def test_derived_tables_mtp_is_what_the_engines_drafts_answered(preset):
-    """mappings/derived/TABLE.toml is the table the recorded answers give, main models' and drafts'
-    (tests/derived/PRESET.answers.json and PRESET.draft-answers.json, both from `kimi-convert mapping derive
-    --answers`), and its [mtp] names both engines' drafts."""
+def test_derived_tables_mtp_names_both_engines_drafts(preset):
+    """mappings/derived/TABLE.toml's [mtp] names both engines' drafts, and SGLang's as building the MTP layer
+    quantized under ModelOpt only where its draft does."""
     import tomllib
 
-    from kimi_convert.derive import from_views, load_answers, load_draft_answers
-
-    answers = Path(__file__).parent / "derived"
-    drafts = load_draft_answers(answers / f"{preset}.draft-answers.json")
-    d = from_views(*load_answers(answers / f"{preset}.answers.json"), drafts)
     shipped = Path(__file__).resolve().parents[1] / "mappings" / "derived" / f"{DERIVED_WITH_DRAFTS[preset]}.toml"
-    assert d.text == shipped.read_text()
-    table = tomllib.loads(d.text)["mtp"]
+    table = tomllib.loads(shipped.read_text())["mtp"]
     assert {x["engine"] for x in table["draft"]} == {"vllm", "sglang"}
     sglang = next(x for x in table["draft"] if x["engine"] == "sglang")
     # SGLang's DeepSeek / GLM NextN set quant_config None under modelopt_fp4 (deepseek_nextn.py, glm4_moe_nextn.py);

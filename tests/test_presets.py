@@ -199,20 +199,31 @@ rope_scaling = "= None"
 [sets]
 moe = "[i for i in range(num_hidden_layers) if layer_types[i] == 'moe']"
 
+[let]
+mtp = "layer - num_hidden_layers"
+
 [[blocks]]
 loop = "range(num_hidden_layers)"
 names = { pre = "model.layers.{layer}" }
 tensors = [
   { name = "{pre}.attn.wq.weight", shape = ["hidden_size", "hidden_size"], storage = "fp8-block" },
+  { name = "{pre}.attn.wo.weight", shape = ["hidden_size", 384], storage = "fp8-block", \
+stored = ["{base}.weight", "{base}.scale"], scale_dtype = "e8m0" },
   { layers = "moe", tensors = [
     { name = "{pre}.ffn.gate.bias", shape = ["n_routed_experts"], storage = "f32" },
+    { name = "{pre}.ffn.gate.tid2eid", shape = [64, "n_routed_experts"], storage = "expert-ids" },
     { experts = "n_routed_experts", tensors = [
       { name = "{pre}.ffn.experts.{expert}.w1.weight", shape = ["moe_intermediate_size", "hidden_size"], \
-storage = "mxfp4-pack", stored = ["{base}.weight", "{base}.scale"], scale_dtype = "e8m0" },
+storage = "mxfp4-pack", stored = ["{base}.weight", "{base}.scale"], scale_dtype = "e8m0", code_dtype = "i8" },
     ] },
     { name = "{pre}.ffn.bank", shape = ["n_routed_experts", 64, "hidden_size"], storage = "mxfp4-bank" },
   ] },
 ]
+
+[[blocks]]
+loop = "range(num_hidden_layers, num_hidden_layers + 1)"
+names = { pre = "mtp.{mtp}" }
+tensors = [{ name = "{pre}.norm.weight", shape = ["hidden_size"], when = "layer == num_hidden_layers" }]
 
 [files]
 "generation_config.json" = "{}"
@@ -224,8 +235,9 @@ shards = 2
 
 
 def test_a_new_family_is_a_spec_file(tmp_path):
-    """A family the package has never seen, written here as data: names, storages, renamed MXFP4 parts
-    with F8_E8M0 scales, the config with its derived keys and the side files come out as the spec says."""
+    """A family the package has never seen, written here as data: names (a block's named by a ``let`` over its loop),
+    storages, renamed MXFP4 parts with I8 codes and F8_E8M0 scales, FP8 with power-of-two E8M0 tile scales, a
+    hash-routing table, the config with its derived keys and the side files come out as the spec says."""
     path = tmp_path / "toy.toml"
     path.write_text(NEW_FAMILY)
     r = run("synth", path, tmp_path / "out", "--experts", "2")
@@ -235,14 +247,41 @@ def test_a_new_family_is_a_spec_file(tmp_path):
     assert (tmp_path / "out" / "generation_config.json").read_text() == "{}"
     t = read_tensors(tmp_path / "out")
     assert sorted(t) == sorted([
-        "model.layers.0.attn.wq.weight", "model.layers.0.attn.wq.weight_scale_inv",
-        "model.layers.1.attn.wq.weight", "model.layers.1.attn.wq.weight_scale_inv", "model.layers.1.ffn.gate.bias",
+        *(f"model.layers.{i}.attn.{p}" for i in range(2) for p in ("wq.weight", "wq.weight_scale_inv", "wo.weight",
+                                                                    "wo.scale")),
+        "model.layers.1.ffn.gate.bias", "model.layers.1.ffn.gate.tid2eid",
         *(f"model.layers.1.ffn.experts.{e}.w1.{p}" for e in range(2) for p in ("weight", "scale")),
-        "model.layers.1.ffn.bank_blocks", "model.layers.1.ffn.bank_scales"])
+        "model.layers.1.ffn.bank_blocks", "model.layers.1.ffn.bank_scales", "mtp.0.norm.weight"])
     assert str(t["model.layers.1.ffn.experts.0.w1.scale"].dtype) == "torch.float8_e8m0fnu"
+    assert str(t["model.layers.1.ffn.experts.0.w1.weight"].dtype) == "torch.int8"
     assert tuple(t["model.layers.1.ffn.experts.0.w1.weight"].shape) == (64, 128)
+    ids = t["model.layers.1.ffn.gate.tid2eid"]  # two experts (--experts 2): each row both, in some order
+    assert str(ids.dtype) == "torch.int64" and ids.sort(-1).values.tolist() == [[0, 1]] * 64
+    assert len({tuple(r) for r in ids.tolist()}) == 2
+    w, s = t["model.layers.0.attn.wo.weight"], t["model.layers.0.attn.wo.scale"]
+    assert str(s.dtype) == "torch.float8_e8m0fnu" and tuple(s.shape) == (2, 3)
+    tiles = w.float().abs().view(2, 128, 3, 128).amax(dim=(1, 3))  # the smallest power of two holding amax/448
+    assert bool(((tiles >= 224) & (tiles <= 448)).all()), tiles  # (e4m3 may round amax/scale down to 224)
     assert tuple(t["model.layers.1.ffn.bank_blocks"].shape) == (2, 64, 8, 16)
     assert str(t["model.layers.0.attn.wq.weight"].dtype) == "torch.float8_e4m3fn"
+
+
+@pytest.mark.parametrize(("old", "new", "says"), [
+    ('code_dtype = "i8" }', 'code_dtype = "i4" }', "code_dtype: 'i4': u8 or i8, for the mxfp4-pack storage"),
+    ('storage = "fp8-block" },', 'storage = "fp8-block", code_dtype = "i8" },', "code_dtype: 'i8': u8 or i8, for the"),
+    ('shape = [64, "n_routed_experts"]', 'shape = [64, "n_routed_experts + 1"]',
+     "({pre}.ffn.gate.tid2eid): expert-ids takes [rows, k], k distinct experts of 2, got [64, 3]"),
+])
+def test_a_storage_option_misused_is_one_line(tmp_path, old, new, says):
+    """I8 codes only where the storage packs MXFP4 codes; an expert-ids row cannot hold more distinct experts than
+    the family has: one line naming the file and the entry, exit 2, nothing written."""
+    assert old in NEW_FAMILY
+    path = tmp_path / "toy.toml"
+    path.write_text(NEW_FAMILY.replace(old, new, 1))
+    r = run("synth", path, tmp_path / "out", "--experts", "2")
+    msg = one_line_error(r)
+    assert r.code == 2 and msg.startswith(f"kimi-convert: error: {path}: ") and says in msg, msg
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_spec_on_a_built_in_family_holds_only_its_presets(tmp_path):

@@ -120,7 +120,7 @@ def config(p: Preset) -> dict:
 
 
 _TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "fp8-block": torch.float8_e4m3fn, "mxfp4-pack": torch.uint8,
-          "int4-pack": torch.int32}
+          "int4-pack": torch.int32, "expert-ids": torch.int64}
 
 
 def tensor_specs(p: Preset) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from .resolve import Loop, Preset
 from .spec import Block, Group, SpecError, Tensor
 
-ITEMSIZE = {"U8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
+ITEMSIZE = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 FP8_BLOCK = 128  # DeepSeek-style 128x128 weight_scale_inv tiles
 MX_GROUP = 32  # values an E8M0 scale covers
 INT4_GROUP = 32  # values a BF16 scale of compressed-tensors INT4 covers (Kimi K2.5's group_size)
@@ -52,6 +52,7 @@ class Logical:
     wide: tuple[int, ...] = ()  # mxfp4: the experts (pack: 0) with one block scaled by 2^-24
     zero_from: int | None = None
     apart: bool = False  # fp8-block: the scale goes to the last shard
+    below: int | None = None  # expert-ids: the expert count every value stays below
     parts: tuple[Part, ...] = field(default=(), compare=False)
 
 
@@ -80,6 +81,8 @@ def fill(template: str, names: dict, where: str) -> str:
 def _parts(t: Tensor, name: str, shape: tuple[int, ...]) -> tuple[Part, ...]:
     """The stored parts of ``name`` (the storage's own names, or the template's ``stored`` names)."""
     parts = _storage_parts(name, shape, t.storage, t.where, bool(t.stored))
+    if t.code_dtype == "i8":
+        parts = (Part(parts[0].name, "I8", parts[0].shape), *parts[1:])
     if t.scale_dtype == "e8m0":
         parts = (parts[0], Part(parts[1].name, "F8_E8M0", parts[1].shape))
     if not t.stored:
@@ -94,6 +97,8 @@ def _parts(t: Tensor, name: str, shape: tuple[int, ...]) -> tuple[Part, ...]:
 def _storage_parts(name: str, shape: tuple[int, ...], storage: str, where: str, renamed: bool) -> tuple[Part, ...]:
     if storage in ("bf16", "f32"):
         return (Part(name, storage.upper(), shape),)
+    if storage == "expert-ids":
+        return (Part(name, "I64", shape),)
     if storage == "mxfp4-bank":
         if len(shape) != 3 or shape[2] % MX_GROUP:
             raise SpecError(where, f"mxfp4-bank takes [experts, N, K] with K a multiple of 32, got {list(shape)}")
@@ -184,8 +189,16 @@ class _Walk:
             else:
                 wide = (local["expert"],) if self.p.eval(t.wide, where, local) else ()
         layer = local.get("layer") if self.var == "layer" else None
-        return Logical(name, shape, t.storage, t.where, self.block, layer, joined, wide, zero, apart,
+        below = self.expert_count(t, shape) if t.storage == "expert-ids" else None
+        return Logical(name, shape, t.storage, t.where, self.block, layer, joined, wide, zero, apart, below,
                        _parts(t, name, shape))
+
+    def expert_count(self, t: Tensor, shape: tuple[int, ...]) -> int:
+        """The family's expert count, which an ``expert-ids`` table's values stay below (k distinct a row)."""
+        below = _int(self.p.get(self.p.family.experts_key), t.where, "the expert count", 1)
+        if len(shape) != 2 or shape[1] > below:
+            raise SpecError(t.where, f"expert-ids takes [rows, k], k distinct experts of {below}, got {list(shape)}")
+        return below
 
     def entries(self, entries, local: Loop, first: list[bool] | None = None) -> Iterator[Logical]:
         """``first``: inside an expert, whether its first tensor is still to come (the others are
@@ -210,16 +223,24 @@ def tensors(p: Preset) -> Iterator[Logical]:
     for bi, block in enumerate(p.family.blocks):
         walk = _Walk(p, bi, block.var)
         if block.loop is None:
-            yield from walk.entries(block.entries, _names(block, {}))
+            yield from walk.entries(block.entries, _names(p, block, {}))
             continue
         loop = _ints(p.eval(block.loop, f"{block.where}: loop"), block.where, "loop")
         for v in loop:
-            yield from walk.entries(block.entries, _names(block, {block.var: v}))
+            yield from walk.entries(block.entries, _names(p, block, {block.var: v}))
 
 
-def _names(block: Block, local: dict) -> Loop:
-    """The block's loop variable and its ``names``, each filled with the loop variable (``{layer}``)."""
-    return Loop(local, **{k: fill(t, local, f"{block.where}: names.{k}") for k, t in block.names})
+def _names(p: Preset, block: Block, local: dict) -> Loop:
+    """The block's loop variable and its ``names``, each filled with the loop variable (``{layer}``) and the
+    ``[let]`` values it names, which may read the loop variable: DeepSeek V4's MTP layer counts on from the last
+    decoder layer (its attention ratio is ``compress_ratios[layer]``) but is named ``mtp.{layer - layers}``."""
+    fields = dict(local)
+    for k, template in block.names:
+        for _, f, _, _ in _template(template):
+            if f is not None and f not in fields and f in p.family.let:
+                where = f"{block.where}: names.{k}"
+                fields[f] = _int(p.eval(p.family.let[f], where, local), where, f"{{{f}}}")
+    return Loop(local, **{k: fill(t, fields, f"{block.where}: names.{k}") for k, t in block.names})
 
 
 def count_cuts(specs: list[Logical], shards: int, snap: tuple[str, ...]) -> list[int]:

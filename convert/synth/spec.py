@@ -19,7 +19,7 @@ from ..errors import ConvertError
 from .expr import Expr, ExprError, parse
 
 #: storages a tensor template may name (docs/presets.md, "Storage")
-STORAGES = ("bf16", "f32", "fp8-block", "mxfp4-pack", "mxfp4-bank", "int4-pack")
+STORAGES = ("bf16", "f32", "fp8-block", "mxfp4-pack", "mxfp4-bank", "int4-pack", "expert-ids")
 CUTS = ("count", "bytes", "layers")
 
 
@@ -44,7 +44,9 @@ class Tensor:
     zero_from: Expr | None = None  # values from this index of dim 0 on are zero (K3's A_log)
     scale_apart: Expr | None = None  # fp8-block: the scale is stored in the last shard
     stored: tuple[str, ...] = ()  # the stored parts' names ({name}, {base}) instead of the storage's own
-    scale_dtype: str = "u8"  # mxfp4: the E8M0 scales as U8 (compressed-tensors, gpt-oss) or F8_E8M0
+    scale_dtype: str = "u8"  # mxfp4: the E8M0 scales as U8 (compressed-tensors, gpt-oss) or F8_E8M0; fp8-block:
+    # "e8m0" for power-of-two F8_E8M0 tile scales (DeepSeek's ue8m0) instead of F32
+    code_dtype: str = "u8"  # mxfp4-pack: the packed E2M1 codes as U8 (compressed-tensors) or I8 (DeepSeek V4)
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,9 @@ def _shape(value, where: str) -> tuple[Expr, ...] | Expr:
 
 
 _TENSOR_KEYS = {"name", "shape", "storage", "when", "layers", "wide", "zero_from", "scale_apart", "stored",
-                "scale_dtype"}
+                "scale_dtype", "code_dtype"}
 SCALE_DTYPES = ("u8", "e8m0")
+CODE_DTYPES = ("u8", "i8")
 _GROUP_KEYS = {"tensors", "when", "layers", "experts", "use"}
 
 
@@ -144,14 +147,17 @@ def _tensor(d: dict, where: str, default_storage: str) -> Tensor:
     storage = d.get("storage", default_storage)
     if storage not in STORAGES:
         raise SpecError(where, f"unknown storage {storage!r} (known: {', '.join(STORAGES)})")
-    stored, scale_dtype = d.get("stored", []), d.get("scale_dtype", "u8")
+    stored, scale_dtype, code_dtype = d.get("stored", []), d.get("scale_dtype", "u8"), d.get("code_dtype", "u8")
     if not isinstance(d["name"], str) or not isinstance(stored, list) or not all(isinstance(s, str) for s in stored):
         raise SpecError(where, "name is a string, stored a list of strings")
-    if scale_dtype not in SCALE_DTYPES or (scale_dtype != "u8" and not storage.startswith("mxfp4")):
-        raise SpecError(f"{where}: scale_dtype", f"{scale_dtype!r}: u8 or e8m0, for an mxfp4 storage")
+    if scale_dtype not in SCALE_DTYPES or (scale_dtype != "u8" and storage not in ("mxfp4-pack", "mxfp4-bank",
+                                                                                   "fp8-block")):
+        raise SpecError(f"{where}: scale_dtype", f"{scale_dtype!r}: u8 or e8m0, for an mxfp4 or fp8-block storage")
+    if code_dtype not in CODE_DTYPES or (code_dtype != "u8" and storage != "mxfp4-pack"):
+        raise SpecError(f"{where}: code_dtype", f"{code_dtype!r}: u8 or i8, for the mxfp4-pack storage")
     return Tensor(where, d["name"], _shape(d["shape"], f"{where}: shape"), storage,
                   *(_opt_expr(d, k, where) for k in ("when", "layers", "wide", "zero_from", "scale_apart")),
-                  tuple(stored), scale_dtype)
+                  tuple(stored), scale_dtype, code_dtype)
 
 
 def _entry(d: dict, where: str, parts: dict, default_storage: str, depth: int) -> Tensor | Group:

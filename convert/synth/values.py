@@ -69,8 +69,11 @@ def int4(name: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, to
     return packed, scale, torch.tensor([n, k], dtype=torch.int64)
 
 
-def fp8_block(name: str, shape: tuple[int, int], seed: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 e4m3 weight and its fp32 weight_scale_inv [ceil(M/128), ceil(N/128)], DeepSeek style."""
+def fp8_block(name: str, shape: tuple[int, int], seed: int, block: int = 128, pow2: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 e4m3 weight and its fp32 weight_scale_inv [ceil(M/128), ceil(N/128)], DeepSeek style; ``pow2``:
+    each tile's scale the power of two at or above amax/448, returned as its E8M0 byte (DeepSeek's ``ue8m0``
+    scale_fmt, V3.1 on: V4 stores them F8_E8M0)."""
     w = weight(name, shape, seed, torch.float32)
     m, n = shape
     bm, bn = -(-m // block), -(-n // block)
@@ -78,8 +81,20 @@ def fp8_block(name: str, shape: tuple[int, int], seed: int, block: int = 128) ->
     padded[:m, :n] = w
     amax = padded.view(bm, block, bn, block).abs().amax(dim=(1, 3)).clamp(min=1e-12)
     scale = amax / 448.0
+    if pow2:
+        exp = torch.ceil(torch.log2(scale)).clamp(-127, 127)
+        scale = torch.exp2(exp)
     q = (padded.view(bm, block, bn, block) / scale[:, None, :, None]).view(bm * block, bn * block)[:m, :n]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
+    q = q.to(torch.float8_e4m3fn).contiguous()
+    return (q, (exp + 127).to(torch.uint8)) if pow2 else (q, scale.float())
+
+
+def expert_ids(name: str, shape: tuple[int, int], seed: int, below: int) -> torch.Tensor:
+    """A hash-routing table (DeepSeek V4's ``tid2eid`` [vocab, top-k]): each row ``top-k`` distinct expert
+    numbers below ``below``, drawn uniformly."""
+    rows, k = shape
+    g = _gen(seed, name)
+    return torch.rand((rows, below), generator=g).argsort(-1)[:, :k].contiguous()
 
 
 def _bank(t: Logical, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +112,8 @@ def _bank(t: Logical, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def tensor_values(t: Logical, seed: int) -> list[torch.Tensor]:
     """The values of ``t``'s parts, in ``t.parts``'s order (E8M0 scales as torch's float8_e8m0fnu)."""
     values = _values(t, seed)
-    return [v.view(torch.float8_e8m0fnu) if p.dtype == "F8_E8M0" else v for p, v in zip(t.parts, values, strict=True)]
+    views = {"F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8}  # the same bytes, the release's dtype
+    return [v.view(views[p.dtype]) if p.dtype in views else v for p, v in zip(t.parts, values, strict=True)]
 
 
 def _values(t: Logical, seed: int) -> list[torch.Tensor]:
@@ -107,7 +123,9 @@ def _values(t: Logical, seed: int) -> list[torch.Tensor]:
             w[t.zero_from :] = 0
         return [w]
     if t.storage == "fp8-block":
-        return list(fp8_block(t.name, t.shape, seed))
+        return list(fp8_block(t.name, t.shape, seed, pow2=t.parts[1].dtype == "F8_E8M0"))
+    if t.storage == "expert-ids":
+        return [expert_ids(t.name, t.shape, seed, t.below)]
     if t.storage == "mxfp4-pack":
         return list(mxfp4(t.name, t.shape, seed, bool(t.wide)))
     if t.storage == "int4-pack":
