@@ -24,11 +24,12 @@ import numpy as np
 
 from kimi_convert.kernels import RECIPE_KERNELS_ENV, clib, scales
 from kimi_convert.kernels.outputs import Arena
-from kimi_convert.kernels.scales import FP8_SCALE_MAX, fp8_scale_fault
+from kimi_convert.kernels.scales import FP8_SCALE_MAX, INT4_OVERFLOW, INT4_SCALE_NOT_FINITE, fp8_scale_fault
 
 from . import encodings, formats
 from .encodings.base import refused
 from .encodings.int4_pack import NAME as INT4
+from .encodings.int4_pack import check_weight_shape
 from .errors import ConvertError
 from .operations import Operation, operations
 from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
@@ -168,18 +169,17 @@ def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: 
     (tests/test_early.py)."""
     packed, scale, shape = s.parts
     stored = np.asarray(reader.raw(shape)).view(np.int64 if shape.dtype == "I64" else np.int32)
-    if stored.tolist() != list(s.shape):
-        raise refused(shape, f"INT4 weight_shape {stored.tolist()} is not the packed weight's {list(s.shape)}")
+    check_weight_shape(s, stored.tolist())
     raw, count = np.asarray(reader.raw(scale)), math.prod(scale.shape)
     sc = raw.view(np.float16).astype(np.float32) if scale.dtype == "F16" else _as_f32(raw, scale.dtype, (count,))
     if not np.isfinite(sc).all():
-        raise refused(scale, "INT4 scale is not finite (NaN or Inf)")
+        raise refused(scale, INT4_SCALE_NOT_FINITE)
     n, k = s.shape
     codes, groups = np.asarray(reader.raw(packed)), scale.shape[1]
     bits = clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, groups, threads)
     amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
     if not math.isfinite(amax):
-        raise refused(scale, "INT4 scales too large: decoded values overflow fp32")
+        raise refused(scale, INT4_OVERFLOW)
     return Int4Rows(codes, sc, groups, amax)
 
 

@@ -139,10 +139,15 @@ class Int4Pack(SourceEncoding):
     def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
         from ..kernels.encodings import DecodeError, decode_int4
 
-        if [int(v) for v in parts[2].reshape(-1).tolist()] != list(src.shape):
-            raise refused(src.parts[2], f"INT4 weight_shape {parts[2].tolist()} is not the packed weight's "
-                                        f"{list(src.shape)}")
+        check_weight_shape(src, [int(v) for v in parts[2].reshape(-1).tolist()])
         try:
             return decode_int4(parts[0], parts[1])
         except DecodeError as e:
             raise refused(src.parts[1], str(e)) from None
+
+
+def check_weight_shape(src: SourceTensor, stored: list[int]) -> None:
+    """Refuse a ``weight_shape`` whose values are not the packed weight's shape, in the same words on the torch
+    decode's path (:meth:`Int4Pack.decode`) and the C kernels' (``compute_early.int4_rows``)."""
+    if stored != list(src.shape):
+        raise refused(src.parts[2], f"INT4 weight_shape {stored} is not the packed weight's {list(src.shape)}")

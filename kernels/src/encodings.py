@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .reference import code_values
-from .scales import FP8_SCALE_MAX, fp8_scale_fault
+from .scales import FP8_SCALE_MAX, INT4_OVERFLOW, INT4_SCALE_NOT_FINITE, fp8_scale_fault
 
 MXFP4_GROUP = 32
 
@@ -59,7 +59,7 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     k = words * 8
     s = scale.float()
     if not bool(torch.isfinite(s).all()):
-        raise DecodeError("INT4 scale is not finite (NaN or Inf)")
+        raise DecodeError(INT4_SCALE_NOT_FINITE)
     fast = _int4_c(packed, s)
     if fast is not None:
         return fast
@@ -67,7 +67,7 @@ def decode_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = torch.stack([b & 0xF, b >> 4], -1).reshape(n, k).float().sub_(8)
     out = out.view(n, s.shape[1], -1).mul_(s.unsqueeze(-1)).view(n, k)
     if not bool(torch.isfinite(out).all()):
-        raise DecodeError("INT4 scales too large: decoded values overflow fp32")
+        raise DecodeError(INT4_OVERFLOW)
     return out
 
 

@@ -79,3 +79,8 @@ def fp8_scale_fault(i: int, j: int, value: float) -> str:
     same in the torch and the C-kernel paths (compute_early)."""
     why = "not a number" if value != value else "past fp32 once times e4m3's 448"
     return f"block scale [{i}, {j}] is {value:g} ({why})"
+
+
+#: The words for INT4 scales no decode can use: the same in the torch and the C-kernel paths (compute_early).
+INT4_SCALE_NOT_FINITE = "INT4 scale is not finite (NaN or Inf)"
+INT4_OVERFLOW = "INT4 scales too large: decoded values overflow fp32"
