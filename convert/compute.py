@@ -8,20 +8,21 @@ high-precision tensor is never materialised, and its quantized rows are the memb
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from kimi_convert.kernels import Backend, ct_nvfp4, fp8_block, outputs, reference
+from kimi_convert.kernels import Backend, outputs
 from kimi_convert.kernels.outputs import Arena
 
-from . import encodings, formats
+from . import encodings, formats, steps
 from .compute_early import Chunk, Output, UnitResult, raw_chunks
 from .errors import ConvertError
-from .operations import Operation, operations
-from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
+from .plan import Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
 
-__all__ = ["Chunk", "HostSink", "Output", "UnitResult", "as_bytes", "compute_unit", "decode"]
+__all__ = ["Chunk", "HostSink", "Output", "TorchUnit", "UnitResult", "as_bytes", "compute_unit", "decode"]
 
 
 class HostSink(Arena):
@@ -61,103 +62,58 @@ def decode(src: SourceTensor, reader: TensorSource, block: tuple[int, int], back
     return encodings.decode(src, [backend.to_device(reader.tensor(p)) for p in src.parts], block)
 
 
-def _keep_decoded(item: Item, reader: TensorSource, block, backend: Backend) -> list[Chunk]:
-    """A kept linear layer whose source is MXFP4 or FP8: decoded to bf16 (exact for MXFP4); a dense source
-    with a view (a gpt-oss expert's half of a bias): its view's values, in their stored dtype."""
-    return [as_bytes(v if s.encoding == Encoding.DENSE else v.to(torch.bfloat16))
-            for s in item.sources for v in (decode(s, reader, block, backend),)]
+@dataclass
+class TorchUnit:
+    """A unit being computed with torch (``kernels.Backend``: the CPUs, the reference or a GPU): what a scheme's
+    torch step (``steps.STEPS``, the ``torch`` rows) reads and where its outputs go."""
+
+    reader: TensorSource
+    backend: Backend
+    block: tuple[int, int]  # the checkpoint's FP8 tile (``plan.fp8_block_size``)
+    res: UnitResult
+
+    def values(self, src: SourceTensor) -> torch.Tensor:
+        """``src``'s values on the backend's device (``decode``)."""
+        return decode(src, self.reader, self.block, self.backend)
+
+    def codes(self, src: SourceTensor) -> encodings.MxCodes:
+        """The source's MXFP4 codes, scales and own ``k_max`` on the host (the backend moves them); a NaN scale
+        refused here."""
+        codes = encodings.mxfp4_codes(src, [self.reader.tensor(p) for p in src.parts])
+        assert codes is not None, src.encoding  # the plan casts only sources that hold MXFP4
+        return codes
+
+    def amax(self, src: SourceTensor, v: torch.Tensor) -> torch.Tensor:
+        """fp32 amax of ``v`` (``src``'s values); a NaN or an Inf refused, naming the tensor."""
+        a = self.backend.amax(v)
+        if not bool(torch.isfinite(a)):
+            raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+        return a
+
+    def store(self, it: Item, roles: dict[str, list], note: dict) -> None:
+        """A quantized item's tensors by role (``formats.outputs``) into the result, and its note."""
+        for name, parts in formats.outputs(it, roles):
+            self.res.outputs[name] = Output([as_bytes(p) for p in parts])
+        self.res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
+
+    def copy(self, it: Item) -> None:
+        """A kept or copied item's stored bytes (``Operation.COPY``)."""
+        self.res.outputs[it.outputs[0].name] = Output(raw_chunks(it, self.reader))
+
+    def decoded(self, it: Item) -> None:
+        """A kept linear layer whose source is MXFP4 or FP8, decoded to bf16 (exact for MXFP4), or a dense source
+        with a view (a gpt-oss expert's half of a bias): its view's values, in their stored dtype
+        (``Operation.DECODE``)."""
+        self.res.outputs[it.outputs[0].name] = Output([
+            as_bytes(v if s.encoding == Encoding.DENSE else v.to(torch.bfloat16))
+            for s in it.sources for v in (self.values(s),)])
+        if not all(s.encoding == Encoding.DENSE for s in it.sources):
+            self.res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
 
 
 def compute_unit(unit: Unit, reader: TensorSource, backend: Backend, block: tuple[int, int]) -> UnitResult:
-    """Each item by its operation (``operations``: decided once for every backend), the NVFP4 items last, together."""
+    """Each item by its operation (the plan's, ``Item.operation``) through the dispatcher's torch steps
+    (``steps.run``): the same for every torch backend."""
     res = UnitResult({})
-    ops = operations(unit)
-    quant = [it for it in unit.items if it.kind == NVFP4]
-    for it in unit.items:
-        op = ops[it.name]
-        if op is Operation.FP8_BLOCK:
-            _fp8_block(it, reader, block, backend, res)
-        elif op in (Operation.COPY, Operation.DECODE):
-            chunks = raw_chunks(it, reader) if op is Operation.COPY else _keep_decoded(it, reader, block, backend)
-            res.outputs[it.outputs[0].name] = Output(chunks)
-            if not all(s.encoding == Encoding.DENSE for s in it.sources):
-                res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
-    if quant:
-        if ops[quant[0].name] is Operation.CAST:
-            _cast_mxfp4(quant, reader, backend, res)
-        else:
-            _quantize(quant, reader, backend, block, res)
+    steps.run(unit, steps.TORCH, TorchUnit(reader, backend, block, res))
     return res
-
-
-def _emit(it: Item, packed: list[torch.Tensor], scales: list[torch.Tensor], s2: torch.Tensor, res: UnitResult,
-          note: dict) -> None:
-    for name, parts in formats.outputs(it, {"codes": packed, "scales": scales, "global": [s2.reshape(1)]}):
-        res.outputs[name] = Output([as_bytes(p) for p in parts])
-    res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
-
-
-def _cast_mxfp4(items: list[Item], reader: TensorSource, backend: Backend, res: UnitResult) -> None:
-    """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit (w1 and w3)."""
-    codes = {s.name: _mxfp4_codes(s, reader) for it in items for s in it.sources}  # a NaN scale refused here
-    shared = max(c.k_max for c in codes.values())
-    for it in items:
-        outs = [backend.cast_mxfp4(c.packed, c.scale, shared, c.k_max) for c in (codes[s.name] for s in it.sources)]
-        blocks, lossless = sum(o[3].blocks for o in outs), sum(o[3].lossless for o in outs)
-        _emit(it, [o[0] for o in outs], [o[1] for o in outs], outs[0][2], res,
-              {"method": "mxfp4-cast", "k_max": shared, "blocks": blocks, "lossless_blocks": lossless})
-
-
-def _mxfp4_codes(src: SourceTensor, reader: TensorSource) -> encodings.MxCodes:
-    """The source's MXFP4 codes, scales and own ``k_max`` on the host (the backend moves them)."""
-    codes = encodings.mxfp4_codes(src, [reader.tensor(p) for p in src.parts])
-    assert codes is not None, src.encoding  # compute_unit casts only sources that hold MXFP4
-    return codes
-
-
-def _fp8_block(it: Item, reader: TensorSource, block: tuple[int, int], backend: Backend, res: UnitResult) -> None:
-    """128x128 block FP8 of a 2-D weight (an MXFP4 or FP8 source is decoded to BF16 first). A module fused
-    on disk is quantized on its own tile grid: where every member but the last has whole tiles of rows,
-    that is its members' quantizations stacked row-wise (member by member, no concatenated copy); where
-    a member ends mid-tile (K3's ``[q_a | kv_a | g]``), the tiles straddle members and the fused weight is
-    quantized as one tensor, so that each 128-row tile has the one scale the engine's GEMM reads for it
-    (docs/engines.md, "Numerics")."""
-    qs, scales, zero = [], [], 0
-    weights = []
-    for src in it.sources:
-        w = decode(src, reader, block, backend)
-        if src.encoding != Encoding.DENSE:
-            w = w.to(torch.bfloat16)
-        if not bool(torch.isfinite(backend.amax(w))):
-            raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
-        weights.append(w)
-    if any(w.shape[0] % fp8_block.BLOCK for w in weights[:-1]):
-        weights = [torch.cat(weights)]
-    for w in weights:
-        q, scale = backend.fp8_block(w)
-        qs.append(as_bytes(q))
-        scales.append(as_bytes(scale))
-        zero += int((scale == 0).sum())
-    for name, parts in formats.outputs(it, {"codes": qs, "scales": scales}):
-        res.outputs[name] = Output(parts)
-    res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
-
-
-def _quantize(items: list[Item], reader: TensorSource, backend: Backend, block, res: UnitResult) -> None:
-    values = {s.name: decode(s, reader, block, backend) for it in items for s in it.sources}
-    amax = None
-    for name, v in values.items():
-        a = backend.amax(v)
-        if not bool(torch.isfinite(a)):
-            src = next(s for it in items for s in it.sources if s.name == name)
-            raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
-        amax = a if amax is None else torch.maximum(amax, a)
-    ct = formats.arithmetic(items[0]) == "compressed-tensors"
-    # compressed-tensors' own global scale is computed in the weights' dtype (kernels/src/ct_nvfp4.py)
-    s2 = ct_nvfp4.global_scale(amax, next(iter(values.values())).dtype) if ct else reference.global_scale(amax)
-    for it in items:
-        outs = [backend.quantize_ct(values[s.name], s2) if ct else backend.quantize(values[s.name], amax)
-                for s in it.sources]
-        note = {"method": "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized",
-                "amax": float(amax)}
-        _emit(it, [o[0] for o in outs], [o[1] for o in outs], s2, res, note)

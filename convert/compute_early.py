@@ -16,29 +16,26 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kimi_convert.kernels import RECIPE_KERNELS_ENV, clib, scales
+from kimi_convert.kernels import clib, scales
 from kimi_convert.kernels.outputs import Arena
 from kimi_convert.kernels.scales import FP8_SCALE_MAX, INT4_OVERFLOW, INT4_SCALE_NOT_FINITE, fp8_scale_fault
 
-from . import encodings, formats
+from . import encodings, formats, steps
 from .encodings.base import refused
 from .encodings.int4_pack import NAME as INT4
 from .encodings.int4_pack import check_weight_shape
 from .errors import ConvertError
-from .operations import Operation, operations
-from .plan import FP8, NVFP4, Encoding, Item, SourceTensor, Unit
+from .plan import Encoding, Item, Operation, SourceTensor, Unit
 
 if TYPE_CHECKING:
     from .readers import BufferPool, TensorSource
 
 Chunk = memoryview | np.ndarray
-GROUP = 16  # NVFP4's block: K must be a multiple of it
 _ITEMSIZE = {"BF16": 2, "F32": 4}
 
 
@@ -65,23 +62,23 @@ def raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
 
 def takes(unit: Unit) -> bool:
     """Whether this module computes ``unit`` (a pure function of the plan, and of $KIMI_CONVERT_RECIPE_KERNELS:
-    ``torch`` has NVIDIA's recipe computed by its torch code, which the tests compare the C kernels with): each
-    item's operation (``operations``) on the inputs the C kernels read."""
-    torch_recipe = os.environ.get(RECIPE_KERNELS_ENV, "auto") == "torch"
-    ops = operations(unit)
-    return all(_takes(it, ops[it.name], torch_recipe) for it in unit.items)
+    ``torch`` has NVIDIA's recipe computed by its torch code, which the tests compare the C kernels with): whether
+    the dispatcher's C backend has a step for each item's operation (``Item.operation``) that accepts its sources
+    (``form``)."""
+    return steps.takes(unit, steps.C, form)
 
 
-def _takes(it: Item, op: Operation, torch_recipe: bool) -> bool:
-    if op is Operation.CAST:  # NVIDIA's cast of MXFP4 codes as stored (gpt-oss's banks: torch decodes them)
-        return not torch_recipe and all(_mxfp4(s) for s in it.sources)
-    if op is Operation.QUANTIZE:
-        return all((_dense(s) or _fp8_block(s) or _int4(s)) and s.shape and not s.shape[-1] % GROUP
-                   and math.prod(s.shape) for s in it.sources)
-    if op is Operation.FP8_BLOCK:
-        return not torch_recipe and all(_dense(s) and s.dtype == "BF16" and len(s.shape) == 2 and math.prod(s.shape)
-                                        for s in it.sources)
-    return op is Operation.COPY
+def form(s: SourceTensor) -> str | None:
+    """What the C kernels read of a source (``schemes.base.Step.accepts`` asks): ``dense`` (its stored BF16 or FP32
+    bytes), ``fp8`` or ``int4`` (decoded here: ``CUnit.values``), ``mxfp4`` (codes and E8M0 scales as stored,
+    NVIDIA's cast's input), or None (torch's: fp16, a view, a part more or less)."""
+    if _dense(s):
+        return "dense"
+    if _fp8_block(s):
+        return "fp8"
+    if _int4(s):
+        return "int4"
+    return "mxfp4" if _mxfp4(s) else None
 
 
 def _mxfp4(s: SourceTensor) -> bool:
@@ -153,6 +150,34 @@ def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, in
 
 
 @dataclass
+class Stored:
+    """A dense BF16 or FP32 weight's stored bytes, or an FP8 one's values decoded to fp32, as the C kernels read
+    them (``CUnit.values``)."""
+
+    src: SourceTensor
+    buf: Chunk
+    dtype: str  # BF16 or F32
+    lib: ctypes.CDLL
+    threads: int
+
+    def finite_amax(self) -> float:
+        """fp32 amax of the values; a NaN or an Inf refused in the torch code's words."""
+        n = self.buf.nbytes // _ITEMSIZE[self.dtype]
+        bits = clib.amax_bits(self.lib, self.buf.ctypes.data, n, self.dtype == "F32", self.threads)
+        a = float(np.array(bits, dtype=np.uint32).view(np.float32))
+        if not math.isfinite(a):
+            raise ConvertError(f"{self.src.file}: tensor {self.src.name}: holds NaN or Inf; refusing to quantize it")
+        return a
+
+    def nvfp4(self, m: int, k: int, ct: bool, s2: float, packed: np.ndarray, block_scales: np.ndarray) -> None:
+        """NVFP4 codes and E4M3 block scales of the ``m`` x ``k`` values under global scale ``s2`` (compressed-tensors'
+        arithmetic where ``ct``, else ModelOpt's)."""
+        kernel = clib.ct_quant if ct else clib.quant
+        kernel(self.lib, self.buf.ctypes.data, m, k, self.dtype == "F32", s2, packed.ctypes.data,
+               block_scales.ctypes.data, self.threads)
+
+
+@dataclass
 class Int4Rows:
     """An INT4 weight as the C kernels read it (``kc_int4_*_mt``: decoded a row at a time, never whole): its codes,
     its scales widened to fp32, and the amax of its values."""
@@ -161,6 +186,17 @@ class Int4Rows:
     scale: np.ndarray
     groups: int
     amax: float
+    lib: ctypes.CDLL
+    threads: int
+    dtype: str = "F32"  # the values' dtype as a global scale reads it (decoded: fp32)
+
+    def finite_amax(self) -> float:
+        return self.amax  # refused where it is not finite already (``int4_rows``)
+
+    def nvfp4(self, m: int, k: int, ct: bool, s2: float, packed: np.ndarray, block_scales: np.ndarray) -> None:
+        """As ``Stored.nvfp4``, each row decoded from its codes by the kernel."""
+        clib.int4_quant(self.lib, self.codes.ctypes.data, self.scale.ctypes.data, m, k, self.groups, ct, s2,
+                        packed.ctypes.data, block_scales.ctypes.data, self.threads)
 
 
 def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: int) -> Int4Rows:
@@ -180,7 +216,60 @@ def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: 
     amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
     if not math.isfinite(amax):
         raise refused(scale, INT4_OVERFLOW)
-    return Int4Rows(codes, sc, groups, amax)
+    return Int4Rows(codes, sc, groups, amax, lib, threads)
+
+
+@dataclass
+class CUnit:
+    """A unit being computed by the C kernels on its read buffers: what a scheme's C step (``steps.STEPS``, the
+    ``c`` rows) reads, and the pool buffer lent for its outputs (``arena``: written in place, no fresh memory)."""
+
+    reader: TensorSource
+    lib: ctypes.CDLL
+    threads: int
+    block: tuple[int, int]  # the checkpoint's FP8 tile (``plan.fp8_block_size``)
+    arena: Arena
+    res: UnitResult
+
+    def values(self, s: SourceTensor) -> Stored | Int4Rows:
+        """A source's values as the kernels read them (``form``): its stored bytes (dense), decoded to fp32 (FP8),
+        or its codes (INT4: decoded a row at a time by the kernels)."""
+        if _dense(s):
+            return Stored(s, self.reader.raw(s.parts[0]), s.dtype, self.lib, self.threads)
+        if s.encoding == INT4:
+            return int4_rows(s, self.reader, self.lib, self.threads)
+        decoded = decode_fp8_block(s, self.reader, self.block).reshape(-1).view(np.uint8)
+        return Stored(s, decoded, "F32", self.lib, self.threads)
+
+    def raw(self, part) -> np.ndarray:
+        """A stored tensor's bytes as read."""
+        return self.reader.raw(part)
+
+    def k_max(self, s: SourceTensor) -> int:
+        """A weight's own ``k_max`` (``kernels.mxfp4_cast.k_max``); an E8M0 NaN byte refused in its words."""
+        e8m0 = self.reader.raw(s.parts[1])
+        top = int(e8m0.max()) if e8m0.size else 0
+        if top == scales.E8M0_NAN:
+            hits = np.argwhere(e8m0.reshape(s.parts[1].shape) == scales.E8M0_NAN)
+            raise refused(s.parts[1], scales.mxfp4_nan_message(int(hits[0][0]), int(hits[0][1]), len(hits)))
+        return top - scales.E8M0_BIAS if top else 0
+
+    def carve(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the unit's pool buffer, or a fresh array where they do not fit (never: it is sized for
+        them)."""
+        got = self.arena.carve(nbytes)
+        return got if got is not None else np.empty(nbytes, dtype=np.uint8)
+
+    def store(self, it: Item, roles: dict[str, list], note: dict) -> None:
+        """A quantized item's tensors by role (``formats.outputs``) into the result, each part as its flat bytes,
+        and its note."""
+        for name, parts in formats.outputs(it, roles):
+            self.res.outputs[name] = Output([flat_bytes(a) for a in parts])
+        self.res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
+
+    def copy(self, it: Item) -> None:
+        """A kept or copied item's stored bytes (``Operation.COPY``)."""
+        self.res.outputs[it.outputs[0].name] = Output(raw_chunks(it, self.reader))
 
 
 class EarlyCompute:
@@ -200,147 +289,22 @@ class EarlyCompute:
 
     def compute(self, unit: Unit, reader: TensorSource, pool: BufferPool) -> tuple[UnitResult, np.ndarray | None]:
         """``unit``'s outputs, and the pool buffer lent for them (None: none taken), which goes back to the pool
-        once the writer has written and hashed them. The items in ``compute.compute_unit``'s order."""
+        once the writer has written and hashed them. Each item by its operation's C step (``steps.run``), in
+        ``compute.compute_unit``'s order."""
         res = UnitResult({})
-        quant = [it for it in unit.items if it.kind == NVFP4]
-        if all(it.kind not in (NVFP4, FP8) for it in unit.items):
+        if all(it.operation == Operation.COPY for it in unit.items):  # the read buffers themselves: no pool buffer
             for it in unit.items:
                 res.outputs[it.outputs[0].name] = Output(raw_chunks(it, reader))
             return res, None
         arena = Arena(pool.get(sink_bytes(unit)))
         try:
-            for it in unit.items:
-                if it.kind == FP8:
-                    self._fp8_block(it, reader, arena, res)
-                elif it.kind != NVFP4:
-                    res.outputs[it.outputs[0].name] = Output(raw_chunks(it, reader))
-            if quant and any(encodings.holds_mxfp4(s) for it in quant for s in it.sources):
-                self._cast(quant, reader, arena, res)
-            elif quant:
-                self._quantize(quant, reader, arena, res)
+            steps.run(unit, steps.C, CUnit(reader, self.lib, self.threads, self.block, arena, res))
         except BaseException:
             pool.put(arena.buf)
             raise
         return res, arena.buf
 
-    def _finite_amax(self, src: SourceTensor, name: str, buf: np.ndarray, dtype: str) -> float:
-        """fp32 amax of ``src``'s values in ``buf`` (BF16 or F32); a NaN or an Inf refused in compute's words."""
-        bits = clib.amax_bits(self.lib, buf.ctypes.data, buf.nbytes // _ITEMSIZE[dtype], dtype == "F32", self.threads)
-        a = float(np.array(bits, dtype=np.uint32).view(np.float32))
-        if not math.isfinite(a):
-            raise ConvertError(f"{src.file}: tensor {name}: holds NaN or Inf; refusing to quantize it")
-        return a
-
-    def _fp8_block(self, it: Item, reader: TensorSource, arena: Arena, res: UnitResult) -> None:
-        """128x128 block FP8 of BF16 weights, as ``compute._fp8_block``: member by member where every member but
-        the last has whole tiles of rows, else the members stacked and quantized as one."""
-        rlib = clib.load_recipe()
-        weights = []
-        for src in it.sources:
-            buf = reader.raw(src.parts[0])
-            self._finite_amax(src, src.name, buf, "BF16")
-            weights.append((buf, src.shape))
-        if any(shape[0] % scales.FP8_TILE for _, shape in weights[:-1]):
-            weights = [(np.concatenate([b for b, _ in weights]), (sum(sh[0] for _, sh in weights), weights[0][1][1]))]
-        qs, tile_scales, zero = [], [], 0
-        for buf, (n, k) in weights:
-            q = _carve(arena, n * k)
-            sc = _carve(arena, 4 * math.prod(scales.fp8_scale_shape(n, k))).view(np.float32)
-            if rlib.kc_fp8_block_bf16_mt(buf.ctypes.data, n, k, q.ctypes.data, sc.ctypes.data, self.threads,
-                                         q.nbytes >= clib.STREAM_MIN_BYTES):
-                raise AssertionError(f"{it.name}: a tile with NaN or Inf past the amax check")
-            qs.append(q)
-            tile_scales.append(sc)
-            zero += int((sc == 0).sum())
-        _store(res, formats.outputs(it, {"codes": qs, "scales": tile_scales}))
-        res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": FP8, "zero_tiles": zero}
-
-    def _cast(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
-        """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit, as ``compute._cast_mxfp4``."""
-        rlib = clib.load_recipe()
-        own = {s.name: _k_max(s, reader) for it in items for s in it.sources}  # a NaN scale refused here
-        shared = max(own.values())
-        for it in items:
-            packed, block_scales, blocks, lossless = [], [], 0, 0
-            for s in it.sources:
-                codes, e8m0 = reader.raw(s.parts[0]), reader.raw(s.parts[1])
-                rows, kb = s.parts[1].shape
-                out, sb = _carve(arena, codes.nbytes), _carve(arena, rows * 2 * kb)
-                if rows and kb:
-                    lossless += rlib.kc_cast_mxfp4_mt(codes.ctypes.data, e8m0.ctypes.data, rows, kb, own[s.name],
-                                                      shared, out.ctypes.data, sb.ctypes.data, self.threads,
-                                                      out.nbytes >= clib.STREAM_MIN_BYTES)
-                blocks += e8m0.size
-                packed.append(out)
-                block_scales.append(sb)
-            s2 = np.array([2.0 ** (shared - scales.E4M3_KMAX)], dtype=np.float32)
-            _store(res, formats.outputs(it, {"codes": packed, "scales": block_scales, "global": [s2.reshape(1)]}))
-            res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": "mxfp4-cast", "k_max": shared,
-                                  "blocks": blocks, "lossless_blocks": lossless}
-
-    def _quantize(self, items: list[Item], reader: TensorSource, arena: Arena, res: UnitResult) -> None:
-        """One global scale over the unit's members (its fused module or scale group), as ``compute._quantize``."""
-        lib, threads = self.lib, self.threads
-        srcs = {s.name: s for it in items for s in it.sources}
-        # each source's values (``_values``), held for the unit
-        values = {n: self._values(s, reader) for n, s in srcs.items()}
-        amax = max(v.amax if isinstance(v, Int4Rows) else self._finite_amax(srcs[n], n, *v) for n, v in values.items())
-        ct = formats.arithmetic(items[0]) == "compressed-tensors"
-        first = next(iter(values.values()))
-        s2 = scales.compressed_tensors(amax, "F32" if isinstance(first, Int4Rows) else first[1]) if ct \
-            else scales.modelopt(amax)
-        kernel = clib.ct_quant if ct else clib.quant
-        for it in items:
-            packed, block_scales = [], []
-            for s in it.sources:
-                k = s.shape[-1]
-                m = math.prod(s.shape) // k
-                p, sc = _carve(arena, m * k // 2), _carve(arena, m * k // GROUP)
-                v = values[s.name]
-                if isinstance(v, Int4Rows):
-                    clib.int4_quant(lib, v.codes.ctypes.data, v.scale.ctypes.data, m, k, v.groups, ct, s2,
-                                    p.ctypes.data, sc.ctypes.data, threads)
-                else:
-                    kernel(lib, v[0].ctypes.data, m, k, v[1] == "F32", s2, p.ctypes.data, sc.ctypes.data, threads)
-                packed.append(p)
-                block_scales.append(sc)
-            _store(res, formats.outputs(it, {"codes": packed, "scales": block_scales,
-                                             "global": [np.array([s2], dtype=np.float32)]}))
-            method = "requantized" if it.sources[0].encoding != Encoding.DENSE else "quantized"
-            res.notes[it.name] = {"source_encoding": it.sources[0].encoding, "method": method, "amax": amax}
-
-    def _values(self, s: SourceTensor, reader: TensorSource) -> tuple[Chunk, str] | Int4Rows:
-        """A source's values as the kernels read them: its stored bytes (dense), decoded to fp32 (FP8), or its
-        codes (INT4: decoded a row at a time by the kernels)."""
-        if _dense(s):
-            return reader.raw(s.parts[0]), s.dtype
-        if s.encoding == INT4:
-            return int4_rows(s, reader, self.lib, self.threads)
-        return decode_fp8_block(s, reader, self.block).reshape(-1).view(np.uint8), "F32"
-
-
-def _k_max(s: SourceTensor, reader: TensorSource) -> int:
-    """A weight's own ``k_max`` (``kernels.mxfp4_cast.k_max``); an E8M0 NaN byte refused in its words."""
-    e8m0 = reader.raw(s.parts[1])
-    top = int(e8m0.max()) if e8m0.size else 0
-    if top == scales.E8M0_NAN:
-        hits = np.argwhere(e8m0.reshape(s.parts[1].shape) == scales.E8M0_NAN)
-        raise refused(s.parts[1], scales.mxfp4_nan_message(int(hits[0][0]), int(hits[0][1]), len(hits)))
-    return top - scales.E8M0_BIAS if top else 0
-
 
 def flat_bytes(a) -> np.ndarray:
     """A contiguous array's bytes as a flat uint8 view (no copy)."""
     return np.asarray(a).reshape(-1).view(np.uint8)
-
-
-def _store(res: UnitResult, outputs: list[tuple[str, list]]) -> None:
-    """A format's tensors (name, parts) into the result, each part as its flat bytes."""
-    for name, parts in outputs:
-        res.outputs[name] = Output([flat_bytes(a) for a in parts])
-
-
-def _carve(arena: Arena, nbytes: int) -> np.ndarray:
-    """``nbytes`` of the unit's pool buffer, or a fresh array where they do not fit (never: it is sized for them)."""
-    got = arena.carve(nbytes)
-    return got if got is not None else np.empty(nbytes, dtype=np.uint8)

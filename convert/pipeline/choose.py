@@ -27,8 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..operations import Operation, operations
-from ..plan import Encoding, Unit
+from ..plan import Encoding, Operation, Unit
 
 R = TypeVar("R")
 B = TypeVar("B")
@@ -44,9 +43,8 @@ def work_kind(unit: Unit) -> str | None:
     ``nvfp4``, ``nvfp4-from-mxfp4``, ``fp8-block``, ``decode``...) and its input size class (a factor of 4:
     ``@16MB`` holds 4-16 MB). None when it needs no kernel (bytes kept as they are)."""
     ops = set()
-    decided = operations(unit)
     for it in unit.items:
-        op = decided[it.name]
+        op = it.operation  # the plan's (``plan.operations``)
         coded = any(s.encoding != Encoding.DENSE for s in it.sources)
         if op in (Operation.COPY, Operation.DECODE):
             if coded:

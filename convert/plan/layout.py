@@ -28,6 +28,7 @@ from .model import (
     SourceTensor,
     Unit,
 )
+from .operations import agreed, of_item
 
 # ---------------------------------------------------------------------------------------------
 # Items, units, shards
@@ -52,9 +53,10 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
                                f"{why}; exclude it (--exclude '{name}')")
     dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format)
+    fmt = output_format if dec.kind != KEEP else None
+    pinned = schemes.quantized(dec.kind) and schemes.get(dec.kind).INPUT_SCALE
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
-                dec.input_scale if schemes.quantized(dec.kind) and schemes.get(dec.kind).INPUT_SCALE else None,
-                output_format if dec.kind != KEEP else None)
+                of_item(dec.kind, fmt, srcs), dec.input_scale if pinned else None, fmt)
 
 
 def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:
@@ -62,7 +64,7 @@ def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | N
     if srcs[0].encoding != Encoding.DENSE:
         raise ConvertError(f"tensor {srcs[0].name}: {srcs[0].encoding} tensor of a module that is not a linear layer")
     return Item(out_name, COPY, op, group.name if group else None, tuple(srcs),
-                (OutTensor(out_name, dtype, shape),), rule)
+                (OutTensor(out_name, dtype, shape),), rule, of_item(COPY, None, srcs))
 
 
 def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], disk: list[Fused], ctx: DecideContext
@@ -115,7 +117,7 @@ def stored_copies(items: list[Item]) -> list[Item]:
             for p in s.parts:
                 src = SourceTensor(s.module, p.name, Encoding.DENSE, p.dtype, p.shape, (p,))
                 out.append(Item(p.name, COPY, Op.NONE, None, (src,), (OutTensor(p.name, p.dtype, p.shape),),
-                                f"{it.rule}; kept as stored ({s.encoding})"))
+                                f"{it.rule}; kept as stored ({s.encoding})", of_item(COPY, None, [src])))
     return out
 
 
@@ -230,7 +232,8 @@ def make_units(items: list[Item], fusions: list[Fused], ckpt: Checkpoint) -> lis
     grouped = {it.name for its in sets.values() for it in its}
     units = [Unit(tuple(sorted(its, key=pos)), " + ".join(sorted(label[root]))) for root, its in sets.items()]
     units += [Unit((it,), None) for it in items if it.name not in grouped]
-    return sorted(units, key=lambda u: at[id(u.items[0])])  # a unit's items are in position order
+    units.sort(key=lambda u: at[id(u.items[0])])  # a unit's items are in position order
+    return [agreed(u) for u in units]
 
 
 def shards_as_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], list[Shard]]:

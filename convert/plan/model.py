@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 Kind = StrEnum("Kind", [*((f.name, f.value) for f in Format), ("COPY", "copy")], module=__name__)
 
 
+#: How an item is computed, decided once when the plan is made (``plan.operations``) and read by every backend
+#: (``convert/steps.py``) and by ``--device auto``'s kinds of work (``pipeline.choose.work_kind``): ``COPY`` (its
+#: stored bytes as they are), ``DECODE`` (kept in high precision, decoded to BF16: an MXFP4 or FP8 source, or a
+#: view), and each scheme's own (its ``OPERATIONS``: ``QUANTIZE`` and ``CAST`` of NVFP4, ``FP8_BLOCK``).
+Operation = StrEnum("Operation", [("COPY", "copy"), ("DECODE", "decode"),
+                                  *((n, v) for s in SCHEMES.values() for n, v in s.OPERATIONS.items())],
+                    module=__name__)
+
+
 class Op(StrEnum):
     """How an item's sources make its tensor."""
 
@@ -60,6 +69,7 @@ class Item:
     sources: tuple[SourceTensor, ...]
     outputs: tuple[OutTensor, ...]
     rule: str  # why quantized or kept
+    operation: Operation  # how it is computed (decided with the plan: ``plan.operations``)
     input_scale: float | None = None  # nvfp4: the constant activation scale written with it
     output_format: str | None = None  # quantized: how its tensors are spelled (convert/formats/)
 

@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from . import fp8_block, nvfp4
-from .base import F32_MAX, Spelling, TensorSpec, scale_error
+from .base import F32_MAX, Spelling, Step, TensorSpec, scale_error
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +38,14 @@ class Scheme(Protocol):
     INPUT_SCALE: bool  # a recipe may pin a constant activation scale for it
     #: output format name -> how that format writes the scheme (a format with none refuses it)
     SPELLINGS: dict[str, Spelling]
+    #: its items' operations (the plan's ``Operation`` members: name -> value); each value's compute step, one a
+    #: backend, is in ``STEPS``
+    OPERATIONS: dict[str, str]
+    #: (operation, backend) -> its compute step (``base.Step``): the kernels' entry, read by ``convert/steps.py``
+    STEPS: dict[tuple[str, str], Step]
+
+    def operation(self, arithmetic: str, from_mxfp4: bool) -> str:
+        """An item's operation, from its format's arithmetic and whether every source holds MXFP4 codes."""
 
     def roles(self, shape: tuple[int, ...], scalar: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
         """role -> (dtype, shape) of a module whose weight has ``shape``."""

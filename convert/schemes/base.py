@@ -73,3 +73,30 @@ def scale_error(x: object) -> str | None:
         return (f"{x} is outside the F32 range it is written in ({1 / F32_MAX:.3g} to {F32_MAX:.3g}, "
                 "for the scale and its reciprocal)")
     return None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One operation's compute step on one backend (``convert/steps.py``'s table: a scheme module's ``STEPS``, the
+    kernels' entry): ``run(items, unit)`` computes the unit's items of the operation into ``unit``, the backend's
+    view of the unit being computed (``compute.TorchUnit``: decoded values, the ``kernels.Backend``, the outputs;
+    ``compute_early.CUnit``: the read buffers, the C libraries, the pool buffer lent for the outputs).
+
+    ``joint``: the unit's items of the operation at once, after its other items (their members share one global
+    scale: NVFP4's), else one item a call, in order. ``accepts(item, form)``: whether this backend computes the
+    item's sources, ``form(source)`` naming what the C kernels read of one (``compute_early.form``: ``dense``,
+    ``fp8``, ``int4``, ``mxfp4`` or None); None: every item."""
+
+    run: Callable[[list, object], None]
+    joint: bool = False
+    accepts: Callable[[object, Callable[[object], str | None]], bool] | None = None
+
+
+def recipe_kernels() -> bool:
+    """Whether NVIDIA's recipe (the MXFP4 cast, block FP8) runs on the C kernels: not where
+    $KIMI_CONVERT_RECIPE_KERNELS is ``torch`` (its torch code, which the tests compare the kernels with)."""
+    import os
+
+    from ..kernels import RECIPE_KERNELS_ENV
+
+    return os.environ.get(RECIPE_KERNELS_ENV, "auto") != "torch"

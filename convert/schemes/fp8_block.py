@@ -7,10 +7,11 @@ compressed-tensors refuses the scheme), the weights it can take (``shape_error``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .base import Spelling, row_err
+from .base import Spelling, Step, recipe_kernels, row_err
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +22,12 @@ CARD = "128x128 block FP8"  # the model card's "quantized to ..." row
 TOTALS = "fp8_block"  # the manifest's totals key
 BLOCK = 128  # the tile (rows and columns)
 INPUT_SCALE = False  # weight only: no activation scale
+OPERATIONS = {"FP8_BLOCK": "fp8-block"}  # the plan's operation of its items (``plan.Operation``): one, its name
+
+
+def operation(arithmetic: str, from_mxfp4: bool) -> str:
+    """Every item's operation: the scheme's one (a coded source is decoded to BF16 first)."""
+    return OPERATIONS["FP8_BLOCK"]
 
 
 def roles(shape: tuple[int, ...], scalar: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -47,6 +54,78 @@ def record(algo: str, shared_scale: str | None, input_scale: float | None) -> di
 
 SPELLINGS = {
     "modelopt": Spelling(tensors=(("codes", ".weight"), ("scales", ".weight_scale")), algos=("FP8_PB_WO",)),
+}
+
+
+# -- its kernels' entry: the compute step of its operation (convert/steps.py's table) --------------------------
+# ``unit`` is the backend's view of the unit being computed (``compute.TorchUnit``, ``compute_early.CUnit``).
+
+
+def quantize_torch(items: list, unit) -> None:
+    """128x128 block FP8 of a 2-D weight (an MXFP4 or FP8 source is decoded to BF16 first). A module fused
+    on disk is quantized on its own tile grid: where every member but the last has whole tiles of rows,
+    that is its members' quantizations stacked row-wise (member by member, no concatenated copy); where
+    a member ends mid-tile (K3's ``[q_a | kv_a | g]``), the tiles straddle members and the fused weight is
+    quantized as one tensor, so that each 128-row tile has the one scale the engine's GEMM reads for it
+    (docs/engines.md, "Numerics")."""
+    import torch
+
+    (it,) = items
+    weights = []
+    for src in it.sources:
+        w = unit.values(src)
+        if src.encoding != "dense":
+            w = w.to(torch.bfloat16)
+        unit.amax(src, w)  # a NaN or an Inf refused
+        weights.append(w)
+    if any(w.shape[0] % BLOCK for w in weights[:-1]):
+        weights = [torch.cat(weights)]
+    qs, scales, zero = [], [], 0
+    for w in weights:
+        q, scale = unit.backend.fp8_block(w)
+        qs.append(q)
+        scales.append(scale)
+        zero += int((scale == 0).sum())
+    unit.store(it, {"codes": qs, "scales": scales}, {"method": NAME, "zero_tiles": zero})
+
+
+def quantize_c(items: list, unit) -> None:
+    """As ``quantize_torch``, by the C kernel on BF16 weights' stored bytes, into the pool buffer lent for the unit."""
+    import numpy as np
+
+    from ..kernels import clib, scales
+
+    (it,) = items
+    rlib = clib.load_recipe()
+    weights = []
+    for src in it.sources:
+        v = unit.values(src)
+        v.finite_amax()  # a NaN or an Inf refused
+        weights.append((v.buf, src.shape))
+    if any(shape[0] % BLOCK for _, shape in weights[:-1]):
+        weights = [(np.concatenate([b for b, _ in weights]), (sum(sh[0] for _, sh in weights), weights[0][1][1]))]
+    qs, tile_scales, zero = [], [], 0
+    for buf, (n, k) in weights:
+        q = unit.carve(n * k)
+        sc = unit.carve(4 * math.prod(scales.fp8_scale_shape(n, k))).view(np.float32)
+        if rlib.kc_fp8_block_bf16_mt(buf.ctypes.data, n, k, q.ctypes.data, sc.ctypes.data, unit.threads,
+                                     q.nbytes >= clib.STREAM_MIN_BYTES):
+            raise AssertionError(f"{it.name}: a tile with NaN or Inf past the amax check")
+        qs.append(q)
+        tile_scales.append(sc)
+        zero += int((sc == 0).sum())
+    unit.store(it, {"codes": qs, "scales": tile_scales}, {"method": NAME, "zero_tiles": zero})
+
+
+def c_quantizes(it, form: Callable) -> bool:
+    """The C kernel quantizes 2-D BF16 weights as stored (``form``)."""
+    return recipe_kernels() and all(form(s) == "dense" and s.dtype == "BF16" and len(s.shape) == 2
+                                    and math.prod(s.shape) for s in it.sources)
+
+
+STEPS = {
+    ("fp8-block", "torch"): Step(quantize_torch),
+    ("fp8-block", "c"): Step(quantize_c, accepts=c_quantizes),
 }
 
 

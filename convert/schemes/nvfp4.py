@@ -14,10 +14,11 @@ their bytes):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .base import Spelling, row_err
+from .base import Spelling, Step, recipe_kernels, row_err
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,16 @@ CARD = "NVFP4"  # the model card's "quantized to ..." row
 TOTALS = "nvfp4"  # the manifest's totals key
 GROUP_SIZE = 16  # values per e4m3 scale
 INPUT_SCALE = True  # a recipe may pin a constant activation scale (written with the module: W4A4)
+#: The plan's operations of an NVFP4 item (``plan.Operation`` members): quantized from the source's values, or
+#: NVIDIA's closed-form cast of MXFP4 codes (ModelOpt's arithmetic; no value decoded).
+OPERATIONS = {"QUANTIZE": "nvfp4", "CAST": "mxfp4-cast"}
+
+
+def operation(arithmetic: str, from_mxfp4: bool) -> str:
+    """An item's operation (a value of ``OPERATIONS``): NVIDIA's cast where every source holds MXFP4 codes and the
+    output format computes ModelOpt's arithmetic, else quantized. The plan decides it once (``plan.operations``; a
+    unit's members together: w1 and w3 share one ``k_max`` or one amax)."""
+    return OPERATIONS["CAST"] if from_mxfp4 and arithmetic == "modelopt" else OPERATIONS["QUANTIZE"]
 #: how compressed-tensors names the packed NVFP4 layout (its ``format``; also every config group's)
 CT_PACK_FORMAT = "nvfp4-pack-quantized"
 
@@ -100,6 +111,131 @@ SPELLINGS = {
                                             ("global", ".weight_global_scale"), ("input", ".input_global_scale")),
                                    algos=("NVFP4A16", "NVFP4"), scalar=(1,), reciprocal_input=True, group=ct_group,
                                    arithmetic="compressed-tensors"),
+}
+
+
+# -- its kernels' entry: the compute steps of its operations (convert/steps.py's table) ---------------------------
+# ``unit`` is the backend's view of the unit being computed (``compute.TorchUnit``, ``compute_early.CUnit``); the
+# items of one step share one global scale (``joint``): w1 and w3 one amax, or one ``k_max``.
+
+
+def _method(it) -> str:
+    return "requantized" if it.sources[0].encoding != "dense" else "quantized"  # a coded source decoded first
+
+
+def _first_by_name(items: list) -> dict:
+    """The units' sources by name, once each (a bank's views may share one), the first of a name kept."""
+    out: dict = {}
+    for it in items:
+        for s in it.sources:
+            out.setdefault(s.name, s)
+    return out
+
+
+def quantize_torch(items: list, unit) -> None:
+    """One global scale over the unit's members (its fused module or scale group), each member quantized by the
+    backend (ModelOpt's arithmetic, or compressed-tensors' where the format computes its own)."""
+    import torch
+
+    from ..kernels import ct_nvfp4, reference
+
+    named = _first_by_name(items)
+    values = {n: unit.values(s) for n, s in named.items()}
+    amax = None
+    for n, v in values.items():
+        a = unit.amax(named[n], v)
+        amax = a if amax is None else torch.maximum(amax, a)
+    ct = SPELLINGS[items[0].output_format].arithmetic == "compressed-tensors"
+    # compressed-tensors' own global scale is computed in the weights' dtype (kernels/src/ct_nvfp4.py)
+    s2 = ct_nvfp4.global_scale(amax, next(iter(values.values())).dtype) if ct else reference.global_scale(amax)
+    for it in items:
+        outs = [unit.backend.quantize_ct(values[s.name], s2) if ct else unit.backend.quantize(values[s.name], amax)
+                for s in it.sources]
+        unit.store(it, {"codes": [o[0] for o in outs], "scales": [o[1] for o in outs], "global": [s2.reshape(1)]},
+                   {"method": _method(it), "amax": float(amax)})
+
+
+def cast_torch(items: list, unit) -> None:
+    """NVIDIA's closed-form MXFP4 -> NVFP4 cast, one ``k_max`` shared by the unit (w1 and w3)."""
+    codes = {s.name: unit.codes(s) for it in items for s in it.sources}  # a NaN scale refused here
+    shared = max(c.k_max for c in codes.values())
+    for it in items:
+        outs = [unit.backend.cast_mxfp4(c.packed, c.scale, shared, c.k_max)
+                for c in (codes[s.name] for s in it.sources)]
+        blocks, lossless = sum(o[3].blocks for o in outs), sum(o[3].lossless for o in outs)
+        unit.store(it, {"codes": [o[0] for o in outs], "scales": [o[1] for o in outs],
+                        "global": [outs[0][2].reshape(1)]},
+                   {"method": "mxfp4-cast", "k_max": shared, "blocks": blocks, "lossless_blocks": lossless})
+
+
+def quantize_c(items: list, unit) -> None:
+    """As ``quantize_torch``, by the C kernels on the read buffers (``unit.values``: a dense weight's stored bytes,
+    an FP8 one decoded, an INT4 one's codes), into the pool buffer lent for the unit."""
+    import numpy as np
+
+    from ..kernels import scales
+
+    values = {n: unit.values(s) for n, s in _first_by_name(items).items()}
+    amax = max(v.finite_amax() for v in values.values())
+    ct = SPELLINGS[items[0].output_format].arithmetic == "compressed-tensors"
+    first = next(iter(values.values()))
+    s2 = scales.compressed_tensors(amax, first.dtype) if ct else scales.modelopt(amax)
+    for it in items:
+        packed, block_scales = [], []
+        for s in it.sources:
+            k = s.shape[-1]
+            m = math.prod(s.shape) // k
+            p, sc = unit.carve(m * k // 2), unit.carve(m * k // GROUP_SIZE)
+            values[s.name].nvfp4(m, k, ct, s2, p, sc)
+            packed.append(p)
+            block_scales.append(sc)
+        unit.store(it, {"codes": packed, "scales": block_scales, "global": [np.array([s2], dtype=np.float32)]},
+                   {"method": _method(it), "amax": amax})
+
+
+def cast_c(items: list, unit) -> None:
+    """As ``cast_torch``, by the C kernel on the stored codes and E8M0 scales."""
+    import numpy as np
+
+    from ..kernels import clib, scales
+
+    rlib = clib.load_recipe()
+    own = {s.name: unit.k_max(s) for it in items for s in it.sources}  # a NaN scale refused here
+    shared = max(own.values())
+    for it in items:
+        packed, block_scales, blocks, lossless = [], [], 0, 0
+        for s in it.sources:
+            codes, e8m0 = unit.raw(s.parts[0]), unit.raw(s.parts[1])
+            rows, kb = s.parts[1].shape
+            out, sb = unit.carve(codes.nbytes), unit.carve(rows * 2 * kb)
+            if rows and kb:
+                lossless += rlib.kc_cast_mxfp4_mt(codes.ctypes.data, e8m0.ctypes.data, rows, kb, own[s.name], shared,
+                                                  out.ctypes.data, sb.ctypes.data, unit.threads,
+                                                  out.nbytes >= clib.STREAM_MIN_BYTES)
+            blocks += e8m0.size
+            packed.append(out)
+            block_scales.append(sb)
+        s2 = np.array([2.0 ** (shared - scales.E4M3_KMAX)], dtype=np.float32)
+        unit.store(it, {"codes": packed, "scales": block_scales, "global": [s2.reshape(1)]},
+                   {"method": "mxfp4-cast", "k_max": shared, "blocks": blocks, "lossless_blocks": lossless})
+
+
+def c_quantizes(it, form: Callable) -> bool:
+    """The C kernels quantize dense BF16 / FP32, FP8 and INT4 sources (``form``), K a multiple of the group."""
+    return all(form(s) in ("dense", "fp8", "int4") and s.shape and not s.shape[-1] % GROUP_SIZE
+               and math.prod(s.shape) for s in it.sources)
+
+
+def c_casts(it, form: Callable) -> bool:
+    """The C kernel casts MXFP4 codes as stored (gpt-oss's banks, a view: torch decodes them)."""
+    return recipe_kernels() and all(form(s) == "mxfp4" for s in it.sources)
+
+
+STEPS = {
+    ("nvfp4", "torch"): Step(quantize_torch, joint=True),
+    ("nvfp4", "c"): Step(quantize_c, joint=True, accepts=c_quantizes),
+    ("mxfp4-cast", "torch"): Step(cast_torch, joint=True),
+    ("mxfp4-cast", "c"): Step(cast_c, joint=True, accepts=c_casts),
 }
 
 
