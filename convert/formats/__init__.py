@@ -94,11 +94,6 @@ def outputs(it: Item, parts: dict[str, list]) -> list[tuple[str, list]]:
     return schemes.outputs(it.kind, it.output_format, tuple(t.name for t in it.outputs), it.input_scale, parts)
 
 
-def arithmetic(it: Item) -> str:
-    """Whose arithmetic makes a quantized item's bytes in its format (the compute stage picks its quantizer by it)."""
-    return schemes.spelling(it.kind, it.output_format).arithmetic
-
-
 def record(it: Item, shared_scale: str | None) -> dict | None:
     """The manifest record's ``quantization`` entry of a module (None where it is not quantized): its scheme's
     record under the format's quant_algo, and what the format adds."""

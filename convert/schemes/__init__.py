@@ -1,14 +1,16 @@
 """Quantization schemes: one module per scheme a recipe can choose for a linear module (``nvfp4``,
 ``fp8_block``; ``keep`` is the absence of one), each owning everything about it that is not a kernel's
 arithmetic: its output tensors and their dtypes and shapes, each output format's names for them and for the
-scheme in its configs, the weights it can take, its manifest record and the numeric check's bound. Callers ask
+scheme in its configs, the weights it can take, its manifest record, the numeric check's bound, and its items'
+operations with their compute steps, one a backend (``OPERATIONS``, ``operation``, ``STEPS``: its kernels' entry,
+which ``convert/steps.py`` dispatches to). Callers ask
 this registry (``get``, ``quantized``, ``tensor_specs``, ``outputs``) instead of testing a scheme's name; an output
 format (``convert/formats``) spells any scheme through its ``Spelling``.
 
 A new scheme is one module here with what :class:`Scheme` lists and its ``SCHEMES`` entry (which gives it its
-``Format`` member and the plan's ``Kind``), its kernels (``kernels/src``, reached through ``kernels.Backend``) and
-its compute step (``compute.py``, with its ``Operation`` value in ``operations.py``): docs/architecture.md, "Adding
-a quantization scheme". A leaf: nothing here imports the rest of the package.
+``Format`` member, the plan's ``Kind`` and its ``Operation`` members), and its kernels (``kernels/src``, reached
+through ``kernels.Backend`` or the C library): docs/architecture.md, "Adding a quantization scheme". A leaf: nothing
+here imports the rest of the package (the kernels and torch only inside the steps, when they run).
 """
 
 from __future__ import annotations
