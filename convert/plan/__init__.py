@@ -7,8 +7,8 @@ each shard's header before any data and the manifest is this plan plus hashes. E
 partly excluded, a weight whose K is not a multiple of 16) fails here, before any work.
 
 One module per stage: ``model`` (the data), ``discover`` (sources, by the source encodings of
-``encodings/``), ``fusion``, ``decide``, ``layout`` (items, units, shards), ``names`` (exclude list,
-aliases, patterns), ``make`` (make_plan).
+``encodings/``), ``fusion``, ``decide``, ``layout`` (items, units, shards), ``operations`` (each item's
+operation, decided once: ``Item.operation``), ``names`` (exclude list, aliases, patterns), ``make`` (make_plan).
 """
 
 from ..options import DEFAULT_MAX_SHARD, LAYOUTS, Options
