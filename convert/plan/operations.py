@@ -8,6 +8,7 @@ unit gets the same operation in every process and on every backend."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from .. import encodings, schemes
@@ -18,9 +19,18 @@ def of_item(kind: Kind, output_format: str | None, sources: list[SourceTensor]) 
     """A quantized item's operation is its scheme's (``operation``: NVFP4's cast where every source holds MXFP4
     codes); another item's bytes are its sources' as stored (``COPY``) or their values decoded (``DECODE``)."""
     if schemes.quantized(kind):
-        arithmetic = schemes.spelling(kind, output_format).arithmetic
-        return Operation(schemes.get(kind).operation(arithmetic, all(encodings.holds_mxfp4(s) for s in sources)))
-    return Operation.COPY if all(encodings.as_stored(s) for s in sources) else Operation.DECODE
+        return scheme_operation(kind, output_format, all(encodings.holds_mxfp4(s) for s in sources))
+    for s in sources:
+        if not encodings.as_stored(s):
+            return Operation.DECODE
+    return Operation.COPY
+
+
+@functools.cache
+def scheme_operation(kind: Kind, output_format: str | None, from_mxfp4: bool) -> Operation:
+    """The scheme's answer, asked once per (scheme, format, MXFP4 or not): the plan of the released K3 asks it for
+    half a million items."""
+    return Operation(schemes.get(kind).operation(schemes.spelling(kind, output_format).arithmetic, from_mxfp4))
 
 
 def agreed(unit: Unit) -> Unit:
@@ -28,5 +38,5 @@ def agreed(unit: Unit) -> Unit:
     member's MXFP4 codes cast, another's values quantized), each is computed from its values, under one amax."""
     if len(unit.items) < 2 or len({it.operation for it in unit.items}) < 2:
         return unit
-    return replace(unit, items=tuple(replace(it, operation=Operation(schemes.get(it.kind).operation(
-        schemes.spelling(it.kind, it.output_format).arithmetic, False))) for it in unit.items))
+    return replace(unit, items=tuple(replace(it, operation=scheme_operation(it.kind, it.output_format, False))
+                                     for it in unit.items))
