@@ -91,7 +91,7 @@ warm_up() {  # untimed: torch, Triton's cache and the C kernels from the disk on
 stage() {
   case $1 in
   tests) TRITON_INTERPRET= timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m gpu tests/test_gpu.py tests/test_gpu_kernels.py -p no:cacheprovider \
-      -p no:benchmark -v --dist loadgroup --basetemp "$W/pt" -n "${TEST_WORKERS:-4}" -rfEs --durations=25 \
+      -p no:benchmark -vv --dist loadgroup --basetemp "$W/pt" -n "${TEST_WORKERS:-4}" -rfEs --durations=25 \
       ${TEST_K:+-k "$TEST_K"} > "$L/tests.log" 2>&1
     local rc=$?; rm -rf "$W/pt"; grep -E "FAILED|ERROR" "$L/tests.log" | head -20; tail -30 "$L/tests.log"; return $rc ;;
   k3-auto|ct-auto|k25-auto|dsv4-auto)
@@ -133,6 +133,8 @@ if [ "${1:-}" = __stage ]; then stage "$2"; exit $?; fi
 say "setup"; setup; save
 # the first input a stage after the tests needs, written beside them (the tests are not timed)
 case " $* " in *" tests "*)
+  # a previous call's inputs on a warm machine plus the bench groups' packs filled the 64 GB disk (session 22)
+  find "$W" -mindepth 1 -maxdepth 1 ! -name logs -exec rm -rf {} +
   case " $* " in *" k3-"*) synth k3 "${K3[@]}" & ;; *" ct-"*) synth ct "${CT[@]}" & ;; esac ;;
 esac
 status=0
