@@ -49,7 +49,7 @@ BENCH = {
              "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}},
         "E=16 topk=8 moe_intermediate_size=2048 hidden_size=7168", "1 [1]", 16),
     "bench-mistral-large-3": Bench(
-        {"dim": 7168, "n_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "hidden_dim": 16384,
+        {"dim": 7168, "n_heads": 128, "head_dim": 192, "q_lora_rank": 1536, "kv_lora_rank": 512, "hidden_dim": 16384,
          "vocab_size": 8192, "moe": {"expert_hidden_dim": 4096, "first_k_dense_replace": 1, "num_expert_groups": 1,
                                      "num_expert_groups_per_tok": 1, "num_experts": 8, "num_experts_per_tok": 4,
                                      "num_shared_experts": 1, "route_every_n": 1, "routed_scale": 1.0}},
