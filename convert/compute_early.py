@@ -159,6 +159,7 @@ class Stored:
     dtype: str  # BF16 or F32
     lib: ctypes.CDLL
     threads: int
+    rows_from_codes = False  # the values themselves (``Int4Rows``: codes a kernel decodes a row at a time)
 
     def finite_amax(self) -> float:
         """fp32 amax of the values; a NaN or an Inf refused in the torch code's words."""
@@ -168,13 +169,6 @@ class Stored:
         if not math.isfinite(a):
             raise ConvertError(f"{self.src.file}: tensor {self.src.name}: holds NaN or Inf; refusing to quantize it")
         return a
-
-    def nvfp4(self, m: int, k: int, ct: bool, s2: float, packed: np.ndarray, block_scales: np.ndarray) -> None:
-        """NVFP4 codes and E4M3 block scales of the ``m`` x ``k`` values under global scale ``s2`` (compressed-tensors'
-        arithmetic where ``ct``, else ModelOpt's)."""
-        kernel = clib.ct_quant if ct else clib.quant
-        kernel(self.lib, self.buf.ctypes.data, m, k, self.dtype == "F32", s2, packed.ctypes.data,
-               block_scales.ctypes.data, self.threads)
 
 
 @dataclass
@@ -186,17 +180,11 @@ class Int4Rows:
     scale: np.ndarray
     groups: int
     amax: float
-    lib: ctypes.CDLL
-    threads: int
     dtype: str = "F32"  # the values' dtype as a global scale reads it (decoded: fp32)
+    rows_from_codes = True  # a kernel reads the codes (``clib.int4_quant``), not values
 
     def finite_amax(self) -> float:
         return self.amax  # refused where it is not finite already (``int4_rows``)
-
-    def nvfp4(self, m: int, k: int, ct: bool, s2: float, packed: np.ndarray, block_scales: np.ndarray) -> None:
-        """As ``Stored.nvfp4``, each row decoded from its codes by the kernel."""
-        clib.int4_quant(self.lib, self.codes.ctypes.data, self.scale.ctypes.data, m, k, self.groups, ct, s2,
-                        packed.ctypes.data, block_scales.ctypes.data, self.threads)
 
 
 def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: int) -> Int4Rows:
@@ -216,7 +204,7 @@ def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: 
     amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
     if not math.isfinite(amax):
         raise refused(scale, INT4_OVERFLOW)
-    return Int4Rows(codes, sc, groups, amax, lib, threads)
+    return Int4Rows(codes, sc, groups, amax)
 
 
 @dataclass
