@@ -16,10 +16,13 @@ imported by the tool. Nothing in it names a family:
    that holds every distinct layer (its submodules' names, classes and shapes): dense-first layers, hybrid layer
    patterns and interleaved MoE layers stay; per-layer lists are cut to it, layer-index keys counted from the end
    moved with it;
-4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded), and saved;
+4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded) in BF16 (also
+   a module the class keeps in FP32), and saved;
 5. the keys a release's config.json carries and transformers' save leaves out are added: the legacy keys its
    config class reads and converts (``kwargs.pop("KEY", DEFAULT)``, with that default), ``first_k_dense_replace``
-   / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, and ``head_dim`` where the model derived it.
+   / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, ``head_dim`` where the model derived it, and a
+   short data table of release keys per model type that an engine reads with no default (``RELEASE_KEYS``, each
+   with its source).
 
 Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
 3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
@@ -237,13 +240,17 @@ def routed(model) -> int:
 
 
 def randomize(model, seed: int) -> None:
+    """Every floating weight of two or more dimensions drawn from N(0, 0.02) and stored in BF16, also where the
+    class keeps a module in FP32 (Ernie 4.5 MoE's router ``mlp.gate`` and ``moe_statics``): an FP32 tensor SGLang's
+    loader narrows to its BF16 parameter is a "bad cast" to the engine check, a fault of the fixture's dtype, not
+    of the checkpoint's layout the fixture stands for."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda x: x[0]):
             if p.ndim >= 2 and p.is_floating_point():
-                p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(p.dtype))
+                p.data = (torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
 
 
 def written(out: Path) -> dict:
@@ -289,11 +296,62 @@ def legacy_keys(config_class, saved: dict) -> dict:
     return out
 
 
+def _moe_flags(c: dict) -> list[bool]:
+    return [t != "dense" for t in c["mlp_layer_types"]]
+
+
+def _swa_flags(c: dict) -> list[int]:
+    return [int(t == "sliding_attention") for t in c["layer_types"]]
+
+
+#: Release config keys that transformers' config class neither holds nor writes (or writes as None) and that an
+#: engine reads with no default, per model type: data, not code. A value is a literal or a function of the saved
+#: config (a key the release spells apart from transformers: the same value under the release's name). Sources:
+#: the release's config as an engine or transformers cites it, else the other engine's own default for the key.
+RELEASE_KEYS: dict[str, dict] = {
+    # transformers modeling_afmoe.py AfmoeTokenChoiceRouter: "sigmoid scores, matching the released checkpoints",
+    # top-k scores renormalized; no expert groups (SGLang afmoe.py: getattr(config, "n_group", 1), "topk_group" 1)
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    # deepseek-ai/DeepSeek-V2-Lite config.json: n_group 1, topk_group 1, moe_layer_freq 1, scoring_func softmax
+    # (vLLM deepseek_v2.py: getattr(config, "moe_layer_freq", 1), getattr(config, "scoring_func", "softmax"));
+    # top-k the fixture's (transformers' default is None, which vLLM's router refuses)
+    "deepseek_v2": {"n_group": 1, "topk_group": 1, "moe_layer_freq": 1, "scoring_func": "softmax",
+                    "num_experts_per_tok": TOP_K},
+    # K-EXAONE's config.json writes is_moe_layer beside mlp_layer_types (SGLang exaone_moe.py stage_facts reads
+    # config.is_moe_layer[layer_id])
+    "exaone_moe": {"is_moe_layer": _moe_flags},
+    # Hy3's config.json names the expert width expert_hidden_dim (transformers: moe_intermediate_size; vLLM
+    # hy_v3.py reads config.expert_hidden_dim) and route_norm (transformers modeling_hy_v3.py renormalizes the
+    # top-k weights; both engines read config.route_norm)
+    "hy_v3": {"expert_hidden_dim": lambda c: c["moe_intermediate_size"], "route_norm": True},
+    # vLLM's own Inkling config (vllm/models/inkling/configs.py) defaults padded_vocab_size to vocab_size
+    "inkling_text": {"padded_vocab_size": lambda c: c["vocab_size"]},
+    # MiMo-V2-Flash's config.json (both engines' mimo_v2.py): the sliding layers as hybrid_layer_pattern 1 (SGLang
+    # model_config.py: 1 sliding, 0 full), their heads and window under swa_* (transformers builds both kinds with
+    # the same heads), layernorm_epsilon; sigmoid routing with a correction bias (transformers
+    # modeling_mimo_v2_flash.py; vLLM mimo_v2.py hard-codes scoring_func "sigmoid", SGLang reads topk_method
+    # "noaux_tc" for the bias)
+    "mimo_v2_flash": {"hybrid_layer_pattern": _swa_flags, "layernorm_epsilon": lambda c: c["rms_norm_eps"],
+                      "sliding_window_size": lambda c: c["sliding_window"],
+                      "swa_head_dim": lambda c: c["head_dim"],
+                      "swa_num_attention_heads": lambda c: c["num_attention_heads"],
+                      "swa_num_key_value_heads": lambda c: c["num_key_value_heads"],
+                      "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+}
+
+
+def table_keys(model_type: str, saved: dict) -> dict:
+    """The :data:`RELEASE_KEYS` of the model type that the saved config lacks (or holds as None)."""
+    return {k: (v(saved) if callable(v) else v) for k, v in RELEASE_KEYS.get(model_type, {}).items()
+            if saved.get(k) is None}
+
+
 def release_keys(model, saved: dict) -> dict:
     """Keys a release's config.json carries that transformers' save leaves out: the legacy keys its config class
     converts, the dense-first count (and MoE every layer after it) that transformers writes as ``mlp_layer_types``,
-    and ``head_dim`` where the model derived it (hidden / heads)."""
+    ``head_dim`` where the model derived it (hidden / heads), and the model type's :data:`RELEASE_KEYS`."""
     extra = legacy_keys(type(model.config), saved)
+    extra.update(table_keys(saved.get("model_type", ""), saved))
     mlp = saved.get("mlp_layer_types")
     if isinstance(mlp, list) and mlp and "first_k_dense_replace" not in saved:
         dense = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
