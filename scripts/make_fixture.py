@@ -22,7 +22,7 @@ imported by the tool. Nothing in it names a family:
    config class reads and converts (``kwargs.pop("KEY", DEFAULT)``, with that default), ``first_k_dense_replace``
    / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, ``head_dim`` where the model derived it, and a
    short data table of release keys per model type that an engine reads with no default (``RELEASE_KEYS``, each
-   with its source).
+   with its source), a key transformers spells apart replaced by the release's (``RELEASE_SPELLS``).
 
 Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
 3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
@@ -119,6 +119,9 @@ def shrink_widths(d: dict) -> dict:
         else:
             out[k] = v
     _mamba_heads(out)
+    heads, hidden = out.get("num_attention_heads"), out.get("hidden_size")
+    if "head_dim" in out and out["head_dim"] is None and isinstance(heads, int) and isinstance(hidden, int):
+        out["head_dim"] = hidden // heads  # a class that reads head_dim but defaults it to None (HunYuan V1 MoE)
     if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out and "qk_rope_head_dim" in out:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     vocab = out.get("vocab_size")
@@ -304,6 +307,11 @@ def _swa_flags(c: dict) -> list[int]:
     return [int(t == "sliding_attention") for t in c["layer_types"]]
 
 
+def _hybrid_pattern(types: list[str]) -> str:
+    """transformers configuration_nemotron_h.py ``hybrid_override_pattern``'s letters for its layer types."""
+    return "".join({"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}[t] for t in types)
+
+
 #: Release config keys that transformers' config class neither holds nor writes (or writes as None) and that an
 #: engine reads with no default, per model type: data, not code. A value is a literal or a function of the saved
 #: config (a key the release spells apart from transformers: the same value under the release's name). Sources:
@@ -317,13 +325,18 @@ RELEASE_KEYS: dict[str, dict] = {
     # top-k the fixture's (transformers' default is None, which vLLM's router refuses)
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "moe_layer_freq": 1, "scoring_func": "softmax",
                     "num_experts_per_tok": TOP_K},
+    # DeepSeek-V3's config.json as presets/deepseek_v3.toml gives it: sigmoid routing with the correction bias
+    # (vLLM deepseek_v2.py builds e_score_correction_bias only under topk_method "noaux_tc"), MoE every layer
+    # after the dense ones (SGLang deepseek_v2.py reads config.moe_layer_freq)
+    "deepseek_v3": {"moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
     # K-EXAONE's config.json writes is_moe_layer beside mlp_layer_types (SGLang exaone_moe.py stage_facts reads
     # config.is_moe_layer[layer_id])
     "exaone_moe": {"is_moe_layer": _moe_flags},
     # Hy3's config.json names the expert width expert_hidden_dim (transformers: moe_intermediate_size; vLLM
     # hy_v3.py reads config.expert_hidden_dim) and route_norm (transformers modeling_hy_v3.py renormalizes the
-    # top-k weights; both engines read config.route_norm)
-    "hy_v3": {"expert_hidden_dim": lambda c: c["moe_intermediate_size"], "route_norm": True},
+    # top-k weights; both engines read config.route_norm) and qk_norm (transformers builds q_norm / k_norm; both
+    # engines read getattr(config, "qk_norm", False) and skip the norms' tensors without it)
+    "hy_v3": {"expert_hidden_dim": lambda c: c["moe_intermediate_size"], "route_norm": True, "qk_norm": True},
     # vLLM's own Inkling config (vllm/models/inkling/configs.py) defaults padded_vocab_size to vocab_size
     "inkling_text": {"padded_vocab_size": lambda c: c["vocab_size"]},
     # MiMo-V2-Flash's config.json (both engines' mimo_v2.py): the sliding layers as hybrid_layer_pattern 1 (SGLang
@@ -336,8 +349,23 @@ RELEASE_KEYS: dict[str, dict] = {
                       "swa_head_dim": lambda c: c["head_dim"],
                       "swa_num_attention_heads": lambda c: c["num_attention_heads"],
                       "swa_num_key_value_heads": lambda c: c["num_key_value_heads"],
-                      "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+                      "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                      # one 0/1 flag a layer (both engines' is_moe_layer index it: an integer is "no MoE layer")
+                      "moe_layer_freq": lambda c: [int(f) for f in _moe_flags(c)]},
+    # MiniMax-M2's config.json as presets/minimax_m2.toml gives it: partial rotary (rotary_dim 64 of head_dim
+    # 128), sigmoid routing with the correction bias (vLLM minimax_m2.py reads config.rotary_dim,
+    # config.scoring_func)
+    "minimax_m2": {"rotary_dim": lambda c: c["head_dim"] // 2, "scoring_func": "sigmoid", "use_routing_bias": True},
+    # Nemotron-H releases write the layer kinds as hybrid_override_pattern ("M" mamba, "E" MoE, "*" attention, "-"
+    # MLP), which transformers' and SGLang's config classes both convert; transformers 5 saves layers_block_type
+    # in its own words ("linear_attention", "full_attention"), which SGLang's NemotronHConfig refuses
+    # (_validate_layers_block_type): the release's key replaces it (RELEASE_SPELLS)
+    "nemotron_h": {"hybrid_override_pattern": lambda c: _hybrid_pattern(c["layers_block_type"]),
+                   "mtp_hybrid_override_pattern": lambda c: _hybrid_pattern(c["mtp_layers_block_type"])},
 }
+
+#: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
+RELEASE_SPELLS: dict[str, tuple[str, ...]] = {"nemotron_h": ("layers_block_type", "mtp_layers_block_type")}
 
 
 def table_keys(model_type: str, saved: dict) -> dict:
@@ -351,7 +379,6 @@ def release_keys(model, saved: dict) -> dict:
     converts, the dense-first count (and MoE every layer after it) that transformers writes as ``mlp_layer_types``,
     ``head_dim`` where the model derived it (hidden / heads), and the model type's :data:`RELEASE_KEYS`."""
     extra = legacy_keys(type(model.config), saved)
-    extra.update(table_keys(saved.get("model_type", ""), saved))
     mlp = saved.get("mlp_layer_types")
     if isinstance(mlp, list) and mlp and "first_k_dense_replace" not in saved:
         dense = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
@@ -361,7 +388,7 @@ def release_keys(model, saved: dict) -> dict:
     heads = saved.get("num_attention_heads")
     if "head_dim" not in saved and isinstance(heads, int) and isinstance(saved.get("hidden_size"), int):
         extra["head_dim"] = saved["hidden_size"] // heads
-    return extra
+    return {**extra, **table_keys(saved.get("model_type", ""), saved)}  # the release's own values win
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())
     extra = release_keys(model, saved)
-    (out / "config.json").write_text(json.dumps({**saved, **extra}, indent=2, sort_keys=True) + "\n")
+    cfg = {k: v for k, v in {**saved, **extra}.items() if k not in RELEASE_SPELLS.get(mt, ())}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
            "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched, "release_keys": extra,

@@ -525,6 +525,16 @@ def test_ernies_first_moe_layer_key_reads_as_dense_below():
     assert t["moe"]["dense_below"] == "moe_layer_start_index"
 
 
+def test_afmoes_dense_layer_count_reads_as_dense_below():
+    """Afmoe's dense first layers: both engines make a layer MoE from ``num_dense_layers`` on (vLLM afmoe.py
+    ``AfmoeDecoderLayer``: ``layer_idx >= config.num_dense_layers``); without the rule plan refused the breadth
+    fixture ("num_experts 8 makes layer 0 a MoE layer, but model.layers.0 holds no routed experts")."""
+    views, config, shapes = _qwen3_answers()
+    t = from_views(views, {**config, "num_dense_layers": 1}, shapes).table
+    assert t["moe"]["dense_below"] == "num_dense_layers"
+    assert "dense_below" not in from_views(views, config, shapes).table["moe"]
+
+
 def test_kimi_k3s_derived_table_with_its_overlay_plans_like_the_hand_table(tmp_path):
     """Kimi K3 (tiny-k3, the engines' answers recorded; vLLM 0.33 cannot build it under compressed-tensors, so that
     format's build says nothing of vLLM): with mappings/overlays/kimi_k3.toml (the hand table's four SGLang

@@ -375,7 +375,9 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
 LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
                "decoder_sparse_step": "sparse_step",
                # Ernie 4.5 MoE: layer_idx >= moe_layer_start_index (vLLM ernie45_moe.py Ernie4_5_MoeDecoderLayer)
-               "moe_layer_start_index": "dense_below"}
+               "moe_layer_start_index": "dense_below",
+               # Afmoe (Arcee Trinity): layer_idx >= num_dense_layers (vLLM afmoe.py AfmoeDecoderLayer; SGLang afmoe.py)
+               "num_dense_layers": "dense_below"}
 
 
 def _text(config: dict) -> dict:
