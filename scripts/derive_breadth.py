@@ -445,6 +445,12 @@ FINDINGS = {
         "exclude list (`lm_head`, which the output names: the plan keeps the head BF16) does not reach it and vLLM "
         "builds the head NVFP4 [vocab, hidden/2]: the default (ModelOpt) output's BF16 lm_head.weight does not fit "
         "it; SGLang reads the same output right. An engine fault; the table is not shipped"),
+    "NemotronHForCausalLM": (
+        "both engines leave the non-gated (relu2, up_proj / down_proj) routed experts' w13_input_scale / "
+        "w2_input_scale unfilled (the W4A16 output writes none; the engine check's optional rules do not cover this "
+        "MoE method, and whether it reads them is not settled), and SGLang 0.5.23 leaves the mamba mixer's packed "
+        "in_proj weight_scale_2 (one per logical output, 4 of 5 unfilled) as Qwen3-Next's in_proj_qkvz "
+        "(mappings/overlays/qwen3_next.toml): not shipped"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "

@@ -339,6 +339,14 @@ RELEASE_KEYS: dict[str, dict] = {
     "hy_v3": {"expert_hidden_dim": lambda c: c["moe_intermediate_size"], "route_norm": True, "qk_norm": True},
     # vLLM's own Inkling config (vllm/models/inkling/configs.py) defaults padded_vocab_size to vocab_size
     "inkling_text": {"padded_vocab_size": lambda c: c["vocab_size"]},
+    # LongCat-Flash's config.json keys both engines read with no default, valued as transformers'
+    # modeling_longcat_flash.py computes (the a-projection norms always scaled by sqrt(hidden / lora rank), the zero
+    # experts nn.Identity, the router without bias: getattr(config, "router_bias", False)); the router in FP32 and
+    # no n-gram embedding (SGLang longcat_flash.py: rounter_params_dtype float32 is its own default, the n-gram
+    # embedding is LongcatFlashNgram's); rope_theta at the top as the release writes it
+    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity",
+                      "router_bias": False, "rounter_params_dtype": "float32", "use_ngram_embedding": False,
+                      "rope_theta": lambda c: c["rope_parameters"]["rope_theta"]},
     # MiMo-V2-Flash's config.json (both engines' mimo_v2.py): the sliding layers as hybrid_layer_pattern 1 (SGLang
     # model_config.py: 1 sliding, 0 full), their heads and window under swa_* (transformers builds both kinds with
     # the same heads), layernorm_epsilon; sigmoid routing with a correction bias (transformers
@@ -350,12 +358,17 @@ RELEASE_KEYS: dict[str, dict] = {
                       "swa_num_attention_heads": lambda c: c["num_attention_heads"],
                       "swa_num_key_value_heads": lambda c: c["num_key_value_heads"],
                       "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                      # transformers builds attention_sink_bias on the sliding layers only (both engines:
+                      # getattr(config, "add_swa_attention_sink_bias", False), "add_full_attention_sink_bias")
+                      "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
                       # one 0/1 flag a layer (both engines' is_moe_layer index it: an integer is "no MoE layer")
                       "moe_layer_freq": lambda c: [int(f) for f in _moe_flags(c)]},
     # MiniMax-M2's config.json as presets/minimax_m2.toml gives it: partial rotary (rotary_dim 64 of head_dim
     # 128), sigmoid routing with the correction bias (vLLM minimax_m2.py reads config.rotary_dim,
-    # config.scoring_func)
-    "minimax_m2": {"rotary_dim": lambda c: c["head_dim"] // 2, "scoring_func": "sigmoid", "use_routing_bias": True},
+    # config.scoring_func), q/k norms over the whole projection (use_qk_norm, qk_norm_type per_layer: SGLang
+    # minimax_m2.py getattr(config, "use_qk_norm", False) skips the norms' tensors without it)
+    "minimax_m2": {"rotary_dim": lambda c: c["head_dim"] // 2, "scoring_func": "sigmoid", "use_routing_bias": True,
+                   "use_qk_norm": True, "qk_norm_type": "per_layer"},
     # Nemotron-H releases write the layer kinds as hybrid_override_pattern ("M" mamba, "E" MoE, "*" attention, "-"
     # MLP), which transformers' and SGLang's config classes both convert; transformers 5 saves layers_block_type
     # in its own words ("linear_attention", "full_attention"), which SGLang's NemotronHConfig refuses
