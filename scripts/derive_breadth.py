@@ -451,6 +451,17 @@ FINDINGS = {
         "MoE method, and whether it reads them is not settled), and SGLang 0.5.23 leaves the mamba mixer's packed "
         "in_proj weight_scale_2 (one per logical output, 4 of 5 unfilled) as Qwen3-Next's in_proj_qkvz "
         "(mappings/overlays/qwen3_next.toml): not shipped"),
+    "LongcatFlashForCausalLM": (
+        "the fixture's fault, not fixed: transformers 5.20.2's LongcatFlashExperts holds gate_up_proj for every "
+        "router slot, the zero (identity) experts included ([n_routed_experts + zero_expert_num, 2I, H]), and "
+        "save_pretrained writes experts.8..15.gate_proj / up_proj with no down_proj, which no release stores and "
+        "vLLM's longcat_flash.py has no parameter for (KeyError 'layers.0.mlp.experts.10.gate_proj.weight'); SGLang "
+        "0.5.23 (its transformers 5.19.0) fails on the config's rope_parameters (longcat_flash.py:377)"),
+    "MiMoV2FlashForCausalLM": (
+        "SGLang 0.5.23 mimo_v2.py reads getattr(config, 'rope_scaling'), in transformers 5 an alias of "
+        "rope_parameters, which MiMo's config class holds per attention kind ({full_attention: {...}, "
+        "sliding_attention: {...}}, as the fixture saves it); its rope cache keys on it: 'unhashable type: "
+        "dict' (factory.py:107). vLLM loads the fixture with every parameter filled; not run further"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "

@@ -22,7 +22,8 @@ imported by the tool. Nothing in it names a family:
    config class reads and converts (``kwargs.pop("KEY", DEFAULT)``, with that default), ``first_k_dense_replace``
    / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, ``head_dim`` where the model derived it, and a
    short data table of release keys per model type that an engine reads with no default (``RELEASE_KEYS``, each
-   with its source), a key transformers spells apart replaced by the release's (``RELEASE_SPELLS``).
+   with its source), a key transformers spells apart replaced by the release's (``RELEASE_SPELLS``); a key the
+   config class leaves None and its own model reads is set before the build (``BUILD_KEYS``).
 
 Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
 3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
@@ -377,13 +378,26 @@ RELEASE_KEYS: dict[str, dict] = {
                    "mtp_hybrid_override_pattern": lambda c: _hybrid_pattern(c["mtp_layers_block_type"])},
 }
 
+#: LFM2-8B-A1B's config.json layer_types (24 layers, attention at 2, 6, 10, 14, 18, 21)
+_LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
+
+#: Keys the config class defaults to None but its own model class (and the engines) read, per model type: set
+#: before the model is built, where the shrunk config holds None (transformers' Lfm2MoeDecoderLayer indexes
+#: config.layer_types; the release writes it)
+BUILD_KEYS: dict[str, dict] = {
+    "lfm2_moe": {"layer_types": lambda c: (_LFM2_MOE_LAYERS + ["conv"] * c["num_hidden_layers"])[
+        :c["num_hidden_layers"]]},
+}
+
 #: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
 RELEASE_SPELLS: dict[str, tuple[str, ...]] = {"nemotron_h": ("layers_block_type", "mtp_layers_block_type")}
 
 
-def table_keys(model_type: str, saved: dict) -> dict:
-    """The :data:`RELEASE_KEYS` of the model type that the saved config lacks (or holds as None)."""
-    return {k: (v(saved) if callable(v) else v) for k, v in RELEASE_KEYS.get(model_type, {}).items()
+def table_keys(model_type: str, saved: dict, table: dict | None = None) -> dict:
+    """The keys of ``table`` (:data:`RELEASE_KEYS`) for the model type that the saved config lacks (or holds as
+    None)."""
+    table = RELEASE_KEYS if table is None else table
+    return {k: (v(saved) if callable(v) else v) for k, v in table.get(model_type, {}).items()
             if saved.get(k) is None}
 
 
@@ -420,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 3
     d = shrink_widths(AutoConfig.for_model(mt).to_dict())
+    d = {**d, **table_keys(mt, d, BUILD_KEYS)}
     switched = False
     if not routed(build(mt, d, "meta")[1]) and switch_moe_on(d) is not None:
         d, switched = switch_moe_on(d), True

@@ -535,6 +535,21 @@ def test_afmoes_dense_layer_count_reads_as_dense_below():
     assert "dense_below" not in from_views(views, config, shapes).table["moe"]
 
 
+def test_a_scale_group_named_as_a_packed_module_is_named_apart():
+    """LFM2 MoE (its breadth answers): vLLM's dense MLP is ``w13`` (``feed_forward.w1`` + ``w3``), the routed bank's
+    scale group ``w13`` too; a table's groups and scale groups of one name must differ in engines, so mapping.parse
+    refused the derived table ("two groups of one name need different engines or conditions") until the scale group
+    was named apart."""
+    from kimi_convert.mapping import parse_mapping
+
+    answers = Path(__file__).parent / "derived" / "breadth" / "Lfm2MoeForCausalLM.answers.json"
+    d = from_views(*load_answers(answers))
+    assert [(g["name"], g["parents"]) for g in d.table["group"] if g["name"].startswith("w13")] == [
+        ("w13", ["model.layers.{layer}.feed_forward"])]
+    assert [(g["name"], g["members"]) for g in d.table["scale_group"]] == [("w13_2", ["w1", "w3"])]
+    assert {g.name for g in parse_mapping(d.text, "lfm2").groups} >= {"w13", "w13_2"}
+
+
 def test_kimi_k3s_derived_table_with_its_overlay_plans_like_the_hand_table(tmp_path):
     """Kimi K3 (tiny-k3, the engines' answers recorded; vLLM 0.33 cannot build it under compressed-tensors, so that
     format's build says nothing of vLLM): with mappings/overlays/kimi_k3.toml (the hand table's four SGLang

@@ -296,7 +296,23 @@ def _groups(views: list[EngineView], drafts: list[EngineView] = ()) -> tuple[lis
         if names[key] > 1:  # one engine module name for other members elsewhere (another layer kind)
             entry["name"] = f"{entry['name']}_{names[key]}"
         groups.append(entry)
-    return groups, _dedupe(scale_groups), sets
+    return groups, _apart(groups, _dedupe(scale_groups)), sets
+
+
+def _apart(groups: list[dict], scale_groups: list[dict]) -> list[dict]:
+    """The scale groups, one named as a packed module of every engine renamed apart (``w13_2``): LFM2 MoE's dense
+    MLP is vLLM's ``w13`` (``feed_forward.w1`` + ``w3``, a MergedColumnParallelLinear) beside the routed experts'
+    ``w13`` bank; a table's groups and scale groups of one name must differ in engines (``mapping.parse``)."""
+    taken = {(g["name"], tuple(g.get("engines", ()))) for g in groups}
+    out = []
+    for sg in scale_groups:
+        name, n = sg["name"], 1
+        while (name, ()) in taken:
+            n += 1
+            name = f"{sg['name']}_{n}"
+        taken.add((name, ()))
+        out.append({**sg, "name": name})
+    return out
 
 
 def _dedupe(entries: list[dict]) -> list[dict]:
