@@ -462,6 +462,10 @@ FINDINGS = {
         "rope_parameters, which MiMo's config class holds per attention kind ({full_attention: {...}, "
         "sliding_attention: {...}}, as the fixture saves it); its rope cache keys on it: 'unhashable type: "
         "dict' (factory.py:107). vLLM loads the fixture with every parameter filled; not run further"),
+    "HunYuanMoEV1ForCausalLM": (
+        "SGLang 0.5.23 hunyuan.py HunYuanMoEV1ForCausalLM builds its ParallelLMHead with no prefix= (as vLLM's "
+        "exaone_moe.py and afmoe.py): ModelOpt's exclude list (`lm_head`) does not reach it, SGLang builds the head "
+        "NVFP4 and the output's BF16 lm_head.weight does not fit. An engine fault; every other module loaded"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "

@@ -333,6 +333,12 @@ RELEASE_KEYS: dict[str, dict] = {
     # K-EXAONE's config.json writes is_moe_layer beside mlp_layer_types (SGLang exaone_moe.py stage_facts reads
     # config.is_moe_layer[layer_id])
     "exaone_moe": {"is_moe_layer": _moe_flags},
+    # Hunyuan-A13B's config.json keys SGLang's hunyuan.py reads with no default, valued as transformers'
+    # modeling_hunyuan_v1_moe.py builds: the experts' width is intermediate_size, one shared MLP always
+    # (use_mixed_mlp_moe, num_shared_expert 1), attention_head_dim the head_dim, q/k norms (query_layernorm /
+    # key_layernorm; SGLang getattr(config, "use_qk_norm", False))
+    "hunyuan_v1_moe": {"moe_intermediate_size": lambda c: c["intermediate_size"], "use_mixed_mlp_moe": 1,
+                       "num_shared_expert": 1, "attention_head_dim": lambda c: c["head_dim"], "use_qk_norm": True},
     # Hy3's config.json names the expert width expert_hidden_dim (transformers: moe_intermediate_size; vLLM
     # hy_v3.py reads config.expert_hidden_dim) and route_norm (transformers modeling_hy_v3.py renormalizes the
     # top-k weights; both engines read config.route_norm) and qk_norm (transformers builds q_norm / k_norm; both
@@ -381,12 +387,14 @@ RELEASE_KEYS: dict[str, dict] = {
 #: LFM2-8B-A1B's config.json layer_types (24 layers, attention at 2, 6, 10, 14, 18, 21)
 _LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
 
-#: Keys the config class defaults to None but its own model class (and the engines) read, per model type: set
-#: before the model is built, where the shrunk config holds None (transformers' Lfm2MoeDecoderLayer indexes
-#: config.layer_types; the release writes it)
+#: Keys whose config-class default is no release's, per model type, set before the model is built: a key the class
+#: defaults to None but its own model class reads (transformers' Lfm2MoeDecoderLayer indexes config.layer_types;
+#: the release writes it), an expert count of 1 (HunYuan V1 MoE's class default, a dense model to SGLang's
+#: hunyuan.py; Hunyuan-A13B has 64 experts, top-8: the fixture's tiny 8 / 2)
 BUILD_KEYS: dict[str, dict] = {
     "lfm2_moe": {"layer_types": lambda c: (_LFM2_MOE_LAYERS + ["conv"] * c["num_hidden_layers"])[
         :c["num_hidden_layers"]]},
+    "hunyuan_v1_moe": {"num_experts": EXPERTS, "moe_topk": TOP_K},
 }
 
 #: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
@@ -434,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 3
     d = shrink_widths(AutoConfig.for_model(mt).to_dict())
-    d = {**d, **table_keys(mt, d, BUILD_KEYS)}
+    d = {**d, **{k: (v(d) if callable(v) else v) for k, v in BUILD_KEYS.get(mt, {}).items()}}
     switched = False
     if not routed(build(mt, d, "meta")[1]) and switch_moe_on(d) is not None:
         d, switched = switch_moe_on(d), True
