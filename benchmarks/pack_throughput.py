@@ -8,7 +8,8 @@
 
 1. disk floor: read every input file once, then write and fsync a file of the output's size;
 2. with --quantize-alone: the time the kernels alone take on the checkpoint's NVFP4 modules, their
-   sources already in memory (no reading, hashing or writing);
+   sources already in memory (no reading, hashing or writing); and the CPU floor: one core's sha256 rate over the
+   input and output bytes, plus that, spread over the CPUs (the hashes are CPU work the disk cannot hide);
 3. ``kimi-convert pack`` end to end (process start included), once per --workers value: wall time,
    the conversion's own time and torch's start-up (from ``pack --stats``), peak RSS (wait4) and
    the bytes the process read from storage (rusage inblock).
@@ -171,6 +172,20 @@ def quantize_alone(src: Path, device: str, mapping: str | None = None, torch_onl
     return total, nbytes
 
 
+def sha256_rate(nbytes: int = 1 << 28, reps: int = 3) -> float:
+    """One core's sha256 rate on this machine (bytes/s, the best of ``reps``): pack hashes every input byte (the
+    manifest's provenance) and every output byte, one chain a file, so the hashes are CPU work no disk speed hides."""
+    import hashlib
+
+    buf = os.urandom(nbytes)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        hashlib.sha256(buf).digest()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
 def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_shard: str,
              streams: int | None, extra: list[str]) -> tuple[float, int, int, dict]:
     shutil.rmtree(out, ignore_errors=True)
@@ -243,6 +258,12 @@ def main() -> None:
         print(f"quantize alone ({a.device}): {q:.2f} s for {qbytes / 1e9:.2f} GB of NVFP4 sources "
               f"({qbytes / q / 1e9:.2f} GB/s)")
         bound, what = floor + q, "disk floor + quantize alone"
+        cpus, rate = len(os.sched_getaffinity(0)), sha256_rate()
+        hash_s = (size_in + size_out) / rate
+        cpu_floor = (hash_s + q) / cpus
+        print(f"CPU floor: sha256 of the input and output {hash_s:.2f} s ({rate / 1e9:.2f} GB/s a core) + quantize "
+              f"alone {q:.2f} s, over {cpus} CPUs = **{cpu_floor:.2f} s** (pack / disk floor cannot go below "
+              f"{max(floor, cpu_floor) / floor:.2f}x here)")
     print(f"\n| workers x streams | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | converting s "
           "| torch + device start s (overlapped) | peak RSS (largest process) | read from storage |")
     print("|---|---|---|---|---|---|---|")

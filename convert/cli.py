@@ -422,7 +422,7 @@ def _report_commit(res, repo_id: str | None, output_dir: str, committed: str) ->
               help="With --engine: run an engine version other than the tested one.")
 @click.option("--numerics/--no-numerics", default=True, show_default=True,
               help="With --engine and --input: read every layer as the engine's GEMM does and compare it, row for "
-                   "row, with INPUT's weights, each row held to its format's own error.")
+                   "row, with INPUT's weights, each row held to its scheme's own error.")
 @click.option("--draft/--no-draft", default=True, show_default=True,
               help="With --engine: where the engine's main model leaves MTP layers to its speculative-decoding draft, "
                    "also build that draft model (vLLM's --speculative-config method mtp, SGLang's "

@@ -13,10 +13,10 @@ The sources, asked in this order; the first that keeps a module decides, and the
    REASON``. A module fused from shards is kept only when every shard is; some shards only is an
    error, or with ``--keep-partial`` keeps it whole;
 4. the recipe, when no rule of it matches: ``recipe NAME: no rule matches: kept``;
-5. the mapping's ``restrict`` (an engine loads the module only in some formats), when the recipe's
-   format is not one of them: ``kept for the engines: mapping NAME: FORMAT asked by recipe R, but REASON``
+5. the mapping's ``restrict`` (an engine loads the module only in some schemes), when the recipe's
+   scheme is not one of them: ``kept for the engines: mapping NAME: FORMAT asked by recipe R, but REASON``
    (the plan then keeps every member of that engine's packed module: ``plan/layout.py``);
-6. the recipe's first matching rule, when its format is ``keep``: ``recipe NAME: REASON``.
+6. the recipe's first matching rule, when its scheme is ``keep``: ``recipe NAME: REASON``.
 
 Every pattern is read by ``globs.match`` and checked by ``globs.check`` where it is parsed.
 """
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from . import globs
 from .errors import ConvertError
-from .schemes import Format
+from .schemes import SchemeName
 from .vocabulary import KEPT_FOR_ENGINE, KeepRule, Recipe, RecipeRule
 
 if TYPE_CHECKING:
@@ -65,10 +65,10 @@ def kept(name: str, members: Sequence[str], group: Group | None, rule: RecipeRul
     if rule is None:
         return Kept(f"recipe {recipe.name}: no rule matches: kept")
     r = first(m.restrict, members[0], m.text_prefix)
-    if r is not None and r.formats is not None and rule.format.value not in r.formats:
-        return Kept(f"{KEPT_FOR_ENGINE}mapping {m.name}: {rule.format.value} asked by recipe {recipe.name}, "
+    if r is not None and r.schemes is not None and rule.scheme.value not in r.schemes:
+        return Kept(f"{KEPT_FOR_ENGINE}mapping {m.name}: {rule.scheme.value} asked by recipe {recipe.name}, "
                     f"but {r.reason}")
-    if rule.format is Format.KEEP:
+    if rule.scheme is SchemeName.KEEP:
         return Kept(f"recipe {recipe.name}: {rule.reason or rule.describe()}")
     return None
 

@@ -20,7 +20,7 @@ from . import globs, tomlfile
 from .errors import ConvertError
 from .mtp import Mtp
 from .mtp import parse as parse_mtp
-from .schemes import Format
+from .schemes import SchemeName
 from .vocabulary import KeepRule
 
 ENGINES = ("vllm", "sglang")
@@ -140,8 +140,9 @@ class Mapping:
     linear: tuple[str, ...]  # globs of modules built as linear layers although their weight is not 2-D
     not_linear: tuple[str, ...]  # globs of modules whose 2-D weight is not a linear layer (embeddings)
     # what keeps a module in high precision (keep.py says in which order): linear modules that are never
-    # quantized, whatever the user says; modules an engine loads only in some formats (``formats``: what
-    # else a recipe asks for is kept instead); the default exclusion recipe (origin ``default (NAME)``)
+    # quantized, whatever the user says; modules an engine loads only in some schemes (``KeepRule.schemes``, the
+    # file's ``formats``: what else a recipe asks for is kept instead); the default exclusion recipe (origin
+    # ``default (NAME)``)
     keep: tuple[KeepRule, ...]
     restrict: tuple[KeepRule, ...]
     exclude: tuple[KeepRule, ...]
@@ -151,7 +152,7 @@ class Mapping:
     # name prefixes of blocks only some inputs of the family store (Qwen3.5's ``mtp.``): an input with no
     # module under one is not warned about the table's entries under it
     optional_blocks: tuple[str, ...] = ()
-    layouts: dict = field(default_factory=dict)  # layout -> (formats an engine takes fused on disk, why)
+    layouts: dict = field(default_factory=dict)  # layout -> (schemes an engine takes fused on disk, why)
     moe: MoeCheck | None = None  # the config fields of the routed experts (plan.consistency)
     lm_head: LmHeadCheck | None = None
     mtp: Mtp | None = None  # the MTP layers and what each engine's draft model needs of them (convert/mtp.py)
@@ -324,7 +325,7 @@ GROUP_KEYS = {"name", "members", "op", "parents", "layer_type", "when", "quantiz
 def _schema() -> tomlfile.Spec:
     """Every key a mapping table may hold and what its value must be (tomlfile.validate, at load)."""
     t = tomlfile
-    tmpl, formats = t.template(tuple(PLACEHOLDERS)), t.strs(t.one_of(tuple(f.value for f in Format), "format"))
+    tmpl, schemes = t.template(tuple(PLACEHOLDERS)), t.strs(t.one_of(tuple(s.value for s in SchemeName), "format"))
     path = t.STR
     rule = t.table({"pattern": t.STR, "reason": t.STR, "optional": t.BOOL}, ("pattern",))
     group_fields = {"name": t.STR, "members": t.strs(), "op": t.one_of(("cat", "stack"), "op"),
@@ -335,7 +336,7 @@ def _schema() -> tomlfile.Spec:
                     "rows": t.map_of(t.STR, 'a table of member = "config.path [+ config.path ...]"'),
                     "same_rows": t.BOOL}
     scale_fields = {k: group_fields[k] for k in ("name", "members", "parents", "rows", "same_rows")}
-    layout = t.table({"formats": formats, "reason": t.STR})
+    layout = t.table({"formats": schemes, "reason": t.STR})
     return t.table({
         "name": t.STR, "description": t.STR, "architectures": t.strs(), "model_types": t.strs(),
         "text_config": t.STR, "text_prefix": t.STR, "expert_sets": t.strs(tmpl), "linear": t.strs(),
@@ -345,7 +346,7 @@ def _schema() -> tomlfile.Spec:
                                         ("config",)),
                                 "a table of layer types"),
         "keep": t.array_of(rule, "an array of tables ([[keep]])"),
-        "restrict": t.array_of(t.table({"pattern": t.STR, "formats": formats, "reason": t.STR}, ("pattern",)),
+        "restrict": t.array_of(t.table({"pattern": t.STR, "formats": schemes, "reason": t.STR}, ("pattern",)),
                                "an array of tables ([[restrict]])"),
         "exclude": t.array_of(rule, "an array of tables ([[exclude]])"),
         "group": t.array_of(t.table(group_fields, ("name", "members", "parents")), "an array of tables ([[group]])"),

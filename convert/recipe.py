@@ -1,7 +1,8 @@
-"""Recipes as data: which output format each linear module gets, and the quantization config written.
+"""Recipes as data: which quantization scheme each linear module gets, and the quantization config written.
 
 A recipe (``recipes/*.toml``, or a file given with ``--recipe FILE``) is an ordered list of rules;
-the first rule whose module globs match a linear module decides its format:
+the first rule whose module globs match a linear module decides its scheme (the rule's ``format`` key, a name
+kept for the recipe files; the output format is the recipe's ``output_format``):
 
 - ``nvfp4``: packed E2M1 weight, e4m3 block scales, fp32 global scale (shared over the engine
   fusion group), and optionally a constant ``input_scale``;
@@ -23,7 +24,7 @@ from pathlib import Path
 from . import formats, globs, schemes, tomlfile
 from .errors import ConvertError
 from .mapping import builtin_tables
-from .schemes import Format, scale_error
+from .schemes import SchemeName, scale_error
 from .vocabulary import Recipe, RecipeRule
 
 
@@ -43,7 +44,7 @@ def _schema() -> tomlfile.Spec:
     t = tomlfile
     scale = t.Spec((int, float), "a positive number", check=lambda v: scale_error(v))
     rule = t.table({"modules": t.strs(), "experts": t.BOOL,
-                    "format": t.one_of(tuple(f.value for f in Format), "format"), "input_scale": scale,
+                    "format": t.one_of(tuple(s.value for s in SchemeName), "format"), "input_scale": scale,
                     "reason": t.STR}, ("format",))
     return t.table({
         "name": t.STR, "description": t.STR, "default_for": t.strs(),
@@ -65,17 +66,17 @@ def _rule(r: object, where: str) -> RecipeRule:
     if not isinstance(experts, bool) or (not mods and not experts):
         raise ConvertError(f"{where}: a rule needs 'modules' globs or 'experts = true'")
     try:
-        fmt = Format(r.get("format"))
+        scheme = SchemeName(r.get("format"))  # the file's key stays "format"
     except ValueError:
-        raise ConvertError(f"{where}: 'format' must be one of {', '.join(f.value for f in Format)}, "
+        raise ConvertError(f"{where}: 'format' must be one of {', '.join(s.value for s in SchemeName)}, "
                            f"not {r.get('format')!r}") from None
     scale = r.get("input_scale")
     if scale is not None:
-        if not (schemes.quantized(fmt) and schemes.get(fmt).INPUT_SCALE):
+        if not (schemes.quantized(scheme) and schemes.get(scheme).INPUT_SCALE):
             takes = ", ".join(n for n, s in schemes.SCHEMES.items() if s.INPUT_SCALE)
             raise ConvertError(f"{where}: 'input_scale' applies to the {takes} format only")
         scale = float(scale)  # the schema checked it (schemes.scale_error)
-    return RecipeRule(tuple(mods), experts, fmt, scale, str(r.get("reason", "")))
+    return RecipeRule(tuple(mods), experts, scheme, scale, str(r.get("reason", "")))
 
 
 def parse_recipe(text: str, path: str) -> Recipe:
@@ -97,16 +98,16 @@ def parse_recipe(text: str, path: str) -> Recipe:
     rules = tuple(_rule(r, f"{path}: rule[{i}]") for i, r in enumerate(t.get("rule", [])))
     if not rules:
         raise ConvertError(f"{path}: a recipe needs at least one [[rule]]")
-    refused = sorted({r.format.value for r in rules} - formats.get(out_format).KINDS)
+    refused = sorted({r.scheme.value for r in rules} - formats.get(out_format).KINDS)
     if refused:
         raise ConvertError(f"{path}: output_format {out_format!r} has no {', '.join(refused)} modules")
     bare = [i for i, r in enumerate(rules)
-            if schemes.quantized(r.format) and schemes.get(r.format).INPUT_SCALE and r.input_scale is None]
+            if schemes.quantized(r.scheme) and schemes.get(r.scheme).INPUT_SCALE and r.input_scale is None]
     if method == "modelopt" and algo == "NVFP4" and bare:  # one W4A4 algo: every module's activations quantized
         raise ConvertError(f"{path}: rule[{bare[0]}]: quant_algo 'NVFP4' quantizes activations too (W4A4), so every "
                            "nvfp4 rule needs an 'input_scale' (or use quant_algo 'W4A16_NVFP4')")
-    single = [r.format.value for r in rules
-              if schemes.quantized(r.format) and algo not in schemes.spelling(r.format, out_format).algos]
+    single = [r.scheme.value for r in rules
+              if schemes.quantized(r.scheme) and algo not in schemes.spelling(r.scheme, out_format).algos]
     if method == "modelopt" and single:  # one quant_algo for every layer: a scheme it does not name needs the map
         raise ConvertError(f"{path}: {single[0]} modules need quant_method 'modelopt_mixed' (one quant_algo per layer)")
     cfg = t.get("config", {})
@@ -141,7 +142,7 @@ def with_format(recipe: Recipe, name: str | None) -> Recipe:
         return recipe
     fmt = formats.get(name)
     algo = getattr(fmt, "FROM_MODELOPT", {}).get(recipe.quant_algo) if recipe.output_format == "modelopt" else None
-    refused = sorted({r.format.value for r in recipe.rules} - fmt.KINDS)
+    refused = sorted({r.scheme.value for r in recipe.rules} - fmt.KINDS)
     if algo is None or refused:
         why = f"it has {', '.join(refused)} modules" if refused else f"its quant_algo is {recipe.quant_algo}"
         raise ConvertError(f"--format {name}: recipe {recipe.name!r} cannot be written in it ({why})")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .schemes import Format
+from .schemes import SchemeName
 
 #: A reason of ``keep.kept``'s source 5 starts with it: the plan keeps the engine's packed module whole.
 KEPT_FOR_ENGINE = "kept for the engines: "
@@ -25,15 +25,15 @@ class KeepRule:
 
     ``origin`` is what the plan's reason names: ``mapping NAME: keep``, ``mapping NAME: restrict``,
     ``default (NAME)`` (the mapping's exclude), ``--exclude``, ``FILE:LINE``, ``FILE`` (a JSON list or an
-    hf_quant_config.json). ``formats`` (a restrict only): the formats the engine loads the module in; the
-    module is kept only when the recipe asks for another one. ``optional``: a module only some inputs of
-    the family have (DeepSeek's MTP layer: ``num_nextn_predict_layers`` 1 in DeepSeek V3, 0 in Kimi K2), so
-    the unmatched-entry warning (``Mapping.unmatched``) does not name it."""
+    hf_quant_config.json). ``schemes`` (a restrict only; the file's ``formats`` key): the quantization schemes
+    the engine loads the module in; the module is kept only when the recipe asks for another one. ``optional``:
+    a module only some inputs of the family have (DeepSeek's MTP layer: ``num_nextn_predict_layers`` 1 in
+    DeepSeek V3, 0 in Kimi K2), so the unmatched-entry warning (``Mapping.unmatched``) does not name it."""
 
     text: str
     origin: str
     reason: str = ""
-    formats: tuple[str, ...] | None = None
+    schemes: tuple[str, ...] | None = None
     optional: bool = False
 
     def describe(self) -> str:
@@ -45,13 +45,13 @@ class KeepRule:
 class RecipeRule:
     modules: tuple[str, ...]  # module globs (globs.match: the one semantics of every pattern)
     experts: bool  # also (or only) every routed expert module of the mapping's expert sets
-    format: Format
+    scheme: SchemeName  # the file's ``format`` key: the module's quantization scheme, or ``keep``
     input_scale: float | None  # nvfp4: a constant activation scale written per module
     reason: str
 
     def describe(self) -> str:
         what = ", ".join(self.modules) if self.modules else "routed experts"
-        return f"{self.format} ({what})"
+        return f"{self.scheme} ({what})"
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def test_partial_exclusion_fails_or_keeps_whole():
 
 def test_mapping_keeps_are_keep_rules_naming_their_table():
     assert [(k.text, k.origin) for k in MAPPING.keep] == [("*_conv1d", "mapping toy: keep")]
-    assert MAPPING.restrict[0].formats == ("keep", "fp8-block")
+    assert MAPPING.restrict[0].schemes == ("keep", "fp8-block")
     assert MAPPING.exclude[0] == keep.KeepRule("head", "default (toy)", "the output head")
 
 

@@ -62,7 +62,7 @@ def test_mid_tile_member_of_a_fused_block_fp8_layer_is_read_wrong(tmp_path):
     a, g = _weights(192, 256, 0), _weights(256, 256, 1)
     q, s = _fused_fp8([a, g])
     w = runner_numerics.fp8_block(q, s)
-    rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "format": "fp8-block"}, w,
+    rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "scheme": "fp8-block"}, w,
                    {"a.weight": [{"param": "m.weight", "row": 0, "rows": 192, "src_row": 0}],
                     "g.weight": [{"param": "m.weight", "row": 192, "rows": 256, "src_row": 0}]},
                    FakeSources({"a.weight": a, "g.weight": g}))
@@ -76,10 +76,13 @@ def test_fused_block_fp8_on_its_own_tiles_is_read_right(tmp_path):
     fused = torch.cat([a, g])
     q, s = fp8_block.quantize(fused)
     w = runner_numerics.fp8_block(q, s)
-    rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "format": "fp8-block"}, w,
+    rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "scheme": "fp8-block"}, w,
                    {"fused.weight": [{"param": "m.weight", "row": 0, "rows": 448, "src_row": 0}]},
                    FakeSources({"fused.weight": fused}))
     assert rep.ok, rep.failures()
+    layer = rep.to_dict()["layers"][0]  # verify-manifest --json: the layer's scheme under the report's key "format"
+    assert list(layer)[:4] == ["engine_param", "module", "format", "rule"] and layer["format"] == "fp8-block"
+    assert list(rep.to_dict()["summary"]) == ["fp8-block"]
     c = rep.layers[0]
     assert c.rows == 448 and 0 < c.max_rel_err <= c.max_bound
 
@@ -96,7 +99,7 @@ def _w13(w1: torch.Tensor, w3: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor)
 def _moe(tmp_path, w1, w3, s1, s3):
     read, slots = _w13(w1, w3, s1, s3)
     n = w1.shape[0]
-    return _compare(tmp_path, {"param": "e.w13_weight", "kind": "moe", "format": "nvfp4", "global_slots": slots}, read,
+    return _compare(tmp_path, {"param": "e.w13_weight", "kind": "moe", "scheme": "nvfp4", "global_slots": slots}, read,
                     {"w1.weight": [{"param": "e.w13_weight", "expert": 0, "row": 0, "rows": n, "src_row": 0}],
                      "w3.weight": [{"param": "e.w13_weight", "expert": 0, "row": n, "rows": n, "src_row": 0}]},
                     FakeSources({"w1.weight": w1, "w3.weight": w3}))
@@ -123,7 +126,7 @@ def test_w3_with_its_own_global_scale_is_read_wrong(tmp_path):
 def test_dense_layer_must_be_exact(tmp_path):
     w = _weights(64, 32, 4)
     placed = {"w.weight": [{"param": "m.weight", "row": 0, "rows": 64, "src_row": 0}]}
-    layer = {"param": "m.weight", "kind": "linear", "format": "dense", "dtype": "torch.bfloat16"}
+    layer = {"param": "m.weight", "kind": "linear", "scheme": "dense", "dtype": "torch.bfloat16"}
     assert _compare(tmp_path, layer, w.float(), placed, FakeSources({"w.weight": w})).ok
     bad = w.float().clone()
     bad[5, 7] += 2.0**-6 * bad[5, 7].abs().clamp_min(1)
@@ -135,7 +138,7 @@ def test_rows_an_engine_split_from_one_stored_tensor(tmp_path):
     """One stored tensor written in three slices (vLLM's vision wqkv): each slice is compared with its own
     source rows, and a slice put in another's place fails."""
     w = _weights(96, 32, 5)
-    layer = {"param": "m.weight", "kind": "linear", "format": "dense", "dtype": "torch.bfloat16"}
+    layer = {"param": "m.weight", "kind": "linear", "scheme": "dense", "dtype": "torch.bfloat16"}
     spots = [{"param": "m.weight", "row": 32 * i, "rows": 32, "src_row": 32 * i} for i in range(3)]
     assert _compare(tmp_path, layer, w.float(), {"qkv.weight": spots}, FakeSources({"qkv.weight": w})).ok
     swapped = torch.cat([w[32:64], w[:32], w[64:]]).float()
@@ -160,7 +163,7 @@ def test_rows_placed_past_the_read_parameter_are_one_line_not_a_traceback(tmp_pa
     src = _weights(128, 64, 0)
     for w, row, shown in ((src[:64].clone(), 0, "[64, 64]"), (torch.stack([src, src]), 0, "[2, 128, 64]"),
                           (src.clone(), -128, "[128, 64]")):  # a row before the start: w[-128:0] reads no row
-        rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "format": "dense", "dtype": "bfloat16"}, w,
+        rep = _compare(tmp_path, {"param": "m.weight", "kind": "linear", "scheme": "dense", "dtype": "bfloat16"}, w,
                        {"a.weight": [{"param": "m.weight", "row": row, "rows": 128, "src_row": 0}]},
                        FakeSources({"a.weight": src}))
         assert not rep.ok
@@ -200,7 +203,7 @@ def test_the_runner_reads_mxfp4_experts_as_the_oracle_decodes_them():
     codes, scales = _mx_experts(7)
     for engine in ("vllm", "sglang"):
         (entry,) = runner_numerics.read_moe(engine, "e", _mx_module(engine, codes, scales))
-        assert entry["format"] == "mxfp4" and not entry.get("unread") and entry["method"] == "Mxfp4MoEMethod"
+        assert entry["scheme"] == "mxfp4" and not entry.get("unread") and entry["method"] == "Mxfp4MoEMethod"
         for e in range(codes.shape[0]):
             want = torch.from_numpy(oracle.decode_mxfp4(codes[e].numpy(), scales[e].numpy()))
             assert torch.equal(entry["weight"][e], want), (engine, e)

@@ -119,7 +119,7 @@ def test_the_numeric_check_holds_a_new_scheme_to_its_own_bound(monkeypatch, tmp_
     for rel, ok in ((0.1, True), (0.9, False)):
         read = src + noise * (rel * src.norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True))
         save_file({"00000:w": read.contiguous()}, str(tmp_path / "numerics.safetensors"))
-        layer = {"module": "m", "param": "m.weight", "kind": "linear", "format": "toy8", "rule": "t",
+        layer = {"module": "m", "param": "m.weight", "kind": "linear", "scheme": "toy8", "rule": "t",
                  "processed": "", "key": "00000:w"}
         result = {"numerics": {"layers": [layer],
                                "placements": {"a.weight": [{"param": "m.weight", "row": 0, "rows": 8, "src_row": 0}]}}}

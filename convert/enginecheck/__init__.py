@@ -162,7 +162,7 @@ class Report:
 
     @property
     def numeric_verdict(self) -> str:
-        """One line: every layer within its format's bound, or the first layer read wrong."""
+        """One line: every layer within its scheme's bound, or the first layer read wrong."""
         n = self.numerics
         if n is None:
             return "numeric check not run (needs --input SOURCE)"

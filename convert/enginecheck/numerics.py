@@ -8,7 +8,8 @@ stored, its MXFP4 or block-FP8 tensor decoded. The source of an output tensor is
 (which source tensors, at which rows) or, for a checkpoint this tool did not write, the source tensor of
 the same module name.
 
-Each row is held to the format's own error on that row, computed from the source alone:
+Each row is held to its scheme's own error on that row (the layer's ``scheme`` as the engine reads it), computed
+from the source alone:
 
 * a quantization scheme (``nvfp4``, ``fp8-block``): the scheme module's ``engine_bound`` (``convert/schemes``):
   ``nvfp4``: ModelOpt's NVFP4 quantizer (``kernels.reference``) with the global scale of the engine's
@@ -61,7 +62,7 @@ class Ref:
 class LayerCheck:
     engine_param: str
     module: str
-    format: str
+    scheme: str  # nvfp4, fp8-block, mxfp4, fp8-tensor, dense, or an unread dtype (the report's "format")
     rule: str
     processed: str
     members: list[str] = field(default_factory=list)
@@ -95,12 +96,12 @@ class NumericReport:
         return self.problems + [p for c in self.layers for p in c.problems]
 
     def summary(self) -> dict:
-        """Per format: layers, the largest relative error against its bound, exact layers."""
+        """Per scheme: layers, the largest relative error against its bound, exact layers."""
         by: dict[str, dict] = {}
         for c in self.layers:
             if not c.rows:
                 continue
-            s = by.setdefault(c.format, {"layers": 0, "max_rel_err": 0.0, "max_bound": 0.0, "exact_layers": 0,
+            s = by.setdefault(c.scheme, {"layers": 0, "max_rel_err": 0.0, "max_bound": 0.0, "exact_layers": 0,
                                          "worst_ratio": 0.0, "kernel_read_layers": 0})
             s["layers"] += 1
             s["kernel_read_layers"] += c.kernel_read is not None
@@ -113,7 +114,13 @@ class NumericReport:
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "ok": self.ok, "problems": self.failures(), "summary": self.summary(),
-                "unplaced": self.unplaced, "layers": [asdict(c) | {"ok": c.ok} for c in self.layers]}
+                "unplaced": self.unplaced, "layers": [_layer_dict(c) for c in self.layers]}
+
+
+def _layer_dict(c: LayerCheck) -> dict:
+    """One layer of the JSON report: its fields in order, the scheme under the report's key ``format`` (the
+    verify-manifest --json output users read keeps its keys)."""
+    return {("format" if k == "scheme" else k): v for k, v in asdict(c).items()} | {"ok": c.ok}
 
 
 class Sources:
@@ -206,7 +213,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
     """One layer the runner read: each expert's (or the layer's) placed rows held to their sources and bounds.
     None where no checkpoint tensor reached the layer (a derived or engine-made one)."""
     param = layer["param"]
-    c = LayerCheck(param, layer["module"], layer.get("format", "?"), layer.get("rule", ""),
+    c = LayerCheck(param, layer["module"], layer.get("scheme", "?"), layer.get("rule", ""),
                    layer.get("processed", ""), kernel_read=layer.get("kernel_read"))
     if layer.get("error"):
         c.problems.append(f"{engine}: {layer['module']}: the engine's own processing failed: {layer['error']}")
@@ -227,7 +234,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         refs, ok_spots = _placed_refs(f"{engine}: {where}", placed[key], w, sources, decoded, used, c)
         if not refs:
             continue
-        refs, bl = _bounds(c.format, refs, layer, expert)
+        refs, bl = _bounds(c.scheme, refs, layer, expert)
         for spot, r, (bound, exact) in zip(ok_spots, refs, bl, strict=True):
             errs.append(_check_rows(f"{engine}: {where}", layer, c, expert, spot, w, r, bound, exact))
             bounds.append(bound)
@@ -267,14 +274,14 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
     return refs, ok_spots
 
 
-def _bounds(fmt: str, refs: list[tuple[Ref, int, int]], layer: dict, expert: int | None
+def _bounds(scheme: str, refs: list[tuple[Ref, int, int]], layer: dict, expert: int | None
             ) -> tuple[list[Ref], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The placed rows' references and, per reference, its rows' error bound and which elements must be exact,
-    by the layer's format: a quantization scheme's by the scheme itself (``schemes/*.engine_bound``: NVFP4's rows
+    by the layer's scheme: a quantization scheme's by the scheme itself (``schemes/*.engine_bound``: NVFP4's rows
     are independent but for the layer's one global scale, block FP8's follow the stored tensor's own tile grid); a
     dense layer's by its dtype."""
-    if schemes.quantized(fmt):
-        return [_rows(r, s0, n) for r, s0, n in refs], schemes.get(fmt).engine_bound(refs, layer, expert, _rows)
+    if schemes.quantized(scheme):
+        return [_rows(r, s0, n) for r, s0, n in refs], schemes.get(scheme).engine_bound(refs, layer, expert, _rows)
     rows = [_rows(r, s0, n) for r, s0, n in refs]
     return rows, [(_dense_bound(r, layer.get("dtype", "float32")), torch.ones_like(r.values, dtype=torch.bool))
                   for r in rows]
@@ -288,7 +295,7 @@ def _check_rows(where: str, layer: dict, c: LayerCheck, expert: int | None, spot
     tensor, row, n = spot
     got = w[row: row + n].float()
     err = row_err(got, r.values)
-    if c.format == "dense":  # exact only the rows the parameter's dtype holds exactly
+    if c.scheme == "dense":  # exact only the rows the parameter's dtype holds exactly
         exact = exact & (bound == 0).unsqueeze(-1)
     differ = exact & (got != r.values)
     exact_bad = int(differ.sum())
@@ -308,7 +315,7 @@ def _check_rows(where: str, layer: dict, c: LayerCheck, expert: int | None, spot
                 f"relative error up to {float(err[bad].max()):.3g} against a bound of "
                 f"{float(bound[bad].max()):.3g}")
         c.problems.append(f"{where} rows {row + rows[0]}..{row + rows[-1]} ({len(rows)} of {n}, "
-                          f"from {tensor}): {what} ({c.format}: {_why(layer)})")
+                          f"from {tensor}): {what} ({c.scheme}: {_why(layer)})")
     return err
 
 
@@ -337,7 +344,7 @@ def _rows(r: Ref, start: int, n: int) -> Ref:
 
 def _why(layer: dict) -> str:
     slots = layer.get("global_slots")
-    if layer.get("format") != "nvfp4" or not slots:
+    if layer.get("scheme") != "nvfp4" or not slots:
         return "scales as the engine reads them"
     flat = [x for s in slots for x in (s if isinstance(s, list) else [s])]
     if len(set(flat)) > 1 and layer.get("kind") == "linear":

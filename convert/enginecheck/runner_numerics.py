@@ -223,7 +223,7 @@ def read_ct_linear(engine: str, entry: dict, module) -> dict:
     if engine == "vllm" and _p(module, "weight_global_scale") is not None:
         mult = _p(module, "weight_global_scale").float().reshape(())  # the processed parameter: 1 / max
     entry["weight"], by = engine_nvfp4(engine, packed, scale, mult.reshape(()))
-    entry.update(param=f"{entry['module']}.weight_packed", format="nvfp4", convention="compressed-tensors",
+    entry.update(param=f"{entry['module']}.weight_packed", scheme="nvfp4", convention="compressed-tensors",
                  rule=RULES[(engine, "ct-nvfp4")], processed=processed, global_slots=(1.0 / slots).tolist(),
                  global_scale=float(mult), read_by=by)
     return entry
@@ -256,7 +256,7 @@ def read_linear(engine: str, name: str, module) -> dict | None:
         else:
             glob = slots.max()
         entry["weight"], by = engine_nvfp4(engine, w, _p(module, "weight_scale"), glob.reshape(()))
-        entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4")], processed=processed or "not run",
+        entry.update(scheme="nvfp4", rule=RULES[(engine, "nvfp4")], processed=processed or "not run",
                      global_slots=slots.reshape(-1).tolist(), global_scale=float(glob), read_by=by)
         return entry
     if w.dtype == torch.float8_e4m3fn:
@@ -268,18 +268,18 @@ def read_linear(engine: str, name: str, module) -> dict | None:
         if scale is None:
             scale = _p(module, "weight_scale")
         if scale is None or scale.numel() <= 1:
-            entry.update(format="fp8-tensor", rule="per-tensor FP8: no read rule in this check",
+            entry.update(scheme="fp8-tensor", rule="per-tensor FP8: no read rule in this check",
                          unread=True)
             return entry
-        entry.update(format="fp8-block", rule=RULES[(engine, "fp8-block")], processed=processed or "not run")
+        entry.update(scheme="fp8-block", rule=RULES[(engine, "fp8-block")], processed=processed or "not run")
         entry["weight"] = fp8_block(w, scale)
         _kernel_read(engine, entry, w, scale)
         return entry
     if w.is_floating_point():
-        entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
+        entry.update(scheme="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
         entry["weight"] = w.float()
         return entry
-    entry.update(format=str(w.dtype), rule="no read rule in this check", unread=True)
+    entry.update(scheme=str(w.dtype), rule="no read rule in this check", unread=True)
     return entry
 
 
@@ -337,17 +337,17 @@ def read_moe(engine: str, name: str, module) -> list[dict]:
             slots = s2.float().reshape(s2.shape[0], -1)
             glob = slots[:, 0]  # gate's scale for both halves of w13; w2 has one
             entry["weight"], by = engine_nvfp4(engine, w, s, glob)
-            entry.update(format="nvfp4", rule=RULES[(engine, "nvfp4-moe")], processed="not run",
+            entry.update(scheme="nvfp4", rule=RULES[(engine, "nvfp4-moe")], processed="not run",
                          global_slots=slots.tolist(), read_by=by)
         elif w.is_floating_point():
-            entry.update(format="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
+            entry.update(scheme="dense", rule=RULES[("any", "dense")], processed="not needed", dtype=str(w.dtype))
             entry["weight"] = w.float()
         elif _is_mxfp4(w, sx := s if s is not None else _p(module, f"{which}_weight_scale_inv"), s2):
             entry["weight"] = mxfp4(w, sx)
-            entry.update(format="mxfp4", rule=RULES[(engine, "mxfp4-moe")], processed="not run",
+            entry.update(scheme="mxfp4", rule=RULES[(engine, "mxfp4-moe")], processed="not run",
                          read_by="code * 2^(scale - 127) (this check's own product)")
         else:
-            entry.update(format=str(w.dtype), rule=f"no read rule in this check for {qname}", unread=True)
+            entry.update(scheme=str(w.dtype), rule=f"no read rule in this check for {qname}", unread=True)
         out.append(entry)
     return out
 
@@ -381,7 +381,7 @@ def _read_ct_moe(engine: str, name: str, module, which: str, qname: str | None) 
                           "compressed_tensors_w4a16_nvfp4_moe.py: process_weights_after_loading)")
         return entry
     entry["weight"], by = engine_nvfp4(engine, w, s, 1.0 / slots[:, 0])
-    entry.update(format="nvfp4", convention="compressed-tensors", rule=RULES[(engine, "ct-nvfp4-moe")],
+    entry.update(scheme="nvfp4", convention="compressed-tensors", rule=RULES[(engine, "ct-nvfp4-moe")],
                  processed="not run", global_slots=(1.0 / slots).tolist(), read_by=by)
     return entry
 

@@ -65,7 +65,7 @@ DEFAULT = modelopt.NAME
 
 
 def get(name: str) -> OutputFormat:
-    """The format module named ``name`` (a recipe's ``format``)."""
+    """The format module named ``name`` (a recipe's ``output_format``, ``pack --format``)."""
     try:
         return FORMATS[name]
     except KeyError:

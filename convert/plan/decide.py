@@ -26,7 +26,7 @@ class Decision:
 
 @dataclass
 class DecideContext:
-    """What deciding a module's format needs: the mapping, the recipe, the rules and their use counts."""
+    """What deciding a module's scheme needs: the mapping, the recipe, the rules and their use counts."""
 
     m: Mapping
     recipe: Recipe
@@ -92,7 +92,7 @@ def decide_apart(mod: str, ctx: DecideContext, key: str | None) -> Decision:
 
 
 def decide_module(name: str, members: list[str], group: Group | None, ctx: DecideContext) -> Decision:
-    """The format of one linear module (or a module fused on disk from ``members``): kept in high
+    """The scheme of one linear module (or a module fused on disk from ``members``): kept in high
     precision when one of keep.py's sources says so (its reason names the source), else the recipe's
     first matching rule."""
     m = ctx.m
@@ -107,4 +107,4 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
             return Decision(KEEP, f"mapping {m.name}: mtp: {why}")
     assert rule is not None  # keep.kept keeps a module no rule matches
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
-    return Decision(Kind(rule.format), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)
+    return Decision(Kind(rule.scheme), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)

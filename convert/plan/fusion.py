@@ -152,7 +152,7 @@ def not_on_disk_notes(m: Mapping, opts: Options, fusions: list[Fused]) -> list[s
 
 
 def loadable_on_disk(disk: list[Fused], ctx: DecideContext, notes: list[str]) -> list[Fused]:
-    """Only the fused modules the layout's engine loads fused on disk in the format decided for them (the
+    """Only the fused modules the layout's engine loads fused on disk in the scheme decided for them (the
     mapping's [layout.ENGINE] formats, found with verify-manifest --engine); the others stay unfused."""
     allowed = ctx.m.layouts.get(ctx.opts.layout)
     if allowed is None:
@@ -191,7 +191,7 @@ def check_members(fusions: list[Fused], modules: dict[str, dict[str, SourceTenso
     The row checks are read from the mapping (``rows``, ``same_rows``). ``kinds``: each module's decided
     kind (None: the shapes only, before the decisions); the dtypes must agree where the members are kept
     (the engine loads their bytes; a decoded MXFP4 or FP8 source is BF16), quantized members being written
-    in one format anyway."""
+    in one scheme anyway."""
     seen: set[tuple[str, tuple[str, ...]]] = set()
     for f in fusions:
         if (f.name, f.members) in seen:

@@ -139,9 +139,10 @@ def expert_sets(items: list[Item], m: Mapping) -> dict[str, list[int]]:
     return sets
 
 
-def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) -> None:
-    """The modules one engine layer is built from must share one format (engines pick one quant
-    method per layer): a mix fails, or with --keep-partial keeps them all."""
+def _same_scheme(items: list[Item], idx: list[int], what: str, opts: Options) -> None:
+    """The modules one engine layer is built from must share one quantization scheme (engines pick one
+    quant method per layer): a mix fails, or with --keep-partial keeps them all. (The messages' word
+    "format" is the plan's reasons' own, kept byte for byte.)"""
     kinds = {items[i].kind for i in idx}
     if len(kinds) <= 1:
         return
@@ -154,9 +155,9 @@ def _same_format(items: list[Item], idx: list[int], what: str, opts: Options) ->
             items[i] = _rekeep(items[i], f"--keep-partial: {what} mixes formats")
 
 
-def _engine_formats(items: list[Item], fusions: list[Fused]) -> None:
-    """A module kept because an engine cannot load the recipe's format there takes every member of
-    each engine packed module it belongs to (transitively) along: they must share one format."""
+def _engine_schemes(items: list[Item], fusions: list[Fused]) -> None:
+    """A module kept because an engine cannot load the recipe's scheme there takes every member of
+    each engine packed module it belongs to (transitively) along: they must share one scheme."""
     if not any(it.rule.startswith(KEPT_FOR_ENGINE) for it in items):
         return
     index = {it.name: i for i, it in enumerate(items)}
@@ -176,14 +177,14 @@ def _engine_formats(items: list[Item], fusions: list[Fused]) -> None:
 
 
 def check_engine_layers(items: list[Item], fusions: list[Fused], m: Mapping, opts: Options) -> None:
-    """MoE layers (experts all-or-nothing) and every engine packed module: one format each."""
-    _engine_formats(items, fusions)
+    """MoE layers (experts all-or-nothing) and every engine packed module: one quantization scheme each."""
+    _engine_schemes(items, fusions)
     for parent, idx in expert_sets(items, m).items():
-        _same_format(items, idx, f"module {parent} (the engines quantize a layer's experts all-or-nothing)", opts)
+        _same_scheme(items, idx, f"module {parent} (the engines quantize a layer's experts all-or-nothing)", opts)
     index = {it.name: i for i, it in enumerate(items)}
     for f in fusions:
         idx = [index[mod] for mod in f.members if mod in index]
-        _same_format(items, idx, f"module {f.name} ({f.engine}'s packed module)", opts)
+        _same_scheme(items, idx, f"module {f.name} ({f.engine}'s packed module)", opts)
 
 
 class _Union:

@@ -13,7 +13,7 @@ from ..encodings import Encoding as Encoding  # how a source stores a weight: th
 from ..encodings import SourceTensor
 from ..encodings.mxfp4 import GROUP as MXFP4_GROUP  # noqa: F401 (re-exported)
 from ..safetensors_format import DTYPES, TensorInfo
-from ..schemes import SCHEMES, Format
+from ..schemes import SCHEMES, SchemeName
 from ..vocabulary import KEPT_FOR_ENGINE as KEPT_FOR_ENGINE  # the reason's mark of a module kept for the engines
 from ..vocabulary import KeepRule, Recipe, Skipped
 
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from ..options import Options
 
 
-#: What an item becomes: a recipe's scheme (``schemes.Format``, member by member: each registered scheme, and
+#: What an item becomes: a recipe's scheme (``schemes.SchemeName``, member by member: each registered scheme, and
 #: ``KEEP``, a linear layer kept in high precision) or ``COPY`` (not a linear layer: copied as stored).
-Kind = StrEnum("Kind", [*((f.name, f.value) for f in Format), ("COPY", "copy")], module=__name__)
+Kind = StrEnum("Kind", [*((f.name, f.value) for f in SchemeName), ("COPY", "copy")], module=__name__)
 
 
 class Op(StrEnum):

@@ -6,7 +6,7 @@ this registry (``get``, ``quantized``, ``tensor_specs``, ``outputs``) instead of
 format (``convert/formats``) spells any scheme through its ``Spelling``.
 
 A new scheme is one module here with what :class:`Scheme` lists and its ``SCHEMES`` entry (which gives it its
-``Format`` member and the plan's ``Kind``), its kernels (``kernels/src``, reached through ``kernels.Backend``) and
+``SchemeName`` member and the plan's ``Kind``), its kernels (``kernels/src``, reached through ``kernels.Backend``) and
 its compute step (``compute.py``, with its ``Operation`` value in ``operations.py``): docs/architecture.md, "Adding
 a quantization scheme". A leaf: nothing here imports the rest of the package.
 """
@@ -22,7 +22,7 @@ from .base import F32_MAX, Spelling, TensorSpec, scale_error
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["F32_MAX", "GROUP_SIZE", "SCHEMES", "Format", "Scheme", "Spelling", "TensorSpec", "by_algo", "get",
+__all__ = ["F32_MAX", "GROUP_SIZE", "SCHEMES", "Scheme", "SchemeName", "Spelling", "TensorSpec", "by_algo", "get",
            "outputs", "quantized", "scale_error", "spelled_by", "spelling", "tensor_specs"]
 
 GROUP_SIZE = nvfp4.GROUP_SIZE  # the block of the nvfp4 scheme (values per e4m3 scale)
@@ -31,7 +31,7 @@ GROUP_SIZE = nvfp4.GROUP_SIZE  # the block of the nvfp4 scheme (values per e4m3 
 class Scheme(Protocol):
     """What each scheme module defines (module-level names)."""
 
-    NAME: str  # the recipe's and the plan's name (a ``Format`` value)
+    NAME: str  # the recipe's and the plan's name (a ``SchemeName`` value)
     TITLE: str  # the summaries' word ("NVFP4 modules")
     CARD: str  # the model card's ("quantized to ...")
     TOTALS: str  # the manifest's totals key
@@ -58,8 +58,8 @@ SCHEMES: dict[str, Scheme] = {nvfp4.NAME: nvfp4, fp8_block.NAME: fp8_block}  # t
 #: A module's quantization scheme as a recipe names it: every registered scheme (``NVFP4``, ``FP8_BLOCK``: its name
 #: upper-cased, ``-`` as ``_``), and ``KEEP`` (none: the module stays in high precision). The plan's ``Kind`` adds
 #: ``COPY``.
-Format = StrEnum("Format", [*((n.upper().replace("-", "_"), n) for n in SCHEMES), ("KEEP", "keep")],
-                 module=__name__)
+SchemeName = StrEnum("SchemeName", [*((n.upper().replace("-", "_"), n) for n in SCHEMES), ("KEEP", "keep")],
+                     module=__name__)
 
 
 def get(kind: str) -> Scheme:
@@ -82,7 +82,7 @@ def spelling(kind: str, fmt: str) -> Spelling:
 
 def spelled_by(fmt: str) -> frozenset[str]:
     """The plan kinds an output format can write: the schemes it spells, and ``keep``."""
-    return frozenset({Format.KEEP.value, *(n for n, s in SCHEMES.items() if fmt in s.SPELLINGS)})
+    return frozenset({SchemeName.KEEP.value, *(n for n, s in SCHEMES.items() if fmt in s.SPELLINGS)})
 
 
 def tensor_specs(kind: str, fmt: str, shape: tuple[int, ...], input_scale: bool) -> tuple[TensorSpec, ...]:

@@ -1,6 +1,6 @@
 """The vocabulary every scheme module and its callers share: how one output format spells a scheme
 (``Spelling``), the numeric check's measure (``row_err``), and the constant activation scale's checks. A leaf: it
-imports nothing of the package. (The enum of scheme names, ``Format``, is built from the registry in
+imports nothing of the package. (The enum of scheme names, ``SchemeName``, is built from the registry in
 ``schemes/__init__``.)"""
 
 from __future__ import annotations

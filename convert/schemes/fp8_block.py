@@ -15,7 +15,7 @@ from .base import Spelling, row_err
 if TYPE_CHECKING:
     import torch
 
-NAME = "fp8-block"  # the recipes' and the plan's name (``Format.FP8_BLOCK``)
+NAME = "fp8-block"  # the recipes' and the plan's name (``SchemeName.FP8_BLOCK``)
 TITLE = "block FP8"  # the summaries' word (plan's totals, pack's line)
 CARD = "128x128 block FP8"  # the model card's "quantized to ..." row
 TOTALS = "fp8_block"  # the manifest's totals key

@@ -22,7 +22,7 @@ from .base import Spelling, row_err
 if TYPE_CHECKING:
     import torch
 
-NAME = "nvfp4"  # the recipes' and the plan's name (``Format.NVFP4``)
+NAME = "nvfp4"  # the recipes' and the plan's name (``SchemeName.NVFP4``)
 TITLE = "NVFP4"  # the summaries' word (plan's totals, pack's line)
 CARD = "NVFP4"  # the model card's "quantized to ..." row
 TOTALS = "nvfp4"  # the manifest's totals key

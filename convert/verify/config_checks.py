@@ -1,5 +1,5 @@
 """What the engines will make of the output: its configs against the manifest (the output format's own
-check) and every engine layer resolved, under vLLM's and SGLang's own matching rules, to the format written."""
+check) and every engine layer resolved, under vLLM's and SGLang's own matching rules, to the scheme written."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def row_problems(where: str, m: dict) -> list[str]:
 
 def _layer_kinds(man: dict, mods: ModuleKinds
                  ) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, dict[str, list[str]]]]:
-    """Every layer an engine builds from the output -> (the format written: 'nvfp4', 'fp8-block' or 'keep';
+    """Every layer an engine builds from the output -> (the scheme written: 'nvfp4', 'fp8-block' or 'keep';
     the engines that build it): each linear module, each MoE layer's experts as one layer, each engine
     packed module (by its own engines only); and per engine its packed modules {leaf name: member leaves}."""
     both = ("vllm", "sglang")
@@ -66,7 +66,7 @@ def _layer_kinds(man: dict, mods: ModuleKinds
 
 
 def check_engine_rules(man: dict, mods: ModuleKinds, rep: Report) -> None:
-    """Each engine layer resolves, under vLLM's and SGLang's own matching rules, to the format written:
+    """Each engine layer resolves, under vLLM's and SGLang's own matching rules, to the scheme written:
     the exclude list (quant_method modelopt), or quantized_layers and the exclude list (modelopt_mixed)."""
     prefix = man["mapping_table"].get("text_prefix", "")
     ignore = man["exclude_modules"]

@@ -97,45 +97,60 @@ static inline uint64_t clear_negative_zeros(uint64_t w) {
     return w & (nonzero | low3);
 }
 
-/* The torch code's arithmetic for one 32-block (mxfp4_cast.cast step by step): its e4m3 scale byte, and its codes
- * (kept with -0 made 0 where the scale times s2 is the block's 2^k, else E2M1(value / (scale * s2))). */
-static inline uint8_t cast_block(const uint8_t *src, int e, int own, int m, float s2, uint8_t *dst) {
+/* The torch code's arithmetic for a 32-block of E8M0 byte `e` whose largest code magnitude is `mx`
+ * (mxfp4_cast.cast step by step), as a rule: its e4m3 scale byte, and each of the 16 codes' output code (kept with
+ * -0 made 0 where the scale times s2 is the block's 2^k, else E2M1(value / (scale * s2))). A block's result is
+ * its rule applied to its codes: the rule depends on nothing else, and on `mx` only where e's exponent lies
+ * outside the window around the tensor's own k_max `own` (rule_key). */
+static uint8_t cast_rule(int e, int mx, int own, int m, float s2, uint8_t map[16]) {
     static const float table[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     const int k = e - 127;
     const float pow2 = pow2f(k);
     const int delta = k - (own - 8);
-    float amax;
-    if (delta >= -9 && delta <= 8) {
-        amax = 6.0f * pow2;
-    } else {
-        int mx = 0;
-        for (int j = 0; j < 16; j++) {
-            int lo = src[j] & 7, hi = (src[j] >> 4) & 7;
-            mx = lo > mx ? lo : mx;
-            mx = hi > mx ? hi : mx;
-        }
-        amax = table[mx] * pow2;
-    }
+    const float amax = delta >= -9 && delta <= 8 ? 6.0f * pow2 : table[mx] * pow2;
     float sbq = amax / (6.0f * s2);
     sbq = sbq < 0.001953125f ? 0.001953125f : sbq; /* torch.clamp: NaN passes through */
     sbq = sbq > 448.0f ? 448.0f : sbq;
     const uint8_t sb = e4m3_of(sbq);
     const float sbf = e4m3_value(sb);
-    if (e > 0 && sbf == pow2f(k - m)) { /* closed form: keep the codes, -0 -> 0 */
-        uint64_t w[2];
-        memcpy(w, src, 16);
-        w[0] = clear_negative_zeros(w[0]);
-        w[1] = clear_negative_zeros(w[1]);
-        memcpy(dst, w, 16);
-    } else { /* E2M1(bf16(value) / (scale * s2)); the values e2m1 * 2^k are exact in bf16 */
-        const float denom = sbf * s2;
-        for (int j = 0; j < 16; j++) {
-            uint8_t lo = e2m1(E2M1_VALUES[src[j] & 15] * pow2 / denom);
-            uint8_t hi = e2m1(E2M1_VALUES[src[j] >> 4] * pow2 / denom);
-            dst[j] = (uint8_t)(lo | (hi << 4));
-        }
-    }
+    const int closed = e > 0 && sbf == pow2f(k - m);
+    const float denom = sbf * s2;
+    for (int c = 0; c < 16; c++) /* the values e2m1 * 2^k are exact in bf16 */
+        map[c] = closed ? (uint8_t)(c == 8 ? 0 : c) : e2m1(E2M1_VALUES[c] * pow2 / denom);
     return sb;
+}
+
+/* The index of a block's rule among 256 x 8: its E8M0 byte, and its largest code magnitude where the rule
+ * depends on it. */
+static inline int rule_key(const uint8_t *src, int e, int own) {
+    const int delta = e - 127 - (own - 8);
+    if (delta >= -9 && delta <= 8) return e * 8;
+    int mx = 0;
+    for (int j = 0; j < 16; j++) {
+        int lo = src[j] & 7, hi = (src[j] >> 4) & 7;
+        mx = lo > mx ? lo : mx;
+        mx = hi > mx ? hi : mx;
+    }
+    return e * 8 + mx;
+}
+
+/* The rules a cast has met, each computed the first time a block needs it. Why: a block outside the closed form's
+ * window (an all-zero block's E8M0 0, a lossy exponent) costs its rule's 16 divisions, on subnormal floats for
+ * small exponents, some 20x a block in the window; a tensor meets a few of the 2048 rules. */
+typedef struct {
+    uint8_t have[256 * 8], sb[256 * 8], map[256 * 8][16];
+} cast_rules;
+
+static inline uint8_t cast_block(cast_rules *rules, const uint8_t *src, int e, int own, int m, float s2,
+                                 uint8_t *dst) {
+    const int key = rule_key(src, e, own);
+    if (!rules->have[key]) {
+        rules->sb[key] = cast_rule(e, key & 7, own, m, s2, rules->map[key]);
+        rules->have[key] = 1;
+    }
+    const uint8_t *map = rules->map[key];
+    for (int j = 0; j < 16; j++) dst[j] = (uint8_t)(map[src[j] & 15] | (map[src[j] >> 4] << 4));
+    return rules->sb[key];
 }
 
 /* The cast of `rows` rows of an MXFP4 tensor: packed [rows, 16 * kb] bytes, E8M0 scale [rows, kb]
@@ -157,6 +172,8 @@ CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_
         lossless_of[e] = (k >= shared - 17) | (e == 0);
     }
     int64_t lossless = 0;
+    cast_rules rules;
+    memset(rules.have, 0, sizeof rules.have);
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *sc = scale + r * kb;
         const uint8_t *src = packed + r * 16 * kb;
@@ -185,7 +202,7 @@ CLONES int64_t kc_cast_mxfp4(const uint8_t *packed, const uint8_t *scale, int64_
                 w[1] = clear_negative_zeros(w[1]);
                 memcpy(dst + 16 * i, w, 16);
             } else {
-                sbo[2 * i] = sbo[2 * i + 1] = cast_block(src + 16 * i, sc[i], own, m, s2, dst + 16 * i);
+                sbo[2 * i] = sbo[2 * i + 1] = cast_block(&rules, src + 16 * i, sc[i], own, m, s2, dst + 16 * i);
             }
         }
     }
