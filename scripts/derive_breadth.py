@@ -465,7 +465,11 @@ FINDINGS = {
     "HunYuanMoEV1ForCausalLM": (
         "SGLang 0.5.23 hunyuan.py HunYuanMoEV1ForCausalLM builds its ParallelLMHead with no prefix= (as vLLM's "
         "exaone_moe.py and afmoe.py): ModelOpt's exclude list (`lm_head`) does not reach it, SGLang builds the head "
-        "NVFP4 and the output's BF16 lm_head.weight does not fit. An engine fault; every other module loaded"),
+        "NVFP4 and the output's BF16 lm_head.weight does not fit (the load stops there). An engine fault"),
+    "InklingForCausalLM": (
+        "the fixture's naming, not fixed: with the keys of vLLM's own InklingModelConfig (make_fixture RELEASE_KEYS) "
+        "vLLM builds the model, but transformers 5.20.2's Inkling embedding writes its norm under the embedding "
+        "(model.embed_tokens.embed_norm.weight) where vLLM's inkling/nvidia/model.py holds model.embed_norm"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "

@@ -344,8 +344,17 @@ RELEASE_KEYS: dict[str, dict] = {
     # top-k weights; both engines read config.route_norm) and qk_norm (transformers builds q_norm / k_norm; both
     # engines read getattr(config, "qk_norm", False) and skip the norms' tensors without it)
     "hy_v3": {"expert_hidden_dim": lambda c: c["moe_intermediate_size"], "route_norm": True, "qk_norm": True},
-    # vLLM's own Inkling config (vllm/models/inkling/configs.py) defaults padded_vocab_size to vocab_size
-    "inkling_text": {"padded_vocab_size": lambda c: c["vocab_size"]},
+    # vLLM reads transformers' InklingTextConfig with the keys of its own InklingModelConfig
+    # (vllm/models/inkling/configs.py): its defaults (padded_vocab_size the vocab_size, no q / o bias, w13
+    # interleaved, no softcap, no MTP layer), where transformers' modeling_inkling.py builds the part on: the
+    # embedding norm, the experts' global_scale, the sigmoid router with its correction bias (use_gate_bias)
+    "inkling_text": {"padded_vocab_size": lambda c: c["vocab_size"],
+                     "dense_intermediate_size": lambda c: c["intermediate_size"], "use_embed_norm": True,
+                     "use_global_scale": True, "gate_activation": "sigmoid", "use_gate_bias": True,
+                     "norm_after_topk": True, "inference_moe_w13_interleaved": True, "q_bias": False,
+                     "o_bias": False, "final_logit_softcapping": None, "num_nextn_predict_layers": 0,
+                     # the sliding-window layers, which transformers 5 writes as layer_types "hybrid_sliding"
+                     "local_layer_ids": lambda c: [i for i, t in enumerate(c["layer_types"]) if "sliding" in t]},
     # LongCat-Flash's config.json keys both engines read with no default, valued as transformers'
     # modeling_longcat_flash.py computes (the a-projection norms always scaled by sqrt(hidden / lora rank), the zero
     # experts nn.Identity, the router without bias: getattr(config, "router_bias", False)); the router in FP32 and
