@@ -446,30 +446,12 @@ FINDINGS = {
         "builds the head NVFP4 [vocab, hidden/2]: the default (ModelOpt) output's BF16 lm_head.weight does not fit "
         "it; SGLang reads the same output right. An engine fault; the table is not shipped"),
     "NemotronHForCausalLM": (
-        "both engines leave the non-gated (relu2, up_proj / down_proj) routed experts' w13_input_scale / "
-        "w2_input_scale unfilled (the W4A16 output writes none; the engine check's optional rules do not cover this "
-        "MoE method, and whether it reads them is not settled), and SGLang 0.5.23 leaves the mamba mixer's packed "
-        "in_proj weight_scale_2 (one per logical output, 4 of 5 unfilled) as Qwen3-Next's in_proj_qkvz "
-        "(mappings/overlays/qwen3_next.toml): not shipped"),
-    "LongcatFlashForCausalLM": (
-        "the fixture's fault, not fixed: transformers 5.20.2's LongcatFlashExperts holds gate_up_proj for every "
-        "router slot, the zero (identity) experts included ([n_routed_experts + zero_expert_num, 2I, H]), and "
-        "save_pretrained writes experts.8..15.gate_proj / up_proj with no down_proj, which no release stores and "
-        "vLLM's longcat_flash.py has no parameter for (KeyError 'layers.0.mlp.experts.10.gate_proj.weight'); SGLang "
-        "0.5.23 (its transformers 5.19.0) fails on the config's rope_parameters (longcat_flash.py:377)"),
-    "MiMoV2FlashForCausalLM": (
-        "SGLang 0.5.23 mimo_v2.py reads getattr(config, 'rope_scaling'), in transformers 5 an alias of "
-        "rope_parameters, which MiMo's config class holds per attention kind ({full_attention: {...}, "
-        "sliding_attention: {...}}, as the fixture saves it); its rope cache keys on it: 'unhashable type: "
-        "dict' (factory.py:107). vLLM loads the fixture with every parameter filled; not run further"),
-    "HunYuanMoEV1ForCausalLM": (
-        "SGLang 0.5.23 hunyuan.py HunYuanMoEV1ForCausalLM builds its ParallelLMHead with no prefix= (as vLLM's "
-        "exaone_moe.py and afmoe.py): ModelOpt's exclude list (`lm_head`) does not reach it, SGLang builds the head "
-        "NVFP4 and the output's BF16 lm_head.weight does not fit (the load stops there). An engine fault"),
-    "InklingForCausalLM": (
-        "the fixture's naming, not fixed: with the keys of vLLM's own InklingModelConfig (make_fixture RELEASE_KEYS) "
-        "vLLM builds the model, but transformers 5.20.2's Inkling embedding writes its norm under the embedding "
-        "(model.embed_tokens.embed_norm.weight) where vLLM's inkling/nvidia/model.py holds model.embed_norm"),
+        "the tool's, not fixed: the routed experts are non-gated (relu2: up_proj, down_proj), so no w13 scale group "
+        "forms and the derived table has no expert_sets; the recipe's expert rule (NVFP4 with input_scale 1.0) does "
+        "not reach them and both engines' ModelOpt MoE leaves w13_input_scale / w2_input_scale unfilled. Deriving "
+        "the sets from the banks alone would next need [moe] to read the hybrid pattern's MoE layers "
+        "(hybrid_override_pattern 'E'), which no layer rule does. SGLang 0.5.23 also leaves the mamba mixer's packed "
+        "in_proj weight_scale_2 (one per output, 4 of 5) unfilled, as Qwen3-Next's in_proj_qkvz"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "
