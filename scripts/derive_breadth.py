@@ -452,6 +452,11 @@ FINDINGS = {
         "the sets from the banks alone would next need [moe] to read the hybrid pattern's MoE layers "
         "(hybrid_override_pattern 'E'), which no layer rule does. SGLang 0.5.23 also leaves the mamba mixer's packed "
         "in_proj weight_scale_2 (one per output, 4 of 5) unfilled, as Qwen3-Next's in_proj_qkvz"),
+    "LagunaForCausalLM": (
+        "an engine fault: vLLM 0.33 laguna.py says the release stores the routing bias at "
+        "mlp.experts.e_score_correction_bias (as the fixture does), but FusedMoEFactory holds it at "
+        "mlp.experts.routed_experts.e_score_correction_bias and LagunaModel.load_weights' AutoWeightsLoader drops the "
+        "unmatched name (ignore_unexpected_suffixes '_bias'): the parameter is left at its zeros; SGLang loads it"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "
