@@ -404,6 +404,9 @@ BUILD_KEYS: dict[str, dict] = {
     "lfm2_moe": {"layer_types": lambda c: (_LFM2_MOE_LAYERS + ["conv"] * c["num_hidden_layers"])[
         :c["num_hidden_layers"]]},
     "hunyuan_v1_moe": {"num_experts": EXPERTS, "moe_topk": TOP_K},
+    # Phi-3.5-MoE's attention and head biases: vLLM phimoe.py builds qkv_proj, o_proj and lm_head with bias=True
+    # whatever the config says, SGLang phimoe.py its lm_head (transformers' PhimoeConfig defaults both off)
+    "phimoe": {"attention_bias": True, "lm_head_bias": True},
 }
 
 #: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
@@ -468,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     saved = json.loads((out / "config.json").read_text())
     extra = release_keys(model, saved)
     cfg = {k: v for k, v in {**saved, **extra}.items() if k not in RELEASE_SPELLS.get(mt, ())}
+    # the registry's name, as the release writes it: save_pretrained writes the class's own (transformers'
+    # PhimoeForCausalLM for Phi-3.5-MoE's PhiMoEForCausalLM, which SGLang's registry does not know)
+    cfg["architectures"] = [a.architecture]
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
