@@ -6,6 +6,7 @@ without the mark run anywhere: they plant a difference for each comparison the G
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -86,12 +87,22 @@ def test_every_tiny_preset_recipe_format_and_layout_writes_the_cpus_bytes(inputs
     assert refused is None or recipe == "nvidia-k3", refused  # (only NVIDIA's recipe has shapes it refuses)
 
 
+#: The bench presets in BENCH_GROUPS xdist groups, each one input and its packs on disk at a time (written and
+#: removed by the test): a worker that kept each bench input it had written, with ten workers at once, filled the
+#: GPU machine's 64 GB disk in session 22.
+BENCH_GROUPS = 3
+
+
 @on_gpu
 @pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.xdist_group(p)) for p in BENCH], ids=str)
-def test_every_bench_preset_at_real_width_writes_the_cpus_bytes(inputs, tmp_path, preset, recipe):
-    src = inputs(preset, **BENCH_SYNTH.get(preset, {"experts": 8}))
-    assert same_on_both(src, tmp_path, recipe=recipe, max_shard_size=500_000_000) is None
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.xdist_group(f"bench-{i % BENCH_GROUPS}"))
+                                    for i, p in enumerate(BENCH)], ids=str)
+def test_every_bench_preset_at_real_width_writes_the_cpus_bytes(tmp_path, preset, recipe):
+    try:
+        src = write_synth(preset, tmp_path / "in", **BENCH_SYNTH.get(preset, {"experts": 8}))
+        assert same_on_both(src, tmp_path, recipe=recipe, max_shard_size=500_000_000) is None
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @on_gpu
