@@ -446,12 +446,13 @@ FINDINGS = {
         "builds the head NVFP4 [vocab, hidden/2]: the default (ModelOpt) output's BF16 lm_head.weight does not fit "
         "it; SGLang reads the same output right. An engine fault; the table is not shipped"),
     "NemotronHForCausalLM": (
-        "the tool's, not fixed: the routed experts are non-gated (relu2: up_proj, down_proj), so no w13 scale group "
-        "forms and the derived table has no expert_sets; the recipe's expert rule (NVFP4 with input_scale 1.0) does "
-        "not reach them and both engines' ModelOpt MoE leaves w13_input_scale / w2_input_scale unfilled. Deriving "
-        "the sets from the banks alone would next need [moe] to read the hybrid pattern's MoE layers "
-        "(hybrid_override_pattern 'E'), which no layer rule does. SGLang 0.5.23 also leaves the mamba mixer's packed "
-        "in_proj weight_scale_2 (one per output, 4 of 5) unfilled, as Qwen3-Next's in_proj_qkvz"),
+        "non-gated routed experts (relu2: up_proj, down_proj) form no w13 scale group; the expert_sets are now the "
+        "banks the engines loaded per-expert modules into (table.py _banks), so the recipe's expert rule (NVFP4 with "
+        "input_scale 1.0) reaches them and both engines' ModelOpt MoE fills w13_input_scale / w2_input_scale; [moe] "
+        "reads the MoE layers off hybrid_override_pattern's 'E' (pattern / pattern_moe, the config string whose "
+        "letter marks exactly the layers holding the bank). The overlay mappings/overlays/nemotron_h.toml keeps the "
+        "mamba mixer's packed in_proj BF16: SGLang 0.5.23 left its weight_scale_2 (one per output) unfilled, as "
+        "Qwen3-Next's in_proj_qkvz"),
     "LagunaForCausalLM": (
         "an engine fault: vLLM 0.33 laguna.py says the release stores the routing bias at "
         "mlp.experts.e_score_correction_bias (as the fixture does), but FusedMoEFactory holds it at "
