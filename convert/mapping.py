@@ -113,6 +113,8 @@ class MoeCheck:
     dense_list: str = ""  # config path: a list of dense layers (``mlp_only_layers``)
     sparse_step: str = ""  # config path: MoE where (layer + 1) % step == 0 (``decoder_sparse_step``)
     flags: str = ""  # config path: one 0/1 flag a layer, MoE where set (MiniMax M3's ``moe_layer_freq`` list)
+    pattern: str = ""  # config path: a string of one letter a layer (Nemotron-H's ``hybrid_override_pattern``)
+    pattern_moe: str = ""  # the letter of a MoE layer in it (``E``)
 
 
 @dataclass(frozen=True)
@@ -356,7 +358,7 @@ def _schema() -> tomlfile.Spec:
         "optional_blocks": t.strs(),
         "moe": t.table({"experts": path, "members": t.strs(), "layers": tmpl, "num_layers": path,
                         "dense_below": path, "every": path, "dense_list": path, "sparse_step": path,
-                        "flags": path},
+                        "flags": path, "pattern": path, "pattern_moe": t.STR},
                        ("experts", "members")),
         "lm_head": t.table({"tie": path, "module": t.STR, "exclude_tied": t.BOOL}, ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),

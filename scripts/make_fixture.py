@@ -16,10 +16,14 @@ imported by the tool. Nothing in it names a family:
    that holds every distinct layer (its submodules' names, classes and shapes): dense-first layers, hybrid layer
    patterns and interleaved MoE layers stay; per-layer lists are cut to it, layer-index keys counted from the end
    moved with it;
-4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded), and saved;
+4. the model is built in BF16, every weight of two or more dimensions drawn from N(0, 0.02) (seeded) in BF16 (also
+   a module the class keeps in FP32), and saved;
 5. the keys a release's config.json carries and transformers' save leaves out are added: the legacy keys its
    config class reads and converts (``kwargs.pop("KEY", DEFAULT)``, with that default), ``first_k_dense_replace``
-   / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, and ``head_dim`` where the model derived it.
+   / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, ``head_dim`` where the model derived it, and a
+   short data table of release keys per model type that an engine reads with no default (``RELEASE_KEYS``, each
+   with its source), a key transformers spells apart replaced by the release's (``RELEASE_SPELLS``); a key the
+   config class leaves None and its own model reads is set before the build (``BUILD_KEYS``).
 
 Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
 3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
@@ -116,6 +120,9 @@ def shrink_widths(d: dict) -> dict:
         else:
             out[k] = v
     _mamba_heads(out)
+    heads, hidden = out.get("num_attention_heads"), out.get("hidden_size")
+    if "head_dim" in out and out["head_dim"] is None and isinstance(heads, int) and isinstance(hidden, int):
+        out["head_dim"] = hidden // heads  # a class that reads head_dim but defaults it to None (HunYuan V1 MoE)
     if isinstance(out.get("qk_head_dim"), int) and "qk_nope_head_dim" in out and "qk_rope_head_dim" in out:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     vocab = out.get("vocab_size")
@@ -237,13 +244,17 @@ def routed(model) -> int:
 
 
 def randomize(model, seed: int) -> None:
+    """Every floating weight of two or more dimensions drawn from N(0, 0.02) and stored in BF16, also where the
+    class keeps a module in FP32 (Ernie 4.5 MoE's router ``mlp.gate`` and ``moe_statics``): an FP32 tensor SGLang's
+    loader narrows to its BF16 parameter is a "bad cast" to the engine check, a fault of the fixture's dtype, not
+    of the checkpoint's layout the fixture stands for."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda x: x[0]):
             if p.ndim >= 2 and p.is_floating_point():
-                p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(p.dtype))
+                p.data = (torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
 
 
 def written(out: Path) -> dict:
@@ -289,10 +300,131 @@ def legacy_keys(config_class, saved: dict) -> dict:
     return out
 
 
+def _moe_flags(c: dict) -> list[bool]:
+    return [t != "dense" for t in c["mlp_layer_types"]]
+
+
+def _swa_flags(c: dict) -> list[int]:
+    return [int(t == "sliding_attention") for t in c["layer_types"]]
+
+
+def _hybrid_pattern(types: list[str]) -> str:
+    """transformers configuration_nemotron_h.py ``hybrid_override_pattern``'s letters for its layer types."""
+    return "".join({"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}[t] for t in types)
+
+
+#: Release config keys that transformers' config class neither holds nor writes (or writes as None) and that an
+#: engine reads with no default, per model type: data, not code. A value is a literal or a function of the saved
+#: config (a key the release spells apart from transformers: the same value under the release's name). Sources:
+#: the release's config as an engine or transformers cites it, else the other engine's own default for the key.
+RELEASE_KEYS: dict[str, dict] = {
+    # transformers modeling_afmoe.py AfmoeTokenChoiceRouter: "sigmoid scores, matching the released checkpoints",
+    # top-k scores renormalized; no expert groups (SGLang afmoe.py: getattr(config, "n_group", 1), "topk_group" 1)
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    # deepseek-ai/DeepSeek-V2-Lite config.json: n_group 1, topk_group 1, moe_layer_freq 1, scoring_func softmax
+    # (vLLM deepseek_v2.py: getattr(config, "moe_layer_freq", 1), getattr(config, "scoring_func", "softmax"));
+    # top-k the fixture's (transformers' default is None, which vLLM's router refuses)
+    "deepseek_v2": {"n_group": 1, "topk_group": 1, "moe_layer_freq": 1, "scoring_func": "softmax",
+                    "num_experts_per_tok": TOP_K},
+    # DeepSeek-V3's config.json as presets/deepseek_v3.toml gives it: sigmoid routing with the correction bias
+    # (vLLM deepseek_v2.py builds e_score_correction_bias only under topk_method "noaux_tc"), MoE every layer
+    # after the dense ones (SGLang deepseek_v2.py reads config.moe_layer_freq)
+    "deepseek_v3": {"moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+    # K-EXAONE's config.json writes is_moe_layer beside mlp_layer_types (SGLang exaone_moe.py stage_facts reads
+    # config.is_moe_layer[layer_id])
+    "exaone_moe": {"is_moe_layer": _moe_flags},
+    # Hunyuan-A13B's config.json keys SGLang's hunyuan.py reads with no default, valued as transformers'
+    # modeling_hunyuan_v1_moe.py builds: the experts' width is intermediate_size, one shared MLP always
+    # (use_mixed_mlp_moe, num_shared_expert 1), attention_head_dim the head_dim, q/k norms (query_layernorm /
+    # key_layernorm; SGLang getattr(config, "use_qk_norm", False))
+    "hunyuan_v1_moe": {"moe_intermediate_size": lambda c: c["intermediate_size"], "use_mixed_mlp_moe": 1,
+                       "num_shared_expert": 1, "attention_head_dim": lambda c: c["head_dim"], "use_qk_norm": True},
+    # Hy3's config.json names the expert width expert_hidden_dim (transformers: moe_intermediate_size; vLLM
+    # hy_v3.py reads config.expert_hidden_dim) and route_norm (transformers modeling_hy_v3.py renormalizes the
+    # top-k weights; both engines read config.route_norm) and qk_norm (transformers builds q_norm / k_norm; both
+    # engines read getattr(config, "qk_norm", False) and skip the norms' tensors without it)
+    "hy_v3": {"expert_hidden_dim": lambda c: c["moe_intermediate_size"], "route_norm": True, "qk_norm": True},
+    # vLLM reads transformers' InklingTextConfig with the keys of its own InklingModelConfig
+    # (vllm/models/inkling/configs.py): its defaults (padded_vocab_size the vocab_size, no q / o bias, w13
+    # interleaved, no softcap, no MTP layer), where transformers' modeling_inkling.py builds the part on: the
+    # embedding norm, the experts' global_scale, the sigmoid router with its correction bias (use_gate_bias)
+    "inkling_text": {"padded_vocab_size": lambda c: c["vocab_size"],
+                     "dense_intermediate_size": lambda c: c["intermediate_size"], "use_embed_norm": True,
+                     "use_global_scale": True, "gate_activation": "sigmoid", "use_gate_bias": True,
+                     "norm_after_topk": True, "inference_moe_w13_interleaved": True, "q_bias": False,
+                     "o_bias": False, "final_logit_softcapping": None, "num_nextn_predict_layers": 0,
+                     # the sliding-window layers, which transformers 5 writes as layer_types "hybrid_sliding"
+                     "local_layer_ids": lambda c: [i for i, t in enumerate(c["layer_types"]) if "sliding" in t]},
+    # LongCat-Flash's config.json keys both engines read with no default, valued as transformers'
+    # modeling_longcat_flash.py computes (the a-projection norms always scaled by sqrt(hidden / lora rank), the zero
+    # experts nn.Identity, the router without bias: getattr(config, "router_bias", False)); the router in FP32 and
+    # no n-gram embedding (SGLang longcat_flash.py: rounter_params_dtype float32 is its own default, the n-gram
+    # embedding is LongcatFlashNgram's); rope_theta at the top as the release writes it
+    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity",
+                      "router_bias": False, "rounter_params_dtype": "float32", "use_ngram_embedding": False,
+                      "rope_theta": lambda c: c["rope_parameters"]["rope_theta"]},
+    # MiMo-V2-Flash's config.json (both engines' mimo_v2.py): the sliding layers as hybrid_layer_pattern 1 (SGLang
+    # model_config.py: 1 sliding, 0 full), their heads and window under swa_* (transformers builds both kinds with
+    # the same heads), layernorm_epsilon; sigmoid routing with a correction bias (transformers
+    # modeling_mimo_v2_flash.py; vLLM mimo_v2.py hard-codes scoring_func "sigmoid", SGLang reads topk_method
+    # "noaux_tc" for the bias)
+    "mimo_v2_flash": {"hybrid_layer_pattern": _swa_flags, "layernorm_epsilon": lambda c: c["rms_norm_eps"],
+                      "sliding_window_size": lambda c: c["sliding_window"],
+                      "swa_head_dim": lambda c: c["head_dim"],
+                      "swa_num_attention_heads": lambda c: c["num_attention_heads"],
+                      "swa_num_key_value_heads": lambda c: c["num_key_value_heads"],
+                      "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                      # transformers builds attention_sink_bias on the sliding layers only (both engines:
+                      # getattr(config, "add_swa_attention_sink_bias", False), "add_full_attention_sink_bias")
+                      "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
+                      # one 0/1 flag a layer (both engines' is_moe_layer index it: an integer is "no MoE layer")
+                      "moe_layer_freq": lambda c: [int(f) for f in _moe_flags(c)]},
+    # MiniMax-M2's config.json as presets/minimax_m2.toml gives it: partial rotary (rotary_dim 64 of head_dim
+    # 128), sigmoid routing with the correction bias (vLLM minimax_m2.py reads config.rotary_dim,
+    # config.scoring_func), q/k norms over the whole projection (use_qk_norm, qk_norm_type per_layer: SGLang
+    # minimax_m2.py getattr(config, "use_qk_norm", False) skips the norms' tensors without it)
+    "minimax_m2": {"rotary_dim": lambda c: c["head_dim"] // 2, "scoring_func": "sigmoid", "use_routing_bias": True,
+                   "use_qk_norm": True, "qk_norm_type": "per_layer"},
+    # Nemotron-H releases write the layer kinds as hybrid_override_pattern ("M" mamba, "E" MoE, "*" attention, "-"
+    # MLP), which transformers' and SGLang's config classes both convert; transformers 5 saves layers_block_type
+    # in its own words ("linear_attention", "full_attention"), which SGLang's NemotronHConfig refuses
+    # (_validate_layers_block_type): the release's key replaces it (RELEASE_SPELLS)
+    "nemotron_h": {"hybrid_override_pattern": lambda c: _hybrid_pattern(c["layers_block_type"]),
+                   "mtp_hybrid_override_pattern": lambda c: _hybrid_pattern(c["mtp_layers_block_type"])},
+}
+
+#: LFM2-8B-A1B's config.json layer_types (24 layers, attention at 2, 6, 10, 14, 18, 21)
+_LFM2_MOE_LAYERS = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
+
+#: Keys whose config-class default is no release's, per model type, set before the model is built: a key the class
+#: defaults to None but its own model class reads (transformers' Lfm2MoeDecoderLayer indexes config.layer_types;
+#: the release writes it), an expert count of 1 (HunYuan V1 MoE's class default, a dense model to SGLang's
+#: hunyuan.py; Hunyuan-A13B has 64 experts, top-8: the fixture's tiny 8 / 2)
+BUILD_KEYS: dict[str, dict] = {
+    "lfm2_moe": {"layer_types": lambda c: (_LFM2_MOE_LAYERS + ["conv"] * c["num_hidden_layers"])[
+        :c["num_hidden_layers"]]},
+    "hunyuan_v1_moe": {"num_experts": EXPERTS, "moe_topk": TOP_K},
+    # Phi-3.5-MoE's attention and head biases: vLLM phimoe.py builds qkv_proj, o_proj and lm_head with bias=True
+    # whatever the config says, SGLang phimoe.py its lm_head (transformers' PhimoeConfig defaults both off)
+    "phimoe": {"attention_bias": True, "lm_head_bias": True},
+}
+
+#: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
+RELEASE_SPELLS: dict[str, tuple[str, ...]] = {"nemotron_h": ("layers_block_type", "mtp_layers_block_type")}
+
+
+def table_keys(model_type: str, saved: dict, table: dict | None = None) -> dict:
+    """The keys of ``table`` (:data:`RELEASE_KEYS`) for the model type that the saved config lacks (or holds as
+    None)."""
+    table = RELEASE_KEYS if table is None else table
+    return {k: (v(saved) if callable(v) else v) for k, v in table.get(model_type, {}).items()
+            if saved.get(k) is None}
+
+
 def release_keys(model, saved: dict) -> dict:
     """Keys a release's config.json carries that transformers' save leaves out: the legacy keys its config class
     converts, the dense-first count (and MoE every layer after it) that transformers writes as ``mlp_layer_types``,
-    and ``head_dim`` where the model derived it (hidden / heads)."""
+    ``head_dim`` where the model derived it (hidden / heads), and the model type's :data:`RELEASE_KEYS`."""
     extra = legacy_keys(type(model.config), saved)
     mlp = saved.get("mlp_layer_types")
     if isinstance(mlp, list) and mlp and "first_k_dense_replace" not in saved:
@@ -303,7 +435,7 @@ def release_keys(model, saved: dict) -> dict:
     heads = saved.get("num_attention_heads")
     if "head_dim" not in saved and isinstance(heads, int) and isinstance(saved.get("hidden_size"), int):
         extra["head_dim"] = saved["hidden_size"] // heads
-    return extra
+    return {**extra, **table_keys(saved.get("model_type", ""), saved)}  # the release's own values win
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 3
     d = shrink_widths(AutoConfig.for_model(mt).to_dict())
+    d = {**d, **{k: (v(d) if callable(v) else v) for k, v in BUILD_KEYS.get(mt, {}).items()}}
     switched = False
     if not routed(build(mt, d, "meta")[1]) and switch_moe_on(d) is not None:
         d, switched = switch_moe_on(d), True
@@ -337,7 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())
     extra = release_keys(model, saved)
-    (out / "config.json").write_text(json.dumps({**saved, **extra}, indent=2, sort_keys=True) + "\n")
+    cfg = {k: v for k, v in {**saved, **extra}.items() if k not in RELEASE_SPELLS.get(mt, ())}
+    # the registry's name, as the release writes it: save_pretrained writes the class's own (transformers'
+    # PhimoeForCausalLM for Phi-3.5-MoE's PhiMoEForCausalLM, which SGLang's registry does not know)
+    cfg["architectures"] = [a.architecture]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
            "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched, "release_keys": extra,

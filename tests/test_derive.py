@@ -525,6 +525,31 @@ def test_ernies_first_moe_layer_key_reads_as_dense_below():
     assert t["moe"]["dense_below"] == "moe_layer_start_index"
 
 
+def test_afmoes_dense_layer_count_reads_as_dense_below():
+    """Afmoe's dense first layers: both engines make a layer MoE from ``num_dense_layers`` on (vLLM afmoe.py
+    ``AfmoeDecoderLayer``: ``layer_idx >= config.num_dense_layers``); without the rule plan refused the breadth
+    fixture ("num_experts 8 makes layer 0 a MoE layer, but model.layers.0 holds no routed experts")."""
+    views, config, shapes = _qwen3_answers()
+    t = from_views(views, {**config, "num_dense_layers": 1}, shapes).table
+    assert t["moe"]["dense_below"] == "num_dense_layers"
+    assert "dense_below" not in from_views(views, config, shapes).table["moe"]
+
+
+def test_a_scale_group_named_as_a_packed_module_is_named_apart():
+    """LFM2 MoE (its breadth answers): vLLM's dense MLP is ``w13`` (``feed_forward.w1`` + ``w3``), the routed bank's
+    scale group ``w13`` too; a table's groups and scale groups of one name must differ in engines, so mapping.parse
+    refused the derived table ("two groups of one name need different engines or conditions") until the scale group
+    was named apart."""
+    from kimi_convert.mapping import parse_mapping
+
+    answers = Path(__file__).parent / "derived" / "breadth" / "Lfm2MoeForCausalLM.answers.json"
+    d = from_views(*load_answers(answers))
+    assert [(g["name"], g["parents"]) for g in d.table["group"] if g["name"].startswith("w13")] == [
+        ("w13", ["model.layers.{layer}.feed_forward"])]
+    assert [(g["name"], g["members"]) for g in d.table["scale_group"]] == [("w13_2", ["w1", "w3"])]
+    assert {g.name for g in parse_mapping(d.text, "lfm2").groups} >= {"w13", "w13_2"}
+
+
 def test_kimi_k3s_derived_table_with_its_overlay_plans_like_the_hand_table(tmp_path):
     """Kimi K3 (tiny-k3, the engines' answers recorded; vLLM 0.33 cannot build it under compressed-tensors, so that
     format's build says nothing of vLLM): with mappings/overlays/kimi_k3.toml (the hand table's four SGLang
@@ -545,3 +570,67 @@ def test_kimi_k3s_derived_table_with_its_overlay_plans_like_the_hand_table(tmp_p
         assert a == b, (recipe, cmp.differences(a, b))
     with pytest.raises(ConvertError, match="quantizes no module"):
         make_plan(ckpt, derived, Options(recipe="nvidia-k3"))
+
+
+def _non_gated(views, shapes):
+    """The recorded Qwen3 MoE answers with the routed experts made non-gated (Nemotron-H's relu2 experts: ``up_proj``
+    alone into the bank's ``w13``, ``down_proj`` into ``w2``): no gate_proj offered, none landed."""
+    gate = lambda n: ".experts." in n and ".gate_proj." in n  # noqa: E731
+    for v in views:
+        v.spans = [s for s in v.spans if not gate(s["tensor"])]
+    return views, {n: s for n, s in shapes.items() if not gate(n)}
+
+
+def test_non_gated_experts_form_an_expert_set():
+    """Nemotron-H's gap (breadth run): a non-gated expert puts one module in each bank parameter, so no w13 scale
+    group forms, and the expert sets came only from scale groups: the table named none, the recipe's expert rule
+    (NVFP4 with input_scale) missed the experts and both engines left w13_input_scale / w2_input_scale unfilled. The
+    banks the engines loaded per-expert modules into are the expert sets now, whatever their members."""
+    views, config, shapes = _qwen3_answers()
+    gated = from_views(views, config, shapes).table
+    views, shapes = _non_gated(views, shapes)
+    t = from_views(views, config, shapes).table
+    assert "scale_group" not in t
+    assert t["expert_sets"] == gated["expert_sets"] == ["model.layers.{layer}.mlp.experts"]
+    assert t["moe"]["members"] == ["down_proj", "up_proj"]
+
+
+def test_a_hybrid_pattern_string_says_which_layers_are_moe(tmp_path):
+    """Nemotron-H says which layers hold experts by a string of one letter a layer (``hybrid_override_pattern``,
+    ``E`` a MoE layer: vLLM 0.33 nemotron_h.py builds layer i by its letter), which no [moe] layer rule read, so a
+    table with its expert sets would have plan refuse every non-MoE layer. The derived [moe] finds the config string
+    whose one letter marks exactly the layers holding the bank; plan holds the tensors against it."""
+    import tomli_w
+
+    from helpers import edit_config, rewrite_tensors
+    from kimi_convert.errors import ConvertError
+
+    views, config, shapes = _qwen3_answers()
+    config = {k: v for k, v in config.items() if k not in ("decoder_sparse_step", "mlp_only_layers")}
+    config["layers_pattern"] = "-E"
+    dense0 = lambda n: n.startswith("model.layers.0.mlp.")  # noqa: E731
+    t = from_views(views, config, {n: s for n, s in shapes.items() if not dense0(n)}).table
+    assert (t["moe"]["pattern"], t["moe"]["pattern_moe"]) == ("layers_pattern", "E")
+    assert "pattern" not in from_views(views, config, shapes).table["moe"]  # every layer holds experts: no rule
+    src = tmp_path / "hybrid"
+    assert run("synth", "tiny-qwen3-moe", src).code == 0
+
+    def to_dense(ts: dict) -> None:  # layer 0's MoE block becomes a dense MLP of one expert's weights
+        for n in [n for n in ts if dense0(n)]:
+            w = ts.pop(n)
+            if ".experts.0." in n:
+                ts[n.replace(".experts.0.", ".")] = w
+
+    edit_config(src, lambda c: (c.pop("decoder_sparse_step", None), c.pop("mlp_only_layers", None),
+                                c.update(layers_pattern="-E")))
+    rewrite_tensors(src, to_dense)
+    m = finish(tomli_w.dumps(t), "hybrid")
+    make_plan(open_checkpoint(src), m, Options())  # layer 0 dense, layer 1 MoE: as the string says
+    edit_config(src, lambda c: c.update(layers_pattern="EE"))
+    with pytest.raises(ConvertError, match=r"config\.json: num_experts \d+ makes layer 0 a MoE layer, but "
+                                           r"model\.layers\.0.* holds no routed experts"):
+        make_plan(open_checkpoint(src), m, Options())
+    edit_config(src, lambda c: c.update(layers_pattern="--"))
+    with pytest.raises(ConvertError, match=r"config\.json: layers_pattern the string '--' makes layer 1 dense, but "
+                                           r"model\.layers\.1\.mlp\.experts holds \d+ routed experts"):
+        make_plan(open_checkpoint(src), m, Options())

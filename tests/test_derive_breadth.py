@@ -69,3 +69,45 @@ def test_the_docs_table_is_the_one_its_jsonl_gives(monkeypatch):
     spec.loader.exec_module(mod)
     results = mod.load_results()
     assert mod.render(results, list(results)) == (ROOT / "docs" / "derived-architectures.md").read_text()
+
+
+def _script(name: str, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_fixtures_release_keys_fill_only_what_transformers_left_out(monkeypatch):
+    """make_fixture's RELEASE_KEYS: a key the saved config lacks or holds as None gets the release's value (a
+    function of the saved config where the release spells a transformers field apart); a value transformers wrote
+    stays; a model type with no entry gets nothing."""
+    mf = _script("make_fixture", monkeypatch)
+    saved = {"model_type": "deepseek_v2", "n_group": None, "topk_group": 4, "num_experts_per_tok": None}
+    got = mf.table_keys("deepseek_v2", saved)
+    assert got["n_group"] == 1 and got["num_experts_per_tok"] == mf.TOP_K and got["scoring_func"] == "softmax"
+    assert "topk_group" not in got  # transformers wrote it
+    assert mf.table_keys("hy_v3", {"moe_intermediate_size": 128})["expert_hidden_dim"] == 128
+    flags = mf.table_keys("exaone_moe", {"mlp_layer_types": ["dense", "sparse", "sparse"]})
+    assert flags == {"is_moe_layer": [False, True, True]}
+    types = {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+             "mtp_layers_block_type": ["full_attention", "moe"]}
+    assert mf.table_keys("nemotron_h", types) == {"hybrid_override_pattern": "ME*-",
+                                                  "mtp_hybrid_override_pattern": "*E"}
+    assert mf.table_keys("qwen3_moe", {}) == {}
+
+
+def test_the_breadth_pack_uses_the_table_merged_with_its_overlay(monkeypatch, tmp_path):
+    """A derived table with a hand overlay (mappings/overlays/qwen3_next.toml) is packed merged, as plan merges it
+    over the shipped table: the overlay's keeps are in the table given to pack; one without an overlay is given
+    as derived."""
+    db = _script("derive_breadth", monkeypatch)
+    (tmp_path / "derived.toml").write_text('name = "derived-qwen3_next"\n\n[[keep]]\npattern = "a.gate"\n'
+                                          'reason = "derived"\n')
+    table, overlay = db.with_overlay(tmp_path)
+    assert overlay == "mappings/overlays/qwen3_next.toml" and table.name == "derived+overlay.toml"
+    keeps = [k["pattern"] for k in tomllib.loads(table.read_text())["keep"]]
+    assert keeps == ["a.gate", "model.layers.*.linear_attn.in_proj_qkvz", "model.layers.*.linear_attn.in_proj_ba"]
+    (tmp_path / "derived.toml").write_text('name = "derived-no_such_family"\n')
+    assert db.with_overlay(tmp_path) == (tmp_path / "derived.toml", None)

@@ -6,8 +6,9 @@ The rules, each the hand tables' own (docs/families.md), now read off the engine
   named after the engine's module, its members in the order of the rows they fill (``cat``; ``stack`` where each
   member fills one index of an extra leading dimension), in the engines that build it.
 - **Routed experts**: a ``FusedMoE`` parameter receiving several modules of one expert is a ``[[scale_group]]``
-  (``w13``: the members share one global scale, stored apart); the parents of the expert indices are the
-  ``expert_sets``.
+  (``w13``: the members share one global scale, stored apart); the parents of the expert indices of every bank
+  some engine loaded per-expert modules into are the ``expert_sets`` (a non-gated bank's too: Nemotron-H's
+  ``up_proj`` / ``down_proj``, one member a parameter).
 - **Kept**: a source weight whose engine module either engine builds with an unquantized method under an output
   format's quantization config that ignores nothing is a ``[[keep]]`` (the reason names the engine, the class that
   built it and its file); one that neither engine builds as a linear layer (an embedding, a router held as a plain
@@ -296,7 +297,40 @@ def _groups(views: list[EngineView], drafts: list[EngineView] = ()) -> tuple[lis
         if names[key] > 1:  # one engine module name for other members elsewhere (another layer kind)
             entry["name"] = f"{entry['name']}_{names[key]}"
         groups.append(entry)
-    return groups, _dedupe(scale_groups), sets
+    sets += [b for b in _banks([*views, *drafts]) if b not in sets]
+    return groups, _apart(groups, _dedupe(scale_groups)), sets
+
+
+def _banks(views: list[EngineView]) -> list[str]:
+    """The parents of the expert indices of every routed-expert bank some engine loaded per-expert source modules
+    into, in order seen: a bank of non-gated experts (Nemotron-H's relu2 ``up_proj`` into ``w13``, ``down_proj`` into
+    ``w2``) has no member sharing a parameter, so no scale group names it, yet the recipe's expert rule must reach
+    it (both engines' ModelOpt MoE reads its ``w13_input_scale`` / ``w2_input_scale``)."""
+    out: list[str] = []
+    for v in views:
+        for ld in landings(v):
+            if v.modules.get(engine_module(ld.param), {}).get("kind") != "moe" or not _EXPERT.search(ld.module):
+                continue
+            bank = template(ld.module.rpartition(".")[0]).rpartition(".{expert}")[0]
+            if bank and bank not in out:
+                out.append(bank)
+    return out
+
+
+def _apart(groups: list[dict], scale_groups: list[dict]) -> list[dict]:
+    """The scale groups, one named as a packed module of every engine renamed apart (``w13_2``): LFM2 MoE's dense
+    MLP is vLLM's ``w13`` (``feed_forward.w1`` + ``w3``, a MergedColumnParallelLinear) beside the routed experts'
+    ``w13`` bank; a table's groups and scale groups of one name must differ in engines (``mapping.parse``)."""
+    taken = {(g["name"], tuple(g.get("engines", ()))) for g in groups}
+    out = []
+    for sg in scale_groups:
+        name, n = sg["name"], 1
+        while (name, ()) in taken:
+            n += 1
+            name = f"{sg['name']}_{n}"
+        taken.add((name, ()))
+        out.append({**sg, "name": name})
+    return out
 
 
 def _dedupe(entries: list[dict]) -> list[dict]:
@@ -375,7 +409,9 @@ def _rules(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple
 LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every", "mlp_only_layers": "dense_list",
                "decoder_sparse_step": "sparse_step",
                # Ernie 4.5 MoE: layer_idx >= moe_layer_start_index (vLLM ernie45_moe.py Ernie4_5_MoeDecoderLayer)
-               "moe_layer_start_index": "dense_below"}
+               "moe_layer_start_index": "dense_below",
+               # Afmoe (Arcee Trinity): layer_idx >= num_dense_layers (vLLM afmoe.py AfmoeDecoderLayer; SGLang afmoe.py)
+               "num_dense_layers": "dense_below"}
 
 
 def _text(config: dict) -> dict:
@@ -383,7 +419,7 @@ def _text(config: dict) -> dict:
     return sub if isinstance(sub, dict) else config
 
 
-def _moe_check(views: list[EngineView], config: dict, sets: list[str]) -> dict | None:
+def _moe_check(views: list[EngineView], config: dict, sets: list[str], modules: set[str]) -> dict | None:
     """The ``[moe]`` section plan.consistency holds the tensors against: the expert count's config key, each
     expert's members as the engines loaded them, and the config keys that say which layers are MoE."""
     tc = _text(config)
@@ -403,7 +439,32 @@ def _moe_check(views: list[EngineView], config: dict, sets: list[str]) -> dict |
     if isinstance(tc.get("num_hidden_layers"), int):
         out["num_layers"] = "num_hidden_layers"
     out.update({f: k for k, field in LAYER_RULES.items() if k in tc and (f := _reads(field, tc[k]))})
+    if not any(f in out for f in ("dense_below", "every", "dense_list", "sparse_step", "flags")):
+        out.update(_moe_pattern(tc, main[0], modules))
     return out
+
+
+def _moe_pattern(tc: dict, bank: str, modules: set[str]) -> dict:
+    """Where no layer rule's key is in the config and only some decoder layers hold the bank: the config string of
+    one letter a layer whose one letter marks exactly those layers (Nemotron-H's ``hybrid_override_pattern``, ``E``:
+    vLLM 0.33 nemotron_h.py ``NemotronHModel`` builds layer i by ``hybrid_override_pattern[i]``, ``"E"`` a
+    ``NemotronHMoEDecoderLayer``), read off the stand-in's modules, not named per family."""
+    layers = bank[: bank.index("{layer}")]
+    rx = re.compile(re.escape(layers) + r"(\d+)\.")
+    present = {int(m.group(1)) for mod in modules if (m := rx.match(mod))}
+    banked = {int(m.group(1)) for mod in modules if (m := rx.match(mod)) and _in_bank(mod, bank)}
+    if not present or banked == present or not banked:
+        return {}
+    for key, value in tc.items():
+        if isinstance(value, str) and len(value) == max(present) + 1:
+            for letter in sorted(set(value)):
+                if {i for i, c in enumerate(value) if c == letter} == banked:
+                    return {"pattern": key, "pattern_moe": letter}
+    return {}
+
+
+def _in_bank(module: str, bank: str) -> bool:
+    return re.fullmatch(re.escape(bank).replace(re.escape("{layer}"), r"\d+") + r"\.\d+\..+", module) is not None
 
 
 def _reads(field: str, value: object) -> str | None:
@@ -544,7 +605,7 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["not_linear"] = not_linear
     if keep:
         t["keep"] = keep
-    if (moe := _moe_check(views, config, sets)) is not None:
+    if (moe := _moe_check(views, config, sets, modules)) is not None:
         t["moe"] = moe
     if (head := _head_check(views, config, shapes)) is not None:
         t["lm_head"] = head

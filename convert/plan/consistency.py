@@ -157,12 +157,16 @@ def _moe_rule(config: dict, m: Mapping, moe: MoeCheck) -> tuple:
     if flags is not None and flags.value is not None and not (
             isinstance(flags.value, list) and all(type(f) is bool or f in (0, 1) for f in flags.value)):
         raise ConvertError(f"config.json: {flags.shown} is {flags.says()}, expected a list of 0/1 flags, one a layer")
-    return below, every, step, dense, flags
+    pattern = _field(config, m, moe.pattern) if moe.pattern else None
+    if pattern is not None and pattern.value is not None and not isinstance(pattern.value, str):
+        raise ConvertError(f"config.json: {pattern.shown} is {pattern.says()}, expected a string of one letter a "
+                           f"layer ({moe.pattern_moe!r}: a MoE layer)")
+    return below, every, step, dense, flags, (pattern, moe.pattern_moe)
 
 
 def _dense_because(layer: int, rule: tuple) -> _Field | None:
     """The field that makes ``layer`` dense, or None when every rule says MoE (an absent field says MoE)."""
-    below, every, step, dense, flags = rule
+    below, every, step, dense, flags, (pattern, letter) = rule
     if below is not None and below.value is not None and layer < below.value:
         return below
     if every is not None and every.value is not None and layer % every.value:
@@ -173,6 +177,8 @@ def _dense_because(layer: int, rule: tuple) -> _Field | None:
         return dense
     if flags is not None and flags.value is not None and not (layer < len(flags.value) and flags.value[layer]):
         return flags
+    if pattern is not None and isinstance(pattern.value, str) and pattern.value[layer:layer + 1] != letter:
+        return pattern
     return None
 
 
