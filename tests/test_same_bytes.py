@@ -170,3 +170,62 @@ def test_every_preset_recipe_and_layout_packs_to_the_same_bytes_as_before_issue_
                 _mapping_text_out(json.loads(after["manifest.json"])), (preset, opts)
             changed.remove("manifest.json")
         assert changed == [], (preset, opts, changed)
+
+
+#: main before this session's part of issue 40 (the plan's operation and one dispatcher, the scheme names): every
+#: tiny preset it had, under each recipe, output format and layout, gives the same files (manifest included) and the
+#: same ``plan --json``, or the same refusal.
+BEFORE_40 = "49317c5"
+OPTIONS_40 = ([], ["--recipe", "nvfp4-w4a16"], ["--format", "compressed-tensors"], ["--layout", "sglang"],
+              ["--layout", "vllm"])
+
+
+def _old_package_dirs(dest: Path, commit: str) -> Path | None:
+    """The package as of ``commit``, laid out by that commit's own pyproject ``package-dir``; None without it."""
+    import tomllib
+    show = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:pyproject.toml"], capture_output=True)
+    if shutil.which("git") is None or show.returncode:
+        return None
+    dirs = tomllib.loads(show.stdout.decode())["tool"]["setuptools"]["package-dir"]
+    dirs = sorted(((src, name.replace(".", "/")) for name, src in dirs.items()), key=lambda d: -len(d[0]))
+    r = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit, *(s for s, _ in dirs)],
+                       capture_output=True, check=True)
+    with tarfile.open(fileobj=BytesIO(r.stdout)) as tar:
+        for m in (m for m in tar.getmembers() if m.isfile()):
+            src, pkg = next(d for d in dirs if m.name.startswith(d[0] + "/"))
+            out = dest / pkg / m.name[len(src) + 1:]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(tar.extractfile(m).read())
+    return dest
+
+
+def _outcome(pythonpath: Path | None, *args) -> tuple[int, str]:
+    env = {**os.environ, "TQDM_DISABLE": "1", **({"PYTHONPATH": str(pythonpath)} if pythonpath else {})}
+    r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", *map(str, args)], capture_output=True, text=True,
+                       env=env, cwd=pythonpath or ROOT, timeout=600)
+    return r.returncode, r.stdout if not r.returncode else r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_every_preset_recipe_format_and_layout_is_the_same_as_before_the_dispatcher(tmp_path):
+    old = _old_package_dirs(tmp_path / "old", BEFORE_40)
+    if old is None:
+        pytest.skip(f"no git history with commit {BEFORE_40} to take the earlier code from")
+    shown = subprocess.run(["git", "-C", str(ROOT), "grep", "-h", "^\\[presets\\.tiny-", BEFORE_40, "--", "presets"],
+                           capture_output=True, text=True, check=True).stdout
+    presets = sorted({n for line in shown.split() if "." not in (n := line.strip("[]").removeprefix("presets."))})
+    assert len(presets) >= 16, presets
+    for preset in presets:
+        src = tmp_path / "in" / preset
+        _run(None, "synth", spec(preset), src)
+        assert _outcome(old, "plan", src, "--json") == _outcome(None, "plan", src, "--json"), preset
+        for i, opts in enumerate(OPTIONS_40):
+            case = f"{preset}-{i}"
+            before = _outcome(old, "pack", src, tmp_path / "before" / case, "--device", "cpu", "-q", *opts)
+            after = _outcome(None, "pack", src, tmp_path / "after" / case, "--device", "cpu", "-q", *opts)
+            assert before[0] == after[0] and (before[0] == 0 or before[1] == after[1]), (case, before, after)
+            if not before[0]:
+                b, a = _files(tmp_path / "before" / case), _files(tmp_path / "after" / case)
+                assert sorted(b) == sorted(a) and [f for f in b if b[f] != a[f]] == [], (case, opts)
+            shutil.rmtree(tmp_path / "before" / case, ignore_errors=True)
+            shutil.rmtree(tmp_path / "after" / case, ignore_errors=True)
