@@ -16,8 +16,8 @@ import torch
 from kimi_convert.kernels import Backend, outputs
 from kimi_convert.kernels.outputs import Arena
 
-from . import encodings, formats, steps
-from .compute_early import Chunk, Output, UnitResult, raw_chunks
+from . import encodings, steps
+from .compute_early import Chunk, Output, Results, UnitResult
 from .errors import ConvertError
 from .plan import Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
@@ -63,7 +63,7 @@ def decode(src: SourceTensor, reader: TensorSource, block: tuple[int, int], back
 
 
 @dataclass
-class TorchUnit:
+class TorchUnit(Results):
     """A unit being computed with torch (``kernels.Backend``: the CPUs, the reference or a GPU): what a scheme's
     torch step (``steps.STEPS``, the ``torch`` rows) reads and where its outputs go."""
 
@@ -90,15 +90,10 @@ class TorchUnit:
             raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
         return a
 
-    def store(self, it: Item, roles: dict[str, list], note: dict) -> None:
-        """A quantized item's tensors by role (``formats.outputs``) into the result, and its note."""
-        for name, parts in formats.outputs(it, roles):
-            self.res.outputs[name] = Output([as_bytes(p) for p in parts])
-        self.res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
-
-    def copy(self, it: Item) -> None:
-        """A kept or copied item's stored bytes (``Operation.COPY``)."""
-        self.res.outputs[it.outputs[0].name] = Output(raw_chunks(it, self.reader))
+    @staticmethod
+    def flat(part) -> Chunk:
+        """An output part as the writer takes it: its bytes on the host (``as_bytes``)."""
+        return as_bytes(part)
 
     def decoded(self, it: Item) -> None:
         """A kept linear layer whose source is MXFP4 or FP8, decoded to bf16 (exact for MXFP4), or a dense source

@@ -207,8 +207,31 @@ def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: 
     return Int4Rows(codes, sc, groups, amax)
 
 
+class Results:
+    """What both backends' views of a unit (``CUnit`` here, ``compute.TorchUnit``) do alike with its outputs: a
+    copied item's stored bytes, and a quantized item's tensors by role, each part through the view's ``flat``."""
+
+    reader: TensorSource
+    res: UnitResult
+
+    def store(self, it: Item, roles: dict[str, list], note: dict) -> None:
+        """A quantized item's tensors by role (``formats.outputs``) into the result, each part as its flat bytes
+        (``flat``), and its note."""
+        for name, parts in formats.outputs(it, roles):
+            self.res.outputs[name] = Output([self.flat(p) for p in parts])
+        self.res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
+
+    def copy(self, it: Item) -> None:
+        """A kept or copied item's stored bytes (``Operation.COPY``)."""
+        self.res.outputs[it.outputs[0].name] = Output(raw_chunks(it, self.reader))
+
+    @staticmethod
+    def flat(part) -> Chunk:
+        raise NotImplementedError
+
+
 @dataclass
-class CUnit:
+class CUnit(Results):
     """A unit being computed by the C kernels on its read buffers: what a scheme's C step (``steps.STEPS``, the
     ``c`` rows) reads, and the pool buffer lent for its outputs (``arena``: written in place, no fresh memory)."""
 
@@ -248,16 +271,10 @@ class CUnit:
         got = self.arena.carve(nbytes)
         return got if got is not None else np.empty(nbytes, dtype=np.uint8)
 
-    def store(self, it: Item, roles: dict[str, list], note: dict) -> None:
-        """A quantized item's tensors by role (``formats.outputs``) into the result, each part as its flat bytes,
-        and its note."""
-        for name, parts in formats.outputs(it, roles):
-            self.res.outputs[name] = Output([flat_bytes(a) for a in parts])
-        self.res.notes[it.name] = {"source_encoding": it.sources[0].encoding, **note}
-
-    def copy(self, it: Item) -> None:
-        """A kept or copied item's stored bytes (``Operation.COPY``)."""
-        self.res.outputs[it.outputs[0].name] = Output(raw_chunks(it, self.reader))
+    @staticmethod
+    def flat(part) -> Chunk:
+        """An output part as the writer takes it: its bytes, flat (``flat_bytes``)."""
+        return flat_bytes(part)
 
 
 class EarlyCompute:
