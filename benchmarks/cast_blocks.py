@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def library(rev: str | None) -> ctypes.CDLL:
-    """Today's recipe kernels, or ``kernels/src/recipe_cpu.c`` at ``rev`` (with today's pool) built the same way."""
+    """Today's recipe kernels, or ``kernels/src/recipe_cpu.c`` at ``rev`` (with today's pool) built the same way
+    (``rev`` one with today's entry points, ``clib.set_recipe_types``: from session 21's INT4 decode on)."""
     if rev is None:
         return clib.load_recipe()
     show = ["git", "-C", str(ROOT), "show"]
@@ -34,10 +35,7 @@ def library(rev: str | None) -> ctypes.CDLL:
         [*show, f"{r}:kernels/src/{n}.c"], check=True, capture_output=True).stdout
         for n, r in (("kc_pool", "HEAD"), ("recipe_cpu", rev)))
     lib = ctypes.CDLL(str(clib.build(src, shutil.which("cc") or "gcc", "recipe_cpu")))
-    i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32, i32]
-    lib.kc_cast_mxfp4_mt.restype = i64
-    clib.set_pool_types(lib)
+    clib.set_recipe_types(lib)
     return lib
 
 

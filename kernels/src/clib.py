@@ -151,6 +151,13 @@ def load_recipe() -> ctypes.CDLL | None:
     lib = open_library("recipe_cpu", "fast CPU recipe kernels")
     if lib is None:
         return None
+    set_recipe_types(lib)
+    return lib
+
+
+def set_recipe_types(lib: ctypes.CDLL) -> None:
+    """The argument and result types of ``recipe_cpu.c``'s entry points and of its pool (``kc_pool.c``), on a
+    library built from them (``load_recipe``; a benchmark's build of an older source)."""
     i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
     lib.kc_cast_mxfp4_mt.argtypes = [p, p, i64, i64, i32, i32, p, p, i32, i32]
     lib.kc_cast_mxfp4_mt.restype = i64
@@ -159,7 +166,6 @@ def load_recipe() -> ctypes.CDLL | None:
     lib.kc_int4_decode_mt.argtypes = [p, p, i64, i64, i64, p, i32]
     lib.kc_int4_decode_mt.restype = i32
     set_pool_types(lib)
-    return lib
 
 
 def amax_bits(lib: ctypes.CDLL, ptr: int, n: int, fp32: bool, threads: int) -> int:
