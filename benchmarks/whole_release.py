@@ -17,6 +17,10 @@ uploaded object's sha256 and size and keeps no bytes.
   random point after half the shards (the seeded RNG picks the shard after whose upload it dies and the
   fraction of a shard's time it waits), resumed with ``--resume``, and the two repositories' trees compared
   file by file (sha256: the sink's recorded oids, the regular files hashed).
+- ``--reference NAME.json`` (with ``--kill-seed``): the whole release packed twice is two runs of about two hours
+  each, so the uninterrupted run writes every file's sha256 into its ``NAME.json`` (``tree_sha256``) and a later
+  run given it packs only the killed and resumed leg and compares its tree with that one (same input, same code:
+  the JSON's command and the results' commit say which).
 
 Measured from outside the pack, every ``--sample`` seconds: the RSS summed over the pack's process tree, its CPU
 time (user + system, children included), and the local disk it holds (blocks allocated under OUTPUT and the
@@ -455,6 +459,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-scratch", default="17GB", help="a Hub input's download bound (one 16.3 GB file at least)")
     ap.add_argument("--upload-queue", type=int, help="KIMI_CONVERT_UPLOAD_QUEUE (default: the tool's, 2)")
     ap.add_argument("--kill-seed", type=int, help="also kill once after half the shards, resume, compare")
+    ap.add_argument("--reference", type=Path, help="an earlier uninterrupted run's NAME.json (same input, "
+                    "same code): only the killed and resumed pack runs, its tree compared with that run's "
+                    "(with --kill-seed)")
     ap.add_argument("--full", type=Path, default=Path("/tmp/kimi-convert-whole-release/k3-full"))
     ap.add_argument("--work", type=Path, help="default: beside --full")
     ap.add_argument("--name", help="the results' file name (default whole-release-INPUT-NSHARDS)")
@@ -465,6 +472,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    if a.reference is not None and a.kill_seed is None:
+        sys.exit("--reference compares a killed and resumed run: give --kill-seed")
     a.work = a.work or a.full.parent / f"work-{a.input}-{a.shards}"
     a.work.mkdir(parents=True, exist_ok=True)
     full = make_full(a.full)
@@ -482,6 +491,12 @@ def main(argv: list[str] | None = None) -> dict:
             source = "hf://user/k3"
         result["seed_s"] = round(time.monotonic() - t, 2)
         leg = Leg(hub, source, a.work, hub_env(hub, a.work, a.upload_queue), a)
+        if a.reference is not None:  # the whole release twice is two runs of two hours: one a session
+            ref = json.loads(a.reference.read_text())
+            result |= {"reference": str(a.reference), "reference_command": ref["command"]}
+            result["kill_and_resume"] = kill_and_resume(leg, ref["tree_sha256"], ref["per_shard"], ref["finish_s"],
+                                                        a.kill_seed)
+            return _report(a, argv, result, [], Run(0, 0.0, 0))
         out, repo = a.work / "out", "user/k3-nvfp4"
         shutil.rmtree(out, ignore_errors=True)
         run = leg.pack(out, repo)
@@ -495,11 +510,17 @@ def main(argv: list[str] | None = None) -> dict:
         result["local_disk_within_bound"] = result["peak_local_disk"] <= result["local_disk_bound"]
         result["stopped_for_low_disk"] = run.low_disk
         result["load_after"] = round(os.getloadavg()[0], 2)
+        if run.code == 0:  # every file's sha256, kept: a later --reference run's tree is compared with it
+            result["tree_sha256"] = hub.tree_sha256(repo)
         if a.kill_seed is not None and run.code == 0:
-            ref = hub.tree_sha256(repo)
+            ref = result["tree_sha256"]
             for oid, _ in hub.received:  # the same objects again: the killed run must send them itself
                 hub.lfs.pop(oid, None)
             result["kill_and_resume"] = kill_and_resume(leg, ref, rows, result["finish_s"], a.kill_seed)
+    return _report(a, argv, result, rows, run)
+
+
+def _report(a: argparse.Namespace, argv: list[str] | None, result: dict, rows: list[dict], run: Run) -> dict:
     cmd = shlex.join(["python", "benchmarks/whole_release.py", *(argv if argv is not None else sys.argv[1:])])
     result["command"] = cmd
     name = a.name or f"whole-release-{a.input}-{a.shards}"
