@@ -14,6 +14,7 @@ from kimi_convert.enginecheck import Report, runner_common, runner_numerics
 sys.path.insert(0, str(Path(runner_common.__file__).parent))  # the runners import runner_common by its bare name
 
 import sglang_runner
+import vllm_runner
 
 
 class Fused(torch.nn.Module):
@@ -154,3 +155,56 @@ def test_an_integer_made_a_float_that_holds_every_value_is_an_exact_cast():
     (257 needs 9 bits), and stays a bad cast."""
     assert _shapes([256, 128]) == {"exact": ["e0.weight_shape"], "reinterpret": []}
     assert _shapes([257, 128]) == {"exact": [], "reinterpret": ["e0.weight_shape"]}
+
+
+class Scaled(torch.nn.Module):
+    """A decoder layer as both engines build Gemma4's: a weight, a persistent buffer ``layer_scalar`` the checkpoint
+    fills (vLLM gemma4.py / SGLang gemma4_causal.py ``register_buffer``) and a non-persistent one (a rotary table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(2, 4), requires_grad=False)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("cos_sin", torch.ones(4), persistent=False)
+
+
+def _buffer_load(loadable) -> dict:
+    """Offer a weight, layer_scalar, a tensor written into the non-persistent buffer and one the loader drops; load
+    them as an AutoWeightsLoader does (by name, into parameters and buffers), and the tracker's result."""
+    model = torch.nn.Module()
+    model.layer = Scaled()
+    offered = {"layer.weight": torch.zeros(2, 4), "layer.layer_scalar": torch.tensor([0.5]),
+               "layer.cos_sin": torch.zeros(4), "layer.unused": torch.zeros(3)}
+    tr = runner_common.Tracker()
+    tr.arm(model, loadable(model))
+    with tr.mode():
+        t = dict(tr.weights(offered.items()))
+        dests = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        for name, w in t.items():
+            if name in dests:
+                dests[name].data.copy_(w)
+    return tr.result(model, [])
+
+
+def test_vllm_loadable_buffers_are_its_persistent_ones():
+    """vLLM's AutoWeightsLoader fills persistent buffers: layer_scalar is stored, not skipped; the write into the
+    non-persistent buffer (which vLLM's loader never makes) and the tensor that reached nothing stay skipped."""
+    res = _buffer_load(vllm_runner.loadable_buffers)
+    assert [s["tensor"] for s in res["skipped"]] == ["layer.cos_sin", "layer.unused"]
+    assert res["stored"]["layer.layer_scalar"] == ["layer.layer_scalar"]
+    assert res["loaded_buffers"] == ["layer.layer_scalar"] and not res["unfilled"]
+
+
+def test_sglang_loadable_buffers_are_all_of_them():
+    """SGLang's loaders index every buffer (models/utils.py AutoWeightsLoader: named_buffers): both buffers' tensors
+    are stored; the tensor that reached nothing is still skipped."""
+    res = _buffer_load(sglang_runner.loadable_buffers)
+    assert [s["tensor"] for s in res["skipped"]] == ["layer.unused"]
+    assert res["loaded_buffers"] == ["layer.cos_sin", "layer.layer_scalar"]
+
+
+def test_without_loadable_buffers_a_buffer_write_is_skipped():
+    """The tracker alone (no engine's rule) counts parameters only: a tensor written into a buffer is skipped."""
+    res = _buffer_load(lambda model: set())
+    assert [s["tensor"] for s in res["skipped"]] == ["layer.layer_scalar", "layer.cos_sin", "layer.unused"]
+    assert res["loaded_buffers"] == []

@@ -142,6 +142,7 @@ class Report:
     source_casts: list[dict] = field(default_factory=list)  # narrowing of tensors copied unchanged from the input
     created_during_load: list[str] = field(default_factory=list)
     buffers_never_written: list[str] = field(default_factory=list)
+    loaded_buffers: list[str] = field(default_factory=list)  # buffers the engine's own loader filled by name
     stored: dict = field(default_factory=dict)
     patches: list[str] = field(default_factory=list)
     observer_errors: list[str] = field(default_factory=list)
@@ -331,7 +332,8 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
     for k in ("architectures", "model_class", "quant_config", "params", "offered", "error", "unfilled",
               "allowed_unfilled", "skipped", "mtp_skipped", "main_skipped", "from_target", "rule_dropped",
               "rule_broken", "bad_casts", "widening_casts", "exact_casts", "created_during_load",
-              "buffers_never_written", "stored", "patches", "observer_errors", "post_load", "timings"):
+              "buffers_never_written", "loaded_buffers", "stored", "patches", "observer_errors", "post_load",
+              "timings"):
         if d.get(k) is not None:
             setattr(rep, k, d[k])
     if compare_s is not None:

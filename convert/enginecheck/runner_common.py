@@ -176,7 +176,10 @@ class Tracker:
         self.casts: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
-        self.pstore: dict[int, list[str]] = defaultdict(list)  # storage -> parameter names
+        # the buffers the engine's own loader fills from the checkpoint by name (``arm``'s ``loadable``): a write of
+        # checkpoint data into one stores that tensor, as into a parameter; they are not required to be filled
+        self.loadable: dict[str, torch.Tensor] = {}
+        self.pstore: dict[int, list[str]] = defaultdict(list)  # storage -> parameter (and loadable buffer) names
         self.written: dict[int, torch.Tensor] = {}  # storage -> byte mask of written bytes
         self.observer_errors: list[str] = []
         self.shared_storage_offers: list[str] = []
@@ -190,16 +193,19 @@ class Tracker:
         self.int_range: dict[str, tuple[int, int]] = {}
 
     # -- before loading --------------------------------------------------------------------------
-    def arm(self, model: torch.nn.Module) -> None:
-        """Fill every parameter and buffer with the sentinel and index their storages."""
+    def arm(self, model: torch.nn.Module, loadable: set[str] | None = None) -> None:
+        """Fill every parameter and buffer with the sentinel and index the storages a checkpoint tensor may be
+        stored in: the parameters', and those of the buffers named in ``loadable`` (the ones the engine's own
+        loader fills by name: each runner's ``loadable_buffers``). A write into any other buffer stores nothing."""
         for name, p in model.named_parameters():  # a parameter reachable under two names is reported once
             self.params[name] = p
         for name, b in model.named_buffers():
             self.buffers[name] = b
+        self.loadable = {n: b for n, b in self.buffers.items() if n in (loadable or ()) and n not in self.params}
         for t in list(self.params.values()) + list(self.buffers.values()):
             if t.numel() and t.device.type != "meta":
                 fill_sentinel(t.data)
-        for name, p in self.params.items():
+        for name, p in {**self.params, **self.loadable}.items():
             k = _key(p)
             if k is None:
                 continue
@@ -266,12 +272,14 @@ class Tracker:
             if k in self.pstore:
                 self._mark(w, k)
                 for pname in self.pstore[k]:
-                    pdt = self.params[pname].dtype
+                    dest = self.params.get(pname)
+                    dest = self.loadable[pname] if dest is None else dest
+                    pdt = dest.dtype
                     for n, sdt in names.items():
                         self.stored[n].add(pname)
                         if n in direct:
                             part = _rows_of(w, direct[n][1]) if len(written) == 1 else w
-                            rel = part.storage_offset() - self.params[pname].storage_offset()
+                            rel = part.storage_offset() - dest.storage_offset()
                             self.spans[(n, pname)].append((rel, tuple(part.shape), tuple(part.stride()),
                                                            direct[n][0]))
                         c = self._exact(n, sdt, pdt, cast_class(sdt, pdt), ins)
@@ -420,6 +428,9 @@ class Tracker:
             "exact_casts": [c for c in casts if c["class"] in ("bitwise", "exact")],
             "created_during_load": sorted(set(now) - set(self.params)),
             "buffers_never_written": self._buffers_unfilled(model),
+            # the buffers the engine's loader filled from the checkpoint (``arm``'s ``loadable``): where each tensor
+            # went is in ``stored``
+            "loaded_buffers": sorted({p for ps in self.stored.values() for p in ps if p in self.loadable}),
             "stored": {n: sorted(self.stored.get(n, ())) for n in self.offered_order},
             "observer_errors": self.observer_errors[:20],
             "shared_storage_offers": self.shared_storage_offers[:20],
@@ -477,6 +488,16 @@ class Tracker:
 
 
 # -- GPU-specific pieces, shared by the runners' patch lists -----------------------------------------
+
+
+def persistent_buffers(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s persistent buffers (those ``state_dict`` holds): a buffer is non-persistent where its
+    module lists it in ``_non_persistent_buffers_set`` (``register_buffer(..., persistent=False)``)."""
+    out = set()
+    for mname, m in model.named_modules(remove_duplicate=False):
+        skip = getattr(m, "_non_persistent_buffers_set", set())
+        out.update(f"{mname}.{b}" if mname else b for b, _ in m.named_buffers(recurse=False) if b not in skip)
+    return out
 
 
 class Inert:

@@ -54,6 +54,15 @@ def optional_for(model) -> list[tuple[str, str]]:
     return out
 
 
+def loadable_buffers(model) -> set[str]:
+    """The buffers SGLang's loaders fill from a checkpoint tensor of the same name: every buffer, persistent or not.
+    Its ``AutoWeightsLoader._load_module`` (srt/models/utils.py) offers a module's tensors to
+    ``named_buffers(recurse=False)`` beside its parameters, and the model loaders that fill buffers index all of
+    them (gemma4_causal.py ``Gemma4ForCausalLM.load_weights``: ``params_dict.update(dict(self.named_buffers()))``,
+    which fills ``layer_scalar``; zaya.py ``load_weights``: ``buffers_dict``)."""
+    return {n for n, _ in model.named_buffers()}
+
+
 def _fused_shared_input_scales(name: str, fused: int) -> list[tuple[str, str, int]]:
     """A shared expert SGLang fuses into the routed experts as expert slot E.. (``num_fused_shared_experts``:
     MiniMax M3's loader renames ``mlp.shared_experts.*`` to ``mlp.experts.{E}.w1/w2/w3``, srt/models/minimax_m3_vl.py
@@ -362,7 +371,7 @@ def load(result: dict, model_config, loader, model) -> None:
     result["phase"] = "load"
     t = time.perf_counter()
     tracker = rc.Tracker()
-    tracker.arm(model)
+    tracker.arm(model, loadable_buffers(model))
     if hasattr(model, "_mhc_prewarmed_at_load"):
         model._mhc_prewarmed_at_load = True  # DeepSeek V4's kernel prewarm deferred; see PATCHES
     post_load = getattr(type(model), "post_load_weights", None)

@@ -63,6 +63,15 @@ def optional_for(model) -> list[tuple[str, str]]:
     return out
 
 
+def loadable_buffers(model) -> set[str]:
+    """The buffers vLLM's loader fills from a checkpoint tensor of the same name: the persistent ones. Its
+    ``AutoWeightsLoader._load_module`` (model_executor/models/utils.py) offers a module's tensors to its parameters
+    and to what ``_add_loadable_non_param_tensors`` adds, "persistent registered buffers. Non-persistent buffers are
+    excluded, matching PyTorch state_dict()" (Gemma4's ``layer_scalar``: gemma4.py ``register_buffer``); a
+    checkpoint tensor written into a non-persistent buffer stays skipped."""
+    return rc.persistent_buffers(model)
+
+
 def _hyper_connection_padding(name: str, module) -> list[tuple[str, str, int]]:
     """Qwen3.8-Flash-Next's hyper-connection: vLLM packs input_mix_weight_down and block_inject_weight into one
     MergedColumnParallelLinear padded to 16 rows (models/qwen4_exp/nvidia/hyperconnection.py ``pad_size``, shard
@@ -372,7 +381,7 @@ def load(result: dict, vllm_config, mc, loader, model) -> None:
     result["phase"] = "load"
     t = time.perf_counter()
     tracker = rc.Tracker()
-    tracker.arm(model)
+    tracker.arm(model, loadable_buffers(model))
     inner = loader.get_all_weights
     if result["weights_spec"]:
         def inner(model_config, m):
