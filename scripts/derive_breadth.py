@@ -459,11 +459,14 @@ FINDINGS = {
         "mlp.experts.routed_experts.e_score_correction_bias and LagunaModel.load_weights' AutoWeightsLoader drops the "
         "unmatched name (ignore_unexpected_suffixes '_bias'): the parameter is left at its zeros; SGLang loads it"),
     "Gemma4ForCausalLM": (
-        "both engines hold layer_scalar as a persistent buffer (vLLM gemma4.py register_buffer, which vLLM's "
-        "AutoWeightsLoader loads: utils.py _add_loadable_non_param_tensors; SGLang gemma4_causal.py "
-        "persistent=True), and the engine check's tracker indexes parameters only (runner_common.py arm: pstore), "
-        "so a checkpoint tensor written into a buffer is reported skipped: not changed here (the harness is shared). "
-        "Past it the fixture's routed experts are 3-D banks (experts.gate_up_proj [E, 2I, H]), which derive refuses"),
+        "the fixture loads in both engines: the engine check counts the buffers each engine's loader fills by name "
+        "(enginecheck/vllm_runner.py and sglang_runner.py loadable_buffers: vLLM's AutoWeightsLoader "
+        "_add_loadable_non_param_tensors takes persistent buffers, SGLang's loaders every buffer), so the "
+        "checkpoint's layer_scalar (a persistent buffer in vLLM gemma4.py and SGLang gemma4_causal.py) is stored, "
+        "not skipped; the router's BF16 `scale` vector is no longer read as a DeepSeek V4 scale without its weight "
+        "(encodings/deepseek_v4.py refuses a stray `scale` only in a scale dtype). Derive stops at the routed "
+        "experts, fused 3-D banks (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]), which derive "
+        "refuses: the banks are another helper's work (issue 38)"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "

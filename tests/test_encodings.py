@@ -138,3 +138,18 @@ def test_source_formats_and_decoding_come_from_the_encodings():
         encodings.decode(src, [torch.zeros(2, 16, dtype=torch.uint8), scale], (128, 128))
     with pytest.raises(ConvertError, match=r"^x.safetensors: tensor m.weight_scale: E8M0 scale byte 0xFF"):
         encodings.mxfp4_codes(src, [torch.zeros(2, 16, dtype=torch.uint8), scale])
+
+
+def test_a_plain_tensor_named_scale_is_no_stray_scale():
+    """Gemma 4's router stores a BF16 vector ``router.scale`` beside ``router.proj.weight`` (transformers'
+    Gemma4TextRouter): no weight of that module, yet no scale either. DeepSeek V4's encodings, whose weights' scales
+    are named ``scale``, refuse a stray one only in a scale dtype (F8_E8M0, F32), so the BF16 vector is left to the
+    dense fallback while an E8M0 scale without its weight is still refused."""
+    plain = {"m.router.scale": TensorInfo("m.router.scale", "x.safetensors", "BF16", (256,), 0, 512)}
+    stray = {"m.ffn.w1.scale": TensorInfo("m.ffn.w1.scale", "x.safetensors", "F8_E8M0", (256, 8), 0, 2048)}
+    encs = encodings.strays()["scale"]
+    assert encs
+    for enc in encs:
+        enc.refuse_leftover("m.router.scale", plain)
+        with pytest.raises(ConvertError, match="scale without its weight m.ffn.w1.weight"):
+            enc.refuse_leftover("m.ffn.w1.scale", stray)

@@ -64,6 +64,17 @@ def _e8m0_bytes(src: SourceTensor, scale: torch.Tensor) -> torch.Tensor:
     return b
 
 
+#: the dtypes DeepSeek V4's weight scales are stored in (MXFP4: F8_E8M0; block-FP8: F8_E8M0 or F32)
+SCALE_DTYPES = frozenset({"F8_E8M0", "F32"})
+
+
+def _refuse_stray_scale(name: str, tensors: Mapping[str, TensorInfo]) -> bool:
+    """Whether a ``scale`` no claim consumed is a stray part of DeepSeek V4's storage: only one in a scale dtype.
+    Other models store plain tensors under that name (Gemma 4's router ``scale``, a BF16 vector transformers'
+    ``Gemma4TextRouter`` multiplies in), which are dense weights, not scales."""
+    return tensors[name].dtype in SCALE_DTYPES
+
+
 class DeepseekV4MXFP4(SourceEncoding):
     name = MXFP4_NAME
     label = "MXFP4"  # labels() names MXFP4 once
@@ -73,6 +84,10 @@ class DeepseekV4MXFP4(SourceEncoding):
 
     def check_config(self, config: dict) -> None:
         _check_scale_fmt(config)
+
+    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
+        if _refuse_stray_scale(name, tensors):
+            super().refuse_leftover(name, tensors)
 
     def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
         scale = _scaled(name, tensors, "I8")
@@ -118,6 +133,10 @@ class DeepseekV4FP8(SourceEncoding):
 
     def check_config(self, config: dict) -> None:
         _check_scale_fmt(config)
+
+    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
+        if _refuse_stray_scale(name, tensors):
+            super().refuse_leftover(name, tensors)
 
     def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
         scale = _scaled(name, tensors, "F8_E4M3")
