@@ -128,6 +128,17 @@ class LmHeadCheck:
     # ModelOpt config quantizes a ParallelLMHead it is not told to exclude, and its tie copies the weight alone):
     # the exclude list names the head then (plan/make.py)
     exclude_tied: bool = False
+    # (output format, engines) where an engine builds the head with a quantized method asked under an empty prefix
+    # (vLLM 0.33 exaone_moe.py / afmoe.py, SGLang 0.5.23 hunyuan.py: ParallelLMHead with no prefix=): no exclude
+    # entry reaches it (vLLM's ModelOpt is_layer_excluded matches each entry as a substring, so the one that names
+    # "" names every layer), so the head is written as that engine builds it (plan/decide.py ``head_rule``)
+    unnamed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def unnamed_in(self, output_format: str, engines: Iterable[str]) -> tuple[str, ...]:
+        """The engines among ``engines`` that build the head quantized under ``output_format`` whatever the
+        exclude list says."""
+        built = dict(self.unnamed).get(output_format, ())
+        return tuple(e for e in engines if e in built)
 
 
 @dataclass(frozen=True)
@@ -360,7 +371,10 @@ def _schema() -> tomlfile.Spec:
                         "dense_below": path, "every": path, "dense_list": path, "sparse_step": path,
                         "flags": path, "pattern": path, "pattern_moe": t.STR},
                        ("experts", "members")),
-        "lm_head": t.table({"tie": path, "module": t.STR, "exclude_tied": t.BOOL}, ("tie", "module")),
+        "lm_head": t.table({"tie": path, "module": t.STR, "exclude_tied": t.BOOL,
+                            "unnamed": t.map_of(t.strs(t.one_of(ENGINES, "engine")),
+                                                "a table of output format = the engines")},
+                           ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
         "engine_names": t.map_of(t.STR, "a table of module regex = the engines' name for it"),
     }, ("name",))
@@ -492,6 +506,13 @@ def _moe(table: dict | None) -> MoeCheck | None:
                                                  else table["members"])})
 
 
+def _lm_head(table: dict | None) -> LmHeadCheck | None:
+    if table is None:
+        return None
+    unnamed = tuple(sorted((f, tuple([e] if isinstance(e, str) else e)) for f, e in table.get("unnamed", {}).items()))
+    return LmHeadCheck(**{**table, "unnamed": unnamed})
+
+
 def _engine_names(table: dict, where: str) -> tuple[tuple[str, str], ...]:
     for rx in table:
         try:
@@ -543,7 +564,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         optional_blocks=_strs(t, "optional_blocks", path),
         layouts=_layouts(t.get("layout", {}), f"{path}: layout"),
         moe=_moe(t.get("moe")),
-        lm_head=LmHeadCheck(**t["lm_head"]) if "lm_head" in t else None,
+        lm_head=_lm_head(t.get("lm_head")),
         mtp=parse_mtp(t.get("mtp"), f"{path}: mtp"),
         engine_names=_engine_names(t.get("engine_names", {}), f"{path}: engine_names"),
         source=text,

@@ -321,6 +321,52 @@ def test_a_tied_head_an_engine_would_quantize_is_excluded(tmp_path):
     assert "exclude_tied" not in from_views(*_qwen3_answers()).table["lm_head"]
 
 
+def _unnamed_head(views, engine: str):
+    """The views with ``engine``'s ModelOpt build asking its quant method for the head with an empty prefix, as vLLM
+    0.33's exaone_moe.py / afmoe.py and SGLang 0.5.23's hunyuan.py build their ParallelLMHead (no ``prefix=``)."""
+    import dataclasses
+
+    out = []
+    for v in views:
+        if v.engine == engine:
+            mods = dict(v.quant_modules["modelopt"])
+            mods["lm_head"] = {**mods["lm_head"], "quant_prefix": ""}
+            v = dataclasses.replace(v, quant_modules={**v.quant_modules, "modelopt": mods})
+        out.append(v)
+    return out
+
+
+def test_a_head_an_engine_builds_unnamed_is_written_as_it_builds_it(tmp_path):
+    """ExaoneMoE / AfMoE in vLLM 0.33 (and HunYuan MoE V1 in SGLang 0.5.23) ask ModelOpt's quant method for the head
+    with an empty prefix, which no exclude entry reaches (vLLM matches every entry as a substring: "" would exclude
+    every layer): vLLM built an NVFP4 head and refused the output's BF16 lm_head.weight. The derived [lm_head] names
+    the format and engine, and the plan quantizes the head where that engine reads the layout: under ModelOpt in
+    the source layout and that engine's own, not under the other engine's layout, compressed-tensors (whose class
+    targets do not reach a ParallelLMHead) or an --exclude naming the head."""
+    import tomli_w
+
+    views, config, shapes = _qwen3_answers()
+    assert "unnamed" not in from_views(views, config, shapes).table["lm_head"]  # the engines name Qwen3's head
+    t = from_views(_unnamed_head(views, "vllm"), config, shapes).table
+    assert t["lm_head"]["unnamed"] == {"modelopt": ["vllm"]}
+    src = tmp_path / "q"
+    assert run("synth", "tiny-qwen3-moe", src).code == 0
+    ckpt, table = open_checkpoint(src), finish(tomli_w.dumps(t), "unnamed")
+
+    def head(**kw):
+        p = make_plan(ckpt, table, Options(**kw))
+        return next(it.kind for it in p.items if it.name == "lm_head"), "lm_head" in p.exclude_modules
+
+    assert head() == ("nvfp4", False) and head(layout="vllm") == ("nvfp4", False)
+    assert head(layout="sglang") == ("keep", True)
+    assert head(format="compressed-tensors") == ("keep", True)
+    assert head(exclude=("lm_head",)) == ("keep", True)
+    t = from_views(_unnamed_head(views, "sglang"), config, shapes).table
+    ckpt, table = open_checkpoint(src), finish(tomli_w.dumps(t), "unnamed-sglang")
+    assert head() == ("nvfp4", False) and head(layout="sglang") == ("nvfp4", False)
+    assert head(layout="vllm") == ("keep", True)
+
+
 def test_a_fused_3d_expert_bank_is_refused_not_derived():
     """GraniteMoe's input_linear [E, 2I, H] fills every expert of the engines' w13 in one tensor, and gpt-oss's plain
     build reads its experts only under the release's 3-D names (its loaders put the per-expert modules the MXFP4

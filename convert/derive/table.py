@@ -492,6 +492,22 @@ def _quantized_heads(views: list[EngineView]) -> list[str]:
     return out
 
 
+def _unnamed_heads(views: list[EngineView], head: str) -> dict[str, list[str]]:
+    """``[lm_head] unnamed``: output format -> the engines whose build under it gives the head a quantized method
+    asked under an empty prefix (vLLM 0.33 exaone_moe.py / afmoe.py and SGLang 0.5.23 hunyuan.py build their
+    ``ParallelLMHead`` with no ``prefix=``): no exclude entry keeps that head (vLLM's ModelOpt ``is_layer_excluded``
+    matches each entry as a substring of the prefix, so ``""`` would exclude every layer)."""
+    out: dict[str, list[str]] = {}
+    for v in views:
+        for fmt, mods in sorted(v.quant_modules.items()):
+            info = mods.get(head) or {}
+            qm = info.get("quant_method")
+            if "LMHead" in (info.get("class") or "") and qm and "Unquantized" not in qm \
+                    and info.get("quant_prefix") == "":
+                out.setdefault(fmt, []).append(v.engine)
+    return out
+
+
 def _head_check(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
     """``[lm_head]``: the head's module and the config key that ties it; where the source stores no head (tied)
     and an engine would build one quantized, ``exclude_tied`` names it in the exclude list (else vLLM leaves its
@@ -500,7 +516,8 @@ def _head_check(views: list[EngineView], config: dict, shapes: dict[str, tuple[i
         return None
     head = next((n.removesuffix(".weight") for n in shapes if n.endswith("lm_head.weight")), None)
     if head is not None:
-        return {"tie": "tie_word_embeddings", "module": head}
+        unnamed = _unnamed_heads(views, head)
+        return {"tie": "tie_word_embeddings", "module": head, **({"unnamed": unnamed} if unnamed else {})}
     built = [h for h in _quantized_heads(views) if h.endswith("lm_head")]
     if not built or _text(config)["tie_word_embeddings"] is not True:  # untied, no lm_head: the head is another's
         return None  # (DeepSeek V4's ``head``), which [lm_head] would wrongly ask for

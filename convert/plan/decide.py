@@ -7,10 +7,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .. import globs, keep, mtp
-from ..mapping import Group, Mapping
+from ..mapping import ENGINES, Group, Mapping
 from ..options import Options
 from ..recipe import rule_for
-from ..vocabulary import KeepRule, Recipe
+from ..schemes import SchemeName
+from ..vocabulary import KeepRule, Recipe, RecipeRule
 from .model import KEEP, Kind, SourceTensor
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +98,11 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     first matching rule."""
     m = ctx.m
     rule = rule_for(ctx.recipe, members[0], m.text_prefix, ctx.is_expert(members[0]))
+    forced = head_rule(members[0], ctx)
+    if forced is not None:
+        rule, why = forced
+        scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
+        return Decision(Kind(rule.scheme), why, scale)
     k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
     if k is not None:
         return Decision(KEEP, k.reason)
@@ -108,3 +114,26 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     assert rule is not None  # keep.kept keeps a module no rule matches
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
     return Decision(Kind(rule.scheme), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)
+
+
+def head_rule(module: str, ctx: DecideContext) -> tuple[RecipeRule, str] | None:
+    """The output head's rule where an engine that reads the layout builds the head quantized whatever the exclude
+    list says (the table's ``[lm_head] unnamed``: its quant method asked under an empty prefix): the recipe's first
+    rule for it that quantizes, and why; None for any other module, or where the exclusion rules in force (the
+    mapping's keeps, ``--exclude``) keep it: the user's choice, which that engine then refuses."""
+    m, recipe = ctx.m, ctx.recipe
+    head = m.lm_head
+    if head is None or module != f"{m.text_prefix}{head.module}":
+        return None
+    engines = ENGINES if ctx.opts.layout == "source" else (ctx.opts.layout,)
+    built = head.unnamed_in(recipe.output_format, engines)
+    if not built or keep.first(m.keep, module, m.text_prefix) or keep.first(ctx.patterns, module, m.text_prefix):
+        return None
+    rule = next((r for r in recipe.rules if r.scheme is not SchemeName.KEEP
+                 and any(globs.match(p, module, m.text_prefix) for p in r.modules)), None)
+    r = keep.first(m.restrict, module, m.text_prefix)
+    if rule is None or (r is not None and r.schemes is not None and rule.scheme.value not in r.schemes):
+        return None
+    return rule, (f"mapping {m.name}: lm_head: {' and '.join(built)} build(s) the output head quantized under "
+                  f"{recipe.output_format} whatever the exclude list says (its quant method asked with an empty "
+                  f"prefix), so it is written as built: recipe {recipe.name}: {rule.reason or rule.describe()}")
