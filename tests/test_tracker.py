@@ -208,3 +208,23 @@ def test_without_loadable_buffers_a_buffer_write_is_skipped():
     res = _buffer_load(lambda model: set())
     assert [s["tensor"] for s in res["skipped"]] == ["layer.layer_scalar", "layer.cos_sin", "layer.unused"]
     assert res["loaded_buffers"] == []
+
+
+def test_a_write_into_one_of_several_parameters_sharing_a_storage_lands_in_that_one():
+    """SGLang's afmoe.py ``AfmoeMoE.pack_params`` makes each expert's weight a view of one flat buffer: a write into
+    expert 1's parameter is stored there alone, at its own row 0, not also past the end of expert 0's."""
+    flat = torch.empty(2 * 3 * 4)
+    model = torch.nn.Module()
+    model.e0, model.e1 = torch.nn.Module(), torch.nn.Module()
+    model.e0.weight = torch.nn.Parameter(flat[:12].view(3, 4), requires_grad=False)
+    model.e1.weight = torch.nn.Parameter(flat[12:].view(3, 4), requires_grad=False)
+    tr = runner_common.Tracker()
+    tr.arm(model)
+    with tr.mode():
+        t = dict(tr.weights([("x1", torch.ones(3, 4)), ("x0", torch.zeros(3, 4))]))
+        model.e1.weight.data.copy_(t["x1"])
+        model.e0.weight.data.copy_(t["x0"])
+    res = tr.result(model, [])
+    assert res["stored"] == {"x1": ["e1.weight"], "x0": ["e0.weight"]}
+    assert _rows(tr, model) == {"x1": (0, 3, 0), "x0": (0, 3, 0)}
+    assert not res["unfilled"] and not res["skipped"]

@@ -271,7 +271,7 @@ class Tracker:
                 continue
             if k in self.pstore:
                 self._mark(w, k)
-                for pname in self.pstore[k]:
+                for pname in self._landed(w, k):
                     dest = self.params.get(pname)
                     dest = self.loadable[pname] if dest is None else dest
                     pdt = dest.dtype
@@ -293,9 +293,38 @@ class Tracker:
                 if k is None or (k in self.taint and k not in self.pstore and any(
                         sp is not None for _, sp in self.taint[k].values())):
                     continue  # a view of offered tensors: their byte spans already say which it holds
-                self.taint.setdefault(k, {}).update((n, (dt, None)) for n, dt in names.items())
+                self._taint_write(t, k, names)
                 if k not in self.pstore:
                     self._refs.append(t)
+
+    def _taint_write(self, t: torch.Tensor, k: int, names: dict[str, torch.dtype]) -> None:
+        """Mark ``t``'s storage as holding ``names``' data, as a derived tensor (all of it). In a storage several
+        parameters share (``_landed``) only the bytes written: a later read of another parameter of it (the
+        next write into it reads its destination) does not carry them."""
+        shared = k in self.pstore and len(self.pstore[k]) > 1 and t.numel()
+        lo, hi = _span(t) if shared else (0, 0)
+        held = self.taint.setdefault(k, {})
+        for n, dt in names.items():
+            old = held.get(n, (dt, (lo, hi, None)))[1]
+            span = None if not shared or old is None else (min(lo, old[0]), max(hi, old[1]), None)
+            held[n] = (dt, span)
+
+    def _landed(self, w: torch.Tensor, k: int) -> list[str]:
+        """The parameters (and loadable buffers) of storage ``k`` that write ``w`` touches. Where several share one
+        storage (SGLang's afmoe.py ``AfmoeMoE.pack_params`` flattens every expert's weight into one buffer and
+        makes each parameter a view of it), only those whose bytes the write overlaps: a write into expert 1's
+        parameter is not one into expert 0's."""
+        names = self.pstore[k]
+        if len(names) == 1 or not w.numel():
+            return names
+        lo, hi = _span(w)
+        out = []
+        for pname in names:
+            dest = self.params.get(pname)
+            plo, phi = _span(self.loadable[pname] if dest is None else dest)
+            if plo < hi and lo < phi:
+                out.append(pname)
+        return out
 
     def _exact(self, name: str, src: torch.dtype, dst: torch.dtype, cls: str | None, ins) -> str | None:
         """``cast_class``, with the exact kinds told apart (module docstring): ``bitwise`` and ``exact``."""
