@@ -442,9 +442,20 @@ def _shipped_cell(rec: dict, notes: Notes) -> str:
 FINDINGS = {
     "ExaoneMoeForCausalLM": (
         "vLLM 0.33 exaone_moe.py ExaoneMoeForCausalLM builds its ParallelLMHead with no prefix=, so ModelOpt's "
-        "exclude list (`lm_head`, which the output names: the plan keeps the head BF16) does not reach it and vLLM "
-        "builds the head NVFP4 [vocab, hidden/2]: the default (ModelOpt) output's BF16 lm_head.weight does not fit "
-        "it; SGLang reads the same output right. An engine fault; the table is not shipped"),
+        "quant method is asked for the head with an empty prefix, which no exclude entry reaches (modelopt.py "
+        "is_layer_excluded matches every entry as a substring of the prefix: an entry \"\" would exclude every "
+        "layer), and it builds the head NVFP4: a BF16 lm_head.weight did not fit it (\"The size of tensor a (128) "
+        "must match the size of tensor b (256) ... while loading lm_head.weight\"). The derived table says so "
+        "([lm_head.unnamed] modelopt = [\"vllm\"], convert/derive/table.py _unnamed_heads) and the plan writes the "
+        "head NVFP4 as vLLM builds it under ModelOpt in the source and vllm layouts (plan/decide.py head_rule); "
+        "SGLang's exaone_moe.py names its head lm_head and, not excluded, builds it NVFP4 too: both read that "
+        "output right. --layout sglang and --format compressed-tensors keep the head BF16 (vLLM's "
+        "compressed-tensors config does not quantize a ParallelLMHead its targets do not name)"),
+    "HunYuanMoEV1ForCausalLM": (
+        "SGLang 0.5.23 hunyuan.py HunYuanMoEV1ForCausalLM builds its ParallelLMHead with no prefix=: ModelOpt's "
+        "quant method is asked with an empty prefix, no exclude entry names it, and it builds the head NVFP4, "
+        "which a BF16 lm_head.weight did not fit (vocab_parallel_embedding.py:446). As ExaoneMoE in vLLM: "
+        "[lm_head.unnamed] modelopt = [\"sglang\"], the head written NVFP4 in the source and sglang layouts"),
     "NemotronHForCausalLM": (
         "non-gated routed experts (relu2: up_proj, down_proj) form no w13 scale group; the expert_sets are now the "
         "banks the engines loaded per-expert modules into (table.py _banks), so the recipe's expert rule (NVFP4 with "
