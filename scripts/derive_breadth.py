@@ -478,6 +478,39 @@ FINDINGS = {
         "(encodings/deepseek_v4.py refuses a stray `scale` only in a scale dtype). Derive stops at the routed "
         "experts, fused 3-D banks (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]), which derive "
         "refuses: the banks are another helper's work (issue 38)"),
+    "LongcatFlashForCausalLM": (
+        "SGLang: an engine fault. SGLang 0.5.23 longcat_flash.py LongcatFlashDecoderLayer reads "
+        "`\"rope_theta\" in getattr(config, \"rope_parameters\", {})`, and its own config class "
+        "(sglang/srt/configs/longcat_flash.py LongcatFlashConfig, under transformers 5.19) leaves rope_parameters None "
+        "whatever config.json holds (checked: built from the fixture's config with and without a rope_parameters "
+        "key, both None): TypeError before any weight. vLLM: the fixture's fault, fixed: transformers' "
+        "LongcatFlashExperts allocates gate_up_proj for the zero (identity) experts too and its save wrote their "
+        "gate_proj / up_proj, which the release does not store (vLLM longcat_flash.py get_expert_mapping maps "
+        "n_routed_experts experts: KeyError on expert 8); scripts/make_fixture.py RELEASE_DROPS drops them"),
+    "MiMoV2FlashForCausalLM": (
+        "an engine fault: SGLang 0.5.23 mimo_v2.py MiMoV2DecoderLayer passes config.rope_scaling to get_rope, "
+        "unwrapping it only where its top-level rope_type is 'default'; transformers 5.19's MiMoV2FlashConfig "
+        "(SGLang's environment) gives it per layer type ({'full_attention': {...}, 'sliding_attention': {...}}), "
+        "also from a config.json with the release's rope_theta / swa_rope_theta and no rope_parameters (checked), "
+        "so rotary_embedding/factory.py get_rope's cache key holds a dict: TypeError unhashable"),
+    "ZayaForCausalLM": (
+        "the fixture's fault, not fixed: transformers 5's Zaya names are not the release's. SGLang 0.5.23 zaya.py "
+        "ZayaForCausalLM.load_weights reads the release's (ZAYA1) `self_attn.qkv.{linear_q, linear_k, conv_qk.{0,1}, "
+        "val_proj{1,2}, temp}` and per-expert `zaya_block.experts.local_experts.<i>.linear_fc1 / linear_fc2`; the "
+        "fixture holds `self_attn.qkv_proj.q_proj`... and 3-D expert banks (`mlp.experts.gate_up_proj`), so 65 "
+        "tensors reach nothing. A fixture in the release's names needs that rename and the banks split"),
+    "InklingForCausalLM": (
+        "the fixture's fault, not fixed: the release's names are not transformers 5's. vLLM 0.33 "
+        "models/inkling/nvidia/model.py _TmlForCausalLMBase.hf_to_vllm_mapper reads `model.llm.embed_norm`, "
+        "`model.llm.layers.*`, `attn.wq_du / wk_dv / wv_dv / wr_du` (stacked into qkvr) and `w13_dn / w2_md`; the "
+        "fixture holds `model.embed_tokens.embed_norm.weight` (the engine's first refusal), `self_attn.q_proj`... and "
+        "3-D expert banks"),
+    "AXK1ForCausalLM": (
+        "not settled: vLLM 0.33 AXK1.py AXK1DecoderLayer builds post_mlp_layernorm in every layer (it applies it "
+        "only on sparse layers) and its loader's own check requires it; transformers' modeling_axk1.py holds the "
+        "norm only in its MoE block (AXK1MoE: 'the released checkpoints store the norm at the decoder-layer "
+        "level'), so the fixture's dense layer 0 has none. Whether the release stores one for its dense layer (a "
+        "fixture fault) or not (an engine fault) needs the release's index, not read here"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
         "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "

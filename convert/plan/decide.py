@@ -123,7 +123,7 @@ def head_rule(module: str, ctx: DecideContext) -> tuple[RecipeRule, str] | None:
     mapping's keeps, ``--exclude``) keep it: the user's choice, which that engine then refuses."""
     m, recipe = ctx.m, ctx.recipe
     head = m.lm_head
-    if head is None or module != f"{m.text_prefix}{head.module}":
+    if head is None or not head.unnamed or module != f"{m.text_prefix}{head.module}":
         return None
     engines = ENGINES if ctx.opts.layout == "source" else (ctx.opts.layout,)
     built = head.unnamed_in(recipe.output_format, engines)
