@@ -512,11 +512,13 @@ FINDINGS = {
         "level'), so the fixture's dense layer 0 has none. Whether the release stores one for its dense layer (a "
         "fixture fault) or not (an engine fault) needs the release's index, not read here"),
     "AfmoeForCausalLM": (
-        "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): ModelOpt's exclude list "
-        "does not reach it, and the output's BF16 lm_head.weight does not fit vLLM's NVFP4 head. SGLang: its "
-        "afmoe.py holds the routed experts as one AfmoeMLP per expert (a gate_up_proj each) and the placement "
-        "check sees expert N's gate_proj written past expert 0's gate_up_proj (168 such rows), as it saw on the "
-        "BF16 fixture before: whether SGLang's experts share one buffer the tracker misattributes is not settled"),
+        "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): the derived table says so "
+        "([lm_head.unnamed] modelopt = [\"vllm\"]) and the head is written NVFP4, as vLLM builds it (SGLang's "
+        "afmoe.py names it lm_head and builds it NVFP4 too). SGLang: its afmoe.py AfmoeMoE.pack_params makes every "
+        "expert's gate_up_proj / down_proj a view of one flat buffer; the engine check attributed each write to "
+        "every parameter of that storage (expert 1's gate_proj seen 'past' expert 0's gate_up_proj: 168 rows); it "
+        "now places a write in the parameters whose bytes it overlaps (runner_common.py Tracker._landed): SGLang "
+        "reads the experts right"),
 }
 
 

@@ -23,7 +23,9 @@ imported by the tool. Nothing in it names a family:
    / ``moe_layer_freq`` from transformers' ``mlp_layer_types``, ``head_dim`` where the model derived it, and a
    short data table of release keys per model type that an engine reads with no default (``RELEASE_KEYS``, each
    with its source), a key transformers spells apart replaced by the release's (``RELEASE_SPELLS``); a key the
-   config class leaves None and its own model reads is set before the build (``BUILD_KEYS``).
+   config class leaves None and its own model reads is set before the build (``BUILD_KEYS``);
+6. tensors transformers saves that the release does not store are dropped (``RELEASE_DROPS``, each with its
+   source).
 
 Prints one JSON line: the model type, the shrunk config's layer count, the layer kinds kept, the tensors written,
 3-D expert tensors (a fused layout transformers did not revert at save), and any structure the cut lost.
@@ -409,6 +411,40 @@ BUILD_KEYS: dict[str, dict] = {
     "phimoe": {"attention_bias": True, "lm_head_bias": True},
 }
 
+def _zero_experts(c: dict):
+    """LongCat-Flash's zero (identity) experts, indices n_routed_experts.. : transformers' LongcatFlashExperts
+    allocates gate_up_proj for all n_routed_experts + zero_expert_num of them (its forward never reads the zero
+    experts' rows: ``expert_idx >= self.num_routed_experts`` is the identity) and its save writes their per-expert
+    gate_proj / up_proj; the release stores none: both engines map only n_routed_experts experts (vLLM
+    longcat_flash.py ``get_expert_mapping(num_experts=self.config.n_routed_experts)``, where expert 8's name is a
+    KeyError in ``load_weights``)."""
+    n = c["n_routed_experts"]
+    return lambda name: (m := re.search(r"\.experts\.(\d+)\.", name)) is not None and int(m.group(1)) >= n
+
+
+#: Per model type: which saved tensors the release does not store (config -> predicate on the tensor name)
+RELEASE_DROPS = {"longcat_flash": _zero_experts}
+
+
+def drop_tensors(out: Path, drop) -> int:
+    """Rewrite the saved safetensors files without the tensors ``drop`` names (and the index's entries for them)."""
+    from safetensors.torch import load_file, save_file
+
+    gone = 0
+    for f in sorted(out.glob("*.safetensors")):
+        ts = load_file(str(f))
+        keep = {k: v for k, v in ts.items() if not drop(k)}
+        if len(keep) != len(ts):
+            gone += len(ts) - len(keep)
+            save_file(keep, str(f), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if gone and index.is_file():
+        d = json.loads(index.read_text())
+        d["weight_map"] = {k: v for k, v in d["weight_map"].items() if not drop(k)}
+        index.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    return gone
+
+
 #: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
 RELEASE_SPELLS: dict[str, tuple[str, ...]] = {"nemotron_h": ("layers_block_type", "mtp_layers_block_type")}
 
@@ -475,10 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     # PhimoeForCausalLM for Phi-3.5-MoE's PhiMoEForCausalLM, which SGLang's registry does not know)
     cfg["architectures"] = [a.architecture]
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    dropped = drop_tensors(out, RELEASE_DROPS[mt](cfg)) if mt in RELEASE_DROPS else 0
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
            "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched, "release_keys": extra,
-           "routed_expert_tensors": routed(model), **written(out)}
+           "dropped": dropped, "routed_expert_tensors": routed(model), **written(out)}
     print(json.dumps(rep))
     return 0
 

@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from kimi_convert.derive import from_views, load_answers
 from kimi_convert.derive.lookup import shipped_for
@@ -96,6 +97,27 @@ def test_the_fixtures_release_keys_fill_only_what_transformers_left_out(monkeypa
     assert mf.table_keys("nemotron_h", types) == {"hybrid_override_pattern": "ME*-",
                                                   "mtp_hybrid_override_pattern": "*E"}
     assert mf.table_keys("qwen3_moe", {}) == {}
+
+
+def test_the_fixtures_drop_what_the_release_does_not_store(monkeypatch, tmp_path):
+    """make_fixture's RELEASE_DROPS: LongCat-Flash's zero (identity) experts, indices n_routed_experts.., whose
+    gate_proj / up_proj transformers' save writes (its gate_up_proj bank holds every expert, zero ones too) and the
+    release does not store (vLLM's expert mapping has n_routed_experts experts: expert 8 was a KeyError), leave the
+    file and the index; the routed experts and everything else stay."""
+    from safetensors.torch import load_file, save_file
+
+    mf = _script("make_fixture", monkeypatch)
+    names = ["model.layers.0.mlp.experts.7.gate_proj.weight", "model.layers.0.mlp.experts.8.gate_proj.weight",
+             "model.layers.0.mlp.experts.15.up_proj.weight", "model.layers.0.mlps.0.gate_proj.weight"]
+    save_file({n: torch.zeros(2, 2) for n in names}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    drop = mf.RELEASE_DROPS["longcat_flash"]({"n_routed_experts": 8})
+    assert mf.drop_tensors(tmp_path, drop) == 2
+    kept = [names[0], names[3]]
+    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted(kept)
+    assert sorted(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) == sorted(kept)
+    assert mf.drop_tensors(tmp_path, drop) == 0
 
 
 def test_the_breadth_pack_uses_the_table_merged_with_its_overlay(monkeypatch, tmp_path):
