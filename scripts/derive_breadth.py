@@ -449,8 +449,9 @@ FINDINGS = {
         "([lm_head.unnamed] modelopt = [\"vllm\"], convert/derive/table.py _unnamed_heads) and the plan writes the "
         "head NVFP4 as vLLM builds it under ModelOpt in the source and vllm layouts (plan/decide.py head_rule); "
         "SGLang's exaone_moe.py names its head lm_head and, not excluded, builds it NVFP4 too: both read that "
-        "output right. --layout sglang and --format compressed-tensors keep the head BF16 (vLLM's "
-        "compressed-tensors config does not quantize a ParallelLMHead its targets do not name)"),
+        "output right. --layout sglang and --format compressed-tensors keep the head BF16; vLLM's "
+        "compressed-tensors config does not quantize a ParallelLMHead its targets do not name, and both engines "
+        "read the compressed-tensors output (BF16 head) right: the way to a BF16 head in both"),
     "HunYuanMoEV1ForCausalLM": (
         "SGLang 0.5.23 hunyuan.py HunYuanMoEV1ForCausalLM builds its ParallelLMHead with no prefix=: ModelOpt's "
         "quant method is asked with an empty prefix, no exclude entry names it, and it builds the head NVFP4, "
