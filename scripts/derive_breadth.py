@@ -492,8 +492,10 @@ FINDINGS = {
         "an engine fault: SGLang 0.5.23 mimo_v2.py MiMoV2DecoderLayer passes config.rope_scaling to get_rope, "
         "unwrapping it only where its top-level rope_type is 'default'; transformers 5.19's MiMoV2FlashConfig "
         "(SGLang's environment) gives it per layer type ({'full_attention': {...}, 'sliding_attention': {...}}), "
-        "also from a config.json with the release's rope_theta / swa_rope_theta and no rope_parameters (checked), "
-        "so rotary_embedding/factory.py get_rope's cache key holds a dict: TypeError unhashable"),
+        "also from a config.json with the release's rope_theta / swa_rope_theta and no rope_parameters (checked "
+        "with AutoConfig), so rotary_embedding/factory.py get_rope's cache key holds a dict: TypeError unhashable. "
+        "Not checked: a release whose config.json names remote code (auto_map) that a deployment's "
+        "--trust-remote-code would load instead of transformers' class"),
     "ZayaForCausalLM": (
         "the fixture's fault, not fixed: transformers 5's Zaya names are not the release's. SGLang 0.5.23 zaya.py "
         "ZayaForCausalLM.load_weights reads the release's (ZAYA1) `self_attn.qkv.{linear_q, linear_k, conv_qk.{0,1}, "
