@@ -209,6 +209,8 @@ def test_a_fused_bf16_expert_bank_packs_as_the_same_weights_stored_per_expert(tm
     ("odd", r"63 rows do not split into gate_proj and up_proj of equal size"),
     ("dtype", r"expert bank must be BF16, F16, F32, is I8"),
     ("rank", r"expert bank must be 3-D \[experts, rows, columns\], is \[256, 32\]"),
+    ("transposed", r"expert bank \[4, 32, 64\] is not \[experts, rows, hidden_size\] for config.json hidden_size "
+                   r"32 \(a bank stored transposed is not read\)"),
 ])
 def test_a_malformed_expert_bank_is_refused_in_one_line_naming_it(tmp_path, change, why):
     src = _granite(tmp_path / "bank", False)
@@ -219,7 +221,36 @@ def test_a_malformed_expert_bank_is_refused_in_one_line_naming_it(tmp_path, chan
         def fn(t):
             w = t[name]
             t[name] = {"odd": lambda: w[:, :63].contiguous(), "dtype": lambda: w.to(torch.int8),
-                       "rank": lambda: w.reshape(-1, 32)}[change]()
+                       "rank": lambda: w.reshape(-1, 32), "transposed": lambda: w.transpose(1, 2).contiguous()
+                       }[change]()
         rewrite_tensors(src, fn)
     err = one_line_error(run("plan", src))
     assert re.search(rf"model.safetensors: tensor {re.escape(name)}: {why}", err), err
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gpt_oss"])
+def test_gemma4s_banks_split_per_expert_and_only_for_its_model_types(tmp_path, model_type):
+    """Gemma 4's ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]: per-expert gate, up and
+    down, each the bytes of its own rows; the same names in another model type (gpt-oss's BF16 release stores
+    ``gate_up_proj`` [E, H, 2I] interleaved) are not split."""
+    g = torch.Generator().manual_seed(3)
+    e, h, i = 4, 32, 16
+    w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(e, h, i, generator=g).to(torch.bfloat16)
+    layer = "model.language_model.layers.0.experts"
+    folder = tmp_path / "g"
+    folder.mkdir()
+    save_file({f"{layer}.gate_up_proj": w13, f"{layer}.down_proj": w2}, str(folder / "model.safetensors"))
+    top = "gemma4" if model_type == "gemma4_text" else model_type
+    (folder / "config.json").write_text(json.dumps({"model_type": top, "text_config": {
+        "model_type": model_type, "hidden_size": h, "num_experts": e, "moe_intermediate_size": i}}))
+    modules = discover_sources(open_checkpoint(folder))
+    if model_type != "gemma4_text":
+        assert set(modules) == {layer} and modules[layer]["gate_up_proj"].shape == (e, 2 * i, h)
+        return
+    reader = MappedReader(folder)
+    for x in range(e):
+        for leaf, want in (("gate_proj", w13[x, :i]), ("up_proj", w13[x, i:]), ("down_proj", w2[x])):
+            src = modules[f"{layer}.{x}.{leaf}"]["weight"]
+            assert (src.encoding, src.shape) == ("dense", tuple(want.shape))
+            assert bytes(reader.raw(src.parts[0])) == want.contiguous().view(torch.uint8).numpy().tobytes()
