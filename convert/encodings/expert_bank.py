@@ -21,7 +21,7 @@ per-expert quantized checkpoint:
 Google's Gemma 4 MoE (``Gemma4ForCausalLM``, ``model_type`` ``gemma4_text``; ``gemma4`` for the multimodal release)
 stores ``layers.N.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``experts.down_proj`` [E, H, I]
 under the experts module itself; both engines read per-expert ``experts.{e}.gate_proj`` / ``up_proj`` /
-``down_proj`` (vLLM 0.33 ``gemma4.py`` ``Gemma4MoE`` builds ``FusedMoEFactory`` with the default names:
+``down_proj`` (vLLM 0.33 ``gemma4.py`` ``Gemma4DecoderLayer`` builds ``FusedMoEFactory`` with the default names:
 ``RoutedExperts.load_weights`` as above; SGLang 0.5.23 ``gemma4_causal.py`` ``Gemma4ForCausalLM.load_weights``,
 its "per-expert checkpoint layout ... ModelOpt NVFP4 like nvidia/Gemma-4-*-NVFP4" mapping). These two layouts are
 read for Gemma 4's model types only: gpt-oss's BF16 release names its bank ``experts.gate_up_proj`` too, stored
