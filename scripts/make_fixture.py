@@ -409,6 +409,9 @@ BUILD_KEYS: dict[str, dict] = {
     # Phi-3.5-MoE's attention and head biases: vLLM phimoe.py builds qkv_proj, o_proj and lm_head with bias=True
     # whatever the config says, SGLang phimoe.py its lm_head (transformers' PhimoeConfig defaults both off)
     "phimoe": {"attention_bias": True, "lm_head_bias": True},
+    # GraniteMoeShared's shared MLP: transformers' GraniteMoeSharedConfig defaults shared_intermediate_size to 0, and
+    # vLLM granitemoeshared.py GraniteMoeSharedDecoderLayer / SGLang granitemoe.py build shared_mlp only when it is > 0
+    "granitemoeshared": {"shared_intermediate_size": DENSE_MLP},
 }
 
 def _zero_experts(c: dict):

@@ -3,14 +3,17 @@ compute and refused by its own rules without a line of plan/ or compute.py namin
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from fake_encoding import Transposed
+from safetensors.torch import save_file
 
-from helpers import copy_ckpt, rewrite_tensors
+from helpers import copy_ckpt, edit_config, one_line_error, read_tensors, rewrite_tensors, run
 from kimi_convert import encodings
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.compute import compute_unit
@@ -130,7 +133,8 @@ def test_source_formats_and_decoding_come_from_the_encodings():
     # DeepSeek V4's two (weight + .scale) before fp8_block, which refuses an F8_E4M3 weight without weight_scale_inv;
     # INT4 (I32 weight_packed) before MXFP4, which refuses a weight_packed that is not U8
     assert [type(enc).__name__ for enc in encodings.REGISTRY] == ["Int4Pack", "MXFP4", "DeepseekV4MXFP4",
-                                                                   "DeepseekV4FP8", "FP8Block", "GptOssMXFP4", "Dense"]
+                                                                   "DeepseekV4FP8", "FP8Block", "GptOssMXFP4",
+                                                                   "ExpertBank", "Dense"]
     scale = torch.full((2, 1), 255, dtype=torch.uint8)
     src = SourceTensor("m", "m.weight", encodings.Encoding.MXFP4, "MXFP4", (2, 32),
                        (_info("m.weight_packed", "U8", (2, 16)), _info("m.weight_scale", "U8", (2, 1), 32)))
@@ -153,3 +157,115 @@ def test_a_plain_tensor_named_scale_is_no_stray_scale():
         enc.refuse_leftover("m.router.scale", plain)
         with pytest.raises(ConvertError, match="scale without its weight m.ffn.w1.weight"):
             enc.refuse_leftover("m.ffn.w1.scale", stray)
+
+
+#: A Granite 3.x MoE checkpoint at a tiny size (the release's names: transformers' GraniteMoeForCausalLM)
+GRANITE = {"architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "hidden_size": 32,
+           "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+
+
+def _granite(folder: Path, per_expert: bool) -> Path:
+    """One layer of Granite MoE: its experts as the release stores them (``input_linear`` [E, 2I, H], gate rows
+    then up rows; ``output_linear`` [E, H, I]), or the same weights one tensor per expert and projection."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16)  # noqa: E731
+    e, h, i = GRANITE["num_local_experts"], GRANITE["hidden_size"], GRANITE["intermediate_size"]
+    layer = "model.layers.0"
+    t = {"model.embed_tokens.weight": r(64, h), "lm_head.weight": r(64, h), "model.norm.weight": r(h),
+         f"{layer}.input_layernorm.weight": r(h), f"{layer}.post_attention_layernorm.weight": r(h),
+         f"{layer}.block_sparse_moe.router.layer.weight": r(e, h)}
+    t.update({f"{layer}.self_attn.{p}_proj.weight": r(h, h) for p in "qkvo"})
+    w13, w2 = r(e, 2 * i, h), r(e, h, i)
+    if per_expert:
+        for x in range(e):
+            ex = f"{layer}.block_sparse_moe.experts.{x}"
+            t.update({f"{ex}.gate_proj.weight": w13[x, :i].clone(), f"{ex}.up_proj.weight": w13[x, i:].clone(),
+                      f"{ex}.down_proj.weight": w2[x].clone()})
+    else:
+        t.update({f"{layer}.block_sparse_moe.input_linear.weight": w13,
+                  f"{layer}.block_sparse_moe.output_linear.weight": w2})
+    folder.mkdir(parents=True)
+    save_file(t, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(t,
+                                                                                                 "model.safetensors")}))
+    (folder / "config.json").write_text(json.dumps(GRANITE))
+    return folder
+
+
+def test_a_fused_bf16_expert_bank_packs_as_the_same_weights_stored_per_expert(tmp_path):
+    """Granite's banks split into per-expert modules (encodings/expert_bank.py), each a byte range of the bank:
+    the same output bytes as the same weights stored one tensor per expert, through compute and through pack
+    (the C kernels; the written tensors, the shard's order aside), with the shipped derived table
+    (mappings/derived/granitemoe.toml)."""
+    bank, apart = _granite(tmp_path / "bank", False), _granite(tmp_path / "apart", True)
+    modules = discover_sources(open_checkpoint(bank))
+    up = modules["model.layers.0.block_sparse_moe.experts.3.up_proj"]["weight"]
+    assert (up.encoding, up.shape, up.parts[0].name) == (
+        "dense", (32, 32), "model.layers.0.block_sparse_moe.input_linear.weight[3][32:64]")
+    assert "model.layers.0.block_sparse_moe.input_linear" not in modules
+    got, kinds = _outputs(bank, Options())
+    want, _ = _outputs(apart, Options())
+    assert got == want
+    for x in range(4):
+        for leaf in ("gate_proj", "up_proj", "down_proj"):
+            assert kinds[f"model.layers.0.block_sparse_moe.experts.{x}.{leaf}"][0] == NVFP4
+    for name, folder in (("bank", bank), ("apart", apart)):
+        assert run("pack", folder, tmp_path / f"out-{name}", "--device", "cpu", "-q").code == 0
+    bank_out, apart_out = (read_tensors(tmp_path / f"out-{n}") for n in ("bank", "apart"))
+    assert sorted(bank_out) == sorted(apart_out)  # the shard's order is the source's: compared tensor by tensor
+    raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    assert all(torch.equal(raw(bank_out[k]), raw(apart_out[k])) for k in bank_out)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ("experts", r"expert bank holds 4 experts, config.json num_local_experts says 5"),
+    ("odd", r"63 rows do not split into gate_proj and up_proj of equal size"),
+    ("dtype", r"expert bank must be BF16, F16, F32, is I8"),
+    ("rank", r"expert bank must be 3-D \[experts, rows, columns\], is \[256, 32\]"),
+    ("transposed", r"expert bank \[4, 32, 64\] is not \[experts, rows, hidden_size\] for config.json hidden_size "
+                   r"32 \(a bank stored transposed is not read\)"),
+])
+def test_a_malformed_expert_bank_is_refused_in_one_line_naming_it(tmp_path, change, why):
+    src = _granite(tmp_path / "bank", False)
+    name = "model.layers.0.block_sparse_moe.input_linear.weight"
+    if change == "experts":
+        edit_config(src, lambda c: c.update(num_local_experts=5))
+    else:
+        def fn(t):
+            w = t[name]
+            t[name] = {"odd": lambda: w[:, :63].contiguous(), "dtype": lambda: w.to(torch.int8),
+                       "rank": lambda: w.reshape(-1, 32), "transposed": lambda: w.transpose(1, 2).contiguous()
+                       }[change]()
+        rewrite_tensors(src, fn)
+    err = one_line_error(run("plan", src))
+    assert re.search(rf"model.safetensors: tensor {re.escape(name)}: {why}", err), err
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gpt_oss"])
+def test_gemma4s_banks_split_per_expert_and_only_for_its_model_types(tmp_path, model_type):
+    """Gemma 4's ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]: per-expert gate, up and
+    down, each the bytes of its own rows; the same names in another model type (gpt-oss's BF16 release stores
+    ``gate_up_proj`` [E, H, 2I] interleaved) are not split."""
+    g = torch.Generator().manual_seed(3)
+    e, h, i = 4, 32, 16
+    w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(e, h, i, generator=g).to(torch.bfloat16)
+    layer = "model.language_model.layers.0.experts"
+    folder = tmp_path / "g"
+    folder.mkdir()
+    save_file({f"{layer}.gate_up_proj": w13, f"{layer}.down_proj": w2}, str(folder / "model.safetensors"))
+    top = "gemma4" if model_type == "gemma4_text" else model_type
+    (folder / "config.json").write_text(json.dumps({"model_type": top, "text_config": {
+        "model_type": model_type, "hidden_size": h, "num_experts": e, "moe_intermediate_size": i}}))
+    modules = discover_sources(open_checkpoint(folder))
+    if model_type != "gemma4_text":
+        assert set(modules) == {layer} and modules[layer]["gate_up_proj"].shape == (e, 2 * i, h)
+        return
+    reader = MappedReader(folder)
+    for x in range(e):
+        for leaf, want in (("gate_proj", w13[x, :i]), ("up_proj", w13[x, i:]), ("down_proj", w2[x])):
+            src = modules[f"{layer}.{x}.{leaf}"]["weight"]
+            assert (src.encoding, src.shape) == ("dense", tuple(want.shape))
+            assert bytes(reader.raw(src.parts[0])) == want.contiguous().view(torch.uint8).numpy().tobytes()

@@ -6,6 +6,8 @@
 - ``mxfp4``: compressed-tensors MXFP4, ``weight_packed`` + ``weight_scale`` (Kimi K3's routed experts);
 - ``fp8_block``: ``weight`` F8_E4M3 + ``weight_scale_inv``, tiles from ``weight_block_size`` (DeepSeek V3);
 - ``gpt_oss_mxfp4``: gpt-oss's 3-D MXFP4 expert banks, ``*_blocks`` + ``*_scales`` (+ ``*_bias``);
+- ``expert_bank``: fused 3-D expert banks in BF16 / F16 / F32 (IBM Granite's ``block_sparse_moe.input_linear`` /
+  ``output_linear``), split into per-expert dense byte ranges; after every claimer of a ``weight``, before dense;
 - ``deepseek_v4``: DeepSeek V4's ``weight`` + ``scale``: MXFP4 experts (I8 + F8_E8M0 [N, K/32], ``dsv4_mxfp4``) and
   block-FP8 linears (F8_E4M3 + F8_E8M0 or F32 tiles, ``dsv4_fp8``); before ``fp8_block``, which takes a bare
   F8_E4M3 ``weight``.
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING
 from .base import Claim, Encoding, MxCodes, Slice, SourceEncoding, SourceTensor, narrow, stored_name
 from .deepseek_v4 import DeepseekV4FP8, DeepseekV4MXFP4
 from .dense import Dense
+from .expert_bank import ExpertBank
 from .fp8_block import FP8Block, block_size
 from .gpt_oss_mxfp4 import GptOssMXFP4
 from .int4_pack import Int4Pack
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 
 #: Every encoding, in discovery order (claimers first, the dense fallback last).
 REGISTRY: list[SourceEncoding] = [Int4Pack(), MXFP4(), DeepseekV4MXFP4(), DeepseekV4FP8(), FP8Block(), GptOssMXFP4(),
-                                  Dense()]
+                                  ExpertBank(), Dense()]
 
 
 def of(src: SourceTensor) -> SourceEncoding:
@@ -146,6 +149,7 @@ __all__ = [
     "DeepseekV4MXFP4",
     "Dense",
     "Encoding",
+    "ExpertBank",
     "FP8Block",
     "GptOssMXFP4",
     "Int4Pack",

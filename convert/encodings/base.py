@@ -136,6 +136,13 @@ class SourceEncoding:
         refused with a ``ConvertError`` naming its file and tensor."""
         raise NotImplementedError
 
+    def splits_experts(self, name: str) -> bool:
+        """Whether the stored tensor ``name`` is an expert bank this encoding splits into routed experts held under
+        another module than its own (Granite's ``block_sparse_moe.input_linear.weight`` into
+        ``block_sparse_moe.experts.N.gate_proj``: ``expert_bank``): the plan's consistency check counts its claims
+        as the experts it gives. A bank stored in the experts module itself (gpt-oss) needs no answer here."""
+        return False
+
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
         """The refusal rules on the stored parts of one weight (dtypes, shapes, the scales' shape against
         the values'), before they become a :class:`SourceTensor`."""
@@ -194,8 +201,9 @@ def narrow(info: TensorInfo, index: int, stop: int | None = None) -> TensorInfo:
 
 
 def stored_name(part: TensorInfo) -> str:
-    """The name of the stored tensor ``part`` is (whole, or narrowed by :func:`narrow`)."""
+    """The name of the stored tensor ``part`` is (whole, or narrowed by :func:`narrow`, once or more: an expert's
+    rows ``NAME[e][0:I]``, ``expert_bank``)."""
     name = part.name
     if name.endswith("]") and "[" in name:
-        return name[: name.rindex("[")]
+        return name[: name.index("[")]
     return name

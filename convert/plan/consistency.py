@@ -87,6 +87,7 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[int, set[str]
     experts: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     others: set[str] = set()
     banked: list[str] = []
+    claimers, strays = encodings.claimers(), encodings.strays()
     for name in ckpt.tensors:
         short = m.strip(name)
         cut = short.rsplit(".", 3)
@@ -94,20 +95,22 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[int, set[str]
             experts[cut[0]][int(cut[1])].add(cut[2])
             continue
         mod = short.rpartition(".")[0]
-        if sets and under_set(mod):
-            banked.append(name)  # a tensor of the experts module itself: a 3-D bank (gpt-oss)
+        # a tensor of the experts module itself: a 3-D bank (gpt-oss); or a bank split into experts held under
+        # another module (Granite's input_linear into experts.N)
+        if sets and (under_set(mod) or any(enc.splits_experts(name) for enc in claimers.get(name.rpartition(".")[2],
+                                                                                              ()))):
+            banked.append(name)
         else:
             others.add(mod)
-    claimers, strays = encodings.claimers(), encodings.strays()
     for name in banked:
         suffix = name.rpartition(".")[2]
         for enc in strays.get(suffix, ()):  # a bank's scales without its codes: the encoding's own words
             enc.refuse_leftover(name, ckpt.tensors)
-        for enc in claimers.get(suffix, ()):
-            for c in enc.claim(name, ckpt.tensors, ckpt.config):
-                cut = m.strip(c.module).rsplit(".", 2)
-                if len(cut) == 3 and cut[1].isdigit():
-                    experts[cut[0]][int(cut[1])].add(cut[2])
+        for c in next((cs for enc in claimers.get(suffix, ()) if (cs := enc.claim(name, ckpt.tensors, ckpt.config))),
+                      ()):
+            cut = m.strip(c.module).rsplit(".", 2)
+            if len(cut) == 3 and cut[1].isdigit():
+                experts[cut[0]][int(cut[1])].add(cut[2])
     return experts, others
 
 

@@ -1,0 +1,141 @@
+"""Fused 3-D expert banks in high precision (BF16, F16 or F32): one stored tensor holding every routed expert of a
+layer and projection, split into the per-expert modules both engines load.
+
+IBM Granite 3.x / 4.0 (``GraniteMoeForCausalLM``, ``GraniteMoeSharedForCausalLM``, ``GraniteMoeHybridForCausalLM``)
+store a MoE layer's experts as ``block_sparse_moe.input_linear.weight`` [E, 2I, H] (each expert's gate rows, then its
+up rows: transformers' ``GraniteMoeParallelExperts`` / ``GraniteMoeMoE.forward`` chunks the output in two, the first
+half activated) and ``block_sparse_moe.output_linear.weight`` [E, H, I]. NVFP4 has one global scale per expert and
+projection, so the output holds one module per expert and projection, named as both engines' loaders read a
+per-expert quantized checkpoint:
+
+- vLLM 0.33: ``model_executor/layers/fused_moe/routed_experts.py`` ``RoutedExperts.load_weights`` with
+  ``build_expert_params_mapping``'s per-expert entries ``experts.{e}.gate_proj.`` / ``up_proj.`` / ``down_proj.``
+  (``GraniteMoeMoE`` builds ``FusedMoEFactory`` with the default checkpoint names ``gate_proj`` / ``up_proj`` /
+  ``down_proj``; ``granitemoeshared.py`` reuses ``GraniteMoeModel.load_weights``); ``granitemoehybrid.py``
+  ``GraniteMoeHybridModel.get_expert_mapping`` / ``load_weights._load_quant_expert``, the same names;
+- SGLang 0.5.23: ``models/granitemoe.py`` ``GraniteMoeForCausalLM._split_expert_params_mapping`` and
+  ``granitemoe_load_split_experts`` (its comment: llm-compressor "emits one tensor per expert per projection
+  (``experts.{e}.gate_proj.weight``, ``.weight_scale``, ...)"), which ``GraniteMoeSharedForCausalLM`` inherits;
+  ``granitemoehybrid.py`` ``GraniteMoeHybridForCausalLM.get_expert_mapping``, the same names.
+
+Google's Gemma 4 MoE (``Gemma4ForCausalLM``, ``model_type`` ``gemma4_text``; ``gemma4`` for the multimodal release)
+stores ``layers.N.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``experts.down_proj`` [E, H, I]
+under the experts module itself; both engines read per-expert ``experts.{e}.gate_proj`` / ``up_proj`` /
+``down_proj`` (vLLM 0.33 ``gemma4.py`` ``Gemma4DecoderLayer`` builds ``FusedMoEFactory`` with the default names:
+``RoutedExperts.load_weights`` as above; SGLang 0.5.23 ``gemma4_causal.py`` ``Gemma4ForCausalLM.load_weights``,
+its "per-expert checkpoint layout ... ModelOpt NVFP4 like nvidia/Gemma-4-*-NVFP4" mapping). These two layouts are
+read for Gemma 4's model types only: gpt-oss's BF16 release names its bank ``experts.gate_up_proj`` too, stored
+[E, H, 2I] with gate and up interleaved.
+
+One claim on a bank gives ``block_sparse_moe.experts.{e}.gate_proj`` / ``up_proj`` (rows ``0:I`` and ``I:2I`` of
+expert e) and ``block_sparse_moe.experts.{e}.down_proj``. Each is a byte range of the stored tensor (``base.narrow``
+twice), so each is a plain dense weight, read on its own, and the same weights stored per expert give the same
+bytes (``tests/test_encodings.py``). A family storing a bank transposed ([E, H, 2I]: Llama 4's ``gate_up_proj``) is
+not covered: its per-expert weight is no byte range.
+
+Refused, one line naming the tensor: a bank whose dtype is not a float one, that is not 3-D, whose first dimension
+is not the config's expert count, or whose rows do not split in equal parts (an odd 2I).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..safetensors_format import TensorInfo
+from .base import Claim, Encoding, SourceEncoding, SourceTensor, narrow, refused
+
+NAME = "expert_bank"
+FLOATS = frozenset({"BF16", "F16", "F32"})
+GEMMA4 = frozenset({"gemma4", "gemma4_text"})
+
+
+@dataclass(frozen=True)
+class Bank:
+    """How one family stores one projection of its experts as a bank: the stored tensor's name ending, the parent
+    of the per-expert modules the engines read (in the same layer), the leaves its rows split into (in row order,
+    equal parts), the config key of the expert count, the bank's dimension that is the model's width (1 for
+    [E, H, I], 2 for [E, 2I, H]: a bank stored the other way round is refused, not misread) and the model types
+    it is read for (none: any; a name as common as ``experts.gate_up_proj`` is another layout in gpt-oss's BF16
+    release, [E, H, 2I] with gate and up interleaved)."""
+
+    stored: str
+    experts: str
+    leaves: tuple[str, ...]
+    count_key: str
+    hidden: int
+    model_types: frozenset[str] = frozenset()
+
+
+#: Every bank layout this encoding splits (the sources: the module docstring).
+BANKS = (Bank("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts", ("gate_proj", "up_proj"),
+              "num_local_experts", 2),
+         Bank("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts", ("down_proj",),
+              "num_local_experts", 1),
+         Bank("experts.gate_up_proj", "experts", ("gate_proj", "up_proj"), "num_experts", 2, GEMMA4),
+         Bank("experts.down_proj", "experts", ("down_proj",), "num_experts", 1, GEMMA4))
+
+
+def _text(config: dict) -> dict:
+    sub = config.get("text_config")
+    return sub if isinstance(sub, dict) else config
+
+
+def bank_of(name: str, config: dict | None = None) -> Bank | None:
+    """The bank layout a stored tensor's name ends with, for ``config``'s model type (without a config: only a
+    layout read for any model type), or None."""
+    types = {config.get("model_type"), _text(config).get("model_type")} if config is not None else set()
+    return next((b for b in BANKS if name.endswith(f".{b.stored}") and (not b.model_types or b.model_types & types)),
+                None)
+
+
+class ExpertBank(SourceEncoding):
+    name = NAME
+    label = "BF16"  # the same word as dense: labels() names it once
+    anchors = frozenset(b.stored.rpartition(".")[2] for b in BANKS)
+
+    def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
+        bank = bank_of(name, config)
+        if bank is None:
+            return ()
+        info = tensors[name]
+        self.check((info,), config)
+        layer = name[: -len(bank.stored)]
+        e, n = info.shape[:2]
+        rows = n // len(bank.leaves)
+        out = []
+        for x in range(e):
+            whole = narrow(info, x)
+            for j, leaf in enumerate(bank.leaves):
+                m = f"{layer}{bank.experts}.{x}.{leaf}"
+                part = narrow(whole, j * rows, (j + 1) * rows) if len(bank.leaves) > 1 else whole
+                out.append(Claim(m, "weight", SourceTensor(m, f"{m}.weight", Encoding.DENSE, info.dtype,
+                                                           (rows, info.shape[2]), (part,))))
+        return tuple(out)
+
+    def splits_experts(self, name: str) -> bool:
+        """Granite's banks (``input_linear``) give experts under another module (``experts``)."""
+        return bank_of(name) is not None
+
+    def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
+        """A float dtype; [E, N, K] with E the config's expert count, the bank's width dimension the config's
+        ``hidden_size`` and N a multiple of the bank's leaves."""
+        (info,) = parts
+        bank = bank_of(info.name, config)
+        assert bank is not None
+        if info.dtype not in FLOATS:
+            raise refused(info, f"expert bank must be {', '.join(sorted(FLOATS))}, is {info.dtype} (a quantized "
+                                "bank of this layout is not read)")
+        if len(info.shape) != 3:
+            raise refused(info, f"expert bank must be 3-D [experts, rows, columns], is {list(info.shape)}")
+        text = _text(config)
+        count, width = text.get(bank.count_key), text.get("hidden_size")
+        if isinstance(count, int) and info.shape[0] != count:
+            raise refused(info, f"expert bank holds {info.shape[0]} experts, config.json {bank.count_key} says "
+                                f"{count}")
+        if isinstance(width, int) and info.shape[bank.hidden] != width:
+            want = "[experts, rows, hidden_size]" if bank.hidden == 2 else "[experts, hidden_size, columns]"
+            raise refused(info, f"expert bank {list(info.shape)} is not {want} for config.json hidden_size {width} "
+                                "(a bank stored transposed is not read)")
+        if info.shape[1] % len(bank.leaves):
+            raise refused(info, f"{info.shape[1]} rows do not split into {' and '.join(bank.leaves)} of equal size")
