@@ -476,9 +476,9 @@ FINDINGS = {
         "_add_loadable_non_param_tensors takes persistent buffers, SGLang's loaders every buffer), so the "
         "checkpoint's layer_scalar (a persistent buffer in vLLM gemma4.py and SGLang gemma4_causal.py) is stored, "
         "not skipped; the router's BF16 `scale` vector is no longer read as a DeepSeek V4 scale without its weight "
-        "(encodings/deepseek_v4.py refuses a stray `scale` only in a scale dtype). Derive stops at the routed "
-        "experts, fused 3-D banks (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]), which derive "
-        "refuses: the banks are another helper's work (issue 38)"),
+        "(encodings/deepseek_v4.py refuses a stray `scale` only in a scale dtype). The routed experts, fused 3-D banks "
+        "(experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]), are split per expert by the expert_bank "
+        "encoding (branch i38-banks, merged): both engines read the output right"),
     "LongcatFlashForCausalLM": (
         "SGLang: an engine fault. SGLang 0.5.23 longcat_flash.py LongcatFlashDecoderLayer reads "
         "`\"rope_theta\" in getattr(config, \"rope_parameters\", {})`, and its own config class "
