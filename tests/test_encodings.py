@@ -204,6 +204,14 @@ def test_a_fused_bf16_expert_bank_packs_as_the_same_weights_stored_per_expert(tm
     assert all(torch.equal(raw(bank_out[k]), raw(apart_out[k])) for k in bank_out)
 
 
+def test_inspect_counts_a_fused_banks_experts(tmp_path):
+    """``inspect`` reads a Granite bank [E, 2I, H] as E experts of gate weight [I, H] (no "no expert weights")."""
+    r = run("inspect", _granite(tmp_path / "bank", False))
+    assert r.code == 0, r.stderr
+    assert "tensors          4 experts per layer, expert gate weight [32, 32]" in r.stdout
+    assert "warning" not in r.stdout
+
+
 @pytest.mark.parametrize(("change", "why"), [
     ("experts", r"expert bank holds 4 experts, config.json num_local_experts says 5"),
     ("odd", r"63 rows do not split into gate_proj and up_proj of equal size"),
