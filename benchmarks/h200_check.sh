@@ -18,6 +18,9 @@
 #   ct-gpu    the same input: pack --device auto and cpu against llm-compressor's model_free_ptq on device="cuda"
 #             (max_workers 1; benchmarks/ct_speed.py)
 #   kl-gpu    the same on synth bench-kimi-linear (2.4 GB, 4 files), the peer with max_workers 1 and 2
+#   families  issue 38's bench-* presets of the 2026 families ($FAMILIES) packed against the disk floor with
+#             --device cpu, input evicted, medians of $FAMILY_REPEAT (benchmarks/pack_throughput.py --quantize-alone),
+#             on every CPU and on two (taskset -c 0,1: $FAMILY_CPUS), one Markdown report each
 # Every stage's logs go to /tmp/kc-check/logs, copied to $OUT/logs.tgz after each stage (the device tool returns
 # at most 8 files); the last lines of each stage are printed. DEADLINE (s, default 560): a stage starts only if
 # its estimate fits before it, and is stopped there. Inputs are kept in $WORK between calls on a warm machine.
@@ -119,6 +122,21 @@ stage() {
     $PY benchmarks/ct_speed.py "${src[@]}" --device auto cpu --peer-device cuda --peer-workers "${workers[@]}" \
       --stats-dir "$L/$1-stats" --work "$W/$1" --json "$L/$1.json" > "$L/$1.log" 2>&1
     local rc=$?; tail -6 "$L/$1.log"; rm -rf "$W/$1"; return $rc ;;
+  families)
+    local rc=0 f c
+    for f in ${FAMILIES:-bench-minimax-m3 bench-kimi-k25 bench-glm5-next bench-deepseek-v4}; do
+      [ -n "${DRY:-}" ] && f=${f/bench-/tiny-}
+      synth "fam-$f" "$f"
+      for c in ${FAMILY_CPUS:-all 2}; do
+        local pin=()
+        [ "$c" = all ] || pin=(taskset -c "0-$((c - 1))")
+        "${pin[@]}" $PY benchmarks/pack_throughput.py --input "$W/fam-$f" --workdir "$W/fam-work" --quantize-alone \
+          --repeat "${FAMILY_REPEAT:-3}" > "$L/families-$f-cpus$c.md" 2>&1 || rc=1
+        grep -E "^disk floor|^CPU floor|^\| [0-9]" "$L/families-$f-cpus$c.md" | head -6 | sed "s|^|$f cpus $c: |"
+      done
+      rm -rf "$W/fam-$f" "$W/fam-work"
+    done
+    return $rc ;;
   *) echo "unknown stage $1"; return 2 ;;
   esac
 }
@@ -128,6 +146,7 @@ stage() {
 #: TEST_K selection of session 21 (225 tests, -n 8: 280 s; the whole matrix, 326 tests, asks a call of its own)
 estimate() { case $1 in tests) echo 300 ;; k3-auto) echo 145 ;; k3-gpu) echo 190 ;; k3-cpu) echo 250 ;;
   ct-auto) echo 180 ;; ct-gpu) echo 120 ;; kl-gpu) echo 90 ;; k25-auto) echo 150 ;; dsv4-auto) echo 130 ;;
+  families) echo 240 ;;
   *) echo 0 ;; esac; }
 
 if [ "${1:-}" = __stage ]; then stage "$2"; exit $?; fi

@@ -8,8 +8,9 @@ Why: ``import torch`` takes 3.6-5 s on the H200 machine, and until it returns a 
 of a 10 GB one-file input's 13-16 s: docs/compressed-tensors.md). A stream now computes the units this module
 takes while torch loads (``--device auto``: until its runner is made, then the runner measures and chooses), and
 with ``--device cpu`` always: a dense, FP8, Kimi K3 or Kimi K2.5 checkpoint is then converted without importing
-torch at all. Anything else (an MXFP4 weight not cast, fp16 weights, an FP8 weight kept, a slice of a stored
-tensor, NVIDIA's recipe with ``KIMI_CONVERT_RECIPE_KERNELS=torch``) is ``compute.compute_unit``'s.
+torch at all (an FP8 weight kept is decoded to BF16 here too). Anything else (an MXFP4 weight not cast, fp16
+weights, a slice of a stored tensor, NVIDIA's recipe with ``KIMI_CONVERT_RECIPE_KERNELS=torch``) is
+``compute.compute_unit``'s.
 """
 
 from __future__ import annotations
@@ -252,6 +253,19 @@ class CUnit(Results):
         decoded = decode_fp8_block(s, self.reader, self.block).reshape(-1).view(np.uint8)
         return Stored(s, decoded, "F32", self.lib, self.threads)
 
+    def decoded(self, it: Item) -> None:
+        """A kept linear layer stored FP8 (``Operation.DECODE``: the C row of ``steps`` takes only these), each
+        source decoded to fp32 (``decode_fp8_block``) and rounded to bf16 as torch rounds on the CPU (``to_bf16``),
+        into the unit's pool buffer: ``compute.TorchUnit.decoded``'s bytes and note."""
+        chunks = []
+        for s in it.sources:
+            v = decode_fp8_block(s, self.reader, self.block).reshape(-1)
+            out = self.carve(2 * v.size).view(np.uint16)
+            to_bf16(v, out)
+            chunks.append(out.view(np.uint8))
+        self.res.outputs[it.outputs[0].name] = Output(chunks)
+        self.res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
+
     def raw(self, part) -> np.ndarray:
         """A stored tensor's bytes as read."""
         return self.reader.raw(part)
@@ -308,6 +322,17 @@ class EarlyCompute:
             pool.put(arena.buf)
             raise
         return res, arena.buf
+
+
+def to_bf16(x: np.ndarray, out: np.ndarray) -> None:
+    """fp32 values ``x`` into ``out`` (uint16) as bf16, rounded to nearest even, as torch's CPU
+    ``Tensor.to(torch.bfloat16)`` (a NaN of either sign becomes 0xFFFF there: ATen's vectorized
+    ``cvtfp32_bf16``; tests/test_early.py holds the bytes to torch's)."""
+    b = x.view(np.uint32)
+    out[:] = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0xFFFF
 
 
 def flat_bytes(a) -> np.ndarray:

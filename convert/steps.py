@@ -31,9 +31,15 @@ def _decode(items: list[Item], unit) -> None:
         unit.decoded(it)
 
 
+def _c_decodes(it: Item, form: Callable[[object], str | None]) -> bool:
+    """The C backend decodes FP8 sources only (``compute_early.CUnit.decoded``); MXFP4 kept and views: torch's."""
+    return all(form(s) == "fp8" for s in it.sources)
+
+
 def _table() -> dict[tuple[str, str], Step]:
     """Copies and decodes (the backends' own, no scheme's), and every scheme's steps."""
-    table = {("copy", C): Step(_copy), ("copy", TORCH): Step(_copy), ("decode", TORCH): Step(_decode)}
+    table = {("copy", C): Step(_copy), ("copy", TORCH): Step(_copy), ("decode", TORCH): Step(_decode),
+             ("decode", C): Step(_decode, accepts=_c_decodes)}
     for scheme in SCHEMES.values():
         table.update(scheme.STEPS)
     return table

@@ -104,7 +104,7 @@ def bf16_scale_ckpt(tmp_path_factory):
     return _edited(tmp_path_factory, "tiny-minimax-m2", 1, _bf16_scales)
 
 
-def _same_as_compute_unit(ckpt_dir, recipe: str) -> list:
+def _same_as_compute_unit(ckpt_dir, recipe: str | None) -> list:
     """Every unit ``compute_early`` takes gives compute_unit's bytes, tensor by tensor, and its notes; the units."""
     ckpt, plan = load_plan(ckpt_dir, Options(recipe=recipe))
     cpu, block = get_backend("cpu", 2), fp8_block_size(ckpt.config)
@@ -144,6 +144,36 @@ def test_each_fp8_unit_matches_compute_unit(fp8_ckpt, bf16_scale_ckpt, recipe):
         taken = _same_as_compute_unit(ckpt_dir, recipe)
         assert any(s.encoding == "fp8_block" for u in taken for it in u.items if it.kind == "nvfp4"
                    for s in it.sources), ckpt_dir
+
+
+@pytest.fixture(scope="module")
+def v32_fp8_ckpt(tmp_path_factory):
+    """DeepSeek V3.2: its indexer's wk and the MTP layer's projections kept, stored FP8 (decoded to BF16)."""
+    return _edited(tmp_path_factory, "tiny-deepseek-v3-2", 2, _fp8_edges)
+
+
+def test_each_kept_fp8_unit_is_decoded_here_as_compute_unit(v32_fp8_ckpt):
+    """A kept layer stored FP8 (every e4m3 code, products subnormal and large) decoded to BF16 by the C backend:
+    compute_unit's bytes and note, and every such unit of the plan taken."""
+    taken = _same_as_compute_unit(v32_fp8_ckpt, None)
+    _, plan = load_plan(v32_fp8_ckpt, Options())
+    decoded = [u for u in plan.units if any(it.operation == "decode" for it in u.items)]
+    assert decoded and all(u in taken for u in decoded)
+    assert {s.encoding for u in decoded for it in u.items for s in it.sources} == {"fp8_block"}
+
+
+def test_to_bf16_rounds_as_torch_on_the_cpu():
+    """Every class of fp32 value (ties to even both ways, subnormals, the largest finite, infinities, NaNs of
+    either sign and payload) gives torch's CPU bf16 bits."""
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0x3F808000, 0x3F818000, 0x3F807FFF, 0x00008000, 0x80018000, 0x7F7FFFFF,
+                                     0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001,
+                                     0, 0x80000000], dtype=np.uint32)])
+    x = bits.view(np.float32)
+    out = np.empty(x.size, dtype=np.uint16)
+    compute_early.to_bf16(x, out)
+    assert np.array_equal(out, torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
 
 
 def _int4_edges(tensors: dict[str, torch.Tensor]) -> None:
@@ -335,11 +365,12 @@ def test_dense_pack_on_the_cpus_never_imports_torch(edge_ckpt, tmp_path, recipe)
 
 @pytest.mark.parametrize(("preset", "recipe", "needs_torch"), [("tiny-k3", "", False), ("tiny-deepseek-fp8", "", False),
                                                                 ("tiny-kimi-k25", "", False),
+                                                                ("tiny-deepseek-v3-2", "", False),
                                                                 ("tiny-gpt-oss", "", True)])
 def test_pack_takes_what_it_can_and_torch_the_rest(preset, recipe, needs_torch, tmp_path):
-    """Kimi K3 under NVIDIA's recipe, DeepSeek V3 (FP8 weights, decoded here) and Kimi K2.5 (INT4 experts, decoded
-    here) pack wholly without torch, never importing it; gpt-oss (its banks: torch's) with torch: each the same files
-    as the torch code alone."""
+    """Kimi K3 under NVIDIA's recipe, DeepSeek V3 (FP8 weights, decoded here), Kimi K2.5 (INT4 experts, decoded
+    here) and DeepSeek V3.2 (its kept FP8 layers decoded to BF16 here) pack wholly without torch, never importing
+    it; gpt-oss (its banks: torch's) with torch: each the same files as the torch code alone."""
     src = write_synth(preset, tmp_path / "src", seed=0)
     early = _pack("early", src, tmp_path / "early", recipe)
     torch_code = _pack("torch", src, tmp_path / "torch", recipe)
