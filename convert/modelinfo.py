@@ -120,14 +120,15 @@ _BANK = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.gate_up_proj_blocks$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _fused_bank(name: str, t, info: ModelInfo) -> int | None:
+def _fused_bank(name: str, t, info: ModelInfo) -> tuple[int, int] | None:
     """The layer of a fused BF16 gate/up bank of every expert (Granite's ``block_sparse_moe.input_linear``, Gemma 4's
-    ``experts.gate_up_proj``: the layouts convert/encodings/expert_bank.py splits), or None."""
+    and Llama 4's ``experts.gate_up_proj``: the layouts convert/encodings/expert_bank.py splits) and the bank's
+    dimension of 2I, or None."""
     bank = bank_of(name, {"model_type": info.model_type})
     layer = _LAYER.search(name)
     if bank is None or len(bank.leaves) != 2 or len(t.shape) != 3 or layer is None:
         return None
-    return int(layer.group(1))
+    return int(layer.group(1)), bank.split
 
 
 def add_tensors(info: ModelInfo, tensors: dict) -> None:
@@ -140,9 +141,9 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
             found.setdefault(int(b.group(1)), set()).update(range(t.shape[0]))
             shape = shape or [t.shape[1] // 2, t.shape[2] * t.shape[3] * 2]
             continue
-        if (fused := _fused_bank(name, t, info)) is not None:  # [E, 2I, H] in BF16: gate rows, then up rows
-            found.setdefault(fused, set()).update(range(t.shape[0]))
-            shape = shape or [t.shape[1] // 2, t.shape[2]]
+        if (fused := _fused_bank(name, t, info)) is not None:  # [E, 2I, H] in BF16 ([E, H, 2I] transposed)
+            found.setdefault(fused[0], set()).update(range(t.shape[0]))
+            shape = shape or [t.shape[fused[1]] // 2, t.shape[3 - fused[1]]]
             continue
         m = _EXPERT.search(name)
         if not m:
