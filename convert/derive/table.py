@@ -164,9 +164,9 @@ def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = 
     """Why the engine's routed experts cannot be read off the stand-in, one line each (empty: they can):
 
     - a source weight that fills several experts of the engine's bank in one tensor (a BF16 gpt-oss
-      ``gate_up_proj``, Llama 4's transposed ``gate_up_proj``): a fused 3-D bank that no source encoding splits into
-      per-expert modules (``encodings/expert_bank.py`` splits Granite's and Gemma 4's, so the stand-in offers
-      those per expert);
+      ``gate_up_proj``): a fused 3-D bank that no source encoding splits into per-expert modules
+      (``encodings/expert_bank.py`` splits Granite's, Gemma 4's and Llama 4's, so the stand-in offers those per
+      expert);
     - a per-expert source weight (``experts.N.x``) the loader put nowhere in a layer where the engine builds a
       bank (gpt-oss, whose plain build reads the experts only under the release's 3-D names): the bank's
       members and fusions are not seen.
