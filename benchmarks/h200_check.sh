@@ -134,7 +134,7 @@ stage() {
           --repeat "${FAMILY_REPEAT:-3}" > "$L/families-$f-cpus$c.md" 2>&1 || rc=1
         grep -E "^disk floor|^CPU floor|^\| [0-9]" "$L/families-$f-cpus$c.md" | head -6 | sed "s|^|$f cpus $c: |"
       done
-      rm -rf "$W/fam-$f" "$W/fam-work"
+      rm -rf "$W/fam-$f" "$W/fam-work"; save  # each preset's report back even if the call is cut
     done
     return $rc ;;
   *) echo "unknown stage $1"; return 2 ;;
