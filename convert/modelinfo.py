@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import mistral_checkpoint
 from .checkpoint import INDEX_NAME, load_json, open_checkpoint
+from .encodings.expert_bank import bank_of
 from .errors import ConvertError
 from .sources import EntryKind, Source
 from .sources.hub import is_hub_spec
@@ -116,6 +117,18 @@ _EXPERT = re.compile(
 
 #: gpt-oss's MXFP4 3-D bank of a layer's experts (convert/encodings/gpt_oss_mxfp4.py)
 _BANK = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.gate_up_proj_blocks$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _fused_bank(name: str, t, info: ModelInfo) -> tuple[int, int] | None:
+    """The layer of a fused BF16 gate/up bank of every expert (Granite's ``block_sparse_moe.input_linear``, Gemma 4's
+    and Llama 4's ``experts.gate_up_proj``: the layouts convert/encodings/expert_bank.py splits) and the bank's
+    dimension of 2I, or None."""
+    bank = bank_of(name, {"model_type": info.model_type})
+    layer = _LAYER.search(name)
+    if bank is None or len(bank.leaves) != 2 or len(t.shape) != 3 or layer is None:
+        return None
+    return int(layer.group(1)), bank.split
 
 
 def add_tensors(info: ModelInfo, tensors: dict) -> None:
@@ -127,6 +140,10 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         if (b := _BANK.search(name)) and len(t.shape) == 4:  # [E, 2I, H/32, 16]: gate and up interleaved
             found.setdefault(int(b.group(1)), set()).update(range(t.shape[0]))
             shape = shape or [t.shape[1] // 2, t.shape[2] * t.shape[3] * 2]
+            continue
+        if (fused := _fused_bank(name, t, info)) is not None:  # [E, 2I, H] in BF16 ([E, H, 2I] transposed)
+            found.setdefault(fused[0], set()).update(range(t.shape[0]))
+            shape = shape or [t.shape[fused[1]] // 2, t.shape[3 - fused[1]]]
             continue
         m = _EXPERT.search(name)
         if not m:

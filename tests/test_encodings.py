@@ -219,13 +219,21 @@ def test_a_fused_bf16_expert_bank_packs_as_the_same_weights_stored_per_expert(tm
     assert all(torch.equal(raw(bank_out[k]), raw(apart_out[k])) for k in bank_out)
 
 
+def test_inspect_counts_a_fused_banks_experts(tmp_path):
+    """``inspect`` reads a Granite bank [E, 2I, H] as E experts of gate weight [I, H] (no "no expert weights")."""
+    r = run("inspect", _granite(tmp_path / "bank", False))
+    assert r.code == 0, r.stderr
+    assert "tensors          4 experts per layer, expert gate weight [32, 32]" in r.stdout
+    assert "warning" not in r.stdout
+
+
 @pytest.mark.parametrize(("change", "why"), [
     ("experts", r"expert bank holds 4 experts, config.json num_local_experts says 5"),
     ("odd", r"63 rows do not split into gate_proj and up_proj of equal size"),
     ("dtype", r"expert bank must be BF16, F16, F32, is I8"),
     ("rank", r"expert bank must be 3-D \[experts, rows, columns\], is \[256, 32\]"),
-    ("transposed", r"expert bank \[4, 32, 64\] is not \[experts, rows, hidden_size\] for config.json hidden_size "
-                   r"32 \(a bank stored transposed is not read\)"),
+    ("transposed", r"expert bank \[4, 32, 64\] is not \[experts, N, hidden_size\] for config.json hidden_size "
+                   r"32 \(a bank in the other orientation is not read as this layout\)"),
 ])
 def test_a_malformed_expert_bank_is_refused_in_one_line_naming_it(tmp_path, change, why):
     src = _granite(tmp_path / "bank", False)
@@ -269,3 +277,36 @@ def test_gemma4s_banks_split_per_expert_and_only_for_its_model_types(tmp_path, m
             src = modules[f"{layer}.{x}.{leaf}"]["weight"]
             assert (src.encoding, src.shape) == ("dense", tuple(want.shape))
             assert bytes(reader.raw(src.parts[0])) == want.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_llama4s_transposed_banks_split_into_each_experts_columns_swapped(tmp_path):
+    """Llama 4's ``feed_forward.experts.gate_up_proj`` [E, H, 2I] (gate columns, then up) and ``down_proj``
+    [E, I, H]: each expert's gate, up and down are its columns swapped, [I, H] and [H, I], read from its own slice
+    of the bank (an ``expert_bank`` source with a column view, transposed by its decode), exactly the same weights
+    stored per expert."""
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 4, 32, 32
+    w13 = torch.randn(e, h, 2 * i, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(e, i, h, generator=g).to(torch.bfloat16)
+    layer = "model.layers.0.feed_forward.experts"
+    config = {"model_type": "llama4_text", "hidden_size": h, "num_local_experts": e, "intermediate_size": i}
+    stored = {f"{layer}.gate_up_proj": w13, f"{layer}.down_proj": w2}
+    apart = {f"{layer}.{x}.{leaf}.weight": w.t().contiguous() for x in range(e)
+             for leaf, w in (("gate_proj", w13[x, :, :i]), ("up_proj", w13[x, :, i:]), ("down_proj", w2[x]))}
+    folders = []
+    for name, tensors in (("bank", stored), ("apart", apart)):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        folders.append(folder)
+    modules = discover_sources(open_checkpoint(folders[0]))
+    up = modules[f"{layer}.2.up_proj"]["weight"]
+    assert (up.encoding, up.shape, up.parts[0].name, up.view) == (
+        "expert_bank", (i, h), f"{layer}.gate_up_proj[2]", (Slice(1, i, 2 * i),))
+    reader = MappedReader(folders[0])
+    for x in range(e):
+        for leaf in ("gate_proj", "up_proj", "down_proj"):
+            src = modules[f"{layer}.{x}.{leaf}"]["weight"]
+            got = encodings.decode(src, [reader.tensor(p) for p in src.parts], (128, 128))
+            assert torch.equal(got, apart[f"{layer}.{x}.{leaf}.weight"])

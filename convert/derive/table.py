@@ -163,9 +163,10 @@ def in_quant_builds(view: EngineView, module: str) -> bool:
 def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
     """Why the engine's routed experts cannot be read off the stand-in, one line each (empty: they can):
 
-    - a source weight that fills several experts of the engine's bank in one tensor (GraniteMoe's
-      ``input_linear`` [E, 2I, H] into ``w13_weight``; a BF16 gpt-oss ``gate_up_proj``): a fused 3-D bank, which
-      this tool quantizes only as per-expert modules;
+    - a source weight that fills several experts of the engine's bank in one tensor (a BF16 gpt-oss
+      ``gate_up_proj``): a fused 3-D bank that no source encoding splits into per-expert modules
+      (``encodings/expert_bank.py`` splits Granite's, Gemma 4's and Llama 4's, so the stand-in offers those per
+      expert);
     - a per-expert source weight (``experts.N.x``) the loader put nowhere in a layer where the engine builds a
       bank (gpt-oss, whose plain build reads the experts only under the release's 3-D names): the bank's
       members and fusions are not seen.
@@ -177,7 +178,8 @@ def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = 
         shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
         if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1:
             out.append(f"{s['tensor']} {list(shape)} fills every expert of {view.label}'s {s['param']} in one tensor: "
-                       "a fused 3-D expert bank, which this tool quantizes only as per-expert modules")
+                       "a fused 3-D expert bank that no source encoding splits per expert (this tool quantizes "
+                       "experts only as per-expert modules; encodings/expert_bank.py names the layouts it splits)")
     banks = {_layer_of(m) for m, info in view.modules.items() if info.get("kind") == "moe"}
     for t in view.skipped:
         if _EXPERT.search(t) and t.endswith(".weight") and _layer_of(t) in banks:

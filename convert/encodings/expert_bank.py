@@ -30,8 +30,17 @@ read for Gemma 4's model types only: gpt-oss's BF16 release names its bank ``exp
 One claim on a bank gives ``block_sparse_moe.experts.{e}.gate_proj`` / ``up_proj`` (rows ``0:I`` and ``I:2I`` of
 expert e) and ``block_sparse_moe.experts.{e}.down_proj``. Each is a byte range of the stored tensor (``base.narrow``
 twice), so each is a plain dense weight, read on its own, and the same weights stored per expert give the same
-bytes (``tests/test_encodings.py``). A family storing a bank transposed ([E, H, 2I]: Llama 4's ``gate_up_proj``) is
-not covered: its per-expert weight is no byte range.
+bytes (``tests/test_encodings.py``).
+
+Llama 4 (``Llama4ForCausalLM``, ``model_type`` ``llama4_text``; ``llama4`` for the multimodal release) stores its
+banks transposed: ``feed_forward.experts.gate_up_proj`` [E, H, 2I] (gate columns, then up: transformers'
+``Llama4TextExperts`` ``gate_up.chunk(2, dim=-1)``) and ``feed_forward.experts.down_proj`` [E, I, H]. vLLM 0.33 reads
+per-expert ``feed_forward.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` [out, in] (``llama4.py``
+``Llama4Model.load_weights``, its non-fused ``expert_params_mapping``; the fused bank it transposes on load,
+``load_moe_expert_weights``); SGLang 0.5.23's text class reads no experts in any form (``llama4.py``
+``Llama4ForCausalLM`` inherits ``llama.py`` ``LlamaForCausalLM.load_weights``). An expert's weight is then its
+columns of the bank, swapped: no byte range, so those claims are this encoding's (``Slice`` on the columns, then
+:meth:`ExpertBank.decode` transposes, exactly).
 
 Refused, one line naming the tensor: a bank whose dtype is not a float one, that is not 3-D, whose first dimension
 is not the config's expert count, or whose rows do not split in equal parts (an odd 2I).
@@ -41,13 +50,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..safetensors_format import TensorInfo
-from .base import Claim, Encoding, SourceEncoding, SourceTensor, narrow, refused
+from .base import Claim, Encoding, Slice, SourceEncoding, SourceTensor, narrow, refused
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "expert_bank"
 FLOATS = frozenset({"BF16", "F16", "F32"})
 GEMMA4 = frozenset({"gemma4", "gemma4_text"})
+LLAMA4 = frozenset({"llama4", "llama4_text"})
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,12 @@ class Bank:
     count_key: str
     hidden: int
     model_types: frozenset[str] = frozenset()
+    transposed: bool = False  # stored [E, in, out] (Llama 4): each expert's weight is its columns, swapped
+
+    @property
+    def split(self) -> int:
+        """The bank's dimension its leaves split (an expert's output dimension)."""
+        return 2 if self.transposed else 1
 
 
 #: Every bank layout this encoding splits (the sources: the module docstring).
@@ -73,7 +93,11 @@ BANKS = (Bank("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts"
          Bank("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts", ("down_proj",),
               "num_local_experts", 1),
          Bank("experts.gate_up_proj", "experts", ("gate_proj", "up_proj"), "num_experts", 2, GEMMA4),
-         Bank("experts.down_proj", "experts", ("down_proj",), "num_experts", 1, GEMMA4))
+         Bank("experts.down_proj", "experts", ("down_proj",), "num_experts", 1, GEMMA4),
+         Bank("feed_forward.experts.gate_up_proj", "feed_forward.experts", ("gate_proj", "up_proj"),
+              "num_local_experts", 1, LLAMA4, transposed=True),
+         Bank("feed_forward.experts.down_proj", "feed_forward.experts", ("down_proj",), "num_local_experts", 2, LLAMA4,
+              transposed=True))
 
 
 def _text(config: dict) -> dict:
@@ -89,6 +113,19 @@ def bank_of(name: str, config: dict | None = None) -> Bank | None:
                 None)
 
 
+def _source(bank: Bank, info: TensorInfo, x: int, j: int, module: str) -> SourceTensor:
+    """Expert ``x``'s ``j``-th leaf: rows of its slice of the bank, a dense byte range; in a transposed bank, columns
+    of its slice, swapped by :meth:`ExpertBank.decode` (no byte range holds them)."""
+    n = info.shape[bank.split] // len(bank.leaves)
+    shape = (n, info.shape[3 - bank.split])
+    whole = narrow(info, x)
+    if bank.transposed:
+        view = (Slice(1, j * n, (j + 1) * n),) if len(bank.leaves) > 1 else ()
+        return SourceTensor(module, f"{module}.weight", NAME, info.dtype, shape, (whole,), view)
+    part = narrow(whole, j * n, (j + 1) * n) if len(bank.leaves) > 1 else whole
+    return SourceTensor(module, f"{module}.weight", Encoding.DENSE, info.dtype, shape, (part,))
+
+
 class ExpertBank(SourceEncoding):
     name = NAME
     label = "BF16"  # the same word as dense: labels() names it once
@@ -101,16 +138,11 @@ class ExpertBank(SourceEncoding):
         info = tensors[name]
         self.check((info,), config)
         layer = name[: -len(bank.stored)]
-        e, n = info.shape[:2]
-        rows = n // len(bank.leaves)
         out = []
-        for x in range(e):
-            whole = narrow(info, x)
+        for x in range(info.shape[0]):
             for j, leaf in enumerate(bank.leaves):
                 m = f"{layer}{bank.experts}.{x}.{leaf}"
-                part = narrow(whole, j * rows, (j + 1) * rows) if len(bank.leaves) > 1 else whole
-                out.append(Claim(m, "weight", SourceTensor(m, f"{m}.weight", Encoding.DENSE, info.dtype,
-                                                           (rows, info.shape[2]), (part,))))
+                out.append(Claim(m, "weight", _source(bank, info, x, j, m)))
         return tuple(out)
 
     def splits_experts(self, name: str) -> bool:
@@ -134,8 +166,15 @@ class ExpertBank(SourceEncoding):
             raise refused(info, f"expert bank holds {info.shape[0]} experts, config.json {bank.count_key} says "
                                 f"{count}")
         if isinstance(width, int) and info.shape[bank.hidden] != width:
-            want = "[experts, rows, hidden_size]" if bank.hidden == 2 else "[experts, hidden_size, columns]"
+            want = "[experts, N, hidden_size]" if bank.hidden == 2 else "[experts, hidden_size, N]"
             raise refused(info, f"expert bank {list(info.shape)} is not {want} for config.json hidden_size {width} "
-                                "(a bank stored transposed is not read)")
-        if info.shape[1] % len(bank.leaves):
-            raise refused(info, f"{info.shape[1]} rows do not split into {' and '.join(bank.leaves)} of equal size")
+                                "(a bank in the other orientation is not read as this layout)")
+        if info.shape[bank.split] % len(bank.leaves):
+            what = "columns" if bank.transposed else "rows"
+            raise refused(info, f"{info.shape[bank.split]} {what} do not split into {' and '.join(bank.leaves)} of "
+                                "equal size")
+
+    def decode(self, src: SourceTensor, parts: Sequence[torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
+        """A transposed bank's expert (the other layouts' claims are dense byte ranges, never decoded here): its
+        [in, out] columns as [out, in], exact."""
+        return parts[0].t().contiguous()
