@@ -365,6 +365,12 @@ def test_a_head_an_engine_builds_unnamed_is_written_as_it_builds_it(tmp_path):
     ckpt, table = open_checkpoint(src), finish(tomli_w.dumps(t), "unnamed-sglang")
     assert head() == ("nvfp4", False) and head(layout="sglang") == ("nvfp4", False)
     assert head(layout="vllm") == ("keep", True)
+    from kimi_convert.errors import ConvertError
+    from kimi_convert.mapping import parse_mapping
+
+    bad = tomli_w.dumps({**t, "lm_head": {**t["lm_head"], "unnamed": {"modelopt": ["trt"]}}})
+    with pytest.raises(ConvertError, match=r"^x\.toml: lm_head\.unnamed\.modelopt: \[0\]: unknown engine 'trt'"):
+        parse_mapping(bad, "x.toml")
 
 
 def test_a_fused_3d_expert_bank_is_refused_not_derived():
