@@ -131,10 +131,11 @@ class ShardWriter:
         except OSError as e:
             self.abort()
             raise self._error(e) from None
-        half = len(shard.header) // 2
-        self._pwrite(shard.header[:half], 0)
+        header = shard.header
+        half = len(header) // 2
+        self._pwrite(header[:half], 0)
         faults.point("header")
-        self._pwrite(shard.header[half:], half)
+        self._pwrite(header[half:], half)
         self.placed = {p.tensor.name: p for p in shard.placed}
         self.written: dict[str, int] = {}
         self._unflushed = 0

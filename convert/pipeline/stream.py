@@ -121,7 +121,7 @@ def disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
     """Per shard, the byte ranges the writer hands to the shard's file hash: the header, each
     computed tensor whole, each pass-through slice."""
-    out = {f: [(0, len(s.header))] for f, s in shards.items()}
+    out = {f: [(0, s.header_len)] for f, s in shards.items()}
     where = {f: {p.tensor.name: p for p in s.placed} for f, s in shards.items()}  # once a shard, not a piece
     for pc in mine:
         placed = where[pc.unit.shard]

@@ -309,4 +309,4 @@ def _shard(name: str, units: list[list[OutTensor]]) -> Shard:
     head = encode_header(ordered, starts, ends)
     base = len(head)
     placed = tuple(map(Placed, ordered, [base + a for a in starts], [base + b for b in ends]))
-    return Shard(name, placed, head)
+    return Shard(name, placed, base)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ..encodings import Encoding as Encoding  # how a source stores a weight: the source encodings' data
 from ..encodings import SourceTensor
 from ..encodings.mxfp4 import GROUP as MXFP4_GROUP  # noqa: F401 (re-exported)
-from ..safetensors_format import DTYPES, TensorInfo
+from ..safetensors_format import DTYPES, TensorInfo, encode_header
 from ..schemes import SCHEMES, SchemeName
 from ..vocabulary import KEPT_FOR_ENGINE as KEPT_FOR_ENGINE  # the reason's mark of a module kept for the engines
 from ..vocabulary import KeepRule, Recipe, Skipped
@@ -127,11 +127,22 @@ class Placed(NamedTuple):  # a tuple: one per output tensor
 class Shard:
     file: str
     placed: tuple[Placed, ...]
-    header: bytes  # the 8-byte length and the JSON, padded so data starts 16-byte aligned
+    header_len: int  # the header's bytes: where the data starts
+
+    @property
+    def header(self) -> bytes:
+        """The 8-byte length and the JSON, padded so data starts 16-byte aligned: encoded from ``placed`` when
+        asked (by the writer and the file's hash, once each a shard), not held, because the released K3's 96
+        headers are 140 MiB of its plan (benchmarks/RESULTS.md, issue 43)."""
+        base = self.header_len
+        raw = encode_header([p.tensor for p in self.placed], [p.start - base for p in self.placed],
+                            [p.end - base for p in self.placed])
+        assert len(raw) == base, self.file  # the layout's own encoding, the same function and arguments
+        return raw
 
     @property
     def size(self) -> int:
-        return self.placed[-1].end if self.placed else len(self.header)
+        return self.placed[-1].end if self.placed else self.header_len
 
 
 @dataclass(frozen=True, slots=True)
