@@ -227,3 +227,95 @@ def test_mxfp4_experts_kept_as_stored_must_be_exact(tmp_path):
         assert rep.layers[0].exact and rep.layers[0].rows == 128
         if not ok:
             assert len(rep.failures()) == 1 and "expert 1 rows 9..9" in rep.failures()[0], rep.failures()
+
+
+def _llama4_qk_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """vLLM 0.33.0 ``llama4.py`` ``Llama4ForCausalLM.permute_qk_weight_for_rotary`` (and SGLang 0.5.23 ``mllama4.py``'s
+    ``permute``): each head's rows ``2i + j`` moved to ``j * head_dim / 2 + i`` (the interleaved rotary pairs of
+    the release, de-interleaved for the engines' NeoX rotary)."""
+    f_out, f_in = w.shape
+    return w.view(n_heads, f_out // n_heads // 2, 2, f_in).transpose(1, 2).reshape(f_out, f_in)
+
+
+class _Llama4Like(torch.nn.Module):
+    """A model whose loader reorders q/k rows the way vLLM's Llama 4 does (the method under the engine's name)."""
+
+    def __init__(self, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+
+    def permute_qk_weight_for_rotary(self, name: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
+        modules = name.split(".")
+        if modules[-1] in ("weight", "weight_packed") and ("q_proj" in modules or "k_proj" in modules):
+            w = _llama4_qk_permute(w, self.kv_heads if "k_proj" in modules else self.heads)
+        return name, w
+
+
+class _Offered:
+    def __init__(self, shapes: dict[str, list[int]]):
+        self.offered = {n: {"dtype": "bfloat16", "shape": s} for n, s in shapes.items()}
+
+
+def test_the_runner_takes_the_engines_own_qk_row_order():
+    """``row_orders`` runs the model's own reordering step on an index tensor: q and k get their head-wise
+    de-interleaving (by their own head counts), v, o and vision weights none."""
+    model = _Llama4Like(heads=4, kv_heads=2)
+    offered = _Offered({"model.layers.0.self_attn.q_proj.weight": [32, 16], "model.layers.0.self_attn.k_proj.weight":
+                        [16, 16], "model.layers.0.self_attn.v_proj.weight": [16, 16],
+                        "vision_model.model.layers.0.self_attn.q_proj.weight": [32, 16]})
+    got = runner_numerics.row_orders(model, offered)
+    assert sorted(got) == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert got["model.layers.0.self_attn.q_proj.weight"]["order"][:8] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert got["model.layers.0.self_attn.k_proj.weight"]["order"][8:16] == [8, 10, 12, 14, 9, 11, 13, 15]
+    assert got["model.layers.0.self_attn.q_proj.weight"]["by"].endswith("_Llama4Like.permute_qk_weight_for_rotary")
+    assert runner_numerics.row_orders(torch.nn.Linear(2, 2), offered) == {}
+
+
+def _qk_case(tmp_path, read: torch.Tensor, order: list[int] | None, q: torch.Tensor, scheme: str = "dense"):
+    spot = {"param": "m.weight", "row": 0, "rows": q.shape[0], "src_row": None}
+    if order is not None:
+        spot |= {"row_order": order, "row_order_by": "llama4.py: Llama4ForCausalLM.permute_qk_weight_for_rotary"}
+    layer = {"param": "m.weight", "kind": "linear", "scheme": scheme, "dtype": "torch.bfloat16"}
+    return _compare(tmp_path, layer, read, {"q.weight": [spot]}, FakeSources({"q.weight": q}))
+
+
+def test_qk_rows_the_engine_permutes_on_purpose_are_read_right(tmp_path):
+    """vLLM's Llama 4 q_proj: the engine holds the rows permuted. Without the engine's order the check calls every
+    row misread (the breadth run's 8 problems); with it the layer is exact."""
+    q = _weights(32, 16, 7)
+    held = _llama4_qk_permute(q.float(), 4)
+    order = runner_numerics.row_orders(_Llama4Like(4, 2), _Offered({"a.q_proj.weight": [32, 16]}))
+    order = order["a.q_proj.weight"]["order"]
+    assert not _qk_case(tmp_path, held, None, q).ok
+    rep = _qk_case(tmp_path, held, order, q)
+    assert rep.ok, rep.failures()
+    assert rep.layers[0].reordered == {"q.weight": "llama4.py: Llama4ForCausalLM.permute_qk_weight_for_rotary"}
+
+
+def test_qk_rows_permuted_otherwise_than_the_engine_does_still_fail(tmp_path):
+    """A truly misread q_proj is still caught: rows held as stored (not permuted), permuted with the kv head count,
+    or permuted twice, against the engine's order; and an order that is not a permutation is one problem line."""
+    q = _weights(32, 16, 8)
+    order = runner_numerics.row_orders(_Llama4Like(4, 2), _Offered({"a.q_proj.weight": [32, 16]}))
+    order = order["a.q_proj.weight"]["order"]
+    for wrong in (q.float(), _llama4_qk_permute(q.float(), 2), _llama4_qk_permute(_llama4_qk_permute(q.float(), 4), 4)):
+        rep = _qk_case(tmp_path, wrong, order, q)
+        assert not rep.ok and all("from q.weight" in p for p in rep.failures()), rep.failures()
+    rep = _qk_case(tmp_path, _llama4_qk_permute(q.float(), 4), [0] * 32, q)
+    assert rep.failures() == ["vllm: m.weight rows 0..31: llama4.py: Llama4ForCausalLM.permute_qk_weight_for_rotary "
+                              "gives q.weight a row order that is not a permutation of its rows"]
+
+
+def test_nvfp4_qk_rows_permuted_with_their_scales_are_read_right(tmp_path):
+    """An NVFP4 q_proj whose codes and block scales vLLM permuted together (its step permutes ``weight_scale`` rows
+    too): held to the NVFP4 bound of the permuted source rows; the codes permuted without their scales fail."""
+    q = _weights(32, 32, 9).float()
+    s2 = reference.global_scale(q.abs().max())
+    codes, scales = reference.quantize(q, s2)
+    order = runner_numerics.row_orders(_Llama4Like(4, 2), _Offered({"a.q_proj.weight": [32, 16]}))
+    order = order["a.q_proj.weight"]["order"]
+    held = runner_numerics.nvfp4(_llama4_qk_permute(codes, 4), _llama4_qk_permute(scales.view(torch.uint8), 4)
+                                 .view(scales.dtype), s2)
+    assert _qk_case(tmp_path, held, order, q.to(torch.bfloat16), "nvfp4").ok
+    codes_only = runner_numerics.nvfp4(_llama4_qk_permute(codes, 4), scales, s2)
+    assert not _qk_case(tmp_path, codes_only, order, q.to(torch.bfloat16), "nvfp4").ok

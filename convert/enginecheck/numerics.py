@@ -75,6 +75,7 @@ class LayerCheck:
     worst: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     kernel_read: dict | None = None  # the engine's own GEMM read the weight (runner_numerics._kernel_read)
+    reordered: dict[str, str] = field(default_factory=dict)  # tensor -> the engine step that reorders its rows
 
     @property
     def ok(self) -> bool:
@@ -198,7 +199,7 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
                                     f"{s['param']}")
                 continue
             placed.setdefault((s["param"], s.get("expert")), []).append(
-                (tensor, s["row"], s["rows"], s.get("src_row")))
+                (tensor, s["row"], s["rows"], s.get("src_row"), _order(s)))
     used: set[str] = set()
     with safe_open(str(folder / "numerics.safetensors"), framework="pt") as f:
         for layer in num.get("layers", []):
@@ -255,11 +256,17 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
     with rows that cannot be where the write put them is a problem of ``c`` instead (checked apart, so the
     report names each)."""
     refs, ok_spots = [], []
-    for tensor, row, n, src_row in sorted(spots, key=lambda s: s[1]):
+    for tensor, row, n, src_row, order in sorted(spots, key=lambda s: s[1]):
         used.add(tensor)
         if tensor not in decoded:
             decoded[tensor] = sources.ref(tensor)
         r = decoded[tensor]
+        if r is not None and order is not None:
+            c.reordered[tensor] = order[1]
+            if (r := _reordered(r, order[0])) is None:
+                c.problems.append(f"{where} rows {row}..{row + n - 1}: {order[1]} gives {tensor} a row order that is "
+                                  "not a permutation of its rows")
+                continue
         if r is None:
             c.problems.append(f"{where} rows {row}..{row + n - 1}: no source weight found for {tensor}")
             continue
@@ -332,6 +339,24 @@ def _misplaced(tensor: str, row: int, n: int, src_row: int | None, src: tuple, r
         return f"rows {row}..{row + n - 1} hold {tensor}, whose source is {list(src)} (placed: {n} rows of " \
                f"{read[-1]} columns)"
     return None
+
+
+def _order(spot: dict) -> tuple[torch.Tensor, str] | None:
+    """The engine's own reordering of a tensor's rows before its write (``runner_numerics.row_orders``: vLLM's and
+    SGLang's Llama 4 ``permute_qk_weight_for_rotary``), with where it is; None where rows are written as stored."""
+    if spot.get("row_order") is None:
+        return None
+    return torch.tensor(spot["row_order"], dtype=torch.long), spot.get("row_order_by", "the engine's loader")
+
+
+def _reordered(r: Ref, order: torch.Tensor) -> Ref | None:
+    """The source's rows in the order the engine's loader writes them (row i of the write is source row
+    ``order[i]``); None where the order is not a permutation of the source's rows (nothing to compare with)."""
+    n = r.values.shape[0]
+    if order.numel() != n or not torch.equal(order.sort().values, torch.arange(n)):
+        return None
+    pick = lambda t: None if t is None else t[order]  # noqa: E731
+    return Ref(r.values[order], pick(r.dense), pick(r.e8m0), r.cast, r.sources)
 
 
 def _rows(r: Ref, start: int, n: int) -> Ref:

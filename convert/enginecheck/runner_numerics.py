@@ -461,6 +461,52 @@ def _index(offset: int, stride: tuple[int, ...]) -> list[int]:
     return idx
 
 
+#: The engines' loaders that reorder a checkpoint tensor's rows before writing them (method name on the model or a
+#: submodule); ``row_orders`` runs each on an index tensor, so the order is the engine's own.
+ROW_REORDERS = ("permute_qk_weight_for_rotary",)
+
+
+def _reorderer(model):
+    """The engine's own row-reordering load step and where it is (``file: Class.method``), or None: vLLM's
+    ``llama4.py`` ``Llama4ForCausalLM.permute_qk_weight_for_rotary`` (the text class itself, or the
+    ``language_model`` of ``mllama4.py`` ``Llama4ForConditionalGeneration``, whose ``load_weights`` hands it every
+    ``language_model.`` weight), SGLang's ``mllama4.py`` ``Llama4ForConditionalGeneration.permute_qk_weight_for_rotary``
+    (called by its ``load_weights`` for every name without ``vision``)."""
+    for module in model.modules():
+        for attr in ROW_REORDERS:
+            fn = getattr(type(module), attr, None)
+            if callable(fn):
+                where = f"{type(module).__module__.replace('.', '/')}.py: {type(module).__name__}.{attr}"
+                return getattr(module, attr), where
+    return None
+
+
+def row_orders(model, tracker) -> dict[str, dict]:
+    """For each offered 2-D weight whose rows the engine's loader reorders: ``order`` (the source row behind each row
+    it writes) and ``by``. Found by running the engine's own step on a tensor of the same shape holding each row's
+    index (so its conditions, names and head counts are the engine's); vision weights never reach it in either
+    engine's ``load_weights`` (above). A step that raises on the index tensor raised on the weight as well: the
+    load failed and there is nothing to read."""
+    found = _reorderer(model)
+    if found is None:
+        return {}
+    fn, where = found
+    out = {}
+    for name, info in tracker.offered.items():
+        shape = info.get("shape") or []
+        if "vision" in name or len(shape) != 2 or not name.endswith(("weight", "weight_packed")):
+            continue
+        index = torch.arange(shape[0], dtype=torch.float64).unsqueeze(1).repeat(1, shape[1])
+        try:
+            _, moved = fn(name, index)
+        except Exception:  # the engine's own load raised the same on the real tensor
+            continue
+        order = moved[:, 0].long()
+        if moved.shape == index.shape and not torch.equal(order, torch.arange(shape[0])):
+            out[name] = {"order": order.tolist(), "by": where}
+    return out
+
+
 def dump(engine: str, model, tracker, folder: str, skip: set[str] | None = None) -> dict:
     """Read every layer (but those whose weight is in ``skip``: a draft's parameters the engine replaces with the
     target model's), write the fp32 weights to ``folder/numerics.safetensors`` and return the index."""
@@ -478,5 +524,9 @@ def dump(engine: str, model, tracker, folder: str, skip: set[str] | None = None)
             e["shape"] = list(w.shape)
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "numerics.safetensors"))
-    return {"layers": entries, "placements": placements(tracker, params),
+    placed = placements(tracker, params)
+    for name, how in row_orders(model, tracker).items():
+        for spot in placed.get(name, []):
+            spot.update(row_order=how["order"], row_order_by=how["by"])
+    return {"layers": entries, "placements": placed,
             "weight_params": sorted(n for n in params if re.search(r"weight(_packed)?$", n))}
