@@ -72,14 +72,14 @@ def site_packages(engine: str) -> Path:
     raise SystemExit(f"{engine}: no site-packages holding it")
 
 
-def _vllm_registry(site: Path) -> dict[str, tuple[str, str]]:
+def _vllm_registry(site: Path, table: str = "_TEXT_GENERATION_MODELS") -> dict[str, tuple[str, str]]:
     tree = ast.parse((site / "vllm/model_executor/models/registry.py").read_text())
     for node in tree.body:
         tgt = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        if getattr(tgt, "id", None) == "_TEXT_GENERATION_MODELS":
+        if getattr(tgt, "id", None) == table:
             return {k.value: (v.elts[0].value, v.elts[1].value)
                     for k, v in zip(node.value.keys, node.value.values, strict=True) if k is not None}
-    raise SystemExit("vLLM registry: no _TEXT_GENERATION_MODELS")
+    raise SystemExit(f"vLLM registry: no {table}")
 
 
 def _vllm_files(site: Path, mod: str) -> list[Path]:
@@ -123,9 +123,17 @@ def hand_tables() -> set[str]:
             for a in tomllib.loads(f.read_text()).get("architectures", [])}
 
 
+#: Releases whose checkpoint is a multimodal class (vLLM's ``_MULTIMODAL_MODELS``) around a MoE text class of the
+#: registry: the text class alone is not what ships. Llama 4 Scout / Maverick are ``Llama4ForConditionalGeneration``
+#: (``language_model.model.layers...``, ``vision_model...``, ``multi_modal_projector``), served by vLLM's and SGLang's
+#: ``mllama4.py``; SGLang's text class ``Llama4ForCausalLM`` maps no expert (docs/families.md).
+RELEASES_WITH_VISION = ("Llama4ForConditionalGeneration",)
+
+
 def architectures() -> list[Arch]:
     """Every MoE text architecture: vLLM's text-generation registry entries whose model code builds routed experts,
-    then SGLang's MoE entry classes that vLLM does not register (drafts, MTP heads and vision models left out)."""
+    the multimodal releases of :data:`RELEASES_WITH_VISION`, then SGLang's MoE entry classes that vLLM does not
+    register (drafts, MTP heads and vision models left out)."""
     vsite, ssite = site_packages("vllm"), site_packages("sglang")
     sg = _sglang_entries(ssite)
     out, first = [], {}
@@ -136,6 +144,10 @@ def architectures() -> list[Arch]:
         rel = str(files[0].relative_to(vsite)) if files and files[0].exists() else mod
         out.append(Arch(name, rel, sg.get(name, (None,))[0], first.get((mod, cls))))
         first.setdefault((mod, cls), name)
+    mm = _vllm_registry(vsite, "_MULTIMODAL_MODELS")
+    for name in RELEASES_WITH_VISION:
+        mod, _ = mm[name]
+        out.append(Arch(name, str(_vllm_files(vsite, mod)[0].relative_to(vsite)), sg.get(name, (None,))[0], None))
     known = {a.name for a in out}
     for name, (f, moe) in sg.items():
         if moe and name not in known and name.endswith("ForCausalLM") and not NOT_TEXT.search(name):

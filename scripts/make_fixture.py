@@ -73,12 +73,28 @@ ROUTED = re.compile(r"experts?\.\d+\.")
 SKIP_SUBCONFIGS = ("vision_config", "audio_config", "vision_tower_config")
 
 
+#: transformers' registries a fixture's class is looked up in, in order (registry name, the auto class that builds it):
+#: the causal LMs, then the image-text-to-text models (a release with a vision tower: Llama 4's
+#: ``Llama4ForConditionalGeneration``)
+REGISTRIES = (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+              ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText"))
+
+
 def model_type_for(arch: str) -> str | None:
+    found = registry_for(arch)
+    return found[0] if found else None
+
+
+def registry_for(arch: str) -> tuple[str, str] | None:
+    """(model type, auto class) of the first registry in :data:`REGISTRIES` that maps a model type to ARCH."""
     from transformers.models.auto import modeling_auto
 
-    hits = [mt for mt, cls in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls.lower() == arch.lower()]
-    hits.sort(key=lambda mt: (not mt.endswith("_text"), mt))
-    return hits[0] if hits else None
+    for names, auto in REGISTRIES:
+        hits = [mt for mt, cls in getattr(modeling_auto, names).items() if cls.lower() == arch.lower()]
+        hits.sort(key=lambda mt: (not mt.endswith("_text"), mt))
+        if hits:
+            return hits[0], auto
+    return None
 
 
 def _shrink_int(key: str, v: int, heads_were: int | None) -> int:
@@ -216,22 +232,22 @@ def signature(layer) -> tuple:
                  for n, m in layer.named_modules())
 
 
-def build(model_type: str, d: dict, device: str, dtype=None):
+def build(model_type: str, d: dict, device: str, dtype=None, auto: str = "AutoModelForCausalLM"):
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     cfg = make_config(model_type, d)
     with torch.device(device):
-        return cfg, AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
+        return cfg, getattr(transformers, auto).from_config(cfg, dtype=dtype or torch.bfloat16)
 
 
-def choose_layers(model_type: str, d: dict) -> tuple[int, int, set]:
+def choose_layers(model_type: str, d: dict, auto: str = "AutoModelForCausalLM") -> tuple[int, int, set]:
     """(full depth, tiny depth, the full-depth model's layer kinds); a config without a layer-count key (one
-    derived from a layer pattern) keeps its depth."""
-    _, meta = build(model_type, d, "meta")
+    derived from a layer pattern) keeps its depth. A multimodal config's depth is its ``text_config``'s."""
+    _, meta = build(model_type, d, "meta", auto=auto)
     sigs = [signature(layer) for layer in layer_lists(meta)]
     last = max((sigs.index(s) for s in set(sigs)), default=0)
-    found = layer_count(d)
+    found = layer_count(d) or layer_count(d.get("text_config") or {})
     if found is None:
         return len(sigs), len(sigs), set(sigs)
     return found[1], max(2, last + 1), set(sigs)
@@ -240,7 +256,9 @@ def choose_layers(model_type: str, d: dict) -> tuple[int, int, set]:
 def routed(model) -> int:
     """Routed-expert weights: per-expert modules (``experts.N``) or 3-D banks whose first dimension is the expert
     count."""
-    n_experts = {v for k, v in model.config.to_dict().items() if k in EXPERT_KEYS and isinstance(v, int)}
+    cfg = model.config.to_dict()
+    cfg = {**(cfg.get("text_config") or {}), **cfg}  # a multimodal config's experts are its text_config's
+    n_experts = {v for k, v in cfg.items() if k in EXPERT_KEYS and isinstance(v, int)}
     return sum(1 for name, p in model.named_parameters()
                if ROUTED.search(name) or (p.ndim == 3 and p.shape[0] in n_experts))
 
@@ -414,6 +432,28 @@ BUILD_KEYS: dict[str, dict] = {
     "granitemoeshared": {"shared_intermediate_size": DENSE_MLP},
 }
 
+#: A sub-config :func:`shrink_widths` leaves as is (a vision tower's: its widths are tied to each other in ways no key
+#: name says), given per model type at the release's values with its sizes shrunk, consistently. Llama 4
+#: (meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E's config.json ``vision_config``: hidden 1408, 16 heads,
+#: 34 layers, intermediate 5632, image 336, patch 14, pixel_shuffle_ratio 0.5, projector dims 4096): transformers'
+#: modeling_llama4.py ties ``intermediate_size`` to ``hidden_size / pixel_shuffle_ratio^2`` (the pixel-shuffled
+#: patches enter ``vision_adapter.mlp.fc1``) and the projector's input ``vision_output_dim`` to
+#: ``projector_output_dim``; vLLM's and SGLang's ``mllama4.py`` build the same shapes from the same keys
+SUBCONFIGS: dict[str, dict[str, dict]] = {
+    "llama4": {"vision_config": {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_hidden_layers": 2,
+                                 "intermediate_size": HIDDEN * 4, "image_size": 336, "patch_size": 14,
+                                 "pixel_shuffle_ratio": 0.5, "projector_input_dim": HIDDEN,
+                                 "projector_output_dim": HIDDEN, "vision_output_dim": HIDDEN,
+                                 "multi_modal_projector_bias": False, "vision_feature_layer": -1,
+                                 "vision_feature_select_strategy": "default"}},
+}
+
+
+def with_subconfigs(model_type: str, d: dict) -> dict:
+    """``d`` with the model type's :data:`SUBCONFIGS` laid over its sub-configs."""
+    return {**d, **{k: {**(d.get(k) or {}), **v} for k, v in SUBCONFIGS.get(model_type, {}).items()}}
+
+
 def _zero_experts(c: dict):
     """LongCat-Flash's zero (identity) experts, indices n_routed_experts.. : transformers' LongcatFlashExperts
     allocates gate_up_proj for all n_routed_experts + zero_expert_num of them (its forward never reads the zero
@@ -446,6 +486,22 @@ def drop_tensors(out: Path, drop) -> int:
         d["weight_map"] = {k: v for k, v in d["weight_map"].items() if not drop(k)}
         index.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
     return gone
+
+
+def write_index(out: Path) -> None:
+    """``model.safetensors.index.json`` beside a fixture saved as one file, as a multimodal release ships it (sharded,
+    with its index): SGLang's ``mllama4.py`` ``Llama4ForConditionalGeneration._has_vision_weights`` looks for the
+    vision tower's names in that index and, without one, builds no tower and skips its weights."""
+    from safetensors import safe_open
+
+    index = out / "model.safetensors.index.json"
+    files = sorted(out.glob("*.safetensors"))
+    if index.is_file() or len(files) != 1:
+        return
+    with safe_open(str(files[0]), "pt") as f:
+        names = sorted(f.keys())
+    index.write_text(json.dumps({"metadata": {"total_size": files[0].stat().st_size},
+                                 "weight_map": dict.fromkeys(names, files[0].name)}, indent=2, sort_keys=True) + "\n")
 
 
 #: Keys transformers saves where the release writes another (:data:`RELEASE_KEYS`): left out of the fixture's config
@@ -487,20 +543,22 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import AutoConfig
 
-    mt = model_type_for(a.architecture)
-    if mt is None:
+    found = registry_for(a.architecture)
+    if found is None:
         print(f"{a.architecture}: transformers {transformers.__version__} has no causal-LM class for it",
               file=sys.stderr)
         return 3
+    mt, auto = found
     d = shrink_widths(AutoConfig.for_model(mt).to_dict())
     d = {**d, **{k: (v(d) if callable(v) else v) for k, v in BUILD_KEYS.get(mt, {}).items()}}
+    d = with_subconfigs(mt, d)
     switched = False
-    if not routed(build(mt, d, "meta")[1]) and switch_moe_on(d) is not None:
+    if not routed(build(mt, d, "meta", auto=auto)[1]) and switch_moe_on(d) is not None:
         d, switched = switch_moe_on(d), True
-    full, tiny, kinds_full = choose_layers(mt, d)
+    full, tiny, kinds_full = choose_layers(mt, d, auto)
     d = cut_layers(d, full, tiny)
     torch.manual_seed(a.seed)
-    _, model = build(mt, d, "cpu")
+    _, model = build(mt, d, "cpu", auto=auto)
     kinds_tiny = {signature(layer) for layer in layer_lists(model)}
     lost = len(kinds_full - kinds_tiny)
     randomize(model, a.seed)
@@ -515,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg["architectures"] = [a.architecture]
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     dropped = drop_tensors(out, RELEASE_DROPS[mt](cfg)) if mt in RELEASE_DROPS else 0
+    if auto != REGISTRIES[0][1]:
+        write_index(out)
     rep = {"architecture": a.architecture, "model_type": mt, "model_class": type(model).__name__,
            "transformers": transformers.__version__, "layers_full": full, "layers": tiny,
            "layer_kinds": len(kinds_tiny), "kinds_lost": lost, "moe_switched_on": switched, "release_keys": extra,

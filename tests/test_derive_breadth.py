@@ -133,3 +133,49 @@ def test_the_breadth_pack_uses_the_table_merged_with_its_overlay(monkeypatch, tm
     assert keeps == ["a.gate", "model.layers.*.linear_attn.in_proj_qkvz", "model.layers.*.linear_attn.in_proj_ba"]
     (tmp_path / "derived.toml").write_text('name = "derived-no_such_family"\n')
     assert db.with_overlay(tmp_path) == (tmp_path / "derived.toml", None)
+
+
+def test_llama4s_vision_tower_is_shrunk_with_its_widths_tied_as_transformers_ties_them(monkeypatch):
+    """make_fixture's SUBCONFIGS: Llama 4's vision_config (which shrink_widths leaves alone) is laid over at tiny sizes
+    that keep transformers' ties: the pixel-shuffled patches (hidden / ratio^2) are vision_adapter.mlp.fc1's input
+    (intermediate_size), the adapter's output is the projector's input; keys the saved config has and the table does
+    not name stay; another model type's sub-configs are untouched."""
+    mf = _script("make_fixture", monkeypatch)
+    d = mf.with_subconfigs("llama4", {"vision_config": {"num_channels": 3, "hidden_size": 768}, "text_config": {}})
+    v = d["vision_config"]
+    assert v["intermediate_size"] == v["hidden_size"] / v["pixel_shuffle_ratio"] ** 2
+    assert v["vision_output_dim"] == v["projector_output_dim"] and v["num_channels"] == 3
+    assert v["hidden_size"] % v["num_attention_heads"] == 0 and v["hidden_size"] <= mf.HIDDEN
+    assert mf.with_subconfigs("qwen3_moe", {"vision_config": {"hidden_size": 768}}) == {
+        "vision_config": {"hidden_size": 768}}
+
+
+def test_a_multimodal_fixture_gets_the_index_its_release_ships(monkeypatch, tmp_path):
+    """make_fixture's write_index: one saved file gets model.safetensors.index.json naming every tensor in it (SGLang's
+    mllama4.py looks for the vision tower's names there); an index already written, or several files, are left."""
+    from safetensors.torch import save_file
+
+    mf = _script("make_fixture", monkeypatch)
+    names = ["language_model.model.norm.weight", "vision_model.patch_embedding.linear.weight"]
+    save_file({n: torch.zeros(2, 2) for n in names}, str(tmp_path / "model.safetensors"))
+    mf.write_index(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == dict.fromkeys(names, "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    mf.write_index(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").read_text() == "{}"
+
+
+def test_sglang_serves_a_checkpoint_with_a_vision_tower_with_the_tower_on(tmp_path):
+    """sglang_runner.deployment_args: a config with a vision_config is checked with ``enable_multimodal`` (SGLang turns
+    it off by default for Llama4ForConditionalGeneration, then skips the tower's weights); a text config is not."""
+    sys.path.insert(0, str(ROOT / "convert" / "enginecheck"))
+    try:
+        import sglang_runner
+    finally:
+        sys.path.remove(str(ROOT / "convert" / "enginecheck"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Llama4ForConditionalGeneration"],
+                                                      "text_config": {}, "vision_config": {"hidden_size": 256}}))
+    assert sglang_runner.deployment_args(str(tmp_path)) == {"enable_multimodal": True}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Llama4ForCausalLM"]}))
+    assert sglang_runner.deployment_args(str(tmp_path)) == {}

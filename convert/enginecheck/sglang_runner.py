@@ -260,7 +260,11 @@ def deployment_args(model_dir: str) -> dict:
     page must own a whole pooled index group"), and a hybrid linear-attention model's radix cache asserts
     ``mamba_track_interval % page_size == 0`` (arg_groups/mamba_hook.py validate_mamba_extra_buffer) against the
     default interval of 256: GLM-5.3-Flash (index_kpool 16, page 1024) is served with ``--mamba-track-interval``
-    a multiple of the page. A cache setting only: no weight, parameter or loader depends on it."""
+    a multiple of the page. A cache setting only: no weight, parameter or loader depends on it. A checkpoint with a
+    vision tower is served with it in use (``--enable-multimodal``): SGLang turns multimodal off by default for a few
+    architectures (configs/model_config.py ``mm_disabled_models``: Llama4ForConditionalGeneration...), and then
+    ``mllama4.py`` ``Llama4ForConditionalGeneration`` builds no vision tower and skips its weights
+    (``_should_skip_weight``), which would leave the tower's tensors unchecked."""
     import json
     import os
 
@@ -270,11 +274,12 @@ def deployment_args(model_dir: str) -> dict:
     except (OSError, ValueError):
         return {}
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    out: dict = {"enable_multimodal": True} if isinstance(config.get("vision_config"), dict) else {}
     kpool = text.get("index_kpool")
     default_interval = 256
     if isinstance(kpool, int) and kpool > 0 and default_interval % (64 * kpool) and text.get("linear_attn_config"):
-        return {"mamba_track_interval": 64 * kpool}
-    return {}
+        out["mamba_track_interval"] = 64 * kpool
+    return out
 
 
 def engine_config(model_dir: str, draft: bool):
