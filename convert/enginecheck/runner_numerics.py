@@ -464,6 +464,10 @@ def _index(offset: int, stride: tuple[int, ...]) -> list[int]:
 #: The engines' loaders that reorder a checkpoint tensor's rows before writing them (method name on the model or a
 #: submodule); ``row_orders`` runs each on an index tensor, so the order is the engine's own.
 ROW_REORDERS = ("permute_qk_weight_for_rotary",)
+#: The module names whose weights those steps can reorder (both engines' ``permute_qk_weight_for_rotary`` test
+#: ``"wq" / "q_proj" / "wk" / "k_proj" in name.split(".")`` first): no index tensor is built for any other weight
+#: (an embedding's would be as large as the checkpoint's own).
+REORDERED_MODULES = frozenset({"wq", "q_proj", "wk", "k_proj"})
 
 
 def _reorderer(model):
@@ -494,9 +498,10 @@ def row_orders(model, tracker) -> dict[str, dict]:
     out = {}
     for name, info in tracker.offered.items():
         shape = info.get("shape") or []
-        if "vision" in name or len(shape) != 2 or not name.endswith(("weight", "weight_packed")):
+        if ("vision" in name or len(shape) != 2 or not name.endswith(("weight", "weight_packed"))
+                or not REORDERED_MODULES & set(name.split("."))):
             continue
-        index = torch.arange(shape[0], dtype=torch.float64).unsqueeze(1).repeat(1, shape[1])
+        index = torch.arange(shape[0], dtype=torch.float32).unsqueeze(1).repeat(1, shape[1])  # exact to 2^24 rows
         try:
             _, moved = fn(name, index)
         except Exception:  # the engine's own load raised the same on the real tensor
