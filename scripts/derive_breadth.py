@@ -175,13 +175,38 @@ def vllm_python() -> str:
     return resolve("vllm").python
 
 
+#: architectures transformers has no class for, whose fixture is a source preset laid out as the release
+#: (``kimi-convert synth FILE.toml:NAME``: its config.json, tensor names, dtypes and storage; docs/families.md)
+PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml:tiny-bailing-moe-v2"}
+
+
+def synth_fixture(arch: Arch, work: Path) -> dict:
+    """Step 1 from a preset: the release's layout written by the one generator, then read back as the fixture
+    record ``make_fixture.py`` gives (model type, layers, tensors, bytes)."""
+    fx, spec = work / "fixture", PRESET_FIXTURES[arch.name]
+    rc, _, err = run(["kimi-convert", "synth", spec, str(fx)], dict(os.environ), timeout=900,
+                       log=work / "steps.log")
+    if rc != 0:
+        return {"ok": False, "why": one_line(err) or f"exit {rc}"}
+    config = json.loads((fx / "config.json").read_text())
+    names = json.loads((fx / "model.safetensors.index.json").read_text())["weight_map"]
+    return {"ok": True, "preset": spec.rpartition(":")[2], "architecture": arch.name,
+            "model_type": config["model_type"], "layers": config["num_hidden_layers"], "layers_full": None,
+            "tensors": len(names), "bytes": sum(f.stat().st_size for f in fx.glob("*.safetensors")),
+            "routed_expert_tensors": sum(".experts." in n for n in names)}
+
+
 def make_fixture(arch: Arch, work: Path) -> dict:
-    """Step 1 (no engine lock: it builds a transformers model only)."""
+    """Step 1 (no engine lock: it builds a transformers model only, or writes the architecture's preset)."""
     fx = work / "fixture"
     if (work / "fixture.json").is_file() and (fx / "config.json").is_file():
         return json.loads((work / "fixture.json").read_text())
     shutil.rmtree(fx, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
+    if arch.name in PRESET_FIXTURES:
+        res = synth_fixture(arch, work)
+        (work / "fixture.json").write_text(json.dumps(res))
+        return res
     rc, out, err = run([vllm_python(), str(REPO / "scripts/make_fixture.py"), arch.name, str(fx)], dict(os.environ),
                        timeout=900, log=work / "steps.log")
     if rc != 0:
@@ -404,6 +429,8 @@ def _fixture_cell(rec: dict, notes: Notes) -> str:
         return "not run " + notes.ref(rec["arch"], rec.get("why_not_run", "not reached"))
     if not f["ok"]:
         return "no " + notes.ref(rec["arch"], f["why"])
+    if f.get("preset"):  # a source preset laid out as the release (transformers has no class for it)
+        return f"`{f['model_type']}`, {f['layers']} layers, from preset `{f['preset']}`"
     return f"`{f['model_type']}`, {f['layers']} of {f['layers_full']} layers"
 
 
@@ -567,7 +594,9 @@ edit by hand (`--table-only` rewrites it from the JSONL). The architectures: eve
 - **Fixture**: `scripts/make_fixture.py` in the vLLM environment's python builds transformers' own class for the
   architecture from its config class's defaults shrunk by key name (widths, heads, experts, vocab; the layer count
   the shortest prefix that holds every distinct layer), random BF16 weights, `save_pretrained`: the checkpoint
-  naming transformers writes (per-expert tensors, as the releases).
+  naming transformers writes (per-expert tensors, as the releases). Where transformers has no class for the
+  architecture, a source preset laid out as the release (`PRESET_FIXTURES`: `kimi-convert synth FILE.toml:NAME`,
+  docs/presets.md; the cell names the preset).
 - **Fixture loads**: `kimi-convert verify-manifest FIXTURE --no-numerics --engine vllm --engine sglang`: the
   engine's own loader fills every parameter from the fixture, none skipped. (Rows run before that step dropped
   its numeric check were checked with `--input FIXTURE`: where the engine's read of the BF16 fixture was not its
