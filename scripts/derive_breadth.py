@@ -178,6 +178,9 @@ def vllm_python() -> str:
 #: architectures transformers has no class for, whose fixture is a source preset laid out as the release
 #: (``kimi-convert synth FILE.toml:NAME``: its config.json, tensor names, dtypes and storage; docs/families.md)
 PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml:tiny-bailing-moe-v2"}
+#: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
+#: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
+TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM"}
 
 
 def synth_fixture(arch: Arch, work: Path) -> dict:
@@ -225,10 +228,11 @@ def _loads(er: dict) -> bool:
                                                                     "observer_errors", "rule_broken"))
 
 
-def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict) -> dict:
+def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
     """verify-manifest FOLDER [--input SOURCE] --engine E...: per engine, loads / read right / its verdict."""
     cmd = ["kimi-convert", "verify-manifest", str(folder), "--json", "-q"]
     cmd += ["--input", str(source)] if source is not None else ["--no-numerics"]
+    cmd += ["--trust-remote-code"] if trust else []
     for e in engines:
         cmd += ["--engine", e]
     rc, out, err = run(cmd, env, log=folder.parent / "steps.log")
@@ -247,9 +251,10 @@ def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], en
     return res
 
 
-def derive_step(work: Path, engines: tuple[str, ...], env: dict) -> dict:
+def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
     table, answers = work / "derived.toml", work / "answers.json"
     cmd = ["kimi-convert", "mapping", "derive", str(work / "fixture"), "-o", str(table), "--answers", str(answers)]
+    cmd += ["--trust-remote-code"] if trust else []
     if engines != ENGINES:
         for e in engines:
             cmd += ["--engine", e]
@@ -300,16 +305,16 @@ def pack_step(work: Path, env: dict) -> dict:
 
 def engine_steps(arch: Arch, work: Path, env: dict) -> dict:
     """Steps 2-5 (the caller holds the engine lock)."""
-    fx = work / "fixture"
-    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env)}
+    fx, trust = work / "fixture", arch.name in TRUST_REMOTE_CODE
+    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env, trust)}
     if not all(r["loads"] for r in res["fixture_check"].values()):
         return res
-    res["derive"] = derive_step(work, arch.engines, env)
+    res["derive"] = derive_step(work, arch.engines, env, trust)
     if not res["derive"]["ok"]:
         return res
     res["pack"] = pack_step(work, env)
     if res["pack"]["ok"]:
-        res["output_check"] = engine_check(work / "out", fx, arch.engines, env)
+        res["output_check"] = engine_check(work / "out", fx, arch.engines, env, trust)
     return res
 
 
