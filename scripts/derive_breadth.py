@@ -548,18 +548,18 @@ FINDINGS = {
         "fixture fault) or not (an engine fault) needs the release's index, not read here"),
     "BailingMoeV2ForCausalLM": (
         "the fixture is tests/presets/bailing_moe_v2.toml (transformers 5.20 has no class): the release's config.json "
-        "(model_type bailing_moe_v2, auto_map to its own configuration_bailing_moe_v2.py). Neither engine nor "
-        "transformers registers a config class for bailing_moe_v2 (vLLM 0.33 transformers_utils/config.py "
-        "_CONFIG_REGISTRY has bailing_moe_v3_vl only; SGLang 0.5.23 configs/bailing_moe_v2.py BailingMoeV2Config is "
-        "the text part of its Ming BailingMM2Config, not registered), so both read the config only through the "
-        "release's remote code (--trust-remote-code), which the engine check does not execute "
-        "(enginecheck/vllm_runner.py and sglang_runner.py engine_config: trust_remote_code=False): both refuse "
-        "with the messages above. Checked by hand with trust_remote_code=True in both runners (not in the repo): "
-        "both load the fixture with all 23 parameters filled from 47 tensors, none skipped. With the release's MTP "
-        "layer stored (tiny-bailing-moe-v2-mtp, model.layers.2.*), vLLM 0.33 refuses it: bailing_moe.py "
-        "BailingMoeModel builds num_hidden_layers layers and its AutoWeightsLoader has no rule skipping the MTP "
-        "layer (\"There is no module or parameter named 'layers.2' in BailingMoeModel\"); SGLang's main model "
-        "drops it by its own rule. Not derived, no table shipped until the check can trust a fixture's remote code"),
+        "(model_type bailing_moe_v2, auto_map to its own configuration_bailing_moe_v2.py, which the preset writes). "
+        "Neither engine nor transformers registers a config class for bailing_moe_v2 (vLLM 0.33 "
+        "transformers_utils/config.py _CONFIG_REGISTRY has bailing_moe_v3_vl only; SGLang 0.5.23 "
+        "configs/bailing_moe_v2.py BailingMoeV2Config is the text part of its Ming BailingMM2Config, not registered): "
+        "both read the config only through the release's code, so every engine step here runs with "
+        "--trust-remote-code (TRUST_REMOTE_CODE), as a deployment of the release does; without it both refuse (\"The "
+        "repository ... contains custom code which must be executed\"). The overlay "
+        "mappings/overlays/bailing_moe_v2.toml keeps the fused-on-disk attention.query_key_value BF16: SGLang 0.5.23 "
+        "filled 1 of the 3 slots of its NVFP4 weight_scale_2. With the release's MTP layer stored "
+        "(tiny-bailing-moe-v2-mtp, model.layers.2.*), vLLM 0.33 refuses the checkpoint: bailing_moe.py BailingMoeModel "
+        "builds num_hidden_layers layers and its AutoWeightsLoader has no rule skipping the MTP layer (\"There is no "
+        "module or parameter named 'layers.2' in BailingMoeModel\"); SGLang's main model drops it by its own rule"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): the derived table says so "
         "([lm_head.unnamed] modelopt = [\"vllm\"]) and the head is written NVFP4, as vLLM builds it (SGLang's "

@@ -250,10 +250,6 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 #: the presets only the tests use (docs/presets.md): spec files on the package's families or their own
 TEST_PRESETS = Path(__file__).resolve().parent / "presets"
-#: tests' presets whose architecture has no table (hand or shipped derived) yet, so plan / pack refuse them without
-#: the engines: Ling 2.0 (tests/presets/bailing_moe_v2.toml), whose release config the engine checks cannot read
-#: without executing its remote code (docs/derived-architectures.md)
-NO_TABLE_YET = frozenset({"tiny-bailing-moe-v2", "tiny-bailing-moe-v2-mtp"})
 
 
 def spec(name: str) -> str:

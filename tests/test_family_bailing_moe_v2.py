@@ -111,3 +111,30 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine)
     assert {"num_experts", "first_k_dense_replace", "hidden_size"} <= read  # the reading found the file's keys
     missing = sorted(k for k in read - derived - ming if k not in cfg)
     assert missing == []
+
+
+def test_derive_offers_the_config_code_only_when_told_to_trust_it(tiny):
+    """The stand-in folders the engines build from carry the auto_map'd config code only with --trust-remote-code."""
+    from kimi_convert.checkpoint import open_checkpoint
+    from kimi_convert.derive import standin
+
+    ckpt = open_checkpoint(tiny)
+    assert "configuration_bailing_moe_v2.py" not in standin.make(ckpt).side_files
+    assert "configuration_bailing_moe_v2.py" in standin.make(ckpt, with_code=True).side_files
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_the_engine_check_passes_trust_remote_code_to_the_runner(tiny, monkeypatch, trust):
+    """verify-manifest / mapping derive --trust-remote-code reach the engine's runner as its flag (and only then)."""
+    import kimi_convert.enginecheck as ec
+    from kimi_convert.errors import ConvertError
+
+    seen = []
+    monkeypatch.setattr(ec, "resolve", lambda *a, **k: ec.Probe(python="python", version="0", site_packages=[]))
+    monkeypatch.setattr(ec, "runner_env", lambda pr: {})
+    monkeypatch.setattr(ec, "run_runner", lambda py, runner, argv, *a, **k: seen.append(argv) or 1)
+    rep = ec.check(tiny, "vllm", trust_remote_code=trust)
+    assert rep.error["type"] == "RunnerCrashed"  # the stubbed runner wrote no result
+    with pytest.raises(ConvertError):
+        ec.run_derive(tiny, "sglang", "build", trust_remote_code=trust)
+    assert [("--trust-remote-code" in argv) for argv in seen] == [trust, trust]

@@ -11,7 +11,7 @@ from fnmatch import fnmatchcase
 
 import pytest
 
-from helpers import NO_TABLE_YET, all_presets, synth_preset
+from helpers import all_presets, synth_preset
 from kimi_convert import globs, synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import builtin_mappings, find_mapping, parse_mapping
@@ -55,8 +55,8 @@ def _modules(name: str) -> tuple[dict, list[str]]:
 
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet: plan derives theirs from the engines
-#: when they are present (helpers.NO_TABLE_YET: Ling 2.0).
-NO_MAPPING_YET: set[str] = set(NO_TABLE_YET)
+#: when they are present (none now).
+NO_MAPPING_YET: set[str] = set()
 #: Recipe patterns that mean more under one semantics than under the old whole-name reading, for a table that came
 #: after the move: MiniMax M3's derived table has no text prefix and its head is ``language_model.lm_head``; the
 #: recipes' dotless ``lm_head`` now matches that name part, the head the recipes mean (the old reading, on the whole
