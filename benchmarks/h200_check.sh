@@ -141,10 +141,11 @@ stage() {
   esac
 }
 
-#: each stage's seconds on the H200 machine, from sessions 19, 21 and 22 (a stage starts only if it fits; k3-cpu was
-#: cut at 131 s in session 22, its input's synth 32 s and the tiny warm-up included): tests is the
-#: TEST_K selection of session 21 (225 tests, -n 8: 280 s; the whole matrix, 326 tests, asks a call of its own)
-estimate() { case $1 in tests) echo 300 ;; k3-auto) echo 145 ;; k3-gpu) echo 190 ;; k3-cpu) echo 250 ;;
+#: each stage's seconds on the GPU machine, from sessions 19, 21, 22 and 23 (a stage starts only if it fits; session
+#: 23 on an H100 host: k3-cpu 162 s with its input's synth and the tiny warm-up, k3-gpu 153 s after it, families 200 s
+#: for 3 presets x 2 CPU counts, one pack each): tests is a TEST_K selection (the whole matrix, 336 tests, -n 8,
+#: needs about 650 s: two calls, the second with TEST_K naming what the first did not finish)
+estimate() { case $1 in tests) echo 300 ;; k3-auto) echo 145 ;; k3-gpu) echo 180 ;; k3-cpu) echo 200 ;;
   ct-auto) echo 180 ;; ct-gpu) echo 120 ;; kl-gpu) echo 90 ;; k25-auto) echo 150 ;; dsv4-auto) echo 130 ;;
   families) echo 240 ;;
   *) echo 0 ;; esac; }
