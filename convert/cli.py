@@ -158,9 +158,13 @@ def mapping_group() -> None:
               help="Also write the engines' raw answers (JSON), to rebuild the table without them.")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
               help="Ask only this engine (repeatable; default: both, which the tool's tables need).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="The engine reads the config through the checkpoint's own config code (auto_map), "
+                   "as the engines' own --trust-remote-code (a release whose config class neither the engine nor "
+                   "transformers has). Runs that code: only for a checkpoint you would serve with that flag.")
 @click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
 def mapping_derive(input_dir: str, out: str | None, answers: str | None, engines: tuple[str, ...],
-                   token: str | None) -> None:
+                   trust_remote_code: bool, token: str | None) -> None:
     """Derive SOURCE's mapping table from vLLM's and SGLang's own model classes (needs scripts/engine-envs.sh).
 
     Each engine builds its model for SOURCE's config (at SOURCE's size: derive from a small checkpoint of the
@@ -171,7 +175,7 @@ def mapping_derive(input_dir: str, out: str | None, answers: str | None, engines
     from .derive.lookup import write_table
 
     ckpt = open_checkpoint(_input(input_dir, token))
-    d = derive(ckpt, engines or ENGINES, Path(answers) if answers else None)
+    d = derive(ckpt, engines or ENGINES, Path(answers) if answers else None, trust_remote_code)
     write_table(d.text, Path(out) if out else None)
     for e, names in d.skipped.items():
         if names:
@@ -427,12 +431,17 @@ def _report_commit(res, repo_id: str | None, output_dir: str, committed: str) ->
               help="With --engine: where the engine's main model leaves MTP layers to its speculative-decoding draft, "
                    "also build that draft model (vLLM's --speculative-config method mtp, SGLang's "
                    "--speculative-algorithm NEXTN) and check it the same way.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="With --engine: the engine reads the config through the checkpoint's own config code (auto_map), "
+                   "as the engines' own --trust-remote-code (a release whose config class neither the engine nor "
+                   "transformers has). Runs that code: only for a checkpoint you would serve with that flag.")
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable report (with --engine: every parameter's details).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: str, remote: str | None,
                     revision: str | None, token: str | None, engines: tuple[str, ...], engine_python: str | None,
-                    engine_any_version: bool, numerics: bool, draft: bool, as_json: bool, quiet: bool) -> None:
+                    engine_any_version: bool, numerics: bool, draft: bool, trust_remote_code: bool, as_json: bool,
+                    quiet: bool) -> None:
     """Check OUTPUT against its manifest.json (exit 0 only if everything holds).
 
     With --engine and no manifest.json in OUTPUT (any checkpoint: NVIDIA's, llm-compressor's), only the engine
@@ -467,7 +476,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
         rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
     engine_reports = _engine_checks(rep, output_dir, engines, engine_python, engine_any_version,
-                                    input_dir if numerics else None, draft, not (quiet or as_json))
+                                    input_dir if numerics else None, draft, not (quiet or as_json),
+                                    trust_remote_code)
     if engines and numerics and not input_dir and not (quiet or as_json):
         click.echo("note: numeric check not run: give --input SOURCE (the checkpoint OUTPUT was converted from)",
                    err=True)
@@ -489,7 +499,7 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
 
 
 def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python: str | None, any_version: bool,
-                   source: str | None, draft: bool, say: bool) -> list:
+                   source: str | None, draft: bool, say: bool, trust_remote_code: bool = False) -> list:
     """Each engine's check of OUTPUT, and, where the engine's main model leaves MTP layers to its draft, the same check
     of the engine's speculative-decoding draft model (its own line: ``ENGINE VERSION draft``)."""
     from .enginecheck import check, resolve
@@ -506,7 +516,7 @@ def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python
                 what = "its speculative-decoding draft" if as_draft else "its own loader"
                 click.echo(f"loading {output_dir} with {engine} ({what}, on the CPU)...", err=True)
             er = check(output_dir, engine, python=engine_python, any_version=any_version, source=source,
-                       draft=as_draft)
+                       draft=as_draft, trust_remote_code=trust_remote_code)
             if as_draft and er.model_class and er.model_class == main_class:
                 rep.check(*_no_draft(engine, er.version, main_class))
                 continue

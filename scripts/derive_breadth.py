@@ -187,13 +187,41 @@ def vllm_python() -> str:
     return resolve("vllm").python
 
 
+#: architectures transformers has no class for, whose fixture is a source preset laid out as the release
+#: (``kimi-convert synth FILE.toml:NAME``: its config.json, tensor names, dtypes and storage; docs/families.md)
+PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml:tiny-bailing-moe-v2"}
+#: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
+#: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
+TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM"}
+
+
+def synth_fixture(arch: Arch, work: Path) -> dict:
+    """Step 1 from a preset: the release's layout written by the one generator, then read back as the fixture
+    record ``make_fixture.py`` gives (model type, layers, tensors, bytes)."""
+    fx, spec = work / "fixture", PRESET_FIXTURES[arch.name]
+    rc, _, err = run(["kimi-convert", "synth", spec, str(fx)], dict(os.environ), timeout=900,
+                       log=work / "steps.log")
+    if rc != 0:
+        return {"ok": False, "why": one_line(err) or f"exit {rc}"}
+    config = json.loads((fx / "config.json").read_text())
+    names = json.loads((fx / "model.safetensors.index.json").read_text())["weight_map"]
+    return {"ok": True, "preset": spec.rpartition(":")[2], "architecture": arch.name,
+            "model_type": config["model_type"], "layers": config["num_hidden_layers"], "layers_full": None,
+            "tensors": len(names), "bytes": sum(f.stat().st_size for f in fx.glob("*.safetensors")),
+            "routed_expert_tensors": sum(".experts." in n for n in names)}
+
+
 def make_fixture(arch: Arch, work: Path) -> dict:
-    """Step 1 (no engine lock: it builds a transformers model only)."""
+    """Step 1 (no engine lock: it builds a transformers model only, or writes the architecture's preset)."""
     fx = work / "fixture"
     if (work / "fixture.json").is_file() and (fx / "config.json").is_file():
         return json.loads((work / "fixture.json").read_text())
     shutil.rmtree(fx, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
+    if arch.name in PRESET_FIXTURES:
+        res = synth_fixture(arch, work)
+        (work / "fixture.json").write_text(json.dumps(res))
+        return res
     rc, out, err = run([vllm_python(), str(REPO / "scripts/make_fixture.py"), arch.name, str(fx)], dict(os.environ),
                        timeout=900, log=work / "steps.log")
     if rc != 0:
@@ -212,10 +240,11 @@ def _loads(er: dict) -> bool:
                                                                     "observer_errors", "rule_broken"))
 
 
-def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict) -> dict:
+def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
     """verify-manifest FOLDER [--input SOURCE] --engine E...: per engine, loads / read right / its verdict."""
     cmd = ["kimi-convert", "verify-manifest", str(folder), "--json", "-q"]
     cmd += ["--input", str(source)] if source is not None else ["--no-numerics"]
+    cmd += ["--trust-remote-code"] if trust else []
     for e in engines:
         cmd += ["--engine", e]
     rc, out, err = run(cmd, env, log=folder.parent / "steps.log")
@@ -234,9 +263,10 @@ def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], en
     return res
 
 
-def derive_step(work: Path, engines: tuple[str, ...], env: dict) -> dict:
+def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
     table, answers = work / "derived.toml", work / "answers.json"
     cmd = ["kimi-convert", "mapping", "derive", str(work / "fixture"), "-o", str(table), "--answers", str(answers)]
+    cmd += ["--trust-remote-code"] if trust else []
     if engines != ENGINES:
         for e in engines:
             cmd += ["--engine", e]
@@ -287,16 +317,16 @@ def pack_step(work: Path, env: dict) -> dict:
 
 def engine_steps(arch: Arch, work: Path, env: dict) -> dict:
     """Steps 2-5 (the caller holds the engine lock)."""
-    fx = work / "fixture"
-    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env)}
+    fx, trust = work / "fixture", arch.name in TRUST_REMOTE_CODE
+    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env, trust)}
     if not all(r["loads"] for r in res["fixture_check"].values()):
         return res
-    res["derive"] = derive_step(work, arch.engines, env)
+    res["derive"] = derive_step(work, arch.engines, env, trust)
     if not res["derive"]["ok"]:
         return res
     res["pack"] = pack_step(work, env)
     if res["pack"]["ok"]:
-        res["output_check"] = engine_check(work / "out", fx, arch.engines, env)
+        res["output_check"] = engine_check(work / "out", fx, arch.engines, env, trust)
     return res
 
 
@@ -416,6 +446,8 @@ def _fixture_cell(rec: dict, notes: Notes) -> str:
         return "not run " + notes.ref(rec["arch"], rec.get("why_not_run", "not reached"))
     if not f["ok"]:
         return "no " + notes.ref(rec["arch"], f["why"])
+    if f.get("preset"):  # a source preset laid out as the release (transformers has no class for it)
+        return f"`{f['model_type']}`, {f['layers']} layers, from preset `{f['preset']}`"
     return f"`{f['model_type']}`, {f['layers']} of {f['layers_full']} layers"
 
 
@@ -526,6 +558,20 @@ FINDINGS = {
         "norm only in its MoE block (AXK1MoE: 'the released checkpoints store the norm at the decoder-layer "
         "level'), so the fixture's dense layer 0 has none. Whether the release stores one for its dense layer (a "
         "fixture fault) or not (an engine fault) needs the release's index, not read here"),
+    "BailingMoeV2ForCausalLM": (
+        "the fixture is tests/presets/bailing_moe_v2.toml (transformers 5.20 has no class): the release's config.json "
+        "(model_type bailing_moe_v2, auto_map to its own configuration_bailing_moe_v2.py, which the preset writes). "
+        "Neither engine nor transformers registers a config class for bailing_moe_v2 (vLLM 0.33 "
+        "transformers_utils/config.py _CONFIG_REGISTRY has bailing_moe_v3_vl only; SGLang 0.5.23 "
+        "configs/bailing_moe_v2.py BailingMoeV2Config is the text part of its Ming BailingMM2Config, not registered): "
+        "both read the config only through the release's code, so every engine step here runs with "
+        "--trust-remote-code (TRUST_REMOTE_CODE), as a deployment of the release does; without it both refuse (\"The "
+        "repository ... contains custom code which must be executed\"). The overlay "
+        "mappings/overlays/bailing_moe_v2.toml keeps the fused-on-disk attention.query_key_value BF16: SGLang 0.5.23 "
+        "filled 1 of the 3 slots of its NVFP4 weight_scale_2. With the release's MTP layer stored "
+        "(tiny-bailing-moe-v2-mtp, model.layers.2.*), vLLM 0.33 refuses the checkpoint: bailing_moe.py BailingMoeModel "
+        "builds num_hidden_layers layers and its AutoWeightsLoader has no rule skipping the MTP layer (\"There is no "
+        "module or parameter named 'layers.2' in BailingMoeModel\"); SGLang's main model drops it by its own rule"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): the derived table says so "
         "([lm_head.unnamed] modelopt = [\"vllm\"]) and the head is written NVFP4, as vLLM builds it (SGLang's "
@@ -579,7 +625,9 @@ edit by hand (`--table-only` rewrites it from the JSONL). The architectures: eve
 - **Fixture**: `scripts/make_fixture.py` in the vLLM environment's python builds transformers' own class for the
   architecture from its config class's defaults shrunk by key name (widths, heads, experts, vocab; the layer count
   the shortest prefix that holds every distinct layer), random BF16 weights, `save_pretrained`: the checkpoint
-  naming transformers writes (per-expert tensors, as the releases).
+  naming transformers writes (per-expert tensors, as the releases). Where transformers has no class for the
+  architecture, a source preset laid out as the release (`PRESET_FIXTURES`: `kimi-convert synth FILE.toml:NAME`,
+  docs/presets.md; the cell names the preset).
 - **Fixture loads**: `kimi-convert verify-manifest FIXTURE --no-numerics --engine vllm --engine sglang`: the
   engine's own loader fills every parameter from the fixture, none skipped. (Rows run before that step dropped
   its numeric check were checked with `--input FIXTURE`: where the engine's read of the BF16 fixture was not its

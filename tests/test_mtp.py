@@ -395,7 +395,7 @@ def test_an_engine_whose_draft_config_builds_the_main_class_again_has_no_draft(m
     main = "sglang.srt.models.minimax_m3_vl.MiniMaxM3SparseForConditionalGeneration"
 
     def fake(draft_class):
-        def check(output_dir, engine, *, python, any_version, source, draft):
+        def check(output_dir, engine, *, python, any_version, source, draft, trust_remote_code=False):
             cls = draft_class if draft else main
             return SimpleNamespace(model_class=cls, version="0.5.23", loads=not draft, verdict="skipped 127",
                                    load_verdict="loads", seconds=1.0, numerics=None, mtp_skipped=[{"tensor": "x"}])

@@ -68,12 +68,13 @@ def view_of(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.Engi
         failed)
 
 
-def ask_engine(engine: str, dirs: dict[str, Path]) -> table_mod.EngineView:
+def ask_engine(engine: str, dirs: dict[str, Path], trust_remote_code: bool = False) -> table_mod.EngineView:
     """One engine's trace and builds (three runs of its runner, through the engine check's fork server)."""
     from ..enginecheck import run_derive
 
-    trace = run_derive(dirs["plain"], engine, "trace", dirs["weights"])
-    builds = {fmt: run_derive(dirs[fmt], engine, "build") for fmt in FORMATS}
+    trust = {"trust_remote_code": trust_remote_code}
+    trace = run_derive(dirs["plain"], engine, "trace", dirs["weights"], **trust)
+    builds = {fmt: run_derive(dirs[fmt], engine, "build", **trust) for fmt in FORMATS}
     return view_of(engine, trace, builds)
 
 
@@ -95,17 +96,18 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
     return "\n".join(lines) + "\n"
 
 
-def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES
+def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, trust_remote_code: bool = False
         ) -> tuple[list[table_mod.EngineView], dict, dict, dict]:
     """Each engine's answers for ``ckpt``'s architecture, the stand-in's config and logical shapes, and, where a
     main model drops MTP layers, each engine's speculative-decoding draft's answers (``draft.ask``). The config is
     the stand-in's: a reduced stand-in's names (its MTP layer renumbered after the kept layers) are read against the
     config that numbers them so; the table holds config paths only, which the full config then resolves."""
-    s = standin_mod.make(ckpt)
+    s = standin_mod.make(ckpt, with_code=trust_remote_code)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp, _zygotes(Path(tmp) / "servers"):
         dirs = standin_mod.write(s, Path(tmp))
-        views = [ask_engine(e, dirs) for e in engines]
-        drafts = draft_mod.ask(dirs, engines, FORMATS) if any(v.mtp_skipped for v in views) else {}
+        views = [ask_engine(e, dirs, trust_remote_code) for e in engines]
+        drafts = (draft_mod.ask(dirs, engines, FORMATS, trust_remote_code) if any(v.mtp_skipped for v in views)
+                  else {})
     return views, s.config, {n: list(shape) for n, shape, _ in s.tensors}, drafts
 
 
@@ -179,10 +181,11 @@ def load_draft_answers(path: Path) -> dict:
     return json.loads(path.read_text()).get("drafts", {})
 
 
-def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None) -> Derived:
+def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None,
+           trust_remote_code: bool = False) -> Derived:
     """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
     ``answers``, the engines' raw answers are written there too."""
-    views, config, shapes, drafts = ask(ckpt, engines)
+    views, config, shapes, drafts = ask(ckpt, engines, trust_remote_code)
     if answers is not None:
         save_answers(answers, views, config, shapes, drafts)
     return from_views(views, config, shapes, drafts)

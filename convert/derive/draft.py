@@ -28,15 +28,17 @@ _EXPERT = re.compile(r"\.experts\.\d+\.")
 _COUNT_HINTS = ("nextn", "mtp")
 
 
-def ask(dirs: dict[str, Path], engines: tuple[str, ...], formats: tuple[str, ...]) -> dict[str, dict]:
+def ask(dirs: dict[str, Path], engines: tuple[str, ...], formats: tuple[str, ...], trust_remote_code: bool = False
+        ) -> dict[str, dict]:
     """Each engine's draft answers: {engine: {"trace": result, "builds": {format: result}}}; an engine without a draft
     for the architecture answers with its error (kept: the table says so)."""
     from ..enginecheck import run_derive
 
     out = {}
     for e in engines:
-        trace = run_derive(dirs["plain"], e, "trace", dirs["weights"], draft=True)
-        builds = {} if trace.get("error") else {f: run_derive(dirs[f], e, "build", draft=True) for f in formats}
+        kw = {"draft": True, "trust_remote_code": trust_remote_code}
+        trace = run_derive(dirs["plain"], e, "trace", dirs["weights"], **kw)
+        builds = {} if trace.get("error") else {f: run_derive(dirs[f], e, "build", **kw) for f in formats}
         out[e] = {"trace": trace, "builds": builds}
     return out
 

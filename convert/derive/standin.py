@@ -83,8 +83,10 @@ def _config(ckpt: Checkpoint) -> dict:
     return config
 
 
-def make(ckpt: Checkpoint) -> StandIn:
-    """The stand-in of ``ckpt``: every logical tensor discovery finds, dense (see the module docstring)."""
+def make(ckpt: Checkpoint, with_code: bool = False) -> StandIn:
+    """The stand-in of ``ckpt``: every logical tensor discovery finds, dense (see the module docstring). ``with_code``:
+    also its top-level ``.py`` files, the config code ``auto_map`` names, which an engine told to trust remote code
+    imports from the folder."""
     tensors = []
     for module, by_suffix in discover_sources(ckpt).items():
         for suffix, src in by_suffix.items():
@@ -99,7 +101,8 @@ def make(ckpt: Checkpoint) -> StandIn:
     side = {}
     for rel in ckpt.side_files:
         low = rel.lower()
-        if "/" in rel or not low.endswith(".json") or low in ("config.json", "hf_quant_config.json"):
+        if "/" in rel or not low.endswith((".json", ".py") if with_code else ".json") or low in (
+                "config.json", "hf_quant_config.json"):
             continue
         entry = ckpt.source.entry(rel)
         if entry is None or entry.size >= (1 << 20):

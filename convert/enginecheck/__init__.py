@@ -265,7 +265,8 @@ def runner_env(pr: Probe) -> dict:
 
 
 def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: str | os.PathLike | None = None,
-               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT, draft: bool = False) -> dict:
+               python: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT, draft: bool = False,
+               trust_remote_code: bool = False) -> dict:
     """The runner in derivation mode (``mode`` 'trace' or 'build', see runner_common.main): its JSON result,
     with the engine's version; a crash without a result is an :class:`EngineUnavailable`-free ConvertError.
     ``draft``: of the engine's speculative-decoding draft model for the checkpoint (``derive/draft.py``)."""
@@ -273,6 +274,7 @@ def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: st
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp:
         res, log = Path(tmp, "result.json"), Path(tmp, "runner.log")
         argv = [str(Path(model_dir).resolve()), "--out", str(res), "--derive", mode] + (["--draft"] if draft else [])
+        argv += ["--trust-remote-code"] if trust_remote_code else []
         if weights is not None:
             argv += ["--weights", str(Path(weights).resolve())]
         log.write_text("")
@@ -288,12 +290,15 @@ def run_derive(model_dir: str | os.PathLike, engine: str, mode: str, weights: st
 
 def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike | None = None,
           any_version: bool = False, timeout: float = DEFAULT_TIMEOUT,
-          source: Source | str | os.PathLike | None = None, draft: bool = False) -> Report:
+          source: Source | str | os.PathLike | None = None, draft: bool = False,
+          trust_remote_code: bool = False) -> Report:
     """Load ``output_dir`` with ``engine``'s own code in its own python and report what it did; with
     ``source`` (the checkpoint it was converted from), also the numeric check (``numerics``): every layer
     read as the engine's GEMM reads it, against the source's weight of the same rows. With ``draft``, the model
     loaded is the engine's speculative-decoding draft for the checkpoint (its MTP / NextN class, built as a
-    deployment with ``--speculative-config`` / ``--speculative-algorithm NEXTN`` builds it)."""
+    deployment with ``--speculative-config`` / ``--speculative-algorithm NEXTN`` builds it). ``trust_remote_code``:
+    the engine reads the config through the checkpoint's own config code (auto_map), as its own flag of that name
+    (a release whose config class neither the engine nor transformers has: Ling 2.0's bailing_moe_v2)."""
     out = Path(output_dir)
     if not (out / "config.json").is_file() and not (out / "params.json").is_file():  # params.json: Mistral's layout
         raise ConvertError(f"{out}: no config.json (not a checkpoint folder)")
@@ -309,6 +314,7 @@ def check(output_dir: str | os.PathLike, engine: str, python: str | os.PathLike 
         res = Path(tmp, "result.json")
         log = Path(tmp, "runner.log")
         argv = [str(out.resolve()), "--out", str(res)] + (["--draft"] if draft else [])
+        argv += ["--trust-remote-code"] if trust_remote_code else []
         if source is not None:
             argv += ["--numerics", str(Path(tmp, "numerics"))]
         log.write_text("")

@@ -660,12 +660,15 @@ def main(engine: str, run) -> None:
                          "checkpoint instead of its main model")
     ap.add_argument("--weights", help="with --derive trace: a JSON list of [name, shape, dtype] offered instead of "
                                       "the checkpoint's files")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="read the config through the checkpoint's own config code (auto_map), as the engines' own "
+                         "--trust-remote-code does")
     a = ap.parse_args()
     t0 = time.perf_counter()
     result: dict = {"engine": engine, "model_dir": os.path.abspath(a.model_dir), "error": None,
                     "phase": "start", "patches": [], "timings": {}, "numerics_dir": a.numerics,
                     "derive": a.derive, "weights_spec": a.weights, "draft": a.draft, "role": "draft" if a.draft
-                    else "main"}
+                    else "main", "trust_remote_code": a.trust_remote_code}
     try:
         run(os.path.abspath(a.model_dir), result)
     except BaseException as e:  # the engine's own exception is the result, not a crash of the runner

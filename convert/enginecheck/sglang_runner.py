@@ -282,7 +282,7 @@ def deployment_args(model_dir: str) -> dict:
     return out
 
 
-def engine_config(model_dir: str, draft: bool):
+def engine_config(model_dir: str, draft: bool, trust_remote_code: bool = False):
     """SGLang's own config for the checkpoint: with ``draft``, as a deployment asks for its draft
     (``--speculative-algorithm NEXTN``: the draft worker's ``ModelConfig.from_server_args(...,
     is_draft_model=True)``, managers/tp_worker.py ``_init_model_config``, which picks the NextN / MTP class,
@@ -294,7 +294,7 @@ def engine_config(model_dir: str, draft: bool):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=False,
+    kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=trust_remote_code,
               load_format="auto", skip_server_warmup=True, **deployment_args(model_dir))
     if draft:
         # EAGLE: what SGLang resolves NEXTN to (arg_groups/speculative_hook.py), and the only spelling DeepSeek V4
@@ -342,7 +342,8 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "config"
     t = time.perf_counter()
     with rc.CpuDevices():
-        server_args, model_config, load_config, loader, quant_config = engine_config(model_dir, result["draft"])
+        server_args, model_config, load_config, loader, quant_config = engine_config(
+            model_dir, result["draft"], result.get("trust_remote_code", False))
     result["architectures"] = list(getattr(model_config.hf_config, "architectures", None) or [])
     result["quantization"] = model_config.quantization
     result["quant_config"] = type(quant_config).__name__ if quant_config is not None else None

@@ -304,7 +304,7 @@ def mtp_layers(config) -> int:
     return 1
 
 
-def engine_config(model_dir: str, draft: bool):
+def engine_config(model_dir: str, draft: bool, trust_remote_code: bool = False):
     """vLLM's own config for the checkpoint: with ``draft``, as a deployment asks for its MTP draft
     (``--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'``), and then the draft's config the
     proposer builds it with (llm_base_proposer.py ``_get_model``: ``_create_draft_vllm_config``, the speculative
@@ -314,13 +314,13 @@ def engine_config(model_dir: str, draft: bool):
     from vllm.engine.arg_utils import EngineArgs
 
     kw = dict(model=model_dir, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
-              max_model_len=4096, trust_remote_code=False)
+              max_model_len=4096, trust_remote_code=trust_remote_code)  # as vLLM's own flag
     if not draft:
         vc = EngineArgs(**kw).create_engine_config()
         return vc, vc.model_config, vc.load_config
     from transformers import AutoConfig
 
-    n = mtp_layers(AutoConfig.from_pretrained(model_dir))
+    n = mtp_layers(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
     vc = EngineArgs(**kw, speculative_config={"method": "mtp", "num_speculative_tokens": n}).create_engine_config()
     spec = vc.speculative_config
     vc = replace(vc, attention_config=replace(vc.attention_config, backend=spec.attention_backend))
@@ -345,7 +345,7 @@ def run(model_dir: str, result: dict) -> None:
     result["phase"] = "config"
     t = time.perf_counter()
     with rc.CpuDevices():
-        vllm_config, mc, load_config = engine_config(model_dir, result["draft"])
+        vllm_config, mc, load_config = engine_config(model_dir, result["draft"], result.get("trust_remote_code", False))
         engram_on_device(vllm_config)
     result["architectures"] = list(getattr(mc.hf_config, "architectures", None) or [])
     result["quantization"] = mc.quantization
