@@ -281,3 +281,12 @@ def all_presets() -> list[str]:
 
     tests = [n for f in sorted(TEST_PRESETS.glob("*.toml")) for n in tomllib.loads(f.read_text())["presets"]]
     return [*builtin_presets(), *tests]
+
+
+def plan_kinds(src: Path, options=None) -> dict[str, str]:
+    """Each planned item's kind (NVFP4, kept, ...) by its module name, under ``options`` (default: the defaults)."""
+    from kimi_convert.options import Options
+    from kimi_convert.pack import load_plan
+
+    _, plan = load_plan(src, options or Options())
+    return {it.name: it.kind for u in plan.units for it in u.items}

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_ckpt, edit_config, rewrite_tensors, write_synth
+from helpers import copy_ckpt, edit_config, plan_kinds, rewrite_tensors, write_synth
 from kimi_convert.derive.lookup import shipped_for
-from kimi_convert.pack import load_plan
-from kimi_convert.plan import KEEP, NVFP4, Options
+from kimi_convert.plan import KEEP, NVFP4
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +18,8 @@ def tiny_k25(tmp_path_factory) -> Path:
     return write_synth("tiny-kimi-k25", tmp_path_factory.mktemp("k25") / "src")
 
 
-def _kinds(src: Path) -> dict[str, str]:
-    _, plan = load_plan(src, Options())
-    return {it.name: it.kind for u in plan.units for it in u.items}
-
-
 def test_the_shipped_table_makes_the_int4_experts_nvfp4_and_keeps_the_rest_the_engines_build_unquantized(tiny_k25):
-    kinds = _kinds(tiny_k25)
+    kinds = plan_kinds(tiny_k25)
     experts = {n: k for n, k in kinds.items() if ".experts." in n}
     assert len(experts) == 8 * 3 and set(experts.values()) == {NVFP4}
     assert kinds["language_model.model.layers.1.mlp.gate"] == KEEP
@@ -45,7 +39,7 @@ def test_every_vision_block_is_kept_beyond_the_blocks_the_table_was_derived_on(t
             t[name.replace(f"{block}1.", f"{block}2.")] = t[name].clone()
     rewrite_tensors(src, add_block)
     edit_config(src, lambda c: c["vision_config"].update(num_hidden_layers=3, vt_num_hidden_layers=3))
-    kinds = _kinds(src)
+    kinds = plan_kinds(src)
     assert kinds[f"{block}2.wqkv"] == KEEP and kinds[f"{block}2.mlp.fc0"] == KEEP
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import plan_kinds
 from kimi_convert.derive import load_answers
-from kimi_convert.pack import load_plan
-from kimi_convert.plan import KEEP, NVFP4, Options
+from kimi_convert.plan import KEEP, NVFP4
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ROOT / "tests" / "derived" / "breadth" / "Llama4ForConditionalGeneration.answers.json"
@@ -43,13 +43,8 @@ def release(tmp_path_factory) -> Path:
     return folder
 
 
-def _kinds(src: Path) -> dict[str, str]:
-    _, plan = load_plan(src, Options())
-    return {it.name: it.kind for u in plan.units for it in u.items}
-
-
 def test_the_release_plans_its_banks_nvfp4_and_keeps_what_the_engines_read_unquantized(release):
-    kinds = _kinds(release)
+    kinds = plan_kinds(release)
     experts = {n: k for n, k in kinds.items() if ".feed_forward.experts." in n}
     assert len(experts) == 4 * 8 * 3 and set(experts.values()) == {NVFP4}, sorted(experts)[:4]
     for proj in ("q_proj", "k_proj", "v_proj"):
