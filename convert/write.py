@@ -131,11 +131,11 @@ class ShardWriter:
         except OSError as e:
             self.abort()
             raise self._error(e) from None
-        header = shard.header
-        half = len(header) // 2
-        self._pwrite(header[:half], 0)
+        self.header = shard.header  # encoded here once (the file hash takes these bytes: pipeline/stream.py)
+        half = len(self.header) // 2
+        self._pwrite(self.header[:half], 0)
         faults.point("header")
-        self._pwrite(header[half:], half)
+        self._pwrite(self.header[half:], half)
         self.placed = {p.tensor.name: p for p in shard.placed}
         self.written: dict[str, int] = {}
         self._unflushed = 0

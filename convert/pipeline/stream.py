@@ -299,7 +299,7 @@ class Stream:
             hasher = FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool, self.shared.memory.hold,
                                 self.stop)
             st = self.open[file] = _ShardState(w, hasher, self.units_per_shard[file])
-            st.file_hash.offer(0, [shard.header])
+            st.file_hash.offer(0, [w.header])  # the bytes the writer wrote (a shard's header is encoded on demand)
         st.sources.update(digests)
         st.notes.update(notes)
         single = pc.kind is PieceKind.COPY and len(pc.unit.parts) == 1

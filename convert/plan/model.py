@@ -132,7 +132,7 @@ class Shard:
     @property
     def header(self) -> bytes:
         """The 8-byte length and the JSON, padded so data starts 16-byte aligned: encoded from ``placed`` when
-        asked (by the writer and the file's hash, once each a shard), not held, because the released K3's 96
+        asked (once a shard, by its writer, whose bytes the file's hash takes), not held, because the released K3's 96
         headers are 140 MiB of its plan (benchmarks/RESULTS.md, issue 43)."""
         base = self.header_len
         raw = encode_header([p.tensor for p in self.placed], [p.start - base for p in self.placed],
