@@ -100,9 +100,7 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     rule = rule_for(ctx.recipe, members[0], m.text_prefix, ctx.is_expert(members[0]))
     forced = head_rule(members[0], ctx)
     if forced is not None:
-        rule, why = forced
-        scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
-        return Decision(Kind(rule.scheme), why, scale)
+        return _quantized(forced[0], forced[1], ctx)
     k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
     if k is not None:
         return Decision(KEEP, k.reason)
@@ -112,8 +110,14 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
         if why is not None:
             return Decision(KEEP, f"mapping {m.name}: mtp: {why}")
     assert rule is not None  # keep.kept keeps a module no rule matches
+    return _quantized(rule, f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", ctx)
+
+
+def _quantized(rule: RecipeRule, why: str, ctx: DecideContext) -> Decision:
+    """``rule``'s scheme, with its constant input scale (``--input-scale`` in place of the recipe's, where both
+    have one)."""
     scale = rule.input_scale if ctx.opts.input_scale is None or rule.input_scale is None else ctx.opts.input_scale
-    return Decision(Kind(rule.scheme), f"recipe {ctx.recipe.name}: {rule.reason or rule.describe()}", scale)
+    return Decision(Kind(rule.scheme), why, scale)
 
 
 def head_rule(module: str, ctx: DecideContext) -> tuple[RecipeRule, str] | None:
