@@ -76,6 +76,12 @@ def _fail(msg: str) -> None:
     sys.exit(2)
 
 
+#: ``--trust-remote-code``'s help (``mapping derive``, ``verify-manifest --engine``)
+TRUST_REMOTE_CODE = ("the engine reads the config through the checkpoint's own config code (auto_map), as the engines' "
+                     "own --trust-remote-code (a release whose config class neither the engine nor transformers has). "
+                     "Runs that code: only for a checkpoint you would serve with that flag.")
+
+
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kimi-convert")
 def cli() -> None:
@@ -158,10 +164,7 @@ def mapping_group() -> None:
               help="Also write the engines' raw answers (JSON), to rebuild the table without them.")
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["vllm", "sglang"]),
               help="Ask only this engine (repeatable; default: both, which the tool's tables need).")
-@click.option("--trust-remote-code", is_flag=True,
-              help="The engine reads the config through the checkpoint's own config code (auto_map), "
-                   "as the engines' own --trust-remote-code (a release whose config class neither the engine nor "
-                   "transformers has). Runs that code: only for a checkpoint you would serve with that flag.")
+@click.option("--trust-remote-code", is_flag=True, help=TRUST_REMOTE_CODE[0].upper() + TRUST_REMOTE_CODE[1:])
 @click.option("--token", help="A Hub input's token (default: HF_TOKEN or the cached login). Never printed.")
 def mapping_derive(input_dir: str, out: str | None, answers: str | None, engines: tuple[str, ...],
                    trust_remote_code: bool, token: str | None) -> None:
@@ -431,10 +434,7 @@ def _report_commit(res, repo_id: str | None, output_dir: str, committed: str) ->
               help="With --engine: where the engine's main model leaves MTP layers to its speculative-decoding draft, "
                    "also build that draft model (vLLM's --speculative-config method mtp, SGLang's "
                    "--speculative-algorithm NEXTN) and check it the same way.")
-@click.option("--trust-remote-code", is_flag=True,
-              help="With --engine: the engine reads the config through the checkpoint's own config code (auto_map), "
-                   "as the engines' own --trust-remote-code (a release whose config class neither the engine nor "
-                   "transformers has). Runs that code: only for a checkpoint you would serve with that flag.")
+@click.option("--trust-remote-code", is_flag=True, help=f"With --engine: {TRUST_REMOTE_CODE}")
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable report (with --engine: every parameter's details).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
