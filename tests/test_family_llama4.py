@@ -31,16 +31,21 @@ def _release_layout(shapes: dict[str, list[int]], experts: int) -> dict[str, lis
     return out
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
+def write_release(folder: Path) -> Path:
+    """The derivation's Llama 4 laid out as the release (transposed banks), seeded BF16, in one file."""
     _, config, shapes = load_answers(ANSWERS)
-    folder = tmp_path_factory.mktemp("llama4")
+    folder.mkdir(parents=True, exist_ok=True)
     layout = _release_layout(shapes, config["text_config"]["num_local_experts"])
     g = torch.Generator().manual_seed(0)
     save_file({n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in sorted(layout.items())},
               str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    return write_release(tmp_path_factory.mktemp("llama4"))
 
 
 def test_the_release_plans_its_banks_nvfp4_and_keeps_what_the_engines_read_unquantized(release):

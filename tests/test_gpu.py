@@ -124,6 +124,16 @@ def test_a_tiny_presets_own_default_recipe_writes_the_cpus_bytes(inputs, tmp_pat
     same_on_both(inputs(preset), tmp_path, layout=layout, max_shard_size=1_000_000)  # (the same files, or refusal)
 
 
+@on_gpu
+@pytest.mark.parametrize("recipe", [None, "ct-nvfp4-a16"], ids=["default", "ct"])
+def test_llama4s_transposed_banks_decode_on_the_gpu_to_the_cpus_bytes(tmp_path, recipe):
+    """Llama 4's release layout (``convert/encodings/expert_bank.py``: each expert's [in, out] slice transposed on
+    the parts' device), with its shipped derived table and overlay: no tiny preset has these banks."""
+    from test_family_llama4 import write_release
+
+    assert same_on_both(write_release(tmp_path / "in"), tmp_path, recipe=recipe, max_shard_size=1_000_000) is None
+
+
 @pytest.fixture
 def auto_takes_the_gpu(monkeypatch):
     """--device auto measuring every kind of work on both (the streams wait for it: a tiny input has too few units
