@@ -54,6 +54,10 @@ class Tuning:
     #: Bytes a shard writer lets accumulate in the page cache before it asks the kernel to start writing them back
     #: (``write.start_writeback``), so that the shard's closing fsync finds little left to write.
     writeback_every: int = 64 << 20
+    #: A shard writer's staging buffer for the bytes it writes past the page cache (``write.DirectStage``, where the
+    #: file system allows it); 0: every byte through the page cache. A buffer is written at once when full: large
+    #: enough that the disk sees few, long writes; one per shard being written.
+    direct_write: int = 8 << 20
     #: A worker process reports its progress at most every this many bytes (a queue message each time).
     progress_step: int = 64 << 20
     #: --device auto: timed units per kind of work and candidate, after the warm-up one.

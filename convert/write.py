@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from . import faults, filenames, formats, journal, paths
 from .atomic import PARTIAL
@@ -112,15 +116,18 @@ class ShardWriter:
     """Writes one shard: header first, then each tensor's chunks at its planned offset.
 
     The file's space is reserved up front (posix_fallocate), so a full disk fails at the start of a
-    shard rather than in the middle of one; every OS error names the file. ``writeback_every``: the bytes it lets
-    accumulate in the page cache before it asks the kernel to start writing them back (``Tuning.writeback_every``).
+    shard rather than in the middle of one; every OS error names the file. ``direct_bytes`` (``Tuning.direct_write``):
+    where the file system allows it, the bytes go to the disk past the page cache (``DirectStage``) while they come in
+    file order, the usual order; else, and from the first write out of that order on, through the page cache, asking
+    the kernel to start writing back every ``writeback_every`` bytes (``Tuning.writeback_every``).
     """
 
-    def __init__(self, output_dir: Path, shard: Shard, writeback_every: int):
+    def __init__(self, output_dir: Path, shard: Shard, writeback_every: int, direct_bytes: int = 0):
         self.shard, self.writeback_every = shard, writeback_every
         self.final = output_dir / shard.file
         self.tmp = output_dir / (shard.file + PARTIAL)
         self.fd = -1
+        self._direct: DirectStage | None = None
         try:
             # 0o666 less the umask, as open(..., "w") gives every other file of the output
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
@@ -128,6 +135,8 @@ class ShardWriter:
                 os.posix_fallocate(self.fd, 0, shard.size)
             else:
                 os.ftruncate(self.fd, shard.size)
+            if direct_bytes:
+                self._direct = DirectStage.open(self.tmp, self.fd, direct_bytes)
         except OSError as e:
             self.abort()
             raise self._error(e) from None
@@ -147,6 +156,12 @@ class ShardWriter:
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         try:
+            if self._direct is not None:
+                if self._direct.take(view, offset):
+                    if self._direct.refused:
+                        self._leave_direct()
+                    return
+                self._leave_direct()  # out of file order: what is staged goes out, the rest through the page cache
             while view:
                 n = os.pwrite(self.fd, view, offset)
                 view, offset = view[n:], offset + n
@@ -169,7 +184,7 @@ class ShardWriter:
             pos += n
             self._unflushed += n
         self.written[name] = self.written.get(name, 0) + pos - p.start - offset
-        if self._unflushed >= self.writeback_every:
+        if self._direct is None and self._unflushed >= self.writeback_every:
             self._unflushed = 0
             start_writeback(self.fd)
 
@@ -181,6 +196,7 @@ class ShardWriter:
                 raise ConvertError(f"{self.shard.file}: tensor {name}: wrote {self.written.get(name, 0)} bytes, "
                                    f"planned {p.end - p.start}")
         try:
+            self._leave_direct()
             os.fsync(self.fd)
             os.close(self.fd)
             self.fd = -1
@@ -188,11 +204,125 @@ class ShardWriter:
         except OSError as e:
             raise self._error(e) from None
 
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes still go past the page cache (``DirectStage``)."""
+        return self._direct is not None
+
+    def _leave_direct(self) -> None:
+        """What is staged written out (its last partial block through the page cache); later writes go there too."""
+        if self._direct is not None:
+            stage, self._direct = self._direct, None
+            stage.close()
+
     def abort(self) -> None:
+        if self._direct is not None:
+            self._direct.discard()
+            self._direct = None
         if self.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
+
+
+class DirectStage:
+    """A shard's bytes written past the page cache (``O_DIRECT``) while they come in file order: appended to an
+    aligned staging buffer, each full buffer written at once. Through the page cache, every output byte is copied
+    into a newly allocated cache page and written back later, CPU time that on two cores is the pack's bound
+    (benchmarks/RESULTS.md, "Shards written past the page cache"); past it, the disk takes the buffer as it is.
+
+    O_DIRECT asks for aligned buffers, offsets and lengths (``BLOCK``): the buffer is page-aligned (an anonymous
+    map), writes are whole buffers at multiples of its size, and the last partial block goes through the page cache
+    (``close``). A file system that refuses O_DIRECT (tmpfs, some network file systems) refuses it when the file is
+    opened (``open`` returns None) or at a write (EINVAL: those bytes go through the page cache, and ``refused``
+    tells the writer to send the rest there too)."""
+
+    BLOCK = 4096  # a multiple of every logical block size O_DIRECT asks for
+
+    def __init__(self, fd: int, cached_fd: int, size: int):
+        self.fd, self.cached_fd = fd, cached_fd
+        self.size = max(self.BLOCK, size // self.BLOCK * self.BLOCK)
+        self._map = mmap.mmap(-1, self.size)
+        self.buf = np.frombuffer(self._map, np.uint8)
+        self.base = 0  # the file offset of buf[0]
+        self.fill = 0  # bytes staged
+        self.refused = False  # the file system refused a direct write
+
+    @classmethod
+    def open(cls, path: Path, cached_fd: int, size: int) -> DirectStage | None:
+        """A second descriptor of ``path`` that bypasses the page cache (``cached_fd``: the writer's own, for what
+        cannot go past it), or None where the file system refuses."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | flag)
+        except OSError:
+            return None
+        return cls(fd, cached_fd, size)
+
+    def take(self, view: memoryview, offset: int) -> bool:
+        """Stage ``view`` if it continues the file where the staged bytes end; False otherwise (nothing taken)."""
+        if offset != self.base + self.fill:
+            return False
+        src = np.frombuffer(view, np.uint8)
+        i, n = 0, src.size
+        while i < n:
+            k = min(n - i, self.size - self.fill)
+            np.copyto(self.buf[self.fill : self.fill + k], src[i : i + k])  # (numpy copies without the GIL)
+            self.fill += k
+            i += k
+            if self.fill == self.size:
+                self._write(self.size)
+        return True
+
+    def _write(self, n: int, cached: bool = False) -> None:
+        """The first ``n`` staged bytes to the disk (whole blocks, unless ``cached``: through the page cache); the
+        rest moved to the buffer's start."""
+        view = memoryview(self._map)[:n]
+        try:
+            if not (cached or self.refused):
+                try:
+                    _pwrite_all(self.fd, view, self.base)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.refused = True
+            if cached or self.refused:
+                _pwrite_all(self.cached_fd, view, self.base)
+        finally:
+            view.release()
+        self.base += n
+        self.fill -= n
+        if self.fill:
+            self.buf[: self.fill] = self.buf[n : n + self.fill]
+
+    def close(self) -> None:
+        """Write what is staged (whole blocks past the page cache, the last partial one through it), let go."""
+        try:
+            whole = self.fill // self.BLOCK * self.BLOCK
+            if whole:
+                self._write(whole)
+            if self.fill:
+                self._write(self.fill, cached=True)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """The descriptor and the buffer let go (what is staged is dropped: a failed or stopped shard)."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+        self.buf = None
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 @functools.cache

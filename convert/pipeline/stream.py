@@ -295,7 +295,8 @@ class Stream:
             shard = self.shard_of[file]
             if self.shared.admit is not None:
                 self.shared.admit(not self.open, self.stop)
-            w = write.ShardWriter(self.job.output_dir, shard, self.shared.tuning.writeback_every)
+            w = write.ShardWriter(self.job.output_dir, shard, self.shared.tuning.writeback_every,
+                                  self.shared.tuning.direct_write)
             hasher = FileHasher(w.tmp, shard.size, self.written[file], self.hash_pool, self.shared.memory.hold,
                                 self.stop)
             st = self.open[file] = _ShardState(w, hasher, self.units_per_shard[file])
