@@ -16,7 +16,8 @@ from dataclasses import dataclass
 ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of bytes"),
        "KIMI_CONVERT_UPLOAD_QUEUE": ("upload_queue", "a number of shards"),
        "KIMI_CONVERT_DOWNLOAD_THREADS": ("download_threads", "a number of threads"),
-       "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files")}
+       "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files"),
+       "KIMI_CONVERT_DIRECT_WRITE": ("direct_write", "a number of bytes (0: through the page cache)")}
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Tuning:
     writeback_every: int = 64 << 20
     #: A shard writer's staging buffer for the bytes it writes past the page cache (``write.DirectStage``, where the
     #: file system allows it); 0: every byte through the page cache. A buffer is written at once when full: large
-    #: enough that the disk sees few, long writes; one per shard being written.
+    #: enough that the disk sees few, long writes; one per shard being written (``KIMI_CONVERT_DIRECT_WRITE``: 0 where a
+    #: file system takes direct writes slowly).
     direct_write: int = 8 << 20
     #: A worker process reports its progress at most every this many bytes (a queue message each time).
     progress_step: int = 64 << 20

@@ -783,8 +783,9 @@ def test_the_tuning_reads_its_variables_once_and_refuses_a_bad_value(tiny_k3, tm
     its defaults); a value that is not a whole number is one line, exit 2, before anything is written."""
     assert Tuning.from_env({}) == Tuning()
     assert Tuning.from_env({"KIMI_CONVERT_STARTUP_READAHEAD": "4096"}) == Tuning(startup_readahead=4096)
-    env = {"KIMI_CONVERT_UPLOAD_QUEUE": "0", "KIMI_CONVERT_DOWNLOAD_THREADS": "1", "KIMI_CONVERT_MAX_COMMIT_FILES": "9"}
-    assert Tuning.from_env(env) == Tuning(upload_queue=0, download_threads=1, max_commit_files=9)
+    env = {"KIMI_CONVERT_UPLOAD_QUEUE": "0", "KIMI_CONVERT_DOWNLOAD_THREADS": "1", "KIMI_CONVERT_MAX_COMMIT_FILES": "9",
+           "KIMI_CONVERT_DIRECT_WRITE": "0"}
+    assert Tuning.from_env(env) == Tuning(upload_queue=0, download_threads=1, max_commit_files=9, direct_write=0)
     assert Tuning(startup_readahead=0).startup_bytes() == 0
     assert 0 < Tuning().startup_bytes() <= 4 << 30
     out = tmp_path / "out"
