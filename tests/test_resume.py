@@ -109,7 +109,9 @@ def test_resume_redoes_a_shard_whose_records_file_changed(medium, tmp_path):
     killed_at("shard:3", "pack", src, out, *PACK_ARGS)
     records = sorted((out / "manifest-records").glob("*.jsonl"))
     assert len(records) == 2
-    records[0].write_bytes(records[0].read_bytes().replace(b'"sha256":"', b'"sha256":"0', 1))
+    edited = records[0].read_bytes().replace(b'"blake3":"', b'"blake3":"0', 1)
+    assert edited != records[0].read_bytes()
+    records[0].write_bytes(edited)
     r = run("pack", src, out, *PACK_ARGS, "--resume")
     assert r.code == 0, r.stderr
     assert fault_inject.same_tree(ref, out) == []
