@@ -129,8 +129,9 @@ def is_v3(man: dict) -> bool:
 
 def tensor_digest(man: dict) -> str:
     """The digest the manifest's records give each tensor, which is also their key: ``tensor_digest``
-    (format_version 4: blake3), sha256 where it is absent (format_version 3)."""
-    name = man.get("tensor_digest", "sha256" if man.get("format_version") == 3 else None)
+    (format_version 4: blake3), sha256 where it is absent before format_version 4."""
+    version = man.get("format_version")
+    name = man.get("tensor_digest", "sha256" if isinstance(version, int) and version < 4 else None)
     if name is None:
         raise ConvertError(f"manifest.json: format_version {man.get('format_version')} without tensor_digest")
     if name not in DIGESTS:
