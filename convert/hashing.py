@@ -6,11 +6,11 @@ hashing runs beside reading, computing and writing. A file's digest is sha256 (t
 object by it: an input is compared with the Hub's, an output shard's is its oid); a tensor's is
 ``TENSOR_DIGEST`` (BLAKE3: four times sha256's speed on one core, where the tensors' digests are half
 of the pipeline's hashing; docs/output-format.md). A digest is sequential, though: the pieces of one
-stream must be fed in order even when several pool threads run. ``SerialHasher`` keeps that order for one stream;
-``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or writes anyway,
-reading from the file itself only what the pipeline does not hand it (an input's header, ranges
-another worker converts, ranges that came too far out of order to hold): an input file through its
-``Source``, an output file (a local path) directly.
+stream must be fed in order even when several pool threads run. ``SerialHasher`` keeps that order
+for one stream; ``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or
+writes anyway, reading from the file itself only what the pipeline does not hand it (an input's header,
+ranges another worker converts, ranges that came too far out of order to hold): an input file through
+its ``Source``, an output file (a local path) directly.
 """
 
 from __future__ import annotations
