@@ -116,10 +116,28 @@ def blake3_hex(data) -> str:
     return blake3.blake3(bytes(data)).hexdigest()
 
 
-def tensor_bytes(folder: Path) -> dict[str, bytes]:
+class TensorBytes(dict):
+    """Every tensor's bytes in the ``.safetensors`` files under a folder (``tensor_bytes``), by name; a source
+    part's name too: ``NAME[i]`` or ``NAME[i:j]`` is that index or those rows of NAME along its first dimension
+    (how the plan names a part of a stored bank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[str, int] = {}  # each tensor's first dimension
+
+    def __missing__(self, name: str) -> bytes:
+        bank, _, index = name.rstrip("]").rpartition("[")
+        if not bank or bank not in self:
+            raise KeyError(name)
+        lo, _, hi = index.partition(":")
+        row = len(self[bank]) // self.rows[bank]
+        return self[bank][int(lo) * row : (int(hi) if hi else int(lo) + 1) * row]
+
+
+def tensor_bytes(folder: Path) -> TensorBytes:
     """Every tensor's bytes in the ``.safetensors`` files under ``folder``, cut from each file by its own header
     (the format: 8-byte length, JSON, data), not by the code under test; small checkpoints only."""
-    out: dict[str, bytes] = {}
+    out = TensorBytes()
     for p in sorted(folder.rglob("*.safetensors")):
         data = p.read_bytes()
         n = int.from_bytes(data[:8], "little")
@@ -127,6 +145,7 @@ def tensor_bytes(folder: Path) -> dict[str, bytes]:
             if name != "__metadata__":
                 a, b = info["data_offsets"]
                 out[name] = data[8 + n + a : 8 + n + b]
+                out.rows[name] = (info["shape"] or [1])[0]
     return out
 
 
