@@ -1,13 +1,16 @@
-"""sha256 of streams that arrive out of thread order, computed on a shared pool.
+"""Digests of streams that arrive out of thread order, computed on a shared pool.
 
 The pipeline hashes every byte it reads or writes (each input file and each source tensor, each
-output tensor and each output file), and hashlib releases the GIL on large buffers, so hashing runs
-beside reading, computing and writing. A sha256 is sequential, though: the pieces of one stream must
-be fed in order even when several pool threads run. ``SerialHasher`` keeps that order for one stream;
-``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or writes anyway,
-reading from the file itself only what the pipeline does not hand it (an input's header, ranges
-another worker converts, ranges that came too far out of order to hold): an input file through its
-``Source``, an output file (a local path) directly.
+output tensor and each output file), and hashlib and blake3 release the GIL on large buffers, so
+hashing runs beside reading, computing and writing. A file's digest is sha256 (the Hub names an LFS
+object by it: an input is compared with the Hub's, an output shard's is its oid); a tensor's is
+``TENSOR_DIGEST`` (BLAKE3: four times sha256's speed on one core, where the tensors' digests are half
+of the pipeline's hashing; docs/output-format.md). A digest is sequential, though: the pieces of one
+stream must be fed in order even when several pool threads run. ``SerialHasher`` keeps that order
+for one stream; ``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or
+writes anyway, reading from the file itself only what the pipeline does not hand it (an input's header,
+ranges another worker converts, ranges that came too far out of order to hold): an input file through
+its ``Source``, an output file (a local path) directly.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import blake3
 
 from .sources.local import LocalFile
 
@@ -29,19 +34,67 @@ if TYPE_CHECKING:
 
 CHUNK = 16 << 20
 
+#: The digest of each tensor in the records a pack writes (``tensors[]`` and ``sources[].parts[]``, under a
+#: key of this name; manifest.json's ``tensor_digest`` names it). Files stay sha256 (``FILE_DIGEST``).
+TENSOR_DIGEST = "blake3"
+FILE_DIGEST = "sha256"
+#: The digests a manifest's records may use: sha256 in those of format_version 3 (before ``tensor_digest``).
+DIGESTS: dict[str, Callable[[], Digest]] = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
+
+
+class Digest(Protocol):
+    def update(self, data, /) -> object: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Bytes:
+    """A digest fed any C-contiguous buffer as its bytes (blake3 takes only byte-format buffers; an output
+    tensor's chunk may be a float16 array)."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, h: Digest):
+        self._h = h
+
+    def update(self, data) -> None:
+        self._h.update(as_bytes(data))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def as_bytes(data):
+    """``data``'s bytes without a copy: itself where it is bytes-like, else a flat byte view of the buffer."""
+    if isinstance(data, bytes | bytearray):
+        return data
+    mv = memoryview(data)
+    if mv.format in ("B", "b", "c") and mv.ndim == 1:
+        return mv
+    try:
+        return mv.cast("B")
+    except (TypeError, ValueError):  # a format memoryview cannot cast (an explicit byte order): numpy can
+        import numpy as np
+
+        return np.asarray(data).reshape(-1).view(np.uint8)
+
+
+def new_digest(name: str = TENSOR_DIGEST) -> Digest:
+    """A fresh digest of algorithm ``name`` (one of ``DIGESTS``) that takes any contiguous buffer."""
+    return _Bytes(DIGESTS[name]())
+
 
 class SerialHasher:
-    """One sha256 fed from any thread, updated in feed order on ``pool``.
+    """One digest (``digest``: a name in ``DIGESTS``) fed from any thread, updated in feed order on ``pool``.
 
     Each ``feed`` returns a future that is done once those bytes are hashed, so the caller knows when
     it may reuse or drop the buffer. At most one pool thread works on a stream at a time (no thread
     ever blocks waiting for its turn)."""
 
-    def __init__(self, pool: Executor, on_idle: Callable[[], None] | None = None):
+    def __init__(self, pool: Executor, on_idle: Callable[[], None] | None = None, digest: str = TENSOR_DIGEST):
         """``on_idle``: called on the pool thread each time the queue runs dry (it may feed more)."""
         self._pool = pool
         self._on_idle = on_idle
-        self._h = hashlib.sha256()
+        self._h = new_digest(digest)
         self._lock = threading.Lock()
         self._queue: deque[tuple[object, Future]] = deque()
         self._running = False
@@ -131,7 +184,7 @@ class FileHasher:
         file in it (read through the source: the gaps the pipeline does not read)."""
         self.path, self.source = path, source
         self.size = size
-        self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle)
+        self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle, FILE_DIGEST)
         self._may_take = may_take
         self._lock = threading.Lock()
         self._ends = {a: b for a, b in expected if b > a}
@@ -299,12 +352,13 @@ class HoldBudget:
 
 def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
               progress: Callable[[int], None] | None = None, stop: threading.Event | None = None, *,
-              source: Source | None = None) -> tuple[str, int, dict[str, str]]:
-    """sha256 of the file and of each byte range (contiguous, non-overlapping), in one sequential read;
-    a stop request ends it within one chunk. ``path``: a local file, or with ``source`` an input file's name."""
+              source: Source | None = None, digest: str = TENSOR_DIGEST) -> tuple[str, int, dict[str, str]]:
+    """sha256 of the file and ``digest`` of each byte range (contiguous, non-overlapping: a shard's tensors),
+    in one sequential read; a stop request ends it within one chunk. ``path``: a local file, or with ``source``
+    an input file's name."""
     fh = hashlib.sha256()
     order = sorted(ranges.items(), key=lambda kv: kv[1])
-    th = {name: hashlib.sha256() for name in ranges}
+    th = {name: new_digest(digest) for name in ranges}
     pos, i = 0, 0
     if source is not None:
         f = source.open(str(path))

@@ -27,7 +27,9 @@ from .sources import EntryKind, Source
 NAME = filenames.JOURNAL
 #: The lock a running pack holds on its output (outfolder.lock_output): its pid; removed when the output is finished.
 LOCK = filenames.LOCK
-VERSION = 3  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files
+VERSION = 4  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files;
+#: 4: the records files' tensor digests are BLAKE3 (a version 3 journal's shards have sha256 records: not continued,
+#: so that one manifest holds one digest)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from . import __version__, filenames, schemes
 from .atomic import write_atomic
 from .errors import ConvertError
+from .hashing import DIGESTS, TENSOR_DIGEST
 from .jsonfile import loads, read_json
 from .plan import Item, Plan, Unit
 from .plan.serialize import engine_groups, head_dict, item_dict, side_dict
@@ -23,8 +24,11 @@ from .plan.serialize import engine_groups, head_dict, item_dict, side_dict
 FORMAT = "kimi-convert-manifest"
 #: 2: ``side_files`` became records (file, size, sha256), ``side_folders`` and ``skipped_files`` came.
 #: 3: ``modules`` moved out of manifest.json into one JSON Lines file per output shard (``records``).
-#: Version 1 and 2 manifests (every module in manifest.json, before 0.1.0) are refused by verify-manifest.
-FORMAT_VERSION = 3
+#: 4: each tensor's digest (``tensors[]``, ``sources[].parts[]``) is BLAKE3 under the key ``blake3``, named by
+#: ``tensor_digest`` (version 3: sha256, key ``sha256``, no ``tensor_digest``); files' digests stay sha256.
+#: Version 1 and 2 manifests (every module in manifest.json, before 0.1.0) are refused by verify-manifest;
+#: version 3 ones are read (``tensor_digest``).
+FORMAT_VERSION = 4
 
 
 RECORDS_DIR, records_name = filenames.RECORDS_DIR, filenames.records_name
@@ -32,14 +36,15 @@ RECORDS_DIR, records_name = filenames.RECORDS_DIR, filenames.records_name
 
 def module_record(it: Item, shared_scale: str | None, shard: str, tensor_hashes: dict[str, str],
                   source_hashes: dict[str, str], notes: dict[str, dict]) -> dict:
-    """One module as the manifest records it: the plan's entry (``plan --json``) with the sha256 of
-    each stored source part and output tensor, and the compute's notes (amax, cast counts...)."""
+    """One module as the manifest records it: the plan's entry (``plan --json``) with the digest
+    (``TENSOR_DIGEST``, under its name) of each stored source part and output tensor, and the
+    compute's notes (amax, cast counts...)."""
     mod = item_dict(it, shared_scale, shard)
     for s in mod["sources"]:
         for p in s["parts"]:
-            p["sha256"] = source_hashes[p["name"]]
+            p[TENSOR_DIGEST] = source_hashes[p["name"]]
     for t in mod["tensors"]:
-        t["sha256"] = tensor_hashes[t["name"]]
+        t[TENSOR_DIGEST] = tensor_hashes[t["name"]]
     note = dict(sorted(notes.get(it.name, {}).items()))  # key order must not depend on a resume
     if note and schemes.quantized(it.kind):
         mod["quantization"].update(note)
@@ -83,7 +88,7 @@ def write_records(output_dir: Path, shard: str, units: list[Unit], tensor_hashes
 def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: dict[str, tuple[int, str]],
           records: dict[str, RecordsFile], files: list[dict], side_files: list[dict],
           origin: dict | None = None) -> dict:
-    """manifest.json (format_version 3): everything but the per-module records, which are in
+    """manifest.json (format_version 4): everything but the per-module records, which are in
     ``records`` (one file per output shard, each with its size, sha256 and number of modules).
     ``shards``: output shard -> (size, sha256); ``files``: every other file of the output (configs,
     index, side files) with size and sha256; ``side_files``: those of them copied from the input.
@@ -97,6 +102,7 @@ def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: di
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tool": {"name": "kimi-convert", "version": __version__},
+        "tensor_digest": TENSOR_DIGEST,  # the records' digest of each tensor (files: sha256)
         "plan_sha256": plan_sha256,
         "mapping_table": tomllib.loads(plan.mapping.source),
         "mapping_source": plan.mapping.source,
@@ -117,8 +123,21 @@ def load_manifest(output_dir: Path) -> dict:
 
 
 def is_v3(man: dict) -> bool:
-    """Whether the module records are in records files (format_version 3) rather than manifest.json."""
+    """Whether the module records are in records files (format_version 3 and later) rather than manifest.json."""
     return "records" in man and "modules" not in man
+
+
+def tensor_digest(man: dict) -> str:
+    """The digest the manifest's records give each tensor, which is also their key: ``tensor_digest``
+    (format_version 4: blake3), sha256 where it is absent before format_version 4."""
+    version = man.get("format_version")
+    name = man.get("tensor_digest", "sha256" if isinstance(version, int) and version < 4 else None)
+    if name is None:
+        raise ConvertError(f"manifest.json: format_version {man.get('format_version')} without tensor_digest")
+    if name not in DIGESTS:
+        raise ConvertError(f"manifest.json: tensor_digest {name!r} is not one this version knows "
+                           f"({', '.join(sorted(DIGESTS))}): written by a newer kimi-convert?")
+    return name
 
 
 def iter_modules(output_dir: Path, man: dict, problems: list[str] | None = None) -> Iterator[tuple[str, dict]]:

@@ -59,7 +59,12 @@ class OutputFolder:
         """The journal to continue, or a fresh one; False when a resumed output is already complete."""
         plan_sha = plan_hash(plan_dict(plan))
         stamps = journal.input_stamps(source, [f for f, _ in plan.inputs])
-        existing = Journal.load(self.path)
+        try:
+            existing = Journal.load(self.path)
+        except ConvertError:
+            if resume or not overwrite:
+                raise
+            existing = None  # unreadable, or another version's (its message says --overwrite): replaced
         if resume and existing is not None:
             if existing.plan_sha256 != plan_sha or existing.inputs != stamps:
                 what = ("input files changed" if existing.inputs != stamps

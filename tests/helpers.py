@@ -109,6 +109,74 @@ def manifest_with_modules(folder: Path) -> dict:
     return man
 
 
+def blake3_hex(data) -> str:
+    """BLAKE3 (32 bytes, hex) of ``data``, from the blake3 package itself (what a record's ``blake3`` must be)."""
+    import blake3
+
+    return blake3.blake3(bytes(data)).hexdigest()
+
+
+class TensorBytes(dict):
+    """Every tensor's bytes in the ``.safetensors`` files under a folder (``tensor_bytes``), by name; a source
+    part's name too: ``NAME[i]`` or ``NAME[i:j]`` is that index or those rows of NAME along its first dimension
+    (how the plan names a part of a stored bank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[str, int] = {}  # each tensor's first dimension
+
+    def __missing__(self, name: str) -> bytes:
+        bank, _, index = name.rstrip("]").rpartition("[")
+        if not bank or bank not in self:
+            raise KeyError(name)
+        lo, _, hi = index.partition(":")
+        row = len(self[bank]) // self.rows[bank]
+        return self[bank][int(lo) * row : (int(hi) if hi else int(lo) + 1) * row]
+
+
+def tensor_bytes(folder: Path) -> TensorBytes:
+    """Every tensor's bytes in the ``.safetensors`` files under ``folder``, cut from each file by its own header
+    (the format: 8-byte length, JSON, data), not by the code under test; small checkpoints only."""
+    out = TensorBytes()
+    for p in sorted(folder.rglob("*.safetensors")):
+        data = p.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        for name, info in json.loads(data[8 : 8 + n]).items():
+            if name != "__metadata__":
+                a, b = info["data_offsets"]
+                out[name] = data[8 + n + a : 8 + n + b]
+                out.rows[name] = (info["shape"] or [1])[0]
+    return out
+
+
+def as_format_3(out: Path, inp: Path) -> None:
+    """Rewrite a format_version 4 output (BLAKE3 per tensor) in place as format_version 3 wrote it: each record's
+    ``blake3`` (output tensors, source parts) checked against the BLAKE3 of the tensor's bytes (``tensor_bytes``
+    of ``out``, of the input ``inp``) and replaced, at the same place, by ``sha256`` of those bytes; the records
+    files' listing in manifest.json redone for the new bytes; no ``tensor_digest``, ``format_version`` 3. An
+    earlier version's output, made without the code under test (manifest.json's own layout aside)."""
+    man = json.loads((out / "manifest.json").read_text())
+    assert man.pop("format_version") == 4 and man.pop("tensor_digest") == "blake3"
+    got, src = tensor_bytes(out), tensor_bytes(inp)
+
+    def sha(d: dict, data: dict[str, bytes]) -> dict:
+        raw = data[d["name"]]
+        assert d["blake3"] == blake3_hex(raw), d["name"]
+        return {k: v for k, v in d.items() if k != "blake3"} | {"sha256": hashlib.sha256(raw).hexdigest()}
+
+    for e in man["records"]:
+        recs = [json.loads(line) for line in (out / e["file"]).read_text().splitlines()]
+        for r in recs:
+            r["tensors"] = [sha(t, got) for t in r["tensors"]]
+            for s in r["sources"]:
+                s["parts"] = [sha(p, src) for p in s["parts"]]
+        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs).encode()
+        (out / e["file"]).write_bytes(data)
+        e.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    man = {"format": man.pop("format"), "format_version": 3, **man}
+    (out / "manifest.json").write_text(json.dumps(man, indent=1))
+
+
 def edit_config(folder: Path, fn) -> None:
     edit_json(folder / "config.json", fn)
 

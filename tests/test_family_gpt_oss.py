@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import synth_preset, tree, write_synth
+from helpers import blake3_hex, synth_preset, tensor_bytes, tree, write_synth
 from kimi_convert.synth import config
 
 #: E2M1 code -> value (OCP MX spec, table of FP4 E2M1), low nibble first as transformers'
@@ -177,9 +177,10 @@ def test_output_config_names_what_stays_unquantized(packed):
     assert "lm_head" in ignore and not any("experts" in n for n in ignore)
 
 
-def test_manifest_records_views_and_expert_parts(packed):
+def test_manifest_records_views_and_expert_parts(packed, tiny):
     """Gate and up of one expert read the same parts (the expert's bytes of the bank, named NAME[e]) and are
-    told apart by their views; the whole-bank scales (for k_max) are a part of their own."""
+    told apart by their views; the whole-bank scales (for k_max) are a part of their own. Each part's BLAKE3 is
+    that of its bytes: the bank's, or expert e's slice of it."""
     recs = [json.loads(line) for f in sorted((packed / "manifest-records").glob("*"))
             for line in f.read_text().splitlines()]
     by = {r["name"]: r for r in recs}
@@ -189,7 +190,10 @@ def test_manifest_records_views_and_expert_parts(packed):
     assert names == [f"{pre}.gate_up_proj_blocks[2]", f"{pre}.gate_up_proj_scales[2]", f"{pre}.gate_up_proj_scales"]
     assert [q["name"] for q in up["parts"]] == names
     assert (gate["view"], up["view"]) == ([[0, 0, None, 2]], [[0, 1, None, 2]])
-    assert len({q["sha256"] for q in gate["parts"]}) == 3
+    stored = tensor_bytes(tiny)  # NAME[e]: expert e's rows of the bank NAME
+    assert len(stored[names[0]]) * _tiny().experts == len(stored[names[0].removesuffix("[2]")])
+    assert [q["blake3"] for q in gate["parts"]] == [blake3_hex(stored[q["name"]]) for q in gate["parts"]]
+    assert len({q["blake3"] for q in gate["parts"]}) == 3 and "sha256" not in gate["parts"][0]
     assert "view" not in by[f"{pre}.2.down_proj"]["sources"][0]
     q = by[f"{pre}.2.gate_proj"]["quantization"]
     assert q["method"] == "mxfp4-cast" and q["blocks"] == q["lossless_blocks"] > 0

@@ -19,7 +19,15 @@ import torch
 from safetensors import safe_open
 
 import oracle
-from helpers import copy_ckpt, interpreter_note, manifest_with_modules, one_line_error, replace_tensor, run
+from helpers import (
+    blake3_hex,
+    copy_ckpt,
+    interpreter_note,
+    manifest_with_modules,
+    one_line_error,
+    replace_tensor,
+    run,
+)
 from kimi_convert.engine_rules import sglang_is_excluded, vllm_is_skipped
 from kimi_convert.mapping import builtin_by_name
 
@@ -160,13 +168,15 @@ def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):
     out = load_all(packed_k3)
     inp = load_all(tiny_k3)
     fused = 0
+    # files by sha256 (above: the Hub's LFS oid), tensors by BLAKE3 under its own key (docs/output-format.md)
+    assert man["format_version"] == 4 and man["tensor_digest"] == "blake3"
     for m in man["modules"]:
         for t in m["tensors"]:
-            assert t["sha256"] == hashlib.sha256(raw_bytes(out[t["name"]])).hexdigest()
+            assert t["blake3"] == blake3_hex(raw_bytes(out[t["name"]])) and "sha256" not in t
             assert t["dtype"] in ("U8", "F8_E4M3", "F32", "BF16")
         for s in m["sources"]:
             for p in s["parts"]:
-                assert p["sha256"] == hashlib.sha256(raw_bytes(inp[p["name"]])).hexdigest()
+                assert p["blake3"] == blake3_hex(raw_bytes(inp[p["name"]])) and "sha256" not in p
         if m.get("group"):
             fused += 1
             rows = [tuple(s["rows"]) for s in m["sources"]]

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import blake3
 import pytest
 
 from helpers import child, cli_command, copy_ckpt, one_line_error, run, run_process, tree
@@ -35,12 +36,28 @@ def pool():
         yield ex
 
 
-def test_serial_hasher_keeps_feed_order_across_threads(pool):
+@pytest.mark.parametrize("digest", ["sha256", "blake3"])
+def test_serial_hasher_keeps_feed_order_across_threads(pool, digest):
     blocks = [random.Random(i).randbytes(random.Random(i).randint(0, 5000)) for i in range(200)]
-    h = SerialHasher(pool)
+    h = SerialHasher(pool, digest=digest)
     futs = [h.feed(b) for b in blocks]
-    assert h.hexdigest().result() == hashlib.sha256(b"".join(blocks)).hexdigest()
+    want = hashlib.sha256 if digest == "sha256" else blake3.blake3
+    assert h.hexdigest().result() == want(b"".join(blocks)).hexdigest()
     assert all(f.done() for f in futs)
+
+
+def test_tensor_digest_is_blake3_of_any_buffers_bytes(pool):
+    """A tensor's digest (``TENSOR_DIGEST``, the default) takes its chunks as the pipeline has them: uint8
+    buffers, slices of them, other dtypes (blake3 itself takes only byte buffers), bytes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 255, 1000, dtype=np.uint8), rng.standard_normal((7, 5)).astype(np.float16),
+              memoryview(rng.standard_normal(9).astype(">f4")), b"tail", np.arange(3, dtype=np.int32)[1:]]
+    h = SerialHasher(pool)
+    for c in chunks:
+        h.feed(c)
+    assert h.hexdigest().result() == blake3.blake3(b"".join(bytes(memoryview(c)) for c in chunks)).hexdigest()
 
 
 def _ranges(rng: random.Random, size: int) -> list[tuple[int, int]]:

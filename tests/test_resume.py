@@ -109,7 +109,9 @@ def test_resume_redoes_a_shard_whose_records_file_changed(medium, tmp_path):
     killed_at("shard:3", "pack", src, out, *PACK_ARGS)
     records = sorted((out / "manifest-records").glob("*.jsonl"))
     assert len(records) == 2
-    records[0].write_bytes(records[0].read_bytes().replace(b'"sha256":"', b'"sha256":"0', 1))
+    edited = records[0].read_bytes().replace(b'"blake3":"', b'"blake3":"0', 1)
+    assert edited != records[0].read_bytes()
+    records[0].write_bytes(edited)
     r = run("pack", src, out, *PACK_ARGS, "--resume")
     assert r.code == 0, r.stderr
     assert fault_inject.same_tree(ref, out) == []
@@ -130,6 +132,37 @@ def test_resume_refuses_other_options_and_changed_input(medium, tmp_path):
     assert "cannot resume: input files changed since the interrupted run" in err
     assert (out / ".kimi-convert-pack.json").read_bytes() == journal  # refused: nothing rewritten
     assert_not_finished(out)
+
+
+def test_an_earlier_versions_interrupted_pack_is_not_continued(tiny_k3, tmp_path):
+    """A pack interrupted under format_version 3 (its finished shards' records hold sha256; packed by that
+    version's code, taken from git): continuing it here would put two tensor digests in one manifest, so its
+    journal (version 3) is refused in one line; --overwrite starts again, with BLAKE3 throughout."""
+    import sys
+
+    from test_same_bytes import _old_package
+    from test_verify import V3_COMMIT
+
+    old = _old_package(tmp_path / "old", V3_COMMIT)
+    if old is None:
+        pytest.skip(f"no git history with commit {V3_COMMIT} to take the earlier code from")
+    out = tmp_path / "out"
+    args = ["pack", tiny_k3, out, "--max-shard-size", "1000000", "-q", "--device", "cpu", "--workers", "1",
+            "--streams", "1"]
+    r = subprocess.run([sys.executable, "-m", "kimi_convert.cli", *map(str, args)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(old), "KIMI_CONVERT_FAULT": "shard:2"}, cwd=old,
+                       timeout=600)
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    assert json.loads((out / ".kimi-convert-pack.json").read_text())["version"] == 3
+    records = sorted((out / "manifest-records").glob("*.jsonl"))
+    assert records and b'"sha256":"' in records[0].read_bytes()
+    err = one_line_error(run(*args, "--resume"))
+    assert "journal version 3 is not 4; start again with --overwrite" in err, err
+    assert_not_finished(out)
+    r = run(*args, "--overwrite")
+    assert r.code == 0, r.stderr
+    assert json.loads((out / "manifest.json").read_text())["tensor_digest"] == "blake3"
+    assert all(b'"sha256":"' not in f.read_bytes() for f in (out / "manifest-records").glob("*.jsonl"))
 
 
 def test_resume_of_a_complete_output(medium, tmp_path):

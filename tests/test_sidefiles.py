@@ -104,7 +104,7 @@ def test_every_side_file_copied_byte_identical_and_recorded(st_in, st_out):
     assert "quantization_config" in json.loads((out / "config.json").read_text())
     assert (out / "2_Normalize").is_dir() and not any((out / "2_Normalize").iterdir())
     man = json.loads((out / "manifest.json").read_text())
-    assert man["format_version"] == 3
+    assert man["format_version"] == 4 and man["tensor_digest"] == "blake3"  # files stay sha256 (below)
     assert {e["file"]: (e["size"], e["sha256"]) for e in man["side_files"]} == {
         rel: (len(data), sha(data)) for rel, data in want.items()}
     files = {e["file"]: e["sha256"] for e in man["files"]}

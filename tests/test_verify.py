@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import edit_json, manifest_with_modules, one_line_error, run
+from helpers import as_format_3, blake3_hex, edit_json, manifest_with_modules, one_line_error, run, tensor_bytes
 from kimi_convert.safetensors_format import parse_header
 
 
@@ -41,6 +41,7 @@ def test_good_output_verifies_offline_and_against_input(packed_k3, tiny_k3):
     assert rc == 0 and rep["ok"], rep
     names = [c["check"] for c in rep["checks"]]
     assert "re-plan from the input and the recorded options" in names
+    assert "tensors: names, dtypes, shapes and blake3" in names  # the manifest's tensor_digest
     assert any("all of" in c["detail"] for c in rep["checks"])
 
 
@@ -162,8 +163,8 @@ def test_consistent_lie_is_caught_only_by_rederiving(out, tiny_k3):
     data = bytearray(shard.read_bytes())
     data[info.start] ^= 0x11
     shard.write_bytes(bytes(data))
-    sha = hashlib.sha256(bytes(data[info.start : info.end])).hexdigest()
-    edit_records(out, t["file"], lambda recs: [x.update(sha256=sha) for r in recs for x in r["tensors"]
+    digest = blake3_hex(data[info.start : info.end])
+    edit_records(out, t["file"], lambda recs: [x.update(blake3=digest) for r in recs for x in r["tensors"]
                                                if x["name"] == t["name"]])
     edit_json(out / "manifest.json", lambda m: [f.update(sha256=hashlib.sha256(bytes(data)).hexdigest())
                                                 for f in m["outputs"] if f["file"] == t["file"]])
@@ -196,10 +197,10 @@ def test_records_file_missing_truncated_or_edited(out):
 
     path.write_bytes(good)
     name = json.loads(lines[1])["tensors"][0]["name"]
-    edit_records(out, shard, lambda recs: recs[1]["tensors"][0].update(sha256="0" * 64), relist=False)
+    edit_records(out, shard, lambda recs: recs[1]["tensors"][0].update(blake3="0" * 64), relist=False)
     rc, rep = verify(out)
     assert rc == 1 and f"{rel}: " in problems(rep) and "(edited or truncated)" in problems(rep)
-    assert f"tensor {name}: bytes do not match the manifest's sha256 ({rel} line 2)" in problems(rep)
+    assert f"tensor {name}: bytes do not match the manifest's blake3 ({rel} line 2)" in problems(rep)
 
     path.write_bytes(good[:-1] + b"x\n")  # the last line no longer JSON
     rc, rep = verify(out)
@@ -271,3 +272,66 @@ def v2_out(tiny_k3, tmp_path_factory) -> Path:
 def test_a_format_2_manifest_is_refused_in_one_line(v2_out, tiny_k3):
     rc, err = verify(v2_out, "--input", tiny_k3)
     assert rc == 2 and "format_version 2" in err and "pack the input again" in err, err
+
+
+#: main's HEAD before the per-tensor digests became BLAKE3 (format_version 4): its pack writes format_version 3,
+#: each tensor's and source part's sha256 under ``sha256``, which verify-manifest still reads.
+V3_COMMIT = "869d31a"
+
+
+@pytest.fixture(scope="module")
+def v3_out(tiny_k3, tmp_path_factory) -> Path:
+    """tiny-k3 packed by the code of V3_COMMIT, taken from git (not written by the code under test), with
+    ``packed_k3``'s options."""
+    from test_same_bytes import _old_package, _run
+
+    tmp = tmp_path_factory.mktemp("v3")
+    old = _old_package(tmp / "old", V3_COMMIT)
+    if old is None:
+        pytest.skip(f"no git history with commit {V3_COMMIT} to take the earlier code from")
+    _run(old, "pack", tiny_k3, tmp / "out", "--device", "cpu", "-q", "--max-shard-size", "1000000",
+         "--recipe", "nvfp4-w4a16", "--layout", "vllm")
+    man = json.loads((tmp / "out" / "manifest.json").read_text())
+    assert man["format_version"] == 3 and "tensor_digest" not in man
+    return tmp / "out"
+
+
+def test_a_format_3_output_still_verifies_by_its_sha256(v3_out, tiny_k3, tmp_path):
+    """An output of the version before BLAKE3: its records' sha256 are what verify checks, offline and against
+    the input (--full: every tensor); a flipped byte and a forged record are still caught, named by sha256."""
+    rc, rep = verify(v3_out)
+    assert rc == 0 and rep["ok"], rep
+    assert "tensors: names, dtypes, shapes and sha256" in [c["check"] for c in rep["checks"]]
+    rc, rep = verify(v3_out, "--input", tiny_k3, "--full")
+    assert rc == 0 and rep["ok"], rep
+
+    out = Path(shutil.copytree(v3_out, tmp_path / "out"))
+    man = manifest_with_modules(out)
+    t = next(t for m in man["modules"] if m["kind"] == "nvfp4" for t in m["tensors"])
+    assert "blake3" not in t and t["sha256"] == hashlib.sha256(tensor_bytes(out)[t["name"]]).hexdigest()
+    edit_records(out, t["file"], lambda recs: [x.update(sha256="0" * 64) for r in recs for x in r["tensors"]
+                                               if x["name"] == t["name"]])
+    rc, rep = verify(out)
+    assert rc == 1 and f"tensor {t['name']}: bytes do not match the manifest's sha256" in problems(rep), rep
+    rc, rep = verify(out, "--input", tiny_k3, "--full")
+    assert rc == 1 and f"tensor {t['name']}: re-quantized from its sources, the bytes differ" in problems(rep)
+
+
+def test_a_format_4_output_is_the_format_3_one_but_for_the_tensor_digests(v3_out, packed_k3, tiny_k3, tmp_path):
+    """This version's output of the same input, its records' BLAKE3 (each checked against the bytes) turned into
+    sha256 (``as_format_3``): the records are the earlier version's, line for line, and it verifies."""
+    out = Path(shutil.copytree(packed_k3, tmp_path / "out"))
+    as_format_3(out, tiny_k3)
+    for e in json.loads((v3_out / "manifest.json").read_text())["records"]:
+        assert (out / e["file"]).read_bytes() == (v3_out / e["file"]).read_bytes(), e["file"]
+    rc, rep = verify(out, "--input", tiny_k3)
+    assert rc == 0 and rep["ok"], rep
+
+
+def test_an_unknown_or_missing_tensor_digest_is_refused_in_one_line(out):
+    edit_json(out / "manifest.json", lambda m: m.update(tensor_digest="sha3_256"))
+    rc, err = verify(out)
+    assert rc == 2 and "tensor_digest 'sha3_256' is not one this version knows (blake3, sha256)" in err, err
+    edit_json(out / "manifest.json", lambda m: m.pop("tensor_digest"))
+    rc, err = verify(out)
+    assert rc == 2 and "format_version 4 without tensor_digest" in err, err

@@ -2,11 +2,11 @@
 
 - A reader thread ``pread``s the sources of the next pieces into pooled buffers (``Tuning.read_ahead`` pieces,
   or ``Tuning.read_ahead_bytes`` ahead of the compute on 4 CPUs or more), asks the kernel to start reading the piece
-  after, and hands each buffer to the hashers: each source tensor's sha256,
+  after, and hands each buffer to the hashers: each source tensor's digest (BLAKE3, ``hashing.TENSOR_DIGEST``),
   and its file's sha256 (``hashing.FileHasher``), come from these same bytes, not a second read.
 - A compute thread runs the kernels (a pass-through slice needs nothing).
-- A writer thread ``pwrite``s the results at their planned offsets and hashes them (the shard's own
-  sha256 too, from the bytes written); a finisher thread flushes and renames each completed shard
+- A writer thread ``pwrite``s the results at their planned offsets and hashes them (each tensor's digest, and
+  the shard's own sha256, from the bytes written); a finisher thread flushes and renames each completed shard
   while the next is written, and reports it (``on_shard``) for the journal.
 
 A worker runs several such streams on consecutive runs of its shards, in threads: a file's sha256

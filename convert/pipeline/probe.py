@@ -11,7 +11,7 @@ How, kind of work by kind of work (``choose.work_kind``), as the calibration in 
 - the streams compute every unit with the C kernels (``compute_early``), the undecided kinds' timed;
 - a unit of an undecided kind is given, when the probe is idle (a stream never waits for it), to the probe: its
   sources and plan entry, pickled down a pipe; the probe computes it on the GPU (``Runner``, its one backend),
-  times it there (the pipe's copies are not the GPU's cost) and answers its outputs' sha256 and notes, which must
+  times it there (the pipe's copies are not the GPU's cost) and answers its outputs' digests and notes, which must
   be the CPUs' (a kernel bug fails the run, as in this process);
 - the Chooser decides with the same warm-up, samples and margin. A kind decided for the GPU is computed from then
   on by a runner made in this process, on a thread (torch imported, the GPU started and the read buffers
@@ -22,7 +22,6 @@ A probe that cannot start or dies leaves every kind on the CPUs (its last line o
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import pickle
 import subprocess
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..compute_early import flat_bytes
+from ..hashing import new_digest
 from .choose import Calibrator, CandidateLost, Chooser, work_kind
 
 if TYPE_CHECKING:
@@ -59,11 +59,11 @@ def chunks_of(res: UnitResult) -> dict[str, list]:
 
 
 def output_digests(outputs: dict[str, list]) -> dict[str, str]:
-    """Each output tensor's sha256 (its chunks back to back, ``chunks_of``): what the probe answers, to be the
-    CPUs'."""
+    """Each output tensor's digest (``hashing.TENSOR_DIGEST``, its chunks back to back, ``chunks_of``): what the
+    probe answers, to be the CPUs'."""
     out = {}
     for name, chunks in outputs.items():
-        h = hashlib.sha256()
+        h = new_digest()
         for c in chunks:
             h.update(c if isinstance(c, bytes) else flat_bytes(c))
         out[name] = h.hexdigest()
@@ -72,7 +72,7 @@ def output_digests(outputs: dict[str, list]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Answer:
-    """The probe's result for one unit: its seconds on the GPU, its outputs' sha256, its notes."""
+    """The probe's result for one unit: its seconds on the GPU, its outputs' digests, its notes."""
 
     seconds: float
     digests: dict[str, str]
@@ -184,7 +184,7 @@ class GpuProbe:
         to the pool as soon as its writer is done with them. A failure here gives the reservation back."""
         try:
             request = pickle.dumps((unit, dict(loaded.buffers)), protocol=pickle.HIGHEST_PROTOCOL)
-            # the outputs copied (their sha256 taken on the calibration thread: a copy is several times faster
+            # the outputs copied (their digests taken on the calibration thread: a copy is several times faster
             # than a hash, and this is the stream's time)
             outputs = {k: [flat_bytes(c).tobytes() for c in cs] for k, cs in chunks_of(res).items()}
             notes = res.notes

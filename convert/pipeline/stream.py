@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import faults, write
-from ..hashing import FileHasher, SerialHasher, Stopped
+from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
@@ -221,7 +221,7 @@ class Stream:
             off += r.hi - r.lo
             self.read_pos += r.hi - r.lo
             bufs[f"{r.part.name}@{r.lo}" if pc.kind is PieceKind.COPY else r.part.name] = buf
-            h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool))
+            h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool, digest=TENSOR_DIGEST))
             feeds.append(h.feed(buf))
             if r.hi == r.part.nbytes:
                 digests[r.part.name] = h.hexdigest()
@@ -316,7 +316,7 @@ class Stream:
                 if pc.last:
                     st.tensors[name] = digests[pc.unit.parts[0].name]
                 continue
-            h = self.out_hashers.setdefault(name, SerialHasher(self.hash_pool))
+            h = self.out_hashers.setdefault(name, SerialHasher(self.hash_pool, digest=TENSOR_DIGEST))
             feeds += [h.feed(c) for c in chunks]
             if pc.last:
                 st.tensors[name] = h.hexdigest()

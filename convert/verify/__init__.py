@@ -2,7 +2,8 @@
 that it was derived from it correctly.
 
 Offline, every file is read once, in parallel: one sequential pass per shard computes the file's
-sha256 and every tensor's sha256 from the same bytes. With ``input``, the input files are hashed the
+sha256 and every tensor's digest (the manifest's ``tensor_digest``: BLAKE3, sha256 in a format_version 3
+manifest) from the same bytes. With ``input``, the input files are hashed the
 same way, the plan is rebuilt from the input and the recorded options and rules (its hash must equal
 the manifest's), pass-through tensors are compared with their sources' bytes, and NVFP4 tensors are
 re-quantized from their sources (a deterministic sample, or all with ``full``) and compared byte for
@@ -17,7 +18,7 @@ from pathlib import Path
 from .. import filenames, journal
 from ..devices import Device
 from ..errors import ConvertError
-from ..manifest import FORMAT, is_v3, load_manifest
+from ..manifest import FORMAT, is_v3, load_manifest, tensor_digest
 from ..sources import Source, open_source
 from .offline import check_offline
 from .provenance import check_against_input
@@ -43,6 +44,7 @@ def load(output: Path) -> dict:
         raise ConvertError(f"{output / filenames.MANIFEST}: format_version {man.get('format_version')}, written by a "
                            "kimi-convert before 0.1.0's format 3 (module records in manifest-records/), which this "
                            "version no longer reads: pack the input again")
+    tensor_digest(man)  # one this version computes (else: written by a newer one)
     return man
 
 

@@ -1,5 +1,5 @@
-"""verify-manifest's offline checks: every file of the output read once (its sha256 and every tensor's from
-the same bytes), the records files streamed, the index, the side files and the strangers."""
+"""verify-manifest's offline checks: every file of the output read once (its sha256 and every tensor's digest
+from the same bytes), the records files streamed, the index, the side files and the strangers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..checkpoint import INDEX_NAME
 from ..errors import ConvertError
 from ..hashing import hash_file
 from ..jsonstream import iter_object
-from ..manifest import RecordsReader
+from ..manifest import RecordsReader, tensor_digest
 from ..plan import Kind
 from ..safetensors_format import DTYPES, parse_header
 from ..sidefiles import WEIGHT_SUFFIXES
@@ -82,7 +82,7 @@ class _ShardCheck:
 
 
 def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None:
-    """Each shard is one job: its header, its bytes hashed (the file's and each tensor's sha256), and
+    """Each shard is one job: its header, its bytes hashed (the file's sha256 and each tensor's digest), and
     its module records (its records file, streamed) compared with them. So what is held at once is a
     few shards' tensors, never the whole model's."""
     shards = {f["file"]: f for f in man["outputs"]}
@@ -91,6 +91,7 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None
     index = _read_index(output / INDEX_NAME, index_problems)
     mods = Modules()
     records = {e["shard"]: e for e in man["records"]}
+    digest = tensor_digest(man)
     problems = _listing_problems(output, man, shards, others, records)
     present = {n for n in [*shards, *others] if (output / n).is_file()}
     if total:
@@ -99,7 +100,7 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None
     def job(name: str) -> tuple[str, _ShardCheck | tuple]:
         if name not in shards:
             return name, hash_file(output / name, {}, progress)
-        return name, _check_shard(output, name, shards[name], records.get(name), progress)
+        return name, _check_shard(output, name, shards[name], records.get(name), progress, digest)
 
     checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -113,7 +114,7 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None
     problems += [p for c in checked.values() for p in c.file_problems]
     rep.check("files: present, sizes and sha256", problems,
               f"{len(shards)} shards, {len(others)} other files, {len(records)} records files")
-    rep.check("tensors: names, dtypes, shapes and sha256", [p for c in checked.values() for p in c.tensor_problems],
+    rep.check(f"tensors: names, dtypes, shapes and {digest}", [p for c in checked.values() for p in c.tensor_problems],
               f"{mods.tensors} tensors")
     if index is not None:
         index_problems += _index_problems(output, man, index, checked, records, mods.nbytes)
@@ -166,10 +167,10 @@ def _compare_file(name: str, sha: str, size: int, rec: dict, problems: list[str]
         problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
 
 
-def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progress) -> _ShardCheck:
+def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progress, digest: str) -> _ShardCheck:
     """One shard: its bytes against ``rec`` (size, sha256), its tensors against its module records
-    (``records``: its records file's listing; None where manifest.json lists no records file for it);
-    and the digest of the index entries they call for."""
+    (``records``: its records file's listing; None where manifest.json lists no records file for it;
+    ``digest``: the records' tensor digest, also their key); and the digest of the index entries they call for."""
     c = _ShardCheck()
     path = output / name
     if not path.is_file():
@@ -183,12 +184,13 @@ def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progr
             header = None
     hashes: dict[str, str] = {}
     if header is not None:
-        sha, size, hashes = hash_file(path, {t: (i.start, i.end) for t, i in header.items()}, progress)
+        sha, size, hashes = hash_file(path, {t: (i.start, i.end) for t, i in header.items()}, progress,
+                                      digest=digest)
         _compare_file(name, sha, size, rec, c.file_problems)
     seen: set[str] = set()
     for where, t in (_record_tensors(output, name, records, c) if records is not None else ()):
         seen.add(t["name"])
-        _check_tensor(name, where, t, header, hashes, c.tensor_problems)
+        _check_tensor(name, where, t, header, hashes, digest, c.tensor_problems)
         c.listed.add(t["name"], name)
     unseen = [t for t in header or {} if t not in seen]
     if c.unread and unseen:  # one line, not one per tensor: the records file's own problem says why
@@ -222,7 +224,7 @@ def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck):
     c.unread = reader.stopped
 
 
-def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: dict[str, str],
+def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: dict[str, str], digest: str,
                   problems: list[str]) -> None:
     if header is None:
         return
@@ -233,8 +235,10 @@ def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: 
     if info.dtype != t["dtype"] or list(info.shape) != t["shape"]:
         problems.append(f"{fname}: tensor {t['name']} is {info.dtype}{list(info.shape)}, "
                         f"manifest says {t['dtype']}{t['shape']} ({where})")
-    if hashes[t["name"]] != t["sha256"]:
-        problems.append(f"{fname}: tensor {t['name']}: bytes do not match the manifest's sha256 ({where})")
+    if digest not in t:
+        problems.append(f"{fname}: tensor {t['name']}: the manifest records no {digest} ({where})")
+    elif hashes[t["name"]] != t[digest]:
+        problems.append(f"{fname}: tensor {t['name']}: bytes do not match the manifest's {digest} ({where})")
 
 
 def _read_index(path: Path, problems: list[str]) -> tuple[_Listing, int | None] | None:

@@ -12,8 +12,8 @@ from .. import encodings
 from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
-from ..hashing import git_blob_sha1, hash_file
-from ..manifest import iter_modules
+from ..hashing import git_blob_sha1, hash_file, new_digest
+from ..manifest import iter_modules, tensor_digest
 from ..mapping import parse_mapping
 from ..options import Options
 from ..plan import QUANTIZED, make_plan
@@ -148,7 +148,8 @@ def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep:
     chosen = [u for u in plan.units if not any(it.kind in QUANTIZED for it in u.items) or full or id(u) in keep
               or int(hashlib.sha256(u.items[0].name.encode()).hexdigest(), 16) % SAMPLE_EVERY == 0]
     wanted = {t.name for u in chosen for it in u.items for t in it.outputs}  # only their hashes are held
-    hashes = {t["name"]: t["sha256"] for _, mod in iter_modules(output, man) for t in mod["tensors"]
+    digest = tensor_digest(man)
+    hashes = {t["name"]: t.get(digest) for _, mod in iter_modules(output, man) for t in mod["tensors"]
               if t["name"] in wanted}
     backend = get_backend(device, cpus())
     reader = MappedReader(source)
@@ -159,7 +160,7 @@ def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep:
             if all(it.kind not in QUANTIZED and all(encodings.as_stored(s) for s in it.sources)
                    for it in u.items):
                 for it in u.items:  # pass-through: the output's bytes are the sources' bytes
-                    h = hashlib.sha256()
+                    h = new_digest(digest)
                     for s in it.sources:
                         h.update(reader.raw(s.parts[0]))
                     passthrough += 1
@@ -169,7 +170,7 @@ def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep:
                 res = compute_unit(u, reader, backend, block)
                 quantized += 1
                 for name, out in res.outputs.items():
-                    h = hashlib.sha256()
+                    h = new_digest(digest)
                     for c in out.chunks:
                         h.update(c)
                     if h.hexdigest() != hashes[name]:
