@@ -9,8 +9,8 @@
 1. disk floor: read every input file once, then write and fsync a file of the output's size (the faster of through
    the page cache and past it, O_DIRECT, as pack writes);
 2. with --quantize-alone: the time the kernels alone take on the checkpoint's NVFP4 modules, their
-   sources already in memory (no reading, hashing or writing); and the CPU floor: one core's sha256 rate over the
-   input and output bytes, plus that, spread over the CPUs (the hashes are CPU work the disk cannot hide);
+   sources already in memory (no reading, hashing or writing); and the CPU floor: one core's sha256 and BLAKE3
+   rates over the input and output bytes, plus that, spread over the CPUs (hashes are CPU work the disk cannot hide);
 3. ``kimi-convert pack`` end to end (process start included), once per --workers value: wall time,
    the conversion's own time and torch's start-up (from ``pack --stats``), peak RSS (wait4) and
    the bytes the process read from storage (rusage inblock).
@@ -203,16 +203,15 @@ def quantize_alone(src: Path, device: str, mapping: str | None = None, torch_onl
     return total, nbytes
 
 
-def sha256_rate(nbytes: int = 1 << 28, reps: int = 3) -> float:
-    """One core's sha256 rate on this machine (bytes/s, the best of ``reps``): pack hashes every input byte (the
-    manifest's provenance) and every output byte, one chain a file, so the hashes are CPU work no disk speed hides."""
-    import hashlib
-
+def hash_rate(digest, nbytes: int = 1 << 28, reps: int = 3) -> float:
+    """One core's rate of ``digest`` (a constructor taking the bytes) on this machine, bytes/s, the best of ``reps``:
+    pack hashes every input and output byte twice, its file's sha256 chain (the Hub's LFS id) and its tensor's
+    BLAKE3 (the manifest's records), so the hashes are CPU work no disk speed hides."""
     buf = os.urandom(nbytes)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        hashlib.sha256(buf).digest()
+        digest(buf).digest()
         best = min(best, time.perf_counter() - t)
     return nbytes / best
 
@@ -289,11 +288,17 @@ def main() -> None:
         print(f"quantize alone ({a.device}): {q:.2f} s for {qbytes / 1e9:.2f} GB of NVFP4 sources "
               f"({qbytes / q / 1e9:.2f} GB/s)")
         bound, what = floor + q, "disk floor + quantize alone"
-        cpus, rate = len(os.sched_getaffinity(0)), sha256_rate()
+        import hashlib
+
+        import blake3
+
+        cpus, rate, rate3 = len(os.sched_getaffinity(0)), hash_rate(hashlib.sha256), hash_rate(blake3.blake3)
         hash_s = (size_in + size_out) / rate
-        cpu_floor = (hash_s + q) / cpus
-        print(f"CPU floor: sha256 of the input and output {hash_s:.2f} s ({rate / 1e9:.2f} GB/s a core) + quantize "
-              f"alone {q:.2f} s, over {cpus} CPUs = **{cpu_floor:.2f} s** (pack / disk floor cannot go below "
+        tensor_s = (size_in + size_out) / rate3
+        cpu_floor = (hash_s + tensor_s + q) / cpus
+        print(f"CPU floor: sha256 of the input and output files {hash_s:.2f} s ({rate / 1e9:.2f} GB/s a core) + "
+              f"BLAKE3 of their tensors {tensor_s:.2f} s ({rate3 / 1e9:.2f} GB/s) + quantize alone {q:.2f} s, over "
+              f"{cpus} CPUs = **{cpu_floor:.2f} s** (pack / disk floor cannot go below "
               f"{max(floor, cpu_floor) / floor:.2f}x here)")
     print(f"\n| workers x streams | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | converting s "
           "| torch + device start s (overlapped) | peak RSS (largest process) | read from storage |")
