@@ -5,14 +5,22 @@
 #     bash benchmarks/families_pack.sh                  # this machine's CPUs (--device cpu)
 #     bash benchmarks/families_pack.sh --device cuda    # the GPU machine
 #
-# PRESETS="bench-a bench-b" picks the presets. Extra arguments go to benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...).
+# PRESETS="bench-a bench-b" picks the presets (PRESETS=2026: issue 38's nine 2026 releases). Extra arguments go to
+# benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...). Each preset's input and outputs are
+# removed before the next (KEEP_INPUTS=1 keeps them): nine presets at real width would need about 30 GB at once.
 # The Markdown it prints is also written to $OUT (default benchmarks/results/families-pack-<N>cpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 WORK=${WORKDIR:-/tmp/kimi-convert-families}
 OUT=${OUT:-benchmarks/results/families-pack-$(nproc)cpus.md}
-for preset in ${PRESETS:-bench-qwen3-moe bench-glm4-moe bench-minimax-m2 bench-qwen3-5-moe bench-deepseek-v3 bench-gpt-oss}; do
+PRESETS=${PRESETS:-bench-qwen3-moe bench-glm4-moe bench-minimax-m2 bench-qwen3-5-moe bench-deepseek-v3 bench-gpt-oss}
+if [ "$PRESETS" = 2026 ]; then
+    PRESETS="bench-glm5 bench-glm4-moe-lite bench-glm5-next bench-deepseek-v3-2 bench-deepseek-v4 bench-minimax-m3
+             bench-kimi-k25 bench-qwen4-exp bench-mistral-large-3"
+fi
+for preset in $PRESETS; do
     "$PY" benchmarks/pack_throughput.py --preset "$preset" --workdir "$WORK" --quantize-alone "$@"
+    [ -n "${KEEP_INPUTS:-}" ] || rm -rf "$WORK"
     echo
 done | tee "$OUT"
