@@ -1,0 +1,80 @@
+"""Two commands timed against each other as whole processes, in turn (A B A B ...), so that a machine whose speed
+drifts during the call moves both alike: each run's wall seconds, user and system CPU seconds and peak RSS (the
+kernel's accounting of the reaped child, ``os.wait4``), their medians, and the ratios A/B taken pair by pair.
+
+    python benchmarks/ab_pack.py -n 5 --warmup 1 --a "kimi-convert pack IN OUT-A -q --overwrite" \\
+        --b "BEFORE/.venv/bin/kimi-convert pack IN OUT-B -q --overwrite" [--env-a K=V] [--env-b K=V] [--json FILE]
+
+A command is split as a shell splits words and run without a shell; its output is thrown away. Each command's
+input evicted from the page cache or not is the caller's (the figures say which)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+
+def run_once(cmd: list[str], env: dict[str, str]) -> dict:
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **env})
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+    p.stderr and p.stderr.close()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(f"{shlex.join(cmd)}: exit {code}: {err.strip().splitlines()[-1:] or ''}")
+    return {"wall": wall, "user": ru.ru_utime, "sys": ru.ru_stime, "cpu": ru.ru_utime + ru.ru_stime,
+            "peak_gb": ru.ru_maxrss * 1024 / 1e9}
+
+
+def env_of(pairs: list[str]) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in pairs)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", required=True)
+    ap.add_argument("--b", required=True)
+    ap.add_argument("--env-a", action="append", default=[])
+    ap.add_argument("--env-b", action="append", default=[])
+    ap.add_argument("-n", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    cmds = {"A": (shlex.split(a.a), env_of(a.env_a)), "B": (shlex.split(a.b), env_of(a.env_b))}
+    for _ in range(a.warmup):
+        for cmd, env in cmds.values():
+            run_once(cmd, env)
+    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    load = [os.getloadavg()[0]]
+    for _ in range(a.n):
+        for k, (cmd, env) in cmds.items():
+            runs[k].append(run_once(cmd, env))
+    load.append(os.getloadavg()[0])
+    keys = ("wall", "user", "sys", "cpu", "peak_gb")
+    med = {k: {f: statistics.median(r[f] for r in rs) for f in keys} for k, rs in runs.items()}
+    ratio = {f: statistics.median(x[f] / y[f] for x, y in zip(runs["A"], runs["B"], strict=True) if y[f])
+             for f in keys}
+    print(f"A: {a.a}\nB: {a.b}\n{a.n} runs each in turn after {a.warmup} warm-up(s); load average {load[0]:.2f} "
+          f"before, {load[1]:.2f} after\n")
+    print("| | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
+    for k in ("A", "B"):
+        print(f"| {k} median | " + " | ".join(f"{med[k][f]:.2f}" for f in keys) + " |")
+    print("| A/B (pair by pair, median) | " + " | ".join(f"{ratio[f]:.3f}" for f in keys) + " |")
+    result = {"a": a.a, "b": a.b, "env_a": a.env_a, "env_b": a.env_b, "runs": runs, "median": med, "ratio": ratio,
+              "load": load}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
