@@ -25,7 +25,7 @@ from .errors import ConvertError
 from .hashing import sha256_file
 from .journal import Journal, ShardRecord
 from .plan import Plan, Shard
-from .plan.serialize import plan_dict, plan_hash
+from .plan.serialize import plan_sha256
 from .progress import human_bytes
 from .sources import Source
 
@@ -57,7 +57,7 @@ class OutputFolder:
     def open(self, source: Source, plan: Plan, overwrite: bool, resume: bool, command: str,
              uploading: bool = False) -> bool:
         """The journal to continue, or a fresh one; False when a resumed output is already complete."""
-        plan_sha = plan_hash(plan_dict(plan))
+        plan_sha = plan_sha256(plan)
         stamps = journal.input_stamps(source, [f for f, _ in plan.inputs])
         existing = Journal.load(self.path)
         if resume and existing is not None:

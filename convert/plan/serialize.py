@@ -19,6 +19,8 @@ from .model import COPY, KEEP, EngineGroup, Item, Plan
 _BATCH = 4096
 #: json.dumps's C encoder; the plan's dicts hold no cycles, and not checking for them is 1.4x faster
 _ENCODE = json.JSONEncoder(check_circular=False).encode
+#: ``json.dumps(x, sort_keys=True)``'s encoder (``plan_sha256``: the plan's hash is of that text)
+_SORTED = json.JSONEncoder(sort_keys=True).encode
 
 
 def plan_dict(plan: Plan) -> dict:
@@ -32,6 +34,39 @@ def plan_dict(plan: Plan) -> dict:
 def plan_hash(plan_dict: dict) -> str:
     """The plan's identity (the manifest's ``plan_sha256``; a resume refuses another plan's output)."""
     return hashlib.sha256(json.dumps(plan_dict, sort_keys=True).encode()).hexdigest()
+
+
+def plan_sha256(plan: Plan) -> str:
+    """``plan_hash(plan_dict(plan))`` without holding ``plan_dict``: the same text (``json.dumps`` with sorted
+    keys) hashed piece by piece, each module and engine packed module encoded alone. On the released K3 the
+    dict and its text held at once were 1.5 GB on top of the plan, the pack's peak before its first read
+    (benchmarks/RESULTS.md, issue 43)."""
+    h = hashlib.sha256()
+    for piece in _sorted_json(plan):
+        h.update(piece.encode())
+    return h.hexdigest()
+
+
+def _sorted_json(plan: Plan) -> Iterator[str]:
+    """``json.dumps(plan_dict(plan), sort_keys=True)`` in pieces: the head's keys in sorted order, the two long
+    lists one element at a time (``json.dumps`` writes a list as its elements joined by ``", "``)."""
+    with gc_paused():
+        head = head_dict(plan)
+        lists = {"modules": (item_dict(it, u.shared_scale, u.shard) for u in plan.units for it in u.items),
+                 "engine_groups": iter(engine_groups(plan))}
+        yield "{"
+        for i, key in enumerate(sorted(head)):
+            yield (", " if i else "") + json.dumps(key) + ": "
+            if key not in lists:
+                yield _SORTED(head[key])
+                continue
+            yield "["
+            it, first = lists[key], True
+            for batch in iter(lambda it=it: list(itertools.islice(it, _BATCH)), []):
+                yield ("" if first else ", ") + ", ".join(map(_SORTED, batch))
+                first = False
+            yield "]"
+        yield "}"
 
 
 def head_dict(plan: Plan) -> dict:
