@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..encodings import Encoding as Encoding  # how a source stores a weight: the source encodings' data
 from ..encodings import SourceTensor
@@ -146,6 +146,23 @@ class Shard:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardPart:
+    """One output shard's part of the plan: its units, in plan order, and its placements."""
+
+    units: tuple[Unit, ...]
+    shard: Shard
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSize:
+    """An output shard as the outline counts it, without its placements."""
+
+    file: str
+    size: int
+    tensors: int
+
+
+@dataclass(frozen=True, slots=True)
 class PerModule:
     """The plan module by module: every unit, every shard with its header, every engine packed module."""
 
@@ -167,17 +184,28 @@ class Outline:
     bytes_in: int
     bytes_out: int
     shards: int
+    shard_sizes: tuple[ShardSize, ...] = ()  # each output shard, in order
 
     def experts(self, prefix: str, index: str) -> tuple[int, ...]:
         """The expert indices that ``prefix.index`` stands for (itself alone unless it leads a bank)."""
         return self.banks.get(f"{prefix}.{index}") or (int(index),)
 
 
+class Expanding(Protocol):
+    """What makes a banked plan's shard parts from its outline (``plan.expand.Expansion``)."""
+
+    def parts(self) -> Iterator[ShardPart]: ...
+
+    def all_engine_groups(self) -> tuple[EngineGroup, ...]: ...
+
+
 @dataclass(frozen=True)
 class Plan:
     """The plan. ``per_module`` makes the module-by-module plan (units, shards, engine packed modules)
     on first use: ``plan`` without --json prints the ``outline`` alone (banks of experts), and never makes
-    the released K3's million per-expert objects."""
+    the released K3's million per-expert objects. ``expansion`` (a banked plan): each output shard's part
+    made from the outline when asked (``shard_parts``), so that what goes through the plan shard by shard
+    (``plan --json``, the plan's hash) never holds the whole of it (issue 43)."""
 
     mapping: Mapping
     recipe: Recipe
@@ -193,10 +221,50 @@ class Plan:
     notes: tuple[str, ...] = ()  # decisions worth saying (e.g. a condition decided from the tensors)
     side_folders: tuple[str, ...] = ()  # empty input folders, recreated (sidefiles.scan)
     skipped_files: tuple[Skipped, ...] = ()  # input files neither read nor copied, with the reason
+    expansion: Expanding | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def _modules(self) -> PerModule:
         return self.per_module()
+
+    def _expanding(self) -> Expanding | None:
+        """The expansion, unless the module-by-module plan is made already (then it is cut, not made again)."""
+        return None if "_modules" in self.__dict__ else self.expansion
+
+    def shard_parts(self) -> Iterator[ShardPart]:
+        """Each output shard's part of the plan, one at a time, in the plan's order (its units are ``units``
+        in order, shard after shard)."""
+        if (x := self._expanding()) is not None:
+            yield from x.parts()
+            return
+        units_of: dict[str, list[Unit]] = {s.file: [] for s in self.shards}
+        for u in self.units:
+            units_of[u.shard].append(u)
+        for s in self.shards:
+            yield ShardPart(tuple(units_of[s.file]), s)
+
+    def iter_units(self) -> Iterator[Unit]:
+        """``units`` one shard's part at a time."""
+        for part in self.shard_parts():
+            yield from part.units
+
+    def iter_items(self) -> Iterator[Item]:
+        return (it for u in self.iter_units() for it in u.items)
+
+    @functools.cached_property
+    def _all_engine_groups(self) -> tuple[EngineGroup, ...]:
+        x = self._expanding()
+        return x.all_engine_groups() if x is not None else self.engine_groups
+
+    def every_engine_group(self) -> tuple[EngineGroup, ...]:
+        """``engine_groups``, expanded from the outline's where the module-by-module plan is not made."""
+        return self._all_engine_groups
+
+    def shard_sizes(self) -> tuple[ShardSize, ...]:
+        """Each output shard's file, size and tensors, from the outline where it counts them."""
+        if self.expansion is not None and self.outline.shard_sizes:
+            return self.outline.shard_sizes
+        return tuple(ShardSize(s.file, s.size, len(s.placed)) for s in self.shards)
 
     @functools.cached_property
     def outline(self) -> Outline:
@@ -220,10 +288,14 @@ class Plan:
 
     @property
     def bytes_in(self) -> int:
+        if self._expanding() is not None:
+            return self.outline.bytes_in
         return sum(p.end - p.start for u in self.units for p in u.parts)
 
     @property
     def bytes_out(self) -> int:
+        if self._expanding() is not None:
+            return self.outline.bytes_out
         return sum(s.size for s in self.shards)
 
     def shard_of(self) -> dict[str, str]:
