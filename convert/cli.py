@@ -197,7 +197,7 @@ def plan(input_dir: str, opts: Options, as_json: bool, token: str | None) -> Non
     from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
-        ckpt, p = load_plan(_input(input_dir, token), opts, banked=not as_json)
+        ckpt, p = load_plan(_input(input_dir, token), opts, banked=True)  # --json: expanded shard by shard
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     origin = provenance(ckpt.source)  # a Hub input: the repository and the commit its revision resolved to
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose

@@ -31,7 +31,7 @@ def _plans(ck: Path, args: list[str]):
 def _assert_same(banked, full, where: str) -> None:
     """The banked plan is the module-by-module plan, in all that ``plan`` prints and all that it holds."""
     from kimi_convert.plan.render import render as render_plan
-    from kimi_convert.plan.serialize import plan_json
+    from kimi_convert.plan.serialize import plan_json, plan_sha256
 
     assert render_plan(banked, where) == render_plan(full, where)
     if banked.outline.banks:  # the outline alone: no per-module objects made for the text
@@ -40,8 +40,11 @@ def _assert_same(banked, full, where: str) -> None:
     ob, of = banked.outline, full.outline
     assert (ob.kinds, ob.bytes_in, ob.bytes_out, ob.shards) == (of.kinds, of.bytes_in, of.bytes_out, of.shards)
     assert (banked.exclude_modules, banked.warnings, banked.notes) == (full.exclude_modules, full.warnings, full.notes)
-    assert [s.size for s in banked.shards] == [s.size for s in full.shards]  # made now, on first use
+    # plan --json and the plan's hash go shard by shard: a banked plan's expanded from its outline
     assert "".join(plan_json(banked)) == "".join(plan_json(full))
+    assert plan_sha256(banked) == plan_sha256(full)
+    assert bool(banked.outline.banks) != ("_modules" in banked.__dict__)
+    assert [s.size for s in banked.shards] == [s.size for s in full.shards]  # made now, on first use
 
 
 def _assert_expanded(banked, full) -> None:
