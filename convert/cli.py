@@ -339,14 +339,14 @@ def _report_pack(res, output_dir: str, upload_repo: str | None, stats_path: str 
 
 def _pack_summary(res, output_dir: str) -> str:
     """The line a finished ``pack`` prints: what was written, its size, and the modules of each kind."""
-    items = res.plan.items
+    o = res.plan.outline  # counted from the outline: a banked plan's modules are made one output shard at a time
     cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
     return (
-        f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
+        f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {o.shards} shards, "
         f"{mb(res.bytes_out)} from {mb(res.bytes_in)}; "
-        + "".join(f"{sum(i.kind == n for i in items)} {s.TITLE} modules, " for n, s in schemes.SCHEMES.items())
-        + f"{sum(i.kind == 'keep' for i in items)} kept, "
-        f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
+        + "".join(f"{o.kinds[n]} {s.TITLE} modules, " for n, s in schemes.SCHEMES.items())
+        + f"{o.kinds['keep']} kept, "
+        f"{o.kinds['copy']} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
 

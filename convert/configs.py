@@ -10,8 +10,13 @@ from .plan import Plan
 
 
 def index_json(plan: Plan) -> dict:
-    weight_map = {p.tensor.name: s.file for s in plan.shards for p in s.placed}
-    total = sum(p.tensor.nbytes for s in plan.shards for p in s.placed)
+    """The index, its weight map made one output shard's part of the plan at a time (``Plan.shard_parts``)."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for part in plan.shard_parts():
+        s = part.shard
+        weight_map.update((p.tensor.name, s.file) for p in s.placed)
+        total += sum(p.tensor.nbytes for p in s.placed)
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
 
 

@@ -67,11 +67,12 @@ class Expansion:
     banks: Banks
     files: tuple[str, ...]  # the input files, in order: the output shards' order (layout "source")
 
-    def parts(self) -> Iterator[ShardPart]:
-        """Every output shard's part, one at a time, in the plan's order."""
+    def parts(self, only: set[str] | None = None) -> Iterator[ShardPart]:
+        """Every output shard's part (``only``: of these shards), one at a time, in the plan's order."""
         by_shard: dict[str, list[Unit]] = defaultdict(list)
         for u in self.units:
-            by_shard[u.shard].append(u)
+            if only is None or u.shard in only:
+                by_shard[u.shard].append(u)
         for f in self.files:
             if f in by_shard:
                 yield self.part(f, by_shard[f])

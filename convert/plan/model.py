@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -163,6 +163,19 @@ class ShardSize:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardLoad:
+    """What one output shard's units read, counted from the outline (a bank's unit once for each of its
+    experts): the executor cuts its jobs and waves by it without the shard's part of the plan."""
+
+    units: int
+    reads: dict[str, int]  # input file -> the bytes the shard's units read from it
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(self.reads.values())
+
+
+@dataclass(frozen=True, slots=True)
 class PerModule:
     """The plan module by module: every unit, every shard with its header, every engine packed module."""
 
@@ -194,7 +207,7 @@ class Outline:
 class Expanding(Protocol):
     """What makes a banked plan's shard parts from its outline (``plan.expand.Expansion``)."""
 
-    def parts(self) -> Iterator[ShardPart]: ...
+    def parts(self, only: set[str] | None = None) -> Iterator[ShardPart]: ...
 
     def all_engine_groups(self) -> tuple[EngineGroup, ...]: ...
 
@@ -259,6 +272,27 @@ class Plan:
     def every_engine_group(self) -> tuple[EngineGroup, ...]:
         """``engine_groups``, expanded from the outline's where the module-by-module plan is not made."""
         return self._all_engine_groups
+
+    def parts_of(self, files: Collection[str]) -> list[ShardPart]:
+        """The parts of these output shards, in plan order: expanded from the outline where the plan is banked
+        (the rest of the plan never made), else cut from the module-by-module plan."""
+        if (x := self._expanding()) is not None:
+            return list(x.parts(set(files)))
+        return [p for p in self.shard_parts() if p.shard.file in files]
+
+    @functools.cached_property
+    def shard_loads(self) -> dict[str, ShardLoad]:
+        """Each output shard's units and input bytes by file, from the outline."""
+        o = self.outline
+        units: dict[str, int] = {s.file: 0 for s in self.shard_sizes()}
+        reads: dict[str, dict[str, int]] = {f: {} for f in units}
+        for u in o.units:
+            n = len(o.banks.get(u.items[0].sources[0].module.rpartition(".")[0], (0,)))
+            units[u.shard] += n
+            into = reads[u.shard]
+            for p in u.parts:
+                into[p.file] = into.get(p.file, 0) + n * p.nbytes
+        return {f: ShardLoad(units[f], reads[f]) for f in units}
 
     def shard_sizes(self) -> tuple[ShardSize, ...]:
         """Each output shard's file, size and tensors, from the outline where it counts them."""
