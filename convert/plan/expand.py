@@ -95,17 +95,24 @@ class Expansion:
 
     def all_engine_groups(self) -> tuple[EngineGroup, ...]:
         """The engine packed modules, each bank's repeated for its experts, in ``make._engine_records``' order."""
-        out: list[EngineGroup] = []
+        return tuple(g for g, _ in self.engine_group_scales())
+
+    def engine_group_scales(self) -> list[tuple[EngineGroup, str | None]]:
+        """``all_engine_groups`` with the global scale each one's first member shares (None where apart): an
+        expert's the first expert's, renamed, as its unit's is (``_Rename.unit``)."""
+        scale_of = {it.name: u.shared_scale for u in self.units if u.shared_scale for it in u.items}
+        out: list[tuple[EngineGroup, str | None]] = []
         for g in self.engine_groups:
-            bank = self.banks.of(g.members[0])
+            bank, scale = self.banks.of(g.members[0]), scale_of.get(g.members[0])
             if bank is None:
-                out.append(g)
+                out.append((g, scale))
                 continue
             for k in range(len(bank.indices)):
                 r = _Rename.of(bank, k)
-                out.append(EngineGroup(r.name(g.name), g.engines, tuple(map(r.name, g.members)), g.rows))
-        out.sort(key=lambda g: (g.name, g.members))
-        return tuple(out)
+                out.append((EngineGroup(r.name(g.name), g.engines, tuple(map(r.name, g.members)), g.rows),
+                            scale.replace(r.old, r.new) if scale else scale))
+        out.sort(key=lambda gs: (gs[0].name, gs[0].members))
+        return out
 
 
 def expandable(engine_groups: tuple[EngineGroup, ...], banks: Banks) -> bool:

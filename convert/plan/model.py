@@ -211,6 +211,8 @@ class Expanding(Protocol):
 
     def all_engine_groups(self) -> tuple[EngineGroup, ...]: ...
 
+    def engine_group_scales(self) -> list[tuple[EngineGroup, str | None]]: ...
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -293,6 +295,13 @@ class Plan:
             for p in u.parts:
                 into[p.file] = into.get(p.file, 0) + n * p.nbytes
         return {f: ShardLoad(units[f], reads[f]) for f in units}
+
+    def engine_group_scales(self) -> list[tuple[EngineGroup, str | None]]:
+        """Each engine packed module with the global scale its first member shares (None where apart)."""
+        if (x := self._expanding()) is not None:
+            return x.engine_group_scales()
+        scale_of = {it.name: u.shared_scale for u in self.units if u.shared_scale for it in u.items}
+        return [(g, scale_of.get(g.members[0])) for g in self.engine_groups]
 
     def shard_sizes(self) -> tuple[ShardSize, ...]:
         """Each output shard's file, size and tensors, from the outline where it counts them."""

@@ -113,11 +113,7 @@ def side_dict(plan: Plan, side_files: list[dict] | None = None) -> dict:
 
 def engine_groups(plan: Plan) -> list[dict]:
     """The engine packed modules, each with the global scale its members share (None where apart)."""
-    groups = plan.every_engine_group()
-    firsts = {g.members[0] for g in groups}
-    scale_of = {it.name: u.shared_scale for u in plan.iter_units() if u.shared_scale for it in u.items
-                if it.name in firsts}
-    return [_engine_group(g, scale_of.get(g.members[0])) for g in groups]
+    return [_engine_group(g, scale) for g, scale in plan.engine_group_scales()]
 
 
 def _engine_group(g: EngineGroup, shared_scale: str | None) -> dict:
