@@ -179,3 +179,22 @@ def test_plan_of_the_full_sparse_k3_is_planned_by_bank(k3_full):
     assert p.outline.kinds["nvfp4"] == 247_296 and p.outline.shards == 96
     assert "totals: 247296 NVFP4 modules" in text and "in 96 shard(s)" in text
     assert "_modules" not in p.__dict__
+
+
+@pytest.mark.skipif(not os.environ.get("KIMI_CONVERT_SCALE"), reason="a minute and 2 GB: KIMI_CONVERT_SCALE=1")
+def test_the_full_sparse_k3_expanded_shard_by_shard_is_its_whole_plan(k3_full):
+    """Issue 43 on the release itself: each of the 96 output shards' parts expanded from the outline is that
+    shard's part of the module-by-module plan (units, placements), and so are the engine packed modules."""
+    from kimi_convert.options import Options
+    from kimi_convert.pack import load_plan
+
+    _, banked = load_plan(k3_full, Options(), banked=True)
+    got = list(banked.shard_parts())
+    groups = banked.every_engine_group()
+    assert len(got) == 96 and sum(len(p.units) for p in got) == 167_492 and len(groups) == 82_849
+    assert "_modules" not in banked.__dict__
+    _, whole = load_plan(k3_full, Options())
+    want = list(whole.shard_parts())
+    assert [p.shard for p in got] == [p.shard for p in want]
+    assert all(a.units == b.units for a, b in zip(got, want, strict=True))
+    assert groups == whole.engine_groups
