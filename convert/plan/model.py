@@ -266,14 +266,11 @@ class Plan:
     def iter_items(self) -> Iterator[Item]:
         return (it for u in self.iter_units() for it in u.items)
 
-    @functools.cached_property
-    def _all_engine_groups(self) -> tuple[EngineGroup, ...]:
+    def every_engine_group(self) -> tuple[EngineGroup, ...]:
+        """``engine_groups``, expanded from the outline's where the module-by-module plan is not made (each time:
+        the release's 82,849 are not held for the run)."""
         x = self._expanding()
         return x.all_engine_groups() if x is not None else self.engine_groups
-
-    def every_engine_group(self) -> tuple[EngineGroup, ...]:
-        """``engine_groups``, expanded from the outline's where the module-by-module plan is not made."""
-        return self._all_engine_groups
 
     def parts_of(self, files: Collection[str]) -> list[ShardPart]:
         """The parts of these output shards, in plan order: expanded from the outline where the plan is banked
