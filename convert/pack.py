@@ -122,7 +122,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
             return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True, upload=up)
         resumed = out.keep_finished(plan, hub)
         waves = _prepare(ckpt, plan, out, staging, executor, hub, start)
-        workers = executor.workers(waves.first)
+        n_workers, n_streams = executor.workers(waves.first), len(waves.first)  # (each wave's: the first's)
         t = time.perf_counter()
         results = _run_units(executor, waves, out, staging, hub, Progress(
             "pack", progress, total=plan.bytes_in, initial=out.done_bytes(plan)))  # run the units
@@ -131,7 +131,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
         out.finish(ckpt, plan, staging.input_hashes(plan.inputs, read), keep_journal=hub is not None,
                    origin=provenance(source))  # finish
         up = _publish_run(hub, out, plan) if hub is not None else None  # publish
-        stats = PackStats.of(results, workers=workers, convert_s=convert_s, setup_s=t - called,
+        stats = PackStats.of(results, workers=n_workers, streams=n_streams, convert_s=convert_s, setup_s=t - called,
                              finish_s=time.perf_counter() - t - convert_s, downloads=staging.stats(results))
         recs = list(out.journal.shards.values())
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,

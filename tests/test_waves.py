@@ -52,6 +52,7 @@ def test_a_shard_a_wave_is_the_same_bytes_and_never_makes_the_whole_plan(medium,
     shards = sorted(p.name for p in ref.glob("*.safetensors"))
     assert len(shards) > 1 and sorted(f for a in asked for f in a) == shards and all(len(a) == 1 for a in asked)
     assert r.plan.expansion is not None and "_modules" not in r.plan.__dict__  # the whole plan never made
+    assert (r.stats.workers, r.stats.streams) == (1, 1)  # a stream at once, whatever the waves
 
 
 def test_waves_follow_the_units_and_the_slots():
