@@ -165,7 +165,7 @@ class OutputFolder:
         for name, content in cfgs.items():
             write_json_atomic(out / name, content)
         side = write.copy_side_files(ckpt.source, out, plan.side_files, plan.side_folders)
-        write_json_atomic(out / INDEX_NAME, configs.index_json(plan))
+        write_atomic(out / INDEX_NAME, configs.index_text(plan).encode(), fault="json")
         own = [write.record(out, f) for f in (*cfgs, INDEX_NAME)]
         recs = {s.file: j.shards[s.file] for s in plan.shard_sizes()}
         man = manifest_mod.build(

@@ -94,6 +94,20 @@ def test_plan_sha256_is_the_hash_of_plan_dict(case, preset, over, args, inputs):
     assert plan_sha256(p) == plan_hash(plan_dict(p)), case
 
 
+@pytest.mark.parametrize("case,preset,over,args", CASES[:4] + CASES[-3:], ids=[c[0] for c in CASES[:4] + CASES[-3:]])
+def test_index_text_is_the_indented_index(case, preset, over, args, inputs):
+    """The index written a line a tensor (issue 43: not json.dumps(indent=2) of a million-entry dict) is the same
+    text, banked plan or not."""
+    from kimi_convert.atomic import dumps
+    from kimi_convert.configs import index_json, index_text
+    from kimi_convert.pack import load_plan
+
+    ck = _input(inputs, preset, over)
+    _, p = load_plan(ck, plan_options(ck, args), banked=True)
+    assert index_text(p) == dumps(index_json(p)), case
+    assert list(index_json(p)["weight_map"]) == sorted(t.name for s in p.shards for t in (x.tensor for x in s.placed))
+
+
 def test_shard_header_is_json_dumps_of_the_header():
     """The header written directly equals json.dumps of the header dict, names needing escapes included;
     a repeated name falls back to the dict (which keeps one entry)."""
