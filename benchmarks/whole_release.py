@@ -17,8 +17,9 @@ uploaded object's sha256 and size and keeps no bytes.
   random point after half the shards (the seeded RNG picks the shard after whose upload it dies and the
   fraction of a shard's time it waits), resumed with ``--resume``, and the two repositories' trees compared
   file by file (sha256: the sink's recorded oids, the regular files hashed).
-- ``--stop-after S``: the pack stopped (SIGKILL) after S seconds, and reported as far as it went: the memory of the
-  whole release's run in minutes rather than its two hours (issue 43).
+- ``--stop-after S``: the pack stopped (SIGKILL) after S seconds, and its samples reported (RSS, CPU, local disk; not
+  the shards' arrivals, which are read from the commit): the memory of the whole release's run in minutes rather
+  than its two hours (issue 43).
 - ``--reference NAME.json`` (with ``--kill-seed``): the whole release packed twice is two runs of about two hours
   each, so the uninterrupted run writes every file's sha256 into its ``NAME.json`` (``tree_sha256``) and a later
   run given it packs only the killed and resumed leg and compares its tree with that one (same input, same code:
@@ -510,6 +511,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows = per_shard(run, arrivals(hub, repo, run.started)) if run.code == 0 or stopped else []
         result["stopped_after_s"] = run.killed_at if stopped else None
         result |= figures(run, rows, input_bytes, out, release_bytes)
+        if stopped:  # stopped, not finished: no finish to time, nor a whole run to estimate from it
+            for k in ("finish_s", "estimate_whole_release_s", "estimate_whole_release_cpu_s"):
+                result.pop(k, None)
         queue = 2 if a.upload_queue is None else a.upload_queue  # Tuning.upload_queue's default
         result["local_disk_bound"] = (queue + 2) * max((r["out_bytes"] for r in rows), default=0) + (
             _size(a.max_scratch) if a.input == "hub" else 0)  # docs/pack-upload.md, docs/hub-input.md
