@@ -4,7 +4,7 @@
 uploaded object's sha256 and size and keeps no bytes.
 
     python benchmarks/whole_release.py [--shards N] [--input local|hub] [--max-scratch SIZE] [--kill-seed S]
-                                       [--full DIR] [--work DIR] [--name NAME] [--sample S]
+                                       [--full DIR] [--work DIR] [--name NAME] [--sample S] [--stop-after S]
 
 - ``--shards N``: the first N of the 96 shards (default all), laid out as the release: shards 1..N-1 are the
   release's files (hard links), shard N is cut at the last layer it holds whole (its header rewritten without
@@ -17,6 +17,9 @@ uploaded object's sha256 and size and keeps no bytes.
   random point after half the shards (the seeded RNG picks the shard after whose upload it dies and the
   fraction of a shard's time it waits), resumed with ``--resume``, and the two repositories' trees compared
   file by file (sha256: the sink's recorded oids, the regular files hashed).
+- ``--stop-after S``: the pack stopped (SIGKILL) after S seconds, and its samples reported (RSS, CPU, local disk; not
+  the shards' arrivals, which are read from the commit): the memory of the whole release's run in minutes rather
+  than its two hours (issue 43).
 - ``--reference NAME.json`` (with ``--kill-seed``): the whole release packed twice is two runs of about two hours
   each, so the uninterrupted run writes every file's sha256 into its ``NAME.json`` (``tree_sha256``) and a later
   run given it packs only the killed and resumed leg and compares its tree with that one (same input, same code:
@@ -467,6 +470,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--name", help="the results' file name (default whole-release-INPUT-NSHARDS)")
     ap.add_argument("--sample", type=float, default=0.5, help="seconds between samples")
     ap.add_argument("--min-free", default="3GB", help="stop the pack if the filesystem's free space falls below")
+    ap.add_argument("--stop-after", type=float, help="stop the pack after this many seconds and report what it did "
+                    "until then (the memory of the whole release's run without its two hours)")
     return ap.parse_args(argv)
 
 
@@ -499,11 +504,16 @@ def main(argv: list[str] | None = None) -> dict:
             return _report(a, argv, result, [], Run(0, 0.0, 0))
         out, repo = a.work / "out", "user/k3-nvfp4"
         shutil.rmtree(out, ignore_errors=True)
-        run = leg.pack(out, repo)
-        if run.code != 0 and not run.low_disk:
+        run = leg.pack(out, repo, (lambda t: t >= a.stop_after) if a.stop_after else None)
+        stopped = run.killed_at is not None and not run.low_disk
+        if run.code != 0 and not run.low_disk and not stopped:
             sys.exit(f"the pack failed ({run.code}): {(a.work / 'out.log').read_text()[-2000:]}")
-        rows = per_shard(run, arrivals(hub, repo, run.started)) if run.code == 0 else []
+        rows = per_shard(run, arrivals(hub, repo, run.started)) if run.code == 0 or stopped else []
+        result["stopped_after_s"] = run.killed_at if stopped else None
         result |= figures(run, rows, input_bytes, out, release_bytes)
+        if stopped:  # stopped, not finished: no finish to time, nor a whole run to estimate from it
+            for k in ("finish_s", "estimate_whole_release_s", "estimate_whole_release_cpu_s"):
+                result.pop(k, None)
         queue = 2 if a.upload_queue is None else a.upload_queue  # Tuning.upload_queue's default
         result["local_disk_bound"] = (queue + 2) * max((r["out_bytes"] for r in rows), default=0) + (
             _size(a.max_scratch) if a.input == "hub" else 0)  # docs/pack-upload.md, docs/hub-input.md

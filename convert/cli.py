@@ -197,7 +197,7 @@ def plan(input_dir: str, opts: Options, as_json: bool, token: str | None) -> Non
     from .plan.serialize import plan_json
 
     with gc_paused():  # the headers and the plan (half a million objects for the released K3) live until exit:
-        ckpt, p = load_plan(_input(input_dir, token), opts, banked=not as_json)
+        ckpt, p = load_plan(_input(input_dir, token), opts, banked=True)  # --json: expanded shard by shard
         gc.freeze()  # out of the collector's walks, before it walks them once (a second of CPU)
     origin = provenance(ckpt.source)  # a Hub input: the repository and the commit its revision resolved to
     if as_json:  # written as made (680 MB for the released K3), side files last: outside plan_dict, whose
@@ -339,14 +339,14 @@ def _report_pack(res, output_dir: str, upload_repo: str | None, stats_path: str 
 
 def _pack_summary(res, output_dir: str) -> str:
     """The line a finished ``pack`` prints: what was written, its size, and the modules of each kind."""
-    items = res.plan.items
+    o = res.plan.outline  # counted from the outline: a banked plan's modules are made one output shard at a time
     cast = f"; MXFP4 cast: {res.cast_lossless}/{res.cast_blocks} blocks lossless" if res.cast_blocks else ""
     return (
-        f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {len(res.plan.shards)} shards, "
+        f"wrote {paths.shown(output_dir)}/ (recipe {res.plan.recipe.name}): {o.shards} shards, "
         f"{mb(res.bytes_out)} from {mb(res.bytes_in)}; "
-        + "".join(f"{sum(i.kind == n for i in items)} {s.TITLE} modules, " for n, s in schemes.SCHEMES.items())
-        + f"{sum(i.kind == 'keep' for i in items)} kept, "
-        f"{sum(i.kind == 'copy' for i in items)} tensors copied{cast}; manifest.json"
+        + "".join(f"{o.kinds[n]} {s.TITLE} modules, " for n, s in schemes.SCHEMES.items())
+        + f"{o.kinds['keep']} kept, "
+        f"{o.kinds['copy']} tensors copied{cast}; manifest.json"
         + (f" ({res.resumed_shards} finished shard(s) verified and kept)" if res.resumed_shards else "")
     )
 

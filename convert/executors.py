@@ -1,6 +1,6 @@
 """Where ``pack``'s jobs run, behind one interface (``Executor``): in this process (``InProcess``: one worker,
 its streams on threads), in worker processes (``WorkerProcesses``: one a device, ``workers``), or as Ray tasks
-(``RayTasks``: one a job, ``raycluster``). Each takes the jobs (``pack.split_jobs`` cut them into ``slots``
+(``RayTasks``: one a job, ``raycluster``). Each takes the jobs (``jobs.split_jobs`` cut them into ``slots``
 runs of consecutive shards), calls ``on_shard(file, record[, arrived])`` as each shard is final and
 ``on_progress(bytes)`` as input is consumed, and returns the streams' results; any number of them gives the
 same bytes."""

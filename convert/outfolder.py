@@ -24,8 +24,8 @@ from .checkpoint import INDEX_NAME, Checkpoint
 from .errors import ConvertError
 from .hashing import sha256_file
 from .journal import Journal, ShardRecord
-from .plan import Plan, Shard
-from .plan.serialize import plan_dict, plan_hash
+from .plan import Plan, ShardSize
+from .plan.serialize import plan_sha256
 from .progress import human_bytes
 from .sources import Source
 
@@ -57,7 +57,7 @@ class OutputFolder:
     def open(self, source: Source, plan: Plan, overwrite: bool, resume: bool, command: str,
              uploading: bool = False) -> bool:
         """The journal to continue, or a fresh one; False when a resumed output is already complete."""
-        plan_sha = plan_hash(plan_dict(plan))
+        plan_sha = plan_sha256(plan)
         stamps = journal.input_stamps(source, [f for f, _ in plan.inputs])
         try:
             existing = Journal.load(self.path)
@@ -101,7 +101,7 @@ class OutputFolder:
         """Keep the journaled shards whose file and records file still hash to the recorded values, or (with
         --upload) whose records file does and whose upload the Hub's LFS confirms by sha256; forget the rest."""
         j, out = self.journal, self.path
-        planned = {s.file for s in plan.shards}
+        planned = {s.file for s in plan.shard_sizes()}
         claimed = {f: (j.shards[f].size, sha) for f, sha in j.uploaded.items()
                    if f in planned and f in j.shards and j.shards[f].sha256 == sha}
         on_hub = hub.present(claimed) if hub is not None else set()
@@ -119,13 +119,15 @@ class OutputFolder:
         j.save(out)
         return kept
 
-    def todo(self, plan: Plan) -> list[Shard]:
-        return [s for s in plan.shards if s.file not in self.journal.shards]
+    def todo(self, plan: Plan) -> list[ShardSize]:
+        """The shards still to write, as the outline counts them (their parts of the plan are made when run)."""
+        return [s for s in plan.shard_sizes() if s.file not in self.journal.shards]
 
     def done_bytes(self, plan: Plan) -> int:
-        return sum(u.nbytes_in for u in plan.units if u.shard in self.journal.shards)
+        loads = plan.shard_loads
+        return sum(loads[f].bytes_in for f in self.journal.shards if f in loads)
 
-    def check_space(self, todo: list[Shard], in_flight: int | None = None, queue: int = 0) -> None:
+    def check_space(self, todo: list[ShardSize], in_flight: int | None = None, queue: int = 0) -> None:
         check_space(self.path, todo, in_flight, queue)
 
     def record(self, file: str, rec: ShardRecord, uploaded: bool = False) -> None:
@@ -168,9 +170,9 @@ class OutputFolder:
         for name, content in cfgs.items():
             write_json_atomic(out / name, content)
         side = write.copy_side_files(ckpt.source, out, plan.side_files, plan.side_folders)
-        write_json_atomic(out / INDEX_NAME, configs.index_json(plan))
+        write_atomic(out / INDEX_NAME, configs.index_text(plan).encode(), fault="json")
         own = [write.record(out, f) for f in (*cfgs, INDEX_NAME)]
-        recs = {s.file: j.shards[s.file] for s in plan.shards}
+        recs = {s.file: j.shards[s.file] for s in plan.shard_sizes()}
         man = manifest_mod.build(
             plan,
             j.plan_sha256,  # the hash of plan_dict(plan): a journal is only continued for the same plan
@@ -225,7 +227,7 @@ def _check_complete(output_dir: Path, shards_may_be_gone: bool = False) -> None:
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
 
 
-def check_space(output_dir: Path, todo: list[Shard], in_flight: int | None = None, queue: int = 0) -> None:
+def check_space(output_dir: Path, todo: list[ShardSize], in_flight: int | None = None, queue: int = 0) -> None:
     """``in_flight``: with --no-keep-output, the shards being written at once (each stream's), to which the
     uploader's ``queue`` (``Tuning.upload_queue``) adds its own: the disk needs the largest of those only."""
     sizes = sorted((s.size for s in todo), reverse=True)

@@ -22,11 +22,12 @@ from .derive.lookup import mapping_for
 from .devices import Device
 from .errors import ConvertError
 from .executors import Executor, RayTasks, WorkerProcesses
+from .jobs import Waves, jobs_by_wave, split_jobs
 from .journal import ShardRecord
 from .options import Options
 from .outfolder import OutputFolder
 from .packstats import PackStats
-from .plan import Plan, Shard, Unit, fp8_block_size, make_plan
+from .plan import Plan, make_plan
 from .progress import Progress
 from .readers import readahead
 from .sources import Source, open_source, provenance
@@ -112,23 +113,25 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     ckpt, plan = start.plan(source, opts)  # plan
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     executor = _executor(cluster, staging, hub, output_dir, device, workers, streams, start)
-    staging.check_plan(plan.units, resume, lambda: [j.units for j in split_jobs(
-        ckpt, plan, plan.shards, executor.slots, output_dir, hash_inputs=False)])
+    staging.check_plan(plan.iter_units(), resume, lambda: [j.units for jobs in jobs_by_wave(
+        ckpt, plan, list(plan.shard_sizes()), executor.slots, output_dir, start.tuning.wave_units,
+        hash_inputs=False) for j in jobs])
     with OutputFolder.claim(output_dir) as out:  # claim the output folder
         if not out.open(source, plan, overwrite, resume, command, hub is not None):
             up = _publish(hub, output_dir, {}, set()) if hub else None
             return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, already_complete=True, upload=up)
         resumed = out.keep_finished(plan, hub)
-        jobs = _prepare(ckpt, plan, out, staging, executor, hub, start)
+        waves = _prepare(ckpt, plan, out, staging, executor, hub, start)
+        n_workers, n_streams = executor.workers(waves.first), len(waves.first)  # (each wave's: the first's)
         t = time.perf_counter()
-        results = _run_units(executor, jobs, out, staging, hub, Progress(
+        results = _run_units(executor, waves, out, staging, hub, Progress(
             "pack", progress, total=plan.bytes_in, initial=out.done_bytes(plan)))  # run the units
         convert_s = time.perf_counter() - t
         read = {f: h for r in results for f, h in r.input_hashes.items()}
         out.finish(ckpt, plan, staging.input_hashes(plan.inputs, read), keep_journal=hub is not None,
                    origin=provenance(source))  # finish
         up = _publish_run(hub, out, plan) if hub is not None else None  # publish
-        stats = PackStats.of(results, workers=executor.workers(jobs), convert_s=convert_s, setup_s=t - called,
+        stats = PackStats.of(results, workers=n_workers, streams=n_streams, convert_s=convert_s, setup_s=t - called,
                              finish_s=time.perf_counter() - t - convert_s, downloads=staging.stats(results))
         recs = list(out.journal.shards.values())
         return PackResult(plan, output_dir, plan.bytes_in, plan.bytes_out, resumed_shards=resumed, stats=stats,
@@ -186,7 +189,7 @@ class _StartUp:
     def plan(self, source: Source, opts: Options) -> tuple[Checkpoint, Plan]:
         plan = None
         try:
-            ckpt, plan = load_plan(source, opts)
+            ckpt, plan = load_plan(source, opts, banked=True)  # each wave's part of the plan made when it runs
         finally:  # (a failed plan: the warm-up thread ends)
             self.need.decide(plan)
         return ckpt, plan
@@ -206,35 +209,37 @@ def _executor(cluster, staging: Staging, hub: LiveUpload | None, output_dir: Pat
 
 
 def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, executor: Executor,
-             hub: LiveUpload | None, start: _StartUp) -> list[pipeline.Job]:
-    """The shards still to write checked against the disk, the source staged, the upload started, the disk
-    started on the first groups while torch and the GPU start up, and the jobs cut."""
+             hub: LiveUpload | None, start: _StartUp) -> Waves:
+    """The shards still to write checked against the disk, the source staged, the upload started, the jobs cut
+    wave by wave (the first wave's now), and the disk started on the first wave while torch and the GPU start up."""
     todo = out.todo(plan)
     if not executor.local_output:
         out.check_space(todo, None if hub is None or hub.target.keep_output else executor.slots,
                         start.tuning.upload_queue)
     done = out.journal.shards
-    source = staging.start([u for u in plan.units if u.shard not in done], todo, out.path, start.stop, bool(done))
+    source = staging.start((u for u in plan.iter_units() if u.shard not in done), todo, out.path, start.stop,
+                           bool(done))
     if hub is not None:
         hub.start(out.path, out.record_upload)
-        for s in plan.shards:  # finished by an earlier run, not on the Hub yet
+        for s in plan.shard_sizes():  # finished by an earlier run, not on the Hub yet
             if s.file in done and s.file not in out.journal.uploaded:
                 hub.submit(s.file, done[s.file].size, done[s.file].sha256, admitted=False)
+    waves = Waves.of(jobs_by_wave(ckpt, plan, todo, executor.slots, out.path, start.tuning.wave_units,
+                                  source=source, hash_inputs=staging.hashes_inputs))
     if start.local and staging.reads_ahead:  # (on a thread: queueing that much can block until the disk took it)
         threading.Thread(target=_startup_readahead, daemon=True, name="kimi-convert-readahead",
-                         args=(ckpt.source, [p for u in plan.units if u.shard not in done for p in u.parts],
+                         args=(ckpt.source, [p for j in waves.first for u in j.units for p in u.parts],
                                start.ahead, executor.devices, start.need)).start()
-    jobs = split_jobs(ckpt, plan, todo, executor.slots, out.path, source=source, hash_inputs=staging.hashes_inputs)
-    for job in jobs:  # what the start-up readahead brings into the page cache, the file hashes read at once
-        job.eager = start.ahead // max(1, len(jobs)) if staging.hashes_inputs else 0
-    return jobs
+    for job in waves.first:  # what the start-up readahead brings into the page cache, the file hashes read at once
+        job.eager = start.ahead // max(1, len(waves.first)) if staging.hashes_inputs else 0
+    return waves
 
 
-def _run_units(executor: Executor, jobs: list[pipeline.Job], out: OutputFolder, staging: Staging,
+def _run_units(executor: Executor, waves: Waves, out: OutputFolder, staging: Staging,
                hub: LiveUpload | None, bar: Progress) -> list[pipeline.JobResult]:
-    """The executor runs the jobs; each shard journaled as it is final, then uploaded. On a failure the staging
-    and the upload stop (what was sent is journaled; a resume sends the rest), and bad input found mid-run
-    leaves no half-written shard (a resume rewrites them)."""
+    """The executor runs the jobs, wave after wave; each shard journaled as it is final, then uploaded. On a
+    failure the staging and the upload stop (what was sent is journaled; a resume sends the rest), and bad input
+    found mid-run leaves no half-written shard (a resume rewrites them)."""
     def on_shard(file: str, rec: ShardRecord, arrived: Arrived | None = None) -> None:
         """``arrived``: what a Hub-input Ray task sends with the record (its records file; uploaded by it)."""
         if arrived is not None and arrived.records is not None:
@@ -247,7 +252,7 @@ def _run_units(executor: Executor, jobs: list[pipeline.Job], out: OutputFolder, 
             hub.submit(file, rec.size, rec.sha256)
 
     try:
-        results = executor.run(jobs, on_shard, bar.update)
+        results = waves.run(lambda jobs: executor.run(jobs, on_shard, bar.update))
     except BaseException as e:
         e = staging.failed(e)
         if hub is not None:
@@ -286,52 +291,11 @@ def _warm_up(device: Device | str, workers: int | None, cpus: int, need: pipelin
         pipeline.warm_up(ds[0], cpus, need)
 
 
-def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list[Shard], n: int, output_dir: Path,
-               source: Source | None = None, hash_inputs: bool = True) -> list[pipeline.Job]:
-    """The shards to write cut into at most ``n`` runs of consecutive shards of about equal input
-    bytes (consecutive: a worker then reads whole stretches of input files), and each input file
-    given to the worker that reads most of it, which hashes it from its own reads. ``source``: what the
-    jobs read (default the checkpoint's); ``hash_inputs`` False: no input file hashed (a Hub input's
-    downloads verify and hash each file as it arrives)."""
-    units_of: dict[str, list[Unit]] = {s.file: [] for s in plan.shards}
-    for u in plan.units:
-        units_of[u.shard].append(u)
-    weight = [sum(u.nbytes_in for u in units_of[s.file]) for s in todo]
-    n = max(1, min(n, len(todo)))
-    total, acc, k = sum(weight), 0, 0
-    parts: list[list[Shard]] = [[] for _ in range(n)]
-    for s, w in zip(todo, weight, strict=True):
-        if parts[k] and k < n - 1 and acc + w / 2 > total * (k + 1) / n:
-            k += 1
-        parts[k].append(s)
-        acc += w
-    parts = [p for p in parts if p] or [[]]
-    reads = [dict.fromkeys(ckpt.files, 0) for _ in parts]
-    for i, p in enumerate(parts):
-        for s in p:
-            for u in units_of[s.file]:
-                for t in u.parts:
-                    reads[i][t.file] += t.nbytes
-    owner: dict[str, int] = {}
-    load = [0] * len(parts)
-    for f, size in plan.inputs:
-        best = max(range(len(parts)), key=lambda i: (reads[i][f], -load[i]))
-        owner[f] = best
-        load[best] += size - reads[best][f]
-    order = {f: i for i, f in enumerate(ckpt.files)}
-    block = fp8_block_size(ckpt.config)
-    return [
-        pipeline.Job(source or ckpt.source, output_dir, p, [u for s in p for u in units_of[s.file]], order,
-                     {f: size for f, size in plan.inputs if owner[f] == i and hash_inputs}, block)
-        for i, p in enumerate(parts)
-    ]
-
-
 def _publish_run(hub: LiveUpload, out: OutputFolder, plan: Plan) -> Uploaded:
     """The run's shards committed (their journaled sizes and sha256, those this run or an earlier one sent), then
     the journal goes."""
     j = out.journal
-    up = _publish(hub, out.path, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256) for s in plan.shards},
+    up = _publish(hub, out.path, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256) for s in plan.shard_sizes()},
                   set(j.uploaded))
     out.remove_journal()
     return up

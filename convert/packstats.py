@@ -41,9 +41,10 @@ class PackStats:
 
     @classmethod
     def of(cls, results: list[JobResult], *, workers: int, convert_s: float, setup_s: float, finish_s: float,
-           downloads: dict | None) -> PackStats:
-        """The figures of ``results`` (a stream each) summed, or their maximum where they overlap in time."""
-        return cls(workers=workers, streams=len(results), convert_s=convert_s,
+           downloads: dict | None, streams: int | None = None) -> PackStats:
+        """The figures of ``results`` (a stream each, of each wave) summed, or their maximum where they overlap in
+        time. ``streams``: the streams at once (default: one a result, a single wave)."""
+        return cls(workers=workers, streams=len(results) if streams is None else streams, convert_s=convert_s,
                    backend_s=max((r.backend_s for r in results), default=0.0),
                    hashed_from_pipeline=sum(r.from_pipeline for r in results),
                    hash_reread=sum(r.reread for r in results),

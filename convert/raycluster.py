@@ -2,7 +2,7 @@
 
 Every node must see the input and output folders at the same absolute paths (a shared filesystem)
 and have the same kimi-convert installed. The driver (the ``pack`` process) plans, cuts the shards
-to write into runs of consecutive shards (``pack.split_jobs``), one per task slot of the cluster,
+to write into runs of consecutive shards (``jobs.split_jobs``), one per task slot of the cluster,
 and submits one Ray task per run. A task runs the ordinary pipeline (``pipeline.run_jobs``) on its
 node, reading the input and writing its shards straight to the shared output folder; through Ray
 it sends back only small things: each finished shard's record (hashes and notes, as the resume

@@ -17,7 +17,8 @@ ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of byte
        "KIMI_CONVERT_UPLOAD_QUEUE": ("upload_queue", "a number of shards"),
        "KIMI_CONVERT_DOWNLOAD_THREADS": ("download_threads", "a number of threads"),
        "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files"),
-       "KIMI_CONVERT_DIRECT_WRITE": ("direct_write", "a number of bytes (0: through the page cache)")}
+       "KIMI_CONVERT_DIRECT_WRITE": ("direct_write", "a number of bytes (0: through the page cache)"),
+       "KIMI_CONVERT_WAVE_UNITS": ("wave_units", "a number of units")}
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class Tuning:
     #: ... on a worker with at least this many CPUs: on fewer the compute is the bound, and reading ahead into more
     #: buffers costs the CPU it needs.
     read_ahead_bytes_cpus: int = 4
+    #: A banked plan's shards are run in waves of consecutive shards of about this many units (at least a shard for
+    #: each of the executor's slots), each wave's part of the plan made when it starts and dropped when it ends:
+    #: the released K3's whole module-by-module plan held at once was most of the pack's memory (issue 43).
+    wave_units: int = 16384
     #: Computed pieces waiting for the writer.
     write_depth: int = 2
     #: Bytes ahead of a stream's reads its file hashes may read themselves while the stream waits for torch and the

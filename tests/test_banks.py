@@ -31,16 +31,36 @@ def _plans(ck: Path, args: list[str]):
 def _assert_same(banked, full, where: str) -> None:
     """The banked plan is the module-by-module plan, in all that ``plan`` prints and all that it holds."""
     from kimi_convert.plan.render import render as render_plan
-    from kimi_convert.plan.serialize import plan_json
+    from kimi_convert.plan.serialize import plan_json, plan_sha256
 
     assert render_plan(banked, where) == render_plan(full, where)
     if banked.outline.banks:  # the outline alone: no per-module objects made for the text
         assert "_modules" not in banked.__dict__
+        _assert_expanded(banked, full)
     ob, of = banked.outline, full.outline
     assert (ob.kinds, ob.bytes_in, ob.bytes_out, ob.shards) == (of.kinds, of.bytes_in, of.bytes_out, of.shards)
     assert (banked.exclude_modules, banked.warnings, banked.notes) == (full.exclude_modules, full.warnings, full.notes)
-    assert [s.size for s in banked.shards] == [s.size for s in full.shards]  # made now, on first use
+    # plan --json and the plan's hash go shard by shard: a banked plan's expanded from its outline
     assert "".join(plan_json(banked)) == "".join(plan_json(full))
+    assert plan_sha256(banked) == plan_sha256(full)
+    assert bool(banked.outline.banks) != ("_modules" in banked.__dict__)
+    assert [s.size for s in banked.shards] == [s.size for s in full.shards]  # made now, on first use
+
+
+def _assert_expanded(banked, full) -> None:
+    """Each output shard's part expanded from the outline (issue 43) is that shard's part of the whole plan:
+    its units (names, sources and their byte offsets, decisions, shared scales) and its placements; so are the
+    engine packed modules, the shards' sizes and the totals; and the whole plan is never made for it."""
+    assert banked.expansion is not None
+    got, want = list(banked.shard_parts()), list(full.shard_parts())
+    assert [p.shard.file for p in got] == [p.shard.file for p in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.units == w.units, g.shard.file
+        assert g.shard == w.shard, g.shard.file
+    assert banked.every_engine_group() == full.engine_groups
+    assert banked.shard_sizes() == full.shard_sizes() == banked.outline.shard_sizes
+    assert (banked.bytes_in, banked.bytes_out) == (full.bytes_in, full.bytes_out)
+    assert "_modules" not in banked.__dict__
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,8 @@ def manifest_layers(plan: Plan) -> dict | None:
 def ignore_list(plan: Plan) -> list[str]:
     """The plan's exclude list plus every stored ``X.weight`` the model-free matcher would take for a linear
     layer (``X`` not ending in ``norm``) that is not one here (embeddings): exact names, sorted as given."""
-    extra = [it.name.removesuffix(".weight") for it in plan.items if it.kind == _COPY and it.name.endswith(".weight")
-             and not it.name.removesuffix(".weight").endswith("norm")]
+    extra = [n.removesuffix(".weight") for it in plan.iter_items() if it.kind == _COPY and (n := it.name).endswith(
+        ".weight") and not n.removesuffix(".weight").endswith("norm")]
     return list(dict.fromkeys([*plan.exclude_modules, *sorted(extra)]))
 
 
@@ -77,7 +77,7 @@ def config_groups(plan: Plan) -> dict[str, dict]:
     groups = {}
     for kind in sorted(KINDS - {"keep"}):
         sp = schemes.spelling(kind, NAME)
-        mods = [it for it in plan.items if it.kind == kind]
+        mods = [it for it in plan.iter_items() if it.kind == kind]
         w4a4 = sorted({it.name for it in mods if it.input_scale is not None})
         if w4a4:
             groups[sp.algo(1.0)] = sp.group(sp.algo(1.0), w4a4)

@@ -69,13 +69,13 @@ def quantized_layers(plan: Plan) -> dict[str, dict]:
     entry: dict[str, dict] = {}
     kind_of: dict[str, tuple[str, float | None]] = {}
     banks = m.expert_regexes()
-    for it in plan.items:
+    for it in plan.iter_items():  # one output shard's part at a time (a banked plan's, from its outline)
         if not schemes.quantized(it.kind):
             continue
         kind_of[it.name] = (it.kind, it.input_scale)
         name = it.name.rsplit(".", 2)[0] if any(rx.fullmatch(m.strip(it.name)) for rx in banks) else it.name
         entry[name] = _algo_entry(it.kind, it.input_scale)
-    for g in plan.engine_groups:
+    for g in plan.every_engine_group():
         if any(rx.fullmatch(m.strip(mod)) for mod in g.members for rx in banks):
             continue  # a MoE layer's experts are named once, as their bank
         kinds = {kind_of.get(mod) for mod in g.members}

@@ -570,7 +570,7 @@ class TorchNeed:
             return False
         from ..compute_early import takes
 
-        return not all(takes(u) for u in self._plan.units)
+        return not all(takes(u) for u in self._plan.outline.units)  # a bank's first expert stands for it
 
 
 def warm_up(device: Device, threads: int, need: TorchNeed | None = None) -> None:

@@ -35,6 +35,9 @@ from .model import (
     Placed,
     Plan,
     Shard,
+    ShardLoad,
+    ShardPart,
+    ShardSize,
     SourceTensor,
     Unit,
 )
@@ -43,7 +46,8 @@ from .names import aliases, collect_patterns, exclude_list
 __all__ = [
     "COPY", "DEFAULT_MAX_SHARD", "FP8", "GROUP_SIZE", "KEEP", "KEPT_FOR_ENGINE", "LAYOUTS", "MXFP4_GROUP", "NVFP4",
     "QUANTIZED", "Encoding", "EngineGroup", "Fused", "Item", "Kind", "Op", "Operation", "Options", "OutTensor",
-    "Placed", "Plan", "Shard", "SourceTensor", "Unit", "aliases", "build_items", "check_convertible",
+    "Placed", "Plan", "Shard", "ShardLoad", "ShardPart", "ShardSize", "SourceTensor", "Unit", "aliases", "build_items",
+    "check_convertible",
     "collect_patterns", "discover_sources", "exclude_list", "fp8_block_size", "make_plan",
     "resolve_fusions",
 ]

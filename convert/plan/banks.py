@@ -27,7 +27,7 @@ from ..recipe import Recipe
 from ..safetensors_format import DTYPES, HEADER_HEAD, TensorInfo, entry_text_len, padded_len, size_of
 from ..vocabulary import KeepRule
 from .decide import index_blind_rules
-from .model import EngineGroup, Kind, Outline, Unit
+from .model import EngineGroup, Kind, Outline, ShardSize, Unit
 
 _DTYPE_SHAPE_FILE = itemgetter(2, 3, 1)  # of a TensorInfo
 
@@ -182,9 +182,11 @@ def bank_outline(units: list[Unit], engine_groups: tuple[EngineGroup, ...], bank
         size = _shard_size(rows, specs)
         if size is None:
             return None
-        sizes[shard] = size
+        sizes[shard] = ShardSize(shard, size, sum(len(specs[r[2]].sizes) for r in rows))
     lead = {k: tuple(int(e) for e in b.indices) for k, b in banks.by_lead.items()}
-    return Outline(tuple(units), engine_groups, lead, kinds, bytes_in, sum(sizes.values()), len(sizes))
+    ordered = tuple(sizes[f] for f in ckpt.files if f in sizes)  # layout "source": the input files' order
+    return Outline(tuple(units), engine_groups, lead, kinds, bytes_in, sum(s.size for s in ordered), len(sizes),
+                   ordered)
 
 
 @dataclass(frozen=True, slots=True)

@@ -247,7 +247,7 @@ def shards_as_source(units: list[Unit], ckpt: Checkpoint) -> tuple[list[Unit], l
         if f not in by_file:
             continue
         placed_units += [Unit(u.items, u.shared_scale, f) for u in by_file[f]]
-        shards.append(_shard(f, [[t for it in u.items for t in it.outputs] for u in by_file[f]]))
+        shards.append(shard_of_units(f, by_file[f]))
     return placed_units, shards
 
 
@@ -265,8 +265,13 @@ def shards_by_size(units: list[Unit], max_size: int) -> tuple[list[Unit], list[S
     for i, b in enumerate(bins, 1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
         placed_units += [Unit(u.items, u.shared_scale, name) for u in b]
-        shards.append(_shard(name, [[t for it in u.items for t in it.outputs] for u in b]))
+        shards.append(shard_of_units(name, b))
     return placed_units, shards
+
+
+def shard_of_units(name: str, units: list[Unit]) -> Shard:
+    """The shard ``name`` holding these units' output tensors (the plan's, and ``expand``'s one shard at a time)."""
+    return _shard(name, [[t for it in u.items for t in it.outputs] for u in units])
 
 
 def _itemsize(t: OutTensor) -> int:

@@ -17,6 +17,7 @@ from .banks import bank_outline, find_banks
 from .consistency import check_config_tensors
 from .decide import DecideContext
 from .discover import check_convertible, discover_sources
+from .expand import Expansion, expandable
 from .fusion import (
     Fused,
     check_members,
@@ -84,10 +85,12 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
                     full = _stages(ckpt, m, opts, patterns, recipe)
                 return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
 
+            x = (Expansion(outline.units, outline.engine_groups, banks, tuple(ckpt.files))
+                 if expandable(outline.engine_groups, banks) else None)
             return _plan(ckpt, m, opts, patterns, recipe, st,
                          exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config),
                                       tied_head(ckpt, m), st.engine_groups, m.mtp_layers(ckpt.config)),
-                         per_module, lambda _: outline)
+                         per_module, lambda _: outline, x)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
@@ -131,7 +134,7 @@ def _check_input_scale(recipe: Recipe, opts: Options) -> None:
 
 
 def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe, st: _Staged,
-          exclude: list[str], per_module, outline_of) -> Plan:
+          exclude: list[str], per_module, outline_of, expansion: Expansion | None = None) -> Plan:
     return Plan(
         mapping=m,
         recipe=recipe,
@@ -147,6 +150,7 @@ def _plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule],
         notes=tuple(dict.fromkeys(st.notes)),
         side_folders=tuple(ckpt.side_folders),
         skipped_files=tuple(ckpt.skipped_files),
+        expansion=expansion,
     )
 
 
@@ -154,7 +158,7 @@ def _outline(plan: Plan) -> Outline:
     """The outline of a plan made module by module: every module its own entry."""
     items = plan.items
     return Outline(plan.units, plan.engine_groups, {}, {k: sum(it.kind == k for it in items) for k in Kind},
-                   plan.bytes_in, plan.bytes_out, len(plan.shards))
+                   plan.bytes_in, plan.bytes_out, len(plan.shards), plan.shard_sizes())
 
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:

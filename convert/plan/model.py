@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..encodings import Encoding as Encoding  # how a source stores a weight: the source encodings' data
 from ..encodings import SourceTensor
@@ -146,6 +146,36 @@ class Shard:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardPart:
+    """One output shard's part of the plan: its units, in plan order, and its placements."""
+
+    units: tuple[Unit, ...]
+    shard: Shard
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSize:
+    """An output shard as the outline counts it, without its placements."""
+
+    file: str
+    size: int
+    tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLoad:
+    """What one output shard's units read, counted from the outline (a bank's unit once for each of its
+    experts): the executor cuts its jobs and waves by it without the shard's part of the plan."""
+
+    units: int
+    reads: dict[str, int]  # input file -> the bytes the shard's units read from it
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(self.reads.values())
+
+
+@dataclass(frozen=True, slots=True)
 class PerModule:
     """The plan module by module: every unit, every shard with its header, every engine packed module."""
 
@@ -167,17 +197,30 @@ class Outline:
     bytes_in: int
     bytes_out: int
     shards: int
+    shard_sizes: tuple[ShardSize, ...] = ()  # each output shard, in order
 
     def experts(self, prefix: str, index: str) -> tuple[int, ...]:
         """The expert indices that ``prefix.index`` stands for (itself alone unless it leads a bank)."""
         return self.banks.get(f"{prefix}.{index}") or (int(index),)
 
 
+class Expanding(Protocol):
+    """What makes a banked plan's shard parts from its outline (``plan.expand.Expansion``)."""
+
+    def parts(self, only: set[str] | None = None) -> Iterator[ShardPart]: ...
+
+    def all_engine_groups(self) -> tuple[EngineGroup, ...]: ...
+
+    def engine_group_scales(self) -> list[tuple[EngineGroup, str | None]]: ...
+
+
 @dataclass(frozen=True)
 class Plan:
     """The plan. ``per_module`` makes the module-by-module plan (units, shards, engine packed modules)
     on first use: ``plan`` without --json prints the ``outline`` alone (banks of experts), and never makes
-    the released K3's million per-expert objects."""
+    the released K3's million per-expert objects. ``expansion`` (a banked plan): each output shard's part
+    made from the outline when asked (``shard_parts``), so that what goes through the plan shard by shard
+    (``plan --json``, the plan's hash) never holds the whole of it (issue 43)."""
 
     mapping: Mapping
     recipe: Recipe
@@ -193,10 +236,75 @@ class Plan:
     notes: tuple[str, ...] = ()  # decisions worth saying (e.g. a condition decided from the tensors)
     side_folders: tuple[str, ...] = ()  # empty input folders, recreated (sidefiles.scan)
     skipped_files: tuple[Skipped, ...] = ()  # input files neither read nor copied, with the reason
+    expansion: Expanding | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def _modules(self) -> PerModule:
         return self.per_module()
+
+    def _expanding(self) -> Expanding | None:
+        """The expansion, unless the module-by-module plan is made already (then it is cut, not made again)."""
+        return None if "_modules" in self.__dict__ else self.expansion
+
+    def shard_parts(self) -> Iterator[ShardPart]:
+        """Each output shard's part of the plan, one at a time, in the plan's order (its units are ``units``
+        in order, shard after shard)."""
+        if (x := self._expanding()) is not None:
+            yield from x.parts()
+            return
+        units_of: dict[str, list[Unit]] = {s.file: [] for s in self.shards}
+        for u in self.units:
+            units_of[u.shard].append(u)
+        for s in self.shards:
+            yield ShardPart(tuple(units_of[s.file]), s)
+
+    def iter_units(self) -> Iterator[Unit]:
+        """``units`` one shard's part at a time."""
+        for part in self.shard_parts():
+            yield from part.units
+
+    def iter_items(self) -> Iterator[Item]:
+        return (it for u in self.iter_units() for it in u.items)
+
+    def every_engine_group(self) -> tuple[EngineGroup, ...]:
+        """``engine_groups``, expanded from the outline's where the module-by-module plan is not made (each time:
+        the release's 82,849 are not held for the run)."""
+        x = self._expanding()
+        return x.all_engine_groups() if x is not None else self.engine_groups
+
+    def parts_of(self, files: Collection[str]) -> list[ShardPart]:
+        """The parts of these output shards, in plan order: expanded from the outline where the plan is banked
+        (the rest of the plan never made), else cut from the module-by-module plan."""
+        if (x := self._expanding()) is not None:
+            return list(x.parts(set(files)))
+        return [p for p in self.shard_parts() if p.shard.file in files]
+
+    @functools.cached_property
+    def shard_loads(self) -> dict[str, ShardLoad]:
+        """Each output shard's units and input bytes by file, from the outline."""
+        o = self.outline
+        units: dict[str, int] = {s.file: 0 for s in self.shard_sizes()}
+        reads: dict[str, dict[str, int]] = {f: {} for f in units}
+        for u in o.units:
+            n = len(o.banks.get(u.items[0].sources[0].module.rpartition(".")[0], (0,)))
+            units[u.shard] += n
+            into = reads[u.shard]
+            for p in u.parts:
+                into[p.file] = into.get(p.file, 0) + n * p.nbytes
+        return {f: ShardLoad(units[f], reads[f]) for f in units}
+
+    def engine_group_scales(self) -> list[tuple[EngineGroup, str | None]]:
+        """Each engine packed module with the global scale its first member shares (None where apart)."""
+        if (x := self._expanding()) is not None:
+            return x.engine_group_scales()
+        scale_of = {it.name: u.shared_scale for u in self.units if u.shared_scale for it in u.items}
+        return [(g, scale_of.get(g.members[0])) for g in self.engine_groups]
+
+    def shard_sizes(self) -> tuple[ShardSize, ...]:
+        """Each output shard's file, size and tensors, from the outline where it counts them."""
+        if self.expansion is not None and self.outline.shard_sizes:
+            return self.outline.shard_sizes
+        return tuple(ShardSize(s.file, s.size, len(s.placed)) for s in self.shards)
 
     @functools.cached_property
     def outline(self) -> Outline:
@@ -220,10 +328,14 @@ class Plan:
 
     @property
     def bytes_in(self) -> int:
+        if self._expanding() is not None:
+            return self.outline.bytes_in
         return sum(p.end - p.start for u in self.units for p in u.parts)
 
     @property
     def bytes_out(self) -> int:
+        if self._expanding() is not None:
+            return self.outline.bytes_out
         return sum(s.size for s in self.shards)
 
     def shard_of(self) -> dict[str, str]:

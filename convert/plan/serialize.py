@@ -13,18 +13,20 @@ from collections.abc import Iterator
 
 from .. import formats, schemes
 from ..gcpause import gc_paused
-from .model import COPY, KEEP, EngineGroup, Item, Plan
+from .model import COPY, KEEP, EngineGroup, Item, Kind, Plan
 
 #: modules written per piece of ``plan_json`` (a piece is joined text: fewer, larger writes)
 _BATCH = 4096
 #: json.dumps's C encoder; the plan's dicts hold no cycles, and not checking for them is 1.4x faster
 _ENCODE = json.JSONEncoder(check_circular=False).encode
+#: ``json.dumps(x, sort_keys=True)``'s encoder (``plan_sha256``: the plan's hash is of that text)
+_SORTED = json.JSONEncoder(sort_keys=True).encode
 
 
 def plan_dict(plan: Plan) -> dict:
     """The plan as data (no hashes): what ``plan --json`` prints, the manifest's skeleton."""
     body = head_dict(plan)
-    body["modules"] = [item_dict(it, u.shared_scale, u.shard) for u in plan.units for it in u.items]
+    body["modules"] = list(_modules(plan))
     body["engine_groups"] = engine_groups(plan)
     return body
 
@@ -34,9 +36,51 @@ def plan_hash(plan_dict: dict) -> str:
     return hashlib.sha256(json.dumps(plan_dict, sort_keys=True).encode()).hexdigest()
 
 
+def plan_sha256(plan: Plan) -> str:
+    """``plan_hash(plan_dict(plan))`` without holding ``plan_dict``: the same text (``json.dumps`` with sorted
+    keys) hashed piece by piece, each module and engine packed module encoded alone. On the released K3 the
+    dict and its text held at once were 1.5 GB on top of the plan, the pack's peak before its first read
+    (benchmarks/RESULTS.md, issue 43)."""
+    h = hashlib.sha256()
+    for piece in _sorted_json(plan):
+        h.update(piece.encode())
+    return h.hexdigest()
+
+
+def _sorted_json(plan: Plan) -> Iterator[str]:
+    """``json.dumps(plan_dict(plan), sort_keys=True)`` in pieces: the head's keys in sorted order, the two long
+    lists one element at a time (``json.dumps`` writes a list as its elements joined by ``", "``)."""
+    with gc_paused():
+        head = head_dict(plan)
+        lists = {"modules": _modules(plan), "engine_groups": iter(engine_groups(plan))}
+        yield "{"
+        for i, key in enumerate(sorted(head)):
+            yield (", " if i else "") + json.dumps(key) + ": "
+            if key not in lists:
+                yield _SORTED(head[key])
+                continue
+            yield "["
+            it, first = lists[key], True
+            for batch in iter(lambda it=it: list(itertools.islice(it, _BATCH)), []):
+                yield ("" if first else ", ") + ", ".join(map(_SORTED, batch))
+                first = False
+            yield "]"
+        yield "}"
+
+
+def _modules(plan: Plan) -> Iterator[dict]:
+    """plan_dict's "modules", one output shard's part of the plan at a time (``Plan.shard_parts``: a banked
+    plan's expanded from its outline, never held whole)."""
+    for part in plan.shard_parts():
+        for u in part.units:
+            for it in u.items:
+                yield item_dict(it, u.shared_scale, u.shard)
+
+
 def head_dict(plan: Plan) -> dict:
-    """plan_dict in its key order, with its two long lists ("modules", "engine_groups") left empty."""
-    items = plan.items
+    """plan_dict in its key order, with its two long lists ("modules", "engine_groups") left empty: counted
+    from the outline (a bank counted in full), not from the modules."""
+    kinds = plan.outline.kinds
     return {
         "mapping": {"name": plan.mapping.name, "file": plan.mapping.path, "sha256": plan.mapping.sha256},
         "recipe": _recipe(plan),
@@ -48,11 +92,10 @@ def head_dict(plan: Plan) -> dict:
         "quantized_layers": formats.get(plan.recipe.output_format).manifest_layers(plan),
         "modules": [],
         "engine_groups": [],
-        "shards": [{"file": s.file, "size": s.size, "tensors": len(s.placed)} for s in plan.shards],
+        "shards": [{"file": s.file, "size": s.size, "tensors": s.tensors} for s in plan.shard_sizes()],
         "totals": {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
-                   **{s.TOTALS: sum(it.kind == n for it in items) for n, s in schemes.SCHEMES.items()},
-                   "kept": sum(it.kind == KEEP for it in items),
-                   "copied": sum(it.kind == COPY for it in items)},
+                   **{s.TOTALS: kinds[Kind(n)] for n, s in schemes.SCHEMES.items()},
+                   "kept": kinds[KEEP], "copied": kinds[COPY]},
     }
 
 
@@ -70,8 +113,7 @@ def side_dict(plan: Plan, side_files: list[dict] | None = None) -> dict:
 
 def engine_groups(plan: Plan) -> list[dict]:
     """The engine packed modules, each with the global scale its members share (None where apart)."""
-    scale_of = {it.name: u.shared_scale for u in plan.units if u.shared_scale for it in u.items}
-    return [_engine_group(g, scale_of.get(g.members[0])) for g in plan.engine_groups]
+    return [_engine_group(g, scale) for g, scale in plan.engine_group_scales()]
 
 
 def _engine_group(g: EngineGroup, shared_scale: str | None) -> dict:
@@ -128,7 +170,7 @@ def plan_json(plan: Plan, extra: dict | None = None) -> Iterator[str]:
         before, rest = text.split(json.dumps("\0modules"))
         between, after = rest.split(json.dumps("\0engine_groups"))
         yield before
-        yield from _lines(item_dict(it, u.shared_scale, u.shard) for u in plan.units for it in u.items)
+        yield from _lines(_modules(plan))
         yield between
         yield from _lines(engine_groups(plan))
         yield after

@@ -17,7 +17,7 @@ from ..manifest import iter_modules, tensor_digest
 from ..mapping import parse_mapping
 from ..options import Options
 from ..plan import QUANTIZED, make_plan
-from ..plan.serialize import plan_dict, plan_hash
+from ..plan.serialize import plan_sha256
 from ..recipe import parse_recipe
 from ..sidefiles import scan
 from ..sources import EntryKind, Source, provenance
@@ -61,7 +61,7 @@ def check_against_input(source: Source, output: Path, man: dict, rep: Report, fu
     patterns = [KeepRule(r["pattern"], r["origin"], r["reason"]) for r in man["rules"]]
     recipe = parse_recipe(man["recipe_source"], man["recipe"]["file"]) if man.get("recipe_source") else None
     plan = make_plan(ckpt, m, opts, patterns, recipe)
-    same = plan_hash(plan_dict(plan)) == man["plan_sha256"]
+    same = plan_sha256(plan) == man["plan_sha256"]
     rep.check("re-plan from the input and the recorded options", [] if same else
               ["manifest.json: the plan rebuilt from the input and the recorded options differs"])
     if not same:
