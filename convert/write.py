@@ -16,6 +16,7 @@ import functools
 import hashlib
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -227,23 +228,29 @@ class ShardWriter:
 
 class DirectStage:
     """A shard's bytes written past the page cache (``O_DIRECT``) while they come in file order: appended to an
-    aligned staging buffer, each full buffer written at once. Through the page cache, every output byte is copied
-    into a newly allocated cache page and written back later, CPU time that on two cores is the pack's bound
-    (benchmarks/RESULTS.md, "Shards written past the page cache"); past it, the disk takes the buffer as it is.
+    aligned staging buffer, each full buffer written by a thread of its own while the next one fills (a direct write
+    returns only once the disk has the bytes: written in the writer's thread, it would wait for the disk instead of
+    hashing and copying meanwhile). Through the page cache, every output byte is copied into a newly allocated cache
+    page and written back later, CPU time that on two cores is the pack's bound (benchmarks/RESULTS.md, "Shards
+    written past the page cache"); past it, the disk takes the buffer as it is.
 
-    O_DIRECT asks for aligned buffers, offsets and lengths (``BLOCK``): the buffer is page-aligned (an anonymous
-    map), writes are whole buffers at multiples of its size, and the last partial block goes through the page cache
+    O_DIRECT asks for aligned buffers, offsets and lengths (``BLOCK``): the buffers are page-aligned (anonymous maps),
+    writes are whole buffers at multiples of their size, and the last partial block goes through the page cache
     (``close``). A file system that refuses O_DIRECT (tmpfs, some network file systems) refuses it when the file is
     opened (``open`` returns None) or at a write (EINVAL: those bytes go through the page cache, and ``refused``
     tells the writer to send the rest there too)."""
 
     BLOCK = 4096  # a multiple of every logical block size O_DIRECT asks for
+    DEPTH = 2  # staging buffers: one being written while the other fills
 
     def __init__(self, fd: int, cached_fd: int, size: int):
         self.fd, self.cached_fd = fd, cached_fd
         self.size = max(self.BLOCK, size // self.BLOCK * self.BLOCK)
-        self._map = mmap.mmap(-1, self.size)
-        self.buf = np.frombuffer(self._map, np.uint8)
+        self._maps = [mmap.mmap(-1, self.size) for _ in range(self.DEPTH)]
+        self._pending: list[Future | None] = [None] * self.DEPTH
+        self._i = 0  # the buffer filling
+        self.buf = np.frombuffer(self._maps[0], np.uint8)
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-direct-write")
         self.base = 0  # the file offset of buf[0]
         self.fill = 0  # bytes staged
         self.refused = False  # the file system refused a direct write
@@ -273,50 +280,72 @@ class DirectStage:
             self.fill += k
             i += k
             if self.fill == self.size:
-                self._write(self.size)
+                self._send()
         return True
 
-    def _write(self, n: int, cached: bool = False) -> None:
-        """The first ``n`` staged bytes to the disk (whole blocks, unless ``cached``: through the page cache); the
-        rest moved to the buffer's start."""
-        view = memoryview(self._map)[:n]
+    def _send(self) -> None:
+        """The full buffer to the disk on the stage's thread; the next buffer (its earlier write done) fills."""
+        self._pending[self._i] = self._disk.submit(self._write, self._maps[self._i], self.size, self.base)
+        self.base += self.size
+        self.fill = 0
+        self._i = (self._i + 1) % self.DEPTH
+        self._wait(self._i)
+        self.buf = np.frombuffer(self._maps[self._i], np.uint8)
+
+    def _wait(self, i: int) -> None:
+        """Buffer ``i``'s write finished (its error, if any, raised here)."""
+        fut, self._pending[i] = self._pending[i], None
+        if fut is not None:
+            fut.result()
+
+    def _write(self, buf: mmap.mmap, n: int, offset: int, cached: bool = False) -> None:
+        """``buf``'s first ``n`` bytes at ``offset``: past the page cache (whole blocks), unless ``cached`` or the
+        file system refused a direct write."""
+        view = memoryview(buf)[:n]
         try:
             if not (cached or self.refused):
                 try:
-                    _pwrite_all(self.fd, view, self.base)
+                    _pwrite_all(self.fd, view, offset)
+                    return
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
                     self.refused = True
-            if cached or self.refused:
-                _pwrite_all(self.cached_fd, view, self.base)
+            _pwrite_all(self.cached_fd, view, offset)
         finally:
             view.release()
-        self.base += n
-        self.fill -= n
-        if self.fill:
-            self.buf[: self.fill] = self.buf[n : n + self.fill]
 
     def close(self) -> None:
         """Write what is staged (whole blocks past the page cache, the last partial one through it), let go."""
         try:
+            for i in range(self.DEPTH):
+                self._wait(i)
             whole = self.fill // self.BLOCK * self.BLOCK
+            buf = self._maps[self._i]
             if whole:
-                self._write(whole)
-            if self.fill:
-                self._write(self.fill, cached=True)
+                self._write(buf, whole, self.base)
+            if self.fill > whole:
+                tail = memoryview(buf)[whole : self.fill]
+                try:
+                    _pwrite_all(self.cached_fd, tail, self.base + whole)
+                finally:
+                    tail.release()
+            self.base, self.fill = self.base + self.fill, 0
         finally:
             self.discard()
 
     def discard(self) -> None:
-        """The descriptor and the buffer let go (what is staged is dropped: a failed or stopped shard)."""
+        """The thread, the descriptor and the buffers let go (what is staged is dropped: a failed or stopped shard);
+        a write in flight is waited for first, so that it never reaches a descriptor closed under it."""
+        self._disk.shutdown(wait=True)
         if self.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
         self.buf = None
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):
+                m.close()
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
