@@ -358,3 +358,12 @@ def plan_kinds(src: Path, options=None) -> dict[str, str]:
 
     _, plan = load_plan(src, options or Options())
     return {it.name: it.kind for u in plan.units for it in u.items}
+
+
+def synth_and_pack(work: Path, pack_args: list, *synth_args) -> tuple[Path, Path]:
+    """``tiny-k3`` (with ``synth_args``) written to ``work/in`` and packed to ``work/ref`` with ``pack_args``: a
+    module's input and its reference pack."""
+    assert run("synth", "tiny-k3", work / "in", *synth_args).code == 0
+    r = run("pack", work / "in", work / "ref", *pack_args)
+    assert r.code == 0, r.stderr
+    return work / "in", work / "ref"

@@ -26,7 +26,7 @@ import pytest
 
 import fault_inject
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import one_line_error, run
+from helpers import one_line_error, run, synth_and_pack
 
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
 REPO = "user/src"
@@ -35,11 +35,7 @@ REPO = "user/src"
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory) -> tuple[Path, Path]:
     """tiny-k3 with 32 experts a layer in 4 input shards (1.1 to 6.3 MB), and its local pack (the reference)."""
-    work = tmp_path_factory.mktemp("hubin")
-    assert run("synth", "tiny-k3", work / "in", "--experts", "32", "--shards", "8").code == 0
-    r = run("pack", work / "in", work / "ref", *PACK_ARGS)
-    assert r.code == 0, r.stderr
-    return work / "in", work / "ref"
+    return synth_and_pack(tmp_path_factory.mktemp("hubin"), PACK_ARGS, "--experts", "32", "--shards", "8")
 
 
 @pytest.fixture

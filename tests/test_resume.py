@@ -31,6 +31,7 @@ from helpers import (
     rewrite_tensors,
     run,
     run_process,
+    synth_and_pack,
 )
 
 # SGLang's fused layout with its own shard size: shards of 1 MB at most, 14 of the medium input (the source
@@ -53,11 +54,7 @@ def assert_not_finished(out: Path) -> None:
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory) -> tuple[Path, Path]:
     """tiny-k3 with 32 experts a layer and its uninterrupted pack (14 shards of 1 MB at most)."""
-    work = tmp_path_factory.mktemp("medium")
-    assert run("synth", "tiny-k3", work / "in", "--experts", "32").code == 0
-    r = run("pack", work / "in", work / "ref", *PACK_ARGS)
-    assert r.code == 0, r.stderr
-    return work / "in", work / "ref"
+    return synth_and_pack(tmp_path_factory.mktemp("medium"), PACK_ARGS, "--experts", "32")
 
 
 @pytest.mark.slow

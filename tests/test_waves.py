@@ -14,7 +14,7 @@ import pytest
 from test_pack_upload import assert_same_repo
 
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import run, run_process, tree
+from helpers import run_process, synth_and_pack, tree
 
 #: the source layout (banked: tiny-k3's experts are stored alike), one stream: which shards a kill leaves finished
 #: depends on it
@@ -24,11 +24,7 @@ ARGS = ["-q", "--device", "cpu", "--workers", "1", "--streams", "1"]
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory) -> tuple[Path, Path]:
     """tiny-k3 with 32 experts a layer, and its pack in one wave (the default's units hold every shard)."""
-    work = tmp_path_factory.mktemp("waves")
-    assert run("synth", "tiny-k3", work / "in", "--experts", "32").code == 0
-    r = run("pack", work / "in", work / "ref", *ARGS)
-    assert r.code == 0, r.stderr
-    return work / "in", work / "ref"
+    return synth_and_pack(tmp_path_factory.mktemp("waves"), ARGS, "--experts", "32")
 
 
 def test_a_shard_a_wave_is_the_same_bytes_and_never_makes_the_whole_plan(medium, tmp_path, monkeypatch):
