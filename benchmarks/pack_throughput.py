@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -303,15 +304,22 @@ def main() -> None:
     print(f"\n| workers x streams | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | converting s "
           "| torch + device start s (overlapped) | peak RSS (largest process) | read from storage |")
     print("|---|---|---|---|---|---|---|")
-    stages = []
+    stages, floors, walls = [], [floor], []
     for w in a.workers:
-        runs = sorted((run_pack(src, out, a.device, w, True, a.max_shard_size, a.streams, extra)
-                       for _ in range(a.repeat)), key=lambda r: r[0])
+        runs = []
+        for _ in range(a.repeat):  # the disk's floor measured again after each pack: a shared disk's rate drifts
+            runs.append(run_pack(src, out, a.device, w, True, a.max_shard_size, a.streams, extra))
+            floors.append(sum(disk_floor(src, size_out, work / "floor.bin", True)))
+        walls += [r[0] for r in runs]
+        runs.sort(key=lambda r: r[0])
         wall, rss, read, st = runs[len(runs) // 2]
         every = ", ".join(f"{r[0]:.2f}" for r in runs)
         print(f"| {st['workers']} x {st['streams'] // st['workers']} | {wall:.2f} ({every}) | {wall / bound:.2f}x | "
               f"{st['convert_s']:.2f} | {st['backend_s']:.2f} | {rss / 1e9:.2f} GB | {read / 1e9:.2f} GB |", flush=True)
         stages.append((w, st["stages_s"]))
+    med = statistics.median(floors)
+    print(f"\ndisk floor, median of {len(floors)} measured before and between the packs: **{med:.2f} s** (each: "
+          + ", ".join(f"{f:.2f}" for f in floors) + f"); pack median / that: **{statistics.median(walls) / med:.2f}x**")
     for w, st in stages:  # where the median run's streams spent their time (summed over streams)
         print(f"\nworkers {w}, seconds per stage summed over streams: "
               + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
