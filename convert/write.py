@@ -163,9 +163,7 @@ class ShardWriter:
                         self._leave_direct()
                     return
                 self._leave_direct()  # out of file order: what is staged goes out, the rest through the page cache
-            while view:
-                n = os.pwrite(self.fd, view, offset)
-                view, offset = view[n:], offset + n
+            _pwrite_all(self.fd, view, offset)
         except OSError as e:
             raise self._error(e) from None
 
@@ -285,7 +283,7 @@ class DirectStage:
 
     def _send(self) -> None:
         """The full buffer to the disk on the stage's thread; the next buffer (its earlier write done) fills."""
-        self._pending[self._i] = self._disk.submit(self._write, self._maps[self._i], self.size, self.base)
+        self._pending[self._i] = self._disk.submit(self._write, memoryview(self._maps[self._i]), self.base)
         self.base += self.size
         self.fill = 0
         self._i = (self._i + 1) % self.DEPTH
@@ -298,10 +296,9 @@ class DirectStage:
         if fut is not None:
             fut.result()
 
-    def _write(self, buf: mmap.mmap, n: int, offset: int, cached: bool = False) -> None:
-        """``buf``'s first ``n`` bytes at ``offset``: past the page cache (whole blocks), unless ``cached`` or the
-        file system refused a direct write."""
-        view = memoryview(buf)[:n]
+    def _write(self, view: memoryview, offset: int, cached: bool = False) -> None:
+        """``view`` (of a staging buffer; released here) at ``offset``: past the page cache (whole blocks), unless
+        ``cached`` or the file system refused a direct write."""
         try:
             if not (cached or self.refused):
                 try:
@@ -321,15 +318,11 @@ class DirectStage:
             for i in range(self.DEPTH):
                 self._wait(i)
             whole = self.fill // self.BLOCK * self.BLOCK
-            buf = self._maps[self._i]
-            if whole:
-                self._write(buf, whole, self.base)
-            if self.fill > whole:
-                tail = memoryview(buf)[whole : self.fill]
-                try:
-                    _pwrite_all(self.cached_fd, tail, self.base + whole)
-                finally:
-                    tail.release()
+            with memoryview(self._maps[self._i]) as buf:
+                if whole:
+                    self._write(buf[:whole], self.base)
+                if self.fill > whole:
+                    self._write(buf[whole : self.fill], self.base + whole, cached=True)
             self.base, self.fill = self.base + self.fill, 0
         finally:
             self.discard()
@@ -349,6 +342,7 @@ class DirectStage:
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` at ``offset`` (``pwrite`` may write less than asked)."""
     done = 0
     while done < view.nbytes:
         done += os.pwrite(fd, view[done:], offset + done)
