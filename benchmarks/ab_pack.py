@@ -17,19 +17,22 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
 def run_once(cmd: list[str], env: dict[str, str]) -> dict:
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **env})
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
-    p.stderr and p.stderr.close()
-    code = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile() as errf:  # (a pipe read only after the wait would block a chatty child)
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, env={**os.environ, **env})
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)  # (reaped here: Popen must not wait for it again)
+        errf.seek(0)
+        err = errf.read().decode(errors="replace")
+    code = p.returncode
     if code != 0:
-        sys.exit(f"{shlex.join(cmd)}: exit {code}: {err.strip().splitlines()[-1:] or ''}")
+        sys.exit(f"{shlex.join(cmd)}: exit {code}: {(err.strip().splitlines() or [''])[-1]}")
     return {"wall": wall, "user": ru.ru_utime, "sys": ru.ru_stime, "cpu": ru.ru_utime + ru.ru_stime,
             "peak_gb": ru.ru_maxrss * 1024 / 1e9}
 
