@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from . import configs, filenames, journal, write
 from . import manifest as manifest_mod
-from .atomic import write_atomic, write_json_atomic
+from .atomic import write_atomic, write_atomic_chunks, write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint
 from .errors import ConvertError
 from .hashing import sha256_file
@@ -170,7 +170,7 @@ class OutputFolder:
         for name, content in cfgs.items():
             write_json_atomic(out / name, content)
         side = write.copy_side_files(ckpt.source, out, plan.side_files, plan.side_folders)
-        write_atomic(out / INDEX_NAME, configs.index_text(plan).encode(), fault="json")
+        write_atomic_chunks(out / INDEX_NAME, configs.index_chunks(plan, spill=out), fault="json")
         own = [write.record(out, f) for f in (*cfgs, INDEX_NAME)]
         recs = {s.file: j.shards[s.file] for s in plan.shard_sizes()}
         man = manifest_mod.build(

@@ -94,18 +94,57 @@ def test_plan_sha256_is_the_hash_of_plan_dict(case, preset, over, args, inputs):
     assert plan_sha256(p) == plan_hash(plan_dict(p)), case
 
 
+@pytest.mark.parametrize("run_pairs", [65_536, 3])
 @pytest.mark.parametrize("case,preset,over,args", CASES[:4] + CASES[-3:], ids=[c[0] for c in CASES[:4] + CASES[-3:]])
-def test_index_text_is_the_indented_index(case, preset, over, args, inputs):
-    """The index written a line a tensor (issue 43: not json.dumps(indent=2) of a million-entry dict) is the same
-    text, banked plan or not."""
-    from kimi_convert.atomic import dumps
-    from kimi_convert.configs import index_json, index_text
+def test_index_text_is_the_indented_index(case, preset, over, args, inputs, run_pairs, monkeypatch, tmp_path):
+    """The index written a line a tensor from sorted runs merged (issue 43: not json.dumps(indent=2) of a
+    million-entry dict) is json.dumps(indent=2) of the whole plan's weight map, banked plan or not, held in
+    memory or spilled to temporary files three pairs a run (and pieces of two lines)."""
+    import kimi_convert.configs as C
     from kimi_convert.pack import load_plan
 
+    monkeypatch.setattr(C, "RUN_PAIRS", run_pairs)
+    monkeypatch.setattr(C, "BLOCK", 2)
     ck = _input(inputs, preset, over)
     _, p = load_plan(ck, plan_options(ck, args), banked=True)
-    assert index_text(p) == dumps(index_json(p)), case
-    assert list(index_json(p)["weight_map"]) == sorted(t.name for s in p.shards for t in (x.tensor for x in s.placed))
+    placed = [x.tensor for s in p.shards for x in s.placed]
+    files = {x.tensor.name: s.file for s in p.shards for x in s.placed}
+    want = {"metadata": {"total_size": sum(t.nbytes for t in placed)}, "weight_map": dict(sorted(files.items()))}
+    assert C.index_text(p) == json.dumps(want, indent=2) + "\n", case
+    assert b"".join(C.index_chunks(p, spill=tmp_path)).decode() == C.index_text(p)
+    assert list(tmp_path.iterdir()) == []  # the runs' files are unnamed: nothing left behind
+
+
+def test_index_keeps_a_repeated_names_last_shard(monkeypatch):
+    """A name placed twice keeps its last shard, as a dict would, across runs and within one."""
+    from types import SimpleNamespace as NS
+
+    import kimi_convert.configs as C
+
+    def part(file, names):
+        return NS(shard=NS(file=file, placed=[NS(tensor=NS(name=n, nbytes=1)) for n in names]))
+
+    plan = NS(shard_parts=lambda: [part("a", ["x", "b", "x"]), part("b", ["c", "b"]), part("c", ["a", "x"])])
+    for size in (1, 2, 100):
+        monkeypatch.setattr(C, "RUN_PAIRS", size)
+        total, pairs = C._weight_map(plan)
+        assert (total, list(pairs)) == (7, [("a", "c"), ("b", "b"), ("c", "b"), ("x", "c")]), size
+
+
+def test_dumps_in_pieces_is_the_whole_text():
+    """``dump_chunks`` (the manifest written piece by piece) joins to the text ``dumps`` always wrote: indented
+    JSON with the compact list one entry a line, empty lists and objects included."""
+    from kimi_convert.atomic import dump_chunks
+
+    objs = [{"a": 1, "g": [{"x": [i, "y"]} for i in range(n)], "b": {"c": [1]}} for n in (0, 1, 4, 5, 9)]
+    for obj in [*objs, {}, {"g": []}]:
+        text = "".join(dump_chunks(obj, ("g",), block=4))
+        assert json.loads(text) == obj
+        lines = text.splitlines()
+        entries = ["    " + json.dumps(x, separators=(",", ":")) for x in obj.get("g", [])]
+        assert [ln for ln in lines if ln.startswith("    {")] == [e + "," for e in entries[:-1]] + entries[-1:]
+        rest = {k: v for k, v in obj.items() if k != "g"}
+        assert "".join(dump_chunks(rest)) == json.dumps(rest, indent=2) + "\n"
 
 
 def test_shard_header_is_json_dumps_of_the_header():
