@@ -135,24 +135,32 @@ def _as_f32(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, int]) -> np.ndarray:
     """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``, one IEEE multiply a value, as
     ``kernels.encodings.decode_fp8_block`` (the bytes: tests/test_early.py)."""
-    w, sc = s.parts
+    w = s.parts[0]
     m, n = s.shape
     bm, bn = block
     out = E4M3[reader.raw(w)].reshape(m, n)
+    scale = fp8_scales(s, reader)
+    for i in range(scale.shape[0]):
+        out[i * bm:(i + 1) * bm] *= np.repeat(scale[i], bn)[:n]
+    return out
+
+
+def fp8_scales(s: SourceTensor, reader: TensorSource) -> np.ndarray:
+    """An FP8 weight's tile scales as fp32, refused where one is not finite or beyond ``FP8_SCALE_MAX`` (so that no
+    product overflows), in the torch code's words."""
+    w, sc = s.parts
     scale = _as_f32(reader.raw(sc), sc.dtype, tuple(sc.shape))
     bad = ~(np.abs(scale) <= FP8_SCALE_MAX)  # NaN compares false; no tile can then overflow (no RuntimeWarning)
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])
         raise ConvertError(f"{sc.file}: tensor {sc.name}: {fp8_scale_fault(i, j, float(scale[i, j]))}: "
                            f"{w.name} cannot be decoded")
-    for i in range(scale.shape[0]):
-        out[i * bm:(i + 1) * bm] *= np.repeat(scale[i], bn)[:n]
-    return out
+    return np.ascontiguousarray(scale)
 
 
 @dataclass
 class Stored:
-    """A dense BF16 or FP32 weight's stored bytes, or an FP8 one's values decoded to fp32, as the C kernels read
+    """A dense BF16 or FP32 weight's stored bytes as the C kernels read
     them (``CUnit.values``)."""
 
     src: SourceTensor
@@ -182,10 +190,16 @@ class Int4Rows:
     groups: int
     amax: float
     dtype: str = "F32"  # the values' dtype as a global scale reads it (decoded: fp32)
-    rows_from_codes = True  # a kernel reads the codes (``clib.int4_quant``), not values
+    rows_from_codes = True  # a kernel reads the codes (``quant``), not values
 
     def finite_amax(self) -> float:
         return self.amax  # refused where it is not finite already (``int4_rows``)
+
+    def quant(self, lib: ctypes.CDLL, m: int, k: int, ct: bool, s2: float, packed: int, scales: int,
+              threads: int) -> None:
+        """The NVFP4 codes and block scales of the rows decoded (``clib.int4_quant``)."""
+        clib.int4_quant(lib, self.codes.ctypes.data, self.scale.ctypes.data, m, k, self.groups, ct, s2, packed, scales,
+                        threads)
 
 
 def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: int) -> Int4Rows:
@@ -206,6 +220,41 @@ def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: 
     if not math.isfinite(amax):
         raise refused(scale, INT4_OVERFLOW)
     return Int4Rows(codes, sc, groups, amax)
+
+
+@dataclass
+class Fp8Rows:
+    """A block FP8 weight as the C kernels read it (``kc_fp8_*_mt``: decoded a row at a time, never whole): its
+    e4m3 codes, its tile scales as fp32, the tile, and the amax of its values."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    block: tuple[int, int]
+    amax: float
+    dtype: str = "F32"  # the values' dtype as a global scale reads it (decoded: fp32)
+    rows_from_codes = True
+
+    def finite_amax(self) -> float:
+        return self.amax  # refused where it is not finite already (``fp8_rows``)
+
+    def quant(self, lib: ctypes.CDLL, m: int, k: int, ct: bool, s2: float, packed: int, scales: int,
+              threads: int) -> None:
+        clib.fp8_quant(lib, self.codes.ctypes.data, self.scale.ctypes.data, m, k, self.block, ct, s2, packed, scales,
+                       threads)
+
+
+def fp8_rows(s: SourceTensor, reader: TensorSource, block: tuple[int, int], lib: ctypes.CDLL,
+             threads: int) -> Fp8Rows:
+    """An FP8 weight (``_fp8``) and its amax, refused where ``decode_fp8_block`` and the torch code refuse it (a scale
+    not finite or too large; a NaN code: "holds NaN or Inf", as ``Stored.finite_amax`` of the decoded values)."""
+    scale = fp8_scales(s, reader)
+    codes = np.asarray(reader.raw(s.parts[0]))
+    m, k = s.shape
+    bits = clib.fp8_amax_bits(lib, codes.ctypes.data, scale.ctypes.data, m, k, block, threads)
+    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    if not math.isfinite(amax):
+        raise ConvertError(f"{s.file}: tensor {s.name}: holds NaN or Inf; refusing to quantize it")
+    return Fp8Rows(codes, scale, block, amax)
 
 
 class Results:
@@ -243,15 +292,14 @@ class CUnit(Results):
     arena: Arena
     res: UnitResult
 
-    def values(self, s: SourceTensor) -> Stored | Int4Rows:
-        """A source's values as the kernels read them (``form``): its stored bytes (dense), decoded to fp32 (FP8),
-        or its codes (INT4: decoded a row at a time by the kernels)."""
+    def values(self, s: SourceTensor) -> Stored | Int4Rows | Fp8Rows:
+        """A source's values as the kernels read them (``form``): its stored bytes (dense), or its codes (INT4, FP8:
+        decoded a row at a time by the kernels)."""
         if _dense(s):
             return Stored(s, self.reader.raw(s.parts[0]), s.dtype, self.lib, self.threads)
         if s.encoding == INT4:
             return int4_rows(s, self.reader, self.lib, self.threads)
-        decoded = decode_fp8_block(s, self.reader, self.block).reshape(-1).view(np.uint8)
-        return Stored(s, decoded, "F32", self.lib, self.threads)
+        return fp8_rows(s, self.reader, self.block, self.lib, self.threads)
 
     def decoded(self, it: Item) -> None:
         """A kept linear layer stored FP8 (``Operation.DECODE``: the C row of ``steps`` takes only these), each

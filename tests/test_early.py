@@ -240,6 +240,41 @@ def test_the_int4_kernels_are_the_decoded_weights_amax_and_quantization(n, k, gr
         assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes(), ct
 
 
+@pytest.mark.parametrize(("n", "k", "block"), [(3, 32, (128, 128)), (130, 256, (128, 128)), (257, 400, (128, 128)),
+                                               (40, 96, (16, 48)), (9, 4096, (2, 4096))])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_fp8_kernels_are_the_decoded_weights_amax_and_quantization(n, k, block, threads):
+    """``kc_fp8_amax_mt`` / ``kc_fp8_quant_mt`` (rows decoded one at a time, never whole) give the amax and both
+    formats' bytes of ``kc_amax_f32`` / ``kc_quant_f32`` / ``kc_ct_quant`` on the weight the torch code decodes
+    (``kernels.encodings.decode_fp8_block``): every e4m3 code but NaN's, tiles cut at the edges (rows and columns not
+    whole tiles), subnormal, small and large scales among the tiles."""
+    from kimi_convert.kernels import clib
+    from kimi_convert.kernels.encodings import decode_fp8_block
+
+    g = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x42
+    codes.view(-1)[:254] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)[: n * k]
+    tiles = (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.randn(tiles, generator=g) * torch.tensor([1e-40, 1e-3, 1.0, 1e30]).repeat(tiles[1] * tiles[0])[
+        : tiles[0] * tiles[1]].reshape(tiles)
+    lib = clib.load()
+    values = decode_fp8_block(codes.view(torch.float8_e4m3fn), scale, block).numpy()
+    q, sc = codes.numpy(), scale.numpy()
+    bits = clib.fp8_amax_bits(lib, q.ctypes.data, sc.ctypes.data, n, k, block, threads)
+    assert bits == clib.amax_bits(lib, values.ctypes.data, n * k, True, threads)
+    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    for ct, s2 in ((False, scales.modelopt(amax)), (True, scales.compressed_tensors(amax, "F32"))):
+        got, want = [(np.zeros(n * k // 2, np.uint8), np.zeros(n * k // 16, np.uint8)) for _ in range(2)]
+        clib.fp8_quant(lib, q.ctypes.data, sc.ctypes.data, n, k, block, ct, s2, got[0].ctypes.data,
+                       got[1].ctypes.data, threads)
+        (clib.ct_quant if ct else clib.quant)(lib, values.ctypes.data, n, k, True, s2, want[0].ctypes.data,
+                                              want[1].ctypes.data, threads)
+        assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes(), ct
+    codes.view(-1)[n * k // 2] = 0xFF  # a NaN code: the amax says so
+    assert clib.fp8_amax_bits(lib, q.ctypes.data, sc.ctypes.data, n, k, block, threads) == 0x7F800000
+
+
 def _refusals(src: Path, name: str) -> tuple[str, str]:
     """The errors of ``compute_early`` and of the torch code on the unit that reads the tensor or part ``name``
     (which ``compute_early`` takes)."""

@@ -267,7 +267,8 @@ AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in Path("/proc/cpuinfo").
 @pytest.mark.skipif(not AVX512, reason="the CPU has no AVX-512: the AVX2 row is the one tested")
 def test_cpu_kernel_avx512_row_equals_avx2_row(tmp_path):
     """Where the CPU has AVX-512, the C kernel's rows run there; capped at AVX2 (KIMI_CONVERT_CPU_ISA) the other
-    row runs: both give the reference's bytes on every bf16 value and across the one-reciprocal scale range."""
+    row runs: both give the reference's bytes on every bf16 value and across the one-reciprocal scale range, and on
+    fp32 rows (the division row: decoded INT4 and FP8 weights) from 1e-30 to 1e30."""
     script = tmp_path / "rows.py"
     script.write_text(
         "import sys, torch\n"
@@ -277,11 +278,15 @@ def test_cpu_kernel_avx512_row_equals_avx2_row(tmp_path):
         "vals = vals[torch.isfinite(vals.float())]\n"
         "x = vals[torch.randperm(vals.numel(), generator=torch.Generator().manual_seed(0))][: 65280 // 272 * 272]\n"
         "x = x.reshape(-1, 272)\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "xf = torch.randn(240, 272, generator=g) * torch.logspace(-30, 30, 240).unsqueeze(1)\n"
+        "xf.view(-1)[:: 7] = 0.0\n"
         "ok = True\n"
-        "for s in (1.0, 1e-20, 3e20, float(reference.global_scale(x.float().abs().amax()))):\n"
-        "    p, sc = nvfp4_cpu.quantize(lib, x, torch.tensor(s), 2)\n"
-        "    rp, rs = reference.quantize(x, torch.tensor(s))\n"
-        "    ok &= torch.equal(p, rp) and torch.equal(sc.view(torch.uint8), rs.view(torch.uint8))\n"
+        "for w in (x, x.float(), xf):\n"
+        "    for s in (1.0, 1e-20, 3e20, float(reference.global_scale(w.float().abs().amax()))):\n"
+        "        p, sc = nvfp4_cpu.quantize(lib, w, torch.tensor(s), 2)\n"
+        "        rp, rs = reference.quantize(w, torch.tensor(s))\n"
+        "        ok &= torch.equal(p, rp) and torch.equal(sc.view(torch.uint8), rs.view(torch.uint8))\n"
         "print(lib.kc_nvfp4_avx512(), ok)\n")
     for cap, want in (("", "1"), ("avx2", "0")):
         r = subprocess.run([sys.executable, str(script)], env={**os.environ, "KIMI_CONVERT_CPU_ISA": cap},

@@ -195,13 +195,12 @@ def quantize_c(items: list, unit) -> None:
 
 def _nvfp4_c(unit, v, m: int, k: int, ct: bool, s2: float, packed, block_scales) -> None:
     """NVFP4 codes and E4M3 block scales of ``v``'s ``m`` x ``k`` values under global scale ``s2`` (compressed-tensors'
-    arithmetic where ``ct``, else ModelOpt's): from its BF16 / FP32 values, or from INT4 codes decoded a row at a
-    time (``v.rows_from_codes``)."""
+    arithmetic where ``ct``, else ModelOpt's): from its BF16 / FP32 values, or from INT4 or FP8 codes decoded a row
+    at a time (``v.rows_from_codes``)."""
     from ..kernels import clib
 
     if v.rows_from_codes:
-        clib.int4_quant(unit.lib, v.codes.ctypes.data, v.scale.ctypes.data, m, k, v.groups, ct, s2,
-                        packed.ctypes.data, block_scales.ctypes.data, unit.threads)
+        v.quant(unit.lib, m, k, ct, s2, packed.ctypes.data, block_scales.ctypes.data, unit.threads)
     else:
         kernel = clib.ct_quant if ct else clib.quant
         kernel(unit.lib, v.buf.ctypes.data, m, k, v.dtype == "F32", s2, packed.ctypes.data, block_scales.ctypes.data,

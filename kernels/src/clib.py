@@ -115,6 +115,10 @@ def load() -> ctypes.CDLL | None:
     lib.kc_int4_amax_mt.restype = ctypes.c_uint32
     lib.kc_int4_quant_mt.argtypes = [p, p, i64, i64, i64, f32, i32, p, p, i32]
     lib.kc_int4_quant_mt.restype = None
+    lib.kc_fp8_amax_mt.argtypes = [p, p, i64, i64, i64, i64, i32]
+    lib.kc_fp8_amax_mt.restype = ctypes.c_uint32
+    lib.kc_fp8_quant_mt.argtypes = [p, p, i64, i64, i64, i64, f32, i32, p, p, i32]
+    lib.kc_fp8_quant_mt.restype = None
     lib.kc_nvfp4_avx512.argtypes = []
     lib.kc_nvfp4_avx512.restype = ctypes.c_int
     set_pool_types(lib)
@@ -196,3 +200,16 @@ def int4_quant(lib: ctypes.CDLL, packed: int, scale: int, m: int, k: int, groups
                scales: int, threads: int) -> None:
     """:func:`quant` (``ct``: :func:`ct_quant`) of the same weight's fp32 values, decoded a row at a time."""
     lib.kc_int4_quant_mt(packed, scale, m, k, groups, s2, int(ct), out, scales, threads)
+
+
+def fp8_amax_bits(lib: ctypes.CDLL, codes: int, scale: int, m: int, k: int, block: tuple[int, int],
+                  threads: int) -> int:
+    """The bits of the fp32 amax of a block FP8 weight [m, k] decoded (e4m3 codes at ``codes``, the finite fp32
+    scale of each ``block`` tile at ``scale``), without it in memory; 0x7F800000: a NaN code."""
+    return lib.kc_fp8_amax_mt(codes, scale, m, k, block[0], block[1], threads)
+
+
+def fp8_quant(lib: ctypes.CDLL, codes: int, scale: int, m: int, k: int, block: tuple[int, int], ct: bool, s2: float,
+              out: int, scales: int, threads: int) -> None:
+    """:func:`quant` (``ct``: :func:`ct_quant`) of the same weight's fp32 values, decoded a row at a time."""
+    lib.kc_fp8_quant_mt(codes, scale, m, k, block[0], block[1], s2, int(ct), out, scales, threads)

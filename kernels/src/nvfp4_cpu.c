@@ -203,12 +203,46 @@ __attribute__((target("avx2,fma"))) static void quant_row_bf16_avx2(const uint16
 }
 #define KC_HAVE_AVX2_ROW 1
 
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+/* e4m3_rne of 16 block scales (the `live` ones) from their blocks' amax bits, each `if` of quant_row a masked
+ * blend: the scale bytes stored, the denominators (scale * s2) returned. */
+AVX512 static inline __m512 scales16_avx512(const uint32_t *amax, __mmask16 live, __m512 v_six_s2, __m512 v_s2,
+                                            uint8_t *scales) {
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f), lo_clamp = _mm512_set1_ps(0.001953125f);
+    const __m512 hi_clamp = _mm512_set1_ps(448.0f), sub_min = _mm512_set1_ps(0.015625f);
+    const __m512 big = _mm512_set1_ps(8388608.0f);
+    __m512 sb = _mm512_div_ps(_mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, amax)), v_six_s2);
+    sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, zero, _CMP_EQ_OQ), sb, one);
+    sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, lo_clamp, _CMP_LT_OQ), sb, lo_clamp);
+    sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, hi_clamp, _CMP_GT_OQ), sb, hi_clamp);
+    __m512i e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(sb), 23),
+                                                  _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(127));
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(-6));
+    __m512 q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(124)), 23));
+    __m512 inv_q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(130), e), 23));
+    __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(sb, inv_q), big), big);
+    __m512 val = _mm512_mul_ps(r, q);
+    __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(val), 20), _mm512_set1_epi32(960));
+    __m512i byte = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(val, sub_min, _CMP_GE_OQ), _mm512_cvttps_epi32(r),
+                                           normal);
+    _mm_mask_storeu_epi8(scales, live, _mm512_cvtepi32_epi8(byte));
+    return _mm512_mul_ps(val, v_s2);
+}
+
+/* 16 codes (0-15, one a 32-bit lane) packed two a byte, the even one in the low nibble, into 8 bytes at `out`. */
+AVX512 static inline void pack16_avx512(__m512i c, uint8_t *out) {
+    c = _mm512_sllv_epi32(c, _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+    c = _mm512_or_si512(c, _mm512_srli_epi64(c, 32));
+    _mm_storel_epi64((__m128i *)out, _mm512_cvtepi64_epi8(c));
+}
+
 /* quant_row_bf16_avx2's fast path (the same IEEE operations in the same order, so the same bytes) on AVX-512:
  * 16 values a register, so a 16-block's codes are one pass; on the H200 machine's 16 CPUs the AVX2 row was
  * compute-bound (4.0 GB/s a thread, 1.55x the copy floor at 16 threads: docs/history/RESULTS-history.md). The block
  * amaxes 4 blocks a step; the scales, their reciprocals and d/4, d 2^-30 16 blocks a step (one vdivps each, as
  * the scalar 1.0f / d: both correctly rounded). scratch: 4 arrays of k/16 + 16 floats. */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void quant_row_bf16_avx512(
+AVX512 static void quant_row_bf16_avx512(
     const uint16_t *x, int64_t k, float s2, uint8_t *packed, uint8_t *scales, float *scratch) {
     const int64_t nb = k / 16, stride = nb + 16;
     uint32_t *amax = (uint32_t *)scratch;
@@ -233,26 +267,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void qu
         amax[b] = (uint32_t)m << 16;
     }
     const __m512 v_six_s2 = _mm512_set1_ps(6.0f * s2), v_s2 = _mm512_set1_ps(s2), one = _mm512_set1_ps(1.0f);
-    const __m512 zero = _mm512_setzero_ps(), lo_clamp = _mm512_set1_ps(0.001953125f), hi_clamp = _mm512_set1_ps(448.0f);
-    const __m512 sub_min = _mm512_set1_ps(0.015625f), big = _mm512_set1_ps(8388608.0f);
-    for (b = 0; b < nb; b += 16) { /* e4m3_rne of 16 clamped block scales, each `if` a masked blend */
+    const __m512 zero = _mm512_setzero_ps();
+    for (b = 0; b < nb; b += 16) {
         const __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
-        __m512 sb = _mm512_div_ps(_mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, amax + b)), v_six_s2);
-        sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, zero, _CMP_EQ_OQ), sb, one);
-        sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, lo_clamp, _CMP_LT_OQ), sb, lo_clamp);
-        sb = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(sb, hi_clamp, _CMP_GT_OQ), sb, hi_clamp);
-        __m512i e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(sb), 23),
-                                                      _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(127));
-        e = _mm512_max_epi32(e, _mm512_set1_epi32(-6));
-        __m512 q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(124)), 23));
-        __m512 inv_q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(130), e), 23));
-        __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(sb, inv_q), big), big);
-        __m512 val = _mm512_mul_ps(r, q);
-        __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(val), 20), _mm512_set1_epi32(960));
-        __m512i byte = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(val, sub_min, _CMP_GE_OQ), _mm512_cvttps_epi32(r),
-                                               normal);
-        _mm_mask_storeu_epi8(scales + b, live, _mm512_cvtepi32_epi8(byte));
-        __m512 d = _mm512_mul_ps(val, v_s2);
+        __m512 d = scales16_avx512(amax + b, live, v_six_s2, v_s2, scales + b);
         _mm512_storeu_ps(r4s + b, _mm512_mul_ps(_mm512_div_ps(one, d), _mm512_set1_ps(4.0f)));
         _mm512_storeu_ps(d4s + b, _mm512_mul_ps(d, _mm512_set1_ps(0.25f)));
         _mm512_storeu_ps(dls + b, _mm512_mul_ps(d, _mm512_set1_ps(9.313225746154785e-10f)));
@@ -261,7 +279,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void qu
     const __m512 cap = _mm512_set1_ps(24.0f), split = _mm512_set1_ps(4194305.0f), two24 = _mm512_set1_ps(16777216.0f);
     const __m512 four = _mm512_set1_ps(4.0f), huge = _mm512_set1_ps(1.329227995784916e36f);
     const __m512i seven = _mm512_set1_epi32(7), eight = _mm512_set1_epi32(8);
-    const __m512i nibble = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
     for (b = 0; b < nb; b++) { /* nvfp4_triton._fast_code on 16 values: quant_row_bf16_avx2's fast branch */
         const __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * b))), 16));
@@ -274,11 +291,44 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) static void qu
         __m512i sub = _mm512_castps_si512(_mm512_add_ps(y, two24));
         __m512i mag = _mm512_and_si512(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, four, _CMP_LT_OQ), hi, sub), seven);
         __mmask16 neg = _mm512_cmp_ps_mask(_mm512_fmadd_ps(xv, huge, _mm512_set1_ps(dls[b])), zero, _CMP_LT_OQ);
-        __m512i c = _mm512_mask_or_epi32(mag, neg, mag, eight);
-        /* (c[2i], c[2i+1]) -> c[2i] | c[2i+1] << 4 in each 64-bit lane's low byte, then one byte a lane */
-        c = _mm512_sllv_epi32(c, nibble);
-        c = _mm512_or_si512(c, _mm512_srli_epi64(c, 32));
-        _mm_storel_epi64((__m128i *)(packed + 8 * b), _mm512_cvtepi64_epi8(c));
+        pack16_avx512(_mm512_mask_or_epi32(mag, neg, mag, eight), packed + 8 * b);
+    }
+}
+
+/* quant_row on AVX-512 for fp32 values (decoded INT4 / FP8 rows, fp32 weights): the same IEEE operations, each code
+ * from one correctly rounded division (vdivps) and ordered comparisons (NaN: code 7, as e2m1), 16 values a step.
+ * scratch: 2 arrays of k/16 + 16 floats. */
+AVX512 static void quant_row_f32_avx512(const float *x, int64_t k, float s2, uint8_t *packed, uint8_t *scales,
+                                        float *scratch) {
+    const int64_t nb = k / 16;
+    uint32_t *amax = (uint32_t *)scratch;
+    float *ds = scratch + nb + 16;
+    const __m512i abs32 = _mm512_set1_epi32(0x7FFFFFFF);
+    for (int64_t b = 0; b < nb; b++)
+        amax[b] = _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_loadu_si512(x + 16 * b), abs32));
+    const __m512 v_six_s2 = _mm512_set1_ps(6.0f * s2), v_s2 = _mm512_set1_ps(s2);
+    for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
+        _mm512_storeu_ps(ds + b, scales16_avx512(amax + b, live, v_six_s2, v_s2, scales + b));
+    }
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u)), zero = _mm512_setzero_ps();
+    const __m512 t50 = _mm512_set1_ps(5.0f), t35 = _mm512_set1_ps(3.5f), t25 = _mm512_set1_ps(2.5f);
+    const __m512 t175 = _mm512_set1_ps(1.75f), t125 = _mm512_set1_ps(1.25f), t075 = _mm512_set1_ps(0.75f);
+    const __m512 t025 = _mm512_set1_ps(0.25f);
+    const __m512i seven = _mm512_set1_epi32(7), eight = _mm512_set1_epi32(8), one = _mm512_set1_epi32(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 q = _mm512_div_ps(_mm512_loadu_ps(x + 16 * b), _mm512_set1_ps(ds[b]));
+        const __m512 a = _mm512_andnot_ps(sign, q);
+        __m512i mag = seven; /* 7 minus one for each threshold a is at or below */
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t50, _CMP_LE_OQ), mag, one);
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t35, _CMP_LT_OQ), mag, one);
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t25, _CMP_LE_OQ), mag, one);
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t175, _CMP_LT_OQ), mag, one);
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t125, _CMP_LE_OQ), mag, one);
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t075, _CMP_LT_OQ), mag, one);
+        mag = _mm512_mask_sub_epi32(mag, _mm512_cmp_ps_mask(a, t025, _CMP_LE_OQ), mag, one);
+        const __mmask16 neg = _mm512_cmp_ps_mask(q, zero, _CMP_LT_OQ);
+        pack16_avx512(_mm512_mask_or_epi32(mag, neg, mag, eight), packed + 8 * b);
     }
 }
 #define KC_HAVE_AVX512_ROW 1
@@ -338,6 +388,15 @@ CLONES void kc_quant_bf16(const uint16_t *x, int64_t rows, int64_t k, float s2, 
 
 CLONES void kc_quant_f32(const float *x, int64_t rows, int64_t k, float s2, uint8_t *packed, uint8_t *scales) {
     if (!(s2 > 0.0f)) s2 = 1.0f;
+#ifdef KC_HAVE_AVX512_ROW
+    if (kc_use_avx512()) {
+        float *scratch = malloc(sizeof(float) * 2 * (size_t)(k / 16 + 16));
+        for (int64_t r = 0; r < rows; r++)
+            quant_row_f32_avx512(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), scratch);
+        free(scratch);
+        return;
+    }
+#endif
     float *d = malloc(sizeof(float) * (size_t)(k / 16 + 1) + (size_t)k);
     for (int64_t r = 0; r < rows; r++)
         quant_row(x + r * k, k, s2, packed + r * (k / 2), scales + r * (k / 16), d, (uint8_t *)(d + k / 16 + 1));
@@ -498,11 +557,12 @@ void kc_ct_quant_mt(const void *x, int64_t rows, int64_t k, float g, int32_t f32
     kc_parallel(kc_ct_task, &j, j.ntasks, threads);
 }
 
-/* --- Kimi K2.5's INT4 pack-quantized weights, quantized from their codes --------------------------------------
+/* --- weights quantized from their codes: Kimi K2.5's INT4 pack-quantized, DeepSeek's 128x128 block FP8 ---------
  * Each row decoded into a buffer the cache holds, then amax'd or quantized as the fp32 row it is: the values of
- * recipe_cpu.c kc_int4_rows and kernels/src/encodings.py decode_int4, (code - 8) * scale in one IEEE multiply, so the
- * bytes of kc_amax_f32 / kc_quant_f32 / kc_ct_quant_mt on the decoded weight. Why: decoded whole, the weight is 4
- * bytes a value written to memory and read back twice, for a source of half a byte (compute_early.py). */
+ * recipe_cpu.c kc_int4_rows and kernels/src/encodings.py decode_int4, (code - 8) * scale, or of decode_fp8_block,
+ * e4m3(code) * scale_inv of the code's tile, each one IEEE multiply, so the bytes of kc_amax_f32 / kc_quant_f32 /
+ * kc_ct_quant_mt on the decoded weight. Why: decoded whole, the weight is 4 bytes a value written to memory and read
+ * back twice, for a source of half a byte or one (compute_early.py). */
 
 /* One row: `packed` k/2 bytes (codes + 8, two a byte, the low nibble first), `scale` k/(2*half) fp32 scales. */
 static inline void int4_row(const uint8_t *restrict packed, const float *restrict scale, int64_t k, int64_t half,
@@ -518,25 +578,91 @@ static inline void int4_row(const uint8_t *restrict packed, const float *restric
     }
 }
 
+/* fp32 value of each float8_e4m3fn byte (no infinities; S.1111.111 is NaN): compute_early._e4m3_values */
+static float kc_e4m3[256];
+static pthread_once_t kc_e4m3_once = PTHREAD_ONCE_INIT;
+
+static void kc_e4m3_init(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float mag = e ? (float)(8 + m) * f32_of_bits((uint32_t)(e - 10 + 127) << 23) : (float)m * 0.001953125f;
+        if ((b & 0x7F) == 0x7F) mag = f32_of_bits(0x7FC00000u);
+        kc_e4m3[b] = b & 0x80 ? -mag : mag;
+    }
+}
+
+#ifdef KC_HAVE_AVX512_ROW
+/* kc_e4m3 of 16 codes by arithmetic: a normal one's exponent and mantissa fields moved into fp32's (bias 7 -> 127), a
+ * subnormal one m * 2^-9 (exact), NaN for S.1111.111, the sign bit moved over; the same values as the table. */
+AVX512 static inline __m512 e4m3_16_avx512(__m128i bytes) {
+    const __m512i b = _mm512_cvtepu8_epi32(bytes), mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))),
+                                     _mm512_set1_ps(0.001953125f));
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+    __m512i v = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(8)), _mm512_castps_si512(sub),
+                                        normal);
+    v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), v,
+                                _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(_mm512_or_si512(v, _mm512_slli_epi32(_mm512_srli_epi32(b, 7), 31)));
+}
+
+/* fp8_row on AVX-512: 16 values a step, the tile's tail by the table. */
+AVX512 static void fp8_row_avx512(const uint8_t *restrict q, const float *restrict scale, int64_t k, int64_t bn,
+                                  float *restrict out) {
+    for (int64_t c0 = 0, t = 0; c0 < k; c0 += bn, t++) {
+        const float sc = scale[t];
+        const __m512 vsc = _mm512_set1_ps(sc);
+        const int64_t w = k - c0 < bn ? k - c0 : bn;
+        int64_t c = 0;
+        for (; c + 16 <= w; c += 16)
+            _mm512_storeu_ps(out + c0 + c, _mm512_mul_ps(e4m3_16_avx512(_mm_loadu_si128((const __m128i *)(q + c0 + c))),
+                                                         vsc));
+        for (; c < w; c++) out[c0 + c] = kc_e4m3[q[c0 + c]] * sc;
+    }
+}
+#endif
+
+/* One row of k e4m3 codes, `scale` the fp32 scales of its tile row (one each `bn` columns). */
+static inline void fp8_row(const uint8_t *restrict q, const float *restrict scale, int64_t k, int64_t bn,
+                           float *restrict out) {
+#ifdef KC_HAVE_AVX512_ROW
+    if (kc_use_avx512()) {
+        fp8_row_avx512(q, scale, k, bn, out);
+        return;
+    }
+#endif
+    for (int64_t c0 = 0, t = 0; c0 < k; c0 += bn, t++) {
+        const float sc = scale[t];
+        const int64_t w = k - c0 < bn ? k - c0 : bn;
+        for (int64_t c = 0; c < w; c++) out[c0 + c] = kc_e4m3[q[c0 + c]] * sc;
+    }
+}
+
 typedef struct {
-    const uint8_t *packed;
-    const float *scale;
-    int64_t rows, k, groups, ntasks;
+    const uint8_t *packed; /* INT4: k/2 bytes a row; FP8: k codes a row */
+    const float *scale;    /* INT4: `groups` a row; FP8: `groups` a tile row of `bm` rows, one each `bn` columns */
+    int64_t rows, k, groups, bm, bn, ntasks; /* bm = 0: INT4 */
     float s2;       /* ModelOpt's weight_scale_2, or compressed-tensors' global scale g (ct) */
     int ct;         /* compressed-tensors' arithmetic (kc_ct_quant_mt's fp32 rows) */
     uint32_t *amax; /* the amax pass: each task's amax bits (no codes written) */
     uint8_t *out, *scales;
-} kc_int4q_job;
+} kc_rowsq_job;
 
-CLONES static void kc_int4q_rows(const kc_int4q_job *j, int64_t lo, int64_t hi, int64_t t) {
-    const int64_t k = j->k, half = k / j->groups / 2;
-    float *v = malloc(sizeof(float) * (size_t)(k + k / 16 + 1) + (size_t)k);
-    float *denom = v + k;
-    uint8_t *codes = (uint8_t *)(denom + k / 16 + 1);
+CLONES static void kc_rowsq_rows(const kc_rowsq_job *j, int64_t lo, int64_t hi, int64_t t) {
+    const int64_t k = j->k, half = j->bm ? 0 : k / j->groups / 2;
+    float *v = malloc(sizeof(float) * (size_t)(k + 2 * (k / 16 + 16)) + (size_t)k);
+    float *denom = v + k; /* quant_row's k/16 + 1, or quant_row_f32_avx512's 2 * (k/16 + 16) */
+    uint8_t *codes = (uint8_t *)(denom + 2 * (k / 16 + 16));
+#ifdef KC_HAVE_AVX512_ROW
+    const int avx512 = kc_use_avx512();
+#endif
     const float s2 = j->ct || j->s2 > 0.0f ? j->s2 : 1.0f; /* kc_quant_f32's */
     uint32_t m = 0;
     for (int64_t r = lo; r < hi; r++) {
-        int4_row(j->packed + r * (k / 2), j->scale + r * j->groups, k, half, v);
+        if (j->bm)
+            fp8_row(j->packed + r * k, j->scale + (r / j->bm) * j->groups, k, j->bn, v);
+        else
+            int4_row(j->packed + r * (k / 2), j->scale + r * j->groups, k, half, v);
         uint8_t *p = j->out ? j->out + r * (k / 2) : 0, *s = j->scales ? j->scales + r * (k / 16) : 0;
         if (j->amax) {
             const uint32_t *bits = (const uint32_t *)v;
@@ -547,6 +673,12 @@ CLONES static void kc_int4q_rows(const kc_int4q_job *j, int64_t lo, int64_t hi, 
         } else if (j->ct) {
             ct_quant_row(v, k, s2, 0, p, s, denom, codes);
         } else {
+#ifdef KC_HAVE_AVX512_ROW
+            if (avx512) {
+                quant_row_f32_avx512(v, k, s2, p, s, denom);
+                continue;
+            }
+#endif
             quant_row(v, k, s2, p, s, denom, codes);
         }
     }
@@ -554,32 +686,56 @@ CLONES static void kc_int4q_rows(const kc_int4q_job *j, int64_t lo, int64_t hi, 
     free(v);
 }
 
-static void kc_int4q_task(void *ctx, int64_t t) {
-    kc_int4q_job *j = ctx;
+static void kc_rowsq_task(void *ctx, int64_t t) {
+    kc_rowsq_job *j = ctx;
     int64_t a, b;
     kc_range(j->rows, j->ntasks, t, &a, &b);
-    kc_int4q_rows(j, a, b, t);
+    kc_rowsq_rows(j, a, b, t);
+}
+
+/* The amax pass of job j (its `amax` room for one entry a task: 4 a thread, up to 1024 threads), their maximum. */
+static uint32_t kc_rowsq_amax(kc_rowsq_job *j, int32_t threads) {
+    j->ntasks = kc_tasks(j->rows, j->k, threads > 1024 ? 1024 : threads, KC_MIN_SPLIT);
+    if (!j->ntasks) return 0;
+    kc_parallel(kc_rowsq_task, j, j->ntasks, threads);
+    uint32_t m = 0;
+    for (int64_t t = 0; t < j->ntasks; t++) m = j->amax[t] > m ? j->amax[t] : m;
+    return m;
 }
 
 /* The fp32 amax bits of the decoded rows x k weight (`groups` scales a row, each of an even k/groups values):
  * 0x7F800000 where a product overflows fp32 (the caller checked the scales finite), as kc_amax_f32_mt. */
 uint32_t kc_int4_amax_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t k, int64_t groups,
                          int32_t threads) {
-    uint32_t parts[4 * 1024 + 1];
-    kc_int4q_job j = {packed, scale, rows, k, groups, kc_tasks(rows, k, threads > 1024 ? 1024 : threads,
-                                                                KC_MIN_SPLIT), 0.0f, 0, parts, 0, 0};
-    if (!j.ntasks) return 0;
-    kc_parallel(kc_int4q_task, &j, j.ntasks, threads);
-    uint32_t m = 0;
-    for (int64_t t = 0; t < j.ntasks; t++) m = parts[t] > m ? parts[t] : m;
-    return m;
+    uint32_t parts[4 * 1024];
+    kc_rowsq_job j = {packed, scale, rows, k, groups, 0, 0, 0, 0.0f, 0, parts, 0, 0};
+    return kc_rowsq_amax(&j, threads);
 }
 
 /* kc_quant_f32_mt (ct = 0: s2 ModelOpt's weight_scale_2) or kc_ct_quant_mt's fp32 rows (ct = 1: s2 the global
  * scale) of the decoded weight, without it in memory. */
 void kc_int4_quant_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t k, int64_t groups, float s2,
                       int32_t ct, uint8_t *out, uint8_t *scales, int32_t threads) {
-    kc_int4q_job j = {packed, scale, rows, k, groups, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2, ct, 0, out,
+    kc_rowsq_job j = {packed, scale, rows, k, groups, 0, 0, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2, ct, 0, out,
                       scales};
-    kc_parallel(kc_int4q_task, &j, j.ntasks, threads);
+    kc_parallel(kc_rowsq_task, &j, j.ntasks, threads);
+}
+
+/* The fp32 amax bits of a block FP8 weight decoded (codes rows x k, fp32 scales [ceil(rows/bm), ceil(k/bn)]): a
+ * NaN code gives 0x7F800000, as kc_amax_f32_mt (the caller checked the scales, so no product overflows). */
+uint32_t kc_fp8_amax_mt(const uint8_t *codes, const float *scale, int64_t rows, int64_t k, int64_t bm, int64_t bn,
+                        int32_t threads) {
+    pthread_once(&kc_e4m3_once, kc_e4m3_init);
+    uint32_t parts[4 * 1024];
+    kc_rowsq_job j = {codes, scale, rows, k, (k + bn - 1) / bn, bm, bn, 0, 0.0f, 0, parts, 0, 0};
+    return kc_rowsq_amax(&j, threads);
+}
+
+/* kc_int4_quant_mt's of a block FP8 weight. */
+void kc_fp8_quant_mt(const uint8_t *codes, const float *scale, int64_t rows, int64_t k, int64_t bm, int64_t bn,
+                     float s2, int32_t ct, uint8_t *out, uint8_t *scales, int32_t threads) {
+    pthread_once(&kc_e4m3_once, kc_e4m3_init);
+    kc_rowsq_job j = {codes, scale, rows, k, (k + bn - 1) / bn, bm, bn, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2,
+                      ct, 0, out, scales};
+    kc_parallel(kc_rowsq_task, &j, j.ntasks, threads);
 }
