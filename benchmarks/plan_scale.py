@@ -9,7 +9,8 @@ command in a child process, its output to a file, and reports wall and CPU (user
 child's peak RSS (wait4), the best of --runs. --src runs the code of another checkout (a `git worktree` of
 an older commit) for a before/after table; --compare checks each output against a file (byte for byte).
 The load average is printed: on a shared machine, wall seconds follow the other users' load. --stages
-prints where the CPU time goes instead (in this process).
+prints where the CPU time goes instead (in this process). --finish measures what a pack's finish adds to its
+peak (the index and manifest.json written, in a child process: --src's code or this one's) over the plan's.
 """
 
 from __future__ import annotations
@@ -105,6 +106,58 @@ def stages(src: Path) -> None:
         print(f"| {name} | {sec:.2f} |")
 
 
+FINISH = r"""
+import gc, hashlib, sys, tempfile, time
+from pathlib import Path
+import kimi_convert.plan as P
+from kimi_convert import atomic, configs, manifest as M
+from kimi_convert.checkpoint import open_checkpoint
+from kimi_convert.mapping import find_mapping
+
+def rss():
+    d = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(d["VmRSS"].split()[0]) * 1e3, int(d["VmHWM"].split()[0]) * 1e3
+
+def reset():
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) from here
+        f.write("5")
+
+gc.disable()  # as the pack runs
+ckpt = open_checkpoint(Path(sys.argv[1]))
+plan = P.make_plan(ckpt, find_mapping(ckpt.config), P.Options(), banked=True)
+base = rss()[1]
+print(f"| plan (banked) | | {base / 1e9:.2f} GB | |")
+with tempfile.TemporaryDirectory(dir=sys.argv[2]) as tmp:
+    reset()
+    t0 = time.process_time()
+    out = Path(tmp) / "model.safetensors.index.json"
+    if hasattr(configs, "index_chunks"):
+        atomic.write_atomic_chunks(out, configs.index_chunks(plan, spill=Path(tmp)))
+    else:
+        atomic.write_atomic(out, configs.index_text(plan).encode())
+    peak = rss()[1]
+    with open(out, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    print(f"| the index written | {out.stat().st_size / 1e6:.1f} MB (sha256 {digest}) | {peak / 1e9:.2f} GB "
+          f"(+{(peak - base) / 1e9:.2f}) | {time.process_time() - t0:.1f} |")
+    reset()
+    t0 = time.process_time()
+    sh = {s.file: (s.size, "0" * 64) for s in plan.shard_sizes()}
+    rec = {f: M.RecordsFile(M.records_name(f), 1, "0" * 64, 1) for f in sh}
+    man = M.build(plan, "0" * 64, {f: "0" * 64 for f, _ in plan.inputs}, sh, rec, [], [])
+    atomic.write_json_atomic(Path(tmp) / "manifest.json", man, compact_lists=("engine_groups",))
+    size = (Path(tmp) / "manifest.json").stat().st_size
+    print(f"| manifest.json built and written (placeholder hashes) | {size / 1e6:.1f} MB | {rss()[1] / 1e9:.2f} GB "
+          f"(+{(rss()[1] - base) / 1e9:.2f}) | {time.process_time() - t0:.1f} |")
+"""
+
+
+def finish(src: Path, env: dict, work: Path) -> None:
+    """What writing the index and the manifest adds to the peak over the banked plan's (VmHWM reset before each)."""
+    print("| step | output | peak RSS | CPU s |\n|---|---|---|---|", flush=True)
+    subprocess.run([sys.executable, "-c", FINISH, str(src), str(work)], env=env, check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/kimi-convert-bench/k3-full-sparse")
@@ -115,6 +168,7 @@ def main() -> None:
                     help="a file per command ('-': none): its output must be the same")
     ap.add_argument("--keep", help="folder for the outputs (default: a temporary one)")
     ap.add_argument("--stages", action="store_true", help="CPU seconds per stage, in this process (this checkout)")
+    ap.add_argument("--finish", action="store_true", help="the peak the index and manifest.json add (--src's code)")
     a = ap.parse_args()
     src = Path(a.dir)
     if not (src / "config.json").exists():
@@ -138,6 +192,9 @@ def main() -> None:
                                "print(os.path.dirname(os.path.realpath(p.__file__)))"],
                               env=env, capture_output=True, text=True).stdout.strip()
         print(f"code: {code}; load average {os.getloadavg()[0]:.2f}\n")
+        if a.finish:
+            finish(src, env, src.parent)
+            return
         print("| command | output | wall s | CPU s (user + sys) | peak RSS | same output |")
         print("|---|---|---|---|---|---|")
         for i, name in enumerate(a.commands):

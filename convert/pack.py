@@ -113,9 +113,9 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
     ckpt, plan = start.plan(source, opts)  # plan
     command = command or f"kimi-convert pack {source.name} {output_dir} --resume"
     executor = _executor(cluster, staging, hub, output_dir, device, workers, streams, start)
-    staging.check_plan(plan.iter_units(), resume, lambda: [j.units for jobs in jobs_by_wave(
+    staging.check_plan(plan.iter_units(), resume, lambda: (j.units for jobs in jobs_by_wave(  # a wave at a time
         ckpt, plan, list(plan.shard_sizes()), executor.slots, output_dir, start.tuning.wave_units,
-        hash_inputs=False) for j in jobs])
+        hash_inputs=False) for j in jobs))
     with OutputFolder.claim(output_dir) as out:  # claim the output folder
         if not out.open(source, plan, overwrite, resume, command, hub is not None):
             up = _publish(hub, output_dir, {}, set()) if hub else None

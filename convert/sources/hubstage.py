@@ -120,9 +120,10 @@ class HubStaging:
             return (command or f"kimi-convert pack {spec} {output_dir} --resume").replace(str(spec), self.hub.name, 1)
         return command
 
-    def check_plan(self, units: list, resume: bool, task_units: Callable[[], list[list]] | None) -> None:
+    def check_plan(self, units: list, resume: bool, task_units: Callable[[], Iterator[list]] | None) -> None:
         """The bound checked before the output exists (a resume: at ``start``, against what is left); with
-        --ray, each task's bound against its job."""
+        --ray, each task's bound against its job (``task_units``: each job's units, a wave's part of the plan made
+        at a time, never the whole plan's units at once)."""
         if resume:
             return
         if not self.ray:

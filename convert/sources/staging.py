@@ -41,7 +41,7 @@ class Staging(Protocol):
 
     def command(self, command: str | None, spec: object, output_dir: Path) -> str | None: ...
 
-    def check_plan(self, units: list, resume: bool, task_units: Callable[[], list[list]] | None) -> None: ...
+    def check_plan(self, units: list, resume: bool, task_units: Callable[[], Iterator[list]] | None) -> None: ...
 
     def start(self, units: list, todo: list, output_dir: Path, stop: threading.Event, started: bool) -> Source: ...
 
@@ -74,7 +74,7 @@ class LocalStaging:
     def command(self, command: str | None, spec: object, output_dir: Path) -> str | None:
         return command
 
-    def check_plan(self, units: list, resume: bool, task_units: Callable[[], list[list]] | None) -> None:
+    def check_plan(self, units: list, resume: bool, task_units: Callable[[], Iterator[list]] | None) -> None:
         return None
 
     def start(self, units: list, todo: list, output_dir: Path, stop: threading.Event, started: bool) -> Source:
