@@ -111,38 +111,11 @@ def _int4(s: SourceTensor) -> bool:
         and not s.shape[1] % groups and not (s.shape[1] // groups) % 2
 
 
-def _e4m3_values() -> np.ndarray:
-    """fp32 value of each e4m3 byte (``float8_e4m3fn``: no infinities, S.1111.111 is NaN)."""
-    b = np.arange(256, dtype=np.uint32)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    exp, man = (b >> 3) & 0xF, (b & 7).astype(np.float64)
-    mag = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp.astype(np.float64) - 7))
-    out = (sign * mag).astype(np.float32)
-    out[(b & 0x7F) == 0x7F] = np.nan
-    return out
-
-
-E4M3 = _e4m3_values()
-
-
 def _as_f32(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """A stored F32 or BF16 tensor's values as fp32 (bf16 widened: exact)."""
     if dtype == "F32":
         return raw.view(np.float32).reshape(shape)
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-
-
-def decode_fp8_block(s: SourceTensor, reader: TensorSource, block: tuple[int, int]) -> np.ndarray:
-    """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``, one IEEE multiply a value, as
-    ``kernels.encodings.decode_fp8_block`` (the bytes: tests/test_early.py)."""
-    w = s.parts[0]
-    m, n = s.shape
-    bm, bn = block
-    out = E4M3[reader.raw(w)].reshape(m, n)
-    scale = fp8_scales(s, reader)
-    for i in range(scale.shape[0]):
-        out[i * bm:(i + 1) * bm] *= np.repeat(scale[i], bn)[:n]
-    return out
 
 
 def fp8_scales(s: SourceTensor, reader: TensorSource) -> np.ndarray:
@@ -303,14 +276,17 @@ class CUnit(Results):
 
     def decoded(self, it: Item) -> None:
         """A kept linear layer stored FP8 (``Operation.DECODE``: the C row of ``steps`` takes only these), each
-        source decoded to fp32 (``decode_fp8_block``) and rounded to bf16 as torch rounds on the CPU (``to_bf16``),
-        into the unit's pool buffer: ``compute.TorchUnit.decoded``'s bytes and note."""
+        source decoded (``kernels.encodings.decode_fp8_block``'s values) and rounded to bf16 as torch rounds on the CPU
+        a row at a time by ``kc_fp8_decode_bf16_mt``, into the unit's pool buffer: ``compute.TorchUnit.decoded``'s bytes
+        and note."""
         chunks = []
         for s in it.sources:
-            v = decode_fp8_block(s, self.reader, self.block).reshape(-1)
-            out = self.carve(2 * v.size).view(np.uint16)
-            to_bf16(v, out)
-            chunks.append(out.view(np.uint8))
+            scale, codes = fp8_scales(s, self.reader), np.asarray(self.reader.raw(s.parts[0]))
+            m, k = s.shape
+            out = self.carve(2 * m * k)
+            clib.fp8_decode_bf16(self.lib, codes.ctypes.data, scale.ctypes.data, m, k, self.block, out.ctypes.data,
+                                 self.threads)
+            chunks.append(out)
         self.res.outputs[it.outputs[0].name] = Output(chunks)
         self.res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
 
@@ -370,17 +346,6 @@ class EarlyCompute:
             pool.put(arena.buf)
             raise
         return res, arena.buf
-
-
-def to_bf16(x: np.ndarray, out: np.ndarray) -> None:
-    """fp32 values ``x`` into ``out`` (uint16) as bf16, rounded to nearest even, as torch's CPU
-    ``Tensor.to(torch.bfloat16)`` (a NaN of either sign becomes 0xFFFF there: ATen's vectorized
-    ``cvtfp32_bf16``; tests/test_early.py holds the bytes to torch's)."""
-    b = x.view(np.uint32)
-    out[:] = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = 0xFFFF
 
 
 def flat_bytes(a) -> np.ndarray:

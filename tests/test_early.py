@@ -162,18 +162,23 @@ def test_each_kept_fp8_unit_is_decoded_here_as_compute_unit(v32_fp8_ckpt):
     assert {s.encoding for u in decoded for it in u.items for s in it.sources} == {"fp8_block"}
 
 
-def test_to_bf16_rounds_as_torch_on_the_cpu():
-    """Every class of fp32 value (ties to even both ways, subnormals, the largest finite, infinities, NaNs of
-    either sign and payload) gives torch's CPU bf16 bits."""
+def test_fp8_decoded_to_bf16_rounds_as_torch_on_the_cpu():
+    """``kc_fp8_decode_bf16_mt`` (a kept FP8 layer written BF16) rounds as torch's CPU ``to(torch.bfloat16)``:
+    every class of fp32 value (ties to even both ways, subnormals, the largest finite, infinities, NaNs of either
+    sign and payload), each made by the e4m3 code of 1.0 times a 1 x 1 tile's scale (one exact multiply)."""
+    from kimi_convert.kernels import clib
+
     rng = np.random.default_rng(0)
     bits = np.concatenate([rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32),
                            np.array([0x3F808000, 0x3F818000, 0x3F807FFF, 0x00008000, 0x80018000, 0x7F7FFFFF,
                                      0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001,
                                      0, 0x80000000], dtype=np.uint32)])
-    x = bits.view(np.float32)
-    out = np.empty(x.size, dtype=np.uint16)
-    compute_early.to_bf16(x, out)
-    assert np.array_equal(out, torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    x = bits.view(np.float32).reshape(2, -1)
+    codes = np.full(x.shape, 0x38, dtype=np.uint8)  # e4m3 1.0
+    out = np.empty(x.shape, dtype=np.uint16)
+    clib.fp8_decode_bf16(clib.load(), codes.ctypes.data, x.ctypes.data, *x.shape, (1, 1), out.ctypes.data, 2)
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(out, want)
 
 
 def _int4_edges(tensors: dict[str, torch.Tensor]) -> None:

@@ -119,6 +119,8 @@ def load() -> ctypes.CDLL | None:
     lib.kc_fp8_amax_mt.restype = ctypes.c_uint32
     lib.kc_fp8_quant_mt.argtypes = [p, p, i64, i64, i64, i64, f32, i32, p, p, i32]
     lib.kc_fp8_quant_mt.restype = None
+    lib.kc_fp8_decode_bf16_mt.argtypes = [p, p, i64, i64, i64, i64, p, i32]
+    lib.kc_fp8_decode_bf16_mt.restype = None
     lib.kc_nvfp4_avx512.argtypes = []
     lib.kc_nvfp4_avx512.restype = ctypes.c_int
     set_pool_types(lib)
@@ -213,3 +215,10 @@ def fp8_quant(lib: ctypes.CDLL, codes: int, scale: int, m: int, k: int, block: t
               out: int, scales: int, threads: int) -> None:
     """:func:`quant` (``ct``: :func:`ct_quant`) of the same weight's fp32 values, decoded a row at a time."""
     lib.kc_fp8_quant_mt(codes, scale, m, k, block[0], block[1], s2, int(ct), out, scales, threads)
+
+
+def fp8_decode_bf16(lib: ctypes.CDLL, codes: int, scale: int, m: int, k: int, block: tuple[int, int], out: int,
+                    threads: int) -> None:
+    """The same weight's values rounded to bf16 as torch's CPU ``to(torch.bfloat16)`` (a NaN
+    0xFFFF), into ``out`` [m, k] (uint16), decoded a row at a time."""
+    lib.kc_fp8_decode_bf16_mt(codes, scale, m, k, block[0], block[1], out, threads)

@@ -578,7 +578,7 @@ static inline void int4_row(const uint8_t *restrict packed, const float *restric
     }
 }
 
-/* fp32 value of each float8_e4m3fn byte (no infinities; S.1111.111 is NaN): compute_early._e4m3_values */
+/* fp32 value of each float8_e4m3fn byte (no infinities; S.1111.111 is NaN), as torch's float8_e4m3fn.float() */
 static float kc_e4m3[256];
 static pthread_once_t kc_e4m3_once = PTHREAD_ONCE_INIT;
 
@@ -646,7 +646,15 @@ typedef struct {
     int ct;         /* compressed-tensors' arithmetic (kc_ct_quant_mt's fp32 rows) */
     uint32_t *amax; /* the amax pass: each task's amax bits (no codes written) */
     uint8_t *out, *scales;
+    uint16_t *bf16; /* the decode pass: the values rounded to bf16 (no amax, no codes) */
 } kc_rowsq_job;
+
+/* fp32 -> bf16 bits, rounded to nearest even, a NaN of either sign 0xFFFF: torch's CPU Tensor.to(torch.bfloat16)
+ * (ATen's vectorized cvtfp32_bf16; tests/test_early.py holds the bytes to torch's). */
+static inline uint16_t bf16_bits_torch(float f) {
+    const uint32_t u = bits_of_f32(f);
+    return f != f ? 0xFFFFu : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 CLONES static void kc_rowsq_rows(const kc_rowsq_job *j, int64_t lo, int64_t hi, int64_t t) {
     const int64_t k = j->k, half = j->bm ? 0 : k / j->groups / 2;
@@ -664,7 +672,9 @@ CLONES static void kc_rowsq_rows(const kc_rowsq_job *j, int64_t lo, int64_t hi, 
         else
             int4_row(j->packed + r * (k / 2), j->scale + r * j->groups, k, half, v);
         uint8_t *p = j->out ? j->out + r * (k / 2) : 0, *s = j->scales ? j->scales + r * (k / 16) : 0;
-        if (j->amax) {
+        if (j->bf16) {
+            for (int64_t c = 0; c < k; c++) j->bf16[r * k + c] = bf16_bits_torch(v[c]);
+        } else if (j->amax) {
             const uint32_t *bits = (const uint32_t *)v;
             for (int64_t c = 0; c < k; c++) {
                 uint32_t a = bits[c] & 0x7FFFFFFFu;
@@ -708,7 +718,7 @@ static uint32_t kc_rowsq_amax(kc_rowsq_job *j, int32_t threads) {
 uint32_t kc_int4_amax_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t k, int64_t groups,
                          int32_t threads) {
     uint32_t parts[4 * 1024];
-    kc_rowsq_job j = {packed, scale, rows, k, groups, 0, 0, 0, 0.0f, 0, parts, 0, 0};
+    kc_rowsq_job j = {packed, scale, rows, k, groups, 0, 0, 0, 0.0f, 0, parts, 0, 0, 0};
     return kc_rowsq_amax(&j, threads);
 }
 
@@ -717,7 +727,7 @@ uint32_t kc_int4_amax_mt(const uint8_t *packed, const float *scale, int64_t rows
 void kc_int4_quant_mt(const uint8_t *packed, const float *scale, int64_t rows, int64_t k, int64_t groups, float s2,
                       int32_t ct, uint8_t *out, uint8_t *scales, int32_t threads) {
     kc_rowsq_job j = {packed, scale, rows, k, groups, 0, 0, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2, ct, 0, out,
-                      scales};
+                      scales, 0};
     kc_parallel(kc_rowsq_task, &j, j.ntasks, threads);
 }
 
@@ -727,7 +737,7 @@ uint32_t kc_fp8_amax_mt(const uint8_t *codes, const float *scale, int64_t rows, 
                         int32_t threads) {
     pthread_once(&kc_e4m3_once, kc_e4m3_init);
     uint32_t parts[4 * 1024];
-    kc_rowsq_job j = {codes, scale, rows, k, (k + bn - 1) / bn, bm, bn, 0, 0.0f, 0, parts, 0, 0};
+    kc_rowsq_job j = {codes, scale, rows, k, (k + bn - 1) / bn, bm, bn, 0, 0.0f, 0, parts, 0, 0, 0};
     return kc_rowsq_amax(&j, threads);
 }
 
@@ -736,6 +746,16 @@ void kc_fp8_quant_mt(const uint8_t *codes, const float *scale, int64_t rows, int
                      float s2, int32_t ct, uint8_t *out, uint8_t *scales, int32_t threads) {
     pthread_once(&kc_e4m3_once, kc_e4m3_init);
     kc_rowsq_job j = {codes, scale, rows, k, (k + bn - 1) / bn, bm, bn, kc_tasks(rows, k, threads, KC_MIN_SPLIT), s2,
-                      ct, 0, out, scales};
+                      ct, 0, out, scales, 0};
+    kc_parallel(kc_rowsq_task, &j, j.ntasks, threads);
+}
+
+/* A block FP8 weight decoded and rounded to bf16 as torch rounds on the CPU (a kept layer stored FP8), into `out`
+ * (rows x k), a row at a time: the fp32 weight never in memory. */
+void kc_fp8_decode_bf16_mt(const uint8_t *codes, const float *scale, int64_t rows, int64_t k, int64_t bm, int64_t bn,
+                           uint16_t *out, int32_t threads) {
+    pthread_once(&kc_e4m3_once, kc_e4m3_init);
+    kc_rowsq_job j = {codes, scale, rows, k, (k + bn - 1) / bn, bm, bn, kc_tasks(rows, k, threads, KC_MIN_SPLIT), 0.0f,
+                      0, 0, 0, 0, out};
     kc_parallel(kc_rowsq_task, &j, j.ntasks, threads);
 }
