@@ -472,11 +472,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-free", default="3GB", help="stop the pack if the filesystem's free space falls below")
     ap.add_argument("--stop-after", type=float, help="stop the pack after this many seconds and report what it did "
                     "until then (the memory of the whole release's run without its two hours)")
+    ap.add_argument("--replot", metavar="NAME", help="draw NAME.png again from NAME.json and NAME-samples.csv (a run "
+                    "made where matplotlib was not installed), and nothing else")
     return ap.parse_args(argv)
+
+
+def replot(name: str) -> None:
+    """NAME.png from the files a run wrote (its shards from NAME.json, its samples from NAME-samples.csv)."""
+    from types import SimpleNamespace
+
+    rows = json.loads((RESULTS / f"{name}.json").read_text())["per_shard"]
+    with open(RESULTS / f"{name}-samples.csv", newline="") as f:
+        samples = [SimpleNamespace(t=float(r["t_s"]), rss=int(r["rss_tree_bytes"]), disk=int(r["local_disk_bytes"]))
+                   for r in csv.DictReader(f)]
+    if not _plot(RESULTS / f"{name}.png", rows, SimpleNamespace(samples=samples)):
+        sys.exit("matplotlib is not installed: pip install matplotlib")
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    if a.replot:
+        replot(a.replot)
+        return {}
     if a.reference is not None and a.kill_seed is None:
         sys.exit("--reference compares a killed and resumed run: give --kill-seed")
     a.work = a.work or a.full.parent / f"work-{a.input}-{a.shards}"
