@@ -18,18 +18,7 @@ PARTIAL = ".partial"
 
 def write_atomic(path: Path, data: bytes, fault: str | None = None) -> None:
     """``fault``: the fault-injection point hit half-way (``convert/faults.py``), for the kill tests."""
-    tmp = path.with_name(path.name + PARTIAL)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data[: len(data) // 2])
-            if fault:
-                faults.point(fault)
-            f.write(data[len(data) // 2 :])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ConvertError(f"{tmp}: cannot write: {e.strerror or e}") from None
+    write_atomic_chunks(path, (data[: len(data) // 2], data[len(data) // 2 :]), fault)
 
 
 def write_atomic_chunks(path: Path, chunks: Iterable[bytes], fault: str | None = None) -> None:

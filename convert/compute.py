@@ -17,8 +17,7 @@ from kimi_convert.kernels import Backend, outputs
 from kimi_convert.kernels.outputs import Arena
 
 from . import encodings, steps
-from .compute_early import Chunk, Output, Results, UnitResult
-from .errors import ConvertError
+from .compute_early import Chunk, Output, Results, UnitResult, not_finite
 from .plan import Encoding, Item, SourceTensor, Unit
 from .readers import TensorSource
 
@@ -87,7 +86,7 @@ class TorchUnit(Results):
         """fp32 amax of ``v`` (``src``'s values); a NaN or an Inf refused, naming the tensor."""
         a = self.backend.amax(v)
         if not bool(torch.isfinite(a)):
-            raise ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
+            raise not_finite(src)
         return a
 
     @staticmethod

@@ -147,10 +147,25 @@ class Stored:
         """fp32 amax of the values; a NaN or an Inf refused in the torch code's words."""
         n = self.buf.nbytes // _ITEMSIZE[self.dtype]
         bits = clib.amax_bits(self.lib, self.buf.ctypes.data, n, self.dtype == "F32", self.threads)
-        a = float(np.array(bits, dtype=np.uint32).view(np.float32))
-        if not math.isfinite(a):
-            raise ConvertError(f"{self.src.file}: tensor {self.src.name}: holds NaN or Inf; refusing to quantize it")
-        return a
+        return finite_amax(self.src, bits)
+
+
+def amax_of(bits: int) -> float:
+    """The fp32 amax whose bits a kernel returned."""
+    return float(np.array(bits, dtype=np.uint32).view(np.float32))
+
+
+def finite_amax(src: SourceTensor, bits: int) -> float:
+    """``amax_of(bits)``, refused where it is NaN or Inf (``not_finite``)."""
+    a = amax_of(bits)
+    if not math.isfinite(a):
+        raise not_finite(src)
+    return a
+
+
+def not_finite(src: SourceTensor) -> ConvertError:
+    """The one-line refusal of a weight holding a NaN or an Inf, both backends' words."""
+    return ConvertError(f"{src.file}: tensor {src.name}: holds NaN or Inf; refusing to quantize it")
 
 
 @dataclass
@@ -188,8 +203,7 @@ def int4_rows(s: SourceTensor, reader: TensorSource, lib: ctypes.CDLL, threads: 
         raise refused(scale, INT4_SCALE_NOT_FINITE)
     n, k = s.shape
     codes, groups = np.asarray(reader.raw(packed)), scale.shape[1]
-    bits = clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, groups, threads)
-    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    amax = amax_of(clib.int4_amax_bits(lib, codes.ctypes.data, sc.ctypes.data, n, k, groups, threads))
     if not math.isfinite(amax):
         raise refused(scale, INT4_OVERFLOW)
     return Int4Rows(codes, sc, groups, amax)
@@ -224,10 +238,7 @@ def fp8_rows(s: SourceTensor, reader: TensorSource, block: tuple[int, int], lib:
     codes = np.asarray(reader.raw(s.parts[0]))
     m, k = s.shape
     bits = clib.fp8_amax_bits(lib, codes.ctypes.data, scale.ctypes.data, m, k, block, threads)
-    amax = float(np.array(bits, dtype=np.uint32).view(np.float32))
-    if not math.isfinite(amax):
-        raise ConvertError(f"{s.file}: tensor {s.name}: holds NaN or Inf; refusing to quantize it")
-    return Fp8Rows(codes, scale, block, amax)
+    return Fp8Rows(codes, scale, block, finite_amax(s, bits))
 
 
 class Results:
