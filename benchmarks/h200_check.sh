@@ -12,7 +12,8 @@
 #   k3-cpu    NVIDIA's converter on the CPUs (--jobs $NVIDIA_CPU_JOBS) against pack --device cpu
 #   ct-auto   --device auto against cpu and cuda on a 10 GB one-file Qwen3 MoE (synth bench-qwen3-moe --layers 8
 #             --shards 1), --recipe ct-nvfp4-a16, as k3-auto
-#   k25-auto  as k3-auto on synth bench-kimi-k25 (2.1 GB: INT4 pack-quantized experts, the default recipe)
+#   k25-auto  as k3-auto on synth bench-kimi-k25 (2.1 GB: INT4 pack-quantized experts, the default recipe; K25_LAYERS
+#             sets its layer count: 8 is 1 dense + 7 MoE layers, about 5.5 GB)
 #   dsv4-auto as k3-auto on synth bench-deepseek-v4 (1.9 GB, MXFP4 experts), recipe nvidia-dsv4 (the MXFP4 -> NVFP4
 #             cast)
 #   ct-gpu    the same input: pack --device auto and cpu against llm-compressor's model_free_ptq on device="cuda"
@@ -35,7 +36,7 @@ PY=${PY:-python3}
 DEADLINE=${DEADLINE:-560}
 ROUNDS=${ROUNDS:-3}
 GPU=cuda; K3=(bench-k3-shards --jobs 8); CT=(bench-qwen3-moe --layers 8 --shards 1); KL=(bench-kimi-linear)
-K25=(bench-kimi-k25 --jobs 8); DSV4=(bench-deepseek-v4 --jobs 8)
+K25=(bench-kimi-k25 --jobs 8 ${K25_LAYERS:+--layers $K25_LAYERS}); DSV4=(bench-deepseek-v4 --jobs 8)
 if [ -n "${DRY:-}" ]; then GPU=reference; K3=(tiny-k3); CT=(tiny-qwen3-moe --shards 1); KL=(tiny-kimi-linear)
   K25=(tiny-kimi-k25); DSV4=(tiny-deepseek-v4); fi
 mkdir -p "$OUT" "$L"
