@@ -5,6 +5,7 @@ uploaded object's sha256 and size and keeps no bytes.
 
     python benchmarks/whole_release.py [--shards N] [--input local|hub] [--max-scratch SIZE] [--kill-seed S]
                                        [--full DIR] [--work DIR] [--name NAME] [--sample S] [--stop-after S]
+                                       [--reference NAME.json] [--baseline NAME.json]
 
 - ``--shards N``: the first N of the 96 shards (default all), laid out as the release: shards 1..N-1 are the
   release's files (hard links), shard N is cut at the last layer it holds whole (its header rewritten without
@@ -23,7 +24,10 @@ uploaded object's sha256 and size and keeps no bytes.
 - ``--reference NAME.json`` (with ``--kill-seed``): the whole release packed twice is two runs of about two hours
   each, so the uninterrupted run writes every file's sha256 into its ``NAME.json`` (``tree_sha256``) and a later
   run given it packs only the killed and resumed leg and compares its tree with that one (same input, same code:
-  the JSON's command and the results' commit say which).
+  the JSON's command and the results' commit say which). Each leg's peak RSS and local disk are reported too,
+  so that this one run also gives the memory of the whole release.
+- ``--baseline NAME.json``: a smaller input's run (``--shards 2``: the release's first 21.7 GB) whose peak RSS is the
+  base of issue 43's bound: this run's peak (either leg's) over it, sampled and ``ru_maxrss``.
 
 Measured from outside the pack, every ``--sample`` seconds: the RSS summed over the pack's process tree, its CPU
 time (user + system, children included), and the local disk it holds (blocks allocated under OUTPUT and the
@@ -350,6 +354,18 @@ def figures(run: Run, rows: list[dict], input_bytes: int, out: Path, release_byt
     return f
 
 
+def over_baseline(base: dict, result: dict, where: str) -> dict:
+    """This run's peak RSS (sampled, and the pack's own ``ru_maxrss``; a killed and resumed run's: either leg's)
+    over a smaller input's (``--baseline``)."""
+    kr = result.get("kill_and_resume") or {}
+    sampled = max(result.get("peak_rss_tree", 0), kr.get("killed_peak_rss_tree", 0), kr.get("resume_peak_rss_tree", 0))
+    own = max(result.get("pack_maxrss", 0), kr.get("killed_pack_maxrss", 0), kr.get("resume_pack_maxrss", 0))
+    return {"baseline": where, "baseline_input_bytes": base["input_bytes"],
+            "baseline_peak_rss_tree": base["peak_rss_tree"], "baseline_pack_maxrss": base["pack_maxrss"],
+            "rss_peak_over_baseline": round(sampled / base["peak_rss_tree"], 3),
+            "maxrss_over_baseline": round(own / base["pack_maxrss"], 3)}
+
+
 def write_report(name: str, result: dict, rows: list[dict], run: Run, cmd: str) -> list[Path]:
     """NAME.json, NAME.md, NAME.csv, NAME.png (matplotlib permitting) in benchmarks/results/."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -437,13 +453,17 @@ def kill_and_resume(leg: Leg, ref: dict[str, str], ref_rows: list[dict], ref_fin
     first = leg.pack(out, repo, kill_when)
     leg.hub.wait_idle()
     r = {"seed": seed, "killed_after_shards": j, "delay_s": delay, "killed_at_s": first.killed_at,
-         "killed_code": first.code, "shards_on_hub_at_kill": len(seen)}
+         "killed_code": first.code, "shards_on_hub_at_kill": len(seen),
+         "killed_peak_rss_tree": max((s.rss for s in first.samples), default=0), "killed_pack_maxrss": first.maxrss,
+         "killed_peak_local_disk": max((s.disk for s in first.samples), default=0)}
     if first.killed_at is not None:  # (a kill point in the finish may come after the pack ended: not resumed)
         cmd = shlex.split(json.loads((out / ".kimi-convert-pack.json").read_text())["command"])
         assert cmd[:2] == ["kimi-convert", "pack"], cmd
         resumed = leg.pack(out, repo, cmd=[sys.executable, "-m", "kimi_convert.cli", *cmd[1:], "--token", TOKEN])
         r |= {"resume_code": resumed.code, "resume_wall_s": resumed.wall_s, "resume_command": shlex.join(cmd),
-              "resume_peak_rss_tree": max((s.rss for s in resumed.samples), default=0)}
+              "resume_peak_rss_tree": max((s.rss for s in resumed.samples), default=0),
+              "resume_pack_maxrss": resumed.maxrss,
+              "resume_peak_local_disk": max((s.disk for s in resumed.samples), default=0)}
     got = leg.hub.tree_sha256(repo) if repo in leg.hub.repos else {}
     sent = [oid for oid, _ in leg.hub.received[mark:]]
     return {**r,
@@ -465,6 +485,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reference", type=Path, help="an earlier uninterrupted run's NAME.json (same input, "
                     "same code): only the killed and resumed pack runs, its tree compared with that run's "
                     "(with --kill-seed)")
+    ap.add_argument("--baseline", type=Path, help="a smaller input's run (its NAME.json, such as --shards 2's: "
+                    "the release's first 21.7 GB): its peak RSS is the base of issue 43's bound (1.2x)")
     ap.add_argument("--full", type=Path, default=Path("/tmp/kimi-convert-whole-release/k3-full"))
     ap.add_argument("--work", type=Path, help="default: beside --full")
     ap.add_argument("--name", help="the results' file name (default whole-release-INPUT-NSHARDS)")
@@ -549,6 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _report(a: argparse.Namespace, argv: list[str] | None, result: dict, rows: list[dict], run: Run) -> dict:
     cmd = shlex.join(["python", "benchmarks/whole_release.py", *(argv if argv is not None else sys.argv[1:])])
+    if a.baseline is not None:
+        result |= over_baseline(json.loads(a.baseline.read_text()), result, str(a.baseline))
     result["command"] = cmd
     name = a.name or f"whole-release-{a.input}-{a.shards}"
     written = write_report(name, result, rows, run, cmd)

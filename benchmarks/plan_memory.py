@@ -1,0 +1,75 @@
+"""What the input's table and the pack's plan leave resident at the released K3's scale (issue 43): the anonymous
+memory (RssAnon) a process holds after ``open_checkpoint`` and after the pack's banked plan, each in a fresh child,
+after a garbage collection. This, not the plan's transient peak (``plan_scale.py``), is what a pack carries through
+its two hours beside its buffers.
+
+    python benchmarks/plan_memory.py [--dir DIR] [--src CHECKOUT ...]
+
+DIR: ``kimi-convert synth k3-full-sparse DIR`` (497,220 tensors in 96 sparse shards). ``--src``: other checkouts'
+code (``git worktree add /tmp/before COMMIT``), run the same way, one row each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r"""
+import gc, json, sys, time
+from pathlib import Path
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) * 1024
+import kimi_convert, kimi_convert.cli  # the pack's imports first: they are not the table's
+from kimi_convert.checkpoint import open_checkpoint
+from kimi_convert.pack import load_plan
+from kimi_convert.plan import Options
+what, src = sys.argv[1], Path(sys.argv[2])
+a0, t = anon(), time.perf_counter()
+if what == "open":
+    kept = open_checkpoint(src)
+else:
+    kept = load_plan(src, Options(), banked=True)
+gc.collect()
+print(json.dumps({"code": kimi_convert.__file__, "seconds": round(time.perf_counter() - t, 2),
+                  "anon_added": anon() - a0, "tensors": len((kept if what == "open" else kept[0]).tensors)}))
+"""
+
+
+def measure(what: str, src: Path, pythonpath: str | None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    out = subprocess.run([sys.executable, "-c", CHILD, what, str(src)], env=env, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/kimi-convert-bench/k3-full-sparse"))
+    ap.add_argument("--src", nargs="*", default=[], help="other checkouts, one row each")
+    a = ap.parse_args()
+    if not (a.dir / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "kimi_convert.cli", "synth", "k3-full-sparse", str(a.dir)], check=True)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from plan_scale import package_from
+
+    print("| code | open_checkpoint: resident after | s | banked plan: resident after | s | tensors |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, src in enumerate([None, *a.src]):
+            path = str(package_from(Path(src), Path(tmp) / str(k))) if src else None
+            o, p = measure("open", a.dir, path), measure("plan", a.dir, path)
+            print(f"| {src or 'this checkout'} | {o['anon_added'] / 1e6:.0f} MB | {o['seconds']} | "
+                  f"{p['anon_added'] / 1e6:.0f} MB | {p['seconds']} | {o['tensors']} |")
+
+
+if __name__ == "__main__":
+    main()
