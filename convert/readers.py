@@ -207,6 +207,13 @@ class BufferPool:
             bufs = list(self._pinned.values())
         self._release(bufs)
 
+    def clear(self) -> None:
+        """Let every free buffer go (the end of a wave): the next wave's pool starts empty, and this one's up to
+        ``limit`` bytes are freed now, not when a full collection reaches whatever still refers to the pool."""
+        with self._lock:
+            bufs, self._free = self._free, []
+        self._release(bufs)
+
     def get(self, n: int) -> np.ndarray:
         import numpy as np
 

@@ -199,6 +199,34 @@ def test_pool_page_locks_its_own_buffers_and_unlocks_each_before_letting_it_go()
     assert locked == {}
 
 
+def test_a_closed_runs_memory_lets_its_free_buffers_go_at_once():
+    """The end of a wave: the pool's free buffers are dropped (each unlocked first) at ``Memory.close``, not kept
+    until something collects the pool: two waves' pools at once were the whole release's memory peaks (issue 43)."""
+    import gc
+    import threading
+    import weakref
+
+    from kimi_convert.pipeline.budgets import Memory
+    from kimi_convert.tuning import Tuning
+
+    locked: dict[int, int] = {}
+    mem = Memory([], 2, threading.Event(), Tuning())
+    mem.buffers.pin_with(lambda b: locked.setdefault(b.ctypes.data, b.nbytes) is not None,
+                         lambda b: locked.pop(b.ctypes.data))
+    bufs = [mem.buffers.get(1 << 20) for _ in range(3)]
+    for b in bufs:
+        mem.buffers.put(b)
+    alive = [weakref.ref(b.base) for b in bufs]  # (the mappings under the arrays)
+    assert len(locked) == 3
+    gc.disable()  # no collection may be what frees them
+    try:
+        del b, bufs
+        mem.close()
+        assert locked == {} and mem.buffers.get(1 << 20) is not None and all(r() is None for r in alive)
+    finally:
+        gc.enable()
+
+
 @pytest.fixture
 def auto_without_gpu(monkeypatch) -> Tuning:
     """--device auto as on a GPU machine, with the C kernels and the torch code as the two candidates; the tuning

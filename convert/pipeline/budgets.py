@@ -73,7 +73,9 @@ class Memory:
         self.buffers = BufferPool(limit=self.in_flight.limit)
 
     def close(self) -> None:
+        """The end of a run (a wave): the buffers unlocked and let go (issue 43: two waves' pools at once)."""
         self.buffers.unpin_all()
+        self.buffers.clear()
 
 
 def pc_cost(pc: Piece) -> int:
