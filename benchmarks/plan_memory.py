@@ -20,12 +20,11 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import gc, json, sys, time
+import gc, json, os, sys, time
 from pathlib import Path
+from rss_sample import rss
 def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) * 1024
+    return rss(os.getpid(), "RssAnon")
 import kimi_convert, kimi_convert.cli  # the pack's imports first: they are not the table's
 from kimi_convert.checkpoint import open_checkpoint
 from kimi_convert.pack import load_plan
@@ -43,9 +42,7 @@ print(json.dumps({"code": kimi_convert.__file__, "seconds": round(time.perf_coun
 
 
 def measure(what: str, src: Path, pythonpath: str | None) -> dict:
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pythonpath, str(Path(__file__).parent)])))
     out = subprocess.run([sys.executable, "-c", CHILD, what, str(src)], env=env, capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -13,10 +13,12 @@ import sys
 import time
 
 
-def rss(pid: int) -> int | None:
+def rss(pid: int, field: str = "VmRSS") -> int | None:
+    """``field`` of /proc/PID/status in bytes (``RssAnon``: the anonymous part, what a process cannot hand back to
+    the page cache); None once the process is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration):
         return None
 

@@ -23,10 +23,9 @@ CHILD = r"""
 import os, sys, threading, time
 from pathlib import Path
 from kimi_convert.upload.live import LiveUpload, UploadTarget
+from rss_sample import rss
 def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) * 1024
+    return rss(os.getpid(), "RssAnon")
 f, sha = Path(sys.argv[1]), sys.argv[2]
 up = LiveUpload(UploadTarget("user/upload-memory", token=os.environ["HF_TOKEN"], keep_output=True), say=print)
 peak, done = [0], threading.Event()
@@ -68,7 +67,7 @@ def main() -> None:
     with FakeHub(TOKEN, keep_uploads=False) as hub:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
         env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-                   TQDM_DISABLE="1", HF_HOME=str(a.dir / "hf-home"))
+                   TQDM_DISABLE="1", HF_HOME=str(a.dir / "hf-home"), PYTHONPATH=str(Path(__file__).parent))
         subprocess.run([sys.executable, "-c", CHILD, str(f), h.hexdigest()], env=env, check=True)
 
 

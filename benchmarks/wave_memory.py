@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import gc, itertools, json, sys
+import gc, json, os, sys
 from pathlib import Path
+from rss_sample import rss
 def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) * 1024
+    return rss(os.getpid(), "RssAnon")
 import kimi_convert.cli
 from kimi_convert import pipeline
 from kimi_convert.jobs import jobs_by_wave
@@ -60,7 +60,8 @@ def main() -> None:
     for n in a.wave_units:
         with tempfile.TemporaryDirectory() as out:
             got = subprocess.run([sys.executable, "-c", CHILD, str(a.dir), str(n), out], capture_output=True,
-                                 text=True, check=True).stdout.strip().splitlines()[-1]
+                                 text=True, check=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+                                 ).stdout.strip().splitlines()[-1]
         r = json.loads(got)
         print(f"| {n} | {r['shards']} | {r['units']} | {r['pieces']} | {r['jobs_added'] / 1e6:.0f} MB | "
               f"{r['pieces_added'] / 1e6:.0f} MB |")

@@ -178,6 +178,10 @@ class Run:
     killed_at: float | None = None  # seconds since start
     low_disk: bool = False  # stopped: the filesystem's free space fell below --min-free
 
+    def peak(self, what: str) -> int:
+        """The largest sample of ``what`` (``rss`` or ``disk``); 0 without samples."""
+        return max((getattr(s, what) for s in self.samples), default=0)
+
 
 def _tree_usage(proc) -> tuple[int, float]:
     import psutil
@@ -334,9 +338,9 @@ def figures(run: Run, rows: list[dict], input_bytes: int, out: Path, release_byt
     f = {"code": run.code, "wall_s": run.wall_s, "input_bytes": input_bytes,
          "throughput_gb_s": round(input_bytes / 1e9 / run.wall_s, 3), "output_bytes": int(out_gb * 1e9),
          "shards": len(rows), "time_to_first_uploaded_shard_s": first,
-         "peak_rss_tree": max((s.rss for s in run.samples), default=0), "pack_maxrss": run.maxrss,
+         "peak_rss_tree": run.peak("rss"), "pack_maxrss": run.maxrss,
          "peak_rss_first_shard": max((s.rss for s in run.samples if first is None or s.t <= first), default=0),
-         "peak_local_disk": max((s.disk for s in run.samples), default=0),
+         "peak_local_disk": run.peak("disk"),
          "cpu_s": max((s.cpu for s in run.samples), default=None),
          "manifest_bytes": (out / "manifest.json").stat().st_size if (out / "manifest.json").exists() else None,
          "records_bytes": sum(p.stat().st_size for p in records.iterdir()) if records.is_dir() else None,
@@ -454,16 +458,16 @@ def kill_and_resume(leg: Leg, ref: dict[str, str], ref_rows: list[dict], ref_fin
     leg.hub.wait_idle()
     r = {"seed": seed, "killed_after_shards": j, "delay_s": delay, "killed_at_s": first.killed_at,
          "killed_code": first.code, "shards_on_hub_at_kill": len(seen),
-         "killed_peak_rss_tree": max((s.rss for s in first.samples), default=0), "killed_pack_maxrss": first.maxrss,
-         "killed_peak_local_disk": max((s.disk for s in first.samples), default=0)}
+         "killed_peak_rss_tree": first.peak("rss"), "killed_pack_maxrss": first.maxrss,
+         "killed_peak_local_disk": first.peak("disk")}
     if first.killed_at is not None:  # (a kill point in the finish may come after the pack ended: not resumed)
         cmd = shlex.split(json.loads((out / ".kimi-convert-pack.json").read_text())["command"])
         assert cmd[:2] == ["kimi-convert", "pack"], cmd
         resumed = leg.pack(out, repo, cmd=[sys.executable, "-m", "kimi_convert.cli", *cmd[1:], "--token", TOKEN])
         r |= {"resume_code": resumed.code, "resume_wall_s": resumed.wall_s, "resume_command": shlex.join(cmd),
-              "resume_peak_rss_tree": max((s.rss for s in resumed.samples), default=0),
+              "resume_peak_rss_tree": resumed.peak("rss"),
               "resume_pack_maxrss": resumed.maxrss,
-              "resume_peak_local_disk": max((s.disk for s in resumed.samples), default=0)}
+              "resume_peak_local_disk": resumed.peak("disk")}
     got = leg.hub.tree_sha256(repo) if repo in leg.hub.repos else {}
     sent = [oid for oid, _ in leg.hub.received[mark:]]
     return {**r,
