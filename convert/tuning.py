@@ -38,8 +38,9 @@ class Tuning:
     read_ahead_bytes_cpus: int = 4
     #: A banked plan's shards are run in waves of consecutive shards of about this many units (at least a shard for
     #: each of the executor's slots), each wave's part of the plan made when it starts and dropped when it ends:
-    #: the released K3's whole module-by-module plan held at once was most of the pack's memory (issue 43).
-    wave_units: int = 16384
+    #: the released K3's whole module-by-module plan held at once was most of the pack's memory (issue 43). About two
+    #: of the release's shards: a 16,384-unit wave's jobs held 60 MB more, for no speed (RESULTS, "Session 26").
+    wave_units: int = 4096
     #: Computed pieces waiting for the writer.
     write_depth: int = 2
     #: Bytes ahead of a stream's reads its file hashes may read themselves while the stream waits for torch and the
