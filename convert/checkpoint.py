@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import eq
@@ -17,6 +17,7 @@ from .jsonfile import read_json
 from .safetensors_format import TensorInfo, read_header
 from .sidefiles import pruned, scan
 from .sources import Source, open_source
+from .tensortable import TensorTable
 from .vocabulary import Skipped
 
 INDEX_NAME = filenames.INDEX  # the name other modules have used
@@ -38,7 +39,7 @@ class Checkpoint:
     source: Source
     config: dict
     files: list[str]  # shard files in index order
-    tensors: dict[str, TensorInfo]  # every stored tensor by name
+    tensors: Mapping[str, TensorInfo]  # every stored tensor by name (a TensorTable as read; the plan's own: a dict)
     file_sizes: dict[str, int] = field(default_factory=dict)
     side_files: list[str] = field(default_factory=list)  # non-weight files to copy (sidefiles.scan)
     has_index: bool = False
@@ -125,10 +126,10 @@ def _indexed_files(source: Source, index_name: str, need_weights: bool) -> tuple
 
 
 def _stored_tensors(source: Source, named: dict, weight_map: dict[str, str] | None, index_name: str
-                    ) -> tuple[dict[str, TensorInfo], dict[str, int]]:
+                    ) -> tuple[TensorTable, dict[str, int]]:
     """Every tensor the shards' headers store, and each shard's size: a tensor stored twice, or stored where the
     index does not list it, or listed and stored nowhere, is refused, naming the file and the tensor."""
-    tensors: dict[str, TensorInfo] = {}
+    tensors = TensorTable()
     sizes: dict[str, int] = {}
     headers = _headers(source, list(named))
     for rel, entry in named.items():
@@ -136,26 +137,30 @@ def _stored_tensors(source: Source, named: dict, weight_map: dict[str, str] | No
         found, _meta = next(headers)
         # checked in bulk (the released K3 has 500,000 names); a fault is found and named by the loop below.
         # With an index, every name listed for this file is in no other (it was listed for that one).
-        if (found.keys().isdisjoint(tensors.keys()) if weight_map is None
-                else all(map(eq, map(weight_map.get, found), repeat(rel)))):
-            tensors.update(found)
-            continue
-        for name, info in found.items():
-            if name in tensors:
-                raise ConvertError(f"{rel}: tensor {name} is also stored in {tensors[name].file}")
-            if weight_map is not None and weight_map.get(name) != rel:
-                where = weight_map.get(name)
-                raise ConvertError(
-                    f"{rel}: tensor {name} is not listed in {index_name}"
-                    if where is None
-                    else f"{rel}: tensor {name} is stored here but {index_name} says {where}"
-                )
-            tensors[name] = info
+        if not (all(map(eq, map(weight_map.get, found), repeat(rel))) if weight_map is not None
+                else tensors.isdisjoint(found)):
+            _refuse_stored(found, rel, tensors, weight_map, index_name)
+        tensors.add(found.values())
     if weight_map is not None and len(tensors) != len(weight_map):  # every stored tensor is listed: equal sets
         for name, rel in weight_map.items():
             if name not in tensors:
                 raise ConvertError(f"{index_name}: tensor {name} is not in {rel}")
     return tensors, sizes
+
+
+def _refuse_stored(found: dict[str, TensorInfo], rel: str, tensors: TensorTable, weight_map: dict[str, str] | None,
+                   index_name: str) -> None:
+    """The first tensor of ``rel`` that is stored in an earlier file too, or is not where the index lists it."""
+    for name in found:
+        if name in tensors:
+            raise ConvertError(f"{rel}: tensor {name} is also stored in {tensors[name].file}")
+        if weight_map is not None and weight_map.get(name) != rel:
+            where = weight_map.get(name)
+            raise ConvertError(
+                f"{rel}: tensor {name} is not listed in {index_name}"
+                if where is None
+                else f"{rel}: tensor {name} is stored here but {index_name} says {where}"
+            )
 
 
 #: Header reads in flight at once for a source with no local files (a Hub repository: two range requests a file,

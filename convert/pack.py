@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import devices, faults, filenames, pipeline, write
+from . import devices, faults, filenames, pipeline, planprocess, write
 from . import manifest as manifest_mod
 from .checkpoint import Checkpoint, open_checkpoint
 from .derive.lookup import mapping_for
@@ -189,7 +189,10 @@ class _StartUp:
     def plan(self, source: Source, opts: Options) -> tuple[Checkpoint, Plan]:
         plan = None
         try:
-            ckpt, plan = load_plan(source, opts, banked=True)  # each wave's part of the plan made when it runs
+            if planprocess.worth_it(source, self.tuning.plan_apart):  # (a large input: its holes left there)
+                ckpt, plan = planprocess.load_plan_apart(source, opts)
+            else:  # each wave's part of the plan made when it runs
+                ckpt, plan = load_plan(source, opts, banked=True)
         finally:  # (a failed plan: the warm-up thread ends)
             self.need.decide(plan)
         return ckpt, plan

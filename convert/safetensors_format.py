@@ -133,11 +133,27 @@ def _parse_header_bytes(raw: bytes, rel: str, size: int) -> tuple[dict[str, Tens
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ConvertError(f"{rel}: __metadata__ must be a map of strings (found {type(meta).__name__} "
                            f"{json.dumps(meta)[:40]}); the safetensors library refuses such a file")
+    for text in (*meta, *meta.values()):  # (a name the fast path takes has no escape: it is text)
+        _check_text(text, rel, "__metadata__ string")
+    for name in obj:
+        _check_text(name, rel, "tensor name")
     tensors: dict[str, TensorInfo] = {}
     for name, entry in obj.items():
         tensors[name] = _parse_entry(name, entry, rel, data_start)
     _check_layout(tensors, rel, data_start, data_len)
     return tensors, meta
+
+
+def _check_text(text: str, rel: str, what: str) -> None:
+    """A JSON string escaping half of a surrogate pair (``"\\ud800"``) decodes to no Unicode text: no header can hold
+    it in UTF-8, and the safetensors library refuses such a header; refused here, naming it, before anything
+    tries to write it."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ConvertError(f"{rel}: {what} {text!r} holds a lone surrogate escape (\\ud800-\\udfff): not "
+                               "Unicode text; the safetensors library refuses such a header") from None
 
 
 # A header as safetensors writes it (compact JSON, each entry's keys dtype, shape, data_offsets in that

@@ -18,7 +18,8 @@ ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of byte
        "KIMI_CONVERT_DOWNLOAD_THREADS": ("download_threads", "a number of threads"),
        "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files"),
        "KIMI_CONVERT_DIRECT_WRITE": ("direct_write", "a number of bytes (0: through the page cache)"),
-       "KIMI_CONVERT_WAVE_UNITS": ("wave_units", "a number of units")}
+       "KIMI_CONVERT_WAVE_UNITS": ("wave_units", "a number of units"),
+       "KIMI_CONVERT_PLAN_APART": ("plan_apart", "a number of bytes")}
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Tuning:
     #: the released K3's whole module-by-module plan held at once was most of the pack's memory (issue 43). About two
     #: of the release's shards: a 16,384-unit wave's jobs held 60 MB more, for no speed (RESULTS, "Session 26").
     wave_units: int = 4096
+    #: An input whose index is at least this many bytes is planned in a child process (``planprocess``): the
+    #: table's parse and the plan's walks leave their holes there, not in the process that runs for hours (the
+    #: released K3's 59 MB index: 0.28 GB resident after the plan here, RESULTS "Session 27"); a child's start
+    #: costs a small input more than it saves (about 70,000 tensors a 8 MB index).
+    plan_apart: int = 8 << 20
     #: Computed pieces waiting for the writer.
     write_depth: int = 2
     #: Bytes ahead of a stream's reads its file hashes may read themselves while the stream waits for torch and the

@@ -27,7 +27,7 @@ from .pipeline import Job, JobResult, cpu_share, run_jobs
 from .tuning import Tuning
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """A worker must not outlive its parent: a killed pack would leave it writing into files that a
     resumed pack writes too. Linux: the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -37,7 +37,7 @@ def _die_with(parent: int) -> None:
 
 
 def _main(index: int, jobs: list[Job], device: Device, threads: int, q, parent: int, tuning: Tuning) -> None:
-    _die_with(parent)
+    die_with(parent)
     pending = 0
 
     def progress(n: int) -> None:

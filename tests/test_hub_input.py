@@ -112,6 +112,15 @@ def test_pack_from_the_hub_equals_pack_of_the_folder(hub, medium, tmp_path):
     assert not (tmp_path / ".out.hub-scratch").exists()  # the scratch folder goes with its last file
 
 
+def test_a_hub_input_planned_apart_is_the_same_output(hub, medium, tmp_path):
+    """The plan made in a child process (``planprocess``, issue 43: a large input's) reads the headers from the Hub
+    there; the pack here downloads and converts the same."""
+    out = tmp_path / "out"
+    r = cli(hub, "pack", f"hf://{REPO}", out, *PACK_ARGS, tmp=tmp_path, KIMI_CONVERT_PLAN_APART="0")
+    assert r.code == 0, r.stderr
+    assert_same_as_local(medium[1], out, hub.commit_sha)
+
+
 def test_scratch_stays_within_the_bound(hub, medium, tmp_path):
     """Downloads throttled to 16 MB/s (slower than the conversion): the scratch folder, sampled every 10 ms,
     never holds more than --max-scratch, counting partial downloads; and it held two files at once at

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 from .. import globs, mtp, schemes
 from ..checkpoint import Checkpoint
@@ -80,23 +81,33 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
         st = _stages(reduced, m, opts, patterns, recipe)
         outline = bank_outline(st.units, st.engine_groups, banks, ckpt)
         if outline is not None:
-            def per_module() -> PerModule:
-                with gc_paused():
-                    full = _stages(ckpt, m, opts, patterns, recipe)
-                return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
-
             x = (Expansion(outline.units, outline.engine_groups, banks, tuple(ckpt.files))
                  if expandable(outline.engine_groups, banks) else None)
             return _plan(ckpt, m, opts, patterns, recipe, st,
                          exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config),
                                       tied_head(ckpt, m), st.engine_groups, m.mtp_layers(ckpt.config)),
-                         per_module, lambda _: outline, x)
+                         partial(_per_module, ckpt, m, opts, patterns, recipe), partial(_given, outline), x)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
                                                                    m.mtp_prefixes(ckpt.config), tied_head(ckpt, m),
                                                                    st.engine_groups, m.mtp_layers(ckpt.config)),
-                 lambda: per, _outline)
+                 partial(_given, per), _outline)
+
+
+# (module-level functions bound by ``partial``, not closures: a plan is pickled, from the process that made it
+# (``planchild``) or to a worker)
+def _per_module(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe
+                ) -> PerModule:
+    """A banked plan's module-by-module plan, made when asked for."""
+    with gc_paused():
+        full = _stages(ckpt, m, opts, patterns, recipe)
+    return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
+
+
+def _given(value, *_):
+    """``value``, whatever asked (a plan's ``per_module`` or ``outline_of`` made already)."""
+    return value
 
 
 def tied_head(ckpt: Checkpoint, m: Mapping) -> str | None:
