@@ -40,7 +40,7 @@ elif what == "apart":  # pack's way for a large input (planprocess): made in a c
         print("null")
         sys.exit()
     from kimi_convert.sources import open_source
-    kept = planprocess.load_plan_apart(open_source(src), Options())
+    kept = planprocess.load_plan_apart(open_source(src), Options(), load_plan)
 else:
     kept = load_plan(src, Options(), banked=True)
 gc.collect()

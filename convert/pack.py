@@ -190,7 +190,7 @@ class _StartUp:
         plan = None
         try:
             if planprocess.worth_it(source, self.tuning.plan_apart):  # (a large input: its holes left there)
-                ckpt, plan = planprocess.load_plan_apart(source, opts)
+                ckpt, plan = planprocess.load_plan_apart(source, opts, load_plan)
             else:  # each wave's part of the plan made when it runs
                 ckpt, plan = load_plan(source, opts, banked=True)
         finally:  # (a failed plan: the warm-up thread ends)

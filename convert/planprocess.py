@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -32,21 +33,17 @@ def worth_it(source: Source, index_bytes: int) -> bool:
     return bool(sizes) and max(sizes) >= index_bytes
 
 
-def load_plan_apart(source: Source, opts: Options) -> tuple[Checkpoint, Plan]:
-    """``pack.load_plan(source, opts, banked=True)`` run in a spawned child; its errors are raised here as there (a
-    ``ConvertError``: one line). The checkpoint's source is this process's ``source``, not the child's copy."""
+def load_plan_apart(source: Source, opts: Options, load: Callable[..., tuple[Checkpoint, Plan]]
+                    ) -> tuple[Checkpoint, Plan]:
+    """``load(source, opts, banked=True)`` (``pack.load_plan``, passed in: this module imports no stage above it;
+    the child imports it by name) run in a spawned child; its errors are raised here as there (a ``ConvertError``:
+    one line). The checkpoint's source is this process's ``source``, not the child's copy."""
     ctx = mp.get_context("spawn")  # not fork: torch's warm-up thread runs beside the plan
     try:
         with ProcessPoolExecutor(1, mp_context=ctx, initializer=die_with, initargs=(os.getpid(),)) as pool:
-            ckpt, plan = pool.submit(_load, source.for_worker(), opts).result()
+            ckpt, plan = pool.submit(load, source.for_worker(), opts, banked=True).result()
     except BrokenProcessPool:
         raise ConvertError(f"{source.name}: the process planning the pack ended without a plan (out of memory?)"
                            ) from None
     ckpt.source = source
     return ckpt, plan
-
-
-def _load(source: Source, opts: Options) -> tuple[Checkpoint, Plan]:
-    from .pack import load_plan
-
-    return load_plan(source, opts, banked=True)

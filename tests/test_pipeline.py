@@ -724,7 +724,7 @@ def test_workers_receive_their_share_of_cpus_as_an_argument(tiny_k3, tmp_path, m
 
     monkeypatch.setenv("KIMI_CONVERT_THREADS", "6")
     monkeypatch.setattr(workers.mp, "get_context", lambda method: Context())
-    monkeypatch.setattr(workers, "_die_with", lambda parent: None)
+    monkeypatch.setattr(workers, "die_with", lambda parent: None)
     monkeypatch.setattr(workers, "run_jobs", run_jobs)
     env = dict(os.environ)
     r = pack(tiny_k3, tmp_path / "out", Options(**SGLANG, max_shard_size=300_000), device="cpu", progress=False,

@@ -31,8 +31,8 @@ def test_a_plan_made_apart_writes_the_same_bytes(medium, tmp_path, monkeypatch):
     src, ref = medium
     apart, made = planprocess.load_plan_apart, []
 
-    def spy(source, opts):
-        ckpt, plan = apart(source, opts)
+    def spy(source, opts, load):
+        ckpt, plan = apart(source, opts, load)
         made.append((source, ckpt, plan))
         return ckpt, plan
 
