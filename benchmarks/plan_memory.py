@@ -44,8 +44,20 @@ elif what == "apart":  # pack's way for a large input (planprocess): made in a c
 else:
     kept = load_plan(src, Options(), banked=True)
 gc.collect()
-print(json.dumps({"code": kimi_convert.__file__, "seconds": round(time.perf_counter() - t, 2),
-                  "anon_added": anon() - a0, "tensors": len((kept if what == "open" else kept[0]).tensors)}))
+seconds, added = round(time.perf_counter() - t, 2), anon() - a0
+table = (kept if what == "open" else kept[0]).tensors
+own = 0  # the table's own objects: sys.getsizeof over everything it reaches (types and functions aside)
+if what == "open":
+    seen, stack = set(), [table]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, type) or callable(o) and not hasattr(o, "__len__"):
+            continue
+        seen.add(id(o))
+        own += sys.getsizeof(o)
+        stack.extend(gc.get_referents(o))
+print(json.dumps({"code": kimi_convert.__file__, "seconds": seconds, "anon_added": added, "tensors": len(table),
+                  "table_bytes": own}))
 """
 
 
@@ -66,16 +78,17 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from plan_scale import package_from
 
-    print("| code | open_checkpoint: resident after | s | banked plan: resident after | s | planned in a child, "
-          "as pack (where the code has it) | s | tensors |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| code | open_checkpoint: resident after | its table's own objects | s | banked plan: resident after | s | "
+          "planned in a child, as pack (where the code has it) | s | tensors |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for k, src in enumerate([None, *a.src]):
             path = str(package_from(Path(src), Path(tmp) / str(k))) if src else None
             o, p = measure("open", a.dir, path), measure("plan", a.dir, path)
             c = measure("apart", a.dir, path)
             apart = f"{c['anon_added'] / 1e6:.0f} MB | {c['seconds']}" if c else "- | -"
-            print(f"| {src or 'this checkout'} | {o['anon_added'] / 1e6:.0f} MB | {o['seconds']} | "
+            print(f"| {src or 'this checkout'} | {o['anon_added'] / 1e6:.0f} MB | {o['table_bytes'] / 1e6:.0f} MB | "
+                  f"{o['seconds']} | "
                   f"{p['anon_added'] / 1e6:.0f} MB | {p['seconds']} | {apart} | {o['tensors']} |")
 
 

@@ -1,7 +1,7 @@
 """A large input's table and plan made in a child process, and sent back whole.
 
 Why: reading half a million headers' entries and walking them to plan leaves this process's allocator holding the
-pages it freed, scattered among the objects it keeps: at the released K3's shape 0.28 GB resident after the banked
+pages it freed, scattered among the objects it keeps: at the released K3's shape 267 MB resident after the banked
 plan, of which the table's columns are about 60 MB and the plan 13 MB (``benchmarks/plan_memory.py``). A pack carries
 that for its hours beside its buffers, and it was most of the whole release's excess over a 10 GB input's peak (issue
 43). Made in a spawned child, the table and the plan arrive here packed, as a pickle is read; the holes end with the

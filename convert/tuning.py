@@ -44,7 +44,7 @@ class Tuning:
     wave_units: int = 4096
     #: An input whose index is at least this many bytes is planned in a child process (``planprocess``): the
     #: table's parse and the plan's walks leave their holes there, not in the process that runs for hours (the
-    #: released K3's 59 MB index: 0.28 GB resident after the plan here, RESULTS "Session 27"); a child's start
+    #: released K3's 59 MB index: 267 MB resident after the plan here, 94 MB planned apart, RESULTS "Session 27"); a child's start
     #: costs a small input more than it saves (about 70,000 tensors a 8 MB index).
     plan_apart: int = 8 << 20
     #: Computed pieces waiting for the writer.
