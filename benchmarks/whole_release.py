@@ -375,7 +375,7 @@ def write_report(name: str, result: dict, rows: list[dict], run: Run, cmd: str) 
     RESULTS.mkdir(parents=True, exist_ok=True)
     base = RESULTS / name
     (base.with_suffix(".json")).write_text(json.dumps({**result, "per_shard": rows}, indent=1) + "\n")
-    with open(base.parent / f"{name}-samples.csv", "w", newline="") as f:  # for another look
+    with open(base.parent / f"{base.name}-samples.csv", "w", newline="") as f:  # for another look
         w = csv.writer(f)
         w.writerow(["t_s", "rss_tree_bytes", "cpu_tree_s", "local_disk_bytes"])
         w.writerows([s.t, s.rss, s.cpu, s.disk] for s in run.samples)
@@ -389,7 +389,7 @@ def write_report(name: str, result: dict, rows: list[dict], run: Run, cmd: str) 
     (base.with_suffix(".md")).write_text(
         f"`{cmd}`\n\n| figure | value |\n|---|---|\n{table}\n\n| # | shard | GB out | arrived s | wall s | CPU s | "
         f"wall s/GB | CPU s/GB |\n|---|---|---|---|---|---|---|---|\n{shard_rows}\n")
-    written = [base.with_suffix(s) for s in (".json", ".csv", ".md")] + [base.parent / f"{name}-samples.csv"]
+    written = [base.with_suffix(s) for s in (".json", ".csv", ".md")] + [base.parent / f"{base.name}-samples.csv"]
     if _plot(base.with_suffix(".png"), rows, run):
         written.append(base.with_suffix(".png"))
     return written
