@@ -1,12 +1,12 @@
 """A large input's table and plan made in a child process, and sent back whole.
 
 Why: reading half a million headers' entries and walking them to plan leaves this process's allocator holding the
-pages it freed, scattered among the objects it keeps: at the released K3's shape 267 MB resident after the banked
-plan, of which the table's columns are about 60 MB and the plan 13 MB (``benchmarks/plan_memory.py``). A pack carries
+pages it freed, scattered among the objects it keeps: at the released K3's shape 258 MB resident after the banked
+plan, of which the table's columns are 63 MB (``benchmarks/plan_memory.py``). A pack carries
 that for its hours beside its buffers, and it was most of the whole release's excess over a 10 GB input's peak (issue
 43). Made in a spawned child, the table and the plan arrive here packed, as a pickle is read; the holes end with the
-child. A small input is planned in this process (``Tuning.plan_apart``): a child's start, about half a second, buys
-it nothing.
+child. A small input is planned in this process (``Tuning.plan_apart``): a child's start and the pickle's way back
+(1.3 s more at the release's shape) buy it nothing.
 """
 
 from __future__ import annotations

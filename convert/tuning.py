@@ -44,8 +44,9 @@ class Tuning:
     wave_units: int = 4096
     #: An input whose index is at least this many bytes is planned in a child process (``planprocess``): the
     #: table's parse and the plan's walks leave their holes there, not in the process that runs for hours (the
-    #: released K3's 59 MB index: 267 MB resident after the plan here, 94 MB planned apart, RESULTS "Session 27"); a child's start
-    #: costs a small input more than it saves (about 70,000 tensors a 8 MB index).
+    #: released K3's 59 MB index: 258 MB resident after the plan here, 94 MB planned apart, RESULTS "Session 27");
+    #: a child's start and the pickle's way back (1.3 s there) cost a small input more than they save (about 70,000
+    #: tensors an 8 MB index).
     plan_apart: int = 8 << 20
     #: Computed pieces waiting for the writer.
     write_depth: int = 2
