@@ -88,8 +88,7 @@ def main() -> None:
             c = measure("apart", a.dir, path)
             apart = f"{c['anon_added'] / 1e6:.0f} MB | {c['seconds']}" if c else "- | -"
             print(f"| {src or 'this checkout'} | {o['anon_added'] / 1e6:.0f} MB | {o['table_bytes'] / 1e6:.0f} MB | "
-                  f"{o['seconds']} | "
-                  f"{p['anon_added'] / 1e6:.0f} MB | {p['seconds']} | {apart} | {o['tensors']} |")
+                  f"{o['seconds']} | {p['anon_added'] / 1e6:.0f} MB | {p['seconds']} | {apart} | {o['tensors']} |")
 
 
 if __name__ == "__main__":

@@ -133,12 +133,11 @@ def _parse_header_bytes(raw: bytes, rel: str, size: int) -> tuple[dict[str, Tens
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ConvertError(f"{rel}: __metadata__ must be a map of strings (found {type(meta).__name__} "
                            f"{json.dumps(meta)[:40]}); the safetensors library refuses such a file")
-    for text in (*meta, *meta.values()):  # (a name the fast path takes has no escape: it is text)
+    for text in (*meta, *meta.values()):  # (a string the fast path takes has no escape: it is text)
         _check_text(text, rel, "__metadata__ string")
-    for name in obj:
-        _check_text(name, rel, "tensor name")
     tensors: dict[str, TensorInfo] = {}
     for name, entry in obj.items():
+        _check_text(name, rel, "tensor name")
         tensors[name] = _parse_entry(name, entry, rel, data_start)
     _check_layout(tensors, rel, data_start, data_len)
     return tensors, meta

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_synth
+from helpers import ONE_STREAM, synth_and_pack, write_synth
 from kimi_convert.pack import pack
 from kimi_convert.plan import Options
 
@@ -59,6 +59,13 @@ def packed_k3(tiny_k3, tmp_path_factory) -> Path:
     pack(tiny_k3, out, Options(max_shard_size=1_000_000, recipe="nvfp4-w4a16", layout="vllm"), device="cpu",
          progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def banked_k3(tmp_path_factory) -> tuple[Path, Path]:
+    """tiny-k3 with 32 experts a layer (stored alike: a banked plan, run in several waves) and its pack
+    (``ONE_STREAM``, in one wave): issue 43's tests of the waves and of the plan made in a child."""
+    return synth_and_pack(tmp_path_factory.mktemp("banked"), ONE_STREAM, "--experts", "32")
 
 
 @pytest.fixture(scope="session")

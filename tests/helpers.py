@@ -360,6 +360,10 @@ def plan_kinds(src: Path, options=None) -> dict[str, str]:
     return {it.name: it.kind for u in plan.units for it in u.items}
 
 
+#: ``pack`` on the CPUs with one worker and one stream: which shards a kill leaves finished depends on the streams
+ONE_STREAM = ["-q", "--device", "cpu", "--workers", "1", "--streams", "1"]
+
+
 def synth_and_pack(work: Path, pack_args: list, *synth_args) -> tuple[Path, Path]:
     """``tiny-k3`` (with ``synth_args``) written to ``work/in`` and packed to ``work/ref`` with ``pack_args``: a
     module's input and its reference pack."""

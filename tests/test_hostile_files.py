@@ -77,15 +77,21 @@ def _loop(rel: str, other: str | None = None):
     return fn
 
 
-def set_metadata(path: Path, value) -> None:
-    """Rewrite a safetensors file's header with ``__metadata__`` set to ``value`` (data untouched)."""
+def rewrite_header(path: Path, edit) -> None:
+    """Rewrite a safetensors file's header as ``edit(header)`` changes it (data untouched; json.dumps writes a
+    string that is no Unicode text as its escape)."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
-    header["__metadata__"] = value
+    edit(header)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def set_metadata(path: Path, value) -> None:
+    """Rewrite a safetensors file's header with ``__metadata__`` set to ``value``."""
+    rewrite_header(path, lambda header: header.__setitem__("__metadata__", value))
 
 
 def _meta(value):
@@ -96,16 +102,11 @@ def _meta(value):
 
 
 def _surrogate_name(ck: Path) -> None:
-    """The first shard's first tensor renamed with a lone surrogate's JSON escape (json.dumps writes it so)."""
-    first = sorted(ck.glob("model-*.safetensors"))[0]
-    raw = first.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k != "__metadata__")
-    header["x\ud800" + name] = header.pop(name)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    first.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    """The first shard's first tensor renamed with a lone surrogate's JSON escape."""
+    def rename(header: dict) -> None:
+        name = next(k for k in header if k != "__metadata__")
+        header["x\ud800" + name] = header.pop(name)
+    rewrite_header(sorted(ck.glob("model-*.safetensors"))[0], rename)
 
 
 def _empty_map(ck: Path) -> None:

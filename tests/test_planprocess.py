@@ -7,28 +7,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
-import pytest
-
-from helpers import one_line_error, run_process, synth_and_pack, tree
-
-ARGS = ["-q", "--device", "cpu", "--workers", "1", "--streams", "1"]
+from helpers import ONE_STREAM, one_line_error, run_process, tree
 
 
-@pytest.fixture(scope="module")
-def medium(tmp_path_factory) -> tuple[Path, Path]:
-    """tiny-k3 with 32 experts a layer (a banked plan, several waves), and its pack planned in this process."""
-    return synth_and_pack(tmp_path_factory.mktemp("apart"), ARGS, "--experts", "32")
-
-
-def test_a_plan_made_apart_writes_the_same_bytes(medium, tmp_path, monkeypatch):
+def test_a_plan_made_apart_writes_the_same_bytes(banked_k3, tmp_path, monkeypatch):
     from kimi_convert import planprocess
     from kimi_convert.options import Options
     from kimi_convert.pack import pack
     from kimi_convert.tuning import Tuning
 
-    src, ref = medium
+    src, ref = banked_k3
     apart, made = planprocess.load_plan_apart, []
 
     def spy(source, opts, load):
@@ -46,8 +35,8 @@ def test_a_plan_made_apart_writes_the_same_bytes(medium, tmp_path, monkeypatch):
         (src / "model.safetensors.index.json").read_text())["weight_map"])
 
 
-def test_a_bad_input_is_refused_by_the_child_as_here(medium, tmp_path):
-    src, _ = medium
+def test_a_bad_input_is_refused_by_the_child_as_here(banked_k3, tmp_path):
+    src, _ = banked_k3
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -57,18 +46,18 @@ def test_a_bad_input_is_refused_by_the_child_as_here(medium, tmp_path):
     errors = []
     for apart in ("0", str(1 << 40)):
         out = tmp_path / f"out{apart}"
-        r = run_process("pack", bad, out, *ARGS, env={"KIMI_CONVERT_PLAN_APART": apart})
+        r = run_process("pack", bad, out, *ONE_STREAM, env={"KIMI_CONVERT_PLAN_APART": apart})
         errors.append(one_line_error(r))
         assert not (out / "manifest.json").exists()
     assert errors[0] == errors[1] and gone in errors[0], errors
 
 
-def test_only_a_large_index_is_planned_apart(medium, tmp_path):
+def test_only_a_large_index_is_planned_apart(banked_k3, tmp_path):
     from kimi_convert import planprocess
     from kimi_convert.sources import open_source
     from kimi_convert.tuning import Tuning
 
-    src, _ = medium
+    src, _ = banked_k3
     size = (src / "model.safetensors.index.json").stat().st_size
     source = open_source(src)
     assert planprocess.worth_it(source, size) and not planprocess.worth_it(source, size + 1)

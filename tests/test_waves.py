@@ -10,30 +10,19 @@ import shutil
 import signal
 from pathlib import Path
 
-import pytest
 from test_pack_upload import assert_same_repo
 
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import run_process, synth_and_pack, tree
-
-#: the source layout (banked: tiny-k3's experts are stored alike), one stream: which shards a kill leaves finished
-#: depends on it
-ARGS = ["-q", "--device", "cpu", "--workers", "1", "--streams", "1"]
+from helpers import ONE_STREAM, run_process, tree
 
 
-@pytest.fixture(scope="module")
-def medium(tmp_path_factory) -> tuple[Path, Path]:
-    """tiny-k3 with 32 experts a layer, and its pack in one wave (the default's units hold every shard)."""
-    return synth_and_pack(tmp_path_factory.mktemp("waves"), ARGS, "--experts", "32")
-
-
-def test_a_shard_a_wave_is_the_same_bytes_and_never_makes_the_whole_plan(medium, tmp_path, monkeypatch):
+def test_a_shard_a_wave_is_the_same_bytes_and_never_makes_the_whole_plan(banked_k3, tmp_path, monkeypatch):
     from kimi_convert.options import Options
     from kimi_convert.pack import pack
     from kimi_convert.plan import Plan
     from kimi_convert.tuning import Tuning
 
-    src, ref = medium
+    src, ref = banked_k3
     asked: list[set[str]] = []
     parts_of = Plan.parts_of
 
@@ -65,27 +54,27 @@ def test_waves_follow_the_units_and_the_slots():
     assert hash_owners(["i0", "i1", "i2", "i9"], waves, loads) == [{"i0", "i9"}, {"i1", "i2"}, set()]
 
 
-def test_killed_between_waves_resumes_identically(medium, tmp_path):
-    src, ref = medium
+def test_killed_between_waves_resumes_identically(banked_k3, tmp_path):
+    src, ref = banked_k3
     out = tmp_path / "out"
     env = {"KIMI_CONVERT_WAVE_UNITS": "1"}
-    r = run_process("pack", src, out, *ARGS, env={**env, "KIMI_CONVERT_FAULT": "shard:2"})
+    r = run_process("pack", src, out, *ONE_STREAM, env={**env, "KIMI_CONVERT_FAULT": "shard:2"})
     assert r.code == -signal.SIGKILL, (r.code, r.stderr)
     assert not (out / "manifest.json").exists()
-    r = run_process("pack", src, out, *ARGS, "--resume", env=env)
+    r = run_process("pack", src, out, *ONE_STREAM, "--resume", env=env)
     assert r.code == 0, r.stderr
     assert tree(out) == tree(ref)
 
 
-def test_upload_by_waves_equals_pack_then_upload(medium, tmp_path):
-    src, ref = medium
+def test_upload_by_waves_equals_pack_then_upload(banked_k3, tmp_path):
+    src, ref = banked_k3
     ref = Path(shutil.copytree(ref, tmp_path / "ref"))  # (upload writes its card into the folder)
     with FakeHub(TOKEN) as hub:
         r = hub_cli(hub, "upload", ref, "user/ref", tmp=tmp_path)
         assert r.code == 0, r.stderr
         files = {p: hub.file_bytes("user/ref", p) for p in hub.repos["user/ref"].files}
         lfs = sorted(f["lfs"] for f in hub.repos["user/ref"].files.values() if f["lfs"])
-        r = hub_cli(hub, "pack", src, tmp_path / "out", "--upload", "user/waves", "--no-keep-output", *ARGS,
+        r = hub_cli(hub, "pack", src, tmp_path / "out", "--upload", "user/waves", "--no-keep-output", *ONE_STREAM,
                     tmp=tmp_path, KIMI_CONVERT_WAVE_UNITS="1", KIMI_CONVERT_UPLOAD_QUEUE="0")
         assert r.code == 0, r.stderr
         assert_same_repo(hub, "user/waves", {"files": files, "lfs": lfs})
