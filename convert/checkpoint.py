@@ -50,6 +50,42 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def drop_table(self) -> None:
+        """Let the table go, to be read again from ``source`` if anything asks for it (``TableReadAgain``): a
+        banked plan makes each wave's jobs from its outline, so a pack holds no table for its hours (issue 43:
+        benchmarks/RESULTS.md, "Session 28"). Its entries, read again, are the same headers'."""
+        self.tensors = TableReadAgain(self)
+
+
+class TableReadAgain(Mapping):
+    """A checkpoint's table read again from its source on first use (``Checkpoint.drop_table``): the
+    module-by-module plan of a banked one, made only when asked for, needs it; the pack itself does not."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self._ckpt = ckpt
+        self._table: Mapping[str, TensorInfo] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._table is not None
+
+    def _tensors(self) -> Mapping[str, TensorInfo]:
+        if self._table is None:
+            self._table = open_checkpoint(self._ckpt.source).tensors
+        return self._table
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self._tensors()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors())
+
+    def __len__(self) -> int:
+        return len(self._tensors())
+
+    def __getstate__(self) -> dict:
+        return {"_ckpt": self._ckpt, "_table": None}  # sent to a worker as it was dropped
+
 
 @gc_paused()
 def _check_named(source: Source, rel: str, what: str, weight_map: dict[str, str] | None):

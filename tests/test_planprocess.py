@@ -31,8 +31,24 @@ def test_a_plan_made_apart_writes_the_same_bytes(banked_k3, tmp_path, monkeypatc
     assert tree(tmp_path / "out") == tree(ref)
     [(source, ckpt, plan)] = made
     assert ckpt.source is source and r.plan is plan  # this process's source, the child's plan
-    assert plan.expansion is not None and len(ckpt.tensors) == len(json.loads(
-        (src / "model.safetensors.index.json").read_text())["weight_map"])
+    assert plan.expansion is not None and not ckpt.tensors.loaded  # the pack never read the table it left there
+    assert len(ckpt.tensors) == len(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_the_table_left_in_the_child_is_read_again_when_asked_for(banked_k3):
+    """The module-by-module plan of a banked plan made apart (``plan.units``: made only when asked for) reads the
+    table again from this process's source: the same units as the plan made here."""
+    from kimi_convert import planprocess
+    from kimi_convert.options import Options
+    from kimi_convert.pack import load_plan
+    from kimi_convert.sources import open_source
+
+    src, _ = banked_k3
+    ckpt, apart = planprocess.load_plan_apart(open_source(src), Options(), load_plan)
+    assert not ckpt.tensors.loaded
+    _, here = load_plan(src, Options(), banked=True)
+    assert apart.units == here.units and ckpt.tensors.loaded
+    assert dict(ckpt.tensors) == dict(load_plan(src, Options())[0].tensors)
 
 
 def test_a_bad_input_is_refused_by_the_child_as_here(banked_k3, tmp_path):

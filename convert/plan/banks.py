@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from operator import itemgetter, lt
@@ -38,7 +39,8 @@ class Bank:
 
     prefix: str  # the experts module, e.g. "language_model.model.layers.1.block_sparse_moe.experts"
     indices: tuple[str, ...]  # as written in the names, in storage order: the first stands for the bank
-    starts: dict[str, list[int]]  # rest ("w1.weight_packed") -> the tensor's start in its file, per expert
+    starts: dict[str, array]  # rest ("w1.weight_packed") -> the tensor's start in its file, per expert (int64:
+    # the released K3's half a million starts, held for the pack's hours, as one array a column, not as Python ints)
 
     @property
     def lead(self) -> str:
@@ -135,9 +137,9 @@ def _bank(prefix: str, indices: list[str], per_index: dict[str, list[TensorInfo]
     indices = sorted(indices, key=lambda e: per_index[e][0].start)
     rows = [per_index[e] for e in indices]
     cut = len(prefix) + len(indices[0]) + 2
-    starts: dict[str, list[int]] = {}
+    starts: dict[str, array] = {}
     for j, t in enumerate(rows[0]):
-        col = [r[j].start for r in rows]
+        col = array("q", [r[j].start for r in rows])
         if not all(map(lt, col, col[1:])):
             return None
         starts[t.name[cut:]] = col
