@@ -161,15 +161,19 @@ class BufferPool:
 
     ``get`` returns the smallest free buffer that fits (if at most about twice the size asked for);
     ``put`` takes it back, and free buffers are dropped (the largest first) while free and in-use
-    buffers together exceed ``limit`` bytes.
+    buffers, and the bytes ``outside()`` says are held apart from the pool, together exceed ``limit`` bytes
+    (the worker's file hashes keep views of buffers given back unused, to hash them in file order: without
+    counting them, a pool full of free buffers and the hashes' holds together held the budget and a quarter
+    more; benchmarks/RESULTS.md, "Session 28").
 
     For a GPU, ``pin_with`` page-locks the pool's own buffers (``cudaHostRegister``: they copy to and
     from the GPU by DMA, about 7x faster than pageable memory) as they are handed out, and unlocks each
     before the pool lets it go: the locked memory is the pool's, bounded by ``limit`` (torch's
     page-locked allocator, tried before, keeps every block it ever made)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, outside: Callable[[], int] = lambda: 0):
         self.limit = limit
+        self._outside = outside
         self._free: list[np.ndarray] = []
         self._in_use = 0
         self._lock = threading.Lock()
@@ -206,6 +210,12 @@ class BufferPool:
         with self._lock:
             bufs = list(self._pinned.values())
         self._release(bufs)
+
+    @property
+    def pooled(self) -> int:
+        """The bytes of the pool's buffers, free and in use (``pack --stats``' timelines)."""
+        with self._lock:
+            return self._in_use + sum(b.nbytes for b in self._free)
 
     def clear(self) -> None:
         """Let every free buffer go (the end of a wave): the next wave's pool starts empty, and this one's up to
@@ -256,7 +266,7 @@ class BufferPool:
         buffers may take twice the limit: with the in-flight budget full, a pool held to it would drop
         every buffer given back, and locking a new one costs more than the read into it (benchmarks/RESULTS.md,
         "The figures behind the pipeline's constants")."""
-        limit = self.limit * (2 if self._pin is not None else 1)
+        limit = self.limit * (2 if self._pin is not None else 1) - self._outside()
         dropped = []
         while self._free and self._in_use + sum(b.nbytes for b in self._free) > limit:
             dropped.append(self._free.pop())

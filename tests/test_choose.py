@@ -227,6 +227,31 @@ def test_a_closed_runs_memory_lets_its_free_buffers_go_at_once():
         gc.enable()
 
 
+def test_the_pool_counts_the_file_hashes_holds_against_its_limit():
+    """A worker's memory: the pool's buffers, free and in use, and the bytes its file hashes hold apart (views of
+    buffers given back unused, hashed later in file order) together within the in-flight budget: free buffers are let
+    go while the hashes hold more (issue 43: a full pool beside full holds was the whole release's peaks)."""
+    import threading
+
+    from kimi_convert.pipeline.budgets import Memory
+    from kimi_convert.tuning import Tuning
+
+    mb = 1 << 20
+    mem = Memory([], 2, threading.Event(), Tuning(min_in_flight=8 * mb, in_flight_per_cpu=4 * mb, hold_bytes=2 * mb))
+    assert mem.in_flight.limit == 8 * mb and mem.hold.limit == 2 * mb
+    pool = mem.buffers
+    bufs = [pool.get(mb) for _ in range(8)]
+    for b in bufs[:7]:
+        pool.put(b)
+    assert pool.pooled == 8 * mb  # nothing held apart: the whole budget may be pooled
+    assert mem.hold.take(2 * mb)  # a file hash keeps 2 MB of views
+    pool.put(bufs[7])  # any give-back trims the pool to what the budget leaves
+    assert pool.pooled == 6 * mb
+    mem.hold.give(2 * mb)
+    pool.put(pool.get(mb))
+    assert pool.pooled == 6 * mb  # nothing is made to fill the room back: the next reads get new buffers
+
+
 @pytest.fixture
 def auto_without_gpu(monkeypatch) -> Tuning:
     """--device auto as on a GPU machine, with the C kernels and the torch code as the two candidates; the tuning

@@ -531,12 +531,14 @@ def test_cli_stats_and_streams(tiny_k3, tmp_path):
     assert 0 <= st["stages_s"]["hash: input file sha256 chains (own reads)"] <= busy and st["hash_reread"] > 0
     # each stream's counters in time: non-decreasing, ending with every byte read, hashed and stored
     tls = st["stream_timelines"]
-    assert len(tls) == 2 and all(tl["columns"] == ["s", "read", "hashed", "stored", "in_flight"] for tl in tls)
+    assert len(tls) == 2 and all(tl["columns"] == ["s", "read", "hashed", "stored", "in_flight", "pooled", "held"]
+                                 for tl in tls)
     for tl in tls:
         cols = list(zip(*tl["rows"], strict=True))
         assert all(list(c) == sorted(c) for c in cols[:4])
         assert tl["rows"][-1][3] == tl["rows"][-1][1] > 0  # stored what it read (each piece once)
         assert tl["rows"][-1][4] >= 0
+        assert max(r[5] for r in tl["rows"]) > 0 and min(r[6] for r in tl["rows"]) >= 0  # the pool's, the holds' bytes
     size = sum(p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
     assert sum(tl["rows"][-1][2] for tl in tls) == size  # the input files hashed whole, by one stream each
     v = run("verify-manifest", out, "--input", tiny_k3)

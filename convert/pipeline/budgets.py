@@ -63,14 +63,14 @@ class Memory:
     """What bounds a worker's memory: the bytes its streams may hold in flight (``in_flight``: at least the tuning's
     floor for its CPUs, and two of its largest pieces, the largest held back for a stream's next piece), the read
     buffers pooled within that budget (``buffers``), and the bytes the file hashes may hold to hash them in file order
-    (``hold``)."""
+    (``hold``), which the pool counts against the same budget."""
 
     def __init__(self, streams: list[list[Piece]], threads: int, stop: threading.Event, tuning: Tuning):
         sizes = sorted((pc_cost(pc) for ps in streams for pc in ps), reverse=True)
         self.in_flight = ByteBudget(max(tuning.in_flight_floor(threads), sum(sizes[:2])), stop,
                                     reserve=sizes[0] if sizes else 0)
         self.hold = HoldBudget(min(tuning.hold_bytes, self.in_flight.limit // 4))
-        self.buffers = BufferPool(limit=self.in_flight.limit)
+        self.buffers = BufferPool(limit=self.in_flight.limit, outside=lambda: self.hold.held)
 
     def close(self) -> None:
         """The end of a run (a wave): the buffers unlocked and let go (issue 43: two waves' pools at once)."""

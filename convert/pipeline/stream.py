@@ -364,8 +364,9 @@ class Stream:
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
         self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (not the reader's)
+        memory = self.shared.memory
         timeline = Timeline(lambda: (self.read_pos, sum(h.hashed for h in self.files.values()), self.stored,
-                                     self.shared.memory.in_flight.held))
+                                     memory.in_flight.held, memory.buffers.pooled, memory.hold.held))
         timeline.start()
         finishing: list[Future] = []
         loading: deque[Future] = deque()
