@@ -167,7 +167,7 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
         monkeypatch.setattr(dispatch.Dispatch, "early_takes", lambda self, unit, device: False)  # via torch
         out = tmp_path / name
         r = pack(tiny_k3, out, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False,
-                 tuning=tuning)
+                 tuning=tuning, streams=1)  # (one stream hashes every file from its own reads: 4 CPUs a stream)
         monkeypatch.setattr(dispatch.RunnerOnce, "get", made)
         return r.stats.hash_reread, tree(out)
 
