@@ -45,13 +45,14 @@ class Waves:
 
 
 def jobs_by_wave(ckpt: Checkpoint, plan: Plan, todo: list[ShardSize], slots: int, output_dir: Path,
-                 wave_units: int, source: Source | None = None, hash_inputs: bool = True
-                 ) -> Iterator[list[pipeline.Job]]:
+                 wave_units: int, source: Source | None = None, hash_inputs: bool = True,
+                 known: Collection[str] = ()) -> Iterator[list[pipeline.Job]]:
     """Each wave's jobs, made when asked for (see ``cut_waves``); each input file hashed by the wave that reads
-    most of it."""
+    most of it, but those whose sha256 is ``known`` (an earlier run's, journaled)."""
     loads = plan.shard_loads
     waves = cut_waves(todo, loads, slots, wave_units) if plan.expansion is not None else [todo]
-    for wave, hashed in zip(waves, hash_owners([f for f, _ in plan.inputs], waves, loads), strict=True):
+    inputs = [f for f, _ in plan.inputs if f not in known]
+    for wave, hashed in zip(waves, hash_owners(inputs, waves, loads), strict=True):
         yield split_jobs(ckpt, plan, wave, slots, output_dir, source=source, hash_inputs=hash_inputs, hashed=hashed)
 
 

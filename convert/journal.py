@@ -52,6 +52,10 @@ class Journal:
     version: int = VERSION
     #: ``pack --upload``: shard -> the sha256 it had when the Hub took it (a resume asks the Hub's LFS for it)
     uploaded: dict[str, str] = field(default_factory=dict)
+    #: input file -> its sha256, once a wave has hashed it whole (bound to ``inputs``' stamp, which a resume checks):
+    #: a resume does not read 1.4 TB of the released K3 again for the manifest's hashes of the files its killed run
+    #: had finished (issue 43's kill leg)
+    input_sha256: dict[str, str] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
         write_atomic(folder / NAME, json.dumps(asdict(self), sort_keys=True).encode(), fault="journal")

@@ -138,6 +138,13 @@ class OutputFolder:
                 self.journal.uploaded[file] = rec.sha256
             self.journal.save(self.path)
 
+    def record_inputs(self, hashes: dict[str, str]) -> None:
+        """Input files' sha256, journaled once a wave has hashed them whole (a resume does not hash them again)."""
+        if hashes:
+            with self.lock:
+                self.journal.input_sha256.update(hashes)
+                self.journal.save(self.path)
+
     def record_upload(self, file: str, sha: str) -> None:
         with self.lock:
             self.journal.uploaded[file] = sha

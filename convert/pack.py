@@ -127,7 +127,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
         results = _run_units(executor, waves, out, staging, hub, Progress(
             "pack", progress, total=plan.bytes_in, initial=out.done_bytes(plan)))  # run the units
         convert_s = time.perf_counter() - t
-        read = {f: h for r in results for f, h in r.input_hashes.items()}
+        read = {**out.journal.input_sha256, **{f: h for r in results for f, h in r.input_hashes.items()}}
         out.finish(ckpt, plan, staging.input_hashes(plan.inputs, read), keep_journal=hub is not None,
                    origin=provenance(source))  # finish
         up = _publish_run(hub, out, plan) if hub is not None else None  # publish
@@ -228,7 +228,8 @@ def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, 
             if s.file in done and s.file not in out.journal.uploaded:
                 hub.submit(s.file, done[s.file].size, done[s.file].sha256, admitted=False)
     waves = Waves.of(jobs_by_wave(ckpt, plan, todo, executor.slots, out.path, start.tuning.wave_units,
-                                  source=source, hash_inputs=staging.hashes_inputs))
+                                  source=source, hash_inputs=staging.hashes_inputs,
+                                  known=set(out.journal.input_sha256)))
     if start.local and staging.reads_ahead:  # (on a thread: queueing that much can block until the disk took it)
         threading.Thread(target=_startup_readahead, daemon=True, name="kimi-convert-readahead",
                          args=(ckpt.source, [p for j in waves.first for u in j.units for p in u.parts],
@@ -254,8 +255,13 @@ def _run_units(executor: Executor, waves: Waves, out: OutputFolder, staging: Sta
         elif hub is not None:  # outside the lock: it waits while the uploader (which takes it) is behind
             hub.submit(file, rec.size, rec.sha256)
 
+    def run_wave(jobs: list[pipeline.Job]) -> list[pipeline.JobResult]:
+        done = executor.run(jobs, on_shard, bar.update)
+        out.record_inputs({f: h for r in done for f, h in r.input_hashes.items()})
+        return done
+
     try:
-        results = waves.run(lambda jobs: executor.run(jobs, on_shard, bar.update))
+        results = waves.run(run_wave)
     except BaseException as e:
         e = staging.failed(e)
         if hub is not None:
