@@ -127,7 +127,7 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
         results = _run_units(executor, waves, out, staging, hub, Progress(
             "pack", progress, total=plan.bytes_in, initial=out.done_bytes(plan)))  # run the units
         convert_s = time.perf_counter() - t
-        read = {**out.journal.input_sha256, **{f: h for r in results for f, h in r.input_hashes.items()}}
+        read = dict(out.journal.input_sha256)  # every wave's, journaled as it ended (an earlier run's too)
         out.finish(ckpt, plan, staging.input_hashes(plan.inputs, read), keep_journal=hub is not None,
                    origin=provenance(source))  # finish
         up = _publish_run(hub, out, plan) if hub is not None else None  # publish

@@ -215,7 +215,11 @@ class BufferPool:
     def pooled(self) -> int:
         """The bytes of the pool's buffers, free and in use (``pack --stats``' timelines)."""
         with self._lock:
-            return self._in_use + sum(b.nbytes for b in self._free)
+            return self._bytes()
+
+    def _bytes(self) -> int:
+        """(With the lock held.) The pool's buffers' bytes, free and in use."""
+        return self._in_use + sum(b.nbytes for b in self._free)
 
     def clear(self) -> None:
         """Let every free buffer go (the end of a wave): the next wave's pool starts empty, and this one's up to
@@ -268,7 +272,7 @@ class BufferPool:
         "The figures behind the pipeline's constants")."""
         limit = self.limit * (2 if self._pin is not None else 1) - self._outside()
         dropped = []
-        while self._free and self._in_use + sum(b.nbytes for b in self._free) > limit:
+        while self._free and self._bytes() > limit:
             dropped.append(self._free.pop())
         return dropped
 
