@@ -372,8 +372,8 @@ def over_baseline(base: dict, result: dict, where: str) -> dict:
 
 def write_report(name: str, result: dict, rows: list[dict], run: Run, cmd: str) -> list[Path]:
     """NAME.json, NAME.md, NAME.csv, NAME.png (matplotlib permitting) in benchmarks/results/."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
     base = RESULTS / name
+    base.parent.mkdir(parents=True, exist_ok=True)  # (--name session29/run: its folder too)
     (base.with_suffix(".json")).write_text(json.dumps({**result, "per_shard": rows}, indent=1) + "\n")
     with open(base.parent / f"{base.name}-samples.csv", "w", newline="") as f:  # for another look
         w = csv.writer(f)
