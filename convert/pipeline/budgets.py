@@ -27,6 +27,18 @@ def return_freed_memory(threshold: int) -> bool:
         return False
 
 
+def trim_freed_memory() -> bool:
+    """Give back to the system the memory glibc's heaps keep after their threads freed it (``malloc_trim``): the
+    allocations under ``Tuning.mmap_threshold`` come from per-thread heaps, whose free pages between blocks still in
+    use stay resident; over the released K3's run they grew by about 3 MB a shard (benchmarks/RESULTS.md,
+    "Session 29"). Called as each output shard is finished. False where it gave nothing back or the C library has no
+    malloc_trim (not glibc)."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 class ByteBudget:
     """Bytes a worker's streams may hold in flight (read, not yet written and hashed).
 

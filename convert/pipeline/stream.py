@@ -22,7 +22,7 @@ from ..manifest import write_records
 from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
 from ..tuning import Tuning
-from .budgets import Memory, default_hash_threads, pc_cost, return_freed_memory
+from .budgets import Memory, default_hash_threads, pc_cost, return_freed_memory, trim_freed_memory
 from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
 from .slicing import Piece, PieceKind, pieces
 from .timeline import Timeline
@@ -357,6 +357,7 @@ class Stream:
                           cast_blocks=sum(n["blocks"] for n in cast),
                           cast_lossless=sum(n["lossless_blocks"] for n in cast))
         self.on_shard(file, rec)
+        trim_freed_memory()  # what the shard's threads freed, given back (a long pack's heaps grew otherwise)
 
     def run(self) -> JobResult:
         start = time.perf_counter()
