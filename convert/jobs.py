@@ -46,14 +46,16 @@ class Waves:
 
 def jobs_by_wave(ckpt: Checkpoint, plan: Plan, todo: list[ShardSize], slots: int, output_dir: Path,
                  wave_units: int, source: Source | None = None, hash_inputs: bool = True,
-                 known: Collection[str] = ()) -> Iterator[list[pipeline.Job]]:
+                 known: Collection[str] = (), direct_read: int = 0) -> Iterator[list[pipeline.Job]]:
     """Each wave's jobs, made when asked for (see ``cut_waves``); each input file hashed by the wave that reads
-    most of it, but those whose sha256 is ``known`` (an earlier run's, journaled)."""
+    most of it, but those whose sha256 is ``known`` (an earlier run's, journaled); ``direct_read``: each job's
+    (``Job.direct_read``)."""
     loads = plan.shard_loads
     waves = cut_waves(todo, loads, slots, wave_units) if plan.expansion is not None else [todo]
     inputs = [f for f, _ in plan.inputs if f not in known]
     for wave, hashed in zip(waves, hash_owners(inputs, waves, loads), strict=True):
-        yield split_jobs(ckpt, plan, wave, slots, output_dir, source=source, hash_inputs=hash_inputs, hashed=hashed)
+        yield split_jobs(ckpt, plan, wave, slots, output_dir, source=source, hash_inputs=hash_inputs, hashed=hashed,
+                         direct_read=direct_read)
 
 
 def cut_waves(todo: list[ShardSize], loads: dict[str, ShardLoad], slots: int, wave_units: int
@@ -83,7 +85,8 @@ def hash_owners(inputs: list[str], waves: list[list[ShardSize]], loads: dict[str
 
 
 def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list, n: int, output_dir: Path, source: Source | None = None,
-               hash_inputs: bool = True, hashed: Collection[str] | None = None) -> list[pipeline.Job]:
+               hash_inputs: bool = True, hashed: Collection[str] | None = None, direct_read: int = 0
+               ) -> list[pipeline.Job]:
     """The shards to write (``Shard`` or ``ShardSize``) cut into at most ``n`` runs of consecutive shards of about
     equal input bytes (consecutive: a worker then reads whole stretches of input files), and each input file
     given to the worker that reads most of it, which hashes it from its own reads. ``source``: what the jobs read
@@ -106,7 +109,8 @@ def split_jobs(ckpt: Checkpoint, plan: Plan, todo: list, n: int, output_dir: Pat
     return [
         pipeline.Job(source or ckpt.source, output_dir, [made[s.file].shard for s in run],
                      [u for s in run for u in made[s.file].units], order,
-                     {f: size for f, size in plan.inputs if owner.get(f) == i and hash_inputs}, block)
+                     {f: size for f, size in plan.inputs if owner.get(f) == i and hash_inputs}, block,
+                     direct_read=direct_read)
         for i, run in enumerate(runs)
     ]
 

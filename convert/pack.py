@@ -227,13 +227,15 @@ def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, 
         for s in plan.shard_sizes():  # finished by an earlier run, not on the Hub yet
             if s.file in done and s.file not in out.journal.uploaded:
                 hub.submit(s.file, done[s.file].size, done[s.file].sha256, admitted=False)
+    ahead = start.local and staging.reads_ahead and _streams_wait(executor.devices, start.need)
+    direct = start.tuning.direct_read if staging.reads_ahead and not ahead else 0  # (ahead: the cache is theirs)
     waves = Waves.of(jobs_by_wave(ckpt, plan, todo, executor.slots, out.path, start.tuning.wave_units,
                                   source=source, hash_inputs=staging.hashes_inputs,
-                                  known=set(out.journal.input_sha256)))
-    if start.local and staging.reads_ahead:  # (on a thread: queueing that much can block until the disk took it)
-        threading.Thread(target=_startup_readahead, daemon=True, name="kimi-convert-readahead",
+                                  known=set(out.journal.input_sha256), direct_read=direct))
+    if ahead:  # (on a thread: queueing that much can block until the disk took it)
+        threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                          args=(ckpt.source, [p for j in waves.first for u in j.units for p in u.parts],
-                               start.ahead, executor.devices, start.need)).start()
+                               start.ahead)).start()
     for job in waves.first:  # what the start-up readahead brings into the page cache, the file hashes read at once
         job.eager = start.ahead // max(1, len(waves.first)) if staging.hashes_inputs else 0
     return waves
@@ -278,15 +280,14 @@ def _run_units(executor: Executor, waves: Waves, out: OutputFolder, staging: Sta
     return results
 
 
-def _startup_readahead(source: Source, parts: list, budget: int, devs: list[Device], need: pipeline.TorchNeed) -> None:
-    """The start-up readahead, where the streams will wait for torch: a GPU's (torch and CUDA start meanwhile), or
-    the CPUs' where a unit needs torch. Where the C kernels take every unit (``--device cpu`` and ``auto``: its GPU is
-    measured in a probe process) the streams read at once, and the readahead's requests only queue ahead of their
-    reads, and the streams' first read waits behind them (benchmarks/RESULTS.md, "The figures behind the pipeline's
-    constants")."""
-    if devs and all(d.kind in ("cpu", "auto") for d in devs) and not need.wait():
-        return
-    readahead(source, parts, budget)
+def _streams_wait(devs: list[Device], need: pipeline.TorchNeed) -> bool:
+    """Whether the streams will wait for torch, so that a start-up readahead (``readers.readahead``) fills the page
+    cache for them meanwhile: a GPU's (torch and CUDA start), or the CPUs' where a unit needs torch. Where the C
+    kernels take every unit (``--device cpu`` and ``auto``: its GPU is measured in a probe process) the streams read
+    at once, and the readahead's requests only queued ahead of their reads, and the streams' first read waited behind
+    them (benchmarks/RESULTS.md, "The figures behind the pipeline's constants"); there the streams read past the page
+    cache instead (``Tuning.direct_read``)."""
+    return not (devs and all(d.kind in ("cpu", "auto") for d in devs)) or need.wait()
 
 
 def _warm_up(device: Device | str, workers: int | None, cpus: int, need: pipeline.TorchNeed) -> None:

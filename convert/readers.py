@@ -9,12 +9,14 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from .errors import ConvertError
 from .safetensors_format import DTYPES, TensorInfo
 from .sources import Source, SourceFile, open_source
+from .sources.local import ALIGN
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: planning needs only the headers, and
     import numpy as np  # pack starts reading the input while torch loads (about a second)
@@ -106,6 +108,14 @@ class MappedReader:
 
 
 
+class ByteRange(Protocol):
+    """Bytes [lo, hi) of a stored tensor (``pipeline.slicing.Read``)."""
+
+    part: TensorInfo
+    lo: int
+    hi: int
+
+
 class PreadReader:
     """Reads byte ranges of stored tensors into buffers (``SourceFile.readinto``: ``pread`` for a local
     folder): the pipeline's reader.
@@ -113,12 +123,22 @@ class PreadReader:
     Explicit reads rather than memory-map faults: one large read on a reader thread overlaps the
     compute of the previous group and yields the very buffers the hashers need. The buffers are
     numpy arrays, so reading and hashing start before torch has loaded. Each file is opened once,
-    through the source, and kept open until ``close``."""
+    through the source, and kept open until ``close``.
 
-    def __init__(self, source: Source | str | os.PathLike):
+    ``direct``: a read of at least this many bytes goes past the page cache (``SourceFile.readinto_direct``;
+    0: none, ``Tuning.direct_read``), into a buffer the caller places at the file offset's phase (``align``)."""
+
+    def __init__(self, source: Source | str | os.PathLike, direct: int = 0):
         self.source = open_source(source)
+        self.direct = direct
         self._files: dict[str, SourceFile] = {}
         self._lock = threading.Lock()
+
+    @property
+    def align(self) -> int:
+        """What a read's buffer address should equal the file offset modulo: the disk's bytes then land in it
+        directly (``sources.local.ALIGN``); 1 where every read goes through the page cache."""
+        return ALIGN if self.direct else 1
 
     def _file(self, rel: str) -> SourceFile:
         with self._lock:
@@ -133,20 +153,36 @@ class PreadReader:
 
         hi = t.nbytes if hi is None else hi
         buf = np.empty(hi - lo, dtype=np.uint8) if into is None else into
-        view = memoryview(buf)
-        f, pos = self._file(t.file), t.start + lo
-        while view:
-            n = f.readinto(pos, view)
-            if n == 0:
-                raise ConvertError(f"{t.file}: tensor {t.name}: file ends before the tensor's data (truncated?)")
-            view, pos = view[n:], pos + n
+        self.read_span([_Range(t, lo, hi)], buf)
         return buf
+
+    def read_span(self, span: Sequence[ByteRange], into: np.ndarray) -> None:
+        """``span``'s ranges, one after the other in one file (``Piece.spans``), read into ``into`` as one read: past
+        the page cache where it is ``direct`` bytes or more. A file that ends early: one line naming the tensor cut."""
+        first = span[0]
+        f, pos = self._file(first.part.file), first.part.start + first.lo
+        read = f.readinto_direct if self.direct and len(into) >= self.direct else f.readinto
+        view = memoryview(into)
+        while view:
+            n = read(pos, view)
+            if n == 0:
+                cut = next((r.part for r in span if r.part.start + r.hi > pos), first.part)
+                raise ConvertError(f"{cut.file}: tensor {cut.name}: file ends before the tensor's data (truncated?)")
+            view, pos = view[n:], pos + n
 
     def will_need(self, t: TensorInfo, lo: int = 0, hi: int | None = None) -> None:
         """Start reading a later range now (a local file: asynchronous readahead into the page cache)."""
         hi = t.nbytes if hi is None else hi
         if hi > lo:
             self._file(t.file).will_need(t.start + lo, hi - lo)
+
+    def will_need_span(self, span: Sequence[ByteRange]) -> None:
+        """``will_need`` for a span that will be read through the page cache; none for one read past it (the hint
+        would read its bytes twice)."""
+        n = sum(r.hi - r.lo for r in span)
+        if n and not (self.direct and n >= self.direct):
+            first = span[0]
+            self._file(first.part.file).will_need(first.part.start + first.lo, n)
 
     def close(self) -> None:
         with self._lock:
@@ -316,6 +352,13 @@ class Loaded:
 
     def raw(self, t: TensorInfo) -> np.ndarray:
         return self.buffers[t.name]
+
+
+@dataclass(frozen=True)
+class _Range:
+    part: TensorInfo
+    lo: int
+    hi: int
 
 
 def readahead(source: Source, parts: list[TensorInfo], budget: int) -> None:

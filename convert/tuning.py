@@ -18,6 +18,7 @@ ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of byte
        "KIMI_CONVERT_DOWNLOAD_THREADS": ("download_threads", "a number of threads"),
        "KIMI_CONVERT_MAX_COMMIT_FILES": ("max_commit_files", "a number of files"),
        "KIMI_CONVERT_DIRECT_WRITE": ("direct_write", "a number of bytes (0: through the page cache)"),
+       "KIMI_CONVERT_DIRECT_READ": ("direct_read", "a number of bytes (0: through the page cache)"),
        "KIMI_CONVERT_WAVE_UNITS": ("wave_units", "a number of units"),
        "KIMI_CONVERT_PLAN_APART": ("plan_apart", "a number of bytes")}
 
@@ -73,6 +74,14 @@ class Tuning:
     #: enough that the disk sees few, long writes; one per shard being written (``KIMI_CONVERT_DIRECT_WRITE``: 0 where a
     #: file system takes direct writes slowly).
     direct_write: int = 8 << 20
+    #: A stream's read of at least this many bytes (a span of a piece's reads that lie one after the other in one
+    #: file) goes past the page cache (``O_DIRECT``, where the file system allows it: ``PreadReader.read_span``), the
+    #: disk's bytes landing in the pooled buffer itself; smaller reads, and every read of a pack whose streams wait for
+    #: torch (the start-up readahead fills the page cache for them), go through the cache. On two cores a byte read
+    #: through the page cache costs a newly allocated cache page and a copy (benchmarks/RESULTS.md, "Session 28");
+    #: a small read past it costs the disk's round trip without the kernel's readahead. 0: every read through the page
+    #: cache (``KIMI_CONVERT_DIRECT_READ``).
+    direct_read: int = 1 << 20
     #: A worker process reports its progress at most every this many bytes (a queue message each time).
     progress_step: int = 64 << 20
     #: --device auto: timed units per kind of work and candidate, after the warm-up one.

@@ -190,17 +190,17 @@ def test_read_hints_come_from_a_thread_of_their_own(tiny_k3, tmp_path, monkeypat
 
     threads: set[str] = set()
     batches: list[int] = []
-    need, hint = readers.PreadReader.will_need, pipeline.Stream._hint_quietly
+    need, hint = readers.PreadReader.will_need_span, pipeline.Stream._hint_quietly
 
-    def watch_need(self, t, lo=0, hi=None):
+    def watch_need(self, span):
         threads.add(threading.current_thread().name)
-        return need(self, t, lo, hi)
+        return need(self, span)
 
     def watch_hint(self, js):
         batches.append(len(js))
         return hint(self, js)
 
-    monkeypatch.setattr(readers.PreadReader, "will_need", watch_need)
+    monkeypatch.setattr(readers.PreadReader, "will_need_span", watch_need)
     monkeypatch.setattr(pipeline.Stream, "_hint_quietly", watch_hint)
     opts = Options(**SGLANG, max_shard_size=400_000)
     pack(tiny_k3, tmp_path / "plain", opts, device="cpu", progress=False, tuning=Tuning(slice_bytes=4096))

@@ -4,6 +4,7 @@ through like the rest), each with the source reads it needs, in the order the in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -39,6 +40,18 @@ class Piece:
     @property
     def nbytes(self) -> int:
         return sum(r.hi - r.lo for r in self.reads)
+
+    @functools.cached_property
+    def spans(self) -> tuple[tuple[Read, ...], ...]:
+        """The reads in runs that lie one after the other in one file, each run read as one (``PreadReader.read_span``):
+        a layer's small tensors come in one read, not one each."""
+        runs: list[list[Read]] = []
+        for r in self.reads:
+            if runs and (runs[-1][-1].part.file, runs[-1][-1].file_range[1]) == (r.part.file, r.file_range[0]):
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        return tuple(map(tuple, runs))
 
 
 def is_pass_through(unit: Unit) -> bool:

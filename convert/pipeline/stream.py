@@ -70,6 +70,8 @@ class Job:
     #: Bytes ahead of its reads its file hashes may read themselves, if more than ``Tuning.eager_hash`` (pack: its share
     #: of the start-up readahead, which brings them into the page cache)
     eager: int = 0
+    #: Reads of at least this many bytes past the page cache (``Tuning.direct_read``, where pack found it worth it)
+    direct_read: int = 0
 
 
 @dataclass
@@ -140,7 +142,7 @@ class Stream:
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
-        self.reader = PreadReader(job.source)
+        self.reader = PreadReader(job.source, direct=job.direct_read)
         self.next_compute = 0  # the piece the compute thread needs next
         # A file hash reads a range the stream reads itself when its chain would otherwise wait for a stream that
         # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to ``Tuning.eager_hash`` (or
@@ -201,8 +203,9 @@ class Stream:
 
     # -- read stage (reader thread) ---------------------------------------------------------------
     def load(self, i: int) -> tuple[Loaded, list[Future], dict[str, Future], np.ndarray | None]:
-        """Read piece ``i`` into one pooled buffer, start the hashes of its bytes, and ask the kernel
-        to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds it."""
+        """Read piece ``i`` into one pooled buffer (a read a span of it, ``Piece.spans``), start the hashes of its
+        bytes, and ask the kernel to start reading piece ``i + 1``. Returns the buffer too, unless a file hash holds
+        it."""
         pc = self.pieces[i]
         t = time.perf_counter()
         self.shared.memory.in_flight.take(pc_cost(pc), urgent=lambda: self.next_compute >= i)
@@ -214,22 +217,26 @@ class Stream:
             self.hinted += 1
         if self.hinted >= first:  # on the hint thread, in order (a hint can block while the disk's queue is full)
             self.hints.submit(self._hint_quietly, range(first, self.hinted + 1))
-        base = self.shared.memory.buffers.get(pc.nbytes)
-        bufs, feeds, digests, held, off = {}, [], {}, False, 0
-        for r in pc.reads:
-            buf = self.reader.read(r.part, r.lo, r.hi, into=base[off : off + r.hi - r.lo])
-            off += r.hi - r.lo
-            self.read_pos += r.hi - r.lo
-            bufs[f"{r.part.name}@{r.lo}" if pc.kind is PieceKind.COPY else r.part.name] = buf
-            h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool, digest=TENSOR_DIGEST))
-            feeds.append(h.feed(buf))
-            if r.hi == r.part.nbytes:
-                digests[r.part.name] = h.hexdigest()
-                del self.source_hashers[r.part.name]
-            if (fh := self.files.get(r.part.file)) is not None:
-                fut, kept = fh.offer(r.part.start + r.lo, [buf])
-                feeds += [fut] if fut is not None else []
-                held = held or kept
+        align = self.reader.align  # a span read past the page cache lands at the file offset's phase
+        base = self.shared.memory.buffers.get(pc.nbytes + (align - 1) * len(pc.spans))
+        bufs, feeds, digests, held, off, addr = {}, [], {}, False, 0, base.ctypes.data
+        for span in pc.spans:
+            off += (span[0].file_range[0] - addr - off) % align
+            self.reader.read_span(span, base[off : off + sum(r.hi - r.lo for r in span)])
+            for r in span:
+                buf = base[off : off + r.hi - r.lo]
+                off += r.hi - r.lo
+                self.read_pos += r.hi - r.lo
+                bufs[f"{r.part.name}@{r.lo}" if pc.kind is PieceKind.COPY else r.part.name] = buf
+                h = self.source_hashers.setdefault(r.part.name, SerialHasher(self.hash_pool, digest=TENSOR_DIGEST))
+                feeds.append(h.feed(buf))
+                if r.hi == r.part.nbytes:
+                    digests[r.part.name] = h.hexdigest()
+                    del self.source_hashers[r.part.name]
+                if (fh := self.files.get(r.part.file)) is not None:
+                    fut, kept = fh.offer(r.part.start + r.lo, [buf])
+                    feeds += [fut] if fut is not None else []
+                    held = held or kept
         self._clock("read: pread and start hashing", t)
         if held:  # a file hash keeps a view of it: never reused, only counted out
             self.shared.memory.buffers.put(base, reuse=False)
@@ -241,8 +248,8 @@ class Stream:
             if self.stop.is_set():
                 return
             with contextlib.suppress(OSError):
-                for r in self.pieces[j].reads:
-                    self.reader.will_need(r.part, r.lo, r.hi)
+                for span in self.pieces[j].spans:
+                    self.reader.will_need_span(span)
 
     # -- compute stage (the stream's own thread) --------------------------------------------------
     def compute(self, pc: Piece, loaded: Loaded) -> tuple[dict[str, list[Chunk]], dict[str, dict],

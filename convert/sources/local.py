@@ -9,8 +9,13 @@ one the tool gave before the seam existed (``tests/test_source.py``, ``test_inpu
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -21,18 +26,27 @@ from ..errors import ConvertError
 from ..jsonfile import MAX_JSON_BYTES, describe_mode, open_regular, read_json, regular_file_error, resolve
 from .protocol import EntryKind, FileEntry, normal_name
 
+#: ``O_DIRECT``'s rule for a read past the page cache: its file offset, length and memory address whole multiples of
+#: the device's logical block (4 KiB, the largest in use, holds for the smaller too)
+ALIGN = 4096
+#: A read's unaligned edges go through a staging buffer of this size, one per reading thread (``_staging``)
+_STAGE = 8 << 20
+_stages = threading.local()
+
 
 class LocalFile:
     """An open regular file: ``pread`` at any offset (no shared position, so threads may share it)."""
 
-    def __init__(self, fd: int, shown: str):
+    def __init__(self, fd: int, shown: str, path: str | os.PathLike | None = None):
         self.fd, self.shown = fd, shown
         self.size = os.fstat(fd).st_size
+        self._path = path
+        self._direct_fd: int | None = None  # opened at the first read past the page cache; -1: refused
 
     @classmethod
     def open(cls, path: str | os.PathLike, shown: str) -> LocalFile:
         """``path``, which must be (or be a symlink to) a regular file; never blocks (``open_regular``)."""
-        return cls(open_regular(path, shown), shown)
+        return cls(open_regular(path, shown), shown, path)
 
     def read_range(self, offset: int, length: int) -> bytes:
         parts, pos, end = [], offset, offset + length
@@ -47,11 +61,58 @@ class LocalFile:
     def readinto(self, offset: int, buf: memoryview) -> int:
         return os.preadv(self.fd, [buf], offset)
 
+    def readinto_direct(self, offset: int, buf: memoryview) -> int:
+        """``readinto`` past the page cache (``O_DIRECT``): the disk's bytes land in ``buf`` itself where its address
+        has the file offset's phase (the pipeline places its reads so), else through a staging buffer; the edges that
+        are not whole blocks through the staging buffer too. Where the file system refuses ``O_DIRECT`` (tmpfs, some
+        network and FUSE file systems), through the page cache, as ``readinto``: the same bytes either way. The kernel
+        writes back any of the file's pages still dirty in the cache before such a read."""
+        fd = self._direct()
+        if fd < 0 or not buf:
+            return self.readinto(offset, buf)
+        try:
+            head = -offset % ALIGN
+            if head or len(buf) < ALIGN:
+                return self._staged(fd, offset, buf[: min(len(buf), head or ALIGN)])
+            if _address(buf) % ALIGN:
+                return self._staged(fd, offset, buf[:_STAGE])
+            return os.preadv(fd, [buf[: len(buf) - len(buf) % ALIGN]], offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._close_direct(-1)  # refused after all (a block larger than ALIGN): the page cache from now on
+            return self.readinto(offset, buf)
+
+    def _direct(self) -> int:
+        if self._direct_fd is None:
+            self._direct_fd = -1
+            if self._path is not None and hasattr(os, "O_DIRECT"):
+                with contextlib.suppress(OSError):
+                    self._direct_fd = os.open(self._path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        return self._direct_fd
+
+    def _staged(self, fd: int, offset: int, dest: memoryview) -> int:
+        """Up to ``len(dest)`` bytes at ``offset`` read past the page cache into this thread's staging buffer (whole
+        blocks around them), then copied."""
+        at = offset - offset % ALIGN
+        span = -(-(offset + len(dest) - at) // ALIGN) * ALIGN
+        stage = _staging()
+        n = os.preadv(fd, [stage[:span]], at)
+        got = max(0, min(len(dest), n - (offset - at)))
+        dest[:got] = stage[offset - at : offset - at + got]
+        return got
+
+    def _close_direct(self, to: int | None) -> None:
+        if self._direct_fd is not None and self._direct_fd >= 0:
+            os.close(self._direct_fd)
+        self._direct_fd = to
+
     def will_need(self, offset: int, length: int) -> None:
         if length > 0 and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
+        self._close_direct(None)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -61,6 +122,18 @@ class LocalFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _staging() -> memoryview:
+    """This thread's staging buffer: whole pages of its own (an anonymous mapping: aligned, as ``O_DIRECT`` asks)."""
+    stage = getattr(_stages, "buffer", None)
+    if stage is None:
+        stage = _stages.buffer = memoryview(mmap.mmap(-1, _STAGE + ALIGN))
+    return stage
+
+
+def _address(buf: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 def _entry(rel: str, path: Path) -> FileEntry:

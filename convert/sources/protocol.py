@@ -88,6 +88,10 @@ class SourceFile(Protocol):
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; the count read (0: the file ends)."""
         ...
 
+    def readinto_direct(self, offset: int, buf: memoryview) -> int:
+        """``readinto``, past the page cache where the file allows (a local file: ``O_DIRECT``); the same bytes."""
+        ...
+
     def will_need(self, offset: int, length: int) -> None:
         """A hint: this range is read soon (a local file: readahead into the page cache)."""
         ...
@@ -108,6 +112,9 @@ class ResourceFreeFile:
 
     def readinto(self, offset: int, buf: memoryview) -> int:
         raise NotImplementedError
+
+    def readinto_direct(self, offset: int, buf: memoryview) -> int:
+        return self.readinto(offset, buf)  # no page cache of this process's to go past
 
     def read_range(self, offset: int, length: int) -> bytes:
         buf = bytearray(max(0, min(length, self.size - offset)))

@@ -1,0 +1,163 @@
+"""The input read past the page cache (``Tuning.direct_read``, ``sources.local.LocalFile.readinto_direct``): the same
+bytes as through the cache at any offset, length and buffer phase, down to the file's end; through the cache where the
+file system refuses ``O_DIRECT``; a pack's reads of a span past the cache where its streams read at once, none where
+they wait for torch (the start-up readahead fills the cache for them); the same output either way.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+from helpers import tree
+from kimi_convert.pack import pack
+from kimi_convert.pipeline.slicing import Read, pieces
+from kimi_convert.plan import Options
+from kimi_convert.sources.local import ALIGN, LocalFile
+from kimi_convert.tuning import Tuning
+
+SGLANG = {"layout": "sglang", "recipe": "nvfp4-w4a16"}  # (test_pipeline's)
+
+
+def _file(tmp_path, size: int) -> tuple[bytes, LocalFile]:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    f = LocalFile.open(path, str(path))
+    if f._direct() < 0:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    return data, f
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> tuple[bytes, LocalFile]:
+    data, f = _file(tmp_path_factory.mktemp("direct"), (4 << 20) + 12345)
+    yield data, f
+    f.close()
+
+
+def _read(f: LocalFile, offset: int, n: int, phase: int, how) -> bytes:
+    """``n`` bytes at ``offset`` read with ``how`` into a buffer whose address is ``phase`` past a page boundary."""
+    raw = np.zeros(n + 2 * ALIGN, dtype=np.uint8)
+    at = (phase - raw.ctypes.data) % ALIGN
+    view = memoryview(raw[at : at + n])
+    got = 0
+    while got < n:
+        k = how(offset + got, view[got:])
+        if k == 0:
+            break
+        got += k
+    return bytes(view[:got])
+
+
+@pytest.mark.parametrize("offset", [0, 1, ALIGN - 1, ALIGN, 3 * ALIGN + 17])
+@pytest.mark.parametrize("n", [1, ALIGN - 5, ALIGN, 5 * ALIGN + 3, 3 << 20])
+@pytest.mark.parametrize("phase", ["file", 0, 16, 1000])
+def test_a_read_past_the_page_cache_is_the_files_bytes(big, offset, n, phase):
+    """Any offset, length and buffer address (at the file offset's phase: the disk's bytes land in the buffer; at
+    another: through the staging buffer), the file's end within the read or not."""
+    data, f = big
+    for off in (offset, len(data) - n + 7):  # the read inside the file, then running past its end
+        at = off % ALIGN if phase == "file" else phase
+        assert _read(f, off, n, at, f.readinto_direct) == data[off : off + n]
+
+
+def test_a_file_system_that_refuses_o_direct_is_read_through_the_cache(tmp_path, monkeypatch):
+    """``O_DIRECT`` refused at the open (tmpfs), or at the first read (a block larger than ``ALIGN``): the same bytes,
+    through the page cache, and the file is not asked again."""
+    data, f = _file(tmp_path, 3 * ALIGN + 99)
+    f.close()
+    real_open = os.open
+
+    def refusing_open(path, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    g = LocalFile.open(tmp_path / "f.bin", "f.bin")
+    assert _read(g, 5, len(data) - 5, 0, g.readinto_direct) == data[5:] and g._direct_fd == -1
+    g.close()
+    monkeypatch.setattr(os, "open", real_open)
+
+    h = LocalFile.open(tmp_path / "f.bin", "f.bin")
+    real_preadv, calls = os.preadv, []
+
+    def refusing_preadv(fd, bufs, offset, *a):
+        if fd == h._direct_fd:
+            calls.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, bufs, offset, *a)
+
+    monkeypatch.setattr(os, "preadv", refusing_preadv)
+    assert _read(h, 0, len(data), 0, h.readinto_direct) == data and h._direct_fd == -1 and len(calls) == 1
+    h.close()
+
+
+def test_a_pieces_reads_come_in_spans_that_lie_one_after_the_other(tiny_k3):
+    """``Piece.spans``: the reads cut where the next does not start where the last ended in the same file."""
+    from kimi_convert.pack import load_plan
+
+    _, plan = load_plan(tiny_k3, Options(**SGLANG))
+    order = {f: i for i, f in enumerate(sorted({p.file for u in plan.units for p in u.parts}))}
+    cuts = 0
+    for pc in pieces(list(plan.units), order, 1 << 20):
+        assert [r for span in pc.spans for r in span] == list(pc.reads)
+        for span in pc.spans:
+            assert all(a.part.file == b.part.file and a.file_range[1] == b.file_range[0]
+                       for a, b in itertools.pairwise(span))
+        for a, b in itertools.pairwise(pc.spans):
+            cuts += 1
+            assert (a[-1].part.file, a[-1].file_range[1]) != (b[0].part.file, b[0].file_range[0])
+    assert cuts and isinstance(pc.spans[0][0], Read)
+
+
+def _count_direct(monkeypatch) -> list[int]:
+    seen: list[int] = []
+    real = LocalFile.readinto_direct
+
+    def counting(self, offset, buf):
+        n = real(self, offset, buf)
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(LocalFile, "readinto_direct", counting)
+    return seen
+
+
+def test_a_pack_read_past_the_page_cache_writes_the_same_bytes(tiny_k3, tmp_path, monkeypatch):
+    """``--device cpu`` where the C kernels take every unit: the spans of at least ``direct_read`` bytes read past
+    the page cache, small pieces (odd phases in the buffers) included; the output the same as through the cache."""
+    probe = LocalFile.open(next(tiny_k3.glob("*.safetensors")), "probe")
+    if probe._direct() < 0:
+        pytest.skip(f"{tiny_k3}: the file system refuses O_DIRECT")
+    probe.close()
+    opts = Options(**SGLANG, max_shard_size=400_000)
+    seen = _count_direct(monkeypatch)
+    r = pack(tiny_k3, tmp_path / "cached", opts, device="cpu", progress=False, tuning=Tuning(direct_read=0))
+    assert seen == []
+    past: dict[int, int] = {}
+    for threshold in (1, 64 << 10):
+        pack(tiny_k3, tmp_path / f"direct-{threshold}", opts, device="cpu", progress=False,
+             tuning=Tuning(slice_bytes=12_345, direct_read=threshold))
+        assert tree(tmp_path / f"direct-{threshold}") == tree(tmp_path / "cached")
+        past[threshold] = sum(seen)
+        seen.clear()
+    assert past[1] == r.bytes_in  # every byte the streams read, past the cache
+    assert 0 < past[64 << 10] < r.bytes_in  # the spans of 64 KiB and more only
+
+
+def test_a_pack_whose_streams_wait_for_torch_reads_through_the_cache(tiny_k3, tmp_path, monkeypatch):
+    """Where a unit needs torch the start-up readahead fills the page cache while torch loads: the streams then read
+    through it, not past it (which would read those bytes twice)."""
+    from kimi_convert import compute_early
+
+    seen = _count_direct(monkeypatch)
+    monkeypatch.setattr(compute_early, "takes", lambda unit: False)
+    opts = Options(**SGLANG, max_shard_size=400_000)
+    pack(tiny_k3, tmp_path / "torch", opts, device="cpu", progress=False, tuning=Tuning(direct_read=1))
+    assert seen == []
