@@ -78,7 +78,8 @@ class Tuning:
     #: file) goes past the page cache (``O_DIRECT``, where the file system allows it: ``PreadReader.read_span``), the
     #: disk's bytes landing in the pooled buffer itself; smaller reads, and every read of a pack whose streams wait for
     #: torch (the start-up readahead fills the page cache for them), go through the cache. On two cores a byte read
-    #: through the page cache costs a newly allocated cache page and a copy (benchmarks/RESULTS.md, "Session 28");
+    #: through the page cache costs a newly allocated cache page and a copy (benchmarks/RESULTS.md, "Issue 38: the
+    #: input read past the page cache");
     #: a small read past it costs the disk's round trip without the kernel's readahead. 0: every read through the page
     #: cache (``KIMI_CONVERT_DIRECT_READ``).
     direct_read: int = 1 << 20
