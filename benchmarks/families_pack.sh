@@ -5,7 +5,9 @@
 #     bash benchmarks/families_pack.sh                  # this machine's CPUs (--device cpu)
 #     bash benchmarks/families_pack.sh --device cuda    # the GPU machine
 #
-# PRESETS="bench-a bench-b" picks the presets (PRESETS=2026: issue 38's nine 2026 releases). Extra arguments go to
+# PRESETS="bench-a bench-b" picks the presets (PRESETS=2026: issue 38's nine 2026 releases); an entry PRESET@N packs the
+# preset with N layers, PRESET@eN with N routed experts a MoE layer (synth --layers / --experts: a larger input, where
+# the process's start and a small file's reads weigh less). Extra arguments go to
 # benchmarks/pack_throughput.py (--repeat 3, --workers 1 2, --quantize-alone, ...). Each preset's input and outputs are
 # removed before the next (KEEP_INPUTS=1 keeps them): nine presets at real width would need about 30 GB at once.
 # The Markdown it prints is also written to $OUT (default benchmarks/results/families-pack-<N>cpus.md).
@@ -19,8 +21,11 @@ if [ "$PRESETS" = 2026 ]; then
     PRESETS="bench-glm5 bench-glm4-moe-lite bench-glm5-next bench-deepseek-v3-2 bench-deepseek-v4 bench-minimax-m3
              bench-kimi-k25 bench-qwen4-exp bench-mistral-large-3"
 fi
-for preset in $PRESETS; do
-    "$PY" benchmarks/pack_throughput.py --preset "$preset" --workdir "$WORK" --quantize-alone "$@"
+for entry in $PRESETS; do
+    preset=${entry%@*}
+    size=()
+    case $entry in *@e*) size=(--experts "${entry#*@e}") ;; *@*) size=(--layers "${entry#*@}") ;; esac
+    "$PY" benchmarks/pack_throughput.py --preset "$preset" "${size[@]}" --workdir "$WORK" --quantize-alone "$@"
     [ -n "${KEEP_INPUTS:-}" ] || rm -rf "$WORK"
     echo
 done | tee "$OUT"

@@ -264,6 +264,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="bench-kimi-linear")
     ap.add_argument("--layers", type=int)
+    ap.add_argument("--experts", type=int, help="routed experts a MoE layer (synth --experts; default: the preset's)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, nargs="+", default=[1])
     ap.add_argument("--streams", type=int, help="pipelines per worker (default: pack's)")
@@ -284,13 +285,14 @@ def main() -> None:
     global COLD, SRC
     COLD = "all" if a.drop_caches else a.cold
     work = Path(a.workdir)
-    src, out = work / f"{a.preset}-L{a.layers or 'd'}", work / "out"
+    src, out = work / f"{a.preset}-L{a.layers or 'd'}-E{a.experts or 'd'}", work / "out"
     if a.input:
         src, a.preset = Path(a.input), Path(a.input).name
     elif not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         cmd = [sys.executable, "-m", "kimi_convert.cli", "synth", a.preset, str(src)]
-        subprocess.run(cmd + (["--layers", str(a.layers)] if a.layers else []), check=True)
+        cmd += ["--layers", str(a.layers)] if a.layers else []
+        subprocess.run(cmd + (["--experts", str(a.experts)] if a.experts else []), check=True)
     SRC = src
     size_in = sum(p.stat().st_size for p in files(src))
     # one untimed pack gives the output size and warms the kernels' caches (C build, Triton JIT)
@@ -303,7 +305,8 @@ def main() -> None:
     cache = drop_caches()
     read_s, write_s = disk_floor(src, size_out, work / "floor.bin", True)
     floor = read_s + write_s
-    print(f"{a.preset} (layers {a.layers or 'default'}), {size_in / 1e9:.2f} GB in, {size_out / 1e9:.2f} GB out, "
+    print(f"{a.preset} (layers {a.layers or 'default'}, experts {a.experts or 'default'}), {size_in / 1e9:.2f} GB in, "
+          f"{size_out / 1e9:.2f} GB out, "
           f"device {a.device}, {cache}, {len(os.sched_getaffinity(0))} CPUs")
     print(f"\ndisk floor: read {read_s:.2f} s ({size_in / read_s / 1e9:.2f} GB/s) + write {write_s:.2f} s "
           f"({size_out / write_s / 1e9:.2f} GB/s) = **{floor:.2f} s**")
