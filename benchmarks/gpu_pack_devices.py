@@ -46,9 +46,9 @@ def main() -> None:
           "| hash re-read GB | peak RSS GB | read from storage GB | page-locked GB (s) | auto chose |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dev in a.device:
-        runs = sorted((pt.run_pack(src, out, dev, 1, True, "5GB", None) for _ in range(a.repeat)),
+        runs = sorted((pt.run_pack(src, out, dev, 1, True, "5GB", None, []) for _ in range(a.repeat)),
                       key=lambda r: r[0])
-        wall, rss, read, st = runs[len(runs) // 2]
+        wall, rss, read, st = runs[len(runs) // 2][:4]
         chose = "; ".join(f"{c['kind']}: {c['chosen']} ({', '.join(f'{b} {v:.3f}' for b, v in c['s_per_gb'].items())}"
                           " s/GB)" for c in st.get("device_choices", []))
         compute = sum(v for k, v in st["stages_s"].items() if k.startswith("compute: kernels"))

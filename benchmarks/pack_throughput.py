@@ -242,7 +242,7 @@ def hash_rate(digest, nbytes: int = 1 << 28, reps: int = 3) -> float:
 
 
 def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_shard: str,
-             streams: int | None, extra: list[str]) -> tuple[float, int, int, dict]:
+             streams: int | None, extra: list[str]) -> tuple[float, int, int, dict, float, float]:
     shutil.rmtree(out, ignore_errors=True)
     stats = out.with_name("stats.json")
     drop_caches(drop)
@@ -256,8 +256,10 @@ def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_sh
     if os.waitstatus_to_exitcode(status):
         sys.exit("pack failed")
     # wait4 gives the pack process's usage together with its reaped children (the workers):
-    # ru_maxrss is the largest single process, ru_inblock the sum of their reads from storage.
-    return wall, usage.ru_maxrss * 1024, usage.ru_inblock * 512, json.loads(stats.read_text())
+    # ru_maxrss is the largest single process, ru_inblock the sum of their reads from storage; user and system
+    # CPU seconds (on two cores the figure to hold against the CPU floor).
+    return (wall, usage.ru_maxrss * 1024, usage.ru_inblock * 512, json.loads(stats.read_text()),
+            usage.ru_utime, usage.ru_stime)
 
 
 def main() -> None:
@@ -329,8 +331,9 @@ def main() -> None:
               f"{cpus} CPUs = **{cpu_floor:.2f} s** (pack / disk floor cannot go below "
               f"{max(floor, cpu_floor) / floor:.2f}x here)")
     print(f"\n| workers x streams | pack s, median (all runs) | pack / ({what} = {bound:.2f} s) | converting s "
-          "| torch + device start s (overlapped) | peak RSS (largest process) | read from storage |")
-    print("|---|---|---|---|---|---|---|")
+          "| torch + device start s (overlapped) | CPU s (user + sys) "
+          "| peak RSS (largest process) | read from storage |")
+    print("|---|---|---|---|---|---|---|---|")
     stages, floors, walls = [], [floor], []
     for w in a.workers:
         runs = []
@@ -339,10 +342,11 @@ def main() -> None:
             floors.append(sum(disk_floor(src, size_out, work / "floor.bin", True)))
         walls += [r[0] for r in runs]
         runs.sort(key=lambda r: r[0])
-        wall, rss, read, st = runs[len(runs) // 2]
+        wall, rss, read, st, user, sys_s = runs[len(runs) // 2]
         every = ", ".join(f"{r[0]:.2f}" for r in runs)
         print(f"| {st['workers']} x {st['streams'] // st['workers']} | {wall:.2f} ({every}) | {wall / bound:.2f}x | "
-              f"{st['convert_s']:.2f} | {st['backend_s']:.2f} | {rss / 1e9:.2f} GB | {read / 1e9:.2f} GB |", flush=True)
+              f"{st['convert_s']:.2f} | {st['backend_s']:.2f} | {user:.2f} + {sys_s:.2f} | {rss / 1e9:.2f} GB "
+              f"| {read / 1e9:.2f} GB |", flush=True)
         stages.append((w, st["stages_s"]))
     med = statistics.median(floors)
     print(f"\ndisk floor, median of {len(floors)} measured before and between the packs: **{med:.2f} s** (each: "
