@@ -20,7 +20,8 @@ ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of byte
        "KIMI_CONVERT_DIRECT_WRITE": ("direct_write", "a number of bytes (0: through the page cache)"),
        "KIMI_CONVERT_DIRECT_READ": ("direct_read", "a number of bytes (0: through the page cache)"),
        "KIMI_CONVERT_WAVE_UNITS": ("wave_units", "a number of units"),
-       "KIMI_CONVERT_PLAN_APART": ("plan_apart", "a number of bytes")}
+       "KIMI_CONVERT_PLAN_APART": ("plan_apart", "a number of bytes"),
+       "KIMI_CONVERT_HEAP_ARENAS": ("heap_arenas", "a number of heaps (0: glibc's default)")}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class Tuning:
     #: M_MMAP_THRESHOLD, which glibc otherwise raises up to 32 MB: a converter's tensors then come from per-thread
     #: heaps that keep what is freed, and the process grows with its threads).
     mmap_threshold: int = 1 << 20
+    #: glibc heaps the threads' small allocations share (M_ARENA_MAX; 0: glibc's default, eight a CPU, in practice one
+    #: a thread): each heap keeps its own freed pages, so the released K3's run grew its heaps over the hours
+    #: (benchmarks/RESULTS.md, "The released K3 end to end", session 30).
+    heap_arenas: int = 2
     #: Bytes a shard writer lets accumulate in the page cache before it asks the kernel to start writing them back
     #: (``write.start_writeback``), so that the shard's closing fsync finds little left to write.
     writeback_every: int = 64 << 20

@@ -847,3 +847,44 @@ def test_the_tuning_reads_its_variables_once_and_refuses_a_bad_value(tiny_k3, tm
     err = one_line_error(run("pack", tiny_k3, out, "-q", env={"KIMI_CONVERT_STARTUP_READAHEAD": "lots"}))
     assert "KIMI_CONVERT_STARTUP_READAHEAD='lots': expected a number of bytes" in err
     assert not out.exists()
+
+
+_ARENA_PROBE = """
+import ctypes, os, sys, tempfile, threading
+from kimi_convert.pipeline import budgets
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "malloc_info"):
+    print("no-malloc_info"); sys.exit()
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
+libc.fclose.argtypes, libc.malloc_info.argtypes = [ctypes.c_void_p], [ctypes.c_int, ctypes.c_void_p]
+budgets.limit_heaps(int(sys.argv[1]))
+go = threading.Barrier(8)
+def work():  # eight threads allocating at once, as a pack's pipeline does
+    go.wait()
+    blocks = [libc.malloc(4096) for _ in range(1000)]
+    for b in blocks:
+        libc.free(b)
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+with tempfile.TemporaryFile() as f:
+    fp = libc.fdopen(os.dup(f.fileno()), b"w")
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    f.seek(0)
+    print(f.read().count(b"<heap nr="))
+"""
+
+
+@pytest.mark.parametrize("arenas", [2, 0])
+def test_the_pipelines_threads_share_a_bounded_number_of_heaps(arenas):
+    """With ``Tuning.heap_arenas`` set (``limit_heaps``, called as the streams start), eight threads allocating at once
+    use at most that many glibc heaps; left to glibc's default (0), more (the probe tells the two apart)."""
+    r = subprocess.run([sys.executable, "-c", _ARENA_PROBE, str(arenas)], capture_output=True, text=True, check=True)
+    if r.stdout.strip() == "no-malloc_info":
+        pytest.skip("not glibc")
+    heaps = int(r.stdout)
+    assert heaps <= arenas if arenas else heaps > 2, heaps

@@ -13,8 +13,9 @@ from ..readers import BufferPool
 from ..tuning import Tuning
 from .slicing import Piece, PieceKind
 
-#: glibc's mallopt parameter M_MMAP_THRESHOLD
+#: glibc's mallopt parameters M_MMAP_THRESHOLD and M_ARENA_MAX
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def return_freed_memory(threshold: int) -> bool:
@@ -23,6 +24,19 @@ def return_freed_memory(threshold: int) -> bool:
     time no worse). False where the C library has no mallopt (not glibc)."""
     try:
         return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def limit_heaps(arenas: int) -> bool:
+    """Have glibc serve every thread's small allocations from at most ``arenas`` heaps (``M_ARENA_MAX``; 0: glibc's
+    own limit, eight a CPU). A pipeline's fifteen threads otherwise each get a heap of their own, each keeping its
+    own free pages between the blocks still in use: ``Tuning.heap_arenas`` says what that cost. Set before the
+    threads start. False where the C library has no mallopt (not glibc)."""
+    if arenas <= 0:
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
     except (OSError, AttributeError):
         return False
 

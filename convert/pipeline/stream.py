@@ -22,7 +22,7 @@ from ..manifest import write_records
 from ..plan import Shard, Unit
 from ..readers import Loaded, PreadReader
 from ..tuning import Tuning
-from .budgets import Memory, default_hash_threads, pc_cost, return_freed_memory, trim_freed_memory
+from .budgets import Memory, default_hash_threads, limit_heaps, pc_cost, return_freed_memory, trim_freed_memory
 from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
 from .slicing import Piece, PieceKind, pieces
 from .timeline import Timeline
@@ -480,6 +480,7 @@ def run_jobs(jobs: list[Job], device: Device, on_shard: Callable[[str, ShardReco
     tuning = tuning or Tuning()
     stop = stop or threading.Event()
     return_freed_memory(tuning.mmap_threshold)
+    limit_heaps(tuning.heap_arenas)
     mine = [pieces(j.units, j.file_order, tuning.slice_bytes) for j in jobs]
     shared = _shared(jobs, mine, device, threads, stop, admit, tuning)
     lock = threading.Lock()
