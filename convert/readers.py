@@ -116,6 +116,11 @@ class ByteRange(Protocol):
     hi: int
 
 
+def span_bytes(span: Sequence[ByteRange]) -> int:
+    """The bytes of a span's ranges (``Piece.spans``): one read's length."""
+    return sum(r.hi - r.lo for r in span)
+
+
 class PreadReader:
     """Reads byte ranges of stored tensors into buffers (``SourceFile.readinto``: ``pread`` for a local
     folder): the pipeline's reader.
@@ -161,7 +166,7 @@ class PreadReader:
         the page cache where it is ``direct`` bytes or more. A file that ends early: one line naming the tensor cut."""
         first = span[0]
         f, pos = self._file(first.part.file), first.part.start + first.lo
-        read = f.readinto_direct if self.direct and len(into) >= self.direct else f.readinto
+        read = f.readinto_direct if self.past_cache(len(into)) else f.readinto
         view = memoryview(into)
         while view:
             n = read(pos, view)
@@ -179,10 +184,13 @@ class PreadReader:
     def will_need_span(self, span: Sequence[ByteRange]) -> None:
         """``will_need`` for a span that will be read through the page cache; none for one read past it (the hint
         would read its bytes twice)."""
-        n = sum(r.hi - r.lo for r in span)
-        if n and not (self.direct and n >= self.direct):
-            first = span[0]
-            self._file(first.part.file).will_need(first.part.start + first.lo, n)
+        n = span_bytes(span)
+        if not self.past_cache(n):
+            self.will_need(span[0].part, span[0].lo, span[0].lo + n)
+
+    def past_cache(self, n: int) -> bool:
+        """Whether a read of ``n`` bytes goes past the page cache (``direct``)."""
+        return bool(self.direct) and n >= self.direct
 
     def close(self) -> None:
         with self._lock:

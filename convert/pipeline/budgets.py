@@ -31,8 +31,9 @@ def return_freed_memory(threshold: int) -> bool:
 def limit_heaps(arenas: int) -> bool:
     """Have glibc serve every thread's small allocations from at most ``arenas`` heaps (``M_ARENA_MAX``; 0: glibc's
     own limit, eight a CPU). A pipeline's fifteen threads otherwise each get a heap of their own, each keeping its
-    own free pages between the blocks still in use: ``Tuning.heap_arenas`` says what that cost. Set before the
-    threads start. False where the C library has no mallopt (not glibc)."""
+    own free pages between the blocks still in use: ``Tuning.heap_arenas`` says what that cost. Set as the
+    streams start: the heaps of threads started earlier stay, and the streams' threads share those. False where
+    the C library has no mallopt (not glibc)."""
     if arenas <= 0:
         return False
     try:

@@ -20,7 +20,7 @@ from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
-from ..readers import Loaded, PreadReader
+from ..readers import Loaded, PreadReader, span_bytes
 from ..tuning import Tuning
 from .budgets import Memory, default_hash_threads, limit_heaps, pc_cost, return_freed_memory, trim_freed_memory
 from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
@@ -222,7 +222,7 @@ class Stream:
         bufs, feeds, digests, held, off, addr = {}, [], {}, False, 0, base.ctypes.data
         for span in pc.spans:
             off += (span[0].file_range[0] - addr - off) % align
-            self.reader.read_span(span, base[off : off + sum(r.hi - r.lo for r in span)])
+            self.reader.read_span(span, base[off : off + span_bytes(span)])
             for r in span:
                 buf = base[off : off + r.hi - r.lo]
                 off += r.hi - r.lo
