@@ -291,10 +291,11 @@ def _size(text: str) -> int:
     return Size().convert(text, None, None)
 
 
-def arrivals(hub: FakeHub, repo: str, started: float) -> list[tuple[str, float, int]]:
-    """(shard, seconds since ``started`` when its last byte reached the sink, its size), in arrival order."""
+def arrivals(hub: FakeHub, repo: str, started: float, since: int = 0) -> list[tuple[str, float, int]]:
+    """(shard, seconds since ``started`` when its last byte reached the sink, its size), in arrival order; only the
+    objects the sink received from its ``since``-th on (a later pack of the same objects counts its own)."""
     by_oid = {oid: p for p, oid in hub.tree_sha256(repo).items() if p.endswith(".safetensors")}
-    got = [(by_oid[oid], round(rec.at - started, 2), rec.size) for oid, rec in hub.received if oid in by_oid]
+    got = [(by_oid[oid], round(rec.at - started, 2), rec.size) for oid, rec in hub.received[since:] if oid in by_oid]
     seen: dict[str, tuple[str, float, int]] = {}
     for a in got:  # an object sent twice (it should not be) counts at its first arrival
         seen.setdefault(a[0], a)
@@ -434,10 +435,12 @@ def _plot(path: Path, rows: list[dict], run: Run) -> bool:
 # Killed once after half the shards, resumed: the same tree
 
 
-def kill_and_resume(leg: Leg, ref: dict[str, str], ref_rows: list[dict], ref_finish: float, seed: int) -> dict:
+def kill_and_resume(leg: Leg, ref: dict[str, str], ref_rows: list[dict], ref_finish: float,
+                    seed: int) -> tuple[dict, Run, list[dict]]:
     """The pack again into ``user/k3-killed``, SIGKILLed after shard ``j`` (``j`` drawn from half the shards to
     all of them) reached the sink plus a random fraction of a typical shard's time (of the finish, after the
-    last), resumed with the journal's command; its tree against ``ref`` (the uninterrupted run's)."""
+    last), resumed with the journal's command; its tree against ``ref`` (the uninterrupted run's). Also the killed
+    pack's run and its shards' rows (those on the Hub before the kill), for the time per shard up to the kill."""
     rng = random.Random(seed)
     n = len(ref_rows)
     j = rng.randint((n + 1) // 2, n)
@@ -470,10 +473,30 @@ def kill_and_resume(leg: Leg, ref: dict[str, str], ref_rows: list[dict], ref_fin
               "resume_peak_local_disk": resumed.peak("disk")}
     got = leg.hub.tree_sha256(repo) if repo in leg.hub.repos else {}
     sent = [oid for oid, _ in leg.hub.received[mark:]]
+    rows = []
+    if repo in leg.hub.repos:
+        end = first.killed_at if first.killed_at is not None else first.wall_s
+        rows = per_shard(first, [a for a in arrivals(leg.hub, repo, first.started, mark) if a[1] <= end])
+    r |= killed_steady(rows)
     return {**r,
             "objects_sent_twice": len(sent) - len(set(sent)), "files": len(got),
             "same_tree": got == ref, "differing_files": sorted(k for k in ref.keys() | got.keys()
-                                                              if ref.get(k) != got.get(k))}
+                                                              if ref.get(k) != got.get(k))}, first, rows
+
+
+def killed_steady(rows: list[dict]) -> dict:
+    """The killed pack's time per shard: the steady shards' (all but the first) median wall and CPU seconds per GB
+    out, and the last third's median over the first third's (flat: about 1)."""
+    steady = rows[1:]
+    if len(steady) < 3:
+        return {}
+    third = len(steady) // 3
+    med = {k: [statistics.median(r[k] for r in part) for part in (steady[:third], steady[-third:])]
+           for k in ("wall_s_per_gb", "cpu_s_per_gb")}
+    return {"killed_steady_wall_s_per_gb_median": statistics.median(r["wall_s_per_gb"] for r in steady),
+            "killed_steady_cpu_s_per_gb_median": statistics.median(r["cpu_s_per_gb"] for r in steady),
+            "killed_wall_s_per_gb_last_third_over_first": round(med["wall_s_per_gb"][1] / med["wall_s_per_gb"][0], 3),
+            "killed_cpu_s_per_gb_last_third_over_first": round(med["cpu_s_per_gb"][1] / med["cpu_s_per_gb"][0], 3)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -542,9 +565,9 @@ def main(argv: list[str] | None = None) -> dict:
         if a.reference is not None:  # the whole release twice is two runs of two hours: one a session
             ref = json.loads(a.reference.read_text())
             result |= {"reference": str(a.reference), "reference_command": ref["command"]}
-            result["kill_and_resume"] = kill_and_resume(leg, ref["tree_sha256"], ref["per_shard"], ref["finish_s"],
-                                                        a.kill_seed)
-            return _report(a, argv, result, [], Run(0, 0.0, 0))
+            result["kill_and_resume"], killed, rows = kill_and_resume(leg, ref["tree_sha256"], ref["per_shard"],
+                                                                      ref["finish_s"], a.kill_seed)
+            return _report(a, argv, result, rows, killed)  # the killed pack's shards and samples
         out, repo = a.work / "out", "user/k3-nvfp4"
         shutil.rmtree(out, ignore_errors=True)
         run = leg.pack(out, repo, (lambda t: t >= a.stop_after) if a.stop_after else None)
@@ -569,7 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
             ref = result["tree_sha256"]
             for oid, _ in hub.received:  # the same objects again: the killed run must send them itself
                 hub.lfs.pop(oid, None)
-            result["kill_and_resume"] = kill_and_resume(leg, ref, rows, result["finish_s"], a.kill_seed)
+            result["kill_and_resume"] = kill_and_resume(leg, ref, rows, result["finish_s"], a.kill_seed)[0]
     return _report(a, argv, result, rows, run)
 
 
