@@ -21,7 +21,8 @@
 #   kl-gpu    the same on synth bench-kimi-linear (2.4 GB, 4 files), the peer with max_workers 1 and 2
 #   families  issue 38's bench-* presets of the 2026 families ($FAMILIES) packed against the disk floor with
 #             --device cpu, input evicted, medians of $FAMILY_REPEAT (benchmarks/pack_throughput.py --quantize-alone),
-#             on every CPU and on two (taskset -c 0,1: $FAMILY_CPUS), one Markdown report each
+#             on every CPU and on two (taskset -c 0,1: $FAMILY_CPUS), one Markdown report each; an entry PRESET@N
+#             packs N layers, PRESET@eN N routed experts a MoE layer (a larger input, as benchmarks/families_pack.sh)
 # Every stage's logs go to /tmp/kc-check/logs, copied to $OUT/logs.tgz after each stage (the device tool returns
 # at most 8 files); the last lines of each stage are printed. DEADLINE (s, default 560): a stage starts only if
 # its estimate fits before it, and is stopped there. Inputs are kept in $WORK between calls on a warm machine.
@@ -127,13 +128,15 @@ stage() {
     local rc=0 f c
     for f in ${FAMILIES:-bench-minimax-m3 bench-kimi-k25 bench-glm5-next bench-deepseek-v4}; do
       [ -n "${DRY:-}" ] && f=${f/bench-/tiny-}
-      synth "fam-$f" "$f"
+      local size=()  # PRESET@N: N layers, PRESET@eN: N routed experts (as benchmarks/families_pack.sh)
+      case $f in *@e*) size=(--experts "${f#*@e}") ;; *@*) size=(--layers "${f#*@}") ;; esac
+      synth "fam-$f" "${f%@*}" --jobs 8 "${size[@]}"
       for c in ${FAMILY_CPUS:-all 2}; do
         local pin=()
         [ "$c" = all ] || pin=(taskset -c "0-$((c - 1))")
         "${pin[@]}" $PY benchmarks/pack_throughput.py --input "$W/fam-$f" --workdir "$W/fam-work" --quantize-alone \
           --repeat "${FAMILY_REPEAT:-3}" > "$L/families-$f-cpus$c.md" 2>&1 || rc=1
-        grep -E "^disk floor|^CPU floor|^\| [0-9]" "$L/families-$f-cpus$c.md" | head -6 | sed "s|^|$f cpus $c: |"
+        grep -E "^disk floor:|^CPU floor|^\| [0-9]|^disk floor, median" "$L/families-$f-cpus$c.md" | head -8 | sed "s|^|$f cpus $c: |"
       done
       rm -rf "$W/fam-$f" "$W/fam-work"; save  # each preset's report back even if the call is cut
     done
