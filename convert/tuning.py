@@ -67,7 +67,7 @@ class Tuning:
     #: An input file's sha256 chain reads a tensor this small itself once the stream has read past it, instead of
     #: waiting for the stream's offer (``hashing.FileHasher``'s ``small``): a release stored by dtype width keeps each
     #: unit's small tensors apart from its large ones (``KIMI_CONVERT_HASH_READS_SMALL``).
-    hash_reads_small: int = 1 << 20
+    hash_reads_small: int = 64 << 10
     #: Allocations of this size and more are mapped on their own and given back to the system when freed (glibc's
     #: M_MMAP_THRESHOLD, which glibc otherwise raises up to 32 MB: a converter's tensors then come from per-thread
     #: heaps that keep what is freed, and the process grows with its threads).
