@@ -169,6 +169,17 @@ class FileHasher:
     file; bytes nobody offers (the header, tensors this worker does not convert) are read from the
     file when the cursor reaches them. The digest is the file's sha256 whatever the order of offers.
 
+    ``small``: once the hold budget has had to drop an offer, an expected range of at most this many bytes that
+    the cursor reaches before that offer is read from the file, not waited for. Safetensors stores a file's tensors
+    by dtype width, so a unit's small tensors can sit apart from its large ones (a compressed-tensors INT4 release's
+    I64 ``weight_shape`` before its I32 codes and BF16 scales, an FP8 release's F32 ``weight_scale_inv`` before its
+    weights). Read unit by unit, such a file kept a cursor that waited for every small tensor at the small ones' run
+    until the last unit was read, and each large range offered before that was held or, past the hold budget,
+    dropped and read again (a third of `bench-kimi-k25@8`'s input, benchmarks/RESULTS.md). Reading a small range
+    twice costs its size, so it is done only where the alternative, large ranges read twice, has begun; the
+    pipeline's own offer of it is then ignored. 0 (an output shard, whose bytes exist only once written) waits for
+    every range.
+
     ``may_take(start)``: whether the hash may read the expected range at ``start`` from the file itself
     when it would otherwise wait for it (its queue ran dry there, nothing offered yet): a sha256 is one
     sequential chain, the slowest stage of one large input file (one core's speed), and a pipeline stalled
@@ -179,13 +190,15 @@ class FileHasher:
 
     def __init__(self, path: str | os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
                  budget: HoldBudget, stop: threading.Event | None = None, *, source: Source | None = None,
-                 may_take: Callable[[int], bool] | None = None):
+                 may_take: Callable[[int], bool] | None = None, small: int = 0):
         """``path``: a local file (an output shard being written), or with ``source`` the name of an input
         file in it (read through the source: the gaps the pipeline does not read)."""
         self.path, self.source = path, source
         self.size = size
         self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle, FILE_DIGEST)
         self._may_take = may_take
+        self._small = small
+        self._dropped_to = 0  # the end of the furthest offer the hold budget could not take
         self._lock = threading.Lock()
         self._ends = {a: b for a, b in expected if b > a}
         self._starts = sorted(self._ends)  # still to be offered, or held
@@ -233,6 +246,8 @@ class FileHasher:
                     self._held[start] = chunks
                     return None, True
                 self._forget(start)  # read again when the cursor gets there
+                self._dropped_to = max(self._dropped_to, start + n)
+                self._advance()  # the cursor may wait at a small range before it: read now, not waited for
                 return None, False
             self._forget(start)
             fut = self._feed(chunks, n, pipeline=True)
@@ -290,11 +305,25 @@ class FileHasher:
                 self._forget(c)
                 self._feed(chunks, n, pipeline=True)
                 continue
-            if c in self._ends:
+            if c in self._ends and not self._reads_itself(c):
                 return  # the pipeline reads it next
-            i = bisect.bisect_right(self._starts, c)
-            nxt = self._starts[i] if i < len(self._starts) else self.size
+            nxt = self._read_until(c)
             self._feed(_reader(self.path, c, nxt, self._stop, self.source), nxt - c, pipeline=False)
+
+    def _read_until(self, c: int) -> int:
+        """Where the chain's own read from ``c`` ends: the next range it waits for or holds, past the gaps and the
+        small ranges before it (forgotten: their offers are ignored)."""
+        i = bisect.bisect_left(self._starts, c)
+        while i < len(self._starts):
+            s = self._starts[i]
+            if s in self._held or not self._reads_itself(s):
+                return s
+            self._forget(s)
+        return self.size
+
+    def _reads_itself(self, start: int) -> bool:
+        """Whether the cursor reads the expected range at ``start`` itself: a small one before a dropped offer."""
+        return self._ends[start] - start <= self._small and start < self._dropped_to
 
 
 class Stopped(Exception):

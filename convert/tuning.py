@@ -21,7 +21,8 @@ ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of byte
        "KIMI_CONVERT_DIRECT_READ": ("direct_read", "a number of bytes (0: through the page cache)"),
        "KIMI_CONVERT_WAVE_UNITS": ("wave_units", "a number of units"),
        "KIMI_CONVERT_PLAN_APART": ("plan_apart", "a number of bytes"),
-       "KIMI_CONVERT_HEAP_ARENAS": ("heap_arenas", "a number of heaps (0: glibc's default)")}
+       "KIMI_CONVERT_HEAP_ARENAS": ("heap_arenas", "a number of heaps (0: glibc's default)"),
+       "KIMI_CONVERT_HASH_READS_SMALL": ("hash_reads_small", "a number of bytes (0: every range waited for)")}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class Tuning:
     in_flight_per_cpu: int = 128 << 20
     #: The most bytes the file hashes hold to hash them in file order (at most a quarter of the in-flight budget).
     hold_bytes: int = 128 << 20
+    #: An input file's sha256 chain reads a tensor this small itself once the stream has read past it, instead of
+    #: waiting for the stream's offer (``hashing.FileHasher``'s ``small``): a release stored by dtype width keeps each
+    #: unit's small tensors apart from its large ones (``KIMI_CONVERT_HASH_READS_SMALL``).
+    hash_reads_small: int = 64 << 10
     #: Allocations of this size and more are mapped on their own and given back to the system when freed (glibc's
     #: M_MMAP_THRESHOLD, which glibc otherwise raises up to 32 MB: a converter's tensors then come from per-thread
     #: heaps that keep what is freed, and the process grows with its threads).

@@ -69,7 +69,8 @@ def _ranges(rng: random.Random, size: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [0, 3000, 1 << 30])
-def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, seed, budget):
+@pytest.mark.parametrize("small", [0, 500])
+def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, seed, budget, small):
     rng = random.Random(seed)
     data = rng.randbytes(20_000 + seed)
     path = tmp_path / "f.bin"
@@ -78,7 +79,7 @@ def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, 
     order = expected[:]
     if seed % 2:
         rng.shuffle(order)  # out of order: held within the budget, else read again
-    fh = FileHasher(path, len(data), expected, pool, HoldBudget(budget))
+    fh = FileHasher(path, len(data), expected, pool, HoldBudget(budget), small=small)
     for a, b in order:
         fut, held = fh.offer(a, [data[a : (a + b) // 2], data[(a + b) // 2 : b]])
         assert not (fut is not None and held)
@@ -89,6 +90,33 @@ def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, 
         assert fh.reread == gaps
     elif budget == 0:
         assert fh.from_pipeline <= sum(b - a for a, b in expected)
+
+
+@pytest.mark.parametrize("small", [0, 64])
+def test_file_hash_reads_small_ranges_itself_once_an_offer_is_dropped(tmp_path, pool, small):
+    """A file stored by dtype width (eight 16-byte ``weight_shape`` ranges first, then the eight 1000-byte codes
+    they go with) read unit by unit, each unit's small range then its large one, with no hold budget: waiting for
+    every small range (``small`` 0) dropped each large offer but the last and read it again; reading the small
+    ones itself once an offer is dropped (``small`` 64), the chain reads again only the first dropped offer and the
+    small ranges after it, and the pipeline's later offers of those are ignored (neither hashed nor held)."""
+    data = random.Random(9).randbytes(100 + 8 * 16 + 8 * 1000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    shapes = [(100 + 16 * k, 116 + 16 * k) for k in range(8)]
+    codes = [(228 + 1000 * k, 1228 + 1000 * k) for k in range(8)]
+    fh = FileHasher(path, len(data), shapes + codes, pool, HoldBudget(0), small=small)
+    offers = []
+    for (a, b), (c, d) in zip(shapes, codes, strict=True):
+        offers += [fh.offer(a, [data[a:b]]), fh.offer(c, [data[c:d]])]
+    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.from_pipeline + fh.reread == len(data)
+    assert not any(held for _, held in offers)
+    if small:  # the header, the first unit's codes (the dropped offer) and the shapes after it
+        assert fh.reread == 100 + 1000 + 7 * 16
+        assert [fut is not None for fut, _ in offers] == [True, False] + [False, True] * 7
+    else:
+        assert fh.reread == 100 + 7 * 1000  # the header and every unit's codes but the last
+        assert fh.from_pipeline == 8 * 16 + 1000
 
 
 def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_path, pool):

@@ -174,7 +174,8 @@ class Stream:
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
         self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.memory.hold, self.stop,
-                                    source=job.source, may_take=may_take(f)) for f, size in job.hash_files.items()}
+                                    source=job.source, may_take=may_take(f), small=shared.tuning.hash_reads_small)
+                      for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
