@@ -1,10 +1,10 @@
 """How many input bytes a pack's file hashes read again from the disk (the pipeline read them first, but too far
-ahead of the sha256 chain's cursor to be held), with the chain reading small tensors itself (``Tuning.
-hash_reads_small``, the default) and without (``KIMI_CONVERT_HASH_READS_SMALL=0``), per preset; the two outputs
-compared file by file. A count of bytes, not a time: a loaded machine moves it little (the hold budget's state at
-each offer depends on the chain's pace), so it can be taken beside other work.
+ahead of the sha256 chain's cursor to be held), with the chain reading small tensors itself
+(``KIMI_CONVERT_HASH_READS_SMALL``, ``--small``: 64 KiB) and without (0, ``Tuning.hash_reads_small``'s default), per
+preset; the two outputs compared file by file. A count of bytes, not a time: a loaded machine moves it little (the
+hold budget's state at each offer depends on the chain's pace), so it can be taken beside other work.
 
-    python benchmarks/hash_reread.py [--workdir DIR] PRESET[@N|@eN] ...
+    python benchmarks/hash_reread.py [--workdir DIR] [--small BYTES] PRESET[@N|@eN] ...
 
 PRESET@N: N layers, PRESET@eN: N routed experts a MoE layer (as benchmarks/families_pack.sh). Each preset's input is
 written with ``kimi-convert synth`` and removed after; the pack is ``--device cpu`` with its default recipe."""
@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("presets", nargs="+")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/kimi-convert-hash-reread"))
+    ap.add_argument("--small", default="65536", help="KIMI_CONVERT_HASH_READS_SMALL of the second pack (bytes)")
     a = ap.parse_args()
     print("| preset | input GB | read again, waiting for every range | read again, small tensors read by the chain "
           "| same files |\n|---|---|---|---|---|")
@@ -56,7 +57,7 @@ def main() -> None:
         src, outs = a.workdir / "in", [a.workdir / "out-wait", a.workdir / "out-small"]
         synth(entry, src)
         size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-        wait, small = pack(src, outs[0], "0"), pack(src, outs[1], None)
+        wait, small = pack(src, outs[0], "0"), pack(src, outs[1], a.small)
         print(f"| `{entry}` | {size / 1e9:.2f} | {wait['hash_reread'] / 1e9:.3f} GB | {small['hash_reread'] / 1e9:.3f}"
               f" GB | {same_tree(*outs)} |", flush=True)
         shutil.rmtree(a.workdir)
