@@ -12,13 +12,15 @@ written with ``kimi-convert synth`` and removed after; the pack is ``--device cp
 from __future__ import annotations
 
 import argparse
-import filecmp
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from auto_vs_devices import tree_digest
 
 CLI = [sys.executable, "-m", "kimi_convert.cli"]
 
@@ -38,13 +40,6 @@ def pack(src: Path, out: Path, small: str | None) -> dict:
     return json.loads(stats.read_text())
 
 
-def same_tree(a: Path, b: Path) -> bool:
-    names = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    if names != sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()):
-        return False
-    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("presets", nargs="+")
@@ -59,7 +54,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         wait, small = pack(src, outs[0], "0"), pack(src, outs[1], a.small)
         print(f"| `{entry}` | {size / 1e9:.2f} | {wait['hash_reread'] / 1e9:.3f} GB | {small['hash_reread'] / 1e9:.3f}"
-              f" GB | {same_tree(*outs)} |", flush=True)
+              f" GB | {tree_digest(outs[0]) == tree_digest(outs[1])} |", flush=True)
         shutil.rmtree(a.workdir)
 
 
