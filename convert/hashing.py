@@ -242,7 +242,7 @@ class FileHasher:
             if self._ends.get(start) != start + n:
                 return None, False  # not expected (any more): the cursor reads these bytes from the file
             if start != self._cursor:
-                if self._budget.take(n):
+                if self._budget.take(owners(chunks)):
                     self._held[start] = chunks
                     return None, True
                 self._forget(start)  # read again when the cursor gets there
@@ -301,9 +301,11 @@ class FileHasher:
             if c in self._held:
                 chunks = self._held.pop(c)
                 n = self._ends[c] - c
-                self._budget.give(n)
                 self._forget(c)
-                self._feed(chunks, n, pipeline=True)
+                # held until hashed, not until fed: a chain behind its stream otherwise queues what it held beyond the
+                # budget (bench-kimi-k25@8 with ``small`` on: 0.5 GB more at the peak, benchmarks/RESULTS.md)
+                held = owners(chunks)
+                self._feed(chunks, n, pipeline=True).add_done_callback(lambda _f, held=held: self._budget.give(held))
                 continue
             if c in self._ends and not self._reads_itself(c):
                 return  # the pipeline reads it next
@@ -360,23 +362,54 @@ def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, so
 
 
 class HoldBudget:
-    """Bytes that ``FileHasher`` may hold out of order, shared by a worker's files (bounds memory)."""
+    """Bytes that ``FileHasher`` may hold out of order, shared by a worker's files (bounds memory).
+
+    A held range keeps its whole buffer alive, not only its own bytes: the pipeline reads a piece (several tensors,
+    of several files) into one pooled buffer, and a range held from it keeps that buffer from being reused or freed
+    until the range is hashed. So the budget counts buffers (``owner``): a buffer's bytes once, while any of its
+    ranges is held. Counting the ranges alone, holds of a few MB each kept 0.5 GB of buffers alive beyond the budget
+    (``bench-kimi-k25@8``, benchmarks/RESULTS.md)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.held = 0
         self._lock = threading.Lock()
+        self._owners: dict[int, list[int]] = {}  # id(buffer) -> [its bytes, ranges of it held]
 
-    def take(self, n: int) -> bool:
+    def take(self, owners: dict[int, int]) -> bool:
+        """Hold ranges of the buffers ``owners`` (id -> bytes), if the buffers not held yet fit."""
         with self._lock:
-            if self.held + n > self.limit:
+            new = sum(n for k, n in owners.items() if k not in self._owners)
+            if self.held + new > self.limit:
                 return False
-            self.held += n
+            for k, n in owners.items():
+                self._owners.setdefault(k, [n, 0])[1] += 1
+            self.held += new
             return True
 
-    def give(self, n: int) -> None:
+    def give(self, owners: dict[int, int]) -> None:
+        """The ranges taken with ``owners`` are hashed: a buffer none of whose ranges is held any more is let go."""
         with self._lock:
-            self.held -= n
+            for k in owners:
+                entry = self._owners[k]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._owners[k]
+                    self.held -= entry[0]
+
+
+def owners(chunks: list) -> dict[int, int]:
+    """The buffers that ``chunks`` keep alive (id -> bytes): a numpy view's outermost numpy base (the pool's buffer it
+    was cut from), else the chunk itself."""
+    import numpy as np  # (loaded by then: the pipeline's buffers are numpy arrays)
+
+    got = {}
+    for c in chunks:
+        root = c
+        while isinstance(getattr(root, "base", None), np.ndarray):
+            root = root.base
+        got[id(root)] = root.nbytes if isinstance(root, np.ndarray) else memoryview(c).nbytes
+    return got
 
 
 def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
