@@ -1,8 +1,9 @@
 """How many input bytes a pack's file hashes read again from the disk (the pipeline read them first, but too far
 ahead of the sha256 chain's cursor to be held), with the chain reading small tensors itself
-(``KIMI_CONVERT_HASH_READS_SMALL``, ``--small``: 64 KiB) and without (0, ``Tuning.hash_reads_small``'s default), per
-preset; the two outputs compared file by file. A count of bytes, not a time: a loaded machine moves it little (the
-hold budget's state at each offer depends on the chain's pace), so it can be taken beside other work.
+(``KIMI_CONVERT_HASH_READS_SMALL``, ``--small``: 64 KiB, ``Tuning.hash_reads_small``'s default) and without (0), per
+preset, with each pack's peak RSS; the two outputs compared file by file. A count of bytes, not a time: a loaded
+machine moves it little (the hold budget's state at each offer depends on the chain's pace), so it can be taken beside
+other work.
 
     python benchmarks/hash_reread.py [--workdir DIR] [--small BYTES] PRESET[@N|@eN] ...
 
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ab_pack import run_once
 from auto_vs_devices import tree_digest
 
 CLI = [sys.executable, "-m", "kimi_convert.cli"]
@@ -32,12 +33,12 @@ def synth(entry: str, dst: Path) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def pack(src: Path, out: Path, small: str | None) -> dict:
-    env = {**os.environ, **({"KIMI_CONVERT_HASH_READS_SMALL": small} if small is not None else {})}
+def pack(src: Path, out: Path, small: str) -> dict:
+    """The pack's ``--stats``, with its peak RSS (``peak_gb``)."""
     stats = out.with_suffix(".stats.json")
-    subprocess.run([*CLI, "pack", str(src), str(out), "--device", "cpu", "-q", "--overwrite", "--stats", str(stats)],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(stats.read_text())
+    run = run_once([*CLI, "pack", str(src), str(out), "--device", "cpu", "-q", "--overwrite", "--stats", str(stats)],
+                   {"KIMI_CONVERT_HASH_READS_SMALL": small})
+    return {**json.loads(stats.read_text()), "peak_gb": run["peak_gb"]}
 
 
 def main() -> None:
@@ -47,14 +48,15 @@ def main() -> None:
     ap.add_argument("--small", default="65536", help="KIMI_CONVERT_HASH_READS_SMALL of the second pack (bytes)")
     a = ap.parse_args()
     print("| preset | input GB | read again, waiting for every range | read again, small tensors read by the chain "
-          "| same files |\n|---|---|---|---|---|")
+          "| peak RSS GB, waiting / small | same files |\n|---|---|---|---|---|---|")
     for entry in a.presets:
         src, outs = a.workdir / "in", [a.workdir / "out-wait", a.workdir / "out-small"]
         synth(entry, src)
         size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         wait, small = pack(src, outs[0], "0"), pack(src, outs[1], a.small)
+        same = tree_digest(outs[0]) == tree_digest(outs[1])
         print(f"| `{entry}` | {size / 1e9:.2f} | {wait['hash_reread'] / 1e9:.3f} GB | {small['hash_reread'] / 1e9:.3f}"
-              f" GB | {tree_digest(outs[0]) == tree_digest(outs[1])} |", flush=True)
+              f" GB | {wait['peak_gb']:.2f} / {small['peak_gb']:.2f} | {same} |", flush=True)
         shutil.rmtree(a.workdir)
 
 

@@ -301,11 +301,9 @@ class FileHasher:
             if c in self._held:
                 chunks = self._held.pop(c)
                 n = self._ends[c] - c
+                self._budget.give(owners(chunks))
                 self._forget(c)
-                # held until hashed, not until fed: a chain behind its stream otherwise queues what it held beyond the
-                # budget (bench-kimi-k25@8 with ``small`` on: 0.5 GB more at the peak, benchmarks/RESULTS.md)
-                held = owners(chunks)
-                self._feed(chunks, n, pipeline=True).add_done_callback(lambda _f, held=held: self._budget.give(held))
+                self._feed(chunks, n, pipeline=True)
                 continue
             if c in self._ends and not self._reads_itself(c):
                 return  # the pipeline reads it next

@@ -305,7 +305,10 @@ class Mapping:
             return any(globs.match(pattern, mod, self.text_prefix)
                        for mod in (few if globs.index_blind(pattern) else modules))
 
-        absent = tuple(b for b in self.optional_blocks if not any(x.startswith(b) for x in shorts))
+        # an MTP block under a prefix of its own is optional too: a release re-saved without it (a fine-tune, a
+        # quantized re-release, a bench preset) is not warned about every MTP entry of a derived table
+        mtp = (self.strip(self.mtp.prefix),) if self.mtp is not None and "{n}" not in self.mtp.prefix else ()
+        absent = tuple(b for b in self.optional_blocks + mtp if not any(x.startswith(b) for x in shorts))
 
         def wanted(entry: str) -> bool:  # not under an optional block this input does not store
             return not self.strip(entry).startswith(absent) if absent else True

@@ -66,9 +66,10 @@ class Tuning:
     hold_bytes: int = 128 << 20
     #: An input file's sha256 chain reads a tensor this small itself once an offer past it was dropped, instead of
     #: waiting for the stream's offer (``hashing.FileHasher``'s ``small``): a release stored by dtype width keeps each
-    #: unit's small tensors apart from its large ones (``KIMI_CONVERT_HASH_READS_SMALL``). Off (0) until the chain's
-    #: backlog is bounded: at 64 KiB a larger peak (benchmarks/RESULTS.md, issue 38's session 31 section).
-    hash_reads_small: int = 0
+    #: unit's small tensors apart from its large ones (``KIMI_CONVERT_HASH_READS_SMALL``; 0: every range waited for).
+    #: 64 KiB takes shapes and FP8 block scales, not an INT4 or MXFP4 expert's group scales (benchmarks/RESULTS.md,
+    #: issue 38's session 31 and 32 sections).
+    hash_reads_small: int = 64 << 10
     #: Allocations of this size and more are mapped on their own and given back to the system when freed (glibc's
     #: M_MMAP_THRESHOLD, which glibc otherwise raises up to 32 MB: a converter's tensors then come from per-thread
     #: heaps that keep what is freed, and the process grows with its threads).

@@ -244,10 +244,10 @@ def test_the_pool_counts_the_file_hashes_holds_against_its_limit():
     for b in bufs[:7]:
         pool.put(b)
     assert pool.pooled == 8 * mb  # nothing held apart: the whole budget may be pooled
-    assert mem.hold.take(2 * mb)  # a file hash keeps 2 MB of views
+    assert mem.hold.take({1: 2 * mb})  # a file hash keeps a 2 MB buffer alive (views of it)
     pool.put(bufs[7])  # any give-back trims the pool to what the budget leaves
     assert pool.pooled == 6 * mb
-    mem.hold.give(2 * mb)
+    mem.hold.give({1: 2 * mb})
     pool.put(pool.get(mb))
     assert pool.pooled == 6 * mb  # nothing is made to fill the room back: the next reads get new buffers
 

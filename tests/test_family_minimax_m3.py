@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_line_error, run, weight_map, write_synth
+from helpers import one_line_error, run, synth_preset, weight_map, write_synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import parse_mapping
 
@@ -269,3 +269,27 @@ def test_the_default_output_verifies_under_the_engines_matching_rules(ckpt, tmp_
     r = run("verify-manifest", out, "--input", ckpt)
     assert r.code == 0, r.stdout + r.stderr
     assert "ok    exclude list / quantized_layers under vLLM's and SGLang's matching rules" in r.stdout
+
+
+def test_a_derived_table_does_not_warn_about_its_mtp_block_where_the_input_stores_none():
+    """The shipped derived table names MiniMax M3's MTP modules (``language_model.model.mtp.``, its ``[mtp]`` block
+    prefix); bench-minimax-m3 stores none (a release re-saved without them): no entry under the block is reported.
+    On the tiny preset, which stores one, a misspelt MTP entry still is."""
+    import dataclasses
+
+    from kimi_convert import synth
+    from kimi_convert.derive.lookup import shipped_for
+
+    def modules(p) -> list[str]:
+        return sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
+
+    bench, tiny = synth_preset("bench-minimax-m3"), synth_preset("tiny-minimax-m3")
+    assert not any(".mtp." in m for m in modules(bench)) and any(".mtp." in m for m in modules(tiny))
+    m = shipped_for(synth.config(tiny))
+    assert m.mtp is not None and m.optional_blocks == ()
+    assert m.unmatched(modules(bench)) == []
+    assert m.unmatched(modules(tiny)) == []
+    typo = dataclasses.replace(m, expert_sets=(*m.expert_sets,
+                                               "language_model.model.mtp.layers.{layer}.block_sparse_moe.expertz"))
+    assert [w.split(": ", 1)[1] for w in typo.unmatched(modules(tiny))] == [
+        "expert_sets 'language_model.model.mtp.layers.{layer}.block_sparse_moe.expertz' matches no module of the input"]
