@@ -20,7 +20,7 @@ from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
-from ..readers import Loaded, PreadReader, span_bytes
+from ..readers import Loaded, PreadReader
 from ..tuning import Tuning
 from .budgets import Memory, default_hash_threads, limit_heaps, pc_cost, return_freed_memory, trim_freed_memory
 from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
@@ -218,12 +218,12 @@ class Stream:
             self.hinted += 1
         if self.hinted >= first:  # on the hint thread, in order (a hint can block while the disk's queue is full)
             self.hints.submit(self._hint_quietly, range(first, self.hinted + 1))
-        align = self.reader.align  # a span read past the page cache lands at the file offset's phase
-        base = self.shared.memory.buffers.get(pc.nbytes + (align - 1) * len(pc.spans))
-        bufs, feeds, digests, held, off, addr = {}, [], {}, False, 0, base.ctypes.data
-        for span in pc.spans:
-            off += (span[0].file_range[0] - addr - off) % align
-            self.reader.read_span(span, base[off : off + span_bytes(span)])
+        base = self.shared.memory.buffers.get(pc.nbytes + self.reader.room(pc.spans))
+        bufs, feeds, digests, held = {}, [], {}, False
+        # the piece's reads at once, those past the page cache in whole blocks at the file offset's phase
+        places = self.reader.place(pc.spans, base.ctypes.data)
+        self.reader.read_spans(base, pc.spans, places)
+        for span, off in zip(pc.spans, places, strict=True):
             for r in span:
                 buf = base[off : off + r.hi - r.lo]
                 off += r.hi - r.lo
