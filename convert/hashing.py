@@ -364,7 +364,7 @@ class HoldBudget:
 
     A held range keeps its whole buffer alive, not only its own bytes: the pipeline reads a piece (several tensors,
     of several files) into one pooled buffer, and a range held from it keeps that buffer from being reused or freed
-    until the range is hashed. So the budget counts buffers (``owner``): a buffer's bytes once, while any of its
+    until the range is hashed. So the budget counts buffers (``owners``): a buffer's bytes once, while any of its
     ranges is held. Counting the ranges alone, holds of a few MB each kept 0.5 GB of buffers alive beyond the budget
     (``bench-kimi-k25@8``, benchmarks/RESULTS.md)."""
 
@@ -386,7 +386,10 @@ class HoldBudget:
             return True
 
     def give(self, owners: dict[int, int]) -> None:
-        """The ranges taken with ``owners`` are hashed: a buffer none of whose ranges is held any more is let go."""
+        """The ranges taken with ``owners`` are queued for the chain: a buffer none of whose ranges is held any more
+        leaves the budget. (Given back when queued, not when hashed: the stream's own offers queued behind them wait
+        for the chain, which bounds that queue, and given back only once hashed MiniMax M3's held ``w3`` ranges
+        collided and 0.34 GB of offers were read again: benchmarks/RESULTS.md, issue 38's session 32 section.)"""
         with self._lock:
             for k in owners:
                 entry = self._owners[k]

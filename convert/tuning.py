@@ -87,7 +87,7 @@ class Tuning:
     #: file system takes direct writes slowly).
     direct_write: int = 8 << 20
     #: A stream's read of at least this many bytes (a span of a piece's reads that lie one after the other in one
-    #: file) goes past the page cache (``O_DIRECT``, where the file system allows it: ``PreadReader.read_span``), the
+    #: file) goes past the page cache (``O_DIRECT``, where the file system allows it: ``PreadReader.read_spans``), the
     #: disk's bytes landing in the pooled buffer itself; smaller reads, and every read of a pack whose streams wait for
     #: torch (the start-up readahead fills the page cache for them), go through the cache. On two cores a byte read
     #: through the page cache costs a newly allocated cache page and a copy (benchmarks/RESULTS.md, "Issue 38: the

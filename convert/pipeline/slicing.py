@@ -43,8 +43,8 @@ class Piece:
 
     @functools.cached_property
     def spans(self) -> tuple[tuple[Read, ...], ...]:
-        """The reads in runs that lie one after the other in one file, each run read as one (``PreadReader.read_span``):
-        a layer's small tensors come in one read, not one each."""
+        """The reads in runs that lie one after the other in one file, each run read as one
+        (``PreadReader.read_spans``): a layer's small tensors come in one read, not one each."""
         runs: list[list[Read]] = []
         for r in self.reads:
             if runs and (runs[-1][-1].part.file, runs[-1][-1].file_range[1]) == (r.part.file, r.file_range[0]):
