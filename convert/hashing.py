@@ -202,7 +202,7 @@ class FileHasher:
         self._lock = threading.Lock()
         self._ends = {a: b for a, b in expected if b > a}
         self._starts = sorted(self._ends)  # still to be offered, or held
-        self._held: dict[int, object] = {}
+        self._held: dict[int, tuple[list, dict[int, int]]] = {}  # start -> (its chunks, the buffers they keep)
         self._cursor = 0
         self._budget = budget
         self._stop = stop or threading.Event()
@@ -242,8 +242,8 @@ class FileHasher:
             if self._ends.get(start) != start + n:
                 return None, False  # not expected (any more): the cursor reads these bytes from the file
             if start != self._cursor:
-                if self._budget.take(owners(chunks)):
-                    self._held[start] = chunks
+                if self._budget.take(kept := owners(chunks)):
+                    self._held[start] = chunks, kept
                     return None, True
                 self._forget(start)  # read again when the cursor gets there
                 self._dropped_to = max(self._dropped_to, start + n)
@@ -299,9 +299,9 @@ class FileHasher:
         while self._cursor < self.size:
             c = self._cursor
             if c in self._held:
-                chunks = self._held.pop(c)
+                chunks, kept = self._held.pop(c)
                 n = self._ends[c] - c
-                self._budget.give(owners(chunks))
+                self._budget.give(kept)
                 self._forget(c)
                 self._feed(chunks, n, pipeline=True)
                 continue

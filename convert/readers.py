@@ -198,7 +198,7 @@ class PreadReader:
         for span, at in zip(spans, places, strict=True):
             pos, n = span[0].part.start + span[0].lo, span_bytes(span)
             if not self.past_cache(n):
-                self._read(span, pos, memoryview(base)[at : at + n], False, pos + n)
+                self.read_span(span, base[at : at + n])
                 continue
             lo, hi = pos - pos % self.align, pos + n + (-(pos + n)) % self.align
             self._read(span, lo, memoryview(base)[at - (pos - lo) : at - (pos - lo) + (hi - lo)], True, pos + n)
