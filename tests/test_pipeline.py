@@ -122,23 +122,25 @@ def test_file_hash_reads_small_ranges_itself_once_an_offer_is_dropped(tmp_path, 
 
 def test_file_hash_holds_count_the_whole_buffer_a_range_keeps_alive(tmp_path, pool):
     """Two ranges cut from one 4000-byte buffer (as the pipeline reads a piece's tensors into one pooled buffer),
-    offered ahead of the cursor: the hold budget counts the buffer's 4000 bytes once while either is held, not the
-    ranges' 200, so with a budget of 3000 neither is held (both dropped, read again), and with 5000 both are, and the
-    budget is free again once they are hashed."""
+    offered ahead of the cursor: the hold budget counts the buffer's 4000 bytes once while either is held in place,
+    not the ranges' 200. With a budget of 5000 both are held in place (the buffer must not be reused); with 3000 the
+    buffer does not fit, so each range is held as a copy of its own 100 bytes (the buffer free to reuse, nothing read
+    again); with 150 the first is copied and the second, past the budget, dropped and read again. The budget is free
+    again once they are hashed."""
     data = random.Random(3).randbytes(6000)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     piece = np.frombuffer(data, np.uint8)[1000:5000].copy()  # one buffer, bytes 1000-5000 of the file
-    for limit, held in ((3000, False), (5000, True)):
+    for limit, in_place, counted, hashed in ((5000, True, 4000, 200), (3000, False, 200, 200), (150, False, 100, 100)):
         budget = HoldBudget(limit)
         fh = FileHasher(path, len(data), [(0, 1000), (1000, 1100), (4900, 5000)], pool, budget)
         got = [fh.offer(1000, [piece[0:100]]), fh.offer(4900, [piece[3900:4000]])]
-        assert [kept for _, kept in got] == [held, held]
-        assert budget.held == (4000 if held else 0)
+        assert [kept for _, kept in got] == [in_place, in_place]
+        assert budget.held == counted
         fh.offer(0, [data[:1000]])
         assert fh.finish().result() == hashlib.sha256(data).hexdigest()
         assert budget.held == 0
-        assert fh.reread == (6000 - 1000 - 200 if held else 6000 - 1000)
+        assert fh.reread == 6000 - 1000 - hashed  # the gaps, and any range dropped
 
 
 def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_path, pool):
