@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -190,7 +191,7 @@ class FileHasher:
 
     def __init__(self, path: str | os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
                  budget: HoldBudget, stop: threading.Event | None = None, *, source: Source | None = None,
-                 may_take: Callable[[int], bool] | None = None, small: int = 0):
+                 may_take: Callable[[int], bool] | None = None, small: int = 0, own: frozenset[int] = frozenset()):
         """``path``: a local file (an output shard being written), or with ``source`` the name of an input
         file in it (read through the source: the gaps the pipeline does not read)."""
         self.path, self.source = path, source
@@ -198,6 +199,7 @@ class FileHasher:
         self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle, FILE_DIGEST)
         self._may_take = may_take
         self._small = small
+        self._own = own  # expected ranges (their starts) the chain reads itself: chain_reads
         self._dropped_to = 0  # the end of the furthest offer the hold budget could not take
         self._lock = threading.Lock()
         self._ends = {a: b for a, b in expected if b > a}
@@ -326,7 +328,7 @@ class FileHasher:
 
     def _reads_itself(self, start: int) -> bool:
         """Whether the cursor reads the expected range at ``start`` itself: a small one before a dropped offer."""
-        return self._ends[start] - start <= self._small and start < self._dropped_to
+        return start in self._own or (self._ends[start] - start <= self._small and start < self._dropped_to)
 
 
 class Stopped(Exception):
@@ -338,6 +340,52 @@ def _open(path: str | os.PathLike, source: Source | None) -> tuple[SourceFile, s
     if source is not None:
         return source.open(str(path)), source.shown(str(path))
     return LocalFile.open(path, str(path)), str(path)
+
+
+def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
+    """The ranges a file's sha256 chain should read from the file itself rather than wait for, given the order in
+    which the pipeline will offer them (``order``: each range once, disjoint) and the hold budget (``FileHasher``).
+
+    The chain hashes in file order, so a range offered late blocks its cursor, and everything offered meanwhile past
+    it must be held, or, past the budget, dropped and read again. Where a unit's bytes lie in two runs of the file
+    (a DeepSeek V4 expert's E8M0 scales among all the layer's scales, its weights far after; the attention's weights
+    between the two runs, offered after every expert, as units go by their first stored byte) the experts' weights
+    went past the budget and a third of the input was read twice (benchmarks/RESULTS.md, issue 38's session 33
+    section). Walking the offers in order, a blocking range is read by the chain itself where it is smaller than what
+    would be dropped waiting for it (the bytes offered before it, past the budget); it is then read twice (the
+    pipeline still reads it for the unit), but once rather than the larger drops. The hold budget is counted by the
+    ranges' own bytes (a range that does not fit in place is held as a copy). Decided once, from the plan: the
+    digest is the file's whatever the choice."""
+    sizes = [b - a for a, b in order]
+    later = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # bytes offered from index i on
+    index = {a: i for i, (a, _) in enumerate(order)}
+    starts = sorted(index)
+    own: set[int] = set()
+    offered: set[int] = set()
+    held: dict[int, int] = {}
+    total = k = 0  # the bytes held; the cursor: the first of ``starts`` neither offered nor read by the chain
+
+    def passed(k: int) -> int:
+        """The cursor moved over what is offered (hashed, held or dropped: read again) or read by the chain."""
+        nonlocal total
+        while k < len(starts) and (starts[k] in offered or starts[k] in own):
+            total -= held.pop(starts[k], 0)
+            k += 1
+        return k
+
+    for i, ((a, _), n) in enumerate(zip(order, sizes, strict=True)):
+        offered.add(a)
+        k = passed(k)
+        while k < len(starts) and a > starts[k] and total + n > budget:
+            c = starts[k]  # blocks the cursor: read it here if smaller than what waiting for it drops
+            if sizes[index[c]] > total + n - budget + later[i + 1] - later[index[c]]:
+                break
+            own.add(c)
+            k = passed(k)
+        if k < len(starts) and a > starts[k] and total + n <= budget:
+            held[a] = n
+            total += n
+    return frozenset(own)
 
 
 def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, source: Source | None = None):

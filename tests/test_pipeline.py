@@ -19,7 +19,7 @@ import pytest
 
 from helpers import child, cli_command, copy_ckpt, one_line_error, run, run_process, tree
 from kimi_convert import pipeline
-from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher
+from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher, chain_reads
 from kimi_convert.pack import load_plan, pack
 from kimi_convert.plan import Options, OutTensor
 from kimi_convert.plan import layout as plan_layout
@@ -141,6 +141,30 @@ def test_file_hash_holds_count_the_whole_buffer_a_range_keeps_alive(tmp_path, po
         assert fh.finish().result() == hashlib.sha256(data).hexdigest()
         assert budget.held == 0
         assert fh.reread == 6000 - 1000 - hashed  # the gaps, and any range dropped
+
+
+def test_file_chain_reads_what_blocks_its_cursor_where_waiting_would_drop_more(tmp_path, pool):
+    """A unit's bytes in two runs of the file, as DeepSeek V4 stores an expert (its scales among the layer's scales,
+    its weights far after, the attention's weights between them, offered after every expert). Waiting for each
+    range, the cursor stops at the first scale not yet offered and later at the attention: the weights offered
+    meanwhile go past the 500-byte hold budget from the third on, and six of them (1200 bytes) are read again.
+    ``chain_reads`` has the chain read the five scales offered late and the attention itself (350 bytes, each
+    smaller than what waiting for it drops), and no offer is dropped. The digest is the file's either way."""
+    data = random.Random(5).randbytes(2080)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    scales = [(100 + 10 * i, 110 + 10 * i) for i in range(8)]
+    attention = (180, 480)
+    weights = [(480 + 200 * i, 680 + 200 * i) for i in range(8)]
+    order = [r for i in range(8) for r in (scales[i], weights[i])] + [attention]
+    own = chain_reads(order, 500)
+    assert own == {130, 140, 150, 160, 170, 180}
+    for chosen, reread in ((frozenset(), 100 + 1200), (own, 100 + 50 + 300)):
+        fh = FileHasher(path, len(data), order, pool, HoldBudget(500), own=chosen)
+        for a, b in order:
+            fh.offer(a, [data[a:b]])
+        assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+        assert fh.reread == reread  # the header, and what the chain reads itself or again
 
 
 def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_path, pool):

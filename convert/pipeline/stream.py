@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import faults, write
-from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped
+from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped, chain_reads
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
@@ -120,6 +120,12 @@ def disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [r for i, r in enumerate(rs) if i not in overlapping]
 
 
+def offer_order(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A file's expected ranges (``disjoint``) in the order the stream offers them: each at its first read."""
+    keep = set(disjoint(ranges))
+    return [r for r in dict.fromkeys(ranges) if r in keep]
+
+
 def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list[tuple[int, int]]]:
     """Per shard, the byte ranges the writer hands to the shard's file hash: the header, each
     computed tensor whole, each pass-through slice."""
@@ -174,7 +180,8 @@ class Stream:
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
         self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.memory.hold, self.stop,
-                                    source=job.source, may_take=may_take(f), small=shared.tuning.hash_reads_small)
+                                    source=job.source, may_take=may_take(f), small=shared.tuning.hash_reads_small,
+                                    own=chain_reads(offer_order(expected[f]), shared.memory.hold.limit))
                       for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
