@@ -290,18 +290,42 @@ class Stream:
     # -- write stage (writer thread) --------------------------------------------------------------
     def store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict],
               release: Callable[[bool], None], feeds: list[Future], digests: dict[str, Future], base: np.ndarray | None,
-              finisher: ThreadPoolExecutor, finishing: list[Future]) -> None:
+              finisher: ThreadPoolExecutor, finishing: list[Future], settler: ThreadPoolExecutor,
+              settling: deque[Future]) -> None:
+        """Write the piece, then hand it to the settler, which gives its buffers and its share of the in-flight
+        budget back once its bytes are hashed: the writer goes on to the next piece meanwhile. (Waiting for the
+        hashes on the writer, DeepSeek V3.2's writer, 3.4 GB out, spent 3.4 s of its 7.2 s waiting, its disk idle:
+        benchmarks/RESULTS.md, issue 38's session 33 section.)"""
         held = True  # failed part-way: the file hash may hold any of the bytes
         try:
-            held = self._store(pc, outputs, notes, feeds, digests, base, finisher, finishing)
+            held = self._store(pc, outputs, notes, feeds, digests, finisher, finishing)
+            settling.append(settler.submit(self.settle, pc, feeds, base, held, release))
+        except BaseException:
+            release(not held)
+            self.shared.memory.in_flight.give(pc_cost(pc))
+            raise
+
+    def settle(self, pc: Piece, feeds: list[Future], base: np.ndarray | None, held: bool,
+               release: Callable[[bool], None]) -> None:
+        """Once the piece's bytes are hashed (input and output), its buffers go back to the pool and its bytes
+        leave the in-flight budget (the settler thread, in store order)."""
+        try:
+            t = time.perf_counter()
+            for f in feeds:
+                f.result()  # the buffers may go once hashed
+            self._clock("settle: wait for the hashes", t)
+            if base is not None:
+                self.shared.memory.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
+            self.on_progress(pc.nbytes)
+            self.stored += pc.nbytes
         finally:
             release(not held)
             self.shared.memory.in_flight.give(pc_cost(pc))
 
     def _store(self, pc: Piece, outputs: dict[str, list[Chunk]], notes: dict[str, dict], feeds: list[Future],
-               digests: dict[str, Future], base: np.ndarray | None, finisher: ThreadPoolExecutor,
-               finishing: list[Future]) -> bool:
-        """Whether the shard's file hash kept some of the piece's chunks (to hash them in file order later)."""
+               digests: dict[str, Future], finisher: ThreadPoolExecutor, finishing: list[Future]) -> bool:
+        """Whether the shard's file hash kept some of the piece's chunks (to hash them in file order later); the
+        output hashes' futures are added to ``feeds``."""
         if self.stop.is_set():
             raise Stopped("pack")
         file = pc.unit.shard
@@ -336,14 +360,6 @@ class Stream:
             if pc.last:
                 st.tensors[name] = h.hexdigest()
                 del self.out_hashers[name]
-        t = time.perf_counter()
-        for f in feeds:
-            f.result()  # the buffers may go once hashed
-        self._clock("write: wait for the hashes", t)
-        if base is not None:
-            self.shared.memory.buffers.put(base, reuse=not (held and pc.kind is PieceKind.COPY))
-        self.on_progress(pc.nbytes)
-        self.stored += pc.nbytes
         if pc.last:
             st.units_left -= 1
             if st.units_left == 0:
@@ -378,6 +394,7 @@ class Stream:
         start = time.perf_counter()
         reads = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-read")
         writes = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-write")
+        settler = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-settle")
         finisher = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-finish")
         self.hints = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-hints")  # (not the reader's)
         memory = self.shared.memory
@@ -387,6 +404,7 @@ class Stream:
         finishing: list[Future] = []
         loading: deque[Future] = deque()
         writing: deque[Future] = deque()
+        settling: deque[Future] = deque()
         try:
             queued = 0  # the next piece to hand the reader
             tuning = self.shared.tuning
@@ -404,23 +422,27 @@ class Stream:
                 outputs, notes, release = self.compute(pc, loaded)
                 del loaded
                 writing.append(writes.submit(self.store, pc, outputs, notes, release, feeds, digests, base,
-                                             finisher, finishing))
+                                             finisher, finishing, settler, settling))
                 del outputs, base, release
                 t = time.perf_counter()
                 while len(writing) > tuning.write_depth or (writing and writing[0].done()):
                     writing.popleft().result()
                 self._clock("compute: wait for the writer", t)
+                while settling and settling[0].done():
+                    settling.popleft().result()
                 _raise_failed(finishing)
             while writing:
                 writing.popleft().result()
+            while settling:
+                settling.popleft().result()
             for f in list(finishing):
                 f.result()
             done, hash_wait = self._finish_inputs()
         except BaseException:
-            self._abort((reads, writes, finisher))
+            self._abort((reads, writes, settler, finisher))
             timeline.stop()
             raise
-        for ex in (reads, writes, finisher, self.hints, self.chain_pool):
+        for ex in (reads, writes, settler, finisher, self.hints, self.chain_pool):
             ex.shutdown()
         self.reader.close()
         return JobResult(done, sum(h.from_pipeline for h in self.files.values()),
