@@ -31,6 +31,8 @@ import blake3
 from .sources.local import LocalFile
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .sources import Source, SourceFile
 
 CHUNK = 16 << 20
@@ -355,9 +357,8 @@ def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
     ranges blocking the cursor before it (their bytes: the chain reads them, the pipeline reads them again for their
     units) against what is dropped until the rest of them are offered, and takes the cheapest j (0: drop the offer).
     Weighed one range at a time, DeepSeek V3.2's last file had its chain read a 558 MB run of BF16 tensors to save
-    0.1 GB of drops. The hold budget is counted by the
-    ranges' own bytes (a range that does not fit in place is held as a copy). Decided once, from the plan: the
-    digest is the file's whatever the choice."""
+    0.1 GB of drops. The hold budget is counted by the ranges' own bytes (a range that does not fit in place is held
+    as a copy). Decided once, from the plan: the digest is the file's whatever the choice."""
     sizes = [b - a for a, b in order]
     later = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # bytes offered from index i on
     index = {a: i for i, (a, _) in enumerate(order)}
@@ -460,12 +461,12 @@ class HoldBudget:
                     self.held -= entry[0]
 
 
-def _copy(chunks: list, n: int):
+def _copy(chunks: list, n: int) -> np.ndarray:
     """The ``n`` bytes of ``chunks`` in a buffer of their own: a range held as a copy keeps only its own bytes
     alive, where holding it in place would keep its whole piece's buffer (``owners``) past the hold budget, and
     dropping it has the file's chain read it again from the disk, waiting for it (Mistral Large 3's expert
     ``w3``, offered with ``w1`` before the ``w2`` stored between them: benchmarks/RESULTS.md, issue 38's session 33
-    section)."""
+    section). Copied under the file hash's lock: tens of milliseconds, where a drop costs the chain a disk read."""
     import numpy as np
 
     out = np.empty(n, dtype=np.uint8)

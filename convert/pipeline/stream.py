@@ -294,7 +294,7 @@ class Stream:
               settling: deque[Future]) -> None:
         """Write the piece, then hand it to the settler, which gives its buffers and its share of the in-flight
         budget back once its bytes are hashed: the writer goes on to the next piece meanwhile. (Waiting for the
-        hashes on the writer, DeepSeek V3.2's writer, 3.4 GB out, spent 3.4 s of its 7.2 s waiting, its disk idle:
+        hashes itself, DeepSeek V3.2's writer, 3.4 GB out, spent 3.4 s of a 7.2 s stream writing nothing:
         benchmarks/RESULTS.md, issue 38's session 33 section.)"""
         held = True  # failed part-way: the file hash may hold any of the bytes
         try:
