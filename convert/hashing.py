@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import itertools
 import os
 import threading
 import time
@@ -249,7 +248,7 @@ class FileHasher:
                 if self._budget.take(kept := owners(chunks)):
                     self._held[start] = chunks, kept
                     return None, True
-                if self._budget.take(kept := {id(copy := _copy(chunks, n)): n}):
+                if self._budget.take(kept := {id(copy := _copy(chunks)): n}):
                     self._held[start] = [copy], kept  # (the pipeline's buffer stays free to reuse)
                     return None, False
                 self._forget(start)  # read again when the cursor gets there
@@ -329,7 +328,8 @@ class FileHasher:
         return self.size
 
     def _reads_itself(self, start: int) -> bool:
-        """Whether the cursor reads the expected range at ``start`` itself: a small one before a dropped offer."""
+        """Whether the cursor reads the expected range at ``start`` itself: one ``chain_reads`` chose, or a small one
+        before a dropped offer."""
         return start in self._own or (self._ends[start] - start <= self._small and start < self._dropped_to)
 
 
@@ -359,44 +359,51 @@ def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
     Weighed one range at a time, DeepSeek V3.2's last file had its chain read a 558 MB run of BF16 tensors to save
     0.1 GB of drops. The hold budget is counted by the ranges' own bytes (a range that does not fit in place is held
     as a copy). Decided once, from the plan: the digest is the file's whatever the choice."""
-    sizes = [b - a for a, b in order]
-    later = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # bytes offered from index i on
+    import numpy as np  # (vectorized: a file of thousands of ranges whose offers keep overflowing the budget took
+    # seconds of start-up weighed range by range in Python)
+
+    sizes = np.array([b - a for a, b in order], dtype=np.int64)
+    later = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]]).astype(np.int64)  # bytes offered from index i on
     index = {a: i for i, (a, _) in enumerate(order)}
     starts = sorted(index)
-    own: set[int] = set()
-    offered: set[int] = set()
-    held: dict[int, int] = {}
-    total = k = 0  # the bytes held; the cursor: the first of ``starts`` neither offered nor read by the chain
+    position = {a: p for p, a in enumerate(starts)}
+    offer_of = np.array([index[a] for a in starts], dtype=np.int64)  # each range's offer, by file position
+    own = np.zeros(len(starts), dtype=bool)
+    gone = np.zeros(len(starts), dtype=bool)  # offered (hashed, held, or dropped: read again) or read by the chain
+    held: dict[int, int] = {}  # position -> bytes
+    total = k = 0  # the bytes held; the cursor: the first position not gone
 
     def passed(k: int) -> int:
-        """The cursor moved over what is offered (hashed, held or dropped: read again) or read by the chain."""
+        """The cursor moved over what is gone."""
         nonlocal total
-        while k < len(starts) and (starts[k] in offered or starts[k] in own):
-            total -= held.pop(starts[k], 0)
+        while k < len(starts) and gone[k]:
+            total -= held.pop(k, 0)
             k += 1
         return k
 
-    for i, ((a, _), n) in enumerate(zip(order, sizes, strict=True)):
-        offered.add(a)
+    for i, n in enumerate(sizes.tolist()):
+        p = position[order[i][0]]
+        gone[p] = True
         k = passed(k)
-        if k >= len(starts) or a <= starts[k]:
+        if k >= len(starts) or p <= k:
             continue  # hashed at once
-        if total + n > budget:  # past the budget: the chain reads ranges blocking it up to ``a``, or drops it
-            blocking = [c for c in starts[k : bisect.bisect_left(starts, a, k)] if c not in offered and c not in own]
+        if total + n > budget:  # past the budget: the chain reads ranges blocking it before ``p``, or drops it
+            blocking = np.flatnonzero(~gone[k:p]) + k
+            offers = offer_of[blocking]
             # reading the first j: their bytes, then what is dropped until the rest are all offered (the offers past
             # the budget, the blocking ranges' own offers aside)
-            cost = list(itertools.accumulate((sizes[index[c]] for c in blocking), initial=0))
-            last = list(itertools.accumulate(reversed([index[c] for c in blocking]), max, initial=i + 1))[::-1]
-            by_offer = sorted(index[c] for c in blocking)
-            before = list(itertools.accumulate((sizes[x] for x in by_offer), initial=0))
-            over = total + n - budget + later[i + 1]
-            costs = [cost[j] + over - later[m] - before[bisect.bisect_left(by_offer, m)] for j, m in enumerate(last)]
-            own.update(blocking[: costs.index(min(costs))])
+            cost = np.concatenate([[0], np.cumsum(sizes[offers])])
+            last = np.concatenate([np.maximum.accumulate(offers[::-1])[::-1], [i + 1]]).astype(np.int64)
+            ranked = np.sort(offers)
+            before = np.concatenate([[0], np.cumsum(sizes[ranked])])
+            costs = cost + (total + n - budget) + later[i + 1] - later[last] - before[np.searchsorted(ranked, last)]
+            chosen = blocking[: int(np.argmin(costs))]  # (the first of equal costs: the fewest reads)
+            own[chosen] = gone[chosen] = True
             k = passed(k)
-        if k < len(starts) and a > starts[k] and total + n <= budget:
-            held[a] = n
+        if k < len(starts) and p > k and total + n <= budget:
+            held[p] = n
             total += n
-    return frozenset(own)
+    return frozenset(starts[q] for q in np.flatnonzero(own).tolist())
 
 
 def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, source: Source | None = None):
@@ -461,21 +468,15 @@ class HoldBudget:
                     self.held -= entry[0]
 
 
-def _copy(chunks: list, n: int) -> np.ndarray:
-    """The ``n`` bytes of ``chunks`` in a buffer of their own: a range held as a copy keeps only its own bytes
+def _copy(chunks: list) -> np.ndarray:
+    """The bytes of ``chunks`` in a buffer of their own: a range held as a copy keeps only its own bytes
     alive, where holding it in place would keep its whole piece's buffer (``owners``) past the hold budget, and
     dropping it has the file's chain read it again from the disk, waiting for it (Mistral Large 3's expert
     ``w3``, offered with ``w1`` before the ``w2`` stored between them: benchmarks/RESULTS.md, issue 38's session 33
     section). Copied under the file hash's lock: tens of milliseconds, where a drop costs the chain a disk read."""
     import numpy as np
 
-    out = np.empty(n, dtype=np.uint8)
-    at = 0
-    for c in chunks:
-        m = memoryview(c).nbytes
-        out[at : at + m] = np.frombuffer(c, dtype=np.uint8)
-        at += m
-    return out
+    return np.concatenate([np.frombuffer(c, dtype=np.uint8) for c in chunks])
 
 
 def owners(chunks: list) -> dict[int, int]:

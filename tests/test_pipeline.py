@@ -148,8 +148,8 @@ def test_file_chain_reads_what_blocks_its_cursor_where_waiting_would_drop_more(t
     its weights far after, the attention's weights between them, offered after every expert). Waiting for each
     range, the cursor stops at the first scale not yet offered and later at the attention: the weights offered
     meanwhile go past the 500-byte hold budget from the third on, and six of them (1200 bytes) are read again.
-    ``chain_reads`` has the chain read the five scales offered late and the attention itself (350 bytes, each
-    smaller than what waiting for it drops), and no offer is dropped. The digest is the file's either way."""
+    ``chain_reads`` has the chain read the five scales offered late and the attention itself (350 bytes, fewer than
+    waiting for them drops), and no offer is dropped. The digest is the file's either way."""
     data = random.Random(5).randbytes(2080)
     path = tmp_path / "f.bin"
     path.write_bytes(data)

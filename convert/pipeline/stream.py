@@ -120,9 +120,10 @@ def disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [r for i, r in enumerate(rs) if i not in overlapping]
 
 
-def offer_order(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """A file's expected ranges (``disjoint``) in the order the stream offers them: each at its first read."""
-    keep = set(disjoint(ranges))
+def offer_order(ranges: list[tuple[int, int]], expected: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A file's ``expected`` ranges (``disjoint(ranges)``) in the order the stream reads ``ranges``: each at its
+    first read."""
+    keep = set(expected)
     return [r for r in dict.fromkeys(ranges) if r in keep]
 
 
@@ -179,10 +180,14 @@ class Stream:
         # The input files' sha256 chains run on a thread of their own, not the shared pool: one chain is the
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
-        self.files = {f: FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.memory.hold, self.stop,
-                                    source=job.source, may_take=may_take(f), small=shared.tuning.hash_reads_small,
-                                    own=chain_reads(offer_order(expected[f]), shared.memory.hold.limit))
-                      for f, size in job.hash_files.items()}
+
+        def file_hash(f: str, size: int) -> FileHasher:
+            ranges = disjoint(expected[f])
+            return FileHasher(f, size, ranges, self.chain_pool, shared.memory.hold, self.stop, source=job.source,
+                              may_take=may_take(f), small=shared.tuning.hash_reads_small,
+                              own=chain_reads(offer_order(expected[f], ranges), shared.memory.hold.limit))
+
+        self.files = {f: file_hash(f, size) for f, size in job.hash_files.items()}
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}
