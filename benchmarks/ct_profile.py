@@ -124,9 +124,9 @@ def chain(stats: dict) -> str:
     """The input file's sha256 chain's seconds from --stats: busy, of which on a CPU and on its own reads, and its
     thread's wait for a CPU."""
     st = stats.get("stages_s", {})
-    keys = {"busy": "hash: input file sha256 chains (busy)", "on CPU": "hash: input file sha256 chains (on a CPU)",
-            "own reads": "hash: input file sha256 chains (own reads)",
-            "runqueue": "hash: input file sha256 chains' thread (waiting for a CPU)"}
+    keys = {"busy": "hash: input file digest chains (busy)", "on CPU": "hash: input file digest chains (on a CPU)",
+            "own reads": "hash: input file digest chains (own reads)",
+            "runqueue": "hash: input file digest chains' thread (waiting for a CPU)"}
     return ", ".join(f"{k} {st[v]}" for k, v in keys.items() if v in st)
 
 

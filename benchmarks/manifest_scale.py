@@ -39,16 +39,18 @@ CHILD = r"""
 import hashlib, sys
 from pathlib import Path
 import kimi_convert.verify as V
+import kimi_convert.verify.offline as O
 if sys.argv[1] == "import":
     sys.exit(0)
-real = V.hash_file
-def stand_in(path, ranges, progress=None):
+real = O.hash_file
+def stand_in(path, ranges, progress=None, stop=None, **kw):
     # a shard's bytes are holes: its file and tensor hashes are the stand-ins the manifest was written with
     if path.name.endswith(".safetensors"):
         sha = lambda s: hashlib.sha256(s.encode()).hexdigest()
-        return sha(path.name), path.stat().st_size, {t: sha(t) for t in ranges}
-    return real(path, ranges, progress)
-V.hash_file = stand_in
+        return ({d: f"{d}:{sha(path.name)}" for d in kw.get("file_digests", ("blake3",))}, path.stat().st_size,
+                {t: sha(t) for t in ranges})
+    return real(path, ranges, progress, stop, **kw)
+O.hash_file = stand_in
 print("code:", V.__file__)
 rep = V.verify(Path(sys.argv[1]))
 for name, ok, detail in rep.checks:
@@ -80,6 +82,7 @@ def notes_for(it) -> dict:
 def make_output(src: Path, out: Path) -> dict:
     """The output pack would write, data regions as holes; returns what it took and wrote."""
     from kimi_convert import pack as P
+    from kimi_convert.hashing import FILE_DIGEST, labelled
     from kimi_convert.journal import Journal, ShardRecord
     from kimi_convert.manifest import write_records
     from kimi_convert.options import Options
@@ -105,12 +108,13 @@ def make_output(src: Path, out: Path) -> dict:
         rec = write_records(out, s.file, units, {t.name: stand_in(t.name) for it in items for t in it.outputs},
                             {p.name: stand_in(p.name) for it in items for x in it.sources for p in x.parts},
                             {it.name: notes_for(it) for it in items})
-        j.shards[s.file] = ShardRecord(s.size, stand_in(s.file), rec.size, rec.sha256, rec.modules)
+        j.shards[s.file] = ShardRecord(s.size, labelled(FILE_DIGEST, stand_in(s.file)), rec.size, rec.digest,
+                                       rec.modules)
     t_records = time.process_time() - t0
     t0 = time.process_time()
     folder = OutputFolder(out, -1)  # (no lock: nothing else writes here)
     folder.journal = j
-    folder.finish(ckpt, plan, {f: stand_in(f) for f, _ in plan.inputs})
+    folder.finish(ckpt, plan, {f: labelled(FILE_DIGEST, stand_in(f)) for f, _ in plan.inputs})
     t_finish = time.process_time() - t0
     return {"plan_cpu_s": t_plan, "records_cpu_s": t_records, "finish_cpu_s": t_finish,
             "modules": sum(len(u.items) for u in plan.units),

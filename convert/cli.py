@@ -464,7 +464,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     if manifest:
         with Progress("verify", not (quiet or as_json)) as bar:
             given = _input(input_dir, token)
-            rep = verify(output_dir, given, full=full, device=device, progress=bar.update, total=bar.grow)
+            rep = verify(output_dir, given, full=full, device=device, progress=bar.update, total=bar.grow,
+                         hub=bool(remote))
     else:
         if remote or (input_dir and not numerics):
             raise ConvertError(f"{output_dir}: no manifest.json, so --input (without the numeric check) and --remote "
@@ -473,7 +474,8 @@ def verify_manifest(output_dir: str, input_dir: str | None, full: bool, device: 
     if remote:
         from .upload.publish import verify_remote
 
-        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api)
+        rc = verify_remote(output_dir, remote, revision, token, say=lambda m: click.echo(m, err=True), api=hub_api,
+                           local_sha256=rep.sha256)
         rep.check(f"Hub repo {remote}: files, sizes and sha256", rc.problems, f"{rc.checked} files")
     engine_reports = _engine_checks(rep, output_dir, engines, engine_python, engine_any_version,
                                     input_dir if numerics else None, draft, not (quiet or as_json),

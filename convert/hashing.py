@@ -2,12 +2,12 @@
 
 The pipeline hashes every byte it reads or writes (each input file and each source tensor, each
 output tensor and each output file), and hashlib and blake3 release the GIL on large buffers, so
-hashing runs beside reading, computing and writing. A file's digest is sha256 (the Hub names an LFS
-object by it: an input is compared with the Hub's, an output shard's is its oid); a tensor's is
-``TENSOR_DIGEST`` (BLAKE3: four times sha256's speed on one core, where the tensors' digests are half
-of the pipeline's hashing; docs/output-format.md). A digest is sequential, though: the pieces of one
+hashing runs beside reading, computing and writing. A tensor's digest is ``TENSOR_DIGEST`` and a file's
+``FILE_DIGEST`` (both BLAKE3: four times sha256's speed on one core), but sha256 where the Hub names the file by
+it (``HUB_DIGEST``: a Hub input's LFS oid, the outputs of ``pack --upload``; docs/output-format.md, "Digests").
+A digest is sequential, though: the pieces of one
 stream must be fed in order even when several pool threads run. ``SerialHasher`` keeps that order
-for one stream; ``FileHasher`` builds a whole file's sha256 from the byte ranges the pipeline reads or
+for one stream; ``FileHasher`` builds a whole file's digest from the byte ranges the pipeline reads or
 writes anyway, reading from the file itself only what the pipeline does not hand it (an input's header,
 ranges another worker converts, ranges that came too far out of order to hold): an input file through
 its ``Source``, an output file (a local path) directly.
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,11 +37,38 @@ if TYPE_CHECKING:
 CHUNK = 16 << 20
 
 #: The digest of each tensor in the records a pack writes (``tensors[]`` and ``sources[].parts[]``, under a
-#: key of this name; manifest.json's ``tensor_digest`` names it). Files stay sha256 (``FILE_DIGEST``).
+#: key of this name; manifest.json's ``tensor_digest`` names it).
 TENSOR_DIGEST = "blake3"
-FILE_DIGEST = "sha256"
-#: The digests a manifest's records may use: sha256 in those of format_version 3 (before ``tensor_digest``).
+#: A file's digest where no Hub names the file: a local input's, and every output file's of a pack that does not
+#: upload as it goes (docs/output-format.md, "Digests").
+FILE_DIGEST = "blake3"
+#: The Hub's name of an LFS file: a Hub input's (its downloads verified against it), and every output file's of
+#: ``pack --upload`` (each shard's LFS object id, handed to the upload as the shard is written).
+HUB_DIGEST = "sha256"
+#: The digests a manifest may use, files' and tensors': sha256 for every one before format_version 4, for files
+#: before 5.
 DIGESTS: dict[str, Callable[[], Digest]] = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
+
+
+def labelled(name: str, hexdigest: str) -> str:
+    """A file's digest as the journal and the pipeline pass it around: ``"blake3:<hex>"``: two digests of one file
+    by different algorithms never compare equal, and a manifest entry gets its key from it (``unlabel``)."""
+    return f"{name}:{hexdigest}"
+
+
+def unlabel(digest: str) -> tuple[str, str]:
+    """``labelled``'s inverse: (algorithm, hex)."""
+    name, _, hexdigest = digest.partition(":")
+    return name, hexdigest
+
+
+def hub_oid(digest: str) -> str:
+    """The sha256 an LFS upload names the file by, from a labelled digest that must be one (``pack --upload``'s
+    outputs are hashed by sha256 for this)."""
+    name, hexdigest = unlabel(digest)
+    if name != HUB_DIGEST:
+        raise ValueError(f"a {name} digest where the Hub needs the file's sha256")
+    return hexdigest
 
 
 class Digest(Protocol):
@@ -163,13 +190,13 @@ class SerialHasher:
 
 
 class FileHasher:
-    """A file's sha256 from the ranges the pipeline reads, in file order, plus the gaps between them.
+    """A file's digest from the ranges the pipeline reads, in file order, plus the gaps between them.
 
     ``expected`` are the (start, end) ranges the pipeline will ``offer`` (each exactly once). The
     cursor hashes offered bytes as soon as everything before them is hashed; a range offered ahead
     of the cursor is held while the hold budget allows, else dropped and later read again from the
     file; bytes nobody offers (the header, tensors this worker does not convert) are read from the
-    file when the cursor reaches them. The digest is the file's sha256 whatever the order of offers.
+    file when the cursor reaches them. The digest is the file's whatever the order of offers.
 
     ``small``: once the hold budget has had to drop an offer, an expected range of at most this many bytes that
     the cursor reaches before that offer is read from the file, not waited for. Safetensors stores a file's tensors
@@ -183,7 +210,7 @@ class FileHasher:
     every range.
 
     ``may_take(start)``: whether the hash may read the expected range at ``start`` from the file itself
-    when it would otherwise wait for it (its queue ran dry there, nothing offered yet): a sha256 is one
+    when it would otherwise wait for it (its queue ran dry there, nothing offered yet): a file digest is one
     sequential chain, the slowest stage of one large input file (one core's speed), and a pipeline stalled
     behind it (torch loading, a GPU starting) must not stall the chain too. The pipeline's later read of a
     range taken so comes from the page cache (one disk read either way); the caller bounds how far ahead
@@ -192,12 +219,14 @@ class FileHasher:
 
     def __init__(self, path: str | os.PathLike, size: int, expected: list[tuple[int, int]], pool: Executor,
                  budget: HoldBudget, stop: threading.Event | None = None, *, source: Source | None = None,
-                 may_take: Callable[[int], bool] | None = None, small: int = 0, own: frozenset[int] = frozenset()):
+                 may_take: Callable[[int], bool] | None = None, small: int = 0, own: frozenset[int] = frozenset(),
+                 digest: str = FILE_DIGEST):
         """``path``: a local file (an output shard being written), or with ``source`` the name of an input
-        file in it (read through the source: the gaps the pipeline does not read)."""
+        file in it (read through the source: the gaps the pipeline does not read). ``digest``: the algorithm."""
         self.path, self.source = path, source
         self.size = size
-        self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle, FILE_DIGEST)
+        self.digest = digest
+        self._hasher = SerialHasher(pool, None if may_take is None else self._on_idle, digest)
         self._may_take = may_take
         self._small = small
         self._own = own  # expected ranges (their starts) the chain reads itself: chain_reads
@@ -261,7 +290,8 @@ class FileHasher:
             return fut, False
 
     def finish(self) -> Future:
-        """Hash whatever is left (nothing more will be offered); a future of the hex digest."""
+        """Hash whatever is left (nothing more will be offered); a future of the hex digest (``labelled`` with
+        ``self.digest`` by the caller)."""
         with self._lock:
             for s in list(self._starts):
                 if s not in self._held:
@@ -345,7 +375,7 @@ def _open(path: str | os.PathLike, source: Source | None) -> tuple[SourceFile, s
 
 
 def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
-    """The ranges a file's sha256 chain should read from the file itself rather than wait for, given the order in
+    """The ranges a file's digest chain should read from the file itself rather than wait for, given the order in
     which the pipeline will offer them (``order``: each range once, disjoint) and the hold budget (``FileHasher``).
 
     The chain hashes in file order, so a range offered late blocks its cursor, and everything offered meanwhile past
@@ -495,11 +525,13 @@ def owners(chunks: list) -> dict[int, int]:
 
 def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
               progress: Callable[[int], None] | None = None, stop: threading.Event | None = None, *,
-              source: Source | None = None, digest: str = TENSOR_DIGEST) -> tuple[str, int, dict[str, str]]:
-    """sha256 of the file and ``digest`` of each byte range (contiguous, non-overlapping: a shard's tensors),
-    in one sequential read; a stop request ends it within one chunk. ``path``: a local file, or with ``source``
-    an input file's name."""
-    fh = hashlib.sha256()
+              source: Source | None = None, digest: str = TENSOR_DIGEST, file_digests: Collection[str] = (FILE_DIGEST,)
+              ) -> tuple[dict[str, str], int, dict[str, str]]:
+    """The file's digests (``file_digests``, each ``labelled``, by algorithm), its size, and ``digest`` of each
+    byte range (contiguous, non-overlapping: a shard's tensors), in one sequential read (``upload`` checks a
+    file's BLAKE3 and takes the sha256 the Hub names it by from the same bytes); a stop request ends it within one
+    chunk. ``path``: a local file, or with ``source`` an input file's name."""
+    fhs = {name: new_digest(name) for name in file_digests}
     order = sorted(ranges.items(), key=lambda kv: kv[1])
     th = {name: new_digest(digest) for name in ranges}
     pos, i = 0, 0
@@ -523,7 +555,8 @@ def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
         for block in blocks():
             if stop is not None and stop.is_set():
                 raise Stopped(shown)
-            fh.update(block)
+            for fh in fhs.values():
+                fh.update(block)
             end = pos + len(block)
             while i < len(order) and order[i][1][0] < end:
                 name, (a, b) = order[i]
@@ -537,11 +570,18 @@ def hash_file(path: str | os.PathLike, ranges: dict[str, tuple[int, int]],
             pos = end
             if progress:
                 progress(len(block))
-    return fh.hexdigest(), pos, {n: h.hexdigest() for n, h in th.items()}
+    return {n: labelled(n, h.hexdigest()) for n, h in fhs.items()}, pos, {n: h.hexdigest() for n, h in th.items()}
+
+
+def file_digest(path: str | os.PathLike, digest: str = FILE_DIGEST, stop: threading.Event | None = None, *,
+                source: Source | None = None) -> str:
+    """The file's ``digest``, ``labelled``."""
+    return hash_file(path, {}, stop=stop, source=source, file_digests=(digest,))[0][digest]
 
 
 def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None, *, source: Source | None = None) -> str:
-    return hash_file(path, {}, stop=stop, source=source)[0]
+    """The file's sha256 (hex): what the Hub names an LFS file by."""
+    return unlabel(file_digest(path, HUB_DIGEST, stop, source=source))[1]
 
 
 def git_blob_sha1(path: str | os.PathLike) -> str:

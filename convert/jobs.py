@@ -48,7 +48,7 @@ def jobs_by_wave(ckpt: Checkpoint, plan: Plan, todo: list[ShardSize], slots: int
                  wave_units: int, source: Source | None = None, hash_inputs: bool = True,
                  known: Collection[str] = (), direct_read: int = 0) -> Iterator[list[pipeline.Job]]:
     """Each wave's jobs, made when asked for (see ``cut_waves``); each input file hashed by the wave that reads
-    most of it, but those whose sha256 is ``known`` (an earlier run's, journaled); ``direct_read``: each job's
+    most of it, but those whose digest is ``known`` (an earlier run's, journaled); ``direct_read``: each job's
     (``Job.direct_read``)."""
     loads = plan.shard_loads
     waves = cut_waves(todo, loads, slots, wave_units) if plan.expansion is not None else [todo]

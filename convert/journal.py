@@ -2,7 +2,7 @@
 continues where it stopped instead of starting over.
 
 It lives in the output folder as ``.kimi-convert-pack.json`` while a pack runs and is removed once
-``manifest.json`` is in place. Each finished shard is recorded with its size and sha256 and those of
+``manifest.json`` is in place. Each finished shard is recorded with its size and digest and those of
 its records file (``manifest-records/``: the manifest's per-module records, written with the shard);
 a resumed run re-hashes every recorded shard and its records file and redoes any that does not
 match. The journal stays small (a few numbers a shard), as it is rewritten each time a shard
@@ -27,17 +27,17 @@ from .sources import EntryKind, Source
 NAME = filenames.JOURNAL
 #: The lock a running pack holds on its output (outfolder.lock_output): its pid; removed when the output is finished.
 LOCK = filenames.LOCK
-VERSION = 4  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files;
+VERSION = 5  # 2: fingerprint renamed plan_sha256; 3: hashes and notes moved to the records files;
 #: 4: the records files' tensor digests are BLAKE3 (a version 3 journal's shards have sha256 records: not continued,
-#: so that one manifest holds one digest)
+#: so that one manifest holds one digest); 5: files' digests are BLAKE3, labelled (``hashing.labelled``)
 
 
 @dataclass
 class ShardRecord:
     size: int
-    sha256: str
+    digest: str  # ``hashing.labelled`` (``FILE_DIGEST``)
     records_size: int  # the shard's records file (manifest.records_name)
-    records_sha256: str
+    records_digest: str
     modules: int  # records in it
     cast_blocks: int = 0  # MXFP4 blocks cast to NVFP4 (pack's summary line)
     cast_lossless: int = 0  # of which exact
@@ -50,12 +50,13 @@ class Journal:
     inputs: dict[str, list[int | str]]  # input file -> its identity (sources.FileEntry.stamp: [size, mtime_ns])
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     version: int = VERSION
-    #: ``pack --upload``: shard -> the sha256 it had when the Hub took it (a resume asks the Hub's LFS for it)
+    #: ``pack --upload``: shard -> the sha256 the upload computed as it sent it (its LFS object id, which a resume
+    #: asks the Hub's LFS for)
     uploaded: dict[str, str] = field(default_factory=dict)
-    #: input file -> its sha256, once a wave has hashed it whole (bound to ``inputs``' stamp, which a resume checks):
-    #: a resume does not read 1.4 TB of the released K3 again for the manifest's hashes of the files its killed run
-    #: had finished (issue 43's kill leg)
-    input_sha256: dict[str, str] = field(default_factory=dict)
+    #: input file -> its digest (labelled), once a wave has hashed it whole (bound to ``inputs``' stamp, which a
+    #: resume checks): a resume does not read 1.4 TB of the released K3 again for the manifest's hashes of the files
+    #: its killed run had finished (issue 43's kill leg)
+    input_digests: dict[str, str] = field(default_factory=dict)
 
     def save(self, folder: Path) -> None:
         write_atomic(folder / NAME, json.dumps(asdict(self), sort_keys=True).encode(), fault="journal")
@@ -67,30 +68,32 @@ class Journal:
             return None
         try:
             d = read_json(path, str(path))
-            shards = {k: ShardRecord(**v) for k, v in d.pop("shards").items()}
-            j = Journal(**d, shards=shards)
+            version = d.get("version")  # first: another version's records have other fields
+            if version == VERSION:
+                shards = {k: ShardRecord(**v) for k, v in d.pop("shards").items()}
+                j = Journal(**d, shards=shards)
         except (ConvertError, OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise ConvertError(f"{path}: unreadable resume journal ({e}); start again with --overwrite") from None
-        if j.version != VERSION:
-            raise ConvertError(f"{path}: journal version {j.version} is not {VERSION}; start again with --overwrite")
+        if version != VERSION:
+            raise ConvertError(f"{path}: journal version {version} is not {VERSION}; start again with --overwrite")
         return j
 
 
 def intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
     """Whether a journaled shard and its records file are still the bytes recorded (a resume keeps
     it then; otherwise both are written again)."""
-    return records_intact(folder, shard, rec) and _same(folder / shard, rec.size, rec.sha256)
+    return records_intact(folder, shard, rec) and _same(folder / shard, rec.size, rec.digest)
 
 
 def records_intact(folder: Path, shard: str, rec: ShardRecord) -> bool:
     """The shard's records file alone (``pack --upload --no-keep-output``: the shard itself is on the Hub)."""
-    return _same(folder / filenames.records_name(shard), rec.records_size, rec.records_sha256)
+    return _same(folder / filenames.records_name(shard), rec.records_size, rec.records_digest)
 
 
-def _same(path: Path, size: int, sha: str) -> bool:
-    from .hashing import sha256_file
+def _same(path: Path, size: int, digest: str) -> bool:
+    from .hashing import file_digest, unlabel
 
-    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha
+    return path.is_file() and path.stat().st_size == size and file_digest(path, unlabel(digest)[0]) == digest
 
 
 def input_stamps(source: Source, files: list[str]) -> dict[str, list[int | str]]:

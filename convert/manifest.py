@@ -6,7 +6,6 @@ It holds no timestamps and no absolute paths, so the same input and options give
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tomllib
 from collections.abc import Iterator
@@ -14,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from . import __version__, filenames, schemes
-from .atomic import write_atomic
+from .atomic import write_atomic, write_json_atomic
 from .errors import ConvertError
-from .hashing import DIGESTS, TENSOR_DIGEST
+from .hashing import DIGESTS, FILE_DIGEST, HUB_DIGEST, TENSOR_DIGEST, hash_file, labelled, new_digest, unlabel
 from .jsonfile import loads, read_json
 from .plan import Item, Plan, Unit
 from .plan.serialize import engine_groups, head_dict, item_dict, side_dict
@@ -26,9 +25,11 @@ FORMAT = "kimi-convert-manifest"
 #: 3: ``modules`` moved out of manifest.json into one JSON Lines file per output shard (``records``).
 #: 4: each tensor's digest (``tensors[]``, ``sources[].parts[]``) is BLAKE3 under the key ``blake3``, named by
 #: ``tensor_digest`` (version 3: sha256, key ``sha256``, no ``tensor_digest``); files' digests stay sha256.
+#: 5: each file's digest is under the key of its algorithm: BLAKE3 (``blake3``), sha256 (``sha256``) where the Hub
+#: names the file by it (a Hub input's; every output file's of ``pack --upload``); before 5 every file's is sha256.
 #: Version 1 and 2 manifests (every module in manifest.json, before 0.1.0) are refused by verify-manifest;
-#: version 3 ones are read (``tensor_digest``).
-FORMAT_VERSION = 4
+#: version 3 and 4 ones are read (``tensor_digest``, ``entry_digest``).
+FORMAT_VERSION = 5
 
 
 RECORDS_DIR, records_name = filenames.RECORDS_DIR, filenames.records_name
@@ -59,11 +60,65 @@ class RecordsFile:
 
     file: str
     size: int
-    sha256: str
+    digest: str  # ``hashing.labelled``
     modules: int
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "size": self.size, "sha256": self.sha256, "modules": self.modules}
+        return {"file": self.file, "size": self.size, **digest_entry(self.digest), "modules": self.modules}
+
+
+def digest_entry(digest: str) -> dict[str, str]:
+    """A labelled digest (``hashing.labelled``) as a manifest entry writes it: under its algorithm's name."""
+    name, hexdigest = unlabel(digest)
+    return {name: hexdigest}
+
+
+def entry_digests(entry: dict) -> list[str]:
+    """Every digest a file entry records, ``labelled``, BLAKE3 first: blake3 (format_version 5), sha256 (every file
+    before 5; since, a Hub input's, and an output file's once uploaded: ``with_hub_digests``)."""
+    return [labelled(k, entry[k]) for k in (FILE_DIGEST, HUB_DIGEST) if isinstance(entry.get(k), str)]
+
+
+def entry_digest(entry: dict) -> str | None:
+    """A file entry's first digest (``entry_digests``); None where it records none."""
+    got = entry_digests(entry)
+    return got[0] if got else None
+
+
+def with_hub_digests(man: dict, sha256: dict[str, str]) -> dict:
+    """manifest.json with each output file's sha256 (``sha256``: file -> hex) beside its BLAKE3: the name the Hub's
+    LFS gives the file, added by the upload that computed it (``pack --upload`` as it sends each shard, ``upload``
+    as it verifies the folder), so that ``verify-manifest --remote`` compares the Hub's files with the manifest
+    without reading them again, even where the shards were not kept. The same entries, in the same key order,
+    whichever of the two wrote it."""
+    for section in ("outputs", "records", "files", "side_files"):
+        for i, e in enumerate(man.get(section, [])):
+            sha = sha256.get(e["file"])
+            if sha is not None and FILE_DIGEST in e:
+                man[section][i] = _after({k: v for k, v in e.items() if k != HUB_DIGEST}, FILE_DIGEST, HUB_DIGEST, sha)
+    return man
+
+
+def hub_sha256(output_dir: Path, man: dict, known: dict[str, str]) -> dict[str, str]:
+    """Every output file's sha256 (file -> hex) for ``with_hub_digests``: ``known`` (from a read that checked the
+    file already: the uploads', verify's), the manifest's own where it records one, else computed here from one read
+    that also checks the file's BLAKE3 against the manifest. A file neither known nor here is one line."""
+    out = {}
+    for section in ("outputs", "records", "files"):
+        for e in man.get(section, []):
+            name = e["file"]
+            if name in known or HUB_DIGEST in e:
+                out[name] = known.get(name) or e[HUB_DIGEST]
+                continue
+            path = output_dir / name
+            if not path.is_file():
+                raise ConvertError(f"{path}: missing, and manifest.json records its BLAKE3, not the sha256 the Hub "
+                                   "names it by; start again with --overwrite")
+            got, size, _ = hash_file(path, {}, file_digests=(FILE_DIGEST, HUB_DIGEST))
+            if size != e["size"] or got[FILE_DIGEST] != entry_digest(e):
+                raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
+            out[name] = unlabel(got[HUB_DIGEST])[1]
+    return out
 
 
 def write_records(output_dir: Path, shard: str, units: list[Unit], tensor_hashes: dict[str, str],
@@ -82,19 +137,20 @@ def write_records(output_dir: Path, shard: str, units: list[Unit], tensor_hashes
     except OSError as e:
         raise ConvertError(f"{path.parent}: cannot create: {e.strerror or e}") from None
     write_atomic(path, data, fault="records")
-    return RecordsFile(rel, len(data), hashlib.sha256(data).hexdigest(), len(lines))
+    return RecordsFile(rel, len(data), labelled(FILE_DIGEST, DIGESTS[FILE_DIGEST](data).hexdigest()), len(lines))
 
 
 def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: dict[str, tuple[int, str]],
           records: dict[str, RecordsFile], files: list[dict], side_files: list[dict],
           origin: dict | None = None) -> dict:
-    """manifest.json (format_version 4): everything but the per-module records, which are in
-    ``records`` (one file per output shard, each with its size, sha256 and number of modules).
-    ``shards``: output shard -> (size, sha256); ``files``: every other file of the output (configs,
-    index, side files) with size and sha256; ``side_files``: those of them copied from the input.
-    ``origin``: a Hub input's ``source`` (``HubRepo.provenance``: repository, commit, revision), whose
-    ``inputs[].sha256`` are then the LFS sha256 the Hub recorded, each download verified against it;
-    absent for a local folder (whose manifest is as before)."""
+    """manifest.json (format_version 5): everything but the per-module records, which are in
+    ``records`` (one file per output shard, each with its size, digest and number of modules).
+    ``input_hashes``: input file -> its digest (``hashing.labelled``); ``shards``: output shard -> (size,
+    digest); ``files``: every other file of the output (configs, index, side files) with size and digest;
+    ``side_files``: those of them copied from the input. Each digest goes under its algorithm's name
+    (``digest_entry``). ``origin``: a Hub input's ``source`` (``HubRepo.provenance``: repository, commit,
+    revision), whose ``inputs[].sha256`` are then the LFS sha256 the Hub recorded, each download verified against
+    it; absent for a local folder."""
     head = head_dict(plan)
     del head["modules"]
     head["engine_groups"] = engine_groups(plan)
@@ -102,19 +158,25 @@ def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: di
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tool": {"name": "kimi-convert", "version": __version__},
-        "tensor_digest": TENSOR_DIGEST,  # the records' digest of each tensor (files: sha256)
+        "tensor_digest": TENSOR_DIGEST,  # the records' digest of each tensor (a file's: under its own key)
         "plan_sha256": plan_sha256,
         "mapping_table": tomllib.loads(plan.mapping.source),
         "mapping_source": plan.mapping.source,
         "recipe_source": plan.recipe.source,
         **({"source": origin} if origin else {}),  # a Hub input: repository, resolved commit, revision asked
-        "inputs": [{"file": f, "size": size, "sha256": input_hashes[f]} for f, size in plan.inputs],
+        "inputs": [{"file": f, "size": size, **digest_entry(input_hashes[f])} for f, size in plan.inputs],
         **side_dict(plan, side_files),
-        "outputs": [{"file": f, "size": size, "sha256": h} for f, (size, h) in sorted(shards.items())],
+        "outputs": [{"file": f, "size": size, **digest_entry(h)} for f, (size, h) in sorted(shards.items())],
         "records": [{"shard": f, **records[f].to_dict()} for f in sorted(shards)],
         "files": files,
         **head,
     }
+
+
+def write_manifest(output_dir: Path, man: dict) -> None:
+    """manifest.json written atomically, one engine group a line (the same bytes whoever writes it: the pack, or
+    an upload adding the Hub's digests)."""
+    write_json_atomic(output_dir / filenames.MANIFEST, man, compact_lists=("engine_groups",))
 
 
 def load_manifest(output_dir: Path) -> dict:
@@ -143,7 +205,7 @@ def tensor_digest(man: dict) -> str:
 def iter_modules(output_dir: Path, man: dict, problems: list[str] | None = None) -> Iterator[tuple[str, dict]]:
     """Every module record with where it was read (``manifest-records/X.jsonl line N``), streamed: the
     records files are read one line at a time, never whole. ``problems`` collects what is wrong with a
-    records file (missing, a line that is not a record, size or sha256 not the listed ones)."""
+    records file (missing, a line that is not a record, size or digest not the listed ones)."""
     for entry in man["records"]:
         reader = RecordsReader(output_dir, entry)
         yield from reader
@@ -154,13 +216,15 @@ def iter_modules(output_dir: Path, man: dict, problems: list[str] | None = None)
 class RecordsReader:
     """One records file, read a line at a time and hashed from the same bytes; after iterating,
     ``problems`` says what was wrong (missing, truncated, a line that is not a record, edited: its
-    size, sha256 or number of records differ from manifest.json's listing)."""
+    size, digest or number of records differ from manifest.json's listing)."""
 
-    def __init__(self, output_dir: Path, entry: dict):
-        self.output_dir, self.entry = output_dir, entry
+    def __init__(self, output_dir: Path, entry: dict, also: tuple[str, ...] = ()):
+        """``also``: more digests of the file to compute from the same bytes (``digests``, once it matched)."""
+        self.output_dir, self.entry, self.also = output_dir, entry, also
         self.name: str = entry["file"]
         self.problems: list[str] = []
         self.stopped = False  # missing, or a line that is not a record: the records after it are unknown
+        self.digests: dict[str, str] = {}  # by algorithm, ``labelled``: the file read whole and matching its entry
 
     def __iter__(self) -> Iterator[tuple[str, dict]]:
         name = self.name
@@ -169,7 +233,12 @@ class RecordsReader:
             self.problems.append(f"manifest.json: records file {name!r} is not a relative path inside the output")
             self.stopped = True
             return
-        h, size, n = hashlib.sha256(), 0, 0
+        wants = entry_digests(self.entry)
+        if not wants:
+            self.problems.append(f"manifest.json: the records file {name} is listed without a digest")
+            self.stopped = True
+            return
+        hs, size, n = {a: new_digest(a) for a in {*(unlabel(w)[0] for w in wants), *self.also}}, 0, 0
         try:
             f = open(self.output_dir / name, "rb")  # noqa: SIM115 - closed by the with below (a generator)
         except OSError as e:
@@ -179,7 +248,8 @@ class RecordsReader:
             return
         with f:
             for n, line in enumerate(f, 1):
-                h.update(line)
+                for h in hs.values():
+                    h.update(line)
                 size += len(line)
                 rec = _parse_line(line)
                 if rec is None:
@@ -188,11 +258,26 @@ class RecordsReader:
                     self.stopped = True
                     return
                 yield f"{name} line {n}", rec
-        if size != self.entry["size"] or h.hexdigest() != self.entry["sha256"]:
-            self.problems.append(f"{name}: {size} bytes, sha256 {h.hexdigest()[:16]}...; manifest.json says "
-                                 f"{self.entry['size']} bytes, {self.entry['sha256'][:16]}... (edited or truncated)")
+        got = {a: labelled(a, h.hexdigest()) for a, h in hs.items()}
+        wrong = [w for w in wants if got[unlabel(w)[0]] != w]
+        if size != self.entry["size"] or wrong:
+            alg, want = unlabel((wrong or wants)[0])
+            self.problems.append(f"{name}: {size} bytes, {alg} {unlabel(got[alg])[1][:16]}...; manifest.json says "
+                                 f"{self.entry['size']} bytes, {want[:16]}... (edited or truncated)")
         elif n != self.entry["modules"]:
             self.problems.append(f"{name}: {n} records, manifest.json says {self.entry['modules']}")
+        else:
+            self.digests = got
+
+
+def _after(d: dict, key: str, new: str, value: object) -> dict:
+    """``d`` with ``new: value`` right after ``key``."""
+    out = {}
+    for k, v in d.items():
+        out[k] = v
+        if k == key:
+            out[new] = value
+    return out
 
 
 def _parse_line(line: bytes) -> dict | None:

@@ -10,7 +10,6 @@ byte-identical to an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import threading
@@ -22,7 +21,7 @@ from . import manifest as manifest_mod
 from .atomic import write_atomic, write_atomic_chunks, write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint
 from .errors import ConvertError
-from .hashing import sha256_file
+from .hashing import DIGESTS, HUB_DIGEST, file_digest, labelled, unlabel
 from .journal import Journal, ShardRecord
 from .plan import Plan, ShardSize
 from .plan.serialize import plan_sha256
@@ -102,8 +101,7 @@ class OutputFolder:
         --upload) whose records file does and whose upload the Hub's LFS confirms by sha256; forget the rest."""
         j, out = self.journal, self.path
         planned = {s.file for s in plan.shard_sizes()}
-        claimed = {f: (j.shards[f].size, sha) for f, sha in j.uploaded.items()
-                   if f in planned and f in j.shards and j.shards[f].sha256 == sha}
+        claimed = {f: (j.shards[f].size, sha) for f, sha in j.uploaded.items() if f in planned and f in j.shards}
         on_hub = hub.present(claimed) if hub is not None else set()
         j.uploaded = {f: sha for f, sha in j.uploaded.items() if f in on_hub}
         kept = 0
@@ -130,19 +128,19 @@ class OutputFolder:
     def check_space(self, todo: list[ShardSize], in_flight: int | None = None, queue: int = 0) -> None:
         check_space(self.path, todo, in_flight, queue)
 
-    def record(self, file: str, rec: ShardRecord, uploaded: bool = False) -> None:
-        """A finished shard journaled (``uploaded``: by a Ray task, this run's upload as well)."""
+    def record(self, file: str, rec: ShardRecord, uploaded: str | None = None) -> None:
+        """A finished shard journaled (``uploaded``: its sha256, uploaded by a Ray task, this run's upload as well)."""
         with self.lock:
             self.journal.shards[file] = rec
             if uploaded:
-                self.journal.uploaded[file] = rec.sha256
+                self.journal.uploaded[file] = uploaded
             self.journal.save(self.path)
 
     def record_inputs(self, hashes: dict[str, str]) -> None:
-        """Input files' sha256, journaled once a wave has hashed them whole (a resume does not hash them again)."""
+        """Input files' digests, journaled once a wave has hashed them whole (a resume does not hash them again)."""
         if hashes:
             with self.lock:
-                self.journal.input_sha256.update(hashes)
+                self.journal.input_digests.update(hashes)
                 self.journal.save(self.path)
 
     def record_upload(self, file: str, sha: str) -> None:
@@ -153,7 +151,8 @@ class OutputFolder:
     def place_records(self, shard: str, rec: ShardRecord, data: bytes) -> None:
         """A Ray task's records file, written where the manifest and the commit read it, once checked against
         the record (it crossed the network)."""
-        if len(data) != rec.records_size or hashlib.sha256(data).hexdigest() != rec.records_sha256:
+        name = unlabel(rec.records_digest)[0]
+        if len(data) != rec.records_size or labelled(name, DIGESTS[name](data).hexdigest()) != rec.records_digest:
             raise ConvertError(f"{shard}: the records file a Ray task sent does not match its record (a bug)")
         path = self.path / filenames.records_name(shard)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,11 +166,13 @@ class OutputFolder:
                 p.unlink()
 
     def finish(self, ckpt: Checkpoint, plan: Plan, input_hashes: dict[str, str], keep_journal: bool = False,
-               origin: dict | None = None) -> None:
+               origin: dict | None = None, uploaded: dict[str, str] | None = None) -> None:
         """Configs, side files and index, then the manifest, then the journal goes (``keep_journal``: --upload,
         kept until the commit is in: a resume then commits). Side files are copied again by a resumed run
         (they are cheap), so its manifest is an uninterrupted run's. The module records are already on disk,
-        one file per shard (written as each shard finished): manifest.json lists them with their sha256."""
+        one file per shard (written as each shard finished): manifest.json lists them with their digests.
+        ``uploaded`` (``pack --upload``: shard -> the sha256 its upload computed): every output file's sha256 goes
+        beside its BLAKE3, as ``upload`` writes it (``manifest.with_hub_digests``)."""
         out, j = self.path, self.journal
         cfgs = configs.config_files(ckpt.config, plan)
         for name, content in cfgs.items():
@@ -184,14 +185,16 @@ class OutputFolder:
             plan,
             j.plan_sha256,  # the hash of plan_dict(plan): a journal is only continued for the same plan
             input_hashes,
-            {f: (r.size, r.sha256) for f, r in recs.items()},
-            {f: manifest_mod.RecordsFile(manifest_mod.records_name(f), r.records_size, r.records_sha256, r.modules)
+            {f: (r.size, r.digest) for f, r in recs.items()},
+            {f: manifest_mod.RecordsFile(manifest_mod.records_name(f), r.records_size, r.records_digest, r.modules)
              for f, r in recs.items()},
             [r.to_dict() for r in [*own, *side]],
             [r.to_dict() for r in side],
             origin,
         )
-        write_json_atomic(out / filenames.MANIFEST, man, compact_lists=("engine_groups",))
+        if uploaded is not None:
+            man = manifest_mod.with_hub_digests(man, manifest_mod.hub_sha256(out, man, uploaded))
+        manifest_mod.write_manifest(out, man)
         if not keep_journal:
             self.remove_journal()
 
@@ -202,8 +205,9 @@ class OutputFolder:
 def _check_same_run(source: Source, output_dir: Path, plan: Plan, plan_sha: str) -> None:
     """A finished output is "already complete" only for the run this command asks: the same plan (recipe,
     options, mapping, input headers: the manifest's ``plan_sha256``) from the same input files (each one's size
-    and sha256 as the manifest records them; the Hub's LFS sha256 where the source knows it, else the file
-    re-hashed). Anything else is another output, refused in one line rather than passed off as this one."""
+    and digest as the manifest records them; the Hub's LFS sha256 where the source knows it and the manifest
+    records sha256, else the file re-hashed). Anything else is another output, refused in one line rather than
+    passed off as this one."""
     man = manifest_mod.load_manifest(output_dir)
     if man.get("plan_sha256") != plan_sha:
         was, now = man.get("recipe") or {}, plan.recipe.name
@@ -214,12 +218,19 @@ def _check_same_run(source: Source, output_dir: Path, plan: Plan, plan_sha: str)
     recorded = {e.get("file"): e for e in man.get("inputs", []) if isinstance(e, dict)}
     for f, size in plan.inputs:
         rec = recorded.get(f)
-        entry = source.entry(f)
-        sha = None if rec is None or rec.get("size") != size else (
-            entry.sha256 if entry is not None and entry.sha256 else sha256_file(f, source=source))
-        if rec is None or sha != rec.get("sha256"):
+        want = None if rec is None else manifest_mod.entry_digest(rec)
+        if want is None or rec.get("size") != size or _input_digest(source, f, unlabel(want)[0]) != want:
             raise ConvertError(f"{output_dir}: already finished, but from another {source.shown(f)} (its size or "
-                               "sha256 differs from manifest.json's inputs); start again with --overwrite")
+                               "digest differs from manifest.json's inputs); start again with --overwrite")
+
+
+def _input_digest(source: Source, f: str, digest: str) -> str:
+    """An input file's ``digest`` (labelled): the Hub's LFS sha256 where the source knows it, else the file's bytes
+    hashed."""
+    entry = source.entry(f)
+    if digest == HUB_DIGEST and entry is not None and entry.sha256:
+        return labelled(HUB_DIGEST, entry.sha256)
+    return file_digest(f, digest, source=source)
 
 
 def _check_complete(output_dir: Path, shards_may_be_gone: bool = False) -> None:
@@ -230,7 +241,9 @@ def _check_complete(output_dir: Path, shards_may_be_gone: bool = False) -> None:
         path = output_dir / f["file"]
         if shards_may_be_gone and f in man.get("outputs", []) and not path.exists():
             continue
-        if not path.is_file() or path.stat().st_size != f["size"] or sha256_file(path) != f["sha256"]:
+        want = manifest_mod.entry_digest(f)
+        if (want is None or not path.is_file() or path.stat().st_size != f["size"]
+                or file_digest(path, unlabel(want)[0]) != want):
             raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
 
 

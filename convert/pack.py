@@ -127,9 +127,9 @@ def pack(input_source: Source | str | os.PathLike, output_dir: str | os.PathLike
         results = _run_units(executor, waves, out, staging, hub, Progress(
             "pack", progress, total=plan.bytes_in, initial=out.done_bytes(plan)))  # run the units
         convert_s = time.perf_counter() - t
-        read = dict(out.journal.input_sha256)  # every wave's, journaled as it ended (an earlier run's too)
+        read = dict(out.journal.input_digests)  # every wave's, journaled as it ended (an earlier run's too)
         out.finish(ckpt, plan, staging.input_hashes(plan.inputs, read), keep_journal=hub is not None,
-                   origin=provenance(source))  # finish
+                   origin=provenance(source), uploaded=dict(out.journal.uploaded) if hub else None)  # finish
         up = _publish_run(hub, out, plan) if hub is not None else None  # publish
         stats = PackStats.of(results, workers=n_workers, streams=n_streams, convert_s=convert_s, setup_s=t - called,
                              finish_s=time.perf_counter() - t - convert_s, downloads=staging.stats(results))
@@ -226,12 +226,12 @@ def _prepare(ckpt: Checkpoint, plan: Plan, out: OutputFolder, staging: Staging, 
         hub.start(out.path, out.record_upload)
         for s in plan.shard_sizes():  # finished by an earlier run, not on the Hub yet
             if s.file in done and s.file not in out.journal.uploaded:
-                hub.submit(s.file, done[s.file].size, done[s.file].sha256, admitted=False)
+                hub.submit(s.file, done[s.file].size, done[s.file].digest, admitted=False)
     ahead = start.local and staging.reads_ahead and _streams_wait(executor.devices, start.need)
     direct = start.tuning.direct_read if staging.reads_ahead and not ahead else 0  # (ahead: the cache is theirs)
     waves = Waves.of(jobs_by_wave(ckpt, plan, todo, executor.slots, out.path, start.tuning.wave_units,
                                   source=source, hash_inputs=staging.hashes_inputs,
-                                  known=set(out.journal.input_sha256), direct_read=direct))
+                                  known=set(out.journal.input_digests), direct_read=direct))
     if ahead:  # (on a thread: queueing that much can block until the disk took it)
         threading.Thread(target=readahead, daemon=True, name="kimi-convert-readahead",
                          args=(ckpt.source, [p for j in waves.first for u in j.units for p in u.parts],
@@ -250,12 +250,12 @@ def _run_units(executor: Executor, waves: Waves, out: OutputFolder, staging: Sta
         """``arrived``: what a Hub-input Ray task sends with the record (its records file; uploaded by it)."""
         if arrived is not None and arrived.records is not None:
             out.place_records(file, rec, arrived.records)
-        sent = arrived is not None and arrived.uploaded
+        sent = arrived.uploaded if arrived is not None else None  # the task's upload: the shard's sha256
         out.record(file, rec, uploaded=sent)
         if sent:  # by the task: this run's upload as well (the summary counts it)
             hub.sent.append(file)
         elif hub is not None:  # outside the lock: it waits while the uploader (which takes it) is behind
-            hub.submit(file, rec.size, rec.sha256)
+            hub.submit(file, rec.size, rec.digest)
 
     def run_wave(jobs: list[pipeline.Job]) -> list[pipeline.JobResult]:
         done = executor.run(jobs, on_shard, bar.update)
@@ -302,10 +302,10 @@ def _warm_up(device: Device | str, workers: int | None, cpus: int, need: pipelin
 
 
 def _publish_run(hub: LiveUpload, out: OutputFolder, plan: Plan) -> Uploaded:
-    """The run's shards committed (their journaled sizes and sha256, those this run or an earlier one sent), then
-    the journal goes."""
+    """The run's shards committed (their journaled sizes, and the sha256 the uploads computed, this run's or an
+    earlier one's: every shard is on the Hub by now), then the journal goes."""
     j = out.journal
-    up = _publish(hub, out.path, {s.file: (j.shards[s.file].size, j.shards[s.file].sha256) for s in plan.shard_sizes()},
+    up = _publish(hub, out.path, {s.file: (j.shards[s.file].size, j.uploaded[s.file]) for s in plan.shard_sizes()},
                   set(j.uploaded))
     out.remove_journal()
     return up
@@ -314,13 +314,20 @@ def _publish_run(hub: LiveUpload, out: OutputFolder, plan: Plan) -> Uploaded:
 def _publish(hub: LiveUpload, output_dir: Path, shards: dict[str, tuple[int, str]],
              on_hub: set[str]) -> Uploaded:
     """The model card (as ``upload`` writes it, where the output has none), the commit, the remote check.
-    ``shards``: file -> size, sha256 (default: the manifest's); ``on_hub``: those preuploaded."""
+    ``shards``: file -> size, sha256 (default, an output already complete: the manifest's, which gains each file's
+    sha256 where it records only BLAKE3 (packed without --upload), as ``upload`` writes it); ``on_hub``: those
+    preuploaded."""
     from .manifest import iter_modules
     from .upload.card import model_card
     from .upload.publish import check_remote
 
     man = manifest_mod.load_manifest(output_dir)
-    shards = shards or {f["file"]: (f["size"], f["sha256"]) for f in man["outputs"]}
+    if not shards:
+        sha = manifest_mod.hub_sha256(output_dir, man, {})
+        if any(manifest_mod.HUB_DIGEST not in e for e in man["outputs"]):
+            man = manifest_mod.with_hub_digests(man, sha)
+            manifest_mod.write_manifest(output_dir, man)
+        shards = {f["file"]: (f["size"], sha[f["file"]]) for f in man["outputs"]}
     if not on_hub:
         on_hub = hub.present(shards)
     missing = [f for f in shards if f not in on_hub and not (output_dir / f).is_file()]

@@ -6,7 +6,7 @@ to write into runs of consecutive shards (``jobs.split_jobs``), one per task slo
 and submits one Ray task per run. A task runs the ordinary pipeline (``pipeline.run_jobs``) on its
 node, reading the input and writing its shards straight to the shared output folder; through Ray
 it sends back only small things: each finished shard's record (hashes and notes, as the resume
-journal keeps them) and, at the end, the sha256 of the input files it hashed. The driver journals
+journal keeps them) and, at the end, the digests of the input files it hashed. The driver journals
 each shard as its record arrives, and writes configs, index and manifest as a local pack does.
 A Hub input (``hf://``) needs no shared input: each task downloads its own job's files, and with
 ``--upload --no-keep-output`` uploads its own shards, no shared output either (``sources.hubstage`` stages
@@ -293,11 +293,11 @@ def _task(job: Job, device: str, threads: int, hub: HubTask | None = None, tunin
 
 @dataclass(frozen=True)
 class Arrived:
-    """What a task sends with a shard's record: its records file (None: written in OUTPUT by the task) and
-    whether the task uploaded the shard (the driver journals it as on the Hub)."""
+    """What a task sends with a shard's record: its records file (None: written in OUTPUT by the task) and,
+    where the task uploaded the shard, its sha256 (the LFS object id: the driver journals it as on the Hub)."""
 
     records: bytes | None
-    uploaded: bool
+    uploaded: str | None
 
 
 def run_hub_task(job: Job, device: str, threads: int, t: HubTask,
@@ -349,11 +349,11 @@ class _TaskUpload:
     def on_shard(self, file: str, rec: ShardRecord) -> None:
         records = (self.out / filenames.records_name(file)).read_bytes() if self.local else None
         self.pending[file] = (rec, records)
-        self.live.submit(file, rec.size, rec.sha256)
+        self.live.submit(file, rec.size, rec.digest)
 
     def on_uploaded(self, file: str, sha256: str) -> None:
         rec, records = self.pending.pop(file)
-        self.emit(file, rec, Arrived(records, True))
+        self.emit(file, rec, Arrived(records, sha256))
 
 
 def _uploader(t: HubTask, out: Path, emit: Callable, tuning: Tuning) -> _TaskUpload | None:

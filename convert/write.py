@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import hashlib
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +25,7 @@ import numpy as np
 from . import faults, filenames, formats, journal, paths
 from .atomic import PARTIAL
 from .errors import ConvertError
-from .hashing import sha256_file
+from .hashing import FILE_DIGEST, file_digest, labelled, new_digest, unlabel
 from .manifest import RECORDS_DIR, load_manifest
 from .plan import Placed, Shard
 
@@ -377,15 +376,16 @@ class FileRecord:
 
     file: str  # relative path, forward slashes
     size: int
-    sha256: str
+    digest: str  # ``hashing.labelled``
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "size": self.size, "sha256": self.sha256}
+        name, hexdigest = unlabel(self.digest)
+        return {"file": self.file, "size": self.size, name: hexdigest}
 
 
 def record(output_dir: Path, rel: str) -> FileRecord:
     path = output_dir / rel
-    return FileRecord(rel, path.stat().st_size, sha256_file(path))
+    return FileRecord(rel, path.stat().st_size, file_digest(path))
 
 
 def copy_side_files(source: Source, output_dir: Path, side_files: tuple[str, ...],
@@ -416,7 +416,7 @@ def copy_file(source: Source, rel: str, dst: Path) -> FileRecord:
     written, flushed, renamed."""
     tmp = dst.with_name(dst.name + PARTIAL)
     _mkdir(dst.parent)
-    h, size = hashlib.sha256(), 0
+    h, size = new_digest(FILE_DIGEST), 0
     try:
         with source.open(rel) as fi, open(tmp, "wb") as fo:
             while block := fi.read_range(size, CHUNK):
@@ -430,7 +430,7 @@ def copy_file(source: Source, rel: str, dst: Path) -> FileRecord:
         os.replace(tmp, dst)
     except OSError as e:
         raise ConvertError(f"{e.filename or dst}: cannot copy {rel}: {e.strerror or e}") from None
-    return FileRecord(rel, size, h.hexdigest())
+    return FileRecord(rel, size, labelled(FILE_DIGEST, h.hexdigest()))
 
 
 def default_mode() -> int:

@@ -97,15 +97,44 @@ def edit_json(path: Path, fn) -> None:
 
 def manifest_with_modules(folder: Path) -> dict:
     """manifest.json with its ``modules`` list as a version 2 manifest has it: from a version 3
-    output, every records file's lines (each file's sha256 checked against manifest.json's listing),
+    output, every records file's lines (each file's digest checked against manifest.json's listing),
     in the listing's order. Read here with json alone, not with the reader under test."""
     man = json.loads((folder / "manifest.json").read_text())
     if "modules" not in man:
         man["modules"] = []
         for e in man["records"]:
             data = (folder / e["file"]).read_bytes()
-            assert hashlib.sha256(data).hexdigest() == e["sha256"] and len(data) == e["size"], e["file"]
+            assert entry_matches(e, data), e["file"]
             man["modules"] += [json.loads(line) for line in data.decode().splitlines()]
+    return man
+
+
+def entry_matches(entry: dict, data: bytes) -> bool:
+    """Whether a manifest file entry (``inputs``, ``outputs``, ``records``, ``files``, ``side_files``) gives
+    ``data``'s size and every digest it records (``blake3``, ``sha256``, at least one), computed here by the blake3
+    package and hashlib themselves."""
+    want = {"blake3": blake3_hex(data), "sha256": hashlib.sha256(data).hexdigest()}
+    keys = [k for k in want if k in entry]
+    return bool(keys) and all(entry[k] == want[k] for k in keys) and entry["size"] == len(data)
+
+
+def file_entries(man: dict) -> list[dict]:
+    """Every file entry of a manifest: its inputs, outputs, records files, other files and side files."""
+    return [*man["inputs"], *man["outputs"], *man["records"], *man["files"], *man.get("side_files", [])]
+
+
+def without_hub_digests(folder: Path) -> dict:
+    """manifest.json of an uploaded output (``pack --upload``, or ``upload``) with the sha256 its uploads added beside
+    each output file's BLAKE3 taken out, each one checked first against the file's bytes (hashlib's): what the
+    manifest was before its upload."""
+    man = json.loads((folder / "manifest.json").read_text())
+    for section in ("outputs", "records", "files", "side_files"):
+        for e in man.get(section, []):
+            path = folder / e["file"]
+            if path.is_file():
+                assert e.pop("sha256") == hashlib.sha256(path.read_bytes()).hexdigest(), e["file"]
+            else:  # a shard --no-keep-output removed: its sha256 is the Hub's to check
+                e.pop("sha256")
     return man
 
 
@@ -149,13 +178,31 @@ def tensor_bytes(folder: Path) -> TensorBytes:
     return out
 
 
+def as_format_4(out: Path, inp: Path) -> dict:
+    """Rewrite a format_version 5 output (each file's BLAKE3) in place as format_version 4 wrote it: every file
+    entry's ``blake3`` checked against the file's bytes (the output's, the input's for ``inputs``) and replaced by
+    its sha256, ``format_version`` 4. Returns the manifest written. An earlier version's output, made without the
+    code under test."""
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["format_version"] == 5
+    for e in file_entries(man):
+        data = ((inp if e in man["inputs"] else out) / e["file"]).read_bytes()
+        assert "blake3" in e and entry_matches(e, data), e["file"]
+        del e["blake3"]
+        e["sha256"] = hashlib.sha256(data).hexdigest()
+    man["format_version"] = 4
+    (out / "manifest.json").write_text(json.dumps(man, indent=1))
+    return man
+
+
 def as_format_3(out: Path, inp: Path) -> None:
-    """Rewrite a format_version 4 output (BLAKE3 per tensor) in place as format_version 3 wrote it: each record's
+    """Rewrite a format_version 5 output (BLAKE3 per tensor) in place as format_version 3 wrote it (``as_format_4``
+    first: every file's sha256), then each record's
     ``blake3`` (output tensors, source parts) checked against the BLAKE3 of the tensor's bytes (``tensor_bytes``
     of ``out``, of the input ``inp``) and replaced, at the same place, by ``sha256`` of those bytes; the records
     files' listing in manifest.json redone for the new bytes; no ``tensor_digest``, ``format_version`` 3. An
     earlier version's output, made without the code under test (manifest.json's own layout aside)."""
-    man = json.loads((out / "manifest.json").read_text())
+    man = as_format_4(out, inp)
     assert man.pop("format_version") == 4 and man.pop("tensor_digest") == "blake3"
     got, src = tensor_bytes(out), tensor_bytes(inp)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import blake3_hex, synth_preset, tensor_bytes, tree, write_synth
+from helpers import blake3_hex, entry_matches, synth_preset, tensor_bytes, tree, write_synth
 from kimi_convert.synth import config
 
 #: E2M1 code -> value (OCP MX spec, table of FP4 E2M1), low nibble first as transformers'
@@ -280,8 +280,7 @@ def test_byte_identical_to_modelopts_own_cast(tiny, packed, tmp_path):
 def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path):
     """Each expert's unit reads its rows of a bank's scales and the whole scales (for the bank's k_max): reads
     that overlap. With the file hashes taken from the pipeline's reads (no eager head start), the pack is the
-    same bytes and the manifest's input sha256 are the files' (the overlapping bytes read by the hash itself)."""
-    import hashlib
+    same bytes and the manifest's input digests are the files' (the overlapping bytes read by the hash itself)."""
 
     from kimi_convert.pack import pack
     from kimi_convert.plan import Options
@@ -294,8 +293,8 @@ def test_input_hashes_from_overlapping_reads(tiny, packed, tmp_path):
     assert r.stats.hashed_from_pipeline > 0
     assert tree(out) == tree(packed)
     man = json.loads((out / "manifest.json").read_text())
-    inputs = {f["file"]: f["sha256"] for f in man["inputs"]}
-    assert inputs and all(hashlib.sha256((tiny / f).read_bytes()).hexdigest() == h for f, h in inputs.items())
+    inputs = {f["file"]: f for f in man["inputs"]}
+    assert inputs and all(entry_matches(e, (tiny / f).read_bytes()) for f, e in inputs.items())
 
 
 def test_inspect_reads_the_experts_from_the_banks(tiny):

@@ -59,11 +59,23 @@ def header_bytes(folder: Path) -> int:
 
 
 def assert_same_as_local(ref: Path, out: Path, commit: str) -> None:
-    """Every file of the local pack, byte for byte; the manifest equal but for its ``source``."""
+    """Every file of the local pack, byte for byte; the manifest equal but for its ``source`` and its inputs'
+    digests: the Hub's sha256 (its LFS object ids, each download verified against them) where a local folder's
+    pack records the files' BLAKE3."""
     assert fault_inject.same_tree(ref, out) == ["manifest.json"]
     a, b = json.loads((ref / "manifest.json").read_text()), json.loads((out / "manifest.json").read_text())
     assert b.pop("source") == {"hub": REPO, "commit": commit}
-    assert a == b
+    assert_same_but_inputs(a, b)
+
+
+def assert_same_but_inputs(local: dict, hub: dict) -> None:
+    """A Hub input's manifest (``source`` removed) is a local folder's but for the inputs' digests: the local pack
+    records their BLAKE3, the Hub's pack their sha256 (its LFS object ids, each download verified against them)."""
+    a, b = local.pop("inputs"), hub.pop("inputs")
+    assert [(e["file"], e["size"], sorted(e)) for e in a] == [(e["file"], e["size"], ["blake3", "file", "size"])
+                                                               for e in b]
+    assert all(sorted(e) == ["file", "sha256", "size"] for e in b)
+    assert local == hub
 
 
 def test_plan_and_inspect_read_only_headers(hub, medium, tmp_path):
@@ -252,7 +264,8 @@ def assert_same_repo(hub: FakeHub, repo_id: str, ref: dict) -> None:
         if p != "manifest.json":
             assert hub.file_bytes(repo_id, p) == ref["files"][p], p
     got, want = json.loads(hub.file_bytes(repo_id, "manifest.json")), json.loads(ref["files"]["manifest.json"])
-    assert got.pop("source")["hub"] == REPO and got == want
+    assert got.pop("source")["hub"] == REPO
+    assert_same_but_inputs(want, got)
 
 
 @pytest.mark.parametrize("point", [None, "upload:3"])
@@ -279,7 +292,7 @@ def test_verify_manifest_against_the_hub_downloads_no_weights(hub, medium, tmp_p
     hub.served.clear()
     r = cli(hub, "verify-manifest", out, "--input", f"hf://{REPO}@{hub.commit_sha}", "-q", tmp=tmp_path)
     assert r.code == 0, r.stdout + r.stderr
-    assert f"ok    input files: sizes and sha256 (4 files, against the sha256 the Hub records at {hub.commit_sha})" \
+    assert f"ok    input files: sizes and digests (4 files, against the sha256 the Hub records at {hub.commit_sha})" \
         in r.stdout
     assert "outputs re-derived from the input (skipped: the input is on the Hub" in r.stdout
     assert hub.weight_bytes_served(REPO) == header_bytes(src)  # the re-plan's headers, nothing else
@@ -295,6 +308,19 @@ def test_verify_manifest_against_the_hub_downloads_no_weights(hub, medium, tmp_p
     assert r.code != 0
     assert f"hf://{REPO}@{new}/{victim.name}: differs from the input recorded in the manifest" in r.stdout + r.stderr
     assert f"(the manifest records commit {hub.commit_sha})" in r.stdout
+
+
+def test_a_local_packs_output_verifies_against_the_hub_by_reading_its_inputs(hub, medium, tmp_path):
+    """An output packed from a local copy records its inputs' BLAKE3, which the Hub does not know: verify-manifest
+    --input hf:// reads those files through the Hub (streamed, hashed, not kept) and says so, and they match."""
+    src, ref = medium
+    hub.served.clear()
+    r = cli(hub, "verify-manifest", ref, "--input", f"hf://{REPO}@{hub.commit_sha}", "-q", tmp=tmp_path)
+    assert r.code == 0, r.stdout + r.stderr
+    assert (f"ok    input files: sizes and digests (4 files, against the sha256 the Hub records at {hub.commit_sha}"
+            " (the manifest records no Hub source); 4 read from the Hub (the manifest records their BLAKE3))") \
+        in r.stdout, r.stdout
+    assert hub.weight_bytes_served(REPO) >= sum(weights(src).values())
 
 
 def test_a_partial_download_is_continued_not_restarted(hub, medium, tmp_path):

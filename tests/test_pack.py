@@ -155,22 +155,22 @@ def check_cast(m: dict, inp: dict, out: dict) -> None:
 
 
 def test_manifest_records_hashes_and_provenance(tiny_k3, packed_k3):
-    import hashlib
     man = manifest_with_modules(packed_k3)
     assert man["tool"]["name"] == "kimi-convert" and man["mapping"]["name"] == "kimi_k3"
     assert man["mapping"]["sha256"] == hashlib.sha256((Path(__file__).parents[1] / "mappings/kimi_k3.toml")
                                                       .read_bytes()).hexdigest()
+    # every file by BLAKE3 under its own key: a local input, an output packed without --upload
     for f in man["inputs"]:
         data = (tiny_k3 / f["file"]).read_bytes()
-        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
-    for f in man["outputs"]:
+        assert f["size"] == len(data) and f["blake3"] == blake3_hex(data) and "sha256" not in f
+    for f in [*man["outputs"], *man["records"], *man["files"]]:
         data = (packed_k3 / f["file"]).read_bytes()
-        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+        assert f["size"] == len(data) and f["blake3"] == blake3_hex(data) and "sha256" not in f
     out = load_all(packed_k3)
     inp = load_all(tiny_k3)
     fused = 0
-    # files by sha256 (above: the Hub's LFS oid), tensors by BLAKE3 under its own key (docs/output-format.md)
-    assert man["format_version"] == 4 and man["tensor_digest"] == "blake3"
+    # tensors by BLAKE3 under its own key too (docs/output-format.md, "Digests")
+    assert man["format_version"] == 5 and man["tensor_digest"] == "blake3"
     for m in man["modules"]:
         for t in m["tensors"]:
             assert t["blake3"] == blake3_hex(raw_bytes(out[t["name"]])) and "sha256" not in t
@@ -261,7 +261,6 @@ def test_verify_catches_an_exclude_entry_the_engines_misread(packed_kl, tmp_path
     """A planted defect only the engine-rules check can see: the exclude list gains ``o_proj``, consistently in
     the manifest, config.json and hf_quant_config.json (their hashes rewritten): vLLM's substring test and
     SGLang's per-part match would then skip every o_proj, which the files hold in NVFP4."""
-    import hashlib
     import shutil
 
     from kimi_convert.verify import verify
@@ -276,7 +275,7 @@ def test_verify_catches_an_exclude_entry_the_engines_misread(packed_kl, tmp_path
         cfg[key[0]][key[1]].append("o_proj")
         (out / f).write_text(json.dumps(cfg))
         rec = next(r for r in man["files"] if r["file"] == f)
-        rec["size"], rec["sha256"] = (out / f).stat().st_size, hashlib.sha256((out / f).read_bytes()).hexdigest()
+        rec["size"], rec["blake3"] = (out / f).stat().st_size, blake3_hex((out / f).read_bytes())
     (out / "manifest.json").write_text(json.dumps(man))
     rep = verify(out)
     failed = [name for name, ok, _ in rep.checks if not ok]
@@ -357,4 +356,4 @@ def test_nan_in_weight_is_bad_input(tiny_kl, tmp_path):
     shards = list(out.glob("*.safetensors"))
     if shards:
         done = json.loads((out / ".kimi-convert-pack.json").read_text())["shards"]
-        assert all(hashlib.sha256(p.read_bytes()).hexdigest() == done[p.name]["sha256"] for p in shards)
+        assert all("blake3:" + blake3_hex(p.read_bytes()) == done[p.name]["digest"] for p in shards)

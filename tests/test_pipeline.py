@@ -17,7 +17,7 @@ import blake3
 import numpy as np
 import pytest
 
-from helpers import child, cli_command, copy_ckpt, one_line_error, run, run_process, tree
+from helpers import blake3_hex, child, cli_command, copy_ckpt, entry_matches, one_line_error, run, run_process, tree
 from kimi_convert import pipeline
 from kimi_convert.hashing import FileHasher, HoldBudget, SerialHasher, chain_reads
 from kimi_convert.pack import load_plan, pack
@@ -71,8 +71,10 @@ def _ranges(rng: random.Random, size: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [0, 3000, 1 << 30])
 @pytest.mark.parametrize("small", [0, 500])
-def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, seed, budget, small):
+def test_file_hash_from_offers_in_any_order_is_the_files_digest(tmp_path, pool, seed, budget, small):
+    """A file's digest (BLAKE3; sha256, the Hub's, for seeds 1 and 4) from offers in order or not, held or dropped."""
     rng = random.Random(seed)
+    digest = "sha256" if seed % 3 == 1 else "blake3"
     data = rng.randbytes(20_000 + seed)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
@@ -80,11 +82,11 @@ def test_file_hash_from_offers_in_any_order_is_the_files_sha256(tmp_path, pool, 
     order = expected[:]
     if seed % 2:
         rng.shuffle(order)  # out of order: held within the budget, else read again
-    fh = FileHasher(path, len(data), expected, pool, HoldBudget(budget), small=small)
+    fh = FileHasher(path, len(data), expected, pool, HoldBudget(budget), small=small, digest=digest)
     for a, b in order:
         fut, held = fh.offer(a, [data[a : (a + b) // 2], data[(a + b) // 2 : b]])
         assert not (fut is not None and held)
-    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.finish().result() == (hashlib.sha256(data).hexdigest() if digest == "sha256" else blake3_hex(data))
     assert fh.from_pipeline + fh.reread == len(data)
     gaps = len(data) - sum(b - a for a, b in expected)
     if seed % 2 == 0:  # in order: only the gaps are read from the file
@@ -109,7 +111,7 @@ def test_file_hash_reads_small_ranges_itself_once_an_offer_is_dropped(tmp_path, 
     offers = []
     for (a, b), (c, d) in zip(shapes, codes, strict=True):
         offers += [fh.offer(a, [data[a:b]]), fh.offer(c, [data[c:d]])]
-    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.finish().result() == blake3_hex(data)
     assert fh.from_pipeline + fh.reread == len(data)
     assert not any(held for _, held in offers)
     if small:  # the header, the first unit's codes (the dropped offer) and the shapes after it
@@ -138,7 +140,7 @@ def test_file_hash_holds_count_the_whole_buffer_a_range_keeps_alive(tmp_path, po
         assert [kept for _, kept in got] == [in_place, in_place]
         assert budget.held == counted
         fh.offer(0, [data[:1000]])
-        assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+        assert fh.finish().result() == blake3_hex(data)
         assert budget.held == 0
         assert fh.reread == 6000 - 1000 - hashed  # the gaps, and any range dropped
 
@@ -163,7 +165,7 @@ def test_file_chain_reads_what_blocks_its_cursor_where_waiting_would_drop_more(t
         fh = FileHasher(path, len(data), order, pool, HoldBudget(500), own=chosen)
         for a, b in order:
             fh.offer(a, [data[a:b]])
-        assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+        assert fh.finish().result() == blake3_hex(data)
         assert fh.reread == reread  # the header, and what the chain reads itself or again
 
 
@@ -190,7 +192,7 @@ def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_pa
     assert fut is not None and not held
     fut.result()
     assert fh.from_pipeline == 1000
-    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.finish().result() == blake3_hex(data)
     assert fh.from_pipeline + fh.reread == len(data)
 
 
@@ -219,7 +221,7 @@ def test_an_idle_file_hash_woken_asks_may_take_again(tmp_path, pool):
     while fh.reread < len(data) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fh.reread == len(data) and fh.from_pipeline == 0
-    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.finish().result() == blake3_hex(data)
 
 
 def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, tmp_path, monkeypatch):
@@ -256,8 +258,8 @@ def test_file_hashes_read_ahead_only_while_the_stream_waits_for_torch(tiny_k3, t
     assert out == ref
     import json
 
-    inputs = {f["file"]: f["sha256"] for f in json.loads(ref["manifest.json"])["inputs"]}
-    assert inputs and all(hashlib.sha256((tiny_k3 / f).read_bytes()).hexdigest() == h for f, h in inputs.items())
+    inputs = {f["file"]: f for f in json.loads(ref["manifest.json"])["inputs"]}
+    assert inputs and all(entry_matches(e, (tiny_k3 / f).read_bytes()) for f, e in inputs.items())
     assert running < size // 10  # headers and gaps only
     assert stalled > size // 2, (running, stalled, size)
 
@@ -381,7 +383,7 @@ def test_file_hash_ignores_unexpected_offers_and_stops(tmp_path, pool):
     path.write_bytes(data)
     fh = FileHasher(path, len(data), [(100, 200)], pool, HoldBudget(0))
     assert fh.offer(150, [data[150:200]]) == (None, False)  # not a planned range: read from the file
-    assert fh.finish().result() == hashlib.sha256(data).hexdigest()
+    assert fh.finish().result() == blake3_hex(data)
     stop = threading.Event()
     stop.set()
     with pytest.raises(Exception, match="f.bin"):
@@ -515,7 +517,7 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
     assert max(watch.sizes) <= watch.peak <= two_largest, (watch.peak, sorted(watch.sizes)[-2:])
     assert watch.peak <= r.stats.in_flight_peak <= r.stats.in_flight_limit
     # the safetensors-style layout (wider dtypes first) is written out of order: the shard hashes
-    # then read parts of the file back, and must still be the files' sha256
+    # then read parts of the file back, and must still be the files' digests
     monkeypatch.setattr(plan_layout, "_in_write_order", lambda units: None)
     other = tmp_path / "sorted"
     pack(tiny_k3, other, Options(**SGLANG, max_shard_size=400_000), device="cpu", progress=False)
@@ -523,7 +525,7 @@ def test_pack_does_not_depend_on_slice_size_hold_budget_or_layout(tiny_k3, tmp_p
 
     man = json.loads((other / "manifest.json").read_text())
     for f in man["outputs"]:
-        assert hashlib.sha256((other / f["file"]).read_bytes()).hexdigest() == f["sha256"]
+        assert entry_matches(f, (other / f["file"]).read_bytes())
 
 
 @pytest.mark.slow
@@ -603,11 +605,11 @@ def test_cli_stats_and_streams(tiny_k3, tmp_path):
         p.stat().st_size for p in tiny_k3.glob("*.safetensors"))
     assert st["stages_s"]["compute: C kernels without torch"] > 0 and st["early_units"] > 0  # (compute_early)
     # each stream's input file chains run one at a time on one thread: busy, within the streams' walls
-    busy = st["stages_s"]["hash: input file sha256 chains (busy)"]
+    busy = st["stages_s"]["hash: input file digest chains (busy)"]
     assert 0 < busy <= sum(st["stream_wall_s"])
     # of which the files' headers at least, read by the chains themselves (the pipeline never reads them; on a
     # small input within a millisecond, so possibly 0 once rounded)
-    assert 0 <= st["stages_s"]["hash: input file sha256 chains (own reads)"] <= busy and st["hash_reread"] > 0
+    assert 0 <= st["stages_s"]["hash: input file digest chains (own reads)"] <= busy and st["hash_reread"] > 0
     # each stream's counters in time: non-decreasing, ending with every byte read, hashed and stored
     tls = st["stream_timelines"]
     assert len(tls) == 2 and all(tl["columns"] == ["s", "read", "hashed", "stored", "in_flight", "pooled", "held"]

@@ -23,7 +23,7 @@ import pytest
 
 import fault_inject
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import local_ray_cluster, needs_ray, one_line_error, run, wait_ray_tasks_end
+from helpers import local_ray_cluster, needs_ray, one_line_error, run, wait_ray_tasks_end, without_hub_digests
 
 # tiny-k3 with 16 experts a layer in 4 input files; 1 MB output shards (a few a task)
 PACK_ARGS = ["--layout", "sglang", "--recipe", "nvfp4-w4a16", "--max-shard-size", "1MB", "-q", "--device", "cpu"]
@@ -110,8 +110,8 @@ def test_ray_hub_to_hub_equals_a_local_packs_upload(hub, local_upload, cluster, 
 @pytest.mark.parametrize("upload", [False, True])
 def test_ray_hub_input_into_a_shared_output_equals_a_local_pack(hub, local_upload, cluster, tmp_path, upload):
     """Without --no-keep-output the tasks write into OUTPUT (shared here: one machine); with --upload (the shards
-    kept) they also upload them. The folder is the local pack's (with the card upload writes), the repository
-    the local pack's upload."""
+    kept) they also upload them. The folder is the local pack's (with the card and the sha256 upload writes), the
+    repository the local pack's upload."""
     local = cli(hub, "pack", f"hf://{REPO}", tmp_path / "local", *PACK_ARGS, tmp=tmp_path)
     assert local.code == 0, local.stderr
     more = ["--upload", "user/dst"] if upload else []
@@ -122,6 +122,10 @@ def test_ray_hub_input_into_a_shared_output_equals_a_local_pack(hub, local_uploa
         assert repo_files(hub, "user/dst") == local_upload[0]
         assert sorted(puts(hub)) == local_upload[1]
         (tmp_path / "out" / "README.md").unlink()  # the card
+        assert fault_inject.same_tree(tmp_path / "local", tmp_path / "out") == ["manifest.json"]
+        # the manifest gained each output file's sha256 (its LFS object id), as upload writes it
+        assert without_hub_digests(tmp_path / "out") == json.loads((tmp_path / "local" / "manifest.json").read_text())
+        return
     assert fault_inject.same_tree(tmp_path / "local", tmp_path / "out") == []
 
 

@@ -154,7 +154,7 @@ def test_an_earlier_versions_interrupted_pack_is_not_continued(tiny_k3, tmp_path
     records = sorted((out / "manifest-records").glob("*.jsonl"))
     assert records and b'"sha256":"' in records[0].read_bytes()
     err = one_line_error(run(*args, "--resume"))
-    assert "journal version 3 is not 4; start again with --overwrite" in err, err
+    assert "journal version 3 is not 5; start again with --overwrite" in err, err
     assert_not_finished(out)
     r = run(*args, "--overwrite")
     assert r.code == 0, r.stderr

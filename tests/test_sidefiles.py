@@ -5,7 +5,6 @@ same mode."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ import signal
 import stat
 from pathlib import Path
 
+import blake3
 import pytest
 
 import fault_inject
@@ -43,8 +43,9 @@ SKIPPED = {
 }
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def digest(data: bytes) -> str:
+    """A file's digest in the manifest of a local pack: BLAKE3 (the blake3 package's own)."""
+    return blake3.blake3(data).hexdigest()
 
 
 def add_side_tree(ck: Path) -> None:
@@ -104,11 +105,11 @@ def test_every_side_file_copied_byte_identical_and_recorded(st_in, st_out):
     assert "quantization_config" in json.loads((out / "config.json").read_text())
     assert (out / "2_Normalize").is_dir() and not any((out / "2_Normalize").iterdir())
     man = json.loads((out / "manifest.json").read_text())
-    assert man["format_version"] == 4 and man["tensor_digest"] == "blake3"  # files stay sha256 (below)
-    assert {e["file"]: (e["size"], e["sha256"]) for e in man["side_files"]} == {
-        rel: (len(data), sha(data)) for rel, data in want.items()}
-    files = {e["file"]: e["sha256"] for e in man["files"]}
-    assert all(files[rel] == sha(data) for rel, data in want.items())  # listed with the other files too
+    assert man["format_version"] == 5 and man["tensor_digest"] == "blake3"  # files by BLAKE3 too (below)
+    assert {e["file"]: (e["size"], e["blake3"]) for e in man["side_files"]} == {
+        rel: (len(data), digest(data)) for rel, data in want.items()}
+    files = {e["file"]: e["blake3"] for e in man["files"]}
+    assert all(files[rel] == digest(data) for rel, data in want.items())  # listed with the other files too
     assert man["side_folders"] == ["2_Normalize"]
     skipped = {e["file"]: e["reason"] for e in man["skipped_files"]}
     assert set(skipped) == set(SKIPPED)
@@ -288,7 +289,7 @@ def test_overwrite_removes_the_previous_runs_side_files_only(st_out, tiny_kl, tm
     outside = tmp_path / "keep.txt"
     outside.write_text("outside")
     man = json.loads((out / "manifest.json").read_text())
-    man["side_files"].append({"file": "../keep.txt", "size": 7, "sha256": "0" * 64})
+    man["side_files"].append({"file": "../keep.txt", "size": 7, "blake3": "0" * 64})
     (out / "manifest.json").write_text(json.dumps(man))
     r = run("pack", tiny_kl, out, "-q", "--device", "cpu", "--overwrite")
     assert r.code == 0, r.stderr

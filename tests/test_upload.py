@@ -17,7 +17,7 @@ import pytest
 
 from fakehub import TOKEN, FakeHub, assert_arrived
 from fakehub import hub_cli as cli
-from helpers import manifest_with_modules, one_line_error, run
+from helpers import manifest_with_modules, one_line_error, run, without_hub_digests
 
 
 @pytest.fixture
@@ -72,6 +72,38 @@ def test_upload_verifies_sends_everything_and_checks_remote(hub, out, tmp_path):
     r = cli(hub, "verify-manifest", out, "--remote", "user/k3-nvfp4", "--json", tmp=tmp_path)
     assert r.code == 0 and json.loads(r.stdout)["ok"], r.stdout + r.stderr
     assert not [m for m, p, _ in hub.log if m == "GET" and "/resolve/" in p]
+
+
+def test_upload_records_the_hubs_sha256_and_remote_checks_a_blake3_manifest_from_the_local_files(hub, out, tmp_path,
+                                                                                                monkeypatch):
+    """A local pack records each file's BLAKE3 only; upload adds each output file's sha256 (its LFS object id,
+    hashlib's own over the file) beside it. A manifest without them (uploaded by other means) is still checked
+    against the Hub by --remote, from the local files' sha256 read with their BLAKE3; a local file that no longer
+    matches the manifest gives no sha256, and the remote check says so for it."""
+    from huggingface_hub import HfApi
+
+    before = json.loads((out / "manifest.json").read_text())
+    assert all("sha256" not in e and "blake3" in e for e in [*before["outputs"], *before["records"], *before["files"]])
+    plain = Path(shutil.copytree(out, tmp_path / "plain"))
+    r = cli(hub, "upload", out, "user/k3-nvfp4", tmp=tmp_path)
+    assert r.code == 0, r.stderr
+    assert without_hub_digests(out) == before  # (each sha256 checked against its file's bytes)
+    out = plain  # the same folder uploaded by other means (huggingface_hub itself): its manifest as the pack wrote it
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)  # (the fake Hub speaks LFS)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    HfApi(endpoint=hub.url, token=TOKEN).create_repo("user/plain")
+    HfApi(endpoint=hub.url, token=TOKEN).upload_folder(repo_id="user/plain", folder_path=str(out))
+    r = cli(hub, "verify-manifest", out, "--remote", "user/plain", tmp=tmp_path)
+    assert r.code == 0, r.stdout + r.stderr
+    assert "ok    Hub repo user/plain: files, sizes and sha256" in r.stdout, r.stdout
+    shard = out / before["outputs"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    r = cli(hub, "verify-manifest", out, "--remote", "user/plain", tmp=tmp_path)
+    assert r.code == 1, r.stdout + r.stderr
+    assert (f"user/plain: {shard.name}: the manifest records its BLAKE3, and no local copy matched it to give the "
+            "sha256 the Hub names it by") in r.stdout + r.stderr
 
 
 def test_token_from_environment(hub, out, tmp_path):

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import as_format_3, blake3_hex, edit_json, manifest_with_modules, one_line_error, run, tensor_bytes
+from helpers import (
+    as_format_3,
+    as_format_4,
+    blake3_hex,
+    edit_json,
+    manifest_with_modules,
+    one_line_error,
+    run,
+    tensor_bytes,
+)
 from kimi_convert.safetensors_format import parse_header
 
 
@@ -54,7 +63,7 @@ def test_tampered_byte(out):
     shard.write_bytes(bytes(data))
     rc, rep = verify(out)
     assert rc == 1
-    assert f"{shard.name}: sha256" in problems(rep)
+    assert f"{shard.name}: blake3" in problems(rep)
     assert f"tensor {victim.name}: bytes do not match" in problems(rep)
 
 
@@ -86,7 +95,7 @@ def test_edited_config(out):
     edit_json(out / "config.json", lambda c: c["quantization_config"]["ignore"].pop(0))
     rc, rep = verify(out)
     assert rc == 1
-    assert "config.json: sha256" in problems(rep)
+    assert "config.json: blake3" in problems(rep)
     assert "quantization_config.ignore differs" in problems(rep)
 
 
@@ -137,7 +146,7 @@ def test_unfinished_or_foreign_folder(out, tmp_path):
 
 def edit_records(out: Path, shard: str, fn, relist: bool = True) -> str:
     """Let ``fn`` change the list of ``shard``'s module records (dicts, one a line); rewrite its
-    records file and, with ``relist``, manifest.json's listing of it (size, sha256, count) to match,
+    records file and, with ``relist``, manifest.json's listing of it (size, digest, count) to match,
     as a consistent forger would. Returns the records file's name."""
     man = json.loads((out / "manifest.json").read_text())
     entry = next(e for e in man["records"] if e["shard"] == shard)
@@ -147,7 +156,8 @@ def edit_records(out: Path, shard: str, fn, relist: bool = True) -> str:
     data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs).encode()
     path.write_bytes(data)
     if relist:
-        entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(), modules=len(recs))
+        entry.update(size=len(data), **{k: (blake3_hex(data) if k == "blake3" else hashlib.sha256(data).hexdigest())
+                                        for k in ("blake3", "sha256") if k in entry}, modules=len(recs))
         (out / "manifest.json").write_text(json.dumps(man))
     return entry["file"]
 
@@ -166,7 +176,7 @@ def test_consistent_lie_is_caught_only_by_rederiving(out, tiny_k3):
     digest = blake3_hex(data[info.start : info.end])
     edit_records(out, t["file"], lambda recs: [x.update(blake3=digest) for r in recs for x in r["tensors"]
                                                if x["name"] == t["name"]])
-    edit_json(out / "manifest.json", lambda m: [f.update(sha256=hashlib.sha256(bytes(data)).hexdigest())
+    edit_json(out / "manifest.json", lambda m: [f.update(blake3=blake3_hex(data))
                                                 for f in m["outputs"] if f["file"] == t["file"]])
     rc, rep = verify(out)
     assert rc == 0, rep
@@ -317,9 +327,9 @@ def test_a_format_3_output_still_verifies_by_its_sha256(v3_out, tiny_k3, tmp_pat
     assert rc == 1 and f"tensor {t['name']}: re-quantized from its sources, the bytes differ" in problems(rep)
 
 
-def test_a_format_4_output_is_the_format_3_one_but_for_the_tensor_digests(v3_out, packed_k3, tiny_k3, tmp_path):
-    """This version's output of the same input, its records' BLAKE3 (each checked against the bytes) turned into
-    sha256 (``as_format_3``): the records are the earlier version's, line for line, and it verifies."""
+def test_this_versions_output_is_the_format_3_one_but_for_the_digests(v3_out, packed_k3, tiny_k3, tmp_path):
+    """This version's output of the same input, its files' and records' BLAKE3 (each checked against the bytes)
+    turned into sha256 (``as_format_3``): the records are the earlier version's, line for line, and it verifies."""
     out = Path(shutil.copytree(packed_k3, tmp_path / "out"))
     as_format_3(out, tiny_k3)
     for e in json.loads((v3_out / "manifest.json").read_text())["records"]:
@@ -334,4 +344,37 @@ def test_an_unknown_or_missing_tensor_digest_is_refused_in_one_line(out):
     assert rc == 2 and "tensor_digest 'sha3_256' is not one this version knows (blake3, sha256)" in err, err
     edit_json(out / "manifest.json", lambda m: m.pop("tensor_digest"))
     rc, err = verify(out)
-    assert rc == 2 and "format_version 4 without tensor_digest" in err, err
+    assert rc == 2 and "format_version 5 without tensor_digest" in err, err
+
+
+#: main's HEAD before the files' digests became BLAKE3 (format_version 5): its pack writes format_version 4, every
+#: file's sha256 under ``sha256``, which verify-manifest still reads.
+V4_COMMIT = "b813d8c"
+
+
+def test_a_format_4_output_still_verifies_by_its_files_sha256(tiny_k3, tmp_path):
+    """tiny-k3 packed by the code of V4_COMMIT (taken from git): it verifies offline and against the input, its
+    files checked by the sha256 it records; an edited shard is named by sha256; and this version's output of the
+    same input is the same bytes but for the manifest's file digests (``as_format_4``)."""
+    from test_same_bytes import _old_package, _run
+
+    old = _old_package(tmp_path / "old", V4_COMMIT)
+    if old is None:
+        pytest.skip(f"no git history with commit {V4_COMMIT} to take the earlier code from")
+    args = ["--device", "cpu", "-q", "--max-shard-size", "1000000"]
+    _run(old, "pack", tiny_k3, tmp_path / "v4", *args)
+    _run(None, "pack", tiny_k3, tmp_path / "v5", *args)
+    v4 = tmp_path / "v4"
+    man = json.loads((v4 / "manifest.json").read_text())
+    assert man["format_version"] == 4 and all("sha256" in e and "blake3" not in e for e in man["outputs"])
+    rc, rep = verify(v4, "--input", tiny_k3)
+    assert rc == 0 and rep["ok"], rep
+    ours = json.loads((tmp_path / "v5" / "manifest.json").read_text())
+    assert ours["format_version"] == 5 and all("blake3" in e and "sha256" not in e for e in ours["outputs"])
+    assert as_format_4(tmp_path / "v5", tiny_k3) == man
+    shard = v4 / man["outputs"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    rc, rep = verify(v4)
+    assert rc == 1 and f"{shard.name}: sha256" in problems(rep), rep

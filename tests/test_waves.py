@@ -13,7 +13,7 @@ from pathlib import Path
 from test_pack_upload import assert_same_repo
 
 from fakehub import TOKEN, FakeHub, hub_cli
-from helpers import ONE_STREAM, run_process, tree
+from helpers import ONE_STREAM, blake3_hex, run_process, tree
 
 
 def test_a_shard_a_wave_is_the_same_bytes_and_never_makes_the_whole_plan(banked_k3, tmp_path, monkeypatch):
@@ -67,10 +67,9 @@ def test_killed_between_waves_resumes_identically(banked_k3, tmp_path):
 
 
 def test_a_resume_does_not_hash_again_the_inputs_a_wave_hashed_whole(banked_k3, tmp_path):
-    """Each wave's input files' sha256 are journaled when the wave ends; a resume takes them from the journal and
+    """Each wave's input files' digests are journaled when the wave ends; a resume takes them from the journal and
     hashes only the others (the released K3 killed after 86 of its 96 shards re-read 1.4 TB for them: issue 43's
     kill leg), and writes the same manifest."""
-    import hashlib
     import json
 
     src, ref = banked_k3
@@ -78,8 +77,8 @@ def test_a_resume_does_not_hash_again_the_inputs_a_wave_hashed_whole(banked_k3, 
     env = {"KIMI_CONVERT_WAVE_UNITS": "1"}
     r = run_process("pack", src, out, *ONE_STREAM, env={**env, "KIMI_CONVERT_FAULT": "shard:3"})
     assert r.code == -signal.SIGKILL, (r.code, r.stderr)
-    known = json.loads((out / ".kimi-convert-pack.json").read_text())["input_sha256"]
-    assert known and all(hashlib.sha256((src / f).read_bytes()).hexdigest() == h for f, h in known.items())
+    known = json.loads((out / ".kimi-convert-pack.json").read_text())["input_digests"]
+    assert known and all("blake3:" + blake3_hex((src / f).read_bytes()) == h for f, h in known.items())
     r = run_process("pack", src, out, *ONE_STREAM, "--resume", "--stats", stats, env=env)
     assert r.code == 0, r.stderr
     assert tree(out) == tree(ref)

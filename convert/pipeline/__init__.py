@@ -3,13 +3,13 @@
 - A reader thread ``pread``s the sources of the next pieces into pooled buffers (``Tuning.read_ahead`` pieces,
   or ``Tuning.read_ahead_bytes`` ahead of the compute on 4 CPUs or more), asks the kernel to start reading the piece
   after, and hands each buffer to the hashers: each source tensor's digest (BLAKE3, ``hashing.TENSOR_DIGEST``),
-  and its file's sha256 (``hashing.FileHasher``), come from these same bytes, not a second read.
+  and its file's digest (``hashing.FileHasher``), come from these same bytes, not a second read.
 - A compute thread runs the kernels (a pass-through slice needs nothing).
 - A writer thread ``pwrite``s the results at their planned offsets and hashes them (each tensor's digest, and
-  the shard's own sha256, from the bytes written); a finisher thread flushes and renames each completed shard
+  the shard's own digest, from the bytes written); a finisher thread flushes and renames each completed shard
   while the next is written, and reports it (``on_shard``) for the journal.
 
-A worker runs several such streams on consecutive runs of its shards, in threads: a file's sha256
+A worker runs several such streams on consecutive runs of its shards, in threads: a file's digest
 is sequential (one core's speed), so one stream could not hash as fast as a disk reads.
 Streams start reading and hashing before torch has loaded (about a second, more on some machines);
 the backend is made once the first pieces are in flight.

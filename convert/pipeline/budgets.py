@@ -113,7 +113,7 @@ def pc_cost(pc: Piece) -> int:
 
 def default_hash_threads(streams: int, share: int) -> int:
     """Hashing threads of one worker: two a stream and two more, within its share of the CPUs
-    (a file's sha256 and a tensor's BLAKE3 run one thread each; hashlib and blake3 release the GIL)."""
+    (a file's digest and a tensor's run one thread each; hashlib and blake3 release the GIL)."""
     return max(2, min(2 * streams + 2, share))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import faults, write
-from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped, chain_reads
+from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped, chain_reads, labelled
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
@@ -65,7 +65,7 @@ class Job:
     shards: list[Shard]
     units: list[Unit]  # the units of those shards, in plan order
     file_order: dict[str, int]
-    hash_files: dict[str, int]  # input file -> size: the files whose sha256 this stream computes
+    hash_files: dict[str, int]  # input file -> size: the files whose digest (``FILE_DIGEST``) this stream computes
     block: tuple[int, int]
     #: Bytes ahead of its reads its file hashes may read themselves, if more than ``Tuning.eager_hash`` (pack: its share
     #: of the start-up readahead, which brings them into the page cache)
@@ -153,7 +153,7 @@ class Stream:
         self.next_compute = 0  # the piece the compute thread needs next
         # A file hash reads a range the stream reads itself when its chain would otherwise wait for a stream that
         # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to ``Tuning.eager_hash`` (or
-        # job.eager) bytes ahead of the stream's reads: a file's sha256 is one sequential chain (the slowest stage of
+        # job.eager) bytes ahead of the stream's reads: a file's digest is one sequential chain (the slowest stage of
         # one large input file), which so runs on while torch loads; the start-up readahead brings those bytes into the
         # page cache, where the stream's own reads find them later. While the stream runs, the chain hashes what it
         # reads (reading the same bytes beside it made the chain wait on the disk: benchmarks/RESULTS.md).
@@ -177,7 +177,7 @@ class Stream:
         def may_take(file: str) -> Callable[[int], bool]:
             return lambda start: self.stalled and at[(file, start)] < self.read_pos + lead
 
-        # The input files' sha256 chains run on a thread of their own, not the shared pool: one chain is the
+        # The input files' digest chains run on a thread of their own, not the shared pool: one chain is the
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
 
@@ -374,8 +374,8 @@ class Stream:
 
     def finish_shard(self, file: str, st: _ShardState) -> None:
         t = time.perf_counter()
-        sha = st.file_hash.finish().result()  # before the rename: a re-read, if any, reads the .partial
-        t = self._clock("finish: shard sha256", t)
+        digest = labelled(st.file_hash.digest, st.file_hash.finish().result())  # before the rename: a re-read, if
+        t = self._clock("finish: shard digest", t)  # any, reads the .partial
         settle = getattr(self.job.source, "settle", None)  # a source read before its bytes are verified (a Hub
         if settle is not None:  # input's downloads): the shard is finished only from verified inputs
             settle(sorted({p.file for u in self.units_of[file] for p in u.parts}))
@@ -388,8 +388,8 @@ class Stream:
                                 {k: f.result() for k, f in st.sources.items()}, st.notes)
         self._clock("finish: manifest records", t)
         cast = [n for n in st.notes.values() if n.get("method") == "mxfp4-cast"]
-        rec = ShardRecord(size=self.shard_of[file].size, sha256=sha, records_size=records.size,
-                          records_sha256=records.sha256, modules=records.modules,
+        rec = ShardRecord(size=self.shard_of[file].size, digest=digest, records_size=records.size,
+                          records_digest=records.digest, modules=records.modules,
                           cast_blocks=sum(n["blocks"] for n in cast),
                           cast_lossless=sum(n["lossless_blocks"] for n in cast))
         self.on_shard(file, rec)
@@ -456,18 +456,18 @@ class Stream:
                          early_units=self.early_units, timeline=timeline.stop())
 
     def _finish_inputs(self) -> tuple[dict[str, str], float]:
-        """The input files' sha256 (each file's chain finishes once its last bytes are in) and the seconds waited
-        for them; the chains' own time goes to the stages' seconds: each chain is sequential, the floor of a
-        stream over one large file."""
+        """The input files' digests, ``labelled`` (each file's chain finishes once its last bytes are in) and the
+        seconds waited for them; the chains' own time goes to the stages' seconds: each chain is sequential, the
+        floor of a stream over one large file."""
         t = time.perf_counter()
         hashes = {f: h.finish() for f, h in self.files.items()}
-        done = {f: fut.result() for f, fut in hashes.items()}
+        done = {f: labelled(self.files[f].digest, fut.result()) for f, fut in hashes.items()}
         hash_wait = round(time.perf_counter() - t, 3)
-        self.seconds["hash: input file sha256 chains (busy)"] = sum(h.busy_s for h in self.files.values())
-        self.seconds["hash: input file sha256 chains (on a CPU)"] = sum(h.cpu_s for h in self.files.values())
-        self.seconds["hash: input file sha256 chains (own reads)"] = sum(h.read_s for h in self.files.values())
+        self.seconds["hash: input file digest chains (busy)"] = sum(h.busy_s for h in self.files.values())
+        self.seconds["hash: input file digest chains (on a CPU)"] = sum(h.cpu_s for h in self.files.values())
+        self.seconds["hash: input file digest chains (own reads)"] = sum(h.read_s for h in self.files.values())
         if self.files and (wait := self.chain_pool.submit(_runqueue_wait_s).result()) is not None:
-            self.seconds["hash: input file sha256 chains' thread (waiting for a CPU)"] = wait
+            self.seconds["hash: input file digest chains' thread (waiting for a CPU)"] = wait
         return done, hash_wait
 
     def _abort(self, pools: tuple[ThreadPoolExecutor, ...]) -> None:

@@ -2,7 +2,7 @@
 
 The stages' summed seconds (``stages_s``) say how long each stage worked or waited, not when: a chain that idles
 two seconds at the start and one that idles in short spells all through sum alike, and call for different fixes.
-A timeline samples the stream's counters (bytes read, bytes its input files' sha256 chains have hashed, bytes
+A timeline samples the stream's counters (bytes read, bytes its input files' digest chains have hashed, bytes
 stored by the writer, the worker's bytes in flight, in its buffer pool and held by its file hashes) every ``every_s``
 on a thread of its own, and halves its rows (doubling the interval) whenever it holds more than ``limit``: a long pack
 keeps a bounded, evenly spaced record.

@@ -455,7 +455,10 @@ class Downloads:
         return self._error if self._error is not None else e
 
     def hashes(self) -> dict[str, str]:
-        return {rel: st.sha256 for rel, st in self.state.items() if st.sha256}
+        """The verified downloads' sha256 (``hashing.labelled``: the manifest's input digests)."""
+        from ..hashing import HUB_DIGEST, labelled  # (hashing imports the sources)
+
+        return {rel: labelled(HUB_DIGEST, st.sha256) for rel, st in self.state.items() if st.sha256}
 
     def close(self, ok: bool) -> None:
         """Stop the downloaders; raise a download's error (``ok``: the pack finished, so every file was

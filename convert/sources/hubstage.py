@@ -176,8 +176,10 @@ class HubStaging:
         return self.downloads.first_error(e)
 
     def input_hashes(self, inputs: list[tuple[str, int]], read: dict[str, str]) -> dict[str, str]:
-        """Verified against the Hub's LFS sha256 by the downloads (those of done shards: the Hub's)."""
-        return {f: self.hub.files[f].sha256 for f, _ in inputs} | (
+        """Verified against the Hub's LFS sha256 by the downloads (those of done shards: the Hub's), labelled."""
+        from ..hashing import HUB_DIGEST, labelled  # (hashing imports the sources)
+
+        return {f: labelled(HUB_DIGEST, self.hub.files[f].sha256) for f, _ in inputs} | (
             self.downloads.hashes() if self.downloads is not None else read)
 
     def stats(self, results: list) -> dict | None:

@@ -10,7 +10,7 @@ data flow, and never which kind of source it holds:
 2. ``check_plan``: before the output folder is touched, the bounds the plan must fit (one line, no work lost);
 3. ``start``: the source the jobs read (the downloads started);
 4. ``close`` / ``failed``: the run ended, well or not (a download's error is the one reported);
-5. ``input_hashes`` and ``stats``: the manifest's input sha256 and ``PackStats.downloads``.
+5. ``input_hashes`` and ``stats``: the manifest's input digests and ``PackStats.downloads``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def model_card(man: dict, config: dict, base_model: str | None, modules: Iterabl
         f"NVFP4 checkpoint ({fmt.card_line(recipe)}) written by "
         f"kimi-convert {man['tool']['version']}"
         + (f" from `{base}`" if base else "") + ". `manifest.json` records the source of every tensor and "
-        "the sha256 of every file and the BLAKE3 of every tensor; `kimi-convert verify-manifest` checks it "
+        "the digest of every file and the BLAKE3 of every tensor; `kimi-convert verify-manifest` checks it "
         "(`--engine vllm|sglang` loads it with the engine's own code).",
         "",
         "| | modules |",

@@ -16,8 +16,11 @@ Resume: the journal records each upload with the shard's sha256 (``Journal.uploa
 asks the Hub's LFS batch endpoint which of those objects it holds (an object is named by its sha256, so
 presence is the bytes' proof) and redoes only the rest.
 
-The shard's sha256 is the one the pipeline computed while writing it (the journal's): given to the
-library, which otherwise re-reads the whole file to hash it before the upload.
+The shard's sha256 (its LFS object id) is computed here, on the uploader's thread, from one read of the shard
+that also checks its BLAKE3 against the journal's (what the pipeline computed while writing it): the bytes sent
+are the manifest's. The pipeline itself hashes its outputs by BLAKE3 only, so a pack that does not upload never
+pays for a sha256; one that does pays for it beside the transfer, which bounds it. The manifest then records
+each output file's sha256 beside its BLAKE3 (``manifest.with_hub_digests``), as ``upload`` does.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from .. import faults, filenames
 from ..errors import ConvertError
+from ..hashing import HUB_DIGEST, hash_file, unlabel
 from ..transport import IGNORE, RESUME, connect, with_retries
 from ..tuning import Tuning
 
@@ -55,8 +59,8 @@ class UploadTarget:
 
 
 def _addition(path_in_repo: str, size: int, sha256: str, local: Path | None) -> CommitOperationAdd:
-    """An LFS addition whose sha256 is known (the journal's): the library then reads the file only to send
-    it. ``local`` None: already on the Hub (a resumed run), nothing to read."""
+    """An LFS addition whose sha256 is known (``_hub_sha256``, or the journal's): the library then reads the file
+    only to send it. ``local`` None: already on the Hub (a resumed run), nothing to read."""
     op = CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=b"")
     op.path_or_fileobj = str(local) if local is not None else b""
     sample = b""
@@ -67,6 +71,16 @@ def _addition(path_in_repo: str, size: int, sha256: str, local: Path | None) -> 
     if local is None:
         op._upload_mode, op._is_uploaded = "lfs", True
     return op
+
+
+def _hub_sha256(path: Path, size: int, digest: str) -> str:
+    """The shard's sha256 (hex), from one read that also checks its size and its digest (``hashing.labelled``, the
+    journal's): a shard changed on the disk since it was written is not sent."""
+    got, n, _ = hash_file(path, {}, file_digests={unlabel(digest)[0], HUB_DIGEST})
+    if n != size or got[unlabel(digest)[0]] != digest:
+        raise ConvertError(f"{path}: changed since it was written ({n} bytes; not the digest the pack recorded); "
+                           "start again with --overwrite")
+    return unlabel(got[HUB_DIGEST])[1]
 
 
 class LiveUpload:
@@ -114,14 +128,14 @@ class LiveUpload:
             self._raise()
             self._local += 1
 
-    def submit(self, file: str, size: int, sha256: str, admitted: bool = True) -> None:
-        """Queue a finished shard (``admitted``: counted by ``admit`` when it was opened; a resumed
-        run's shards are not)."""
+    def submit(self, file: str, size: int, digest: str, admitted: bool = True) -> None:
+        """Queue a finished shard (``digest``: its journaled BLAKE3, ``hashing.labelled``; ``admitted``: counted by
+        ``admit`` when it was opened; a resumed run's shards are not)."""
         self._raise()
         if not admitted:
             with self._room:
                 self._local += 1
-        self._queue.put((file, size, sha256))
+        self._queue.put((file, size, digest))
 
     def close(self) -> None:
         """Wait for every queued shard to be on the Hub; the uploader's error, if any, as one line."""
@@ -163,9 +177,10 @@ class LiveUpload:
                 self._local = max(0, self._local - 1)
                 self._room.notify_all()
 
-    def _send(self, file: str, size: int, sha256: str) -> None:
+    def _send(self, file: str, size: int, digest: str) -> None:
         path, records = self.output_dir / file, filenames.records_name(file)
         t = self.target
+        sha256 = _hub_sha256(path, size, digest)
 
         def ops() -> list[CommitOperationAdd]:  # fresh each attempt: the library mutates them
             # the shard's records file with it (kept here, committed at the end: if the Hub takes it through
@@ -183,6 +198,7 @@ class LiveUpload:
 
     # ------------------------------------------------------------------------------------------
     # Resume: which journaled uploads the Hub still has.
+
 
     def present(self, shards: dict[str, tuple[int, str]]) -> set[str]:
         """Of ``shards`` (file -> size, sha256), those whose LFS object the repo holds: the LFS batch

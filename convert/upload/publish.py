@@ -12,7 +12,8 @@ skips what is already there). Around it this module adds what a multi-hundred-GB
 - retries of what retrying can fix (429 honouring ``Retry-After``, 408 and 5xx, a connection
   dropped after the first contact worked), with "resume" said only where re-running resumes;
 - one-line errors naming the repo (and the file), classified by the library's exception types;
-- a model card, and a check of every remote file's size and sha256 against the manifest.
+- a model card, and a check of every remote file's size and sha256 against the manifest (where the manifest
+  records a file's BLAKE3, against the sha256 of the local file that matched it, from the verifying read).
 
 The token is handed to the library only: never printed, logged or written.
 """
@@ -29,7 +30,7 @@ from .. import filenames
 from ..errors import ConvertError
 from ..hashing import git_blob_sha1, sha256_file
 from ..jsonfile import read_json
-from ..manifest import iter_modules
+from ..manifest import hub_sha256, iter_modules, with_hub_digests, write_manifest
 from ..transport import IGNORE, RESUME, connect, with_retries
 from ..verify import load, verify
 from .card import model_card
@@ -43,9 +44,11 @@ class RemoteCheck:
 
 
 def check_remote(api, repo_id: str, revision: str | None, output: Path, man: dict,
-                 say: Callable[[str], None], hint: str | None = "try again later") -> RemoteCheck:
-    """Every file of the manifest is in the repo; LFS files carry the manifest's sha256, the rest the
-    local file's git blob id. Nothing is downloaded."""
+                 say: Callable[[str], None], hint: str | None = "try again later",
+                 local_sha256: dict[str, str] | None = None) -> RemoteCheck:
+    """Every file of the manifest is in the repo; LFS files carry the manifest's sha256 (where it records BLAKE3:
+    ``local_sha256``, the sha256 of the local files verify found to match it), the rest the local file's git blob
+    id. Nothing is downloaded."""
     entries = with_retries(lambda: list(api.list_repo_tree(repo_id, revision=revision, recursive=True)),
                            "listing the repository", repo_id, say, hint=hint)
     remote = {e.path: e for e in entries if hasattr(e, "size")}
@@ -67,7 +70,11 @@ def check_remote(api, repo_id: str, revision: str | None, output: Path, man: dic
         if e.size != rec["size"]:
             problems.append(f"{repo_id}: {name} has {e.size} bytes, manifest says {rec['size']}")
         if sha is not None:
-            if sha != rec["sha256"]:
+            want = rec.get("sha256") or (local_sha256 or {}).get(name)
+            if want is None:
+                problems.append(f"{repo_id}: {name}: the manifest records its BLAKE3, and no local copy matched it "
+                                "to give the sha256 the Hub names it by")
+            elif sha != want:
                 problems.append(f"{repo_id}: {name}: the Hub's sha256 {sha[:16]}... is not the manifest's")
         elif (output / name).exists() and e.blob_id != git_blob_sha1(output / name):
             problems.append(f"{repo_id}: {name}: the Hub's blob id does not match the local file")
@@ -92,10 +99,12 @@ def upload(output: str | Path, repo_id: str, *, private: bool = False, revision:
     output = Path(output)
     man = load(output)  # a finished output at all: cheap, local
     api = connect(repo_id, token, write=True, say=say)
-    rep = verify(output)
+    rep = verify(output, hub=True)
     if not rep.ok:
         raise ConvertError(f"{output}: verify-manifest found {len(rep.problems)} problem(s), refusing to upload; "
                            f"first: {rep.problems[0] if rep.problems else 'a failed check'}")
+    man = with_hub_digests(man, hub_sha256(output, man, rep.sha256))  # the Hub's names, from verify's read
+    write_manifest(output, man)
     with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
                  "creating the repository", repo_id, say)
     card = output / "README.md"
@@ -114,13 +123,15 @@ def upload(output: str | Path, repo_id: str, *, private: bool = False, revision:
     target = getattr(info, "pr_revision", None) if create_pr else revision
     again = f"the upload is committed; check it again with: kimi-convert verify-manifest {output} --remote {repo_id}"
     remote = check_remote(api, repo_id, target, output, man, say, hint=again + (f" --revision {target}" if target
-                                                                                 else ""))
+                                                                                 else ""), local_sha256=rep.sha256)
     return UploadResult(str(getattr(info, "commit_url", "")), pr_url, remote, wrote_card)
 
 
 def verify_remote(output: str | Path, repo_id: str, revision: str | None = None, token: str | None = None,
-                  say: Callable[[str], None] = print, api: HfApi | None = None) -> RemoteCheck:
-    """The remote half of verify-manifest; ``api`` from ``connect`` (done before the local hashing)."""
+                  say: Callable[[str], None] = print, api: HfApi | None = None,
+                  local_sha256: dict[str, str] | None = None) -> RemoteCheck:
+    """The remote half of verify-manifest; ``api`` from ``connect`` (done before the local hashing);
+    ``local_sha256``: ``check_remote``'s (``Report.sha256``)."""
     output = Path(output)
     api = api or connect(repo_id, token, write=False, revision=revision, say=say)
-    return check_remote(api, repo_id, revision, output, load(output), say)
+    return check_remote(api, repo_id, revision, output, load(output), say, local_sha256=local_sha256)

@@ -2,8 +2,8 @@
 that it was derived from it correctly.
 
 Offline, every file is read once, in parallel: one sequential pass per shard computes the file's
-sha256 and every tensor's digest (the manifest's ``tensor_digest``: BLAKE3, sha256 in a format_version 3
-manifest) from the same bytes. With ``input``, the input files are hashed the
+digest (its manifest entry's: BLAKE3, or sha256) and every tensor's (the manifest's ``tensor_digest``: BLAKE3,
+sha256 in a format_version 3 manifest) from the same bytes. With ``input``, the input files are hashed the
 same way, the plan is rebuilt from the input and the recorded options and rules (its hash must equal
 the manifest's), pass-through tensors are compared with their sources' bytes, and NVFP4 tensors are
 re-quantized from their sources (a deterministic sample, or all with ``full``) and compared byte for
@@ -50,13 +50,14 @@ def load(output: Path) -> dict:
 
 def verify(output: str | Path, input_dir: Source | str | Path | None = None, *, full: bool = False,
            device: str | Device = "cpu", progress: Callable[[int], None] | None = None,
-           total: Callable[[int], None] | None = None) -> Report:
-    """``input_dir``: the input to check OUTPUT against, a ``Source`` or a folder (``sources.open_source``)."""
+           total: Callable[[int], None] | None = None, hub: bool = False) -> Report:
+    """``input_dir``: the input to check OUTPUT against, a ``Source`` or a folder (``sources.open_source``).
+    ``hub``: each output file's sha256 as well, from the same read (``Report.sha256``: the remote check's)."""
     output = Path(output)
     man = load(output)
     rep = Report()
     try:
-        check_offline(output, man, rep, progress, total)
+        check_offline(output, man, rep, progress, total, hub)
         if input_dir is not None:
             check_against_input(open_source(input_dir), output, man, rep, full, device, progress, total)
     except (KeyError, TypeError, ValueError) as e:

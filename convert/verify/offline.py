@@ -1,4 +1,4 @@
-"""verify-manifest's offline checks: every file of the output read once (its sha256 and every tensor's digest
+"""verify-manifest's offline checks: every file of the output read once (its digest and every tensor's digest
 from the same bytes), the records files streamed, the index, the side files and the strangers."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path, PurePosixPath
 
 from ..checkpoint import INDEX_NAME
 from ..errors import ConvertError
-from ..hashing import hash_file
+from ..hashing import FILE_DIGEST, HUB_DIGEST, hash_file, unlabel
 from ..jsonstream import iter_object
-from ..manifest import RecordsReader, tensor_digest
+from ..manifest import RecordsReader, entry_digest, entry_digests, tensor_digest
 from ..plan import Kind
 from ..safetensors_format import DTYPES, parse_header
 from ..sidefiles import WEIGHT_SUFFIXES
@@ -79,12 +79,15 @@ class _ShardCheck:
     listed: _Listing = field(default_factory=lambda: _Listing({}, {}))  # its tensors, as the index should list them
     modules: Modules = field(default_factory=Modules)
     unread: bool = False  # its records file is missing or stops at a bad line: its tensors are not all known
+    digests: dict[str, str] = field(default_factory=dict)  # the file's digests, where it matched the manifest
+    records_digests: dict[str, str] = field(default_factory=dict)  # its records file's, likewise
 
 
-def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None:
-    """Each shard is one job: its header, its bytes hashed (the file's sha256 and each tensor's digest), and
+def check_offline(output: Path, man: dict, rep: Report, progress, total, hub: bool = False) -> None:
+    """Each shard is one job: its header, its bytes hashed (the file's digest and each tensor's), and
     its module records (its records file, streamed) compared with them. So what is held at once is a
-    few shards' tensors, never the whole model's."""
+    few shards' tensors, never the whole model's. ``hub``: each file's sha256 too, from the same read, kept in
+    ``rep.sha256`` where the file matched the manifest (the Hub names an LFS file by it: ``--remote``, ``upload``)."""
     shards = {f["file"]: f for f in man["outputs"]}
     others = {f["file"]: f for f in man.get("files", [])}
     index_problems: list[str] = []
@@ -97,22 +100,29 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total) -> None
     if total:
         total(sum((output / n).stat().st_size for n in present))
 
+    also = (HUB_DIGEST,) if hub else ()
+
     def job(name: str) -> tuple[str, _ShardCheck | tuple]:
         if name not in shards:
-            return name, hash_file(output / name, {}, progress)
-        return name, _check_shard(output, name, shards[name], records.get(name), progress, digest)
+            return name, hash_file(output / name, {}, progress, file_digests={*_algorithms(others[name]), *also})
+        return name, _check_shard(output, name, shards[name], records.get(name), progress, digest, also)
 
     checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
         for name, res in pool.map(job, [*shards, *(n for n in others if n in present)]):
             if isinstance(res, _ShardCheck):
                 checked[name] = res
+                got = res.digests
             else:
-                _compare_file(name, res[0], res[1], others[name], problems)
+                got = res[0] if _compare_file(name, res[0], res[1], others[name], problems) else {}
+            if HUB_DIGEST in got:
+                rep.sha256[name] = unlabel(got[HUB_DIGEST])[1]
+            if name in records and HUB_DIGEST in checked.get(name, _ShardCheck()).records_digests:
+                rep.sha256[records[name]["file"]] = unlabel(checked[name].records_digests[HUB_DIGEST])[1]
     for c in checked.values():
         mods.merge(c.modules)
     problems += [p for c in checked.values() for p in c.file_problems]
-    rep.check("files: present, sizes and sha256", problems,
+    rep.check("files: present, sizes and digests", problems,
               f"{len(shards)} shards, {len(others)} other files, {len(records)} records files")
     rep.check(f"tensors: names, dtypes, shapes and {digest}", [p for c in checked.values() for p in c.tensor_problems],
               f"{mods.tensors} tensors")
@@ -160,17 +170,35 @@ def _index_problems(output: Path, man: dict, index: tuple, checked: dict, record
     return out
 
 
-def _compare_file(name: str, sha: str, size: int, rec: dict, problems: list[str]) -> None:
-    if size != rec["size"]:
+def _algorithms(rec: dict) -> list[str]:
+    """The algorithms of the digests a file entry records (``FILE_DIGEST`` where none: ``_compare_file`` says so)."""
+    return [unlabel(w)[0] for w in entry_digests(rec)] or [FILE_DIGEST]
+
+
+def _compare_file(name: str, got: dict[str, str], size: int, rec: dict, problems: list[str]) -> bool:
+    """Whether the file's size and every digest its entry records (``got``: the file's by algorithm,
+    ``hashing.labelled``) are the entry's."""
+    wants = entry_digests(rec)
+    if not wants:
+        problems.append(f"manifest.json: {name} is listed without a digest")
+        return False
+    ok = size == rec["size"]
+    if not ok:
         problems.append(f"{name}: size {size}, manifest says {rec['size']}")
-    if sha != rec["sha256"]:
-        problems.append(f"{name}: sha256 {sha[:16]}..., manifest says {rec['sha256'][:16]}...")
+    for want in wants:
+        alg, hexdigest = unlabel(want)
+        if got[alg] != want:
+            problems.append(f"{name}: {alg} {unlabel(got[alg])[1][:16]}..., manifest says {hexdigest[:16]}...")
+            ok = False
+    return ok
 
 
-def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progress, digest: str) -> _ShardCheck:
-    """One shard: its bytes against ``rec`` (size, sha256), its tensors against its module records
+def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progress, digest: str,
+                 also: tuple[str, ...] = ()) -> _ShardCheck:
+    """One shard: its bytes against ``rec`` (size, digest), its tensors against its module records
     (``records``: its records file's listing; None where manifest.json lists no records file for it;
-    ``digest``: the records' tensor digest, also their key); and the digest of the index entries they call for."""
+    ``digest``: the records' tensor digest, also their key); and the digest of the index entries they call for.
+    ``also``: more digests of the file, kept (``_ShardCheck.digests``) where it matched the manifest."""
     c = _ShardCheck()
     path = output / name
     if not path.is_file():
@@ -184,11 +212,12 @@ def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progr
             header = None
     hashes: dict[str, str] = {}
     if header is not None:
-        sha, size, hashes = hash_file(path, {t: (i.start, i.end) for t, i in header.items()}, progress,
-                                      digest=digest)
-        _compare_file(name, sha, size, rec, c.file_problems)
+        got, size, hashes = hash_file(path, {t: (i.start, i.end) for t, i in header.items()}, progress,
+                                      digest=digest, file_digests={*_algorithms(rec), *also})
+        if _compare_file(name, got, size, rec, c.file_problems):
+            c.digests = got
     seen: set[str] = set()
-    for where, t in (_record_tensors(output, name, records, c) if records is not None else ()):
+    for where, t in (_record_tensors(output, name, records, c, also) if records is not None else ()):
         seen.add(t["name"])
         _check_tensor(name, where, t, header, hashes, digest, c.tensor_problems)
         c.listed.add(t["name"], name)
@@ -203,10 +232,11 @@ def _check_shard(output: Path, name: str, rec: dict, records: dict | None, progr
     return c
 
 
-def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck):
+def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck, also: tuple[str, ...] = ()):
     """The tensors of a shard's records file, each with the line it is on; the file's own problems
-    (missing, truncated, edited, a malformed record) go to ``c``; its modules to ``c.modules``."""
-    reader = RecordsReader(output, entry)
+    (missing, truncated, edited, a malformed record) go to ``c``; its modules to ``c.modules``; its digests
+    (``also`` too) to ``c.records_digests`` where it matched its entry."""
+    reader = RecordsReader(output, entry, also)
     for where, m in reader:
         try:
             c.modules.add(where, m)
@@ -222,6 +252,7 @@ def _record_tensors(output: Path, shard: str, entry: dict, c: _ShardCheck):
             return
     c.file_problems += reader.problems
     c.unread = reader.stopped
+    c.records_digests = reader.digests
 
 
 def _check_tensor(fname: str, where: str, t: dict, header: dict | None, hashes: dict[str, str], digest: str,
@@ -296,11 +327,12 @@ def _side_records(man: dict, others: dict[str, dict]) -> list[str]:
             problems.append(f"manifest.json: side file {name!r} is not a relative path inside the output")
             continue
         known = others.get(name)
-        if known is None and "sha256" in rec:
+        want = entry_digest(rec)
+        if known is None and want is not None:
             others[name] = rec
         elif known is None:
-            problems.append(f"{name}: a side file the manifest lists without size and sha256")
-        elif "sha256" in rec and (known["size"], known["sha256"]) != (rec["size"], rec["sha256"]):
+            problems.append(f"{name}: a side file the manifest lists without size and digest")
+        elif want is not None and (known["size"], entry_digest(known)) != (rec["size"], want):
             problems.append(f"manifest.json: side file {name} is recorded with two different hashes")
     for name in [n for n in others if not is_inside(n)]:  # never read a file outside the output
         problems.append(f"manifest.json: file {name!r} is not a relative path inside the output")

@@ -12,8 +12,8 @@ from .. import encodings
 from ..checkpoint import consumed, open_checkpoint
 from ..devices import Device, cpus
 from ..errors import ConvertError
-from ..hashing import git_blob_sha1, hash_file, new_digest
-from ..manifest import iter_modules, tensor_digest
+from ..hashing import FILE_DIGEST, HUB_DIGEST, file_digest, git_blob_sha1, hash_file, labelled, new_digest, unlabel
+from ..manifest import entry_digest, iter_modules, tensor_digest
 from ..mapping import parse_mapping
 from ..options import Options
 from ..plan import QUANTIZED, make_plan
@@ -36,22 +36,28 @@ def check_against_input(source: Source, output: Path, man: dict, rep: Report, fu
     problems += [f"{source.shown(f)}: missing" for f in missing]
     present = [f for f in recorded if f not in missing]
     origin = provenance(source)
+    want = {f: entry_digest(recorded[f]) for f in present}
+    problems += [f"manifest.json: input {f} is listed without one digest" for f in present if want[f] is None]
+    # a Hub repository: the sha256 its LFS recorded, nothing downloaded, where the manifest records sha256 (a Hub
+    # input's pack); a file it records by BLAKE3 (packed from a local copy) is read through the source and hashed
+    lfs = {f for f in present if origin is not None and want[f] is not None and unlabel(want[f])[0] == HUB_DIGEST}
+    problems += [f"{source.shown(f)}: not stored through LFS: the Hub records no sha256 to compare"
+                 for f in sorted(lfs) if not entries[f].sha256]
+    hashes = {f: (labelled(HUB_DIGEST, entries[f].sha256), entries[f].size) for f in lfs if entries[f].sha256}
+    read = [f for f in present if f not in lfs and want[f] is not None]
     detail = f"{len(recorded)} files"
-    if origin is not None:  # a Hub repository: the sha256 its LFS recorded, nothing downloaded
+    if origin is not None:
         detail += f", against the sha256 the Hub records at {origin['commit']}" + _commit_note(man, origin)
-        hashes = {f: (entries[f].sha256, entries[f].size) for f in present if entries[f].sha256}
-        problems += [f"{source.shown(f)}: not stored through LFS: the Hub records no sha256 to compare"
-                     for f in present if not entries[f].sha256]
-    else:
-        if total:
-            total(sum(entries[f].size for f in present))
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            hashes = {f: (sha, size) for f, (sha, size, _) in
-                      pool.map(lambda f: (f, hash_file(f, {}, progress, source=source)), present)}
-    for f, (sha, size) in hashes.items():
-        if size != recorded[f]["size"] or sha != recorded[f]["sha256"]:
+        detail += f"; {len(read)} read from the Hub (the manifest records their BLAKE3)" if read else ""
+    if total:
+        total(sum(entries[f].size for f in read))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        hashes |= {f: (got[unlabel(want[f])[0]], size) for f, (got, size, _) in pool.map(
+            lambda f: (f, hash_file(f, {}, progress, source=source, file_digests=(unlabel(want[f])[0],))), read)}
+    for f, (digest, size) in hashes.items():
+        if size != recorded[f]["size"] or digest != want[f]:
             problems.append(f"{source.shown(f)}: differs from the input recorded in the manifest")
-    rep.check("input files: sizes and sha256", problems, detail)
+    rep.check("input files: sizes and digests", problems, detail)
     _check_input_side_files(source, man, rep, output)
     if problems:
         return
@@ -83,20 +89,18 @@ def _commit_note(man: dict, origin: dict) -> str:
     return "" if was == origin["commit"] else f" (the manifest records commit {was})"
 
 
-def _side_identity(source: Source, f: str, output: Path) -> tuple[int, str] | None:
-    """A Hub input's side file checked without a download: its LFS sha256 if it has one; else, where the
-    output's copy has the Hub's git blob id, the copy's sha256 (the offline check holds the copy to the
-    manifest); None: neither, the file is read."""
-    from ..hashing import sha256_file
-
+def _side_identity(source: Source, f: str, output: Path, digest: str) -> tuple[int, str] | None:
+    """A Hub input's side file checked without a download: its LFS sha256 if it has one and the manifest records
+    sha256 (``digest``); else, where the output's copy has the Hub's git blob id, the copy's ``digest`` (the offline
+    check holds the copy to the manifest); None: neither, the file is read."""
     e = source.entry(f)
     if e is None:
         return None
-    if e.sha256:
-        return e.size, e.sha256
+    if e.sha256 and digest == HUB_DIGEST:
+        return e.size, labelled(HUB_DIGEST, e.sha256)
     copy = output / f
     if e.oid and copy.is_file() and git_blob_sha1(copy) == e.oid:
-        return e.size, sha256_file(copy)
+        return e.size, file_digest(copy, digest)
     return None
 
 
@@ -128,9 +132,11 @@ def _check_input_side_files(source: Source, man: dict, rep: Report, output: Path
                         f"{sorted(man.get('side_folders', []))}")
     hub = provenance(source) is not None and output is not None
     for f in sorted(set(now.copied) & set(side)):
-        known = _side_identity(source, f, output) if hub else None
-        size, sha = known if known is not None else hash_file(f, {}, source=source)[1::-1]
-        if (size, sha) != (side[f]["size"], side[f]["sha256"]):
+        want = entry_digest(side[f])
+        alg = FILE_DIGEST if want is None else unlabel(want)[0]
+        known = _side_identity(source, f, output, alg) if hub else None
+        size, got = known if known is not None else hash_file(f, {}, source=source, file_digests=(alg,))[1::-1]
+        if (size, got if isinstance(got, str) else got[alg]) != (side[f]["size"], want):
             problems.append(f"{source.shown(f)}: differs from the copy the manifest records")
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 class Report:
     checks: list[tuple[str, bool, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: output file -> its sha256 (hex), read with its manifest digest and matching it (``verify(hub=True)``): what
+    #: the Hub's LFS names it by, for a manifest that records BLAKE3
+    sha256: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
