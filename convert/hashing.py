@@ -3,8 +3,9 @@
 The pipeline hashes every byte it reads or writes (each input file and each source tensor, each
 output tensor and each output file), and hashlib and blake3 release the GIL on large buffers, so
 hashing runs beside reading, computing and writing. A tensor's digest is ``TENSOR_DIGEST`` and a file's
-``FILE_DIGEST`` (both BLAKE3: four times sha256's speed on one core), but sha256 where the Hub names the file by
-it (``HUB_DIGEST``: a Hub input's LFS oid, the outputs of ``pack --upload``; docs/output-format.md, "Digests").
+``FILE_DIGEST`` (both BLAKE3: four times sha256's speed on one core); sha256 (``HUB_DIGEST``) only where the Hub
+names a file by it: a Hub input's LFS oid, and an output file's once uploaded, computed by the upload
+(``sha256_checked``; docs/output-format.md, "Digests").
 A digest is sequential, though: the pieces of one
 stream must be fed in order even when several pool threads run. ``SerialHasher`` keeps that order
 for one stream; ``FileHasher`` builds a whole file's digest from the byte ranges the pipeline reads or
@@ -39,11 +40,11 @@ CHUNK = 16 << 20
 #: The digest of each tensor in the records a pack writes (``tensors[]`` and ``sources[].parts[]``, under a
 #: key of this name; manifest.json's ``tensor_digest`` names it).
 TENSOR_DIGEST = "blake3"
-#: A file's digest where no Hub names the file: a local input's, and every output file's of a pack that does not
-#: upload as it goes (docs/output-format.md, "Digests").
+#: Every file's digest the pipeline computes: a local input's, and every output file's (docs/output-format.md,
+#: "Digests").
 FILE_DIGEST = "blake3"
-#: The Hub's name of an LFS file: a Hub input's (its downloads verified against it), and every output file's of
-#: ``pack --upload`` (each shard's LFS object id, handed to the upload as the shard is written).
+#: The Hub's name of an LFS file: a Hub input's (its downloads verified against it), and an output file's once
+#: uploaded (computed by the upload, recorded beside its BLAKE3: ``manifest.with_hub_digests``).
 HUB_DIGEST = "sha256"
 #: The digests a manifest may use, files' and tensors': sha256 for every one before format_version 4, for files
 #: before 5.
@@ -62,13 +63,9 @@ def unlabel(digest: str) -> tuple[str, str]:
     return name, hexdigest
 
 
-def hub_oid(digest: str) -> str:
-    """The sha256 an LFS upload names the file by, from a labelled digest that must be one (``pack --upload``'s
-    outputs are hashed by sha256 for this)."""
-    name, hexdigest = unlabel(digest)
-    if name != HUB_DIGEST:
-        raise ValueError(f"a {name} digest where the Hub needs the file's sha256")
-    return hexdigest
+def bytes_digest(data: bytes, name: str = FILE_DIGEST) -> str:
+    """``data``'s digest of algorithm ``name``, ``labelled`` (a records file's, hashed from the bytes written)."""
+    return labelled(name, DIGESTS[name](data).hexdigest())
 
 
 class Digest(Protocol):
@@ -577,6 +574,13 @@ def file_digest(path: str | os.PathLike, digest: str = FILE_DIGEST, stop: thread
                 source: Source | None = None) -> str:
     """The file's ``digest``, ``labelled``."""
     return hash_file(path, {}, stop=stop, source=source, file_digests=(digest,))[0][digest]
+
+
+def sha256_checked(path: str | os.PathLike, size: int, digest: str) -> str | None:
+    """The file's sha256 (hex: its LFS object id) from one read that also checks its size and its recorded digest
+    (``labelled``); None where either differs: an upload sends, and a manifest records, only the bytes it names."""
+    got, n, _ = hash_file(path, {}, file_digests={unlabel(digest)[0], HUB_DIGEST})
+    return unlabel(got[HUB_DIGEST])[1] if n == size and got[unlabel(digest)[0]] == digest else None
 
 
 def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None, *, source: Source | None = None) -> str:

@@ -15,7 +15,17 @@ from pathlib import Path, PurePosixPath
 from . import __version__, filenames, schemes
 from .atomic import write_atomic, write_json_atomic
 from .errors import ConvertError
-from .hashing import DIGESTS, FILE_DIGEST, HUB_DIGEST, TENSOR_DIGEST, hash_file, labelled, new_digest, unlabel
+from .hashing import (
+    DIGESTS,
+    FILE_DIGEST,
+    HUB_DIGEST,
+    TENSOR_DIGEST,
+    bytes_digest,
+    labelled,
+    new_digest,
+    sha256_checked,
+    unlabel,
+)
 from .jsonfile import loads, read_json
 from .plan import Item, Plan, Unit
 from .plan.serialize import engine_groups, head_dict, item_dict, side_dict
@@ -26,7 +36,8 @@ FORMAT = "kimi-convert-manifest"
 #: 4: each tensor's digest (``tensors[]``, ``sources[].parts[]``) is BLAKE3 under the key ``blake3``, named by
 #: ``tensor_digest`` (version 3: sha256, key ``sha256``, no ``tensor_digest``); files' digests stay sha256.
 #: 5: each file's digest is under the key of its algorithm: BLAKE3 (``blake3``), sha256 (``sha256``) where the Hub
-#: names the file by it (a Hub input's; every output file's of ``pack --upload``); before 5 every file's is sha256.
+#: names the file by it (a Hub input's; an output file's once uploaded, beside its BLAKE3); before 5 every file's
+#: is sha256.
 #: Version 1 and 2 manifests (every module in manifest.json, before 0.1.0) are refused by verify-manifest;
 #: version 3 and 4 ones are read (``tensor_digest``, ``entry_digest``).
 FORMAT_VERSION = 5
@@ -114,10 +125,10 @@ def hub_sha256(output_dir: Path, man: dict, known: dict[str, str]) -> dict[str, 
             if not path.is_file():
                 raise ConvertError(f"{path}: missing, and manifest.json records its BLAKE3, not the sha256 the Hub "
                                    "names it by; start again with --overwrite")
-            got, size, _ = hash_file(path, {}, file_digests=(FILE_DIGEST, HUB_DIGEST))
-            if size != e["size"] or got[FILE_DIGEST] != entry_digest(e):
+            sha = sha256_checked(path, e["size"], entry_digest(e))
+            if sha is None:
                 raise ConvertError(f"{path}: does not match manifest.json; start again with --overwrite")
-            out[name] = unlabel(got[HUB_DIGEST])[1]
+            out[name] = sha
     return out
 
 
@@ -137,7 +148,7 @@ def write_records(output_dir: Path, shard: str, units: list[Unit], tensor_hashes
     except OSError as e:
         raise ConvertError(f"{path.parent}: cannot create: {e.strerror or e}") from None
     write_atomic(path, data, fault="records")
-    return RecordsFile(rel, len(data), labelled(FILE_DIGEST, DIGESTS[FILE_DIGEST](data).hexdigest()), len(lines))
+    return RecordsFile(rel, len(data), bytes_digest(data), len(lines))
 
 
 def build(plan: Plan, plan_sha256: str, input_hashes: dict[str, str], shards: dict[str, tuple[int, str]],

@@ -21,7 +21,7 @@ from . import manifest as manifest_mod
 from .atomic import write_atomic, write_atomic_chunks, write_json_atomic
 from .checkpoint import INDEX_NAME, Checkpoint
 from .errors import ConvertError
-from .hashing import DIGESTS, HUB_DIGEST, file_digest, labelled, unlabel
+from .hashing import HUB_DIGEST, bytes_digest, file_digest, labelled, unlabel
 from .journal import Journal, ShardRecord
 from .plan import Plan, ShardSize
 from .plan.serialize import plan_sha256
@@ -151,8 +151,7 @@ class OutputFolder:
     def place_records(self, shard: str, rec: ShardRecord, data: bytes) -> None:
         """A Ray task's records file, written where the manifest and the commit read it, once checked against
         the record (it crossed the network)."""
-        name = unlabel(rec.records_digest)[0]
-        if len(data) != rec.records_size or labelled(name, DIGESTS[name](data).hexdigest()) != rec.records_digest:
+        if len(data) != rec.records_size or bytes_digest(data, unlabel(rec.records_digest)[0]) != rec.records_digest:
             raise ConvertError(f"{shard}: the records file a Ray task sent does not match its record (a bug)")
         path = self.path / filenames.records_name(shard)
         path.parent.mkdir(parents=True, exist_ok=True)

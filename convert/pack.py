@@ -22,6 +22,7 @@ from .derive.lookup import mapping_for
 from .devices import Device
 from .errors import ConvertError
 from .executors import Executor, RayTasks, WorkerProcesses
+from .hashing import HUB_DIGEST
 from .jobs import Waves, jobs_by_wave, split_jobs
 from .journal import ShardRecord
 from .options import Options
@@ -324,7 +325,7 @@ def _publish(hub: LiveUpload, output_dir: Path, shards: dict[str, tuple[int, str
     man = manifest_mod.load_manifest(output_dir)
     if not shards:
         sha = manifest_mod.hub_sha256(output_dir, man, {})
-        if any(manifest_mod.HUB_DIGEST not in e for e in man["outputs"]):
+        if any(HUB_DIGEST not in e for e in man["outputs"]):
             man = manifest_mod.with_hub_digests(man, sha)
             manifest_mod.write_manifest(output_dir, man)
         shards = {f["file"]: (f["size"], sha[f["file"]]) for f in man["outputs"]}

@@ -38,7 +38,7 @@ from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from .. import faults, filenames
 from ..errors import ConvertError
-from ..hashing import HUB_DIGEST, hash_file, unlabel
+from ..hashing import sha256_checked
 from ..transport import IGNORE, RESUME, connect, with_retries
 from ..tuning import Tuning
 
@@ -76,11 +76,11 @@ def _addition(path_in_repo: str, size: int, sha256: str, local: Path | None) -> 
 def _hub_sha256(path: Path, size: int, digest: str) -> str:
     """The shard's sha256 (hex), from one read that also checks its size and its digest (``hashing.labelled``, the
     journal's): a shard changed on the disk since it was written is not sent."""
-    got, n, _ = hash_file(path, {}, file_digests={unlabel(digest)[0], HUB_DIGEST})
-    if n != size or got[unlabel(digest)[0]] != digest:
-        raise ConvertError(f"{path}: changed since it was written ({n} bytes; not the digest the pack recorded); "
+    sha = sha256_checked(path, size, digest)
+    if sha is None:
+        raise ConvertError(f"{path}: changed since it was written (not the size or digest the pack recorded); "
                            "start again with --overwrite")
-    return unlabel(got[HUB_DIGEST])[1]
+    return sha
 
 
 class LiveUpload:

@@ -110,15 +110,13 @@ def check_offline(output: Path, man: dict, rep: Report, progress, total, hub: bo
     checked: dict[str, _ShardCheck] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
         for name, res in pool.map(job, [*shards, *(n for n in others if n in present)]):
+            got: dict[str, dict[str, str]] = {}  # file -> its digests, where it matched the manifest
             if isinstance(res, _ShardCheck):
                 checked[name] = res
-                got = res.digests
-            else:
-                got = res[0] if _compare_file(name, res[0], res[1], others[name], problems) else {}
-            if HUB_DIGEST in got:
-                rep.sha256[name] = unlabel(got[HUB_DIGEST])[1]
-            if name in records and HUB_DIGEST in checked.get(name, _ShardCheck()).records_digests:
-                rep.sha256[records[name]["file"]] = unlabel(checked[name].records_digests[HUB_DIGEST])[1]
+                got = {name: res.digests, **({records[name]["file"]: res.records_digests} if name in records else {})}
+            elif _compare_file(name, res[0], res[1], others[name], problems):
+                got = {name: res[0]}
+            rep.sha256 |= {f: unlabel(d[HUB_DIGEST])[1] for f, d in got.items() if HUB_DIGEST in d}
     for c in checked.values():
         mods.merge(c.modules)
     problems += [p for c in checked.values() for p in c.file_problems]
