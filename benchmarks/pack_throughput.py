@@ -6,11 +6,13 @@
 ``--input`` takes a checkpoint written elsewhere (a test-only preset's generator) instead of ``synth --preset``;
 ``--mapping`` is passed to every pack (a draft table for an architecture with none shipped).
 
-1. disk floor: read every input file once, then write and fsync a file of the output's size (each the faster of
-   through the page cache and past it, O_DIRECT, as pack reads and writes);
+1. disk floor: read every input file once, then write and fsync a file of the output's size (each the fastest of
+   through the page cache and past it, O_DIRECT, as pack reads and writes, and a read also through a memory map's
+   pages read in, ``mapped_floor``);
 2. with --quantize-alone: the time the kernels alone take on the checkpoint's NVFP4 modules, their
-   sources already in memory (no reading, hashing or writing); and the CPU floor: one core's sha256 and BLAKE3
-   rates over the input and output bytes, plus that, spread over the CPUs (hashes are CPU work the disk cannot hide);
+   sources already in memory (no reading, hashing or writing); and the CPU floor: one core's BLAKE3 rate over the
+   input and output bytes twice (each file's digest and each tensor's), plus that, spread over the CPUs (hashes are
+   CPU work the disk cannot hide);
 3. ``kimi-convert pack`` end to end (process start included), once per --workers value: wall time,
    the conversion's own time and torch's start-up (from ``pack --stats``), peak RSS (wait4) and
    the bytes the process read from storage (rusage inblock).
@@ -113,13 +115,17 @@ def disk_floor_overlapped(src: Path, out_bytes: int, scratch: Path, drop: bool, 
 def disk_floor(src: Path, out_bytes: int, scratch: Path, drop: bool) -> tuple[float, float]:
     """Seconds to read every input file once, and to write and fsync the output's bytes, each the faster of through
     the page cache and past it (O_DIRECT, as pack reads and writes where the file system allows: the floor is the
-    disk's best, not one way of reading or writing)."""
+    disk's best, not one way of reading or writing); a read also the fastest of those and a memory map's pages read in
+    (``mapped_floor``)."""
     reads = {}
     for way in (False, True):
         drop_caches(drop)
         got = read_floor(src, direct=way)
         if got is not None:
             reads["direct" if way else "cached"] = got
+    drop_caches(drop)
+    if (got := mapped_floor(src)) is not None:
+        reads["mapped"] = got
     print("disk floor reads (s): " + ", ".join(f"{k} {v:.2f}" for k, v in reads.items()), file=sys.stderr)
     read_s = min(reads.values())
     drop_caches(drop)
@@ -151,6 +157,28 @@ def read_floor(src: Path, direct: bool) -> float | None:
             return None
         finally:
             os.close(fd)
+    return time.perf_counter() - t
+
+
+def mapped_floor(src: Path) -> float | None:
+    """Seconds to read every input file once into the page cache through a memory map of it, CHUNK at a time
+    (``MADV_SEQUENTIAL``, then ``MADV_POPULATE_READ``: the kernel's readahead as large as it goes, no copy, no buffer
+    of ours zeroed). On this VM's disk it read `bench-kimi-k25`'s 2.1 GB 1.2-2.7x as fast as the other two ways
+    (benchmarks/RESULTS.md, issue 38's session 35 section). None where the kernel cannot (before Linux 5.14)."""
+    import mmap
+
+    t = time.perf_counter()
+    for p in files(src):
+        size = p.stat().st_size
+        if not size:
+            continue
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+            m.madvise(mmap.MADV_SEQUENTIAL)
+            for at in range(0, size, CHUNK):
+                try:
+                    m.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), at, min(CHUNK, size - at))
+                except OSError:
+                    return None
     return time.perf_counter() - t
 
 

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import blake3
@@ -371,9 +372,24 @@ def _open(path: str | os.PathLike, source: Source | None) -> tuple[SourceFile, s
     return LocalFile.open(path, str(path)), str(path)
 
 
-def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
+@dataclass(frozen=True)
+class ChainReads:
+    """What ``chain_reads`` decides for one input file (ranges by their start): ``own``, the ranges its digest chain
+    reads from the file itself rather than wait for; ``dropped``, the offers it expects past the hold budget, which
+    the chain reads again. Each is read twice, once by the pipeline for its unit: ``twice``."""
+
+    own: frozenset[int] = frozenset()
+    dropped: frozenset[int] = frozenset()
+
+    @property
+    def twice(self) -> frozenset[int]:
+        return self.own | self.dropped
+
+
+def chain_reads(order: list[tuple[int, int]], budget: int) -> ChainReads:
     """The ranges a file's digest chain should read from the file itself rather than wait for, given the order in
-    which the pipeline will offer them (``order``: each range once, disjoint) and the hold budget (``FileHasher``).
+    which the pipeline will offer them (``order``: each range once, disjoint) and the hold budget (``FileHasher``),
+    and the offers still past the budget then (dropped: the chain reads them again).
 
     The chain hashes in file order, so a range offered late blocks its cursor, and everything offered meanwhile past
     it must be held, or, past the budget, dropped and read again. Where a unit's bytes lie in two runs of the file
@@ -396,6 +412,7 @@ def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
     position = {a: p for p, a in enumerate(starts)}
     offer_of = np.array([index[a] for a in starts], dtype=np.int64)  # each range's offer, by file position
     own = np.zeros(len(starts), dtype=bool)
+    dropped = np.zeros(len(starts), dtype=bool)
     gone = np.zeros(len(starts), dtype=bool)  # offered (hashed, held, or dropped: read again) or read by the chain
     held: dict[int, int] = {}  # position -> bytes
     total = k = 0  # the bytes held; the cursor: the first position not gone
@@ -427,10 +444,17 @@ def chain_reads(order: list[tuple[int, int]], budget: int) -> frozenset[int]:
             chosen = blocking[: int(np.argmin(costs))]  # (the first of equal costs: the fewest reads)
             own[chosen] = gone[chosen] = True
             k = passed(k)
-        if k < len(starts) and p > k and total + n <= budget:
-            held[p] = n
-            total += n
-    return frozenset(starts[q] for q in np.flatnonzero(own).tolist())
+        if k < len(starts) and p > k:
+            if total + n <= budget:
+                held[p] = n
+                total += n
+            else:
+                dropped[p] = True
+
+    def at(chosen: np.ndarray) -> frozenset[int]:
+        return frozenset(starts[q] for q in np.flatnonzero(chosen).tolist())
+
+    return ChainReads(at(own), at(dropped))
 
 
 def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, source: Source | None = None):

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -133,9 +133,15 @@ class PreadReader:
     ``direct``: a read of at least this many bytes goes past the page cache (``SourceFile.readinto_direct``;
     0: none, ``Tuning.direct_read``), into a buffer the caller places at the file offset's phase (``align``)."""
 
-    def __init__(self, source: Source | str | os.PathLike, direct: int = 0):
+    def __init__(self, source: Source | str | os.PathLike, direct: int = 0,
+                 twice: Collection[tuple[str, int]] = frozenset()):
+        """``twice``: the ranges (file, offset) read twice, by the pipeline and by a file's digest chain
+        (``hashing.ChainReads``): a span holding one goes through the page cache whatever its size, where the
+        other read finds it (read past the cache, DeepSeek V4's re-read a quarter of its input from the disk:
+        benchmarks/RESULTS.md, issue 38's session 35 section)."""
         self.source = open_source(source)
         self.direct = direct
+        self.twice = twice
         self._files: dict[str, SourceFile] = {}
         self._lock = threading.Lock()
 
@@ -180,7 +186,7 @@ class PreadReader:
         places, at = [], 0
         for span in spans:
             pos, n = span[0].part.start + span[0].lo, span_bytes(span)
-            if self.past_cache(n):
+            if self.past_cache(span):
                 at += (-(addr + at)) % self.align + pos % self.align
                 places.append(at)
                 at += n + (-(addr + at + n)) % self.align
@@ -197,7 +203,7 @@ class PreadReader:
         benchmarks/RESULTS.md, issue 38's session 32 section)."""
         for span, at in zip(spans, places, strict=True):
             pos, n = span[0].part.start + span[0].lo, span_bytes(span)
-            if not self.past_cache(n):
+            if not self.past_cache(span):
                 self.read_span(span, base[at : at + n])
                 continue
             lo, hi = pos - pos % self.align, pos + n + (-(pos + n)) % self.align
@@ -225,13 +231,13 @@ class PreadReader:
     def will_need_span(self, span: Sequence[ByteRange]) -> None:
         """``will_need`` for a span that will be read through the page cache; none for one read past it (the hint
         would read its bytes twice)."""
-        n = span_bytes(span)
-        if not self.past_cache(n):
-            self.will_need(span[0].part, span[0].lo, span[0].lo + n)
+        if not self.past_cache(span):
+            self.will_need(span[0].part, span[0].lo, span[0].lo + span_bytes(span))
 
-    def past_cache(self, n: int) -> bool:
-        """Whether a read of ``n`` bytes goes past the page cache (``direct``)."""
-        return bool(self.direct) and n >= self.direct
+    def past_cache(self, span: Sequence[ByteRange]) -> bool:
+        """Whether ``span``'s read goes past the page cache: ``direct`` bytes or more, and none of it read ``twice``."""
+        return bool(self.direct) and span_bytes(span) >= self.direct \
+            and not any((r.part.file, r.part.start + r.lo) in self.twice for r in span)
 
     def close(self) -> None:
         with self._lock:

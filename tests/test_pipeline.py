@@ -159,14 +159,40 @@ def test_file_chain_reads_what_blocks_its_cursor_where_waiting_would_drop_more(t
     attention = (180, 480)
     weights = [(480 + 200 * i, 680 + 200 * i) for i in range(8)]
     order = [r for i in range(8) for r in (scales[i], weights[i])] + [attention]
-    own = chain_reads(order, 500)
-    assert own == {130, 140, 150, 160, 170, 180}
-    for chosen, reread in ((frozenset(), 100 + 1200), (own, 100 + 50 + 300)):
+    reads = chain_reads(order, 500)
+    assert reads.own == {130, 140, 150, 160, 170, 180} and reads.dropped == frozenset()
+    for chosen, reread in ((frozenset(), 100 + 1200), (reads.own, 100 + 50 + 300)):
         fh = FileHasher(path, len(data), order, pool, HoldBudget(500), own=chosen)
         for a, b in order:
             fh.offer(a, [data[a:b]])
         assert fh.finish().result() == blake3_hex(data)
         assert fh.reread == reread  # the header, and what the chain reads itself or again
+
+
+@pytest.mark.parametrize("attention", [300, 1300])
+@pytest.mark.parametrize("budget", [0, 150, 300, 500, 800])
+def test_chain_reads_names_every_range_the_file_hash_reads_again(tmp_path, pool, attention, budget):
+    """``chain_reads``' ``twice`` (its own reads and the offers it expects past the hold budget) is exactly what the
+    file hash then reads from the file besides the header, at any budget: the pipeline reads those ranges through
+    the page cache (``readers.PreadReader``), where the hash's read of them finds them. DeepSeek V4's layout again
+    (eight 100-byte weights after the attention, offered before it): a 300-byte attention blocking the cursor is read
+    by the chain rather than drop weights; a 1300-byte one costs more than the weights past the budget."""
+    scales = [(100 + 10 * i, 110 + 10 * i) for i in range(8)]
+    weights = [(180 + attention + 100 * i, 280 + attention + 100 * i) for i in range(8)]
+    order = [r for i in range(8) for r in (scales[i], weights[i])] + [(180, 180 + attention)]
+    data = random.Random(6).randbytes(weights[-1][1] + 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    reads = chain_reads(order, budget)
+    assert not reads.own & reads.dropped
+    assert bool(reads.dropped) == (budget < 800 and (attention > 300 or budget == 500))
+    assert bool(reads.own) == (attention == 300 and budget < 500)
+    fh = FileHasher(path, len(data), order, pool, HoldBudget(budget), own=reads.own)
+    for a, b in order:
+        fh.offer(a, [data[a:b]])
+    assert fh.finish().result() == blake3_hex(data)
+    ends = dict(order)
+    assert fh.reread == 100 + 20 + sum(ends[a] - a for a in reads.twice)  # the header and the tail besides
 
 
 def test_file_hash_reads_ahead_of_the_pipeline_only_where_may_take_allows(tmp_path, pool):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import faults, write
-from ..hashing import TENSOR_DIGEST, FileHasher, SerialHasher, Stopped, chain_reads, labelled
+from ..hashing import TENSOR_DIGEST, ChainReads, FileHasher, SerialHasher, Stopped, chain_reads, labelled
 from ..journal import ShardRecord
 from ..manifest import write_records
 from ..plan import Shard, Unit
@@ -149,7 +149,6 @@ class Stream:
         self.job, self.pieces, self.shared, self.device = job, mine, shared, device
         self.on_shard, self.on_progress, self.stop = on_shard, on_progress, shared.stop
         self.hash_pool = shared.hash_pool
-        self.reader = PreadReader(job.source, direct=job.direct_read)
         self.next_compute = 0  # the piece the compute thread needs next
         # A file hash reads a range the stream reads itself when its chain would otherwise wait for a stream that
         # waits for torch and the device (``hashing.FileHasher``'s ``may_take``), up to ``Tuning.eager_hash`` (or
@@ -181,13 +180,16 @@ class Stream:
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
 
-        def file_hash(f: str, size: int) -> FileHasher:
-            ranges = disjoint(expected[f])
-            return FileHasher(f, size, ranges, self.chain_pool, shared.memory.hold, self.stop, source=job.source,
-                              may_take=may_take(f), small=shared.tuning.hash_reads_small,
-                              own=chain_reads(offer_order(expected[f], ranges), shared.memory.hold.limit))
+        def file_hash(f: str, size: int, reads: ChainReads) -> FileHasher:
+            return FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.memory.hold, self.stop,
+                              source=job.source, may_take=may_take(f), small=shared.tuning.hash_reads_small,
+                              own=reads.own)
 
-        self.files = {f: file_hash(f, size) for f, size in job.hash_files.items()}
+        reads = {f: chain_reads(offer_order(expected[f], disjoint(expected[f])), shared.memory.hold.limit)
+                 for f in job.hash_files}
+        self.files = {f: file_hash(f, size, reads[f]) for f, size in job.hash_files.items()}
+        self.reader = PreadReader(job.source, direct=job.direct_read,
+                                  twice={(f, a) for f, r in reads.items() for a in r.twice})
         self.shard_of = {s.file: s for s in job.shards}
         self.written = _write_ranges(self.pieces, self.shard_of)
         self.source_hashers: dict[str, SerialHasher] = {}

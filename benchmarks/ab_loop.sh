@@ -1,10 +1,11 @@
 #!/bin/bash
-# A/B of the file digests change (issue 38, session 34): NEW against OLD (each a folder whose kimi_convert links a
-# checkout), every preset of $PRESETS; each JSON to benchmarks/results/session34/ab-PRESET.json; shards and records
-# files compared with cmp. Run: NEW=... OLD=... bash benchmarks/results/session34/ab-loop.sh
-cd "$(dirname "$0")/../../.."
+# A/B of two checkouts' packs (issue 38): NEW against OLD (each a folder whose kimi_convert links a checkout's
+# convert/), every preset of $PRESETS, N runs each in turn, the input evicted before each (benchmarks/ab_pack.py); each
+# JSON to $OUT/ab-PRESET.json; shards and records files compared with cmp.
+# Run: NEW=... OLD=... OUT=benchmarks/results/sessionNN bash benchmarks/ab_loop.sh
+cd "$(dirname "$0")/.."
 
-R=benchmarks/results/session34
+R=${OUT:?OUT: the folder for the JSON files}
 for p in ${PRESETS:-bench-kimi-k25 bench-deepseek-v4 bench-qwen4-exp bench-glm5 bench-mistral-large-3 bench-deepseek-v3-2}; do
   IN=/tmp/ab34/in; rm -rf /tmp/ab34; mkdir -p /tmp/ab34
   PYTHONPATH=${NEW:?NEW: a folder whose kimi_convert links the new checkout} kimi-convert synth $p $IN > /dev/null
