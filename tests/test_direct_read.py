@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import tree
+from helpers import tree, write_synth
 from kimi_convert.pack import pack
 from kimi_convert.pipeline.slicing import Read, pieces
 from kimi_convert.plan import Options
@@ -151,6 +151,50 @@ def test_a_pack_read_past_the_page_cache_writes_the_same_bytes(tiny_k3, tmp_path
     # every byte the streams read, past the cache, in whole blocks: at most a block more each side of a span
     assert r.bytes_in <= past[1] <= r.bytes_in + 2 * ALIGN * calls[1]
     assert 0 < past[64 << 10] < r.bytes_in  # the spans of 64 KiB and more only
+
+
+def test_what_a_file_hash_reads_again_the_stream_reads_through_the_cache(tmp_path, monkeypatch):
+    """DeepSeek V4's layout (an expert's scales among the layer's scales, its weights after the attention) with no hold
+    budget: its file hashes read ranges again (``hashing.chain_reads``' ``twice``), and the stream reads every span
+    holding one through the page cache, where the hash's read finds it, whatever its size; the other spans of
+    ``direct_read`` bytes past it (``LocalFile.readinto_direct``, whole blocks). The output the same as through the
+    cache."""
+    from kimi_convert import readers
+    from kimi_convert.pipeline import stream
+
+    src = write_synth("tiny-deepseek-v4", tmp_path / "in", seed=0)
+    probe = LocalFile.open(next(src.glob("*.safetensors")), "probe")
+    if probe._direct() < 0:
+        pytest.skip(f"{src}: the file system refuses O_DIRECT")
+    probe.close()
+    twice: set[tuple[str, int]] = set()
+    spans: list[tuple[str, int, int, bool]] = []  # file, first and end byte, past the cache
+    real_reader, real_read_spans = stream.PreadReader, readers.PreadReader.read_spans
+
+    def reader(*a, **k):
+        twice.update(k.get("twice", ()))
+        return real_reader(*a, **k)
+
+    def read_spans(self, base, spans_, places):
+        for sp in spans_:
+            a, b = sp[0].file_range[0], sp[-1].file_range[1]
+            spans.append((sp[0].part.file, a, b, self.past_cache(sp)))
+        return real_read_spans(self, base, spans_, places)
+
+    monkeypatch.setattr(stream, "PreadReader", reader)
+    monkeypatch.setattr(readers.PreadReader, "read_spans", read_spans)
+    direct = _count_direct(monkeypatch)
+    opts = Options(recipe="nvidia-dsv4")
+    pack(src, tmp_path / "cached", opts, device="cpu", progress=False, tuning=Tuning(direct_read=0))
+    assert not twice and not direct and not any(past for *_, past in spans)
+    spans.clear()
+    pack(src, tmp_path / "direct", opts, device="cpu", progress=False, tuning=Tuning(direct_read=1, hold_bytes=0))
+    assert tree(tmp_path / "direct") == tree(tmp_path / "cached")
+    assert twice and direct and any(past for *_, past in spans)
+    for f, at in twice:  # read once by the stream, through the cache
+        assert [past for g, a, b, past in spans if g == f and a <= at < b] == [False], (f, at)
+    for f, a, b, past in spans:  # and nothing else kept from going past it
+        assert past == (not any(g == f and a <= at < b for g, at in twice)), (f, a, b)
 
 
 def test_a_pack_whose_streams_wait_for_torch_reads_through_the_cache(tiny_k3, tmp_path, monkeypatch):
