@@ -433,15 +433,7 @@ def chain_reads(order: list[tuple[int, int]], budget: int) -> ChainReads:
             continue  # hashed at once
         if total + n > budget:  # past the budget: the chain reads ranges blocking it before ``p``, or drops it
             blocking = np.flatnonzero(~gone[k:p]) + k
-            offers = offer_of[blocking]
-            # reading the first j: their bytes, then what is dropped until the rest are all offered (the offers past
-            # the budget, the blocking ranges' own offers aside)
-            cost = np.concatenate([[0], np.cumsum(sizes[offers])])
-            last = np.concatenate([np.maximum.accumulate(offers[::-1])[::-1], [i + 1]]).astype(np.int64)
-            ranked = np.sort(offers)
-            before = np.concatenate([[0], np.cumsum(sizes[ranked])])
-            costs = cost + (total + n - budget) + later[i + 1] - later[last] - before[np.searchsorted(ranked, last)]
-            chosen = blocking[: int(np.argmin(costs))]  # (the first of equal costs: the fewest reads)
+            chosen = blocking[: _reads_to_take(offer_of[blocking], sizes, later, i, total + n - budget)]
             own[chosen] = gone[chosen] = True
             k = passed(k)
         if k < len(starts) and p > k:
@@ -450,11 +442,22 @@ def chain_reads(order: list[tuple[int, int]], budget: int) -> ChainReads:
                 total += n
             else:
                 dropped[p] = True
+    own_at, dropped_at = (frozenset(starts[q] for q in np.flatnonzero(c).tolist()) for c in (own, dropped))
+    return ChainReads(own_at, dropped_at)
 
-    def at(chosen: np.ndarray) -> frozenset[int]:
-        return frozenset(starts[q] for q in np.flatnonzero(chosen).tolist())
 
-    return ChainReads(at(own), at(dropped))
+def _reads_to_take(offers, sizes, later, i: int, over: int) -> int:
+    """How many of the ranges blocking the cursor (``offers``: their offers' indices, in file order) the chain reads
+    itself when offer ``i`` is ``over`` bytes past the hold budget (``chain_reads``): reading the first j costs their
+    bytes, then what is dropped until the rest are all offered (the offers past the budget, the blocking ranges' own
+    offers aside); the cheapest j, the first of equal costs (the fewest reads)."""
+    import numpy as np
+
+    cost = np.concatenate([[0], np.cumsum(sizes[offers])])
+    last = np.concatenate([np.maximum.accumulate(offers[::-1])[::-1], [i + 1]]).astype(np.int64)
+    ranked = np.sort(offers)
+    before = np.concatenate([[0], np.cumsum(sizes[ranked])])
+    return int(np.argmin(cost + over + later[i + 1] - later[last] - before[np.searchsorted(ranked, last)]))
 
 
 def _reader(path: str | os.PathLike, lo: int, hi: int, stop: threading.Event, source: Source | None = None):
