@@ -75,12 +75,13 @@ def _refuse_stray_scale(name: str, tensors: Mapping[str, TensorInfo]) -> bool:
     return tensors[name].dtype in SCALE_DTYPES
 
 
-class DeepseekV4MXFP4(SourceEncoding):
-    name = MXFP4_NAME
-    label = "MXFP4"  # labels() names MXFP4 once
+class _DeepseekV4Scaled(SourceEncoding):
+    """What both of DeepSeek V4's encodings do alike: a ``weight`` stored as ``stored`` claimed only with its ``scale``
+    sibling, checked (``check``) against the config's ``scale_fmt``; a leftover ``scale`` refused."""
+
     anchors = frozenset({"weight"})
     companions = frozenset({SCALE})
-    holds_mxfp4 = True
+    stored: str  # the weight's dtype
 
     def check_config(self, config: dict) -> None:
         _check_scale_fmt(config)
@@ -90,14 +91,26 @@ class DeepseekV4MXFP4(SourceEncoding):
             super().refuse_leftover(name, tensors)
 
     def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
-        scale = _scaled(name, tensors, "I8")
+        scale = _scaled(name, tensors, self.stored)
         if scale is None:
             return ()
-        packed = tensors[name]
-        self.check((packed, scale), config)
+        w = tensors[name]
+        self.check((w, scale), config)
         mod, _ = module_of(name)
-        n, k = packed.shape[0], packed.shape[1] * 2
-        return (Claim(mod, "weight", SourceTensor(mod, name, MXFP4_NAME, "MXFP4", (n, k), (packed, scale))),)
+        return (Claim(mod, "weight", self.source(mod, name, w, scale)),)
+
+    def source(self, mod: str, name: str, w: TensorInfo, scale: TensorInfo) -> SourceTensor:
+        raise NotImplementedError
+
+
+class DeepseekV4MXFP4(_DeepseekV4Scaled):
+    name = MXFP4_NAME
+    label = "MXFP4"  # labels() names MXFP4 once
+    stored = "I8"
+    holds_mxfp4 = True
+
+    def source(self, mod: str, name: str, w: TensorInfo, scale: TensorInfo) -> SourceTensor:
+        return SourceTensor(mod, name, MXFP4_NAME, "MXFP4", (w.shape[0], w.shape[1] * 2), (w, scale))
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
         packed, scale = parts
@@ -125,27 +138,13 @@ class DeepseekV4MXFP4(SourceEncoding):
         return MxCodes(parts[0].view(torch.uint8), scale, k_max(scale))
 
 
-class DeepseekV4FP8(SourceEncoding):
+class DeepseekV4FP8(_DeepseekV4Scaled):
     name = FP8_NAME
     label = "block-FP8"
-    anchors = frozenset({"weight"})
-    companions = frozenset({SCALE})
+    stored = "F8_E4M3"
 
-    def check_config(self, config: dict) -> None:
-        _check_scale_fmt(config)
-
-    def refuse_leftover(self, name: str, tensors: Mapping[str, TensorInfo]) -> None:
-        if _refuse_stray_scale(name, tensors):
-            super().refuse_leftover(name, tensors)
-
-    def claim(self, name: str, tensors: Mapping[str, TensorInfo], config: dict) -> tuple[Claim, ...]:
-        scale = _scaled(name, tensors, "F8_E4M3")
-        if scale is None:
-            return ()
-        w = tensors[name]
-        self.check((w, scale), config)
-        mod, _ = module_of(name)
-        return (Claim(mod, "weight", SourceTensor(mod, name, FP8_NAME, "F8_E4M3", w.shape, (w, scale))),)
+    def source(self, mod: str, name: str, w: TensorInfo, scale: TensorInfo) -> SourceTensor:
+        return SourceTensor(mod, name, FP8_NAME, "F8_E4M3", w.shape, (w, scale))
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
         check_blocks(parts, config, ("F8_E8M0", "F32"), "F8_E8M0 or F32")
