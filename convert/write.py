@@ -25,8 +25,8 @@ import numpy as np
 from . import faults, filenames, formats, journal, paths
 from .atomic import PARTIAL
 from .errors import ConvertError
-from .hashing import FILE_DIGEST, file_digest, labelled, new_digest, unlabel
-from .manifest import RECORDS_DIR, load_manifest
+from .hashing import FILE_DIGEST, file_digest, labelled, new_digest
+from .manifest import RECORDS_DIR, digest_entry, load_manifest
 from .plan import Placed, Shard
 
 if TYPE_CHECKING:
@@ -379,8 +379,7 @@ class FileRecord:
     digest: str  # ``hashing.labelled``
 
     def to_dict(self) -> dict:
-        name, hexdigest = unlabel(self.digest)
-        return {"file": self.file, "size": self.size, name: hexdigest}
+        return {"file": self.file, "size": self.size, **digest_entry(self.digest)}
 
 
 def record(output_dir: Path, rel: str) -> FileRecord:

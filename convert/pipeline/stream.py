@@ -180,14 +180,13 @@ class Stream:
         # stream's slowest stage on a large input file, and on the pool it would queue behind tensor hashes.
         self.chain_pool = ThreadPoolExecutor(1, thread_name_prefix="kimi-convert-file-hash")
 
-        def file_hash(f: str, size: int, reads: ChainReads) -> FileHasher:
-            return FileHasher(f, size, disjoint(expected[f]), self.chain_pool, shared.memory.hold, self.stop,
-                              source=job.source, may_take=may_take(f), small=shared.tuning.hash_reads_small,
-                              own=reads.own)
+        def file_hash(f: str, size: int, ranges: list[tuple[int, int]], reads: ChainReads) -> FileHasher:
+            return FileHasher(f, size, ranges, self.chain_pool, shared.memory.hold, self.stop, source=job.source,
+                              may_take=may_take(f), small=shared.tuning.hash_reads_small, own=reads.own)
 
-        reads = {f: chain_reads(offer_order(expected[f], disjoint(expected[f])), shared.memory.hold.limit)
-                 for f in job.hash_files}
-        self.files = {f: file_hash(f, size, reads[f]) for f, size in job.hash_files.items()}
+        ranges = {f: disjoint(expected[f]) for f in job.hash_files}
+        reads = {f: chain_reads(offer_order(expected[f], ranges[f]), shared.memory.hold.limit) for f in ranges}
+        self.files = {f: file_hash(f, size, ranges[f], reads[f]) for f, size in job.hash_files.items()}
         self.reader = PreadReader(job.source, direct=job.direct_read,
                                   twice={(f, a) for f, r in reads.items() for a in r.twice})
         self.shard_of = {s.file: s for s in job.shards}

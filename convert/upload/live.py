@@ -199,7 +199,6 @@ class LiveUpload:
     # ------------------------------------------------------------------------------------------
     # Resume: which journaled uploads the Hub still has.
 
-
     def present(self, shards: dict[str, tuple[int, str]]) -> set[str]:
         """Of ``shards`` (file -> size, sha256), those whose LFS object the repo holds: the LFS batch
         endpoint answers without upload actions for an object it has. Nothing is sent."""

@@ -135,8 +135,10 @@ def _check_input_side_files(source: Source, man: dict, rep: Report, output: Path
         want = entry_digest(side[f])
         alg = FILE_DIGEST if want is None else unlabel(want)[0]
         known = _side_identity(source, f, output, alg) if hub else None
-        size, got = known if known is not None else hash_file(f, {}, source=source, file_digests=(alg,))[1::-1]
-        if (size, got if isinstance(got, str) else got[alg]) != (side[f]["size"], want):
+        if known is None:
+            got, size, _ = hash_file(f, {}, source=source, file_digests=(alg,))
+            known = size, got[alg]
+        if known != (side[f]["size"], want):
             problems.append(f"{source.shown(f)}: differs from the copy the manifest records")
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
