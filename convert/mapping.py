@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -575,11 +575,14 @@ def parse_mapping(text: str, path: str) -> Mapping:
     )
 
 
-def builtin_tables(folder: str, parse):
-    """Every ``*.toml`` shipped in ``kimi_convert.FOLDER``, parsed (mappings, recipes)."""
+def builtin_tables(folder: str, parse, naming: Sequence[str] = ()):
+    """Every ``*.toml`` shipped in ``kimi_convert.FOLDER``, parsed (mappings, recipes); with ``naming``, only those
+    whose text holds one of those strings (a table is parsed only when it may be the one asked for: parsing the nine
+    hand tables was a tenth of a small pack's start)."""
     files = resources.files(f"kimi_convert.{folder}")
-    return [parse(f.read_text(encoding="utf-8"), f"{folder}/{f.name}")
-            for f in sorted(files.iterdir(), key=lambda f: f.name) if f.name.endswith(".toml")]
+    texts = ((f.name, f.read_text(encoding="utf-8")) for f in sorted(files.iterdir(), key=lambda f: f.name)
+             if f.name.endswith(".toml"))
+    return [parse(text, f"{folder}/{name}") for name, text in texts if not naming or any(n in text for n in naming)]
 
 
 def builtin_mappings() -> list[Mapping]:
@@ -610,7 +613,7 @@ def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
         return m
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
-    tables = builtin_mappings()
+    tables = builtin_tables("mappings", parse_mapping, [str(n) for n in [*archs, model_type] if n])
     for m in tables:
         if any(a in m.architectures for a in archs):
             return m
@@ -619,7 +622,7 @@ def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
             return m
     raise UnknownArchitecture(
         f"config.json: unknown architecture {archs or model_type!r}; "
-        f"known: {', '.join(sorted(a for m in tables for a in m.architectures))}; "
+        f"known: {', '.join(sorted(a for m in builtin_mappings() for a in m.architectures))}; "
         "pass --mapping FILE.toml for another model"
     )
 

@@ -27,6 +27,10 @@ MOE = {"route_every_n": "moe_layer_freq", "first_k_dense_replace": "first_k_dens
        "expert_hidden_dim": "moe_intermediate_size", "routed_scale": "routed_scaling_factor",
        "num_shared_experts": "n_shared_experts", "num_expert_groups": "n_group",
        "num_expert_groups_per_tok": "topk_group"}
+#: What both engines set whatever params.json says (``_remap_moe_args``), which their DeepSeek V3 model reads as it
+#: is built: a derivation builds it from this view alone (SGLang: "'DeepseekV3Config' object has no attribute
+#: 'topk_method'" without it). ``hidden_act`` likewise, from ``activation`` (``_remap_general_mistral_args``).
+BUILD = {"topk_method": None, "scoring_func": "softmax"}
 #: What the tool needs of params.json (the engines' model then needs these too: vLLM deepseek_v2.py reads
 #: first_k_dense_replace / moe_layer_freq / the MLA ranks without defaults).
 REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
@@ -85,6 +89,8 @@ def config_view(params: object, rel: str = PARAMS) -> dict:
     view.update({new: moe[old] for old, new in MOE.items() if old in moe})
     view["tie_word_embeddings"] = bool(params.get("tied_embeddings", False))
     view.pop("tied_embeddings", None)
+    view.update(BUILD)
+    view["hidden_act"] = params.get("activation", "silu")
     view["model_type"] = "deepseek_v3"
     view["architectures"] = ["MistralLarge3ForCausalLM"]
     return view

@@ -446,6 +446,10 @@ SUBCONFIGS: dict[str, dict[str, dict]] = {
                                  "projector_output_dim": HIDDEN, "vision_output_dim": HIDDEN,
                                  "multi_modal_projector_bias": False, "vision_feature_layer": -1,
                                  "vision_feature_select_strategy": "default"}},
+    # databricks/dbrx-instruct config.json: attn_config {"clip_qkv": 8, "kv_n_heads": 8, "rope_theta": 500000};
+    # transformers 5.20's DbrxAttentionConfig has no rope_theta of its own, which its DbrxAttention reads
+    # ("'DbrxAttentionConfig' object has no attribute 'rope_theta'" building the model)
+    "dbrx": {"attn_config": {"rope_theta": 500000, "clip_qkv": 8}},
 }
 
 

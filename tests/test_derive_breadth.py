@@ -135,6 +135,38 @@ def test_the_breadth_pack_uses_the_table_merged_with_its_overlay(monkeypatch, tm
     assert db.with_overlay(tmp_path) == (tmp_path / "derived.toml", None)
 
 
+def test_the_breadth_engine_check_holds_each_engines_main_and_draft_model(monkeypatch, tmp_path):
+    """verify-manifest reports an engine's main model, then its draft where the checkpoint holds MTP layers: the
+    cell holds only when both do, and tells the failing one's verdict. A fixture's narrowing cast is the engine's
+    reading of the release (not a fault); an output's is a fault, and a draft checked without numerics is read right
+    when it loads (its weights are the main model's)."""
+    db = _script("derive_breadth", monkeypatch)
+    narrow = [{"tensor": "wk.weight_scale_inv", "from": "float32", "to": "bfloat16", "class": "narrowing"}]
+
+    def rep(engine, verdict, numerics=None, **faults):
+        return {"engine": engine, "loaded": True, "verdict": verdict, "params": 3, "numerics": numerics, **faults}
+
+    def check(reports, source):
+        monkeypatch.setattr(db, "run", lambda *a, **k: (0, json.dumps({"engines": reports}), ""))
+        return db.engine_check(tmp_path / "x", source, ("vllm", "sglang"), {})
+
+    got = check([rep("vllm", "main", bad_casts=narrow), rep("vllm", "draft", unfilled=["mtp.w"]),
+                 rep("sglang", "main"), rep("sglang", "draft", bad_casts=narrow)], None)
+    assert (got["vllm"]["loads"], got["vllm"]["verdict"]) == (False, "draft")
+    assert (got["sglang"]["loads"], got["sglang"]["verdict"], got["sglang"]["read_right"]) == (True, "main", None)
+    ok = {"ok": True, "summary": "read right"}
+    got = check([rep("vllm", "main", ok), rep("vllm", "draft"),
+                 rep("sglang", "main", {"ok": False, "summary": "misread"}), rep("sglang", "draft"),
+                 ], tmp_path / "src")
+    assert (got["vllm"]["loads"], got["vllm"]["read_right"], got["vllm"]["numerics"]) == (True, True, "read right")
+    assert (got["sglang"]["read_right"], got["sglang"]["verdict"]) == (False, "main")
+    got = check([rep("vllm", "main", ok, bad_casts=narrow), rep("sglang", "main", ok), rep("sglang", "draft",
+                                                                                          bad_casts=narrow)],
+                tmp_path / "src")
+    assert not got["vllm"]["loads"] and not got["vllm"]["read_right"]
+    assert (got["sglang"]["loads"], got["sglang"]["read_right"], got["sglang"]["verdict"]) == (False, False, "draft")
+
+
 def test_llama4s_vision_tower_is_shrunk_with_its_widths_tied_as_transformers_ties_them(monkeypatch):
     """make_fixture's SUBCONFIGS: Llama 4's vision_config (which shrink_widths leaves alone) is laid over at tiny sizes
     that keep transformers' ties: the pixel-shuffled patches (hidden / ratio^2) are vision_adapter.mlp.fc1's input
