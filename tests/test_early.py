@@ -219,7 +219,8 @@ def test_each_int4_unit_matches_compute_unit(int4_ckpt, recipe):
     assert {s.parts[1].dtype for s in int4} == {"BF16", "F32", "F16"}
 
 
-@pytest.mark.parametrize(("n", "k", "group"), [(3, 32, 2), (70, 256, 32), (257, 512, 128), (40, 4096, 4096)])
+@pytest.mark.parametrize(("n", "k", "group"), [(3, 32, 2), (6, 48, 16), (5, 96, 32), (9, 160, 32), (70, 256, 32),
+                                                (257, 512, 128), (40, 4096, 4096)])  # row tails: 48 and 80 bytes
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_int4_kernels_are_the_decoded_weights_amax_and_quantization(n, k, group, threads):
     """``kc_int4_amax_mt`` / ``kc_int4_quant_mt`` (rows decoded one at a time, never whole) give the amax and both

@@ -578,6 +578,98 @@ static inline void int4_row(const uint8_t *restrict packed, const float *restric
     }
 }
 
+/* The amax bits of int4_row's values without decoding them: a group's largest |code - 8| times its scale's magnitude,
+ * one IEEE multiply, is the largest |(code - 8) * scale| of the group bit for bit (rounding to nearest is monotonic
+ * and symmetric, and |code - 8| <= 8 is exact in fp32); an overflow is infinity in both. Why: the amax pass decoded
+ * every value to read one maximum a group (benchmarks/RESULTS.md, issue 38's session 36 section). */
+static inline uint32_t int4_row_amax(const uint8_t *restrict packed, const float *restrict scale, int64_t k,
+                                     int64_t half) {
+    uint32_t m = 0;
+    for (int64_t g = 0; g < k / (2 * half); g++) {
+        const uint8_t *p = packed + g * half;
+        int32_t top = 0;
+        for (int64_t b = 0; b < half; b++) {
+            const int32_t lo = (int32_t)(p[b] & 15u) - 8, hi = (int32_t)(p[b] >> 4) - 8;
+            const int32_t a = lo < 0 ? -lo : lo, c = hi < 0 ? -hi : hi;
+            top = a > top ? a : top;
+            top = c > top ? c : top;
+        }
+        const uint32_t bits = bits_of_f32((float)top * scale[g]) & 0x7FFFFFFFu;
+        m = bits > m ? bits : m;
+    }
+    return m;
+}
+
+#ifdef KC_HAVE_AVX512_ROW
+/* int4_row_amax on AVX-512, for groups of whole 16-byte chunks (`half` a multiple of 16): each chunk's largest
+ * |code - 8| (saturating byte differences, both nibbles, then a maximum within each 128-bit lane) into `tops`
+ * (k/32 bytes), then the scalar row's multiply and maximum a group. */
+AVX512 static uint32_t int4_row_amax_avx512(const uint8_t *restrict packed, const float *restrict scale, int64_t k,
+                                            int64_t half, uint8_t *restrict tops) {
+    const int64_t n = k / 2;
+    const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    int64_t b = 0;
+    for (; b + 64 <= n; b += 64) {
+        const __m512i x = _mm512_loadu_si512((const void *)(packed + b));
+        const __m512i lo = _mm512_and_si512(x, low), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+        __m512i a = _mm512_max_epu8(_mm512_or_si512(_mm512_subs_epu8(lo, eight), _mm512_subs_epu8(eight, lo)),
+                                    _mm512_or_si512(_mm512_subs_epu8(hi, eight), _mm512_subs_epu8(eight, hi)));
+        a = _mm512_max_epu8(a, _mm512_bsrli_epi128(a, 8));
+        a = _mm512_max_epu8(a, _mm512_bsrli_epi128(a, 4));
+        a = _mm512_max_epu8(a, _mm512_bsrli_epi128(a, 2));
+        a = _mm512_max_epu8(a, _mm512_bsrli_epi128(a, 1));
+        uint8_t lanes[64];
+        _mm512_storeu_si512((void *)lanes, a);
+        for (int l = 0; l < 4; l++) tops[b / 16 + l] = lanes[16 * l];
+    }
+    for (; b < n; b += 16) {
+        int32_t top = 0;
+        for (int64_t i = b; i < b + 16; i++) {
+            const int32_t lo = (int32_t)(packed[i] & 15u) - 8, hi = (int32_t)(packed[i] >> 4) - 8;
+            top = (lo < 0 ? -lo : lo) > top ? (lo < 0 ? -lo : lo) : top;
+            top = (hi < 0 ? -hi : hi) > top ? (hi < 0 ? -hi : hi) : top;
+        }
+        tops[b / 16] = (uint8_t)top;
+    }
+    uint32_t m = 0;
+    for (int64_t g = 0, c = 0; g < k / (2 * half); g++) {
+        uint8_t top = 0;
+        for (const int64_t end = c + half / 16; c < end; c++) top = tops[c] > top ? tops[c] : top;
+        const uint32_t bits = bits_of_f32((float)top * scale[g]) & 0x7FFFFFFFu;
+        m = bits > m ? bits : m;
+    }
+    return m;
+}
+
+/* int4_row on AVX-512: 16 bytes of a group at a time, their low and high nibbles interleaved into 32 values, each
+ * (code - 8) converted exactly and multiplied by the group's scale once: the scalar row's values. */
+AVX512 static void int4_row_avx512(const uint8_t *restrict packed, const float *restrict scale, int64_t k,
+                                   int64_t half, float *restrict out) {
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int64_t g = 0; g < k / (2 * half); g++) {
+        const float sc = scale[g];
+        const __m512 vsc = _mm512_set1_ps(sc);
+        const uint8_t *p = packed + g * half;
+        float *o = out + 2 * g * half;
+        int64_t b = 0;
+        for (; b + 16 <= half; b += 16) {
+            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + b)));
+            const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(x, low), eight);
+            const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(x, 4), eight);
+            _mm512_storeu_ps(o + 2 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi)), vsc));
+            _mm512_storeu_ps(o + 2 * b + 16,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi)), vsc));
+        }
+        for (; b < half; b++) {
+            o[2 * b] = (float)((int32_t)(p[b] & 15u) - 8) * sc;
+            o[2 * b + 1] = (float)((int32_t)(p[b] >> 4) - 8) * sc;
+        }
+    }
+}
+#endif
+
 /* fp32 value of each float8_e4m3fn byte (no infinities; S.1111.111 is NaN), as torch's float8_e4m3fn.float() */
 static float kc_e4m3[256];
 static pthread_once_t kc_e4m3_once = PTHREAD_ONCE_INIT;
@@ -667,8 +759,24 @@ CLONES static void kc_rowsq_rows(const kc_rowsq_job *j, int64_t lo, int64_t hi, 
     const float s2 = j->ct || j->s2 > 0.0f ? j->s2 : 1.0f; /* kc_quant_f32's */
     uint32_t m = 0;
     for (int64_t r = lo; r < hi; r++) {
+        if (!j->bm && j->amax) { /* an INT4 row's amax needs no decoded value */
+            const uint8_t *p = j->packed + r * (k / 2);
+            const float *sc = j->scale + r * j->groups;
+#ifdef KC_HAVE_AVX512_ROW
+            const uint32_t a = avx512 && half % 16 == 0 ? int4_row_amax_avx512(p, sc, k, half, codes)
+                                                        : int4_row_amax(p, sc, k, half);
+#else
+            const uint32_t a = int4_row_amax(p, sc, k, half);
+#endif
+            m = a > m ? a : m;
+            continue;
+        }
         if (j->bm)
             fp8_row(j->packed + r * k, j->scale + (r / j->bm) * j->groups, k, j->bn, v);
+#ifdef KC_HAVE_AVX512_ROW
+        else if (avx512)
+            int4_row_avx512(j->packed + r * (k / 2), j->scale + r * j->groups, k, half, v);
+#endif
         else
             int4_row(j->packed + r * (k / 2), j->scale + r * j->groups, k, half, v);
         uint8_t *p = j->out ? j->out + r * (k / 2) : 0, *s = j->scales ? j->scales + r * (k / 16) : 0;
