@@ -105,7 +105,7 @@ def _check_named(source: Source, rel: str, what: str, weight_map: dict[str, str]
 def _layout(source: Source) -> tuple[dict, str, Callable[[str], bool]]:
     """The config, the index's name and which top-level files are shards: config.json, the HF index and every
     ``*.safetensors``; or, with ``params.json`` and no config.json, Mistral's own layout (``mistral_checkpoint``)."""
-    if source.entry("config.json") is None and source.entry(mistral_checkpoint.PARAMS) is not None:
+    if mistral_checkpoint.in_layout(source):
         params = source.read_json(mistral_checkpoint.PARAMS, f"{source.name}/{mistral_checkpoint.PARAMS}")
         return (mistral_checkpoint.config_view(params, f"{source.name}/{mistral_checkpoint.PARAMS}"),
                 mistral_checkpoint.INDEX, mistral_checkpoint.is_shard)

@@ -27,10 +27,6 @@ MOE = {"route_every_n": "moe_layer_freq", "first_k_dense_replace": "first_k_dens
        "expert_hidden_dim": "moe_intermediate_size", "routed_scale": "routed_scaling_factor",
        "num_shared_experts": "n_shared_experts", "num_expert_groups": "n_group",
        "num_expert_groups_per_tok": "topk_group"}
-#: What both engines set whatever params.json says (``_remap_moe_args``), which their DeepSeek V3 model reads as it
-#: is built: a derivation builds it from this view alone (SGLang: "'DeepseekV3Config' object has no attribute
-#: 'topk_method'" without it). ``hidden_act`` likewise, from ``activation`` (``_remap_general_mistral_args``).
-BUILD = {"topk_method": None, "scoring_func": "softmax"}
 #: What the tool needs of params.json (the engines' model then needs these too: vLLM deepseek_v2.py reads
 #: first_k_dense_replace / moe_layer_freq / the MLA ranks without defaults).
 REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
@@ -89,8 +85,20 @@ def config_view(params: object, rel: str = PARAMS) -> dict:
     view.update({new: moe[old] for old, new in MOE.items() if old in moe})
     view["tie_word_embeddings"] = bool(params.get("tied_embeddings", False))
     view.pop("tied_embeddings", None)
-    view.update(BUILD)
-    view["hidden_act"] = params.get("activation", "silu")
     view["model_type"] = "deepseek_v3"
     view["architectures"] = ["MistralLarge3ForCausalLM"]
     return view
+
+
+def in_layout(source) -> bool:
+    """Whether ``source`` is in Mistral's layout: ``params.json`` and no ``config.json``."""
+    return source.entry("config.json") is None and source.entry(PARAMS) is not None
+
+
+def build_keys(params: dict) -> dict:
+    """What both engines' adaptation sets whatever ``params.json`` says and their DeepSeek V3 model reads as it is
+    built (``_remap_moe_args``: ``topk_method`` None, ``scoring_func`` softmax; ``_remap_general_mistral_args``:
+    ``hidden_act`` from ``activation``), which the plan never reads: ``mapping derive`` builds the engines' model from
+    the view and these (SGLang: "'DeepseekV3Config' object has no attribute 'topk_method'" without them). Not in
+    :func:`config_view`, which the output's ``config.json`` is written from."""
+    return {"topk_method": None, "scoring_func": "softmax", "hidden_act": params.get("activation", "silu")}
