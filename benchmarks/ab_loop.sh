@@ -2,7 +2,8 @@
 # A/B of two checkouts' packs (issue 38): NEW against OLD (each a folder whose kimi_convert links a checkout's
 # convert/), every preset of $PRESETS, N runs each in turn, the input evicted before each (benchmarks/ab_pack.py); each
 # JSON to $OUT/ab-PRESET.json; shards and records files compared with cmp.
-# Run: NEW=... OLD=... OUT=benchmarks/results/sessionNN bash benchmarks/ab_loop.sh
+# Run: NEW=... OLD=... OUT=benchmarks/results/sessionNN bash benchmarks/ab_loop.sh, NEW and OLD each made by
+# python benchmarks/import_tree.py CHECKOUT DIR (a link to convert/ alone runs the installed checkout's kernels and tables)
 cd "$(dirname "$0")/.."
 
 R=${OUT:?OUT: the folder for the JSON files}
