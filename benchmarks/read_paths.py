@@ -17,34 +17,17 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from direct_read_write import evict, read_all  # the direct reads as the pack does them
 
 MB = 1 << 20
 POPULATE_READ = 22  # MADV_POPULATE_READ (Linux 5.14)
-
-
-def evict(files: list[str]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
-def direct(files: list[str], buf: memoryview, chunk: int, depth: int) -> None:
-    with ThreadPoolExecutor(depth) as ex:
-        for f in files:
-            fd, n = os.open(f, os.O_RDONLY | os.O_DIRECT), os.path.getsize(f)
-            offs = list(range(0, n, chunk))
-
-            def one(i: int, fd: int = fd, n: int = n, offs: list[int] = offs) -> int:
-                k = -(-min(chunk, n - offs[i]) // 4096) * 4096
-                slot = (i % depth) * chunk
-                return os.preadv(fd, [buf[slot : slot + k]], offs[i])
-
-            list(ex.map(one, range(len(offs))))
-            os.close(fd)
 
 
 def mapped(files: list[str], willneed: bool) -> None:
@@ -96,8 +79,9 @@ def main() -> int:
     for i in range(0, len(m), 4096):
         m[i] = 1
     buf, fs = memoryview(m), a.files
-    ways = {"direct 16x1": lambda: direct(fs, buf, 16 * MB, 1), "direct 16x16": lambda: direct(fs, buf, 16 * MB, 16),
-            "direct 4x32": lambda: direct(fs, buf, 4 * MB, 32), "mapped": lambda: mapped(fs, False),
+    ways = {"direct 16x1": lambda: read_all(fs, 16 * MB, 1, buf),
+            "direct 16x16": lambda: read_all(fs, 16 * MB, 16, buf),
+            "direct 4x32": lambda: read_all(fs, 4 * MB, 32, buf), "mapped": lambda: mapped(fs, False),
             "willneed+mapped": lambda: mapped(fs, True)}
     for _ in range(a.repeat):
         got = {k: timed(fs, w) for k, w in ways.items()}
