@@ -546,8 +546,9 @@ FINDINGS = {
         "keys, not the ones transformers 5.20's save adds, which SGLang's DbrxFFNConfig refuses: \"Found unknown "
         "kwargs={'_name_or_path': '', 'output_attentions': False}\"). The release stores each layer's experts as "
         "three 2-D banks (ffn.experts.mlp.w1 / v1 / w2, experts x intermediate rows by hidden columns, w2 "
-        "transposed), which no source encoding of this tool reads yet; make_fixture finds no routed experts in "
-        "them (the fixture cell)"),
+        "transposed), which no source encoding of this tool reads yet (make_fixture finds no routed experts in "
+        "them: the fixture cell); and SGLang's DbrxExperts (models/dbrx.py) holds them as plain parameters (ws, w2s) "
+        "whose weight_loader reshapes BF16 rows, with no quantized method: there they could only be kept"),
     "ExaoneMoeForCausalLM": (
         "vLLM 0.33 exaone_moe.py ExaoneMoeForCausalLM builds its ParallelLMHead with no prefix=, so ModelOpt's "
         "quant method is asked for the head with an empty prefix, which no exclude entry reaches (modelopt.py "
