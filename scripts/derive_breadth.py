@@ -531,12 +531,13 @@ FINDINGS = {
     "MistralLarge3ForCausalLM": (
         "the hand table mappings/mistral_large_3.toml names this architecture, and plan / pack use it (its output "
         "loads in both engines and is read right: docs/families.md, \"Mistral Large 3\"). The derivation, from "
-        "params.json read as both engines read it (mistral_checkpoint.config_view), finds the hand table's groups "
-        "(fused_qkv_a_proj = wq_a + wkv_a_with_mqa, gate_up_proj = w1 + w3, w13, the routers kept) but not what the "
-        "engines' renames hide: the head is Mistral's `output` (both engines' remappers map output.weight to "
-        "lm_head.weight and no scale of it, so an NVFP4 head is refused: vLLM \"There is no module or parameter "
-        "named 'output'\" while loading output.weight_scale; SGLang leaves lm_head.weight_scale_2 unfilled), and the "
-        "exclude list needs the engines' names (the hand table's [engine_names])"),
+        "params.json read as both engines read it (mistral_checkpoint.config_view, build_keys), finds the hand "
+        "table's groups (fused_qkv_a_proj = wq_a + wkv_a_with_mqa, gate_up_proj = w1 + w3, w13, the routers kept) "
+        "but not what the engines' renames hide: the head is Mistral's `output` (both engines' remappers map "
+        "output.weight to lm_head.weight and no scale of it, so an NVFP4 head is refused: vLLM \"There is no "
+        "module or parameter named 'output'\" while loading output.weight_scale; SGLang leaves "
+        "lm_head.weight_scale_2 unfilled), and the exclude list needs the engines' names (the hand table's "
+        "[engine_names])"),
     "DbrxForCausalLM": (
         "not served by vLLM 0.33: DbrxMoE builds its experts with FusedMoEFactory, whose runner holds the expert "
         "parameters under experts.routed_experts (model_executor/layers/fused_moe/layer.py FusedMoEFactory), while "
