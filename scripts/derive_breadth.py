@@ -285,14 +285,20 @@ def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], en
         read = None if source is None else loads and (bool(num.get("ok")) if num or not draft else True)
         got = {"loads": loads, "read_right": read, "verdict": er.get("verdict", ""), "params": er.get("params"),
                "numerics": (num.get("summary") if num else None)}
-        if draft:  # both must hold; the cell tells the main model's verdict unless only the draft failed
-            main = res[er["engine"]]
-            main_ok = main["loads"] and main["read_right"] is not False
-            got = {**main, "loads": main["loads"] and loads,
-                   "read_right": None if read is None else main_ok and read,
-                   "verdict": got["verdict"] if main_ok and not (loads and read is not False) else main["verdict"]}
-        res[er["engine"]] = got
+        res[er["engine"]] = _with_draft(res[er["engine"]], got) if draft else got
     return res
+
+
+def _held(cell: dict) -> bool:
+    return cell["loads"] and cell["read_right"] is not False
+
+
+def _with_draft(main: dict, draft: dict) -> dict:
+    """An engine's cell from its main model's and its draft's: both must hold; the verdict is the main model's
+    unless only the draft failed."""
+    return {**main, "loads": main["loads"] and draft["loads"],
+            "read_right": None if draft["read_right"] is None else _held(main) and draft["read_right"],
+            "verdict": draft["verdict"] if _held(main) and not _held(draft) else main["verdict"]}
 
 
 def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
