@@ -95,10 +95,11 @@ def in_layout(source) -> bool:
     return source.entry("config.json") is None and source.entry(PARAMS) is not None
 
 
-def build_keys(params: dict) -> dict:
+def build_keys(view: dict) -> dict:
     """What both engines' adaptation sets whatever ``params.json`` says and their DeepSeek V3 model reads as it is
     built (``_remap_moe_args``: ``topk_method`` None, ``scoring_func`` softmax; ``_remap_general_mistral_args``:
     ``hidden_act`` from ``activation``), which the plan never reads: ``mapping derive`` builds the engines' model from
     the view and these (SGLang: "'DeepseekV3Config' object has no attribute 'topk_method'" without them). Not in
-    :func:`config_view`, which the output's ``config.json`` is written from."""
-    return {"topk_method": None, "scoring_func": "softmax", "hidden_act": params.get("activation", "silu")}
+    :func:`config_view`, which the output's ``config.json`` is written from; ``view`` is that view, which keeps
+    ``activation`` as params.json has it."""
+    return {"topk_method": None, "scoring_func": "softmax", "hidden_act": view.get("activation", "silu")}

@@ -79,8 +79,7 @@ class StandIn:
 def _config(ckpt: Checkpoint) -> dict:
     config = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
     if mistral_checkpoint.in_layout(ckpt.source):  # the engines build their model from more than the plan reads
-        params = ckpt.source.read_json(mistral_checkpoint.PARAMS, mistral_checkpoint.PARAMS)
-        config = {**config, **mistral_checkpoint.build_keys(params)}
+        config = {**config, **mistral_checkpoint.build_keys(config)}
     text = config.get("text_config")
     if isinstance(text, dict) and "quantization_config" in text:
         config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}

@@ -582,21 +582,28 @@ static inline void int4_row(const uint8_t *restrict packed, const float *restric
  * one IEEE multiply, is the largest |(code - 8) * scale| of the group bit for bit (rounding to nearest is monotonic
  * and symmetric, and |code - 8| <= 8 is exact in fp32); an overflow is infinity in both. Why: the amax pass decoded
  * every value to read one maximum a group (benchmarks/RESULTS.md, issue 38's session 36 section). */
+static inline int32_t int4_top(const uint8_t *restrict p, int64_t n) {
+    /* the largest |code - 8| of n packed bytes (both nibbles) */
+    int32_t top = 0;
+    for (int64_t b = 0; b < n; b++) {
+        const int32_t lo = (int32_t)(p[b] & 15u) - 8, hi = (int32_t)(p[b] >> 4) - 8;
+        const int32_t a = lo < 0 ? -lo : lo, c = hi < 0 ? -hi : hi;
+        top = a > top ? a : top;
+        top = c > top ? c : top;
+    }
+    return top;
+}
+
+/* a group's amax bits from its largest |code - 8| and its scale, folded into the running maximum m */
+static inline uint32_t int4_group_amax(uint32_t m, int32_t top, float scale) {
+    const uint32_t bits = bits_of_f32((float)top * scale) & 0x7FFFFFFFu;
+    return bits > m ? bits : m;
+}
+
 static inline uint32_t int4_row_amax(const uint8_t *restrict packed, const float *restrict scale, int64_t k,
                                      int64_t half) {
     uint32_t m = 0;
-    for (int64_t g = 0; g < k / (2 * half); g++) {
-        const uint8_t *p = packed + g * half;
-        int32_t top = 0;
-        for (int64_t b = 0; b < half; b++) {
-            const int32_t lo = (int32_t)(p[b] & 15u) - 8, hi = (int32_t)(p[b] >> 4) - 8;
-            const int32_t a = lo < 0 ? -lo : lo, c = hi < 0 ? -hi : hi;
-            top = a > top ? a : top;
-            top = c > top ? c : top;
-        }
-        const uint32_t bits = bits_of_f32((float)top * scale[g]) & 0x7FFFFFFFu;
-        m = bits > m ? bits : m;
-    }
+    for (int64_t g = 0; g < k / (2 * half); g++) m = int4_group_amax(m, int4_top(packed + g * half, half), scale[g]);
     return m;
 }
 
@@ -622,21 +629,12 @@ AVX512 static uint32_t int4_row_amax_avx512(const uint8_t *restrict packed, cons
         _mm512_storeu_si512((void *)lanes, a);
         for (int l = 0; l < 4; l++) tops[b / 16 + l] = lanes[16 * l];
     }
-    for (; b < n; b += 16) {
-        int32_t top = 0;
-        for (int64_t i = b; i < b + 16; i++) {
-            const int32_t lo = (int32_t)(packed[i] & 15u) - 8, hi = (int32_t)(packed[i] >> 4) - 8;
-            top = (lo < 0 ? -lo : lo) > top ? (lo < 0 ? -lo : lo) : top;
-            top = (hi < 0 ? -hi : hi) > top ? (hi < 0 ? -hi : hi) : top;
-        }
-        tops[b / 16] = (uint8_t)top;
-    }
+    for (; b < n; b += 16) tops[b / 16] = (uint8_t)int4_top(packed + b, 16);
     uint32_t m = 0;
     for (int64_t g = 0, c = 0; g < k / (2 * half); g++) {
         uint8_t top = 0;
         for (const int64_t end = c + half / 16; c < end; c++) top = tops[c] > top ? tops[c] : top;
-        const uint32_t bits = bits_of_f32((float)top * scale[g]) & 0x7FFFFFFFu;
-        m = bits > m ? bits : m;
+        m = int4_group_amax(m, top, scale[g]);
     }
     return m;
 }
