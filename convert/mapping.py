@@ -609,8 +609,9 @@ class UnknownArchitecture(ConvertError):
                 "pass --mapping FILE.toml for another model")
 
 
-def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
-    """The table for ``config`` (by architecture, then model_type), or the one given with --mapping."""
+def find_mapping(config: dict, override: str | Path | None = None, by_model_type: bool = True) -> Mapping:
+    """The table for ``config`` (by architecture, then, with ``by_model_type``, model_type), or the one given with
+    --mapping."""
     if override is not None:
         if Path(str(override)).exists():
             return load_mapping(override)
@@ -628,7 +629,7 @@ def find_mapping(config: dict, override: str | Path | None = None) -> Mapping:
     for m in tables:
         if any(a in m.architectures for a in archs):
             return m
-    for m in tables:
+    for m in tables if by_model_type else ():
         if model_type in m.model_types:
             return m
     raise UnknownArchitecture(archs or model_type)

@@ -6,9 +6,10 @@ Both engines read such a release only as such, and both turn ``params.json`` int
 ``_remap_moe_args``; ``model_type`` deepseek_v3, ``architectures`` [MistralLarge3ForCausalLM] when ``moe`` has
 shared experts), SGLang 0.5.23 ``utils/hf_transformers/mistral_utils.py`` ``adapt_config_dict`` (the same remaps).
 :func:`config_view` is that adaptation, restricted to the keys the plan, ``inspect`` and the mapping table read;
-the tensors keep Mistral's names (the table ``mappings/mistral_large_3.toml`` is written in them, and the engines'
-own renames, vLLM ``MistralLarge3ForCausalLM.hf_to_vllm_mapper`` / SGLang ``MistralLarge3ForCausalLM.remapping``,
-turn them into DeepSeek V3's at load time). docs/families.md, "Mistral Large 3"."""
+the tensors keep Mistral's names (the table, derived from the engines: ``mappings/derived/mistral_large_3.toml``, is
+written in them, and the engines' own renames, vLLM ``MistralLarge3ForCausalLM.hf_to_vllm_mapper`` / SGLang
+``MistralLarge3ForCausalLM.remapping``, turn them into DeepSeek V3's at load time: the table's ``[engine_names]``).
+docs/families.md, "Mistral Large 3"."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from .errors import ConvertError
 PARAMS = "params.json"
 INDEX = "consolidated.safetensors.index.json"  # vLLM default_loader.py: the index of load_format "mistral"
 SHARD_PREFIX = "consolidated"  # vLLM / SGLang: allow_patterns ["consolidated*.safetensors"]
+#: the derived table's name (``mappings/derived/mistral_large_3.toml``): the view's model_type is the engines'
+TABLE = "mistral_large_3"
 
 #: Mistral key -> the DeepSeek V3 config key (vLLM / SGLang ``_remap_general_mistral_args``).
 GENERAL = {"dim": "hidden_size", "norm_eps": "rms_norm_eps", "n_kv_heads": "num_key_value_heads",

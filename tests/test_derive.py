@@ -25,7 +25,7 @@ import pytest
 
 from helpers import all_presets, one_line_error, run, run_process
 from kimi_convert.checkpoint import open_checkpoint
-from kimi_convert.derive import from_views, load_answers, load_draft_answers, merge
+from kimi_convert.derive import from_answers, from_views, load_answers, load_draft_answers, merge
 from kimi_convert.derive.lookup import finish
 from kimi_convert.derive.table import glob, template
 from kimi_convert.enginecheck import EngineUnavailable, find_python
@@ -43,7 +43,7 @@ def _hand_table(preset: str) -> bool:
     from kimi_convert.mapping import UnknownArchitecture
 
     try:
-        find_mapping(json.loads((ANSWERS / f"{preset}.answers.json").read_text())["config"])
+        find_mapping(json.loads((ANSWERS / f"{preset}.answers.json").read_text())["config"], by_model_type=False)
     except UnknownArchitecture:
         return False
     return True
@@ -65,10 +65,8 @@ def _compare_module():
 def _derived(preset: str):
     """The table of a preset's recorded answers, with its drafts' where recorded (the [mtp] table): in
     PRESET.draft-answers.json where the drafts were asked apart, else in PRESET.answers.json itself (none: {})."""
-    views, config, shapes = load_answers(ANSWERS / f"{preset}.answers.json")
     drafts = ANSWERS / f"{preset}.draft-answers.json"
-    return from_views(views, config, shapes, load_draft_answers(drafts if drafts.is_file() else
-                                                                ANSWERS / f"{preset}.answers.json"))
+    return from_answers(ANSWERS / f"{preset}.answers.json", drafts if drafts.is_file() else None)
 
 
 @pytest.mark.parametrize("preset", WITHOUT_HAND_TABLE)

@@ -1,7 +1,8 @@
 """Mistral Large 3 in Mistral's own layout, without an engine: the tiny preset is laid out as the release
 (params.json, consolidated-*.safetensors and their index, Mistral's names), the tool reads params.json as the
-DeepSeek V3 config the engines make of it, the table in Mistral's names is deepseek_v3.toml through the engines'
-renames, the output keeps the layout, and bad input is one line.
+DeepSeek V3 config the engines make of it, the table derived from the engines (mappings/derived/mistral_large_3.toml,
+no hand table) in Mistral's names is deepseek_v3.toml through the engines' renames, the output keeps the layout, and
+bad input is one line.
 
 The expected values are written here by hand from the engines' source (vLLM 0.33
 transformers_utils/configs/mistral.py ``_remap_general_mistral_args`` / ``_remap_moe_args``, models/mistral_large_3.py
@@ -20,6 +21,7 @@ from helpers import copy_ckpt, edit_json, one_line_error, run, write_synth
 from kimi_convert.mistral_checkpoint import build_keys
 
 PRESET = "tiny-mistral-large-3"
+ROOT = Path(__file__).resolve().parent.parent
 INDEX = "consolidated.safetensors.index.json"
 
 # vLLM 0.33 models/mistral_large_3.py MistralLarge3ForCausalLM.hf_to_vllm_mapper, copied by hand (the module
@@ -91,22 +93,48 @@ def test_params_read_as_the_engines_deepseek_v3_config(ckpt):
     assert "moe" not in cfg and "dim" not in cfg
 
 
-def test_table_is_deepseek_v3_through_the_engines_renames():
-    """Each group, scale group, exclusion and the MoE members of the Mistral table, renamed as vLLM renames them,
-    are deepseek_v3.toml's."""
+def _table(ckpt):
+    from kimi_convert.checkpoint import open_checkpoint
+    from kimi_convert.derive.lookup import mapping_for
+
+    return mapping_for(open_checkpoint(ckpt))
+
+
+def test_the_table_is_the_derived_one_not_deepseek_v3s(ckpt):
+    """params.json reads as model_type deepseek_v3, whose hand table names other tensors: the architecture's derived
+    table comes first (the engines dispatch on the architecture), and it claims no model_type."""
+    m = _table(ckpt)
+    assert (m.name, m.path, m.model_types) == ("derived-mistral_large_3", "mappings/derived/mistral_large_3.toml", ())
+
+
+def test_table_is_deepseek_v3_through_the_engines_renames(ckpt):
+    """Each group, scale group and the MoE members of the derived Mistral table, renamed as vLLM renames them, are
+    deepseek_v3.toml's; what it keeps (router, head) is what deepseek_v3.toml excludes."""
     from kimi_convert.mapping import builtin_by_name
 
-    ml3, ds = builtin_by_name("mistral_large_3"), builtin_by_name("deepseek_v3")
+    ml3, ds = _table(ckpt), builtin_by_name("deepseek_v3")
 
     def groups(m, rename):
         return {(g.name, tuple(rename(p.format(layer=3, expert=5) + "." + x) for x in g.members for p in g.parents))
                 for g in m.groups}
 
     assert groups(ml3, vllm_name) == groups(ds, lambda x: x)
-    assert [vllm_name(m.replace("*", "3")) for m in (r.text for r in ml3.exclude)] == [
-        r.text.replace("*", "3") for r in ds.exclude]
+    assert sorted(vllm_name(r.text.replace("*", "3")) for r in (*ml3.keep, *ml3.exclude)) == sorted(
+        r.text.replace("*", "3") for r in ds.exclude)
     member = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-    assert [member[x] for x in ml3.moe.members] == list(ds.moe.members)
+    assert sorted(member[x] for x in ml3.moe.members) == sorted(ds.moe.members)
+    assert ml3.lm_head.module == "output" and ml3.lm_head.tie == "tie_word_embeddings"
+
+
+def test_the_derived_engine_names_are_vllms_mapper_for_every_module_an_exclude_list_names(ckpt):
+    """The derivation's [engine_names] (from vLLM's mapper, as the runner saw it rename each weight and not the
+    module's own name) give the hand-copied mapper's name for every module with a 2-D weight, and each expert set."""
+    m = _table(ckpt)
+    shapes = json.loads((ROOT / "tests" / "derived" / f"{PRESET}.answers.json").read_text())["shapes"]
+    modules = sorted(n.removesuffix(".weight") for n, s in shapes.items() if len(s) == 2)
+    assert modules and all(m.engine_spelling(x) == vllm_name(x) for x in modules)
+    assert m.engine_spelling("layers.1.experts") == "model.layers.1.mlp.experts"
+    assert m.engine_spelling("layers.1.ffn_norm") is None  # a norm: no exclude list names it
 
 
 def test_plan_pack_keep_the_layout(ckpt, tmp_path):
@@ -215,7 +243,6 @@ def test_engine_names_are_vllms_mapper(ckpt):
     import subprocess
 
     from kimi_convert.enginecheck import EngineUnavailable, find_python
-    from kimi_convert.mapping import builtin_by_name
 
     try:
         py = find_python("vllm")
@@ -227,7 +254,7 @@ def test_engine_names_are_vllms_mapper(ckpt):
     r = subprocess.run([str(py), "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     theirs = json.loads(r.stdout.strip().splitlines()[-1])
-    m = builtin_by_name("mistral_large_3")
+    m = _table(ckpt)
     norms = {n for n in names if "norm" in n}  # layer norms: not modules an exclude list names
     ours = {n: f"{m.engine_spelling(n.rpartition('.')[0])}.{n.rpartition('.')[2]}" for n in names if n not in norms}
     assert ours == {n: theirs[n] for n in ours}

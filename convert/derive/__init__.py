@@ -28,6 +28,7 @@ from pathlib import Path
 
 import tomli_w
 
+from .. import mistral_checkpoint
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
 from . import draft as draft_mod
@@ -65,7 +66,7 @@ def view_of(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.Engi
         engine, trace["version"], trace.get("model_class", "?"), trace.get("spans", []),
         [s["tensor"] for s in trace.get("skipped", [])], [s["tensor"] for s in trace.get("mtp_skipped", [])],
         trace.get("modules", {}), {fmt: b.get("modules", {}) for fmt, b in builds.items() if fmt not in failed},
-        failed)
+        failed, trace.get("renames", {}))
 
 
 def ask_engine(engine: str, dirs: dict[str, Path], trust_remote_code: bool = False) -> table_mod.EngineView:
@@ -142,14 +143,16 @@ def _draft_views(drafts: dict) -> list[table_mod.EngineView]:
     return out
 
 
-def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None) -> Derived:
-    """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``)."""
+def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None,
+               name: str | None = None) -> Derived:
+    """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``; ``name``:
+    ``table.build``'s)."""
     unsplit = [line for v in views for line in table_mod.unsplit_banks(v, {n: tuple(s) for n, s in shapes.items()})]
     if unsplit:
         more = f" (+{len(unsplit) - 1} more)" if len(unsplit) > 1 else ""
         raise ConvertError(f"{unsplit[0]}{more}; the routed experts' rules cannot be derived: write a table by hand "
                            "and pass it with --mapping")
-    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()}, _draft_views(drafts or {}))
+    t = table_mod.build(views, config, {n: tuple(s) for n, s in shapes.items()}, _draft_views(drafts or {}), name)
     mtp_names = sorted({n for v in views for n in v.mtp_skipped})
     mtp = draft_mod.section(mtp_names, config, drafts or {})
     if mtp is not None:
@@ -163,12 +166,22 @@ def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, dr
 
 
 def save_answers(path: Path, views: list[table_mod.EngineView], config: dict, shapes: dict,
-                 drafts: dict | None = None) -> None:
+                 drafts: dict | None = None, name: str | None = None) -> None:
     """The engines' raw answers, kept beside a derived table: it can be rebuilt (and tested) without the engines."""
     d = {"config": config, "shapes": shapes, "views": [asdict(v) for v in views]}
     if drafts:
         d["drafts"] = drafts
+    if name:
+        d["name"] = name
     path.write_text(json.dumps(d))
+
+
+def from_answers(path: Path, drafts: Path | None = None) -> Derived:
+    """The table of recorded answers (``save_answers``), with the drafts' answers in ``drafts`` where they were
+    asked apart (else in ``path`` itself)."""
+    views, config, shapes = load_answers(path)
+    name = json.loads(path.read_text()).get("name")
+    return from_views(views, config, shapes, load_draft_answers(drafts or path), name)
 
 
 def load_answers(path: Path) -> tuple[list[table_mod.EngineView], dict, dict]:
@@ -186,9 +199,10 @@ def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path |
     """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
     ``answers``, the engines' raw answers are written there too."""
     views, config, shapes, drafts = ask(ckpt, engines, trust_remote_code)
+    name = mistral_checkpoint.TABLE if mistral_checkpoint.in_layout(ckpt.source) else None
     if answers is not None:
-        save_answers(answers, views, config, shapes, drafts)
-    return from_views(views, config, shapes, drafts)
+        save_answers(answers, views, config, shapes, drafts, name)
+    return from_views(views, config, shapes, drafts, name)
 
 
 def merge(derived: dict, overlay: dict) -> dict:

@@ -1,14 +1,17 @@
 """Which table a checkpoint gets: a hand table, else a shipped derived one, else one derived now (and cached).
 
 The order, each step only where the one before has none: ``--mapping``; a hand table naming the architecture
-(``mappings/*.toml``); a derived table shipped for it (``mappings/derived/*.toml``, made by ``scripts/derive_all.py``
-from the engines pinned here); one in the cache for this config and these engine versions; one derived now, when the
+(``mappings/*.toml``); a derived table shipped for it (``mappings/derived/*.toml``, made by
+``scripts/derive_breadth.py`` from the engines pinned here); a hand table naming the config's model_type (the
+engines dispatch on the architecture: Mistral Large 3's params.json reads as model_type deepseek_v3, whose hand
+table is not its own); one in the cache for this config and these engine versions; one derived now, when the
 engine environments exist (``scripts/engine-envs.sh``). A hand overlay (``mappings/overlays/NAME.toml``) is merged
 over any derived table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tomllib
 from importlib import resources
@@ -92,11 +95,13 @@ def cached_or_derived(ckpt: Checkpoint) -> Mapping:
 def mapping_for(ckpt: Checkpoint, override: str | os.PathLike | None = None) -> Mapping:
     """The table for ``ckpt`` (see the module docstring)."""
     try:
-        return find_mapping(ckpt.config, override)
+        return find_mapping(ckpt.config, override, by_model_type=False)
     except UnknownArchitecture as e:
         found = shipped_for(ckpt.config)
         if found is not None:
             return found
+        with contextlib.suppress(UnknownArchitecture):
+            return find_mapping(ckpt.config)  # a hand table of the model_type, for an architecture none names
         if not _engines_present():
             raise ConvertError(f"{e}; or create the engine environments (scripts/engine-envs.sh) and a table is "
                                "derived from the engines' own model classes") from None

@@ -64,6 +64,9 @@ class EngineView:
     modules: dict[str, dict]  # plain build
     quant_modules: dict[str, dict[str, dict]] = field(default_factory=dict)  # format -> modules
     build_errors: dict[str, str] = field(default_factory=dict)  # format -> why the engine could not build under it
+    # source module -> the engine's module, where the engine renames the weight but an exclude entry naming the
+    # module stays as written (vllm_runner.unmapped_renames)
+    renames: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -589,10 +592,68 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
     return types
 
 
+def _rename_rule(src: str, dst: str) -> tuple[str, str]:
+    """One module's rename as a rule over every index (``engine_names``): ``layers.1.experts.3.w1`` ->
+    ``model.layers.1.mlp.experts.3.gate_proj`` is ``layers\\.(\\d+)\\.experts\\.(\\d+)\\.w1`` ->
+    ``model.layers.\\1.mlp.experts.\\2.gate_proj``; where the engine's name does not hold the source's indices in
+    order, the rule names that module alone."""
+    a, b = src.split("."), dst.split(".")
+    idx = [p for p in a if p.isdigit()]
+    if [p for p in b if p.isdigit()] != idx:
+        return re.escape(src), dst
+    n = iter(range(1, len(idx) + 1))
+    return (r"\.".join(r"(\d+)" if p.isdigit() else re.escape(p) for p in a),
+            ".".join(f"\\{next(n)}" if p.isdigit() else p for p in b))
+
+
+def _engine_names(views: list[EngineView], sets: list[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """``[engine_names]``: each source module of a 2-D weight (what an exclude list can name; a norm never) that an
+    engine renames where an exclude entry naming it stays as written (``EngineView.renames``), as rules over every
+    index, and each routed-expert set's parent as its members' renames imply it (an exclude list names a set whose
+    experts are all kept: plan/names.py ``exclude_list``)."""
+    pairs = dict(sorted({k: v for view in views for k, v in view.renames.items()
+                         if len(shapes.get(k + ".weight", ())) == 2}.items()))
+    rules: dict[str, str] = {}
+    for src, dst in pairs.items():
+        rx, new = _rename_rule(src, dst)
+        rules.setdefault(rx, new)
+    sets_rx = [re.compile(re.escape(s).replace(re.escape("{layer}"), r"\d+") + r"\.(\d+)\.[^.]+") for s in sets]
+    for src, dst in pairs.items():
+        for rx in sets_rx:
+            if (m := rx.fullmatch(src)) is not None and f".{m.group(1)}." in dst:
+                rx2, new = _rename_rule(src[: m.start(1) - 1], dst[: dst.rindex(f".{m.group(1)}.")])
+                rules.setdefault(rx2, new)
+    return rules
+
+
+def _head_exclude(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
+    """The source's output head where it is not called ``lm_head`` (Mistral's ``output``, DeepSeek V4's ``head``):
+    the source module the engines load into their ``*LMHead`` module ``lm_head`` and nowhere else, and that module;
+    the recipes keep the head by that name (``modules = ["lm_head"]``), which does not select it."""
+    found: dict[str, str] = {}
+    elsewhere = set()
+    for v in views:
+        for ld in landings(v):
+            em = engine_module(ld.param)
+            if em.rpartition(".")[2] == "lm_head" and "LMHead" in (v.modules.get(em, {}).get("class") or ""):
+                found[ld.module] = em
+            else:
+                elsewhere.add(ld.module)
+    heads = set(found) - elsewhere  # a tied head: the embedding loaded into both (LFM2 MoE): the tie rules cover it
+    if len(heads) != 1:
+        return None
+    (head,) = heads
+    if head.rpartition(".")[2] == "lm_head" or len(shapes.get(head + ".weight", ())) != 2:
+        return None
+    return head, found[head]
+
+
 def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]],
-          drafts: list[EngineView] = ()) -> dict:
+          drafts: list[EngineView] = (), name: str | None = None) -> dict:
     """The mapping table (as a dict in today's TOML format) for ``config``'s architecture; ``drafts``: the engines'
-    draft models' traces (their packed modules in the MTP layers)."""
+    draft models' traces (their packed modules in the MTP layers); ``name``: the table's name where the config's
+    ``model_type`` is not the checkpoint's own but an engine's adaptation (Mistral's ``params.json`` read as DeepSeek
+    V3's config: ``mistral_checkpoint.TABLE``), which the table then does not claim."""
     archs = list(config.get("architectures") or [])
     model_type = config.get("model_type", "")
     groups, scale_groups, sets = _groups(views, drafts)
@@ -603,10 +664,10 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
     keep, not_linear, linear = _rules(views, shapes)
     versions = ", ".join(v.label for v in views)
     t: dict = {
-        "name": f"derived-{model_type or (archs[0] if archs else 'model')}",
+        "name": f"derived-{name or model_type or (archs[0] if archs else 'model')}",
         "description": f"derived from {versions} ({', '.join(v.model_class for v in views)})",
         "architectures": archs,
-        "model_types": [model_type] if model_type else [],
+        "model_types": [model_type] if model_type and not name else [],
     }
     if isinstance(config.get("text_config"), dict):
         t["text_config"] = "text_config"
@@ -628,8 +689,20 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["moe"] = moe
     if (head := _head_check(views, config, shapes)) is not None:
         t["lm_head"] = head
+    if (renamed := _head_exclude(views, shapes)) is not None:
+        other, engine_head = renamed
+        if "tie_word_embeddings" in _text(config):
+            t.setdefault("lm_head", {"tie": "tie_word_embeddings", "module": other})
+        t["exclude"] = [{"pattern": other, "reason": (
+            f"the output head: {' and '.join(v.label for v in views)} load {other}.weight as {engine_head} (a "
+            "ParallelLMHead); stays in high precision as the recipes keep lm_head (ModelOpt's default)")}]
     if groups:
         t["group"] = groups
     if scale_groups:
         t["scale_group"] = scale_groups
+    names = _engine_names(views, sets, shapes)
+    if renamed is not None:  # the exclude list names the head as the engines do: SGLang 0.5.23 modelopt_quant.py
+        names.setdefault(re.escape(renamed[0]), renamed[1])  # is_layer_excluded matches names whole, not within
+    if names:
+        t["engine_names"] = names
     return t

@@ -373,6 +373,35 @@ def run(model_dir: str, result: dict) -> None:
     load(result, vllm_config, mc, loader, model)
 
 
+def unmapped_renames(model_class, offered: list[str]) -> dict[str, str]:
+    """Source module -> the module vLLM loads its weight into, where the class's ``hf_to_vllm_mapper`` renames the
+    weight (``layers.0.attention.wq_b.weight`` -> ``model.layers.0.self_attn.q_b_proj.weight``) but not the module's
+    own name, which is what an exclude list holds, so that the entry no longer names the layer: vLLM 0.33
+    model_loader/utils.py ``configure_quant_config`` hands the quant config ``hf_to_vllm_mapper.get_rename_mapper()``,
+    ModelOpt's ``apply_vllm_mapper`` maps the exclude entries with it, and ``ModelOptQuantConfigBase.is_layer_excluded``
+    takes an entry found anywhere in the layer's name (its loosest test: ``lm_head`` names
+    ``language_model.lm_head``, ``head`` names ``lm_head``). A regex anchored on the parameter's suffix
+    (models/mistral_large_3.py ``MistralLarge3ForCausalLM.hf_to_vllm_mapper``) leaves ``layers.1.gate`` as written,
+    which is nowhere in ``model.layers.1.mlp.gate``: the layer is built quantized. The table then names such modules
+    in the engine's spelling too (``[engine_names]``)."""
+    mapper = getattr(model_class, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {}
+    names = mapper.get_rename_mapper()
+    out = {}
+    for tensor in offered:
+        if not tensor.endswith(".weight"):
+            continue
+        module = tensor.removesuffix(".weight")
+        mapped = names.map_name(tensor)
+        if mapped is None or not mapped.endswith(".weight") or mapped.removesuffix(".weight") == module:
+            continue
+        target = mapped.removesuffix(".weight")
+        if (names.map_name(module) or module) not in target:
+            out[module] = target
+    return out
+
+
 def load(result: dict, vllm_config, mc, loader, model) -> None:
     """vLLM's own weight loading of ``model`` under the load observer, then the check (and the numeric read)."""
     from vllm.config import set_current_vllm_config
@@ -402,6 +431,7 @@ def load(result: dict, vllm_config, mc, loader, model) -> None:
         result.update(tracker.result(model, OPTIONAL + optional_for(model), mtp_rule(mc.hf_text_config)))
     if result["derive"]:
         result["spans"] = rc.spans(tracker)
+        result["renames"] = unmapped_renames(type(model), [s["tensor"] for s in result["spans"]])
     with set_current_vllm_config(vllm_config), rc.CpuDevices(), set_default_torch_dtype(mc.dtype):
         rc.numerics("vllm", result, model, tracker, error)
     rc.finish(result, error, tracker)

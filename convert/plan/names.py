@@ -40,7 +40,8 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if tied_head is not None:
         names.add(tied_head)
-    names.update(s for n in list(names) if (s := m.engine_spelling(n)) is not None)  # the engines' own names
+    spelled = {s: n for n in names if (s := m.engine_spelling(n)) is not None}  # the engines' own names
+    names.update(spelled)
     if m.mtp is not None and mtp_prefixes:
         drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes, mtp_layers))
         names.update(drafts)
@@ -50,8 +51,11 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     if recipe.exclude_modules is None:
         return sorted(names)
     listed = [a for p in recipe.exclude_modules for a in aliases(p, recipe.aliases)]
-    # the recipe's list is text for the engines, not a selector of this tool (globs.py): read as fnmatch does
-    extra = sorted(n for n in names if not any(fnmatchcase(n, p) for p in recipe.exclude_modules))
+    # the recipe's list is text for the engines, not a selector of this tool (globs.py): read as fnmatch does; an
+    # engine's spelling of a name the list covers is not added (the list is the vendor's as it writes it: NVIDIA's
+    # DeepSeek V4 list names the head "head", which its engines' own rules take for lm_head)
+    extra = sorted(n for n in names if not any(fnmatchcase(x, p) for x in {n, spelled.get(n, n)}
+                                               for p in recipe.exclude_modules))
     return list(dict.fromkeys([*listed, *extra]))
 
 
