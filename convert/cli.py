@@ -87,8 +87,10 @@ TRUST_REMOTE_CODE = ("the engine reads the config through the checkpoint's own c
 def cli() -> None:
     """Convert a sharded safetensors MoE checkpoint into an engine-ready NVFP4 checkpoint with a manifest.
 
-    Built-in families: Kimi K3, Kimi Linear, DeepSeek V3 / R1, Kimi K2, Qwen3 MoE, Qwen3.5 MoE, GLM-4.5 MoE,
-    MiniMax-M2, gpt-oss; any other MoE model through a mapping table (--mapping FILE.toml).
+    Hand tables: Kimi K3, Kimi Linear, DeepSeek V3 / R1, Kimi K2, Qwen3 MoE, Qwen3.5 MoE, GLM-4.5 MoE, gpt-oss;
+    tables derived from vLLM's and SGLang's own model classes for those in mappings/derived/ (GLM-5.x, DeepSeek
+    V3.2 / V4, MiniMax M2 / M3, Kimi K2.5, Qwen3.8, Mistral Large 3, ...); any other MoE model both engines serve
+    through `kimi-convert mapping derive` (scripts/engine-envs.sh) or a table of your own (--mapping FILE.toml).
     """
 
 

@@ -399,7 +399,9 @@ PRESET_TABLES = {"MiniMaxM2ForCausalLM": {"table": "mappings/derived/minimax_m2.
                  "DeepseekV32ForCausalLM": {"table": "mappings/derived/deepseek_v32.toml",
                                             "preset": "tiny-deepseek-v3-2"},
                  "DeepseekV4ForCausalLM": {"table": "mappings/derived/deepseek_v4.toml", "preset": "tiny-deepseek-v4"},
-                 "GlmMoeDsaForCausalLM": {"table": "mappings/derived/glm_moe_dsa.toml", "preset": "tiny-glm5"}}
+                 "GlmMoeDsaForCausalLM": {"table": "mappings/derived/glm_moe_dsa.toml", "preset": "tiny-glm5"},
+                 "MistralLarge3ForCausalLM": {"table": "mappings/derived/mistral_large_3.toml",
+                                              "preset": "tiny-mistral-large-3"}}
 
 
 def base_record(a: Arch) -> dict:
@@ -535,15 +537,14 @@ FINDINGS = {
                                               "tiny-minimax-m3"),
     "Qwen4ExpForCausalLM": _release_is("Qwen3.8-Flash-Next", "Qwen4ExpForConditionalGeneration", "tiny-qwen4-exp"),
     "MistralLarge3ForCausalLM": (
-        "the hand table mappings/mistral_large_3.toml names this architecture, and plan / pack use it (its output "
-        "loads in both engines and is read right: docs/families.md, \"Mistral Large 3\"). The derivation, from "
-        "params.json read as both engines read it (mistral_checkpoint.config_view, build_keys), finds the hand "
-        "table's groups (fused_qkv_a_proj = wq_a + wkv_a_with_mqa, gate_up_proj = w1 + w3, w13, the routers kept) "
-        "but not what the engines' renames hide: the head is Mistral's `output` (both engines' remappers map "
-        "output.weight to lm_head.weight and no scale of it, so an NVFP4 head is refused: vLLM \"There is no "
-        "module or parameter named 'output'\" while loading output.weight_scale; SGLang leaves "
-        "lm_head.weight_scale_2 unfilled), and the exclude list needs the engines' names (the hand table's "
-        "[engine_names])"),
+        "Mistral's own layout (params.json, no transformers class): the derivation reads params.json as both "
+        "engines read it (mistral_checkpoint.config_view, build_keys) and the engines give every rule the hand "
+        "table mappings/mistral_large_3.toml had (removed in session 37): the groups, the router kept, the head "
+        "`output` (loaded into lm_head by both: [[exclude]], [lm_head]) and [engine_names] from vLLM's "
+        "MistralLarge3ForCausalLM.hf_to_vllm_mapper, whose regexes rename each weight but not the module name an "
+        "exclude entry holds (vllm_runner.unmapped_renames). The same plan and bytes as the hand table under "
+        "--layout source; under --layout vllm / sglang the hand table fused gate_up_proj on disk in Mistral's "
+        "names, which neither engine loads, the derived table does not (docs/derive.md)"),
     "DbrxForCausalLM": (
         "not served by vLLM 0.33: DbrxMoE builds its experts with FusedMoEFactory, whose runner holds the expert "
         "parameters under experts.routed_experts (model_executor/layers/fused_moe/layer.py FusedMoEFactory), while "

@@ -412,7 +412,7 @@ def test_the_mtp_layer_rules_come_from_the_drafts():
 
 #: Hand tables the derived table replaced (docs/derive.md, "Which hand tables stay"): the shipped derived table, the
 #: preset its answers are recorded for, and the last commit that held the hand table.
-REPLACED = {"minimax_m2": ("tiny-minimax-m2", "e32571f")}
+REPLACED = {"minimax_m2": ("tiny-minimax-m2", "e32571f"), "mistral_large_3": ("tiny-mistral-large-3", "f7e006e")}
 
 
 @pytest.mark.parametrize("name", sorted(REPLACED))
