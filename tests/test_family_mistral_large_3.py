@@ -258,3 +258,36 @@ def test_engine_names_are_vllms_mapper(ckpt):
     norms = {n for n in names if "norm" in n}  # layer norms: not modules an exclude list names
     ours = {n: f"{m.engine_spelling(n.rpartition('.')[0])}.{n.rpartition('.')[2]}" for n in names if n not in norms}
     assert ours == {n: theirs[n] for n in ours}
+
+
+@pytest.mark.engine
+def test_the_runner_reports_the_renames_an_exclude_entry_cannot_follow(ckpt):
+    """``vllm_runner.unmapped_renames`` in vLLM's python: for Mistral Large 3's class, every module of the preset
+    whose weight vLLM's mapper renames (its suffix-anchored regexes leave a module name as written) maps to the
+    hand-copied mapper's name, norms included (the table keeps only 2-D weights); a prefix mapper's renames
+    (Qwen3.5's ``model.language_model.`` -> ``language_model.model.``) reach the module name, and a rename whose
+    entry is found within the new name (``lm_head`` in ``language_model.lm_head``, vLLM's substring test) is none."""
+    import subprocess
+
+    from kimi_convert.enginecheck import EngineUnavailable, find_python
+
+    try:
+        py = find_python("vllm")
+    except EngineUnavailable as e:
+        pytest.skip(f"vllm environment absent: {e}")
+    names = sorted(json.loads((ckpt / INDEX).read_text())["weight_map"])
+    qwen = ["model.language_model.layers.0.mlp.gate.weight", "lm_head.weight", "model.visual.merger.linear_fc1.weight"]
+    code = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom vllm_runner import unmapped_renames\n"
+            "from vllm.model_executor.models.mistral_large_3 import MistralLarge3ForCausalLM as M\n"
+            "from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForConditionalGeneration as Q\n"
+            "a, b = json.loads(sys.argv[2]), json.loads(sys.argv[3])\n"
+            "print(json.dumps([unmapped_renames(M, a), unmapped_renames(Q, b)]))")
+    runners = ROOT / "convert" / "enginecheck"
+    r = subprocess.run([str(py), "-c", code, str(runners), json.dumps(names), json.dumps(qwen)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    mistral, qwen_renames = json.loads(r.stdout.strip().splitlines()[-1])
+    weights = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
+    # every weight renamed, but "norm" -> "model.norm" (the entry "norm" is found within the new name)
+    assert mistral == {m: vllm_name(m) for m in weights if m != "norm"}
+    assert qwen_renames == {}
