@@ -14,7 +14,7 @@ import pytest
 from helpers import all_presets, synth_preset
 from kimi_convert import globs, synth
 from kimi_convert.errors import ConvertError
-from kimi_convert.mapping import builtin_mappings, find_mapping, parse_mapping
+from kimi_convert.mapping import builtin_mappings, parse_mapping
 from kimi_convert.recipe import builtin_recipes
 
 # --- the readings before one semantics (kept for this comparison only) ---------------------------------
@@ -65,15 +65,12 @@ NEW_MEANING = {"derived-minimax_m3_vl": {"lm_head": {"language_model.lm_head"}}}
 
 
 def _table(cfg: dict):
-    """The table plan uses for ``cfg`` without --mapping and without the engines: a hand table, else the shipped
-    derived one (GLM-5.x, GLM-4.7-Flash: mappings/derived/ with its overlay)."""
-    from kimi_convert.derive.lookup import shipped_for
-    from kimi_convert.mapping import UnknownArchitecture
+    """The table plan uses for ``cfg`` without --mapping and without the engines: a hand table naming the
+    architecture, else the shipped derived one (GLM-5.x, GLM-4.7-Flash, Mistral Large 3: mappings/derived/ with its
+    overlay), else a hand table naming the model_type."""
+    from kimi_convert.derive.lookup import shipped_table
 
-    try:
-        return find_mapping(cfg)
-    except UnknownArchitecture:
-        return shipped_for(cfg)
+    return shipped_table(cfg)
 
 
 CASES = [(name, _table(cfg), modules) for name in all_presets() if name not in NO_MAPPING_YET

@@ -11,7 +11,6 @@ over any derived table.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tomllib
 from importlib import resources
@@ -92,16 +91,26 @@ def cached_or_derived(ckpt: Checkpoint) -> Mapping:
     return finish(path.read_text(), str(path))
 
 
-def mapping_for(ckpt: Checkpoint, override: str | os.PathLike | None = None) -> Mapping:
-    """The table for ``ckpt`` (see the module docstring)."""
+def shipped_table(config: dict) -> Mapping:
+    """The table ``config`` gets from what ships, no engine asked: a hand table naming its architecture, a derived table
+    shipped for it, a hand table naming its model_type, in that order (the module docstring); ``UnknownArchitecture``
+    where none does."""
     try:
-        return find_mapping(ckpt.config, override, by_model_type=False)
-    except UnknownArchitecture as e:
-        found = shipped_for(ckpt.config)
+        return find_mapping(config, by_model_type=False)
+    except UnknownArchitecture:
+        found = shipped_for(config)
         if found is not None:
             return found
-        with contextlib.suppress(UnknownArchitecture):
-            return find_mapping(ckpt.config)  # a hand table of the model_type, for an architecture none names
+        return find_mapping(config)  # a hand table of the model_type, for an architecture none names
+
+
+def mapping_for(ckpt: Checkpoint, override: str | os.PathLike | None = None) -> Mapping:
+    """The table for ``ckpt`` (see the module docstring)."""
+    if override is not None:
+        return find_mapping(ckpt.config, override)
+    try:
+        return shipped_table(ckpt.config)
+    except UnknownArchitecture as e:
         if not _engines_present():
             raise ConvertError(f"{e}; or create the engine environments (scripts/engine-envs.sh) and a table is "
                                "derived from the engines' own model classes") from None
