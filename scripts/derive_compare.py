@@ -110,7 +110,8 @@ def derived_mapping(preset: str, src: Path, answers_dir: Path, ask: bool):
             d = derive(ckpt, answers=path)
     else:
         views, config, shapes = load_answers(path)
-        d = from_views(views, config, shapes, recorded_drafts(answers_dir, preset))
+        d = from_views(views, config, shapes, recorded_drafts(answers_dir, preset),
+                       json.loads(path.read_text()).get("name"))  # a layout's table name (derive.save_answers)
     return ckpt, finish(d.text, f"derived:{preset}"), d.text
 
 
@@ -125,13 +126,13 @@ def main() -> int:
     work, bad = Path(a.work), 0
     for preset in a.presets:
         src = work / preset
-        if not (src / "config.json").is_file():
+        if not any((src / f).is_file() for f in ("config.json", "params.json")):
             subprocess.run(["kimi-convert", "synth", preset, str(src), "--overwrite"], check=True,
                            stdout=subprocess.DEVNULL)
         ckpt, derived, _ = derived_mapping(preset, src, Path(a.answers_dir), a.ask)
         (work / f"{preset}.derived.toml").write_text(derived.source)  # with its overlay merged, as plan uses it
         try:
-            hand = find_mapping(ckpt.config)
+            hand = find_mapping(ckpt.config, by_model_type=False)  # a hand table of its own (not its model_type's)
         except UnknownArchitecture:  # replaced by its shipped derived table (tests/test_derive.py, REPLACED)
             print(f"none {preset:18} no hand table (the shipped derived table replaced it)")
             continue
