@@ -684,3 +684,20 @@ def test_a_hybrid_pattern_string_says_which_layers_are_moe(tmp_path):
     with pytest.raises(ConvertError, match=r"config\.json: layers_pattern the string '--' makes layer 1 dense, but "
                                            r"model\.layers\.1\.mlp\.experts holds \d+ routed experts"):
         make_plan(open_checkpoint(src), m, Options())
+
+
+def test_a_rename_becomes_a_rule_over_every_index():
+    """``[engine_names]`` rules from one module's rename (``table._rename_rule``): each index of the source's name is a
+    group the engine's name takes in the same order; a rename that does not keep the indices in order names that
+    module alone (re.escape'd), so it can never rename another."""
+    import re
+
+    from kimi_convert.derive.table import _rename_rule
+
+    rx, new = _rename_rule("layers.1.experts.3.w1", "model.layers.1.mlp.experts.3.gate_proj")
+    assert (rx, new) == (r"layers\.(\d+)\.experts\.(\d+)\.w1", r"model.layers.\1.mlp.experts.\2.gate_proj")
+    assert re.sub(rx, new, "layers.60.experts.255.w1") == "model.layers.60.mlp.experts.255.gate_proj"
+    assert _rename_rule("output", "lm_head") == ("output", "lm_head")
+    rx, new = _rename_rule("blocks.2.attn.3.w", "model.layers.3.attn.2.w")  # the indices swapped: this module alone
+    assert re.fullmatch(rx, "blocks.2.attn.3.w") and not re.fullmatch(rx, "blocks.4.attn.3.w")
+    assert new == "model.layers.3.attn.2.w"
