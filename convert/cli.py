@@ -89,7 +89,7 @@ def cli() -> None:
 
     Hand tables: Kimi K3, Kimi Linear, DeepSeek V3 / R1, Kimi K2, Qwen3 MoE, Qwen3.5 MoE, GLM-4.5 MoE, gpt-oss;
     tables derived from vLLM's and SGLang's own model classes for those in mappings/derived/ (GLM-5.x, DeepSeek
-    V3.2 / V4, MiniMax M2 / M3, Kimi K2.5, Qwen3.8, Mistral Large 3, ...); any other MoE model both engines serve
+    V3.2 / V4, MiniMax-M2 / M3, Kimi K2.5, Qwen3.8, Mistral Large 3, ...); any other MoE model both engines serve
     through `kimi-convert mapping derive` (scripts/engine-envs.sh) or a table of your own (--mapping FILE.toml).
     """
 
