@@ -701,3 +701,30 @@ def test_a_rename_becomes_a_rule_over_every_index():
     rx, new = _rename_rule("blocks.2.attn.3.w", "model.layers.3.attn.2.w")  # the indices swapped: this module alone
     assert re.fullmatch(rx, "blocks.2.attn.3.w") and not re.fullmatch(rx, "blocks.4.attn.3.w")
     assert new == "model.layers.3.attn.2.w"
+
+
+def test_a_table_cached_by_other_rules_is_derived_again(monkeypatch, tmp_path):
+    """The cache's key holds the derivation's own code (``derive.rules_digest``): after an upgrade that changes how the
+    runners report or the rules read (session 37's head and [engine_names]), a table cached by the older code is not
+    taken; a table cached by this code is, with no engine asked."""
+    from kimi_convert import derive
+    from kimi_convert.derive import lookup
+
+    src = tmp_path / "tq"
+    assert run("synth", "tiny-qwen3-moe", src).code == 0
+    ckpt = open_checkpoint(src)
+    versions = {"vllm": "0.33.0", "sglang": "0.5.23"}
+    assert len(derive.rules_digest()) == 64
+    monkeypatch.setenv("KIMI_CONVERT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("kimi_convert.enginecheck.resolve", lambda e: type("R", (), {"version": versions[e]}))
+    asked = []
+    monkeypatch.setattr(derive, "derive", lambda c: asked.append(c) or _derived("tiny-qwen3-moe"))
+    monkeypatch.setattr(derive, "rules_digest", lambda: "older")
+    old_key = derive.cache_key(ckpt.config, versions)
+    lookup.cached_or_derived(ckpt)
+    lookup.cached_or_derived(ckpt)
+    assert len(asked) == 1  # derived once, then taken from the cache
+    monkeypatch.setattr(derive, "rules_digest", lambda: "newer")
+    assert derive.cache_key(ckpt.config, versions) != old_key
+    lookup.cached_or_derived(ckpt)
+    assert len(asked) == 2  # the older rules' table is not taken

@@ -10,10 +10,10 @@ For an architecture with no table, the tool asks each serving engine, in the eng
    method (``build``);
 3. ``table`` turns the answers into today's mapping format, each rule's reason naming the engine, class and file.
 
-A derived table is cached per architecture, config and engine versions (``~/.cache/kimi-convert/derived``;
-``KIMI_CONVERT_CACHE`` moves it) and shipped for the architectures in ``mappings/derived/``; what the engines'
-structure cannot show (a quirk only an engine check reveals) goes in a hand overlay, ``mappings/overlays/NAME.toml``,
-merged over it (:func:`merge`).
+A derived table is cached per architecture, config, engine versions and the rules' code (``rules_digest``;
+``~/.cache/kimi-convert/derived``; ``KIMI_CONVERT_CACHE`` moves it) and shipped for the architectures in
+``mappings/derived/``; what the engines' structure cannot show (a quirk only an engine check reveals) goes in a hand
+overlay, ``mappings/overlays/NAME.toml``, merged over it (:func:`merge`).
 """
 
 from __future__ import annotations
@@ -233,9 +233,24 @@ def cache_dir() -> Path:
     return Path(root) / "derived"
 
 
+#: The code whose change changes a derived table: what the runners report and how the rules read it (a table cached
+#: by an earlier version of them is derived again: session 37's [engine_names] and head rules were not in older ones).
+RULE_FILES = ("derive/__init__.py", "derive/table.py", "derive/draft.py", "derive/standin.py", "derive/reduce.py",
+              "enginecheck/vllm_runner.py", "enginecheck/sglang_runner.py", "enginecheck/runner_common.py")
+
+
+def rules_digest() -> str:
+    """sha256 of ``RULE_FILES``' text, as installed."""
+    root, h = Path(__file__).resolve().parent.parent, hashlib.sha256()
+    for rel in RULE_FILES:
+        h.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def cache_key(config: dict, versions: dict[str, str]) -> str:
-    """Architecture, config (its structure decides the model the engines build) and engine versions."""
+    """Architecture, config (its structure decides the model the engines build), engine versions and the rules'
+    code (``rules_digest``)."""
     blob = json.dumps({"config": {k: v for k, v in config.items() if k != "quantization_config"},
-                       "engines": versions}, sort_keys=True, default=str)
+                       "engines": versions, "rules": rules_digest()}, sort_keys=True, default=str)
     archs = "-".join(config.get("architectures") or [str(config.get("model_type"))])
     return f"{archs}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
