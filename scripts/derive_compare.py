@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from kimi_convert.checkpoint import open_checkpoint
-from kimi_convert.derive import derive, from_views, load_answers, load_draft_answers
+from kimi_convert.derive import derive, from_answers
 from kimi_convert.derive.lookup import finish
 from kimi_convert.mapping import UnknownArchitecture, find_mapping
 from kimi_convert.options import Options
@@ -91,15 +91,6 @@ def files_sha(folder: Path) -> dict[str, str]:
             if p.is_file() and not p.name.startswith("manifest")}
 
 
-def recorded_drafts(answers_dir: Path, preset: str) -> dict | None:
-    """The drafts' answers ([mtp]): in the answers file (``--ask`` writes them there) or beside it
-    (``PRESET.draft-answers.json``)."""
-    for path in (answers_dir / f"{preset}.answers.json", answers_dir / f"{preset}.draft-answers.json"):
-        if path.is_file() and (drafts := load_draft_answers(path)):
-            return drafts
-    return None
-
-
 def derived_mapping(preset: str, src: Path, answers_dir: Path, ask: bool):
     path = answers_dir / f"{preset}.answers.json"
     ckpt = open_checkpoint(src)
@@ -109,9 +100,8 @@ def derived_mapping(preset: str, src: Path, answers_dir: Path, ask: bool):
             fcntl.flock(lock, fcntl.LOCK_EX)
             d = derive(ckpt, answers=path)
     else:
-        views, config, shapes = load_answers(path)
-        d = from_views(views, config, shapes, recorded_drafts(answers_dir, preset),
-                       json.loads(path.read_text()).get("name"))  # a layout's table name (derive.save_answers)
+        drafts = answers_dir / f"{preset}.draft-answers.json"  # asked apart, else in the answers file itself
+        d = from_answers(path, drafts if drafts.is_file() else None)
     return ckpt, finish(d.text, f"derived:{preset}"), d.text
 
 

@@ -179,14 +179,16 @@ def save_answers(path: Path, views: list[table_mod.EngineView], config: dict, sh
 def from_answers(path: Path, drafts: Path | None = None) -> Derived:
     """The table of recorded answers (``save_answers``), with the drafts' answers in ``drafts`` where they were
     asked apart (else in ``path`` itself)."""
-    views, config, shapes = load_answers(path)
-    name = json.loads(path.read_text()).get("name")
-    return from_views(views, config, shapes, load_draft_answers(drafts or path), name)
+    d = json.loads(path.read_text())
+    return from_views(*_answers(d), load_draft_answers(drafts) if drafts else d.get("drafts", {}), d.get("name"))
 
 
 def load_answers(path: Path) -> tuple[list[table_mod.EngineView], dict, dict]:
     """(views, config, shapes); the drafts' answers: :func:`load_draft_answers`."""
-    d = json.loads(path.read_text())
+    return _answers(json.loads(path.read_text()))
+
+
+def _answers(d: dict) -> tuple[list[table_mod.EngineView], dict, dict]:
     return [table_mod.EngineView(**v) for v in d["views"]], d["config"], d["shapes"]
 
 
