@@ -779,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
             rec = process(x, work, env, hold)
             if a.ship and "output_check" in rec:
                 rec["shipped"] = ship(rec, work)
-            results[x.name] = rec
+            # another run of this script may have written rows meanwhile (one per architecture): theirs are kept
+            results = {**load_results(), x.name: rec}
             save_results(results, order)
             print(f"  {summary(rec)}", flush=True)
     finally:
