@@ -195,7 +195,8 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    # the release's (docs/families.md)
                    "DeepseekV32ForCausalLM": "tiny-deepseek-v3-2", "DeepseekV4ForCausalLM": "tiny-deepseek-v4",
                    "GlmMoeDsaForCausalLM": "tiny-glm5", "KimiLinearForCausalLM": "tiny-kimi-linear",
-                   "MistralLarge3ForCausalLM": "tiny-mistral-large-3"}  # (no transformers class: params.json)
+                   "MistralLarge3ForCausalLM": "tiny-mistral-large-3",  # (no transformers class: params.json)
+                   "Step3p5ForCausalLM": "tests/presets/step3p5.toml:tiny-step3p5"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
 TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM"}
