@@ -190,6 +190,8 @@ def vllm_python() -> str:
 #: architectures transformers has no class for, whose fixture is a source preset laid out as the release
 #: (``kimi-convert synth FILE.toml:NAME``: its config.json, tensor names, dtypes and storage; docs/families.md)
 PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml:tiny-bailing-moe-v2",
+                   "SarvamMoEForCausalLM": "tests/presets/sarvam_moe.toml:tiny-sarvam-moe",
+                   "SarvamMLAForCausalLM": "tests/presets/sarvam_mla.toml:tiny-sarvam-mla",
                    # transformers builds these at sizes or names the engines refuse (a sparse MLA head that no
                    # attention backend takes, V4's hyper-connection names, Kimi Linear's RoPE): the presets keep
                    # the release's (docs/families.md)
@@ -199,7 +201,7 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    "Step3p5ForCausalLM": "tests/presets/step3p5.toml:tiny-step3p5"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
-TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM"}
+TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM"}
 
 
 def work_for(root: Path, arch: Arch) -> Path:
