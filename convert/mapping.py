@@ -277,12 +277,11 @@ class Mapping:
                     seen.add(key)
         return out
 
-    def engine_spelling(self, module: str) -> str | None:
-        """``module`` as the engines name it after their own rename (``engine_names``), or None."""
-        for rx, new in self.engine_names:
-            if re.fullmatch(rx, module):
-                return re.sub(rx, new, module)
-        return None
+    def engine_spellings(self, module: str) -> list[str]:
+        """``module`` as the engines name it after their own renames (``engine_names``: one engine's spelling may
+        differ from the other's, DeepSeek V4's ``attn.wq_a`` SGLang's ``self_attn.wqkv_a``), in rule order."""
+        return list(dict.fromkeys(re.sub(rx, new, module) for rx, new in self.engine_names
+                                  if re.fullmatch(rx, module)))
 
     def fits(self, config: dict) -> str | None:
         """Why this table is not for ``config`` (a ``--mapping`` given by hand), or None."""
@@ -379,7 +378,7 @@ def _schema() -> tomlfile.Spec:
                                                 "a table of output format = the engines")},
                            ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
-        "engine_names": t.map_of(t.STR, "a table of module regex = the engines' name for it"),
+        "engine_names": t.map_of(t.strs(), "a table of module regex = the engines' name (or names) for it"),
     }, ("name",))
 
 
@@ -522,7 +521,7 @@ def _engine_names(table: dict, where: str) -> tuple[tuple[str, str], ...]:
             re.compile(rx)
         except re.error as e:
             raise ConvertError(f"{where}: {rx!r} is not a regular expression: {e}") from None
-    return tuple(table.items())
+    return tuple((rx, new) for rx, news in table.items() for new in ([news] if isinstance(news, str) else news))
 
 
 def parse_mapping(text: str, path: str) -> Mapping:

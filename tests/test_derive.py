@@ -703,6 +703,28 @@ def test_a_rename_becomes_a_rule_over_every_index():
     assert new == "model.layers.3.attn.2.w"
 
 
+def test_engine_names_may_spell_a_module_both_engines_ways():
+    """An ``[engine_names]`` rule holds one name or a list (one engine's spelling and the other's): the plan's exclude
+    list gets each (``Mapping.engine_spellings``, in the rules' order, once each); a value that is neither a string nor
+    a list of strings is one line naming the key."""
+    from kimi_convert.errors import ConvertError
+    from kimi_convert.mapping import parse_mapping
+
+    text = r"""name = "t"
+[engine_names]
+'layers\.(\d+)\.attn\.wq_a' = ['model.layers.\1.self_attn.wqkv_a', 'model.layers.\1.attn.fused_wqa_wkv']
+'layers\.(\d+)\.attn\.wkv' = 'model.layers.\1.self_attn.wqkv_a'
+'layers\.(\d+)\.attn\.wkv$' = 'model.layers.\1.self_attn.wqkv_a'
+"""
+    m = parse_mapping(text, "t.toml")
+    assert m.engine_spellings("layers.7.attn.wq_a") == ["model.layers.7.self_attn.wqkv_a",
+                                                        "model.layers.7.attn.fused_wqa_wkv"]
+    assert m.engine_spellings("layers.7.attn.wkv") == ["model.layers.7.self_attn.wqkv_a"]
+    assert m.engine_spellings("layers.7.attn.wq_b") == []
+    with pytest.raises(ConvertError, match="engine_names"):
+        parse_mapping('name = "t"\n[engine_names]\nhead = 3\n', "t.toml")
+
+
 def test_a_table_cached_by_other_rules_is_derived_again(monkeypatch, tmp_path):
     """The cache's key holds the derivation's own code (``derive.rules_digest``): after an upgrade that changes how the
     runners report or the rules read (session 37's head and [engine_names]), a table cached by the older code is not

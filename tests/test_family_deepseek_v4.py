@@ -121,6 +121,25 @@ def test_pack_casts_main_experts_and_keeps_the_rest_as_stored(src: Path, out: Pa
     assert f"MXFP4 cast: {lossless}/{blocks} blocks lossless" in r.stdout + r.stderr
 
 
+def test_nvfp4_w4a16_keeps_wq_a_and_wkv_and_names_sglangs_fused_layer(src: Path, tmp_path: Path):
+    """Under nvfp4-w4a16 each attention's wq_a and wkv stay unquantized (SGLang 0.5.23 deepseek_v4.py load_weights
+    fuses them into wqkv_a from their weights alone, dropping NVFP4 scales: mappings/overlays/deepseek_v4.toml), and
+    the exclude list names that fused layer as SGLang asks its quant method (``model.layers.N.self_attn.wqkv_a``,
+    the NextN draft's ``model.decoder.self_attn.wqkv_a``) beside the checkpoint's names; wq_b stays NVFP4."""
+    dst = tmp_path / "w4a16"
+    r = run("pack", str(src), str(dst), "--recipe", "nvfp4-w4a16", "--device", "cpu")
+    assert r.code == 0, r.stderr
+    o = _tensors(dst)
+    for m in [f"{pre}.attn.{p}" for pre in ("layers.0", "layers.1", "layers.2", "layers.3", "mtp.0") for p in ("wq_a", "wkv")]:
+        assert o[f"{m}.weight"].dtype == torch.bfloat16 and f"{m}.weight_scale" not in o, m
+    assert o["layers.1.attn.wq_b.weight"].dtype == torch.uint8 and "layers.1.attn.wq_b.weight_scale_2" in o
+    excl = json.loads((dst / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    want = {f"model.layers.{i}.self_attn.wqkv_a" for i in range(4)} | {"model.decoder.self_attn.wqkv_a"}
+    want |= {f"layers.{i}.attn.{p}" for i in range(4) for p in ("wq_a", "wkv")}
+    assert want <= set(excl)
+    assert not any("wq_b" in x for x in excl)
+
+
 def test_nan_scale_refused_naming_the_tensor(src: Path, tmp_path: Path):
     """An E8M0 byte 0xFF (NaN) in an expert's scale: one line naming the file and tensor, exit 2, no output."""
     import shutil

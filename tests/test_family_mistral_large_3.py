@@ -132,9 +132,9 @@ def test_the_derived_engine_names_are_vllms_mapper_for_every_module_an_exclude_l
     m = _table(ckpt)
     shapes = json.loads((ROOT / "tests" / "derived" / f"{PRESET}.answers.json").read_text())["shapes"]
     modules = sorted(n.removesuffix(".weight") for n, s in shapes.items() if len(s) == 2)
-    assert modules and all(m.engine_spelling(x) == vllm_name(x) for x in modules)
-    assert m.engine_spelling("layers.1.experts") == "model.layers.1.mlp.experts"
-    assert m.engine_spelling("layers.1.ffn_norm") is None  # a norm: no exclude list names it
+    assert modules and all(m.engine_spellings(x) == [vllm_name(x)] for x in modules)
+    assert m.engine_spellings("layers.1.experts") == ["model.layers.1.mlp.experts"]
+    assert m.engine_spellings("layers.1.ffn_norm") == []  # a norm: no exclude list names it
 
 
 def test_plan_pack_keep_the_layout(ckpt, tmp_path):
@@ -256,7 +256,7 @@ def test_engine_names_are_vllms_mapper(ckpt):
     theirs = json.loads(r.stdout.strip().splitlines()[-1])
     m = _table(ckpt)
     norms = {n for n in names if "norm" in n}  # layer norms: not modules an exclude list names
-    ours = {n: f"{m.engine_spelling(n.rpartition('.')[0])}.{n.rpartition('.')[2]}" for n in names if n not in norms}
+    ours = {n: f"{m.engine_spellings(n.rpartition('.')[0])[0]}.{n.rpartition('.')[2]}" for n in names if n not in norms}
     assert ours == {n: theirs[n] for n in ours}
 
 

@@ -201,7 +201,7 @@ TABLE_CHANGED_40 = {
     "tiny-mistral-large-3": "the hand table mappings/mistral_large_3.toml gave way to the derived one (session 37: "
                             "the head, exclude list and engine_names read off the engines)",
     "tiny-deepseek-v4": "the derived table names the output head `head` (session 37: [[exclude]], [lm_head], "
-                        "engine_names head = lm_head)",
+                        "engine_names head = lm_head); its overlay keeps wq_a / wkv for SGLang (session 38)",
 }
 #: (preset, OPTIONS_40 index) -> the modules whose decision changed on purpose (compared: exactly these differ)
 DECIDED_AGAIN_40 = {
@@ -210,8 +210,11 @@ DECIDED_AGAIN_40 = {
     ("tiny-mistral-large-3", 3): {"layers.0.feed_forward.gate_up_proj", "layers.1.shared_experts.gate_up_proj",
                                   "layers.0.feed_forward.w1", "layers.0.feed_forward.w3",
                                   "layers.1.shared_experts.w1", "layers.1.shared_experts.w3"},
-    # the head kept (before: NVFP4, which vLLM refused: "The size of tensor a (256) must match ... head.weight")
-    ("tiny-deepseek-v4", 1): {"head"},
+    # the head kept (before: NVFP4, which vLLM refused: "The size of tensor a (256) must match ... head.weight"), and
+    # each attention's wq_a and wkv (before: NVFP4, whose scales SGLang's fused wqkv_a drops: "8 unfilled parameter(s)
+    # (first: model.layers.0.self_attn.wqkv_a.weight_scale_2)", mappings/overlays/deepseek_v4.toml)
+    ("tiny-deepseek-v4", 1): {"head"} | {f"{p}.attn.{m}" for p in ("layers.0", "layers.1", "layers.2", "layers.3",
+                                                                   "mtp.0") for m in ("wq_a", "wkv")},
 }
 DECIDED_AGAIN_40[("tiny-mistral-large-3", 4)] = DECIDED_AGAIN_40[("tiny-mistral-large-3", 3)]
 

@@ -40,7 +40,7 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if tied_head is not None:
         names.add(tied_head)
-    spelled = {s: n for n in names if (s := m.engine_spelling(n)) is not None}  # the engines' own names
+    spelled = {s: n for n in names for s in m.engine_spellings(n)}  # the engines' own names
     names.update(spelled)
     if m.mtp is not None and mtp_prefixes:
         drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes, mtp_layers))
