@@ -130,7 +130,8 @@ def test_nvfp4_w4a16_keeps_wq_a_and_wkv_and_names_sglangs_fused_layer(src: Path,
     r = run("pack", str(src), str(dst), "--recipe", "nvfp4-w4a16", "--device", "cpu")
     assert r.code == 0, r.stderr
     o = _tensors(dst)
-    kept = [f"{pre}.attn.{p}" for pre in ("layers.0", "layers.1", "layers.2", "layers.3", "mtp.0") for p in ("wq_a", "wkv")]
+    pres = ("layers.0", "layers.1", "layers.2", "layers.3", "mtp.0")
+    kept = [f"{pre}.attn.{p}" for pre in pres for p in ("wq_a", "wkv")]
     for m in kept:
         assert o[f"{m}.weight"].dtype == torch.bfloat16 and f"{m}.weight_scale" not in o, m
     assert o["layers.1.attn.wq_b.weight"].dtype == torch.uint8 and "layers.1.attn.wq_b.weight_scale_2" in o
