@@ -198,10 +198,16 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    "DeepseekV32ForCausalLM": "tiny-deepseek-v3-2", "DeepseekV4ForCausalLM": "tiny-deepseek-v4",
                    "GlmMoeDsaForCausalLM": "tiny-glm5", "KimiLinearForCausalLM": "tiny-kimi-linear",
                    "MistralLarge3ForCausalLM": "tiny-mistral-large-3",  # (no transformers class: params.json)
-                   "Step3p5ForCausalLM": "tests/presets/step3p5.toml:tiny-step3p5"}
+                   "Step3p5ForCausalLM": "tests/presets/step3p5.toml:tiny-step3p5",
+                   "Grok1ForCausalLM": "tests/presets/grok1.toml:tiny-grok1",
+                   "Step3TextForCausalLM": "tests/presets/step3_text.toml:tiny-step3-text",
+                   "DeepseekForCausalLM": "tests/presets/deepseek_moe.toml:tiny-deepseek-moe",
+                   "XverseMoeForCausalLM": "tests/presets/xverse_moe.toml:tiny-xverse-moe",
+                   "BailingMoeV2_5ForCausalLM": "tests/presets/bailing_moe_v2_5.toml:tiny-bailing-moe-v2-5"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
-TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM"}
+TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM", "DeepseekForCausalLM",
+                     "XverseMoeForCausalLM", "BailingMoeV2_5ForCausalLM"}
 
 
 def work_for(root: Path, arch: Arch) -> Path:
@@ -648,6 +654,21 @@ FINDINGS = {
         "(tiny-bailing-moe-v2-mtp, model.layers.2.*), vLLM 0.33 refuses the checkpoint: bailing_moe.py BailingMoeModel "
         "builds num_hidden_layers layers and its AutoWeightsLoader has no rule skipping the MTP layer (\"There is no "
         "module or parameter named 'layers.2' in BailingMoeModel\"); SGLang's main model drops it by its own rule"),
+    "BailingMoeV2_5ForCausalLM": (
+        "the fixture is tests/presets/bailing_moe_v2_5.toml (transformers 5.20 has no class): the release's "
+        "config.json (model_type bailing_hybrid, auto_map to its own configuration_bailing_moe_v2_5.py, which the "
+        "preset writes), layer_group_size 8 as released (layers 0-6 Lightning linear attention, layer 7 MLA with a "
+        "query LoRA). vLLM 0.33 registers no config class for bailing_hybrid (nor does transformers 5.20), so its "
+        "steps run with --trust-remote-code (TRUST_REMOTE_CODE); SGLang 0.5.23 reads it through its own "
+        "configs/bailing_hybrid.py BailingHybridConfig. The overlay mappings/overlays/bailing_hybrid.toml keeps the "
+        "linear layers' fused-on-disk attention.query_key_value BF16 (SGLang filled 1 of the 3 slots of its NVFP4 "
+        "weight_scale_2: 7 unfilled) and the MLA's q_a_proj / kv_a_proj_with_mqa (SGLang's load_weights torch.cat's "
+        "the pair with their scales: \"zero-dimensional tensor (at position 0) cannot be concatenated\"), and adds "
+        "vLLM's names (self_attn.query_key_value, self_attn.fused_qkv_a_proj) to the exclude list as [engine_names]. "
+        "The table is named for the model_type (derived-bailing_hybrid), which Ling 3.0 (BailingMoeV3ForCausalLM) "
+        "shares. With the release's MTP layer stored (tiny-bailing-moe-v2-5-mtp, model.layers.8.*) both main models "
+        "drop it and vLLM's draft BailingMoeV25MTPModel loads it whole; SGLang's draft BailingMoeForCausalLMNextN "
+        "leaves model.word_embeddings.weight unfilled, as for Ling 2.0"),
     "AfmoeForCausalLM": (
         "vLLM 0.33 afmoe.py builds its ParallelLMHead with no prefix= (as exaone_moe.py): the derived table says so "
         "([lm_head.unnamed] modelopt = [\"vllm\"]) and the head is written NVFP4, as vLLM builds it (SGLang's "
