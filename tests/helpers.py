@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -418,3 +419,19 @@ def synth_and_pack(work: Path, pack_args: list, *synth_args) -> tuple[Path, Path
     r = run("pack", work / "in", work / "ref", *pack_args)
     assert r.code == 0, r.stderr
     return work / "in", work / "ref"
+
+
+def engine_file(engine: str, rel: str) -> Path | None:
+    """The pinned engine's installed source ``rel`` (under its package: vLLM's ``model_executor/models/x.py``,
+    SGLang's ``srt/models/x.py``), the newest installed; None where the engine is not (the test then skips)."""
+    root = Path.home() / ".cache" / "kimi-convert" / "engines"
+    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{engine}/{rel}"))
+    return found[-1] if found else None
+
+
+def config_keys_read(text: str, names: str = "config") -> set[str]:
+    """Each ``config.X`` a model file's text reads (not assigns), less those it guards with ``hasattr(config, "X")``:
+    the keys the engine takes from config.json with no default (a family test holds its preset's config.json to
+    them). ``names``: the names the file gives its config, a regex alternation (Grok's ``cfg|config|model_config``)."""
+    read = set(re.findall(rf"\b(?:{names})\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
+    return read - set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys

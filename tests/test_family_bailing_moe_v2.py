@@ -11,12 +11,11 @@ by the code under test.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # inclusionAI/Ling-mini-2.0 config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -85,24 +84,16 @@ def test_the_mtp_variant_stores_the_releases_mtp_layer(tmp_path):
     assert read_tensors(out)["model.layers.2.eh_proj.weight"].shape == (256, 512)
 
 
-def _engine_model_file(engine: str) -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    rel = {"vllm": "vllm/model_executor/models/bailing_moe.py", "sglang": "sglang/srt/models/bailing_moe.py"}[engine]
-    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{rel}"))
-    return found[-1] if found else None
-
-
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = _engine_model_file(engine)
+    path = engine_file(engine, {"vllm": "model_executor/models", "sglang": "srt/models"}[engine] + "/bailing_moe.py")
     if path is None:
         pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    read -= set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
+    read = config_keys_read(text)
     # not config.json keys: methods and attributes transformers' PretrainedConfig gives every config
     derived = {"get_text_config", "rope_parameters", "to_dict", "architectures"}
     # the Ming multimodal config's keys SGLang's file also reads (image / audio gates): not the text release's

@@ -12,12 +12,11 @@ bailing_moe_linear.py BailingMoELinearForCausalLM.load_weights) and the release'
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # the release's config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -117,12 +116,6 @@ def test_the_mtp_variant_stores_the_releases_mtp_layer(tmp_path):
     assert read_tensors(out)["model.layers.8.eh_proj.weight"].shape == (256, 512)
 
 
-def _engine_file(engine: str, rel: str) -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{rel}"))
-    return found[-1] if found else None
-
-
 ENGINE_FILES = {"vllm": ["vllm/model_executor/models/bailing_moe_linear.py",
                          "vllm/model_executor/layers/mamba/linear/bailing_linear_attn.py",
                          "vllm/model_executor/layers/mamba/linear/base.py"],
@@ -133,13 +126,12 @@ ENGINE_FILES = {"vllm": ["vllm/model_executor/models/bailing_moe_linear.py",
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model files read directly (no getattr default, no hasattr guard) is in
     config.json."""
-    paths = [_engine_file(engine, rel) for rel in ENGINE_FILES[engine]]
+    paths = [engine_file(engine, rel.split("/", 1)[1]) for rel in ENGINE_FILES[engine]]
     if any(p is None for p in paths):
         pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
     text = "\n".join(p.read_text() for p in paths)
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    read -= set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
+    read = config_keys_read(text)
     # not config.json keys: methods and attributes transformers' PretrainedConfig gives every config, and what the
     # engines set on their per-layer copy (layer_config.attention_type)
     derived = {"get_text_config", "rope_parameters", "to_dict", "architectures", "attention_type"}

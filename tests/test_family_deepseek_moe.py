@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # deepseek-ai/deepseek-moe-16b-base config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -87,17 +87,6 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
     assert {v.dtype for v in t.values()} == {torch.bfloat16}
 
 
-def _engine_model_file(engine: str, rel: str) -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{engine}/{rel}"))
-    return found[-1] if found else None
-
-
-def _read_without_default(text: str) -> set[str]:
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    return read - set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
-
-
 def _vllm_deepseek_v1_text(text: str) -> str:
     """The parts of vLLM's deepseek_v2.py a model_type "deepseek" checkpoint runs: everything but the MLA attention
     classes and V3.2's indexer (DeepseekV2DecoderLayer takes DeepseekAttention for it)."""
@@ -116,12 +105,12 @@ FILES = {"vllm": "model_executor/models/deepseek_v2.py", "sglang": "srt/models/d
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json (vLLM: the deepseek_v2.py parts a model_type "deepseek" checkpoint runs)."""
-    path = _engine_model_file(engine, FILES[engine])
+    path = engine_file(engine, FILES[engine])
     if path is None:
         pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
-    read = _read_without_default(_vllm_deepseek_v1_text(text) if engine == "vllm" else text)
+    read = config_keys_read(_vllm_deepseek_v1_text(text) if engine == "vllm" else text)
     assert {"num_experts_per_tok", "hidden_size", "n_routed_experts", "moe_intermediate_size"} <= read
     missing = sorted(k for k in read - DERIVED if k not in cfg)
     assert missing == []

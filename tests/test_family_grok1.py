@@ -13,12 +13,11 @@ residual_moe, mlp), not produced by the code under test. vLLM 0.33 does not regi
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # xai-org/grok-2 config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -78,22 +77,15 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
     assert {v.dtype for v in t.values()} == {torch.bfloat16}
 
 
-def _engine_model_file() -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    found = sorted(root.glob("sglang-*/lib/python3*/site-packages/sglang/srt/models/grok.py"))
-    return found[-1] if found else None
-
-
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` / ``model_config.X`` SGLang's grok.py reads directly (no getattr default, no hasattr guard)
     is in config.json."""
-    path = _engine_model_file()
+    path = engine_file("sglang", "srt/models/grok.py")
     if path is None:
         pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
-    read = set(re.findall(r"\b(?:cfg|config|model_config)\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    read -= set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
+    read = config_keys_read(text, "cfg|config|model_config")
     # not config.json keys: what GitConfig gives every config (pad_token_id defaults to 0)
     derived = {"pad_token_id"}
     assert {"num_local_experts", "num_experts_per_tok", "hidden_size"} <= read  # the reading found the file's keys

@@ -16,12 +16,11 @@ Public evidence for the layouts: docs/families.md ("Sarvam").
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # sarvamai/sarvam-30b config.json: the values that are not sizes (sizes: the preset's)
 RELEASE_MOE = {
@@ -124,18 +123,6 @@ def test_shapes_and_dtypes_are_the_releases(tiny_moe, tiny_mla):
     assert {v.dtype for k, v in t.items() if not k.endswith("e_score_correction_bias")} == {torch.bfloat16}
 
 
-def _engine_model_file(engine: str, rel: str) -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{engine}/{rel}"))
-    return found[-1] if found else None
-
-
-def _read_without_default(path: Path) -> set[str]:
-    text = path.read_text()
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    return read - set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
-
-
 # not config.json keys: methods and attributes transformers' PretrainedConfig gives every config
 DERIVED = {"get_text_config", "rope_parameters", "to_dict", "architectures"}
 # the Ming multimodal config's keys SGLang's bailing_moe.py also reads (image / audio gates): not the text release's
@@ -151,11 +138,11 @@ FILES = {("sarvam-moe", "vllm"): "model_executor/models/bailing_moe.py",
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny_moe, tiny_mla, family, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json (sarvam-30b is read by the engines' Bailing classes, sarvam-105b by their Sarvam MLA classes)."""
-    path = _engine_model_file(engine, FILES[family, engine])
+    path = engine_file(engine, FILES[family, engine])
     if path is None:
         pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads(((tiny_moe if family == "sarvam-moe" else tiny_mla) / "config.json").read_text())
-    read = _read_without_default(path)
+    read = config_keys_read(path.read_text())
     assert {"num_experts_per_tok", "hidden_size"} <= read  # the reading found the file's keys
     missing = sorted(k for k in read - DERIVED - MING if k not in cfg)
     assert missing == []

@@ -13,12 +13,11 @@ test. SGLang 0.5.23 does not register the architecture. Evidence: docs/families.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # stepfun-ai/step3 text_config: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -74,20 +73,14 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
     assert {v.dtype for v in t.values()} == {torch.bfloat16}
 
 
-def _engine_model_file() -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    found = sorted(root.glob("vllm-*/lib/python3*/site-packages/vllm/model_executor/models/step3_text.py"))
-    return found[-1] if found else None
-
-
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` vLLM's step3_text.py reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = _engine_model_file()
+    path = engine_file("vllm", "model_executor/models/step3_text.py")
     if path is None:
         pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", path.read_text()))
+    read = config_keys_read(path.read_text())
     # not config.json keys: what vLLM's Step3TextConfig derives (rope_parameters from rope_theta / rope_scaling) and
     # PretrainedConfig gives every config (tie_word_embeddings; the model's lm_head is its own tensor either way)
     derived = {"rope_parameters", "tie_word_embeddings"}

@@ -12,12 +12,11 @@ release's documentation (docs/families.md, "Step-3.5-Flash"), not produced by th
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # stepfun-ai/Step-3.5-Flash config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -92,24 +91,16 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
     assert {v.dtype for k, v in t.items() if not k.endswith("router_bias")} == {torch.bfloat16}
 
 
-def _engine_model_file(engine: str) -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    rel = {"vllm": "vllm/model_executor/models/step3p5.py", "sglang": "sglang/srt/models/step3p5.py"}[engine]
-    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{rel}"))
-    return found[-1] if found else None
-
-
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = _engine_model_file(engine)
+    path = engine_file(engine, {"vllm": "model_executor/models", "sglang": "srt/models"}[engine] + "/step3p5.py")
     if path is None:
         pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    read -= set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
+    read = config_keys_read(text)
     # not config.json keys: what vLLM's config class (Step3p7TextConfig) derives (per_layer_config, read only where
     # getattr(config, "is_heterogeneous", False) holds)
     derived = {"per_layer_config"}

@@ -13,12 +13,11 @@ Public evidence for the layout: docs/families.md ("XVERSE-MoE").
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from helpers import read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
 # xverse/XVERSE-MoE-A4.2B config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -77,17 +76,6 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
     assert {v.dtype for v in t.values()} == {torch.bfloat16}
 
 
-def _engine_model_file(engine: str, rel: str) -> Path | None:
-    root = Path.home() / ".cache" / "kimi-convert" / "engines"
-    found = sorted(root.glob(f"{engine}-*/lib/python3*/site-packages/{engine}/{rel}"))
-    return found[-1] if found else None
-
-
-def _read_without_default(text: str) -> set[str]:
-    read = set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
-    return read - set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
-
-
 # not config.json keys: attributes transformers' PretrainedConfig gives every config (pad_token_id: the XVERSE class
 # passes it to PretrainedConfig)
 DERIVED = {"pad_token_id"}
@@ -96,18 +84,18 @@ DERIVED = {"pad_token_id"}
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` SGLang's xverse_moe.py reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = _engine_model_file("sglang", "srt/models/xverse_moe.py")
+    path = engine_file("sglang", "srt/models/xverse_moe.py")
     if path is None:
         pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
     cfg = json.loads((tiny / "config.json").read_text())
-    read = _read_without_default(path.read_text())
+    read = config_keys_read(path.read_text())
     assert {"moe_top_k", "num_experts", "num_shared_experts", "intermediate_size"} <= read
     assert sorted(k for k in read - DERIVED if k not in cfg) == []
 
 
 def test_vllm_does_not_register_it():
     """vLLM 0.33's registry has no XverseMoeForCausalLM (its row has one engine)."""
-    path = _engine_model_file("vllm", "model_executor/models/registry.py")
+    path = engine_file("vllm", "model_executor/models/registry.py")
     if path is None:
         pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
     assert '"XverseMoeForCausalLM"' not in path.read_text()
