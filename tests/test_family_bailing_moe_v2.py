@@ -104,15 +104,6 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine)
     assert missing == []
 
 
-def test_derive_offers_the_config_code_only_when_told_to_trust_it(tiny):
-    """The stand-in folders the engines build from carry the auto_map'd config code only with --trust-remote-code."""
-    from kimi_convert.checkpoint import open_checkpoint
-    from kimi_convert.derive import standin
-
-    ckpt = open_checkpoint(tiny)
-    assert "configuration_bailing_moe_v2.py" not in standin.make(ckpt).side_files
-    assert "configuration_bailing_moe_v2.py" in standin.make(ckpt, with_code=True).side_files
-
 
 @pytest.mark.parametrize("trust", [False, True])
 def test_the_engine_check_passes_trust_remote_code_to_the_runner(tiny, monkeypatch, trust):

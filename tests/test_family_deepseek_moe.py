@@ -114,28 +114,3 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine)
     assert {"num_experts_per_tok", "hidden_size", "n_routed_experts", "moe_intermediate_size"} <= read
     missing = sorted(k for k in read - DERIVED if k not in cfg)
     assert missing == []
-
-
-def test_derive_offers_the_config_code_only_when_told_to_trust_it(tiny):
-    """The stand-in folders the engines build from carry the auto_map'd config code only with --trust-remote-code."""
-    from kimi_convert.checkpoint import open_checkpoint
-    from kimi_convert.derive import standin
-
-    ckpt = open_checkpoint(tiny)
-    assert "configuration_deepseek.py" not in standin.make(ckpt).side_files
-    assert "configuration_deepseek.py" in standin.make(ckpt, with_code=True).side_files
-
-
-def test_breadth_run_takes_this_preset_with_trust_remote_code(monkeypatch):
-    """scripts/derive_breadth.py builds DeepseekForCausalLM's fixture from this preset and passes --trust-remote-code
-    to its engine steps (neither engine nor transformers registers model_type "deepseek")."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "derive_breadth.py"
-    mod_spec = importlib.util.spec_from_file_location("derive_breadth_deepseek_moe", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    monkeypatch.setitem(sys.modules, mod_spec.name, mod)  # its dataclasses look their module up there
-    mod_spec.loader.exec_module(mod)
-    assert mod.PRESET_FIXTURES["DeepseekForCausalLM"] == "tests/presets/deepseek_moe.toml:tiny-deepseek-moe"
-    assert "DeepseekForCausalLM" in mod.TRUST_REMOTE_CODE

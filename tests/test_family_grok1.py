@@ -91,18 +91,3 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     assert {"num_local_experts", "num_experts_per_tok", "hidden_size"} <= read  # the reading found the file's keys
     missing = sorted(k for k in read - derived if k not in cfg)
     assert missing == []
-
-
-def test_breadth_run_takes_this_preset_without_remote_code(monkeypatch):
-    """scripts/derive_breadth.py builds Grok1ForCausalLM's fixture from this preset; its config class is
-    transformers' GitConfig, so no --trust-remote-code."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "derive_breadth.py"
-    mod_spec = importlib.util.spec_from_file_location("derive_breadth_grok1", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    monkeypatch.setitem(sys.modules, mod_spec.name, mod)  # its dataclasses look their module up there
-    mod_spec.loader.exec_module(mod)
-    assert mod.PRESET_FIXTURES["Grok1ForCausalLM"] == "tests/presets/grok1.toml:tiny-grok1"
-    assert "Grok1ForCausalLM" not in mod.TRUST_REMOTE_CODE

@@ -146,30 +146,3 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny_moe, tin
     assert {"num_experts_per_tok", "hidden_size"} <= read  # the reading found the file's keys
     missing = sorted(k for k in read - DERIVED - MING if k not in cfg)
     assert missing == []
-
-
-def test_derive_offers_the_config_code_only_when_told_to_trust_it(tiny_moe, tiny_mla):
-    """The stand-in folders the engines build from carry the auto_map'd config code only with --trust-remote-code."""
-    from kimi_convert.checkpoint import open_checkpoint
-    from kimi_convert.derive import standin
-
-    for tiny in (tiny_moe, tiny_mla):
-        ckpt = open_checkpoint(tiny)
-        assert "configuration_sarvam_moe.py" not in standin.make(ckpt).side_files
-        assert "configuration_sarvam_moe.py" in standin.make(ckpt, with_code=True).side_files
-
-
-def test_breadth_run_takes_these_presets_with_trust_remote_code(monkeypatch):
-    """scripts/derive_breadth.py builds both architectures' fixtures from these presets and passes
-    --trust-remote-code to their engine steps (neither engine nor transformers registers sarvam_moe / sarvam_mla)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "derive_breadth.py"
-    mod_spec = importlib.util.spec_from_file_location("derive_breadth_sarvam", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    monkeypatch.setitem(sys.modules, mod_spec.name, mod)  # its dataclasses look their module up there
-    mod_spec.loader.exec_module(mod)
-    assert mod.PRESET_FIXTURES["SarvamMoEForCausalLM"] == "tests/presets/sarvam_moe.toml:tiny-sarvam-moe"
-    assert mod.PRESET_FIXTURES["SarvamMLAForCausalLM"] == "tests/presets/sarvam_mla.toml:tiny-sarvam-mla"
-    assert {"SarvamMoEForCausalLM", "SarvamMLAForCausalLM"} <= mod.TRUST_REMOTE_CODE

@@ -87,17 +87,3 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     assert {"moe_num_experts", "share_q_dim", "hidden_size"} <= read  # the reading found the file's keys
     missing = sorted(k for k in read - derived if k not in cfg)
     assert missing == []
-
-
-def test_breadth_run_takes_this_preset(monkeypatch):
-    """scripts/derive_breadth.py builds Step3TextForCausalLM's fixture from this preset (no remote code)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "derive_breadth.py"
-    mod_spec = importlib.util.spec_from_file_location("derive_breadth_step3_text", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    monkeypatch.setitem(sys.modules, mod_spec.name, mod)  # its dataclasses look their module up there
-    mod_spec.loader.exec_module(mod)
-    assert mod.PRESET_FIXTURES["Step3TextForCausalLM"] == "tests/presets/step3_text.toml:tiny-step3-text"
-    assert "Step3TextForCausalLM" not in mod.TRUST_REMOTE_CODE

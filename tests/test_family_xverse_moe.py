@@ -99,28 +99,3 @@ def test_vllm_does_not_register_it():
     if path is None:
         pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
     assert '"XverseMoeForCausalLM"' not in path.read_text()
-
-
-def test_derive_offers_the_config_code_only_when_told_to_trust_it(tiny):
-    """The stand-in folder the engine builds from carries the auto_map'd config code only with --trust-remote-code."""
-    from kimi_convert.checkpoint import open_checkpoint
-    from kimi_convert.derive import standin
-
-    ckpt = open_checkpoint(tiny)
-    assert "configuration_xverse.py" not in standin.make(ckpt).side_files
-    assert "configuration_xverse.py" in standin.make(ckpt, with_code=True).side_files
-
-
-def test_breadth_run_takes_this_preset_with_trust_remote_code(monkeypatch):
-    """scripts/derive_breadth.py builds XverseMoeForCausalLM's fixture from this preset and passes --trust-remote-code
-    to its engine steps (neither engine nor transformers registers model_type "xverse")."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "derive_breadth.py"
-    mod_spec = importlib.util.spec_from_file_location("derive_breadth_xverse_moe", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    monkeypatch.setitem(sys.modules, mod_spec.name, mod)  # its dataclasses look their module up there
-    mod_spec.loader.exec_module(mod)
-    assert mod.PRESET_FIXTURES["XverseMoeForCausalLM"] == "tests/presets/xverse_moe.toml:tiny-xverse-moe"
-    assert "XverseMoeForCausalLM" in mod.TRUST_REMOTE_CODE
