@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_family_bailing_moe_v2 import DENSE, moe  # the MLP and MoE parts are Ling 2.0's, name for name
 
 from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
 
@@ -37,14 +38,6 @@ MLA = {"attention.q_a_proj.weight", "attention.q_a_layernorm.weight", "attention
        "attention.kv_a_proj_with_mqa.weight", "attention.kv_a_layernorm.weight", "attention.kv_b_proj.weight",
        "attention.dense.weight"}
 NORMS = {"input_layernorm.weight", "post_attention_layernorm.weight"}
-DENSE = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
-SHARED = {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
-          "mlp.shared_experts.down_proj.weight"}
-
-
-def moe(experts: int) -> set[str]:
-    return ({"mlp.gate.weight", "mlp.gate.expert_bias"} | SHARED
-            | {f"mlp.experts.{e}.{p}_proj.weight" for e in range(experts) for p in ("gate", "up", "down")})
 
 
 @pytest.fixture(scope="module")
