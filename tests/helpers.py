@@ -435,3 +435,11 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
     them). ``names``: the names the file gives its config, a regex alternation (Grok's ``cfg|config|model_config``)."""
     read = set(re.findall(rf"\b(?:{names})\.([a-z_][a-z0-9_]*)\b(?!\s*=[^=])", text))
     return read - set(re.findall(r"hasattr\(\s*(?:self\.)?config,\s*\"(\w+)\"", text))  # guarded: optional keys
+
+
+#: Presets whose family has neither a hand table nor a shipped derived one yet (plan derives theirs from the engines
+#: where they are present; without them, one line): Step-3.5-Flash and Step-3 text store 3-D expert banks the engines
+#: read back only as banks (no source encoding and no stacked output yet; SGLang 0.5.23 also refuses Step-3.5's
+#: config), Grok's lm_head is read by SGLang times a load-time factor the numeric check does not know
+#: (docs/families.md, each family's section). Tests that pack every preset leave them out.
+PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3p5", "tiny-step3-text", "tiny-grok1"})

@@ -11,7 +11,7 @@ from fnmatch import fnmatchcase
 
 import pytest
 
-from helpers import all_presets, synth_preset
+from helpers import PRESETS_WITHOUT_TABLE, all_presets, synth_preset
 from kimi_convert import globs, synth
 from kimi_convert.errors import ConvertError
 from kimi_convert.mapping import builtin_mappings, parse_mapping
@@ -54,11 +54,7 @@ def _modules(name: str) -> tuple[dict, list[str]]:
     return cfg, sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
 
 
-#: Presets whose family has neither a hand table nor a shipped derived one yet: plan derives theirs from the engines
-#: when they are present. Step-3.5-Flash and Step-3 text: their 3-D expert banks, which the engines read back only as
-#: banks, have no source encoding and no stacked output yet (and SGLang 0.5.23 refuses Step-3.5's config); Grok: the
-#: numeric check does not yet know SGLang's load-time lm_head factor (docs/families.md, each family's section).
-NO_MAPPING_YET: set[str] = {"tiny-step3p5", "tiny-step3-text", "tiny-grok1"}
+NO_MAPPING_YET = PRESETS_WITHOUT_TABLE  # (helpers.py says why each)
 #: Recipe patterns that mean more under one semantics than under the old whole-name reading, for a table that came
 #: after the move: MiniMax M3's derived table has no text prefix and its head is ``language_model.lm_head``; the
 #: recipes' dotless ``lm_head`` now matches that name part, the head the recipes mean (the old reading, on the whole
