@@ -77,7 +77,10 @@ class Group:
 class LayerType:
     """Which layers are of a type, read from the config: a list of layer numbers (``base`` 1 when it is
     1-based), or, with ``per_layer``, one entry a layer (MiniMax M3's ``sparse_attention_freq`` 0/1 flags):
-    layer i is of the type where entry i is not 0 / false."""
+    layer i is of the type where entry i is not 0 / false; or, with ``period``, a group size N (Ling 3.0's
+    ``layer_group_size``: its engines make the last layer of every N an MLA layer and the others KDA, vLLM 0.33
+    bailing_moe_v3.py ``_is_kda_layer``, SGLang 0.5.23 bailing_moe_v3.py ``is_linear_layer``): ``last``, layer i
+    where (i + 1) % N == 0; ``rest``, every other layer."""
 
     name: str
     config: str  # dotted path in the text config
@@ -86,9 +89,18 @@ class LayerType:
     # listed layer must hold one (plan.consistency)
     holds: tuple[str, ...] = ()
     per_layer: bool = False
+    period: str = ""  # "last" or "rest" of each group of N layers, N the config's entry
 
-    def layers(self, value: object, where: str) -> list[int]:
-        """The 0-based layer numbers ``value`` (the config's entry) names; one line naming it when malformed."""
+    def layers(self, value: object, where: str, count: object = None) -> list[int]:
+        """The 0-based layer numbers ``value`` (the config's entry) names, of ``count`` layers (the config's
+        ``num_hidden_layers``: a ``period`` type needs it); one line naming it when malformed."""
+        if self.period:
+            if type(value) is not int or value < 1:
+                raise ConvertError(f"config.json: {where}{self.config} must be a positive integer (layers a group)")
+            if type(count) is not int:
+                raise ConvertError(f"config.json: {where}num_hidden_layers must be an integer (the {self.name} "
+                                   f"layers are every {value}th's {self.period})")
+            return [i for i in range(count) if ((i + 1) % value == 0) == (self.period == "last")]
         if self.per_layer:
             if not isinstance(value, list) or not all(type(f) is bool or f in (0, 1) for f in value):
                 raise ConvertError(f"config.json: {where}{self.config} must be a list of 0/1 flags, one a layer")
@@ -240,7 +252,7 @@ class Mapping:
             if layers is None:
                 raise ConvertError(f"config.json: {where}{lt.config} is missing (mapping {self.name} needs it "
                                    f"to tell {lt.name} layers)")
-            for i in lt.layers(layers, where):
+            for i in lt.layers(layers, where, self.config_value(config, "num_hidden_layers")):
                 if kinds.get(i, lt.name) != lt.name:
                     raise ConvertError(f"config.json: layer {i + lt.base} is listed as both {kinds[i]} and {lt.name}")
                 kinds[i] = lt.name
@@ -357,7 +369,8 @@ def _schema() -> tomlfile.Spec:
         "text_config": t.STR, "text_prefix": t.STR, "expert_sets": t.strs(tmpl), "linear": t.strs(),
         "not_linear": t.strs(), "config_defaults": t.map_of(t.Spec((bool, int, float, str, list), "a config value"),
                                                             "a table of config values"),
-        "layer_types": t.map_of(t.table({"config": path, "base": t.INT, "holds": t.strs(tmpl), "per_layer": t.BOOL},
+        "layer_types": t.map_of(t.table({"config": path, "base": t.INT, "holds": t.strs(tmpl), "per_layer": t.BOOL,
+                                         "period": t.one_of(("last", "rest"), "period")},
                                         ("config",)),
                                 "a table of layer types"),
         "keep": t.array_of(rule, "an array of tables ([[keep]])"),
@@ -528,7 +541,8 @@ def parse_mapping(text: str, path: str) -> Mapping:
     """Parse and validate one table; errors name the file and the key (or TOML line)."""
     t = tomlfile.loads(text, path)
     tomlfile.validate(t, _schema(), path)
-    lts = [LayerType(name, lt["config"], lt.get("base", 0), _strs(lt, "holds", path), lt.get("per_layer", False))
+    lts = [LayerType(name, lt["config"], lt.get("base", 0), _strs(lt, "holds", path), lt.get("per_layer", False),
+                     lt.get("period", ""))
            for name, lt in t.get("layer_types", {}).items()]
     groups = tuple(_group(g, f"{path}: group[{i}]") for i, g in enumerate(t.get("group", [])))
     # A scale_group is a packed module the engines build inside a layer (MoE w13) and that is never

@@ -443,9 +443,6 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 #: config), Grok's lm_head is read by SGLang times a load-time factor the numeric check does not know
 #: (docs/families.md, each family's section). Tests that pack every preset leave them out.
 PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3p5", "tiny-step3-text", "tiny-grok1",
-                                   # Ling 3.0: its MLA q_proj shares a name with its KDA layers' q_proj, and a group
-                                   # scoped by layer_group_size is no layer type the tables have yet
-                                   "tiny-bailing-moe-v3", "tiny-bailing-moe-v3-mtp",
                                    # MiniCPM-MoE: SGLang 0.5.23 builds no experts for it ("KeyError:
                                    # 'model.layers.0.mlp.ws'"), so no table ships (vLLM reads it with its overlay)
                                    "tiny-minicpm-moe"})

@@ -8,7 +8,7 @@ The expected names are written here by hand from the engines' loaders (vLLM 0.33
 BailingMoeV3ForCausalLM.load_weights, BailingMoeV3KimiDeltaAttention, BailingMoeV3MLAAttention, BailingMoeV3MoE;
 SGLang 0.5.23 bailing_moe_v3.py BailingMoeV3ForCausalLM.load_weights and kimi_linear.py KimiDeltaAttention), the
 release's names as transformers 5.25 converts them (models/bailing_hybrid, conversion_mapping.py "bailing_hybrid")
-and mlx-lm's bailing_moe_v3.py (/tmp/s38/bailing_moe_v3-families.md), not produced by the code under test.
+and mlx-lm's bailing_moe_v3.py (docs/families.md, "Ling 3.0"), not produced by the code under test.
 """
 
 from __future__ import annotations
@@ -193,3 +193,58 @@ def test_the_breadth_run_names_ling_3s_table_apart_from_ling_2_5s(monkeypatch, t
     other = tmp_path / "repo" / "mappings" / "derived" / "bailing_moe_v3.toml"
     other.write_text('name = "derived-bailing_moe_v3"\narchitectures = ["BailingMoeV2_5ForCausalLM"]\n')
     assert db.ship(rec, work) is None and "BailingMoeV2_5ForCausalLM" in other.read_text()
+
+
+PERIOD_TABLE = """
+name = "t"
+description = "t"
+architectures = ["BailingMoeV3ForCausalLM"]
+[layer_types.layer_group_size_rest]
+config = "layer_group_size"
+period = "rest"
+[layer_types.layer_group_size_last]
+config = "layer_group_size"
+period = "last"
+"""
+
+
+def test_a_layer_type_is_read_from_a_group_size():
+    """``period``: the config's entry is a group size N (Ling 3.0's ``layer_group_size``), layer i of type ``last``
+    where (i + 1) % N == 0 (its MLA layers: vLLM 0.33 bailing_moe_v3.py ``_is_kda_layer``, SGLang 0.5.23
+    ``is_linear_layer``) and ``rest`` elsewhere (its KDA layers), over the config's ``num_hidden_layers``; a size
+    that is no positive integer, or layers not counted, is one line naming the key."""
+    from kimi_convert.errors import ConvertError
+    from kimi_convert.mapping import parse_mapping
+
+    m = parse_mapping(PERIOD_TABLE, "t.toml")
+    kinds = m.layer_kinds({"layer_group_size": 6, "num_hidden_layers": 14})
+    assert [i for i, k in sorted(kinds.items()) if k == "layer_group_size_last"] == [5, 11]
+    assert [i for i, k in sorted(kinds.items()) if k == "layer_group_size_rest"] == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10,
+                                                                                     12, 13]
+    for bad in (0, "6", [6]):
+        with pytest.raises(ConvertError, match=r"^config.json: layer_group_size must be a positive integer"):
+            m.layer_kinds({"layer_group_size": bad, "num_hidden_layers": 14})
+    with pytest.raises(ConvertError, match=r"^config.json: num_hidden_layers must be an integer"):
+        m.layer_kinds({"layer_group_size": 6})
+    with pytest.raises(ConvertError, match="period"):
+        parse_mapping(PERIOD_TABLE.replace('period = "rest"', 'period = "first"'), "t.toml")
+
+
+def test_the_derivation_finds_the_kda_groups_layer_type_from_the_group_size():
+    """The shipped table scopes the KDA groups (vLLM's qkvb_proj, SGLang's fused_qkvbfg_proj) to every layer but
+    each layer_group_size-th, as both engines build them: the MLA layer's q_proj, a name KDA's q_proj shares, is
+    then no member of a KDA group (before the ``period`` layer type, pack stopped: "module
+    model.layers.5.attention.qkvb_proj: fused group is missing k_proj, v_proj, b_proj (has q_proj)")."""
+    from kimi_convert.derive.table import _layer_types
+
+    table = tomllib.loads((ROOT / "mappings" / "derived" / "bailing_moe_v3.toml").read_text())
+    assert table["layer_types"] == {"layer_group_size_rest": {"config": "layer_group_size", "period": "rest"}}
+    kda = {g["name"] for g in table["group"] if g.get("layer_type") == "layer_group_size_rest"}
+    assert kda == {"qkvb_proj", "fused_qkvbfg_proj"}
+    group = {"name": "g", "members": ["q_proj", "k_proj"], "parents": ["model.layers.{layer}.attention"],
+             "_layers": [0, 1, 2, 3, 4, 6, 7]}
+    mods = {f"model.layers.{i}.attention.{p}" for i in range(8) for p in ("q_proj", "k_proj") if i != 5}
+    mods.add("model.layers.5.attention.q_proj")  # the MLA layer's
+    assert _layer_types([group], {"layer_group_size": 6, "num_hidden_layers": 8}, mods) == {
+        "layer_group_size_rest": {"config": "layer_group_size", "period": "rest"}}
+    assert group["layer_type"] == "layer_group_size_rest"

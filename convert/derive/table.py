@@ -553,6 +553,19 @@ def _flag_lists(d: dict, n: int, path: str = "") -> list[tuple[str, list]]:
     return out
 
 
+def _group_sizes(d: dict, n: int, path: str = "") -> list[tuple[str, int]]:
+    """Every config integer naming a group of layers (a key holding ``layer`` and ``group``: Ling 2.5 / 3.0's
+    ``layer_group_size``) between 2 and ``n``, by dotted path: a type of every such group's last layer, or of its
+    others (``LayerType.period``)."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _group_sizes(v, n, f"{path}{k}.")
+        elif type(v) is int and "layer" in k and "group" in k and 2 <= v <= n:
+            out.append((f"{path}{k}", v))
+    return out
+
+
 def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
     """Layers where some but not all of a group's members exist and the engines built no such group."""
     rx = [re.compile(re.escape(p).replace(re.escape("{layer}"), r"(\d+)") + r"\.([^.]+)") for p in entry["parents"]
@@ -570,7 +583,9 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
     """A group that the engines build in some layers while other layers hold only some of its members (Kimi
     Linear's KDA ``q_proj`` beside its MLA ``q_proj``) applies by layer type: the config's list of layer numbers
     (0- or 1-based) that is exactly the layers it was seen in, else its list of one flag a layer set exactly there
-    (MiniMax M3's five-member ``qkv_proj`` of its sparse-attention layers, ``per_layer``)."""
+    (MiniMax M3's five-member ``qkv_proj`` of its sparse-attention layers, ``per_layer``), else a group size whose
+    groups' last layers, or their others, are exactly those (Ling 3.0's KDA ``qkvb_proj`` in every layer but each
+    ``layer_group_size``th, ``period``)."""
     types: dict[str, dict] = {}
     text = _text(config)
     lists = _int_lists(text)
@@ -585,8 +600,12 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
         if found is None:
             found = next(({"config": path, "per_layer": True} for path, values in flags
                           if {i for i, f in enumerate(values) if f} == seen), None)
+        if found is None and type(n) is int:
+            found = next(({"config": path, "period": period} for path, size in _group_sizes(text, n)
+                          for period in ("last", "rest")
+                          if {i for i in range(n) if ((i + 1) % size == 0) == (period == "last")} == seen), None)
         if found is not None:
-            name = found["config"].rpartition(".")[2]
+            name = found["config"].rpartition(".")[2] + (f"_{found['period']}" if "period" in found else "")
             types[name] = found
             g["layer_type"] = name
     return types
