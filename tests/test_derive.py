@@ -181,8 +181,8 @@ def _unknown_architecture(tmp_path: Path) -> Path:
     src = tmp_path / "unknown"
     assert run("synth", "tiny-qwen3-moe", src).code == 0
     cfg = json.loads((src / "config.json").read_text())
-    # registered in both engines, no table shipped for it (docs/derived-architectures.md: no fixture yet)
-    cfg["architectures"], cfg["model_type"] = ["BailingMoeV3ForCausalLM"], "bailing_moe_v3"
+    # an architecture no table names (a made-up one: a real name would one day get its shipped table, as Ling 3.0 did)
+    cfg["architectures"], cfg["model_type"] = ["ExampleMoeForCausalLM"], "example_moe"
     (src / "config.json").write_text(json.dumps(cfg))
     return src
 
@@ -193,7 +193,7 @@ def test_an_unknown_architecture_without_the_engines_says_how_to_get_a_table(tmp
     empty.mkdir()
     env = {"KIMI_CONVERT_ENGINE_ENVS": str(empty), "KIMI_CONVERT_VLLM_PYTHON": "", "KIMI_CONVERT_SGLANG_PYTHON": ""}
     line = one_line_error(run("plan", src, env=env))
-    assert "BailingMoeV3ForCausalLM" in line and "--mapping" in line and "scripts/engine-envs.sh" in line
+    assert "ExampleMoeForCausalLM" in line and "--mapping" in line and "scripts/engine-envs.sh" in line
 
 
 def _engines_absent() -> str | None:
