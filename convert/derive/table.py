@@ -529,41 +529,33 @@ def _head_check(views: list[EngineView], config: dict, shapes: dict[str, tuple[i
     return {"tie": "tie_word_embeddings", "module": built[0], "exclude_tied": True}
 
 
-def _int_lists(d: dict, path: str = "") -> list[tuple[str, list[int]]]:
-    """Every config list of layer numbers (a key naming layers), by dotted path."""
+def _leaves(d: dict, path: str = "") -> list[tuple[str, str, object]]:
+    """Every config value that is not a table: (dotted path, its key, the value), depth first in the config's order."""
     out = []
     for k, v in d.items():
-        if isinstance(v, dict):
-            out += _int_lists(v, f"{path}{k}.")
-        elif isinstance(v, list) and v and "layer" in k and all(type(x) is int for x in v):
-            out.append((f"{path}{k}", v))
+        out += _leaves(v, f"{path}{k}.") if isinstance(v, dict) else [(f"{path}{k}", k, v)]
     return out
 
 
-def _flag_lists(d: dict, n: int, path: str = "") -> list[tuple[str, list]]:
+def _int_lists(d: dict) -> list[tuple[str, list[int]]]:
+    """Every config list of layer numbers (a key naming layers), by dotted path."""
+    return [(path, v) for path, k, v in _leaves(d)
+            if isinstance(v, list) and v and "layer" in k and all(type(x) is int for x in v)]
+
+
+def _flag_lists(d: dict, n: int) -> list[tuple[str, list]]:
     """Every config list of one 0/1 flag a layer (``n`` of them; MiniMax M3's ``sparse_attention_freq``), by
     dotted path; not the MoE layer rules (``LAYER_RULES``: ``[moe]`` reads them, and they tell MLPs apart)."""
-    out = []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out += _flag_lists(v, n, f"{path}{k}.")
-        elif (isinstance(v, list) and len(v) == n and k not in LAYER_RULES
-              and all(type(f) is bool or f in (0, 1) for f in v)):
-            out.append((f"{path}{k}", v))
-    return out
+    return [(path, v) for path, k, v in _leaves(d)
+            if isinstance(v, list) and len(v) == n and k not in LAYER_RULES
+            and all(type(f) is bool or f in (0, 1) for f in v)]
 
 
-def _group_sizes(d: dict, n: int, path: str = "") -> list[tuple[str, int]]:
+def _group_sizes(d: dict, n: int) -> list[tuple[str, int]]:
     """Every config integer naming a group of layers (a key holding ``layer`` and ``group``: Ling 2.5 / 3.0's
     ``layer_group_size``) between 2 and ``n``, by dotted path: a type of every such group's last layer, or of its
     others (``LayerType.period``)."""
-    out = []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out += _group_sizes(v, n, f"{path}{k}.")
-        elif type(v) is int and "layer" in k and "group" in k and 2 <= v <= n:
-            out.append((f"{path}{k}", v))
-    return out
+    return [(path, v) for path, k, v in _leaves(d) if type(v) is int and "layer" in k and "group" in k and 2 <= v <= n]
 
 
 def _partial_layers(entry: dict, modules: set[str]) -> set[int]:
@@ -591,6 +583,7 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
     lists = _int_lists(text)
     n = text.get("num_hidden_layers")
     flags = _flag_lists(text, n) if type(n) is int else []
+    sizes = _group_sizes(text, n) if type(n) is int else []
     for g in groups:
         seen = set(g["_layers"])
         if not seen or not _partial_layers(g, modules):
@@ -600,9 +593,8 @@ def _layer_types(groups: list[dict], config: dict, modules: set[str]) -> dict[st
         if found is None:
             found = next(({"config": path, "per_layer": True} for path, values in flags
                           if {i for i, f in enumerate(values) if f} == seen), None)
-        if found is None and type(n) is int:
-            found = next(({"config": path, "period": period} for path, size in _group_sizes(text, n)
-                          for period in ("last", "rest")
+        if found is None:
+            found = next(({"config": path, "period": period} for path, size in sizes for period in ("last", "rest")
                           if {i for i in range(n) if ((i + 1) % size == 0) == (period == "last")} == seen), None)
         if found is not None:
             name = found["config"].rpartition(".")[2] + (f"_{found['period']}" if "period" in found else "")
