@@ -40,7 +40,10 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if tied_head is not None:
         names.add(tied_head)
-    spelled = {s: n for n in names for s in m.engine_spellings(n)}  # the engines' own names
+    spelled: dict[str, set[str]] = {}  # the engines' own names -> the names they spell (wq_a and wkv: wqkv_a)
+    for n in names:
+        for s in m.engine_spellings(n):
+            spelled.setdefault(s, set()).add(n)
     names.update(spelled)
     if m.mtp is not None and mtp_prefixes:
         drafts = set(mtp.draft_aliases(names, linear, m.mtp, mtp_prefixes, mtp_layers))
@@ -54,7 +57,7 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     # the recipe's list is text for the engines, not a selector of this tool (globs.py): read as fnmatch does; an
     # engine's spelling of a name the list covers is not added (the list is the vendor's as it writes it: NVIDIA's
     # DeepSeek V4 list names the head "head", which its engines' own rules take for lm_head)
-    extra = sorted(n for n in names if not any(fnmatchcase(x, p) for x in {n, spelled.get(n, n)}
+    extra = sorted(n for n in names if not any(fnmatchcase(x, p) for x in {n, *spelled.get(n, ())}
                                                for p in recipe.exclude_modules))
     return list(dict.fromkeys([*listed, *extra]))
 
