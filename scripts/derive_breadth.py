@@ -215,12 +215,6 @@ TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamM
                      "PanguProMoEV2ForCausalLM", "MiniCPMForCausalLM", "BailingMoeV3ForCausalLM"}
 
 
-#: architectures that share their config's model_type with another shipped one: the name of their derived table
-#: (``derived-NAME``, shipped as ``mappings/derived/NAME.toml``, its hand overlay ``mappings/overlays/NAME.toml``),
-#: so that neither overwrites the other's table nor takes its overlay. Ling 3.0's config says model_type
-#: bailing_hybrid, as Ling 2.5's (BailingMoeV2_5ForCausalLM: mappings/derived/bailing_hybrid.toml) does.
-TABLE_NAMES = {"BailingMoeV3ForCausalLM": "bailing_moe_v3"}
-
 
 def work_for(root: Path, arch: Arch) -> Path:
     """An architecture's work folder; one whose fixture is a preset holds the preset's name too (SGLang reads a
@@ -322,21 +316,7 @@ def _with_draft(main: dict, draft: dict) -> dict:
             "verdict": draft["verdict"] if _held(main) and not _held(draft) else main["verdict"]}
 
 
-def named(work: Path, name: str) -> None:
-    """The derived table of ``work`` renamed ``derived-NAME`` (``TABLE_NAMES``): the name is written into its
-    answers and the table rebuilt from them (``derive.from_answers``, which reads it: the same rules, the same table
-    but for its name and the model_type it then does not claim, as Mistral Large 3's), so that the shipped table
-    and its answers agree (``tests/test_derive_breadth.py`` rebuilds the one from the other)."""
-    from kimi_convert.derive import from_answers
-
-    answers = work / "answers.json"
-    d = json.loads(answers.read_text())
-    answers.write_text(json.dumps({**d, "name": name}))
-    (work / "derived.toml").write_text(from_answers(answers).text)
-
-
-def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = False,
-                name: str | None = None) -> dict:
+def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
     table, answers = work / "derived.toml", work / "answers.json"
     cmd = ["kimi-convert", "mapping", "derive", str(work / "fixture"), "-o", str(table), "--answers", str(answers)]
     cmd += ["--trust-remote-code"] if trust else []
@@ -346,8 +326,6 @@ def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = F
     rc, out, err = run(cmd, env, log=work / "steps.log")
     if rc != 0 or not table.is_file():
         return {"ok": False, "why": one_line(err or out) or f"exit {rc}"}
-    if name:
-        named(work, name)
     t = tomllib.loads(table.read_text())
     return {"ok": True, "name": t.get("name"), "groups": [f"{g['name']}={'+'.join(g['members'])}"
                                                           + (f" ({','.join(g['engines'])})" if g.get("engines")
@@ -396,7 +374,7 @@ def engine_steps(arch: Arch, work: Path, env: dict) -> dict:
     res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env, trust)}
     if not all(r["loads"] for r in res["fixture_check"].values()):
         return res
-    res["derive"] = derive_step(work, arch.engines, env, trust, TABLE_NAMES.get(arch.name))
+    res["derive"] = derive_step(work, arch.engines, env, trust)
     if not res["derive"]["ok"]:
         return res
     res["pack"] = pack_step(work, env)
@@ -779,15 +757,16 @@ def shippable(rec: dict) -> bool:
 
 def ship(rec: dict, work: Path) -> str | None:
     """The verified derived table into mappings/derived/NAME.toml (NAME: the table's name less ``derived-``, the
-    model_type unless ``TABLE_NAMES`` names it), its answers into tests/derived/breadth/. A table shipped there for
-    another architecture is not overwritten (two architectures of one model_type: name one in ``TABLE_NAMES``)."""
+    model_type unless ``kimi_convert.derive.TABLE_NAMES`` names it), its answers into tests/derived/breadth/. A table
+    shipped there for another architecture is not overwritten (two architectures of one model_type: name one in
+    ``TABLE_NAMES``)."""
     if not shippable(rec):
         return None
     name = tomllib.loads((work / "derived.toml").read_text())["name"].removeprefix("derived-")
     dest = REPO / "mappings" / "derived" / f"{name}.toml"
     if dest.is_file() and tomllib.loads(dest.read_text()).get("architectures") != [rec["arch"]]:
         print(f"  not shipped: {dest.relative_to(REPO)} is another architecture's table (name {rec['arch']}'s "
-              "apart in TABLE_NAMES)", file=sys.stderr, flush=True)
+              "apart in kimi_convert.derive.TABLE_NAMES)", file=sys.stderr, flush=True)
         return None
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(work / "derived.toml", dest)

@@ -40,7 +40,7 @@ def test_the_rules_give_the_shipped_table_from_the_engines_answers(path):
     answers = _answers_for(tomllib.loads(text))
     assert answers.is_file(), f"{path.name}: no recorded answers at {answers}"
     # the recorded answers as derive reads them: the drafts' too, and a table's name where it is not its model_type
-    # (derive_breadth.py TABLE_NAMES)
+    # (derive.TABLE_NAMES)
     assert from_answers(answers).text == text, f"{path.name}: the rules now give another table"
 
 

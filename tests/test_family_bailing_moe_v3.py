@@ -164,22 +164,28 @@ def _breadth(monkeypatch):
     return mod
 
 
-def test_the_breadth_run_names_ling_3s_table_apart_from_ling_2_5s(monkeypatch, tmp_path):
+def test_the_breadth_run_names_ling_3s_table_apart_from_ling_2_5s(monkeypatch, tmp_path, tiny):
     """Ling 3.0 and Ling 2.5 both say model_type bailing_hybrid: Ling 3.0's derived table is named
-    derived-bailing_moe_v3 (its answers carry the name, so the table rebuilds from them), shipped as
-    mappings/derived/bailing_moe_v3.toml with its own overlay's name, and ship() never overwrites a table shipped for
-    another architecture."""
+    derived-bailing_moe_v3 (``derive.table_name``, from ``TABLE_NAMES``; its answers carry the name, so the table
+    rebuilds from them), shipped as mappings/derived/bailing_moe_v3.toml with its own overlay's name, and ship()
+    never overwrites a table shipped for another architecture."""
+    from kimi_convert.checkpoint import open_checkpoint
+    from kimi_convert.derive import TABLE_NAMES, from_answers, table_name
+
     db = _breadth(monkeypatch)
-    assert db.TABLE_NAMES["BailingMoeV3ForCausalLM"] == "bailing_moe_v3"
-    assert "BailingMoeV2_5ForCausalLM" not in db.TABLE_NAMES  # Ling 2.5's table keeps its model_type's name
+    assert TABLE_NAMES["BailingMoeV3ForCausalLM"] == "bailing_moe_v3"
+    assert "BailingMoeV2_5ForCausalLM" not in TABLE_NAMES  # Ling 2.5's table keeps its model_type's name
+    assert table_name(open_checkpoint(tiny)) == "bailing_moe_v3"
+    ling25 = write_synth("tiny-bailing-moe-v2-5", tmp_path / "ling25")
+    assert table_name(open_checkpoint(ling25)) is None
     work = tmp_path / "work"
     work.mkdir()
     answers = ROOT / "tests" / "derived" / "breadth" / "BailingMoeV3ForCausalLM.answers.json"
     if not answers.is_file():
         pytest.skip("Ling 3.0's table is not shipped")
-    d = json.loads(answers.read_text())
-    (work / "answers.json").write_text(json.dumps({k: v for k, v in d.items() if k != "name"}))
-    db.named(work, "bailing_moe_v3")
+    assert json.loads(answers.read_text())["name"] == "bailing_moe_v3"
+    (work / "answers.json").write_text(answers.read_text())
+    (work / "derived.toml").write_text(from_answers(work / "answers.json").text)
     table = tomllib.loads((work / "derived.toml").read_text())
     assert table["name"] == "derived-bailing_moe_v3" and table["model_types"] == []
     assert table["architectures"] == ["BailingMoeV3ForCausalLM"]

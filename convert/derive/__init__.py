@@ -196,12 +196,26 @@ def load_draft_answers(path: Path) -> dict:
     return json.loads(path.read_text()).get("drafts", {})
 
 
+#: Architectures whose derived table is named apart from their config's model_type, which another architecture's table
+#: bears: ``derived-NAME``, shipped as ``mappings/derived/NAME.toml``, its hand overlay ``mappings/overlays/NAME.toml``.
+#: Ling 3.0's config says model_type bailing_hybrid, as Ling 2.5's (``mappings/derived/bailing_hybrid.toml``) does.
+TABLE_NAMES = {"BailingMoeV3ForCausalLM": "bailing_moe_v3"}
+
+
+def table_name(ckpt: Checkpoint) -> str | None:
+    """The name ``derive`` gives ``ckpt``'s table where it is not its model_type's: Mistral's own layout
+    (``mistral_checkpoint.TABLE``: the view's model_type is the engines' adaptation), or ``TABLE_NAMES``."""
+    if mistral_checkpoint.in_layout(ckpt.source):
+        return mistral_checkpoint.TABLE
+    return next((TABLE_NAMES[a] for a in ckpt.config.get("architectures") or () if a in TABLE_NAMES), None)
+
+
 def derive(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, answers: Path | None = None,
            trust_remote_code: bool = False) -> Derived:
     """The derived table of ``ckpt``'s architecture (both engines asked; see the module docstring); with
     ``answers``, the engines' raw answers are written there too."""
     views, config, shapes, drafts = ask(ckpt, engines, trust_remote_code)
-    name = mistral_checkpoint.TABLE if mistral_checkpoint.in_layout(ckpt.source) else None
+    name = table_name(ckpt)
     if answers is not None:
         save_answers(answers, views, config, shapes, drafts, name)
     return from_views(views, config, shapes, drafts, name)
