@@ -214,21 +214,22 @@ def test_sglang_serves_a_checkpoint_with_a_vision_tower_with_the_tower_on(tmp_pa
     assert sglang_runner.deployment_args(str(tmp_path)) == {}
 
 
-def _breadth_presets() -> list[tuple[str, str]]:
-    """(architecture, FILE.toml:NAME) for each breadth fixture that is a test preset (tests/presets)."""
+def _breadth_presets() -> list[tuple[str, str, bool]]:
+    """(architecture, FILE.toml:NAME, whether its config class is remote code) for each breadth fixture that is a
+    test preset (tests/presets)."""
     spec = importlib.util.spec_from_file_location("derive_breadth_presets", ROOT / "scripts" / "derive_breadth.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
-    _breadth_presets.remote = mod.TRUST_REMOTE_CODE
-    return sorted((a, p) for a, p in mod.PRESET_FIXTURES.items() if p.startswith("tests/presets/"))
+    return sorted((a, p, a in mod.TRUST_REMOTE_CODE) for a, p in mod.PRESET_FIXTURES.items()
+                  if p.startswith("tests/presets/"))
 
 
 BREADTH_PRESETS = _breadth_presets()
 
 
-@pytest.mark.parametrize("arch, spec", BREADTH_PRESETS, ids=[a for a, _ in BREADTH_PRESETS])
-def test_a_breadth_preset_is_its_architectures_and_carries_its_config_code_where_remote(arch, spec, tmp_path):
+@pytest.mark.parametrize("arch, spec, remote", BREADTH_PRESETS, ids=[a for a, _, _ in BREADTH_PRESETS])
+def test_a_breadth_preset_is_its_architectures_and_carries_its_config_code_where_remote(arch, spec, remote, tmp_path):
     """Each breadth fixture written from a test preset names the architecture it stands for; an architecture whose
     config class is the release's own code (``TRUST_REMOTE_CODE``: neither engine nor transformers registers its
     model_type) gets the file its ``auto_map`` names for ``AutoConfig`` beside config.json, and the stand-in folders
@@ -244,7 +245,7 @@ def test_a_breadth_preset_is_its_architectures_and_carries_its_config_code_where
     config_class = cfg.get("auto_map", {}).get("AutoConfig")  # the engines read only the config through it
     code = [config_class.partition(".")[0] + ".py"] if config_class else []
     ckpt = open_checkpoint(src)
-    if arch in _breadth_presets.remote:
+    if remote:
         assert code and all((src / f).is_file() for f in code)
         assert not set(code) & set(standin.make(ckpt).side_files)
         assert set(code) <= set(standin.make(ckpt, with_code=True).side_files)
