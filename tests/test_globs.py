@@ -54,7 +54,6 @@ def _modules(name: str) -> tuple[dict, list[str]]:
     return cfg, sorted({n.rpartition(".")[0] for n, _, _ in synth.tensor_specs(p)})
 
 
-NO_MAPPING_YET = PRESETS_WITHOUT_TABLE  # (helpers.py says why each)
 #: Recipe patterns that mean more under one semantics than under the old whole-name reading, for a table that came
 #: after the move: MiniMax M3's derived table has no text prefix and its head is ``language_model.lm_head``; the
 #: recipes' dotless ``lm_head`` now matches that name part, the head the recipes mean (the old reading, on the whole
@@ -71,7 +70,7 @@ def _table(cfg: dict):
     return shipped_table(cfg)
 
 
-CASES = [(name, _table(cfg), modules) for name in all_presets() if name not in NO_MAPPING_YET
+CASES = [(name, _table(cfg), modules) for name in all_presets() if name not in PRESETS_WITHOUT_TABLE
          for cfg, modules in [_modules(name)]]
 
 
