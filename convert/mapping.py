@@ -127,6 +127,18 @@ class MoeCheck:
     flags: str = ""  # config path: one 0/1 flag a layer, MoE where set (MiniMax M3's ``moe_layer_freq`` list)
     pattern: str = ""  # config path: a string of one letter a layer (Nemotron-H's ``hybrid_override_pattern``)
     pattern_moe: str = ""  # the letter of a MoE layer in it (``E``)
+    moe_list: str = ""  # config path: the MoE layers' numbers, a list or one comma-separated string (Step-3.5's
+    # ``moe_layers_enum``: vLLM 0.33 step3p5.py ``Step3p5DecoderLayer``, SGLang 0.5.23 step3p5.py ``_is_moe_layer``)
+
+
+def layer_numbers(value: object) -> list[int] | None:
+    """A config's list of layer numbers, as a list of integers or one comma-separated string of them (Step-3.5's
+    ``moe_layers_enum`` "3,4,5"); None where it is neither."""
+    if isinstance(value, list) and all(type(i) is int for i in value):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", value):
+        return [int(i) for i in value.split(",")]
+    return None
 
 
 @dataclass(frozen=True)
@@ -384,7 +396,7 @@ def _schema() -> tomlfile.Spec:
         "optional_blocks": t.strs(),
         "moe": t.table({"experts": path, "members": t.strs(), "layers": tmpl, "num_layers": path,
                         "dense_below": path, "every": path, "dense_list": path, "sparse_step": path,
-                        "flags": path, "pattern": path, "pattern_moe": t.STR},
+                        "flags": path, "pattern": path, "pattern_moe": t.STR, "moe_list": path},
                        ("experts", "members")),
         "lm_head": t.table({"tie": path, "module": t.STR, "exclude_tied": t.BOOL,
                             "unnamed": t.map_of(t.strs(t.one_of(ENGINES, "engine")),

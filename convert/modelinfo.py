@@ -15,12 +15,13 @@ from . import mistral_checkpoint
 from .checkpoint import INDEX_NAME, load_json, open_checkpoint
 from .encodings.expert_bank import bank_of
 from .errors import ConvertError
+from .mapping import layer_numbers
 from .sources import EntryKind, Source
 from .sources.hub import is_hub_spec
 from .sources.local import LocalFolder
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOPK_KEYS = ("num_experts_per_token", "num_experts_per_tok", "moe_topk", "top_k")
+TOPK_KEYS = ("num_experts_per_token", "num_experts_per_tok", "moe_topk", "moe_top_k", "top_k")
 INTER_KEYS = ("moe_intermediate_size",)
 
 
@@ -99,8 +100,11 @@ def from_config(config: dict) -> ModelInfo:
 
 def _moe_layers(text: dict, n: int) -> list[int]:
     """The MoE layers: DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq`` (an integer step), Qwen's
-    ``decoder_sparse_step``, or MiniMax M3's ``moe_layer_freq`` as one 0/1 flag a layer (vLLM
-    models/minimax_m3/nvidia/model.py ``_is_moe_layer``)."""
+    ``decoder_sparse_step``, MiniMax M3's ``moe_layer_freq`` as one 0/1 flag a layer (vLLM
+    models/minimax_m3/nvidia/model.py ``_is_moe_layer``), or Step-3.5's ``moe_layers_enum``, the MoE layers' indices
+    as one comma-separated string (vLLM 0.33 step3p5.py ``Step3p5DecoderLayer``)."""
+    if (listed := layer_numbers(text.get("moe_layers_enum"))) is not None:
+        return sorted({i for i in listed if i < n})
     freq = text.get("moe_layer_freq", 1)
     if isinstance(freq, list):
         return [i for i, f in enumerate(freq[:n]) if f]
@@ -120,15 +124,15 @@ _BANK = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.gate_up_proj_blocks$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _fused_bank(name: str, t, info: ModelInfo) -> tuple[int, int] | None:
-    """The layer of a fused BF16 gate/up bank of every expert (Granite's ``block_sparse_moe.input_linear``, Gemma 4's
-    and Llama 4's ``experts.gate_up_proj``: the layouts convert/encodings/expert_bank.py splits) and the bank's
-    dimension of 2I, or None."""
+def _fused_bank(name: str, t, info: ModelInfo) -> tuple[int, list[int]] | None:
+    """The layer of a BF16 bank of every expert's gate projection (Granite's ``block_sparse_moe.input_linear``, Gemma
+    4's and Llama 4's ``experts.gate_up_proj`` with the up rows too, Step-3.5's ``moe.gate_proj.weight`` alone: the
+    layouts convert/encodings/expert_bank.py splits) and one expert's gate weight's [rows, columns], or None."""
     bank = bank_of(name, {"model_type": info.model_type})
     layer = _LAYER.search(name)
-    if bank is None or len(bank.leaves) != 2 or len(t.shape) != 3 or layer is None:
+    if bank is None or bank.leaves[0] != "gate_proj" or len(t.shape) != 3 or layer is None:
         return None
-    return int(layer.group(1)), bank.split
+    return int(layer.group(1)), [t.shape[bank.split] // len(bank.leaves), t.shape[3 - bank.split]]
 
 
 def add_tensors(info: ModelInfo, tensors: dict) -> None:
@@ -141,9 +145,9 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
             found.setdefault(int(b.group(1)), set()).update(range(t.shape[0]))
             shape = shape or [t.shape[1] // 2, t.shape[2] * t.shape[3] * 2]
             continue
-        if (fused := _fused_bank(name, t, info)) is not None:  # [E, 2I, H] in BF16 ([E, H, 2I] transposed)
+        if (fused := _fused_bank(name, t, info)) is not None:  # [E, 2I, H] or [E, I, H] in BF16 ([E, H, 2I] transposed)
             found.setdefault(fused[0], set()).update(range(t.shape[0]))
-            shape = shape or [t.shape[fused[1]] // 2, t.shape[3 - fused[1]]]
+            shape = shape or fused[1]
             continue
         m = _EXPERT.search(name)
         if not m:

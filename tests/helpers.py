@@ -438,11 +438,7 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet (plan derives theirs from the engines
-#: where they are present; without them, one line): Step-3.5-Flash and Step-3 text store 3-D expert banks the engines
-#: read back only as banks (no source encoding and no stacked output yet; SGLang 0.5.23 also refuses Step-3.5's
-#: config), Grok's lm_head is read by SGLang times a load-time factor the numeric check does not know
-#: (docs/families.md, each family's section). Tests that pack every preset leave them out.
-PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3p5", "tiny-step3-text", "tiny-grok1",
-                                   # MiniCPM-MoE: SGLang 0.5.23 builds no experts for it ("KeyError:
-                                   # 'model.layers.0.mlp.ws'"), so no table ships (vLLM reads it with its overlay)
-                                   "tiny-minicpm-moe"})
+#: where they are present; without them, one line): Step-3 text stores 3-D expert banks its one engine (vLLM 0.33)
+#: reads back only as banks (no stacked NVFP4 output yet; docs/families.md, "Step-3 text"). Tests that pack every
+#: preset leave them out.
+PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3-text"})

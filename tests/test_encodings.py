@@ -310,3 +310,32 @@ def test_llama4s_transposed_banks_split_into_each_experts_columns_swapped(tmp_pa
             src = modules[f"{layer}.{x}.{leaf}"]["weight"]
             got = encodings.decode(src, [reader.tensor(p) for p in src.parts], (128, 128))
             assert torch.equal(got, apart[f"{layer}.{x}.{leaf}.weight"])
+
+
+@pytest.mark.parametrize("model_type", ["step3p5", "step3_text"])
+def test_step35s_banks_split_per_expert_and_only_for_its_model_type(tmp_path, model_type):
+    """Step-3.5-Flash's one bank per projection, ``moe.gate_proj.weight`` / ``moe.up_proj.weight`` [E, I, H] and
+    ``moe.down_proj.weight`` [E, H, I]: expert x's gate, up and down are the bytes of the bank's x-th slice, under
+    ``moe.experts.{x}.*`` (vLLM 0.33 step3p5.py's per-expert branch); Step-3 text stores the same names, and its
+    vLLM loader reads banks only: not split there."""
+    g = torch.Generator().manual_seed(7)
+    e, h, i = 4, 32, 16
+    banks = {"gate_proj": torch.randn(e, i, h, generator=g).to(torch.bfloat16),
+             "up_proj": torch.randn(e, i, h, generator=g).to(torch.bfloat16),
+             "down_proj": torch.randn(e, h, i, generator=g).to(torch.bfloat16)}
+    layer = "model.layers.3.moe"
+    folder = tmp_path / "s"
+    folder.mkdir()
+    save_file({f"{layer}.{p}.weight": w for p, w in banks.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": h,
+                                                    "moe_num_experts": e, "moe_intermediate_size": i}))
+    modules = discover_sources(open_checkpoint(folder))
+    if model_type != "step3p5":
+        assert {f"{layer}.{p}" for p in banks} <= set(modules) and not any(".experts." in m for m in modules)
+        return
+    reader = MappedReader(folder)
+    for x in range(e):
+        for leaf, bank in banks.items():
+            src = modules[f"{layer}.experts.{x}.{leaf}"]["weight"]
+            assert (src.encoding, src.shape) == ("dense", tuple(bank.shape[1:]))
+            assert bytes(reader.raw(src.parts[0])) == bank[x].contiguous().view(torch.uint8).numpy().tobytes()

@@ -12,11 +12,12 @@ release's documentation (docs/families.md, "Step-3.5-Flash"), not produced by th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, one_line_error, read_tensors, run, weight_map, write_synth
 
 # stepfun-ai/Step-3.5-Flash config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -107,3 +108,47 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine)
     assert {"moe_num_experts", "layer_types", "hidden_size"} <= read  # the reading found the file's keys
     missing = sorted(k for k in read - derived if k not in cfg)
     assert missing == []
+
+
+def test_inspect_reads_its_moe_layers_top_k_and_expert_banks(tiny):
+    """benchmark_moe's values: top-k from ``moe_top_k``, the MoE layers from ``moe_layers_enum`` (a comma-separated
+    string), the experts counted and measured from the gate bank [E, I, H]."""
+    r = run("inspect", tiny)
+    assert r.code == 0, r.stderr
+    assert "benchmark_moe    E=8 topk=2 moe_intermediate_size=128 hidden_size=256" in r.stdout, r.stdout
+    assert "MoE layers       2 [3-4]" in r.stdout and "8 experts per layer, expert gate weight [128, 256]" in r.stdout
+    assert "warning" not in r.stdout
+
+
+def test_plan_splits_the_banks_into_per_expert_nvfp4_modules(tiny):
+    """The shipped derived table (vLLM's view: SGLang 0.5.23 does not read the release's config) plans each bank's
+    experts as the per-expert modules vLLM's loader reads (moe.experts.E.gate_proj / up_proj / down_proj), gate and
+    up of one expert under one global scale, the router kept."""
+    r = run("plan", tiny, "--json")
+    assert r.code == 0, r.stderr
+    mods = {m["name"]: m for m in json.loads(r.stdout)["modules"]}
+    for e in range(8):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            m = mods[f"model.layers.3.moe.experts.{e}.{p}"]
+            assert m["kind"] == "nvfp4", m
+            assert [q["name"] for q in m["sources"][0]["parts"]] == [f"model.layers.3.moe.{p}.weight[{e}]"]
+    gate, up = (mods[f"model.layers.4.moe.experts.5.{p}"] for p in ("gate_proj", "up_proj"))
+    assert gate["quantization"]["shared_scale"] == up["quantization"]["shared_scale"] is not None
+    assert mods["model.layers.3.moe.gate"]["kind"] == "keep"
+    assert not any(n.startswith(("model.layers.0.moe", "model.layers.2.moe")) for n in mods)
+
+
+@pytest.mark.parametrize(("enum", "says"), [
+    ("2,3,4", "moe_num_experts 8 makes layer 2 a MoE layer, but model.layers.2 holds no routed experts"),
+    ("4", "moe_layers_enum the string '4' makes layer 3 dense, but model.layers.3.moe.experts holds 8 routed experts"),
+    ("3;4", "moe_layers_enum is the string '3;4', expected the MoE layers' numbers"),
+])
+def test_moe_layers_enum_held_against_the_tensors(tiny, tmp_path, enum, says):
+    """[moe] moe_list: Step-3.5's moe_layers_enum, the MoE layers' numbers in one string, says which layers hold
+    routed experts."""
+    bad = tmp_path / "s"
+    shutil.copytree(tiny, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_layers_enum"] = enum
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert says in one_line_error(run("plan", bad))

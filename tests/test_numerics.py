@@ -19,8 +19,8 @@ from kimi_convert.kernels import fp8_block, reference
 class FakeSources:
     """Source weights by checkpoint tensor name, as ``numerics.Sources`` gives them."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        self.w = weights
+    def __init__(self, weights: dict[str, torch.Tensor], config: dict | None = None):
+        self.w, self.config = weights, config or {}
 
     def ref(self, name: str) -> numerics.Ref | None:
         w = self.w.get(name)
@@ -34,11 +34,12 @@ def _weights(rows: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randn(rows, k, generator=g) * scale).to(torch.bfloat16)
 
 
-def _compare(tmp_path, layer: dict, weight: torch.Tensor, placements: dict, sources: FakeSources):
+def _compare(tmp_path, layer: dict, weight: torch.Tensor, placements: dict, sources: FakeSources,
+             engine: str = "vllm"):
     save_file({"00000:w": weight.contiguous()}, str(tmp_path / "numerics.safetensors"))
     layer = {"module": "m", "rule": "test", "processed": "not run", "key": "00000:w", **layer}
     result = {"numerics": {"layers": [layer], "placements": placements}}
-    return numerics.compare("vllm", result, tmp_path, sources)
+    return numerics.compare(engine, result, tmp_path, sources)
 
 
 def _fused_fp8(members: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +133,23 @@ def test_dense_layer_must_be_exact(tmp_path):
     bad[5, 7] += 2.0**-6 * bad[5, 7].abs().clamp_min(1)
     rep = _compare(tmp_path, layer, bad, placed, FakeSources({"w.weight": w}))
     assert not rep.ok and "rows 5..5" in rep.failures()[0], rep.failures()
+
+
+def test_a_weight_the_engine_scales_as_it_loads_is_held_to_the_scaled_source(tmp_path):
+    """SGLang's Grok folds output_multiplier_scale into lm_head as it loads it (grok.py load_weight_wrapper:
+    fp32 weight times the constant, then its bf16 parameter): read right in SGLang for that architecture only, and
+    only with the config's own constant."""
+    w = _weights(64, 32, 9)
+    config = {"architectures": ["Grok1ForCausalLM"], "output_multiplier_scale": 0.5773502691896257}
+    loaded = (w.float() * torch.tensor(0.5773502691896257)).to(torch.bfloat16).float()  # as SGLang's loader does
+    placed = {"lm_head.weight": [{"param": "m.weight", "row": 0, "rows": 64, "src_row": 0}]}
+    layer = {"param": "m.weight", "kind": "linear", "scheme": "dense", "dtype": "torch.bfloat16"}
+    assert _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, config), "sglang").ok
+    assert not _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, config), "vllm").ok
+    other = {**config, "output_multiplier_scale": 0.5}
+    assert not _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, other), "sglang").ok
+    unscaled = {"architectures": ["Grok1ForCausalLM"]}  # no constant in the config: nothing to scale by
+    assert not _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, unscaled), "sglang").ok
 
 
 def test_rows_an_engine_split_from_one_stored_tensor(tmp_path):

@@ -29,6 +29,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..mapping import layer_numbers
 from .reduce import EXPERT_KEYS
 
 _LAYER = re.compile(r"(^|\.)(layers|blocks)\.\d+(?=\.)")  # a vision tower's blocks are numbered like layers
@@ -416,7 +417,10 @@ LAYER_RULES = {"first_k_dense_replace": "dense_below", "moe_layer_freq": "every"
                # Ernie 4.5 MoE: layer_idx >= moe_layer_start_index (vLLM ernie45_moe.py Ernie4_5_MoeDecoderLayer)
                "moe_layer_start_index": "dense_below",
                # Afmoe (Arcee Trinity): layer_idx >= num_dense_layers (vLLM afmoe.py AfmoeDecoderLayer; SGLang afmoe.py)
-               "num_dense_layers": "dense_below"}
+               "num_dense_layers": "dense_below",
+               # Step-3.5: the MoE layers' numbers as one string (vLLM 0.33 step3p5.py Step3p5DecoderLayer,
+               # SGLang 0.5.23 step3p5.py _is_moe_layer: int(i) for i in moe_layers_enum.strip().split(","))
+               "moe_layers_enum": "moe_list"}
 
 
 def _text(config: dict) -> dict:
@@ -444,7 +448,7 @@ def _moe_check(views: list[EngineView], config: dict, sets: list[str], modules: 
     if isinstance(tc.get("num_hidden_layers"), int):
         out["num_layers"] = "num_hidden_layers"
     out.update({f: k for k, field in LAYER_RULES.items() if k in tc and (f := _reads(field, tc[k]))})
-    if not any(f in out for f in ("dense_below", "every", "dense_list", "sparse_step", "flags")):
+    if not any(f in out for f in ("dense_below", "every", "dense_list", "sparse_step", "flags", "moe_list")):
         out.update(_moe_pattern(tc, main[0], modules))
     return out
 
@@ -478,6 +482,8 @@ def _reads(field: str, value: object) -> str | None:
     DeepSeek's step: ``flags`` then (plan.consistency refuses a list where it reads an integer)."""
     if field == "dense_list":
         return field if isinstance(value, list) and all(type(i) is int for i in value) else None
+    if field == "moe_list":
+        return field if layer_numbers(value) is not None else None
     if type(value) is int:
         return field
     flags = isinstance(value, list) and value and all(type(f) is bool or f in (0, 1) for f in value)

@@ -136,11 +136,12 @@ class SourceEncoding:
         refused with a ``ConvertError`` naming its file and tensor."""
         raise NotImplementedError
 
-    def splits_experts(self, name: str) -> bool:
-        """Whether the stored tensor ``name`` is an expert bank this encoding splits into routed experts held under
-        another module than its own (Granite's ``block_sparse_moe.input_linear.weight`` into
-        ``block_sparse_moe.experts.N.gate_proj``: ``expert_bank``): the plan's consistency check counts its claims
-        as the experts it gives. A bank stored in the experts module itself (gpt-oss) needs no answer here."""
+    def splits_experts(self, name: str, config: dict) -> bool:
+        """Whether the stored tensor ``name`` is an expert bank this encoding splits, for ``config``'s model, into
+        routed experts held under another module than its own (Granite's ``block_sparse_moe.input_linear.weight``
+        into ``block_sparse_moe.experts.N.gate_proj``, Step-3.5's ``moe.gate_proj.weight`` into
+        ``moe.experts.N.gate_proj``: ``expert_bank``): the plan's consistency check counts its claims as the experts
+        it gives. A bank stored in the experts module itself (gpt-oss) needs no answer here."""
         return False
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:

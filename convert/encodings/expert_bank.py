@@ -42,6 +42,15 @@ per-expert ``feed_forward.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` 
 columns of the bank, swapped: no byte range, so those claims are this encoding's (``Slice`` on the columns, then
 :meth:`ExpertBank.decode` transposes, exactly).
 
+StepFun's Step-3.5-Flash (``Step3p5ForCausalLM``, ``model_type`` ``step3p5``) stores one bank per projection:
+``moe.gate_proj.weight`` and ``moe.up_proj.weight`` [E, I, H], ``moe.down_proj.weight`` [E, H, I] (the expert count
+``moe_num_experts``). vLLM 0.33 ``step3p5.py`` ``Step3p5Model.load_weights`` reads per-expert
+``moe.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (its "Per-expert MoE weights (new format from LLM
+Compressor)" branch, ``fused_moe_make_expert_params_mapping``); expert e is the bank's e-th slice, a byte range.
+SGLang 0.5.23 reads Step-3.5 experts only as banks, and does not read the release's config.json at all
+(docs/families.md, "Step-3.5-Flash"). Read for ``step3p5`` only: Step-3 text (``step3_text``) stores the same
+names, but vLLM's loader for it has no per-expert branch.
+
 Refused, one line naming the tensor: a bank whose dtype is not a float one, that is not 3-D, whose first dimension
 is not the config's expert count, or whose rows do not split in equal parts (an odd 2I).
 """
@@ -62,6 +71,7 @@ NAME = "expert_bank"
 FLOATS = frozenset({"BF16", "F16", "F32"})
 GEMMA4 = frozenset({"gemma4", "gemma4_text"})
 LLAMA4 = frozenset({"llama4", "llama4_text"})
+STEP3P5 = frozenset({"step3p5"})
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,10 @@ BANKS = (Bank("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts"
          Bank("feed_forward.experts.gate_up_proj", "feed_forward.experts", ("gate_proj", "up_proj"),
               "num_local_experts", 1, LLAMA4, transposed=True),
          Bank("feed_forward.experts.down_proj", "feed_forward.experts", ("down_proj",), "num_local_experts", 2, LLAMA4,
-              transposed=True))
+              transposed=True),
+         Bank("moe.gate_proj.weight", "moe.experts", ("gate_proj",), "moe_num_experts", 2, STEP3P5),
+         Bank("moe.up_proj.weight", "moe.experts", ("up_proj",), "moe_num_experts", 2, STEP3P5),
+         Bank("moe.down_proj.weight", "moe.experts", ("down_proj",), "moe_num_experts", 1, STEP3P5))
 
 
 def _text(config: dict) -> dict:
@@ -145,9 +158,10 @@ class ExpertBank(SourceEncoding):
                 out.append(Claim(m, "weight", _source(bank, info, x, j, m)))
         return tuple(out)
 
-    def splits_experts(self, name: str) -> bool:
-        """Granite's banks (``input_linear``) give experts under another module (``experts``)."""
-        return bank_of(name) is not None
+    def splits_experts(self, name: str, config: dict) -> bool:
+        """Granite's banks (``input_linear``) and Step-3.5's (``moe.gate_proj``) give experts under another module
+        (``experts``)."""
+        return bank_of(name, config) is not None
 
     def check(self, parts: Sequence[TensorInfo], config: dict) -> None:
         """A float dtype; [E, N, K] with E the config's expert count, the bank's width dimension the config's

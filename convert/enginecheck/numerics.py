@@ -45,6 +45,31 @@ from ..sources import Source
 SLACK = 1.25
 FLOOR = 1e-6
 
+#: Weights an engine multiplies by a constant of the config as it loads them: the model's own output multiplier
+#: folded into the weight, not a reading of the checkpoint. (engine, architecture) -> ((a substring of the tensor's
+#: name, the config key), ...). The check scales the source's values the same way (fp32, as the engine does) before
+#: holding the engine's weight to them.
+#: SGLang 0.5.23 ``models/grok.py`` ``Grok1ForCausalLM.load_weights.load_weight_wrapper``: ``if "lm_head" in name``,
+#: ``loaded_weight.to(torch.float32) * model_config.output_multiplier_scale``.
+LOAD_FACTORS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    ("sglang", "Grok1ForCausalLM"): (("lm_head", "output_multiplier_scale"),)}
+
+
+def load_factors(engine: str, config: dict) -> list[tuple[str, float]]:
+    """``LOAD_FACTORS``' rules for ``engine`` and the config's architecture, with the config's values."""
+    arch = (config.get("architectures") or [""])[0]
+    return [(part, float(config[key])) for part, key in LOAD_FACTORS.get((engine, arch), ())
+            if isinstance(config.get(key), int | float)]
+
+
+def _scaled(r: Ref | None, tensor: str, factors: list[tuple[str, float]]) -> Ref | None:
+    """``r`` as the engine loads it where a ``LOAD_FACTORS`` rule names the tensor: its values times the factor in fp32
+    (no stored dense values: the engine's are the product's rounding, bounded as any dense weight's)."""
+    k = next((f for part, f in factors if part in tensor), None)
+    if r is None or k is None:
+        return r
+    return Ref(r.values * torch.tensor(k, dtype=torch.float32), None, r.e8m0, r.cast, r.sources)
+
 
 @dataclass
 class Ref:
@@ -134,6 +159,7 @@ class Sources:
         from ..readers import MappedReader
 
         self.ckpt = open_checkpoint(input_dir)
+        self.config = self.ckpt.config
         self.block = fp8_block_size(self.ckpt.config)
         self.modules = discover_sources(self.ckpt)
         self.by_name = {s.name: s for m in self.modules.values() for s in m.values()}
@@ -201,16 +227,18 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
             placed.setdefault((s["param"], s.get("expert")), []).append(
                 (tensor, s["row"], s["rows"], s.get("src_row"), _order(s)))
     used: set[str] = set()
+    factors = load_factors(engine, sources.config)
     with safe_open(str(folder / "numerics.safetensors"), framework="pt") as f:
         for layer in num.get("layers", []):
-            c = _check_layer(engine, layer, f, placed, sources, used)
+            c = _check_layer(engine, layer, f, placed, sources, used, factors)
             if c is not None:
                 rep.layers.append(c)
     rep.unplaced = sorted({spot[0] for spots in placed.values() for spot in spots} - used)
     return rep
 
 
-def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str]) -> LayerCheck | None:
+def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str],
+                 factors: list[tuple[str, float]]) -> LayerCheck | None:
     """One layer the runner read: each expert's (or the layer's) placed rows held to their sources and bounds.
     None where no checkpoint tensor reached the layer (a derived or engine-made one)."""
     param = layer["param"]
@@ -232,7 +260,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         expert = key[1]
         w = w_all[expert] if expert is not None else w_all
         where = f"{param}" + (f" expert {expert}" if expert is not None else "")
-        refs, ok_spots = _placed_refs(f"{engine}: {where}", placed[key], w, sources, decoded, used, c)
+        refs, ok_spots = _placed_refs(f"{engine}: {where}", placed[key], w, sources, decoded, used, c, factors)
         if not refs:
             continue
         refs, bl = _bounds(c.scheme, refs, layer, expert)
@@ -250,7 +278,8 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
 
 
 def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, decoded: dict[str, Ref | None],
-                 used: set[str], c: LayerCheck) -> tuple[list[tuple[Ref, int, int]], list[tuple[str, int, int]]]:
+                 used: set[str], c: LayerCheck, factors: list[tuple[str, float]]
+                 ) -> tuple[list[tuple[Ref, int, int]], list[tuple[str, int, int]]]:
     """The source rows behind each placement of one expert (or layer), in the parameter's row order, as
     (reference, its first row, rows) beside (tensor, row, rows); a placement without a source weight or
     with rows that cannot be where the write put them is a problem of ``c`` instead (checked apart, so the
@@ -259,7 +288,7 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
     for tensor, row, n, src_row, order in sorted(spots, key=lambda s: s[1]):
         used.add(tensor)
         if tensor not in decoded:
-            decoded[tensor] = sources.ref(tensor)
+            decoded[tensor] = _scaled(sources.ref(tensor), tensor, factors)
         r = decoded[tensor]
         if r is not None and order is not None:
             c.reordered[tensor] = order[1]

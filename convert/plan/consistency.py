@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .. import encodings
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
-from ..mapping import LayerType, Mapping, MoeCheck, template_regex
+from ..mapping import LayerType, Mapping, MoeCheck, layer_numbers, template_regex
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +97,8 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[int, set[str]
         mod = short.rpartition(".")[0]
         # a tensor of the experts module itself: a 3-D bank (gpt-oss); or a bank split into experts held under
         # another module (Granite's input_linear into experts.N)
-        if sets and (under_set(mod) or any(enc.splits_experts(name) for enc in claimers.get(name.rpartition(".")[2],
-                                                                                              ()))):
+        if sets and (under_set(mod) or any(enc.splits_experts(name, ckpt.config)
+                                           for enc in claimers.get(name.rpartition(".")[2], ()))):
             banked.append(name)
         else:
             others.add(mod)
@@ -164,12 +164,18 @@ def _moe_rule(config: dict, m: Mapping, moe: MoeCheck) -> tuple:
     if pattern is not None and pattern.value is not None and not isinstance(pattern.value, str):
         raise ConvertError(f"config.json: {pattern.shown} is {pattern.says()}, expected a string of one letter a "
                            f"layer ({moe.pattern_moe!r}: a MoE layer)")
-    return below, every, step, dense, flags, (pattern, moe.pattern_moe)
+    listed = _field(config, m, moe.moe_list) if moe.moe_list else None
+    if listed is not None and listed.value is not None and layer_numbers(listed.value) is None:
+        raise ConvertError(f"config.json: {listed.shown} is {listed.says()}, expected the MoE layers' numbers (a "
+                           "list, or one comma-separated string)")
+    return below, every, step, dense, flags, (pattern, moe.pattern_moe), listed
 
 
 def _dense_because(layer: int, rule: tuple) -> _Field | None:
     """The field that makes ``layer`` dense, or None when every rule says MoE (an absent field says MoE)."""
-    below, every, step, dense, flags, (pattern, letter) = rule
+    below, every, step, dense, flags, (pattern, letter), listed = rule
+    if listed is not None and listed.value is not None and layer not in (layer_numbers(listed.value) or ()):
+        return listed
     if below is not None and below.value is not None and layer < below.value:
         return below
     if every is not None and every.value is not None and layer % every.value:
