@@ -22,7 +22,7 @@ from .sources.local import LocalFolder
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOPK_KEYS = ("num_experts_per_token", "num_experts_per_tok", "moe_topk", "moe_top_k", "top_k")
-INTER_KEYS = ("moe_intermediate_size",)
+INTER_KEYS = ("moe_intermediate_size", "expert_ffn_hidden_size")  # LongCat-Flash: expert_ffn_hidden_size
 
 
 @dataclass
@@ -69,7 +69,7 @@ def from_config(config: dict) -> ModelInfo:
         model_type=str(config.get("model_type", "?")),
         text_config=where,
         hidden_size=text.get("hidden_size"),
-        num_layers=text.get("num_hidden_layers"),
+        num_layers=text.get("num_hidden_layers", text.get("num_layers")),  # LongCat-Flash: num_layers
     )
     _, info.num_experts = _first(text, EXPERT_KEYS)
     _, info.top_k = _first(text, TOPK_KEYS)

@@ -211,7 +211,10 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    "LongcatFlashForCausalLM": "tests/presets/longcat_flash.toml:tiny-longcat-flash",
                    "MiMoV2FlashForCausalLM": "tests/presets/mimo_v2_flash.toml:tiny-mimo-v2-flash",
                    "BailingMoeForCausalLM": "tests/presets/bailing_moe.toml:tiny-bailing-moe",
-                   "LagunaForCausalLM": "tests/presets/laguna.toml:tiny-laguna"}
+                   "LagunaForCausalLM": "tests/presets/laguna.toml:tiny-laguna",
+                   "AXK1ForCausalLM": "tests/presets/axk1.toml:tiny-axk1",
+                   "K2HorizonForCausalLM": "tests/presets/k2_horizon.toml:tiny-k2-horizon",
+                   "Step5ForCausalLM": "tests/presets/step5.toml:tiny-step5"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
 TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM", "DeepseekForCausalLM",
@@ -228,6 +231,10 @@ NOT_SERVED = {"Step3p5ForCausalLM": {"sglang": "SGLang 0.5.23 get_config stops i
               "MiniCPMForCausalLM": {"sglang": "SGLang 0.5.23 minicpm.py load_weights builds no experts for the "
                                                "release's per-expert w1/w2/w3 (KeyError 'model.layers.0.mlp.ws'): "
                                                "docs/families.md, MiniCPM-MoE"},
+              "LongcatFlashForCausalLM": {"sglang": "SGLang 0.5.23 longcat_flash.py reads rope_parameters, which its "
+                                                    "LongcatFlashConfig leaves None for the release's config.json (no "
+                                                    "rope_scaling): TypeError at longcat_flash.py:377; "
+                                                    "docs/families.md, LongCat-Flash"},
               "LagunaForCausalLM": {"vllm": "vLLM 0.33 laguna.py leaves the router's e_score_correction_bias unset "
                                             "whatever the checkpoint names it (registered on RoutedExperts only, "
                                             "whose load_weights matches expert weights only): docs/families.md, "
@@ -259,7 +266,8 @@ def synth_fixture(arch: Arch, work: Path) -> dict:
         config = mistral_checkpoint.config_view(json.loads((fx / mistral_checkpoint.PARAMS).read_text()))
         names = json.loads((fx / mistral_checkpoint.INDEX).read_text())["weight_map"]
     return {"ok": True, "preset": spec.rpartition(":")[2], "architecture": arch.name,
-            "model_type": config["model_type"], "layers": config["num_hidden_layers"], "layers_full": None,
+            "model_type": config["model_type"], "layers_full": None,
+            "layers": config.get("num_hidden_layers", config.get("num_layers")),  # LongCat-Flash: num_layers
             "tensors": len(names), "bytes": sum(f.stat().st_size for f in fx.glob("*.safetensors")),
             "routed_expert_tensors": sum(".experts." in n for n in names)}
 
@@ -630,9 +638,11 @@ FINDINGS = {
         "Qwen3-Next's in_proj_qkvz"),
     "LagunaForCausalLM": (
         "an engine fault: vLLM 0.33 laguna.py says the release stores the routing bias at "
-        "mlp.experts.e_score_correction_bias (as the fixture does), but FusedMoEFactory holds it at "
-        "mlp.experts.routed_experts.e_score_correction_bias and LagunaModel.load_weights' AutoWeightsLoader drops the "
-        "unmatched name (ignore_unexpected_suffixes '_bias'): the parameter is left at its zeros; SGLang loads it"),
+        "mlp.experts.e_score_correction_bias (as the fixture does), but FusedMoEFactory registers it on RoutedExperts "
+        "(mlp.experts.routed_experts.e_score_correction_bias), and MoERunner.load_weights hands every mlp.experts.* "
+        "name to RoutedExperts.load_weights, which matches expert weights only: the parameter is left at its zeros "
+        "whatever the checkpoint names it (vLLM serves the release so too: NOT_SERVED); SGLang loads it and reads the "
+        "output right"),
     "Gemma4ForCausalLM": (
         "the fixture loads in both engines: the engine check counts the buffers each engine's loader fills by name "
         "(enginecheck/vllm_runner.py and sglang_runner.py loadable_buffers: vLLM's AutoWeightsLoader "
@@ -650,15 +660,24 @@ FINDINGS = {
         "key, both None): TypeError before any weight. vLLM: the fixture's fault, fixed: transformers' "
         "LongcatFlashExperts allocates gate_up_proj for the zero (identity) experts too and its save wrote their "
         "gate_proj / up_proj, which the release does not store (vLLM longcat_flash.py get_expert_mapping maps "
-        "n_routed_experts experts: KeyError on expert 8); scripts/make_fixture.py RELEASE_DROPS drops them"),
+        "n_routed_experts experts: KeyError on expert 8); scripts/make_fixture.py RELEASE_DROPS drops them. "
+        "The fixture now is tests/presets/longcat_flash.toml (the "
+        "release's config.json: num_layers, no num_hidden_layers, its MTP layer under model.mtp.*). Where the table "
+        "stops: the MTP layer. config.json holds no MTP count (vLLM's LongCatFlashMTP builds one layer, numbered 2 * "
+        "num_layers: longcat_flash_mtp.py mtp_start_layer_idx), and the [mtp] table's count and first are config "
+        "paths (convert/mtp.py), so pack refuses the stored layer (\"an MTP-layer tensor, but config.json's its MTP "
+        "count announces no MTP layer\"), and a derived draft name holds the fixture's layer number (4) literally"),
     "MiMoV2FlashForCausalLM": (
-        "an engine fault: SGLang 0.5.23 mimo_v2.py MiMoV2DecoderLayer passes config.rope_scaling to get_rope, "
-        "unwrapping it only where its top-level rope_type is 'default'; transformers 5.19's MiMoV2FlashConfig "
-        "(SGLang's environment) gives it per layer type ({'full_attention': {...}, 'sliding_attention': {...}}), "
-        "also from a config.json with the release's rope_theta / swa_rope_theta and no rope_parameters (checked "
-        "with AutoConfig), so rotary_embedding/factory.py get_rope's cache key holds a dict: TypeError unhashable. "
-        "Not checked: a release whose config.json names remote code (auto_map) that a deployment's "
-        "--trust-remote-code would load instead of transformers' class"),
+        "the fixture is tests/presets/mimo_v2_flash.toml (the release's config.json, read through its own config class "
+        "with --trust-remote-code: transformers 5.19's MiMoV2FlashConfig gave SGLang per-layer-type rope settings, a "
+        "TypeError in get_rope; block FP8 weights, o_proj BF16 in ignored_layers, 3 MTP layers under "
+        "model.mtp.layers.*). Both main models load it (the engine check knows their 'mtp' skip: "
+        "enginecheck/*_runner.py mtp_rule); vLLM's draft builds the first MTP layer only (mimo_v2_mtp.py "
+        "_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1). SGLang 0.5.23's draft (mimo_v2_nextn.py MiMoV2MTP) does not read the "
+        "release's MTP layer: it builds it under model.mtp_block.*, which the release's ignored_layers cannot name, so "
+        "its BF16 o_proj meets an FP8 parameter (the cell's bad cast). Past it (a patched copy, docs/families.md): "
+        "config.json holds no MTP count (both engines hard-code theirs), and the [mtp] table's count is config paths "
+        "(convert/mtp.py), so pack refuses the stored layers"),
     "ZayaForCausalLM": (
         "the fixture's fault, not fixed: transformers 5's Zaya names are not the release's. SGLang 0.5.23 zaya.py "
         "ZayaForCausalLM.load_weights reads the release's (ZAYA1) `self_attn.qkv.{linear_q, linear_k, conv_qk.{0,1}, "

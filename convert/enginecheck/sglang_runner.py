@@ -86,6 +86,8 @@ def mtp_rule(config):
     base = getattr(counts, "num_hidden_layers", 0)
 
     minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
+    mimo_v2 = getattr(config, "model_type", None) in ("mimo_v2_flash", "mimo_v2") or any(
+        a.startswith("MiMoV2") for a in (getattr(config, "architectures", None) or []))
 
     def why(name: str) -> str | None:
         if (m3 := minimax_m3(name)) is not None:
@@ -100,6 +102,10 @@ def mtp_rule(config):
             return ("MTP layer (num_nextn_predict_layers): SGLang's DeepSeek V4 main model skips names starting "
                     "'mtp' (srt/models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights, not is_nextn); its NextN "
                     "model (deepseek_v4_nextn.py) loads them")
+        if name.startswith("model.mtp.layers.") and mimo_v2:
+            return ("MTP layer (model.mtp.layers.*): SGLang's MiMo-V2 main model skips every name holding 'mtp' "
+                    "(srt/models/mimo_v2.py MiMoV2ForCausalLM.load_weights); its MTP model (mimo_v2_nextn.py "
+                    "MiMoV2MTP) loads it")
         parts = name.split(".")
         if not (n > 0 and name.startswith("model.layers") and len(parts) >= 3 and parts[2].isdigit()
                 and int(parts[2]) >= base):

@@ -86,16 +86,22 @@ def _hyper_connection_padding(name: str, module) -> list[tuple[str, str, int]]:
     return [(rf"^{re.escape(name)}\.input_mix_weight_down_block_inject\.weight$", why, pad * proj.weight.shape[1])]
 
 
+def _mimo_v2(config) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    return getattr(config, "model_type", None) in ("mimo_v2_flash", "mimo_v2", "mimo_v2_mtp") or any(
+        a.startswith("MiMoV2") for a in archs)
+
+
 def mtp_rule(config):
     """vLLM's own rule for the MTP layers a main model drops: ``get_spec_layer_idx_from_weight_name``
     (model_executor/models/utils.py), which ``skip_spec_layers`` applies in load_weights (GLM-4.5:
     glm4_moe.py Glm4MoeModel.load_weights); the MTP model (glm4_moe_mtp.py Glm4MoeMTP) loads those."""
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
-    minimax_m3 = minimax_m3_mtp_rule(config)
+    minimax_m3, longcat = minimax_m3_mtp_rule(config), longcat_mtp_rule(config)
 
     def why(name: str) -> str | None:
-        if (m3 := minimax_m3(name)) is not None:
+        if (m3 := minimax_m3(name) or longcat(name)) is not None:
             return m3
         if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
@@ -106,6 +112,11 @@ def mtp_rule(config):
             return ("MTP layer (num_nextn_predict_layers): vLLM's DeepSeek V4 main model maps 'mtp.' to None "
                     "(models/deepseek_v4/nvidia/model.py _make_deepseek_v4_weights_mapper); its MTP model "
                     "(models/deepseek_v4/nvidia/mtp.py DeepSeekV4MTP) loads it")
+        if _mimo_v2(config):  # MiMo-V2's MTP layers are model.mtp.layers.{i}, never model.layers.{n}
+            if not name.startswith("model.mtp.layers."):
+                return None
+            return ("MTP layer (model.mtp.layers.*): vLLM's MiMo-V2 main model skips every name holding 'mtp' "
+                    "(models/mimo_v2.py MiMoV2Model.load_weights); its MTP model (mimo_v2_mtp.py MiMoV2MTP) loads it")
         layer = get_spec_layer_idx_from_weight_name(config, name)
         if layer is None:
             return None
@@ -123,6 +134,10 @@ def draft_rule(config):
 
     def why(name: str) -> str | None:
         if mtp(name):
+            if _mimo_v2(config) and not name.startswith("model.mtp.layers.0."):
+                return ("a MiMo-V2 MTP layer after the first: vLLM's draft builds one (models/mimo_v2_mtp.py "
+                        "_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1; config/speculative.py 'vLLM currently supports only the "
+                        "first MiMo-V2 MTP layer'), its load_weights drops names it has no parameter for")
             return None
         return "the main model's tensor (no MTP layer by vLLM's own rule): its draft model drops it on purpose"
     return why
@@ -153,6 +168,21 @@ def minimax_m3_mtp_rule(config):
             return None
         return (f"MTP module {m.group(1)} (num_mtp_modules): vLLM's main model skips names with 'mtp.' "
                 "(models/minimax_m3/nvidia/model.py MiniMaxM3Model.load_weights); its MTP model MiniMaxM3MTP loads it")
+    return why
+
+
+def longcat_mtp_rule(config):
+    """LongCat-Flash's MTP layer (``model.mtp.*``; the config holds no count: vLLM's draft builds one layer): vLLM's
+    main model skips names starting ``mtp.`` (longcat_flash.py ``LongcatFlashForCausalLM.load_weights``, "The MTP
+    layers are loaded by LongCatFlashMTP"); its draft loads every name holding ``model.mtp``
+    (longcat_flash_mtp.py ``LongCatFlashMTP.get_spec_layer_idx_from_weight_name``)."""
+    longcat = "LongcatFlashForCausalLM" in (getattr(config, "architectures", None) or ())
+
+    def why(name: str) -> str | None:
+        if not (longcat and name.startswith("model.mtp.")):
+            return None
+        return ("MTP layer (model.mtp.): vLLM's LongCat main model skips names starting 'mtp.' (longcat_flash.py "
+                "LongcatFlashForCausalLM.load_weights); its draft LongCatFlashMTP loads them")
     return why
 
 
