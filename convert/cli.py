@@ -524,6 +524,9 @@ def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python
             if as_draft and er.model_class and er.model_class == main_class:
                 rep.check(*_no_draft(engine, er.version, main_class))
                 continue
+            if as_draft and _draft_refused(er):
+                rep.check(*_no_draft(engine, er.version, main_class, refused=er.error["message"]))
+                continue
             main_class = er.model_class
             reports.append(er)
             head = f"{engine} {er.version}" + (f" draft ({(er.model_class or '?').rpartition('.')[2]})" if as_draft
@@ -538,12 +541,29 @@ def _engine_checks(rep, output_dir: str, engines: tuple[str, ...], engine_python
     return reports
 
 
-def _no_draft(engine: str, version: str | None, main_class: str) -> tuple[str, list[str], str]:
+def _draft_refused(er) -> bool:
+    """The engine refuses to build any draft for the architecture before a model exists: vLLM's SpeculativeConfig
+    maps the target's model type to no MTP model and rejects the method (``config/speculative.py``
+    ``SpeculativeConfig.__post_init__``: ``NotImplementedError("Unsupported speculative method: 'mtp'")``; vLLM 0.33 and
+    A.X K1's ``axk1``). Like a draft config that builds the main class again, nothing there reads the MTP layers."""
+    if er.model_class is not None or er.loaded:
+        return False
+    err = er.error or {}
+    return err.get("type") == "NotImplementedError" and "Unsupported speculative method" in (err.get("message") or "")
+
+
+def _no_draft(engine: str, version: str | None, main_class: str, refused: str | None = None
+              ) -> tuple[str, list[str], str]:
     """The check line of an engine whose speculative-decoding draft config builds the main class again: it has no
     draft model for the architecture (SGLang 0.5.23 and MiniMax M3: ``configs/model_config.py``
     ``ModelConfig._config_draft_model`` renames no MiniMax architecture), so nothing reads the MTP layers there; not
     a fault of the checkpoint (the main model's own check above holds it)."""
     name = main_class.rpartition(".")[2]
+    if refused:
+        return (f"{engine} {version} draft: none for {name}", [],
+                f"{engine} {version} has no speculative-decoding draft model for {name}: its speculative config "
+                f"refuses the method ({refused}), so nothing there reads the MTP layers its main model drops "
+                "(docs/families.md, \"MTP layers and the engines' drafts\")")
     return (f"{engine} {version} draft: none for {name}", [],
             f"{engine} {version} has no speculative-decoding draft model for {name}: its draft config builds {name} "
             "again, whose loader drops the MTP layers (docs/families.md, \"MTP layers and the engines' drafts\")")

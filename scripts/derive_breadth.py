@@ -220,7 +220,8 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
 TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM", "DeepseekForCausalLM",
                      "XverseMoeForCausalLM", "BailingMoeV2_5ForCausalLM", "PanguUltraMoEForCausalLM",
                      "PanguProMoEV2ForCausalLM", "MiniCPMForCausalLM", "BailingMoeV3ForCausalLM",
-                     "BailingMoeForCausalLM", "LongcatFlashForCausalLM", "MiMoV2FlashForCausalLM"}
+                     "BailingMoeForCausalLM", "LongcatFlashForCausalLM", "MiMoV2FlashForCausalLM",
+                     "K2HorizonForCausalLM"}
 
 #: engines that do not serve an architecture's release itself: the engine's own loader or config code fails on the
 #: release's layout (the preset is the release's: docs/families.md gives the evidence and the engine's message). The
@@ -235,6 +236,11 @@ NOT_SERVED = {"Step3p5ForCausalLM": {"sglang": "SGLang 0.5.23 get_config stops i
                                                     "LongcatFlashConfig leaves None for the release's config.json (no "
                                                     "rope_scaling): TypeError at longcat_flash.py:377; "
                                                     "docs/families.md, LongCat-Flash"},
+              "K2HorizonForCausalLM": {"sglang": "SGLang 0.5.23 xllm.py _normalize_k2_horizon_config refuses the "
+                                                 "release's config.json (no xllm_source_router_gemm_partitions: the "
+                                                 "model card passes it as a server flag), and builds no quantized "
+                                                 "MoVA model (_validate_mova_config, _XllmMoVAAttentionBase): "
+                                                 "docs/families.md, K2 Horizon"},
               "LagunaForCausalLM": {"vllm": "vLLM 0.33 laguna.py leaves the router's e_score_correction_bias unset "
                                             "whatever the checkpoint names it (registered on RoutedExperts only, "
                                             "whose load_weights matches expert weights only): docs/families.md, "
@@ -691,11 +697,25 @@ FINDINGS = {
         "fixture holds `model.embed_tokens.embed_norm.weight` (the engine's first refusal), `self_attn.q_proj`... and "
         "3-D expert banks"),
     "AXK1ForCausalLM": (
-        "not settled: vLLM 0.33 AXK1.py AXK1DecoderLayer builds post_mlp_layernorm in every layer (it applies it "
-        "only on sparse layers) and its loader's own check requires it; transformers' modeling_axk1.py holds the "
-        "norm only in its MoE block (AXK1MoE: 'the released checkpoints store the norm at the decoder-layer "
-        "level'), so the fixture's dense layer 0 has none. Whether the release stores one for its dense layer (a "
-        "fixture fault) or not (an engine fault) needs the release's index, not read here"),
+        "the fixture is tests/presets/axk1.toml: post_mlp_layernorm stored on every layer, dense layer 0 included "
+        "(vLLM 0.33 AXK1.py AXK1DecoderLayer builds it on every layer; transformers' modeling_axk1.py holds it in "
+        "AXK1MoE only, so its save left layer 0 without one). vLLM has no MTP draft for axk1 (config/speculative.py "
+        "SpeculativeConfig.__post_init__: NotImplementedError 'Unsupported speculative method'), which verify-manifest "
+        "reads as no draft (cli._draft_refused); the [mtp] table keeps the layer as stored"),
+    "Step5ForCausalLM": (
+        "the fixture is tests/presets/step5.toml (vLLM's own Step5Config: no remote code). The engine check's CPU "
+        "stand-in answers torch.accelerator's device queries and drops pin_memory=True (runner_common.py), so vLLM "
+        "loads the fixture. The derivation stops: vLLM refuses to build the DSA layers' fused qkv_indexer_proj "
+        "quantized under any quant config ('cannot be quantized, but ... resolved to ModelOptLinearMethod'), and "
+        "the builds ignore nothing (derive/standin.py QUANT_CONFIGS); past it, vLLM's Step 5 loader reads the "
+        "routed experts only as 3-D banks (model.py _load_weight: 'only the packed 3D expert format is supported'), "
+        "an NVFP4 bank output the tool does not write (docs/families.md, Step 5)"),
+    "K2HorizonForCausalLM": (
+        "the fixture is tests/presets/k2_horizon.toml (the MoVA release's config.json, its own config class through "
+        "auto_map). SGLang 0.5.23 is release not served (NOT_SERVED): its config check wants a server flag, and "
+        "past it, it builds no quantized MoVA model. vLLM: the overlay mappings/overlays/k2_horizon.toml keeps the "
+        "value experts BF16 (K2HorizonModel.load_weights chunks their scales; compute_mova_v_sparse feeds their "
+        ".weight to an unquantized kernel)"),
     "BailingMoeV2ForCausalLM": (
         "the fixture is tests/presets/bailing_moe_v2.toml (transformers 5.20 has no class): the release's config.json "
         "(model_type bailing_moe_v2, auto_map to its own configuration_bailing_moe_v2.py, which the preset writes). "

@@ -411,3 +411,37 @@ def test_an_engine_whose_draft_config_builds_the_main_class_again_has_no_draft(m
     rep = Report()
     assert len(cli._engine_checks(rep, "out", ("sglang",), None, False, None, True, False)) == 2
     assert not rep.ok and rep.problems == ["skipped 127"]
+
+
+def test_an_engine_that_refuses_the_draft_method_has_no_draft(monkeypatch):
+    """vLLM 0.33 and A.X K1: its speculative config maps axk1 to no MTP model and refuses the method before any model
+    exists ("NotImplementedError: Unsupported speculative method: 'mtp'", config/speculative.py __post_init__):
+    verify-manifest says vLLM has no draft and does not fail the checkpoint; any other failure to build the draft
+    still fails it."""
+    from types import SimpleNamespace
+
+    from kimi_convert import cli, enginecheck
+    from kimi_convert.verify import Report
+
+    main = "vllm.model_executor.models.AXK1.AXK1ForCausalLM"
+
+    def fake(error):
+        def check(output_dir, engine, *, python, any_version, source, draft, trust_remote_code=False):
+            if not draft:
+                return SimpleNamespace(model_class=main, version="0.33.0", loads=True, verdict="loads", loaded=True,
+                                       load_verdict="loads", seconds=1.0, numerics=None, mtp_skipped=[{"tensor": "x"}],
+                                       error=None)
+            return SimpleNamespace(model_class=None, version="0.33.0", loads=False, verdict=f"draft: {error[1]}",
+                                   loaded=False, load_verdict="no", seconds=1.0, numerics=None, mtp_skipped=[],
+                                   error={"type": error[0], "message": error[1]})
+        return check
+
+    monkeypatch.setattr(enginecheck, "resolve", lambda *a: None)
+    monkeypatch.setattr(enginecheck, "check", fake(("NotImplementedError", "Unsupported speculative method: 'mtp'")))
+    rep = Report()
+    assert [r.model_class for r in cli._engine_checks(rep, "out", ("vllm",), None, False, None, True, False)] == [main]
+    assert rep.ok and any("draft: none for AXK1ForCausalLM" in name for name, _, _ in rep.checks)
+    monkeypatch.setattr(enginecheck, "check", fake(("RuntimeError", "CUDA out of memory")))
+    rep = Report()
+    cli._engine_checks(rep, "out", ("vllm",), None, False, None, True, False)
+    assert not rep.ok

@@ -152,6 +152,26 @@ def test_a_weight_the_engine_scales_as_it_loads_is_held_to_the_scaled_source(tmp
     assert not _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, unscaled), "sglang").ok
 
 
+def test_a_head_the_engine_normalizes_as_it_loads_is_held_to_the_normalized_source(tmp_path):
+    """Ling 1.x under norm_head: both engines divide lm_head's columns by their L2 norm in BF16 as they load it
+    (F.normalize(loaded_weight, dim=0)): read right for that architecture when the config asks for it, held to the
+    exact quotient within two BF16 roundings; without norm_head, or normalized along the other dimension, read
+    wrong."""
+    import torch.nn.functional as F
+
+    w = _weights(64, 32, 10)
+    loaded = F.normalize(w, dim=0, p=2, eps=1e-7).float()  # as the engines do it: on the stored BF16 tensor
+    placed = {"lm_head.weight": [{"param": "m.weight", "row": 0, "rows": 64, "src_row": 0}]}
+    layer = {"param": "m.weight", "kind": "linear", "scheme": "dense", "dtype": "torch.bfloat16"}
+    config = {"architectures": ["BailingMoeForCausalLM"], "norm_head": True}
+    for engine in ("vllm", "sglang"):
+        assert _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, config), engine).ok
+    off = {**config, "norm_head": False}
+    assert not _compare(tmp_path, layer, loaded, placed, FakeSources({"lm_head.weight": w}, off)).ok
+    rows = F.normalize(w, dim=1, p=2, eps=1e-7).float()
+    assert not _compare(tmp_path, layer, rows, placed, FakeSources({"lm_head.weight": w}, config)).ok
+
+
 def test_rows_an_engine_split_from_one_stored_tensor(tmp_path):
     """One stored tensor written in three slices (vLLM's vision wqkv): each slice is compared with its own
     source rows, and a slice put in another's place fails."""

@@ -45,30 +45,55 @@ from ..sources import Source
 SLACK = 1.25
 FLOOR = 1e-6
 
-#: Weights an engine multiplies by a constant of the config as it loads them: the model's own output multiplier
-#: folded into the weight, not a reading of the checkpoint. (engine, architecture) -> ((a substring of the tensor's
-#: name, the config key), ...). The check scales the source's values the same way (fp32, as the engine does) before
-#: holding the engine's weight to them.
-#: SGLang 0.5.23 ``models/grok.py`` ``Grok1ForCausalLM.load_weights.load_weight_wrapper``: ``if "lm_head" in name``,
-#: ``loaded_weight.to(torch.float32) * model_config.output_multiplier_scale``.
-LOAD_FACTORS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
-    ("sglang", "Grok1ForCausalLM"): (("lm_head", "output_multiplier_scale"),)}
+@dataclass(frozen=True)
+class LoadTransform:
+    """What an engine does to a weight as it loads it, by a config value (the model's own constant folded into the
+    weight, not a reading of the checkpoint): ``how`` "scale" multiplies it by the value (in fp32, as the engines
+    compute it); "normalize" divides each column by its L2 norm where the value is true, computed by the engines in
+    the weight's own dtype: the norm's rounding and the quotient's, ``roundings`` 2 (the reference is the exact fp32
+    quotient, held to that many of the dtype's roundings). ``part``: a substring of the tensor's name."""
+
+    part: str
+    key: str
+    how: str
+    roundings: int = 1
+
+    def apply(self, values: torch.Tensor, value: object) -> torch.Tensor | None:
+        """The reference's values as the engine loads them, or None where the config's value asks for nothing."""
+        if self.how == "scale" and isinstance(value, int | float) and not isinstance(value, bool):
+            return values * torch.tensor(float(value), dtype=torch.float32)
+        if self.how == "normalize" and value is True:
+            return torch.nn.functional.normalize(values, p=2.0, dim=0, eps=1e-7)
+        return None
 
 
-def load_factors(engine: str, config: dict) -> list[tuple[str, float]]:
-    """``LOAD_FACTORS``' rules for ``engine`` and the config's architecture, with the config's values."""
+#: (engine, architecture) -> what it does to some weights as it loads them (the check holds the engine's weight to the
+#: source transformed the same way):
+#: - SGLang 0.5.23 ``models/grok.py`` ``Grok1ForCausalLM.load_weights.load_weight_wrapper``: ``if "lm_head" in name``,
+#:   ``loaded_weight.to(torch.float32) * model_config.output_multiplier_scale``;
+#: - Ling 1.x under ``norm_head``: vLLM 0.33 ``bailing_moe.py`` ``BailingMoeForCausalLM._normalize_lm_head`` and SGLang
+#:   0.5.23 ``bailing_moe.py`` ``BailingMoEForCausalLM.load_weights``: ``F.normalize(loaded_weight, dim=0, p=2,
+#:   eps=1e-7)`` on ``lm_head.weight`` as stored (BF16).
+_NORM_HEAD = (LoadTransform("lm_head.weight", "norm_head", "normalize", roundings=2),)
+LOAD_TRANSFORMS: dict[tuple[str, str], tuple[LoadTransform, ...]] = {
+    ("sglang", "Grok1ForCausalLM"): (LoadTransform("lm_head", "output_multiplier_scale", "scale"),),
+    ("vllm", "BailingMoeForCausalLM"): _NORM_HEAD, ("sglang", "BailingMoeForCausalLM"): _NORM_HEAD}
+
+
+def load_transforms(engine: str, config: dict) -> list[tuple[LoadTransform, object]]:
+    """``LOAD_TRANSFORMS``' rules for ``engine`` and the config's architecture, each with the config's value."""
     arch = (config.get("architectures") or [""])[0]
-    return [(part, float(config[key])) for part, key in LOAD_FACTORS.get((engine, arch), ())
-            if isinstance(config.get(key), int | float)]
+    return [(t, config.get(t.key)) for t in LOAD_TRANSFORMS.get((engine, arch), ())]
 
 
-def _scaled(r: Ref | None, tensor: str, factors: list[tuple[str, float]]) -> Ref | None:
-    """``r`` as the engine loads it where a ``LOAD_FACTORS`` rule names the tensor: its values times the factor in fp32
-    (no stored dense values: the engine's are the product's rounding, bounded as any dense weight's)."""
-    k = next((f for part, f in factors if part in tensor), None)
-    if r is None or k is None:
-        return r
-    return Ref(r.values * torch.tensor(k, dtype=torch.float32), None, r.e8m0, r.cast, r.sources)
+def _transformed(r: Ref | None, tensor: str, rules: list[tuple[LoadTransform, object]]) -> Ref | None:
+    """``r`` as the engine loads it where a ``LOAD_TRANSFORMS`` rule names the tensor and the config asks for it (no
+    stored dense values then: the engine's are the result's rounding, bounded as any dense weight's, times the
+    rule's roundings)."""
+    for t, value in rules:
+        if r is not None and t.part in tensor and (v := t.apply(r.values, value)) is not None:
+            return Ref(v, None, r.e8m0, r.cast, r.sources, t.roundings)
+    return r
 
 
 @dataclass
@@ -81,6 +106,7 @@ class Ref:
     e8m0: torch.Tensor | None
     cast: bool | None  # the output claims NVIDIA's closed-form MXFP4 cast (manifest); None: decide from the scale
     sources: list[str]
+    roundings: int = 1  # the roundings to the engine's dtype a dense value went through (``LoadTransform``)
 
 
 @dataclass
@@ -203,7 +229,7 @@ class Sources:
 
 def _dense_bound(r: Ref, dtype: str) -> torch.Tensor:
     dt = getattr(torch, dtype.replace("torch.", ""), torch.float32)
-    return row_err(r.values.to(dt).float(), r.values)
+    return row_err(r.values.to(dt).float(), r.values) * r.roundings
 
 
 def compare(engine: str, result: dict, folder: Path, sources: Sources) -> NumericReport:
@@ -227,7 +253,7 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
             placed.setdefault((s["param"], s.get("expert")), []).append(
                 (tensor, s["row"], s["rows"], s.get("src_row"), _order(s)))
     used: set[str] = set()
-    factors = load_factors(engine, sources.config)
+    factors = load_transforms(engine, sources.config)
     with safe_open(str(folder / "numerics.safetensors"), framework="pt") as f:
         for layer in num.get("layers", []):
             c = _check_layer(engine, layer, f, placed, sources, used, factors)
@@ -238,7 +264,7 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
 
 
 def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str],
-                 factors: list[tuple[str, float]]) -> LayerCheck | None:
+                 factors: list[tuple[LoadTransform, object]]) -> LayerCheck | None:
     """One layer the runner read: each expert's (or the layer's) placed rows held to their sources and bounds.
     None where no checkpoint tensor reached the layer (a derived or engine-made one)."""
     param = layer["param"]
@@ -278,7 +304,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
 
 
 def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, decoded: dict[str, Ref | None],
-                 used: set[str], c: LayerCheck, factors: list[tuple[str, float]]
+                 used: set[str], c: LayerCheck, factors: list[tuple[LoadTransform, object]]
                  ) -> tuple[list[tuple[Ref, int, int]], list[tuple[str, int, int]]]:
     """The source rows behind each placement of one expert (or layer), in the parameter's row order, as
     (reference, its first row, rows) beside (tensor, row, rows); a placement without a source weight or
@@ -288,7 +314,7 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
     for tensor, row, n, src_row, order in sorted(spots, key=lambda s: s[1]):
         used.add(tensor)
         if tensor not in decoded:
-            decoded[tensor] = _scaled(sources.ref(tensor), tensor, factors)
+            decoded[tensor] = _transformed(sources.ref(tensor), tensor, factors)
         r = decoded[tensor]
         if r is not None and order is not None:
             c.reordered[tensor] = order[1]
@@ -385,7 +411,7 @@ def _reordered(r: Ref, order: torch.Tensor) -> Ref | None:
     if order.numel() != n or not torch.equal(order.sort().values, torch.arange(n)):
         return None
     pick = lambda t: None if t is None else t[order]  # noqa: E731
-    return Ref(r.values[order], pick(r.dense), pick(r.e8m0), r.cast, r.sources)
+    return Ref(r.values[order], pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
 
 
 def _rows(r: Ref, start: int, n: int) -> Ref:
@@ -393,7 +419,7 @@ def _rows(r: Ref, start: int, n: int) -> Ref:
     if start == 0 and n == r.values.shape[0]:
         return r
     cut = lambda t: None if t is None else t[start: start + n]  # noqa: E731
-    return Ref(r.values[start: start + n], cut(r.dense), cut(r.e8m0), r.cast, r.sources)
+    return Ref(r.values[start: start + n], cut(r.dense), cut(r.e8m0), r.cast, r.sources, r.roundings)
 
 
 def _why(layer: dict) -> str:

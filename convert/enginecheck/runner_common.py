@@ -569,6 +569,8 @@ class CpuDevices(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):  # a pinned host buffer (FlashInfer's prefill workspace) needs a driver
+            kwargs["pin_memory"] = False
         name = getattr(func, "__name__", "")
         if name == "cuda" and args:
             return args[0]
@@ -595,6 +597,9 @@ def patch_torch_cuda(capability: tuple[int, int], name: str, memory: int, availa
     torch.cuda.default_stream = lambda *a, **k: Inert()
     torch.cuda.stream = lambda *a, **k: Inert()
     torch.cuda.current_device = lambda: 0
+    if hasattr(torch, "accelerator"):  # the device-generic queries answer for the same GPU (vLLM 0.33's Step 5
+        torch.accelerator.current_device_index = lambda: 0  # sparse attention asks current_device_index)
+        torch.accelerator.device_count = lambda: 1
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.device_count = lambda: 1
     torch.cuda.get_device_capability = lambda *a, **k: capability
