@@ -45,6 +45,7 @@ from ..sources import Source
 SLACK = 1.25
 FLOOR = 1e-6
 
+
 @dataclass(frozen=True)
 class LoadTransform:
     """What an engine does to a weight as it loads it, by a config value (the model's own constant folded into the
@@ -253,10 +254,10 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
             placed.setdefault((s["param"], s.get("expert")), []).append(
                 (tensor, s["row"], s["rows"], s.get("src_row"), _order(s)))
     used: set[str] = set()
-    factors = load_transforms(engine, sources.config)
+    transforms = load_transforms(engine, sources.config)
     with safe_open(str(folder / "numerics.safetensors"), framework="pt") as f:
         for layer in num.get("layers", []):
-            c = _check_layer(engine, layer, f, placed, sources, used, factors)
+            c = _check_layer(engine, layer, f, placed, sources, used, transforms)
             if c is not None:
                 rep.layers.append(c)
     rep.unplaced = sorted({spot[0] for spots in placed.values() for spot in spots} - used)
@@ -264,7 +265,7 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
 
 
 def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str],
-                 factors: list[tuple[LoadTransform, object]]) -> LayerCheck | None:
+                 transforms: list[tuple[LoadTransform, object]]) -> LayerCheck | None:
     """One layer the runner read: each expert's (or the layer's) placed rows held to their sources and bounds.
     None where no checkpoint tensor reached the layer (a derived or engine-made one)."""
     param = layer["param"]
@@ -286,7 +287,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
         expert = key[1]
         w = w_all[expert] if expert is not None else w_all
         where = f"{param}" + (f" expert {expert}" if expert is not None else "")
-        refs, ok_spots = _placed_refs(f"{engine}: {where}", placed[key], w, sources, decoded, used, c, factors)
+        refs, ok_spots = _placed_refs(f"{engine}: {where}", placed[key], w, sources, decoded, used, c, transforms)
         if not refs:
             continue
         refs, bl = _bounds(c.scheme, refs, layer, expert)
@@ -304,7 +305,7 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
 
 
 def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, decoded: dict[str, Ref | None],
-                 used: set[str], c: LayerCheck, factors: list[tuple[LoadTransform, object]]
+                 used: set[str], c: LayerCheck, transforms: list[tuple[LoadTransform, object]]
                  ) -> tuple[list[tuple[Ref, int, int]], list[tuple[str, int, int]]]:
     """The source rows behind each placement of one expert (or layer), in the parameter's row order, as
     (reference, its first row, rows) beside (tensor, row, rows); a placement without a source weight or
@@ -314,7 +315,7 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
     for tensor, row, n, src_row, order in sorted(spots, key=lambda s: s[1]):
         used.add(tensor)
         if tensor not in decoded:
-            decoded[tensor] = _transformed(sources.ref(tensor), tensor, factors)
+            decoded[tensor] = _transformed(sources.ref(tensor), tensor, transforms)
         r = decoded[tensor]
         if r is not None and order is not None:
             c.reordered[tensor] = order[1]

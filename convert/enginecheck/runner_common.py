@@ -562,6 +562,14 @@ def _cpu(dev):
     return dev
 
 
+def is_mimo_v2(config) -> bool:
+    """A MiMo-V2 model (its MTP layers are ``model.mtp.layers.{i}``, which both engines' main models skip by the name
+    holding "mtp": vLLM 0.33 / SGLang 0.5.23 ``mimo_v2.py``), by its model type or architecture."""
+    archs = getattr(config, "architectures", None) or []
+    return getattr(config, "model_type", None) in ("mimo_v2_flash", "mimo_v2", "mimo_v2_mtp") or any(
+        a.startswith("MiMoV2") for a in archs)
+
+
 class CpuDevices(TorchFunctionMode):
     """Moves explicit CUDA allocations and transfers to the CPU; values, dtypes and shapes are unchanged."""
 

@@ -86,8 +86,7 @@ def mtp_rule(config):
     base = getattr(counts, "num_hidden_layers", 0)
 
     minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
-    mimo_v2 = getattr(config, "model_type", None) in ("mimo_v2_flash", "mimo_v2") or any(
-        a.startswith("MiMoV2") for a in (getattr(config, "architectures", None) or []))
+    mimo_v2 = rc.is_mimo_v2(config)
 
     def why(name: str) -> str | None:
         if (m3 := minimax_m3(name)) is not None:

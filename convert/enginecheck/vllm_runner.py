@@ -86,12 +86,6 @@ def _hyper_connection_padding(name: str, module) -> list[tuple[str, str, int]]:
     return [(rf"^{re.escape(name)}\.input_mix_weight_down_block_inject\.weight$", why, pad * proj.weight.shape[1])]
 
 
-def _mimo_v2(config) -> bool:
-    archs = getattr(config, "architectures", None) or []
-    return getattr(config, "model_type", None) in ("mimo_v2_flash", "mimo_v2", "mimo_v2_mtp") or any(
-        a.startswith("MiMoV2") for a in archs)
-
-
 def mtp_rule(config):
     """vLLM's own rule for the MTP layers a main model drops: ``get_spec_layer_idx_from_weight_name``
     (model_executor/models/utils.py), which ``skip_spec_layers`` applies in load_weights (GLM-4.5:
@@ -112,7 +106,7 @@ def mtp_rule(config):
             return ("MTP layer (num_nextn_predict_layers): vLLM's DeepSeek V4 main model maps 'mtp.' to None "
                     "(models/deepseek_v4/nvidia/model.py _make_deepseek_v4_weights_mapper); its MTP model "
                     "(models/deepseek_v4/nvidia/mtp.py DeepSeekV4MTP) loads it")
-        if _mimo_v2(config):  # MiMo-V2's MTP layers are model.mtp.layers.{i}, never model.layers.{n}
+        if rc.is_mimo_v2(config):  # MiMo-V2's MTP layers are model.mtp.layers.{i}, never model.layers.{n}
             if not name.startswith("model.mtp.layers."):
                 return None
             return ("MTP layer (model.mtp.layers.*): vLLM's MiMo-V2 main model skips every name holding 'mtp' "
@@ -134,7 +128,7 @@ def draft_rule(config):
 
     def why(name: str) -> str | None:
         if mtp(name):
-            if _mimo_v2(config) and not name.startswith("model.mtp.layers.0."):
+            if rc.is_mimo_v2(config) and not name.startswith("model.mtp.layers.0."):
                 return ("a MiMo-V2 MTP layer after the first: vLLM's draft builds one (models/mimo_v2_mtp.py "
                         "_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1; config/speculative.py 'vLLM currently supports only the "
                         "first MiMo-V2 MTP layer'), its load_weights drops names it has no parameter for")
