@@ -100,7 +100,7 @@ def from_config(config: dict) -> ModelInfo:
 
 def _moe_layers(text: dict, n: int) -> list[int]:
     """The MoE layers: DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq`` (an integer step), Qwen's
-    ``decoder_sparse_step``, MiniMax M3's ``moe_layer_freq`` as one 0/1 flag a layer (vLLM
+    ``decoder_sparse_step`` and ``mlp_only_layers``, MiniMax M3's ``moe_layer_freq`` as one 0/1 flag a layer (vLLM
     models/minimax_m3/nvidia/model.py ``_is_moe_layer``), or Step-3.5's ``moe_layers_enum``, the MoE layers' indices
     as one comma-separated string (vLLM 0.33 step3p5.py ``Step3p5DecoderLayer``)."""
     if (listed := layer_numbers(text.get("moe_layers_enum"))) is not None:
@@ -110,7 +110,8 @@ def _moe_layers(text: dict, n: int) -> list[int]:
         return [i for i, f in enumerate(freq[:n]) if f]
     first = int(text.get("first_k_dense_replace", 0) or 0)
     step = int(text.get("decoder_sparse_step", 1) or 1)
-    return [i for i in range(n) if i >= first and i % int(freq or 1) == 0 and (i + 1) % step == 0]
+    dense = set(layer_numbers(text.get("mlp_only_layers")) or ())  # Qwen-MoE's / IQuest-Q1's dense layers
+    return [i for i in range(n) if i >= first and i % int(freq or 1) == 0 and (i + 1) % step == 0 and i not in dense]
 
 
 #: a routed expert's first projection; Mistral's own names have no block between the layer and ``experts``

@@ -214,14 +214,19 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    "LagunaForCausalLM": "tests/presets/laguna.toml:tiny-laguna",
                    "AXK1ForCausalLM": "tests/presets/axk1.toml:tiny-axk1",
                    "K2HorizonForCausalLM": "tests/presets/k2_horizon.toml:tiny-k2-horizon",
-                   "Step5ForCausalLM": "tests/presets/step5.toml:tiny-step5"}
+                   "Step5ForCausalLM": "tests/presets/step5.toml:tiny-step5",
+                   "IQuestQ1ForCausalLM": "tests/presets/iquest_q1.toml:tiny-iquest-q1",
+                   "SDARMoeForCausalLM": "tests/presets/sdar_moe.toml:tiny-sdar-moe",
+                   "Param2MoEForCausalLM": "tests/presets/param2moe.toml:tiny-param2moe",
+                   "AliceAIForCausalLM": "tests/presets/alice_ai.toml:tiny-alice-ai"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
 TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM", "DeepseekForCausalLM",
                      "XverseMoeForCausalLM", "BailingMoeV2_5ForCausalLM", "PanguUltraMoEForCausalLM",
                      "PanguProMoEV2ForCausalLM", "MiniCPMForCausalLM", "BailingMoeV3ForCausalLM",
                      "BailingMoeForCausalLM", "LongcatFlashForCausalLM", "MiMoV2FlashForCausalLM",
-                     "K2HorizonForCausalLM"}
+                     "K2HorizonForCausalLM", "SDARMoeForCausalLM", "Param2MoEForCausalLM",
+                     "AliceAIForCausalLM"}
 
 #: engines that do not serve an architecture's release itself: the engine's own loader or config code fails on the
 #: release's layout (the preset is the release's: docs/families.md gives the evidence and the engine's message). The

@@ -445,4 +445,7 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3-text", "tiny-longcat-flash", "tiny-mimo-v2-flash",
                                    # Step 5: vLLM refuses its fused DSA projection quantized and reads its experts only
                                    # as 3-D banks (docs/families.md, "Step 5")
-                                   "tiny-step5"})
+                                   "tiny-step5",
+                                   # IQuest-Q1: SGLang 0.5.23 reads its 3-D expert banks (experts.fc / experts.proj)
+                                   # only as BF16 banks, no per-expert names (docs/families.md, "IQuest-Q1")
+                                   "tiny-iquest-q1"})

@@ -251,11 +251,11 @@ def test_a_malformed_expert_bank_is_refused_in_one_line_naming_it(tmp_path, chan
     assert re.search(rf"model.safetensors: tensor {re.escape(name)}: {why}", err), err
 
 
-@pytest.mark.parametrize("model_type", ["gemma4_text", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "alice_ai", "gpt_oss"])
 def test_gemma4s_banks_split_per_expert_and_only_for_its_model_types(tmp_path, model_type):
-    """Gemma 4's ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]: per-expert gate, up and
-    down, each the bytes of its own rows; the same names in another model type (gpt-oss's BF16 release stores
-    ``gate_up_proj`` [E, H, 2I] interleaved) are not split."""
+    """Gemma 4's (and AliceAI's) ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]: per-expert
+    gate, up and down, each the bytes of its own rows; the same names in another model type (gpt-oss's BF16 release
+    stores ``gate_up_proj`` [E, H, 2I] interleaved) are not split."""
     g = torch.Generator().manual_seed(3)
     e, h, i = 4, 32, 16
     w13 = torch.randn(e, 2 * i, h, generator=g).to(torch.bfloat16)
@@ -268,7 +268,7 @@ def test_gemma4s_banks_split_per_expert_and_only_for_its_model_types(tmp_path, m
     (folder / "config.json").write_text(json.dumps({"model_type": top, "text_config": {
         "model_type": model_type, "hidden_size": h, "num_experts": e, "moe_intermediate_size": i}}))
     modules = discover_sources(open_checkpoint(folder))
-    if model_type != "gemma4_text":
+    if model_type == "gpt_oss":
         assert set(modules) == {layer} and modules[layer]["gate_up_proj"].shape == (e, 2 * i, h)
         return
     reader = MappedReader(folder)

@@ -106,3 +106,13 @@ def test_kimi_k25_gives_benchmark_moe_values_and_reads_int4_experts(tmp_path):
     r = run("inspect", tmp_path)
     assert "benchmark_moe    E=384 topk=8 moe_intermediate_size=2048 hidden_size=7168" in r.stdout, r.stdout
     assert len(from_config(cfg).moe_layers) == 60
+
+
+def test_mlp_only_layers_are_dense():
+    """Qwen-MoE's (and IQuest-Q1's) ``mlp_only_layers``: those layers are dense, whatever the step says (vLLM 0.33
+    qwen2_moe.py ``Qwen2MoeDecoderLayer``: ``layer_idx not in mlp_only_layers``)."""
+    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
+           "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}
+    assert from_config(cfg).moe_layers == [1, 3]
+

@@ -23,9 +23,13 @@ stores ``layers.N.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows) an
 under the experts module itself; both engines read per-expert ``experts.{e}.gate_proj`` / ``up_proj`` /
 ``down_proj`` (vLLM 0.33 ``gemma4.py`` ``Gemma4DecoderLayer`` builds ``FusedMoEFactory`` with the default names:
 ``RoutedExperts.load_weights`` as above; SGLang 0.5.23 ``gemma4_causal.py`` ``Gemma4ForCausalLM.load_weights``,
-its "per-expert checkpoint layout ... ModelOpt NVFP4 like nvidia/Gemma-4-*-NVFP4" mapping). These two layouts are
-read for Gemma 4's model types only: gpt-oss's BF16 release names its bank ``experts.gate_up_proj`` too, stored
-[E, H, 2I] with gate and up interleaved.
+its "per-expert checkpoint layout ... ModelOpt NVFP4 like nvidia/Gemma-4-*-NVFP4" mapping). Yandex's AliceAI
+(``AliceAIForCausalLM``, ``model_type`` ``alice_ai``: ``yandex/AliceAI-Foundation-80B-A3B-Base``) stores the same
+banks under ``mlp.experts`` (gate rows, then up: vLLM 0.33 ``routed_experts.py`` ``RoutedExperts.load_weights`` splits
+its bank with ``chunk(2, dim=1)``), and vLLM reads its per-expert names alike (``alice_ai.py`` builds
+``FusedMoEFactory`` with the default checkpoint names). These two layouts are read for Gemma 4's and AliceAI's
+model types only: gpt-oss's BF16 release names its bank ``experts.gate_up_proj`` too, stored [E, H, 2I] with gate and
+up interleaved.
 
 One claim on a bank gives ``block_sparse_moe.experts.{e}.gate_proj`` / ``up_proj`` (rows ``0:I`` and ``I:2I`` of
 expert e) and ``block_sparse_moe.experts.{e}.down_proj``. Each is a byte range of the stored tensor (``base.narrow``
@@ -70,6 +74,7 @@ if TYPE_CHECKING:
 NAME = "expert_bank"
 FLOATS = frozenset({"BF16", "F16", "F32"})
 GEMMA4 = frozenset({"gemma4", "gemma4_text"})
+ALICE_AI = frozenset({"alice_ai"})
 LLAMA4 = frozenset({"llama4", "llama4_text"})
 STEP3P5 = frozenset({"step3p5"})
 
@@ -102,8 +107,8 @@ BANKS = (Bank("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts"
               "num_local_experts", 2),
          Bank("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts", ("down_proj",),
               "num_local_experts", 1),
-         Bank("experts.gate_up_proj", "experts", ("gate_proj", "up_proj"), "num_experts", 2, GEMMA4),
-         Bank("experts.down_proj", "experts", ("down_proj",), "num_experts", 1, GEMMA4),
+         Bank("experts.gate_up_proj", "experts", ("gate_proj", "up_proj"), "num_experts", 2, GEMMA4 | ALICE_AI),
+         Bank("experts.down_proj", "experts", ("down_proj",), "num_experts", 1, GEMMA4 | ALICE_AI),
          Bank("feed_forward.experts.gate_up_proj", "feed_forward.experts", ("gate_proj", "up_proj"),
               "num_local_experts", 1, LLAMA4, transposed=True),
          Bank("feed_forward.experts.down_proj", "feed_forward.experts", ("down_proj",), "num_local_experts", 2, LLAMA4,
