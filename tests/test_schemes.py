@@ -115,7 +115,7 @@ def test_the_numeric_check_holds_a_new_scheme_to_its_own_bound(monkeypatch, tmp_
     monkeypatch.setitem(schemes.SCHEMES, "toy8", _toy_scheme())
     src = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     noise = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    sources = SimpleNamespace(ref=lambda name: numerics.Ref(src, src, None, None, [name]))
+    sources = SimpleNamespace(ref=lambda name: numerics.Ref(src, src, None, None, [name]), config={})
     for rel, ok in ((0.1, True), (0.9, False)):
         read = src + noise * (rel * src.norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True))
         save_file({"00000:w": read.contiguous()}, str(tmp_path / "numerics.safetensors"))
