@@ -136,11 +136,21 @@ def _fused_bank(name: str, t, info: ModelInfo) -> tuple[int, list[int]] | None:
     return int(layer.group(1)), [t.shape[bank.split] // len(bank.leaves), t.shape[3 - bank.split]]
 
 
+def _unsplit_bank(name: str, t, info: ModelInfo) -> bool:
+    """A 3-D tensor of a decoder layer whose first dimension is the config's expert count, under an ``experts`` or
+    ``moe`` module, that no bank layout of convert/encodings/expert_bank.py names: every routed expert of the layer
+    in one tensor, which ``inspect`` counts but cannot measure (which rows are the gate's it does not know)."""
+    return (len(t.shape) == 3 and getattr(t, "dtype", None) in ("BF16", "F16", "F32")  # not a bank's scales
+            and info.num_experts is not None and t.shape[0] == info.num_experts
+            and (".experts." in name or ".moe." in name) and _LAYER.search(name) is not None
+            and bank_of(name, {"model_type": info.model_type}) is None)
+
+
 def add_tensors(info: ModelInfo, tensors: dict) -> None:
     """Report the experts' real shapes and flag config fields that disagree with them."""
     info.weights_present = True
     found: dict[int, set[int]] = {}
-    shape = None
+    shape, unsplit = None, []
     for name, t in tensors.items():
         if (b := _BANK.search(name)) and len(t.shape) == 4:  # [E, 2I, H/32, 16]: gate and up interleaved
             found.setdefault(int(b.group(1)), set()).update(range(t.shape[0]))
@@ -149,6 +159,10 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         if (fused := _fused_bank(name, t, info)) is not None:  # [E, 2I, H] or [E, I, H] in BF16 ([E, H, 2I] transposed)
             found.setdefault(fused[0], set()).update(range(t.shape[0]))
             shape = shape or fused[1]
+            continue
+        if _unsplit_bank(name, t, info):  # a 3-D bank no source encoding splits (Step 5's, IQuest-Q1's)
+            found.setdefault(int(_LAYER.search(name).group(1)), set()).update(range(t.shape[0]))
+            unsplit.append(name)
             continue
         m = _EXPERT.search(name)
         if not m:
@@ -164,6 +178,10 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
         return
     info.tensor_experts = max(len(v) for v in found.values())
     info.tensor_expert_shape = shape
+    if unsplit:
+        info.warnings.append(f"routed experts stored as 3-D banks no source encoding splits ({unsplit[0]} "
+                             f"{list(tensors[unsplit[0]].shape)}, {len(unsplit)} bank(s)): pack does not quantize them "
+                             "per expert")
     if info.num_experts is not None and info.tensor_experts != info.num_experts:
         info.warnings.append(f"num_experts={info.num_experts} but layers hold {info.tensor_experts} experts")
     if shape and info.moe_intermediate_size is not None and shape[0] != info.moe_intermediate_size:
@@ -236,7 +254,8 @@ def render(info: ModelInfo) -> str:
         lines.append("MoE              none (dense model)")
     if info.weights_present:
         lines.append(
-            f"tensors          {info.tensor_experts} experts per layer, expert gate weight {info.tensor_expert_shape}"
+            f"tensors          {info.tensor_experts} experts per layer"
+            + (f", expert gate weight {info.tensor_expert_shape}" if info.tensor_expert_shape else "")
             if info.tensor_experts else "tensors          no expert weights"
         )
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, run, weight_map, write_synth
 
 # IQuestLab/IQuest-Q1 config.json (SGLang 0.5.23 configs/iquest_q1.py IQuestQ1Config, whose defaults are the
 # release's): the values that are not sizes (sizes: the preset's)
@@ -154,3 +154,12 @@ def test_vllm_does_not_register_it():
     if path is None:
         pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
     assert '"IQuestQ1ForCausalLM"' not in path.read_text()
+
+
+def test_inspect_counts_its_unsplit_banks_and_its_dense_layer(tiny):
+    """inspect: layer 0 dense (mlp_only_layers), the experts counted from the 3-D banks experts.fc / experts.proj that
+    no source encoding splits (SGLang reads them only as BF16 banks), and said so."""
+    r = run("inspect", tiny)
+    assert r.code == 0, r.stderr
+    assert "MoE layers       7 [1-7]" in r.stdout and "tensors          8 experts per layer\n" in r.stdout, r.stdout
+    assert "routed experts stored as 3-D banks no source encoding splits (model.layers.1.mlp.experts.fc" in r.stdout

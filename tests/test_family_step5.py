@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, read_tensors, run, weight_map, write_synth
 
 # Step-5-Preview's text config: the values that are not sizes (sizes: the preset's). No config.json of the release is
 # among the public sources; these are the values vLLM 0.33's Step5 code requires or reads and the public port of the
@@ -181,3 +181,12 @@ def test_sglang_does_not_register_it():
     if path is None:
         pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
     assert not any("Step5" in f.read_text(errors="ignore") for f in path.parent.glob("*.py"))
+
+
+def test_inspect_counts_its_unsplit_banks_and_says_pack_does_not_split_them(tiny):
+    """The experts are stored as 3-D banks no source encoding splits for step5 (vLLM's loader reads them only as
+    banks): inspect counts them from the banks and says so, instead of "no expert weights were found"."""
+    r = run("inspect", tiny)
+    assert r.code == 0, r.stderr
+    assert "tensors          8 experts per layer\n" in r.stdout, r.stdout
+    assert "routed experts stored as 3-D banks no source encoding splits (model.layers.3.moe." in r.stdout
