@@ -20,7 +20,8 @@ Each step runs only when the one before held. The engine steps of one architectu
 the whole batch (each engine imported once) and ``TRITON_INTERPRET=1`` for all of them (one fork server per engine).
 After each architecture the JSONL and ``docs/derived-architectures.md`` (generated from it: ``--table-only``
 rewrites it alone) are rewritten; ``--ship`` copies the table of every architecture whose output both registering
-engines read right to ``mappings/derived/MODEL_TYPE.toml`` and its answers to
+engines read right (an engine named in ``NOT_SERVED``, whose own code cannot serve the release, left out where it
+fails the fixture check) to ``mappings/derived/MODEL_TYPE.toml`` and its answers to
 ``tests/derived/breadth/ARCH.answers.json`` (``tests/test_derive_breadth.py`` rebuilds each shipped table from them).
 """
 
