@@ -559,14 +559,11 @@ def _no_draft(engine: str, version: str | None, main_class: str, refused: str | 
     ``ModelConfig._config_draft_model`` renames no MiniMax architecture), so nothing reads the MTP layers there; not
     a fault of the checkpoint (the main model's own check above holds it)."""
     name = main_class.rpartition(".")[2]
-    if refused:
-        return (f"{engine} {version} draft: none for {name}", [],
-                f"{engine} {version} has no speculative-decoding draft model for {name}: its speculative config "
-                f"refuses the method ({refused}), so nothing there reads the MTP layers its main model drops "
-                "(docs/families.md, \"MTP layers and the engines' drafts\")")
+    why = (f"its speculative config refuses the method ({refused}), so nothing there reads the MTP layers its main "
+           "model drops" if refused else f"its draft config builds {name} again, whose loader drops the MTP layers")
     return (f"{engine} {version} draft: none for {name}", [],
-            f"{engine} {version} has no speculative-decoding draft model for {name}: its draft config builds {name} "
-            "again, whose loader drops the MTP layers (docs/families.md, \"MTP layers and the engines' drafts\")")
+            f"{engine} {version} has no speculative-decoding draft model for {name}: {why} (docs/families.md, "
+            "\"MTP layers and the engines' drafts\")")
 
 
 @cli.command()

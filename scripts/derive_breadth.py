@@ -406,11 +406,18 @@ def pack_step(work: Path, env: dict) -> dict:
     return {**res, "overlay": overlay} if overlay else res
 
 
+def not_served(arch: str, fixture_check: dict[str, dict]) -> dict[str, str]:
+    """The engines left out of the steps after the fixture check, with ``NOT_SERVED``'s reason: those it names for the
+    architecture whose fixture check failed (the one rule ``carried``, the table's cells and ``shippable`` read)."""
+    return {e: why for e, why in NOT_SERVED.get(arch, {}).items()
+            if not (fixture_check.get(e) or {}).get("loads", True)}
+
+
 def carried(arch: Arch, fixture_check: dict[str, dict]) -> tuple[str, ...]:
     """The engines the steps after the fixture check run in: every registering engine, unless one listed in
     ``NOT_SERVED`` for the architecture failed to load the fixture (then the others; none if any other failed)."""
     failed = {e for e, r in fixture_check.items() if not r["loads"]}
-    if failed - set(NOT_SERVED.get(arch.name, {})):
+    if failed - set(not_served(arch.name, fixture_check)):
         return ()
     return tuple(e for e in arch.engines if e not in failed)
 
@@ -527,8 +534,8 @@ def _engine_cell(rec: dict, step: str, engine: str, key: str, notes: Notes) -> s
     if not rec.get(engine):
         return "not registered"
     r = (rec.get(step) or {}).get(engine)
-    why = NOT_SERVED.get(rec["arch"], {}).get(engine)
-    if r is None and why and not ((rec.get("fixture_check") or {}).get(engine) or {}).get("loads", True):
+    why = not_served(rec["arch"], rec.get("fixture_check") or {}).get(engine)
+    if r is None and why:
         return "release not served " + notes.ref(rec["arch"], why)
     if r is None:
         return "not run"
@@ -829,9 +836,8 @@ edit by hand (`--table-only` rewrites it from the JSONL). The architectures: eve
 def shippable(rec: dict) -> bool:
     """Every registering engine read the output right, but one in ``NOT_SERVED`` for the architecture whose fixture
     check failed (at least one engine read it right)."""
-    out, fixture = rec.get("output_check") or {}, rec.get("fixture_check") or {}
-    regs = [e for e in ENGINES if rec.get(e) and not (e in NOT_SERVED.get(rec["arch"], {})
-                                                      and not fixture.get(e, {}).get("loads"))]
+    out, left = rec.get("output_check") or {}, not_served(rec["arch"], rec.get("fixture_check") or {})
+    regs = [e for e in ENGINES if rec.get(e) and e not in left]
     return (not rec.get("hand_table") and rec["arch"] not in PRESET_TABLES and bool(regs)
             and all(out.get(e, {}).get("read_right") for e in regs)
             and not rec.get("derive", {}).get("absent_keeps"))

@@ -123,12 +123,19 @@ def _text(config: dict) -> dict:
     return sub if isinstance(sub, dict) else config
 
 
+#: each layout's name ending, in ``BANKS``' order: one ``str.endswith`` turns away the names of no bank (every
+#: ``*.weight`` tensor of a checkpoint is offered to this encoding, since Granite's and Step-3.5's banks end so)
+_ENDINGS = tuple(f".{b.stored}" for b in BANKS)
+
+
 def bank_of(name: str, config: dict | None = None) -> Bank | None:
     """The bank layout a stored tensor's name ends with, for ``config``'s model type (without a config: only a
     layout read for any model type), or None."""
+    if not name.endswith(_ENDINGS):
+        return None
     types = {config.get("model_type"), _text(config).get("model_type")} if config is not None else set()
-    return next((b for b in BANKS if name.endswith(f".{b.stored}") and (not b.model_types or b.model_types & types)),
-                None)
+    return next((b for b, end in zip(BANKS, _ENDINGS, strict=True)
+                 if name.endswith(end) and (not b.model_types or b.model_types & types)), None)
 
 
 def _source(bank: Bank, info: TensorInfo, x: int, j: int, module: str) -> SourceTensor:

@@ -95,8 +95,8 @@ def mtp_rule(config):
     minimax_m3, longcat = minimax_m3_mtp_rule(config), longcat_mtp_rule(config)
 
     def why(name: str) -> str | None:
-        if (m3 := minimax_m3(name) or longcat(name)) is not None:
-            return m3
+        if (block := minimax_m3(name) or longcat(name)) is not None:  # an MTP block of its own naming
+            return block
         if name.startswith("mtp.") and getattr(config, "mtp_num_hidden_layers", 0):
             return ("MTP block (mtp_num_hidden_layers): vLLM's main model maps 'mtp.' to None "
                     "(models/qwen3_5.py Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper); its MTP model "

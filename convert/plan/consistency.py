@@ -165,16 +165,17 @@ def _moe_rule(config: dict, m: Mapping, moe: MoeCheck) -> tuple:
         raise ConvertError(f"config.json: {pattern.shown} is {pattern.says()}, expected a string of one letter a "
                            f"layer ({moe.pattern_moe!r}: a MoE layer)")
     listed = _field(config, m, moe.moe_list) if moe.moe_list else None
-    if listed is not None and listed.value is not None and layer_numbers(listed.value) is None:
+    moe_layers = layer_numbers(listed.value) if listed is not None and listed.value is not None else None
+    if listed is not None and listed.value is not None and moe_layers is None:
         raise ConvertError(f"config.json: {listed.shown} is {listed.says()}, expected the MoE layers' numbers (a "
                            "list, or one comma-separated string)")
-    return below, every, step, dense, flags, (pattern, moe.pattern_moe), listed
+    return below, every, step, dense, flags, (pattern, moe.pattern_moe), (listed, frozenset(moe_layers or ()))
 
 
 def _dense_because(layer: int, rule: tuple) -> _Field | None:
     """The field that makes ``layer`` dense, or None when every rule says MoE (an absent field says MoE)."""
-    below, every, step, dense, flags, (pattern, letter), listed = rule
-    if listed is not None and listed.value is not None and layer not in (layer_numbers(listed.value) or ()):
+    below, every, step, dense, flags, (pattern, letter), (listed, moe_layers) = rule
+    if listed is not None and listed.value is not None and layer not in moe_layers:
         return listed
     if below is not None and below.value is not None and layer < below.value:
         return below
