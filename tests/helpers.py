@@ -429,6 +429,20 @@ def engine_file(engine: str, rel: str) -> Path | None:
     return found[-1] if found else None
 
 
+#: where each engine keeps its model files, under its package (``engine_file``'s ``rel``)
+MODEL_DIRS = {"vllm": "model_executor/models", "sglang": "srt/models"}
+
+
+def engine_file_or_skip(engine: str, rel: str) -> Path:
+    """``engine_file``, the test skipped where the engine is not installed (``scripts/engine-envs.sh``)."""
+    import pytest
+
+    path = engine_file(engine, rel)
+    if path is None:
+        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    return path
+
+
 def config_keys_read(text: str, names: str = "config") -> set[str]:
     """Each ``config.X`` a model file's text reads (not assigns), less those it guards with ``hasattr(config, "X")``:
     the keys the engine takes from config.json with no default (a family test holds its preset's config.json to

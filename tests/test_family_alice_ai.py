@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    config_keys_read,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,14 +128,12 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` vLLM's alice_ai.py reads directly (no getattr default, no hasattr guard) is in config.json,
     and the values its AliceAIForCausalLMConfig (model_executor/models/config.py) requires are the release's."""
-    path = engine_file("vllm", "model_executor/models/alice_ai.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/alice_ai.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"layer_types", "linear_num_key_heads", "linear_conv_kernel_dim", "shared_expert_intermediate_size"} <= read
     assert sorted(k for k in read if k not in cfg) == []
-    hook = engine_file("vllm", "model_executor/models/config.py").read_text()
+    hook = engine_file_or_skip("vllm", "model_executor/models/config.py").read_text()
     for needs in ("kda_allow_negative_eigenvalues=false", "router_score_function='sigmoid'",
                   "router_bias_correction=true"):
         assert f"AliceAI requires {needs}" in hook
@@ -139,10 +144,8 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
 def test_vllm_reads_the_banks_and_drops_the_mtp_block():
     """vLLM 0.33 reads a fused experts.gate_up_proj [E, 2I, H] as gate rows then up rows and experts.down_proj whole
     (RoutedExperts.build_expert_params_mapping's fused entries), and its main model maps "mtp." to None."""
-    moe = engine_file("vllm", "model_executor/layers/fused_moe/routed_experts.py")
-    model = engine_file("vllm", "model_executor/models/alice_ai.py")
-    if moe is None or model is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    moe = engine_file_or_skip("vllm", "model_executor/layers/fused_moe/routed_experts.py")
+    model = engine_file_or_skip("vllm", "model_executor/models/alice_ai.py")
     text = moe.read_text()
     assert 'gate_up = "gate_up_proj"' in text and "fused_weight.chunk(2, dim=1)[expert_id]" in text
     assert 'WeightsMapper(orig_to_new_prefix={"mtp.": None})' in model.read_text()
@@ -150,9 +153,7 @@ def test_vllm_reads_the_banks_and_drops_the_mtp_block():
 
 def test_sglang_does_not_register_it():
     """SGLang 0.5.23 has no AliceAI model (its row has one engine)."""
-    models = engine_file("sglang", "srt/models/registry.py")
-    if models is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    models = engine_file_or_skip("sglang", "srt/models/registry.py")
     assert not any("AliceAI" in f.read_text(errors="ignore") for f in models.parent.glob("*.py"))
 
 

@@ -23,7 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    config_keys_read,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,9 +130,7 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
 
 
 def _vllm() -> str:
-    path = engine_file("vllm", "model_executor/models/AXK1.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/AXK1.py")
     return path.read_text()
 
 
@@ -161,9 +166,7 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
 
 def test_sglang_does_not_register_it():
     """SGLang 0.5.23 has no A.X K1 model (its row has one engine)."""
-    models = engine_file("sglang", "srt/models/deepseek_v2.py")
-    if models is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    models = engine_file_or_skip("sglang", "srt/models/deepseek_v2.py")
     assert not [p for p in models.parent.glob("*.py") if "AXK1" in p.read_text(errors="ignore")]
 
 

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    MODEL_DIRS,
+    config_keys_read,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 # inclusionAI/Ling-lite-1.5 config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -122,9 +130,7 @@ MING = {"image_patch_token", "audio_patch_token", "image_start_token", "video_st
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file(engine, {"vllm": "model_executor/models", "sglang": "srt/models"}[engine] + "/bailing_moe.py")
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, f"{MODEL_DIRS[engine]}/bailing_moe.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"num_experts", "first_k_dense_replace", "num_shared_experts", "embedding_dropout"} <= read
@@ -136,14 +142,10 @@ def test_both_engines_register_the_architecture_in_bailing_moe_py(engine):
     """vLLM's registry maps BailingMoeForCausalLM to bailing_moe.py; SGLang's bailing_moe.py lists it in EntryClass
     beside BailingMoEForCausalLM, the class it subclasses with no body (the same loader: an alias)."""
     if engine == "vllm":
-        path = engine_file("vllm", "model_executor/models/registry.py")
-        if path is None:
-            pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+        path = engine_file_or_skip("vllm", "model_executor/models/registry.py")
         assert '"BailingMoeForCausalLM": ("bailing_moe", "BailingMoeForCausalLM")' in path.read_text()
     else:
-        path = engine_file("sglang", "srt/models/bailing_moe.py")
-        if path is None:
-            pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+        path = engine_file_or_skip("sglang", "srt/models/bailing_moe.py")
         text = path.read_text()
         assert "class BailingMoeForCausalLM(BailingMoEForCausalLM):\n    pass\n" in text
         assert "EntryClass = [BailingMoEForCausalLM, BailingMoeForCausalLM, BailingMoeV2ForCausalLM]" in text
@@ -194,8 +196,6 @@ def test_both_engines_normalize_lm_head_as_they_load_it_under_norm_head(engine):
     """Under norm_head each engine divides lm_head's columns by their L2 norm as it loads the weight (vLLM
     BailingMoeForCausalLM._normalize_lm_head, SGLang BailingMoEForCausalLM.load_weights): a kept lm_head is read
     as the release's run-time normalization gives it, not as stored (docs/families.md, "Ling 1.x")."""
-    path = engine_file(engine, {"vllm": "model_executor/models", "sglang": "srt/models"}[engine] + "/bailing_moe.py")
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, f"{MODEL_DIRS[engine]}/bailing_moe.py")
     text = path.read_text()
     assert "norm_head" in text and "F.normalize(loaded_weight, dim=0, p=2, eps=1e-7)" in text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import MODEL_DIRS, config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # inclusionAI/Ling-mini-2.0 config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -88,9 +88,7 @@ def test_the_mtp_variant_stores_the_releases_mtp_layer(tmp_path):
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file(engine, {"vllm": "model_executor/models", "sglang": "srt/models"}[engine] + "/bailing_moe.py")
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, f"{MODEL_DIRS[engine]}/bailing_moe.py")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
     read = config_keys_read(text)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # deepseek-ai/deepseek-moe-16b-base config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -105,9 +105,7 @@ FILES = {"vllm": "model_executor/models/deepseek_v2.py", "sglang": "srt/models/d
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json (vLLM: the deepseek_v2.py parts a model_type "deepseek" checkpoint runs)."""
-    path = engine_file(engine, FILES[engine])
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, FILES[engine])
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
     read = config_keys_read(_vllm_deepseek_v1_text(text) if engine == "vllm" else text)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # xai-org/grok-2 config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -80,9 +80,7 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` / ``model_config.X`` SGLang's grok.py reads directly (no getattr default, no hasattr guard)
     is in config.json."""
-    path = engine_file("sglang", "srt/models/grok.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/grok.py")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
     read = config_keys_read(text, "cfg|config|model_config")

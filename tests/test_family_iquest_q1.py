@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, run, weight_map, write_synth
+from helpers import config_keys_read, engine_file, engine_file_or_skip, read_tensors, run, weight_map, write_synth
 
 # IQuestLab/IQuest-Q1 config.json (SGLang 0.5.23 configs/iquest_q1.py IQuestQ1Config, whose defaults are the
 # release's): the values that are not sizes (sizes: the preset's)
@@ -118,9 +118,7 @@ DERIVED = {"layer_types", "rope_parameters"}
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` SGLang's iquest_q1.py reads directly (no getattr default, no hasattr guard) is in
     config.json, or is computed by IQuestQ1Config from keys that are."""
-    path = engine_file("sglang", "srt/models/iquest_q1.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/iquest_q1.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"dense_intermediate_size", "intermediate_size", "num_experts", "num_experts_per_tok", "mlp_only_layers",
@@ -137,9 +135,7 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
 def test_the_loader_reads_experts_only_as_the_releases_banks():
     """SGLang 0.5.23's loader maps ``experts.fc`` / ``experts.proj`` and nothing else to the expert bank: a per-expert
     name (``experts.N.gate_proj.weight``) reaches no parameter and is refused ("Unexpected IQuest Q1 weight")."""
-    path = engine_file("sglang", "srt/models/iquest_q1.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/iquest_q1.py")
     text = path.read_text()
     assert 'name.endswith("experts.fc")' in text and 'name.endswith("experts.proj")' in text
     assert '"experts.fc", "experts.w13_weight"' in text and '"experts.proj", "experts.w2_weight"' in text
@@ -150,9 +146,7 @@ def test_the_loader_reads_experts_only_as_the_releases_banks():
 
 def test_vllm_does_not_register_it():
     """vLLM 0.33's registry has no IQuestQ1ForCausalLM (its row has one engine)."""
-    path = engine_file("vllm", "model_executor/models/registry.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/registry.py")
     assert '"IQuestQ1ForCausalLM"' not in path.read_text()
 
 

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    config_keys_read,
+    engine_file,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "tests" / "presets" / "k2_horizon.toml"
@@ -128,9 +136,7 @@ FILES = {"vllm": "model_executor/models/k2_horizon.py", "sglang": "srt/models/xl
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json, or set from it by the engine's own K2 Horizon adapter."""
-    path = engine_file(engine, FILES[engine])
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, FILES[engine])
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_key_value_heads"} <= read
@@ -141,9 +147,7 @@ def test_sglang_asks_a_deployment_for_the_router_provenance_the_release_does_not
     """SGLang 0.5.23 xllm.py _normalize_k2_horizon_config refuses a MoVA config without
     xllm_source_router_gemm_partitions (the model card's SGLang recipe passes it with --json-model-override-args);
     the release's config.json has no such key, so SGLang's fixture check fails on the release as stored."""
-    path = engine_file("sglang", FILES["sglang"])
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", FILES["sglang"])
     text = path.read_text()
     assert "K2Horizon MoVA requires explicit source router GEMM provenance" in text
     assert '_XLLM_SOURCE_ROUTER_PARTITIONS_CONFIG_KEY = "xllm_source_router_gemm_partitions"' in text
@@ -155,9 +159,7 @@ def test_sglang_serves_mova_only_unquantized():
     """SGLang 0.5.23 builds no quantized K2 Horizon MoVA model: _validate_mova_config takes only compressed-tensors,
     and every MoVA attention (_XllmMoVAAttentionBase, the dense prefix's XllmGatedAttention too) refuses any quant
     config: no NVFP4 output of this tool (ModelOpt or compressed-tensors) loads there."""
-    path = engine_file("sglang", FILES["sglang"])
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", FILES["sglang"])
     text = path.read_text()
     assert "Native xLLM/K2 Horizon serving supports only " in text
     assert "K2 Horizon MoVA supports unquantized bf16/fp16 weights only" in text

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    config_keys_read,
+    engine_file,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,9 +140,7 @@ SGLANG_DERIVED = {"full_rope_scaling", "swa_rope_scaling", "swa_rope_theta", "sw
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine, rel, derived):
     """Each ``config.X`` the engine's laguna.py reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file(engine, rel)
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, rel)
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"gating", "layer_types", "num_experts", "shared_expert_intermediate_size", "sliding_window"} <= read

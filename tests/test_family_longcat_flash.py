@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # meituan-longcat/LongCat-Flash-Chat config.json (as huggingface.co/mlx-community/LongCat-Flash-Chat-bf16 copies it):
 # the values that are not sizes (sizes: the preset's)
@@ -133,9 +133,7 @@ def test_mtp_names_are_the_drafts(tiny, engine, rel, table):
     """The MTP layer's names are exactly those each engine's draft loader renames (its own table of the release's
     names), and the main models skip them (vLLM FlashModel.load_weights ``name.startswith("mtp.")`` after
     AutoWeightsLoader strips ``model.``; SGLang LongcatFlashForCausalLM.load_weights ``"mtp" in name``)."""
-    path = engine_file(engine, rel)
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, rel)
     assert _mapped_mtp_names(path.read_text(), table) == MTP
     assert {n for n in weight_map(tiny) if n.startswith("model.mtp.")} == MTP
 
@@ -163,9 +161,7 @@ DERIVED = {
 def test_config_holds_every_key_the_engines_read_without_a_default(tiny, engine, rel):
     """Each ``config.X`` the engine's LongCat files read directly (no getattr default) is in config.json or is one
     its config class derives (DERIVED)."""
-    path = engine_file(engine, rel)
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, rel)
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert sorted(k for k in read - DERIVED[engine] if k not in cfg) == []

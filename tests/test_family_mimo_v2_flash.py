@@ -24,7 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    config_keys_read,
+    engine_file,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 # XiaomiMiMo/MiMo-V2-Flash config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -174,9 +182,7 @@ def test_mimo_v2_is_another_layout():
     """MiMoV2ForCausalLM (MiMo-V2.5 / V2.6, model_type mimo_v2), registered by the same files, stores the attention
     as one fused qkv_proj pre-sharded at num_key_value_heads chunks (attention_projection_layout "fused_qkv"): vLLM's
     subclass maps qkv_proj to itself; MiMoV2FlashForCausalLM takes q_proj / k_proj / v_proj."""
-    path = engine_file("vllm", "model_executor/models/mimo_v2.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/mimo_v2.py")
     text = path.read_text()
     flash = re.search(r"class MiMoV2FlashForCausalLM\b.*?packed_modules_mapping = (\{.*?\})", text, re.S).group(1)
     pro = re.search(r"class MiMoV2ForCausalLM\(MiMoV2FlashForCausalLM\).*?packed_modules_mapping = (\{.*?\})",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # openbmb/MiniCPM-MoE-8x2B config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -82,9 +82,7 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
 def test_config_holds_every_key_vllm_reads_without_a_default(tiny):
     """Each ``config.X`` vLLM's minicpm.py reads directly (no getattr default, no hasattr guard) is in config.json or
     is an attribute transformers' PretrainedConfig (or the release's class) gives every config."""
-    path = engine_file("vllm", "model_executor/models/minicpm.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/minicpm.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     derived = {"rope_parameters"}  # built by transformers from rope_theta / rope_scaling (the class sets them)
@@ -96,9 +94,7 @@ def test_sglang_builds_no_experts_for_minicpm(tiny):
     """SGLang 0.5.23's MiniCPMForCausalLM (an alias of MiniCPMSALAForCausalLM) builds a dense MiniCPMMLP in every
     layer whatever num_experts is, while its load_weights maps experts.{e}.w1/w2/w3 to "ws" / "w2s" parameters no
     module creates: the release cannot load there (the breadth row's SGLang message, a KeyError on mlp.ws)."""
-    path = engine_file("sglang", "srt/models/minicpm.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/minicpm.py")
     text = path.read_text()
     assert "class MiniCPMForCausalLM(MiniCPMSALAForCausalLM)" in text
     assert "MiniCPMMoE" not in text and "self.ws" not in text  # no expert module, no ws parameter

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # openPangu-Ultra-MoE-718B config.json as vLLM reads it: the values that are not sizes (sizes: the preset's)
 RELEASE_ULTRA = {
@@ -151,9 +151,7 @@ FILES = ["model_executor/models/openpangu.py", "model_executor/models/openpangu_
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny_ultra, tiny_pro, rel):
     """Each ``config.X`` vLLM's openPangu model files read directly (no getattr default, no hasattr guard) is in
     both presets' config.json (the MTP file builds only Ultra's draft, whose keys Pro V2 also holds)."""
-    path = engine_file("vllm", rel)
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", rel)
     read = config_keys_read(path.read_text())
     assert {"n_routed_experts", "hidden_size"} <= read  # the reading found the file's keys
     for src in (tiny_ultra, tiny_pro):

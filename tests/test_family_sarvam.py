@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # sarvamai/sarvam-30b config.json: the values that are not sizes (sizes: the preset's)
 RELEASE_MOE = {
@@ -138,9 +138,7 @@ FILES = {("sarvam-moe", "vllm"): "model_executor/models/bailing_moe.py",
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny_moe, tiny_mla, family, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json (sarvam-30b is read by the engines' Bailing classes, sarvam-105b by their Sarvam MLA classes)."""
-    path = engine_file(engine, FILES[family, engine])
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, FILES[family, engine])
     cfg = json.loads(((tiny_moe if family == "sarvam-moe" else tiny_mla) / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"num_experts_per_tok", "hidden_size"} <= read  # the reading found the file's keys

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, plan_kinds, read_tensors, weight_map, write_synth
+from helpers import (
+    config_keys_read,
+    engine_file_or_skip,
+    plan_kinds,
+    read_tensors,
+    weight_map,
+    write_synth,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,9 +124,7 @@ DERIVED: set[str] = set()
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` SGLang's sdar_moe.py reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file("sglang", "srt/models/sdar_moe.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/sdar_moe.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size"} <= read
@@ -130,17 +135,13 @@ def test_sglang_hard_codes_the_block_diffusion_parameters():
     """The release's config.json holds no block size or mask token: SGLang's DllmConfig.from_server_args takes
     block 4 and mask id 151669 for SDARMoeForCausalLM (the model card's JetEngine example: block_length 4,
     mask_token_id 151669)."""
-    path = engine_file("sglang", "srt/dllm/config.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/dllm/config.py")
     assert '"SDARMoeForCausalLM": {"block_size": 4, "mask_id": 151669}' in path.read_text()
 
 
 def test_vllm_does_not_register_it():
     """vLLM 0.33's registry has no SDARMoeForCausalLM (its row has one engine)."""
-    path = engine_file("vllm", "model_executor/models/registry.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/registry.py")
     assert "SDARMoe" not in path.read_text()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # stepfun-ai/step3 text_config: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -76,9 +76,7 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` vLLM's step3_text.py reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file("vllm", "model_executor/models/step3_text.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/step3_text.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     # not config.json keys: what vLLM's Step3TextConfig derives (rope_parameters from rope_theta / rope_scaling) and

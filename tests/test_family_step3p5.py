@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, one_line_error, read_tensors, run, weight_map, write_synth
+from helpers import (
+    MODEL_DIRS,
+    config_keys_read,
+    engine_file_or_skip,
+    one_line_error,
+    read_tensors,
+    run,
+    weight_map,
+    write_synth,
+)
 
 # stepfun-ai/Step-3.5-Flash config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -96,9 +105,7 @@ def test_shapes_and_dtypes_are_the_releases(tiny):
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny, engine):
     """Each ``config.X`` the engine's model file reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file(engine, {"vllm": "model_executor/models", "sglang": "srt/models"}[engine] + "/step3p5.py")
-    if path is None:
-        pytest.skip(f"no {engine} environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip(engine, f"{MODEL_DIRS[engine]}/step3p5.py")
     cfg = json.loads((tiny / "config.json").read_text())
     text = path.read_text()
     read = config_keys_read(text)

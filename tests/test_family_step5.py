@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, run, weight_map, write_synth
+from helpers import config_keys_read, engine_file, engine_file_or_skip, read_tensors, run, weight_map, write_synth
 
 # Step-5-Preview's text config: the values that are not sizes (sizes: the preset's). No config.json of the release is
 # among the public sources; these are the values vLLM 0.33's Step5 code requires or reads and the public port of the
@@ -146,9 +146,7 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
 def test_sparse_config_names_what_vllms_reader_takes(tiny):
     """Every sparse_config key is a Step5SparseConfig field vLLM's get_step5_sparse_config reads (or the section's
     ``enabled`` / the checkpoint's ``num_provider_groups`` name for index_tp_size), none of the names it refuses."""
-    path = engine_file("vllm", "models/step5/nvidia/config.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "models/step5/nvidia/config.py")
     text = path.read_text()
     body = text.split("class Step5SparseConfig:", 1)[1].split("\n\n\n", 1)[0]
     fields = set(re.findall(r"^    (\w+): [\w\[\], .]+ = ", body, re.M))
@@ -163,9 +161,7 @@ def test_vllm_reads_the_routed_experts_only_as_banks():
     """vLLM's Step5 loader takes the 3-D banks and refuses any per-expert ``.moe.experts.`` name: an NVFP4 output
     must keep the banks (weight, weight_scale, weight_scale_2, input_scale, each indexed by expert), not the per-expert
     modules the tool writes for Step-3.5 (docs/families.md, "Step 5")."""
-    path = engine_file("vllm", MODEL)
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", MODEL)
     text = path.read_text()
     for proj, param in (("gate", "w13"), ("up", "w13"), ("down", "w2")):
         assert re.search(rf'f"\.moe\.experts\.routed_experts\.{{base_layer}}{param}_weight",\s*'
@@ -177,9 +173,7 @@ def test_vllm_reads_the_routed_experts_only_as_banks():
 
 def test_sglang_does_not_register_it():
     """SGLang 0.5.23 has no Step5 model class (its row has one engine)."""
-    path = engine_file("sglang", "srt/models/step3p5.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/step3p5.py")
     assert not any("Step5" in f.read_text(errors="ignore") for f in path.parent.glob("*.py"))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import config_keys_read, engine_file, read_tensors, weight_map, write_synth
+from helpers import config_keys_read, engine_file_or_skip, read_tensors, weight_map, write_synth
 
 # xverse/XVERSE-MoE-A4.2B config.json: the values that are not sizes (sizes: the preset's)
 RELEASE = {
@@ -84,9 +84,7 @@ DERIVED = {"pad_token_id"}
 def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
     """Each ``config.X`` SGLang's xverse_moe.py reads directly (no getattr default, no hasattr guard) is in
     config.json."""
-    path = engine_file("sglang", "srt/models/xverse_moe.py")
-    if path is None:
-        pytest.skip("no sglang environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("sglang", "srt/models/xverse_moe.py")
     cfg = json.loads((tiny / "config.json").read_text())
     read = config_keys_read(path.read_text())
     assert {"moe_top_k", "num_experts", "num_shared_experts", "intermediate_size"} <= read
@@ -95,7 +93,5 @@ def test_config_holds_every_key_the_engine_reads_without_a_default(tiny):
 
 def test_vllm_does_not_register_it():
     """vLLM 0.33's registry has no XverseMoeForCausalLM (its row has one engine)."""
-    path = engine_file("vllm", "model_executor/models/registry.py")
-    if path is None:
-        pytest.skip("no vllm environment under ~/.cache/kimi-convert/engines")
+    path = engine_file_or_skip("vllm", "model_executor/models/registry.py")
     assert '"XverseMoeForCausalLM"' not in path.read_text()
