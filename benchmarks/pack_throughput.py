@@ -292,6 +292,17 @@ def hash_rate(digest, nbytes: int = 1 << 28, reps: int = 3) -> float:
     return nbytes / best
 
 
+def compile_bytecode() -> None:
+    """Write the package's bytecode before anything is timed, as ``pip install`` does and as any run does unless
+    ``PYTHONDONTWRITEBYTECODE`` is set (this project's development machine sets it): without it each pack compiles its
+    modules again, about 0.1-0.2 s of a 2-core pack's start (benchmarks/RESULTS.md, issue 38's session 40 section)."""
+    import kimi_convert
+    import kimi_convert.kernels
+
+    dirs = {*kimi_convert.__path__, *kimi_convert.kernels.__path__}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *sorted(dirs)], check=True, stdout=subprocess.DEVNULL)
+
+
 def run_pack(src: Path, out: Path, device: str, workers: int, drop: bool, max_shard: str,
              streams: int | None, extra: list[str]) -> tuple[float, int, int, dict, float, float]:
     shutil.rmtree(out, ignore_errors=True)
@@ -347,6 +358,7 @@ def main() -> None:
         cmd += ["--layers", str(a.layers)] if a.layers else []
         subprocess.run(cmd + (["--experts", str(a.experts)] if a.experts else []), check=True)
     SRC = src
+    compile_bytecode()
     size_in = sum(p.stat().st_size for p in files(src))
     # one untimed pack gives the output size and warms the kernels' caches (C build, Triton JIT)
     shutil.rmtree(out, ignore_errors=True)
