@@ -222,17 +222,18 @@ class Mapping:
                 return f"{module[:off + a]}#{module[off + b:]}"
         return None
 
-    def mtp_prefixes(self, config: dict) -> tuple[str, ...]:
-        """The name prefixes of the MTP layers ``config`` announces (none without an ``[mtp]`` table)."""
+    def mtp_prefixes(self, config: dict, tensors: Iterable[str] = ()) -> tuple[str, ...]:
+        """The name prefixes of the MTP layers ``config`` announces, or ``tensors`` (the checkpoint's names) store
+        where the ``[mtp]`` table counts them so (none without an ``[mtp]`` table)."""
         if self.mtp is None:
             return ()
-        return self.mtp.prefixes(lambda path: self.config_value(config, path))
+        return self.mtp.prefixes(lambda path: self.config_value(config, path), tensors)
 
-    def mtp_layers(self, config: dict) -> tuple[dict[str, str], ...]:
-        """What ``{i}`` and ``{n}`` of the ``[mtp]`` templates stand for in each MTP layer ``config`` announces."""
+    def mtp_layers(self, config: dict, tensors: Iterable[str] = ()) -> tuple[dict[str, str], ...]:
+        """What ``{i}`` and ``{n}`` of the ``[mtp]`` templates stand for in each MTP layer (:meth:`mtp_prefixes`)."""
         if self.mtp is None:
             return ()
-        return self.mtp.layer_values(lambda path: self.config_value(config, path))
+        return self.mtp.layer_values(lambda path: self.config_value(config, path), tensors)
 
     @property
     def sha256(self) -> str:

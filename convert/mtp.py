@@ -5,8 +5,10 @@ classes, SGLang's ``*NextN`` / ``*MTP`` models), while the main models drop them
 (its ``[mtp]`` table, written by ``kimi-convert mapping derive`` from the engines' own draft classes, or by hand):
 
 - **where** they are: ``prefix`` (``model.layers.{n}.`` for ``n`` from ``first`` (a config path, e.g.
-  ``num_hidden_layers``) to ``first + count - 1``; or a block such as ``mtp.``) and ``count`` (config paths: the
-  first present and positive counts the layers);
+  ``num_hidden_layers``, or a multiple of one: ``2 * num_layers``, LongCat-Flash's draft numbering) to
+  ``first + count - 1``; or a block such as ``mtp.``) and ``count`` (config paths: the first present and positive
+  counts the layers), or ``count_stored`` where no config key counts them (LongCat-Flash's and MiMo-V2-Flash's
+  ``model.mtp.layers.{i}.``: the layers the checkpoint stores under the block are the ones there are);
 - per engine (``[[mtp.draft]]``), what its draft model builds: the formats under which it builds the MTP layer's
   linear layers quantized (``quantized``; a draft that builds them unquantized under the output's format reads
   only the source's precision), the source modules it builds unquantized whatever the exclude list says
@@ -31,13 +33,14 @@ rest. Pure: no engine, no torch.
 from __future__ import annotations
 
 import re
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from .errors import ConvertError
 
 _N = re.compile(r"\{n\}")
+_FIRST = re.compile(r"^(?:(\d+)\s*\*\s*)?([A-Za-z_][\w.]*)$")  # ``path`` or ``k * path``
 
 
 @dataclass(frozen=True)
@@ -74,35 +77,51 @@ class Mtp:
     # (source module globs, reason): MTP modules the default leaves to the recipe although a draft builds them
     # unquantized, because keeping them breaks another check (a hand rule naming the failing engine check)
     quantize: tuple[tuple[str, ...], str] = ((), "")
+    count_stored: bool = False  # no config key counts the layers: those stored under the block prefix are the count
 
-    def layers(self, value) -> int:
-        """The number of MTP layers the config announces (``value(path)`` reads the text config)."""
+    def layers(self, value, tensors: Iterable[str] = ()) -> int:
+        """The number of MTP layers the config announces (``value(path)`` reads the text config), else with
+        ``count_stored`` the number of layers ``tensors`` (the checkpoint's names) store under the block prefix."""
         for path in self.count:
             n = value(path)
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
+        if self.count_stored and "{n}" not in self.prefix:
+            return len(numbered_block(tensors, self.prefix))
         return 0
+
+    def counted_by(self) -> str:
+        """What counts the layers, for a message."""
+        return " / ".join(self.count) or ("the layers stored under " + self.prefix if self.count_stored
+                                          else "its MTP count")
+
+    def first_number(self, value) -> int:
+        """The first MTP layer's number: ``first`` read from the config (``k * path`` multiplied), 0 without it."""
+        if not self.first:
+            return 0
+        k, path = first_parts(self.first)
+        v = value(path)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConvertError(f"config.json: {path} must be an integer (the first MTP layer's number is "
+                               f"{self.first})")
+        return k * v
 
     def present(self) -> tuple[Draft, ...]:
         """The drafts the engines have (not ``absent``)."""
         return tuple(d for d in self.drafts if not d.absent)
 
-    def layer_values(self, value) -> tuple[dict[str, str], ...]:
-        """Per MTP layer the config announces, what its templates' ``{i}`` (its index) and ``{n}`` (``first`` + the
+    def layer_values(self, value, tensors: Iterable[str] = ()) -> tuple[dict[str, str], ...]:
+        """Per MTP layer (:meth:`layers`), what its templates' ``{i}`` (its index) and ``{n}`` (``first`` + the
         index: its number where the prefix is ``model.layers.{n}.``, the draft's under a block prefix) stand for."""
-        first = value(self.first) if self.first else 0
-        if not isinstance(first, int):
-            raise ConvertError(f"config.json: {self.first} must be an integer (the first MTP layer's number)")
-        return tuple({"i": str(i), "n": str(first + i)} for i in range(self.layers(value)))
+        first = self.first_number(value)
+        return tuple({"i": str(i), "n": str(first + i)} for i in range(self.layers(value, tensors)))
 
-    def prefixes(self, value) -> tuple[str, ...]:
-        """The name prefixes of the MTP layers the config announces."""
-        n = self.layers(value)
+    def prefixes(self, value, tensors: Iterable[str] = ()) -> tuple[str, ...]:
+        """The name prefixes of the MTP layers (:meth:`layers`)."""
+        n = self.layers(value, tensors)
         if not _N.search(self.prefix):
             return (self.prefix,) if n else ()
-        first = value(self.first) if self.first else 0
-        if not isinstance(first, int):
-            raise ConvertError(f"config.json: {self.first} must be an integer (the first MTP layer's number)")
+        first = self.first_number(value)
         return tuple(self.prefix.replace("{n}", str(first + i)) for i in range(n))
 
     def pattern(self) -> re.Pattern[str]:
@@ -116,8 +135,27 @@ class Mtp:
         rx = self.pattern()
         if "{n}" not in self.prefix:
             return [t for t in tensors if rx.match(t)]
-        first = value(self.first) if self.first else 0
-        return [t for t in tensors if (h := rx.match(t)) and isinstance(first, int) and int(h.group(1)) >= first]
+        first = self.first_number(value)
+        return [t for t in tensors if (h := rx.match(t)) and int(h.group(1)) >= first]
+
+
+def first_parts(first: str) -> tuple[int, str]:
+    """``first`` as (multiplier, config path): ``num_hidden_layers`` (1, ...), ``2 * num_layers`` (2, ...)."""
+    hit = _FIRST.match(first.strip())
+    if hit is None:
+        raise ConvertError(f"[mtp] first = {first!r}: expected a config path or INTEGER * a config path")
+    return int(hit.group(1) or 1), hit.group(2)
+
+
+def numbered_block(tensors: Iterable[str], prefix: str) -> dict[int, str]:
+    """The layer numbers stored under a block prefix (DeepSeek V4's ``mtp.0.``, Qwen3.5's and LongCat-Flash's
+    ``...mtp.layers.0.``), each with the prefix its names spell it under."""
+    rx = re.compile(re.escape(prefix) + r"((?:layers\.)?)(\d+)\.")
+    found: dict[int, str] = {}
+    for t in tensors:
+        if h := rx.match(t):
+            found.setdefault(int(h.group(2)), f"{prefix}{h.group(1)}")
+    return found
 
 
 def _strs(t: dict, key: str, where: str) -> tuple[str, ...]:
@@ -138,7 +176,7 @@ def _pairs(t: dict, key: str, where: str) -> tuple[tuple[str, str], ...]:
 
 DRAFT_KEYS = {"engine", "model_class", "quantized", "unquantized", "names", "from_target", "reason", "shadows",
               "absent"}
-MTP_KEYS = {"prefix", "first", "count", "draft", "reason", "quantize", "quantize_reason"}
+MTP_KEYS = {"prefix", "first", "count", "count_stored", "draft", "reason", "quantize", "quantize_reason"}
 
 
 def _draft(t: object, where: str) -> Draft:
@@ -179,9 +217,19 @@ def parse(t: object, where: str) -> Mtp | None:
     drafts = t.get("draft", [])
     if not isinstance(drafts, list):
         raise ConvertError(f"{where}: 'draft' must be an array of tables")
-    return Mtp(prefix, str(t.get("first", "")), _strs(t, "count", where),
+    stored = t.get("count_stored", False)
+    if not isinstance(stored, bool) or (stored and "{n}" in prefix):
+        raise ConvertError(f"{where}: 'count_stored' must be true or false, and only with a block prefix "
+                           "(the layers stored under it are counted)")
+    first = str(t.get("first", ""))
+    if first:
+        try:
+            first_parts(first)
+        except ConvertError as e:
+            raise ConvertError(f"{where}: {e}") from None
+    return Mtp(prefix, first, _strs(t, "count", where),
                tuple(_draft(d, f"{where}.draft[{i}]") for i, d in enumerate(drafts)), str(t.get("reason", "")),
-               (_strs(t, "quantize", where), str(t.get("quantize_reason", ""))))
+               (_strs(t, "quantize", where), str(t.get("quantize_reason", ""))), stored)
 
 
 def in_layers(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -270,8 +318,8 @@ def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
     """Bad input, before any work: a config that announces MTP layers the checkpoint lacks, or stores MTP layers
     the config does not announce (the engines' main models would then load them as decoder layers, or their drafts
     find nothing)."""
-    prefixes = mtp.prefixes(value)
-    count = " / ".join(mtp.count) or "its MTP count"
+    prefixes = mtp.prefixes(value, tensors)
+    count = mtp.counted_by()
     for p in prefixes:
         if not any(t.startswith(p) for t in tensors):
             raise ConvertError(f"config.json: {count} announces MTP layer {p}* but the checkpoint stores no tensor "
@@ -281,22 +329,22 @@ def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
         raise ConvertError(f"{stray}: an MTP-layer tensor, but config.json's {count} announces "
                            + (f"only {', '.join(prefixes)}" if prefixes else "no MTP layer"))
     if prefixes and "{n}" not in mtp.prefix:
-        _check_numbered_block(tensors, mtp.prefix, mtp.layers(value), count)
+        _check_numbered_block(tensors, mtp.prefix, mtp.layers(value, tensors), count, mtp.count_stored and not any(
+            isinstance(value(p), int) and value(p) > 0 for p in mtp.count))
 
 
-def _check_numbered_block(tensors: list[str], prefix: str, n: int, count: str) -> None:
+def _check_numbered_block(tensors: list[str], prefix: str, n: int, count: str, stored: bool = False) -> None:
     """A block prefix whose layers are numbered under it (DeepSeek V4's ``mtp.0.``, Qwen3.5's ``mtp.layers.0.``):
     the numbers stored must be the config's count, 0 to n - 1, or the drafts build more layers than the checkpoint
-    fills (or leave some unloaded)."""
-    rx = re.compile(re.escape(prefix) + r"((?:layers\.)?)(\d+)\.")
-    found: dict[int, str] = {}
-    for t in tensors:
-        if h := rx.match(t):
-            found.setdefault(int(h.group(2)), f"{prefix}{h.group(1)}")
+    fills (or leave some unloaded). Counted from the storage (``count_stored``), the numbers must still run from 0."""
+    found = numbered_block(tensors, prefix)
     if not found:
         return
     head = next(iter(found.values()))
     lost = next((i for i in range(n) if i not in found), None)
+    if lost is not None and stored:
+        raise ConvertError(f"{head}: MTP layers stored as {', '.join(map(str, sorted(found)))}, no {lost}: their "
+                           "numbers must run from 0 with no gap (the drafts number them so)")
     if lost is not None:
         raise ConvertError(f"config.json: {count} announces MTP layer {head}{lost}.* but the checkpoint stores no "
                            "tensor under it")

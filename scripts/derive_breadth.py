@@ -21,7 +21,8 @@ the whole batch (each engine imported once) and ``TRITON_INTERPRET=1`` for all o
 After each architecture the JSONL and ``docs/derived-architectures.md`` (generated from it: ``--table-only``
 rewrites it alone) are rewritten; ``--ship`` copies the table of every architecture whose output both registering
 engines read right (an engine named in ``NOT_SERVED``, whose own code cannot serve the release, left out where it
-fails the fixture check) to ``mappings/derived/MODEL_TYPE.toml`` and its answers to
+fails the fixture check; one named in ``NOT_SERVED_QUANTIZED``, whose code loads the release but no quantized
+checkpoint of it, left out after the fixture check) to ``mappings/derived/MODEL_TYPE.toml`` and its answers to
 ``tests/derived/breadth/ARCH.answers.json`` (``tests/test_derive_breadth.py`` rebuilds each shipped table from them).
 """
 
@@ -219,7 +220,10 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    "IQuestQ1ForCausalLM": "tests/presets/iquest_q1.toml:tiny-iquest-q1",
                    "SDARMoeForCausalLM": "tests/presets/sdar_moe.toml:tiny-sdar-moe",
                    "Param2MoEForCausalLM": "tests/presets/param2moe.toml:tiny-param2moe",
-                   "AliceAIForCausalLM": "tests/presets/alice_ai.toml:tiny-alice-ai"}
+                   "AliceAIForCausalLM": "tests/presets/alice_ai.toml:tiny-alice-ai",
+                   "GraniteMoeHybridForCausalLM": "tests/presets/granitemoehybrid.toml:tiny-granitemoehybrid",
+                   "InklingForConditionalGeneration": "tests/presets/inkling.toml:tiny-inkling",
+                   "ZayaForCausalLM": "tests/presets/zaya.toml:tiny-zaya"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
 TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM", "DeepseekForCausalLM",
@@ -253,6 +257,18 @@ NOT_SERVED = {"Step3p5ForCausalLM": {"sglang": "SGLang 0.5.23 get_config stops i
                                             "Laguna"}}
 
 
+#: engines that load the release itself (its fixture check passes) but whose own loader loads no quantized checkpoint
+#: of the architecture (every output format fails in the engine's code, before any of the output's bytes are its
+#: question): left out of the steps after the fixture check whatever it says; the row says so with the reason.
+NOT_SERVED_QUANTIZED = {
+    "GraniteMoeHybridForCausalLM": {"sglang": "SGLang 0.5.23 granitemoehybrid.py load_weights: under a ModelOpt "
+                                              "config 'ModelOptFp4Config' object has no attribute 'get_cache_scale' "
+                                              "(granitemoehybrid.py:656), under compressed-tensors its per-expert "
+                                              "path passes FusedMoE.weight_loader a return_success it does not take "
+                                              "(TypeError, granitemoehybrid.py:638): docs/families.md, Granite 4.0 "
+                                              "hybrid"}}
+
+
 def work_for(root: Path, arch: Arch) -> Path:
     """An architecture's work folder; one whose fixture is a preset holds the preset's name too (SGLang reads a
     folder in Mistral's layout as such only when its path names the model: ``mistral_utils.py``
@@ -277,9 +293,10 @@ def synth_fixture(arch: Arch, work: Path) -> dict:
 
         config = mistral_checkpoint.config_view(json.loads((fx / mistral_checkpoint.PARAMS).read_text()))
         names = json.loads((fx / mistral_checkpoint.INDEX).read_text())["weight_map"]
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # (multimodal)
     return {"ok": True, "preset": spec.rpartition(":")[2], "architecture": arch.name,
             "model_type": config["model_type"], "layers_full": None,
-            "layers": config.get("num_hidden_layers", config.get("num_layers")),  # LongCat-Flash: num_layers
+            "layers": text.get("num_hidden_layers", text.get("num_layers")),  # LongCat-Flash: num_layers
             "tensors": len(names), "bytes": sum(f.stat().st_size for f in fx.glob("*.safetensors")),
             "routed_expert_tensors": sum(".experts." in n for n in names)}
 
@@ -407,19 +424,22 @@ def pack_step(work: Path, env: dict) -> dict:
 
 
 def not_served(arch: str, fixture_check: dict[str, dict]) -> dict[str, str]:
-    """The engines left out of the steps after the fixture check, with ``NOT_SERVED``'s reason: those it names for the
-    architecture whose fixture check failed (the one rule ``carried``, the table's cells and ``shippable`` read)."""
-    return {e: why for e, why in NOT_SERVED.get(arch, {}).items()
+    """The engines left out of the steps after the fixture check, with the reason: those ``NOT_SERVED`` names for the
+    architecture whose fixture check failed, and those ``NOT_SERVED_QUANTIZED`` names (the one rule ``carried``, the
+    table's cells and ``shippable`` read)."""
+    left = {e: why for e, why in NOT_SERVED.get(arch, {}).items()
             if not (fixture_check.get(e) or {}).get("loads", True)}
+    return left | NOT_SERVED_QUANTIZED.get(arch, {})
 
 
 def carried(arch: Arch, fixture_check: dict[str, dict]) -> tuple[str, ...]:
-    """The engines the steps after the fixture check run in: every registering engine, unless one listed in
-    ``NOT_SERVED`` for the architecture failed to load the fixture (then the others; none if any other failed)."""
+    """The engines the steps after the fixture check run in: every registering engine but those :func:`not_served`
+    leaves out (none if another engine failed to load the fixture)."""
     failed = {e for e, r in fixture_check.items() if not r["loads"]}
-    if failed - set(not_served(arch.name, fixture_check)):
+    left = not_served(arch.name, fixture_check)
+    if failed - set(left):
         return ()
-    return tuple(e for e in arch.engines if e not in failed)
+    return tuple(e for e in arch.engines if e not in failed and e not in left)
 
 
 def engine_steps(arch: Arch, work: Path, env: dict) -> dict:
@@ -536,7 +556,8 @@ def _engine_cell(rec: dict, step: str, engine: str, key: str, notes: Notes) -> s
     r = (rec.get(step) or {}).get(engine)
     why = not_served(rec["arch"], rec.get("fixture_check") or {}).get(engine)
     if r is None and why:
-        return "release not served " + notes.ref(rec["arch"], why)
+        what = "quantized not served " if engine in NOT_SERVED_QUANTIZED.get(rec["arch"], {}) else "release not served "
+        return what + notes.ref(rec["arch"], why)
     if r is None:
         return "not run"
     if r.get(key):
@@ -605,7 +626,44 @@ def _release_is(family: str, release: str, preset: str) -> str:
 #: why a row stops where it does, where the cells' own messages do not say it (a reading of the engines' code, the
 #: commands that show it): kept here, not in the JSONL, so a re-run keeps it
 FINDINGS = {
+    "GraniteMoeHybridForCausalLM": (
+        "the fixture is tests/presets/granitemoehybrid.toml (granite-4.0-h-tiny's config.json and names: Mamba-2 and "
+        "attention layers by layer_types, the experts as the release's two 3-D BF16 banks "
+        "block_sparse_moe.input_linear / output_linear, router.layer, shared_mlp, tied embeddings); both engines load "
+        "it (the banks take each loader's bank branch). SGLang 0.5.23 loads no quantized checkpoint of it, whatever "
+        "its names: its granitemoehybrid.py GraniteMoeHybridForCausalLM.load_weights calls "
+        "quant_config.get_cache_scale, which ModelOptFp4Config does not have (\"AttributeError: 'ModelOptFp4Config' "
+        "object has no attribute 'get_cache_scale' (at granitemoehybrid.py:656 in load_weights)\", on the first "
+        "tensor), and its _load_quant_expert passes return_success=True to FusedMoE.weight_loader, which does not take "
+        "it (the derivation's TypeError, on any per-expert name: also the compressed-tensors output's); the bank "
+        "branch has no name for a weight_scale_2 / input_scale (NOT_SERVED_QUANTIZED: the derivation, pack and "
+        "output check run in vLLM, whose reading decides): docs/families.md, \"Granite 4.0 hybrid\""),
     "Glm5NextForCausalLM": _release_is("GLM-5.3-Flash", "Glm5NextForConditionalGeneration", "tiny-glm5-next"),
+    "Llama4ForCausalLM": (
+        "the text-only class of Llama 4, whose releases (Llama-4-Scout / -Maverick) name "
+        "`Llama4ForConditionalGeneration` in config.json: that row is the one proven in both engines, its derived "
+        "table and overlay shipped (mappings/derived/llama4.toml, mappings/overlays/llama4.toml). This row's fixture "
+        "is transformers' text model saved alone, whose fused expert banks (feed_forward.experts.gate_up_proj / "
+        "down_proj) SGLang's Llama4ForCausalLM leaves unread (the fixture cell)"),
+    "KimiK3LinearForCausalLM": (
+        "the text-only class of Kimi K3 (SGLang 0.5.23 kimi_k3.py: \"Text-only K3 causal LM\"), whose release "
+        "names `KimiK3ForConditionalGeneration`: that architecture has the hand table mappings/kimi_k3.toml, byte "
+        "for byte as NVIDIA's converter and proven in both engines (README). vLLM 0.33 does not register this class"),
+    "BailingMoEForCausalLM": (
+        "SGLang 0.5.23's other spelling of BailingMoeForCausalLM (bailing_moe.py: BailingMoeForCausalLM subclasses "
+        "BailingMoEForCausalLM with no change, both in EntryClass): the same engine class as the "
+        "BailingMoeForCausalLM row, whose derived table (model_type bailing_moe) ships"),
+    "Grok1ModelForCausalLM": (
+        "SGLang 0.5.23 grok.py: \"An alias for backward-compatbility\" of Grok1ForCausalLM (a subclass with no "
+        "change): the same engine class as the Grok1ForCausalLM row, whose derived table ships"),
+    "Ernie4_5_ForCausalLM": (
+        "the dense ERNIE 4.5 class SGLang 0.5.23 lists in its MoE model file's EntryClass (ernie4.py: "
+        "[Ernie4_5_MoeForCausalLM, Ernie4_5_ForCausalLM]): no routed experts, so no MoE table; the MoE class's row "
+        "is Ernie4_5_MoeForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": (
+        "the dense Hunyuan class SGLang 0.5.23 lists in its MoE model file's EntryClass (hunyuan.py: "
+        "[HunYuanMoEV1ForCausalLM, HunYuanDenseV1ForCausalLM]): no routed experts, so no MoE table; the MoE class's "
+        "row is HunYuanMoEV1ForCausalLM"),
     "MiniMaxM3SparseForCausalLM": _release_is("MiniMax M3", "MiniMaxM3SparseForConditionalGeneration",
                                               "tiny-minimax-m3"),
     "Qwen4ExpForCausalLM": _release_is("Qwen3.8-Flash-Next", "Qwen4ExpForConditionalGeneration", "tiny-qwen4-exp"),
@@ -698,17 +756,38 @@ FINDINGS = {
         "config.json holds no MTP count (both engines hard-code theirs), and the [mtp] table's count is config paths "
         "(convert/mtp.py), so pack refuses the stored layers"),
     "ZayaForCausalLM": (
-        "the fixture's fault, not fixed: transformers 5's Zaya names are not the release's. SGLang 0.5.23 zaya.py "
-        "ZayaForCausalLM.load_weights reads the release's (ZAYA1) `self_attn.qkv.{linear_q, linear_k, conv_qk.{0,1}, "
-        "val_proj{1,2}, temp}` and per-expert `zaya_block.experts.local_experts.<i>.linear_fc1 / linear_fc2`; the "
-        "fixture holds `self_attn.qkv_proj.q_proj`... and 3-D expert banks (`mlp.experts.gate_up_proj`), so 65 "
-        "tensors reach nothing. A fixture in the release's names needs that rename and the banks split"),
+        "the fixture is tests/presets/zaya.toml, laid out as the release (Zyphra/ZAYA1-8B-legacy's config.json, CCA "
+        "attention and MoE half-layers, `self_attn.qkv.*`, per-expert `zaya_block.experts.local_experts.<i>."
+        "linear_fc1` (gate and up rows in one tensor) / `linear_fc2`, all BF16). SGLang 0.5.23 zaya.py ZayaRouter "
+        "builds router_states_scale on every MoE layer (zaya_use_eda) and its forward reads it only with a previous "
+        "MoE layer's router state, which ZayaModel.forward never gives the first MoE layer; the release stores none "
+        "there, and the engine check takes that parameter as engine-optional (enginecheck/sglang_runner.py "
+        "optional_for). The overlay mappings/overlays/zaya.toml keeps the routed experts BF16 (zaya.py load_weights "
+        "loads an expert's .weight only: every NVFP4 expert scale would be skipped) and names each bank for ModelOpt's "
+        "and compressed-tensors' exclusion matching; the derivation gives no group (the derived table's own rules "
+        "name experts .experts.N, not ZAYA's .experts.local_experts.N: nothing depends on it while they are kept). "
+        "docs/families.md, \"ZAYA1\""),
+    "InklingForConditionalGeneration": (
+        "the fixture is tests/presets/inkling.toml (thinkingmachines/Inkling-Small's config.json: inkling_mm_model, "
+        "text_config, the towers' configs, mtp_config; the release's own names model.llm.*, attn.wq_du / wk_dv / "
+        "wv_dv / wr_du, mlp.w13_dn / w2_md, the routed and shared experts as 3-D BF16 banks with gate / up rows "
+        "interleaved, the vision / audio towers, one MTP depth model.mtp.layers.0.*). Both engines read the layout as "
+        "stored; the fixture check fails on two gaps of the engine check, not of the release: the 20 MTP tensors count "
+        "as skipped (vLLM 0.33 nvidia/model.py _load_inkling_weights drops model.mtp.* on purpose, SGLang 0.5.23's "
+        "main model has no parameter for them; enginecheck/*_runner.py mtp_rule does not know the model.mtp. block), "
+        "and SGLang's InklingCausalLLM.__init__ compiles CUDA JIT kernels under the CPU stand-in "
+        "(compile_inkling_attn_prologue: 'cannot find -lcudart'). With SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE=0 "
+        "SGLANG_OPT_USE_INKLING_CUSTOM_AR=0 and no MTP layer both load it (78 of 78 parameters, none skipped). Past "
+        "that, mapping derive stops: vLLM, the expert banks (no source encoding splits Inkling's interleaved w13 bank, "
+        "and vLLM's InklingMoE.load_expert_weight reads experts only as banks); SGLang, KeyError "
+        "'modelopt_quant_config' (models/inkling_common/quantization/config.py is_nvfp4 reads only Thinking Machines' "
+        "own hf_quant_config.json layout). docs/families.md, Inkling"),
     "InklingForCausalLM": (
-        "the fixture's fault, not fixed: the release's names are not transformers 5's. vLLM 0.33 "
-        "models/inkling/nvidia/model.py _TmlForCausalLMBase.hf_to_vllm_mapper reads `model.llm.embed_norm`, "
-        "`model.llm.layers.*`, `attn.wq_du / wk_dv / wv_dv / wr_du` (stacked into qkvr) and `w13_dn / w2_md`; the "
-        "fixture holds `model.embed_tokens.embed_norm.weight` (the engine's first refusal), `self_attn.q_proj`... and "
-        "3-D expert banks"),
+        "vLLM's text-only entry (models/inkling/nvidia/model.py: 'inkling_model checkpoints'); no public release names "
+        "it (thinkingmachines/Inkling and Inkling-Small are InklingForConditionalGeneration, inkling_mm_model, whose "
+        "row holds the release's preset, tests/presets/inkling.toml). This row's fixture is transformers 5's class, "
+        "whose names are not the release's (vLLM reads model.llm.*, attn.wq_du / wk_dv / wv_dv / wr_du, "
+        "mlp.w13_dn / w2_md): the fixture's fault, not the engine's"),
     "AXK1ForCausalLM": (
         "the fixture is tests/presets/axk1.toml: post_mlp_layernorm stored on every layer, dense layer 0 included "
         "(vLLM 0.33 AXK1.py AXK1DecoderLayer builds it on every layer; transformers' modeling_axk1.py holds it in "
@@ -828,14 +907,15 @@ edit by hand (`--table-only` rewrites it from the JSONL). The architectures: eve
   `convert/derive/lookup.py`) where both engines that register the architecture read the output right; "hand
   table" where a table in `mappings/` already names it (it wins over a derived one). An engine whose own loader or
   config code fails on the release's layout (`NOT_SERVED` in the script, each with its evidence in
-  `docs/families.md`) is "release not served": the steps after the fixture check run in the other engine, whose
-  reading decides.
+  `docs/families.md`) is "release not served", one whose loader takes the release but no quantized checkpoint of it
+  in any output format (`NOT_SERVED_QUANTIZED`) "quantized not served": the steps after the fixture check run in the
+  other engine, whose reading decides.
 """
 
 
 def shippable(rec: dict) -> bool:
-    """Every registering engine read the output right, but one in ``NOT_SERVED`` for the architecture whose fixture
-    check failed (at least one engine read it right)."""
+    """Every registering engine read the output right, but one :func:`not_served` leaves out (at least one engine
+    read it right)."""
     out, left = rec.get("output_check") or {}, not_served(rec["arch"], rec.get("fixture_check") or {})
     regs = [e for e in ENGINES if rec.get(e) and e not in left]
     return (not rec.get("hand_table") and rec["arch"] not in PRESET_TABLES and bool(regs)

@@ -55,8 +55,10 @@ def test_plan_finds_the_shipped_table_without_engines(path, monkeypatch, tmp_pat
 
 def test_every_shipped_table_has_its_architecture_verified_in_the_docs(monkeypatch):
     """Every engine that registers the architecture read the output right, but one the script names as not serving
-    the release (``NOT_SERVED``) whose fixture check failed: at least one engine read it right."""
-    not_served = _script("derive_breadth", monkeypatch).NOT_SERVED
+    the release (``NOT_SERVED``) whose fixture check failed, or as loading no quantized checkpoint of it
+    (``NOT_SERVED_QUANTIZED``): at least one engine read it right."""
+    script = _script("derive_breadth", monkeypatch)
+    not_served, quantized = script.NOT_SERVED, script.NOT_SERVED_QUANTIZED
     rows = {d["arch"]: d for d in map(json.loads, (ROOT / "docs" / "derived-architectures.jsonl").read_text()
                                       .splitlines())}
     for path in SHIPPED:
@@ -65,9 +67,31 @@ def test_every_shipped_table_has_its_architecture_verified_in_the_docs(monkeypat
         engines = [e for e in ("vllm", "sglang") if rows[arch].get(e)]
         left = [e for e in engines if not fixture[e]["loads"]]
         assert all(e in not_served.get(arch, {}) for e in left), (arch, left)
-        engines = [e for e in engines if e not in left]
+        engines = [e for e in engines if e not in left and e not in quantized.get(arch, {})]
         assert engines and all(out[e]["read_right"] for e in engines), arch
         assert rows[arch]["shipped"] == f"mappings/derived/{path.name}"
+
+
+def test_an_engine_that_loads_the_release_but_no_quantized_checkpoint_is_left_out_after_the_fixture_check(
+        monkeypatch):
+    """``NOT_SERVED`` leaves an engine out only where its fixture check failed; ``NOT_SERVED_QUANTIZED`` whatever the
+    check says (the engine loads the BF16 release, no output of it); any other failure still stops the row."""
+    m = _script("derive_breadth", monkeypatch)
+    monkeypatch.setattr(m, "NOT_SERVED", {"A": {"sglang": "its config"}})
+    monkeypatch.setattr(m, "NOT_SERVED_QUANTIZED", {"B": {"sglang": "its quantized loader"}})
+    a, b = m.Arch("A", "a.py", "a.py", None), m.Arch("B", "b.py", "b.py", None)
+    ok, bad = {"loads": True}, {"loads": False}
+    assert m.carried(a, {"vllm": ok, "sglang": ok}) == ("vllm", "sglang")
+    assert m.carried(a, {"vllm": ok, "sglang": bad}) == ("vllm",)
+    assert m.carried(a, {"vllm": bad, "sglang": bad}) == ()
+    assert m.carried(b, {"vllm": ok, "sglang": ok}) == ("vllm",)
+    assert m.not_served("B", {"vllm": ok, "sglang": ok}) == {"sglang": "its quantized loader"}
+    assert m.carried(b, {"vllm": bad, "sglang": ok}) == ()
+    rec = {"arch": "B", "vllm": "b.py", "sglang": "b.py", "fixture_check": {"vllm": ok, "sglang": ok},
+           "output_check": {"vllm": {"read_right": True}}}
+    assert m.shippable(rec)
+    assert not m.shippable({**rec, "output_check": {"vllm": {"read_right": False}}})
+    assert "quantized not served" in m._engine_cell(rec, "output_check", "sglang", "read_right", m.Notes())
 
 
 def test_the_docs_table_is_the_one_its_jsonl_gives(monkeypatch):

@@ -168,6 +168,39 @@ def test_a_numbered_block_is_held_to_the_config_count():
             "mtp_num_hidden_layers"]}, "t"))
 
 
+def test_layers_no_config_key_counts_are_the_ones_stored_under_the_block():
+    """LongCat-Flash's and MiMo-V2-Flash's ``model.mtp.layers.{i}.``: no config key counts them, so the layers stored
+    under the block are the count (``count_stored``); ``first`` may be a multiple of a config path (vLLM's
+    LongCatFlashMTP numbers its layer ``2 * num_layers``)."""
+    m = mtp.parse({"prefix": "model.mtp.", "count": [], "count_stored": True, "first": "2 * num_layers"}, "t")
+    cfg = value_of({"num_layers": 28})
+    one = ["model.layers.0.mlps.0.up_proj.weight", "model.mtp.embed_tokens.weight", "model.mtp.layers.0.eh_proj.weight"]
+    three = [*one, "model.mtp.layers.1.eh_proj.weight", "model.mtp.layers.2.eh_proj.weight"]
+    assert m.layers(cfg, one) == 1 and m.layers(cfg, three) == 3 and m.layers(cfg, one[:1]) == 0
+    assert m.prefixes(cfg, one) == ("model.mtp.",) and m.prefixes(cfg, one[:1]) == ()
+    assert m.layer_values(cfg, three) == ({"i": "0", "n": "56"}, {"i": "1", "n": "57"}, {"i": "2", "n": "58"})
+    mtp.check_layers(three, cfg, m)
+    with pytest.raises(ConvertError, match=r"model\.mtp\.layers\.: MTP layers stored as 0, 2, no 1: .* no gap"):
+        mtp.check_layers([*one, "model.mtp.layers.2.eh_proj.weight"], cfg, m)
+    # a config key that counts them still decides, the storage held to it as before
+    counted = mtp.parse({"prefix": "model.mtp.", "count": ["num_nextn_predict_layers"], "count_stored": True}, "t")
+    with pytest.raises(ConvertError, match=r"model\.mtp\.layers\.1\.\*: an MTP layer, but .* announces only 1"):
+        mtp.check_layers(three, value_of({"num_nextn_predict_layers": 1}), counted)
+    with pytest.raises(ConvertError, match=r"num_layers must be an integer"):
+        m.layer_values(value_of({"num_layers": "28"}), one)
+
+
+def test_parse_refuses_a_stored_count_under_numbered_layers_and_a_first_that_is_no_path():
+    with pytest.raises(ConvertError, match="count_stored"):
+        mtp.parse({**GLM_MTP, "count_stored": True}, "t")
+    with pytest.raises(ConvertError, match="count_stored"):
+        mtp.parse({"prefix": "mtp.", "count_stored": "yes"}, "t")
+    for bad in ("2 *", "num_layers + 1", "x * num_layers", "2 * 3"):
+        with pytest.raises(ConvertError, match=r"first = .*expected a config path or INTEGER \* a config path"):
+            mtp.parse({"prefix": "mtp.", "first": bad}, "t")
+    assert mtp.parse({"prefix": "mtp.", "first": "3*n_layers"}, "t").first_number(value_of({"n_layers": 5})) == 15
+
+
 # -- the derivation's rules, on answers written by hand in the runners' format -----------------------------------
 
 
@@ -186,6 +219,33 @@ def test_locate_reads_layers_and_blocks_from_the_main_models_mtp_names():
     # a block indexed without a layers list (DeepSeek V4's mtp.0.)
     assert draft.locate(["mtp.0.attn.wkv.weight", "mtp.0.ffn.gate.weight"], q)["prefix"] == "mtp."
     assert draft.locate([], cfg) is None
+    # no config key counts the block's layers (LongCat-Flash): the stored ones do
+    assert draft.locate(["model.mtp.embed_tokens.weight", "model.mtp.layers.0.eh_proj.weight"], {"num_layers": 2}) == {
+        "prefix": "model.mtp.", "count": [], "count_stored": True}
+
+
+def test_the_drafts_layer_number_is_read_as_the_decoder_count_or_its_double():
+    """vLLM's LongCatFlashMTP asks its quant method under ``model.layers.{2 * num_layers}.`` (the stand-in's 4 for 2
+    layers): the table says ``first = "2 * num_layers"`` and the names template ``{n}``; where no draft numbers a
+    layer so, no ``first``."""
+    spans = [{"tensor": "model.mtp.layers.0.self_attn.q_a_proj.weight",
+              "param": "model.layers.4.self_attn.fused_qkv_a_proj.weight"}]
+    mods = {"model.layers.4.self_attn.fused_qkv_a_proj": _module("linear", "Lin",
+                                                                 "model.layers.4.self_attn.fused_qkv_a_proj")}
+    answers = {"vllm": {"trace": {"model_class": "x.LongCatFlashMTP", "version": "0.33.0", "spans": spans,
+                                  "from_target": []}, "builds": {"modelopt": {"modules": mods}}}}
+    names = ["model.mtp.layers.0.self_attn.q_a_proj.weight", "model.mtp.norm.weight"]
+    sec = draft.section(names, {"num_layers": 2}, answers)
+    assert sec["first"] == "2 * num_layers" and sec["count_stored"] and sec["count"] == []
+    assert sec["draft"][0]["names"] == [["model.mtp.layers.{i}.self_attn.q_a_proj",
+                                         "model.layers.{n}.self_attn.fused_qkv_a_proj"]]
+    by_index = {"model.layers.0.self_attn.fused_qkv_a_proj": _module("linear", "Lin",
+                                                                     "model.layers.0.self_attn.fused_qkv_a_proj")}
+    answers["vllm"]["builds"]["modelopt"]["modules"] = by_index
+    answers["vllm"]["trace"]["spans"] = [{**spans[0], "param": "model.layers.0.self_attn.fused_qkv_a_proj.weight"}]
+    sec = draft.section(names, {"num_layers": 2}, answers)
+    assert "first" not in sec and sec["draft"][0]["names"] == [["model.mtp.layers.{i}.self_attn.q_a_proj",
+                                                               "model.layers.{i}.self_attn.fused_qkv_a_proj"]]
 
 
 def _module(kind, method, prefix=None, weight=(256, 512)):

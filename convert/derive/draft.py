@@ -26,6 +26,7 @@ from pathlib import Path
 _LAYER = re.compile(r"^(.*?\blayers\.)(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 _COUNT_HINTS = ("nextn", "mtp")
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers")  # the decoder's layer count, as configs name it
 
 
 def ask(dirs: dict[str, Path], engines: tuple[str, ...], formats: tuple[str, ...], trust_remote_code: bool = False
@@ -69,7 +70,27 @@ def locate(mtp_names: list[str], config: dict) -> dict | None:
     block = _block(mtp_names)
     if block:
         key = _count_key(text, max(1, len({h.group(2) for h in hits if h})))
-        return {"prefix": block, "count": [key] if key else []}
+        # no config key counts them (LongCat-Flash, MiMo-V2-Flash): the layers stored under the block are the count
+        return {"prefix": block, "count": [key]} if key else {"prefix": block, "count": [], "count_stored": True}
+    return None
+
+
+def _first(text: dict, drafts: dict[str, dict]) -> tuple[str, int] | None:
+    """How the drafts number their layers under a block prefix (the config path, or ``k * path``, whose value is the
+    first MTP layer's number in the drafts' quant prefixes, and that number): ``num_hidden_layers`` where it is one
+    of them (vLLM's DeepSeekV4MTP), else the decoder's layer count or its double (vLLM's LongCatFlashMTP numbers its
+    one layer ``2 * num_layers``: ``longcat_flash_mtp.py`` ``mtp_start_layer_idx``); None where no draft numbers them
+    so."""
+    seen = {int(h.group(1)) for a in drafts.values() for b in a.get("builds", {}).values()
+            for info in b.get("modules", {}).values()
+            if (h := re.search(r"\blayers\.(\d+)\.", info.get("quant_prefix") or ""))}
+    for k in _LAYER_COUNTS:
+        v = text.get(k)
+        if type(v) is not int or v <= 0:
+            continue
+        for mult in (1, 2):
+            if mult * v in seen:
+                return (k if mult == 1 else f"{mult} * {k}"), mult * v
     return None
 
 
@@ -201,16 +222,16 @@ def section(mtp_names: list[str], config: dict, drafts: dict[str, dict]) -> dict
     if loc is None:
         return None
     text, _ = _text(config)
-    n = next((text.get(k) for k in loc.get("count", []) if isinstance(text.get(k), int)), 1)
+    n = _count(loc, text, mtp_names)
     if "{n}" in loc["prefix"]:
         prefixes = [loc["prefix"].replace("{n}", str(text["num_hidden_layers"] + i)) for i in range(n)]
     else:
         prefixes = [loc["prefix"]]
-    first = text.get("num_hidden_layers") if isinstance(text.get("num_hidden_layers"), int) else None
-    entries = [draft_entry(e, a, loc, prefixes, first, n) for e, a in sorted(drafts.items())]
+    how = ("num_hidden_layers", text["num_hidden_layers"]) if "first" in loc else _first(text, drafts)
+    entries = [draft_entry(e, a, loc, prefixes, how[1] if how else None, n) for e, a in sorted(drafts.items())]
     out = dict(loc)
-    if "first" not in loc and any("{n}" in dst for d in entries for _, dst in d.get("names", [])):
-        out = {"prefix": loc["prefix"], "first": "num_hidden_layers", **loc}  # the drafts number {n} from it
+    if "first" not in loc and how and any("{n}" in dst for d in entries for _, dst in d.get("names", [])):
+        out = {"prefix": loc["prefix"], "first": how[0], **loc}  # the drafts number {n} from it
     out["reason"] = "the engines' main models drop these layers on purpose; their speculative-decoding drafts load them"
     out["draft"] = entries
     return out
@@ -222,7 +243,15 @@ def mtp_embeddings(mtp_names: list[str], config: dict, drafts: dict[str, dict]) 
     if loc is None:
         return []
     text, _ = _text(config)
-    n = next((text.get(k) for k in loc.get("count", []) if isinstance(text.get(k), int)), 1)
+    n = _count(loc, text, mtp_names)
     prefixes = ([loc["prefix"].replace("{n}", str(text["num_hidden_layers"] + i)) for i in range(n)]
                 if "{n}" in loc["prefix"] else [loc["prefix"]])
     return embeddings(drafts, loc, prefixes)
+
+
+def _count(loc: dict, text: dict, mtp_names: list[str]) -> int:
+    """The stand-in's MTP layer count: its config key's value, else the layers its names store (``count_stored``)."""
+    n = next((text.get(k) for k in loc.get("count", []) if isinstance(text.get(k), int)), None)
+    if n is None and loc.get("count_stored"):
+        n = len({h.group(2) for m in mtp_names if (h := _LAYER.match(m))})
+    return n or 1

@@ -37,8 +37,16 @@ OPTIONAL = [
 ]
 
 def optional_for(model) -> list[tuple[str, str]]:
-    """Parameters optional for this model as SGLang built it (decided from its own quant methods)."""
+    """Parameters optional for this model as SGLang built it (decided from its own quant methods, and ZAYA1's first
+    router's state scale, which its forward never reads)."""
     out = []
+    first_router = next((n for n, m in model.named_modules() if type(m).__name__ == "ZayaRouter"), None)
+    if first_router is not None:
+        out.append((rf"^{re.escape(first_router)}\.router_states_scale$",
+                    "ZAYA1's first MoE layer: zaya.py ZayaRouter.__init__ builds router_states_scale on every MoE "
+                    "layer when zaya_use_eda, its forward reads it only with a previous MoE layer's router state, "
+                    "which ZayaModel.forward never gives the first (prev_router_hidden_states None); the release "
+                    "stores none there"))
     for name, module in model.named_modules():
         qm = getattr(module, "quant_method", None)
         if type(qm).__name__ == "ModelOptNvFp4A16LinearMethod" and hasattr(module, "input_scale"):

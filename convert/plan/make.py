@@ -72,6 +72,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     check_config_tensors(ckpt, m)
     if m.mtp is not None:  # the MTP layers the config announces are the ones stored (convert/mtp.py)
         mtp.check_layers(list(ckpt.tensors), lambda path: m.config_value(ckpt.config, path), m.mtp)
+    mtp_at, mtp_layers = m.mtp_prefixes(ckpt.config, ckpt.tensors), m.mtp_layers(ckpt.config, ckpt.tensors)
     recipe = with_format(recipe or find_recipe(opts.recipe, m.name), opts.format)
     _check_input_scale(recipe, opts)
     patterns = collect_patterns(m, opts) if patterns is None else patterns
@@ -84,14 +85,13 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
             x = (Expansion(outline.units, outline.engine_groups, banks, tuple(ckpt.files))
                  if expandable(outline.engine_groups, banks) else None)
             return _plan(ckpt, m, opts, patterns, recipe, st,
-                         exclude_list(st.items, m, recipe, banks.members, m.mtp_prefixes(ckpt.config),
-                                      tied_head(ckpt, m), st.engine_groups, m.mtp_layers(ckpt.config)),
+                         exclude_list(st.items, m, recipe, banks.members, mtp_at, tied_head(ckpt, m),
+                                      st.engine_groups, mtp_layers),
                          partial(_per_module, ckpt, m, opts, patterns, recipe), partial(_given, outline), x)
     st = _stages(ckpt, m, opts, patterns, recipe)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
-    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None,
-                                                                   m.mtp_prefixes(ckpt.config), tied_head(ckpt, m),
-                                                                   st.engine_groups, m.mtp_layers(ckpt.config)),
+    return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None, mtp_at,
+                                                                   tied_head(ckpt, m), st.engine_groups, mtp_layers),
                  partial(_given, per), _outline)
 
 
@@ -174,7 +174,7 @@ def _outline(plan: Plan) -> Outline:
 
 def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
     ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()),
-                        mtp_prefixes=m.mtp_prefixes(ckpt.config))
+                        mtp_prefixes=m.mtp_prefixes(ckpt.config, ckpt.tensors))
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules
