@@ -739,11 +739,12 @@ FINDINGS = {
         "gate_proj / up_proj, which the release does not store (vLLM longcat_flash.py get_expert_mapping maps "
         "n_routed_experts experts: KeyError on expert 8); scripts/make_fixture.py RELEASE_DROPS drops them. "
         "The fixture now is tests/presets/longcat_flash.toml (the "
-        "release's config.json: num_layers, no num_hidden_layers, its MTP layer under model.mtp.*). Where the table "
-        "stops: the MTP layer. config.json holds no MTP count (vLLM's LongCatFlashMTP builds one layer, numbered 2 * "
-        "num_layers: longcat_flash_mtp.py mtp_start_layer_idx), and the [mtp] table's count and first are config "
-        "paths (convert/mtp.py), so pack refuses the stored layer (\"an MTP-layer tensor, but config.json's its MTP "
-        "count announces no MTP layer\"), and a derived draft name holds the fixture's layer number (4) literally"),
+        "release's config.json: num_layers, no num_hidden_layers, its MTP layer under model.mtp.*). config.json "
+        "holds no MTP count: the [mtp] table counts the layers stored under model.mtp. (count_stored) and numbers "
+        "vLLM's draft layer 2 * num_layers (first; longcat_flash_mtp.py mtp_start_layer_idx). The overlay "
+        "mappings/overlays/longcat_flash.toml keeps the MTP layer as stored: LongCatFlashMTP.load_weights renames "
+        "only .weight / .weight_scale_inv names (\"KeyError: 'model.mtp.layers.0.eh_proj.weight_scale'\" with it "
+        "NVFP4); then vLLM's main model and its draft read the output right (docs/families.md, \"LongCat-Flash\")"),
     "MiMoV2FlashForCausalLM": (
         "the fixture is tests/presets/mimo_v2_flash.toml (the release's config.json, read through its own config class "
         "with --trust-remote-code: transformers 5.19's MiMoV2FlashConfig gave SGLang per-layer-type rope settings, a "
