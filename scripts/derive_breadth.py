@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,6 +258,17 @@ NOT_SERVED = {"Step3p5ForCausalLM": {"sglang": "SGLang 0.5.23 get_config stops i
                                             "Laguna"}}
 
 
+#: engines whose main model loads the release but whose speculative-decoding draft does not, for a reason of its own
+#: (the release's MTP layers as stored): the fixture check holds the main model alone there (the draft's verdict kept
+#: beside it); the output check holds the draft as usual.
+DRAFT_NOT_SERVED = {
+    "MiMoV2FlashForCausalLM": {"sglang": "SGLang 0.5.23 mimo_v2_nextn.py MiMoV2MTP builds the MTP layer under its own "
+                                         "prefix (model.decoder.*), which the release's FP8 quantization_config's "
+                                         "ignored_layers (model.mtp.layers.{i}.self_attn.o_proj) does not name, so "
+                                         "it builds o_proj FP8 against the release's BF16 weight: \"1 unfilled "
+                                         "parameter(s) (first: model.mtp_block.self_attn.o_proj.weight_scale_inv); "
+                                         "3 bad cast(s)\": docs/families.md, MiMo-V2-Flash"}}
+
 #: engines that load the release itself (its fixture check passes) but whose own loader loads no quantized checkpoint
 #: of the architecture (every output format fails in the engine's code, before any of the output's bytes are its
 #: question): left out of the steps after the fixture check whatever it says; the row says so with the reason.
@@ -334,8 +346,11 @@ def _loads(er: dict, fixture: bool) -> bool:
                                                                                 "observer_errors", "rule_broken"))
 
 
-def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict, trust: bool = False) -> dict:
-    """verify-manifest FOLDER [--input SOURCE] --engine E...: per engine, loads / read right / its verdict."""
+def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], env: dict, trust: bool = False,
+                 drafts_left: Container[str] = ()) -> dict:
+    """verify-manifest FOLDER [--input SOURCE] --engine E...: per engine, loads / read right / its verdict; the draft
+    of an engine in ``drafts_left`` (``DRAFT_NOT_SERVED``: its draft cannot load the release itself) is kept beside
+    the cell (``draft``), not held to it."""
     cmd = ["kimi-convert", "verify-manifest", str(folder), "--json", "-q"]
     cmd += ["--input", str(source)] if source is not None else ["--no-numerics"]
     cmd += ["--trust-remote-code"] if trust else []
@@ -355,7 +370,10 @@ def engine_check(folder: Path, source: Path | None, engines: tuple[str, ...], en
         read = None if source is None else loads and (bool(num.get("ok")) if num or not draft else True)
         got = {"loads": loads, "read_right": read, "verdict": er.get("verdict", ""), "params": er.get("params"),
                "numerics": (num.get("summary") if num else None)}
-        res[er["engine"]] = _with_draft(res[er["engine"]], got) if draft else got
+        if draft and er["engine"] in drafts_left:
+            res[er["engine"]]["draft"] = got
+        else:
+            res[er["engine"]] = _with_draft(res[er["engine"]], got) if draft else got
     return res
 
 
@@ -445,7 +463,8 @@ def carried(arch: Arch, fixture_check: dict[str, dict]) -> tuple[str, ...]:
 def engine_steps(arch: Arch, work: Path, env: dict) -> dict:
     """Steps 2-5 (the caller holds the engine lock)."""
     fx, trust = work / "fixture", arch.name in TRUST_REMOTE_CODE
-    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env, trust)}
+    res: dict = {"fixture_check": engine_check(fx, None, arch.engines, env, trust,
+                                               DRAFT_NOT_SERVED.get(arch.name, {}))}
     engines = carried(arch, res["fixture_check"])
     if not engines:
         return res
@@ -571,6 +590,9 @@ def _fixture_check_cell(rec: dict, engine: str, notes: Notes) -> str:
     r = (rec.get("fixture_check") or {}).get(engine) or {}
     if r.get("loads") and r.get("read_right") is False:
         cell += " (numeric check: " + notes.ref(rec["arch"], r.get("verdict") or "") + ")"
+    why = DRAFT_NOT_SERVED.get(rec["arch"], {}).get(engine)
+    if why and r.get("draft") and not r["draft"].get("loads"):
+        cell += " (its draft: release not served " + notes.ref(rec["arch"], why) + ")"
     return cell
 
 
@@ -753,9 +775,12 @@ FINDINGS = {
         "enginecheck/*_runner.py mtp_rule); vLLM's draft builds the first MTP layer only (mimo_v2_mtp.py "
         "_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1). SGLang 0.5.23's draft (mimo_v2_nextn.py MiMoV2MTP) does not read the "
         "release's MTP layer: it builds it under model.mtp_block.*, which the release's ignored_layers cannot name, so "
-        "its BF16 o_proj meets an FP8 parameter (the cell's bad cast). Past it (a patched copy, docs/families.md): "
-        "config.json holds no MTP count (both engines hard-code theirs), and the [mtp] table's count is config paths "
-        "(convert/mtp.py), so pack refuses the stored layers"),
+        "its BF16 o_proj meets an FP8 parameter (DRAFT_NOT_SERVED: the fixture check holds SGLang's main model "
+        "alone). config.json holds no MTP count (both engines hard-code theirs): the [mtp] table counts the 3 stored "
+        "layers (count_stored). The output's exclude list names each kept MTP module under each draft's own prefix, "
+        "and both engines' main models and drafts read it right; SGLang's draft loads every stored MTP layer into "
+        "its one layer, the last written staying (the numeric check names the weights it wrote over, not read) "
+        "(docs/families.md, \"MiMo-V2-Flash\")"),
     "ZayaForCausalLM": (
         "the fixture is tests/presets/zaya.toml, laid out as the release (Zyphra/ZAYA1-8B-legacy's config.json, CCA "
         "attention and MoE half-layers, `self_attn.qkv.*`, per-expert `zaya_block.experts.local_experts.<i>."

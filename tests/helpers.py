@@ -453,10 +453,9 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet (plan derives theirs from the engines
 #: where they are present; without them, one line): Step-3 text stores 3-D expert banks its one engine (vLLM 0.33)
-#: reads back only as banks (no stacked NVFP4 output yet; docs/families.md, "Step-3 text"); MiMo-V2-Flash's SGLang
-#: draft reads none of its release's MTP layers right (docs/families.md, "MiMo-V2-Flash"). Tests that pack every
+#: reads back only as banks (no stacked NVFP4 output yet; docs/families.md, "Step-3 text"). Tests that pack every
 #: preset leave them out.
-PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3-text", "tiny-mimo-v2-flash",
+PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3-text",
                                    # Step 5: vLLM refuses its fused DSA projection quantized and reads its experts only
                                    # as 3-D banks (docs/families.md, "Step 5")
                                    "tiny-step5",

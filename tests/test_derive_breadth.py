@@ -94,6 +94,25 @@ def test_an_engine_that_loads_the_release_but_no_quantized_checkpoint_is_left_ou
     assert "quantized not served" in m._engine_cell(rec, "output_check", "sglang", "read_right", m.Notes())
 
 
+def test_a_draft_that_cannot_load_the_release_is_kept_beside_the_fixture_cell_not_held_to_it(monkeypatch, tmp_path):
+    """``DRAFT_NOT_SERVED``: the fixture check holds that engine's main model alone (its draft's verdict kept beside,
+    the docs cell saying so); any other engine's draft, and every draft in the output check, still must hold."""
+    m = _script("derive_breadth", monkeypatch)
+    main = {"engine": "sglang", "loaded": True, "verdict": "main loads"}
+    draft = {"engine": "sglang", "loaded": True, "unfilled": ["x.weight_scale_inv"], "verdict": "draft: 1 unfilled"}
+    monkeypatch.setattr(m, "run", lambda cmd, env, **kw: (1, json.dumps({"engines": [main, draft]}), ""))
+    held = m.engine_check(tmp_path / "fx", None, ("sglang",), {})
+    assert held["sglang"]["loads"] is False and held["sglang"]["verdict"] == "draft: 1 unfilled"
+    left = m.engine_check(tmp_path / "fx", None, ("sglang",), {}, drafts_left={"sglang"})
+    assert left["sglang"]["loads"] is True and left["sglang"]["verdict"] == "main loads"
+    assert left["sglang"]["draft"]["loads"] is False
+    monkeypatch.setattr(m, "DRAFT_NOT_SERVED", {"A": {"sglang": "its draft's own prefix"}})
+    rec = {"arch": "A", "vllm": None, "sglang": "a.py", "fixture_check": left}
+    notes = m.Notes()
+    assert m._fixture_check_cell(rec, "sglang", notes).startswith("yes (its draft: release not served [1]")
+    assert notes.items == ["A: its draft's own prefix"]
+
+
 def test_the_docs_table_is_the_one_its_jsonl_gives(monkeypatch):
     spec = importlib.util.spec_from_file_location("derive_breadth", ROOT / "scripts" / "derive_breadth.py")
     mod = importlib.util.module_from_spec(spec)

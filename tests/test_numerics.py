@@ -135,6 +135,30 @@ def test_dense_layer_must_be_exact(tmp_path):
     assert not rep.ok and "rows 5..5" in rep.failures()[0], rep.failures()
 
 
+def test_rows_the_engines_loader_writes_again_hold_the_last_tensor_and_name_the_ones_written_over(tmp_path):
+    """SGLang 0.5.23's MiMo-V2 draft loads each stored MTP layer's weights into its one layer (the last written
+    stays): the earlier tensors are written over by the engine's own loader, not read, so not held to the layer; the
+    last one is. Rows written again only in part, or a tensor offered after it not rewriting it, still fail."""
+    layer = {"param": "m.weight", "kind": "linear", "scheme": "dense", "dtype": "torch.bfloat16"}
+    a, b, c = (_weights(64, 32, s) for s in (7, 8, 9))
+    src = FakeSources({"a.weight": a, "b.weight": b, "c.weight": c})
+
+    def spot(seq, row=0, rows=64):
+        return [{"param": "m.weight", "row": row, "rows": rows, "src_row": 0, "seq": seq}]
+
+    three = {"a.weight": spot(0), "b.weight": spot(1), "c.weight": spot(2)}
+    rep = _compare(tmp_path, layer, c.float(), three, src)
+    assert rep.ok, rep.failures()
+    assert rep.overwritten == ["a.weight by c.weight in m.weight", "b.weight by c.weight in m.weight"]
+    assert rep.layers[0].members == ["c.weight"] and not rep.unplaced
+    # the engine holding the first one instead: the last offered is what it must hold, so it is read wrong
+    assert not _compare(tmp_path, layer, a.float(), three, src).ok
+    # a later tensor over only half the rows: no full rewrite, both held to their rows
+    half = {"a.weight": spot(0), "b.weight": [{"param": "m.weight", "row": 0, "rows": 32, "src_row": 0, "seq": 1}]}
+    rep = _compare(tmp_path, layer, a.float(), half, src)
+    assert not rep.overwritten and not rep.ok
+
+
 def test_a_weight_the_engine_scales_as_it_loads_is_held_to_the_scaled_source(tmp_path):
     """SGLang's Grok folds output_multiplier_scale into lm_head as it loads it (grok.py load_weight_wrapper:
     fp32 weight times the constant, then its bf16 parameter): read right in SGLang for that architecture only, and

@@ -175,7 +175,11 @@ class Report:
         exact = sum(s["exact_layers"] for s in n["summary"].values())
         worst = ", ".join(f"{k} {s['max_rel_err']:.3g} (bound {s['max_bound']:.3g})" for k, s in
                           sorted(n["summary"].items()))
-        return f"numerics: {layers} layers read right, {exact} exactly; max relative error per format: {worst}"
+        gone = n.get("overwritten") or []
+        also = (f"; {len(gone)} checkpoint weight(s) written over by the engine's own loader, so not read (first: "
+                f"{gone[0]})" if gone else "")
+        return (f"numerics: {layers} layers read right, {exact} exactly; max relative error per format: {worst}"
+                + also)
 
     @property
     def verdict(self) -> str:

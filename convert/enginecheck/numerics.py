@@ -140,6 +140,9 @@ class NumericReport:
     layers: list[LayerCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     unplaced: list[str] = field(default_factory=list)  # checkpoint weights placed in no layer read here
+    # "TENSOR by LATER in PARAM": a checkpoint weight whose rows the engine's own loader wrote again with another's
+    # (SGLang's MiMo-V2 draft loads each stored MTP layer into its one layer): not read, so not held to anything
+    overwritten: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -167,7 +170,8 @@ class NumericReport:
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "ok": self.ok, "problems": self.failures(), "summary": self.summary(),
-                "unplaced": self.unplaced, "layers": [_layer_dict(c) for c in self.layers]}
+                "unplaced": self.unplaced, "overwritten": self.overwritten,
+                "layers": [_layer_dict(c) for c in self.layers]}
 
 
 def _layer_dict(c: LayerCheck) -> dict:
@@ -252,8 +256,14 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
                                     f"{s['param']}")
                 continue
             placed.setdefault((s["param"], s.get("expert")), []).append(
-                (tensor, s["row"], s["rows"], s.get("src_row"), _order(s)))
+                (tensor, s["row"], s["rows"], s.get("src_row"), _order(s), s.get("seq")))
     used: set[str] = set()
+    for key, spots in placed.items():
+        gone = _overwritten(spots)
+        placed[key] = [s for s in spots if s[0] not in gone]
+        rep.overwritten += [f"{t} by {by} in {key[0]}" + (f" expert {key[1]}" if key[1] is not None else "")
+                            for t, by in sorted(gone.items())]
+        used.update(gone)
     transforms = load_transforms(engine, sources.config)
     with safe_open(str(folder / "numerics.safetensors"), framework="pt") as f:
         for layer in num.get("layers", []):
@@ -262,6 +272,19 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
                 rep.layers.append(c)
     rep.unplaced = sorted({spot[0] for spots in placed.values() for spot in spots} - used)
     return rep
+
+
+def _overwritten(spots: list[tuple]) -> dict[str, str]:
+    """The tensors among one parameter's (or expert's) placements whose rows a tensor offered after them was written
+    to whole, the same rows from the same source row: {earlier tensor: the last one written there}. The engine holds
+    the last; the earlier ones it read and threw away (its own loader's doing, whatever the checkpoint)."""
+    seqs = {t: q for t, *_, q in spots}
+    over: dict[str, list[str | None]] = {}
+    for t, row, n, src, _, seq in spots:
+        later = [u for u, r2, n2, s2, *_ in spots if u != t and (r2, n2, s2) == (row, n, src)
+                 and seq is not None and seqs[u] is not None and seqs[u] > seq]
+        over.setdefault(t, []).append(max(later, key=seqs.__getitem__) if later else None)
+    return {t: by[-1] for t, by in over.items() if all(by)}  # every spot of it written over
 
 
 def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, used: set[str],
@@ -312,7 +335,7 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
     with rows that cannot be where the write put them is a problem of ``c`` instead (checked apart, so the
     report names each)."""
     refs, ok_spots = [], []
-    for tensor, row, n, src_row, order in sorted(spots, key=lambda s: s[1]):
+    for tensor, row, n, src_row, order, _ in sorted(spots, key=lambda s: s[1]):
         used.add(tensor)
         if tensor not in decoded:
             decoded[tensor] = _transformed(sources.ref(tensor), tensor, transforms)

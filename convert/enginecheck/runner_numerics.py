@@ -410,8 +410,11 @@ def read_model(engine: str, model) -> list[dict]:
 
 
 def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]]:
-    """For each checkpoint tensor: the rows (and expert) of each weight parameter its bytes were written to."""
+    """For each checkpoint tensor: the rows (and expert) of each weight parameter its bytes were written to, and its
+    place in the order the engine's iterator offered the tensors (``seq``: which of two writes to the same rows
+    came last)."""
     out: dict[str, list[dict]] = {}
+    seq = {t: i for i, t in enumerate(tracker.offered_order)}  # (the last offer of a name repeated)
     for (tensor, pname), spans in tracker.spans.items():
         p = params.get(pname)
         if p is None or not pname.endswith(("weight", "weight_packed")) or p.dim() not in (2, 3):
@@ -431,10 +434,12 @@ def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]
                                                        "row": first_idx[1], "rows": None})
                     continue
                 out.setdefault(tensor, []).append({"param": pname, "expert": first_idx[0], "row": first_idx[1],
-                                                   "rows": last_idx[1] - first_idx[1] + 1, "src_row": src_row})
+                                                   "rows": last_idx[1] - first_idx[1] + 1, "src_row": src_row,
+                                                   "seq": seq.get(tensor)})
             else:
                 out.setdefault(tensor, []).append({"param": pname, "row": first_idx[0],
-                                                   "rows": last_idx[0] - first_idx[0] + 1, "src_row": src_row})
+                                                   "rows": last_idx[0] - first_idx[0] + 1, "src_row": src_row,
+                                                   "seq": seq.get(tensor)})
     return out
 
 
