@@ -372,6 +372,30 @@ def test_new_families_mtp_bad_input_is_one_line_before_any_work(preset, tmp_path
     assert f"names missing file '{shard}' (the index lists {held} tensor(s) in it" in one_line_error(r)
 
 
+def test_mtp_layers_counted_from_the_storage_refuse_a_gap_in_one_line(tmp_path):
+    """MiMo-V2-Flash's three MTP layers, which no config key counts (``count_stored``): its shipped table plans them
+    all; with layer 1's tensors gone from the checkpoint, plan stops before any work, exit 2, one line naming the
+    gap."""
+    from safetensors.torch import load_file, save_file
+
+    src = write_synth("tiny-mimo-v2-flash", tmp_path / "src")
+    assert run("plan", src).code == 0
+    gap = tmp_path / "gap"
+    shutil.copytree(src, gap)
+    index_file = gap / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    gone = [n for n in index["weight_map"] if n.startswith("model.mtp.layers.1.")]
+    assert gone
+    for shard in sorted({index["weight_map"][n] for n in gone}):
+        kept = {k: v for k, v in load_file(gap / shard).items() if not k.startswith("model.mtp.layers.1.")}
+        save_file(kept, gap / shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in gone}
+    index_file.write_text(json.dumps(index))
+    r = run("plan", gap)
+    assert r.code == 2
+    assert "model.mtp.layers.: MTP layers stored as 0, 2, no 1: their numbers must run from 0" in one_line_error(r)
+
+
 @pytest.mark.parametrize(("preset", "table"), [("tiny-glm4-moe", "glm4_moe"), ("tiny-deepseek-v3", "deepseek_v3"),
                                                ("tiny-qwen3-5-moe", "qwen3_5_moe")])
 def test_tables_mtp_is_what_the_engines_drafts_answered(preset, table):
