@@ -320,6 +320,13 @@ def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
     find nothing)."""
     prefixes = mtp.prefixes(value, tensors)
     count = mtp.counted_by()
+    stored = mtp.count_stored and not any(isinstance(value(p), int) and value(p) > 0 for p in mtp.count)
+    if stored and not prefixes:  # counted from the storage: block tensors, but no numbered layer among them
+        stray = next((t for t in mtp.stored(tensors, value)), None)
+        if stray is not None:
+            raise ConvertError(f"{stray}: an MTP-layer tensor, but the checkpoint stores no numbered MTP layer under "
+                               f"{mtp.prefix} ({mtp.prefix}layers.0.*), and config.json counts none")
+        return
     for p in prefixes:
         if not any(t.startswith(p) for t in tensors):
             raise ConvertError(f"config.json: {count} announces MTP layer {p}* but the checkpoint stores no tensor "
@@ -329,8 +336,7 @@ def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
         raise ConvertError(f"{stray}: an MTP-layer tensor, but config.json's {count} announces "
                            + (f"only {', '.join(prefixes)}" if prefixes else "no MTP layer"))
     if prefixes and "{n}" not in mtp.prefix:
-        _check_numbered_block(tensors, mtp.prefix, mtp.layers(value, tensors), count, mtp.count_stored and not any(
-            isinstance(value(p), int) and value(p) > 0 for p in mtp.count))
+        _check_numbered_block(tensors, mtp.prefix, mtp.layers(value, tensors), count, stored)
 
 
 def _check_numbered_block(tensors: list[str], prefix: str, n: int, count: str, stored: bool = False) -> None:

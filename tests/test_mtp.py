@@ -180,6 +180,10 @@ def test_layers_no_config_key_counts_are_the_ones_stored_under_the_block():
     assert m.prefixes(cfg, one) == ("model.mtp.",) and m.prefixes(cfg, one[:1]) == ()
     assert m.layer_values(cfg, three) == ({"i": "0", "n": "56"}, {"i": "1", "n": "57"}, {"i": "2", "n": "58"})
     mtp.check_layers(three, cfg, m)
+    mtp.check_layers(one[:1], cfg, m)  # no MTP tensor at all: nothing to count, nothing to refuse
+    with pytest.raises(ConvertError, match=r"^model\.mtp\.embed_tokens\.weight: an MTP-layer tensor, but the "
+                                           r"checkpoint stores no numbered MTP layer under model\.mtp\."):
+        mtp.check_layers(one[:2], cfg, m)
     with pytest.raises(ConvertError, match=r"model\.mtp\.layers\.: MTP layers stored as 0, 2, no 1: .* no gap"):
         mtp.check_layers([*one, "model.mtp.layers.2.eh_proj.weight"], cfg, m)
     # a config key that counts them still decides, the storage held to it as before
