@@ -224,7 +224,8 @@ PRESET_FIXTURES = {"BailingMoeV2ForCausalLM": "tests/presets/bailing_moe_v2.toml
                    "AliceAIForCausalLM": "tests/presets/alice_ai.toml:tiny-alice-ai",
                    "GraniteMoeHybridForCausalLM": "tests/presets/granitemoehybrid.toml:tiny-granitemoehybrid",
                    "InklingForConditionalGeneration": "tests/presets/inkling.toml:tiny-inkling",
-                   "ZayaForCausalLM": "tests/presets/zaya.toml:tiny-zaya"}
+                   "ZayaForCausalLM": "tests/presets/zaya.toml:tiny-zaya",
+                   "LongcatFlashNgramForCausalLM": "tests/presets/longcat_flash_ngram.toml:tiny-longcat-flash-ngram"}
 #: architectures whose release's config class is its own code (auto_map; neither engine nor transformers has one):
 #: the engine steps pass ``--trust-remote-code``, as a deployment of the release does
 TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamMLAForCausalLM", "DeepseekForCausalLM",
@@ -232,7 +233,7 @@ TRUST_REMOTE_CODE = {"BailingMoeV2ForCausalLM", "SarvamMoEForCausalLM", "SarvamM
                      "PanguProMoEV2ForCausalLM", "MiniCPMForCausalLM", "BailingMoeV3ForCausalLM",
                      "BailingMoeForCausalLM", "LongcatFlashForCausalLM", "MiMoV2FlashForCausalLM",
                      "K2HorizonForCausalLM", "SDARMoeForCausalLM", "Param2MoEForCausalLM",
-                     "AliceAIForCausalLM"}
+                     "AliceAIForCausalLM", "LongcatFlashNgramForCausalLM"}
 
 #: engines that do not serve an architecture's release itself: the engine's own loader or config code fails on the
 #: release's layout (the preset is the release's: docs/families.md gives the evidence and the engine's message). The
@@ -307,7 +308,7 @@ def synth_fixture(arch: Arch, work: Path) -> dict:
         names = json.loads((fx / mistral_checkpoint.INDEX).read_text())["weight_map"]
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # (multimodal)
     return {"ok": True, "preset": spec.rpartition(":")[2], "architecture": arch.name,
-            "model_type": config["model_type"], "layers_full": None,
+            "model_type": config.get("model_type"), "layers_full": None,  # (LongCat-Flash-Lite's has none)
             "layers": text.get("num_hidden_layers", text.get("num_layers")),  # LongCat-Flash: num_layers
             "tensors": len(names), "bytes": sum(f.stat().st_size for f in fx.glob("*.safetensors")),
             "routed_expert_tensors": sum(".experts." in n for n in names)}
@@ -767,6 +768,21 @@ FINDINGS = {
         "mappings/overlays/longcat_flash.toml keeps the MTP layer as stored: LongCatFlashMTP.load_weights renames "
         "only .weight / .weight_scale_inv names (\"KeyError: 'model.mtp.layers.0.eh_proj.weight_scale'\" with it "
         "NVFP4); then vLLM's main model and its draft read the output right (docs/families.md, \"LongCat-Flash\")"),
+    "LongcatFlashNgramForCausalLM": (
+        "the fixture is tests/presets/longcat_flash_ngram.toml (LongCat-Flash-Lite's config.json: no model_type, so "
+        "the table is named by kimi_convert.derive.TABLE_NAMES, longcat_flash_ngram; LongCat-Flash's layers plus 12 "
+        "n-gram tables model.ngram_embeddings.embedders.N and their projections post_projs.N; the MTP layer under "
+        "model.mtp.). The overlay mappings/overlays/longcat_flash_ngram.toml marks post_projs not linear (vLLM's "
+        "NgramEmbedding.load_weight copies each, transposed, into one plain BF16 parameter: quantized, \"RuntimeError: "
+        "The size of tensor a (32) must match the size of tensor b (16) ... longcat_flash_ngram.py:145 in "
+        "load_weight\") and keeps the MTP layer as stored (LongCatFlashMTP.load_weights: \"KeyError: "
+        "'model.mtp.layers.0.eh_proj.weight_scale'\"). SGLang 0.5.23 registers no entry class of the name but "
+        "serves it as LongcatFlashForCausalLM (utils/hf_transformers/config.py renames the architecture); its main "
+        "model fills every parameter from the BF16 release (checked with longcat_flash.py's should_async_load "
+        "answering False, as the check does for DeepSeek) and loads no NVFP4 checkpoint of it "
+        "(longcat_flash.py load_weights torch.cat of the q_a / kv_a weight_scale_2: \"RuntimeError: "
+        "zero-dimensional tensor (at position 0) cannot be concatenated\", longcat_flash.py:1032): "
+        "docs/families.md, \"LongCat-Flash-Lite\""),
     "MiMoV2FlashForCausalLM": (
         "the fixture is tests/presets/mimo_v2_flash.toml (the release's config.json, read through its own config class "
         "with --trust-remote-code: transformers 5.19's MiMoV2FlashConfig gave SGLang per-layer-type rope settings, a "

@@ -199,7 +199,9 @@ def load_draft_answers(path: Path) -> dict:
 #: Architectures whose derived table is named apart from their config's model_type, which another architecture's table
 #: bears: ``derived-NAME``, shipped as ``mappings/derived/NAME.toml``, its hand overlay ``mappings/overlays/NAME.toml``.
 #: Ling 3.0's config says model_type bailing_hybrid, as Ling 2.5's (``mappings/derived/bailing_hybrid.toml``) does.
-TABLE_NAMES = {"BailingMoeV3ForCausalLM": "bailing_moe_v3"}
+TABLE_NAMES = {"BailingMoeV3ForCausalLM": "bailing_moe_v3",
+               # LongCat-Flash-Lite's config.json has no model_type; its own config class's is longcat_flash_ngram
+               "LongcatFlashNgramForCausalLM": "longcat_flash_ngram"}
 
 
 def table_name(ckpt: Checkpoint) -> str | None:

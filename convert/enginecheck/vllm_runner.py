@@ -60,7 +60,20 @@ def optional_for(model) -> list[tuple[str, str]]:
                 elif pname in ("weight_scale_2", "input_scale") and p.dim() == 1:
                     out.append((rf"^{re.escape(name)}\.in_proj_qkvgfab\.{pname}$", why, 1))
         out.extend(_hyper_connection_padding(name, module))
+        out.extend(_ngram_padding(name, module))
     return out
+
+
+def _ngram_padding(name: str, module) -> list[tuple[str, str, int]]:
+    """LongCat-Flash-Lite's n-gram tables: vLLM's ``NgramEmbedding`` (models/longcat_flash_ngram.py) concatenates them
+    into one ``VocabParallelEmbedding`` (``oe_embedder``), padded to its row multiple past ``_offsets[-1]``, and its
+    ``load_weight`` writes each table's rows at its offset, never the padding rows."""
+    offsets, emb = getattr(module, "_offsets", None), getattr(module, "oe_embedder", None)
+    if not offsets or emb is None or emb.weight.dim() != 2 or emb.weight.shape[0] <= offsets[-1]:
+        return []
+    return [(rf"^{re.escape(name)}\.oe_embedder\.weight$", "LongCat-Flash-Lite NgramEmbedding: oe_embedder's padding "
+             "rows past its n-gram tables' offsets, which load_weight never writes",
+             (emb.weight.shape[0] - offsets[-1]) * emb.weight.shape[1])]
 
 
 def loadable_buffers(model) -> set[str]:
@@ -170,7 +183,8 @@ def longcat_mtp_rule(config):
     main model skips names starting ``mtp.`` (longcat_flash.py ``LongcatFlashForCausalLM.load_weights``, "The MTP
     layers are loaded by LongCatFlashMTP"); its draft loads every name holding ``model.mtp``
     (longcat_flash_mtp.py ``LongCatFlashMTP.get_spec_layer_idx_from_weight_name``)."""
-    longcat = "LongcatFlashForCausalLM" in (getattr(config, "architectures", None) or ())
+    longcat = bool({"LongcatFlashForCausalLM", "LongcatFlashNgramForCausalLM"}
+                   & set(getattr(config, "architectures", None) or ()))
 
     def why(name: str) -> str | None:
         if not (longcat and name.startswith("model.mtp.")):
