@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+# the Lite's decoder layers and MTP layer are LongCat-Flash's, named as its loaders name them
+from test_family_longcat_flash import LAYER, MTP, experts
+
 from helpers import config_keys_read, engine_file_or_skip, plan_kinds, read_tensors, weight_map, write_synth
 
 # meituan-longcat/LongCat-Flash-Lite config.json: the values that are not sizes (sizes: the preset's). No
@@ -47,25 +50,8 @@ VOCAB = 1000
 TABLES = 4 * (4 - 1)  # emb_split_num x (emb_neighbor_num - 1)
 TABLE_DIM = H // TABLES  # 32 (the release: 3072 // 12 = 256)
 
-MLA = {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-       "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}
-DENSE = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
-LAYER = ({f"{norm}.{i}.weight" for norm in ("input_layernorm", "post_attention_layernorm") for i in (0, 1)}
-         | {f"self_attn.{i}.{n}" for i in (0, 1) for n in MLA}
-         | {f"mlps.{i}.{n}" for i in (0, 1) for n in DENSE}
-         | {"mlp.router.classifier.weight", "mlp.router.e_score_correction_bias"})
 NGRAM = ({f"model.ngram_embeddings.embedders.{i}.weight" for i in range(TABLES)}
          | {f"model.ngram_embeddings.post_projs.{i}.weight" for i in range(TABLES)})
-# the MTP layer (17 tensors), as vLLM's draft loader names it (the FP8 release's weight_scale_inv aside)
-MTP = ({"model.mtp.embed_tokens.weight", "model.mtp.norm.weight", "model.mtp.layers.0.eh_proj.weight",
-        "model.mtp.layers.0.enorm.m.weight", "model.mtp.layers.0.hnorm.m.weight",
-        "model.mtp.layers.0.input_layernorm.weight", "model.mtp.layers.0.post_attention_layernorm.weight"}
-       | {f"model.mtp.layers.0.self_attn.{n}" for n in MLA}
-       | {f"model.mtp.layers.0.transformer_layer.mlp.{n}" for n in DENSE})
-
-
-def experts(n: int) -> set[str]:
-    return {f"mlp.experts.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up", "down")}
 
 
 @pytest.fixture(scope="module")
