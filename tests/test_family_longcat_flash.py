@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import config_keys_read, engine_file, engine_file_or_skip, read_tensors, weight_map, write_synth
 
@@ -89,32 +90,42 @@ def test_zero_experts_have_router_rows_and_no_weights(tiny):
     """The router scores n_routed_experts + zero_expert_num experts (vLLM LongcatRouter, SGLang LongcatFlashRouter);
     the zero (identity) experts compute nothing and store nothing: both loaders map experts 0..n_routed_experts-1
     only (vLLM get_expert_mapping, SGLang FusedMoE.make_expert_params_mapping, num_experts=n_routed_experts)."""
+    zero_experts_hold(tiny, E, Z, H)
+
+
+def zero_experts_hold(tiny: Path, e: int, z: int, h: int) -> None:
+    """The router's rows count the zero experts; the checkpoint stores none of their weights (the Lite's test too)."""
     names = set(weight_map(tiny))
-    assert not any(f".mlp.experts.{e}." in n for n in names for e in range(E, E + Z))
+    assert not any(f".mlp.experts.{x}." in n for n in names for x in range(e, e + z))
     t = read_tensors(tiny)
-    assert t["model.layers.1.mlp.router.classifier.weight"].shape == (E + Z, H)
-    assert t["model.layers.1.mlp.router.e_score_correction_bias"].shape == (E + Z,)
+    assert t["model.layers.1.mlp.router.classifier.weight"].shape == (e + z, h)
+    assert t["model.layers.1.mlp.router.e_score_correction_bias"].shape == (e + z,)
 
 
 def test_shapes_and_dtypes_are_the_releases(tiny):
-    import torch
+    t = shapes_hold(tiny, (H, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V, FFN, EXPERT))
+    assert {v.dtype for n, v in t.items() if ".mlp.router." not in n} == {torch.bfloat16}
 
+
+def shapes_hold(tiny: Path, sizes: tuple[int, ...]) -> dict:
+    """LongCat-Flash's layer shapes at ``sizes`` (hidden, heads, q / kv LoRA ranks, nope / rope / v head dims, dense
+    and expert widths) and its router in float32, as both engines build it (the Lite's test too): the tensors."""
+    h, heads, q_lora, kv_lora, nope, rope, v, ffn, expert = sizes
     t = read_tensors(tiny)
     for a in ("model.layers.0.self_attn.1", "model.mtp.layers.0.self_attn"):
-        assert t[f"{a}.q_a_proj.weight"].shape == (Q_LORA, H)
-        assert t[f"{a}.q_b_proj.weight"].shape == (HEADS * (NOPE + ROPE), Q_LORA)
-        assert t[f"{a}.kv_a_proj_with_mqa.weight"].shape == (KV_LORA + ROPE, H)
-        assert t[f"{a}.kv_b_proj.weight"].shape == (HEADS * (NOPE + V), KV_LORA)
-        assert t[f"{a}.o_proj.weight"].shape == (H, HEADS * V)
+        assert t[f"{a}.q_a_proj.weight"].shape == (q_lora, h)
+        assert t[f"{a}.q_b_proj.weight"].shape == (heads * (nope + rope), q_lora)
+        assert t[f"{a}.kv_a_proj_with_mqa.weight"].shape == (kv_lora + rope, h)
+        assert t[f"{a}.kv_b_proj.weight"].shape == (heads * (nope + v), kv_lora)
+        assert t[f"{a}.o_proj.weight"].shape == (h, heads * v)
     for m in ("model.layers.1.mlps.0", "model.mtp.layers.0.transformer_layer.mlp"):  # ffn_hidden_size wide
-        assert t[f"{m}.gate_proj.weight"].shape == (FFN, H)
-        assert t[f"{m}.down_proj.weight"].shape == (H, FFN)
-    assert t["model.layers.1.mlp.experts.7.up_proj.weight"].shape == (EXPERT, H)
-    assert t["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (H, EXPERT)
-    assert t["model.mtp.layers.0.eh_proj.weight"].shape == (H, 2 * H)
-    router = {n for n in t if ".mlp.router." in n}
-    assert {t[n].dtype for n in router} == {torch.float32}  # both engines build the router in float32
-    assert {v.dtype for n, v in t.items() if n not in router} == {torch.bfloat16}
+        assert t[f"{m}.gate_proj.weight"].shape == (ffn, h)
+        assert t[f"{m}.down_proj.weight"].shape == (h, ffn)
+    assert t["model.layers.1.mlp.experts.7.up_proj.weight"].shape == (expert, h)
+    assert t["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (h, expert)
+    assert t["model.mtp.layers.0.eh_proj.weight"].shape == (h, 2 * h)
+    assert {t[n].dtype for n in t if ".mlp.router." in n} == {torch.float32}
+    return t
 
 
 def _mapped_mtp_names(text: str, table: str) -> set[str]:

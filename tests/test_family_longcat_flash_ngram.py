@@ -20,9 +20,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 # the Lite's decoder layers and MTP layer are LongCat-Flash's, named as its loaders name them
-from test_family_longcat_flash import LAYER, MTP, experts
+from test_family_longcat_flash import LAYER, MTP, experts, shapes_hold, zero_experts_hold
 
 from helpers import config_keys_read, engine_file_or_skip, plan_kinds, read_tensors, weight_map, write_synth
 
@@ -95,32 +96,14 @@ def test_ngram_tables_are_the_sizes_vllm_builds(tiny):
 def test_zero_experts_have_router_rows_and_no_weights(tiny):
     """The router scores n_routed_experts + zero_expert_num experts (vLLM LongcatRouter); the zero (identity) experts
     store nothing: vLLM maps experts 0..n_routed_experts-1 only (longcat_flash.py get_expert_mapping)."""
-    names = set(weight_map(tiny))
-    assert not any(f".mlp.experts.{e}." in n for n in names for e in range(E, E + Z))
-    t = read_tensors(tiny)
-    assert t["model.layers.1.mlp.router.classifier.weight"].shape == (E + Z, H)
-    assert t["model.layers.1.mlp.router.e_score_correction_bias"].shape == (E + Z,)
+    zero_experts_hold(tiny, E, Z, H)
 
 
 def test_shapes_and_dtypes_are_the_releases(tiny):
-    import torch
-
-    t = read_tensors(tiny)
-    for a in ("model.layers.0.self_attn.1", "model.mtp.layers.0.self_attn"):
-        assert t[f"{a}.q_a_proj.weight"].shape == (Q_LORA, H)
-        assert t[f"{a}.q_b_proj.weight"].shape == (HEADS * (NOPE + ROPE), Q_LORA)
-        assert t[f"{a}.kv_a_proj_with_mqa.weight"].shape == (KV_LORA + ROPE, H)
-        assert t[f"{a}.kv_b_proj.weight"].shape == (HEADS * (NOPE + V), KV_LORA)
-        assert t[f"{a}.o_proj.weight"].shape == (H, HEADS * V)
-    for m in ("model.layers.1.mlps.0", "model.mtp.layers.0.transformer_layer.mlp"):  # ffn_hidden_size wide
-        assert t[f"{m}.gate_proj.weight"].shape == (FFN, H)
-        assert t[f"{m}.down_proj.weight"].shape == (H, FFN)
-    assert t["model.layers.1.mlp.experts.7.up_proj.weight"].shape == (EXPERT, H)
-    assert t["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (H, EXPERT)
-    assert t["model.mtp.layers.0.eh_proj.weight"].shape == (H, 2 * H)
-    router = {n for n in t if ".mlp.router." in n}
-    assert {t[n].dtype for n in router} == {torch.float32}  # vLLM builds the router in float32
-    assert {v.dtype for n, v in t.items() if n not in router} == {torch.bfloat16}
+    """LongCat-Flash's shapes at the Lite's sizes, its router float32 as vLLM builds it, the rest (the n-gram tables
+    and projections too) BF16."""
+    t = shapes_hold(tiny, (H, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V, FFN, EXPERT))
+    assert {v.dtype for n, v in t.items() if ".mlp.router." not in n} == {torch.bfloat16}
 
 
 def test_vllm_ngram_loader_reads_these_names():
