@@ -82,13 +82,21 @@ class Mtp:
     def layers(self, value, tensors: Iterable[str] = ()) -> int:
         """The number of MTP layers the config announces (``value(path)`` reads the text config), else with
         ``count_stored`` the number of layers ``tensors`` (the checkpoint's names) store under the block prefix."""
+        if self.from_storage(value):
+            return len(numbered_block(tensors, self.prefix))
+        return self._config_count(value)
+
+    def _config_count(self, value) -> int:
+        """The first present and positive count path's value (0: none)."""
         for path in self.count:
             n = value(path)
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
-        if self.count_stored and "{n}" not in self.prefix:
-            return len(numbered_block(tensors, self.prefix))
         return 0
+
+    def from_storage(self, value) -> bool:
+        """Whether the layers are counted from the storage: ``count_stored`` and no config key counts them."""
+        return self.count_stored and "{n}" not in self.prefix and not self._config_count(value)
 
     def counted_by(self) -> str:
         """What counts the layers, for a message."""
@@ -320,7 +328,7 @@ def check_layers(tensors: list[str], value, mtp: Mtp) -> None:
     find nothing)."""
     prefixes = mtp.prefixes(value, tensors)
     count = mtp.counted_by()
-    stored = mtp.count_stored and not any(isinstance(value(p), int) and value(p) > 0 for p in mtp.count)
+    stored = mtp.from_storage(value)
     if stored and not prefixes:  # counted from the storage: block tensors, but no numbered layer among them
         stray = next((t for t in mtp.stored(tensors, value)), None)
         if stray is not None:

@@ -79,7 +79,7 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
     found = find_banks(ckpt, m, recipe, opts, patterns) if banked else None
     if found is not None:
         reduced, banks = found
-        st = _stages(reduced, m, opts, patterns, recipe)
+        st = _stages(reduced, m, opts, patterns, recipe, mtp_at)
         outline = bank_outline(st.units, st.engine_groups, banks, ckpt)
         if outline is not None:
             x = (Expansion(outline.units, outline.engine_groups, banks, tuple(ckpt.files))
@@ -87,8 +87,8 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
             return _plan(ckpt, m, opts, patterns, recipe, st,
                          exclude_list(st.items, m, recipe, banks.members, mtp_at, tied_head(ckpt, m),
                                       st.engine_groups, mtp_layers),
-                         partial(_per_module, ckpt, m, opts, patterns, recipe), partial(_given, outline), x)
-    st = _stages(ckpt, m, opts, patterns, recipe)
+                         partial(_per_module, ckpt, m, opts, patterns, recipe, mtp_at), partial(_given, outline), x)
+    st = _stages(ckpt, m, opts, patterns, recipe, mtp_at)
     per = PerModule(tuple(st.units), tuple(st.shards), st.engine_groups)
     return _plan(ckpt, m, opts, patterns, recipe, st, exclude_list(st.items, m, recipe, None, mtp_at,
                                                                    tied_head(ckpt, m), st.engine_groups, mtp_layers),
@@ -97,11 +97,11 @@ def make_plan(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRu
 
 # (module-level functions bound by ``partial``, not closures: a plan is pickled, from the process that made it
 # (``planchild``) or to a worker)
-def _per_module(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe
-                ) -> PerModule:
+def _per_module(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe,
+                mtp_at: tuple[str, ...]) -> PerModule:
     """A banked plan's module-by-module plan, made when asked for."""
     with gc_paused():
-        full = _stages(ckpt, m, opts, patterns, recipe)
+        full = _stages(ckpt, m, opts, patterns, recipe, mtp_at)
     return PerModule(tuple(full.units), tuple(full.shards), full.engine_groups)
 
 
@@ -172,9 +172,10 @@ def _outline(plan: Plan) -> Outline:
                    plan.bytes_in, plan.bytes_out, len(plan.shards), plan.shard_sizes())
 
 
-def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe) -> _Staged:
-    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()),
-                        mtp_prefixes=m.mtp_prefixes(ckpt.config, ckpt.tensors))
+def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule], recipe: Recipe,
+            mtp_at: tuple[str, ...]) -> _Staged:
+    """``mtp_at``: the MTP layers' prefixes, read once by ``make_plan`` off the whole checkpoint."""
+    ctx = DecideContext(m, recipe, opts, patterns, defaultdict(int), list(m.expert_regexes()), mtp_prefixes=mtp_at)
     notes: list[str] = []
     modules = discover_sources(ckpt)
     ctx.modules = modules
