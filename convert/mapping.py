@@ -166,6 +166,26 @@ class LmHeadCheck:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """Routed experts an engine reads only as stacked 3-D banks (``[stacked]``): each module matching ``modules``
+    stores one weight [experts, N, K] holding every expert of its layer, and is written as one 3-D NVFP4 bank with
+    one global scale per expert (docs/stacked-banks.md: vLLM 0.33's Step-3 text and Step 5 loaders hand
+    ``loaded_weight[expert_id]`` to the fused-MoE loader and read no per-expert name)."""
+
+    modules: tuple[str, ...]  # globs of the bank modules (``model.layers.*.moe.gate_proj``)
+    experts: str  # config path of the expert count (a bank's first dimension must equal it)
+    reason: str = ""  # the engine's loader that reads the banks so
+
+
+def stacked_experts_module(bank: str) -> str:
+    """The fused-MoE module an engine builds from a stacked expert bank, which its exclude list names: the bank's
+    ``experts`` ancestor (``mlp.experts.fc``), else its sibling ``experts`` (``moe.gate_proj`` -> ``moe.experts``:
+    vLLM 0.33 step3_text.py ``Step3TextMoEBlock`` / step5 ``Step5MoE``: ``FusedMoEFactory(prefix=...experts)``)."""
+    head, sep, _ = bank.partition(".experts.")
+    return head + ".experts" if sep else bank.rsplit(".", 1)[0] + ".experts"
+
+
+@dataclass(frozen=True)
 class Mapping:
     name: str
     description: str
@@ -196,6 +216,7 @@ class Mapping:
     # (regex, replacement): how the engines rename a module of a checkpoint whose names are not their own
     # (Mistral Large 3: models/mistral_large_3.py hf_to_vllm_mapper / remapping); the exclude list names both
     engine_names: tuple[tuple[str, str], ...] = ()
+    stacked: Stacked | None = None  # routed experts written as stacked 3-D NVFP4 banks (``[stacked]``)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
 
@@ -285,7 +306,11 @@ class Mapping:
         (depthwise conv weights [P, 1, K] that the engines build as linear layers)."""
         if self._hit(module, self.not_linear):
             return False
-        return len(shape) == 2 or self._hit(module, self.linear)
+        return len(shape) == 2 or self._hit(module, self.linear) or self.stacked_bank(module)
+
+    def stacked_bank(self, module: str) -> bool:
+        """Whether ``module`` is a stacked expert bank the table's ``[stacked]`` names."""
+        return self.stacked is not None and self._hit(module, self.stacked.modules)
 
     def _one_per_expert_template(self, modules: list[str]) -> list[str]:
         """``modules`` with each routed expert module kept for the first expert of its layer only (``w1`` of
@@ -405,6 +430,7 @@ def _schema() -> tomlfile.Spec:
                            ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
         "engine_names": t.map_of(t.strs(), "a table of module regex = the engines' name (or names) for it"),
+        "stacked": t.table({"modules": t.strs(), "experts": path, "reason": t.STR}, ("modules", "experts")),
     }, ("name",))
 
 
@@ -541,6 +567,12 @@ def _lm_head(table: dict | None) -> LmHeadCheck | None:
     return LmHeadCheck(**{**table, "unnamed": unnamed})
 
 
+def _stacked(table: dict | None, where: str) -> Stacked | None:
+    if table is None:
+        return None
+    return Stacked(_globs(table, "modules", where), table["experts"], table.get("reason", ""))
+
+
 def _engine_names(table: dict, where: str) -> tuple[tuple[str, str], ...]:
     for rx in table:
         try:
@@ -596,6 +628,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         lm_head=_lm_head(t.get("lm_head")),
         mtp=parse_mtp(t.get("mtp"), f"{path}: mtp"),
         engine_names=_engine_names(t.get("engine_names", {}), f"{path}: engine_names"),
+        stacked=_stacked(t.get("stacked"), f"{path}: stacked"),
         source=text,
         path=path,
     )

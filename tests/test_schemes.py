@@ -89,7 +89,7 @@ def _toy_scheme():
         NAME="toy8", TITLE="toy", CARD="toy", TOTALS="toy8", INPUT_SCALE=False, roles=roles,
         SPELLINGS={"modelopt": Spelling(tensors=(("codes", ".weight"), ("scales", ".weight_scale")),
                                         algos=("TOY8",), layer_keys=(("bits", 8),))},
-        shape_error=lambda shape, fused, stacked: None,
+        shape_error=lambda shape, fused, stacked, experts: None,
         record=lambda algo, shared, scale: {"format": "toy8", "quant_algo": algo},
         engine_bound=engine_bound)
 
@@ -99,7 +99,7 @@ def test_a_new_scheme_is_written_by_the_formats_without_changing_them(monkeypatc
     monkeypatch.setitem(schemes.SCHEMES, "toy8", _toy_scheme())
     assert formats.tensor_specs("modelopt", "toy8", (32, 64), "BF16", False) == (
         (".weight", "U8", (32, 64)), (".weight_scale", "F32", (32,)))
-    it = SimpleNamespace(kind="toy8", output_format="modelopt", input_scale=None,
+    it = SimpleNamespace(kind="toy8", output_format="modelopt", input_scale=None, experts=0,
                          outputs=(SimpleNamespace(name="m.weight"), SimpleNamespace(name="m.weight_scale")))
     assert formats.outputs(it, {"codes": ["q"], "scales": ["s"]}) == [("m.weight", ["q"]), ("m.weight_scale", ["s"])]
     assert formats.record(it, None) == {"format": "toy8", "quant_algo": "TOY8"}

@@ -78,20 +78,21 @@ def config_files() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_specs(fmt: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool
+def tensor_specs(fmt: str, kind: str, shape: tuple[int, ...], src_dtype: str, input_scale: bool, experts: int = 0
                  ) -> tuple[schemes.TensorSpec, ...]:
     """(name suffix, dtype, shape) of each output tensor of one linear module of ``kind`` in format ``fmt``: its
     scheme's tensors as the format spells them, or the ``weight`` of a kept module (made once per kind and shape:
     a million output tensors share a few dozen shape tuples in the released K3)."""
     if not schemes.quantized(kind):
         return ((".weight", src_dtype, shape),)
-    return schemes.tensor_specs(kind, fmt, shape, input_scale)
+    return schemes.tensor_specs(kind, fmt, shape, input_scale, experts)
 
 
 def outputs(it: Item, parts: dict[str, list]) -> list[tuple[str, list]]:
     """Output tensor name -> its parts (one per source member), from a quantized unit's result by role (the
     scheme's ``roles``: ``codes``, ``scales``, ``global``)."""
-    return schemes.outputs(it.kind, it.output_format, tuple(t.name for t in it.outputs), it.input_scale, parts)
+    return schemes.outputs(it.kind, it.output_format, tuple(t.name for t in it.outputs), it.input_scale, parts,
+                           it.experts)
 
 
 def record(it: Item, shared_scale: str | None) -> dict | None:

@@ -8,7 +8,7 @@ from collections import defaultdict
 from .. import formats, schemes
 from ..checkpoint import Checkpoint
 from ..errors import ConvertError
-from ..mapping import Group, Mapping
+from ..mapping import Group, Mapping, stacked_experts_module
 from ..options import Options
 from ..safetensors_format import DTYPES, encode_header, size_of
 from .decide import DecideContext, Decision, decide_apart, decide_module, is_linear_once
@@ -35,28 +35,43 @@ from .operations import agreed, of_item
 
 
 def _outputs(name: str, kind: Kind, shape: tuple[int, ...], src_dtype: str, input_scale: float | None,
-             output_format: str | None) -> tuple[OutTensor, ...]:
+             output_format: str | None, experts: int = 0) -> tuple[OutTensor, ...]:
     """The output tensors of a linear module, as its output format spells them (convert/formats/); a kept
     module is its ``weight`` in every format (``output_format`` None)."""
     if kind == KEEP:
         return (OutTensor(f"{name}.weight", src_dtype, shape),)
-    specs = formats.tensor_specs(output_format, kind, shape, src_dtype, input_scale is not None)
+    specs = formats.tensor_specs(output_format, kind, shape, src_dtype, input_scale is not None, experts)
     return tuple(OutTensor(name + suffix, dtype, shp) for suffix, dtype, shp in specs)
 
 
 def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape: tuple[int, ...],
-                 dec: Decision, output_format: str | None) -> Item:
+                 dec: Decision, output_format: str | None, experts: int = 0) -> Item:
+    """``experts``: a stacked expert bank's count (its weight's first dimension), quantized one expert at a time."""
     if schemes.quantized(dec.kind):
-        why = schemes.get(dec.kind).shape_error(shape, group is not None, op == Op.STACK)
+        why = schemes.get(dec.kind).shape_error(shape, group is not None, op == Op.STACK, experts)
         if why is not None:
             raise ConvertError(f"module {name}: weight {list(shape)} selected for {schemes.get(dec.kind).TITLE} "
                                f"{why}; exclude it (--exclude '{name}')")
     dtype = "BF16" if srcs[0].encoding != Encoding.DENSE else srcs[0].dtype
-    outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format)
+    outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format, experts)
     fmt = output_format if dec.kind != KEEP else None
     pinned = schemes.quantized(dec.kind) and schemes.get(dec.kind).INPUT_SCALE
     return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
-                of_item(dec.kind, fmt, srcs), dec.input_scale if pinned else None, fmt)
+                of_item(dec.kind, fmt, srcs, experts), dec.input_scale if pinned else None, fmt, experts)
+
+
+def stacked_experts(mod: str, src: SourceTensor, m: Mapping, config: dict) -> int:
+    """A stacked expert bank's expert count (0 for any other module): its weight must be 3-D [E, N, K] with E the
+    config's count (the table's ``[stacked] experts``), refused in one line otherwise."""
+    if not m.stacked_bank(mod):
+        return 0
+    assert m.stacked is not None
+    want = m.config_value(config, m.stacked.experts)
+    if len(src.shape) != 3 or type(want) is not int or src.shape[0] != want:
+        got = "absent" if want is None else repr(want)
+        raise ConvertError(f"{src.file}: tensor {src.name} {list(src.shape)}: a stacked expert bank of mapping "
+                           f"{m.name} must be [experts, N, K] with experts = config.json {m.stacked.experts} ({got})")
+    return src.shape[0]
 
 
 def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:
@@ -95,10 +110,28 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
         for suffix, src in sorted(params.items()) if len(params) > 1 else params.items():
             if suffix == "weight" and is_linear_once(mod, src.shape, ctx, key):
                 dec = decide_apart(mod, ctx, key)
-                items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec, ctx.recipe.output_format))
+                items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec, ctx.recipe.output_format,
+                                          stacked_experts(mod, src, ctx.m, ckpt.config)))
             else:
                 items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
+    check_stacked(items)
     return items
+
+
+def check_stacked(items: list[Item]) -> None:
+    """The stacked banks an engine builds into one fused-MoE module (``stacked_experts_module``) are decided alike:
+    its quant method is asked once, for the module, so one bank kept and another quantized is refused, naming
+    both."""
+    first: dict[str, Item] = {}
+    for it in items:
+        if not it.experts:
+            continue
+        mod = stacked_experts_module(it.name)
+        other = first.setdefault(mod, it)
+        if other.kind != it.kind:
+            raise ConvertError(f"module {it.name}: {it.kind}, but {other.name} is {other.kind}: the engines build "
+                               f"{mod} from both banks as one module (one scheme); keep all of its banks or none "
+                               f"(--exclude '{mod.rsplit('.', 1)[0]}.*')")
 
 
 def stored_copies(items: list[Item]) -> list[Item]:

@@ -72,6 +72,7 @@ class Item:
     operation: Operation  # how it is computed (decided with the plan: ``plan.operations``)
     input_scale: float | None = None  # nvfp4: the constant activation scale written with it
     output_format: str | None = None  # quantized: how its tensors are spelled (convert/formats/)
+    experts: int = 0  # a stacked expert bank's experts (its weight [experts, N, K], one global scale each); 0: none
 
     def row_ranges(self) -> list[tuple[int, int]]:
         """Rows (dim 0) of the fused tensor each source occupies, in order."""

@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 
 from .. import keep_rules, mtp
 from ..engine_rules import aliases, sglang_exact
-from ..mapping import Mapping
+from ..mapping import Mapping, stacked_experts_module
 from ..options import Options
 from ..recipe import Recipe
 from ..vocabulary import KeepRule
@@ -37,6 +37,8 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
         linear.update(mods)
         if it.kind == KEEP:
             names.update(mods)
+            if it.experts:  # a stacked bank kept: the engine asks for its experts module (plan.layout.check_stacked)
+                names.add(stacked_experts_module(it.name))
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if tied_head is not None:
         names.add(tied_head)

@@ -138,6 +138,8 @@ def item_dict(it: Item, shared_scale: str | None, shard: str) -> dict:
     if it.group:
         d["group"] = it.group
     d["op"] = it.op
+    if it.experts:
+        d["experts"] = it.experts  # a stacked expert bank: one global scale per expert
     if schemes.quantized(it.kind):
         d["quantization"] = formats.record(it, shared_scale)
     d["sources"] = [

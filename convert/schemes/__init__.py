@@ -46,14 +46,16 @@ class Scheme(Protocol):
     #: (operation, backend) -> its compute step (``base.Step``): the kernels' entry, read by ``convert/steps.py``
     STEPS: dict[tuple[str, str], Step]
 
-    def operation(self, arithmetic: str, from_mxfp4: bool) -> str:
-        """An item's operation, from its format's arithmetic and whether every source holds MXFP4 codes."""
+    def operation(self, arithmetic: str, from_mxfp4: bool, stacked: bool) -> str:
+        """An item's operation, from its format's arithmetic, whether every source holds MXFP4 codes and whether it
+        is a stacked expert bank (quantized one expert at a time)."""
 
     def roles(self, shape: tuple[int, ...], scalar: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
         """role -> (dtype, shape) of a module whose weight has ``shape``."""
 
-    def shape_error(self, shape: tuple[int, ...], fused: bool, stacked: bool) -> str | None:
-        """Why a weight of ``shape`` cannot take the scheme (after "selected for TITLE"), or None."""
+    def shape_error(self, shape: tuple[int, ...], fused: bool, stacked: bool, experts: int) -> str | None:
+        """Why a weight of ``shape`` cannot take the scheme (after "selected for TITLE"), or None (``experts``: a
+        stacked expert bank's count, 0 for another weight)."""
 
     def record(self, algo: str, shared_scale: str | None, input_scale: float | None) -> dict:
         """The manifest record's ``quantization`` entry."""
@@ -95,23 +97,25 @@ def spelled_by(fmt: str) -> frozenset[str]:
     return frozenset({SchemeName.KEEP.value, *(n for n, s in SCHEMES.items() if fmt in s.SPELLINGS)})
 
 
-def tensor_specs(kind: str, fmt: str, shape: tuple[int, ...], input_scale: bool) -> tuple[TensorSpec, ...]:
-    """(suffix, dtype, shape) of each output tensor of one module, in the order ``outputs`` fills them."""
+def tensor_specs(kind: str, fmt: str, shape: tuple[int, ...], input_scale: bool, experts: int = 0
+                 ) -> tuple[TensorSpec, ...]:
+    """(suffix, dtype, shape) of each output tensor of one module, in the order ``outputs`` fills them (a stacked
+    bank's scalars one per expert: [experts] and the format's scalar shape after it)."""
     sp = spelling(kind, fmt)
-    by_role = SCHEMES[kind].roles(shape, sp.scalar)
+    by_role = SCHEMES[kind].roles(shape, (experts, *sp.scalar) if experts else sp.scalar)
     return tuple((suffix, *by_role[role]) for role, suffix in sp.tensors if role != "input" or input_scale)
 
 
-def outputs(kind: str, fmt: str, names: tuple[str, ...], input_scale: float | None, parts: dict[str, list]
-            ) -> list[tuple[str, list]]:
-    """Output tensor name -> its parts (one per source member), from a unit's result by role (the constant
-    activation scale added, as the format writes it)."""
+def outputs(kind: str, fmt: str, names: tuple[str, ...], input_scale: float | None, parts: dict[str, list],
+            experts: int = 0) -> list[tuple[str, list]]:
+    """Output tensor name -> its parts (one per source member, or per expert of a stacked bank), from a unit's result
+    by role (the constant activation scale added, as the format writes it: once per expert of a stacked bank)."""
     sp = spelling(kind, fmt)
     if input_scale is not None:
         import numpy as np
 
         value = 1.0 / input_scale if sp.reciprocal_input else input_scale
-        parts = {**parts, "input": [np.array([value], dtype=np.float32)]}
+        parts = {**parts, "input": [np.full(max(experts, 1), value, dtype=np.float32)]}
     return [(name, parts[role]) for name, (role, _) in zip(names, sp.tensors, strict=False)]
 
 

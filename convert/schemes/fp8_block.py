@@ -25,8 +25,9 @@ INPUT_SCALE = False  # weight only: no activation scale
 OPERATIONS = {"FP8_BLOCK": "fp8-block"}  # the plan's operation of its items (``plan.Operation``): one, its name
 
 
-def operation(arithmetic: str, from_mxfp4: bool) -> str:
-    """Every item's operation: the scheme's one (a coded source is decoded to BF16 first)."""
+def operation(arithmetic: str, from_mxfp4: bool, stacked: bool = False) -> str:
+    """Every item's operation: the scheme's one (a coded source is decoded to BF16 first; a stacked bank is refused
+    by ``shape_error`` before)."""
     return OPERATIONS["FP8_BLOCK"]
 
 
@@ -37,9 +38,11 @@ def roles(shape: tuple[int, ...], scalar: tuple[int, ...]) -> dict[str, tuple[st
     return {"codes": ("F8_E4M3", shape), "scales": ("F32", (-(-n // BLOCK), 1, -(-k // BLOCK), 1))}
 
 
-def shape_error(shape: tuple[int, ...], fused: bool, stacked: bool) -> str | None:
+def shape_error(shape: tuple[int, ...], fused: bool, stacked: bool, experts: int = 0) -> str | None:
     """Why a weight cannot be block FP8 (the words after "selected for block FP8"), or None: 2-D, not a stack of
-    experts, K a multiple of the tile (the engines refuse another)."""
+    experts (fused, or a stacked bank: ``experts``), K a multiple of the tile (the engines refuse another)."""
+    if experts:
+        return "is a stacked expert bank (only NVFP4 writes one per expert)"
     if len(shape) != 2 or stacked:
         return "is not 2-D"
     if shape[1] % BLOCK:

@@ -31,13 +31,16 @@ GROUP_SIZE = 16  # values per e4m3 scale
 INPUT_SCALE = True  # a recipe may pin a constant activation scale (written with the module: W4A4)
 #: The plan's operations of an NVFP4 item (``plan.Operation`` members): quantized from the source's values, or
 #: NVIDIA's closed-form cast of MXFP4 codes (ModelOpt's arithmetic; no value decoded).
-OPERATIONS = {"QUANTIZE": "nvfp4", "CAST": "mxfp4-cast"}
+OPERATIONS = {"QUANTIZE": "nvfp4", "CAST": "mxfp4-cast", "STACKED": "nvfp4-stacked"}
 
 
-def operation(arithmetic: str, from_mxfp4: bool) -> str:
-    """An item's operation (a value of ``OPERATIONS``): NVIDIA's cast where every source holds MXFP4 codes and the
-    output format computes ModelOpt's arithmetic, else quantized. The plan decides it once (``plan.operations``; a
-    unit's members together: w1 and w3 share one ``k_max`` or one amax)."""
+def operation(arithmetic: str, from_mxfp4: bool, stacked: bool = False) -> str:
+    """An item's operation (a value of ``OPERATIONS``): a stacked expert bank quantized one expert at a time (one
+    global scale per expert); NVIDIA's cast where every source holds MXFP4 codes and the output format computes
+    ModelOpt's arithmetic; else quantized. The plan decides it once (``plan.operations``; a unit's members together:
+    w1 and w3 share one ``k_max`` or one amax, a stacked gate and up bank one amax per expert)."""
+    if stacked:
+        return OPERATIONS["STACKED"]
     return OPERATIONS["CAST"] if from_mxfp4 and arithmetic == "modelopt" else OPERATIONS["QUANTIZE"]
 #: how compressed-tensors names the packed NVFP4 layout (its ``format``; also every config group's)
 CT_PACK_FORMAT = "nvfp4-pack-quantized"
@@ -51,10 +54,12 @@ def roles(shape: tuple[int, ...], scalar: tuple[int, ...]) -> dict[str, tuple[st
             "global": ("F32", scalar), "input": ("F32", scalar)}
 
 
-def shape_error(shape: tuple[int, ...], fused: bool, stacked: bool) -> str | None:
+def shape_error(shape: tuple[int, ...], fused: bool, stacked: bool, experts: int = 0) -> str | None:
     """Why a weight cannot be NVFP4 (the words after "selected for NVFP4"), or None: 2-D (a fused bank of
-    experts may be 3-D), K a multiple of the group."""
-    if not fused and len(shape) != 2:
+    experts may be 3-D, a stacked bank is), K a multiple of the group."""
+    if experts and len(shape) != 3:
+        return "is not 3-D (a stacked expert bank)"
+    if not fused and not experts and len(shape) != 2:
         return "is not 2-D"
     if shape[-1] % GROUP_SIZE:
         return f"but K={shape[-1]} is not a multiple of {GROUP_SIZE}"
@@ -245,9 +250,79 @@ def c_casts(it, form: Callable) -> bool:
     return recipe_kernels() and all(form(s) == "mxfp4" for s in it.sources)
 
 
+class _Expert:
+    """The backend's view of a unit narrowed to one expert of its stacked banks: ``values`` gives each source's
+    slice ``e`` (the torch values' first index; the C kernels' stored bytes, a byte range), ``store`` collects each
+    item's parts by role, expert after expert; everything else is the unit's (``__getattr__``)."""
+
+    def __init__(self, unit, narrow: Callable, banks: dict) -> None:
+        self._unit, self._narrow, self._banks, self.e = unit, narrow, banks, 0
+        self._whole: dict = {}
+        self.parts: dict[str, dict[str, list]] = {}
+        self.amaxes: dict[str, list[float]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._unit, name)
+
+    def values(self, src):
+        """Expert ``e``'s values of ``src`` (an expert's source: the bank's name, its shape less the first
+        dimension); the whole bank read once."""
+        if src.name not in self._whole:
+            self._whole[src.name] = self._unit.values(self._banks[src.name])
+        return self._narrow(self._whole[src.name], self.e, src)
+
+    def store(self, it, roles: dict[str, list], note: dict) -> None:
+        into = self.parts.setdefault(it.name, {})
+        for role, parts in roles.items():
+            into.setdefault(role, []).extend(parts)
+        self.amaxes.setdefault(it.name, []).append(float(note["amax"]))
+
+    def finish(self, items: list) -> None:
+        """Each item's stacked parts (expert after expert: the [experts, ...] tensors' bytes in order) into the
+        unit, with every expert's amax."""
+        for it in items:
+            self._unit.store(it, self.parts[it.name], {"method": _method(it), "amax": self.amaxes[it.name]})
+
+
+def _per_expert(step: Callable, narrow: Callable) -> Callable:
+    """``step`` (one global scale over a unit's members) run once per expert of the unit's stacked banks, on each
+    source's slice ``e``: one global scale per expert over the members' slices ``e`` (gate and up of a stacked
+    ``w13``), as the engines read a stacked bank (docs/stacked-banks.md)."""
+    from dataclasses import replace
+
+    def run(items: list, unit) -> None:
+        banks = {s.name: s for it in items for s in it.sources}
+        one = [replace(it, sources=tuple(s._replace(shape=s.shape[1:]) for s in it.sources)) for it in items]
+        view = _Expert(unit, narrow, banks)
+        for e in range(items[0].experts):
+            view.e = e
+            step(one, view)
+        view.finish(items)
+    return run
+
+
+def _narrow_torch(v, e: int, src):
+    return v[e]
+
+
+def _narrow_c(v, e: int, src):
+    """Expert ``e``'s bytes of a stored bank (``compute_early.Stored``): one byte range."""
+    from dataclasses import replace
+
+    n = v.buf.nbytes // v.src.shape[0]
+    return replace(v, buf=v.buf[e * n: (e + 1) * n], src=src)
+
+
+def c_quantizes_stacked(it, form: Callable) -> bool:
+    """The C kernels quantize a stacked bank stored dense (BF16 / FP32), a byte range per expert."""
+    return all(form(s) == "dense" for s in it.sources) and c_quantizes(it, form)
+
+
 STEPS = {
     ("nvfp4", "torch"): Step(quantize_torch, joint=True),
     ("nvfp4", "c"): Step(quantize_c, joint=True, accepts=c_quantizes),
+    ("nvfp4-stacked", "torch"): Step(_per_expert(quantize_torch, _narrow_torch), joint=True),
+    ("nvfp4-stacked", "c"): Step(_per_expert(quantize_c, _narrow_c), joint=True, accepts=c_quantizes_stacked),
     ("mxfp4-cast", "torch"): Step(cast_torch, joint=True),
     ("mxfp4-cast", "c"): Step(cast_c, joint=True, accepts=c_casts),
 }

@@ -14,6 +14,7 @@ from ..errors import ConvertError
 from ..hashing import FILE_DIGEST, HUB_DIGEST, hash_file, unlabel
 from ..jsonstream import iter_object
 from ..manifest import RecordsReader, entry_digest, entry_digests, tensor_digest
+from ..mapping import stacked_experts_module
 from ..plan import Kind
 from ..safetensors_format import DTYPES, parse_header
 from ..sidefiles import WEIGHT_SUFFIXES
@@ -37,7 +38,9 @@ class Modules:
     def add(self, where: str, m: dict) -> None:
         self.problems += row_problems(where, m)
         if m["kind"] != Kind.COPY:
-            if ".experts." in m["name"]:
+            if m.get("experts"):  # a stacked expert bank: one of its layer's experts module's banks
+                self.experts.setdefault(stacked_experts_module(m["name"]), set()).add(m["kind"])
+            elif ".experts." in m["name"]:
                 self.experts.setdefault(m["name"].rsplit(".", 2)[0], set()).add(m["kind"])
             else:
                 self.kinds[m["name"]] = m["kind"]
