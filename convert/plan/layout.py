@@ -56,7 +56,8 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
     outs = _outputs(name, dec.kind, shape, dtype, dec.input_scale, output_format, experts)
     fmt = output_format if dec.kind != KEEP else None
     pinned = schemes.quantized(dec.kind) and schemes.get(dec.kind).INPUT_SCALE
-    return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, dec.rule,
+    rule = f"{dec.rule}; a stacked bank of {experts} experts, one global scale each" if experts else dec.rule
+    return Item(name, dec.kind, op, group.name if group else None, tuple(srcs), outs, rule,
                 of_item(dec.kind, fmt, srcs, experts), dec.input_scale if pinned else None, fmt, experts)
 
 

@@ -1,0 +1,186 @@
+"""Stacked expert banks (a mapping table's ``[stacked]``): routed experts an engine reads only as 3-D banks
+(vLLM 0.33's Step-3 text and Step 5 loaders: docs/stacked-banks.md) are written as 3-D NVFP4 banks with one global
+scale per expert. Held to the per-expert path: each expert's slice of a stacked bank must be, byte for byte, what
+``pack`` writes for the same weights stored one module per expert (the path held to NVIDIA's converter elsewhere),
+gate and up sharing expert e's global scale as a ``w13`` scale group does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import edit_config, one_line_error, read_tensors, run, spec
+
+PRESET = "tiny-step3-text"
+BANKS = ("gate_proj", "up_proj", "down_proj")
+
+_COMMON = """
+architectures = ["Step3TextForCausalLM"]
+model_types = ["step3_text"]
+not_linear = ["model.embed_tokens"]
+
+[layout.vllm]
+formats = []
+reason = "test table"
+
+[layout.sglang]
+formats = []
+reason = "test table"
+
+[[keep]]
+pattern = "model.layers.*.moe.gate"
+reason = "the router"
+
+[[group]]
+name = "gate_up_proj"
+members = ["gate_proj", "up_proj"]
+parents = ["model.layers.{layer}.mlp", "model.layers.{layer}.share_expert"]
+"""
+
+STACKED = 'name = "test-stacked"' + _COMMON + """
+[stacked]
+modules = ["model.layers.*.moe.gate_proj", "model.layers.*.moe.up_proj", "model.layers.*.moe.down_proj"]
+experts = "moe_num_experts"
+reason = "test: the engine reads the routed experts only as 3-D banks"
+
+[[scale_group]]
+name = "w13"
+members = ["gate_proj", "up_proj"]
+parents = ["model.layers.{layer}.moe"]
+same_rows = true
+"""
+
+PER_EXPERT = 'name = "test-per-expert"\nexpert_sets = ["model.layers.{layer}.moe.experts"]' + _COMMON + """
+
+[[scale_group]]
+name = "w13"
+members = ["gate_proj", "up_proj"]
+parents = ["model.layers.{layer}.moe.experts.{expert}"]
+same_rows = true
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    w = tmp_path_factory.mktemp("stacked")
+    assert run("synth", spec(PRESET), w / "src").code == 0
+    (w / "stacked.toml").write_text(STACKED)
+    (w / "per_expert.toml").write_text(PER_EXPERT)
+    _split_banks(w / "src", w / "split")
+    r = run("pack", w / "src", w / "out", "--mapping", w / "stacked.toml", "-q")
+    assert r.code == 0, r.stderr
+    return w
+
+
+def _split_banks(src: Path, dst: Path) -> None:
+    """The same checkpoint with each 3-D bank stored one module per expert (``moe.experts.E.gate_proj``): the input
+    of the per-expert path."""
+    dst.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    wm = {}
+    for f in sorted(set(index["weight_map"].values())):
+        out = {}
+        for name, t in load_file(src / f).items():
+            bank = next((b for b in BANKS if name.endswith(f".moe.{b}.weight")), None)
+            if bank is None:
+                out[name] = t
+                continue
+            layer = name[: -len(f"{bank}.weight")]
+            out.update({f"{layer}experts.{e}.{bank}.weight": t[e].clone() for e in range(t.shape[0])})
+        save_file(out, dst / f, metadata={"format": "pt"})
+        wm.update(dict.fromkeys(out, f))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+def test_a_stacked_bank_is_each_experts_module_stacked(work):
+    """Expert e's codes, block scales and global scale in each stacked bank are the per-expert path's bytes for
+    ``experts.e`` of the same layer (gate and up under one global scale per expert, down alone)."""
+    r = run("pack", work / "split", work / "per", "--mapping", work / "per_expert.toml", "-q")
+    assert r.code == 0, r.stderr
+    stacked, per = read_tensors(work / "out"), read_tensors(work / "per")
+    experts = json.loads((work / "src" / "config.json").read_text())["moe_num_experts"]
+    for bank in BANKS:
+        w = stacked[f"model.layers.1.moe.{bank}.weight"]
+        assert w.dtype == torch.uint8 and w.shape[0] == experts
+        for suffix in ("weight", "weight_scale", "weight_scale_2"):
+            got = stacked[f"model.layers.1.moe.{bank}.{suffix}"]
+            assert got.shape[0] == experts, (bank, suffix, got.shape)
+            for e in range(experts):
+                want = per[f"model.layers.1.moe.experts.{e}.{bank}.{suffix}"]
+                assert _same(got[e].reshape(-1), want.reshape(-1)), (bank, suffix, e)
+    s2 = {b: stacked[f"model.layers.1.moe.{b}.weight_scale_2"] for b in BANKS}
+    assert torch.equal(s2["gate_proj"], s2["up_proj"])  # one per expert, shared by gate and up (vLLM's w13)
+    assert len(set(s2["gate_proj"].tolist())) > 1  # not one scale for the whole bank
+
+
+def test_the_manifest_records_each_experts_amax_and_verifies(work):
+    """The record names the expert count and every expert's amax; ``verify-manifest --input --full`` re-quantizes
+    every bank (the torch code) to the bytes pack wrote (the C kernels), and the exclude list passes the engines'
+    rules with the banks folded into their experts module."""
+    man = json.loads((work / "out" / "manifest.json").read_text())
+    recs = [json.loads(line) for f in (work / "out" / "manifest-records").iterdir()
+            for line in f.read_text().splitlines() if line.strip().startswith("{")]
+    rec = next((m for m in recs if m.get("name") == "model.layers.1.moe.gate_proj"), None)
+    if rec is None:  # records embedded in the manifest
+        rec = next(m for m in man.get("modules", []) if m["name"] == "model.layers.1.moe.gate_proj")
+    assert rec["experts"] == 8 and rec["kind"] == "nvfp4"
+    assert len(rec["quantization"]["amax"]) == 8
+    r = run("verify-manifest", work / "out", "--input", work / "src", "--full")
+    assert r.code == 0, r.stdout + r.stderr
+    assert "all of" in r.stdout
+
+
+def test_the_torch_code_writes_the_c_kernels_bytes(work, tmp_path):
+    """``--device reference`` (torch, ModelOpt's arithmetic) and the default C kernels write the same banks, and
+    so do both for compressed-tensors' format."""
+    r = run("pack", work / "src", tmp_path / "ref", "--mapping", work / "stacked.toml", "--device", "reference", "-q")
+    assert r.code == 0, r.stderr
+    a, b = read_tensors(work / "out"), read_tensors(tmp_path / "ref")
+    assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    outs = {}
+    for dev in ("cpu", "reference"):
+        r = run("pack", work / "src", tmp_path / f"ct-{dev}", "--mapping", work / "stacked.toml", "--format",
+                "compressed-tensors", "--device", dev, "-q")
+        assert r.code == 0, r.stderr
+        outs[dev] = read_tensors(tmp_path / f"ct-{dev}")
+    g = outs["cpu"]["model.layers.1.moe.gate_proj.weight_global_scale"]
+    assert g.shape == (8, 1)  # one per expert in compressed-tensors' scalar shape [1]
+    assert all(_same(outs["cpu"][k], outs["reference"][k]) for k in outs["cpu"])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_a_kept_layer_of_banks_excludes_its_experts_module(work, tmp_path):
+    """Kept, a layer's banks are copied as stored and the exclude list names the module the engine asks its quant
+    method with (``moe.experts``); one bank kept and another quantized is refused, naming both."""
+    r = run("pack", work / "src", tmp_path / "kept", "--mapping", work / "stacked.toml", "-q",
+            "--exclude", "model.layers.1.moe.*")
+    assert r.code == 0, r.stderr
+    q = json.loads((tmp_path / "kept" / "hf_quant_config.json").read_text())["quantization"]
+    assert "model.layers.1.moe.experts" in q["exclude_modules"]
+    t = read_tensors(tmp_path / "kept")
+    assert t["model.layers.1.moe.gate_proj.weight"].dtype == torch.bfloat16
+    assert run("verify-manifest", tmp_path / "kept").code == 0
+    err = one_line_error(run("pack", work / "src", tmp_path / "mixed", "--mapping", work / "stacked.toml",
+                             "--exclude", "model.layers.1.moe.down_proj"))
+    assert "model.layers.1.moe.gate_proj" in err and "model.layers.1.moe.down_proj" in err
+    assert "model.layers.1.moe.experts" in err
+    assert not (tmp_path / "mixed").exists() or not (tmp_path / "mixed" / "manifest.json").exists()
+
+
+def test_a_bank_that_is_not_the_configs_experts_is_refused(work, tmp_path):
+    """A bank whose first dimension is not the config's expert count (or that is not 3-D) is one line naming the
+    tensor, before any output."""
+    src = tmp_path / "src"
+    assert run("synth", spec(PRESET), src).code == 0
+    edit_config(src, lambda c: c.update(moe_num_experts=4))
+    err = one_line_error(run("pack", src, tmp_path / "out", "--mapping", work / "stacked.toml"))
+    assert "model.layers.1.moe." in err and "moe_num_experts" in err and "[8, " in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
