@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import edit_config, one_line_error, read_tensors, run, spec
+from helpers import edit_config, one_line_error, read_tensors, replace_tensor, run, spec
 
 PRESET = "tiny-step3-text"
 BANKS = ("gate_proj", "up_proj", "down_proj")
@@ -183,4 +183,19 @@ def test_a_bank_that_is_not_the_configs_experts_is_refused(work, tmp_path):
     edit_config(src, lambda c: c.update(moe_num_experts=4))
     err = one_line_error(run("pack", src, tmp_path / "out", "--mapping", work / "stacked.toml"))
     assert "model.layers.1.moe." in err and "moe_num_experts" in err and "[8, " in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+def test_a_nan_in_one_expert_of_a_bank_is_refused_naming_the_bank(work, tmp_path, device):
+    """One NaN in expert 5 of a stacked bank: one line naming the stored bank and its file, from the C kernels and
+    from torch alike; no manifest written."""
+    src = tmp_path / "src"
+    assert run("synth", spec(PRESET), src).code == 0
+    name = "model.layers.1.moe.up_proj.weight"
+    bank = read_tensors(src)[name].clone()
+    bank[5, 3, 7] = float("nan")
+    replace_tensor(src, name, bank)
+    err = one_line_error(run("pack", src, tmp_path / "out", "--mapping", work / "stacked.toml", "--device", device))
+    assert f"tensor {name}: holds NaN or Inf" in err and ".safetensors" in err
     assert not (tmp_path / "out" / "manifest.json").exists()
