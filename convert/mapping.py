@@ -312,6 +312,17 @@ class Mapping:
         """Whether ``module`` is a stacked expert bank the table's ``[stacked]`` names."""
         return self.stacked is not None and self._hit(module, self.stacked.modules)
 
+    def stacked_error(self, name: str, shape: tuple[int, ...], config: dict) -> str | None:
+        """Why stored tensor ``name`` cannot be a stacked expert bank of this table (its words after the file), or
+        None: it must be [experts, N, K] with experts the config's count (``[stacked] experts``)."""
+        assert self.stacked is not None
+        want = self.config_value(config, self.stacked.experts)
+        if len(shape) == 3 and type(want) is int and shape[0] == want:
+            return None
+        got = "absent" if want is None else repr(want)
+        return (f"tensor {name} {list(shape)}: a stacked expert bank of mapping {self.name} must be [experts, N, K] "
+                f"with experts = config.json {self.stacked.experts} ({got})")
+
     def _one_per_expert_template(self, modules: list[str]) -> list[str]:
         """``modules`` with each routed expert module kept for the first expert of its layer only (``w1`` of
         expert 0 standing for every ``w1``): a glob that cannot tell expert indices apart

@@ -52,6 +52,13 @@ name = "w13"
 members = ["gate_proj", "up_proj"]
 parents = ["model.layers.{layer}.moe"]
 same_rows = true
+
+[moe]
+experts = "moe_num_experts"
+members = ["down_proj", "gate_proj", "up_proj"]
+layers = "model.layers.{layer}"
+num_layers = "num_hidden_layers"
+moe_list = "moe_layers_enum"
 """
 
 PER_EXPERT = 'name = "test-per-expert"\nexpert_sets = ["model.layers.{layer}.moe.experts"]' + _COMMON + """
@@ -199,3 +206,13 @@ def test_a_nan_in_one_expert_of_a_bank_is_refused_naming_the_bank(work, tmp_path
     err = one_line_error(run("pack", src, tmp_path / "out", "--mapping", work / "stacked.toml", "--device", device))
     assert f"tensor {name}: holds NaN or Inf" in err and ".safetensors" in err
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_the_config_check_counts_a_layers_banks_as_its_experts(work, tmp_path):
+    """``[moe]`` holds the config's MoE layers against the stored banks (``plan.consistency``): a layer the config
+    calls MoE that stores no bank is one line naming it."""
+    src = tmp_path / "src"
+    assert run("synth", spec(PRESET), src).code == 0
+    edit_config(src, lambda c: c.update(moe_layers_enum="1,2"))
+    err = one_line_error(run("pack", src, tmp_path / "out", "--mapping", work / "stacked.toml"))
+    assert "layer 2" in err and "model.layers.2 holds no routed experts" in err

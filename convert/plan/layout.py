@@ -62,16 +62,12 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
 
 
 def stacked_experts(mod: str, src: SourceTensor, m: Mapping, config: dict) -> int:
-    """A stacked expert bank's expert count (0 for any other module): its weight must be 3-D [E, N, K] with E the
-    config's count (the table's ``[stacked] experts``), refused in one line otherwise."""
+    """A stacked expert bank's expert count (0 for any other module), refused in one line where the weight is not
+    [E, N, K] with E the config's count (``Mapping.stacked_error``)."""
     if not m.stacked_bank(mod):
         return 0
-    assert m.stacked is not None
-    want = m.config_value(config, m.stacked.experts)
-    if len(src.shape) != 3 or type(want) is not int or src.shape[0] != want:
-        got = "absent" if want is None else repr(want)
-        raise ConvertError(f"{src.file}: tensor {src.name} {list(src.shape)}: a stacked expert bank of mapping "
-                           f"{m.name} must be [experts, N, K] with experts = config.json {m.stacked.experts} ({got})")
+    if (why := m.stacked_error(src.name, src.shape, config)) is not None:
+        raise ConvertError(f"{src.file}: {why}")
     return src.shape[0]
 
 
