@@ -405,6 +405,7 @@ def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = F
                                                           + (f" ({','.join(g['engines'])})" if g.get("engines")
                                                              else "") for g in t.get("group", [])],
             "scale_groups": [f"{g['name']}={'+'.join(g['members'])}" for g in t.get("scale_group", [])],
+            **({"stacked": t["stacked"]["modules"]} if t.get("stacked") else {}),
             "keep": [k["pattern"] for k in t.get("keep", [])], "not_linear": t.get("not_linear", []),
             "linear": t.get("linear", []),
             "absent_keeps": [k["pattern"] for k in t.get("keep", []) if " with None under " in k["reason"]],
@@ -615,7 +616,10 @@ def _derive_cell(rec: dict, notes: Notes) -> str:
     if not d["ok"]:
         return "no " + notes.ref(rec["arch"], d["why"])
     cell = (f"yes: {len(d['groups'])} group(s), {len(d['scale_groups'])} scale group(s), {len(d['keep'])} keep "
-            + notes.ref(rec["arch"], "; ".join(d["groups"] + d["scale_groups"]) + "; keep " + ", ".join(d["keep"])))
+            + notes.ref(rec["arch"], "; ".join(d["groups"] + d["scale_groups"]) + "; keep " + ", ".join(d["keep"])
+                        + ("; stacked banks " + ", ".join(d["stacked"]) if d.get("stacked") else "")))
+    if d.get("stacked"):
+        cell += f", {len(d['stacked'])} stacked bank(s)"
     if (rec.get("pack") or {}).get("overlay"):
         cell += f"; packed with its overlay `{rec['pack']['overlay']}`"
     if d.get("absent_keeps"):

@@ -452,11 +452,9 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet (plan derives theirs from the engines
-#: where they are present; without them, one line): Step-3 text stores 3-D expert banks its one engine (vLLM 0.33)
-#: reads back only as banks (no stacked NVFP4 output yet; docs/families.md, "Step-3 text"). Tests that pack every
-#: preset leave them out.
-PRESETS_WITHOUT_TABLE = frozenset({"tiny-step3-text",
-                                   # Step 5: vLLM refuses its fused DSA projection quantized and reads its experts only
+#: where they are present; without them, one line). Tests that pack every preset leave them out. (Step-3 text ships
+#: since session 41: its experts as stacked 3-D NVFP4 banks, docs/families.md, "Step-3 text".)
+PRESETS_WITHOUT_TABLE = frozenset({# Step 5: vLLM refuses its fused DSA projection quantized and reads its experts only
                                    # as 3-D banks (docs/families.md, "Step 5")
                                    "tiny-step5",
                                    # IQuest-Q1: SGLang 0.5.23 reads its 3-D expert banks (experts.fc / experts.proj)

@@ -398,6 +398,52 @@ def test_a_fused_3d_expert_bank_is_refused_not_derived():
         from_views(views, config, shapes)
 
 
+def test_a_bank_the_loader_writes_expert_by_expert_is_a_stacked_bank():
+    """Step-3 text (its breadth answers): vLLM 0.33's Step3TextModel.load_weights writes moe.gate_proj.weight
+    [E, I, H] into w13_weight one expert at a time (``loaded_weight[expert_id]``), each expert's [I, H] as stored: no
+    refusal, but ``[stacked]`` (the bank modules as globs, the expert count's config path, the loader named), gate and
+    up one ``w13`` scale group under the bank's parent, no expert set (no per-expert module); ``[moe]`` holds the
+    config's MoE layers against the banks (a layer's banks are its experts: plan.consistency).
+    The same bank written whole (one write of [E, I, H]) or cut into halves stays refused (above)."""
+    views, config, shapes = load_answers(ANSWERS / "breadth" / "Step3TextForCausalLM.answers.json")
+    t = from_views(views, config, shapes).table
+    assert t["stacked"]["modules"] == [f"model.layers.*.moe.{p}_proj" for p in ("down", "gate", "up")]
+    assert t["stacked"]["experts"] == "moe_num_experts"
+    assert "Step3TextForCausalLM.load_weights" in t["stacked"]["reason"] and "one expert at a time" in t["stacked"][
+        "reason"]
+    assert t["scale_group"] == [{"name": "w13", "members": ["gate_proj", "up_proj"],
+                                 "parents": ["model.layers.{layer}.moe"], "same_rows": True}]
+    assert "expert_sets" not in t
+    assert t["moe"] == {"experts": "moe_num_experts", "members": ["down_proj", "gate_proj", "up_proj"],
+                        "layers": "model.layers.{layer}", "num_layers": "num_hidden_layers",
+                        "moe_list": "moe_layers_enum"}
+    from kimi_convert.errors import ConvertError
+
+    v = views[0]
+    bank = next(s for s in v.spans if s["tensor"].endswith("moe.down_proj.weight"))
+    others = [s for s in v.spans if s is not bank]
+    for changed in ({"writes": 1, "shape": shapes[bank["tensor"]]},  # copied whole
+                    {"writes": 16, "shape": [bank["shape"][0] // 2, bank["shape"][1]]}):  # cut into halves
+        v.spans = [*others, {**bank, **changed}]
+        with pytest.raises(ConvertError, match=r"moe\.down_proj\.weight \[8, 256, 128\] fills every expert of vLLM "
+                                               r"0\.33\.0's .*w2_weight in one tensor: a fused 3-D expert bank"):
+            from_views(views, config, shapes)
+
+
+def test_vllm_asks_a_module_built_under_an_empty_prefix_by_a_name_the_exclude_list_also_holds():
+    """vLLM 0.33 builds Step3TextModel(prefix=""), so ModelOpt's is_layer_excluded is asked ``.layers.N.self_attn.
+    qkv_proj``, which no entry naming ``model.layers.N.self_attn.q_proj`` reaches: ``[engine_names]`` holds the
+    prefix (without its dot) for every source module of such a module. SGLang's prefixes are not read so (its
+    ModelOpt entries match whole: HunYuan's ``.self_attn.qkv_proj`` gives no rule; its shipped table is unchanged)."""
+    views, config, shapes = load_answers(ANSWERS / "breadth" / "Step3TextForCausalLM.answers.json")
+    names = from_views(views, config, shapes).table["engine_names"]
+    assert names[r"model\.layers\.(\d+)\.self_attn\.q_proj"] == r"layers.\1.self_attn.qkv_proj"
+    assert names[r"model\.layers\.(\d+)\.share_expert\.up_proj"] == r"layers.\1.share_expert.gate_up_proj"
+    assert not any("moe" in rx for rx in names)  # the router is built unquantized; the banks are 3-D
+    hy = from_views(*load_answers(ANSWERS / "breadth" / "HunYuanMoEV1ForCausalLM.answers.json")).table
+    assert "engine_names" not in hy
+
+
 def test_the_mtp_layer_rules_come_from_the_drafts():
     """DeepSeek V3's MTP layer, from the drafts' answers: its own embed_tokens is an embedding (vLLM's DeepSeekMTP
     reads it into a VocabParallelEmbedding), and vLLM's draft builds shared_head.head (a ParallelLMHead) unquantized

@@ -16,8 +16,10 @@ The rules, each the hand tables' own (docs/families.md), now read off the engine
 - Names are templated: ``layers.N`` -> ``layers.{layer}``, ``experts.N`` -> ``experts.{expert}`` (a rule applies where
   its members exist, in whichever layers those are).
 - The drafts' packed modules (the MTP layers the main models drop) are groups too; a tied head an engine would build
-  quantized is ``[lm_head] exclude_tied``; routed experts the stand-in cannot show per expert (a fused 3-D bank) are
-  refused (:func:`unsplit_banks`).
+  quantized is ``[lm_head] exclude_tied``; a 3-D source weight the loader writes into its bank one expert at a time,
+  each expert's slice as stored, is a stacked bank (``[stacked]``: Step-3 text's ``moe.gate_proj`` [E, I, H]), its
+  members sharing one engine parameter a ``[[scale_group]]`` as per-expert members do; routed experts the stand-in
+  cannot show otherwise (a fused 3-D bank copied whole, transposed or cut) are refused (:func:`unsplit_banks`).
 
 Pure: no engine, no torch; the engines' results come in as the runners' JSON (``runner_common.describe`` /
 ``spans``).
@@ -29,6 +31,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..errors import ConvertError
 from ..mapping import layer_numbers
 from .reduce import EXPERT_KEYS
 
@@ -164,13 +167,50 @@ def in_quant_builds(view: EngineView, module: str) -> bool:
     return not builds or any(module in mods for mods in builds)
 
 
+@dataclass
+class StackedBank:
+    """A source weight [E, N, K] that an engine's loader writes into its routed-expert bank one expert at a time,
+    each expert's [N, K] slice as stored (``loaded_weight[expert_id]``: vLLM 0.33 step3_text.py
+    ``Step3TextModel.load_weights``): a stacked bank, written as one 3-D NVFP4 bank (``[stacked]``)."""
+
+    module: str  # the source module (the offered ``....weight`` without ``.weight``)
+    param: str  # the engine parameter it fills
+    experts: int
+    engine: str
+    label: str
+    model_class: str
+    engine_class: str
+    engine_file: str
+
+
+def _stacked_write(s: dict, shape: tuple[int, ...], pshape: tuple[int, ...]) -> bool:
+    """A 3-D source tensor written expert by expert, each expert's slice as stored: one write per expert of the
+    engine's bank, each of the tensor's own [N, K] (not a whole-bank copy, nor halves, nor a transpose)."""
+    return (len(shape) == len(pshape) == 3 and shape[0] == pshape[0] > 1 and s.get("writes") == shape[0]
+            and tuple(s["shape"]) == shape[1:] and shape[2] == pshape[2] and s["tensor"].endswith(".weight"))
+
+
+def stacked_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = None) -> list[StackedBank]:
+    """The source weights ``view``'s loader reads as stacked expert banks (:func:`_stacked_write`)."""
+    out = []
+    for s in view.spans:
+        mod = view.modules.get(engine_module(s["param"]), {})
+        shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
+        if mod.get("kind") == "moe" and _stacked_write(s, shape, pshape):
+            out.append(StackedBank(s["tensor"][: -len(".weight")], s["param"], shape[0], view.engine, view.label,
+                                   view.model_class, mod.get("class", "?"), mod.get("file", "?")))
+    return out
+
+
 def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
     """Why the engine's routed experts cannot be read off the stand-in, one line each (empty: they can):
 
-    - a source weight that fills several experts of the engine's bank in one tensor (a BF16 gpt-oss
-      ``gate_up_proj``): a fused 3-D bank that no source encoding splits into per-expert modules
+    - a source weight that fills several experts of the engine's bank in one tensor otherwise than expert by expert
+      as stored (a BF16 gpt-oss ``gate_up_proj``, copied whole and transposed; GraniteMoe's ``input_linear`` cut
+      into halves): a fused 3-D bank that no source encoding splits into per-expert modules
       (``encodings/expert_bank.py`` splits Granite's, Gemma 4's and Llama 4's, so the stand-in offers those per
-      expert);
+      expert). One the loader writes expert by expert as stored is a stacked bank (:func:`stacked_banks`), no
+      refusal;
     - a per-expert source weight (``experts.N.x``) the loader put nowhere in a layer where the engine builds a
       bank (gpt-oss, whose plain build reads the experts only under the release's 3-D names): the bank's
       members and fusions are not seen.
@@ -180,16 +220,49 @@ def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = 
         mod = view.modules.get(engine_module(s["param"]), {})
         # the offered tensor's own shape (a loader that writes a bank expert by expert records one write's)
         shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
-        if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1:
+        if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1 \
+                and not _stacked_write(s, shape, pshape):
             out.append(f"{s['tensor']} {list(shape)} fills every expert of {view.label}'s {s['param']} in one tensor: "
-                       "a fused 3-D expert bank that no source encoding splits per expert (this tool quantizes "
-                       "experts only as per-expert modules; encodings/expert_bank.py names the layouts it splits)")
+                       "a fused 3-D expert bank that no source encoding splits per expert, and not one the loader "
+                       "writes expert by expert as stored (a stacked bank: [stacked]); this tool quantizes experts "
+                       "as per-expert modules or stacked banks only; encodings/expert_bank.py names the layouts it "
+                       "splits")
     banks = {_layer_of(m) for m, info in view.modules.items() if info.get("kind") == "moe"}
     for t in view.skipped:
         if _EXPERT.search(t) and t.endswith(".weight") and _layer_of(t) in banks:
             out.append(f"{t}: {view.label}'s loader puts this expert weight nowhere although it builds a routed-expert "
                        "bank in its layer (it reads the experts under other names, such as a release's 3-D bank)")
     return out
+
+
+def _stacked(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+    """``[stacked]``: the bank modules some engine's loader reads as stacked 3-D banks (as globs over layers), the
+    config path of their expert count (the ``[moe] experts`` key, whose value each bank's first dimension must
+    equal) and the loaders that read them so. None without such banks; refused where no config key holds the
+    banks' expert count (a bank an engine reads otherwise is refused by :func:`unsplit_banks`)."""
+    found = [b for v in views for b in stacked_banks(v, shapes)]
+    if not found:
+        return None
+    tc = _text(config)
+    counts = sorted({b.experts for b in found})
+    key = next((k for k in EXPERT_KEYS if len(counts) == 1 and tc.get(k) == counts[0] and type(tc[k]) is int), None)
+    if key is None:
+        raise ConvertError(f"{found[0].module}.weight: a stacked expert bank of {counts[0]} experts, but no config key "
+                           f"of the expert count ({', '.join(EXPERT_KEYS)}) says {counts[0]}: the table's [stacked] "
+                           "experts cannot be named")
+    modules = list(dict.fromkeys(glob(b.module) for b in found))
+    by_engine: dict[str, list[StackedBank]] = defaultdict(list)
+    for b in found:
+        by_engine[b.engine].append(b)
+    why = []
+    for banks in by_engine.values():
+        b = banks[0]
+        params = ", ".join(dict.fromkeys(f"{glob(x.module)} -> {template(x.param).rpartition('.')[2]}" for x in banks))
+        why.append(f"{b.label}: {b.model_class.rpartition('.')[2]}.load_weights ({b.model_class.rpartition('.')[0]}) "
+                   f"writes each bank [experts, N, K] into {template(b.param).rpartition('.')[0]} ({b.engine_class}, "
+                   f"{b.engine_file}) one expert at a time, each expert's [N, K] as stored ({params})")
+    return {"modules": modules, "experts": key,
+            "reason": "derived: " + "; ".join(why) + ": written as 3-D NVFP4 banks, one global scale per expert"}
 
 
 def _bank_name(param: str) -> str:
@@ -428,40 +501,51 @@ def _text(config: dict) -> dict:
     return sub if isinstance(sub, dict) else config
 
 
-def _moe_check(views: list[EngineView], config: dict, sets: list[str], modules: set[str]) -> dict | None:
+def _moe_check(views: list[EngineView], config: dict, sets: list[str], modules: set[str],
+               stacked: list[str] = ()) -> dict | None:
     """The ``[moe]`` section plan.consistency holds the tensors against: the expert count's config key, each
-    expert's members as the engines loaded them, and the config keys that say which layers are MoE."""
+    expert's members as the engines loaded them, and the config keys that say which layers are MoE. ``stacked``: the
+    stacked banks' modules (one stored weight a layer's every expert, ``[stacked]``), whose layer's experts the
+    check counts from the bank (``plan.consistency``: the bank's first dimension, its leaf a member)."""
     tc = _text(config)
     key = next((k for k in EXPERT_KEYS if isinstance(tc.get(k), int)), None)
     main = [s for s in sets if "{layer}" in s and not s.startswith("mtp.")]
-    if key is None or not main:
+    banks = [b for b in stacked if "{layer}" in b and not b.startswith("mtp.")]
+    if key is None or not (main or banks):
         return None
     leaves = set()
-    for v in views:
-        for ld in landings(v):
-            if v.modules.get(engine_module(ld.param), {}).get("kind") == "moe" and ".experts." in ld.module:
-                leaves.add(ld.module.rpartition(".")[2])
+    if main:
+        for v in views:
+            for ld in landings(v):
+                if v.modules.get(engine_module(ld.param), {}).get("kind") == "moe" and ".experts." in ld.module:
+                    leaves.add(ld.module.rpartition(".")[2])
+    else:
+        leaves = {b.rpartition(".")[2] for b in banks}
     if not leaves:
         return None
-    layers = main[0][: main[0].index("{layer}") + len("{layer}")]
+    first = main[0] if main else banks[0]
+    layers = first[: first.index("{layer}") + len("{layer}")]
     out = {"experts": key, "members": sorted(leaves), "layers": layers}
     if isinstance(tc.get("num_hidden_layers"), int):
         out["num_layers"] = "num_hidden_layers"
     out.update({f: k for k, field in LAYER_RULES.items() if k in tc and (f := _reads(field, tc[k]))})
     if not any(f in out for f in ("dense_below", "every", "dense_list", "sparse_step", "flags", "moe_list")):
-        out.update(_moe_pattern(tc, main[0], modules))
+        banked = (lambda mod: _in_bank(mod, main[0])) if main else (lambda mod: any(_in_stack(mod, b) for b in banks))
+        out.update(_moe_pattern(tc, first, modules, banked))
     return out
 
 
-def _moe_pattern(tc: dict, bank: str, modules: set[str]) -> dict:
+def _moe_pattern(tc: dict, bank: str, modules: set[str], banked_module=None) -> dict:
     """Where no layer rule's key is in the config and only some decoder layers hold the bank: the config string of
     one letter a layer whose one letter marks exactly those layers (Nemotron-H's ``hybrid_override_pattern``, ``E``:
     vLLM 0.33 nemotron_h.py ``NemotronHModel`` builds layer i by ``hybrid_override_pattern[i]``, ``"E"`` a
-    ``NemotronHMoEDecoderLayer``), read off the stand-in's modules, not named per family."""
+    ``NemotronHMoEDecoderLayer``), read off the stand-in's modules, not named per family. ``banked_module``: whether
+    a module is one of the bank's (default: an expert of ``bank``)."""
+    banked_module = banked_module or (lambda mod: _in_bank(mod, bank))
     layers = bank[: bank.index("{layer}")]
     rx = re.compile(re.escape(layers) + r"(\d+)\.")
     present = {int(m.group(1)) for mod in modules if (m := rx.match(mod))}
-    banked = {int(m.group(1)) for mod in modules if (m := rx.match(mod)) and _in_bank(mod, bank)}
+    banked = {int(m.group(1)) for mod in modules if (m := rx.match(mod)) and banked_module(mod)}
     if not present or banked == present or not banked:
         return {}
     for key, value in tc.items():
@@ -470,6 +554,11 @@ def _moe_pattern(tc: dict, bank: str, modules: set[str]) -> dict:
                 if {i for i, c in enumerate(value) if c == letter} == banked:
                     return {"pattern": key, "pattern_moe": letter}
     return {}
+
+
+def _in_stack(module: str, bank: str) -> bool:
+    """``module`` is stacked bank ``bank`` (a template: ``model.layers.{layer}.moe.gate_proj``) of some layer."""
+    return re.fullmatch(re.escape(bank).replace(re.escape("{layer}"), r"\d+"), module) is not None
 
 
 def _in_bank(module: str, bank: str) -> bool:
@@ -623,13 +712,38 @@ def _rename_rule(src: str, dst: str) -> tuple[str, str]:
             ".".join(f"\\{next(n)}" if p.isdigit() else p for p in b))
 
 
+def _dotted_prefixes(views: list[EngineView]) -> dict[str, str]:
+    """Source module -> the prefix vLLM asks its quant method with, where that prefix starts with a dot: a model class
+    that builds its decoder under ``prefix=""`` (vLLM 0.33 step3_text.py ``Step3TextForCausalLM`` builds
+    ``Step3TextModel(prefix=prefix)``, whose ``make_layers(..., prefix=f"{prefix}.layers")`` names layer N
+    ``.layers.N``) asks ``.layers.N.self_attn.qkv_proj`` where the module is ``model.layers.N.self_attn.qkv_proj``,
+    and the exclude entry ``model.layers.N.self_attn.q_proj`` is no part of it (ModelOpt's ``is_layer_excluded``:
+    ``exclude_module in prefix``; Step-3 text has no ``packed_modules_mapping`` either): the exclude list names the
+    prefix too (``layers.N.self_attn.qkv_proj``, found in it by that test). vLLM only: SGLang 0.5.23 matches its
+    ModelOpt entries whole (``modelopt_quant.py`` ``is_layer_excluded``), where a shortened name would exclude
+    every layer's module (HunYuan's ``.self_attn.qkv_proj``)."""
+    out: dict[str, str] = {}
+    for v in views:
+        if v.engine != "vllm":
+            continue
+        for ld in landings(v):
+            em = engine_module(ld.param)
+            for mods in v.quant_modules.values():
+                p = (mods.get(em) or {}).get("quant_prefix")
+                if p and p.startswith(".") and em.endswith(p) and ld.module not in p:
+                    out.setdefault(ld.module, p[1:])
+    return out
+
+
 def _engine_names(views: list[EngineView], sets: list[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """``[engine_names]``: each source module of a 2-D weight (what an exclude list can name; a norm never) that an
     engine renames where an exclude entry naming it stays as written (``EngineView.renames``), as rules over every
     index, and each routed-expert set's parent as its members' renames imply it (an exclude list names a set whose
-    experts are all kept: plan/names.py ``exclude_list``)."""
-    pairs = dict(sorted({k: v for view in views for k, v in view.renames.items()
-                         if len(shapes.get(k + ".weight", ())) == 2}.items()))
+    experts are all kept: plan/names.py ``exclude_list``); and each source module of a 2-D weight that vLLM builds
+    into a module whose quant method it asks under a prefix that name is no part of (:func:`_dotted_prefixes`)."""
+    renamed = {k: v for view in views for k, v in view.renames.items()}
+    renamed.update({k: v for k, v in _dotted_prefixes(views).items() if k not in renamed})
+    pairs = dict(sorted({k: v for k, v in renamed.items() if len(shapes.get(k + ".weight", ())) == 2}.items()))
     rules: dict[str, str] = {}
     for src, dst in pairs.items():
         rx, new = _rename_rule(src, dst)
@@ -702,8 +816,12 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["not_linear"] = not_linear
     if keep:
         t["keep"] = keep
-    if (moe := _moe_check(views, config, sets, modules)) is not None:
+    stacked = _stacked(views, config, shapes)
+    banks = list(dict.fromkeys(template(b.module) for v in views for b in stacked_banks(v, shapes)))
+    if (moe := _moe_check(views, config, sets, modules, banks)) is not None:
         t["moe"] = moe
+    if stacked is not None:
+        t["stacked"] = stacked
     if (head := _head_check(views, config, shapes)) is not None:
         t["lm_head"] = head
     if (renamed := _head_exclude(views, shapes)) is not None:
