@@ -33,6 +33,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -108,6 +109,28 @@ class Ref:
     cast: bool | None  # the output claims NVIDIA's closed-form MXFP4 cast (manifest); None: decide from the scale
     sources: list[str]
     roundings: int = 1  # the roundings to the engine's dtype a dense value went through (``LoadTransform``)
+
+
+class Spot(NamedTuple):
+    """One write of a checkpoint tensor into one parameter (or one expert of it), as the runner placed it
+    (``runner_numerics.placements``): the parameter's first row and rows, the stored tensor's first row (None: all of
+    it, or derived from all of it), the engine's reordering of its rows, its offer order, for a stored 3-D tensor (an
+    expert bank) the leading index the rows came from (``src_expert``), and the stored rows from one row written to
+    the next (``src_step``: 1 as stored, 2 for every other row, 0 where the write is not rows of it)."""
+
+    tensor: str
+    row: int
+    rows: int
+    src_row: int | None
+    order: tuple[torch.Tensor, str] | None
+    seq: int | None
+    src_expert: int | None = None
+    src_step: int = 1
+
+    @property
+    def origin(self) -> str:
+        """The stored tensor as the report names it: ``T`` or, for one expert of a bank, ``T[e]``."""
+        return self.tensor if self.src_expert is None else f"{self.tensor}[{self.src_expert}]"
 
 
 @dataclass
@@ -247,7 +270,7 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
         err = num["error"]
         rep.problems.append(f"{engine}: the numeric read failed: {err.get('type')}: {err.get('message')}")
         return rep
-    placed: dict[tuple[str, int | None], list[tuple[str, int, int]]] = {}
+    placed: dict[tuple[str, int | None], list[Spot]] = {}
     read = {layer["param"] for layer in num.get("layers", [])}
     for tensor, spots in num.get("placements", {}).items():
         for s in [s for s in spots if s["param"] in read]:  # a conv or other weight is not a GEMM's
@@ -256,7 +279,8 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
                                     f"{s['param']}")
                 continue
             placed.setdefault((s["param"], s.get("expert")), []).append(
-                (tensor, s["row"], s["rows"], s.get("src_row"), _order(s), s.get("seq")))
+                Spot(tensor, s["row"], s["rows"], s.get("src_row"), _order(s), s.get("seq"), s.get("src_expert"),
+                     s.get("src_step", 1)))
     used: set[str] = set()
     for key, spots in placed.items():
         gone = _overwritten(spots)
@@ -270,20 +294,23 @@ def compare(engine: str, result: dict, folder: Path, sources: Sources) -> Numeri
             c = _check_layer(engine, layer, f, placed, sources, used, transforms)
             if c is not None:
                 rep.layers.append(c)
-    rep.unplaced = sorted({spot[0] for spots in placed.values() for spot in spots} - used)
+    rep.unplaced = sorted({spot.tensor for spots in placed.values() for spot in spots} - used)
     return rep
 
 
-def _overwritten(spots: list[tuple]) -> dict[str, str]:
+def _overwritten(spots: list[Spot]) -> dict[str, str]:
     """The tensors among one parameter's (or expert's) placements whose rows a tensor offered after them was written
-    to whole, the same rows from the same source row: {earlier tensor: the last one written there}. The engine holds
-    the last; the earlier ones it read and threw away (its own loader's doing, whatever the checkpoint)."""
-    seqs = {t: q for t, *_, q in spots}
+    to whole, the same rows from the same source row (and bank expert): {earlier tensor: the last one written there}.
+    The engine holds the last; the earlier ones it read and threw away (its own loader's doing, whatever the
+    checkpoint)."""
+    seqs = {s.tensor: s.seq for s in spots}
     over: dict[str, list[str | None]] = {}
-    for t, row, n, src, _, seq in spots:
-        later = [u for u, r2, n2, s2, *_ in spots if u != t and (r2, n2, s2) == (row, n, src)
-                 and seq is not None and seqs[u] is not None and seqs[u] > seq]
-        over.setdefault(t, []).append(max(later, key=seqs.__getitem__) if later else None)
+    for s in spots:
+        same = (s.row, s.rows, s.src_row, s.src_expert, s.src_step)
+        later = [u.tensor for u in spots if u.tensor != s.tensor
+                 and (u.row, u.rows, u.src_row, u.src_expert, u.src_step) == same
+                 and s.seq is not None and seqs[u.tensor] is not None and seqs[u.tensor] > s.seq]
+        over.setdefault(s.tensor, []).append(max(later, key=seqs.__getitem__) if later else None)
     return {t: by[-1] for t, by in over.items() if all(by)}  # every spot of it written over
 
 
@@ -327,19 +354,35 @@ def _check_layer(engine: str, layer: dict, f, placed: dict, sources: Sources, us
     return c
 
 
-def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, decoded: dict[str, Ref | None],
+def _placed_refs(where: str, spots: list[Spot], w: torch.Tensor, sources: Sources, decoded: dict[str, Ref | None],
                  used: set[str], c: LayerCheck, transforms: list[tuple[LoadTransform, object]]
                  ) -> tuple[list[tuple[Ref, int, int]], list[tuple[str, int, int]]]:
     """The source rows behind each placement of one expert (or layer), in the parameter's row order, as
-    (reference, its first row, rows) beside (tensor, row, rows); a placement without a source weight or
-    with rows that cannot be where the write put them is a problem of ``c`` instead (checked apart, so the
-    report names each)."""
+    (reference, its first row, rows) beside (the stored tensor as named, row, rows); a placement from one expert
+    of a stored bank is held to that expert's slice of the source (``_bank_expert``). A placement without a source
+    weight or with rows that cannot be where the write put them is a problem of ``c`` instead (checked apart, so
+    the report names each)."""
     refs, ok_spots = [], []
-    for tensor, row, n, src_row, order, _ in sorted(spots, key=lambda s: s[1]):
+    for spot in sorted(spots, key=lambda s: s.row):
+        tensor, row, n, src_row, order = spot.tensor, spot.row, spot.rows, spot.src_row, spot.order
         used.add(tensor)
         if tensor not in decoded:
             decoded[tensor] = _transformed(sources.ref(tensor), tensor, transforms)
         r = decoded[tensor]
+        if r is not None and spot.src_expert is not None:
+            if (r := _bank_expert(r, spot.src_expert)) is None:
+                c.problems.append(f"{where} rows {row}..{row + n - 1} hold expert {spot.src_expert} of {tensor}, "
+                                  f"whose source {list(decoded[tensor].values.shape)} has no such expert")
+                continue
+            tensor = spot.origin
+        if r is not None and spot.src_step != 1:
+            if (r := _strided(r, src_row, n, spot.src_step)) is None:
+                c.problems.append(f"{where} rows {row}..{row + n - 1} hold {tensor} " + (
+                    "read across its rows (a transposed view: not rows of it)" if spot.src_step <= 0 else
+                    f"read every {spot.src_step} rows from row {src_row}, past its "
+                    f"{decoded[spot.tensor].values.shape[-2]} rows"))
+                continue
+            src_row = 0
         if r is not None and order is not None:
             c.reordered[tensor] = order[1]
             if (r := _reordered(r, order[0])) is None:
@@ -355,8 +398,8 @@ def _placed_refs(where: str, spots: list, w: torch.Tensor, sources: Sources, dec
             continue
         refs.append((r, s0, n))
         ok_spots.append((tensor, row, n))
-        if tensor not in c.members:
-            c.members.append(tensor)
+        if spot.tensor not in c.members:
+            c.members.append(spot.tensor)
     return refs, ok_spots
 
 
@@ -436,6 +479,25 @@ def _reordered(r: Ref, order: torch.Tensor) -> Ref | None:
         return None
     pick = lambda t: None if t is None else t[order]  # noqa: E731
     return Ref(r.values[order], pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
+
+
+def _bank_expert(r: Ref, expert: int) -> Ref | None:
+    """Expert ``expert``'s slice of a stored 3-D bank's reference (the engine's loader hands ``loaded_weight[expert]``
+    to its expert weight loader); None where the source is not a bank with that expert."""
+    if r.values.dim() < 3 or not 0 <= expert < r.values.shape[0]:
+        return None
+    pick = lambda t: None if t is None else t[expert]  # noqa: E731
+    return Ref(r.values[expert], pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
+
+
+def _strided(r: Ref, start: int | None, n: int, step: int) -> Ref | None:
+    """The ``n`` source rows a write took every ``step`` rows from row ``start`` (vLLM 0.33's Inkling loader:
+    ``w13[e][0::2]`` / ``[1::2]`` of an interleaved bank); None where they are not rows of it (``step`` 0, no first
+    row) or run past its end."""
+    if step <= 0 or start is None or start + (n - 1) * step >= r.values.shape[0]:
+        return None
+    pick = lambda t: None if t is None else t[start: start + (n - 1) * step + 1: step]  # noqa: E731
+    return Ref(pick(r.values), pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
 
 
 def _rows(r: Ref, start: int, n: int) -> Ref:

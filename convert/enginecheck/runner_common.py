@@ -119,18 +119,31 @@ def _key(t: torch.Tensor) -> int | None:
         return None
 
 
-def _part(t: torch.Tensor, lo: int, hi: int, sp: tuple) -> tuple[int | None, tuple[int, int, int] | None]:
+def _part(t: torch.Tensor, lo: int, hi: int, sp: tuple
+          ) -> tuple[int | None, tuple[int, int, int] | None, int | None]:
     """What a read of ``t`` (bytes [lo, hi) of its storage) takes of the checkpoint tensor at span ``sp``: the
-    byte offset read in that tensor (None where derived from all of it) and, where the read holds more than the
-    tensor (a ``cat`` of several), the rows of ``t`` that hold it (first, end, rows of ``t``; None: all)."""
+    byte offset read in that tensor (None where derived from all of it); where the read holds more than the
+    tensor (a ``cat`` of several), the rows of ``t`` that hold it (first, end, rows of ``t``; None: all); and the
+    bytes from one row of the read to the next in the tensor (``_row_step``)."""
     a, b = max(lo, sp[0]), min(hi, sp[1])
     origin = None if sp[2] is None else sp[2] + a - sp[0]
+    step = None if origin is None else _row_step(t)
     if (a, b) == (lo, hi) or not t.dim() or not t.is_contiguous() or not t.shape[0]:
-        return origin, None
+        return origin, None, step
     row = (hi - lo) // t.shape[0]
     if not row or (a - lo) % row or (b - lo) % row:
-        return origin, None
-    return origin, ((a - lo) // row, (b - lo) // row, t.shape[0])
+        return origin, None, step
+    return origin, ((a - lo) // row, (b - lo) // row, t.shape[0]), step
+
+
+def _row_step(t: torch.Tensor) -> int | None:
+    """Bytes from one row (the next-to-last dimension) of read ``t`` to the next in its storage: a stored row's
+    bytes where it reads rows as stored; twice that where it takes every other row (vLLM 0.33's Inkling loader
+    de-interleaving a ``w13`` bank stored [g0, u0, g1, u1, ...]: ``[0::2]`` / ``[1::2]``); anything else where it
+    does not read rows (a transposed view). None for a read of fewer than two rows (no step to tell)."""
+    if t.dim() < 2 or t.shape[-2] < 2:
+        return None
+    return t.stride(-2) * t.element_size()
 
 
 def _rows_of(w: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
@@ -184,8 +197,8 @@ class Tracker:
         self.observer_errors: list[str] = []
         self.shared_storage_offers: list[str] = []
         # (checkpoint tensor, parameter) -> [(element offset in the parameter, shape, stride, byte offset read
-        # in the checkpoint tensor or None)] of each write
-        self.spans: dict[tuple[str, str], list[tuple[int, tuple, tuple, int | None]]] = defaultdict(list)
+        # in the checkpoint tensor or None, bytes from one row read to the next or None)] of each write
+        self.spans: dict[tuple[str, str], list[tuple[int, tuple, tuple, int | None, int | None]]] = defaultdict(list)
         # the value of each one-element checkpoint tensor (a global or input scale): an engine rule that keeps one
         # of two such tensors holds only where they are equal (``result``'s ``drop_rule``)
         self.scalars: dict[str, float] = {}
@@ -242,8 +255,9 @@ class Tracker:
         ins = _tensors((args, kwargs))
         names: dict[str, torch.dtype] = {}
         # names whose data reaches this op from outside any parameter -> ``_part``: (byte offset read in the
-        # offered tensor or None through a derived tensor, the rows of the read that hold it or None for all)
-        direct: dict[str, tuple[int | None, tuple[int, int, int] | None]] = {}
+        # offered tensor or None through a derived tensor, the rows of the read that hold it or None for all, the
+        # bytes from one row read to the next)
+        direct: dict[str, tuple[int | None, tuple[int, int, int] | None, int | None]] = {}
         for t in ins:
             k = _key(t)
             if k is not None and k in self.taint:
@@ -252,7 +266,7 @@ class Tracker:
                     if sp is None or (sp[0] < hi and lo < sp[1]):
                         names[n] = dt
                         if k not in self.pstore:
-                            direct[n] = (None, None) if sp is None else _part(t, lo, hi, sp)
+                            direct[n] = (None, None, None) if sp is None else _part(t, lo, hi, sp)
         if func is torch.ops.aten._local_scalar_dense.default and names:
             self._scalar = (out, dict(names))
         elif not names and self._scalar is not None and func is torch.ops.aten.fill_.Scalar \
@@ -281,7 +295,7 @@ class Tracker:
                             part = _rows_of(w, direct[n][1]) if len(written) == 1 else w
                             rel = part.storage_offset() - dest.storage_offset()
                             self.spans[(n, pname)].append((rel, tuple(part.shape), tuple(part.stride()),
-                                                           direct[n][0]))
+                                                           direct[n][0], direct[n][2]))
                         c = self._exact(n, sdt, pdt, cast_class(sdt, pdt), ins)
                         if c:
                             self.casts[(n, pname)] = (c, str(sdt).replace("torch.", ""),
@@ -799,7 +813,7 @@ def spans(tracker: Tracker) -> list[dict]:
         p = tracker.params.get(pname)
         if p is None or not writes:
             continue
-        rel, shape, _, _ = min(writes, key=lambda w: w[0])
+        rel, shape, *_ = min(writes, key=lambda w: w[0])
         at, rest = [], rel
         for st in p.stride():
             at.append(rest // st if st else 0)

@@ -26,6 +26,7 @@ of the engine's reading with the source's own weight for the same rows.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -410,9 +411,18 @@ def read_model(engine: str, model) -> list[dict]:
 
 
 def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]]:
-    """For each checkpoint tensor: the rows (and expert) of each weight parameter its bytes were written to, and its
-    place in the order the engine's iterator offered the tensors (``seq``: which of two writes to the same rows
-    came last)."""
+    """For each checkpoint tensor: the rows (and expert) of each weight parameter its bytes were written to, where in
+    the tensor they came from (``src_row``; for a stored 3-D tensor, an expert bank, also ``src_expert``: the leading
+    index, the row within it), and its place in the order the engine's iterator offered the tensors (``seq``: which of
+    two writes to the same rows came last).
+
+    A bank's loader writes one expert at a time from a view of the stored tensor (vLLM 0.33 ``step3_text.py``
+    ``Step3TextModel.load_weights`` and ``models/step5/nvidia/model.py``: ``weight_loader(param,
+    loaded_weight[expert_id], ...)``; SGLang 0.5.23 ``iquest_q1.py`` ``load_iquest_q1_weights``:
+    ``loaded_weight[e][:I]`` / ``[I:]``), so the byte a write starts from says which expert and row it holds. A write
+    over several experts of a 3-D parameter from a stored 3-D tensor (a whole bank in one copy) is placed expert by
+    expert, the parameter's expert ``i`` from the stored tensor's ``src_expert + i``; any other write across experts
+    is one placement without rows (a problem of the check)."""
     out: dict[str, list[dict]] = {}
     seq = {t: i for i, t in enumerate(tracker.offered_order)}  # (the last offer of a name repeated)
     for (tensor, pname), spans in tracker.spans.items():
@@ -421,41 +431,55 @@ def placements(tracker, params: dict[str, torch.Tensor]) -> dict[str, list[dict]
             continue
         stride = p.stride()
         info = tracker.offered.get(tensor, {})
-        row_bytes = _row_bytes(info)
-        for rel, shape, wstride, src in spans:
+        for rel, shape, wstride, src, step in spans:
             if not shape or 0 in shape:
                 continue
-            src_row = None if src is None or not row_bytes or src % row_bytes else src // row_bytes
+            src_expert, src_row, src_step = _source_index(src, step, info)
             last = rel + sum((n - 1) * s for n, s in zip(shape, wstride, strict=True))
             first_idx, last_idx = _index(rel, stride), _index(last, stride)
-            if p.dim() == 3:
-                if first_idx[0] != last_idx[0]:
-                    out.setdefault(tensor, []).append({"param": pname, "experts": [first_idx[0], last_idx[0]],
-                                                       "row": first_idx[1], "rows": None})
-                    continue
-                out.setdefault(tensor, []).append({"param": pname, "expert": first_idx[0], "row": first_idx[1],
-                                                   "rows": last_idx[1] - first_idx[1] + 1, "src_row": src_row,
-                                                   "seq": seq.get(tensor)})
+            spot = {"param": pname, "src_row": src_row, "seq": seq.get(tensor)}
+            if src_expert is not None:
+                spot["src_expert"] = src_expert
+            if src_step != 1:
+                spot["src_step"] = src_step
+            if p.dim() == 2:
+                out.setdefault(tensor, []).append({**spot, "row": first_idx[0], "rows": last_idx[0] - first_idx[0] + 1})
+            elif first_idx[0] == last_idx[0]:
+                out.setdefault(tensor, []).append({**spot, "expert": first_idx[0], "row": first_idx[1],
+                                                   "rows": last_idx[1] - first_idx[1] + 1})
+            elif src_expert is not None and len(shape) == 3 and wstride[0] == stride[0]:
+                inner = _index(rel + sum((n - 1) * s for n, s in zip(shape[1:], wstride[1:], strict=True)), stride)
+                out.setdefault(tensor, []).extend(
+                    {**spot, "expert": first_idx[0] + i, "row": first_idx[1], "rows": inner[1] - first_idx[1] + 1,
+                     "src_expert": src_expert + i} for i in range(shape[0]))
             else:
-                out.setdefault(tensor, []).append({"param": pname, "row": first_idx[0],
-                                                   "rows": last_idx[0] - first_idx[0] + 1, "src_row": src_row,
-                                                   "seq": seq.get(tensor)})
+                out.setdefault(tensor, []).append({"param": pname, "experts": [first_idx[0], last_idx[0]],
+                                                   "row": first_idx[1], "rows": None})
     return out
+
+
+def _source_index(src: int | None, step: int | None, info: dict) -> tuple[int | None, int | None, int]:
+    """Where a write's rows are in the offered tensor, from its first byte (``src``: its offset there, None where
+    derived from all of it) and the bytes from one row read to the next (``step``, ``runner_common._row_step``):
+    (the leading index of a stored 3-D tensor (an expert bank [E, N, K]) or None for a 1-D or 2-D one, the first
+    row (within that slice) or None where the byte does not start one, the stored rows from one row read to the
+    next: 1 as stored, 2 for every other row, 0 where the read is not rows of it (a transposed view))."""
+    shape, size = info.get("shape"), _ITEMSIZE.get(info.get("dtype", ""))
+    if src is None or not shape or size is None:
+        return None, None, 1
+    bank = len(shape) >= 3
+    lead, row = size * math.prod(shape[1:]), size * math.prod(shape[2 if bank else 1:])
+    if not lead or not row:
+        return None, None, 1
+    rows = 1 if step is None or len(shape) < 2 else (step // row if step > 0 and step % row == 0 else 0)
+    if not bank:
+        return None, (None if src % lead else src // lead), rows
+    expert, rest = divmod(src, lead)
+    return expert, (None if rest % row else rest // row), rows
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1,
              "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int64": 8}
-
-
-def _row_bytes(info: dict) -> int | None:
-    """Bytes of one row (first dimension) of an offered checkpoint tensor."""
-    shape, size = info.get("shape"), _ITEMSIZE.get(info.get("dtype", ""))
-    if not shape or size is None:
-        return None
-    n = size
-    for d in shape[1:]:
-        n *= d
-    return n
 
 
 def _index(offset: int, stride: tuple[int, ...]) -> list[int]:

@@ -49,6 +49,7 @@ def optional_for(model) -> list[tuple[str, str]]:
             for pname in ("w13_input_global_scale", "w2_input_global_scale"):
                 if hasattr(module, pname):
                     out.append((rf"^{re.escape(name)}\.{pname}$", why))
+        out.extend(_a16_moe_input_scales(name, module, qm))
         pad = getattr(module, "in_proj_padding", 0)
         proj = getattr(module, "in_proj_qkvgfab", None)
         if pad and proj is not None:
@@ -62,6 +63,31 @@ def optional_for(model) -> list[tuple[str, str]]:
         out.extend(_hyper_connection_padding(name, module))
         out.extend(_ngram_padding(name, module))
     return out
+
+
+#: The NVFP4 MoE backends whose branch of vLLM 0.33's ``fused_moe/oracle/nvfp4.py``
+#: ``convert_to_nvfp4_moe_kernel_format`` sets ``a13_scale = None`` / ``a2_scale = None`` (their weight-only kernels
+#: take no activation scale): the backends that take ModelOpt's weight-only experts (``select_nvfp4_moe_backend`` with
+#: ``activation_key=None``: Marlin's ``_supports_quant_scheme`` checks the weight only, Humming lists
+#: ``(kNvfp4Static, None)``; the FlashInfer / CUTLASS ones need an activation key).
+A16_MOE_BACKENDS = ("MARLIN", "HUMMING")
+
+
+def _a16_moe_input_scales(name: str, module, qm) -> list[tuple[str, str]]:
+    """ModelOpt weight-only NVFP4 experts (``ModelOptNvFp4FusedMoE`` with ``use_a16``: ``quant_algo`` ``W4A16_NVFP4``,
+    modelopt.py ``ModelOptNvFp4FusedMoE.__init__``): ``create_weights`` registers ``w13_input_scale`` /
+    ``w2_input_scale`` for every NVFP4 MoE, and the backend vLLM picks for it drops them unread
+    (``A16_MOE_BACKENDS``); so a checkpoint without them (Step-3 text's loader cannot take one) leaves them unset."""
+    if type(qm).__name__ != "ModelOptNvFp4FusedMoE" or not getattr(qm, "use_a16", False):
+        return []
+    backend = getattr(getattr(qm, "nvfp4_backend", None), "name", None)
+    if backend not in A16_MOE_BACKENDS:
+        return []
+    why = (f"W4A16_NVFP4 experts: vLLM's ModelOptNvFp4FusedMoE.create_weights registers w13/w2_input_scale for every "
+           f"NVFP4 MoE; under use_a16 it picks the {backend} backend, whose branch of fused_moe/oracle/nvfp4.py: "
+           "convert_to_nvfp4_moe_kernel_format sets a13_scale / a2_scale to None (weight-only: never read)")
+    return [(rf"^{re.escape(name)}\.{pname}$", why) for pname in ("w13_input_scale", "w2_input_scale")
+            if hasattr(module, pname)]
 
 
 def _ngram_padding(name: str, module) -> list[tuple[str, str, int]]:
