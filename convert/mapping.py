@@ -172,9 +172,13 @@ class Stacked:
     one global scale per expert (docs/stacked-banks.md: vLLM 0.33's Step-3 text and Step 5 loaders hand
     ``loaded_weight[expert_id]`` to the fused-MoE loader and read no per-expert name)."""
 
-    modules: tuple[str, ...]  # globs of the bank modules (``model.layers.*.moe.gate_proj``)
+    modules: tuple[str, ...]  # globs of the bank modules (``model.layers.*.moe.gate_proj``), or of banks stored
+    #                          without ``.weight`` (IQuest-Q1's ``mlp.experts.fc``: the tensor is the bank)
     experts: str  # config path of the expert count (a bank's first dimension must equal it)
     reason: str = ""  # the engine's loader that reads the banks so
+    #: the engine reads no quantized bank (SGLang 0.5.23 iquest_q1.py): every bank copied as stored, its experts
+    #: module named in the exclude list so that the engine builds it unquantized
+    keep: bool = False
 
 
 def stacked_experts_module(bank: str) -> str:
@@ -312,6 +316,16 @@ class Mapping:
         """Whether ``module`` is a stacked expert bank the table's ``[stacked]`` names."""
         return self.stacked is not None and self._hit(module, self.stacked.modules)
 
+    def stacked_tensor_bank(self, name: str) -> str | None:
+        """The stacked bank a stored tensor is (``[stacked]``): its module's (``X.weight`` of a bank module ``X``), or
+        the tensor itself where a glob names it (a bank stored without ``.weight``); None for any other tensor."""
+        if self.stacked is None:
+            return None
+        if self._hit(name, self.stacked.modules):
+            return name
+        mod, _, leaf = name.rpartition(".")
+        return mod if leaf == "weight" and self._hit(mod, self.stacked.modules) else None
+
     def stacked_error(self, name: str, shape: tuple[int, ...], config: dict) -> str | None:
         """Why stored tensor ``name`` cannot be a stacked expert bank of this table (its words after the file), or
         None: it must be [experts, N, K] with experts the config's count (``[stacked] experts``)."""
@@ -441,7 +455,8 @@ def _schema() -> tomlfile.Spec:
                            ("tie", "module")),
         "mtp": t.Spec((dict,), "a table ([mtp]; its keys are checked by convert/mtp.py)"),
         "engine_names": t.map_of(t.strs(), "a table of module regex = the engines' name (or names) for it"),
-        "stacked": t.table({"modules": t.strs(), "experts": path, "reason": t.STR}, ("modules", "experts")),
+        "stacked": t.table({"modules": t.strs(), "experts": path, "reason": t.STR, "keep": t.BOOL},
+                           ("modules", "experts")),
     }, ("name",))
 
 
@@ -581,7 +596,8 @@ def _lm_head(table: dict | None) -> LmHeadCheck | None:
 def _stacked(table: dict | None, where: str) -> Stacked | None:
     if table is None:
         return None
-    return Stacked(_globs(table, "modules", where), table["experts"], table.get("reason", ""))
+    return Stacked(_globs(table, "modules", where), table["experts"], table.get("reason", ""),
+                   bool(table.get("keep", False)))
 
 
 def _engine_names(table: dict, where: str) -> tuple[tuple[str, str], ...]:

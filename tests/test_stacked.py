@@ -216,3 +216,89 @@ def test_the_config_check_counts_a_layers_banks_as_its_experts(work, tmp_path):
     edit_config(src, lambda c: c.update(moe_layers_enum="1,2"))
     err = one_line_error(run("pack", src, tmp_path / "out", "--mapping", work / "stacked.toml"))
     assert "layer 2" in err and "model.layers.2 holds no routed experts" in err
+
+
+IQUEST = """
+name = "test-iquest-kept-banks"
+architectures = ["IQuestQ1ForCausalLM"]
+model_types = ["iquest_q1"]
+not_linear = ["model.embed_tokens"]
+
+[layout.vllm]
+formats = []
+reason = "test table"
+
+[layout.sglang]
+formats = []
+reason = "test table"
+
+[[keep]]
+pattern = "model.layers.*.mlp.router"
+reason = "the router"
+
+[stacked]
+modules = ["model.layers.*.mlp.experts.fc", "model.layers.*.mlp.experts.proj"]
+experts = "num_experts"
+keep = true
+reason = "test: the engine reads the banks only in BF16"
+
+[moe]
+experts = "num_experts"
+members = ["fc", "proj"]
+layers = "model.layers.{layer}"
+num_layers = "num_hidden_layers"
+dense_list = "mlp_only_layers"
+
+[[group]]
+name = "gate_up_proj"
+members = ["gate_proj", "up_proj"]
+parents = ["model.layers.{layer}.mlp"]
+
+[[group]]
+name = "qkv_proj"
+members = ["q_proj", "k_proj", "v_proj"]
+parents = ["model.layers.{layer}.self_attn"]
+"""
+
+
+def test_banks_stored_without_weight_are_copied_and_their_experts_excluded(tmp_path):
+    """IQuest-Q1's banks (``mlp.experts.fc`` / ``.proj``, no ``.weight``) under ``[stacked] keep = true``: copied as
+    stored, byte for byte, the exclude list naming each layer's ``mlp.experts`` (what SGLang 0.5.23's ModelOpt config
+    builds unquantized), the records counting the experts; without ``keep`` one line naming the bank. The config
+    check counts the banks as the layer's experts: a dense layer the config calls MoE is refused."""
+    src = tmp_path / "src"
+    assert run("synth", spec("tiny-iquest-q1"), src).code == 0
+    table = tmp_path / "iq.toml"
+    table.write_text(IQUEST)
+    r = run("pack", src, tmp_path / "out", "--mapping", table, "-q")
+    assert r.code == 0, r.stderr
+    a, b = read_tensors(src), read_tensors(tmp_path / "out")
+    banks = [n for n in a if n.endswith((".mlp.experts.fc", ".mlp.experts.proj"))]
+    assert banks and all(_same(a[n], b[n]) for n in banks)
+    assert b["model.layers.1.self_attn.o_proj.weight"].dtype == torch.uint8  # the rest NVFP4
+    q = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    layers = sorted({n.split(".")[2] for n in banks}, key=int)
+    assert [f"model.layers.{i}.mlp.experts" for i in layers] == [e for e in q if e.endswith(".mlp.experts")]
+    assert run("verify-manifest", tmp_path / "out", "--input", src).code == 0
+    table.write_text(IQUEST.replace("keep = true\n", ""))
+    err = one_line_error(run("pack", src, tmp_path / "nokeep", "--mapping", table))
+    assert "model.layers.1.mlp.experts.fc" in err and "keep = true" in err
+    table.write_text(IQUEST)
+    edit_config(src, lambda c: c.update(mlp_only_layers=[0, 3]))
+    err = one_line_error(run("pack", src, tmp_path / "dense", "--mapping", table))
+    assert "layer 3" in err and "model.layers.3.mlp.experts" in err
+
+
+def test_a_kept_stacked_table_keeps_weight_banks_too(work, tmp_path):
+    """``keep = true`` over banks stored as ``X.weight``: every bank kept BF16, each layer's experts module
+    excluded, nothing of them quantized."""
+    table = tmp_path / "kept.toml"
+    kept = STACKED.replace('experts = "moe_num_experts"\nreason', 'experts = "moe_num_experts"\nkeep = true\nreason')
+    assert kept != STACKED
+    table.write_text(kept)
+    r = run("pack", work / "src", tmp_path / "out", "--mapping", table, "-q")
+    assert r.code == 0, r.stderr
+    t = read_tensors(tmp_path / "out")
+    assert all(t[f"model.layers.1.moe.{b}.weight"].dtype == torch.bfloat16 for b in BANKS)
+    q = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert "model.layers.1.moe.experts" in q

@@ -95,13 +95,13 @@ def _experts(ckpt: Checkpoint, m: Mapping) -> tuple[dict[str, dict[int, set[str]
             experts[cut[0]][int(cut[1])].add(cut[2])
             continue
         mod = short.rpartition(".")[0]
-        info = ckpt.tensors[name]
-        if m.stacked is not None and name.endswith(".weight") and m.stacked_bank(m.text_prefix + mod):
+        if (bank := m.stacked_tensor_bank(name)) is not None:
             # a stacked bank (``[stacked]``): every expert of its layer, as the engine's fused-MoE module holds them
+            info = ckpt.tensors[name]
             if (why := m.stacked_error(name, info.shape, ckpt.config)) is not None:
                 raise ConvertError(f"{info.file}: {why}")
             for e in range(info.shape[0]):
-                experts[m.strip(stacked_experts_module(m.text_prefix + mod))][e].add(mod.rpartition(".")[2])
+                experts[m.strip(stacked_experts_module(bank))][e].add(bank.rpartition(".")[2])
             continue
         # a tensor of the experts module itself: a 3-D bank (gpt-oss); or a bank split into experts held under
         # another module (Granite's input_linear into experts.N)

@@ -101,6 +101,8 @@ def decide_module(name: str, members: list[str], group: Group | None, ctx: Decid
     forced = head_rule(members[0], ctx)
     if forced is not None:
         return _quantized(forced[0], forced[1], ctx)
+    if m.stacked is not None and m.stacked.keep and m.stacked_bank(name):
+        return Decision(KEEP, f"mapping {m.name}: stacked: {m.stacked.reason}; kept, its experts module excluded")
     k = keep.kept(name, members, group, rule, m, ctx.recipe, ctx.patterns, ctx.opts.keep_partial, ctx.used)
     if k is not None:
         return Decision(KEEP, k.reason)

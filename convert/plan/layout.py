@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from dataclasses import replace
 
 from .. import formats, schemes
 from ..checkpoint import Checkpoint
@@ -109,10 +110,26 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
                 dec = decide_apart(mod, ctx, key)
                 items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec, ctx.recipe.output_format,
                                           stacked_experts(mod, src, ctx.m, ckpt.config)))
+            elif (n := stacked_copy(src, ctx.m, ckpt.config)) is not None:
+                items.append(replace(_copy_item(src.name, [src], Op.NONE, None, src.shape, n[1]), experts=n[0]))
             else:
                 items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
     check_stacked(items)
     return items
+
+
+def stacked_copy(src: SourceTensor, m: Mapping, config: dict) -> tuple[int, str] | None:
+    """A stacked bank stored without ``.weight`` (``[stacked]`` names the tensor itself): its expert count and why it
+    is copied as stored, which only a ``keep = true`` table allows (the tool quantizes stacked banks stored as
+    ``X.weight``); None for any other tensor."""
+    if m.stacked is None or m.stacked_tensor_bank(src.name) != src.name:
+        return None
+    if (why := m.stacked_error(src.name, src.shape, config)) is not None:
+        raise ConvertError(f"{src.file}: {why}")
+    if not m.stacked.keep:
+        raise ConvertError(f"{src.file}: tensor {src.name}: a stacked expert bank stored without .weight is written "
+                           f"only as stored: mapping {m.name} needs [stacked] keep = true")
+    return src.shape[0], f"mapping {m.name}: stacked: {m.stacked.reason}; copied as stored, its experts module excluded"
 
 
 def check_stacked(items: list[Item]) -> None:
@@ -125,7 +142,7 @@ def check_stacked(items: list[Item]) -> None:
             continue
         mod = stacked_experts_module(it.name)
         other = first.setdefault(mod, it)
-        if other.kind != it.kind:
+        if (other.kind == NVFP4) != (it.kind == NVFP4):
             raise ConvertError(f"module {it.name}: {it.kind}, but {other.name} is {other.kind}: the engines build "
                                f"{mod} from both banks as one module (one scheme); keep all of its banks or none "
                                f"(--exclude '{mod.rsplit('.', 1)[0]}.*')")

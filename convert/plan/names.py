@@ -29,6 +29,8 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
     names: set[str] = set()
     linear: set[str] = set()
     for it in items:
+        if it.experts and it.kind in (KEEP, COPY):  # a stacked bank kept: the engine asks for its experts module
+            names.add(stacked_experts_module(it.name))
         if it.kind == COPY:
             continue
         mods = set(members(it.name) if members else (it.name,))
@@ -37,8 +39,6 @@ def exclude_list(items: list[Item], m: Mapping, recipe: Recipe,
         linear.update(mods)
         if it.kind == KEEP:
             names.update(mods)
-            if it.experts:  # a stacked bank kept: the engine asks for its experts module (plan.layout.check_stacked)
-                names.add(stacked_experts_module(it.name))
     names.update(p for p, idx in expert_sets(items, m).items() if all(items[i].kind == KEEP for i in idx))
     if tied_head is not None:
         names.add(tied_head)

@@ -37,10 +37,11 @@ class Modules:
 
     def add(self, where: str, m: dict) -> None:
         self.problems += row_problems(where, m)
-        if m["kind"] != Kind.COPY:
-            if m.get("experts"):  # a stacked expert bank: one of its layer's experts module's banks
-                self.experts.setdefault(stacked_experts_module(m["name"]), set()).add(m["kind"])
-            elif ".experts." in m["name"]:
+        if m.get("experts"):  # a stacked expert bank: one of its layer's experts module's banks (copied: kept)
+            kind = Kind.KEEP if m["kind"] == Kind.COPY else m["kind"]
+            self.experts.setdefault(stacked_experts_module(m["name"]), set()).add(kind)
+        elif m["kind"] != Kind.COPY:
+            if ".experts." in m["name"]:
                 self.experts.setdefault(m["name"].rsplit(".", 2)[0], set()).add(m["kind"])
             else:
                 self.kinds[m["name"]] = m["kind"]
