@@ -843,11 +843,11 @@ FINDINGS = {
     "Step5ForCausalLM": (
         "the fixture is tests/presets/step5.toml (vLLM's own Step5Config: no remote code). The engine check's CPU "
         "stand-in answers torch.accelerator's device queries and drops pin_memory=True (runner_common.py), so vLLM "
-        "loads the fixture. The derivation stops: vLLM refuses to build the DSA layers' fused qkv_indexer_proj "
-        "quantized under any quant config ('cannot be quantized, but ... resolved to ModelOptLinearMethod'), and "
-        "the builds ignore nothing (derive/standin.py QUANT_CONFIGS); past it, vLLM's Step 5 loader reads the "
-        "routed experts only as 3-D banks (model.py _load_weight: 'only the packed 3D expert format is supported'), "
-        "an NVFP4 bank output the tool does not write (docs/families.md, Step 5)"),
+        "loads the fixture. vLLM refuses to build the DSA layers' fused qkv_indexer_proj quantized ('cannot be "
+        "quantized, but ... resolved to ModelOptLinearMethod'): the derivation's build runs again with it ignored "
+        "(derive.build_ignoring_refused) and keeps its members, in every layer (no config key a table reads tells "
+        "the full-attention layers apart: the sliding layers' q/k/v/g stay BF16 too); the routed experts, which the "
+        "loader reads only as 3-D banks, are stacked NVFP4 banks ([stacked]; docs/families.md, Step 5)"),
     "K2HorizonForCausalLM": (
         "the fixture is tests/presets/k2_horizon.toml (the MoVA release's config.json, its own config class through "
         "auto_map). SGLang 0.5.23 is release not served (NOT_SERVED): its config check wants a server flag, and "

@@ -453,11 +453,9 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 
 #: Presets whose family has neither a hand table nor a shipped derived one yet (plan derives theirs from the engines
 #: where they are present; without them, one line). Tests that pack every preset leave them out. (Step-3 text ships
-#: since session 41: its experts as stacked 3-D NVFP4 banks, docs/families.md, "Step-3 text".)
-PRESETS_WITHOUT_TABLE = frozenset({# Step 5: vLLM refuses its fused DSA projection quantized and reads its experts only
-                                   # as 3-D banks (docs/families.md, "Step 5")
-                                   "tiny-step5",
-                                   # IQuest-Q1: SGLang 0.5.23 reads its 3-D expert banks (experts.fc / experts.proj)
+#: since session 41: its experts as stacked 3-D NVFP4 banks, docs/families.md, "Step-3 text"; so does Step 5, its DSA
+#: projections kept BF16, "Step 5".)
+PRESETS_WITHOUT_TABLE = frozenset({# IQuest-Q1: SGLang 0.5.23 reads its 3-D expert banks (experts.fc / experts.proj)
                                    # only as BF16 banks, no per-expert names (docs/families.md, "IQuest-Q1")
                                    "tiny-iquest-q1",
                                    # Inkling: its 3-D expert banks (interleaved gate / up rows) are read only as banks

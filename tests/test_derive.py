@@ -444,6 +444,55 @@ def test_vllm_asks_a_module_built_under_an_empty_prefix_by_a_name_the_exclude_li
     assert "engine_names" not in hy
 
 
+def test_a_module_the_engine_refuses_to_build_quantized_is_built_ignored_and_kept(monkeypatch, tmp_path):
+    """vLLM 0.33's Step 5 refuses to build its DSA layers' qkv_indexer_proj quantized ("Step5 DSA layers fuse qkv with
+    the sparse indexer into one plain GEMM and cannot be quantized, but model.layers.3.self_attn.qkv_indexer_proj.weight
+    resolved to ModelOptLinearMethod"): the build runs again with that module (in every layer holding it) and its
+    source modules ignored, and the build records the refusal."""
+    import json as json_mod
+
+    import kimi_convert.enginecheck as ec
+    from kimi_convert.derive import build_ignoring_refused, refused_module
+
+    msg = ("Step5 DSA layers fuse qkv with the sparse indexer into one plain GEMM and cannot be quantized, but "
+           "model.layers.3.self_attn.qkv_indexer_proj.weight resolved to ModelOptLinearMethod.")
+    trace = {"modules": {f"model.layers.{i}.self_attn.qkv_indexer_proj": {"kind": "linear"} for i in (3, 7)},
+             "spans": [{"tensor": f"model.layers.{i}.self_attn.{p}.weight",
+                        "param": f"model.layers.{i}.self_attn.qkv_indexer_proj.weight"}
+                       for i in (3, 7) for p in ("q_proj", "sparse_indexer_z")]}
+    assert refused_module({"error": {"type": "ValueError", "message": msg}}, trace) == \
+        "model.layers.3.self_attn.qkv_indexer_proj"
+    assert refused_module({"error": {"type": "ValueError", "message": "no module named here"}}, trace) is None
+    folder = tmp_path / "modelopt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json_mod.dumps({"quantization_config": {"quant_method": "modelopt"}}))
+    asked = []
+
+    def fake(model_dir, engine, mode, *a, **k):
+        ignore = json_mod.loads((Path(model_dir) / "config.json").read_text())["quantization_config"].get("ignore")
+        asked.append(ignore)
+        return {"modules": {"x": {}}} if ignore else {"error": {"type": "ValueError", "message": msg}}
+
+    monkeypatch.setattr(ec, "run_derive", fake)
+    b = build_ignoring_refused("vllm", "modelopt", folder, trace)
+    assert asked[0] is None and asked[1] == sorted(
+        f"model.layers.{i}.self_attn.{p}" for i in (3, 7) for p in ("qkv_indexer_proj", "q_proj", "sparse_indexer_z"))
+    assert b["refused"] == {"model.layers.{layer}.self_attn.qkv_indexer_proj": f"ValueError: {msg}"}
+
+
+def test_the_members_of_a_module_never_built_quantized_are_kept_and_form_no_group():
+    """Step 5 (its breadth answers): qkv_indexer_proj, refused quantized under both formats, is no group (its members
+    never share a global scale; the sliding-window layers hold q/k/v/g without the indexer, which a group would bind
+    there); each member is kept, the reason naming the refusal; the routed experts are stacked banks."""
+    t = from_answers(ANSWERS / "breadth" / "Step5ForCausalLM.answers.json").table
+    assert not any(g["name"] == "qkv_indexer_proj" for g in t["group"])
+    keep = {k["pattern"]: k["reason"] for k in t["keep"]}
+    for p in ("q_proj", "k_proj", "v_proj", "g_proj", "sparse_indexer_q", "sparse_indexer_k", "sparse_indexer_z"):
+        assert "refuses to build" in keep[f"model.layers.*.self_attn.{p}"] and "qkv_indexer_proj" in keep[
+            f"model.layers.*.self_attn.{p}"]
+    assert t["stacked"]["experts"] == "moe_num_experts" and len(t["stacked"]["modules"]) == 3
+
+
 def test_the_mtp_layer_rules_come_from_the_drafts():
     """DeepSeek V3's MTP layer, from the drafts' answers: its own embed_tokens is an embedding (vLLM's DeepSeekMTP
     reads it into a VocabParallelEmbedding), and vLLM's draft builds shared_head.head (a ParallelLMHead) unquantized

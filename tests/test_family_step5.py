@@ -13,6 +13,11 @@ into qkv_indexer_proj; gate_proj / up_proj into gate_up_proj; its expert_params_
 sparse_indexer_k_norm with its bias, q_norm / k_norm), Step5MoE (GateLinear moe.gate, router_bias), Step5DecoderLayer
 (the MoE layers from moe_layers_enum), Step5Model (model.embed_tokens, model.norm), ParallelLMHead lm_head.
 Evidence for the layout: docs/families.md ("Step 5").
+
+The shipped table (mappings/derived/step5.toml, derived from vLLM 0.33 in session 41) writes the routed experts as
+stacked 3-D NVFP4 banks ([stacked]) and keeps the DSA projection's members BF16 (vLLM refuses to build
+qkv_indexer_proj quantized; the derivation's build ignored it), in every layer: no config key a table reads tells the
+full-attention layers apart.
 """
 
 from __future__ import annotations
@@ -184,3 +189,29 @@ def test_inspect_counts_its_unsplit_banks_and_says_pack_does_not_split_them(tiny
     assert r.code == 0, r.stderr
     assert "tensors          8 experts per layer\n" in r.stdout, r.stdout
     assert "routed experts stored as 3-D banks no source encoding splits (model.layers.3.moe." in r.stdout
+
+
+def test_the_shipped_table_keeps_the_dsa_projection_and_stacks_the_banks(tiny):
+    """``plan`` finds the shipped derived table: each routed-expert bank one 3-D NVFP4 module (one global scale per
+    expert, gate and up sharing expert e's), the members of layer 3's qkv_indexer_proj kept with every shard in the
+    exclude list (vLLM's ``is_layer_skipped`` asks each shard of a packed module by the class's
+    ``packed_modules_mapping``: all 7 must be named, else Step5FusedQKVIndexerLinear raises), o_proj and the shared
+    expert NVFP4."""
+    r = run("plan", tiny, "--json")
+    assert r.code == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["mapping"]["file"] == "mappings/derived/step5.toml"
+    mods = {m["name"]: m for m in plan["modules"]}
+    for layer in (3, 4):
+        for leaf, shape in {"gate_proj": [8, 128, 128], "up_proj": [8, 128, 128], "down_proj": [8, 256, 64]}.items():
+            m = mods[f"model.layers.{layer}.moe.{leaf}"]
+            assert (m["kind"], m["experts"], m["tensors"][0]["shape"]) == ("nvfp4", 8, shape), m["name"]
+            assert not any(t["name"].endswith("input_scale") for t in m["tensors"])
+        assert {mods[f"model.layers.{layer}.moe.{leaf}"]["quantization"]["shared_scale"]
+                for leaf in ("gate_proj", "up_proj")} == {f"model.layers.{layer}.moe.w13"}
+    shards = ["q_proj", "k_proj", "v_proj", "g_proj", "sparse_indexer_q", "sparse_indexer_k", "sparse_indexer_z"]
+    assert {mods[f"model.layers.3.self_attn.{s}"]["kind"] for s in shards} == {"keep"}
+    assert {f"model.layers.3.self_attn.{s}" for s in shards} <= set(plan["exclude_modules"])
+    for n in ("model.layers.3.self_attn.o_proj", "model.layers.3.share_expert.down_proj",
+              "model.layers.0.mlp.down_proj"):
+        assert mods[n]["kind"] == "nvfp4", n

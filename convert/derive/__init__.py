@@ -22,6 +22,8 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,17 +68,76 @@ def view_of(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.Engi
         engine, trace["version"], trace.get("model_class", "?"), trace.get("spans", []),
         [s["tensor"] for s in trace.get("skipped", [])], [s["tensor"] for s in trace.get("mtp_skipped", [])],
         trace.get("modules", {}), {fmt: b.get("modules", {}) for fmt, b in builds.items() if fmt not in failed},
-        failed, trace.get("renames", {}))
+        failed, trace.get("renames", {}),
+        {fmt: b["refused"] for fmt, b in builds.items() if b.get("refused") and fmt not in failed})
 
 
 def ask_engine(engine: str, dirs: dict[str, Path], trust_remote_code: bool = False) -> table_mod.EngineView:
-    """One engine's trace and builds (three runs of its runner, through the engine check's fork server)."""
+    """One engine's trace and builds (three runs of its runner, through the engine check's fork server; a build the
+    engine refuses over one module it will not build quantized runs again with that module ignored:
+    :func:`build_ignoring_refused`)."""
     from ..enginecheck import run_derive
 
     trust = {"trust_remote_code": trust_remote_code}
     trace = run_derive(dirs["plain"], engine, "trace", dirs["weights"], **trust)
-    builds = {fmt: run_derive(dirs[fmt], engine, "build", **trust) for fmt in FORMATS}
+    builds = {fmt: build_ignoring_refused(engine, fmt, dirs[fmt], trace, trust_remote_code) for fmt in FORMATS}
     return view_of(engine, trace, builds)
+
+
+#: the most modules a build may be retried without (each retry one more module kind ignored)
+MAX_REFUSED = 4
+
+
+def refused_module(build: dict, trace: dict) -> str | None:
+    """The linear module of the plain build that a failed quantized build's message names (vLLM 0.33 step5's
+    ``Step5FusedQKVIndexerLinear.__init__``: "Step5 DSA layers fuse qkv with the sparse indexer into one plain GEMM
+    and cannot be quantized, but model.layers.3.self_attn.qkv_indexer_proj.weight resolved to
+    ModelOptLinearMethod"), or None: the engine refuses to build that module quantized."""
+    err = build.get("error") or {}
+    mods = trace.get("modules", {})
+    for tok in re.findall(r"[A-Za-z_][\w.]*\w", err.get("message") or ""):
+        for cand in (tok, tok.rpartition(".")[0]):  # a parameter's name: its module
+            if cand and (mods.get(cand) or {}).get("kind") == "linear":
+                return cand
+    return None
+
+
+def _ignoring(folder: Path, fmt: str, names: list[str]) -> Path:
+    """A copy of a format's stand-in folder whose quantization config ignores ``names`` (both formats read the key
+    ``ignore``: vLLM 0.33 modelopt.py ``ModelOptQuantConfigBase.from_config``, compressed-tensors' own)."""
+    out = folder.parent / f"{folder.name}-ignoring-{len(names)}"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {**config["quantization_config"], "ignore": sorted(names)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def build_ignoring_refused(engine: str, fmt: str, folder: Path, trace: dict, trust_remote_code: bool = False) -> dict:
+    """The engine's build under format ``fmt``; where it fails naming a linear module it refuses to build quantized
+    (:func:`refused_module`), again with that module, in every layer holding it, and its source modules (the shards
+    an exclude list names) ignored, up to :data:`MAX_REFUSED` module kinds. The build's ``refused`` maps each such
+    module's template to the engine's message: the table keeps its members (``table._why_kept``)."""
+    from ..enginecheck import run_derive
+
+    build = run_derive(folder, engine, "build", trust_remote_code=trust_remote_code)
+    refused: dict[str, str] = {}
+    ignore: list[str] = []
+    while build.get("error") is not None and len(refused) < MAX_REFUSED:
+        mod = refused_module(build, trace)
+        if mod is None or table_mod.template(mod) in refused:
+            break
+        err = build["error"]
+        refused[table_mod.template(mod)] = f"{err['type']}: {(err['message'] or '').splitlines()[0]}"
+        same = {m for m in trace.get("modules", {}) if table_mod.template(m) == table_mod.template(mod)}
+        shards = {s["tensor"].rpartition(".")[0] for s in trace.get("spans", [])
+                  if s["param"].rpartition(".")[0] in same and s["tensor"].endswith(".weight")}
+        ignore = sorted({*ignore, *same, *shards})
+        build = run_derive(_ignoring(folder, fmt, ignore), engine, "build", trust_remote_code=trust_remote_code)
+    if refused:
+        build["refused"] = refused
+    return build
 
 
 def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp: dict) -> str:

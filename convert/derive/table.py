@@ -71,6 +71,9 @@ class EngineView:
     # source module -> the engine's module, where the engine renames the weight but an exclude entry naming the
     # module stays as written (vllm_runner.unmapped_renames)
     renames: dict[str, str] = field(default_factory=dict)
+    # format -> template of a module the engine refuses to build quantized -> its message (the build that ignores
+    # it: derive.build_ignoring_refused)
+    refused: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -125,9 +128,12 @@ def fusions(view: EngineView) -> list[Fusion]:
     for ld in landings(view):
         by_param[ld.param].append(ld)
     seen: dict[tuple, Fusion] = {}
+    never = never_quantized(view)
     for param, lds in by_param.items():
         mod = view.modules.get(engine_module(param), {})
         if mod.get("kind") == "embedding":  # a table stored in row blocks (Qwen3.8's n-gram shards): no linear layer
+            continue
+        if template(engine_module(param)) in never:  # no global scale to share: its members are kept (_why_kept)
             continue
         experts = mod.get("kind") == "moe"
         groups: dict[str, list[Landing]] = defaultdict(list)
@@ -150,6 +156,19 @@ def fusions(view: EngineView) -> list[Fusion]:
             if (n := _layer_of(parent)) is not None and "mtp." not in f".{parent}":
                 f.layers.add(n)
     return list(seen.values())
+
+
+def never_quantized(view: EngineView) -> set[str]:
+    """Templates of the modules the engine refuses to build quantized under every output format it builds under
+    (``EngineView.refused``: vLLM 0.33 step5's ``qkv_indexer_proj`` of its DSA layers): no packed module for the
+    table, since its members never share a global scale; each member is kept, and the exclude list names every
+    shard, which is how the engines ask for a packed module (vLLM's ``is_layer_skipped`` with the class's
+    ``packed_modules_mapping``). A group would also bind the layers that hold only some of its members (Step 5's
+    sliding-window layers hold q/k/v/g, no indexer), which no config key tells apart here."""
+    formats = [fmt for fmt, mods in view.quant_modules.items() if mods]
+    if not formats or any(fmt not in view.refused for fmt in formats):
+        return set()
+    return set.intersection(*(set(view.refused[fmt]) for fmt in formats))
 
 
 def _layer_of(name: str) -> int | None:
@@ -450,6 +469,11 @@ def _why_kept(v: EngineView, module: str, vd: Verdict, two_d: bool) -> str | Non
         if not off:
             return None
         fmt = off[0]
+        refused = (v.refused.get(fmt) or {}).get(template(vd.engine_module))
+        if refused is not None:
+            return (f"{v.label}: {vd.parent_file} {vd.parent_class} refuses to build {leaf}'s module "
+                    f"{vd.engine_module.rpartition('.')[2]} ({vd.module_class}) quantized under a {fmt} NVFP4 config "
+                    f"({refused[:200]}); built with it ignored")
         return (f"{v.label}: {vd.parent_file} {vd.parent_class} builds {leaf} as {vd.module_class} with "
                 f"{vd.quant_method[fmt]} under a {fmt} NVFP4 config that ignores nothing")
     if vd.kind == "other" and two_d:
