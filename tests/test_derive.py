@@ -433,12 +433,13 @@ def test_a_bank_the_loader_writes_expert_by_expert_is_a_stacked_bank():
 def test_vllm_asks_a_module_built_under_an_empty_prefix_by_a_name_the_exclude_list_also_holds():
     """vLLM 0.33 builds Step3TextModel(prefix=""), so ModelOpt's is_layer_excluded is asked ``.layers.N.self_attn.
     qkv_proj``, which no entry naming ``model.layers.N.self_attn.q_proj`` reaches: ``[engine_names]`` holds the
-    prefix (without its dot) for every source module of such a module. SGLang's prefixes are not read so (its
-    ModelOpt entries match whole: HunYuan's ``.self_attn.qkv_proj`` gives no rule; its shipped table is unchanged)."""
+    prefix (its dot kept: compressed-tensors matches ignore entries whole) for every source module of such a module.
+    SGLang's prefixes are not read so (its ModelOpt entries match whole: HunYuan's ``.self_attn.qkv_proj`` gives no
+    rule; its shipped table is unchanged)."""
     views, config, shapes = load_answers(ANSWERS / "breadth" / "Step3TextForCausalLM.answers.json")
     names = from_views(views, config, shapes).table["engine_names"]
-    assert names[r"model\.layers\.(\d+)\.self_attn\.q_proj"] == r"layers.\1.self_attn.qkv_proj"
-    assert names[r"model\.layers\.(\d+)\.share_expert\.up_proj"] == r"layers.\1.share_expert.gate_up_proj"
+    assert names[r"model\.layers\.(\d+)\.self_attn\.q_proj"] == r".layers.\1.self_attn.qkv_proj"
+    assert names[r"model\.layers\.(\d+)\.share_expert\.up_proj"] == r".layers.\1.share_expert.gate_up_proj"
     assert not any("moe" in rx for rx in names)  # the router is built unquantized; the banks are 3-D
     hy = from_views(*load_answers(ANSWERS / "breadth" / "HunYuanMoEV1ForCausalLM.answers.json")).table
     assert "engine_names" not in hy

@@ -98,7 +98,7 @@ def test_the_shipped_table_writes_the_routed_experts_as_stacked_banks(tiny):
     """``plan`` finds the shipped derived table (and its overlay) for the architecture: each routed-expert bank is one
     3-D NVFP4 module (codes [E, N, K/2], block scales [E, N, K/16], one global scale per expert, no input scale:
     vLLM's loader has no name for one), gate and up share expert e's global scale (the w13 scale group); q/k/v are
-    kept, their exclude entries also in vLLM's spelling of the prefix it asks (``layers.N.self_attn.qkv_proj``: the
+    kept, their exclude entries also in vLLM's spelling of the prefix it asks (``.layers.N.self_attn.qkv_proj``: the
     model is built under ``prefix=""``)."""
     r = run("plan", tiny, "--json")
     assert r.code == 0, r.stderr
@@ -121,7 +121,7 @@ def test_the_shipped_table_writes_the_routed_experts_as_stacked_banks(tiny):
     assert mods["model.layers.1.moe.gate"]["kind"] == "keep"  # GateLinear: built unquantized
     exclude = set(plan["exclude_modules"])
     for i in range(3):
-        assert {f"layers.{i}.self_attn.qkv_proj", *(f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv")} <= exclude
+        assert {f".layers.{i}.self_attn.qkv_proj", *(f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv")} <= exclude
     assert not any("moe.experts" in x or (".moe." in x and "_proj" in x) for x in exclude)  # the banks are quantized
 
 

@@ -743,9 +743,11 @@ def _dotted_prefixes(views: list[EngineView]) -> dict[str, str]:
     ``.layers.N``) asks ``.layers.N.self_attn.qkv_proj`` where the module is ``model.layers.N.self_attn.qkv_proj``,
     and the exclude entry ``model.layers.N.self_attn.q_proj`` is no part of it (ModelOpt's ``is_layer_excluded``:
     ``exclude_module in prefix``; Step-3 text has no ``packed_modules_mapping`` either): the exclude list names the
-    prefix too (``layers.N.self_attn.qkv_proj``, found in it by that test). vLLM only: SGLang 0.5.23 matches its
-    ModelOpt entries whole (``modelopt_quant.py`` ``is_layer_excluded``), where a shortened name would exclude
-    every layer's module (HunYuan's ``.self_attn.qkv_proj``)."""
+    prefix itself, its dot kept (``.layers.N.self_attn.qkv_proj``: compressed-tensors' ``should_ignore_layer``
+    matches ignore entries whole, where ``layers.N.self_attn.qkv_proj`` left it quantized: "KeyError:
+    'layers.0.self_attn.qkv_proj.weight' (at step3_text.py:499)"; ModelOpt finds it in the prefix too). vLLM only:
+    SGLang 0.5.23 matches its ModelOpt entries whole (``modelopt_quant.py`` ``is_layer_excluded``), where a shortened
+    name would exclude every layer's module (HunYuan's ``.self_attn.qkv_proj``)."""
     out: dict[str, str] = {}
     for v in views:
         if v.engine != "vllm":
@@ -755,7 +757,7 @@ def _dotted_prefixes(views: list[EngineView]) -> dict[str, str]:
             for mods in v.quant_modules.values():
                 p = (mods.get(em) or {}).get("quant_prefix")
                 if p and p.startswith(".") and em.endswith(p) and ld.module not in p:
-                    out.setdefault(ld.module, p[1:])
+                    out.setdefault(ld.module, p)
     return out
 
 
