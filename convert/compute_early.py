@@ -52,8 +52,9 @@ class UnitResult:
 
 
 def sink_bytes(unit: Unit) -> int:
-    """The pool buffer lent for a unit's outputs: their bytes, each one's alignment (64 bytes), a page of slack."""
-    return unit.nbytes_out + 4096 + 64 * sum(len(it.sources) * len(it.outputs) for it in unit.items)
+    """The pool buffer lent for a unit's outputs: their bytes, each part's alignment (64 bytes: a part per source, or
+    per expert of a stacked bank), a page of slack."""
+    return unit.nbytes_out + 4096 + 64 * sum(max(len(it.sources), it.experts) * len(it.outputs) for it in unit.items)
 
 
 def raw_chunks(item: Item, reader: TensorSource) -> list[Chunk]:
