@@ -29,8 +29,9 @@ CARD = "NVFP4"  # the model card's "quantized to ..." row
 TOTALS = "nvfp4"  # the manifest's totals key
 GROUP_SIZE = 16  # values per e4m3 scale
 INPUT_SCALE = True  # a recipe may pin a constant activation scale (written with the module: W4A4)
-#: The plan's operations of an NVFP4 item (``plan.Operation`` members): quantized from the source's values, or
-#: NVIDIA's closed-form cast of MXFP4 codes (ModelOpt's arithmetic; no value decoded).
+#: The plan's operations of an NVFP4 item (``plan.Operation`` members): quantized from the source's values, NVIDIA's
+#: closed-form cast of MXFP4 codes (ModelOpt's arithmetic; no value decoded), or a stacked expert bank quantized one
+#: expert at a time (``_per_expert``: a global scale per expert).
 OPERATIONS = {"QUANTIZE": "nvfp4", "CAST": "mxfp4-cast", "STACKED": "nvfp4-stacked"}
 
 
