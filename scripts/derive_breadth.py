@@ -406,6 +406,7 @@ def derive_step(work: Path, engines: tuple[str, ...], env: dict, trust: bool = F
                                                              else "") for g in t.get("group", [])],
             "scale_groups": [f"{g['name']}={'+'.join(g['members'])}" for g in t.get("scale_group", [])],
             **({"stacked": t["stacked"]["modules"]} if t.get("stacked") else {}),
+            **({"stacked_keep": True} if (t.get("stacked") or {}).get("keep") else {}),
             "keep": [k["pattern"] for k in t.get("keep", [])], "not_linear": t.get("not_linear", []),
             "linear": t.get("linear", []),
             "absent_keeps": [k["pattern"] for k in t.get("keep", []) if " with None under " in k["reason"]],
@@ -619,7 +620,7 @@ def _derive_cell(rec: dict, notes: Notes) -> str:
             + notes.ref(rec["arch"], "; ".join(d["groups"] + d["scale_groups"]) + "; keep " + ", ".join(d["keep"])
                         + ("; stacked banks " + ", ".join(d["stacked"]) if d.get("stacked") else "")))
     if d.get("stacked"):
-        cell += f", {len(d['stacked'])} stacked bank(s)"
+        cell += f", {len(d['stacked'])} stacked bank(s)" + (" kept BF16" if d.get("stacked_keep") else "")
     if (rec.get("pack") or {}).get("overlay"):
         cell += f"; packed with its overlay `{rec['pack']['overlay']}`"
     if d.get("absent_keeps"):
@@ -848,6 +849,16 @@ FINDINGS = {
         "(derive.build_ignoring_refused) and keeps its members, in every layer (no config key a table reads tells "
         "the full-attention layers apart: the sliding layers' q/k/v/g stay BF16 too); the routed experts, which the "
         "loader reads only as 3-D banks, are stacked NVFP4 banks ([stacked]; docs/families.md, Step 5)"),
+    "IQuestQ1ForCausalLM": (
+        "the fixture is tests/presets/iquest_q1.toml (IQuestQ1Config's keys with the release's values: SGLang's own "
+        "config class, no remote code). SGLang 0.5.23 iquest_q1.py load_iquest_q1_weights reads the routed experts "
+        "only as the BF16 banks mlp.experts.fc / mlp.experts.proj, stored without .weight, expert by expert (fc in "
+        "two row parts, w1 and w3); any scale name raises 'Unexpected IQuest Q1 weight' (iquest_q1.py:732): the "
+        "derived [stacked] keeps both banks BF16 as stored (keep = true), each MoE layer's mlp.experts in the "
+        "exclude list, everything else the engine quantizes NVFP4 (the overlay mappings/overlays/iquest_q1.toml "
+        "says why no quantized bank serves, and names the experts' .0.gate_proj / .0.up_proj / .0.down_proj that "
+        "compressed-tensors' get_moe_scheme probes). An NVFP4 bank would need a later SGLang (docs/families.md, "
+        "IQuest-Q1)"),
     "K2HorizonForCausalLM": (
         "the fixture is tests/presets/k2_horizon.toml (the MoVA release's config.json, its own config class through "
         "auto_map). SGLang 0.5.23 is release not served (NOT_SERVED): its config check wants a server flag, and "

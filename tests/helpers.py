@@ -454,11 +454,9 @@ def config_keys_read(text: str, names: str = "config") -> set[str]:
 #: Presets whose family has neither a hand table nor a shipped derived one yet (plan derives theirs from the engines
 #: where they are present; without them, one line). Tests that pack every preset leave them out. (Step-3 text ships
 #: since session 41: its experts as stacked 3-D NVFP4 banks, docs/families.md, "Step-3 text"; so does Step 5, its DSA
-#: projections kept BF16, "Step 5".)
-PRESETS_WITHOUT_TABLE = frozenset({# IQuest-Q1: SGLang 0.5.23 reads its 3-D expert banks (experts.fc / experts.proj)
-                                   # only as BF16 banks, no per-expert names (docs/families.md, "IQuest-Q1")
-                                   "tiny-iquest-q1",
-                                   # Inkling: its 3-D expert banks (interleaved gate / up rows) are read only as banks
+#: projections kept BF16, "Step 5"; and IQuest-Q1, its expert banks kept BF16 as SGLang 0.5.23 reads them,
+#: "IQuest-Q1".)
+PRESETS_WITHOUT_TABLE = frozenset({# Inkling: its 3-D expert banks (interleaved gate / up rows) are read only as banks
                                    # by vLLM; SGLang takes only Thinking Machines' own quantization config; its MTP
                                    # depth is a rule the engine check does not know yet (docs/families.md, "Inkling")
                                    "tiny-inkling"})

@@ -430,6 +430,43 @@ def test_a_bank_the_loader_writes_expert_by_expert_is_a_stacked_bank():
             from_views(views, config, shapes)
 
 
+def test_a_bank_stored_without_weight_that_the_loader_writes_expert_by_expert_is_kept():
+    """IQuest-Q1 (its breadth answers): SGLang 0.5.23's load_iquest_q1_weights writes ``mlp.experts.fc`` [E, 2I, H],
+    stored without ``.weight``, into w13_weight expert by expert in two row parts (``loaded_weight[e][:I]`` to w1,
+    ``[I:]`` to w3) and ``mlp.experts.proj`` [E, H, I] into w2_weight expert by expert: no refusal, but ``[stacked]``
+    with ``keep = true`` (the tool copies a bank stored without ``.weight`` as stored only), the loader named and the
+    row parts said; ``[moe]`` holds the config's MoE layers (``mlp_only_layers``) against the banks' leaves; no scale
+    group (the banks are no module's weight). The same bank written whole in one copy, or in parts that are not
+    rows of an expert, stays refused; so does a ``.weight`` bank cut into parts (Step-3 text's, above)."""
+    views, config, shapes = load_answers(ANSWERS / "breadth" / "IQuestQ1ForCausalLM.answers.json")
+    t = from_views(views, config, shapes).table
+    st = t["stacked"]
+    assert (st["modules"], st["experts"], st["keep"]) == (
+        ["model.layers.*.mlp.experts.fc", "model.layers.*.mlp.experts.proj"], "num_experts", True)
+    assert "IQuestQ1ForCausalLM.load_weights (sglang.srt.models.iquest_q1)" in st["reason"]
+    assert "model.layers.*.mlp.experts.fc -> w13_weight in 2 row parts an expert" in st["reason"]
+    assert "stored without .weight" in st["reason"] and "kept BF16" in st["reason"]
+    assert t["moe"] == {"experts": "num_experts", "members": ["fc", "proj"], "layers": "model.layers.{layer}",
+                        "num_layers": "num_hidden_layers", "dense_list": "mlp_only_layers"}
+    assert "scale_group" not in t and "expert_sets" not in t
+    assert [g["name"] for g in t["group"]] == ["gate_up_proj", "qkv_proj"]
+    assert t["keep"] == [{"pattern": "model.layers.*.mlp.router", "reason": t["keep"][0]["reason"]}]
+    step3 = from_views(*load_answers(ANSWERS / "breadth" / "Step3TextForCausalLM.answers.json")).table["stacked"]
+    assert "keep" not in step3  # banks stored as X.weight: NVFP4
+    from kimi_convert.errors import ConvertError
+
+    v = views[0]
+    bank = next(s for s in v.spans if s["tensor"] == "model.layers.1.mlp.experts.fc")
+    others = [s for s in v.spans if s is not bank]
+    for changed in ({"writes": 1, "shape": shapes[bank["tensor"]]},  # copied whole
+                    {"writes": 8, "shape": [256, 128]},  # a transpose's columns, not rows of the expert
+                    {"writes": 24, "shape": [128, 256]}):  # three parts of 128 rows are not the expert's 256
+        v.spans = [*others, {**bank, **changed}]
+        with pytest.raises(ConvertError, match=r"mlp\.experts\.fc \[8, 256, 256\] fills every expert of SGLang "
+                                               r"0\.5\.23's .*w13_weight in one tensor: a fused 3-D expert bank"):
+            from_views(views, config, shapes)
+
+
 def test_vllm_asks_a_module_built_under_an_empty_prefix_by_a_name_the_exclude_list_also_holds():
     """vLLM 0.33 builds Step3TextModel(prefix=""), so ModelOpt's is_layer_excluded is asked ``.layers.N.self_attn.
     qkv_proj``, which no entry naming ``model.layers.N.self_attn.q_proj`` reaches: ``[engine_names]`` holds the

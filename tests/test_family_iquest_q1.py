@@ -11,6 +11,12 @@ or "Unexpected IQuest Q1 weight"), IQuestQ1DecoderLayer (attention_norm, attn_ou
 ffn_out_norm in layer 0 only; a dense IQuestQ1DenseMLP in mlp_only_layers, else IQuestQ1MoEBlock), IQuestQ1Attention
 (q_norm / k_norm [head_dim], sink_k [num_key_value_heads, head_dim] where enable_sink_attention), IQuestQ1Model
 (model.embed_tokens, model.norm), ParallelLMHead lm_head. Public evidence for the layout: the preset's header.
+
+The shipped table (mappings/derived/iquest_q1.toml, derived from SGLang 0.5.23 in session 41, with the hand overlay
+mappings/overlays/iquest_q1.toml) keeps the two banks BF16 as stored ([stacked] keep = true: SGLang 0.5.23 reads no
+quantized bank, any scale name raising "Unexpected IQuest Q1 weight") with each MoE layer's experts module in the
+exclude list, and writes everything else the engine quantizes NVFP4 (the router kept: a ReplicatedLinear built with
+quant_config=None).
 """
 
 from __future__ import annotations
@@ -157,3 +163,56 @@ def test_inspect_counts_its_unsplit_banks_and_its_dense_layer(tiny):
     assert r.code == 0, r.stderr
     assert "MoE layers       7 [1-7]" in r.stdout and "tensors          8 experts per layer\n" in r.stdout, r.stdout
     assert "routed experts stored as 3-D banks no source encoding splits (model.layers.1.mlp.experts.fc" in r.stdout
+
+
+def test_the_shipped_table_keeps_the_banks_bf16_and_quantizes_the_rest(tiny, tmp_path):
+    """``plan`` finds the shipped derived table (and its overlay): each bank copied as stored ([E, 2I, H] and
+    [E, H, I], its experts counted), each MoE layer's ``mlp.experts`` (and compressed-tensors' probe names under it)
+    and router in the exclude list (the FusedMoE then built unquantized), the attention's qkv_proj and layer 0's
+    gate_up_proj NVFP4 under one global scale each, o_proj NVFP4, the head kept. ``pack`` writes the banks byte for
+    byte and the output verifies, in both formats."""
+    import torch
+
+    r = run("plan", tiny, "--json")
+    assert r.code == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["mapping"]["file"] == "mappings/derived/iquest_q1.toml"
+    mods = {m["name"]: m for m in plan["modules"]}
+    for layer in range(1, LAYERS):
+        for leaf, shape in {"fc": [EXPERTS, 2 * INTER, H], "proj": [EXPERTS, H, INTER]}.items():
+            m = mods[f"model.layers.{layer}.mlp.experts.{leaf}"]
+            assert (m["kind"], m["experts"], m["sources"][0]["shape"]) == ("copy", EXPERTS, shape), m["name"]
+            assert "load_iquest_q1_weights" in m["rule"] and "Unexpected IQuest Q1 weight" in m["rule"]
+        assert mods[f"model.layers.{layer}.mlp.router"]["kind"] == "keep"
+    # the experts module (ModelOpt: SGLang's is_layer_excluded matches it whole) and the three names
+    # compressed-tensors' get_moe_scheme probes (PREFIX.0.gate_proj / up_proj / down_proj: the overlay's
+    # [engine_names]), so that both formats build the FusedMoE unquantized
+    experts = ("experts", "experts.0.down_proj", "experts.0.gate_proj", "experts.0.up_proj", "router")
+    assert plan["exclude_modules"] == sorted(
+        ["lm_head"] + [f"model.layers.{i}.mlp.{m}" for i in range(1, LAYERS) for m in experts])
+    for layer in range(LAYERS):
+        for p in "qkv":
+            m = mods[f"model.layers.{layer}.self_attn.{p}_proj"]
+            assert (m["kind"], m["quantization"]["shared_scale"]) == (
+                "nvfp4", f"model.layers.{layer}.self_attn.qkv_proj")
+        assert mods[f"model.layers.{layer}.self_attn.o_proj"]["kind"] == "nvfp4"
+    assert {mods[f"model.layers.0.mlp.{p}_proj"]["quantization"]["shared_scale"] for p in ("gate", "up")} == {
+        "model.layers.0.mlp.gate_up_proj"}
+    assert mods["lm_head"]["kind"] == "keep"
+    out = tmp_path / "out"
+    r = run("pack", tiny, out, "-q")
+    assert r.code == 0, r.stderr
+    a, b = read_tensors(tiny), read_tensors(out)
+    banks = [n for n in a if n.endswith((".mlp.experts.fc", ".mlp.experts.proj"))]
+    assert len(banks) == 2 * (LAYERS - 1)
+    assert all(b[n].dtype == torch.bfloat16 and torch.equal(a[n], b[n]) for n in banks)
+    assert b["model.layers.1.self_attn.o_proj.weight"].dtype == torch.uint8
+    assert run("verify-manifest", out, "--input", tiny).code == 0
+    ct = tmp_path / "ct"
+    r = run("pack", tiny, ct, "--format", "compressed-tensors", "-q")
+    assert r.code == 0, r.stderr
+    c = read_tensors(ct)
+    assert all(torch.equal(a[n], c[n]) for n in banks)
+    ignore = json.loads((ct / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {f"model.layers.1.mlp.experts.0.{p}_proj" for p in ("gate", "up", "down")} <= set(ignore)
+    assert run("verify-manifest", ct, "--input", tiny).code == 0

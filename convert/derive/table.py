@@ -18,8 +18,11 @@ The rules, each the hand tables' own (docs/families.md), now read off the engine
 - The drafts' packed modules (the MTP layers the main models drop) are groups too; a tied head an engine would build
   quantized is ``[lm_head] exclude_tied``; a 3-D source weight the loader writes into its bank one expert at a time,
   each expert's slice as stored, is a stacked bank (``[stacked]``: Step-3 text's ``moe.gate_proj`` [E, I, H]), its
-  members sharing one engine parameter a ``[[scale_group]]`` as per-expert members do; routed experts the stand-in
-  cannot show otherwise (a fused 3-D bank copied whole, transposed or cut) are refused (:func:`unsplit_banks`).
+  members sharing one engine parameter a ``[[scale_group]]`` as per-expert members do; a 3-D bank stored without
+  ``.weight`` (the tensor named as a parameter: IQuest-Q1's ``mlp.experts.fc``) that the loader writes expert by
+  expert, whole or in row parts, is a stacked bank kept as stored (``[stacked] keep = true``: the tool quantizes
+  only banks stored as ``X.weight``); routed experts the stand-in cannot show otherwise (a fused 3-D bank copied
+  whole, transposed or cut) are refused (:func:`unsplit_banks`).
 
 Pure: no engine, no torch; the engines' results come in as the runners' JSON (``runner_common.describe`` /
 ``spans``).
@@ -192,7 +195,8 @@ class StackedBank:
     each expert's [N, K] slice as stored (``loaded_weight[expert_id]``: vLLM 0.33 step3_text.py
     ``Step3TextModel.load_weights``): a stacked bank, written as one 3-D NVFP4 bank (``[stacked]``)."""
 
-    module: str  # the source module (the offered ``....weight`` without ``.weight``)
+    module: str  # the source module (the offered ``....weight`` without ``.weight``), or the tensor itself where
+    #              it is stored without ``.weight`` (``kept``)
     param: str  # the engine parameter it fills
     experts: int
     engine: str
@@ -200,6 +204,10 @@ class StackedBank:
     model_class: str
     engine_class: str
     engine_file: str
+    #: stored without ``.weight`` (a parameter's name, the tensor is the bank: IQuest-Q1's ``mlp.experts.fc``):
+    #: copied as stored only (``[stacked] keep = true``)
+    kept: bool = False
+    parts: int = 1  # the loader's writes per expert (IQuest-Q1's ``fc``: rows ``:I`` to w1, ``I:`` to w3)
 
 
 def _stacked_write(s: dict, shape: tuple[int, ...], pshape: tuple[int, ...]) -> bool:
@@ -209,15 +217,32 @@ def _stacked_write(s: dict, shape: tuple[int, ...], pshape: tuple[int, ...]) -> 
             and tuple(s["shape"]) == shape[1:] and shape[2] == pshape[2] and s["tensor"].endswith(".weight"))
 
 
+def _kept_write(s: dict, shape: tuple[int, ...], pshape: tuple[int, ...]) -> int:
+    """A 3-D source tensor stored without ``.weight`` (the tensor is the bank) written expert by expert, whole or in
+    equal row parts, each part rows of expert e's [N, K] as stored (SGLang 0.5.23 iquest_q1.py
+    ``load_iquest_q1_weights``: ``loaded_weight[e][:I]`` to w1, ``[I:]`` to w3): its writes per expert, else 0."""
+    writes, one = s.get("writes") or 0, tuple(s["shape"])
+    if (len(shape) != 3 or len(pshape) != 3 or not shape[0] == pshape[0] > 1 or s["tensor"].endswith(".weight")
+            or writes % shape[0] or len(one) != 2 or not one[1] == shape[2] == pshape[2]):
+        return 0
+    parts = writes // shape[0]
+    return parts if one[0] * parts == shape[1] else 0
+
+
 def stacked_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = None) -> list[StackedBank]:
-    """The source weights ``view``'s loader reads as stacked expert banks (:func:`_stacked_write`)."""
+    """The source weights ``view``'s loader reads as stacked expert banks (:func:`_stacked_write`), and the tensors
+    stored without ``.weight`` it reads so, whole or in row parts (:func:`_kept_write`: ``kept``)."""
     out = []
     for s in view.spans:
         mod = view.modules.get(engine_module(s["param"]), {})
         shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
-        if mod.get("kind") == "moe" and _stacked_write(s, shape, pshape):
-            out.append(StackedBank(s["tensor"][: -len(".weight")], s["param"], shape[0], view.engine, view.label,
-                                   view.model_class, mod.get("class", "?"), mod.get("file", "?")))
+        if mod.get("kind") != "moe":
+            continue
+        info = (shape[0], view.engine, view.label, view.model_class, mod.get("class", "?"), mod.get("file", "?"))
+        if _stacked_write(s, shape, pshape):
+            out.append(StackedBank(s["tensor"][: -len(".weight")], s["param"], *info))
+        elif parts := _kept_write(s, shape, pshape):
+            out.append(StackedBank(s["tensor"], s["param"], *info, kept=True, parts=parts))
     return out
 
 
@@ -240,7 +265,7 @@ def unsplit_banks(view: EngineView, shapes: dict[str, tuple[int, ...]] | None = 
         # the offered tensor's own shape (a loader that writes a bank expert by expert records one write's)
         shape, pshape = tuple((shapes or {}).get(s["tensor"]) or s["shape"]), tuple(s["param_shape"])
         if mod.get("kind") == "moe" and len(shape) == len(pshape) >= 3 and shape[0] == pshape[0] > 1 \
-                and not _stacked_write(s, shape, pshape):
+                and not _stacked_write(s, shape, pshape) and not _kept_write(s, shape, pshape):
             out.append(f"{s['tensor']} {list(shape)} fills every expert of {view.label}'s {s['param']} in one tensor: "
                        "a fused 3-D expert bank that no source encoding splits per expert, and not one the loader "
                        "writes expert by expert as stored (a stacked bank: [stacked]); this tool quantizes experts "
@@ -273,15 +298,31 @@ def _stacked(views: list[EngineView], config: dict, shapes: dict[str, tuple[int,
     by_engine: dict[str, list[StackedBank]] = defaultdict(list)
     for b in found:
         by_engine[b.engine].append(b)
-    why = []
-    for banks in by_engine.values():
-        b = banks[0]
-        params = ", ".join(dict.fromkeys(f"{glob(x.module)} -> {template(x.param).rpartition('.')[2]}" for x in banks))
-        why.append(f"{b.label}: {b.model_class.rpartition('.')[2]}.load_weights ({b.model_class.rpartition('.')[0]}) "
-                   f"writes each bank [experts, N, K] into {template(b.param).rpartition('.')[0]} ({b.engine_class}, "
-                   f"{b.engine_file}) one expert at a time, each expert's [N, K] as stored ({params})")
-    return {"modules": modules, "experts": key,
-            "reason": "derived: " + "; ".join(why) + ": written as 3-D NVFP4 banks, one global scale per expert"}
+    why = [_stacked_why(banks) for banks in by_engine.values()]
+    if not any(b.kept for b in found):
+        return {"modules": modules, "experts": key,
+                "reason": "derived: " + "; ".join(why) + ": written as 3-D NVFP4 banks, one global scale per expert"}
+    return {"modules": modules, "experts": key, "keep": True,
+            "reason": "derived: " + "; ".join(why) + ": a bank stored without .weight is no module's weight, "
+                      "beside which a block and a global scale would be named; this tool copies such a bank as "
+                      "stored only: every bank kept BF16, each layer's experts module in the exclude list (the "
+                      "engine then builds it unquantized)"}
+
+
+def _stacked_why(banks: list[StackedBank]) -> str:
+    """One engine's loader reading ``banks`` (all of one engine), in the reason's words."""
+    b = banks[0]
+
+    def read(x: StackedBank) -> str:
+        parts = f" in {x.parts} row parts an expert" if x.parts > 1 else ""
+        return f"{glob(x.module)} -> {template(x.param).rpartition('.')[2]}{parts}"
+
+    params = ", ".join(dict.fromkeys(read(x) for x in banks))
+    stored = ("stored without .weight (the tensor is the bank)" if all(x.kept for x in banks)
+              else "[experts, N, K]")
+    return (f"{b.label}: {b.model_class.rpartition('.')[2]}.load_weights ({b.model_class.rpartition('.')[0]}) "
+            f"writes each bank {stored} into {template(b.param).rpartition('.')[0]} ({b.engine_class}, "
+            f"{b.engine_file}) one expert at a time, each expert's [N, K] as stored ({params})")
 
 
 def _bank_name(param: str) -> str:
@@ -805,6 +846,21 @@ def _head_exclude(views: list[EngineView], shapes: dict[str, tuple[int, ...]]) -
     return head, found[head]
 
 
+def _experts(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]], sets: list[str],
+             modules: set[str]) -> dict:
+    """``[moe]`` and ``[stacked]``, where they apply: a bank stored without ``.weight`` is its own module for the
+    ``[moe]`` check's layers (``mapping.stacked_tensor_bank``)."""
+    out: dict = {}
+    stacked = _stacked(views, config, shapes)
+    found = [b for v in views for b in stacked_banks(v, shapes)]
+    banks = list(dict.fromkeys(template(b.module) for b in found))
+    if (moe := _moe_check(views, config, sets, modules | {b.module for b in found if b.kept}, banks)) is not None:
+        out["moe"] = moe
+    if stacked is not None:
+        out["stacked"] = stacked
+    return out
+
+
 def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ...]],
           drafts: list[EngineView] = (), name: str | None = None) -> dict:
     """The mapping table (as a dict in today's TOML format) for ``config``'s architecture; ``drafts``: the engines'
@@ -842,12 +898,7 @@ def build(views: list[EngineView], config: dict, shapes: dict[str, tuple[int, ..
         t["not_linear"] = not_linear
     if keep:
         t["keep"] = keep
-    stacked = _stacked(views, config, shapes)
-    banks = list(dict.fromkeys(template(b.module) for v in views for b in stacked_banks(v, shapes)))
-    if (moe := _moe_check(views, config, sets, modules, banks)) is not None:
-        t["moe"] = moe
-    if stacked is not None:
-        t["stacked"] = stacked
+    t.update(_experts(views, config, shapes, sets, modules))
     if (head := _head_check(views, config, shapes)) is not None:
         t["lm_head"] = head
     if (renamed := _head_exclude(views, shapes)) is not None:
