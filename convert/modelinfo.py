@@ -181,7 +181,8 @@ def add_tensors(info: ModelInfo, tensors: dict) -> None:
     if unsplit:
         info.warnings.append(f"routed experts stored as 3-D banks no source encoding splits ({unsplit[0]} "
                              f"{list(tensors[unsplit[0]].shape)}, {len(unsplit)} bank(s)): pack writes them as 3-D "
-                             "NVFP4 banks where the mapping table's [stacked] names them, and copies them otherwise")
+                             "NVFP4 banks where the mapping table's [stacked] names them (as stored under its "
+                             "keep = true), and copies them otherwise")
     if info.num_experts is not None and info.tensor_experts != info.num_experts:
         info.warnings.append(f"num_experts={info.num_experts} but layers hold {info.tensor_experts} experts")
     if shape and info.moe_intermediate_size is not None and shape[0] != info.moe_intermediate_size:
