@@ -18,11 +18,7 @@ from helpers import edit_config, one_line_error, read_tensors, replace_tensor, r
 PRESET = "tiny-step3-text"
 BANKS = ("gate_proj", "up_proj", "down_proj")
 
-_COMMON = """
-architectures = ["Step3TextForCausalLM"]
-model_types = ["step3_text"]
-not_linear = ["model.embed_tokens"]
-
+_LAYOUTS = """
 [layout.vllm]
 formats = []
 reason = "test table"
@@ -30,7 +26,13 @@ reason = "test table"
 [layout.sglang]
 formats = []
 reason = "test table"
+"""
 
+_COMMON = """
+architectures = ["Step3TextForCausalLM"]
+model_types = ["step3_text"]
+not_linear = ["model.embed_tokens"]
+""" + _LAYOUTS + """
 [[keep]]
 pattern = "model.layers.*.moe.gate"
 reason = "the router"
@@ -223,15 +225,7 @@ name = "test-iquest-kept-banks"
 architectures = ["IQuestQ1ForCausalLM"]
 model_types = ["iquest_q1"]
 not_linear = ["model.embed_tokens"]
-
-[layout.vllm]
-formats = []
-reason = "test table"
-
-[layout.sglang]
-formats = []
-reason = "test table"
-
+""" + _LAYOUTS + """
 [[keep]]
 pattern = "model.layers.*.mlp.router"
 reason = "the router"
