@@ -62,14 +62,10 @@ def _weight_item(name: str, srcs: list[SourceTensor], op: Op, group: Group | Non
                 of_item(dec.kind, fmt, srcs, experts), dec.input_scale if pinned else None, fmt, experts)
 
 
-def stacked_experts(mod: str, src: SourceTensor, m: Mapping, config: dict) -> int:
-    """A stacked expert bank's expert count (0 for any other module), refused in one line where the weight is not
-    [E, N, K] with E the config's count (``Mapping.stacked_error``)."""
-    if not m.stacked_bank(mod):
-        return 0
-    if (why := m.stacked_error(src.name, src.shape, config)) is not None:
-        raise ConvertError(f"{src.file}: {why}")
-    return src.shape[0]
+def stacked_experts(mod: str, src: SourceTensor, m: Mapping) -> int:
+    """A stacked expert bank's expert count (0 for any other module): its weight's first dimension, which the config
+    check (``plan.consistency``, before any item) has held to [E, N, K] with E the config's count."""
+    return src.shape[0] if m.stacked_bank(mod) else 0
 
 
 def _copy_item(out_name: str, srcs: list[SourceTensor], op: Op, group: Group | None, shape, rule: str) -> Item:
@@ -109,8 +105,8 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
             if suffix == "weight" and is_linear_once(mod, src.shape, ctx, key):
                 dec = decide_apart(mod, ctx, key)
                 items.append(_weight_item(mod, [src], Op.NONE, None, src.shape, dec, ctx.recipe.output_format,
-                                          stacked_experts(mod, src, ctx.m, ckpt.config)))
-            elif (n := stacked_copy(src, ctx.m, ckpt.config)) is not None:
+                                          stacked_experts(mod, src, ctx.m)))
+            elif (n := stacked_copy(src, ctx.m)) is not None:
                 items.append(replace(_copy_item(src.name, [src], Op.NONE, None, src.shape, n[1]), experts=n[0]))
             else:
                 items.append(_copy_item(src.name, [src], Op.NONE, None, src.shape, "not a linear weight: copied"))
@@ -118,14 +114,12 @@ def build_items(ckpt: Checkpoint, modules: dict[str, dict[str, SourceTensor]], d
     return items
 
 
-def stacked_copy(src: SourceTensor, m: Mapping, config: dict) -> tuple[int, str] | None:
-    """A stacked bank stored without ``.weight`` (``[stacked]`` names the tensor itself): its expert count and why it
-    is copied as stored, which only a ``keep = true`` table allows (the tool quantizes stacked banks stored as
-    ``X.weight``); None for any other tensor."""
+def stacked_copy(src: SourceTensor, m: Mapping) -> tuple[int, str] | None:
+    """A stacked bank stored without ``.weight`` (``[stacked]`` names the tensor itself): its expert count (held to
+    the config's by ``plan.consistency``) and why it is copied as stored, which only a ``keep = true`` table allows
+    (the tool quantizes stacked banks stored as ``X.weight``); None for any other tensor."""
     if m.stacked is None or m.stacked_tensor_bank(src.name) != src.name:
         return None
-    if (why := m.stacked_error(src.name, src.shape, config)) is not None:
-        raise ConvertError(f"{src.file}: {why}")
     if not m.stacked.keep:
         raise ConvertError(f"{src.file}: tensor {src.name}: a stacked expert bank stored without .weight is written "
                            f"only as stored: mapping {m.name} needs [stacked] keep = true")
