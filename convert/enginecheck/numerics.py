@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -477,8 +477,7 @@ def _reordered(r: Ref, order: torch.Tensor) -> Ref | None:
     n = r.values.shape[0]
     if order.numel() != n or not torch.equal(order.sort().values, torch.arange(n)):
         return None
-    pick = lambda t: None if t is None else t[order]  # noqa: E731
-    return Ref(r.values[order], pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
+    return _indexed(r, order)
 
 
 def _bank_expert(r: Ref, expert: int) -> Ref | None:
@@ -486,8 +485,7 @@ def _bank_expert(r: Ref, expert: int) -> Ref | None:
     to its expert weight loader); None where the source is not a bank with that expert."""
     if r.values.dim() < 3 or not 0 <= expert < r.values.shape[0]:
         return None
-    pick = lambda t: None if t is None else t[expert]  # noqa: E731
-    return Ref(r.values[expert], pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
+    return _indexed(r, expert)
 
 
 def _strided(r: Ref, start: int | None, n: int, step: int) -> Ref | None:
@@ -496,16 +494,21 @@ def _strided(r: Ref, start: int | None, n: int, step: int) -> Ref | None:
     row) or run past its end."""
     if step <= 0 or start is None or start + (n - 1) * step >= r.values.shape[0]:
         return None
-    pick = lambda t: None if t is None else t[start: start + (n - 1) * step + 1: step]  # noqa: E731
-    return Ref(pick(r.values), pick(r.dense), pick(r.e8m0), r.cast, r.sources, r.roundings)
+    return _indexed(r, slice(start, start + (n - 1) * step + 1, step))
 
 
 def _rows(r: Ref, start: int, n: int) -> Ref:
     """The source rows one write placed (an engine may split one stored tensor over several slots)."""
     if start == 0 and n == r.values.shape[0]:
         return r
-    cut = lambda t: None if t is None else t[start: start + n]  # noqa: E731
-    return Ref(r.values[start: start + n], cut(r.dense), cut(r.e8m0), r.cast, r.sources, r.roundings)
+    return _indexed(r, slice(start, start + n))
+
+
+def _indexed(r: Ref, index) -> Ref:
+    """``r`` with the same index (rows, a permutation of them, one expert of a bank) taken of its values, its stored
+    dense values and its E8M0 bytes alike."""
+    pick = lambda t: None if t is None else t[index]  # noqa: E731
+    return replace(r, values=r.values[index], dense=pick(r.dense), e8m0=pick(r.e8m0))
 
 
 def _why(layer: dict) -> str:
