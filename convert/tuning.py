@@ -28,7 +28,8 @@ ENV = {"KIMI_CONVERT_STARTUP_READAHEAD": ("startup_readahead", "a number of byte
 @dataclass(frozen=True)
 class Tuning:
     #: A pass-through tensor is cut into slices of at most this many bytes, so a huge embedding streams through
-    #: like the rest (a slice is one piece of the in-flight budget).
+    #: like the rest (a slice is one piece of the in-flight budget); a stacked expert bank into runs of whole experts
+    #: of at most this many source bytes (one expert at least).
     slice_bytes: int = 64 << 20
     #: Pieces a stream reads ahead of its compute at least, within the in-flight budget.
     read_ahead: int = 3

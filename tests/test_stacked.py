@@ -6,6 +6,7 @@ gate and up sharing expert e's global scale as a ``w13`` scale group does."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -296,3 +297,38 @@ def test_a_kept_stacked_table_keeps_weight_banks_too(work, tmp_path):
     assert all(t[f"model.layers.1.moe.{b}.weight"].dtype == torch.bfloat16 for b in BANKS)
     q = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     assert "model.layers.1.moe.experts" in q
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+def test_a_bank_larger_than_a_slice_streams_a_run_of_experts_at_a_time(work, tmp_path, device):
+    """A stacked unit larger than ``Tuning.slice_bytes`` is read, computed and written a run of experts at a time
+    (a release's [352, 1536, 4096] bank is 4.4 GB: as one piece it alone would pass the memory budget), and the
+    output is the same files, byte for byte, as the unit computed whole (the CLI's pack above, one piece a bank),
+    manifest records included (every expert's amax, in order), for the C kernels and the torch code."""
+    from kimi_convert import pipeline
+    from kimi_convert.pack import load_plan, pack
+    from kimi_convert.plan import Options
+    from kimi_convert.tuning import Tuning
+
+    opts = Options(mapping=str(work / "stacked.toml"))
+    ckpt, plan = load_plan(work / "src", opts)
+    stacked = [u for u in plan.units if u.items[0].experts]
+    one_expert = min(p.nbytes for u in stacked for p in u.parts) // 8
+    cut = 3 * one_expert  # runs of one to three experts, the last one short
+    ps = pipeline.pieces(list(plan.units), {f: i for i, f in enumerate(ckpt.files)}, slice_bytes=cut)
+    runs = [pc for pc in ps if pc.experts is not None]
+    assert len(runs) > len(stacked)  # the banks were cut
+    assert all(pc.nbytes <= cut or pc.unit.items[0].experts == 1 for pc in runs)
+    for u in stacked:  # every expert once, in order, and the reads cover each part's bytes once
+        mine = [pc for pc in runs if pc.unit.items[0].name == u.items[0].name]
+        assert mine[0].experts.lo == 0 and mine[-1].experts.hi == 8
+        assert all(a.experts.hi == b.experts.lo for a, b in itertools.pairwise(mine))
+        assert [pc.last for pc in mine] == [False] * (len(mine) - 1) + [True]
+    pack(work / "src", tmp_path / "runs", opts, device=device, progress=False, tuning=Tuning(slice_bytes=cut))
+    want, got = work / "out", tmp_path / "runs"
+    for f in sorted(p.name for p in want.glob("*.safetensors")):
+        assert (got / f).read_bytes() == (want / f).read_bytes(), f
+    for f in sorted((want / "manifest-records").iterdir()):
+        assert (got / "manifest-records" / f.name).read_bytes() == f.read_bytes(), f.name
+    r = run("verify-manifest", got, "--input", work / "src", "--full")
+    assert r.code == 0, r.stdout + r.stderr

@@ -15,7 +15,8 @@ Streams start reading and hashing before torch has loaded (about a second, more 
 the backend is made once the first pieces are in flight.
 
 A piece is a unit (a fused module, an expert's w1/w3), or a slice of at most ``Tuning.slice_bytes`` of a
-pass-through tensor, so a huge embedding streams through like the rest. A piece is read only once
+pass-through tensor, so a huge embedding streams through like the rest, or a run of a stacked bank's experts
+of about that size. A piece is read only once
 its bytes (and its outputs' estimated bytes) fit the worker's in-flight budget, shared by its
 streams, and gives them back once written and hashed: memory is bounded by that budget plus the
 file hashers' hold budget, whatever the checkpoint's size.

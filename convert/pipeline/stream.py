@@ -24,7 +24,7 @@ from ..readers import Loaded, PreadReader
 from ..tuning import Tuning
 from .budgets import Memory, default_hash_threads, limit_heaps, pc_cost, return_freed_memory, trim_freed_memory
 from .dispatch import Dispatch, GpuMeasuring, RunnerOnce
-from .slicing import Piece, PieceKind, pieces
+from .slicing import Piece, PieceKind, merge_notes, pieces
 from .timeline import Timeline
 
 if TYPE_CHECKING:
@@ -137,9 +137,9 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
         if pc.kind is PieceKind.COPY:
             start = placed[pc.unit.items[0].outputs[0].name].start + pc.copy_at
             out[pc.unit.shard].append((start, start + pc.nbytes))
-        else:
-            out[pc.unit.shard] += [(placed[t.name].start, placed[t.name].end) for it in pc.unit.items
-                                   for t in it.outputs]
+        else:  # each output whole, or an expert run's share of it (its outputs narrowed to the run)
+            out[pc.unit.shard] += [(start, start + t.nbytes) for it in pc.unit.items for t in it.outputs
+                                   for p in (placed[t.name],) for start in (p.start + pc.at(p.end - p.start),)]
     return out
 
 
@@ -347,14 +347,16 @@ class Stream:
             st = self.open[file] = _ShardState(w, hasher, self.units_per_shard[file])
             st.file_hash.offer(0, [w.header])  # the bytes the writer wrote (a shard's header is encoded on demand)
         st.sources.update(digests)
-        st.notes.update(notes)
+        merge_notes(st.notes, notes, pc)
         single = pc.kind is PieceKind.COPY and len(pc.unit.parts) == 1
         held = False
         for name, chunks in sorted(outputs.items(), key=lambda kv: st.writer.placed[kv[0]].start):
             t = time.perf_counter()
-            st.writer.write(name, chunks, pc.copy_at)
+            placed = st.writer.placed[name]
+            at = pc.at(placed.end - placed.start)
+            st.writer.write(name, chunks, at)
             self._clock("write: pwrite", t)
-            fut, kept = st.file_hash.offer(st.writer.placed[name].start + pc.copy_at, chunks)
+            fut, kept = st.file_hash.offer(placed.start + at, chunks)
             feeds += [fut] if fut is not None else []
             held = held or kept
             if single:  # a one-tensor pass-through: its bytes are the source's, hashed once

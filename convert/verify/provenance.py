@@ -143,6 +143,16 @@ def _check_input_side_files(source: Source, man: dict, rep: Report, output: Path
     rep.check(name, problems, f"{len(side)} copied, {len(skipped)} skipped")
 
 
+def _as_packed(u) -> list:
+    """``u`` computed as pack computes it: whole, or a stacked bank a run of experts at a time (the same bytes, in
+    order; a release's bank, 4.4 GB, is never held whole: ``pipeline.slicing.expert_runs``)."""
+    from ..pipeline.slicing import expert_runs, narrowed
+    from ..tuning import Tuning
+
+    runs = expert_runs(u, Tuning().slice_bytes)
+    return [narrowed(u, r) for r in runs] if runs else [u]
+
+
 def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep: Report, full: bool,
                device: str | Device) -> None:
     from kimi_convert.devices import get_backend
@@ -175,14 +185,15 @@ def _recompute(plan, source: Source, output: Path, config: dict, man: dict, rep:
                     if h.hexdigest() != hashes[it.outputs[0].name]:
                         problems.append(f"tensor {it.outputs[0].name}: not byte-identical to its sources")
             else:
-                res = compute_unit(u, reader, backend, block)
+                hs: dict = {}
+                for run in _as_packed(u):
+                    for name, out in compute_unit(run, reader, backend, block).outputs.items():
+                        h = hs.setdefault(name, new_digest(digest))
+                        for c in out.chunks:
+                            h.update(c)
                 quantized += 1
-                for name, out in res.outputs.items():
-                    h = new_digest(digest)
-                    for c in out.chunks:
-                        h.update(c)
-                    if h.hexdigest() != hashes[name]:
-                        problems.append(f"tensor {name}: re-quantized from its sources, the bytes differ")
+                problems += [f"tensor {name}: re-quantized from its sources, the bytes differ"
+                             for name, h in hs.items() if h.hexdigest() != hashes[name]]
             for p in u.parts:
                 reader.release(p)
     finally:
