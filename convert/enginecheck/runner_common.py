@@ -584,6 +584,16 @@ def is_mimo_v2(config) -> bool:
         a.startswith("MiMoV2") for a in archs)
 
 
+def is_inkling(config) -> bool:
+    """An Inkling model (Thinking Machines: ``inkling_mm_model``, vLLM's text-only ``inkling_model``), whose MTP head is
+    ``model.mtp.layers.{d}.*``: vLLM 0.33's main model maps ``model.mtp.`` to None (``models/inkling/nvidia/model.py``
+    ``_load_inkling_weights``), SGLang 0.5.23's has no parameter for it (``srt/models/inkling.py``
+    ``InklingForConditionalGeneration.load_weights`` passes a name without one); each engine's draft loads it."""
+    archs = getattr(config, "architectures", None) or []
+    return getattr(config, "model_type", None) in ("inkling_mm_model", "inkling_model") or any(
+        a.startswith("Inkling") for a in archs)
+
+
 class CpuDevices(TorchFunctionMode):
     """Moves explicit CUDA allocations and transfers to the CPU; values, dtypes and shapes are unchanged."""
 

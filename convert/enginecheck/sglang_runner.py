@@ -95,6 +95,7 @@ def mtp_rule(config):
 
     minimax_m3 = minimax_m3_mtp_rule(getattr(config, "text_config", config))
     mimo_v2 = rc.is_mimo_v2(config)
+    inkling = rc.is_inkling(config)
 
     def why(name: str) -> str | None:
         if (m3 := minimax_m3(name)) is not None:
@@ -109,6 +110,10 @@ def mtp_rule(config):
             return ("MTP layer (num_nextn_predict_layers): SGLang's DeepSeek V4 main model skips names starting "
                     "'mtp' (srt/models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights, not is_nextn); its NextN "
                     "model (deepseek_v4_nextn.py) loads them")
+        if name.startswith("model.mtp.") and inkling:
+            return ("MTP head (model.mtp.*): SGLang's Inkling main model has no parameter for it and passes it "
+                    "(srt/models/inkling.py InklingForConditionalGeneration.load_weights); its draft "
+                    "(InklingForConditionalGenerationMTP) loads it")
         if name.startswith("model.mtp.layers.") and mimo_v2:
             return ("MTP layer (model.mtp.layers.*): SGLang's MiMo-V2 main model skips every name holding 'mtp' "
                     "(srt/models/mimo_v2.py MiMoV2ForCausalLM.load_weights); its MTP model (mimo_v2_nextn.py "
@@ -197,10 +202,22 @@ PATCHES = [
      "models/deepseek_v4.py DeepseekV4ForCausalLM.load_weights ends with _prewarm_mhc_kernels, which compiles and "
      "runs the mHC GPU kernels once on zeros (no CPU build exists) and stores no parameter; the model's own "
      "guard _mhc_prewarmed_at_load is set True before loading, so it returns at once"),
+    ("Inkling's CUDA JIT warm-ups off",
+     "models/inkling.py InklingCausalLLM.__init__ compiles its fused attention prologue and custom all-reduce kernels "
+     "when is_cuda() (the stand-in answers yes, with no libcudart to link them): SGLang's own switches "
+     "SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE=0 and SGLANG_OPT_USE_INKLING_CUSTOM_AR=0 (srt/environ.py), set "
+     "unless the caller set them; a kernel choice, no parameter or loader depends on it"),
 ]
+
+#: SGLang's own environment switches the stand-in sets (PATCHES says why each)
+ENV_SWITCHES = {"SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE": "0", "SGLANG_OPT_USE_INKLING_CUSTOM_AR": "0"}
 
 
 def apply_patches(result: dict) -> None:
+    import os
+
+    for k, v in ENV_SWITCHES.items():
+        os.environ.setdefault(k, v)
     rc.patch_torch_cuda(rc.CAPABILITY, rc.DEVICE_NAME, rc.DEVICE_MEMORY, available=True)
     _deep_gemm_sm_count()
     result["patches"] = [name for name, _ in PATCHES]
@@ -295,6 +312,24 @@ def deployment_args(model_dir: str) -> dict:
     return out
 
 
+def banded_mtp(model_dir: str) -> bool:
+    """Whether the checkpoint's MTP head is banded (Inkling: ``mtp_config.local_layer_ids``, depths with sliding-window
+    attention), which SGLang's draft builds only as a multi-layer EAGLE draft: ``InklingForConditionalGenerationMTP``
+    raises "a banded MTP head (mtp_local_layer_ids set) requires --enable-multi-layer-eagle" without it
+    (srt/models/inkling.py), and that draft worker builds one model a depth, the first with ``draft_model_idx`` 0
+    (managers/tp_worker.py ``_init_model_runner``), whose loader keeps that depth's MTP tensors alone
+    (model_loader/loader.py ``_filter_mtp_weights``)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            mtp = json.load(f).get("mtp_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(mtp, dict) and bool(mtp.get("local_layer_ids"))
+
+
 def engine_config(model_dir: str, draft: bool, trust_remote_code: bool = False):
     """SGLang's own config for the checkpoint: with ``draft``, as a deployment asks for its draft
     (``--speculative-algorithm NEXTN``: the draft worker's ``ModelConfig.from_server_args(...,
@@ -307,6 +342,7 @@ def engine_config(model_dir: str, draft: bool, trust_remote_code: bool = False):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
+    banded = False
     kw = dict(model_path=model_dir, tp_size=1, disable_cuda_graph=True, trust_remote_code=trust_remote_code,
               load_format="auto", skip_server_warmup=True, **deployment_args(model_dir))
     if draft:
@@ -314,12 +350,14 @@ def engine_config(model_dir: str, draft: bool, trust_remote_code: bool = False):
         # takes (arg_groups/deepseek_v4_hook.py asserts "Only EAGLE and DSPARK ..." before that resolution)
         kw.update(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=2)
+        if banded := banded_mtp(model_dir):
+            kw["enable_multi_layer_eagle"] = True
     server_args = ServerArgs(**kw)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
     initialize_moe_config()
     model_config = (ModelConfig.from_server_args(server_args, model_path=model_dir, is_draft_model=True) if draft
                     else ModelConfig.from_server_args(server_args))
-    load_config = LoadConfig(load_format="auto")
+    load_config = LoadConfig(load_format="auto", draft_model_idx=0 if draft and banded else None)
     loader = get_model_loader(load_config=load_config, model_config=model_config)
     return server_args, model_config, load_config, loader, _get_quantization_config(model_config, load_config)
 

@@ -132,6 +132,7 @@ def mtp_rule(config):
     from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
     minimax_m3, longcat = minimax_m3_mtp_rule(config), longcat_mtp_rule(config)
+    inkling = rc.is_inkling(config)
 
     def why(name: str) -> str | None:
         if (block := minimax_m3(name) or longcat(name)) is not None:  # an MTP block of its own naming
@@ -150,6 +151,10 @@ def mtp_rule(config):
                 return None
             return ("MTP layer (model.mtp.layers.*): vLLM's MiMo-V2 main model skips every name holding 'mtp' "
                     "(models/mimo_v2.py MiMoV2Model.load_weights); its MTP model (mimo_v2_mtp.py MiMoV2MTP) loads it")
+        if inkling and name.startswith("model.mtp."):
+            return ("MTP head (model.mtp.*): vLLM's Inkling main model maps 'model.mtp.' to None "
+                    "(models/inkling/nvidia/model.py _load_inkling_weights); its MTP model (nvidia/mtp.py InklingMTP) "
+                    "loads it")
         layer = get_spec_layer_idx_from_weight_name(config, name)
         if layer is None:
             return None
