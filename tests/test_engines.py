@@ -37,12 +37,14 @@ MODELS = {"k3": "tiny-k3", "kl": "tiny-kimi-linear", "qw": "tiny-qwen3-moe", "gl
           "g53": "tiny-glm5-next",
           # Mistral's own layout (params.json, consolidated-*.safetensors): the key is the folder's name, and SGLang
           # reads params.json only where the path holds "mistral-large-3" (mistral_utils.py is_mistral_model)
-          "mistral-large-3": "tiny-mistral-large-3"}
+          "mistral-large-3": "tiny-mistral-large-3",
+          # Inkling: its source only (no table ships: docs/families.md, "Inkling"), main model and drafts
+          "ink": "tiny-inkling"}
 #: The MTP layer each model stores after its decoder layers (num_nextn_predict_layers): the engines' main
 #: models drop it by their own rule (reported as mtp_skipped, never as skipped).
 MTP_LAYER = {"glm": "3", "ds": "2", "ds32": "2", "g5": "4", "g47": "2"}
 MTP_BLOCK = {"q35": "mtp.", "ds4": "mtp.", "m3": "language_model.model.mtp.", "q4": "mtp.",
-             "g53": "model.language_model.layers.4."}
+             "g53": "model.language_model.layers.4.", "ink": "model.mtp."}
 
 # An engine check holds several GB: two at once could exceed a small CI machine's memory. Under pytest-xdist,
 # --dist loadgroup keeps this module on one worker (its packs then made once), where the installed pytest and
@@ -655,7 +657,8 @@ def test_peer_output_needs_the_shared_scales(engine, peer_output, inputs):
 #: families' default output only (one draft check per family: --quantize-mtp writes the same under ModelOpt NVFP4,
 #: SGLang's drafts building the whole MTP layer unquantized).
 DRAFTS = [(m, kind) for m in ("glm", "ds", "q35") for kind in ("source", "output")] + [
-    (m, "output") for m in ("ds32", "g5", "g47", "g53", "q4", "ds4", "m3", "ds-ct")]
+    (m, "output") for m in ("ds32", "g5", "g47", "g53", "q4", "ds4", "m3", "ds-ct")] + [
+    ("ink", "source")]  # a banded MTP head: SGLang's draft as multi-layer EAGLE (sglang_runner.banded_mtp)
 #: A draft row under another recipe than the family's default: the output's key in OUTPUTS -> its input's model (every
 #: main row of a family with MTP layers under a recipe has its draft row: DeepSeek V3 under ct-nvfp4-a16, vLLM only)
 DRAFT_INPUT = {"ds-ct": "ds"}
