@@ -182,6 +182,8 @@ def mapping_derive(input_dir: str, out: str | None, answers: str | None, engines
     ckpt = open_checkpoint(_input(input_dir, token))
     d = derive(ckpt, engines or ENGINES, Path(answers) if answers else None, trust_remote_code)
     write_table(d.text, Path(out) if out else None)
+    for e, why in sorted(d.table.get("not_served", {}).items()):
+        click.echo(f"kimi-convert: note: derived without {e}: {why}", err=True)
     for e, names in d.skipped.items():
         if names:
             click.echo(f"kimi-convert: note: {e} puts {len(names)} offered tensor(s) nowhere: {names[0]} ...", err=True)

@@ -221,8 +221,16 @@ class Mapping:
     # (Mistral Large 3: models/mistral_large_3.py hf_to_vllm_mapper / remapping); the exclude list names both
     engine_names: tuple[tuple[str, str], ...] = ()
     stacked: Stacked | None = None  # routed experts written as stacked 3-D NVFP4 banks (``[stacked]``)
+    # a derived table's engines that do not serve the architecture quantized -> why (``derive.Unserved``)
+    not_served: dict[str, str] = field(default_factory=dict)
     source: str = ""  # the table's text, for the manifest
     path: str = ""
+
+    def notices(self) -> list[str]:
+        """What a pack's user must be told of the table itself: each engine its derivation left out."""
+        serving = ", ".join(e for e in ENGINES if e not in self.not_served)
+        return [f"mapping {self.name}: derived without {e} ({why}): the output is made for {serving} alone"
+                for e, why in sorted(self.not_served.items())]
 
     def expert_regexes(self, modules: bool = True) -> tuple[re.Pattern[str], ...]:
         """Names under each routed-expert set, ``SET.{index}.{rest}`` without the text prefix, groups
@@ -457,6 +465,7 @@ def _schema() -> tomlfile.Spec:
         "engine_names": t.map_of(t.strs(), "a table of module regex = the engines' name (or names) for it"),
         "stacked": t.table({"modules": t.strs(), "experts": path, "reason": t.STR, "keep": t.BOOL},
                            ("modules", "experts")),
+        "not_served": t.table({e: t.STR for e in ENGINES}, expected="a table of engine = why it was left out"),
     }, ("name",))
 
 
@@ -656,6 +665,7 @@ def parse_mapping(text: str, path: str) -> Mapping:
         mtp=parse_mtp(t.get("mtp"), f"{path}: mtp"),
         engine_names=_engine_names(t.get("engine_names", {}), f"{path}: engine_names"),
         stacked=_stacked(t.get("stacked"), f"{path}: stacked"),
+        not_served=dict(t.get("not_served", {})),
         source=text,
         path=path,
     )

@@ -883,3 +883,57 @@ def test_a_table_cached_by_other_rules_is_derived_again(monkeypatch, tmp_path):
     assert derive.cache_key(ckpt.config, versions) != old_key
     lookup.cached_or_derived(ckpt)
     assert len(asked) == 2  # the older rules' table is not taken
+
+
+def test_an_engine_that_does_not_serve_the_architecture_is_left_out_and_said(monkeypatch, tmp_path):
+    """A new architecture one engine serves before the other (Step 5: SGLang 0.5.23 registers no Step5ForCausalLM;
+    Beam: SGLang builds it only as W4A4 NVFP4 or FP8) is derived from the engine that serves it: the other engine's
+    runner says it registers none of the config's architectures (or every quantized build fails), the derivation
+    goes on without it, and the table says so in its header and in ``not_served``, which ``plan`` and ``pack``
+    repeat as a warning (``--strict``: an error). With no engine serving it, the derivation fails with each one's
+    reason."""
+    import kimi_convert.derive as derive
+    import kimi_convert.enginecheck as ec
+    from helpers import spec
+    from kimi_convert.derive import Unserved, view_of
+    from kimi_convert.errors import ConvertError
+
+    answers = ROOT / "tests" / "derived" / "breadth" / "Step5ForCausalLM.answers.json"
+    (vllm,), _, _ = load_answers(answers)
+    src = tmp_path / "src"
+    assert run("synth", spec("tiny-step5"), src).code == 0
+    calls = []
+
+    def fake_trace(model_dir, engine, mode, *a, **k):
+        calls.append((engine, mode))
+        return {"registered": False, "version": "0.5.23"}
+
+    monkeypatch.setattr(ec, "run_derive", fake_trace)
+    with pytest.raises(Unserved, match=r"sglang 0\.5\.23 registers none of \['Step5ForCausalLM'\]"):
+        derive.ask_engine("sglang", {"plain": src, "weights": src / "w.json"})
+    assert calls == [("sglang", "trace")]  # no build asked of an engine that does not serve it
+    with pytest.raises(Unserved, match="cannot build the architecture under a modelopt config: .*W4A4"):
+        view_of("sglang", {"version": "0.5.23", "modules": {}}, {
+            f: {"error": {"type": "NotImplementedError", "message": "Beam supports BF16 or ModelOpt W4A4 NVFP4"}}
+            for f in ("modelopt", "compressed-tensors")})
+
+    def ask_engine(engine, dirs, trust=False):
+        if engine == "sglang":
+            raise Unserved("sglang 0.5.23 registers none of ['Step5ForCausalLM']")
+        return vllm
+
+    monkeypatch.setattr(derive, "ask_engine", ask_engine)
+    d = derive.derive(open_checkpoint(src))
+    assert d.table["not_served"] == {"sglang": "sglang 0.5.23 registers none of ['Step5ForCausalLM']"}
+    assert "# sglang: left out, it does not serve the architecture quantized" in d.text
+    shipped = tomllib.loads((ROOT / "mappings" / "derived" / "step5.toml").read_text())
+    assert {k: v for k, v in d.table.items() if k != "not_served"} == shipped  # the rest: vLLM's answers' table
+    (tmp_path / "t.toml").write_text(d.text)
+    r = run("plan", src, "--mapping", tmp_path / "t.toml")
+    assert r.code == 0 and "derived without sglang (sglang 0.5.23 registers none of" in r.stderr, r.stderr
+    r = run("plan", src, "--mapping", tmp_path / "t.toml", "--strict")
+    assert r.code == 2 and "--strict makes warnings errors" in one_line_error(r)
+
+    monkeypatch.setattr(derive, "ask_engine", lambda e, d, t=False: (_ for _ in ()).throw(Unserved(f"{e}: no")))
+    with pytest.raises(ConvertError, match="vllm: no; sglang: no"):
+        derive.derive(open_checkpoint(src))

@@ -50,6 +50,13 @@ class Derived:
     versions: dict[str, str]
 
 
+class Unserved(ConvertError):
+    """An engine that does not serve the architecture quantized: its registry names none of the config's
+    architectures, or it refuses to build the model under every output format's quantization config (SGLang 0.5.23's
+    Beam: "Beam supports BF16, compressed-tensors FP8 ..., or ModelOpt serialized W4A4 NVFP4"). A derivation goes on
+    with the engines that do (:func:`ask`), its table saying which it left out and why (``not_served``)."""
+
+
 def view_of(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.EngineView:
     err = trace.get("error")
     if err is not None:
@@ -62,8 +69,8 @@ def view_of(engine: str, trace: dict, builds: dict[str, dict]) -> table_mod.Engi
               for fmt, b in builds.items() if b.get("error") is not None}
     if failed and len(failed) == len(builds):
         fmt, why = next(iter(failed.items()))
-        raise ConvertError(f"{engine} {trace.get('version')}: cannot build the architecture under a {fmt} config: "
-                           f"{why}")
+        raise Unserved(f"{engine} {trace.get('version')}: cannot build the architecture under a {fmt} config: "
+                       f"{why}")
     return table_mod.EngineView(
         engine, trace["version"], trace.get("model_class", "?"), trace.get("spans", []),
         [s["tensor"] for s in trace.get("skipped", [])], [s["tensor"] for s in trace.get("mtp_skipped", [])],
@@ -80,6 +87,9 @@ def ask_engine(engine: str, dirs: dict[str, Path], trust_remote_code: bool = Fal
 
     trust = {"trust_remote_code": trust_remote_code}
     trace = run_derive(dirs["plain"], engine, "trace", dirs["weights"], **trust)
+    if trace.get("registered") is False:
+        archs = json.loads((Path(dirs["plain"]) / "config.json").read_text()).get("architectures")
+        raise Unserved(f"{engine} {trace.get('version')} registers none of {archs}")
     builds = {fmt: build_ignoring_refused(engine, fmt, dirs[fmt], trace, trust_remote_code) for fmt in FORMATS}
     return view_of(engine, trace, builds)
 
@@ -145,6 +155,9 @@ def _header(views: list[table_mod.EngineView], config: dict, skipped: dict, mtp:
              f"(model_type {config.get('model_type')!r}) from the engines' own model classes:"]
     for v in views:
         lines.append(f"#   {v.label}: {v.model_class}")
+    for e, why in sorted(not_served(views).items()):
+        lines.append(f"# {e}: left out, it does not serve the architecture quantized ({why[:200]}): the table is "
+                     f"{', '.join(v.label for v in views)}'s alone")
     for v in views:
         for fmt, why in v.build_errors.items():
             lines.append(f"# {v.label}: cannot build the model under a {fmt} config ({why[:160]}): nothing read of it")
@@ -167,9 +180,19 @@ def ask(ckpt: Checkpoint, engines: tuple[str, ...] = ENGINES, trust_remote_code:
     s = standin_mod.make(ckpt, with_code=trust_remote_code)
     with tempfile.TemporaryDirectory(prefix="kimi-derive-") as tmp, _zygotes(Path(tmp) / "servers"):
         dirs = standin_mod.write(s, Path(tmp))
-        views = [ask_engine(e, dirs, trust_remote_code) for e in engines]
-        drafts = (draft_mod.ask(dirs, engines, FORMATS, trust_remote_code) if any(v.mtp_skipped for v in views)
+        views, unserved = [], {}
+        for e in engines:
+            try:
+                views.append(ask_engine(e, dirs, trust_remote_code))
+            except Unserved as why:
+                unserved[e] = str(why)
+        if not views:
+            raise ConvertError("; ".join(unserved.values()))
+        serving = tuple(v.engine for v in views)
+        drafts = (draft_mod.ask(dirs, serving, FORMATS, trust_remote_code) if any(v.mtp_skipped for v in views)
                   else {})
+    for v in views:
+        v.not_served = dict(unserved)
     return views, s.config, {n: list(shape) for n, shape, _ in s.tensors}, drafts
 
 
@@ -204,6 +227,11 @@ def _draft_views(drafts: dict) -> list[table_mod.EngineView]:
     return out
 
 
+def not_served(views: list[table_mod.EngineView]) -> dict[str, str]:
+    """The engines a derivation left out, and why (``Unserved``)."""
+    return {e: why for v in views for e, why in v.not_served.items()}
+
+
 def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, drafts: dict | None = None,
                name: str | None = None) -> Derived:
     """The table the engines' answers give (pure: see ``table``; the ``[mtp]`` table: ``draft``; ``name``:
@@ -220,6 +248,8 @@ def from_views(views: list[table_mod.EngineView], config: dict, shapes: dict, dr
         if extra := draft_mod.mtp_embeddings(mtp_names, config, drafts or {}):  # the MTP layer's own embedding
             t["not_linear"] = list(dict.fromkeys([*t.get("not_linear", []), *extra]))
         t["mtp"] = mtp
+    if unserved := not_served(views):
+        t["not_served"] = unserved
     skipped = {v.engine: v.skipped for v in views}
     mtp = {v.engine: v.mtp_skipped for v in views}
     text = _header(views, config, skipped, mtp) + tomli_w.dumps(t)

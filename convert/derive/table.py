@@ -77,6 +77,8 @@ class EngineView:
     # format -> template of a module the engine refuses to build quantized -> its message (the build that ignores
     # it: derive.build_ignoring_refused)
     refused: dict[str, dict[str, str]] = field(default_factory=dict)
+    # the engines the derivation left out (``derive.Unserved``) -> why: the table is these answers' alone
+    not_served: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:

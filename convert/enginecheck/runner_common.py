@@ -584,6 +584,18 @@ def is_mimo_v2(config) -> bool:
         a.startswith("MiMoV2") for a in archs)
 
 
+def registered(model_dir: str, supported) -> bool | None:
+    """Whether the engine's registry (``supported``: its ``ModelRegistry.get_supported_archs()``) names one of the
+    checkpoint's ``config.json`` architectures; None where the folder has no readable config.json (Mistral's own
+    layout: the engine adapts params.json). A derivation leaves out an engine that serves none of them."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return any(a in supported for a in archs)
+
+
 def is_inkling(config) -> bool:
     """An Inkling model (Thinking Machines: ``inkling_mm_model``, vLLM's text-only ``inkling_model``), whose MTP head is
     ``model.mtp.layers.{d}.*``: vLLM 0.33's main model maps ``model.mtp.`` to None (``models/inkling/nvidia/model.py``

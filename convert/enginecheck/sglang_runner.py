@@ -386,9 +386,11 @@ def run(model_dir: str, result: dict) -> None:
         from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
         from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
         from sglang.srt.model_loader.loader import _initialize_model, set_default_torch_dtype
+        from sglang.srt.models.registry import ModelRegistry
         _load_deepseek_synchronously()
     result["version"] = getattr(sglang, "__version__", None)
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
+    result["registered"] = rc.registered(model_dir, ModelRegistry.get_supported_archs())
 
     result["phase"] = "config"
     t = time.perf_counter()

@@ -410,6 +410,9 @@ def run(model_dir: str, result: dict) -> None:
 
     result["version"] = vllm.__version__
     result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    result["registered"] = rc.registered(model_dir, ModelRegistry.get_supported_archs())
 
     result["phase"] = "config"
     t = time.perf_counter()

@@ -201,7 +201,7 @@ def _stages(ckpt: Checkpoint, m: Mapping, opts: Options, patterns: list[KeepRule
         units, shards = shards_as_source(units, ckpt)
     else:
         units, shards = shards_by_size(units, opts.max_shard_size)
-    warnings = list(m.unmatched(modules))
+    warnings = [*m.notices(), *m.unmatched(modules)]
     if (unfit := m.fits(ckpt.config)) is not None:
         warnings.insert(0, unfit)
     more, already = _unused_patterns([p for p in dict.fromkeys(patterns) if not ctx.used[p]], items, modules, m)
