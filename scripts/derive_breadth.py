@@ -279,7 +279,12 @@ NOT_SERVED_QUANTIZED = {
                                               "(granitemoehybrid.py:656), under compressed-tensors its per-expert "
                                               "path passes FusedMoE.weight_loader a return_success it does not take "
                                               "(TypeError, granitemoehybrid.py:638): docs/families.md, Granite 4.0 "
-                                              "hybrid"}}
+                                              "hybrid"},
+    "BeamForCausalLM": {"sglang": "SGLang 0.5.23 beam.py BeamForCausalLM.__init__ builds Beam only in BF16, "
+                                  "compressed-tensors FP8 per channel or ModelOpt W4A4 NVFP4 "
+                                  "(get_beam_quantization): the default recipe's W4A16 and compressed-tensors' "
+                                  "NVFP4 raise 'NotImplementedError: Beam supports BF16, compressed-tensors FP8 "
+                                  "..., or ModelOpt serialized W4A4 NVFP4'; docs/families.md, Beam"}}
 
 
 def work_for(root: Path, arch: Arch) -> Path:
