@@ -337,17 +337,14 @@ def test_a_bank_larger_than_a_slice_streams_a_run_of_experts_at_a_time(work, tmp
 def test_expert_runs_write_compressed_tensors_banks_as_the_whole_unit(work, tmp_path):
     """compressed-tensors' stacked banks (global scales [E, 1], packed codes, block scales) cut into runs of one expert
     are the files the whole unit writes, byte for byte."""
-    from kimi_convert.pack import pack
+    from kimi_convert.pack import load_plan, pack
+    from kimi_convert.pipeline.slicing import expert_runs
     from kimi_convert.plan import Options
     from kimi_convert.tuning import Tuning
-
-    from kimi_convert.pack import load_plan
 
     opts = Options(mapping=str(work / "stacked.toml"), format="compressed-tensors")
     _, plan = load_plan(work / "src", opts)
     one = min(p.nbytes for u in plan.units if u.items[0].experts for p in u.parts) // 8  # the smallest bank's expert
-    from kimi_convert.pipeline.slicing import expert_runs
-
     assert all(len(expert_runs(u, one)) == 8 for u in plan.units if u.items[0].experts)  # one expert a run
     pack(work / "src", tmp_path / "whole", opts, device="cpu", progress=False)
     pack(work / "src", tmp_path / "runs", opts, device="cpu", progress=False, tuning=Tuning(slice_bytes=one))
