@@ -353,3 +353,72 @@ def test_expert_runs_write_compressed_tensors_banks_as_the_whole_unit(work, tmp_
     for f in names:
         assert (tmp_path / "runs" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
     assert read_tensors(tmp_path / "runs")["model.layers.1.moe.gate_proj.weight_global_scale"].shape == (8, 1)
+
+
+def _fp8_banks(src: Path, dst: Path, decoded: Path | None = None) -> None:
+    """``src`` with each 3-D bank stored as block FP8 (F8_E4M3 [E, N, K] and its ``weight_scale_inv`` F32 [E, N/128,
+    K/128], the loader's expert mapping taking both: vLLM 0.33 step3_text.py matches ``.moe.gate_proj.weight`` in
+    either name) under an fp8 ``quantization_config``; with ``decoded``, also the same checkpoint holding each bank's
+    exact decoded values as F32 (code x its tile's scale)."""
+    for d in (dst, decoded):
+        if d is not None:
+            d.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    wm, wm_dec = {}, {}
+    for f in sorted(set(index["weight_map"].values())):
+        out, dec = {}, {}
+        for name, t in load_file(src / f).items():
+            if not (name.endswith(tuple(f".moe.{b}.weight" for b in BANKS)) and t.dim() == 3):
+                out[name] = dec[name] = t
+                continue
+            e, n, k = t.shape
+            tiles = t.float().reshape(e, n // 128, 128, k // 128, 128)
+            scale = tiles.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448.0
+            codes = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+            out[name], out[f"{name}_scale_inv"] = codes.reshape(e, n, k), scale
+            dec[name] = (codes.float() * scale[:, :, None, :, None]).reshape(e, n, k)
+        save_file(out, dst / f, metadata={"format": "pt"})
+        wm.update(dict.fromkeys(out, f))
+        if decoded is not None:
+            save_file(dec, decoded / f, metadata={"format": "pt"})
+            wm_dec.update(dict.fromkeys(dec, f))
+    config = json.loads((src / "config.json").read_text())
+    for d, m, c in ((dst, wm, {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                                 "weight_block_size": [128, 128]}}),
+                    (decoded, wm_dec, config)):
+        if d is not None:
+            (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": m}))
+            (d / "config.json").write_text(json.dumps(c))
+
+
+def test_a_bank_stored_as_block_fp8_quantizes_as_its_decoded_values(work, tmp_path):
+    """A stacked bank stored as block FP8 (a release's FP8 checkpoint of a model whose engine reads banks: Step-3's
+    stepfun-ai/step3-fp8) is decoded expert by expert, exactly, and quantized: each bank's codes, block and global
+    scales are the bytes the same bank stored as its decoded F32 values gives (the C kernels there), whole or a run of
+    experts at a time; ``verify-manifest --full`` re-derives them; a NaN tile scale in one expert is refused in one
+    line naming the scale tensor and the expert."""
+    from kimi_convert.pack import pack
+    from kimi_convert.plan import Options
+    from kimi_convert.tuning import Tuning
+
+    _fp8_banks(work / "src", tmp_path / "fp8", tmp_path / "dec")
+    for src in ("fp8", "dec"):
+        r = run("pack", tmp_path / src, tmp_path / f"{src}-out", "--mapping", work / "stacked.toml", "-q")
+        assert r.code == 0, r.stderr
+    got, want = read_tensors(tmp_path / "fp8-out"), read_tensors(tmp_path / "dec-out")
+    banks = [k for k in want if ".moe." in k and any(f".{b}." in k for b in BANKS)]
+    assert len(banks) == 9 and all(_same(got[k], want[k]) for k in banks)
+    pack(tmp_path / "fp8", tmp_path / "runs", Options(mapping=str(work / "stacked.toml")), device="cpu",
+         progress=False, tuning=Tuning(slice_bytes=64 << 10))
+    runs = read_tensors(tmp_path / "runs")
+    assert runs.keys() == got.keys() and all(_same(runs[k], got[k]) for k in got)
+    r = run("verify-manifest", tmp_path / "fp8-out", "--input", tmp_path / "fp8", "--full")
+    assert r.code == 0, r.stdout + r.stderr
+
+    name = "model.layers.1.moe.up_proj.weight_scale_inv"
+    scale = read_tensors(tmp_path / "fp8")[name].clone()
+    scale[5, 0, 1] = float("nan")
+    replace_tensor(tmp_path / "fp8", name, scale)
+    err = one_line_error(run("pack", tmp_path / "fp8", tmp_path / "bad", "--mapping", work / "stacked.toml"))
+    assert name in err and "expert 5" in err, err
+    assert not (tmp_path / "bad" / "manifest.json").exists()

@@ -33,12 +33,14 @@ def block_size(config: dict) -> tuple[int, int]:
 
 def check_blocks(parts: Sequence[TensorInfo], config: dict, dtypes: tuple[str, ...], said: str) -> None:
     """A 2-D FP8 weight and its scale of one value per tile (``weight_block_size``), the scale in one of ``dtypes``
-    (named ``said`` in the refusal): the one shape check of every block-scaled FP8 encoding."""
+    (named ``said`` in the refusal): the one shape check of every block-scaled FP8 encoding. A 3-D weight is a stacked
+    expert bank (Step-3's FP8 release: ``moe.gate_proj.weight`` [E, N, K]), its scales each expert's [E, ., .]; where
+    the plan reads it as anything but a ``[stacked]`` bank, the scheme refuses its shape."""
     w, s = parts
     block = block_size(config)
-    if len(w.shape) != 2:
-        raise refused(w, f"FP8 block-scaled weight must be 2-D, is {list(w.shape)}")
-    want = [math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])]
+    if len(w.shape) not in (2, 3):
+        raise refused(w, f"FP8 block-scaled weight must be 2-D (or a 3-D stacked expert bank), is {list(w.shape)}")
+    want = [*w.shape[:-2], math.ceil(w.shape[-2] / block[0]), math.ceil(w.shape[-1] / block[1])]
     if s.dtype not in dtypes or list(s.shape) != want:
         raise refused(s, f"FP8 scale must be {said} {want} for {list(w.shape)} with blocks {list(block)}, "
                          f"is {s.dtype}{list(s.shape)}")

@@ -33,7 +33,16 @@ def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def decode_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``."""
+    """fp32 ``weight[i, j] * scale_inv[i // bm, j // bn]``; a stacked expert bank (weight [E, M, N], scales [E, ., .])
+    expert by expert, a fault named with its expert."""
+    if weight.dim() == 3:
+        out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        for e in range(weight.shape[0]):
+            try:
+                out[e] = decode_fp8_block(weight[e], scale_inv[e], block)
+            except DecodeError as err:
+                raise DecodeError(f"expert {e}: {err}") from None
+        return out
     m, n = weight.shape
     bm, bn = block
     bad = ~(scale_inv.float().abs() <= FP8_SCALE_MAX)  # NaN compares false
