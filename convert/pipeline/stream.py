@@ -277,7 +277,7 @@ class Stream:
         if self.shared.compute.early_takes(pc.unit, self.device):
             res, buf = self.shared.compute.early_compute(pc.unit, loaded)
             self._clock("compute: C kernels without torch", t)
-            self.early_units += 1
+            self.early_units += pc.last  # (a unit cut into runs of experts: once)
             pool = self.shared.memory.buffers
             return ({n: o.chunks for n, o in res.outputs.items()}, res.notes,
                     _nothing if buf is None else lambda reuse: pool.put(buf, reuse=reuse))
