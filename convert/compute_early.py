@@ -95,8 +95,9 @@ def _dense(s: SourceTensor) -> bool:
 
 
 def _fp8_block(s: SourceTensor) -> bool:
-    """DeepSeek-style FP8 (e4m3 values, an F32 or BF16 scale a tile), decoded here as the torch code does."""
-    return s.encoding == Encoding.FP8_BLOCK and not s.view and len(s.parts) == 2 and len(s.shape) == 2 \
+    """DeepSeek-style FP8 (e4m3 values, an F32 or BF16 scale a tile; a stacked bank's [E, N, K] too), decoded here as
+    the torch code does."""
+    return s.encoding == Encoding.FP8_BLOCK and not s.view and len(s.parts) == 2 and len(s.shape) in (2, 3) \
         and s.parts[0].dtype == "F8_E4M3" and s.parts[1].dtype in ("F32", "BF16")
 
 
@@ -126,8 +127,9 @@ def fp8_scales(s: SourceTensor, reader: TensorSource) -> np.ndarray:
     scale = _as_f32(reader.raw(sc), sc.dtype, tuple(sc.shape))
     bad = ~(np.abs(scale) <= FP8_SCALE_MAX)  # NaN compares false; no tile can then overflow (no RuntimeWarning)
     if bad.any():
-        i, j = (int(x) for x in np.argwhere(bad)[0])
-        raise ConvertError(f"{sc.file}: tensor {sc.name}: {fp8_scale_fault(i, j, float(scale[i, j]))}: "
+        *e, i, j = (int(x) for x in np.argwhere(bad)[0])  # a stacked bank's scales: [expert, i, j]
+        fault = fp8_scale_fault(i, j, float(scale[(*e, i, j)]))
+        raise ConvertError(f"{sc.file}: tensor {sc.name}: {f'expert {e[0]}: ' if e else ''}{fault}: "
                            f"{w.name} cannot be decoded")
     return np.ascontiguousarray(scale)
 
@@ -237,6 +239,15 @@ def fp8_rows(s: SourceTensor, reader: TensorSource, block: tuple[int, int], lib:
     not finite or too large; a NaN code: "holds NaN or Inf", as ``Stored.finite_amax`` of the decoded values)."""
     scale = fp8_scales(s, reader)
     codes = np.asarray(reader.raw(s.parts[0]))
+    if len(s.shape) == 3:  # a stacked bank: each expert's rows and amax once narrowed (schemes.nvfp4._narrow_c)
+        return Fp8Rows(codes, scale, block, math.nan)
+    return fp8_expert_rows(s, codes, scale, block, lib, threads)
+
+
+def fp8_expert_rows(s: SourceTensor, codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], lib: ctypes.CDLL,
+                    threads: int) -> Fp8Rows:
+    """2-D FP8 codes and their tile scales (a weight's, or one expert's of a bank) with their amax, a NaN code refused
+    naming ``s``."""
     m, k = s.shape
     bits = clib.fp8_amax_bits(lib, codes.ctypes.data, scale.ctypes.data, m, k, block, threads)
     return Fp8Rows(codes, scale, block, finite_amax(s, bits))
@@ -294,11 +305,14 @@ class CUnit(Results):
         chunks = []
         for s in it.sources:
             scale, codes = fp8_scales(s, self.reader), np.asarray(self.reader.raw(s.parts[0]))
-            m, k = s.shape
-            out = self.carve(2 * m * k)
-            clib.fp8_decode_bf16(self.lib, codes.ctypes.data, scale.ctypes.data, m, k, self.block, out.ctypes.data,
-                                 self.threads)
-            chunks.append(out)
+            *lead, m, k = s.shape  # a stacked bank (kept): expert by expert, each its own tiles
+            experts = lead[0] if lead else 1
+            for e in range(experts):
+                out = self.carve(2 * m * k)
+                clib.fp8_decode_bf16(self.lib, codes.reshape(experts, -1)[e].ctypes.data,
+                                     scale.reshape(experts, -1)[e].ctypes.data, m, k, self.block, out.ctypes.data,
+                                     self.threads)
+                chunks.append(out)
         self.res.outputs[it.outputs[0].name] = Output(chunks)
         self.res.notes[it.name] = {"decoded_from": it.sources[0].encoding, "to": "BF16"}
 

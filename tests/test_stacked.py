@@ -394,9 +394,10 @@ def _fp8_banks(src: Path, dst: Path, decoded: Path | None = None) -> None:
 def test_a_bank_stored_as_block_fp8_quantizes_as_its_decoded_values(work, tmp_path):
     """A stacked bank stored as block FP8 (a release's FP8 checkpoint of a model whose engine reads banks: Step-3's
     stepfun-ai/step3-fp8) is decoded expert by expert, exactly, and quantized: each bank's codes, block and global
-    scales are the bytes the same bank stored as its decoded F32 values gives (the C kernels there), whole or a run of
-    experts at a time; ``verify-manifest --full`` re-derives them; a NaN tile scale in one expert is refused in one
-    line naming the scale tensor and the expert."""
+    scales are the bytes the same bank stored as its decoded F32 values gives, by the C kernels (from the codes, a row
+    at a time) and by the torch code alike, whole or a run of experts at a time; ``verify-manifest --full`` re-derives
+    them; a layer kept decodes its banks to BF16 [E, N, K], the same from both; a NaN tile scale in one expert is
+    refused in one line naming the scale tensor and the expert, by both."""
     from kimi_convert.pack import pack
     from kimi_convert.plan import Options
     from kimi_convert.tuning import Tuning
@@ -414,11 +415,28 @@ def test_a_bank_stored_as_block_fp8_quantizes_as_its_decoded_values(work, tmp_pa
     assert runs.keys() == got.keys() and all(_same(runs[k], got[k]) for k in got)
     r = run("verify-manifest", tmp_path / "fp8-out", "--input", tmp_path / "fp8", "--full")
     assert r.code == 0, r.stdout + r.stderr
+    kept = {}
+    for dev in ("cpu", "reference"):
+        r = run("pack", tmp_path / "fp8", tmp_path / f"ref-{dev}", "--mapping", work / "stacked.toml", "-q",
+                "--device", dev)
+        assert r.code == 0, r.stderr
+        r = run("pack", tmp_path / "fp8", tmp_path / f"kept-{dev}", "--mapping", work / "stacked.toml", "-q",
+                "--device", dev, "--exclude", "model.layers.1.moe.*_proj")
+        assert r.code == 0, r.stderr
+        kept[dev] = read_tensors(tmp_path / f"kept-{dev}")
+    ref = read_tensors(tmp_path / "ref-reference")
+    assert ref.keys() == got.keys() and all(_same(ref[k], got[k]) for k in got)
+    bank = kept["cpu"]["model.layers.1.moe.gate_proj.weight"]
+    assert bank.dtype == torch.bfloat16 and bank.shape == (8, 128, 256)
+    assert kept["cpu"].keys() == kept["reference"].keys()
+    assert all(_same(kept["cpu"][k], kept["reference"][k]) for k in kept["cpu"])
 
     name = "model.layers.1.moe.up_proj.weight_scale_inv"
     scale = read_tensors(tmp_path / "fp8")[name].clone()
     scale[5, 0, 1] = float("nan")
     replace_tensor(tmp_path / "fp8", name, scale)
-    err = one_line_error(run("pack", tmp_path / "fp8", tmp_path / "bad", "--mapping", work / "stacked.toml"))
-    assert name in err and "expert 5" in err, err
-    assert not (tmp_path / "bad" / "manifest.json").exists()
+    for dev in ("cpu", "reference"):
+        err = one_line_error(run("pack", tmp_path / "fp8", tmp_path / f"bad-{dev}", "--mapping",
+                                 work / "stacked.toml", "--device", dev))
+        assert name in err and "expert 5" in err, (dev, err)
+        assert not (tmp_path / f"bad-{dev}" / "manifest.json").exists()

@@ -270,7 +270,7 @@ class _Expert:
         dimension); the whole bank read once."""
         if src.name not in self._whole:
             self._whole[src.name] = self._unit.values(self._banks[src.name])
-        return self._narrow(self._whole[src.name], self.e, src)
+        return self._narrow(self._whole[src.name], self.e, src, self._unit)
 
     def store(self, it, roles: dict[str, list], note: dict) -> None:
         into = self.parts.setdefault(it.name, {})
@@ -302,21 +302,28 @@ def _per_expert(step: Callable, narrow: Callable) -> Callable:
     return run
 
 
-def _narrow_torch(v, e: int, src):
+def _narrow_torch(v, e: int, src, unit):
     return v[e]
 
 
-def _narrow_c(v, e: int, src):
-    """Expert ``e``'s bytes of a stored bank (``compute_early.Stored``): one byte range."""
+def _narrow_c(v, e: int, src, unit):
+    """Expert ``e`` of a stored bank as the C kernels read it: its byte range of a dense bank
+    (``compute_early.Stored``), or its codes and tile scales of a block-FP8 one, with that expert's own amax
+    (``compute_early.fp8_expert_rows``)."""
     from dataclasses import replace
 
+    from ..compute_early import Fp8Rows, fp8_expert_rows
+
+    if isinstance(v, Fp8Rows):
+        experts = v.scale.shape[0]
+        return fp8_expert_rows(src, v.codes.reshape(experts, -1)[e], v.scale[e], v.block, unit.lib, unit.threads)
     n = v.buf.nbytes // v.src.shape[0]
     return replace(v, buf=v.buf[e * n: (e + 1) * n], src=src)
 
 
 def c_quantizes_stacked(it, form: Callable) -> bool:
-    """The C kernels quantize a stacked bank stored dense (BF16 / FP32), a byte range per expert."""
-    return all(form(s) == "dense" for s in it.sources) and c_quantizes(it, form)
+    """The C kernels quantize a stacked bank stored dense (BF16 / FP32) or block FP8, a byte range per expert."""
+    return all(form(s) in ("dense", "fp8") for s in it.sources) and c_quantizes(it, form)
 
 
 STEPS = {
