@@ -16,6 +16,7 @@ weights, a slice of a stored tensor, NVIDIA's recipe with ``KIMI_CONVERT_RECIPE_
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -146,6 +147,11 @@ class Stored:
     threads: int
     rows_from_codes = False  # the values themselves (``Int4Rows``: codes a kernel decodes a row at a time)
 
+    def expert(self, e: int, src: SourceTensor, unit: CUnit) -> Stored:
+        """Expert ``e`` of a stored bank (``src``: that expert's source): its byte range."""
+        n = self.buf.nbytes // self.src.shape[0]
+        return dataclasses.replace(self, buf=self.buf[e * n: (e + 1) * n], src=src)
+
     def finite_amax(self) -> float:
         """fp32 amax of the values; a NaN or an Inf refused in the torch code's words."""
         n = self.buf.nbytes // _ITEMSIZE[self.dtype]
@@ -226,6 +232,13 @@ class Fp8Rows:
 
     def finite_amax(self) -> float:
         return self.amax  # refused where it is not finite already (``fp8_rows``)
+
+    def expert(self, e: int, src: SourceTensor, unit: CUnit) -> Fp8Rows:
+        """Expert ``e`` of a stacked bank (``src``: that expert's source): its codes and tile scales, and its own
+        amax."""
+        experts = self.scale.shape[0]
+        return fp8_expert_rows(src, self.codes.reshape(experts, -1)[e], self.scale[e], self.block, unit.lib,
+                               unit.threads)
 
     def quant(self, lib: ctypes.CDLL, m: int, k: int, ct: bool, s2: float, packed: int, scales: int,
               threads: int) -> None:

@@ -307,18 +307,10 @@ def _narrow_torch(v, e: int, src, unit):
 
 
 def _narrow_c(v, e: int, src, unit):
-    """Expert ``e`` of a stored bank as the C kernels read it: its byte range of a dense bank
-    (``compute_early.Stored``), or its codes and tile scales of a block-FP8 one, with that expert's own amax
-    (``compute_early.fp8_expert_rows``)."""
-    from dataclasses import replace
-
-    from ..compute_early import Fp8Rows, fp8_expert_rows
-
-    if isinstance(v, Fp8Rows):
-        experts = v.scale.shape[0]
-        return fp8_expert_rows(src, v.codes.reshape(experts, -1)[e], v.scale[e], v.block, unit.lib, unit.threads)
-    n = v.buf.nbytes // v.src.shape[0]
-    return replace(v, buf=v.buf[e * n: (e + 1) * n], src=src)
+    """Expert ``e`` of a stored bank as the C kernels read it: its byte range of a dense bank, or its codes and tile
+    scales of a block-FP8 one with that expert's own amax (the view's ``expert``: ``compute_early.Stored``,
+    ``compute_early.Fp8Rows``)."""
+    return v.expert(e, src, unit)
 
 
 def c_quantizes_stacked(it, form: Callable) -> bool:
