@@ -584,16 +584,25 @@ def is_mimo_v2(config) -> bool:
         a.startswith("MiMoV2") for a in archs)
 
 
-def registered(model_dir: str, supported) -> bool | None:
-    """Whether the engine's registry (``supported``: its ``ModelRegistry.get_supported_archs()``) names one of the
-    checkpoint's ``config.json`` architectures; None where the folder has no readable config.json (Mistral's own
-    layout: the engine adapts params.json). A derivation leaves out an engine that serves none of them."""
+def config_json(model_dir: str) -> dict | None:
+    """The checkpoint's ``config.json`` as stored (not the engine's reading of it); None where the folder has none
+    readable as a JSON object (Mistral's own layout: the engine adapts params.json)."""
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
+            config = json.load(f)
+    except (OSError, ValueError):
         return None
-    return any(a in supported for a in archs)
+    return config if isinstance(config, dict) else None
+
+
+def registered(model_dir: str, supported) -> bool | None:
+    """Whether the engine's registry (``supported``: its ``ModelRegistry.get_supported_archs()``) names one of the
+    checkpoint's ``config.json`` architectures; None without a config.json (``config_json``). A derivation leaves out
+    an engine that serves none of them."""
+    config = config_json(model_dir)
+    if config is None:
+        return None
+    return any(a in supported for a in config.get("architectures") or [])
 
 
 def is_inkling(config) -> bool:

@@ -295,13 +295,8 @@ def deployment_args(model_dir: str) -> dict:
     architectures (configs/model_config.py ``mm_disabled_models``: Llama4ForConditionalGeneration...), and then
     ``mllama4.py`` ``Llama4ForConditionalGeneration`` builds no vision tower and skips its weights
     (``_should_skip_weight``), which would leave the tower's tensors unchecked."""
-    import json
-    import os
-
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
+    config = rc.config_json(model_dir)
+    if config is None:
         return {}
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     out: dict = {"enable_multimodal": True} if isinstance(config.get("vision_config"), dict) else {}
@@ -319,14 +314,7 @@ def banded_mtp(model_dir: str) -> bool:
     (srt/models/inkling.py), and that draft worker builds one model a depth, the first with ``draft_model_idx`` 0
     (managers/tp_worker.py ``_init_model_runner``), whose loader keeps that depth's MTP tensors alone
     (model_loader/loader.py ``_filter_mtp_weights``)."""
-    import json
-    import os
-
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            mtp = json.load(f).get("mtp_config")
-    except (OSError, ValueError, AttributeError):
-        return False
+    mtp = (rc.config_json(model_dir) or {}).get("mtp_config")
     return isinstance(mtp, dict) and bool(mtp.get("local_layer_ids"))
 
 

@@ -138,8 +138,11 @@ def _write_ranges(mine: list[Piece], shards: dict[str, Shard]) -> dict[str, list
             start = placed[pc.unit.items[0].outputs[0].name].start + pc.copy_at
             out[pc.unit.shard].append((start, start + pc.nbytes))
         else:  # each output whole, or an expert run's share of it (its outputs narrowed to the run)
-            out[pc.unit.shard] += [(start, start + t.nbytes) for it in pc.unit.items for t in it.outputs
-                                   for p in (placed[t.name],) for start in (p.start + pc.at(p.end - p.start),)]
+            for it in pc.unit.items:
+                for t in it.outputs:
+                    p = placed[t.name]
+                    start = p.start + pc.at(p.end - p.start)
+                    out[pc.unit.shard].append((start, start + t.nbytes))
     return out
 
 
